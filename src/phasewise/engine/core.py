@@ -1,0 +1,68 @@
+"""EngineCore: add, abort, step. Drives the scheduler and a runner; knows nothing of torch."""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+from phasewise.engine.kv_cache_manager import KVCacheManager
+from phasewise.engine.outputs import RequestOutput, RunnerOutput, SchedulerOutput, StepRecord
+from phasewise.engine.request import FinishReason, Request
+from phasewise.engine.scheduler import Scheduler
+from phasewise.config import SchedulerConfig
+
+
+class Runner(Protocol):
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput: ...
+
+
+class EngineCore:
+    def __init__(self, runner: Runner, scheduler_config: SchedulerConfig, num_blocks: int,
+                 block_size: int, max_model_len: int) -> None:
+        self.runner = runner
+        self.kv = KVCacheManager(num_blocks, block_size)
+        self.scheduler = Scheduler(scheduler_config, self.kv)
+        self.max_model_len = max_model_len
+        self.steps: list[StepRecord] = []
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; ValueError when it can never fit the context or the KV pool."""
+        n = request.num_prompt_tokens
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n >= self.max_model_len:
+            raise ValueError(f"the prompt has {n} tokens, but the context length is {self.max_model_len} "
+                             "(at least one token must be left to generate)")
+        max_tokens = request.sampling_params.max_tokens
+        longest = min(self.max_model_len, n + (max_tokens or self.max_model_len))
+        if self.kv.blocks_for(longest) > self.kv.pool.num_blocks:
+            raise ValueError(f"{longest} tokens (prompt {n} + up to {longest - n} generated) need "
+                             f"{self.kv.blocks_for(longest)} KV blocks, but the pool holds "
+                             f"{self.kv.pool.num_blocks}: raise the KV cache memory")
+        request.max_model_len = self.max_model_len
+        self.scheduler.add(request)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request at any point and free everything it holds; False if it is not live."""
+        return self.scheduler.finish(request_id, FinishReason.ABORT) is not None
+
+    def finish(self, request_id: str, reason: FinishReason) -> bool:
+        """End a request for a reason found outside the core (a stop string)."""
+        return self.scheduler.finish(request_id, reason) is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward pass, update: the outputs of this step."""
+        started = time.perf_counter()
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("no request can be scheduled although some are waiting (KV pool too small)")
+            return []
+        result = self.runner.execute(sched)
+        outputs = self.scheduler.update(sched, result, started)
+        self.steps.append(StepRecord(started, (time.perf_counter() - started) * 1e3,
+                                     sched.num_prefill_tokens, sched.num_decode_tokens, len(sched.chunks)))
+        return outputs

@@ -1,0 +1,135 @@
+"""A request's state inside the engine, and the timestamps that account for its time."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"          # eos, a stop token or a stop string
+    LENGTH = "length"      # max_tokens or the context length
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock stamps (time.perf_counter seconds) of one request's life."""
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    token_times: list[float] = field(default_factory=list)   # when each output token was produced
+    prefill_chunks: list[tuple[float, float, int]] = field(default_factory=list)  # (start, end, tokens)
+    preemptions: int = 0
+    finished: float | None = None
+
+    @property
+    def queue_ms(self) -> float:
+        return _ms(self.arrival, self.first_scheduled)
+
+    @property
+    def ttft_ms(self) -> float:
+        return _ms(self.arrival, self.first_token)
+
+    @property
+    def prompt_ms(self) -> float:
+        """Prefill: first scheduled → first token."""
+        return _ms(self.first_scheduled, self.first_token)
+
+    @property
+    def decode_ms(self) -> float:
+        """First token → last token: the time of the decode steps."""
+        return _ms(self.first_token, self.token_times[-1]) if self.token_times else 0.0
+
+    @property
+    def itl_ms(self) -> list[float]:
+        """Gaps between consecutive output tokens."""
+        t = self.token_times
+        return [(b - a) * 1e3 for a, b in zip(t, t[1:])]
+
+    @property
+    def e2e_ms(self) -> float:
+        return _ms(self.arrival, self.finished)
+
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated q-th percentile (numpy's default method); 0.0 for no values."""
+    if not values:
+        return 0.0
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def _ms(a: float | None, b: float | None) -> float:
+    return (b - a) * 1e3 if a is not None and b is not None else 0.0
+
+
+class Request:
+    """Token ids (prompt then output), how many have KV computed, and the KV blocks that hold them."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: Any,
+                 eos_token_ids: frozenset[int] = frozenset(), max_model_len: int | None = None,
+                 arrival: float | None = None) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params      # phasewise.sampling.SamplingParams (duck-typed here)
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.token_ids: list[int] = list(prompt_token_ids)   # prompt + output
+        self.output_token_ids: list[int] = []
+        self.output_logprobs: list[Any] = []        # per output token, when logprobs were asked for
+        self.num_computed_tokens = 0                # tokens whose K/V are in the cache
+        self.block_ids: list[int] = []
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.sampler_state: Any = None              # the runner's per-request state (a seeded generator)
+        self.metrics = RequestMetrics(arrival if arrival is not None else time.perf_counter())
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_output(self, token_id: int, logprobs: Any = None) -> None:
+        self.token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
+
+    def check_finish(self) -> FinishReason | None:
+        """After a token is appended: eos / stop token, max_tokens, or the context length."""
+        params, n_out = self.sampling_params, len(self.output_token_ids)
+        last = self.output_token_ids[-1]
+        if n_out >= params.min_tokens:
+            if last in params.stop_token_ids or (not params.ignore_eos and last in self.eos_token_ids):
+                return FinishReason.STOP
+        if params.max_tokens is not None and n_out >= params.max_tokens:
+            return FinishReason.LENGTH
+        if self.max_model_len is not None and self.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})")

@@ -1,0 +1,127 @@
+"""Decode-first scheduling under one token budget, with chunked prefill and preemption.
+
+Each request's computed-token count catches up with its token count; there are
+no separate prefill and decode phases. Every step: running requests first (a
+decode needs one token, an unfinished prefill takes what the budget allows),
+then waiting requests in arrival order. When a running request needs a block
+and none is free, the newest running request is preempted: its blocks are
+freed and it is recomputed later from its prompt and output so far.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from phasewise.config import SchedulerConfig
+from phasewise.engine.kv_cache_manager import KVCacheManager
+from phasewise.engine.outputs import (
+    RequestOutput, RunnerOutput, ScheduledChunk, SchedulerOutput)
+from phasewise.engine.request import FinishReason, Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        now = time.perf_counter()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break  # req preempted itself: nothing after it remains either
+            chunks.append(ScheduledChunk(req, n))
+            budget -= n
+            i += 1
+        preempted_now = any(r.status is RequestStatus.PREEMPTED for r in self.waiting)
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs \
+                and not preempted_now:
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.kv.allocate_slots(req, n):
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            if req.metrics.first_scheduled is None:
+                req.metrics.first_scheduled = now
+            req.status = RequestStatus.RUNNING
+            chunks.append(ScheduledChunk(req, n))
+            budget -= n
+        out = SchedulerOutput(chunks)
+        for c in chunks:
+            if c.is_decode:
+                out.num_decode_tokens += 1
+            else:
+                out.num_prefill_tokens += c.num_tokens
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.metrics.preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update(self, sched: SchedulerOutput, result: RunnerOutput, started: float) -> list[RequestOutput]:
+        """Advance computed counts, append sampled tokens, finish what is done (step began at `started`)."""
+        now = time.perf_counter()
+        outputs = []
+        for chunk in sched.chunks:
+            req = chunk.request
+            if req.is_finished:  # aborted while the step ran
+                continue
+            if not chunk.is_decode:
+                req.metrics.prefill_chunks.append((started, now, chunk.num_tokens))
+            req.num_computed_tokens += chunk.num_tokens
+            sampled = result.sampled.get(req.request_id)
+            if sampled is None:
+                continue
+            req.append_output(sampled.token_id, sampled.logprobs)
+            if req.metrics.first_token is None:
+                req.metrics.first_token = now
+            req.metrics.token_times.append(now)
+            reason = req.check_finish()
+            if reason is not None:
+                self.finish(req.request_id, reason)
+            outputs.append(RequestOutput(req.request_id, [sampled.token_id],
+                                         [sampled.logprobs] if sampled.logprobs else [],
+                                         req.is_finished, req.finish_reason, req))
+        return outputs
+
+    def finish(self, request_id: str, reason: FinishReason) -> Request | None:
+        """End a request (done, aborted, errored): free its blocks at once. None if unknown."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.metrics.finished = time.perf_counter()
+        return req

@@ -1,0 +1,94 @@
+"""Attention over a paged KV cache, for a flat batch mixing prefill chunks and decode tokens.
+
+The KV cache of one layer is a pair of tensors [num_slots, Hkv, D] (a block of
+`block_size` slots per block id, slot = block_id * block_size + offset). Each step
+the new tokens' K and V are written to their slots, then every sequence attends
+over its whole context, read back through its slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class SeqAttention:
+    """How one sequence of the batch attends; built once per step, shared by every layer."""
+    start: int                      # its rows in the flat batch are [start, end)
+    end: int
+    context_slots: torch.Tensor | None  # [L] slots of its whole context; None: the chunk is the whole context
+    mask: torch.Tensor | None       # [n, L] bool, True = may attend; None with is_causal or a single query
+    is_causal: bool
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs about the step's batch, passed explicitly to every layer."""
+    slot_mapping: torch.Tensor      # [T] int64: the slot each new token's K/V is written to
+    seqs: list[SeqAttention]        # per-sequence plans (used when not decode_only)
+    decode_only: bool = False       # every sequence has exactly one new token
+    decode_slots: torch.Tensor | None = None  # [B, Lmax] context slots, padded with slot 0
+    decode_mask: torch.Tensor | None = None   # [B, 1, 1, Lmax] bool; None when no padding
+
+    @classmethod
+    def build(cls, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
+              block_size: int, device: torch.device) -> AttentionMetadata:
+        """query_lens[i] new tokens of sequence i, which then has context_lens[i] tokens in all."""
+        slots, seqs, start = [], [], 0
+        all_context = []
+        for n, ctx, table in zip(query_lens, context_lens, block_tables):
+            blocks = torch.tensor(table, dtype=torch.int64)
+            offsets = torch.arange(ctx, dtype=torch.int64)
+            context = blocks[offsets // block_size] * block_size + offsets % block_size  # [ctx]
+            all_context.append(context)
+            slots.append(context[ctx - n:])
+            plan = SeqAttention(start, start + n, None if n == ctx else context.to(device), None, n == ctx and n > 1)
+            if 1 < n < ctx:
+                q_pos = torch.arange(ctx - n, ctx).unsqueeze(1)
+                plan.mask = (torch.arange(ctx).unsqueeze(0) <= q_pos).to(device)
+            seqs.append(plan)
+            start += n
+        meta = cls(torch.cat(slots).to(device), seqs)
+        if all(n == 1 for n in query_lens):
+            meta.decode_only = True
+            longest = max(context_lens)
+            padded = torch.zeros(len(context_lens), longest, dtype=torch.int64)
+            for i, context in enumerate(all_context):
+                padded[i, : len(context)] = context
+            meta.decode_slots = padded.to(device)
+            if min(context_lens) != longest:
+                valid = torch.arange(longest).unsqueeze(0) < torch.tensor(context_lens).unsqueeze(1)
+                meta.decode_mask = valid[:, None, None, :].to(device)
+        return meta
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [num_slots, Hkv, D] → out [T, Hq * D]."""
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    if meta.decode_only:
+        # Grouped-query trick: the G query heads sharing a KV head ride in the query-length axis.
+        B, G = T, Hq // Hkv
+        qg = q.view(B, Hkv, G, D)                                      # [B, Hkv, G, D]
+        kc = k_cache[meta.decode_slots].transpose(1, 2)                # [B, Hkv, L, D]
+        vc = v_cache[meta.decode_slots].transpose(1, 2)
+        out = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=meta.decode_mask)
+        return out.reshape(T, Hq * D)
+    out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
+    for s in meta.seqs:
+        qs = q[s.start:s.end].transpose(0, 1).unsqueeze(0)            # [1, Hq, n, D]
+        if s.context_slots is None:
+            ks, vs = k[s.start:s.end], v[s.start:s.end]                # [n, Hkv, D]
+        else:
+            ks, vs = k_cache[s.context_slots], v_cache[s.context_slots]  # [L, Hkv, D]
+        ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=s.mask, is_causal=s.is_causal,
+                                           enable_gqa=Hq != Hkv)
+        out[s.start:s.end] = o[0].transpose(0, 1)
+    return out.view(T, Hq * D)

@@ -1,0 +1,79 @@
+"""The offline API: LLM.generate (many prompts, batched by the engine), chat, and stream."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from phasewise.config import CacheConfig, EngineConfig, SchedulerConfig
+from phasewise.llm_engine import LLMEngine
+from phasewise.outputs import CompletionOutput, StreamDelta
+from phasewise.sampling.params import SamplingParams
+
+Prompt = str | list[int]
+Messages = list[dict]
+
+
+class LLM:
+    """A model ready to generate. `LLM()` loads the default model (SmolLM2-135M-Instruct)."""
+
+    def __init__(self, model: str | None = None, *, dtype: str = "fp32", device: str = "cpu",
+                 block_size: int = 16, kv_cache_memory: float = 2.0, num_blocks: int | None = None,
+                 max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
+                 max_model_len: int | None = None, warmup: bool = True) -> None:
+        config = EngineConfig(
+            model=model, dtype=dtype, device=device,
+            cache=CacheConfig(block_size, kv_cache_memory, num_blocks),
+            scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs, max_model_len))
+        self.engine = LLMEngine(config)
+        if warmup:
+            self.engine.warmup()
+        self.tokenizer = self.engine.tokenizer
+        self.model_config = self.engine.model_config
+
+    @property
+    def load_ms(self) -> float:
+        return self.engine.load_ms
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list[CompletionOutput]:
+        """Raw text (or token ids) in, one output per prompt, all run together through the engine."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return self._run(list(prompts), sampling_params, chat=False)
+
+    def chat(self, messages: Messages | Sequence[Messages],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+             ) -> CompletionOutput | list[CompletionOutput]:
+        """Chat messages through the model's chat template; one conversation → one output."""
+        single = bool(messages) and isinstance(messages[0], dict)
+        outs = self._run([messages] if single else list(messages), sampling_params, chat=True)
+        return outs[0] if single else outs
+
+    def stream(self, prompt: Prompt | Messages, sampling_params: SamplingParams | None = None,
+               chat: bool = False) -> Iterator[StreamDelta]:
+        """Yield text deltas as they are produced; chat messages (or chat=True) use the chat template."""
+        rid = self.engine.add_request(prompt, sampling_params, chat=chat)
+        try:
+            while True:
+                for delta in self.engine.step():
+                    if delta.request_id == rid:
+                        yield delta
+                        if delta.finished:
+                            return
+        finally:
+            self.engine.abort(rid)  # a consumer that stops early frees the request's blocks
+
+    def _run(self, prompts: list, params, chat: bool) -> list[CompletionOutput]:
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(self.engine.add_request(prompt, p, chat=chat))
+            return self.engine.run_until_done(ids)
+        finally:
+            for rid in ids:
+                self.engine.abort(rid)  # no-op for finished requests; frees the rest on error

@@ -1,0 +1,131 @@
+"""LLMEngine: tokenizer + engine core + detokenization. Text in, text deltas out, synchronously.
+
+The offline API (`LLM`) and the server both drive this one class.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from phasewise.config import CacheConfig, EngineConfig
+from phasewise.engine.core import EngineCore
+from phasewise.engine.outputs import RequestOutput
+from phasewise.engine.request import FinishReason, Request
+from phasewise.loading.loader import load_model, parse_dtype, resolve_model_path
+from phasewise.outputs import CompletionOutput, StreamDelta
+from phasewise.runner.kv_cache import KVCache, num_blocks_for_memory
+from phasewise.runner.model_runner import ModelRunner
+from phasewise.sampling.params import SamplingParams
+from phasewise.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class _Tracked:
+    output: CompletionOutput
+    detok: IncrementalDetokenizer
+    request: Request
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        started = time.perf_counter()
+        self.config = config = config or EngineConfig()
+        self.model_path = resolve_model_path(config.model)
+        dtype = parse_dtype(config.dtype)
+        self.tokenizer = Tokenizer.load(self.model_path)
+        self.model, self.model_config = load_model(self.model_path, dtype, config.device)
+        max_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
+        self.max_model_len = min(max_len, self.model_config.max_position_embeddings)
+        cache: CacheConfig = config.cache
+        num_blocks = cache.num_blocks or num_blocks_for_memory(
+            self.model_config, cache.block_size, dtype, cache.kv_cache_memory_gib)
+        self.kv_cache = KVCache(self.model_config, num_blocks, cache.block_size, dtype, config.device)
+        runner = ModelRunner(self.model, self.kv_cache, self.tokenizer.eos_token_ids, config.device)
+        self.core = EngineCore(runner, config.scheduler, num_blocks, cache.block_size, self.max_model_len)
+        self._ids = itertools.count()
+        self._tracked: dict[str, _Tracked] = {}
+        self.load_ms = (time.perf_counter() - started) * 1e3
+
+    # ---- requests ---------------------------------------------------------------
+
+    def encode_prompt(self, prompt: str | list[int] | list[dict], chat: bool) -> list[int]:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            return self.tokenizer.apply_chat_template(prompt)
+        if isinstance(prompt, list):
+            return list(prompt)
+        if chat:
+            return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        return self.tokenizer.encode(prompt)
+
+    def add_request(self, prompt: str | list[int] | list[dict], params: SamplingParams | None = None,
+                    chat: bool = False, request_id: str | None = None) -> str:
+        """Queue a prompt (text, token ids, or chat messages); returns the request id."""
+        params = params or SamplingParams()
+        arrival = time.perf_counter()
+        prompt_ids = self.encode_prompt(prompt, chat)
+        request_id = request_id or f"req-{next(self._ids)}"
+        req = Request(request_id, prompt_ids, params, self.tokenizer.eos_token_ids, arrival=arrival)
+        self.core.add_request(req)
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens, params.stop)
+        out = CompletionOutput(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, "", [],
+                               None, None, [] if params.logprobs is not None else None, req.metrics)
+        self._tracked[request_id] = _Tracked(out, detok, req)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now; its KV blocks are freed at once."""
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is not None and tracked.output.finish_reason is None:
+            tracked.output.finish_reason = FinishReason.ABORT.value
+        return self.core.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.core.has_unfinished()
+
+    # ---- stepping -----------------------------------------------------------------
+
+    def step(self) -> list[StreamDelta]:
+        """One engine step; a delta for each request that produced a token (or ended)."""
+        return [self._process(o) for o in self.core.step() if o.request_id in self._tracked]
+
+    def _process(self, o: RequestOutput) -> StreamDelta:
+        tracked = self._tracked[o.request_id]
+        out, detok = tracked.output, tracked.detok
+        out.token_ids.extend(o.new_token_ids)
+        if out.logprobs is not None:
+            out.logprobs.extend(o.new_logprobs)
+        text = detok.add(o.new_token_ids)
+        finished, reason = o.finished, o.finish_reason
+        if detok.stopped:  # a stop string: end it in the core too
+            if not finished:
+                self.core.finish(o.request_id, FinishReason.STOP)
+            finished, reason = True, FinishReason.STOP
+        if finished:
+            if detok.stopped:
+                out.stop_reason = detok.stop_reason
+            else:
+                text += detok.finish()
+                last = out.token_ids[-1]
+                if reason is FinishReason.STOP and last in o.request.sampling_params.stop_token_ids:
+                    out.stop_reason = last
+            out.finish_reason = reason.value
+            del self._tracked[o.request_id]
+        out.text += text
+        return StreamDelta(o.request_id, text, list(o.new_token_ids), list(o.new_logprobs), finished, out)
+
+    def run_until_done(self, request_ids: list[str]) -> list[CompletionOutput]:
+        """Step until every given request has finished; outputs in the given order."""
+        outputs = {rid: self._tracked[rid].output for rid in request_ids}
+        while any(o.finish_reason is None for o in outputs.values()):
+            self.step()
+        return [outputs[rid] for rid in request_ids]
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """One tiny request through the whole path, so first-call costs are not timed later."""
+        rid = self.add_request([self.tokenizer.bos_token_id or 0] * 4, SamplingParams(max_tokens=2, ignore_eos=True))
+        self.run_until_done([rid])

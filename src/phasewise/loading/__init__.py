@@ -1,0 +1,1 @@
+"""Checkpoint readers (GGUF, HF safetensors) and the model loader."""

@@ -1,0 +1,110 @@
+"""Read a GGUF file with the `gguf` package: metadata, config, and HF-named fp32 tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from phasewise.models.config import ModelConfig
+
+# GGUF tensor name (after "blk.N.") → HF name (after "model.layers.N.").
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",      # Phi-3: fused in the file
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_SKIP = {"rope_freqs.weight"}  # read into the config instead
+# llama.cpp's converter permutes Q/K rows of these architectures for its interleaved RoPE.
+_PERMUTED_ARCHS = {"llama", "mistral"}
+
+
+class ModelLoadError(ValueError):
+    """The model file is missing, unreadable or not what it claims to be."""
+
+
+class GGUFFile:
+    """An opened GGUF file (memory-mapped): its metadata and lazily dequantized tensors."""
+
+    def __init__(self, path: str | Path) -> None:
+        from gguf import GGUFReader
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ModelLoadError(f"model file not found: {self.path}")
+        try:
+            self.reader = GGUFReader(self.path)
+        except Exception as e:  # the reader raises ValueError, struct errors, IndexError... on bad bytes
+            raise ModelLoadError(f"not a valid GGUF file: {self.path} ({type(e).__name__}: {e})") from None
+        self.fields: dict[str, Any] = {}
+        for key, field in self.reader.fields.items():
+            if key.startswith("tokenizer.ggml.") and key not in (
+                    "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
+                continue  # large arrays; the tokenizer reads them itself
+            try:
+                self.fields[key] = field.contents()
+            except Exception:
+                continue
+        arch = self.fields.get("general.architecture", "")
+        tokens = self.reader.fields.get("tokenizer.ggml.tokens")
+        if f"{arch}.vocab_size" not in self.fields and tokens is not None:
+            self.fields[f"{arch}.vocab_size"] = len(tokens.data)
+        self.tensors = {t.name: t for t in self.reader.tensors}
+
+    def model_config(self) -> ModelConfig:
+        rope_freqs = None
+        if "rope_freqs.weight" in self.tensors:
+            rope_freqs = self._dequantize("rope_freqs.weight").reshape(-1).tolist()
+        return ModelConfig.from_gguf(self.fields, set(self.tensors), rope_freqs)
+
+    def _dequantize(self, name: str) -> np.ndarray:
+        from gguf.quants import dequantize
+
+        t = self.tensors[name]
+        array = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        return array if array.flags.writeable else array.copy()  # unquantized tensors are read-only mmap views
+
+    def hf_tensors(self, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF name, fp32 tensor) for every weight, Q/K permutation undone."""
+        permuted = self.fields.get("general.architecture") in _PERMUTED_ARCHS
+        for name in self.tensors:
+            if name in _SKIP:
+                continue
+            hf_name = _hf_name(name, cfg)
+            array = self._dequantize(name)
+            if permuted and (".attn_q." in name or ".attn_k." in name):
+                heads = cfg.num_heads if ".attn_q." in name else cfg.num_kv_heads
+                array = _unpermute(array, heads)
+            yield hf_name, torch.from_numpy(array)
+
+
+def _hf_name(name: str, cfg: ModelConfig) -> str:
+    parts = name.split(".")
+    if parts[0] == "blk":
+        layer, base, suffix = parts[1], parts[2], parts[3]
+        if base not in _LAYER_NAMES:
+            raise ModelLoadError(f"unexpected tensor {name!r} in GGUF file")
+        hf = _LAYER_NAMES[base]
+        if cfg.architecture == "phi3" and base == "ffn_up":
+            hf = "mlp.gate_up_proj"  # Phi-3 keeps gate and up fused
+        return f"model.layers.{layer}.{hf}.{suffix}"
+    if parts[0] in _TOP_NAMES:
+        return f"{_TOP_NAMES[parts[0]]}.{parts[1]}"
+    raise ModelLoadError(f"unexpected tensor {name!r} in GGUF file")
+
+
+def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Invert llama.cpp's row permutation: per head, interleaved pairs → two halves."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

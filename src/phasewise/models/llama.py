@@ -1,0 +1,167 @@
+"""Llama family (Llama, SmolLM2, Mistral, Qwen2, Phi-3) in plain PyTorch.
+
+Tokens of all sequences in a step are flattened into one batch [T]; attention
+reads the paged KV cache through `AttentionMetadata`. The KV tensors are passed
+to `forward` explicitly, one (k, v) pair per layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from phasewise.layers.attention import AttentionMetadata, paged_attention
+from phasewise.layers.norm import RMSNorm
+from phasewise.layers.rotary import RotaryEmbedding
+from phasewise.models.config import ModelConfig
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: k, v as [num_slots, Hkv, D]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.rotary = rotary
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """x: [T, hidden] → [T, hidden]."""
+        cfg = self.cfg
+        q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.view(-1, cfg.num_heads, cfg.head_dim)      # [T, Hq, D]
+        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)   # [T, Hkv, D]
+        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(paged_attention(q, k, v, kv[0], kv[1], meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, kv, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: KVCaches) -> torch.Tensor:
+        """input_ids, positions: [T] → hidden states [T, hidden]."""
+        x, residual = self.embed_tokens(input_ids), None
+        for layer, kv in zip(self.layers, kv_caches):
+            x, residual = layer(positions, x, residual, kv, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+# checkpoint name part → (our fused parameter, shard). Shards: "q"/"k"/"v" of qkv_proj, 0/1 of gate_up_proj.
+_PACKED = {
+    "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the output head (again after `to_empty`, which unties)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: KVCaches) -> torch.Tensor:
+        return self.model(input_ids, positions, meta, kv_caches)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] → logits [N, vocab] in fp32."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors into our (fused) parameters; returns the parameter names filled."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        cfg, loaded = self.config, set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue  # some checkpoints store the tied copy anyway
+            parts = name.split(".")
+            target, shard = name, None
+            if len(parts) >= 2 and parts[-2] in _PACKED:
+                fused, shard = _PACKED[parts[-2]]
+                target = ".".join(parts[:-2] + [fused, parts[-1]])
+            if target not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
+            param = params[target]
+            dst = param.data if shard is None else self._shard(param.data, shard)
+            if dst.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            loaded |= _shard_names(target) if shard is None else {f"{target}:{shard}"}
+        return loaded
+
+    def _shard(self, data: torch.Tensor, shard: str | int) -> torch.Tensor:
+        cfg = self.config
+        if shard == "q":
+            return data[: cfg.q_size]
+        if shard == "k":
+            return data[cfg.q_size: cfg.q_size + cfg.kv_size]
+        if shard == "v":
+            return data[cfg.q_size + cfg.kv_size:]
+        half = data.shape[0] // 2
+        return data[half * shard: half * (shard + 1)]
+
+    def expected_weights(self) -> set[str]:
+        """What load_weights must fill for the model to be complete."""
+        return set().union(*(_shard_names(name) for name, _ in self.named_parameters()))
+
+
+def _shard_names(param: str) -> set[str]:
+    """A fused parameter counts as loaded once each of its shards is (a Phi-3 checkpoint fills all at once)."""
+    if ".qkv_proj." in param:
+        return {f"{param}:{s}" for s in "qkv"}
+    if ".gate_up_proj." in param:
+        return {f"{param}:0", f"{param}:1"}
+    return {param}

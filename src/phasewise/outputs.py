@@ -1,0 +1,38 @@
+"""What callers of the public API get back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from phasewise.engine.outputs import TokenLogprobs
+from phasewise.engine.request import RequestMetrics
+
+
+@dataclass
+class CompletionOutput:
+    """A finished (or, while streaming, the growing) result of one request."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None          # "stop" | "length" | "abort" | None while running
+    stop_reason: str | int | None      # the stop string or stop token that ended it
+    logprobs: list[TokenLogprobs] | None
+    metrics: RequestMetrics
+    cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class StreamDelta:
+    """What one engine step added to one request."""
+    request_id: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs]
+    finished: bool
+    output: CompletionOutput           # the request's output so far (final when finished)

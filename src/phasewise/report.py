@@ -1,0 +1,67 @@
+"""Where the time went: llama.cpp-style perf lines and the JSON timings of one request."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from phasewise.engine.request import percentile
+from phasewise.outputs import CompletionOutput
+
+
+def _rate(n: int, ms: float) -> float:
+    return n / ms * 1e3 if ms > 0 else 0.0
+
+
+def timings(out: CompletionOutput, load_ms: float | None = None) -> dict[str, Any]:
+    """prompt_* is the prefill (first scheduled → first token); predicted_* the decode steps after it."""
+    m = out.metrics
+    n_prompt, n_out = len(out.prompt_token_ids), len(out.token_ids)
+    runs = max(n_out - 1, 0)
+    t = {
+        "queue_ms": m.queue_ms,
+        "prompt_n": n_prompt,
+        "cache_n": out.cached_tokens,
+        "prompt_ms": m.prompt_ms,
+        "prompt_per_second": _rate(n_prompt - out.cached_tokens, m.prompt_ms),
+        "predicted_n": runs,
+        "predicted_ms": m.decode_ms,
+        "predicted_per_second": _rate(runs, m.decode_ms),
+        "ttft_ms": m.ttft_ms,
+        "itl_ms": m.itl_ms,
+        "total_ms": m.e2e_ms,
+        "preemptions": m.preemptions,
+    }
+    if load_ms is not None:
+        t = {"load_ms": load_ms, **t}
+    return t
+
+
+def timings_json(out: CompletionOutput, load_ms: float) -> dict[str, Any]:
+    """The `generate --json` object."""
+    return {
+        "text": out.text,
+        "token_ids": out.token_ids,
+        "prompt_tokens": len(out.prompt_token_ids),
+        "completion_tokens": len(out.token_ids),
+        "finish_reason": out.finish_reason,
+        "timings": timings(out, load_ms),
+    }
+
+
+def perf_lines(out: CompletionOutput, load_ms: float) -> list[str]:
+    t = timings(out, load_ms)
+    n_prompt, runs = t["prompt_n"], t["predicted_n"]
+    itl = t["itl_ms"]
+    per_prompt = t["prompt_ms"] / n_prompt if n_prompt else 0.0
+    per_run = t["predicted_ms"] / runs if runs else 0.0
+    return [
+        f"load time        = {load_ms:9.1f} ms",
+        f"prompt eval time = {t['prompt_ms']:9.1f} ms / {n_prompt:5d} tokens "
+        f"({per_prompt:.2f} ms per token, {t['prompt_per_second']:.1f} tokens per second)",
+        f"eval time        = {t['predicted_ms']:9.1f} ms / {runs:5d} runs   "
+        f"({per_run:.2f} ms per token, {t['predicted_per_second']:.1f} tokens per second)",
+        f"time to first token = {t['ttft_ms']:.1f} ms, inter-token latency median "
+        f"{percentile(itl, 50):.1f} ms, p90 {percentile(itl, 90):.1f} ms",
+        f"total time       = {t['total_ms']:9.1f} ms / {n_prompt + len(out.token_ids):5d} tokens"
+        + (f" ({t['preemptions']} preemptions)" if t["preemptions"] else ""),
+    ]

@@ -1,0 +1,1 @@
+"""Tensors: the KV cache and the model runner."""

@@ -1,0 +1,28 @@
+"""The KV tensors: one (k, v) pair per layer, [num_blocks * block_size, Hkv, D], sized from a memory budget."""
+
+from __future__ import annotations
+
+import torch
+
+from phasewise.models.config import ModelConfig
+
+
+def num_blocks_for_memory(cfg: ModelConfig, block_size: int, dtype: torch.dtype, gib: float) -> int:
+    """How many blocks of `block_size` tokens fit in `gib` GiB of K and V."""
+    per_block = cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size()) * block_size
+    return max(1, int(gib * 2**30) // per_block)
+
+
+class KVCache:
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size
+        slots = num_blocks * block_size
+        # zeros, not empty: padded decode reads slot 0 under a mask, and 0 * NaN would leak through.
+        self.data = torch.zeros(cfg.num_layers, 2, slots, cfg.num_kv_heads, cfg.head_dim,
+                                dtype=dtype, device=device)   # [L, 2, S, Hkv, D]
+        self.layers = [(self.data[i, 0], self.data[i, 1]) for i in range(cfg.num_layers)]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()

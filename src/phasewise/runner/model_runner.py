@@ -1,0 +1,69 @@
+"""ModelRunner: SchedulerOutput → flat tensors → one forward pass → sampled tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from phasewise.engine.outputs import RunnerOutput, SampledToken, SchedulerOutput, TokenLogprobs
+from phasewise.layers.attention import AttentionMetadata
+from phasewise.runner.kv_cache import KVCache
+from phasewise.sampling.sampler import SamplingMetadata, sample
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, eos_token_ids: frozenset[int],
+                 device: torch.device | str = "cpu") -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.eos_token_ids = eos_token_ids
+        self.device = torch.device(device)
+        self.vocab_size = model.config.vocab_size
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_lens, context_lens, tables = [], [], []
+        sample_rows, sample_reqs = [], []
+        for chunk in sched.chunks:
+            req, start, n = chunk.request, chunk.request.num_computed_tokens, chunk.num_tokens
+            input_ids.extend(req.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            query_lens.append(n)
+            context_lens.append(start + n)
+            tables.append(req.block_ids)
+            if chunk.samples:
+                sample_rows.append(len(input_ids) - 1)
+                sample_reqs.append(req)
+        meta = AttentionMetadata.build(query_lens, context_lens, tables, self.kv_cache.block_size, self.device)
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        hidden = self.model(ids, pos, meta, self.kv_cache.layers)     # [T, hidden]
+        if not sample_reqs:
+            return RunnerOutput({})
+        rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
+        logits = self.model.compute_logits(hidden[rows])             # [B, V] fp32
+        return RunnerOutput(self._sample(logits, sample_reqs))
+
+    def _sample(self, logits: torch.Tensor, reqs: list) -> dict[str, SampledToken]:
+        params = [r.sampling_params for r in reqs]
+        for r in reqs:
+            if r.sampler_state is None and r.sampling_params.seed is not None:
+                r.sampler_state = torch.Generator(self.device).manual_seed(r.sampling_params.seed)
+        meta = SamplingMetadata.build(
+            params, [r.prompt_token_ids for r in reqs], [r.output_token_ids for r in reqs],
+            [r.sampler_state for r in reqs], self.vocab_size, self.eos_token_ids, self.device)
+        out = sample(logits, meta)
+        token_ids = out.token_ids.tolist()
+        result = {}
+        if out.logprobs is None:
+            for r, t in zip(reqs, token_ids):
+                result[r.request_id] = SampledToken(t)
+            return result
+        chosen = out.logprobs.tolist()
+        top_ids, top_lps = out.top_ids.tolist(), out.top_logprobs.tolist()
+        for i, (r, t) in enumerate(zip(reqs, token_ids)):
+            n = r.sampling_params.logprobs
+            lp = None if n is None else TokenLogprobs(chosen[i], list(zip(top_ids[i][:n], top_lps[i][:n])))
+            result[r.request_id] = SampledToken(t, lp)
+        return result

@@ -1,0 +1,236 @@
+"""Batched token sampling: bans, penalties, temperature, top-k/top-p/min-p, seeded draws, logprobs.
+
+Every function is pure (returns new tensors, never mutates its inputs) and runs on
+whatever device the logits live on. `sample` composes them in vLLM's order:
+banned tokens -> penalties -> greedy argmax | temperature -> top-k -> top-p -> min-p
+-> exponential-race draw. Logprobs are always taken from the raw model logits.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from phasewise.sampling.params import SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+def _index_pairs(id_lists: list[list[int]], device: torch.device) -> tuple[Tensor, Tensor]:
+    """Flatten per-row id lists into (rows, cols) int64 index tensors, both [sum of lengths]."""
+    lengths = torch.tensor([len(ids) for ids in id_lists], dtype=torch.long)
+    cols = torch.tensor(list(itertools.chain.from_iterable(id_lists)), dtype=torch.long)
+    rows = torch.repeat_interleave(torch.arange(len(id_lists)), lengths)
+    return rows.to(device), cols.to(device)
+
+
+def _mask(id_lists: list[list[int]], vocab_size: int, device: torch.device) -> Tensor:
+    """[B, V] bool, True where row b's list contains the token."""
+    mask = torch.zeros((len(id_lists), vocab_size), dtype=torch.bool, device=device)
+    mask[_index_pairs(id_lists, device)] = True
+    return mask
+
+
+@dataclass
+class SamplingMetadata:
+    """Tensors for one step's batch of B rows, built once per step."""
+
+    temperature: Tensor                 # [B] float32; rows with 0 are greedy
+    top_k: Tensor | None                # [B] int64, V where disabled; None when no row uses top-k
+    top_p: Tensor | None                # [B] float32; None when all rows are 1
+    min_p: Tensor | None                # [B] float32; None when all 0
+    repetition_penalty: Tensor | None   # [B] float32; None when all 1
+    presence_penalty: Tensor | None     # [B] float32; None when all 0
+    frequency_penalty: Tensor | None    # [B] float32; None when all 0
+    prompt_mask: Tensor | None          # [B, V] bool, token in prompt; rows without repetition_penalty stay False
+    output_counts: Tensor | None        # [B, V] int32, occurrences in the output so far
+    banned_mask: Tensor | None          # [B, V] bool, tokens forbidden this step (min_tokens)
+    generators: list[torch.Generator | None]  # per row; None = default generator
+    all_greedy: bool
+    max_num_logprobs: int | None        # max over rows of params.logprobs; None when no row wants them
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        prompt_ids: list[list[int]],
+        output_ids: list[list[int]],
+        generators: list[torch.Generator | None],
+        vocab_size: int,
+        eos_token_ids: set[int] | frozenset[int],
+        device: torch.device | str = "cpu",
+    ) -> SamplingMetadata:
+        """Gather the batch's settings into tensors; filters and penalties nobody uses stay None.
+
+        While a row has fewer than min_tokens outputs, its stop_token_ids are banned, and so
+        are the eos ids unless ignore_eos (eos cannot end such a request anyway, as in vLLM).
+        """
+        B, V = len(params), vocab_size
+        if not len(prompt_ids) == len(output_ids) == len(generators) == B:
+            raise ValueError("params, prompt_ids, output_ids and generators must have one entry per row")
+        device = torch.device(device)
+
+        def column(values: list, off: float, dtype: torch.dtype) -> Tensor | None:
+            # [B] tensor, or None when every row has the "off" value
+            if all(v == off for v in values):
+                return None
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        f32 = torch.float32
+        rep = column([p.repetition_penalty for p in params], 1.0, f32)
+        presence = column([p.presence_penalty for p in params], 0.0, f32)
+        frequency = column([p.frequency_penalty for p in params], 0.0, f32)
+
+        prompt_mask = output_counts = banned_mask = None
+        if rep is not None:
+            prompt_mask = _mask(
+                [ids if p.repetition_penalty != 1.0 else [] for p, ids in zip(params, prompt_ids)], V, device
+            )
+        if rep is not None or presence is not None or frequency is not None:
+            rows, cols = _index_pairs(output_ids, device)
+            output_counts = torch.zeros((B, V), dtype=torch.int32, device=device)
+            output_counts.index_put_((rows, cols), torch.ones_like(cols, dtype=torch.int32), accumulate=True)
+
+        eos = sorted(eos_token_ids)
+        banned = [
+            p.stop_token_ids + ([] if p.ignore_eos else eos) if len(out) < p.min_tokens else []
+            for p, out in zip(params, output_ids)
+        ]
+        if any(banned):
+            banned_mask = _mask(banned, V, device)
+
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            temperature=torch.tensor([p.temperature for p in params], dtype=f32, device=device),
+            top_k=column([p.top_k if 0 < p.top_k < V else V for p in params], V, torch.long),
+            top_p=column([p.top_p for p in params], 1.0, f32),
+            min_p=column([p.min_p for p in params], 0.0, f32),
+            repetition_penalty=rep,
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+            prompt_mask=prompt_mask,
+            output_counts=output_counts,
+            banned_mask=banned_mask,
+            generators=list(generators),
+            all_greedy=all(p.temperature == 0 for p in params),
+            max_num_logprobs=max(wanted, default=None),
+        )
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: Tensor              # [B] int64
+    logprobs: Tensor | None        # [B] float32, raw logprob of the chosen token
+    top_ids: Tensor | None         # [B, N] int64, N = max_num_logprobs (may be 0 columns)
+    top_logprobs: Tensor | None    # [B, N] float32, descending
+
+
+def apply_penalties(logits: Tensor, meta: SamplingMetadata) -> Tensor:
+    """Repetition (HF/vLLM: prompt or output tokens), then frequency and presence (output only)."""
+    counts = meta.output_counts                                      # [B, V] or None
+    if meta.repetition_penalty is not None:
+        seen = counts > 0                                            # [B, V]
+        if meta.prompt_mask is not None:
+            seen = seen | meta.prompt_mask
+        p = meta.repetition_penalty[:, None]                         # [B, 1]
+        penalised = torch.where(logits > 0, logits / p, logits * p)
+        logits = torch.where(seen, penalised, logits)
+    if meta.frequency_penalty is not None:
+        logits = logits - meta.frequency_penalty[:, None] * counts.to(logits.dtype)
+    if meta.presence_penalty is not None:
+        logits = logits - meta.presence_penalty[:, None] * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_temperature(logits: Tensor, temperature: Tensor) -> Tensor:
+    """Divide row b by temperature[b]; greedy rows (0) are left unscaled."""
+    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    return logits / t[:, None].to(logits.dtype)
+
+
+def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None) -> Tensor:
+    """Set filtered-out logits to -inf. logits [B, V]; top_k [B] (V = off); top_p [B] (1 = off).
+
+    top-k keeps every token tied with the k-th largest logit (as HF and vLLM do). top-p then
+    works on the top-k survivors, renormalised: it keeps the smallest prefix of the
+    descending order whose mass is >= top_p, ties broken towards the lower token id, and
+    always the most likely token.
+    """
+    if top_k is None and top_p is None:
+        return logits
+    if top_p is None:  # top-k alone: a partial topk is cheaper than a full sort
+        k_max = int(top_k.max())
+        values = logits.topk(k_max, dim=-1).values                   # [B, k_max] descending
+        kth = values.gather(1, (top_k - 1)[:, None])                 # [B, 1]
+        return logits.masked_fill(logits < kth, _NEG_INF)
+
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # [B, V]
+    if top_k is not None:
+        kth = sorted_logits.gather(1, (top_k - 1)[:, None])          # [B, 1]
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, _NEG_INF)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = F.pad(probs.cumsum(dim=-1)[:, :-1], (1, 0))        # [B, V] mass of higher-ranked tokens
+    p = top_p[:, None].to(probs.dtype)
+    drop = (mass_before >= p) & (p < 1)  # p < 1: float drift in the cumsum must not cut top_p=1 rows
+    sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def apply_min_p(logits: Tensor, min_p: Tensor | None) -> Tensor:
+    """Drop tokens with prob < min_p * max prob, i.e. logit < max logit + log(min_p). min_p [B]."""
+    if min_p is None:
+        return logits
+    threshold = logits.amax(dim=-1, keepdim=True) + min_p.log()[:, None].to(logits.dtype)  # [B, 1]
+    return logits.masked_fill(logits < threshold, _NEG_INF)
+
+
+def random_sample(probs: Tensor, generators: list[torch.Generator | None]) -> Tensor:
+    """Exponential race: argmax(probs / E), E ~ Exp(1), picks token i with prob probs[i] / sum.
+
+    probs [B, V] need not be normalised. A row with its own generator draws its noise from
+    it, so its tokens do not depend on the rest of the batch; the other rows share one
+    batched draw from the default generator. Returns [B] int64.
+    """
+    noise = torch.empty_like(probs)                                  # [B, V]
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if len(unseeded) == len(generators):
+        noise.exponential_()
+    elif unseeded:
+        noise[unseeded] = torch.empty_like(noise[unseeded]).exponential_()
+    for i, g in enumerate(generators):
+        if g is not None:
+            noise[i].exponential_(generator=g)
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)  # a 0 draw would turn 0/0 into a NaN winner
+    return (probs / noise).argmax(dim=-1)
+
+
+def compute_logprobs(raw_logits: Tensor, token_ids: Tensor, num_top: int) -> tuple[Tensor, Tensor, Tensor]:
+    """From raw logits [B, V]: chosen-token logprobs [B], top ids [B, N] and logprobs [B, N], descending."""
+    logprobs = raw_logits.float().log_softmax(dim=-1)                # [B, V]
+    chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)       # [B]
+    top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)           # [B, N]
+    return chosen, top_ids, top_logprobs
+
+
+def sample(logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
+    """Pick one token per row of logits [B, V] (any float dtype) according to meta."""
+    raw = logits.float()
+    logits = raw if meta.banned_mask is None else raw.masked_fill(meta.banned_mask, _NEG_INF)
+    logits = apply_penalties(logits, meta)
+    if meta.all_greedy:  # fast path: no softmax, no sort, no random draw
+        token_ids = logits.argmax(dim=-1)
+    else:
+        greedy_ids = logits.argmax(dim=-1)                           # [B]
+        logits = apply_temperature(logits, meta.temperature)
+        logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+        logits = apply_min_p(logits, meta.min_p)
+        sampled = random_sample(logits.softmax(dim=-1), meta.generators)
+        token_ids = torch.where(meta.temperature == 0, greedy_ids, sampled)
+    if meta.max_num_logprobs is None:
+        return SamplerOutput(token_ids=token_ids, logprobs=None, top_ids=None, top_logprobs=None)
+    chosen, top_ids, top_logprobs = compute_logprobs(raw, token_ids, meta.max_num_logprobs)
+    return SamplerOutput(token_ids=token_ids, logprobs=chosen, top_ids=top_ids, top_logprobs=top_logprobs)

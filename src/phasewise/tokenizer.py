@@ -1,0 +1,235 @@
+"""Tokenizer wrapper (GGUF or HF folder) and the streaming IncrementalDetokenizer."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable
+
+# Turn-ending tokens of common chat formats (ChatML, Llama 3, Phi-3, Gemma, Llama 2 / Mistral).
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "</s>")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+CACHE_FORMAT = 1  # bump to invalidate every cached tokenizer
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def default_cache_dir() -> Path:
+    """Root of phasewise's cache: $PHASEWISE_CACHE, else $XDG_CACHE_HOME/phasewise, else ~/.cache/phasewise."""
+    if os.environ.get("PHASEWISE_CACHE"):
+        return Path(os.environ["PHASEWISE_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "phasewise"
+
+
+def gguf_cache_key(path: Path) -> str:
+    """Hash of the GGUF's absolute path, size and mtime, and of the converting library versions."""
+    import tokenizers
+    import transformers
+
+    st = path.stat()
+    raw = f"{CACHE_FORMAT}|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}|{tokenizers.__version__}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:24]
+
+
+def _save_atomically(hf: Any, final: Path) -> None:
+    """save_pretrained into a temp dir beside `final`, then rename it into place (losing a race is fine)."""
+    tmp = None
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent)
+        hf.save_pretrained(tmp)
+        os.rename(tmp, final)  # atomic; fails if another process already put a complete copy there
+    except OSError:
+        pass  # unwritable cache or a lost race: the cache is only an optimisation
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+class Tokenizer:
+    """Wraps a transformers fast tokenizer: encoding, chat template, decoding, special ids."""
+
+    def __init__(self, hf: Any, extra_eos_ids: Iterable[int] = (), from_cache: bool = False) -> None:
+        self.hf = hf
+        self.from_cache = from_cache  # True when a GGUF tokenizer came from the conversion cache
+        self.vocab_size: int = len(hf)
+        self.bos_token_id: int | None = hf.bos_token_id
+        eos = {i for i in extra_eos_ids if 0 <= i < self.vocab_size}
+        if hf.eos_token_id is not None:
+            eos.add(hf.eos_token_id)
+        template = hf.chat_template or ""
+        template = "\n".join(template.values()) if isinstance(template, dict) else template
+        added = hf.get_added_vocab()
+        eos.update(added[t] for t in END_OF_TURN_TOKENS if t in template and t in added)
+        self.eos_token_ids: frozenset[int] = frozenset(eos)
+
+    @classmethod
+    def from_gguf(cls, path: str | Path, cache_dir: str | Path | None = None, use_cache: bool = True) -> Tokenizer:
+        """Load the tokenizer embedded in a GGUF file, via a converted copy cached under cache_dir/tokenizers."""
+        path = Path(path).expanduser()
+        if not path.is_file():
+            raise ValueError(f"GGUF file not found: {path}")
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise ValueError(f"not a GGUF file (bad magic): {path}")
+        from transformers import AutoTokenizer
+
+        cached = (Path(cache_dir).expanduser() if cache_dir else default_cache_dir()) / "tokenizers" / gguf_cache_key(path)
+        if use_cache and cached.is_dir():
+            try:
+                return cls(AutoTokenizer.from_pretrained(str(cached)), from_cache=True)
+            except Exception:  # unreadable cache: convert again and replace it
+                shutil.rmtree(cached, ignore_errors=True)
+        try:
+            hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        except Exception as e:
+            raise ValueError(f"cannot load the tokenizer of {path}: {_one_line(e)}") from e
+        if use_cache:
+            _save_atomically(hf, cached)
+        return cls(hf)
+
+    @classmethod
+    def from_hf(cls, folder: str | Path) -> Tokenizer:
+        """Load from an HF model folder (tokenizer.json / tokenizer_config.json, optional generation_config.json)."""
+        folder = Path(folder).expanduser()
+        if not folder.is_dir():
+            raise ValueError(f"model folder not found: {folder}")
+        if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+            raise ValueError(f"no tokenizer in {folder} (expected one of {', '.join(TOKENIZER_FILES)})")
+        from transformers import AutoTokenizer
+
+        try:
+            hf = AutoTokenizer.from_pretrained(str(folder))
+        except Exception as e:
+            raise ValueError(f"cannot load the tokenizer in {folder}: {_one_line(e)}") from e
+        return cls(hf, extra_eos_ids=_generation_config_eos(folder))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Tokenizer:
+        """A *.gguf file → from_gguf; a directory → from_hf."""
+        path = Path(path).expanduser()
+        if path.is_dir():
+            return cls.from_hf(path)
+        if path.suffix.lower() == ".gguf":
+            return cls.from_gguf(path)
+        if not path.exists():
+            raise ValueError(f"no such file or directory: {path}")
+        raise ValueError(f"expected a .gguf file or an HF model folder: {path}")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Tokenize raw text; add_special_tokens adds BOS etc. only if the model is configured to."""
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The chat template applied to messages, as text."""
+        if not self.has_chat_template():
+            raise ValueError("this tokenizer has no chat template; pass a raw prompt instead")
+        import jinja2
+
+        try:
+            return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        except jinja2.TemplateError as e:
+            raise ValueError(f"chat template failed: {_one_line(e)}") from e
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the rendered chat (the template supplies any BOS, as in transformers)."""
+        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text of ids, without transformers' tokenization-space clean-up (so decoding is concatenative)."""
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+
+    def has_chat_template(self) -> bool:
+        return bool(self.hf.chat_template)
+
+
+def _generation_config_eos(folder: Path) -> list[int]:
+    import json
+
+    try:
+        eos = json.loads((folder / "generation_config.json").read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [i for i in (eos if isinstance(eos, list) else [eos]) if isinstance(i, int)]
+
+
+class IncrementalDetokenizer:
+    """Turns generated ids into text deltas as they arrive: never emits half a UTF-8 character,
+    and holds back text that might be the start of a stop string; the final text never contains the stop string.
+
+    Decoding follows vLLM/TGI: decode the window ids[prefix:] and emit what it adds to the text of
+    ids[prefix:read], waiting while it ends with U+FFFD (an incomplete character). The window starts
+    with a few prompt tokens as context. When several stop strings match, the one that completes
+    first wins (ties: the longer), so the result does not depend on how ids are chunked.
+    """
+
+    CONTEXT_TOKENS = 5
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True, stop: Iterable[str] = ()) -> None:
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        stop = [stop] if isinstance(stop, str) else stop
+        self._stops = list(dict.fromkeys(s for s in stop if s))
+        self._ids = [int(i) for i in list(prompt_ids)[-self.CONTEXT_TOKENS :]]
+        self._prefix_text = self._decode(self._ids)
+        if self._prefix_text.endswith("\ufffd"):  # prompt ends mid-character: no clean context
+            self._ids, self._prefix_text = [], ""
+        self._read = len(self._ids)  # window = self._ids (starts at the prefix offset); read offset within it
+        self._pending = ""  # decoded but held back: a suffix that could start a stop string
+        self._finished = False
+        self.text = ""
+        self.stopped = False
+        self.stop_reason: str | None = None
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self._skip)
+
+    def add(self, token_ids: list[int]) -> str:
+        """Feed new ids; return the newly released text (possibly "")."""
+        if self.stopped or self._finished or not token_ids:
+            return ""
+        self._ids.extend(token_ids)
+        new_text = self._decode(self._ids)
+        if len(new_text) <= len(self._prefix_text) or new_text.endswith("\ufffd"):
+            return ""
+        delta = new_text[len(self._prefix_text) :]
+        self._ids = self._ids[self._read :]
+        self._read = len(self._ids)
+        self._prefix_text = self._decode(self._ids)
+        return self._release(delta, final=False)
+
+    def finish(self) -> str:
+        """Release everything still held back (incomplete bytes, possible stop-string starts)."""
+        if self.stopped or self._finished:
+            return ""
+        self._finished = True
+        delta = self._decode(self._ids)[len(self._prefix_text) :]
+        return self._release(delta, final=True)
+
+    def _release(self, delta: str, final: bool) -> str:
+        buf = self._pending + delta  # a stop match cannot start in already released text
+        hits = [(i + len(s), -len(s), i, s) for s in self._stops if (i := buf.find(s)) >= 0]
+        if hits:
+            _, _, idx, self.stop_reason = min(hits)
+            out, self._pending, self.stopped = buf[:idx], "", True
+        else:
+            keep = 0 if final else self._held_back(buf)
+            out, self._pending = buf[: len(buf) - keep], buf[len(buf) - keep :]
+        self.text += out
+        return out
+
+    def _held_back(self, buf: str) -> int:
+        """Length of the longest suffix of buf that is a proper prefix of some stop string."""
+        longest = min(len(buf), max((len(s) - 1 for s in self._stops), default=0))
+        for k in range(longest, 0, -1):
+            tail = buf[-k:]
+            if any(len(s) > k and s.startswith(tail) for s in self._stops):
+                return k
+        return 0

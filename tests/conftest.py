@@ -1,0 +1,44 @@
+"""Shared fixtures and helpers: run a loaded model over the paged KV cache without the engine."""
+
+from __future__ import annotations
+
+import torch
+import pytest
+
+from phasewise.layers.attention import AttentionMetadata
+from phasewise.runner.kv_cache import KVCache
+
+
+class PagedRunner:
+    """Drives one sequence through a model with a small paged KV cache (shuffled block ids)."""
+
+    def __init__(self, model: torch.nn.Module, block_size: int = 4, num_blocks: int = 64, seed: int = 0) -> None:
+        self.model, self.block_size = model, block_size
+        dtype = next(model.parameters()).dtype
+        self.cache = KVCache(model.config, num_blocks, block_size, dtype, "cpu")
+        self.table = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+
+    @torch.inference_mode()
+    def forward(self, ids: list[int], start: int) -> torch.Tensor:
+        """Compute tokens ids at positions start.. (context start + len(ids)); logits [len(ids), V]."""
+        n = len(ids)
+        meta = AttentionMetadata.build([n], [start + n], [self.table], self.block_size, torch.device("cpu"))
+        hidden = self.model(torch.tensor(ids), torch.arange(start, start + n), meta, self.cache.layers)
+        return self.model.compute_logits(hidden)
+
+    def greedy(self, prompt: list[int], n: int, chunk: int | None = None) -> tuple[torch.Tensor, list[int]]:
+        """Prefill (in chunks of `chunk` tokens if given), then n greedy tokens: (prompt logits, tokens)."""
+        chunk = chunk or len(prompt)
+        logits = torch.cat([self.forward(prompt[i:i + chunk], i) for i in range(0, len(prompt), chunk)])
+        out = [int(logits[-1].argmax())]
+        while len(out) < n:
+            step = self.forward([out[-1]], len(prompt) + len(out) - 1)
+            out.append(int(step[-1].argmax()))
+        return logits, out
+
+
+@pytest.fixture(scope="session")
+def default_model_path():
+    from phasewise.loading.loader import default_model_path as find
+
+    return find()

@@ -1,0 +1,413 @@
+"""Model loading: tiny random HF / GGUF checkpoints built here, compared with transformers in fp32."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import PagedRunner
+
+from phasewise.loading.gguf import ModelLoadError
+from phasewise.loading.loader import load_model
+from phasewise.models.config import UnsupportedModelError
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+from gguf import GGMLQuantizationType as QT  # noqa: E402
+from gguf.quants import dequantize, quantize  # noqa: E402
+
+SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, bos_token_id=None, eos_token_id=None)
+N_NEW = 24
+
+
+# ---- builders ---------------------------------------------------------------------------------
+
+def hf_config(kind: str, **over):
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+           "mistral": transformers.MistralConfig, "phi3": transformers.Phi3Config}[kind]
+    kw = dict(SMALL, max_position_embeddings=128)
+    if kind == "phi3":
+        kw.update(pad_token_id=0, original_max_position_embeddings=128)
+    kw.update(over)
+    return cls(**kw)
+
+
+def build_hf(config, seed: int = 0) -> torch.nn.Module:
+    """An HF model with every parameter random (HF zeroes biases and sets norms to 1; we want them all to count)."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # a tied lm_head is the embedding: listed once
+            noise = torch.randn(p.shape, generator=g)
+            if "embed_tokens" in name:
+                p.copy_(noise)
+            elif p.ndim == 1:
+                p.copy_(1 + 0.3 * noise if "norm" in name else 0.5 * noise)
+            else:
+                p.copy_(noise * (3.0 if "lm_head" in name else 1.0) / p.shape[1] ** 0.5)
+    return model
+
+
+def prompt_ids(vocab: int, n: int, seed: int = 0) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@torch.no_grad()
+def hf_reference(model, prompt: list[int], n: int) -> tuple[torch.Tensor, list[int]]:
+    """HF's prompt logits [T, V] and n greedy tokens (generate, no eos stop)."""
+    ids = torch.tensor([prompt])
+    logits = model(ids).logits[0].float()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                         do_sample=False, eos_token_id=None, pad_token_id=0)
+    tokens = out[0, len(prompt):].tolist()
+    assert len(tokens) == n
+    return logits, tokens
+
+
+def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor, tol: float = 1e-4) -> None:
+    assert ours.shape == ref.shape
+    diff = (ours.float() - ref).abs().max().item()
+    span = (ref.max() - ref.min()).item()
+    assert diff < tol or diff / span < tol, f"max |diff| {diff:.3g} (logit range {span:.3g})"
+
+
+def check_against_hf(path: Path, hf_model, prompt: list[int], n: int = N_NEW, chunk: int | None = None):
+    model, cfg = load_model(path)
+    ref_logits, ref_tokens = hf_reference(hf_model, prompt, n)
+    logits, tokens = PagedRunner(model).greedy(prompt, n, chunk=chunk)
+    assert_logits_close(logits, ref_logits)
+    assert tokens == ref_tokens
+    return model, cfg
+
+
+# ---- HF folders ------------------------------------------------------------------------------
+
+HF_CASES = {
+    "llama": ("llama", {}),
+    "qwen2": ("qwen2", {}),
+    "mistral": ("mistral", {}),
+    "phi3": ("phi3", {}),
+    "llama-3layers-mha": ("llama", dict(num_hidden_layers=3, num_key_value_heads=4)),
+    "llama-tied": ("llama", dict(tie_word_embeddings=True)),
+    "llama-head_dim32": ("llama", dict(head_dim=32)),
+    "llama-rope-llama3": ("llama", dict(max_position_embeddings=64, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16})),
+    "llama-rope-linear": ("llama", dict(max_position_embeddings=64,
+                                        rope_scaling={"rope_type": "linear", "factor": 4.0})),
+}
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoints(tmp_path_factory):
+    """Build and save each HF case once: name → (folder, HF model)."""
+    cache: dict[str, tuple[Path, torch.nn.Module]] = {}
+
+    def get(case: str):
+        if case not in cache:
+            kind, over = HF_CASES[case]
+            hf_model = build_hf(hf_config(kind, **over), seed=len(cache))
+            folder = tmp_path_factory.mktemp(case)
+            hf_model.save_pretrained(folder)
+            cache[case] = folder, hf_model
+        return cache[case]
+
+    return get
+
+
+@pytest.mark.parametrize("case", list(HF_CASES))
+def test_hf_folder_matches_transformers(case, hf_checkpoints):
+    folder, hf_model = hf_checkpoints(case)
+    kind = HF_CASES[case][0]
+    rope_case = "rope" in case
+    prompt = prompt_ids(256, 40 if rope_case else 11, seed=1)
+    model, cfg = check_against_hf(folder, hf_model, prompt, n=16 if rope_case else N_NEW)
+    assert cfg.architecture == kind
+    assert cfg.tie_word_embeddings == ("tied" in case)
+    if cfg.tie_word_embeddings:
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    if kind == "phi3":  # the checkpoint really holds the fused tensors
+        names = set(hf_model.state_dict())
+        assert "model.layers.0.self_attn.qkv_proj.weight" in names
+        assert "model.layers.0.mlp.gate_up_proj.weight" in names
+
+
+@pytest.mark.parametrize("case", ["llama-rope-llama3", "llama-rope-linear"])
+def test_rope_scaling_matters(case, hf_checkpoints):
+    """The scaled-RoPE cases would not pass if the loader ignored the scaling."""
+    folder, hf_model = hf_checkpoints(case)
+    model, cfg = load_model(folder)
+    assert cfg.rope_scaling and cfg.rope_scaling["rope_type"] in case
+    plain = build_hf(hf_config("llama", max_position_embeddings=64), seed=0)
+    plain.load_state_dict(hf_model.state_dict())
+    prompt = prompt_ids(256, 40, seed=1)
+    with torch.no_grad():
+        scaled_logits = hf_model(torch.tensor([prompt])).logits[0]
+        plain_logits = plain(torch.tensor([prompt])).logits[0]
+    assert (scaled_logits - plain_logits).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen2", "phi3", "llama-rope-llama3"])
+def test_chunked_prefill_matches(case, hf_checkpoints):
+    folder, hf_model = hf_checkpoints(case)
+    prompt = prompt_ids(256, 40 if "rope" in case else 11, seed=2)
+    model, _ = load_model(folder)
+    full, full_tokens = PagedRunner(model).greedy(prompt, 8)
+    chunked, chunked_tokens = PagedRunner(model, seed=3).greedy(prompt, 8, chunk=3)
+    assert_logits_close(chunked, full, tol=1e-5)
+    assert chunked_tokens == full_tokens
+    ref_logits, ref_tokens = hf_reference(hf_model, prompt, 8)
+    assert_logits_close(chunked, ref_logits)
+    assert chunked_tokens == ref_tokens
+
+
+def test_bf16_runs_and_agrees_with_fp32(hf_checkpoints):
+    folder, _ = hf_checkpoints("llama")
+    prompt = prompt_ids(256, 11, seed=1)
+    fp32, _ = load_model(folder)
+    bf16, _ = load_model(folder, dtype=torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in bf16.parameters())
+    runner = PagedRunner(bf16)
+    assert runner.cache.data.dtype == torch.bfloat16
+    ref_logits, ref_tokens = PagedRunner(fp32).greedy(prompt, 12)
+    logits, tokens = runner.greedy(prompt, 3)
+    assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
+    span = (ref_logits.max() - ref_logits.min()).item()
+    diff = (logits - ref_logits).abs().max().item()
+    assert 0 < diff < 0.02 * span, f"bf16 vs fp32 max |diff| {diff:.3g} (range {span:.3g})"
+    assert tokens == ref_tokens[:3]
+    # Teacher-forced on fp32's sequence: same argmax wherever fp32's choice is not a near tie.
+    seq = prompt + ref_tokens[:-1]
+    ours, ref = PagedRunner(bf16).forward(seq, 0), PagedRunner(fp32).forward(seq, 0)
+    top2 = ref.topk(2).values
+    clear = (top2[:, 0] - top2[:, 1]) > 0.02 * span
+    assert clear.sum() >= 5
+    assert torch.equal(ours.argmax(-1)[clear], ref.argmax(-1)[clear])
+
+
+# ---- GGUF --------------------------------------------------------------------------------------
+
+_GGUF_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "mlp.down_proj": "ffn_down"}
+_GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+
+
+def gguf_name(hf: str) -> str:
+    if hf in _GGUF_TOP:
+        return _GGUF_TOP[hf]
+    _, _, layer, rest = hf.split(".", 3)
+    base, suffix = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_GGUF_LAYER[base]}.{suffix}"
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    rows, cols = w.shape
+    return w.reshape(n_head, 2, rows // n_head // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def file_type_for(name: str) -> QT:
+    if name == "token_embd.weight" or name == "blk.0.attn_q.weight" or (
+            name.endswith((".ffn_down.weight", ".ffn_gate.weight"))):
+        return QT.Q8_0
+    if name.endswith(".attn_k.weight") or name == "output.weight":
+        return QT.F16
+    return QT.F32
+
+
+def write_gguf(path: Path, hf_model, arch: str, *, permute: bool, vocab_in_tokens: bool = False) -> set[QT]:
+    """Write hf_model as llama.cpp would, then set hf_model to exactly the (dequantized) values in the file."""
+    c = hf_model.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name("tiny-test")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    if vocab_in_tokens:
+        w.add_tokenizer_model("llama")
+        w.add_token_list([f"<t{i}>" for i in range(c.vocab_size)])
+    else:
+        w.add_vocab_size(c.vocab_size)
+    used, params = set(), dict(hf_model.named_parameters())  # tied lm_head is not listed
+    for hf, p in params.items():
+        name = gguf_name(hf)
+        array = p.detach().numpy().astype(np.float32)
+        order = np.arange(array.shape[0])
+        if permute and name.endswith((".attn_q.weight", ".attn_k.weight")):
+            heads = c.num_attention_heads if ".attn_q." in name else c.num_key_value_heads
+            order = llama_cpp_permute(order[:, None], heads)[:, 0]  # file row i = HF row order[i]
+            array = array[order]
+        qtype = file_type_for(name) if array.ndim == 2 else QT.F32
+        data = quantize(array, qtype)
+        w.add_tensor(name, data, raw_dtype=qtype if qtype not in (QT.F32, QT.F16) else None)
+        held = np.empty_like(array)
+        held[order] = dequantize(data, qtype).reshape(array.shape)
+        with torch.no_grad():
+            p.copy_(torch.from_numpy(held))
+        used.add(qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return used
+
+
+GGUF_CASES = {
+    "llama": ("llama", dict(rope_theta=1000.0, rms_norm_eps=1e-5), {}),
+    "llama-tied-vocab-from-tokens": ("llama", dict(tie_word_embeddings=True), dict(vocab_in_tokens=True)),
+    "qwen2": ("qwen2", dict(rope_theta=1000.0), {}),
+}
+
+
+@pytest.mark.parametrize("case", list(GGUF_CASES))
+def test_gguf_matches_transformers(case, tmp_path):
+    kind, over, extra = GGUF_CASES[case]
+    hf_model = build_hf(hf_config(kind, **over), seed=7)
+    original = {k: v.clone() for k, v in hf_model.state_dict().items()}
+    path = tmp_path / "tiny.gguf"
+    used = write_gguf(path, hf_model, kind, permute=kind == "llama", **extra)
+    assert {QT.Q8_0, QT.F16, QT.F32} <= used
+    # Quantization really changed what HF holds (so this test checks the dequantized values).
+    assert not torch.equal(hf_model.model.embed_tokens.weight, original["model.embed_tokens.weight"])
+    model, cfg = check_against_hf(path, hf_model, prompt_ids(256, 11, seed=4))
+    assert cfg.architecture == kind
+    assert cfg.tie_word_embeddings == ("tied" in case)
+    assert cfg.attention_bias == (kind == "qwen2")
+    assert cfg.rope_theta == hf_model.config.rope_parameters["rope_theta"]
+    assert cfg.vocab_size == 256 and cfg.num_kv_heads == 2 and cfg.num_layers == 2
+
+
+def test_gguf_chunked_prefill(tmp_path):
+    hf_model = build_hf(hf_config("llama"), seed=8)
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, hf_model, "llama", permute=True)
+    check_against_hf(path, hf_model, prompt_ids(256, 13, seed=5), n=8, chunk=3)
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+
+def _one_line_naming(err: pytest.ExceptionInfo, path: Path) -> None:
+    msg = str(err.value)
+    assert str(path) in msg
+    assert "\n" not in msg
+
+
+@pytest.fixture(scope="module")
+def small_gguf(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("gguf") / "ok.gguf"
+    write_gguf(path, build_hf(hf_config("llama"), seed=9), "llama", permute=True)
+    return path
+
+
+@pytest.mark.parametrize("keep", [0.02, 0.3, 0.9])
+def test_truncated_gguf(keep, small_gguf, tmp_path):
+    data = small_gguf.read_bytes()
+    path = tmp_path / "truncated.gguf"
+    path.write_bytes(data[: int(len(data) * keep)])
+    with pytest.raises(ModelLoadError) as err:
+        load_model(path)
+    _one_line_naming(err, path)
+
+
+@pytest.mark.parametrize("content", [b"", b"hello, this is not a model\n" * 10,
+                                     b"GGUF" + bytes(range(256)) * 4])
+def test_garbage_gguf(content, tmp_path):
+    path = tmp_path / "garbage.gguf"
+    path.write_bytes(content)
+    with pytest.raises(ModelLoadError) as err:
+        load_model(path)
+    _one_line_naming(err, path)
+
+
+def test_gguf_unsupported_architecture(tmp_path):
+    path = tmp_path / "gpt2.gguf"
+    w = gguf.GGUFWriter(str(path), "gpt2")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UnsupportedModelError, match="gpt2"):
+        load_model(path)
+
+
+def test_unsupported_model_type(tmp_path):
+    config = {"model_type": "gpt2", "vocab_size": 256, "n_embd": 64, "n_layer": 2, "n_head": 4}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="gpt2") as err:
+        load_model(tmp_path)
+    assert isinstance(err.value, ValueError)
+
+
+@pytest.mark.parametrize("drop", ["model.layers.1.mlp.down_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+                                  "model.norm.weight", "lm_head.weight"])
+def test_missing_weight(drop, hf_checkpoints, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder, _ = hf_checkpoints("llama")
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    tensors = {}
+    for file in folder.glob("*.safetensors"):
+        tensors.update(load_file(file))
+    assert drop in tensors
+    del tensors[drop]
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ModelLoadError, match="missing") as err:
+        load_model(tmp_path)
+    _one_line_naming(err, tmp_path)
+
+
+def test_missing_path(tmp_path):
+    for path in (tmp_path / "nope.gguf", tmp_path / "no-such-folder"):
+        with pytest.raises(ModelLoadError) as err:
+            load_model(path)
+        _one_line_naming(err, path)
+
+
+def test_folder_without_weights(hf_checkpoints, tmp_path):
+    folder, _ = hf_checkpoints("llama")
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    with pytest.raises(ModelLoadError, match="safetensors"):
+        load_model(tmp_path)
+
+
+def _save_folder(folder: Path, config, tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    config.save_pretrained(folder)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, folder / "model.safetensors")
+
+
+@pytest.mark.parametrize("problem", ["unexpected", "wrong-shape"])
+def test_bad_weight_raises_model_load_error(problem, hf_checkpoints, tmp_path):
+    folder, hf_model = hf_checkpoints("llama")
+    tensors = dict(hf_model.state_dict())
+    if problem == "unexpected":  # e.g. a Llama with attention_bias: o_proj has a bias we do not implement
+        tensors["model.layers.0.self_attn.o_proj.bias"] = torch.zeros(64)
+    else:
+        tensors["model.layers.1.mlp.up_proj.weight"] = torch.zeros(100, 64)
+    _save_folder(tmp_path, hf_model.config, tensors)
+    with pytest.raises(ModelLoadError) as err:
+        load_model(tmp_path)
+    _one_line_naming(err, tmp_path)
+    assert ("o_proj.bias" if problem == "unexpected" else "up_proj") in str(err.value)
+
+
+def test_partial_rotary_is_rejected(tmp_path):
+    """HF Phi-3 configs may rotate only part of each head; we do not implement that (rather than be wrong)."""
+    build_hf(hf_config("phi3", partial_rotary_factor=0.5)).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="partial"):
+        load_model(tmp_path)
