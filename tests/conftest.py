@@ -42,3 +42,11 @@ def default_model_path():
     from phasewise.loading.loader import default_model_path as find
 
     return find()
+
+
+@pytest.fixture(scope="session")
+def llm():
+    """The default model in the full engine, loaded once for the whole session."""
+    from phasewise import LLM
+
+    return LLM(kv_cache_memory=0.25)

@@ -1,8 +1,25 @@
 """phasewise: an LLM inference engine that shows, for every request, where the time goes."""
 
-from phasewise.llm import LLM
-from phasewise.outputs import CompletionOutput, StreamDelta
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from phasewise.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from phasewise.llm import LLM
+    from phasewise.outputs import CompletionOutput, StreamDelta
 
 __all__ = ["LLM", "SamplingParams", "CompletionOutput", "StreamDelta"]
 __version__ = "0.1.0"
+
+_LAZY = {"LLM": "phasewise.llm", "CompletionOutput": "phasewise.outputs", "StreamDelta": "phasewise.outputs"}
+
+
+def __getattr__(name: str) -> Any:
+    """Import torch-backed parts on first use, so the engine core stays importable without torch."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'phasewise' has no attribute {name!r}")

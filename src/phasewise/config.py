@@ -36,5 +36,10 @@ class EngineConfig:
     model: str | None = None             # .gguf file or HF folder; None → the default model
     dtype: str = "fp32"                  # weights: fp32 | bf16 | fp16
     device: str = "cpu"
+    kernels: str = "auto"                # linear kernels: auto (oneDNN on CPU) | torch (plain F.linear)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.kernels not in ("auto", "torch"):
+            raise ValueError(f"kernels must be 'auto' or 'torch', got {self.kernels!r}")

@@ -15,6 +15,7 @@ from phasewise.config import CacheConfig, EngineConfig
 from phasewise.engine.core import EngineCore
 from phasewise.engine.outputs import RequestOutput
 from phasewise.engine.request import FinishReason, Request
+from phasewise.layers.linear import use_fast_linears
 from phasewise.loading.loader import load_model, parse_dtype, resolve_model_path
 from phasewise.outputs import CompletionOutput, StreamDelta
 from phasewise.runner.kv_cache import KVCache, num_blocks_for_memory
@@ -38,6 +39,8 @@ class LLMEngine:
         dtype = parse_dtype(config.dtype)
         self.tokenizer = Tokenizer.load(self.model_path)
         self.model, self.model_config = load_model(self.model_path, dtype, config.device)
+        if config.kernels == "auto":
+            use_fast_linears(self.model, config.device, dtype)
         max_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
         self.max_model_len = min(max_len, self.model_config.max_position_embeddings)
         cache: CacheConfig = config.cache

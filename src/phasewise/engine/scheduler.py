@@ -41,13 +41,14 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         now = time.perf_counter()
-        i = 0
+        i, preempted = 0, False
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate_slots(req, n):
                 victim = self.running[-1]
                 self._preempt(victim)
+                preempted = True
                 if victim is req:
                     break
             if req.status is not RequestStatus.RUNNING:
@@ -55,9 +56,9 @@ class Scheduler:
             chunks.append(ScheduledChunk(req, n))
             budget -= n
             i += 1
-        preempted_now = any(r.status is RequestStatus.PREEMPTED for r in self.waiting)
+        # No admissions in a step that had to preempt: the pool is already short.
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs \
-                and not preempted_now:
+                and not preempted:
             req = self.waiting[0]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self.kv.allocate_slots(req, n):

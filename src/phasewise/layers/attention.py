@@ -19,7 +19,8 @@ class SeqAttention:
     """How one sequence of the batch attends; built once per step, shared by every layer."""
     start: int                      # its rows in the flat batch are [start, end)
     end: int
-    context_slots: torch.Tensor | None  # [L] slots of its whole context; None: the chunk is the whole context
+    context_len: int                # tokens of context after this step (cached + new)
+    context_blocks: torch.Tensor | None  # [nblk] its block ids; None: the chunk is the whole context
     mask: torch.Tensor | None       # [n, L] bool, True = may attend; None with is_causal or a single query
     is_causal: bool
 
@@ -28,41 +29,48 @@ class SeqAttention:
 class AttentionMetadata:
     """Everything attention needs about the step's batch, passed explicitly to every layer."""
     slot_mapping: torch.Tensor      # [T] int64: the slot each new token's K/V is written to
+    block_size: int
     seqs: list[SeqAttention]        # per-sequence plans (used when not decode_only)
     decode_only: bool = False       # every sequence has exactly one new token
-    decode_slots: torch.Tensor | None = None  # [B, Lmax] context slots, padded with slot 0
-    decode_mask: torch.Tensor | None = None   # [B, 1, 1, Lmax] bool; None when no padding
+    decode_blocks: torch.Tensor | None = None  # [B, nblk] block ids, padded with block 0
+    decode_mask: torch.Tensor | None = None    # [B, 1, 1, nblk * block_size] bool; None when nothing is padding
 
     @classmethod
     def build(cls, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
               block_size: int, device: torch.device) -> AttentionMetadata:
         """query_lens[i] new tokens of sequence i, which then has context_lens[i] tokens in all."""
         slots, seqs, start = [], [], 0
-        all_context = []
         for n, ctx, table in zip(query_lens, context_lens, block_tables):
-            blocks = torch.tensor(table, dtype=torch.int64)
-            offsets = torch.arange(ctx, dtype=torch.int64)
-            context = blocks[offsets // block_size] * block_size + offsets % block_size  # [ctx]
-            all_context.append(context)
-            slots.append(context[ctx - n:])
-            plan = SeqAttention(start, start + n, None if n == ctx else context.to(device), None, n == ctx and n > 1)
+            nblk = -(-ctx // block_size)
+            for pos in range(ctx - n, ctx):
+                slots.append(table[pos // block_size] * block_size + pos % block_size)
+            blocks = None if n == ctx else torch.tensor(table[:nblk], dtype=torch.int64, device=device)
+            plan = SeqAttention(start, start + n, ctx, blocks, None, n == ctx and n > 1)
             if 1 < n < ctx:
                 q_pos = torch.arange(ctx - n, ctx).unsqueeze(1)
                 plan.mask = (torch.arange(ctx).unsqueeze(0) <= q_pos).to(device)
             seqs.append(plan)
             start += n
-        meta = cls(torch.cat(slots).to(device), seqs)
+        meta = cls(torch.tensor(slots, dtype=torch.int64, device=device), block_size, seqs)
         if all(n == 1 for n in query_lens):
             meta.decode_only = True
-            longest = max(context_lens)
-            padded = torch.zeros(len(context_lens), longest, dtype=torch.int64)
-            for i, context in enumerate(all_context):
-                padded[i, : len(context)] = context
-            meta.decode_slots = padded.to(device)
-            if min(context_lens) != longest:
-                valid = torch.arange(longest).unsqueeze(0) < torch.tensor(context_lens).unsqueeze(1)
+            nblk = -(-max(context_lens) // block_size)
+            padded = torch.zeros(len(context_lens), nblk, dtype=torch.int64)
+            for i, (ctx, table) in enumerate(zip(context_lens, block_tables)):
+                used = -(-ctx // block_size)
+                padded[i, :used] = torch.tensor(table[:used])
+            meta.decode_blocks = padded.to(device)
+            if any(ctx != nblk * block_size for ctx in context_lens):
+                valid = torch.arange(nblk * block_size).unsqueeze(0) < torch.tensor(context_lens).unsqueeze(1)
                 meta.decode_mask = valid[:, None, None, :].to(device)
         return meta
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
+    """cache [S, Hkv, D], blocks [..., nblk] → [..., nblk * block_size, Hkv, D] (whole blocks)."""
+    by_block = cache.view(-1, block_size, *cache.shape[1:])          # [num_blocks, bs, Hkv, D]
+    out = by_block[blocks]                                           # [..., nblk, bs, Hkv, D]
+    return out.flatten(-4, -3)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -71,22 +79,23 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
     T, Hq, D = q.shape
-    Hkv = k.shape[1]
+    Hkv, bs = k.shape[1], meta.block_size
     if meta.decode_only:
         # Grouped-query trick: the G query heads sharing a KV head ride in the query-length axis.
         B, G = T, Hq // Hkv
         qg = q.view(B, Hkv, G, D)                                      # [B, Hkv, G, D]
-        kc = k_cache[meta.decode_slots].transpose(1, 2)                # [B, Hkv, L, D]
-        vc = v_cache[meta.decode_slots].transpose(1, 2)
+        kc = _gather(k_cache, meta.decode_blocks, bs).transpose(1, 2)  # [B, Hkv, L, D]
+        vc = _gather(v_cache, meta.decode_blocks, bs).transpose(1, 2)
         out = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=meta.decode_mask)
         return out.reshape(T, Hq * D)
     out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
     for s in meta.seqs:
         qs = q[s.start:s.end].transpose(0, 1).unsqueeze(0)            # [1, Hq, n, D]
-        if s.context_slots is None:
+        if s.context_blocks is None:
             ks, vs = k[s.start:s.end], v[s.start:s.end]                # [n, Hkv, D]
         else:
-            ks, vs = k_cache[s.context_slots], v_cache[s.context_slots]  # [L, Hkv, D]
+            ks = _gather(k_cache, s.context_blocks, bs)[: s.context_len]  # [L, Hkv, D]
+            vs = _gather(v_cache, s.context_blocks, bs)[: s.context_len]
         ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=s.mask, is_causal=s.is_causal,
                                            enable_gqa=Hq != Hkv)

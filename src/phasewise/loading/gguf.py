@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from phasewise.loading.gguf_header import GGUFFormatError, read_header
 from phasewise.models.config import ModelConfig
 
 # GGUF tensor name (after "blk.N.") → HF name (after "model.layers.N.").
@@ -35,32 +36,21 @@ class ModelLoadError(ValueError):
 
 
 class GGUFFile:
-    """An opened GGUF file (memory-mapped): its metadata and lazily dequantized tensors."""
+    """An opened GGUF file: its metadata, and tensors dequantized on demand from a memory map."""
 
     def __init__(self, path: str | Path) -> None:
-        from gguf import GGUFReader
-
         self.path = Path(path)
         if not self.path.is_file():
             raise ModelLoadError(f"model file not found: {self.path}")
         try:
-            self.reader = GGUFReader(self.path)
-        except Exception as e:  # the reader raises ValueError, struct errors, IndexError... on bad bytes
-            raise ModelLoadError(f"not a valid GGUF file: {self.path} ({type(e).__name__}: {e})") from None
-        self.fields: dict[str, Any] = {}
-        for key, field in self.reader.fields.items():
-            if key.startswith("tokenizer.ggml.") and key not in (
-                    "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
-                continue  # large arrays; the tokenizer reads them itself
-            try:
-                self.fields[key] = field.contents()
-            except Exception:
-                continue
+            self.fields, self.tensors = read_header(self.path)
+        except (GGUFFormatError, OSError) as e:
+            raise ModelLoadError(f"not a valid GGUF file: {self.path} ({e})") from None
         arch = self.fields.get("general.architecture", "")
-        tokens = self.reader.fields.get("tokenizer.ggml.tokens")
+        tokens = self.fields.get("tokenizer.ggml.tokens")
         if f"{arch}.vocab_size" not in self.fields and tokens is not None:
-            self.fields[f"{arch}.vocab_size"] = len(tokens.data)
-        self.tensors = {t.name: t for t in self.reader.tensors}
+            self.fields[f"{arch}.vocab_size"] = len(tokens)
+        self._data = np.memmap(self.path, dtype=np.uint8, mode="r")
 
     def model_config(self) -> ModelConfig:
         rope_freqs = None
@@ -69,10 +59,14 @@ class GGUFFile:
         return ModelConfig.from_gguf(self.fields, set(self.tensors), rope_freqs)
 
     def _dequantize(self, name: str) -> np.ndarray:
+        """The tensor as fp32 in numpy order, e.g. [out_features, in_features]."""
+        from gguf.constants import GGMLQuantizationType
         from gguf.quants import dequantize
 
         t = self.tensors[name]
-        array = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        rows = int(np.prod(t.shape[:-1])) if len(t.shape) > 1 else 1
+        raw = self._data[t.offset:t.offset + t.nbytes].reshape(*t.shape[:-1], t.nbytes // rows)
+        array = np.asarray(dequantize(raw, GGMLQuantizationType(t.ggml_type)), dtype=np.float32)
         return array if array.flags.writeable else array.copy()  # unquantized tensors are read-only mmap views
 
     def hf_tensors(self, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,6 +1,5 @@
-"""Sampling: per-request parameters and the batched sampler."""
+"""Sampling: per-request parameters (plain Python) and the batched sampler (torch, in sampler.py)."""
 
 from phasewise.sampling.params import SamplingParams
-from phasewise.sampling.sampler import SamplerOutput, SamplingMetadata, sample
 
-__all__ = ["SamplingParams", "SamplingMetadata", "SamplerOutput", "sample"]
+__all__ = ["SamplingParams"]

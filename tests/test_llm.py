@@ -1,0 +1,93 @@
+"""The offline API on the default model: sampling end to end, streaming, stop strings, batching, abort."""
+
+from __future__ import annotations
+
+import pytest
+
+from phasewise import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+STORY = "Write a short story about a robot discovering a flower."
+
+
+def free_blocks(llm) -> int:
+    return llm.engine.core.kv.pool.num_free
+
+
+def test_seeded_sampling_is_reproducible(llm):
+    p = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=24, ignore_eos=True)
+    a, b = llm.generate([STORY, STORY], [p, p])
+    c = llm.generate(STORY, SamplingParams(temperature=1.0, top_p=0.95, seed=99, max_tokens=24, ignore_eos=True))[0]
+    assert a.token_ids == b.token_ids
+    assert c.token_ids != a.token_ids
+
+
+def test_chat_applies_template_and_finishes_on_end_of_turn(llm):
+    out = llm.chat([{"role": "user", "content": "Say hello."}], SamplingParams(temperature=0, max_tokens=64))
+    assert out.prompt_token_ids[:1] == llm.tokenizer.encode("<|im_start|>", add_special_tokens=False)
+    assert out.finish_reason == "stop" and out.token_ids[-1] in llm.tokenizer.eos_token_ids
+    assert "<|im_end|>" not in out.text and out.text.strip()
+
+
+def test_stream_deltas_add_up_to_generate(llm):
+    p = SamplingParams(temperature=0, max_tokens=40)
+    ref = llm.generate(STORY, p)[0]
+    deltas = list(llm.stream(STORY, p))
+    assert "".join(d.text for d in deltas) == ref.text
+    assert sum((d.token_ids for d in deltas), []) == ref.token_ids
+    assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
+    assert deltas[-1].output.finish_reason == ref.finish_reason
+
+
+def test_stop_string_is_excluded_and_ends_the_request(llm):
+    p = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    full = llm.generate(STORY, p)[0].text
+    stop = full[len(full) // 2: len(full) // 2 + 4]
+    before = full[: full.index(stop)]
+    out = llm.generate(STORY, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, stop=[stop]))[0]
+    assert out.text == before
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert len(out.token_ids) < 60
+    assert free_blocks(llm) == llm.engine.core.kv.pool.num_blocks
+
+
+def test_logprobs_of_chosen_and_top_n(llm):
+    out = llm.generate(STORY, SamplingParams(temperature=0, max_tokens=8, logprobs=3))[0]
+    assert len(out.logprobs) == len(out.token_ids)
+    for tok, lp in zip(out.token_ids, out.logprobs):
+        assert len(lp.top) == 3
+        assert lp.top[0][0] == tok and lp.logprob == pytest.approx(lp.top[0][1])   # greedy picks the top
+        assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
+        assert lp.logprob <= 0
+
+
+def test_many_prompts_together_equal_each_alone(llm):
+    prompts = [STORY, "The capital of France is", "List three fruits:", "def add(a, b):"]
+    p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
+    together = llm.generate(prompts, p)
+    for prompt, t in zip(prompts, together):
+        alone = llm.generate(prompt, p)[0]
+        for i, (x, y) in enumerate(zip(t.token_ids, alone.token_ids)):
+            if x != y:   # a floating-point batch effect may flip a near tie; then both must be top-5
+                assert x in dict(alone.logprobs[i].top) and y in dict(t.logprobs[i].top)
+                break
+
+
+def test_abandoned_stream_frees_its_blocks(llm):
+    total = llm.engine.core.kv.pool.num_blocks
+    stream = llm.stream(STORY, SamplingParams(max_tokens=100, ignore_eos=True))
+    for _, _ in zip(range(5), stream):
+        pass
+    assert free_blocks(llm) < total
+    stream.close()
+    assert free_blocks(llm) == total and not llm.engine.has_unfinished()
+
+
+def test_metrics_account_for_the_request(llm):
+    out = llm.generate(STORY, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
+    m = out.metrics
+    assert m.arrival <= m.first_scheduled <= m.first_token <= m.token_times[-1] <= m.finished
+    assert len(m.token_times) == 16 and len(m.itl_ms) == 15
+    assert sum(n for _, _, n in m.prefill_chunks) == len(out.prompt_token_ids)
+    assert m.ttft_ms == pytest.approx(m.queue_ms + m.prompt_ms)
