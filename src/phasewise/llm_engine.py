@@ -16,7 +16,7 @@ from phasewise.engine.core import EngineCore
 from phasewise.engine.outputs import RequestOutput
 from phasewise.engine.request import FinishReason, Request
 from phasewise.layers.linear import use_fast_linears
-from phasewise.loading.loader import load_model, parse_dtype, resolve_model_path
+from phasewise.loading.loader import load_config, load_model, parse_dtype, resolve_model_path
 from phasewise.outputs import CompletionOutput, StreamDelta
 from phasewise.runner.kv_cache import KVCache, num_blocks_for_memory
 from phasewise.runner.model_runner import ModelRunner
@@ -37,6 +37,7 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         self.model_path = resolve_model_path(config.model)
         dtype = parse_dtype(config.dtype)
+        load_config(self.model_path)   # cheap: an unsupported architecture fails before anything slow
         self.tokenizer = Tokenizer.load(self.model_path)
         self.model, self.model_config = load_model(self.model_path, dtype, config.device)
         if config.kernels == "auto":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from phasewise.models.config import ModelConfig
@@ -18,9 +20,14 @@ class KVCache:
                  device: torch.device | str) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
         slots = num_blocks * block_size
-        # zeros, not empty: padded decode reads slot 0 under a mask, and 0 * NaN would leak through.
-        self.data = torch.zeros(cfg.num_layers, 2, slots, cfg.num_kv_heads, cfg.head_dim,
-                                dtype=dtype, device=device)   # [L, 2, S, Hkv, D]
+        # Never-written slots are read under a mask (padding of a decode batch) and must hold no NaN
+        # (softmax weight 0 * NaN = NaN), so the pool starts zeroed. On the CPU a large fresh
+        # allocation is mapped from the OS as zero pages: `empty` gives zeros without touching
+        # gigabytes up front (torch.zeros would spend ~1 s per GiB writing them).
+        shape = (cfg.num_layers, 2, slots, cfg.num_kv_heads, cfg.head_dim)   # [L, 2, S, Hkv, D]
+        fresh_zero_pages = torch.device(device).type == "cpu" and math.prod(shape) >= 2**26
+        alloc = torch.empty if fresh_zero_pages else torch.zeros
+        self.data = alloc(shape, dtype=dtype, device=device)
         self.layers = [(self.data[i, 0], self.data[i, 1]) for i in range(cfg.num_layers)]
 
     @property

@@ -1,0 +1,82 @@
+"""The `phasewise` command as a user runs it: a real process, its output, its exit code."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+LONG_PROMPT = "tell me a long story " * 20
+
+
+def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    return subprocess.run([sys.executable, "-m", "phasewise.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("phasewise: error:")]
+    assert len(lines) == 1, proc.stderr
+    for needle in needles:
+        assert needle in lines[0]
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--max-tokens", "0"], "max_tokens"),
+    (["--temperature", "-1"], "temperature"),
+    (["--top-p", "0"], "top_p"),
+    (["--top-p", "1.5"], "top_p"),
+    (["--min-p", "2"], "min_p"),
+])
+def test_invalid_sampling_values_fail_fast(flags, needle):
+    assert_one_line_error(run("generate", "hi", *flags), needle)
+
+
+def test_missing_model_file():
+    assert_one_line_error(run("generate", "hi", "--model", "/nonexistent/model.gguf"), "model not found")
+
+
+def test_corrupt_model_file(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 64)
+    assert_one_line_error(run("generate", "hi", "--model", str(bad)), "not a valid GGUF", "broken.gguf")
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 10}))
+    assert_one_line_error(run("generate", "hi", "--model", str(tmp_path)), "unsupported architecture", "gpt2")
+
+
+@pytest.mark.slow
+def test_prompt_longer_than_context():
+    assert_one_line_error(run("generate", LONG_PROMPT, "--raw", "--max-model-len", "32"),
+                          "context length is 32")
+
+
+@pytest.mark.slow
+def test_json_output():
+    proc = run("generate", "The capital of France is", "--raw", "--json", "--temperature", "0",
+               "--max-tokens", "6", "--ignore-eos")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["completion_tokens"] == len(out["token_ids"]) == 6
+    assert out["finish_reason"] == "length" and out["prompt_tokens"] > 3 and out["text"]
+    t = out["timings"]
+    for key in ("load_ms", "prompt_ms", "prompt_per_second", "predicted_ms", "predicted_per_second", "ttft_ms"):
+        assert t[key] > 0, key
+    assert len(t["itl_ms"]) == 5
+
+
+@pytest.mark.slow
+def test_streams_text_then_prints_where_the_time_went():
+    proc = run("generate", "Say hi.", "--max-tokens", "12", "--seed", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip()
+    for label in ("load time", "prompt eval time", "eval time", "time to first token", "total time"):
+        assert label in proc.stderr
