@@ -21,18 +21,25 @@ EOS = 0
 class FakeRunner:
     """Emits a token that depends only on the request and its position, never EOS unless told."""
 
-    def __init__(self) -> None:
+    def __init__(self, block_size: int = 4) -> None:
+        self.bs = block_size
         self.steps: list[SchedulerOutput] = []
-        self.computed: dict[str, list[int]] = {}   # request → positions whose KV was "computed"
+        self.slots: dict[int, int] = {}   # the "KV cache": slot → the token whose KV it holds
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """Checks that every earlier position's KV is in place (computed or a prefix-cache hit),
+        then "computes" the chunk's KV into its slots."""
         self.steps.append(sched)
         sampled = {}
         for c in sched.chunks:
-            r = c.request
-            assert len(r.block_ids) * 4 >= r.num_computed_tokens + c.num_tokens  # room for the KV
-            self.computed.setdefault(r.request_id, []).extend(
-                range(r.num_computed_tokens, r.num_computed_tokens + c.num_tokens))
+            r, start = c.request, c.request.num_computed_tokens
+            assert c.num_tokens >= 1
+            assert len(r.block_ids) * self.bs >= start + c.num_tokens  # room for the KV
+            slot = [r.block_ids[p // self.bs] * self.bs + p % self.bs for p in range(start + c.num_tokens)]
+            for p in range(start):
+                assert self.slots.get(slot[p]) == r.token_ids[p], f"{r.request_id}: stale KV at {p}"
+            for p in range(start, start + c.num_tokens):
+                self.slots[slot[p]] = r.token_ids[p]
             if c.samples:
                 sampled[r.request_id] = SampledToken(token_for(r.request_id, r.num_tokens))
         return RunnerOutput(sampled)
@@ -42,15 +49,15 @@ def token_for(request_id: str, position: int) -> int:
     return 1 + (hash((request_id, position)) % 97)
 
 
-def make_core(num_blocks=64, budget=16, max_seqs=8, max_len=512):
+def make_core(num_blocks=64, budget=16, max_seqs=8, max_len=512, prefix_caching=True):
     runner = FakeRunner()
-    core = EngineCore(runner, SchedulerConfig(budget, max_seqs), num_blocks, 4, max_len)
+    core = EngineCore(runner, SchedulerConfig(budget, max_seqs), num_blocks, 4, max_len, prefix_caching)
     return core, runner
 
 
-def request(rid: str, prompt_len: int, max_tokens: int) -> Request:
-    return Request(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                   frozenset({EOS}))
+def request(rid: str, prompt_len: int, max_tokens: int, family: int = 0) -> Request:
+    prompt = [100 * family + i for i in range(1, prompt_len + 1)]
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), frozenset({EOS}))
 
 
 def run_all(core: EngineCore) -> dict[str, Request]:
@@ -79,6 +86,40 @@ def test_block_pool_exact_ids_and_order():
     assert pool.allocate(2) == [5, 4]
     with pytest.raises(RuntimeError):
         pool.free([3])
+
+
+def test_prefix_cache_hits_exact_blocks_and_lru_eviction():
+    core, runner = make_core(num_blocks=8, budget=64)
+    pool = core.kv.pool
+    a = Request("a", list(range(1, 11)), SamplingParams(max_tokens=1), frozenset())
+    core.add_request(a)
+    run_all(core)                                   # 10 tokens: blocks 0, 1 full (cached), 2 partial
+    assert list(pool.free_queue) == [3, 4, 5, 6, 7, 2, 1, 0]   # freed tail first, at the back
+    assert pool.num_cached == 2 and a.num_cached_tokens == 0
+
+    b = Request("b", list(range(1, 9)) + [50, 51, 52, 53], SamplingParams(max_tokens=2), frozenset())
+    core.add_request(b)
+    core.step()
+    assert b.block_ids == [0, 1, 3] and b.num_cached_tokens == 8
+    assert runner.steps[-1].chunks[0].num_tokens == 4          # only the uncached tail is computed
+    run_all(core)
+
+    c = Request("c", list(range(1, 9)), SamplingParams(max_tokens=2), frozenset())
+    core.add_request(c)                             # its whole prompt is cached, but the last
+    core.step()                                     # token's block is recomputed for its logits
+    assert c.num_cached_tokens == 4 and c.block_ids[0] == 0
+    run_all(core)
+
+    # Fill the pool: the least recently freed cached blocks are evicted and forgotten.
+    d = Request("d", [90 + i for i in range(28)], SamplingParams(max_tokens=2), frozenset())
+    core.add_request(d)
+    core.step()
+    assert pool.num_free == 1 and pool.num_cached == 8   # d's 7 full blocks + 1 survivor
+    run_all(core)
+    e = Request("e", list(range(1, 11)), SamplingParams(max_tokens=2), frozenset())
+    core.add_request(e)
+    core.step()
+    assert e.num_cached_tokens == 0
 
 
 def test_chunked_prefill_keeps_decode_going():
@@ -152,17 +193,20 @@ def test_percentile_matches_linear_interpolation():
 
 @settings(max_examples=60, deadline=None)
 @given(
-    reqs=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 25)), min_size=1, max_size=10),
+    reqs=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 25), st.integers(0, 2)), min_size=1, max_size=10),
     num_blocks=st.integers(11, 40),
     budget=st.integers(1, 24),
     max_seqs=st.integers(1, 6),
     abort_at=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 9)), max_size=4),
+    prefix_caching=st.booleans(),
 )
-def test_random_streams_respect_limits_and_leak_nothing(reqs, num_blocks, budget, max_seqs, abort_at):
-    core, runner = make_core(num_blocks=num_blocks, budget=budget, max_seqs=max_seqs, max_len=10_000)
+def test_random_streams_respect_limits_and_leak_nothing(reqs, num_blocks, budget, max_seqs, abort_at,
+                                                        prefix_caching):
+    core, runner = make_core(num_blocks, budget, max_seqs, 10_000, prefix_caching)
+    pool = core.kv.pool
     added = []
-    for i, (p, m) in enumerate(reqs):
-        r = request(f"r{i}", p, m)
+    for i, (p, m, family) in enumerate(reqs):
+        r = request(f"r{i}", p, m, family)
         try:
             core.add_request(r)
             added.append(r)
@@ -180,13 +224,15 @@ def test_random_streams_respect_limits_and_leak_nothing(reqs, num_blocks, budget
         if sched is not None:
             assert sum(c.num_tokens for c in sched.chunks) <= budget
             assert len(sched.chunks) <= max_seqs
-        held = sum(len(r.block_ids) for r in added if r.status is RequestStatus.RUNNING)
-        assert held == num_blocks - core.kv.pool.num_free
-    assert core.kv.pool.num_free == num_blocks and not core.scheduler.running and not core.scheduler.waiting
+        held = [b for r in added if r.status is RequestStatus.RUNNING for b in r.block_ids]
+        assert len(set(held)) == num_blocks - pool.num_free              # shared blocks counted once
+        assert sorted(held) == sorted(b for b in range(num_blocks) for _ in range(pool.ref_counts[b]))
+        assert all(pool.block_hash[b] is not None for b in pool.cached.values())
+    assert pool.num_free == num_blocks and not core.scheduler.running and not core.scheduler.waiting
+    if not prefix_caching:
+        assert pool.num_cached == 0
     for r in added:
         assert r.is_finished
         if r.finish_reason is FinishReason.LENGTH:   # same tokens as if alone, whatever the batching
             n = r.num_prompt_tokens
             assert r.output_token_ids == [token_for(r.request_id, n + k) for k in range(len(r.output_token_ids))]
-            # every position's KV was computed at least once, and the last computation reached the end
-            assert set(runner.computed[r.request_id]) >= set(range(r.num_tokens - 1))

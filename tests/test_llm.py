@@ -89,5 +89,25 @@ def test_metrics_account_for_the_request(llm):
     m = out.metrics
     assert m.arrival <= m.first_scheduled <= m.first_token <= m.token_times[-1] <= m.finished
     assert len(m.token_times) == 16 and len(m.itl_ms) == 15
-    assert sum(n for _, _, n in m.prefill_chunks) == len(out.prompt_token_ids)
+    assert sum(n for _, _, n in m.prefill_chunks) == len(out.prompt_token_ids) - out.cached_tokens
     assert m.ttft_ms == pytest.approx(m.queue_ms + m.prompt_ms)
+
+
+def test_llm_on_a_hugging_face_folder(llm, tmp_path):
+    """LLM(model=folder): config.json + safetensors + tokenizer files, end to end (tiny random weights)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from phasewise import LLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=llm.model_config.vocab_size, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=256, tie_word_embeddings=True)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path, safe_serialization=True)
+    llm.tokenizer.hf.save_pretrained(tmp_path)
+    tiny = LLM(str(tmp_path), kv_cache_memory=0.01, warmup=False)
+    out = tiny.chat([{"role": "user", "content": "Hi"}], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    assert out.prompt_token_ids == llm.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+    assert tiny.model_config.max_position_embeddings == 256 and tiny.model_config.num_layers == 2

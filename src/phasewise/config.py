@@ -10,6 +10,7 @@ class CacheConfig:
     block_size: int = 16                 # tokens per KV block
     kv_cache_memory_gib: float = 2.0     # pool size when num_blocks is not given
     num_blocks: int | None = None        # exact pool size (overrides the memory budget)
+    enable_prefix_caching: bool = True   # reuse KV blocks of prompts seen before
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

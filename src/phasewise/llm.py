@@ -17,12 +17,13 @@ class LLM:
     """A model ready to generate. `LLM()` loads the default model (SmolLM2-135M-Instruct)."""
 
     def __init__(self, model: str | None = None, *, dtype: str = "fp32", device: str = "cpu",
-                 kernels: str = "auto", block_size: int = 16, kv_cache_memory: float = 2.0, num_blocks: int | None = None,
+                 kernels: str = "auto", block_size: int = 16, kv_cache_memory: float = 2.0,
+                 num_blocks: int | None = None, enable_prefix_caching: bool = True,
                  max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
                  max_model_len: int | None = None, warmup: bool = True) -> None:
         config = EngineConfig(
             model=model, dtype=dtype, device=device, kernels=kernels,
-            cache=CacheConfig(block_size, kv_cache_memory, num_blocks),
+            cache=CacheConfig(block_size, kv_cache_memory, num_blocks, enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs, max_model_len))
         self.engine = LLMEngine(config)
         if warmup:

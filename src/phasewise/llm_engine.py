@@ -49,7 +49,8 @@ class LLMEngine:
             self.model_config, cache.block_size, dtype, cache.kv_cache_memory_gib)
         self.kv_cache = KVCache(self.model_config, num_blocks, cache.block_size, dtype, config.device)
         runner = ModelRunner(self.model, self.kv_cache, self.tokenizer.eos_token_ids, config.device)
-        self.core = EngineCore(runner, config.scheduler, num_blocks, cache.block_size, self.max_model_len)
+        self.core = EngineCore(runner, config.scheduler, num_blocks, cache.block_size, self.max_model_len,
+                               cache.enable_prefix_caching)
         self._ids = itertools.count()
         self._tracked: dict[str, _Tracked] = {}
         self.load_ms = (time.perf_counter() - started) * 1e3
@@ -100,6 +101,7 @@ class LLMEngine:
         tracked = self._tracked[o.request_id]
         out, detok = tracked.output, tracked.detok
         out.token_ids.extend(o.new_token_ids)
+        out.cached_tokens = o.request.num_cached_tokens or 0
         if out.logprobs is not None:
             out.logprobs.extend(o.new_logprobs)
         text = detok.add(o.new_token_ids)

@@ -18,9 +18,9 @@ class Runner(Protocol):
 
 class EngineCore:
     def __init__(self, runner: Runner, scheduler_config: SchedulerConfig, num_blocks: int,
-                 block_size: int, max_model_len: int) -> None:
+                 block_size: int, max_model_len: int, enable_prefix_caching: bool = True) -> None:
         self.runner = runner
-        self.kv = KVCacheManager(num_blocks, block_size)
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(scheduler_config, self.kv)
         self.max_model_len = max_model_len
         self.steps: list[StepRecord] = []

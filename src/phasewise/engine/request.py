@@ -94,6 +94,9 @@ class Request:
         self.output_logprobs: list[Any] = []        # per output token, when logprobs were asked for
         self.num_computed_tokens = 0                # tokens whose K/V are in the cache
         self.block_ids: list[int] = []
+        self.block_hashes: list = []                # (hash, key) per full block, filled by the KV manager
+        self.num_cached_blocks = 0                  # leading blocks registered in the prefix cache
+        self.num_cached_tokens: int | None = None   # prompt tokens found in the prefix cache at admission
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.sampler_state: Any = None              # the runner's per-request state (a seeded generator)

@@ -56,17 +56,22 @@ class Scheduler:
             chunks.append(ScheduledChunk(req, n))
             budget -= n
             i += 1
-        # No admissions in a step that had to preempt: the pool is already short.
+        # Then waiting requests, in arrival order, after their prefix-cache hits; no admissions
+        # in a step that had to preempt (the pool is already short).
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs \
                 and not preempted:
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.kv.allocate_slots(req, n):
+            hits = self.kv.get_computed_blocks(req)
+            cached = len(hits) * self.kv.block_size
+            n = min(req.num_tokens - cached, budget)
+            if not self.kv.allocate_slots(req, n, hits):
                 break
             self.waiting.popleft()
             self.running.append(req)
+            req.num_computed_tokens = cached
             if req.metrics.first_scheduled is None:
                 req.metrics.first_scheduled = now
+                req.num_cached_tokens = cached
             req.status = RequestStatus.RUNNING
             chunks.append(ScheduledChunk(req, n))
             budget -= n
@@ -97,6 +102,7 @@ class Scheduler:
             if not chunk.is_decode:
                 req.metrics.prefill_chunks.append((started, now, chunk.num_tokens))
             req.num_computed_tokens += chunk.num_tokens
+            self.kv.cache_full_blocks(req)
             sampled = result.sampled.get(req.request_id)
             if sampled is None:
                 continue
