@@ -12,7 +12,7 @@ TOPICS = ["the sea", "a cat", "mountains", "bread", "rain", "a library", "trains
           "winter", "a garden", "music", "coffee", "a lighthouse", "bees", "paper", "a bridge"]
 PROMPTS = [f"Write one sentence about {t}." for t in TOPICS]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
-SYSTEM = ("You are a meticulous assistant for a museum of maritime history. " * 30).strip()
+SYSTEM = ("You are a meticulous assistant for a museum of maritime history. " * 34).strip()
 
 
 def assert_same_greedy(outs, refs):
