@@ -172,6 +172,23 @@ def test_preemption_recomputes_and_output_is_unchanged():
     assert core.kv.pool.num_free == 14
 
 
+def test_a_failing_step_fails_its_requests_and_frees_their_blocks():
+    core, runner = make_core(num_blocks=16)
+    a, b = request("a", 10, 5), request("b", 6, 5)
+    core.add_request(a)
+    core.step()
+    core.add_request(b)
+
+    def broken(sched):
+        raise RuntimeError("kernel exploded")
+
+    runner.execute = broken
+    with pytest.raises(RuntimeError, match="exploded"):
+        core.step()
+    assert core.kv.pool.num_free == 16 and not core.has_unfinished()
+    assert a.finish_reason is b.finish_reason is FinishReason.ERROR
+
+
 def test_eos_and_max_tokens_finish():
     core, _ = make_core()
     r = Request("r", [5, 6], SamplingParams(max_tokens=3), frozenset({token_for("r", 3)}))

@@ -61,7 +61,12 @@ class EngineCore:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("no request can be scheduled although some are waiting (KV pool too small)")
             return []
-        result = self.runner.execute(sched)
+        try:
+            result = self.runner.execute(sched)
+        except Exception:
+            for chunk in sched.chunks:   # a failed step fails its requests: nothing stays held
+                self.scheduler.finish(chunk.request.request_id, FinishReason.ERROR)
+            raise
         outputs = self.scheduler.update(sched, result, started)
         self.steps.append(StepRecord(started, (time.perf_counter() - started) * 1e3,
                                      sched.num_prefill_tokens, sched.num_decode_tokens, len(sched.chunks)))
