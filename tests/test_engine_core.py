@@ -201,6 +201,31 @@ def test_eos_and_max_tokens_finish():
     assert r2.finish_reason is FinishReason.LENGTH and len(r2.output_token_ids) == 3
 
 
+def test_stop_token_ids_and_min_tokens():
+    core, _ = make_core()
+    stop = token_for("s", 4)
+    r = Request("s", [5, 6], SamplingParams(max_tokens=10, stop_token_ids=[stop]), frozenset())
+    core.add_request(r)
+    run_all(core)
+    assert r.finish_reason is FinishReason.STOP and r.output_token_ids[-1] == stop and len(r.output_token_ids) == 3
+    stop = token_for("late", 3)
+    late = Request("late", [5, 6], SamplingParams(max_tokens=10, min_tokens=4, stop_token_ids=[stop]), frozenset())
+    core.add_request(late)
+    run_all(core)
+    assert late.output_token_ids[1] == stop and len(late.output_token_ids) >= 4   # too early: ignored
+
+
+def test_step_records_account_for_every_token():
+    core, runner = make_core(budget=8)
+    for i in range(3):
+        core.add_request(request(f"r{i}", 10, 4, family=i))
+    run_all(core)
+    assert len(core.steps) == len(runner.steps)
+    assert sum(s.num_prefill_tokens for s in core.steps) == 30
+    assert sum(s.num_decode_tokens for s in core.steps) == 3 * 3     # the first token comes from prefill
+    assert all(s.batch_size == len(r.chunks) and s.duration_ms >= 0 for s, r in zip(core.steps, runner.steps))
+
+
 def test_percentile_matches_linear_interpolation():
     assert percentile([], 50) == 0.0
     assert percentile([3.0], 90) == 3.0
