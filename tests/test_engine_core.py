@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import zlib
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -46,7 +47,8 @@ class FakeRunner:
 
 
 def token_for(request_id: str, position: int) -> int:
-    return 1 + (hash((request_id, position)) % 97)
+    """Deterministic across processes (str hashes are salted per process; crc32 is not)."""
+    return 1 + zlib.crc32(f"{request_id}:{position}".encode()) % 97
 
 
 def make_core(num_blocks=64, budget=16, max_seqs=8, max_len=512, prefix_caching=True):
@@ -203,16 +205,19 @@ def test_eos_and_max_tokens_finish():
 
 def test_stop_token_ids_and_min_tokens():
     core, _ = make_core()
-    stop = token_for("s", 4)
+    expected = [token_for("s", p) for p in range(2, 12)]     # what the fake emits for a 2-token prompt
+    stop = expected[2]
     r = Request("s", [5, 6], SamplingParams(max_tokens=10, stop_token_ids=[stop]), frozenset())
     core.add_request(r)
     run_all(core)
-    assert r.finish_reason is FinishReason.STOP and r.output_token_ids[-1] == stop and len(r.output_token_ids) == 3
-    stop = token_for("late", 3)
+    assert r.finish_reason is FinishReason.STOP and r.output_token_ids == expected[: expected.index(stop) + 1]
+    expected = [token_for("late", p) for p in range(2, 12)]
+    stop = expected[0]
     late = Request("late", [5, 6], SamplingParams(max_tokens=10, min_tokens=4, stop_token_ids=[stop]), frozenset())
     core.add_request(late)
     run_all(core)
-    assert late.output_token_ids[1] == stop and len(late.output_token_ids) >= 4   # too early: ignored
+    later = [i for i, t in enumerate(expected) if t == stop and i >= 3]   # before min_tokens: ignored
+    assert late.output_token_ids == expected[: later[0] + 1 if later else 10]
 
 
 def test_step_records_account_for_every_token():
