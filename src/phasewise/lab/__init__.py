@@ -1,0 +1,1 @@
+"""The measurement lab: calculators, experiments, load generation, traces."""

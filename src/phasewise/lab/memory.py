@@ -1,0 +1,68 @@
+"""Memory arithmetic: KV-cache bytes per token and per sequence, sequences that fit, weight sizes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from phasewise.models.config import ModelConfig
+
+BYTES_PER_ELEMENT = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5}
+MIB, GIB = 2**20, 2**30
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What memory depends on: layer count, KV heads, head size, and the parameter count."""
+    layers: int
+    kv_heads: int
+    head_dim: int
+    params: int | None = None
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> ModelShape:
+        return cls(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, parameter_count(cfg))
+
+    def kv_bytes_per_token(self, dtype: str = "fp16") -> float:
+        """2 (K and V) × layers × kv_heads × head_dim × bytes per element."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * BYTES_PER_ELEMENT[dtype]
+
+    def kv_bytes_per_sequence(self, context_len: int, dtype: str = "fp16") -> float:
+        return self.kv_bytes_per_token(dtype) * context_len
+
+    def sequences_that_fit(self, memory_bytes: float, context_len: int, dtype: str = "fp16",
+                           weights_dtype: str | None = None) -> int:
+        """Full-length sequences whose KV fits in memory_bytes (after the weights, if weights_dtype is given)."""
+        free = memory_bytes - (self.weight_bytes(weights_dtype) if weights_dtype else 0)
+        return max(0, int(free // self.kv_bytes_per_sequence(context_len, dtype)))
+
+    def weight_bytes(self, dtype: str) -> float:
+        if self.params is None:
+            raise ValueError("the parameter count is unknown (give --params or a model)")
+        return self.params * BYTES_PER_ELEMENT[dtype]
+
+
+def parameter_count(cfg: ModelConfig) -> int:
+    """Parameters of a Llama-family model (the output head counted once when tied)."""
+    h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    attn = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h
+    if cfg.attention_bias:
+        attn += cfg.q_size + 2 * cfg.kv_size
+    per_layer = attn + 3 * h * i + 2 * h
+    return v * h + cfg.num_layers * per_layer + h + (0 if cfg.tie_word_embeddings else v * h)
+
+
+def report(shape: ModelShape, context_len: int, memory_gib: float, kv_dtype: str = "fp16") -> list[str]:
+    """The lines `phasewise memory` prints."""
+    per_token = shape.kv_bytes_per_token(kv_dtype)
+    lines = [
+        f"KV cache ({kv_dtype}): {per_token / MIB:.4g} MiB per token "
+        f"(2 x {shape.layers} layers x {shape.kv_heads} kv heads x {shape.head_dim} head dim x "
+        f"{BYTES_PER_ELEMENT[kv_dtype]:g} bytes)",
+        f"one sequence of {context_len} tokens: {shape.kv_bytes_per_sequence(context_len, kv_dtype) / MIB:,.1f} MiB",
+        f"sequences of {context_len} tokens in {memory_gib:g} GiB: "
+        f"{shape.sequences_that_fit(memory_gib * GIB, context_len, kv_dtype)} (KV only)",
+    ]
+    if shape.params is not None:
+        lines.append(f"weights ({shape.params / 1e6:,.1f} M parameters): " + ", ".join(
+            f"{d} {shape.weight_bytes(d) / MIB:,.0f} MiB" for d in ("fp32", "bf16", "int8", "int4")))
+    return lines

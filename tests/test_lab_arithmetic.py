@@ -1,0 +1,55 @@
+"""The lab's calculators on hand-checked numbers."""
+
+from __future__ import annotations
+
+import pytest
+
+from phasewise.lab.cost import Prices, Workload, cost_with_caching, cost_without_caching
+from phasewise.lab.memory import MIB, GIB, ModelShape, parameter_count
+from phasewise.models.config import ModelConfig
+
+
+def test_kv_bytes_per_token_of_a_70b_shape():
+    shape = ModelShape(layers=80, kv_heads=8, head_dim=128)
+    assert shape.kv_bytes_per_token("fp16") == 327_680            # 2 * 80 * 8 * 128 * 2
+    assert shape.kv_bytes_per_token("fp16") / MIB == pytest.approx(0.3125)
+    assert shape.kv_bytes_per_sequence(4096, "fp16") == 327_680 * 4096
+    assert shape.sequences_that_fit(80 * GIB, 4096) == 64           # 1.25 GiB each
+    assert shape.kv_bytes_per_token("int8") == 163_840
+
+
+def test_parameter_count_matches_the_default_model_and_transformers():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    for cls, cfg_cls, extra in ((LlamaForCausalLM, LlamaConfig, {"tie_word_embeddings": True}),
+                                (Qwen2ForCausalLM, Qwen2Config, {"tie_word_embeddings": False})):
+        hf_cfg = cfg_cls(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, **extra)
+        with torch.device("meta"):
+            n = sum(p.numel() for p in cls(hf_cfg).parameters())
+        assert parameter_count(ModelConfig.from_hf(hf_cfg.to_dict())) == n
+    smollm = ModelConfig("llama", 49152, 576, 1536, 30, 9, 3, 64, 1e-5, 1e5, 8192, tie_word_embeddings=True)
+    assert parameter_count(smollm) == 134_515_008                    # SmolLM2-135M
+
+
+def test_weight_memory_needs_a_parameter_count():
+    shape = ModelShape(2, 2, 64, params=1_000_000)
+    assert shape.weight_bytes("int4") == 500_000 and shape.weight_bytes("fp32") == 4_000_000
+    with pytest.raises(ValueError, match="parameter count"):
+        ModelShape(2, 2, 64).weight_bytes("fp32")
+
+
+def test_cost_with_and_without_prompt_caching():
+    prices = Prices(input=3.0, output=15.0, cache_write=3.75, cache_read=0.30)
+    w = Workload(requests=1000, input_tokens=2000, output_tokens=300, shared_prefix_tokens=1500)
+    plain = cost_without_caching(w, prices)
+    assert plain.input == pytest.approx(6.0) and plain.output == pytest.approx(4.5)
+    cached = cost_with_caching(w, prices)
+    assert cached.input == pytest.approx(1000 * 500 * 3 / 1e6)       # 1.5
+    assert cached.cache_write == pytest.approx(1500 * 3.75 / 1e6)
+    assert cached.cache_read == pytest.approx(999 * 1500 * 0.30 / 1e6)
+    assert cached.total < plain.total
+    assert Prices(2.0, 8.0).read == pytest.approx(0.2) and Prices(2.0, 8.0).write == 2.0
+    with pytest.raises(ValueError):
+        Workload(1, 10, 1, shared_prefix_tokens=11)
