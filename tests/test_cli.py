@@ -80,3 +80,29 @@ def test_streams_text_then_prints_where_the_time_went():
     assert proc.stdout.strip()
     for label in ("load time", "prompt eval time", "eval time", "time to first token", "total time"):
         assert label in proc.stderr
+
+
+def test_memory_from_numbers():
+    proc = run("memory", "--layers", "80", "--kv-heads", "8", "--head-dim", "128", "--context", "4096")
+    assert proc.returncode == 0, proc.stderr
+    assert "0.3125 MiB per token" in proc.stdout and "1,280.0 MiB" in proc.stdout
+
+
+def test_memory_of_the_default_model():
+    proc = run("memory", "--context", "8192")
+    assert proc.returncode == 0, proc.stderr
+    assert "2 x 30 layers x 3 kv heads x 64 head dim" in proc.stdout and "134.5 M parameters" in proc.stdout
+
+
+def test_cost_with_prompt_caching():
+    proc = run("cost", "--requests", "1000", "--input-tokens", "2000", "--output-tokens", "300",
+               "--shared-prefix-tokens", "1500", "--input-price", "3", "--output-price", "15")
+    assert proc.returncode == 0, proc.stderr
+    assert "10.5000" in proc.stdout and "saves" in proc.stdout
+
+
+def test_lab_bad_input_is_one_line():
+    assert_one_line_error(run("memory", "--layers", "3"), "--layers")
+    assert_one_line_error(run("cost", "--requests", "1", "--input-tokens", "5", "--output-tokens", "1",
+                              "--shared-prefix-tokens", "9", "--input-price", "1", "--output-price", "1"),
+                          "shared_prefix_tokens")

@@ -1,4 +1,4 @@
-"""The `phasewise` command: generate (more subcommands arrive with the server and the lab)."""
+"""The `phasewise` command: generate, memory, cost."""
 
 from __future__ import annotations
 
@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     _add_model_args(gen)
     _add_sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+    from phasewise.lab.commands import add_parsers as add_lab_parsers
+
+    add_lab_parsers(sub)
     return parser
 
 
@@ -90,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     from phasewise.loading.gguf import ModelLoadError
 
     try:
-        return {"generate": cmd_generate}[args.command](args)
+        return args.func(args)
     except (ValueError, ModelLoadError, FileNotFoundError) as e:  # bad input: one line, no traceback
         print(f"phasewise: error: {e}", file=sys.stderr)
         return EXIT_USAGE

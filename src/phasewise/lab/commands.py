@@ -1,0 +1,64 @@
+"""`phasewise memory` and `phasewise cost`: the lab's calculators on the command line."""
+
+from __future__ import annotations
+
+import argparse
+
+from phasewise.lab.cost import Prices, Workload, cost_with_caching, cost_without_caching
+from phasewise.lab.memory import BYTES_PER_ELEMENT, ModelShape, report
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    mem = sub.add_parser("memory", help="KV-cache and weight memory of a model, from its file or from numbers")
+    mem.add_argument("--model", "-m", default=None,
+                     help="a .gguf file or HF folder (default: the default model unless --layers is given)")
+    mem.add_argument("--layers", type=int, help="number of layers (instead of a model)")
+    mem.add_argument("--kv-heads", type=int, help="number of KV heads (instead of a model)")
+    mem.add_argument("--head-dim", type=int, help="head size (instead of a model)")
+    mem.add_argument("--params", type=float, default=None, help="parameter count, e.g. 7e9 (instead of a model)")
+    mem.add_argument("--context", type=int, default=4096, help="tokens per sequence")
+    mem.add_argument("--memory", type=float, default=24.0, help="memory for the KV cache, GiB")
+    mem.add_argument("--kv-dtype", default="fp16", choices=sorted(BYTES_PER_ELEMENT))
+    mem.set_defaults(func=cmd_memory)
+
+    cost = sub.add_parser("cost", help="cost of a workload from per-million-token prices, with and without "
+                                       "prompt caching")
+    cost.add_argument("--requests", type=int, required=True)
+    cost.add_argument("--input-tokens", type=int, required=True, help="per request, shared prefix included")
+    cost.add_argument("--output-tokens", type=int, required=True, help="per request")
+    cost.add_argument("--shared-prefix-tokens", type=int, default=0, help="input tokens every request shares")
+    cost.add_argument("--input-price", type=float, required=True, help="per million input tokens")
+    cost.add_argument("--output-price", type=float, required=True, help="per million output tokens")
+    cost.add_argument("--cache-write-price", type=float, default=None, help="default: the input price")
+    cost.add_argument("--cache-read-price", type=float, default=None, help="default: a tenth of the input price")
+    cost.set_defaults(func=cmd_cost)
+
+
+def cmd_memory(args: argparse.Namespace) -> int:
+    numbers = (args.layers, args.kv_heads, args.head_dim)
+    if any(n is not None for n in numbers):
+        if any(n is None or n < 1 for n in numbers):
+            raise ValueError("give --layers, --kv-heads and --head-dim together, each at least 1")
+        shape = ModelShape(*numbers, params=int(args.params) if args.params else None)
+    else:
+        from phasewise.loading.loader import load_config, resolve_model_path
+
+        shape = ModelShape.from_config(load_config(resolve_model_path(args.model)))
+    if args.context < 1 or args.memory <= 0:
+        raise ValueError("--context must be at least 1 and --memory positive")
+    print("\n".join(report(shape, args.context, args.memory, args.kv_dtype)))
+    return 0
+
+
+def cmd_cost(args: argparse.Namespace) -> int:
+    prices = Prices(args.input_price, args.output_price, args.cache_write_price, args.cache_read_price)
+    if min(prices.input, prices.output, prices.write, prices.read) < 0:
+        raise ValueError("prices must be >= 0")
+    w = Workload(args.requests, args.input_tokens, args.output_tokens, args.shared_prefix_tokens)
+    plain, cached = cost_without_caching(w, prices), cost_with_caching(w, prices)
+    print(f"{'':22}{'input':>10}{'cache write':>13}{'cache read':>12}{'output':>10}{'total':>11}")
+    for name, c in (("without prompt caching", plain), ("with prompt caching", cached)):
+        print(f"{name:22}{c.input:>10.4f}{c.cache_write:>13.4f}{c.cache_read:>12.4f}{c.output:>10.4f}{c.total:>11.4f}")
+    if plain.total > 0:
+        print(f"prompt caching saves {plain.total - cached.total:.4f} ({1 - cached.total / plain.total:.1%})")
+    return 0
