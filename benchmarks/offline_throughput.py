@@ -31,11 +31,11 @@ def throughput(llm, concurrency: int, prompt_tokens: int, output_tokens: int, se
     vocab = llm.model_config.vocab_size
     prompts = [[rng.randrange(100, vocab) for _ in range(prompt_tokens)] for _ in range(concurrency)]
     params = SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True)
-    steps_before = len(llm.engine.core.steps)
+    steps_before = llm.engine.core.num_steps
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     wall = time.perf_counter() - t0
-    steps = llm.engine.core.steps[steps_before:]
+    steps = list(llm.engine.core.steps)[steps_before - llm.engine.core.num_steps:]
     n_out = sum(len(o.token_ids) for o in outs)
     itl = [g for o in outs for g in o.metrics.itl_ms]
     return {

@@ -1,10 +1,12 @@
-"""The `phasewise` command: generate, memory, cost."""
+"""The `phasewise` command: generate, serve, memory, cost."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
+from pathlib import Path
 
 EXIT_USAGE = 2
 
@@ -47,6 +49,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(gen)
     _add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, metrics)")
+    s = serve.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 and the tokenizer routes")
+    s.add_argument("--served-model-name", default=None, help="the model's name in the API (default: the file's stem)")
+    s.add_argument("--max-waiting", type=int, default=1024,
+                   help="queued requests past which new ones get 503 with Retry-After")
+    s.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger request bodies get 413")
+    s.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
+    s.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one engine step")
+    s.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
+    _add_model_args(serve)
+    serve.set_defaults(func=cmd_serve)
     from phasewise.lab.commands import add_parsers as add_lab_parsers
 
     add_lab_parsers(sub)
@@ -86,6 +103,57 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write("\n")
         print("\n" + "\n".join(perf_lines(final, llm.load_ms)), file=sys.stderr)
+    return 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """Bind before the (slow) model load, so a busy port fails at once with one line."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {port}")
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as e:
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    for name in ("max_waiting", "max_body_bytes", "max_num_seqs", "max_num_batched_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    sock = _listen(args.host, args.port)
+    import uvicorn
+
+    from phasewise.config import CacheConfig, EngineConfig, SchedulerConfig
+    from phasewise.llm_engine import LLMEngine
+    from phasewise.server import AsyncEngine, ServerConfig, create_app
+
+    config = EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device,
+        cache=CacheConfig(args.block_size, args.kv_cache_memory),
+        scheduler=SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, args.max_model_len))
+    engine = LLMEngine(config)
+    engine.warmup()
+    path = Path(engine.model_path)
+    name = args.served_model_name or (path.name if path.is_dir() else path.stem)
+    aliases = tuple(a for a in (args.model, str(path)) if a)
+    async_engine = AsyncEngine(engine)
+    app = create_app(async_engine, ServerConfig(name, aliases, args.api_key, args.max_waiting,
+                                                args.max_body_bytes, model_root=str(path)))
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"phasewise: serving {name} on http://{host}:{sock.getsockname()[1]}/v1 "
+          f"(loaded in {engine.load_ms:.0f} ms)", file=sys.stderr, flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="info", access_log=not args.no_access_log,
+                                           timeout_graceful_shutdown=5))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        async_engine.shutdown()
+        sock.close()
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Protocol
 
 from phasewise.engine.kv_cache_manager import KVCacheManager
@@ -10,6 +11,9 @@ from phasewise.engine.outputs import RequestOutput, RunnerOutput, SchedulerOutpu
 from phasewise.engine.request import FinishReason, Request
 from phasewise.engine.scheduler import Scheduler
 from phasewise.config import SchedulerConfig
+
+
+MAX_STEP_RECORDS = 100_000   # a long-running server keeps only the latest steps
 
 
 class Runner(Protocol):
@@ -23,7 +27,8 @@ class EngineCore:
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(scheduler_config, self.kv)
         self.max_model_len = max_model_len
-        self.steps: list[StepRecord] = []
+        self.steps: deque[StepRecord] = deque(maxlen=MAX_STEP_RECORDS)   # the most recent steps
+        self.num_steps = 0                                                 # all steps ever run
 
     def add_request(self, request: Request) -> None:
         """Queue a request; ValueError when it can never fit the context or the KV pool."""
@@ -68,6 +73,7 @@ class EngineCore:
                 self.scheduler.finish(chunk.request.request_id, FinishReason.ERROR)
             raise
         outputs = self.scheduler.update(sched, result, started)
+        self.num_steps += 1
         self.steps.append(StepRecord(started, (time.perf_counter() - started) * 1e3,
                                      sched.num_prefill_tokens, sched.num_decode_tokens, len(sched.chunks)))
         return outputs

@@ -1,0 +1,6 @@
+"""The OpenAI-compatible HTTP server: `phasewise serve`."""
+
+from phasewise.server.app import ServerConfig, create_app
+from phasewise.server.async_engine import AsyncEngine, EngineError, RequestStream, SubRequest
+
+__all__ = ["AsyncEngine", "EngineError", "RequestStream", "ServerConfig", "SubRequest", "create_app"]

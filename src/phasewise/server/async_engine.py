@@ -1,0 +1,415 @@
+"""AsyncEngine: an LLMEngine stepped by one background thread, fed and drained from asyncio.
+
+LLMEngine is not thread-safe, so every call into it happens on the engine thread.
+The event loop hands it commands (add, abort, call) through a locked inbox; the
+thread takes them between steps, steps while any request is unfinished, and
+sleeps on a condition when there is nothing to do. Each step's deltas go back to
+the loop in one `call_soon_threadsafe`, which puts them on the asyncio.Queue of
+the request's stream. A stream that is closed before its requests end (a client
+that went away) aborts them, which frees their KV blocks on the next turn of the
+thread. A step that raises fails the requests it held with an error and the
+thread goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from phasewise.llm_engine import LLMEngine
+from phasewise.outputs import StreamDelta
+from phasewise.sampling.params import SamplingParams
+
+log = logging.getLogger("phasewise.server")
+
+Prompt = str | list[int] | list[dict]
+
+
+class EngineError(RuntimeError):
+    """The engine failed while running a request (not the request's fault)."""
+
+
+class ContextLengthError(ValueError):
+    """The prompt (plus max_tokens) does not fit the context."""
+
+
+class EngineDeadError(EngineError):
+    """The engine thread has stopped; no request can be served."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot published by the engine thread after each turn (read by the loop without locks)."""
+    num_waiting: int = 0
+    num_running: int = 0
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    num_cached_blocks: int = 0
+    kv_usage: float = 0.0
+    num_steps: int = 0
+
+
+@dataclass
+class SubRequest:
+    """One engine request of an API call (an API call with n > 1 or several prompts has several)."""
+    request_id: str
+    prompt: Prompt
+    params: SamplingParams
+
+
+@dataclass
+class _Add:
+    items: list[SubRequest]
+    chat: bool
+    future: asyncio.Future
+
+
+@dataclass
+class _Live:
+    request: Any                               # the engine's Request
+    loop: asyncio.AbstractEventLoop            # where its stream lives
+
+
+@dataclass
+class _Abort:
+    request_ids: list[str]
+
+
+@dataclass
+class _Call:
+    fn: Callable[[LLMEngine], Any]
+    future: asyncio.Future
+
+
+class Observer:
+    """Hooks called on the engine thread (metrics). Default: do nothing."""
+
+    def on_delta(self, delta: StreamDelta) -> None: ...
+
+    def on_finish(self, request: Any, reason: str) -> None: ...
+
+
+class RequestStream:
+    """The deltas of one or more engine requests added together, in the order they are produced.
+
+    Iterate with `async for`; `close()` (also run when iteration stops for any reason)
+    aborts whatever has not finished.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_ids: list[str], queue: asyncio.Queue) -> None:
+        self._engine = engine
+        self.request_ids = request_ids
+        self._queue = queue
+        self._unfinished = set(request_ids)
+
+    async def __aiter__(self) -> AsyncIterator[StreamDelta]:
+        try:
+            while self._unfinished:
+                item = await self._queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    self._unfinished.discard(item.request_id)
+                yield item
+        finally:
+            self.close()
+
+    @property
+    def finished(self) -> bool:
+        return not self._unfinished
+
+    def close(self) -> None:
+        """Abort the requests that have not finished; idempotent, safe to call from the event loop."""
+        for rid in self.request_ids:
+            self._engine._queues.pop(rid, None)
+        if self._unfinished:
+            self._engine._send(_Abort(sorted(self._unfinished)))
+            self._unfinished.clear()
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, observer: Observer | None = None) -> None:
+        self.engine = engine
+        self.observer = observer or Observer()
+        self.tokenizer = engine.tokenizer
+        self.model_config = engine.model_config
+        self.max_model_len = engine.max_model_len
+        pool = engine.core.kv.pool
+        self.num_blocks = pool.num_blocks
+        self.block_size = engine.core.kv.block_size
+        self.stats = EngineStats(num_blocks=pool.num_blocks, num_free_blocks=pool.num_free)
+        self._cond = threading.Condition()
+        self._inbox: list = []
+        self._stopping = False
+        self._pending = 0                      # sub-requests sent to the thread but not yet added (loop side)
+        self._queues: dict[str, asyncio.Queue] = {}   # request id → its stream's queue (loop side)
+        self._live: dict[str, _Live] = {}      # request id → engine Request and its caller's loop (thread side)
+        self._thread = threading.Thread(target=self._run, name="phasewise-engine", daemon=True)
+        self._thread.start()
+
+    # ---- the event loop's side ----------------------------------------------------------
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def num_queued(self) -> int:
+        """Sub-requests not yet running: on their way to the engine, or waiting in its scheduler."""
+        return self._pending + self.stats.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return self.stats.num_running
+
+    async def submit(self, items: list[SubRequest], chat: bool = False) -> RequestStream:
+        """Add requests together (all or none). ValueError (context too long, ...) is raised here."""
+        if not self.is_alive:
+            raise EngineDeadError("the engine has stopped")
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        rids = [it.request_id for it in items]
+        for rid in rids:
+            self._queues[rid] = queue
+        stream = RequestStream(self, rids, queue)
+        future = loop.create_future()
+        self._pending += len(items)
+        self._send(_Add(items, chat, future))
+        try:
+            await future
+        except ValueError:
+            stream._unfinished.clear()         # nothing was added
+            stream.close()
+            raise
+        except BaseException:                  # cancelled (client gone) or the engine died
+            stream.close()
+            raise
+        finally:
+            self._pending -= len(items)
+        return stream
+
+    async def generate(self, prompt: Prompt, params: SamplingParams | None = None, chat: bool = False,
+                       request_id: str | None = None) -> AsyncIterator[StreamDelta]:
+        """The deltas of one request; the request is aborted when the consumer stops early."""
+        rid = request_id or f"req-{uuid.uuid4().hex}"
+        stream = await self.submit([SubRequest(rid, prompt, params or SamplingParams())], chat)
+        try:
+            async for delta in stream:
+                yield delta
+        finally:
+            stream.close()
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run fn(engine) on the engine thread between steps (tokenizer use, inspection)."""
+        if not self.is_alive:
+            raise EngineDeadError("the engine has stopped")
+        future = asyncio.get_running_loop().create_future()
+        self._send(_Call(fn, future))
+        return await future
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    def _send(self, command: Any) -> None:
+        with self._cond:
+            self._inbox.append(command)
+            self._cond.notify()
+
+    def _dispatch(self, items: list[tuple[str, Any]]) -> None:
+        """On the loop: route deltas (or errors) to their streams; unknown ids were closed already."""
+        for rid, item in items:
+            queue = self._queues.get(rid)
+            if queue is not None:
+                queue.put_nowait(item)
+
+    # ---- the engine thread's side ------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                with self._cond:
+                    while not self._inbox and not self._stopping and not engine.has_unfinished():
+                        self._cond.wait()
+                    if self._stopping:
+                        break
+                    commands, self._inbox = self._inbox, []
+                for command in commands:
+                    self._handle(command)
+                if engine.has_unfinished():
+                    self._step()
+                self._publish()
+        except BaseException:                  # a bug in this loop: make it loud, fail everyone
+            log.exception("the engine thread died")
+            raise
+        finally:
+            self._fail_all(EngineDeadError("the engine has stopped"))
+
+    def _handle(self, command: Any) -> None:
+        if isinstance(command, _Add):
+            try:
+                self._add(command.items, command.chat, command.future.get_loop())
+            except Exception as e:
+                self._resolve(command.future, error=e if isinstance(e, ValueError) else EngineError(str(e)))
+            else:
+                self._publish()                # count them as waiting before the loop stops counting pending
+                self._resolve(command.future, result=None)
+        elif isinstance(command, _Abort):
+            for rid in command.request_ids:
+                live = self._live.pop(rid, None)
+                if live is not None:
+                    self.engine.abort(rid)
+                    self._observe(self.observer.on_finish, live.request, "abort")
+        elif isinstance(command, _Call):
+            try:
+                result = command.fn(self.engine)
+            except Exception as e:
+                self._resolve(command.future, error=e)
+            else:
+                self._resolve(command.future, result=result)
+
+    def _add(self, items: list[SubRequest], chat: bool, loop: asyncio.AbstractEventLoop) -> None:
+        """Tokenize, check against the context and the pool, then add all (or none)."""
+        engine = self.engine
+        encoded: dict[int, list[int]] = {}
+        prepared = []
+        for it in items:
+            key = id(it.prompt)                # the choices of one prompt share its object: encode once
+            if key not in encoded:
+                encoded[key] = self._encode(it.prompt, chat)
+            prepared.append((it.request_id, encoded[key], self._fit(encoded[key], it.params)))
+        added = []
+        try:
+            for rid, ids, params in prepared:
+                engine.add_request(ids, params, request_id=rid)
+                added.append(rid)
+                self._live[rid] = _Live(engine.core.scheduler.requests[rid], loop)
+        except Exception:
+            for rid in added:
+                self._live.pop(rid, None)
+                engine.abort(rid)
+            raise
+
+    def _encode(self, prompt: Prompt, chat: bool) -> list[int]:
+        ids = self.engine.encode_prompt(prompt, chat)
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], dict):
+            vocab = self.model_config.vocab_size
+            bad = next((t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
+            if bad is not None:
+                raise ValueError(f"token id {bad} is out of range: the vocabulary has {vocab} tokens")
+        return ids
+
+    def _fit(self, ids: list[int], params: SamplingParams) -> SamplingParams:
+        """Check prompt + max_tokens against the context; no max_tokens → as many as fit."""
+        n, limit = len(ids), self.max_model_len
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids: token id {bad} is out of range: the vocabulary has {vocab} tokens")
+        if n >= limit:
+            raise ContextLengthError(f"This model's maximum context length is {limit} tokens, but the prompt "
+                                     f"has {n} tokens (at least one token must be left to generate)")
+        if params.max_tokens is None:
+            room = min(limit, self.num_blocks * self.block_size) - n
+            if room < 1:
+                raise ValueError(f"the prompt has {n} tokens, but the KV cache holds only "
+                                 f"{self.num_blocks * self.block_size}: raise the KV cache memory")
+            return dataclasses.replace(params, max_tokens=room)
+        if n + params.max_tokens > limit:
+            raise ContextLengthError(f"This model's maximum context length is {limit} tokens, but "
+                                     f"{n + params.max_tokens} were requested ({n} in the prompt + "
+                                     f"{params.max_tokens} max_tokens): reduce the prompt or max_tokens")
+        return params
+
+    def _step(self) -> None:
+        try:
+            deltas = self.engine.step()
+        except Exception as e:
+            log.exception("engine step failed")
+            self._fail_step(e)
+            return
+        out: dict[asyncio.AbstractEventLoop, list] = {}
+        for d in deltas:
+            live = self._live.get(d.request_id)
+            if live is None:
+                continue
+            self._observe(self.observer.on_delta, d)
+            if d.finished:
+                del self._live[d.request_id]
+                self._observe(self.observer.on_finish, live.request, d.output.finish_reason or "stop")
+            out.setdefault(live.loop, []).append((d.request_id, d))
+        self._deliver(out)
+
+    def _fail_step(self, error: Exception) -> None:
+        """The core finished the step's requests with an error; tell their streams. If it failed none
+        (the step could not even be scheduled), fail them all so the thread cannot spin."""
+        live_in_core = self.engine.core.scheduler.requests
+        failed = [rid for rid in self._live if rid not in live_in_core] or list(self._live)
+        for rid in [r for r in list(live_in_core) if r not in self._live]:
+            self.engine.abort(rid)             # not ours (cannot happen through this class): no spinning
+        self._fail(failed, EngineError(f"the engine failed while running this request: {error}"))
+
+    def _fail(self, request_ids: list[str], error: Exception) -> None:
+        out: dict[asyncio.AbstractEventLoop, list] = {}
+        for rid in request_ids:
+            live = self._live.pop(rid)
+            try:
+                self.engine.abort(rid)         # forget it in the LLMEngine (and the core, if still there)
+            except Exception:
+                log.exception("abort failed")
+            self._observe(self.observer.on_finish, live.request, "error")
+            out.setdefault(live.loop, []).append((rid, error))
+        self._deliver(out)
+
+    def _fail_all(self, error: Exception) -> None:
+        self._fail(list(self._live), error)
+        with self._cond:
+            commands, self._inbox = self._inbox, []
+        for command in commands:
+            if isinstance(command, (_Add, _Call)):
+                self._resolve(command.future, error=error)
+        self._publish()
+
+    @staticmethod
+    def _observe(hook: Callable, *args: Any) -> None:
+        try:
+            hook(*args)
+        except Exception:                      # metrics must never take the engine down
+            log.exception("metrics observer failed")
+
+    def _publish(self) -> None:
+        sched, pool = self.engine.core.scheduler, self.engine.core.kv.pool
+        self.stats = EngineStats(len(sched.waiting), len(sched.running), pool.num_blocks, pool.num_free,
+                                 pool.num_cached, pool.usage, self.engine.core.num_steps)
+
+    def _deliver(self, out: dict[asyncio.AbstractEventLoop, list]) -> None:
+        for loop, items in out.items():
+            _post(loop, self._dispatch, items)
+
+    def _resolve(self, future: asyncio.Future, result: Any = None, error: BaseException | None = None) -> None:
+        def settle() -> None:
+            if future.done():                  # the awaiting coroutine was cancelled
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+        _post(future.get_loop(), settle)
+
+
+def _post(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
+    """Run fn(*args) on the loop soon; nothing if the loop has closed (shutdown)."""
+    if not loop.is_closed():
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            pass

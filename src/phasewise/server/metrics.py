@@ -1,0 +1,104 @@
+"""Prometheus metrics of one server: a registry per app (never the global one).
+
+Token and latency figures are observed on the engine thread as tokens are
+produced (prometheus_client is thread-safe); the gauges are set from the engine's
+published snapshot when /metrics is scraped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest)
+
+from phasewise.outputs import StreamDelta
+from phasewise.server.async_engine import EngineStats, Observer
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                   7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+REQUEST_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                   120.0, 240.0, 480.0, 960.0, 1920.0)
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class ServerMetrics(Observer):
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, model_name: str) -> None:
+        disable_created_metrics()              # no *_created series: they only add noise to a scrape
+        self.registry = r = CollectorRegistry()
+        labels, values = ["model_name"], [model_name]
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(name, doc, labels, registry=r).labels(*values)
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(name, doc, labels, registry=r).labels(*values)
+
+        def histogram(name: str, doc: str, buckets: tuple) -> Any:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(*values)
+
+        self.ttft = histogram("phasewise:time_to_first_token_seconds",
+                              "Time to first token: arrival to the first output token.", LATENCY_BUCKETS)
+        self.itl = histogram("phasewise:inter_token_latency_seconds",
+                             "Gap between consecutive output tokens of a request.", LATENCY_BUCKETS)
+        self.e2e = histogram("phasewise:e2e_request_latency_seconds",
+                             "End-to-end request latency: arrival to finish (or abort).", REQUEST_BUCKETS)
+        self.queue = histogram("phasewise:request_queue_time_seconds",
+                               "Time a request waited before it was first scheduled.", REQUEST_BUCKETS)
+        self.waiting = gauge("phasewise:num_requests_waiting", "Requests waiting to be scheduled.")
+        self.running = gauge("phasewise:num_requests_running", "Requests running (holding KV blocks).")
+        self.kv_usage = gauge("phasewise:kv_cache_usage_perc",
+                              "KV-cache usage: blocks referenced by requests / total blocks (0..1).")
+        self.free_blocks = gauge("phasewise:kv_cache_free_blocks",
+                                 "KV blocks no request references (free, or cached for prefix reuse).")
+        self.total_blocks = gauge("phasewise:kv_cache_total_blocks", "KV blocks in the pool.")
+        self.cached_blocks = gauge("phasewise:kv_cache_cached_blocks",
+                                   "KV blocks registered in the prefix cache (referenced or not).")
+        self.prompt_tokens = counter("phasewise:prompt_tokens", "Prompt tokens of requests that reached "
+                                     "their first token (cache hits included).")
+        self.generation_tokens = counter("phasewise:generation_tokens", "Output tokens generated.")
+        self.prefix_cache_hits = counter("phasewise:prefix_cache_hit_tokens",
+                                         "Prompt tokens found in the prefix cache.")
+        self.preemptions = counter("phasewise:num_preemptions", "Preemptions (a request's KV freed and "
+                                   "recomputed later), counted when the request ends.")
+        finished = Counter("phasewise:requests_finished", "Finished requests by finish reason (abort: the "
+                           "client went away; error: the engine failed).",
+                           ["model_name", "finished_reason"], registry=r)
+        self.finished = {reason: finished.labels(model_name, reason) for reason in FINISH_REASONS}
+
+    # ---- Observer: called on the engine thread -------------------------------------------------
+
+    def on_delta(self, delta: StreamDelta) -> None:
+        n = len(delta.token_ids)
+        if n:
+            self.generation_tokens.inc(n)
+        m = delta.output.metrics
+        times = m.token_times
+        if len(times) == 1 and n:              # the first token: prefill is over
+            self.ttft.observe(m.ttft_ms / 1e3)
+            self.queue.observe(m.queue_ms / 1e3)
+            self.prompt_tokens.inc(len(delta.output.prompt_token_ids))
+            self.prefix_cache_hits.inc(delta.output.cached_tokens)
+        elif len(times) >= 2 and n:
+            self.itl.observe(times[-1] - times[-2])
+
+    def on_finish(self, request: Any, reason: str) -> None:
+        m = request.metrics
+        if m.finished is not None:
+            self.e2e.observe(m.e2e_ms / 1e3)
+        if m.preemptions:
+            self.preemptions.inc(m.preemptions)
+        self.finished.get(reason, self.finished["error"]).inc()
+
+    # ---- the scrape -------------------------------------------------------------------
+
+    def render(self, stats: EngineStats) -> bytes:
+        self.waiting.set(stats.num_waiting)
+        self.running.set(stats.num_running)
+        self.kv_usage.set(stats.kv_usage)
+        self.free_blocks.set(stats.num_free_blocks)
+        self.total_blocks.set(stats.num_blocks)
+        self.cached_blocks.set(stats.num_cached_blocks)
+        return generate_latest(self.registry)

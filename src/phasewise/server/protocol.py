@@ -1,0 +1,258 @@
+"""Request bodies of the OpenAI-compatible API, their conversion to SamplingParams, and API errors.
+
+Pydantic checks types only (unknown fields are ignored); ranges are checked by
+SamplingParams, whose messages name the field. Every failure becomes an APIError,
+rendered in OpenAI's shape {"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from phasewise.sampling.params import SamplingParams
+
+MAX_CHOICES = 128          # n x prompts of one API call
+INT64 = 2 ** 63
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = Field(None, ge=-INT64, lt=INT64)
+    stop: Any = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    # the extra (vLLM-style) sampling fields
+    top_k: int | None = Field(None, ge=-1, lt=INT64)
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0, lt=INT64)
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, v: Any) -> list[str]:
+        if v is None:
+            return []
+        if isinstance(v, str):
+            return [v]
+        if isinstance(v, list) and all(isinstance(s, str) for s in v):
+            return v
+        raise ValueError("must be a string or a list of strings")
+
+    def _common(self) -> dict[str, Any]:
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported", "logit_bias")
+        fields = {
+            "n": self.n, "seed": self.seed, "stop": self.stop, "ignore_eos": self.ignore_eos,
+            "min_tokens": self.min_tokens, "stop_token_ids": self.stop_token_ids or [],
+            "skip_special_tokens": self.skip_special_tokens}
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            if value is not None:
+                fields[name] = value
+        return fields
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Request):
+    prompt: Any
+    max_tokens: int | None = Field(16, ge=-INT64, lt=INT64)   # OpenAI's and vLLM's default here
+    logprobs: int | None = Field(None, ge=-INT64, lt=INT64)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, v: Any) -> list[str | list[int]]:
+        """One prompt or a batch: text, token ids, a list of texts, or a list of token-id lists."""
+        def ids(x: Any) -> bool:
+            return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+        if isinstance(v, str):
+            return [v]
+        if ids(v):
+            return [v]
+        if isinstance(v, list) and v and all(isinstance(p, str) or ids(p) for p in v):
+            return v
+        raise ValueError("must be a string, a list of token ids, or a non-empty list of either")
+
+    def prompts(self) -> list[str | list[int]]:
+        return self.prompt
+
+    def sampling_params(self) -> SamplingParams:
+        if self.echo:
+            raise bad_request("echo is not supported", "echo")
+        if self.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request("best_of is not supported (use n)", "best_of")
+        if self.n * len(self.prompt) > MAX_CHOICES:
+            raise bad_request(f"n x the number of prompts must be at most {MAX_CHOICES}", "n")
+        return make_params(self._common(), self.max_tokens, self.logprobs)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def as_dict(self) -> dict[str, str]:
+        content = self.content
+        if isinstance(content, list):
+            if any(p.type != "text" or p.text is None for p in content):
+                raise bad_request("only text content parts are supported", "messages")
+            content = "".join(p.text for p in content)
+        return {"role": self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage]
+    max_tokens: int | None = Field(None, ge=-INT64, lt=INT64)   # None: as many as the context allows
+    max_completion_tokens: int | None = Field(None, ge=-INT64, lt=INT64)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=-INT64, lt=INT64)
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def conversation(self) -> list[dict[str, str]]:
+        if not self.messages:
+            raise bad_request("messages must not be empty", "messages")
+        return [m.as_dict() for m in self.messages]
+
+    def sampling_params(self) -> SamplingParams:
+        if self.tools:
+            raise bad_request("tools are not supported", "tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise bad_request("response_format other than text is not supported", "response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= SamplingParams.MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs must be in [0, {SamplingParams.MAX_LOGPROBS}], "
+                              f"got {self.top_logprobs}", "top_logprobs")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return make_params(self._common(), max_tokens, logprobs)
+
+
+def make_params(fields: dict[str, Any], max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    try:
+        return SamplingParams(**fields, max_tokens=max_tokens, logprobs=logprobs)
+    except ValueError as e:
+        message = str(e)
+        param = message.split(" ", 1)[0]
+        raise bad_request(message, param if param in fields or param in ("max_tokens", "logprobs") else None) from e
+
+
+def choice_params(params: SamplingParams, i: int) -> SamplingParams:
+    """The params of choice i: with a seed, choice i gets seed + i so the choices differ."""
+    if params.seed is None or i == 0:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + i) % 2 ** 64)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
+    """JSON bytes → a validated model, or a 400 APIError with a message a person can read."""
+    try:
+        obj = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad_request(f"the request body is not valid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        raise bad_request(*validation_message(e.errors(include_url=False, include_input=False,
+                                                       include_context=False))) from None
+
+
+def validation_message(errors: Sequence[dict]) -> tuple[str, str | None]:
+    """The first error as 'field.sub: message', without pydantic's types, inputs or links."""
+    if not errors:
+        return "invalid request", None
+    err = errors[0]
+    loc = [str(p) for p in err.get("loc", ()) if not _is_type_tag(p)]
+    if loc and loc[0] == "body":       # FastAPI's own validation prefixes the body
+        loc = loc[1:]
+    msg = err.get("msg", "invalid value")
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    if err.get("type") == "missing":
+        msg = "this field is required"
+    where = ".".join(loc)
+    return (f"{where}: {msg}" if where else msg), (loc[0] if loc else None)
+
+
+def _is_type_tag(part: Any) -> bool:
+    """Union members show up in pydantic locations as 'str', 'list[TextPart]', ...: not field names."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "list", "dict", "none")
+                                      or "[" in part)
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[int]

@@ -1,0 +1,510 @@
+"""`phasewise serve` as clients use it: a live server process on 127.0.0.1, the official openai client, httpx.
+
+No timed assertions: every wait is bounded, none is measured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+KEY = "test-key-123"
+MAX_BODY = 200_000
+STARTUP_TIMEOUT = 240.0
+QUESTION = [{"role": "user", "content": "Name three colours."}]
+LONG_PROMPT = ("You are a careful assistant who answers questions about the solar system. " * 12
+               + "Question: which planet is the largest?")
+TIMING_KEYS = {"queue_ms", "ttft_ms", "prompt_n", "cache_n", "prompt_ms", "prompt_per_second", "predicted_n",
+               "predicted_ms", "predicted_per_second", "itl_ms_p50", "itl_ms_p99", "preemptions"}
+
+
+# ---- helpers --------------------------------------------------------------------------------------
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    url: str
+    log: Path
+
+    def client(self, api_key: str = "none", **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=120, **kw)
+
+    def post(self, path: str, body=None, headers=None, **kw) -> httpx.Response:
+        return httpx.post(self.url + path, json=body, headers=headers, timeout=120, **kw)
+
+    def metrics(self) -> dict[str, float]:
+        """name{labels} → value, plus bare names summed over their labels."""
+        text = httpx.get(self.url + "/metrics", timeout=30).text
+        out: dict[str, float] = {}
+        for name, labels, value in re.findall(r"^([\w:]+)(\{[^}]*\})? (\S+)$", text, re.M):
+            pairs = sorted(re.findall(r'\w+="[^"]*"', labels))
+            out[name + ("{" + ",".join(pairs) + "}" if pairs else "")] = float(value)
+            out[name] = out.get(name, 0.0) + float(value)
+        return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(log_dir: Path, *extra: str) -> Server:
+    port = free_port()
+    log = log_dir / "server.log"
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    with open(log, "w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "phasewise.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+             "--kv-cache-memory", "0.25", "--no-access-log", *extra],
+            stdout=f, stderr=subprocess.STDOUT, env=env)
+    server = Server(proc, f"http://127.0.0.1:{port}", log)
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"the server exited ({proc.returncode}):\n{log.read_text()}")
+        try:
+            if httpx.get(server.url + "/health", timeout=5).status_code == 200:
+                return server
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    stop_server(server)
+    pytest.fail(f"the server did not answer /health within {STARTUP_TIMEOUT} s:\n{log.read_text()}")
+
+
+def stop_server(server: Server) -> None:
+    server.proc.terminate()
+    try:
+        server.proc.wait(30)
+    except subprocess.TimeoutExpired:
+        server.proc.kill()
+        server.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = start_server(tmp_path_factory.mktemp("server"), "--max-body-bytes", str(MAX_BODY))
+    yield s
+    stop_server(s)
+    assert "Traceback" not in s.log.read_text(), s.log.read_text()
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory):
+    """A second server: an API key, two running requests at most, two queued at most."""
+    s = start_server(tmp_path_factory.mktemp("guarded"), "--api-key", KEY, "--max-waiting", "2",
+                     "--max-num-seqs", "2")
+    yield s
+    stop_server(s)
+    assert "Traceback" not in s.log.read_text(), s.log.read_text()
+
+
+def assert_openai_error(resp: httpx.Response, status: int, *needles: str) -> dict:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"] and isinstance(err["type"], str)
+    for leak in ("pydantic", "errors.pydantic.dev", "'loc'", "'input'", "Traceback", "detail"):
+        assert leak not in resp.text, resp.text
+    for needle in needles:
+        assert needle in err["message"], err["message"]
+    return err
+
+
+def sse_events(resp: httpx.Response) -> list:
+    events = []
+    for line in resp.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+# ---- the API --------------------------------------------------------------------------------------
+
+def test_models_health_and_tokenizer_routes(server):
+    assert httpx.get(server.url + "/health").status_code == 200
+    models = server.client().models.list().data
+    assert [m.id for m in models] == [MODEL]
+    extra = models[0].to_dict()
+    assert extra["max_model_len"] == 8192 and extra["root"].endswith(MODEL + ".gguf")
+    ids = server.post("/tokenize", {"prompt": "Hello world"}).json()
+    assert ids["count"] == len(ids["tokens"]) > 0
+    assert server.post("/detokenize", {"tokens": ids["tokens"]}).json()["prompt"] == "Hello world"
+    chat_ids = server.post("/tokenize", {"messages": QUESTION}).json()["tokens"]
+    assert len(chat_ids) > ids["count"]
+
+
+def test_streamed_chat_equals_non_streamed(server):
+    client = server.client()
+    full = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=24)
+    text = full.choices[0].message.content
+    assert text and full.choices[0].finish_reason in ("stop", "length")
+    assert TIMING_KEYS <= set(full.to_dict()["timings"])
+    chunks = list(client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=24,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == text
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].choices[0].finish_reason == full.choices[0].finish_reason
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == full.usage.completion_tokens
+    assert last.usage.prompt_tokens == full.usage.prompt_tokens
+    assert TIMING_KEYS <= set(last.to_dict()["timings"])
+
+
+def test_usage_and_prefix_cache_hits_on_a_repeated_long_prompt(server):
+    client = server.client()
+    n_prompt = server.post("/tokenize", {"prompt": LONG_PROMPT}).json()["count"]
+    assert n_prompt > 64
+    outs = [client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=4, temperature=0,
+                                      extra_body={"ignore_eos": True}) for _ in range(2)]
+    for out in outs:
+        assert out.usage.prompt_tokens == n_prompt
+        assert out.usage.completion_tokens == 4 and out.usage.total_tokens == n_prompt + 4
+        assert out.choices[0].finish_reason == "length"
+    cached = outs[1].usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < n_prompt
+    timings = outs[1].to_dict()["timings"]
+    assert timings["cache_n"] == cached and timings["prompt_n"] == n_prompt and timings["predicted_n"] == 3
+    assert outs[0].choices[0].text == outs[1].choices[0].text
+
+
+def test_32_concurrent_streams_all_complete(server):
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, object]:
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Count to {i}."}], max_tokens=8,
+            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        text, usage = "", None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+            if chunk.usage:
+                usage = chunk.usage
+        return text, usage
+
+    async def run() -> list:
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0,
+                                      timeout=300) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(32)))
+
+    results = asyncio.run(run())
+    assert len(results) == 32
+    for text, usage in results:
+        assert usage is not None and usage.completion_tokens == 8
+    assert sum(1 for text, _ in results if text) >= 30   # 8 tokens may all be whitespace, rarely
+
+
+def test_n2_choices_differ_with_a_seed_and_share_the_prompt(server):
+    client = server.client()
+    out = client.chat.completions.create(model=MODEL, messages=QUESTION, n=2, seed=7, temperature=1.0,
+                                         max_tokens=16, extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == [0, 1]
+    assert out.usage.completion_tokens == 32
+    single = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=1)
+    assert out.usage.prompt_tokens == single.usage.prompt_tokens       # counted once, not per choice
+    assert out.choices[0].message.content != out.choices[1].message.content
+    again = client.chat.completions.create(model=MODEL, messages=QUESTION, n=2, seed=7, temperature=1.0,
+                                           max_tokens=16, extra_body={"ignore_eos": True})
+    assert [c.message.content for c in again.choices] == [c.message.content for c in out.choices]
+    texts = ["", ""]
+    for chunk in client.completions.create(model=MODEL, prompt="Once upon a time", n=2, max_tokens=6,
+                                           stream=True, extra_body={"ignore_eos": True}):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert all(texts)
+
+
+def test_chat_logprobs(server):
+    out = server.client().chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=8,
+                                                  logprobs=True, top_logprobs=3)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.bytes == list(entry.token.encode())
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-4)   # greedy: the top one
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs),
+                                                                 reverse=True)
+    text = out.choices[0].message.content
+    assert "".join(e.token for e in content).startswith(text)
+
+
+def test_completion_logprobs_legacy_format(server):
+    out = server.client().completions.create(model=MODEL, prompt="The capital of France is", temperature=0,
+                                             max_tokens=6, logprobs=2, extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert all(1 <= len(top) <= 2 for top in lp.top_logprobs)
+    assert "".join(lp.tokens) == out.choices[0].text
+    events = sse_events(server.post("/v1/completions", {"prompt": "The capital of France is", "temperature": 0,
+                                                        "max_tokens": 6, "logprobs": 2, "ignore_eos": True,
+                                                        "stream": True}))
+    streamed = [t for e in events[:-1] for c in e["choices"] for t in c["logprobs"]["tokens"]]
+    assert streamed == lp.tokens and events[-1] == "[DONE]"
+
+
+def test_stop_strings(server):
+    client = server.client()
+    ref = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=24)
+    words = ref.choices[0].message.content.split()
+    assert len(words) >= 3
+    stop = words[2]
+    out = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=24, stop=[stop])
+    text = out.choices[0].message.content
+    assert out.choices[0].finish_reason == "stop" and stop not in text
+    assert ref.choices[0].message.content.startswith(text)
+    assert out.choices[0].to_dict()["stop_reason"] == stop
+    comp = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", temperature=0, max_tokens=16,
+                                     stop=" 7")
+    assert comp.choices[0].finish_reason == "stop" and " 7" not in comp.choices[0].text
+
+
+# ---- errors ---------------------------------------------------------------------------------------
+
+CHAT = {"model": MODEL, "messages": QUESTION}
+
+
+@pytest.mark.parametrize("body, param", [
+    ({**CHAT, "temperature": -1}, "temperature"),
+    ({**CHAT, "top_p": 2}, "top_p"),
+    ({**CHAT, "max_tokens": 0}, "max_tokens"),
+    ({**CHAT, "n": 0}, "n"),
+    ({**CHAT, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+    ({**CHAT, "temperature": "hot"}, "temperature"),
+    ({**CHAT, "max_tokens": 2.5}, "max_tokens"),
+    ({**CHAT, "stop": [1, 2]}, "stop"),
+    ({**CHAT, "messages": "hello"}, "messages"),
+    ({**CHAT, "messages": [{"content": "no role"}]}, "messages"),
+    ({"model": MODEL}, "messages"),
+])
+def test_invalid_chat_parameters_are_400(server, body, param):
+    err = assert_openai_error(server.post("/v1/chat/completions", body), 400, param)
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2, 3]", b'{"prompt": NaN}', b"\xff\xfe"])
+def test_malformed_bodies_get_a_clean_400(server, raw):
+    resp = httpx.post(server.url + "/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert_openai_error(resp, 400)
+
+
+def test_openai_client_sees_bad_request_for_invalid_params(server):
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client().completions.create(model=MODEL, prompt="hi", temperature=-1)
+    assert "temperature" in str(e.value)
+
+
+def test_prompt_plus_max_tokens_over_the_context_is_400_with_both_numbers(server):
+    for path, body in [("/v1/completions", {"model": MODEL, "prompt": "Hello there", "max_tokens": 9000}),
+                       ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 9000, "stream": True})]:
+        err = assert_openai_error(server.post(path, body), 400, "8192", "9000")
+        assert err["code"] == "context_length_exceeded"
+    long_ids = list(range(100, 100 + 8200))
+    assert_openai_error(server.post("/v1/completions", {"model": MODEL, "prompt": long_ids}), 400, "8192", "8200")
+
+
+def test_unknown_model_is_404_and_the_path_is_an_alias(server):
+    err = assert_openai_error(server.post("/v1/chat/completions", {**CHAT, "model": "gpt-4o"}), 404, "gpt-4o")
+    assert err["code"] == "model_not_found" and err["param"] == "model"
+    with pytest.raises(openai.NotFoundError):
+        server.client().chat.completions.create(model="../../etc/passwd", messages=QUESTION, max_tokens=2)
+    root = httpx.get(server.url + "/v1/models").json()["data"][0]["root"]
+    assert server.post("/v1/completions", {"model": root, "prompt": "Hi", "max_tokens": 2}).status_code == 200
+
+
+def test_oversized_body_is_413(server):
+    big = {"model": MODEL, "prompt": "a" * (MAX_BODY + 10)}
+    assert_openai_error(server.post("/v1/completions", big), 413)
+
+    def chunks():      # no Content-Length: counted as it arrives
+        for _ in range(MAX_BODY // 10_000 + 2):
+            yield b" " * 10_000
+    resp = httpx.post(server.url + "/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert_openai_error(resp, 413)
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_unknown_route_and_unknown_fields(server):
+    assert_openai_error(httpx.get(server.url + "/v1/nothing"), 404)
+    resp = server.post("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "no_such_field": 1,
+                                           "user": "someone", "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1})
+    assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_api_key(guarded):
+    body = {**CHAT, "max_tokens": 2}
+    assert_openai_error(guarded.post("/v1/chat/completions", body), 401)
+    assert_openai_error(guarded.post("/v1/chat/completions", body, headers={"Authorization": "Bearer wrong"}), 401)
+    assert_openai_error(httpx.get(guarded.url + "/v1/models"), 401)
+    with pytest.raises(openai.AuthenticationError):
+        guarded.client("wrong").chat.completions.create(**body)
+    out = guarded.client(KEY).chat.completions.create(**body)
+    assert out.usage.completion_tokens >= 1
+    assert httpx.get(guarded.url + "/health").status_code == 200
+    assert httpx.get(guarded.url + "/metrics").status_code == 200
+
+
+# ---- under stress ---------------------------------------------------------------------------------
+
+def test_disconnected_streams_are_aborted_and_free_their_blocks(server):
+    before = server.metrics()
+    with httpx.Client(timeout=120) as client, contextlib.ExitStack() as stack:
+        responses = []
+        for i in range(8):
+            body = {"model": MODEL, "prompt": f"Story number {i}: once upon a time", "max_tokens": 400,
+                    "ignore_eos": True, "stream": True}
+            responses.append(stack.enter_context(client.stream("POST", server.url + "/v1/completions", json=body)))
+        for resp in responses:            # each one is mid-way: it has produced tokens
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            got = 0
+            while got < 2:
+                got += next(lines).startswith("data: ")
+        assert server.metrics()["phasewise:num_requests_running"] >= 1
+    # the connections are closed: every request must be aborted, every block back
+    deadline = time.monotonic() + 60
+    while True:
+        m = server.metrics()
+        done = (m["phasewise:num_requests_running"] == 0 and m["phasewise:num_requests_waiting"] == 0
+                and m["phasewise:kv_cache_free_blocks"] == m["phasewise:kv_cache_total_blocks"])
+        if done or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert done, m
+    assert m["phasewise:kv_cache_usage_perc"] == 0
+    aborted = 'phasewise:requests_finished_total{finished_reason="abort",model_name="%s"}' % MODEL
+    assert m[aborted] - before.get(aborted, 0) == 8
+    assert m["phasewise:generation_tokens_total"] - before["phasewise:generation_tokens_total"] < 8 * 400
+
+
+def test_a_non_streaming_client_that_leaves_aborts_its_request(server):
+    aborted = 'phasewise:requests_finished_total{finished_reason="abort",model_name="%s"}' % MODEL
+    before = server.metrics().get(aborted, 0)
+    with pytest.raises(httpx.TimeoutException):     # gives up long before 5000 tokens are generated
+        httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 5000,
+                                                          "ignore_eos": True}, timeout=3)
+    deadline = time.monotonic() + 60
+    while server.metrics().get(aborted, 0) == before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    m = server.metrics()
+    assert m[aborted] == before + 1 and m["phasewise:num_requests_running"] == 0
+
+
+def test_overload_gets_503_with_retry_after_and_health_stays_up(guarded):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {**CHAT, "max_tokens": 48, "ignore_eos": True}
+    results: list[httpx.Response] = []
+    lock = threading.Lock()
+
+    def fire() -> None:
+        resp = guarded.post("/v1/chat/completions", body, headers=headers)
+        with lock:
+            results.append(resp)
+
+    threads = [threading.Thread(target=fire) for _ in range(12)]
+    for t in threads:
+        t.start()
+    health = []
+    while any(t.is_alive() for t in threads):
+        health.append(httpx.get(guarded.url + "/health", timeout=30).status_code)
+        time.sleep(0.2)
+    for t in threads:
+        t.join(300)
+    assert health and set(health) == {200}
+    statuses = sorted(r.status_code for r in results)
+    assert set(statuses) == {200, 503} and statuses.count(200) >= 2, statuses
+    for r in results:
+        if r.status_code == 503:
+            assert r.headers["retry-after"] == "1"
+            assert assert_openai_error(r, 503)["code"] == "overloaded"
+    later = guarded.post("/v1/chat/completions", {**CHAT, "max_tokens": 2}, headers=headers)
+    assert later.status_code == 200, later.text
+
+
+def test_metrics_exposition(server):
+    server.client().completions.create(model=MODEL, prompt="Hello", max_tokens=4, extra_body={"ignore_eos": True})
+    m = server.metrics()
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+                 "request_queue_time_seconds"):
+        assert m[f"phasewise:{name}_count"] > 0, name
+    for name in ("prompt_tokens_total", "generation_tokens_total", "prefix_cache_hit_tokens_total",
+                 "num_preemptions_total", "num_requests_waiting", "num_requests_running", "kv_cache_usage_perc",
+                 "kv_cache_free_blocks"):
+        assert f"phasewise:{name}" in m, name
+    assert m["phasewise:prompt_tokens_total"] > 0 and m["phasewise:generation_tokens_total"] > 0
+    assert m['phasewise:requests_finished_total{finished_reason="length",model_name="%s"}' % MODEL] > 0
+
+
+# ---- AsyncEngine in process (the session's engine, handed back clean) --------------------------------
+
+def test_async_engine_survives_a_failed_step_and_aborts_on_early_exit(llm, monkeypatch):
+    from phasewise import SamplingParams
+    from phasewise.server import AsyncEngine, EngineError, SubRequest
+
+    engine = llm.engine
+    pool = engine.core.kv.pool
+    runner = engine.core.runner
+    real_execute = runner.execute
+    calls = {"n": 0}
+
+    def flaky(sched):
+        calls["n"] += 1
+        if calls["n"] == 2:                   # the second step of the first request fails
+            raise RuntimeError("injected failure")
+        return real_execute(sched)
+
+    monkeypatch.setattr(runner, "execute", flaky)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    async def scenario() -> None:
+        async_engine = AsyncEngine(engine)
+        try:
+            with pytest.raises(EngineError, match="injected failure"):
+                async for _ in async_engine.generate("Hello", params):
+                    pass
+            deltas = [d async for d in async_engine.generate("Hello", params)]   # the thread lives on
+            assert deltas[-1].finished and len(deltas[-1].output.token_ids) == 6
+            with pytest.raises(ValueError, match="8192"):
+                await async_engine.submit([SubRequest("too-long", "Hello", SamplingParams(max_tokens=9000))])
+            long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+            async for _ in async_engine.generate("Hello", long):
+                break                         # the consumer leaves: the request is aborted
+            for _ in range(200):
+                if not engine.has_unfinished() and async_engine.stats.num_running == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert not engine.has_unfinished()
+            assert await async_engine.call(lambda e: e.core.kv.pool.num_free) == pool.num_blocks
+        finally:
+            async_engine.shutdown()
+
+    asyncio.run(scenario())
+    assert not async_engine_thread_alive()
+    assert pool.num_free == pool.num_blocks and not engine.has_unfinished()
+
+
+def async_engine_thread_alive() -> bool:
+    return any(t.name == "phasewise-engine" and t.is_alive() for t in threading.enumerate())
