@@ -60,9 +60,10 @@ def test_prompt_longer_than_context():
 
 
 @pytest.mark.slow
-def test_json_output():
+def test_json_output_and_trace(tmp_path):
+    trace = tmp_path / "gen.trace.json"
     proc = run("generate", "The capital of France is", "--raw", "--json", "--temperature", "0",
-               "--max-tokens", "6", "--ignore-eos")
+               "--max-tokens", "6", "--ignore-eos", "--trace", str(trace))
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["completion_tokens"] == len(out["token_ids"]) == 6
@@ -71,6 +72,11 @@ def test_json_output():
     for key in ("load_ms", "prompt_ms", "prompt_per_second", "predicted_ms", "predicted_per_second", "ttft_ms"):
         assert t[key] > 0, key
     assert len(t["itl_ms"]) == 5
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = [e["name"] for e in events if e["ph"] == "X"]
+    assert names.count("prefill chunk") == 1 and "decode" in names and "queued" in names
+    steps = [e for e in events if e["name"].startswith("step")]
+    assert len(steps) == 6 and sum(e["args"]["decode_tokens"] for e in steps) == 5
 
 
 @pytest.mark.slow

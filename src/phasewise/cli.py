@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     gen.add_argument("--system", default=None, help="a system message for the chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    gen.add_argument("--trace", metavar="FILE", default=None,
+                     help="write a Chrome/Perfetto trace (engine steps, the request's phases) to FILE")
     _add_model_args(gen)
     _add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
@@ -98,6 +100,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.write(delta.text)
             sys.stdout.flush()
         final = delta.output
+    if args.trace:
+        from phasewise.lab.trace import write_trace
+
+        steps = [s for s in llm.engine.core.steps if s.start >= final.metrics.arrival]
+        write_trace(args.trace, steps, [(final.request_id, final.metrics)])
     if args.json:
         print(json.dumps(timings_json(final, llm.load_ms), ensure_ascii=False))
     else:

@@ -30,8 +30,12 @@ class RequestMetrics:
     first_token: float | None = None
     token_times: list[float] = field(default_factory=list)   # when each output token was produced
     prefill_chunks: list[tuple[float, float, int]] = field(default_factory=list)  # (start, end, tokens)
-    preemptions: int = 0
+    preempted_at: list[float] = field(default_factory=list)   # when it lost its blocks, each time
     finished: float | None = None
+
+    @property
+    def preemptions(self) -> int:
+        return len(self.preempted_at)
 
     @property
     def queue_ms(self) -> float:

@@ -88,7 +88,7 @@ class Scheduler:
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
-        req.metrics.preemptions += 1
+        req.metrics.preempted_at.append(time.perf_counter())
         self.waiting.appendleft(req)
 
     def update(self, sched: SchedulerOutput, result: RunnerOutput, started: float) -> list[RequestOutput]:

@@ -1,0 +1,23 @@
+"""Chrome traces built from hand-made timelines."""
+
+from __future__ import annotations
+
+from phasewise.engine.outputs import StepRecord
+from phasewise.engine.request import RequestMetrics
+from phasewise.lab.trace import REQUESTS_PID, chrome_trace
+
+
+def test_trace_of_a_preempted_request():
+    m = RequestMetrics(arrival=10.0, first_scheduled=10.5, first_token=11.0, token_times=[11.0, 11.1, 11.3],
+                       prefill_chunks=[(10.5, 10.7, 8), (10.8, 11.0, 4)], preempted_at=[11.15], finished=11.3)
+    steps = [StepRecord(10.5, 200.0, 8, 0, 1), StepRecord(10.8, 200.0, 4, 2, 3)]
+    events = chrome_trace(steps, [("r1", m)])["traceEvents"]
+    spans = {(e["name"], round(e["ts"]), round(e["dur"])) for e in events if e["ph"] == "X"}
+    assert ("queued", 0, 500_000) in spans
+    assert ("step (prefill)", 500_000, 200_000) in spans
+    assert ("step (mixed)", 800_000, 200_000) in spans
+    assert ("decode", 1_000_000, 300_000) in spans
+    chunks = [e for e in events if e["name"] == "prefill chunk"]
+    assert [c["args"]["tokens"] for c in chunks] == [8, 4] and all(c["pid"] == REQUESTS_PID for c in chunks)
+    (pre,) = [e for e in events if e["name"] == "preempted"]
+    assert round(pre["ts"]) == 1_150_000 and m.preemptions == 1
