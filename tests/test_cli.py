@@ -112,3 +112,13 @@ def test_lab_bad_input_is_one_line():
     assert_one_line_error(run("cost", "--requests", "1", "--input-tokens", "5", "--output-tokens", "1",
                               "--shared-prefix-tokens", "9", "--input-price", "1", "--output-price", "1"),
                           "shared_prefix_tokens")
+
+
+@pytest.mark.slow
+def test_roofline_runs_and_names_the_binding_resource():
+    proc = run("roofline", "--prompt-tokens", "32", "--decode-tokens", "4")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("machine: DRAM read")
+    assert lines[2].startswith("prefill") and lines[3].startswith("decode")
+    assert lines[3].endswith(("memory bandwidth", "compute"))

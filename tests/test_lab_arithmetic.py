@@ -53,3 +53,23 @@ def test_cost_with_and_without_prompt_caching():
     assert Prices(2.0, 8.0).read == pytest.approx(0.2) and Prices(2.0, 8.0).write == 2.0
     with pytest.raises(ValueError):
         Workload(1, 10, 1, shared_prefix_tokens=11)
+
+
+def test_roofline_arithmetic_and_binding_resource():
+    from phasewise.lab.roofline import Machine, analyse, linear_params, token_costs
+
+    cfg = ModelConfig("llama", 1000, 64, 128, 2, 4, 2, 16, 1e-5, 1e4, 512)
+    per_layer = 64 * (64 + 2 * 32) + 64 * 64 + 3 * 64 * 128
+    assert linear_params(cfg) == 2 * per_layer + 1000 * 64
+    costs = token_costs(cfg, 4, context=100)
+    assert costs.weight_bytes == 4 * linear_params(cfg)
+    assert costs.flops_per_token == 2 * linear_params(cfg) + 4 * 2 * 100 * 64
+    machine = Machine(dram_gbs=20.0, cache_gbs=60.0, matmul_gflops=100.0)
+    prefill, decode = analyse(cfg, machine, 4, 512, prompt_tokens=200, prefill_s=0.01,
+                              decode_tokens=10, decode_s=0.5)
+    assert prefill.flops == token_costs(cfg, 4, 100).flops_per_token * 200
+    assert decode.bytes_moved == (4 * linear_params(cfg) + 512 * 205) * 10
+    assert decode.achieved_gbs == pytest.approx(decode.bytes_moved / 0.5 / 1e9)
+    slow_decode = analyse(cfg, Machine(1e-3, 1e-3, 1e9), 4, 512, 200, 0.01, 10, 0.5)[1]
+    assert slow_decode.binds == "memory bandwidth"
+    assert analyse(cfg, Machine(1e9, 1e9, 1e-3), 4, 512, 200, 0.01, 10, 0.5)[0].binds == "compute"

@@ -66,9 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
     _add_model_args(serve)
     serve.set_defaults(func=cmd_serve)
-    from phasewise.lab.commands import add_parsers as add_lab_parsers
+    from phasewise.lab.commands import add_parsers as add_lab_parsers, add_roofline_parser
 
     add_lab_parsers(sub)
+    _add_model_args(add_roofline_parser(sub))
     return parser
 
 

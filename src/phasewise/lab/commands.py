@@ -34,6 +34,42 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     cost.set_defaults(func=cmd_cost)
 
 
+def add_roofline_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    roof = sub.add_parser("roofline", help="measure this machine, run the model, and say which resource "
+                                           "binds prefill and decode")
+    roof.add_argument("--prompt-tokens", type=int, default=256)
+    roof.add_argument("--decode-tokens", type=int, default=32)
+    roof.set_defaults(func=cmd_roofline)
+    return roof
+
+
+def cmd_roofline(args: argparse.Namespace) -> int:
+    import random
+
+    import torch
+
+    from phasewise import LLM, SamplingParams
+    from phasewise.lab.roofline import analyse, measure_machine, report
+    from phasewise.loading.loader import parse_dtype
+
+    if args.prompt_tokens < 2 or args.decode_tokens < 2:
+        raise ValueError("--prompt-tokens and --decode-tokens must be at least 2")
+    dtype = parse_dtype(args.dtype)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)
+    cfg = llm.model_config
+    rng = random.Random(0)
+    prompt = [rng.randrange(100, cfg.vocab_size) for _ in range(args.prompt_tokens)]
+    params = SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
+    llm.generate([prompt[: min(32, len(prompt))]], params)          # warm-up
+    out = llm.generate([prompt], params)[0]
+    machine = measure_machine(dtype)
+    element = torch.empty((), dtype=dtype).element_size()
+    phases = analyse(cfg, machine, element, cfg.kv_bytes_per_token(element), len(prompt),
+                     out.metrics.prompt_ms / 1e3, len(out.token_ids) - 1, out.metrics.decode_ms / 1e3)
+    print("\n".join(report(machine, phases)))
+    return 0
+
+
 def cmd_memory(args: argparse.Namespace) -> int:
     numbers = (args.layers, args.kv_heads, args.head_dim)
     if any(n is not None for n in numbers):

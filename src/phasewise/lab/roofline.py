@@ -1,0 +1,127 @@
+"""Roofline: this machine's memory bandwidth and matmul throughput against what a model needs per token.
+
+Decode reads every weight once per step (and the KV cache of its context) to do
+~2 FLOPs per weight: it is bound by memory bandwidth. Prefill reuses each weight
+for every prompt token: it is bound by compute. `analyse` states, for a measured
+prefill and decode, the share of each bound achieved and which one binds.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from phasewise.layers.linear import OneDNNLinear, onednn_available
+from phasewise.models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Machine:
+    dram_gbs: float          # streaming read bandwidth of a buffer far larger than the caches
+    cache_gbs: float         # the same for a buffer that fits the last-level cache
+    matmul_gflops: float     # a large square matmul in the weights' dtype, best of torch's and our kernel
+
+
+def _best_seconds(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def measure_machine(dtype: torch.dtype = torch.float32, dram_mib: int = 1024, cache_mib: int = 8,
+                    matmul_n: int = 2048, repeats: int = 5) -> Machine:
+    """Read bandwidth (a sum over the buffer) and matmul throughput; best of `repeats`."""
+    def read_gbs(mib: int) -> float:
+        buf = torch.ones(mib * 2**20 // 4)
+        reps = max(1, 256 // mib) if mib < 256 else 1
+        secs = _best_seconds(lambda: [buf.sum() for _ in range(reps)], repeats)
+        return buf.numel() * 4 * reps / secs / 1e9
+
+    x = torch.randn(matmul_n, matmul_n).to(dtype)
+    linear = torch.nn.Linear(matmul_n, matmul_n, bias=False).to(dtype).requires_grad_(False)
+    kernels = [linear]
+    if onednn_available(torch.device("cpu"), dtype):
+        kernels.append(OneDNNLinear(linear))
+    secs = min(_best_seconds(lambda k=k: k(x), repeats) for k in kernels)
+    return Machine(read_gbs(dram_mib), read_gbs(cache_mib), 2 * matmul_n**3 / secs / 1e9)
+
+
+@dataclass(frozen=True)
+class TokenCosts:
+    weight_bytes: float      # linear weights read by one forward step (the embedding row is negligible)
+    flops_per_token: float   # 2 per linear weight, plus attention at the given context
+
+
+def linear_params(cfg: ModelConfig) -> int:
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    per_layer = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h + 3 * h * i
+    return cfg.num_layers * per_layer + cfg.vocab_size * h       # + the output head
+
+
+def token_costs(cfg: ModelConfig, bytes_per_weight: float, context: int) -> TokenCosts:
+    """Per token at `context` tokens of context: attention does QK^T and PV, 2 FLOPs each per element."""
+    attention = 4 * cfg.num_layers * context * cfg.q_size
+    return TokenCosts(linear_params(cfg) * bytes_per_weight, 2 * linear_params(cfg) + attention)
+
+
+@dataclass(frozen=True)
+class PhaseRoofline:
+    phase: str
+    tokens: int
+    seconds: float
+    bytes_moved: float
+    flops: float
+    machine: Machine
+
+    @property
+    def achieved_gbs(self) -> float:
+        return self.bytes_moved / self.seconds / 1e9
+
+    @property
+    def achieved_gflops(self) -> float:
+        return self.flops / self.seconds / 1e9
+
+    @property
+    def bandwidth_share(self) -> float:
+        return self.achieved_gbs / self.machine.dram_gbs
+
+    @property
+    def compute_share(self) -> float:
+        return self.achieved_gflops / self.machine.matmul_gflops
+
+    @property
+    def binds(self) -> str:
+        """The resource the phase is closer to exhausting."""
+        return "memory bandwidth" if self.bandwidth_share >= self.compute_share else "compute"
+
+
+def analyse(cfg: ModelConfig, machine: Machine, bytes_per_weight: float, kv_bytes_per_token: float,
+            prompt_tokens: int, prefill_s: float, decode_tokens: int, decode_s: float) -> list[PhaseRoofline]:
+    """Prefill reads the weights once for all prompt tokens; each decode step reads them again, plus
+    the KV cache of its context (taken at the middle of the decode)."""
+    pre = token_costs(cfg, bytes_per_weight, prompt_tokens // 2)
+    prefill = PhaseRoofline("prefill", prompt_tokens, prefill_s,
+                            pre.weight_bytes + kv_bytes_per_token * prompt_tokens,
+                            pre.flops_per_token * prompt_tokens, machine)
+    mid = prompt_tokens + decode_tokens // 2
+    dec = token_costs(cfg, bytes_per_weight, mid)
+    decode = PhaseRoofline("decode", decode_tokens, decode_s,
+                           (dec.weight_bytes + kv_bytes_per_token * mid) * decode_tokens,
+                           dec.flops_per_token * decode_tokens, machine)
+    return [prefill, decode]
+
+
+def report(machine: Machine, phases: list[PhaseRoofline]) -> list[str]:
+    lines = [f"machine: DRAM read {machine.dram_gbs:.1f} GB/s, cache-resident read {machine.cache_gbs:.1f} GB/s, "
+             f"matmul {machine.matmul_gflops:.1f} GFLOP/s",
+             f"{'phase':8}{'tokens':>8}{'ms':>10}{'GB/s':>9}{'of DRAM':>9}{'GFLOP/s':>10}{'of peak':>9}  binds"]
+    for p in phases:
+        lines.append(f"{p.phase:8}{p.tokens:>8}{p.seconds * 1e3:>10.1f}{p.achieved_gbs:>9.1f}"
+                     f"{p.bandwidth_share:>9.0%}{p.achieved_gflops:>10.1f}{p.compute_share:>9.0%}  {p.binds}")
+    return lines
