@@ -54,7 +54,7 @@ class KVCacheManager:
         return hits
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: list[int] = ()) -> bool:
+                       computed_blocks: tuple[int, ...] | list[int] = ()) -> bool:
         """Make room for `num_new_tokens` more tokens after the computed ones (plus, for a newly
         admitted request, the cache hits `computed_blocks`, which it then holds). False, with
         nothing changed, when the pool is short."""

@@ -29,7 +29,3 @@ class KVCache:
         alloc = torch.empty if fresh_zero_pages else torch.zeros
         self.data = alloc(shape, dtype=dtype, device=device)
         self.layers = [(self.data[i, 0], self.data[i, 1]) for i in range(cfg.num_layers)]
-
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
