@@ -70,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_lab_parsers(sub)
     _add_model_args(add_roofline_parser(sub))
+    from phasewise.lab.experiment_command import add_parsers as add_experiment_parsers
+
+    for p in add_experiment_parsers(sub):
+        _add_model_args(p)
     return parser
 
 

@@ -1,0 +1,193 @@
+"""`phasewise experiment prompt-sweep | output-sweep | repeat | batch-sweep`.
+
+Each run writes a folder with results.json (settings, machine, every measurement,
+the summary), results.csv (every measurement) and one PNG per plot, and prints
+the summary as a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+from phasewise.lab.experiments import Experiment
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> list[argparse.ArgumentParser]:
+    """The `experiment` command and its four experiments; returns the parsers that need model args."""
+    exp = sub.add_parser("experiment", help="the classic experiments: prompt/output-length sweeps, repeated "
+                                            "runs, batch sweep (results.json/csv and plots)")
+    kinds = exp.add_subparsers(dest="experiment", required=True)
+    ps = kinds.add_parser("prompt-sweep", help="prefill cost per token and decode speed as the prompt grows")
+    ps.add_argument("--lengths", type=_ints, default=None,
+                    help="prompt lengths, e.g. 50,100,500 (default: 10 steps, log-spaced, --min-len..--max-len)")
+    ps.add_argument("--min-len", type=int, default=50)
+    ps.add_argument("--max-len", type=int, default=3500)
+    ps.add_argument("--steps", type=int, default=10)
+    ps.add_argument("--output-tokens", type=int, default=199)
+    ps.add_argument("--runs", type=int, default=1, help="requests per length (the table shows medians)")
+    os_ = kinds.add_parser("output-sweep", help="decode time against output length; prefill stays flat")
+    os_.add_argument("--lengths", type=_ints, default=[50, 100, 200, 400, 700, 1000, 1500])
+    os_.add_argument("--prompt-tokens", type=int, default=32)
+    os_.add_argument("--runs", type=int, default=1, help="requests per length (the table shows medians)")
+    rp = kinds.add_parser("repeat", help="the same request N times: median, p5, p95, CV, outliers")
+    rp.add_argument("--runs", type=int, default=20)
+    rp.add_argument("--prompt-tokens", type=int, default=128)
+    rp.add_argument("--output-tokens", type=int, default=64)
+    bs = kinds.add_parser("batch-sweep", help="concurrency 1..64: aggregate tokens/s against inter-token latency")
+    bs.add_argument("--concurrency", type=_ints, default=[1, 2, 4, 8, 16, 32, 64])
+    bs.add_argument("--prompt-tokens", type=int, default=128)
+    bs.add_argument("--output-tokens", type=int, default=64)
+    parsers = [ps, os_, rp, bs]
+    for p in parsers:
+        g = p.add_argument_group("experiment")
+        g.add_argument("--out", default=None, help="results folder (default: results/<experiment>-<time>)")
+        g.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+        g.add_argument("--trace", metavar="FILE", default=None, help="also write a Chrome/Perfetto trace")
+        g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
+        g.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
+        g.add_argument("--prefix-caching", action="store_true",
+                       help="keep prefix caching on (off by default so that repeats are not cache hits)")
+        g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
+                       help="a warm-up pass before measuring (default: on; off for repeat, whose first "
+                            "run shows the cold start)")
+        p.set_defaults(func=cmd_experiment)
+    return parsers
+
+
+def _check(args: argparse.Namespace) -> None:
+    for name in ("output_tokens", "prompt_tokens", "runs", "min_len", "max_len", "steps",
+                 "max_num_batched_tokens", "max_num_seqs"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if args.experiment == "prompt-sweep" and args.lengths is None:
+        if args.min_len > args.max_len:
+            raise ValueError(f"--min-len {args.min_len} is above --max-len {args.max_len}")
+        from phasewise.lab.experiments import default_prompt_lengths
+
+        args.lengths = default_prompt_lengths(args.min_len, args.max_len, args.steps)
+    if args.experiment == "batch-sweep" and max(args.concurrency) > args.max_num_seqs:
+        raise ValueError(f"concurrency {max(args.concurrency)} is above --max-num-seqs {args.max_num_seqs}")
+
+
+def _longest(args: argparse.Namespace) -> int:
+    if args.experiment == "prompt-sweep":
+        return max(args.lengths) + args.output_tokens
+    if args.experiment == "output-sweep":
+        return args.prompt_tokens + max(args.lengths)
+    return args.prompt_tokens + args.output_tokens
+
+
+def _run(llm, args: argparse.Namespace, advance) -> Experiment:
+    from phasewise.lab import experiments as E
+
+    if args.experiment == "prompt-sweep":
+        return E.prompt_sweep(llm, args.lengths, args.output_tokens, args.runs, args.seed, advance)
+    if args.experiment == "output-sweep":
+        return E.output_sweep(llm, args.lengths, args.prompt_tokens, args.runs, args.seed, advance)
+    if args.experiment == "repeat":
+        return E.repeat(llm, args.runs, args.prompt_tokens, args.output_tokens, args.seed, advance)
+    return E.batch_sweep(llm, args.concurrency, args.prompt_tokens, args.output_tokens, args.seed, advance)
+
+
+def _total(args: argparse.Namespace) -> int:
+    if args.experiment in ("prompt-sweep", "output-sweep"):
+        return len(args.lengths) * args.runs
+    if args.experiment == "repeat":
+        return args.runs
+    return sum(args.concurrency)
+
+
+def cmd_experiment(args: argparse.Namespace) -> int:
+    _check(args)
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from phasewise import LLM
+
+    console = Console(stderr=True)
+    out = Path(args.out or f"results/{args.experiment}-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    warmup = args.warmup if args.warmup is not None else args.experiment != "repeat"
+    # The pool holds the longest request (one at a time) or every request of the largest batch.
+    per_request = _longest(args)
+    many = max(args.concurrency) if args.experiment == "batch-sweep" else 1
+    with console.status("loading the model"):
+        llm = LLM(args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+                  kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
+                  enable_prefix_caching=args.prefix_caching, max_num_batched_tokens=args.max_num_batched_tokens,
+                  max_num_seqs=args.max_num_seqs, warmup=warmup)
+    limit = llm.engine.max_model_len
+    if per_request > limit:
+        raise ValueError(f"the longest request has {per_request} tokens, above the context length {limit}")
+    need = many * -(-per_request // args.block_size)
+    if need > llm.engine.core.kv.pool.num_blocks:
+        console.print(f"[yellow]note: {need} KV blocks would hold every request at once, the pool has "
+                      f"{llm.engine.core.kv.pool.num_blocks}; expect preemptions[/]")
+    started = time.perf_counter()
+    with Progress(TextColumn(f"{args.experiment}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=False) as bar:
+        task = bar.add_task("", total=_total(args))
+        exp = _run(llm, args, lambda n: bar.advance(task, n))
+    exp.settings |= {"model": str(llm.engine.model_path), "dtype": args.dtype, "device": args.device,
+                     "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
+                     "prefix_caching": args.prefix_caching, "warmup": warmup}
+    from phasewise.lab.plots import draw
+
+    plots = draw(exp, out)
+    write_results(exp, out, load_ms=llm.load_ms)
+    if args.trace:
+        from phasewise.lab.trace import write_trace
+
+        write_trace(args.trace, [s for s in llm.engine.core.steps if s.start >= started], exp.requests)
+    print_table(exp, Console())
+    console.print(f"wrote {out / 'results.json'}, {out / 'results.csv'}, "
+                  + ", ".join(p.name for p in plots) + (f"; trace {args.trace}" if args.trace else ""))
+    return 0
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+
+
+def write_results(exp: Experiment, out: Path, **extra: Any) -> None:
+    doc = {"experiment": exp.name, "settings": exp.settings, "machine": machine(), **extra,
+           "summary": exp.table, "notes": exp.notes, "rows": exp.rows}
+    (out / "results.json").write_text(json.dumps(doc, indent=2))
+    with open(out / "results.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(exp.rows[0]))
+        writer.writeheader()
+        writer.writerows(exp.rows)
+
+
+def print_table(exp: Experiment, console) -> None:
+    from rich.table import Table
+
+    table = Table(title=exp.name)
+    for c in exp.columns:
+        table.add_column(c.header, justify="left" if c.fmt == "s" else "right")
+    for row in exp.table:
+        table.add_row(*(format(row[c.key], c.fmt) for c in exp.columns))
+    console.print(table)
+    for note in exp.notes:
+        console.print(f"• {note}")
