@@ -508,3 +508,21 @@ def test_async_engine_survives_a_failed_step_and_aborts_on_early_exit(llm, monke
 
 def async_engine_thread_alive() -> bool:
     return any(t.name == "phasewise-engine" and t.is_alive() for t in threading.enumerate())
+
+
+@pytest.mark.slow
+def test_serve_trace_holds_the_steps_and_every_finished_request(tmp_path):
+    trace = tmp_path / "serve.json"
+    s = start_server(tmp_path, "--trace", str(trace))
+    try:
+        for _ in range(2):
+            s.client().completions.create(model=MODEL, prompt="Hello", max_tokens=3, extra_body={"ignore_eos": True})
+    finally:
+        stop_server(s)
+    events = json.loads(trace.read_text())["traceEvents"]
+    tracks = [e for e in events if e["name"] == "thread_name"]
+    assert len(tracks) == 2
+    decode = [e for e in events if e["name"] == "decode"]
+    assert [e["args"]["tokens"] for e in decode] == [2, 2]
+    assert any(e["name"].startswith("step") for e in events)
+    assert "wrote the trace of 2 requests" in s.log.read_text()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -64,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
     s.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one engine step")
     s.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
+    s.add_argument("--trace", metavar="FILE", default=None,
+                   help="on shutdown, write a Chrome/Perfetto trace of the engine steps and finished requests")
     _add_model_args(serve)
     serve.set_defaults(func=cmd_serve)
     from phasewise.lab.commands import add_parsers as add_lab_parsers, add_roofline_parser
@@ -137,6 +140,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for name in ("max_waiting", "max_body_bytes", "max_num_seqs", "max_num_batched_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.trace and not Path(args.trace).resolve().parent.is_dir():
+        raise ValueError(f"--trace: the folder of {args.trace} does not exist")
     sock = _listen(args.host, args.port)
     import uvicorn
 
@@ -156,16 +161,31 @@ def cmd_serve(args: argparse.Namespace) -> int:
     async_engine = AsyncEngine(engine)
     app = create_app(async_engine, ServerConfig(name, aliases, args.api_key, args.max_waiting,
                                                 args.max_body_bytes, model_root=str(path)))
+    recorder = None
+    if args.trace:
+        from phasewise.lab.trace import RequestRecorder
+        from phasewise.server.async_engine import Observers
+
+        recorder = RequestRecorder()
+        async_engine.observer = Observers(async_engine.observer, recorder)
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"phasewise: serving {name} on http://{host}:{sock.getsockname()[1]}/v1 "
           f"(loaded in {engine.load_ms:.0f} ms)", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level="info", access_log=not args.no_access_log,
                                            timeout_graceful_shutdown=5))
+    # uvicorn re-raises SIGTERM once it has shut down; exit through `finally` rather than die mid-way.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         server.run(sockets=[sock])
     finally:
         async_engine.shutdown()
         sock.close()
+        if recorder is not None:
+            from phasewise.lab.trace import write_trace
+
+            write_trace(args.trace, list(engine.core.steps), list(recorder.requests))
+            print(f"phasewise: wrote the trace of {len(recorder.requests)} requests to {args.trace}",
+                  file=sys.stderr)
     return 0
 
 

@@ -7,6 +7,7 @@ engine's perf_counter stamps, shifted so the trace starts at 0.
 from __future__ import annotations
 
 import json
+from collections import deque
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -55,3 +56,16 @@ def chrome_trace(steps: Iterable[StepRecord], requests: Iterable[tuple[str, Requ
 def write_trace(path: str | Path, steps: Iterable[StepRecord],
                 requests: Iterable[tuple[str, RequestMetrics]]) -> None:
     Path(path).write_text(json.dumps(chrome_trace(steps, requests)))
+
+
+class RequestRecorder:
+    """A server observer that keeps the metrics of the latest finished requests for a trace."""
+
+    def __init__(self, max_requests: int = 100_000) -> None:
+        self.requests: deque[tuple[str, RequestMetrics]] = deque(maxlen=max_requests)
+
+    def on_delta(self, delta: Any) -> None:
+        pass
+
+    def on_finish(self, request: Any, reason: str) -> None:
+        self.requests.append((request.request_id, request.metrics))

@@ -95,6 +95,21 @@ class Observer:
     def on_finish(self, request: Any, reason: str) -> None: ...
 
 
+class Observers(Observer):
+    """Several observers called in turn (metrics and a trace recorder)."""
+
+    def __init__(self, *observers: Observer) -> None:
+        self.observers = observers
+
+    def on_delta(self, delta: StreamDelta) -> None:
+        for o in self.observers:
+            o.on_delta(delta)
+
+    def on_finish(self, request: Any, reason: str) -> None:
+        for o in self.observers:
+            o.on_finish(request, reason)
+
+
 class RequestStream:
     """The deltas of one or more engine requests added together, in the order they are produced.
 
