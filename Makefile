@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PROMPT := Write a short story about a robot discovering a flower.
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test bench peers clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/decode_vs_hf.py
+
+# The peers of benchmarks/compare_peers.py: llama.cpp (llama-cpp-python, compiled here for this CPU).
+peers: $(STAMP)
+	CMAKE_ARGS="-DGGML_NATIVE=ON" CMAKE_BUILD_PARALLEL_LEVEL=2 $(BIN)/pip install "llama-cpp-python==0.3.*"
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info
