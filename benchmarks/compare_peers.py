@@ -1,0 +1,197 @@
+"""phasewise against the peers a user would pick instead, on the same prompts, in one run.
+
+    .venv/bin/python benchmarks/compare_peers.py [--dtypes fp32,int8,q4] [--peers llama.cpp,transformers]
+                                                 [--prompt-tokens 512] [--decode-tokens 128]
+                                                 [--concurrent 32] [--concurrent-prompt 128]
+                                                 [--concurrent-output 64] [--repeats 3]
+
+Installs nothing: a peer that is not importable is skipped with a note (`make peers`
+builds llama-cpp-python for this CPU). Every system runs the default model's GGUF:
+phasewise at each --dtypes precision, llama.cpp on the file as it is (Q4_1, 2 threads),
+transformers dequantized to fp32. Figures:
+
+- prefill tokens/s: --prompt-tokens prompt tokens / time to the first token;
+- decode tokens/s at batch 1: (--decode-tokens − 1) / time from the first to the last token;
+- aggregate output tokens/s with --concurrent requests: phasewise takes them all at once
+  (continuous batching), transformers as one padded batch through `generate`, llama.cpp
+  one after another as a user of llama-cpp-python runs it;
+- weight GB/s: the bytes of weights read per decode step × decode tokens/s, next to the
+  machine's measured read bandwidth (the decode roofline; the model does not fit the L3).
+
+Each batch-1 figure is the median of --repeats runs after a warm-up run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from decode_vs_hf import make_prompt  # noqa: E402
+
+
+BYTES_PER_WEIGHT = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "q4": 20 / 32}   # Q4_1: 20 B / 32
+
+
+@dataclass
+class Result:
+    name: str
+    prefill: float
+    decode: float
+    aggregate: float
+    weight_bytes: int
+
+    @property
+    def weight_gbs(self) -> float:
+        return self.weight_bytes * self.decode / 1e9
+
+
+def prompts_for_batch(tokenizer, n: int, length: int) -> list[list[int]]:
+    """n distinct prompts of `length` tokens: windows into a repeated text, each from its own offset."""
+    base = make_prompt(tokenizer, length + 7 * n)
+    return [base[7 * i: 7 * i + length] for i in range(n)]
+
+
+# ---- phasewise --------------------------------------------------------------------------------
+
+def run_phasewise(dtype: str, prompt, batch, args) -> Result:
+    from phasewise import LLM, SamplingParams
+
+    llm = LLM(dtype=dtype, kv_cache_memory=1.0)
+    one = SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
+    prefill, decode = [], []
+    for i in range(args.repeats + 1):
+        out = llm.generate([prompt], one)[0]
+        if i:
+            prefill.append(len(prompt) / (out.metrics.prompt_ms / 1e3))
+            decode.append((len(out.token_ids) - 1) / (out.metrics.decode_ms / 1e3))
+    many = SamplingParams(temperature=0, max_tokens=args.concurrent_output, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate(batch, many)
+    aggregate = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
+    from phasewise.lab.memory import parameter_count
+
+    nbytes = int(parameter_count(llm.model_config) * BYTES_PER_WEIGHT.get(dtype, 4.0))
+    return Result(f"phasewise {dtype}", statistics.median(prefill), statistics.median(decode), aggregate,
+                  nbytes)
+
+
+# ---- llama.cpp --------------------------------------------------------------------------------
+
+def run_llama_cpp(path: Path, prompt, batch, args) -> Result:
+    from llama_cpp import Llama
+
+    n_ctx = max(len(prompt) + args.decode_tokens, len(batch[0]) + args.concurrent_output) + 16
+    llm = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=torch.get_num_threads(), n_batch=512,
+                verbose=False)
+
+    def generate(ids: list[int], n: int) -> tuple[float, float]:
+        """Greedy, never stopping at eos: (seconds to the first token, seconds for the other n − 1)."""
+        t0 = time.perf_counter()
+        t1 = None
+        for i, _ in enumerate(llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, reset=True)):
+            if i == 0:
+                t1 = time.perf_counter()
+            if i == n - 1:
+                break
+        return t1 - t0, time.perf_counter() - t1
+
+    prefill, decode = [], []
+    for i in range(args.repeats + 1):
+        ttft, rest = generate(prompt, args.decode_tokens)
+        if i:
+            prefill.append(len(prompt) / ttft)
+            decode.append((args.decode_tokens - 1) / rest)
+    t0 = time.perf_counter()
+    for ids in batch:
+        generate(ids, args.concurrent_output)
+    aggregate = len(batch) * args.concurrent_output / (time.perf_counter() - t0)
+    return Result("llama.cpp (Q4_1)", statistics.median(prefill), statistics.median(decode), aggregate,
+                  path.stat().st_size)
+
+
+# ---- transformers -------------------------------------------------------------------------------
+
+@torch.inference_mode()
+def run_transformers(path: Path, prompt, batch, args) -> Result:
+    from transformers import AutoModelForCausalLM
+
+    from decode_vs_hf import bench_hf
+
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    prefill, decode = bench_hf(model, prompt, args.decode_tokens, args.repeats)
+    ids = torch.tensor(batch)                   # equal lengths: no padding needed
+    t0 = time.perf_counter()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                         max_new_tokens=args.concurrent_output, min_new_tokens=args.concurrent_output,
+                         pad_token_id=0)
+    aggregate = (out.shape[1] - ids.shape[1]) * len(batch) / (time.perf_counter() - t0)
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return Result("transformers fp32", prefill, decode, aggregate, nbytes)
+
+
+# ---- the table ------------------------------------------------------------------------------------
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtypes", default="fp32", help="phasewise precisions, comma-separated")
+    ap.add_argument("--peers", default="llama.cpp,transformers")
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--concurrent", type=int, default=32)
+    ap.add_argument("--concurrent-prompt", type=int, default=128)
+    ap.add_argument("--concurrent-output", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+
+    from phasewise.lab.roofline import measure_machine
+    from phasewise.loading.loader import default_model_path
+    from phasewise.tokenizer import Tokenizer
+
+    path = default_model_path()
+    tokenizer = Tokenizer.load(path)
+    prompt = make_prompt(tokenizer, args.prompt_tokens)
+    batch = prompts_for_batch(tokenizer, args.concurrent, args.concurrent_prompt)
+    print(f"model {path.name}, {torch.get_num_threads()} threads; prefill and decode: {len(prompt)} prompt "
+          f"tokens, {args.decode_tokens} decoded, median of {args.repeats}; aggregate: {args.concurrent} "
+          f"requests × ({args.concurrent_prompt} prompt + {args.concurrent_output} output tokens)", flush=True)
+    results: list[Result] = []
+    for dtype in [d for d in args.dtypes.split(",") if d]:
+        results.append(run_phasewise(dtype, prompt, batch, args))
+        print(f"  done: {results[-1].name}", flush=True)
+    peers = {"llama.cpp": ("llama_cpp", run_llama_cpp), "transformers": ("transformers", run_transformers)}
+    for name in [p for p in args.peers.split(",") if p]:
+        module, run = peers[name]
+        try:
+            __import__(module)
+        except ImportError:
+            print(f"  skipped {name}: `{module}` is not installed (make peers)", flush=True)
+            continue
+        results.append(run(path, prompt, batch, args))
+        print(f"  done: {results[-1].name}", flush=True)
+    machine = measure_machine(torch.float32)
+    print(f"\nmeasured read bandwidth: {machine.dram_gbs:.1f} GB/s from memory, {machine.cache_gbs:.1f} GB/s "
+          f"from a buffer that fits the last-level cache")
+    head = f"{'':20}{'prefill tok/s':>14}{'decode tok/s':>14}{f'agg@{args.concurrent} tok/s':>15}" \
+           f"{'weights MB':>12}{'weight GB/s':>13}{'of DRAM bw':>11}"
+    print(head)
+    for r in results:
+        print(f"{r.name:20}{r.prefill:14.1f}{r.decode:14.1f}{r.aggregate:15.1f}{r.weight_bytes / 1e6:12.0f}"
+              f"{r.weight_gbs:13.1f}{r.weight_gbs / machine.dram_gbs:11.0%}")
+    ref = next((r for r in results if r.name.startswith("llama.cpp")), None)
+    if ref is not None:
+        print(f"\nratios to {ref.name}:")
+        for r in results:
+            if r is not ref:
+                print(f"{r.name:20}{r.prefill / ref.prefill:13.2f}x{r.decode / ref.decode:13.2f}x"
+                      f"{r.aggregate / ref.aggregate:14.2f}x")
+
+
+if __name__ == "__main__":
+    main()
