@@ -1,0 +1,59 @@
+"""Build and load phasewise's C++ CPU kernels (torch extensions), once per machine, lazily.
+
+Sources live in `kernels/csrc/`. They are compiled with the machine's compiler by
+`torch.utils.cpp_extension.load` on first use (about 30 s) into
+`<phasewise cache>/kernels/<name>-<torch version>-<source hash>/` and reused after.
+When the build fails or the CPU lacks AVX-512, `load` returns None after one
+warning, and callers keep their pure-PyTorch reference path.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+CSRC = Path(__file__).parent / "csrc"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"]
+
+
+def cpu_supports_avx512() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512f " in flags and " avx512bw " in flags
+
+
+def disabled() -> bool:
+    """PHASEWISE_NO_KERNELS=1 turns every C++ kernel off (the reference paths run)."""
+    return os.environ.get("PHASEWISE_NO_KERNELS", "") not in ("", "0")
+
+
+@functools.cache
+def load(name: str, sources: tuple[str, ...]) -> ModuleType | None:
+    """The compiled extension `name` built from csrc/`sources`, or None where it cannot be had."""
+    if disabled():
+        return None
+    if not cpu_supports_avx512():
+        warnings.warn(f"phasewise: this CPU has no AVX-512; the {name} kernels fall back to PyTorch", stacklevel=2)
+        return None
+    import torch
+    from torch.utils import cpp_extension
+
+    from phasewise.tokenizer import default_cache_dir
+
+    paths = [CSRC / s for s in sources]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in paths) + " ".join(FLAGS).encode()).hexdigest()[:12]
+    build = default_cache_dir() / "kernels" / f"{name}-{torch.__version__.replace('+', '_')}-{digest}"
+    try:
+        build.mkdir(parents=True, exist_ok=True)
+        return cpp_extension.load(f"phasewise_{name}_{digest}", [str(p) for p in paths], extra_cflags=FLAGS,
+                                  extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
+    except Exception as e:  # no compiler, no ninja, a read-only cache ...: run the reference path
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        warnings.warn(f"phasewise: could not build the {name} kernels ({first}); using PyTorch", stacklevel=2)
+        return None
