@@ -15,6 +15,8 @@ from phasewise.config import CacheConfig, EngineConfig
 from phasewise.engine.core import EngineCore
 from phasewise.engine.outputs import RequestOutput
 from phasewise.engine.request import FinishReason, Request
+from phasewise.kernels import cpu_ops
+from phasewise.kernels.cpu_ops import use_cpu_ops
 from phasewise.layers.linear import use_fast_linears
 from phasewise.loading.loader import load_config, load_model, parse_dtype, resolve_model_path
 from phasewise.outputs import CompletionOutput, StreamDelta
@@ -42,6 +44,8 @@ class LLMEngine:
         self.model, self.model_config = load_model(self.model_path, dtype, config.device)
         if config.kernels == "auto":
             use_fast_linears(self.model, config.device, dtype)
+            if torch.device(config.device).type == "cpu" and dtype == torch.float32:
+                use_cpu_ops(self.model, cpu_ops.load())
         max_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
         self.max_model_len = min(max_len, self.model_config.max_position_embeddings)
         cache: CacheConfig = config.cache

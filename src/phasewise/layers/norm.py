@@ -5,12 +5,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from phasewise.kernels.cpu_ops import applies
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.ops = None                       # the compiled CPU ops (kernels/cpu_ops.py), if in use
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -20,6 +23,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x: [T, D]. With a residual, adds it first and returns (normed, new residual)."""
+        if applies(self.ops, x) and x.dim() == 2:
+            out = self.ops.rms_norm(x.contiguous(), self.weight, self.eps, residual)
+            return out[0] if residual is None else (out[0], out[1])
         if residual is None:
             return self._norm(x)
         x = x + residual

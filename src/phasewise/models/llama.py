@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from phasewise.kernels.cpu_ops import applies
 from phasewise.layers.attention import AttentionMetadata, paged_attention
 from phasewise.layers.norm import RMSNorm
 from phasewise.layers.rotary import RotaryEmbedding
@@ -28,12 +29,19 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
         self.rotary = rotary
+        self.ops = None                                   # the compiled CPU ops, if in use
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         """x: [T, hidden] → [T, hidden]."""
         cfg = self.cfg
-        q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)                            # [T, q_size + 2 kv_size]
+        if applies(self.ops, qkv):                        # split, rotate, write k and v: one op
+            q, k = self.ops.rope_and_cache(qkv, positions, self.rotary.cos, self.rotary.sin, kv[0], kv[1],
+                                           meta.slot_mapping, cfg.num_heads, cfg.num_kv_heads)
+            v = qkv[:, cfg.q_size + cfg.kv_size:].view(-1, cfg.num_kv_heads, cfg.head_dim)
+            return self.o_proj(paged_attention(q, k, v, kv[0], kv[1], meta, self.ops, written=True))
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(-1, cfg.num_heads, cfg.head_dim)      # [T, Hq, D]
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)   # [T, Hkv, D]
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -46,9 +54,13 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.ops = None                                   # the compiled CPU ops, if in use
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
+        gate_up = self.gate_up_proj(x)                    # [T, 2 I]
+        if applies(self.ops, gate_up):
+            return self.down_proj(self.ops.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)               # [T, I] each
         return self.down_proj(F.silu(gate) * up)
 
 

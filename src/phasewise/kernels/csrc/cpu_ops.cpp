@@ -1,0 +1,215 @@
+// phasewise's fused CPU ops for the model's non-matmul work, fp32, contiguous tensors:
+//  - paged_attention: each query row attends over its sequence's cached keys and values, read in
+//    place from the paged KV cache (no gather); one task per (row, KV head), the G query heads that
+//    share a KV head together so each K/V row is loaded once; online softmax per block.
+//  - rope_and_cache: split a fused qkv row, rotate q and k (NeoX halves), write k and v to their slots.
+//  - rms_norm: optional residual add, then RMSNorm, in one pass.
+//  - silu_and_mul: silu(gate) * up of a fused gate_up row.
+// Each has a pure-PyTorch reference in layers/; tests compare the two.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// dot(a, b) over D floats; the compiler vectorises this loop (-O3, AVX-512).
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t D) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t d = 0; d < D; ++d) s += a[d] * b[d];
+  return s;
+}
+
+inline void axpy(float* __restrict y, float a, const float* __restrict x, int64_t D) {
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) y[d] += a * x[d];
+}
+
+inline void scale_(float* __restrict y, float a, int64_t D) {
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) y[d] *= a;
+}
+
+}  // namespace
+
+// q: [T, Hq, D]; k_cache, v_cache: [num_slots, Hkv, D] (slot = block * block_size + offset);
+// block_tables: [num_seqs, max_blocks] int64; row_seq, row_len: [T] int64 (row t attends over the
+// first row_len[t] tokens of sequence row_seq[t]). Returns [T, Hq, D].
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                              torch::Tensor block_tables, torch::Tensor row_seq, torch::Tensor row_len,
+                              int64_t block_size, double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat, "fp32 only");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              block_tables.is_contiguous(), "contiguous inputs");
+  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k_cache.size(1);
+  const int64_t G = Hq / Hkv, max_blocks = block_tables.size(1);
+  auto out = torch::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* seqs = row_seq.data_ptr<int64_t>();
+  const int64_t* lens = row_len.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+
+  at::parallel_for(0, T * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(G * D), m(G), l(G), s(G * block_size);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t t = task / Hkv, h = task % Hkv;
+      const int64_t* table = tables + seqs[t] * max_blocks;
+      const int64_t L = lens[t];
+      const float* qt = qp + (t * Hq + h * G) * D;              // G query heads, contiguous
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.end(), 0.f);
+      for (int64_t start = 0; start < L; start += block_size) {
+        const int64_t n = std::min(block_size, L - start);
+        const int64_t base = table[start / block_size] * block_size;
+        for (int64_t g = 0; g < G; ++g) {
+          float* sg = s.data() + g * block_size;
+          float mx = m[g];
+          for (int64_t j = 0; j < n; ++j) {
+            sg[j] = dot(qt + g * D, kp + ((base + j) * Hkv + h) * D, D) * sc;
+            mx = std::max(mx, sg[j]);
+          }
+          const float corr = std::exp(m[g] - mx);               // 0 on the first block (m = -inf)
+          scale_(acc.data() + g * D, corr, D);
+          l[g] *= corr;
+          m[g] = mx;
+          for (int64_t j = 0; j < n; ++j) {
+            const float p = std::exp(sg[j] - mx);
+            l[g] += p;
+            axpy(acc.data() + g * D, p, vp + ((base + j) * Hkv + h) * D, D);
+          }
+        }
+      }
+      float* ot = op + (t * Hq + h * G) * D;
+      for (int64_t g = 0; g < G; ++g) {
+        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+        for (int64_t d = 0; d < D; ++d) ot[g * D + d] = acc[g * D + d] * inv;
+      }
+    }
+  });
+  return out;
+}
+
+
+// qkv: [T, (Hq + 2 Hkv) D]; positions: [T] int64; cos, sin: [P, D/2]; caches: [S, Hkv, D];
+// slots: [T] int64. Returns rotated q [T, Hq, D] and k [T, Hkv, D]; k and v are written to the cache.
+std::vector<torch::Tensor> rope_and_cache(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos,
+                                          torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
+                                          torch::Tensor slots, int64_t Hq, int64_t Hkv) {
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && qkv.is_contiguous() && k_cache.is_contiguous() &&
+              v_cache.is_contiguous() && cos.is_contiguous() && sin.is_contiguous(), "fp32, contiguous");
+  const int64_t T = qkv.size(0), D = k_cache.size(2), half = D / 2, row = qkv.size(1);
+  TORCH_CHECK(row == (Hq + 2 * Hkv) * D, "qkv width does not match the heads");
+  auto q = torch::empty({T, Hq, D}, qkv.options());
+  auto k = torch::empty({T, Hkv, D}, qkv.options());
+  const float* src = qkv.data_ptr<float>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
+  float* kp = k.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cp + pos[t] * half;
+      const float* s = sp + pos[t] * half;
+      const float* in = src + t * row;
+      auto rotate = [&](const float* x, float* y, int64_t heads) {
+        for (int64_t h = 0; h < heads; ++h) {
+          const float* xh = x + h * D;
+          float* yh = y + h * D;
+#pragma omp simd
+          for (int64_t i = 0; i < half; ++i) {
+            const float x1 = xh[i], x2 = xh[i + half];
+            yh[i] = x1 * c[i] - x2 * s[i];
+            yh[i + half] = x2 * c[i] + x1 * s[i];
+          }
+        }
+      };
+      rotate(in, qp + t * Hq * D, Hq);
+      float* kt = kp + t * Hkv * D;
+      rotate(in + Hq * D, kt, Hkv);
+      std::copy(kt, kt + Hkv * D, kc + slot[t] * Hkv * D);
+      const float* vt = in + (Hq + Hkv) * D;
+      std::copy(vt, vt + Hkv * D, vc + slot[t] * Hkv * D);
+    }
+  });
+  return {q, k};
+}
+
+// x, residual (optional): [T, H]; weight: [H]. Returns (normed, x + residual) or (normed,).
+std::vector<torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
+                                    c10::optional<torch::Tensor> residual) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "fp32, contiguous");
+  const int64_t T = x.size(0), H = x.size(1);
+  auto out = torch::empty_like(x);
+  torch::Tensor sum;
+  const float* rp = nullptr;
+  float* sp = nullptr;
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes(), "residual like x");
+    sum = torch::empty_like(x);
+    rp = residual->data_ptr<float>();
+    sp = sum.data_ptr<float>();
+  }
+  const float* xp = x.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* in = xp + t * H;
+      if (sp) {
+        float* st = sp + t * H;
+        const float* rt = rp + t * H;
+#pragma omp simd
+        for (int64_t i = 0; i < H; ++i) st[i] = in[i] + rt[i];
+        in = st;
+      }
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < H; ++i) ss += in[i] * in[i];
+      const float inv = 1.f / std::sqrt(ss / H + e);
+      float* ot = op + t * H;
+#pragma omp simd
+      for (int64_t i = 0; i < H; ++i) ot[i] = in[i] * inv * w[i];
+    }
+  });
+  if (sp) return {out, sum};
+  return {out};
+}
+
+// x: [T, 2I] (gate | up) → [T, I] = silu(gate) * up.
+torch::Tensor silu_and_mul(torch::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "fp32, contiguous");
+  const int64_t T = x.size(0), I = x.size(1) / 2;
+  auto out = torch::empty({T, I}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* g = xp + t * 2 * I;
+      const float* u = g + I;
+      float* o = op + t * I;
+#pragma omp simd
+      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "attention of query rows over a paged KV cache");
+  m.def("rope_and_cache", &rope_and_cache, "split qkv, rotate q and k, write k and v to the cache");
+  m.def("rms_norm", &rms_norm, "optional residual add, then RMSNorm");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+}

@@ -1,0 +1,119 @@
+"""The compiled CPU ops against their PyTorch reference paths: each op alone, then whole models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from phasewise.kernels import cpu_ops
+from phasewise.kernels.build import cpu_supports_avx512
+from phasewise.layers.attention import AttentionMetadata, paged_attention
+from phasewise.layers.norm import RMSNorm
+from phasewise.layers.rotary import RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(not cpu_supports_avx512(), reason="the kernels need AVX-512")
+
+
+@pytest.fixture(scope="module")
+def ops():
+    module = cpu_ops.load()
+    assert module is not None, "the cpu_ops extension failed to build"
+    return module
+
+
+def test_rms_norm_with_and_without_residual(ops):
+    torch.manual_seed(0)
+    norm = RMSNorm(96, 1e-5)
+    norm.weight.data.normal_()
+    x, r = torch.randn(7, 96), torch.randn(7, 96)
+    ref_out, ref_res = norm(x, r)
+    ref_plain = norm(x)
+    norm.ops = ops
+    out, res = norm(x, r)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(res, ref_res)
+    torch.testing.assert_close(norm(x), ref_plain)
+
+
+def test_silu_and_mul(ops):
+    x = torch.randn(5, 2 * 40) * 4
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(ops.silu_and_mul(x), torch.nn.functional.silu(gate) * up)
+
+
+def test_rope_and_cache_rotates_and_writes_the_slots(ops):
+    torch.manual_seed(1)
+    Hq, Hkv, D, T = 6, 2, 32, 5
+    rope = RotaryEmbedding(D, 64, 10000.0)
+    qkv = torch.randn(T, (Hq + 2 * Hkv) * D)
+    positions = torch.tensor([0, 3, 9, 10, 63])
+    slots = torch.tensor([4, 17, 2, 30, 8])
+    kc, vc = torch.zeros(32, Hkv, D), torch.zeros(32, Hkv, D)
+    q, k = ops.rope_and_cache(qkv, positions, rope.cos, rope.sin, kc, vc, slots, Hq, Hkv)
+    q_ref, k_ref, v_ref = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+    q_ref, k_ref = rope(positions, q_ref.reshape(T, Hq, D), k_ref.reshape(T, Hkv, D))
+    torch.testing.assert_close(q, q_ref)
+    torch.testing.assert_close(k, k_ref)
+    torch.testing.assert_close(kc[slots], k_ref)
+    torch.testing.assert_close(vc[slots], v_ref.reshape(T, Hkv, D))
+    untouched = torch.ones(32, dtype=torch.bool)
+    untouched[slots] = False
+    assert kc[untouched].abs().sum() == 0 and vc[untouched].abs().sum() == 0
+
+
+@pytest.mark.parametrize("query_lens, context_lens", [
+    ([1], [1]),                          # a first decode
+    ([1, 1, 1], [17, 64, 3]),            # decode-only, ragged contexts, a full last block
+    ([1, 5, 12, 1], [40, 5, 30, 16]),    # mixed: decodes, a fresh prompt (SDPA), a chunk over a cache
+    ([4, 20], [9, 50]),                  # a short chunk (kernel) beside a long one (SDPA)
+])
+def test_paged_attention_matches_the_reference(ops, query_lens, context_lens):
+    torch.manual_seed(2)
+    Hq, Hkv, D, bs = 9, 3, 64, 16
+    num_blocks = 32
+    perm = torch.randperm(num_blocks).tolist()
+    tables, used = [], 0
+    for ctx in context_lens:
+        n = -(-ctx // bs)
+        tables.append(perm[used:used + n])
+        used += n
+    T = sum(query_lens)
+    q, k, v = torch.randn(T, Hq, D), torch.randn(T, Hkv, D), torch.randn(T, Hkv, D)
+    caches = [torch.randn(num_blocks * bs, Hkv, D) for _ in range(2)]
+    meta = AttentionMetadata.build(query_lens, context_lens, tables, bs, torch.device("cpu"))
+    ref = paged_attention(q, k, v, caches[0].clone(), caches[1].clone(), meta)
+    out = paged_attention(q, k, v, caches[0], caches[1], meta, ops=ops)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_default_model_logits_and_greedy_tokens_with_and_without_the_ops(llm):
+    """The engine's model, with the compiled ops and with the reference code, on a mixed batch."""
+    from phasewise import SamplingParams
+
+    model = llm.engine.model
+    assert model.model.norm.ops is not None, "the engine did not install the compiled ops"
+    prompts = [list(range(300, 340)), list(range(500, 503)), list(range(700, 790))]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    fast = llm.generate(prompts, params)
+    cpu_ops.use_cpu_ops(model, None)
+    try:
+        slow = llm.generate(prompts, params)
+    finally:
+        cpu_ops.use_cpu_ops(model, ops=cpu_ops.load())
+    for a, b in zip(fast, slow):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs):
+            assert la.logprob == pytest.approx(lb.logprob, abs=1e-3)
+
+
+def test_no_kernels_env_turns_the_build_off(monkeypatch):
+    from phasewise.kernels import build
+
+    monkeypatch.setenv("PHASEWISE_NO_KERNELS", "1")
+    build.load.cache_clear()
+    try:
+        assert cpu_ops.load() is None
+    finally:
+        monkeypatch.delenv("PHASEWISE_NO_KERNELS")
+        build.load.cache_clear()
