@@ -1,0 +1,93 @@
+"""Linear-layer kernels at the default model's shapes: fp32 oneDNN against the int8 and q4 kernels.
+
+    .venv/bin/python benchmarks/kernels.py [--rows 1,4,32,512] [--repeats 5] [--min-time 0.2] [--threads N]
+
+For each weight shape (N, K) of SmolLM2-135M and each number of activation rows M, prints the
+median time of one call, the weight bytes read per second (GB/s, what bounds decode) and the
+arithmetic rate (GFLOP/s, what bounds prefill). q4 is GGUF Q4_1 except the output head, which the
+default file stores as Q8_0. Random weights; the kernels' speed does not depend on the values.
+Run it alone: another process on this 2-core machine changes the numbers several-fold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from phasewise.kernels import quant
+from phasewise.layers.linear import OneDNNLinear, onednn_available
+from phasewise.layers.quant_linear import QuantLinear
+
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
+          "lm_head": (49152, 576)}
+
+
+def random_packed(fmt: str, n: int, k: int) -> quant.PackedWeight:
+    kb = k // quant.QK
+    d = (torch.rand(n, kb) * 0.01).half()
+    if fmt == "q4":
+        qs = torch.randint(0, 256, (n, kb, 16), dtype=torch.uint8)
+        return quant.pack_q4(qs, d, (-torch.rand(n, kb) * 0.05).half())
+    return quant.pack_q8(torch.randint(-128, 128, (n, kb, 32), dtype=torch.int8), d)
+
+
+def timeit(fn, x: torch.Tensor, repeats: int, min_time: float) -> float:
+    fn(x)
+    n, t0 = 1, time.perf_counter()
+    while time.perf_counter() - t0 < min_time / 4:
+        fn(x)
+        n += 1
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn(x)
+        times.append((time.perf_counter() - t0) / n)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="1,4,32,512")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--min-time", type=float, default=0.2, help="seconds per measurement")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    ext = quant.load()
+    if ext is None:
+        print("note: the C++ kernels are unavailable; int8/q4 run their PyTorch reference")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"{'shape':>8} {'N x K':>11} {'M':>4} | {'kernel':>6} {'us':>9} {'GB/s':>6} {'GFLOP/s':>8} {'vs fp32':>7}")
+    with torch.inference_mode():
+        for name in args.shapes.split(","):
+            n, k = SHAPES[name]
+            w = torch.randn(n, k) * 0.05
+            lin = nn.Linear(k, n, bias=False)
+            lin.weight.data = w
+            fp32 = OneDNNLinear(lin) if onednn_available(torch.device("cpu"), torch.float32) else lin
+            kernels = {"fp32": (fp32, 4 * n * k)}
+            for fmt in ("int8", "q4"):
+                packed = quant.quantize_i8(w) if fmt == "int8" else random_packed(
+                    "q8" if name == "lm_head" else "q4", n, k)
+                ql = QuantLinear(packed)
+                ql.ext = ext
+                kernels[fmt] = (ql, packed.nbytes())
+            for m in (int(r) for r in args.rows.split(",")):
+                x = torch.randn(m, k)
+                base = None
+                for kname, (mod, nbytes) in kernels.items():
+                    t = timeit(mod, x, args.repeats, args.min_time)
+                    base = base or t
+                    print(f"{name:>8} {f'{n}x{k}':>11} {m:>4} | {kname:>6} {t * 1e6:9.1f} {nbytes / t / 1e9:6.1f} "
+                          f"{2 * m * n * k / t / 1e9:8.1f} {base / t:6.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,243 @@
+// phasewise's quantized linear layers on AVX-512 VNNI: y[M, N] = x[M, K] @ W^T (+ bias).
+//
+// Activations are quantized per block of 32 values (symmetric int8, own fp32 scale dx, and
+// sx = dx * sum(xq) for the weight offsets); weight blocks of 32 along K are unsigned bytes, so
+// `vpdpbusd` (u8 x s8 -> s32, 4 products per lane) takes them as they are:
+//   Q4 (GGUF Q4_1, and Q4_0 with m = -8 d):  w = d q + m,        q in 0..15, d, m fp16 per block
+//   Q8 (GGUF Q8_0):                          w = d (u - 128),    u = q + 128, d fp16 per block
+//   I8 (our per-channel int8):               w = s_n (u - 128),  s_n fp32 per output row
+// so a block contributes d (dx acc) + m sx, with acc = sum(u xq) and m = -128 d for the bytes.
+//
+// Layout (python: kernels/quant.py packs it): output rows in tiles of 16, one zmm lane per row.
+// qs [N/16, K/32, BB] u8: per (tile, block), 64-byte chunks of 16 rows x 4 consecutive k.
+//   Q4 (BB = 256): chunk j's low nibbles are k = 4j..4j+3, its high nibbles k = 16+4j..16+4j+3.
+//   Q8, I8 (BB = 512): chunk g holds k = 4g..4g+3.
+// d, m [N/16, K/32, 16] fp16 (Q4, Q8); scale [N] fp32 (I8).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+
+#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VNNI__)
+#error "the quantized linear kernels need AVX-512 F, BW and VNNI"
+#endif
+
+namespace {
+
+enum Fmt : int64_t { Q4 = 0, Q8 = 1, I8 = 2 };
+constexpr int64_t QK = 32;  // values per block
+
+struct Act {          // quantized activations
+  const int8_t* xq;   // [M, K]
+  const float* dx;    // [M, KB]
+  const float* sx;    // [M, KB]
+  int64_t K, KB;
+};
+
+struct Weights {
+  const uint8_t* qs;      // [NT, KB, BB]
+  const at::Half* d;      // [NT, KB, 16] (Q4, Q8)
+  const at::Half* m;      // [NT, KB, 16] (Q4)
+  const float* scale;     // [NT * 16] (I8)
+  int64_t KB, BB;
+};
+
+// One row of 32 floats -> 32 int8 (round to nearest even), dx and sx of the block.
+inline void quantize_block(const float* x, int8_t* q, float* dx, float* sx) {
+  const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const float id = amax > 0.f ? 127.f / amax : 0.f;
+  const __m512 vid = _mm512_set1_ps(id);
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, vid));
+  const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, vid));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(qb));
+  *dx = amax / 127.f;
+  *sx = *dx * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+}
+
+inline __m512i bcast4(const int8_t* p) {  // 4 activation bytes to every lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+inline __m512 load_half16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// MT activation rows from m0 x NV tiles of 16 output rows from tile t0: out[m0.., 16 t0..].
+template <Fmt F, int MT, int NV>
+inline void tile_kernel(const Act& a, int64_t m0, const Weights& w, int64_t t0, const float* bias,
+                        float* out, int64_t ldo) {
+  __m512 r[MT][NV];
+  for (int i = 0; i < MT; ++i)
+    for (int v = 0; v < NV; ++v) r[i][v] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < w.KB; ++b) {
+    __m512i acc[MT][NV];
+    for (int i = 0; i < MT; ++i)
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_si512();
+    const int8_t* xb = a.xq + m0 * a.K + b * QK;
+    if constexpr (F == Q4) {
+      for (int j = 0; j < 4; ++j) {
+        __m512i lo[NV], hi[NV];
+        for (int v = 0; v < NV; ++v) {
+          const __m512i raw = _mm512_loadu_si512(w.qs + ((t0 + v) * w.KB + b) * 256 + j * 64);
+          lo[v] = _mm512_and_si512(raw, low4);
+          hi[v] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+        }
+        for (int i = 0; i < MT; ++i) {
+          const __m512i xl = bcast4(xb + i * a.K + 4 * j), xh = bcast4(xb + i * a.K + 16 + 4 * j);
+          for (int v = 0; v < NV; ++v) {
+            acc[i][v] = _mm512_dpbusd_epi32(acc[i][v], lo[v], xl);
+            acc[i][v] = _mm512_dpbusd_epi32(acc[i][v], hi[v], xh);
+          }
+        }
+      }
+    } else {
+      for (int g = 0; g < 8; ++g) {
+        __m512i u[NV];
+        for (int v = 0; v < NV; ++v) u[v] = _mm512_loadu_si512(w.qs + ((t0 + v) * w.KB + b) * 512 + g * 64);
+        for (int i = 0; i < MT; ++i) {
+          const __m512i x = bcast4(xb + i * a.K + 4 * g);
+          for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_dpbusd_epi32(acc[i][v], u[v], x);
+        }
+      }
+    }
+    // Block epilogue: r += d (dx acc) + m sx (Q4), d (dx acc - 128 sx) (Q8), dx acc (I8).
+    for (int v = 0; v < NV; ++v) {
+      const int64_t at = ((t0 + v) * w.KB + b) * 16;
+      __m512 dv, mv;
+      if constexpr (F != I8) dv = load_half16(w.d + at);
+      if constexpr (F == Q4) mv = load_half16(w.m + at);
+      for (int i = 0; i < MT; ++i) {
+        const int64_t xi = (m0 + i) * a.KB + b;
+        const __m512 accf = _mm512_cvtepi32_ps(acc[i][v]);
+        const __m512 dx = _mm512_set1_ps(a.dx[xi]);
+        if constexpr (F == Q4) {
+          r[i][v] = _mm512_fmadd_ps(_mm512_mul_ps(accf, dx), dv, r[i][v]);
+          r[i][v] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.sx[xi]), r[i][v]);
+        } else if constexpr (F == Q8) {
+          const __m512 t = _mm512_fmadd_ps(accf, dx, _mm512_set1_ps(-128.f * a.sx[xi]));
+          r[i][v] = _mm512_fmadd_ps(t, dv, r[i][v]);
+        } else {
+          r[i][v] = _mm512_fmadd_ps(accf, dx, r[i][v]);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < MT; ++i) {
+    float off = 0.f;  // I8: sum over blocks of -128 sx, then the row scale
+    if constexpr (F == I8)
+      for (int64_t b = 0; b < w.KB; ++b) off -= 128.f * a.sx[(m0 + i) * a.KB + b];
+    for (int v = 0; v < NV; ++v) {
+      const int64_t n0 = (t0 + v) * 16;
+      __m512 y = r[i][v];
+      if constexpr (F == I8)
+        y = _mm512_mul_ps(_mm512_add_ps(y, _mm512_set1_ps(off)), _mm512_loadu_ps(w.scale + n0));
+      if (bias) y = _mm512_add_ps(y, _mm512_loadu_ps(bias + n0));
+      _mm512_storeu_ps(out + (m0 + i) * ldo + n0, y);
+    }
+  }
+}
+
+template <Fmt F, int NV>
+inline void rows_kernel(const Act& a, int64_t M, const Weights& w, int64_t t0, const float* bias, float* out,
+                        int64_t ldo) {
+  int64_t m0 = 0;
+  for (; m0 + 4 <= M; m0 += 4) tile_kernel<F, 4, NV>(a, m0, w, t0, bias, out, ldo);
+  switch (M - m0) {
+    case 3: tile_kernel<F, 3, NV>(a, m0, w, t0, bias, out, ldo); break;
+    case 2: tile_kernel<F, 2, NV>(a, m0, w, t0, bias, out, ldo); break;
+    case 1: tile_kernel<F, 1, NV>(a, m0, w, t0, bias, out, ldo); break;
+    default: break;
+  }
+}
+
+template <Fmt F>
+void run(const Act& a, int64_t M, const Weights& w, int64_t NT, const float* bias, float* out) {
+  const int64_t ldo = NT * 16, groups = (NT + 1) / 2;  // pairs of tiles, the last one maybe single
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t t0 = 2 * g;
+      if (t0 + 1 < NT) rows_kernel<F, 2>(a, M, w, t0, bias, out, ldo);
+      else rows_kernel<F, 1>(a, M, w, t0, bias, out, ldo);
+    }
+  });
+}
+
+}  // namespace
+
+// x: [M, K] fp32 -> (xq [M, K] int8, dx [M, K/32], sx [M, K/32]); K a multiple of 32.
+std::vector<torch::Tensor> quantize_activations(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous fp32 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), KB = K / QK;
+  TORCH_CHECK(K % QK == 0, "K must be a multiple of 32");
+  auto xq = torch::empty({M, K}, x.options().dtype(at::kChar));
+  auto dx = torch::empty({M, KB}, x.options());
+  auto sx = torch::empty({M, KB}, x.options());
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = xq.data_ptr<int8_t>();
+  float *dp = dx.data_ptr<float>(), *sp = sx.data_ptr<float>();
+  at::parallel_for(0, M * KB, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) quantize_block(xp + i * QK, qp + i * QK, dp + i, sp + i);
+  });
+  return {xq, dx, sx};
+}
+
+// y [M, N_padded] = x [M, K] @ W^T + bias, W packed as described at the top.
+torch::Tensor quant_linear(torch::Tensor x, int64_t fmt, torch::Tensor qs, c10::optional<torch::Tensor> d,
+                           c10::optional<torch::Tensor> m, c10::optional<torch::Tensor> scale,
+                           c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x: fp32 [M, K]");
+  TORCH_CHECK(qs.dim() == 3 && qs.scalar_type() == at::kByte && qs.is_contiguous(), "qs: u8 [NT, KB, BB]");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), NT = qs.size(0), KB = qs.size(1), BB = qs.size(2);
+  TORCH_CHECK(K == KB * QK, "x has ", K, " columns, the weights ", KB * QK);
+  TORCH_CHECK(BB == (fmt == Q4 ? 256 : 512), "block bytes do not match the format");
+  Weights w{qs.data_ptr<uint8_t>(), nullptr, nullptr, nullptr, KB, BB};
+  if (fmt == Q4 || fmt == Q8) {
+    TORCH_CHECK(d.has_value() && d->scalar_type() == at::kHalf && d->is_contiguous() && d->numel() == NT * KB * 16,
+                "d: fp16 [NT, KB, 16]");
+    w.d = d->data_ptr<at::Half>();
+  }
+  if (fmt == Q4) {
+    TORCH_CHECK(m.has_value() && m->scalar_type() == at::kHalf && m->is_contiguous() && m->numel() == NT * KB * 16,
+                "m: fp16 [NT, KB, 16]");
+    w.m = m->data_ptr<at::Half>();
+  }
+  if (fmt == I8) {
+    TORCH_CHECK(scale.has_value() && scale->scalar_type() == at::kFloat && scale->is_contiguous() &&
+                scale->numel() == NT * 16, "scale: fp32 [N]");
+    w.scale = scale->data_ptr<float>();
+  }
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == NT * 16,
+                "bias: fp32 [N padded to 16]");
+    bp = bias->data_ptr<float>();
+  }
+  auto q = quantize_activations(x);
+  Act a{q[0].data_ptr<int8_t>(), q[1].data_ptr<float>(), q[2].data_ptr<float>(), K, KB};
+  auto out = torch::empty({M, NT * 16}, x.options());
+  float* op = out.data_ptr<float>();
+  if (M == 0) return out;
+  switch (fmt) {
+    case Q4: run<Q4>(a, M, w, NT, bp, op); break;
+    case Q8: run<Q8>(a, M, w, NT, bp, op); break;
+    case I8: run<I8>(a, M, w, NT, bp, op); break;
+    default: TORCH_CHECK(false, "unknown format ", fmt);
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  namespace py = pybind11;
+  mod.def("quantize_activations", &quantize_activations, "per-32 symmetric int8 activations: xq, dx, sx");
+  mod.def("quant_linear", &quant_linear, "y = x W^T + b with W in a packed block format",
+          py::arg("x"), py::arg("fmt"), py::arg("qs"), py::arg("d") = py::none(), py::arg("m") = py::none(),
+          py::arg("scale") = py::none(), py::arg("bias") = py::none());
+}

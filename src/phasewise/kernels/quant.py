@@ -1,0 +1,177 @@
+"""Quantized weight formats (csrc/quant_linear.cpp) and their pure-PyTorch reference.
+
+A `PackedWeight` holds a linear layer's weight [N, K] in blocks of 32 along K, rows in
+tiles of 16 (the layout the C++ kernel reads; see the top of quant_linear.cpp):
+
+- "q4": GGUF Q4_1 (w = d q + m) and Q4_0 (m = -8 d), the file's bytes and fp16 scales as they are;
+- "q8": GGUF Q8_0 (w = d q), q stored as q + 128;
+- "i8": our own int8 per output channel (w = s_n q), from fp32 weights.
+
+Packing only moves bytes (no second rounding for the GGUF formats). `dequantize` is the
+device-agnostic reference; `emulate` computes in PyTorch what the kernel computes (activations
+quantized per block of 32 too), for tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import torch
+
+from phasewise.kernels.build import load as _load
+
+QK = 32                                   # values per block
+TILE = 16                                 # output rows per tile (one zmm lane each)
+FORMAT_IDS = {"q4": 0, "q8": 1, "i8": 2}
+BLOCK_BYTES = {"q4": 256, "q8": 512, "i8": 512}   # bytes per (tile, block) in qs
+# GGUF block types we read as they are: name → (format, bytes per block of 32).
+GGUF_BLOCKS = {"Q4_0": ("q4", 18), "Q4_1": ("q4", 20), "Q8_0": ("q8", 34)}
+
+
+def cpu_supports_vnni() -> bool:
+    try:
+        return " avx512_vnni " in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+def load() -> ModuleType | None:
+    """The compiled quantized-linear kernels, or None (then QuantLinear runs its reference)."""
+    if not cpu_supports_vnni():
+        return None
+    return _load("quant_linear", ("quant_linear.cpp",))
+
+
+@dataclass
+class PackedWeight:
+    fmt: str                       # q4 | q8 | i8
+    n: int                         # output features (rows of W)
+    k: int                         # input features, a multiple of 32
+    qs: torch.Tensor               # [NT, KB, BLOCK_BYTES] uint8
+    d: torch.Tensor | None = None  # [NT, KB, 16] fp16 (q4, q8)
+    m: torch.Tensor | None = None  # [NT, KB, 16] fp16 (q4)
+    scale: torch.Tensor | None = None  # [NT * 16] fp32 (i8)
+
+    @property
+    def n_padded(self) -> int:
+        return self.qs.shape[0] * TILE
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m, self.scale) if t is not None)
+
+
+def _pad_rows(t: torch.Tensor, n_padded: int) -> torch.Tensor:
+    if t.shape[0] == n_padded:
+        return t
+    return torch.cat([t, t.new_zeros(n_padded - t.shape[0], *t.shape[1:])])
+
+
+def _tile_scales(s: torch.Tensor) -> torch.Tensor:
+    """[Np, KB] → [NT, KB, 16]."""
+    np_, kb = s.shape
+    return s.reshape(np_ // TILE, TILE, kb).permute(0, 2, 1).contiguous()
+
+
+def _tile_bytes(u: torch.Tensor) -> torch.Tensor:
+    """[Np, KB, 32] bytes (one per k) → [NT, KB, 512]: chunks of 16 rows x 4 k."""
+    np_, kb, _ = u.shape
+    return u.reshape(np_ // TILE, TILE, kb, 8, 4).permute(0, 2, 3, 1, 4).reshape(np_ // TILE, kb, 512).contiguous()
+
+
+def _untile_bytes(qs: torch.Tensor) -> torch.Tensor:
+    nt, kb, _ = qs.shape
+    return qs.reshape(nt, kb, 8, TILE, 4).permute(0, 3, 1, 2, 4).reshape(nt * TILE, kb, QK)
+
+
+def pack_q4(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> PackedWeight:
+    """GGUF Q4 blocks: qs [N, KB, 16] uint8 (byte i: k = i low nibble, k = i + 16 high), d, m [N, KB] fp16."""
+    n, kb, _ = qs.shape
+    np_ = -(-n // TILE) * TILE
+    qs, d, m = _pad_rows(qs, np_), _pad_rows(d, np_), _pad_rows(m, np_)
+    # byte 4j + p of a row's block → chunk j, lane (row), position p
+    tiled = qs.reshape(np_ // TILE, TILE, kb, 4, 4).permute(0, 2, 3, 1, 4).reshape(np_ // TILE, kb, 256)
+    return PackedWeight("q4", n, kb * QK, tiled.contiguous(), _tile_scales(d), _tile_scales(m))
+
+
+def pack_q8(q: torch.Tensor, d: torch.Tensor) -> PackedWeight:
+    """GGUF Q8_0 blocks: q [N, KB, 32] int8, d [N, KB] fp16."""
+    n, kb, _ = q.shape
+    np_ = -(-n // TILE) * TILE
+    u = (_pad_rows(q, np_).to(torch.int16) + 128).to(torch.uint8)
+    return PackedWeight("q8", n, kb * QK, _tile_bytes(u), _tile_scales(_pad_rows(d, np_)))
+
+
+def quantize_i8(w: torch.Tensor) -> PackedWeight:
+    """fp32 W [N, K] (K a multiple of 32) → int8 per output channel, symmetric: s_n = max|w_n| / 127."""
+    n, k = w.shape
+    if k % QK:
+        raise ValueError(f"in_features {k} is not a multiple of {QK}")
+    w = w.float()
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int16)
+    np_ = -(-n // TILE) * TILE
+    u = (_pad_rows(q, np_) + 128).to(torch.uint8).reshape(np_, k // QK, QK)
+    return PackedWeight("i8", n, k, _tile_bytes(u), scale=_pad_rows(scale, np_).contiguous())
+
+
+def pack_gguf(type_name: str, raw: np.ndarray | torch.Tensor) -> PackedWeight:
+    """Raw GGUF rows [N, KB * block bytes] uint8 of type Q4_0, Q4_1 or Q8_0 → a PackedWeight."""
+    raw = torch.as_tensor(np.ascontiguousarray(raw) if isinstance(raw, np.ndarray) else raw)
+    fmt, size = GGUF_BLOCKS[type_name]
+    n = raw.shape[0]
+    blocks = raw.reshape(n, -1, size)
+    d = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0]
+    if type_name == "Q4_1":
+        return pack_q4(blocks[..., 4:20], d, blocks[..., 2:4].contiguous().view(torch.float16)[..., 0])
+    if type_name == "Q4_0":
+        return pack_q4(blocks[..., 2:18], d, d * -8)  # exact: a power of two times an fp16
+    return pack_q8(blocks[..., 2:34].contiguous().view(torch.int8), d)
+
+
+def concat(parts: list[PackedWeight]) -> PackedWeight:
+    """Stack weights of one format along N (a fused projection); every part but the last fills whole tiles."""
+    fmt = parts[0].fmt
+    if any(p.fmt != fmt or p.k != parts[0].k for p in parts) or any(p.n % TILE for p in parts[:-1]):
+        raise ValueError("cannot fuse these weights")
+    cat = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
+    return PackedWeight(fmt, sum(p.n for p in parts), parts[0].k, cat([p.qs for p in parts]),
+                        cat([p.d for p in parts]), cat([p.m for p in parts]), cat([p.scale for p in parts]))
+
+
+def dequantize(w: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weight as [N, K] in dtype, exactly the stored values (the reference path)."""
+    nt, kb, _ = w.qs.shape
+    if w.fmt == "q4":
+        b = w.qs.reshape(nt, kb, 4, TILE, 4).permute(0, 3, 1, 2, 4).reshape(nt * TILE, kb, 16)
+        q = torch.cat([b & 0x0F, b >> 4], dim=-1).float()                       # [Np, KB, 32]
+        d, m = (s.permute(0, 2, 1).reshape(nt * TILE, kb, 1).float() for s in (w.d, w.m))
+        out = q * d + m
+    else:
+        q = _untile_bytes(w.qs).float() - 128
+        if w.fmt == "q8":
+            out = q * w.d.permute(0, 2, 1).reshape(nt * TILE, kb, 1).float()
+        else:
+            out = q * w.scale.reshape(-1, 1, 1)
+    return out.reshape(nt * TILE, kb * QK)[: w.n].to(dtype)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] fp32 → xq [M, K] int8, dx, sx [M, K/32]: per block of 32, dx = max|x| / 127, sx = dx Σ xq."""
+    m, k = x.shape
+    xb = x.float().reshape(m, k // QK, QK)
+    amax = xb.abs().amax(dim=-1)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    xq = torch.round(xb * inv[..., None]).clamp(-127, 127)
+    dx = amax / 127
+    return xq.to(torch.int8).reshape(m, k), dx, dx * xq.sum(-1)
+
+
+def emulate(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What the kernel computes, in PyTorch: x quantized per block of 32, times the exact weights."""
+    xq, dx, _ = quantize_activations(x)
+    xd = (xq.float().reshape(x.shape[0], -1, QK) * dx[..., None]).reshape(x.shape)
+    return torch.nn.functional.linear(xd, dequantize(w), bias)

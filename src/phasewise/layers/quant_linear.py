@@ -1,0 +1,66 @@
+"""QuantLinear: a linear layer whose weight stays quantized (int8 per channel, GGUF Q4/Q8 blocks).
+
+`forward` runs the C++ AVX-512 VNNI kernel (kernels/csrc/quant_linear.cpp) when `ext` is set
+and the input is fp32 on the CPU; it quantizes activations per block of 32 values. Otherwise
+the reference path runs anywhere: dequantize the exact stored weight, then `F.linear` on the
+unquantized activations.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from phasewise.kernels import quant
+from phasewise.kernels.quant import PackedWeight
+
+
+class QuantLinear(nn.Module):
+    def __init__(self, weight: PackedWeight, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.fmt, self.in_features, self.out_features = weight.fmt, weight.k, weight.n
+        self.fmt_id = quant.FORMAT_IDS[weight.fmt]
+        for name in ("qs", "d", "m", "scale"):
+            self.register_buffer(name, getattr(weight, name))
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+        self.ext: ModuleType | None = None   # the compiled kernels, set by layers.linear.use_fast_linears
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, weight: PackedWeight | None = None) -> QuantLinear:
+        """Quantize an nn.Linear to int8 per channel, or wrap a given packed weight (its bias kept)."""
+        return cls(weight or quant.quantize_i8(linear.weight.detach()), linear.bias)
+
+    @property
+    def packed(self) -> PackedWeight:
+        return PackedWeight(self.fmt, self.out_features, self.in_features, self.qs, self.d, self.m, self.scale)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., in] → [..., out]."""
+        if self.ext is None or x.device.type != "cpu" or x.dtype != torch.float32:
+            return self.reference(x)
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        bias = self._padded_bias()
+        y = self.ext.quant_linear(x2, self.fmt_id, self.qs, self.d, self.m, self.scale, bias)
+        if y.shape[1] != self.out_features:
+            y = y[:, : self.out_features].contiguous()
+        return y.reshape(*lead, self.out_features)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """Dequantize the stored weight (exact) and multiply in x's dtype."""
+        w = quant.dequantize(self.packed, x.dtype)
+        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+
+    def _padded_bias(self) -> torch.Tensor | None:
+        if self.bias is None:
+            return None
+        n_padded = self.qs.shape[0] * quant.TILE
+        if self.bias.shape[0] == n_padded:
+            return self.bias
+        return torch.cat([self.bias, self.bias.new_zeros(n_padded - self.bias.shape[0])])
