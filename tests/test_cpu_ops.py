@@ -7,7 +7,7 @@ import torch
 
 from phasewise.kernels import cpu_ops
 from phasewise.kernels.build import cpu_supports_avx512
-from phasewise.layers.attention import AttentionMetadata, paged_attention
+from phasewise.layers.attention import AttentionMetadata, paged_attention, quantize_rows
 from phasewise.layers.norm import RMSNorm
 from phasewise.layers.rotary import RotaryEmbedding
 
@@ -61,28 +61,69 @@ def test_rope_and_cache_rotates_and_writes_the_slots(ops):
     assert kc[untouched].abs().sum() == 0 and vc[untouched].abs().sum() == 0
 
 
-@pytest.mark.parametrize("query_lens, context_lens", [
+def test_rope_and_cache_quantizes_into_an_int8_cache(ops):
+    torch.manual_seed(3)
+    Hq, Hkv, D, T = 6, 2, 64, 4
+    rope = RotaryEmbedding(D, 64, 10000.0)
+    qkv = torch.randn(T, (Hq + 2 * Hkv) * D) * 3
+    positions, slots = torch.tensor([1, 2, 3, 40]), torch.tensor([5, 0, 9, 31])
+    kc, vc = torch.zeros(32, Hkv, D, dtype=torch.int8), torch.zeros(32, Hkv, D, dtype=torch.int8)
+    ks, vs = torch.ones(32, Hkv), torch.ones(32, Hkv)
+    q, k = ops.rope_and_cache(qkv, positions, rope.cos, rope.sin, kc, vc, slots, Hq, Hkv, ks, vs)
+    v = qkv[:, (Hq + Hkv) * D:].reshape(T, Hkv, D)
+    for cache, scales, x in ((kc, ks, k), (vc, vs, v)):
+        ref_q, ref_s = quantize_rows(x)
+        torch.testing.assert_close(scales[slots], ref_s)
+        assert (cache[slots].int() - ref_q.int()).abs().max() <= 1          # rounding ties may differ
+        err = (cache[slots].float() * scales[slots].unsqueeze(-1) - x).abs()
+        assert (err <= scales[slots].unsqueeze(-1) * 0.5 + 1e-6).all()      # within half a step
+
+
+CASES = [
     ([1], [1]),                          # a first decode
     ([1, 1, 1], [17, 64, 3]),            # decode-only, ragged contexts, a full last block
     ([1, 5, 12, 1], [40, 5, 30, 16]),    # mixed: decodes, a fresh prompt (SDPA), a chunk over a cache
     ([4, 20], [9, 50]),                  # a short chunk (kernel) beside a long one (SDPA)
-])
-def test_paged_attention_matches_the_reference(ops, query_lens, context_lens):
-    torch.manual_seed(2)
-    Hq, Hkv, D, bs = 9, 3, 64, 16
-    num_blocks = 32
+]
+
+
+@pytest.mark.parametrize("query_lens, context_lens", CASES)
+def test_paged_attention_over_an_int8_cache_matches_the_reference(ops, query_lens, context_lens):
+    """Kernel and reference read the same quantized cache: they agree to float rounding."""
+    torch.manual_seed(4)
+    Hq, Hkv, D, bs, num_blocks = 9, 3, 64, 16, 32
+    tables = _tables(context_lens, bs, num_blocks)
+    T = sum(query_lens)
+    q, k, v = torch.randn(T, Hq, D), torch.randn(T, Hkv, D), torch.randn(T, Hkv, D)
+    kq, ks = quantize_rows(torch.randn(num_blocks * bs, Hkv, D))
+    vq, vs = quantize_rows(torch.randn(num_blocks * bs, Hkv, D))
+    meta = AttentionMetadata.build(query_lens, context_lens, tables, bs, torch.device("cpu"))
+    ref = paged_attention(q, k, v, (kq.clone(), vq.clone(), ks.clone(), vs.clone()), meta)
+    out = paged_attention(q, k, v, (kq, vq, ks, vs), meta, ops=ops)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+def _tables(context_lens: list[int], bs: int, num_blocks: int) -> list[list[int]]:
     perm = torch.randperm(num_blocks).tolist()
     tables, used = [], 0
     for ctx in context_lens:
         n = -(-ctx // bs)
         tables.append(perm[used:used + n])
         used += n
+    return tables
+
+
+@pytest.mark.parametrize("query_lens, context_lens", CASES)
+def test_paged_attention_matches_the_reference(ops, query_lens, context_lens):
+    torch.manual_seed(2)
+    Hq, Hkv, D, bs, num_blocks = 9, 3, 64, 16, 32
+    tables = _tables(context_lens, bs, num_blocks)
     T = sum(query_lens)
     q, k, v = torch.randn(T, Hq, D), torch.randn(T, Hkv, D), torch.randn(T, Hkv, D)
     caches = [torch.randn(num_blocks * bs, Hkv, D) for _ in range(2)]
     meta = AttentionMetadata.build(query_lens, context_lens, tables, bs, torch.device("cpu"))
-    ref = paged_attention(q, k, v, caches[0].clone(), caches[1].clone(), meta)
-    out = paged_attention(q, k, v, caches[0], caches[1], meta, ops=ops)
+    ref = paged_attention(q, k, v, (caches[0].clone(), caches[1].clone()), meta)
+    out = paged_attention(q, k, v, (caches[0], caches[1]), meta, ops=ops)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 

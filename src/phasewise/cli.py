@@ -20,6 +20,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     g.add_argument("--kv-cache-memory", type=float, default=2.0, help="KV-cache pool size in GiB")
+    g.add_argument("--kv-dtype", default="auto", choices=["auto", "int8"],
+                   help="KV-cache precision: the model's (auto) or int8 with a scale per token and head")
     g.add_argument("--max-model-len", type=int, default=None, help="context length cap")
 
 
@@ -96,7 +98,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     params = sampling_params_from_args(args)   # validate before the (slow) model load
     llm = LLM(args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-              kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len)
+              kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len, kv_dtype=args.kv_dtype)
     if args.raw:
         prompt = args.prompt
     else:
@@ -151,7 +153,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config = EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device,
-        cache=CacheConfig(args.block_size, args.kv_cache_memory),
+        cache=CacheConfig(args.block_size, args.kv_cache_memory, kv_dtype=args.kv_dtype),
         scheduler=SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, args.max_model_len))
     engine = LLMEngine(config)
     engine.warmup()

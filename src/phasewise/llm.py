@@ -20,10 +20,10 @@ class LLM:
                  kernels: str = "auto", block_size: int = 16, kv_cache_memory: float = 2.0,
                  num_blocks: int | None = None, enable_prefix_caching: bool = True,
                  max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
-                 max_model_len: int | None = None, warmup: bool = True) -> None:
+                 max_model_len: int | None = None, kv_dtype: str = "auto", warmup: bool = True) -> None:
         config = EngineConfig(
             model=model, dtype=dtype, device=device, kernels=kernels,
-            cache=CacheConfig(block_size, kv_cache_memory, num_blocks, enable_prefix_caching),
+            cache=CacheConfig(block_size, kv_cache_memory, num_blocks, enable_prefix_caching, kv_dtype),
             scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs, max_model_len))
         self.engine = LLMEngine(config)
         if warmup:

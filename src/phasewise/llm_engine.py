@@ -49,9 +49,10 @@ class LLMEngine:
         max_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
         self.max_model_len = min(max_len, self.model_config.max_position_embeddings)
         cache: CacheConfig = config.cache
+        kv_dtype = torch.int8 if cache.kv_dtype == "int8" else dtype
         num_blocks = cache.num_blocks or num_blocks_for_memory(
-            self.model_config, cache.block_size, dtype, cache.kv_cache_memory_gib)
-        self.kv_cache = KVCache(self.model_config, num_blocks, cache.block_size, dtype, config.device)
+            self.model_config, cache.block_size, kv_dtype, cache.kv_cache_memory_gib)
+        self.kv_cache = KVCache(self.model_config, num_blocks, cache.block_size, kv_dtype, config.device)
         runner = ModelRunner(self.model, self.kv_cache, self.tokenizer.eos_token_ids, config.device)
         self.core = EngineCore(runner, config.scheduler, num_blocks, cache.block_size, self.max_model_len,
                                cache.enable_prefix_caching)

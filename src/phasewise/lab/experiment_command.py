@@ -133,7 +133,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
         llm = LLM(args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                   kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
                   enable_prefix_caching=args.prefix_caching, max_num_batched_tokens=args.max_num_batched_tokens,
-                  max_num_seqs=args.max_num_seqs, warmup=warmup)
+                  max_num_seqs=args.max_num_seqs, kv_dtype=args.kv_dtype, warmup=warmup)
     limit = llm.engine.max_model_len
     if per_request > limit:
         raise ValueError(f"the longest request has {per_request} tokens, above the context length {limit}")
@@ -146,7 +146,8 @@ def cmd_experiment(args: argparse.Namespace) -> int:
                   console=console, transient=False) as bar:
         task = bar.add_task("", total=_total(args))
         exp = _run(llm, args, lambda n: bar.advance(task, n))
-    exp.settings |= {"model": str(llm.engine.model_path), "dtype": args.dtype, "device": args.device,
+    exp.settings |= {"model": str(llm.engine.model_path), "dtype": args.dtype, "kv_dtype": args.kv_dtype,
+                     "device": args.device,
                      "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
                      "prefix_caching": args.prefix_caching, "warmup": warmup}
     from phasewise.lab.plots import draw

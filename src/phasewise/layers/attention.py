@@ -1,7 +1,8 @@
 """Attention over a paged KV cache, for a flat batch mixing prefill chunks and decode tokens.
 
 The KV cache of one layer is a pair of tensors [num_slots, Hkv, D] (a block of
-`block_size` slots per block id, slot = block_id * block_size + offset). Each step
+`block_size` slots per block id, slot = block_id * block_size + offset); an int8
+cache adds one fp32 scale per slot and KV head for each. Each step
 the new tokens' K and V are written to their slots, then every sequence attends
 over its whole context, read back through its slots.
 """
@@ -26,6 +27,7 @@ class SeqAttention:
     by_kernel: bool = False         # its rows are in AttentionMetadata.kernel_rows
 
 
+LayerKV = tuple[torch.Tensor, ...]   # (k, v) [num_slots, Hkv, D]; int8: (k, v, k_scale, v_scale [num_slots, Hkv])
 MAX_KERNEL_QUERY = 16   # chunks of at most this many new tokens over a cached context go to the kernel
 
 
@@ -111,34 +113,61 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch
     return out.flatten(-4, -3)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] → (int8 [..., D], fp32 scale [...]): symmetric, one scale per row (max |x| / 127)."""
+    amax = x.abs().amax(-1).float()
+    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    return torch.round(x / scale.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8), scale
+
+
+def write_kv(kv: LayerKV, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Put k, v [T, Hkv, D] into their cache slots (quantized for an int8 cache)."""
+    if len(kv) == 2:
+        kv[0].index_copy_(0, slots, k)
+        kv[1].index_copy_(0, slots, v)
+        return
+    for cache, scales, x in ((kv[0], kv[2], k), (kv[1], kv[3], v)):
+        xq, xs = quantize_rows(x)
+        cache.index_copy_(0, slots, xq)
+        scales.index_copy_(0, slots, xs)
+
+
+def _read(kv: LayerKV, which: int, blocks: torch.Tensor, block_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """K (which=0) or V (1) of whole blocks: [..., nblk * block_size, Hkv, D], dequantized."""
+    x = _gather(kv[which], blocks, block_size)
+    if len(kv) == 2:
+        return x
+    return x.to(dtype) * _gather(kv[2 + which].unsqueeze(-1), blocks, block_size).to(dtype)   # [..., L, Hkv, 1]
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, meta: AttentionMetadata,
                     ops=None, written: bool = False) -> torch.Tensor:
-    """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [num_slots, Hkv, D] → out [T, Hq * D].
+    """q: [T, Hq, D]; k, v: [T, Hkv, D]; kv: the layer's cache (k, v [num_slots, Hkv, D], and for an
+    int8 cache their scales [num_slots, Hkv]) → out [T, Hq * D].
 
     `written`: k and v are already in their cache slots. `ops`: the compiled CPU ops, which
     then serve the rows in `meta.kernel_rows` straight from the cache."""
     if not written:
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        write_kv(kv, meta.slot_mapping, k, v)
     T, Hq, D = q.shape
     Hkv, bs = k.shape[1], meta.block_size
     rows = meta.kernel_rows if ops is not None else None
+    scales = (kv[2], kv[3]) if len(kv) == 4 else (None, None)
     if rows is not None and rows.index is None:     # every row: one kernel call
-        return ops.paged_attention(q.contiguous(), k_cache, v_cache, rows.tables, rows.seq, rows.length,
-                                   bs, D ** -0.5).view(T, Hq * D)
+        return ops.paged_attention(q.contiguous(), kv[0], kv[1], rows.tables, rows.seq, rows.length,
+                                   bs, D ** -0.5, *scales).view(T, Hq * D)
     if meta.decode_only:
         # Grouped-query trick: the G query heads sharing a KV head ride in the query-length axis.
         B, G = T, Hq // Hkv
         qg = q.view(B, Hkv, G, D)                                      # [B, Hkv, G, D]
-        kc = _gather(k_cache, meta.decode_blocks, bs).transpose(1, 2)  # [B, Hkv, L, D]
-        vc = _gather(v_cache, meta.decode_blocks, bs).transpose(1, 2)
+        kc = _read(kv, 0, meta.decode_blocks, bs, q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
+        vc = _read(kv, 1, meta.decode_blocks, bs, q.dtype).transpose(1, 2)
         out = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=meta.decode_mask)
         return out.reshape(T, Hq * D)
     out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
     if rows is not None:
-        out[rows.index] = ops.paged_attention(q[rows.index], k_cache, v_cache, rows.tables, rows.seq,
-                                              rows.length, bs, D ** -0.5)
+        out[rows.index] = ops.paged_attention(q[rows.index], kv[0], kv[1], rows.tables, rows.seq,
+                                              rows.length, bs, D ** -0.5, *scales)
     for s in meta.seqs:
         if rows is not None and s.by_kernel:
             continue
@@ -146,8 +175,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if s.context_blocks is None:
             ks, vs = k[s.start:s.end], v[s.start:s.end]                # [n, Hkv, D]
         else:
-            ks = _gather(k_cache, s.context_blocks, bs)[: s.context_len]  # [L, Hkv, D]
-            vs = _gather(v_cache, s.context_blocks, bs)[: s.context_len]
+            ks = _read(kv, 0, s.context_blocks, bs, q.dtype)[: s.context_len]  # [L, Hkv, D]
+            vs = _read(kv, 1, s.context_blocks, bs, q.dtype)[: s.context_len]
         ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=s.mask, is_causal=s.is_causal,
                                            enable_gqa=Hq != Hkv)

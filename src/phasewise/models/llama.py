@@ -14,12 +14,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from phasewise.kernels.cpu_ops import applies
-from phasewise.layers.attention import AttentionMetadata, paged_attention
+from phasewise.layers.attention import AttentionMetadata, LayerKV, paged_attention
 from phasewise.layers.norm import RMSNorm
 from phasewise.layers.rotary import RotaryEmbedding
 from phasewise.models.config import ModelConfig
 
-KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: k, v as [num_slots, Hkv, D]
+KVCaches = list[LayerKV]  # per layer: k, v as [num_slots, Hkv, D] (int8: and their scales)
 
 
 class LlamaAttention(nn.Module):
@@ -38,15 +38,15 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x)                            # [T, q_size + 2 kv_size]
         if applies(self.ops, qkv):                        # split, rotate, write k and v: one op
             q, k = self.ops.rope_and_cache(qkv, positions, self.rotary.cos, self.rotary.sin, kv[0], kv[1],
-                                           meta.slot_mapping, cfg.num_heads, cfg.num_kv_heads)
+                                           meta.slot_mapping, cfg.num_heads, cfg.num_kv_heads, *kv[2:])
             v = qkv[:, cfg.q_size + cfg.kv_size:].view(-1, cfg.num_kv_heads, cfg.head_dim)
-            return self.o_proj(paged_attention(q, k, v, kv[0], kv[1], meta, self.ops, written=True))
+            return self.o_proj(paged_attention(q, k, v, kv, meta, self.ops, written=True))
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(-1, cfg.num_heads, cfg.head_dim)      # [T, Hq, D]
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)   # [T, Hkv, D]
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         q, k = self.rotary(positions, q, k)
-        return self.o_proj(paged_attention(q, k, v, kv[0], kv[1], meta))
+        return self.o_proj(paged_attention(q, k, v, kv, meta))
 
 
 class LlamaMLP(nn.Module):

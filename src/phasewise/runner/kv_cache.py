@@ -1,4 +1,7 @@
-"""The KV tensors: one (k, v) pair per layer, [num_blocks * block_size, Hkv, D], sized from a memory budget."""
+"""The KV tensors: one (k, v) pair per layer, [num_blocks * block_size, Hkv, D], sized from a memory budget.
+
+An int8 cache also holds one fp32 scale per slot and KV head: (k, v, k_scale, v_scale).
+"""
 
 from __future__ import annotations
 
@@ -9,16 +12,24 @@ import torch
 from phasewise.models.config import ModelConfig
 
 
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """K and V of one token in every layer; int8 adds a 4-byte scale per KV head."""
+    if dtype == torch.int8:
+        return 2 * cfg.num_layers * cfg.num_kv_heads * (cfg.head_dim + 4)
+    return cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+
+
 def num_blocks_for_memory(cfg: ModelConfig, block_size: int, dtype: torch.dtype, gib: float) -> int:
     """How many blocks of `block_size` tokens fit in `gib` GiB of K and V."""
-    per_block = cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size()) * block_size
-    return max(1, int(gib * 2**30) // per_block)
+    return max(1, int(gib * 2**30) // (kv_bytes_per_token(cfg, dtype) * block_size))
 
 
 class KVCache:
+    """dtype: the model's dtype, or torch.int8 (per-token, per-head scales, quantized on write)."""
+
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str) -> None:
-        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
         slots = num_blocks * block_size
         # Never-written slots are read under a mask (padding of a decode batch) and must hold no NaN
         # (softmax weight 0 * NaN = NaN), so the pool starts zeroed. On the CPU a large fresh
@@ -28,4 +39,8 @@ class KVCache:
         fresh_zero_pages = torch.device(device).type == "cpu" and math.prod(shape) >= 2**26
         alloc = torch.empty if fresh_zero_pages else torch.zeros
         self.data = alloc(shape, dtype=dtype, device=device)
-        self.layers = [(self.data[i, 0], self.data[i, 1]) for i in range(cfg.num_layers)]
+        self.layers: list[tuple[torch.Tensor, ...]] = [(self.data[i, 0], self.data[i, 1])
+                                                       for i in range(cfg.num_layers)]
+        if dtype == torch.int8:   # unwritten slots: int8 zeros times scale 1 → 0, never NaN
+            self.scales = torch.ones(cfg.num_layers, 2, slots, cfg.num_kv_heads, device=device)
+            self.layers = [(k, v, self.scales[i, 0], self.scales[i, 1]) for i, (k, v) in enumerate(self.layers)]

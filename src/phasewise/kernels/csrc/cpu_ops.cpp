@@ -3,6 +3,7 @@
 //    place from the paged KV cache (no gather); one task per (row, KV head), the G query heads that
 //    share a KV head together so each K/V row is loaded once; online softmax per block.
 //  - rope_and_cache: split a fused qkv row, rotate q and k (NeoX halves), write k and v to their slots.
+//  The KV cache is fp32, or int8 with one fp32 scale per (slot, KV head).
 //  - rms_norm: optional residual add, then RMSNorm, in one pass.
 //  - silu_and_mul: silu(gate) * up of a fused gate_up row.
 // Each has a pure-PyTorch reference in layers/; tests compare the two.
@@ -28,6 +29,22 @@ inline void axpy(float* __restrict y, float a, const float* __restrict x, int64_
   for (int64_t d = 0; d < D; ++d) y[d] += a * x[d];
 }
 
+inline void dequant(const int8_t* __restrict x, float scale, float* __restrict y, int64_t D) {
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) y[d] = static_cast<float>(x[d]) * scale;
+}
+
+// y = round(x / scale) with scale = max|x| / 127 (symmetric int8, one scale per row); returns scale.
+inline float quant(const float* __restrict x, int8_t* __restrict y, int64_t D) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+  const float scale = amax > 0.f ? amax / 127.f : 1.f;
+  const float inv = 1.f / scale;
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) y[d] = static_cast<int8_t>(std::nearbyint(x[d] * inv));
+  return scale;
+}
+
 inline void scale_(float* __restrict y, float a, int64_t D) {
 #pragma omp simd
   for (int64_t d = 0; d < D; ++d) y[d] *= a;
@@ -38,18 +55,27 @@ inline void scale_(float* __restrict y, float a, int64_t D) {
 // q: [T, Hq, D]; k_cache, v_cache: [num_slots, Hkv, D] (slot = block * block_size + offset);
 // block_tables: [num_seqs, max_blocks] int64; row_seq, row_len: [T] int64 (row t attends over the
 // first row_len[t] tokens of sequence row_seq[t]). Returns [T, Hq, D].
+// An int8 cache comes with k_scale, v_scale: [num_slots, Hkv] fp32 (value = int8 * scale).
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, torch::Tensor row_seq, torch::Tensor row_len,
-                              int64_t block_size, double scale) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat, "fp32 only");
+                              int64_t block_size, double scale, c10::optional<torch::Tensor> k_scale,
+                              c10::optional<torch::Tensor> v_scale) {
+  const bool int8 = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(q.scalar_type() == at::kFloat && (int8 || k_cache.scalar_type() == at::kFloat),
+              "fp32 queries, fp32 or int8 cache");
+  TORCH_CHECK(!int8 || (k_scale.has_value() && v_scale.has_value()), "an int8 cache needs its scales");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
               block_tables.is_contiguous(), "contiguous inputs");
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k_cache.size(1);
   const int64_t G = Hq / Hkv, max_blocks = block_tables.size(1);
   auto out = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  const float* kp = int8 ? nullptr : k_cache.data_ptr<float>();
+  const float* vp = int8 ? nullptr : v_cache.data_ptr<float>();
+  const int8_t* kq = int8 ? k_cache.data_ptr<int8_t>() : nullptr;
+  const int8_t* vq = int8 ? v_cache.data_ptr<int8_t>() : nullptr;
+  const float* ks = int8 ? k_scale->data_ptr<float>() : nullptr;
+  const float* vs = int8 ? v_scale->data_ptr<float>() : nullptr;
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* seqs = row_seq.data_ptr<int64_t>();
   const int64_t* lens = row_len.data_ptr<int64_t>();
@@ -57,7 +83,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   const float sc = static_cast<float>(scale);
 
   at::parallel_for(0, T * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(G * D), m(G), l(G), s(G * block_size);
+    std::vector<float> acc(G * D), m(G), l(G), s(G * block_size), kbuf(block_size * D), vbuf(block_size * D);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t t = task / Hkv, h = task % Hkv;
       const int64_t* table = tables + seqs[t] * max_blocks;
@@ -69,11 +95,22 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
       for (int64_t start = 0; start < L; start += block_size) {
         const int64_t n = std::min(block_size, L - start);
         const int64_t base = table[start / block_size] * block_size;
+        // Rows j of this block: K at krow(j), V at vrow(j); an int8 block is dequantized once here.
+        const float* kblk = kp ? kp + (base * Hkv + h) * D : kbuf.data();
+        const float* vblk = vp ? vp + (base * Hkv + h) * D : vbuf.data();
+        const int64_t stride = kp ? Hkv * D : D;
+        if (int8) {
+          for (int64_t j = 0; j < n; ++j) {
+            const int64_t at = (base + j) * Hkv + h;
+            dequant(kq + at * D, ks[at], kbuf.data() + j * D, D);
+            dequant(vq + at * D, vs[at], vbuf.data() + j * D, D);
+          }
+        }
         for (int64_t g = 0; g < G; ++g) {
           float* sg = s.data() + g * block_size;
           float mx = m[g];
           for (int64_t j = 0; j < n; ++j) {
-            sg[j] = dot(qt + g * D, kp + ((base + j) * Hkv + h) * D, D) * sc;
+            sg[j] = dot(qt + g * D, kblk + j * stride, D) * sc;
             mx = std::max(mx, sg[j]);
           }
           const float corr = std::exp(m[g] - mx);               // 0 on the first block (m = -inf)
@@ -83,7 +120,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
           for (int64_t j = 0; j < n; ++j) {
             const float p = std::exp(sg[j] - mx);
             l[g] += p;
-            axpy(acc.data() + g * D, p, vp + ((base + j) * Hkv + h) * D, D);
+            axpy(acc.data() + g * D, p, vblk + j * stride, D);
           }
         }
       }
@@ -100,11 +137,18 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
 
 // qkv: [T, (Hq + 2 Hkv) D]; positions: [T] int64; cos, sin: [P, D/2]; caches: [S, Hkv, D];
 // slots: [T] int64. Returns rotated q [T, Hq, D] and k [T, Hkv, D]; k and v are written to the cache.
+// An int8 cache stores each (token, head) row quantized, its scale in k_scale / v_scale [S, Hkv].
 std::vector<torch::Tensor> rope_and_cache(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos,
                                           torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
-                                          torch::Tensor slots, int64_t Hq, int64_t Hkv) {
-  TORCH_CHECK(qkv.scalar_type() == at::kFloat && qkv.is_contiguous() && k_cache.is_contiguous() &&
-              v_cache.is_contiguous() && cos.is_contiguous() && sin.is_contiguous(), "fp32, contiguous");
+                                          torch::Tensor slots, int64_t Hq, int64_t Hkv,
+                                          c10::optional<torch::Tensor> k_scale,
+                                          c10::optional<torch::Tensor> v_scale) {
+  const bool int8 = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(!int8 || (k_scale.has_value() && v_scale.has_value()), "an int8 cache needs its scales");
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && (int8 || k_cache.scalar_type() == at::kFloat),
+              "fp32 qkv, fp32 or int8 cache");
+  TORCH_CHECK(qkv.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              cos.is_contiguous() && sin.is_contiguous(), "contiguous inputs");
   const int64_t T = qkv.size(0), D = k_cache.size(2), half = D / 2, row = qkv.size(1);
   TORCH_CHECK(row == (Hq + 2 * Hkv) * D, "qkv width does not match the heads");
   auto q = torch::empty({T, Hq, D}, qkv.options());
@@ -116,8 +160,12 @@ std::vector<torch::Tensor> rope_and_cache(torch::Tensor qkv, torch::Tensor posit
   const float* sp = sin.data_ptr<float>();
   float* qp = q.data_ptr<float>();
   float* kp = k.data_ptr<float>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
+  float* kc = int8 ? nullptr : k_cache.data_ptr<float>();
+  float* vc = int8 ? nullptr : v_cache.data_ptr<float>();
+  int8_t* kq = int8 ? k_cache.data_ptr<int8_t>() : nullptr;
+  int8_t* vq = int8 ? v_cache.data_ptr<int8_t>() : nullptr;
+  float* ks = int8 ? k_scale->data_ptr<float>() : nullptr;
+  float* vs = int8 ? v_scale->data_ptr<float>() : nullptr;
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* c = cp + pos[t] * half;
@@ -138,9 +186,17 @@ std::vector<torch::Tensor> rope_and_cache(torch::Tensor qkv, torch::Tensor posit
       rotate(in, qp + t * Hq * D, Hq);
       float* kt = kp + t * Hkv * D;
       rotate(in + Hq * D, kt, Hkv);
-      std::copy(kt, kt + Hkv * D, kc + slot[t] * Hkv * D);
       const float* vt = in + (Hq + Hkv) * D;
-      std::copy(vt, vt + Hkv * D, vc + slot[t] * Hkv * D);
+      if (int8) {
+        for (int64_t h = 0; h < Hkv; ++h) {
+          const int64_t at = slot[t] * Hkv + h;
+          ks[at] = quant(kt + h * D, kq + at * D, D);
+          vs[at] = quant(vt + h * D, vq + at * D, D);
+        }
+      } else {
+        std::copy(kt, kt + Hkv * D, kc + slot[t] * Hkv * D);
+        std::copy(vt, vt + Hkv * D, vc + slot[t] * Hkv * D);
+      }
     }
   });
   return {q, k};
@@ -208,8 +264,15 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "attention of query rows over a paged KV cache");
-  m.def("rope_and_cache", &rope_and_cache, "split qkv, rotate q and k, write k and v to the cache");
+  namespace py = pybind11;
+  m.def("paged_attention", &paged_attention, "attention of query rows over a paged KV cache",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("row_seq"),
+        py::arg("row_len"), py::arg("block_size"), py::arg("scale"), py::arg("k_scale") = py::none(),
+        py::arg("v_scale") = py::none());
+  m.def("rope_and_cache", &rope_and_cache, "split qkv, rotate q and k, write k and v to the cache",
+        py::arg("qkv"), py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("slots"), py::arg("Hq"), py::arg("Hkv"), py::arg("k_scale") = py::none(),
+        py::arg("v_scale") = py::none());
   m.def("rms_norm", &rms_norm, "optional residual add, then RMSNorm");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
 }
