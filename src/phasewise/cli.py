@@ -16,7 +16,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and engine")
     g.add_argument("--model", "-m", default=None,
                    help="a .gguf file or a Hugging Face model folder (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="weight precision")
+    g.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16", "int8", "q4"],
+                   help="weight precision (int8: per channel; q4: the GGUF file's own 4-bit blocks)")
     g.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     g.add_argument("--kv-cache-memory", type=float, default=2.0, help="KV-cache pool size in GiB")

@@ -41,7 +41,7 @@ class LLMEngine:
         dtype = parse_dtype(config.dtype)
         load_config(self.model_path)   # cheap: an unsupported architecture fails before anything slow
         self.tokenizer = Tokenizer.load(self.model_path)
-        self.model, self.model_config = load_model(self.model_path, dtype, config.device)
+        self.model, self.model_config = load_model(self.model_path, config.dtype, config.device)
         if config.kernels == "auto":
             use_fast_linears(self.model, config.device, dtype)
             if torch.device(config.device).type == "cpu" and dtype == torch.float32:

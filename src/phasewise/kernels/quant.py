@@ -120,7 +120,7 @@ def quantize_i8(w: torch.Tensor) -> PackedWeight:
 
 def pack_gguf(type_name: str, raw: np.ndarray | torch.Tensor) -> PackedWeight:
     """Raw GGUF rows [N, KB * block bytes] uint8 of type Q4_0, Q4_1 or Q8_0 → a PackedWeight."""
-    raw = torch.as_tensor(np.ascontiguousarray(raw) if isinstance(raw, np.ndarray) else raw)
+    raw = torch.from_numpy(np.array(raw, dtype=np.uint8)) if isinstance(raw, np.ndarray) else raw  # a copy
     fmt, size = GGUF_BLOCKS[type_name]
     n = raw.shape[0]
     blocks = raw.reshape(n, -1, size)

@@ -4,13 +4,17 @@ On x86 CPUs, torch's default fp32 GEMM (MKL) is slow for the few-row products
 of decode (about 10 GB/s of weights at one row on this project's machine);
 oneDNN with weights packed ahead of time for its own kernels reads them about
 1.4x faster and is no slower for prefill. `F.linear` stays the reference path,
-used on other devices and wherever the oneDNN ops are missing.
+used on other devices and wherever the oneDNN ops are missing. Quantized layers
+(`QuantLinear`, --dtype int8 / q4) get the C++ VNNI kernels here, on the CPU.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from phasewise.kernels import quant
+from phasewise.layers.quant_linear import QuantLinear
 
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -37,13 +41,18 @@ class OneDNNLinear(nn.Module):
 
 
 def use_fast_linears(model: nn.Module, device: torch.device | str, dtype: torch.dtype) -> int:
-    """Swap every nn.Linear for the best kernel on this device; returns how many were swapped."""
+    """Swap every nn.Linear for the best kernel on this device, and give quantized layers the compiled
+    kernels (CPU); returns how many layers were given a kernel."""
     device = torch.device(device)
+    quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    ext = quant.load() if quantized and device.type == "cpu" else None
+    for m in quantized:
+        m.ext = ext
     if not onednn_available(device, dtype):
-        return 0
+        return len(quantized) if ext else 0
     targets = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children() if isinstance(child, nn.Linear)]
     for parent, name, child in targets:
         setattr(parent, name, OneDNNLinear(child))
-    return len(targets)
+    return len(targets) + (len(quantized) if ext else 0)
 

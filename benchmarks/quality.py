@@ -1,0 +1,118 @@
+"""Quality and speed of each weight precision on a text the repo ships, in one process.
+
+    .venv/bin/python benchmarks/quality.py [--dtypes fp32,int8,q4] [--kernels auto|torch]
+                                           [--text benchmarks/data/lighthouses.txt] [--chunk 512]
+                                           [--decode-tokens 64] [--repeats 3] [--threads N]
+
+For each --dtypes precision of the default model (or --model):
+- perplexity of the text, teacher-forced, in prefill chunks of --chunk tokens over the paged KV cache;
+- top-1 agreement: the share of positions whose most likely next token equals fp32's;
+- prefill tokens/s of that pass, and decode tokens/s at batch 1 (--decode-tokens greedy tokens
+  after a 128-token prompt), the model alone (no engine, no sampling); medians of --repeats.
+Speeds are only comparable within one run on a machine nobody else is using.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from phasewise.layers.attention import AttentionMetadata
+from phasewise.layers.linear import use_fast_linears
+from phasewise.loading.loader import default_model_path, load_model, parse_dtype
+from phasewise.runner.kv_cache import KVCache
+from phasewise.tokenizer import Tokenizer
+
+TEXT = Path(__file__).parent / "data" / "lighthouses.txt"
+
+
+class Runner:
+    """One sequence through the model over a paged KV cache."""
+
+    def __init__(self, model, dtype: torch.dtype, max_tokens: int, block_size: int = 16) -> None:
+        self.model, self.block_size = model, block_size
+        blocks = -(-max_tokens // block_size) + 1
+        self.cache = KVCache(model.config, blocks, block_size, dtype, "cpu")
+        self.table = list(range(blocks))
+
+    @torch.inference_mode()
+    def hidden(self, ids: list[int], start: int) -> torch.Tensor:
+        n = len(ids)
+        meta = AttentionMetadata.build([n], [start + n], [self.table], self.block_size, torch.device("cpu"))
+        return self.model(torch.tensor(ids), torch.arange(start, start + n), meta, self.cache.layers)
+
+    @torch.inference_mode()
+    def teacher_forced(self, ids: list[int], chunk: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """Per position t < len-1: -log p(ids[t+1]) and the argmax; and the seconds it took."""
+        nll, top = [], []
+        t0 = time.perf_counter()
+        for s in range(0, len(ids) - 1, chunk):
+            part = ids[s: min(s + chunk, len(ids) - 1)]
+            logits = self.model.compute_logits(self.hidden(part, s)).float()
+            target = torch.tensor(ids[s + 1: s + 1 + len(part)])
+            nll.append(torch.nn.functional.cross_entropy(logits, target, reduction="none"))
+            top.append(logits.argmax(-1))
+        return torch.cat(nll), torch.cat(top), time.perf_counter() - t0
+
+    @torch.inference_mode()
+    def decode(self, prompt: list[int], n: int) -> float:
+        """Seconds per greedy token after the prompt (first token excluded)."""
+        logits = self.model.compute_logits(self.hidden(prompt, 0)[-1:])
+        tok, pos = int(logits.argmax()), len(prompt)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            tok = int(self.model.compute_logits(self.hidden([tok], pos)).argmax())
+            pos += 1
+        return (time.perf_counter() - t0) / n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtypes", default="fp32,int8,q4")
+    ap.add_argument("--kernels", default="auto", choices=["auto", "torch"])
+    ap.add_argument("--text", type=Path, default=TEXT)
+    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = Path(args.model) if args.model else default_model_path()
+    tok = Tokenizer.load(path)
+    ids = tok.encode(args.text.read_text())
+    print(f"{args.text.name}: {len(ids)} tokens; kernels={args.kernels}; {torch.get_num_threads()} threads")
+    print(f"{'dtype':>5} {'ppl':>8} {'Δppl':>7} {'top1=fp32':>9} | {'prefill tok/s':>13} {'decode tok/s':>12}")
+    base_top, base_ppl = None, None
+    dtypes = args.dtypes.split(",")
+    if "fp32" in dtypes:   # the reference for the agreement comes first
+        dtypes.remove("fp32")
+        dtypes.insert(0, "fp32")
+    for dtype in dtypes:
+        model, _ = load_model(path, dtype)
+        if args.kernels == "auto":
+            use_fast_linears(model, "cpu", parse_dtype(dtype))
+        runner = Runner(model, parse_dtype(dtype), len(ids) + args.decode_tokens)
+        prefill, decode = [], []
+        for _ in range(args.repeats):
+            nll, top, seconds = runner.teacher_forced(ids, args.chunk)
+            prefill.append((len(ids) - 1) / seconds)
+            decode.append(1 / runner.decode(ids[:128], args.decode_tokens))
+        ppl = math.exp(nll.mean().item())
+        if dtype == "fp32":
+            base_top, base_ppl = top, ppl
+        agree = f"{(top == base_top).float().mean().item():9.2%}" if base_top is not None else f"{'-':>9}"
+        delta = f"{ppl / base_ppl - 1:+7.2%}" if base_ppl else f"{'-':>7}"
+        print(f"{dtype:>5} {ppl:8.4f} {delta} {agree} | {statistics.median(prefill):13.1f} "
+              f"{statistics.median(decode):12.1f}", flush=True)
+        del model, runner
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""Swap a loaded model's nn.Linear layers for QuantLinear: `--dtype int8` and `--dtype q4`.
+
+- int8: every linear (the tied output head too) quantized per output channel from its fp32
+  weight; fused projections (qkv, gate_up) are quantized after fusion, one scale per fused row.
+- q4: the GGUF file's own blocks, repacked without rounding: Q4_1/Q4_0 (and Q8_0, which is how
+  the default file stores its tied embedding, used as the output head). A fused projection
+  concatenates its parts' blocks along N. A layer the file holds in another type (F32, K-quants,
+  a safetensors model) falls back to int8 per channel.
+
+The embedding lookup keeps its fp32 table either way.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from phasewise.kernels import quant
+from phasewise.layers.quant_linear import QuantLinear
+from phasewise.loading.gguf import GGUFFile
+from phasewise.models.config import ModelConfig
+
+# --dtype value → weight format
+WEIGHT_FORMATS = {"int8": "i8", "q4": "q4"}
+# fused module name → the checkpoint names of its parts, in order along N (models/llama.py's fusion)
+FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def quantize_model(model: nn.Module, dtype: str, cfg: ModelConfig, gguf: GGUFFile | None = None) -> dict[str, int]:
+    """Replace every nn.Linear in place; returns how many layers ended in each format."""
+    fmt = WEIGHT_FORMATS[dtype]
+    targets = [(parent, name, child, f"{prefix}.{name}" if prefix else name)
+               for prefix, parent in model.named_modules()
+               for name, child in parent.named_children() if isinstance(child, nn.Linear)]
+    counts: dict[str, int] = {}
+    for parent, name, linear, path in targets:
+        packed = None
+        if fmt == "q4" and gguf is not None:
+            packed = file_blocks(gguf, cfg, path)
+        if packed is not None and (packed.n, packed.k) == (linear.out_features, linear.in_features):
+            packed = _to(packed, linear.weight.device)
+        elif linear.in_features % quant.QK:
+            counts["fp32"] = counts.get("fp32", 0) + 1   # no int8 blocks for this width: stays as it is
+            continue
+        else:
+            packed = None
+        module = QuantLinear.from_linear(linear, packed)
+        setattr(parent, name, module)
+        counts[module.fmt] = counts.get(module.fmt, 0) + 1
+    return counts
+
+
+def file_blocks(gguf: GGUFFile, cfg: ModelConfig, path: str) -> quant.PackedWeight | None:
+    """The layer `path`'s weight from the file's own blocks (None when some part is not in a block format)."""
+    raw = gguf.raw_rows(f"{path}.weight", cfg)
+    names = [f"{path}.weight"]
+    if raw is None and path.rsplit(".", 1)[-1] in FUSED_PARTS:
+        head, fused = path.rsplit(".", 1)
+        names = [f"{head}.{part}.weight" for part in FUSED_PARTS[fused]]
+    parts = []
+    for hf_name in names:
+        raw = gguf.raw_rows(hf_name, cfg)
+        if raw is None or raw[0] not in quant.GGUF_BLOCKS:
+            return None
+        parts.append(quant.pack_gguf(*raw))
+    try:
+        return parts[0] if len(parts) == 1 else quant.concat(parts)
+    except ValueError:   # mixed types, or a part that does not fill whole tiles
+        return None
+
+
+def _to(w: quant.PackedWeight, device) -> quant.PackedWeight:
+    move = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return quant.PackedWeight(w.fmt, w.n, w.k, move(w.qs), move(w.d), move(w.m), move(w.scale))
