@@ -1,6 +1,6 @@
 """Linear-layer kernels at the default model's shapes: fp32 oneDNN against the int8 and q4 kernels.
 
-    .venv/bin/python benchmarks/kernels.py [--rows 1,4,32,512] [--repeats 5] [--min-time 0.2] [--threads N]
+    .venv/bin/python benchmarks/kernels.py [--rows 1,4,32,512] [--repeats 5] [--min-time 0.2] [--threads N] [--cold]
 
 For each weight shape (N, K) of SmolLM2-135M and each number of activation rows M, prints the
 median time of one call, the weight bytes read per second (GB/s, what bounds decode) and the
@@ -22,6 +22,7 @@ from phasewise.kernels import quant
 from phasewise.layers.linear import OneDNNLinear, onednn_available
 from phasewise.layers.quant_linear import QuantLinear
 
+L3_BYTES = 32 << 20
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
           "lm_head": (49152, 576)}
 
@@ -35,17 +36,26 @@ def random_packed(fmt: str, n: int, k: int) -> quant.PackedWeight:
     return quant.pack_q8(torch.randint(-128, 128, (n, kb, 32), dtype=torch.int8), d)
 
 
-def timeit(fn, x: torch.Tensor, repeats: int, min_time: float) -> float:
-    fn(x)
+def clone(w: quant.PackedWeight) -> quant.PackedWeight:
+    c = lambda t: None if t is None else t.clone()  # noqa: E731
+    return quant.PackedWeight(w.fmt, w.n, w.k, c(w.qs), c(w.d), c(w.m), c(w.scale))
+
+
+def timeit(fns: list, x: torch.Tensor, repeats: int, min_time: float) -> float:
+    """Median seconds per call, cycling through copies of the layer (more than the L3 holds: --cold)."""
+    def run(n: int) -> None:
+        for i in range(n):
+            fns[i % len(fns)](x)
+    run(len(fns))
     n, t0 = 1, time.perf_counter()
     while time.perf_counter() - t0 < min_time / 4:
-        fn(x)
+        run(1)
         n += 1
+    n = max(n, len(fns))
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        for _ in range(n):
-            fn(x)
+        run(n)
         times.append((time.perf_counter() - t0) / n)
     return statistics.median(times)
 
@@ -57,6 +67,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--min-time", type=float, default=0.2, help="seconds per measurement")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--cold", action="store_true",
+                    help="cycle through copies of each layer worth 3x the L3 cache (weights come from DRAM, "
+                         "as in decode); default: one copy, warm in cache")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -71,19 +84,20 @@ def main() -> None:
             w = torch.randn(n, k) * 0.05
             lin = nn.Linear(k, n, bias=False)
             lin.weight.data = w
-            fp32 = OneDNNLinear(lin) if onednn_available(torch.device("cpu"), torch.float32) else lin
-            kernels = {"fp32": (fp32, 4 * n * k)}
-            for fmt in ("int8", "q4"):
-                packed = quant.quantize_i8(w) if fmt == "int8" else random_packed(
-                    "q8" if name == "lm_head" else "q4", n, k)
-                ql = QuantLinear(packed)
-                ql.ext = ext
-                kernels[fmt] = (ql, packed.nbytes())
+            onednn = onednn_available(torch.device("cpu"), torch.float32)
+            packed = {"int8": quant.quantize_i8(w), "q4": random_packed("q8" if name == "lm_head" else "q4", n, k)}
+            factories = {"fp32": (lambda: OneDNNLinear(lin) if onednn else lin, 4 * n * k)}
+            for fmt, pw in packed.items():
+                factories[fmt] = (lambda pw=pw: QuantLinear(clone(pw)).set_kernels(ext), pw.nbytes())
+            kernels = {}
+            for kname, (make, nbytes) in factories.items():
+                copies = -(-L3_BYTES * 3 // nbytes) if args.cold else 1
+                kernels[kname] = ([make() for _ in range(copies)], nbytes)
             for m in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(m, k)
                 base = None
-                for kname, (mod, nbytes) in kernels.items():
-                    t = timeit(mod, x, args.repeats, args.min_time)
+                for kname, (mods, nbytes) in kernels.items():
+                    t = timeit(mods, x, args.repeats, args.min_time)
                     base = base or t
                     print(f"{name:>8} {f'{n}x{k}':>11} {m:>4} | {kname:>6} {t * 1e6:9.1f} {nbytes / t / 1e9:6.1f} "
                           f"{2 * m * n * k / t / 1e9:8.1f} {base / t:6.2f}x")

@@ -88,7 +88,7 @@ def test_activation_quantization_matches_pytorch(ext):
 def test_kernel_matches_its_emulation(ext, fmt, m, n, k):
     w = random_weight(fmt, n, k, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))
-    y = ext.quant_linear(x, quant.FORMAT_IDS[fmt], w.qs, w.d, w.m, w.scale, None)
+    y = ext.quant_linear(x, quant.FORMAT_IDS[fmt], n, w.qs, w.d, w.m, w.scale, None)
     expected = quant.emulate(x, w)
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
     # and near the weight-only product: activations lose ~1% per block to int8
@@ -104,8 +104,7 @@ def test_quant_linear_bias_padding_and_batch_dims(ext, fmt):
     layer = QuantLinear(w, bias)
     x = torch.randn(2, 3, 64)
     ref = layer(x)                                  # ext unset: the reference path
-    layer.ext = ext
-    out = layer(x)
+    out = layer.set_kernels(ext)(x)
     assert out.shape == (2, 3, 40) and out.is_contiguous()
     torch.testing.assert_close(out, quant.emulate(x.reshape(6, 64), w, bias).reshape(2, 3, 40),
                                rtol=1e-5, atol=1e-5)

@@ -47,7 +47,7 @@ def use_fast_linears(model: nn.Module, device: torch.device | str, dtype: torch.
     quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
     ext = quant.load() if quantized and device.type == "cpu" else None
     for m in quantized:
-        m.ext = ext
+        m.set_kernels(ext)
     if not onednn_available(device, dtype):
         return len(quantized) if ext else 0
     targets = [(parent, name, child) for parent in model.modules()

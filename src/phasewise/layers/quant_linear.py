@@ -26,7 +26,22 @@ class QuantLinear(nn.Module):
         for name in ("qs", "d", "m", "scale"):
             self.register_buffer(name, getattr(weight, name))
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
-        self.ext: ModuleType | None = None   # the compiled kernels, set by layers.linear.use_fast_linears
+        self.ext: ModuleType | None = None   # the compiled kernels (set_kernels)
+        self._args: tuple | None = None      # the kernel's arguments, gathered once (attribute lookups cost µs)
+
+    def set_kernels(self, ext: ModuleType | None) -> QuantLinear:
+        """Use the compiled kernels (None: the reference path). Set on the CPU, after any device move."""
+        self.ext = ext
+        self._args = None if ext is None else (self.fmt_id, self.out_features, self.qs, self.d, self.m,
+                                               self.scale, self.bias)
+        return self
+
+    def _apply(self, fn, recurse=True):
+        self._args = None                     # buffers may move: gather the arguments again
+        out = super()._apply(fn, recurse)
+        if self.ext is not None and self.qs.device.type == "cpu":
+            self.set_kernels(self.ext)
+        return out
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, weight: PackedWeight | None = None) -> QuantLinear:
@@ -42,25 +57,14 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., in] → [..., out]."""
-        if self.ext is None or x.device.type != "cpu" or x.dtype != torch.float32:
+        args = self._args
+        if args is None or x.dtype is not torch.float32 or x.device.type != "cpu":
             return self.reference(x)
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        bias = self._padded_bias()
-        y = self.ext.quant_linear(x2, self.fmt_id, self.qs, self.d, self.m, self.scale, bias)
-        if y.shape[1] != self.out_features:
-            y = y[:, : self.out_features].contiguous()
-        return y.reshape(*lead, self.out_features)
+        if x.dim() == 2:
+            return self.ext.quant_linear(x, *args)
+        return self.ext.quant_linear(x.reshape(-1, self.in_features), *args).reshape(*x.shape[:-1], -1)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """Dequantize the stored weight (exact) and multiply in x's dtype."""
         w = quant.dequantize(self.packed, x.dtype)
         return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
-
-    def _padded_bias(self) -> torch.Tensor | None:
-        if self.bias is None:
-            return None
-        n_padded = self.qs.shape[0] * quant.TILE
-        if self.bias.shape[0] == n_padded:
-            return self.bias
-        return torch.cat([self.bias, self.bias.new_zeros(n_padded - self.bias.shape[0])])

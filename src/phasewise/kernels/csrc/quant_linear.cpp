@@ -19,6 +19,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <vector>
 
 #if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VNNI__)
 #error "the quantized linear kernels need AVX-512 F, BW and VNNI"
@@ -42,6 +44,7 @@ struct Weights {
   const at::Half* m;      // [NT, KB, 16] (Q4)
   const float* scale;     // [NT * 16] (I8)
   int64_t KB, BB;
+  int64_t N;              // output features (the last tile may be partly padding)
 };
 
 // One row of 32 floats -> 32 int8 (round to nearest even), dx and sx of the block.
@@ -135,11 +138,12 @@ inline void tile_kernel(const Act& a, int64_t m0, const Weights& w, int64_t t0, 
       for (int64_t b = 0; b < w.KB; ++b) off -= 128.f * a.sx[(m0 + i) * a.KB + b];
     for (int v = 0; v < NV; ++v) {
       const int64_t n0 = (t0 + v) * 16;
+      const __mmask16 keep = n0 + 16 <= w.N ? 0xFFFF : static_cast<__mmask16>((1u << (w.N - n0)) - 1);
       __m512 y = r[i][v];
       if constexpr (F == I8)
         y = _mm512_mul_ps(_mm512_add_ps(y, _mm512_set1_ps(off)), _mm512_loadu_ps(w.scale + n0));
-      if (bias) y = _mm512_add_ps(y, _mm512_loadu_ps(bias + n0));
-      _mm512_storeu_ps(out + (m0 + i) * ldo + n0, y);
+      if (bias) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(keep, bias + n0));
+      _mm512_mask_storeu_ps(out + (m0 + i) * ldo + n0, keep, y);
     }
   }
 }
@@ -159,7 +163,7 @@ inline void rows_kernel(const Act& a, int64_t M, const Weights& w, int64_t t0, c
 
 template <Fmt F>
 void run(const Act& a, int64_t M, const Weights& w, int64_t NT, const float* bias, float* out) {
-  const int64_t ldo = NT * 16, groups = (NT + 1) / 2;  // pairs of tiles, the last one maybe single
+  const int64_t ldo = w.N, groups = (NT + 1) / 2;  // pairs of tiles, the last one maybe single
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       const int64_t t0 = 2 * g;
@@ -171,6 +175,19 @@ void run(const Act& a, int64_t M, const Weights& w, int64_t NT, const float* bia
 
 }  // namespace
 
+namespace {
+void quantize_rows(const float* xp, int64_t M, int64_t KB, int8_t* qp, float* dp, float* sp) {
+  at::parallel_for(0, M * KB, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) quantize_block(xp + i * QK, qp + i * QK, dp + i, sp + i);
+  });
+}
+
+struct Scratch {  // the calling thread's quantized activations, reused from call to call
+  std::vector<int8_t> xq;
+  std::vector<float> dx, sx;
+};
+}  // namespace
+
 // x: [M, K] fp32 -> (xq [M, K] int8, dx [M, K/32], sx [M, K/32]); K a multiple of 32.
 std::vector<torch::Tensor> quantize_activations(torch::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous fp32 [M, K]");
@@ -179,17 +196,12 @@ std::vector<torch::Tensor> quantize_activations(torch::Tensor x) {
   auto xq = torch::empty({M, K}, x.options().dtype(at::kChar));
   auto dx = torch::empty({M, KB}, x.options());
   auto sx = torch::empty({M, KB}, x.options());
-  const float* xp = x.data_ptr<float>();
-  int8_t* qp = xq.data_ptr<int8_t>();
-  float *dp = dx.data_ptr<float>(), *sp = sx.data_ptr<float>();
-  at::parallel_for(0, M * KB, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) quantize_block(xp + i * QK, qp + i * QK, dp + i, sp + i);
-  });
+  quantize_rows(x.data_ptr<float>(), M, KB, xq.data_ptr<int8_t>(), dx.data_ptr<float>(), sx.data_ptr<float>());
   return {xq, dx, sx};
 }
 
-// y [M, N_padded] = x [M, K] @ W^T + bias, W packed as described at the top.
-torch::Tensor quant_linear(torch::Tensor x, int64_t fmt, torch::Tensor qs, c10::optional<torch::Tensor> d,
+// y [M, N] = x [M, K] @ W^T + bias, W packed as described at the top (N rows of NT * 16).
+torch::Tensor quant_linear(torch::Tensor x, int64_t fmt, int64_t N, torch::Tensor qs, c10::optional<torch::Tensor> d,
                            c10::optional<torch::Tensor> m, c10::optional<torch::Tensor> scale,
                            c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x: fp32 [M, K]");
@@ -198,7 +210,8 @@ torch::Tensor quant_linear(torch::Tensor x, int64_t fmt, torch::Tensor qs, c10::
   const int64_t M = x.size(0), K = x.size(1), NT = qs.size(0), KB = qs.size(1), BB = qs.size(2);
   TORCH_CHECK(K == KB * QK, "x has ", K, " columns, the weights ", KB * QK);
   TORCH_CHECK(BB == (fmt == Q4 ? 256 : 512), "block bytes do not match the format");
-  Weights w{qs.data_ptr<uint8_t>(), nullptr, nullptr, nullptr, KB, BB};
+  TORCH_CHECK(N > (NT - 1) * 16 && N <= NT * 16, "N does not match the tiles");
+  Weights w{qs.data_ptr<uint8_t>(), nullptr, nullptr, nullptr, KB, BB, N};
   if (fmt == Q4 || fmt == Q8) {
     TORCH_CHECK(d.has_value() && d->scalar_type() == at::kHalf && d->is_contiguous() && d->numel() == NT * KB * 16,
                 "d: fp16 [NT, KB, 16]");
@@ -216,13 +229,15 @@ torch::Tensor quant_linear(torch::Tensor x, int64_t fmt, torch::Tensor qs, c10::
   }
   const float* bp = nullptr;
   if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == NT * 16,
-                "bias: fp32 [N padded to 16]");
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "bias: fp32 [N]");
     bp = bias->data_ptr<float>();
   }
-  auto q = quantize_activations(x);
-  Act a{q[0].data_ptr<int8_t>(), q[1].data_ptr<float>(), q[2].data_ptr<float>(), K, KB};
-  auto out = torch::empty({M, NT * 16}, x.options());
+  thread_local Scratch scratch;
+  if (static_cast<int64_t>(scratch.xq.size()) < M * K) scratch.xq.resize(M * K);
+  if (static_cast<int64_t>(scratch.dx.size()) < M * KB) scratch.dx.resize(M * KB), scratch.sx.resize(M * KB);
+  quantize_rows(x.data_ptr<float>(), M, KB, scratch.xq.data(), scratch.dx.data(), scratch.sx.data());
+  Act a{scratch.xq.data(), scratch.dx.data(), scratch.sx.data(), K, KB};
+  auto out = torch::empty({M, N}, x.options());
   float* op = out.data_ptr<float>();
   if (M == 0) return out;
   switch (fmt) {
@@ -238,6 +253,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   namespace py = pybind11;
   mod.def("quantize_activations", &quantize_activations, "per-32 symmetric int8 activations: xq, dx, sx");
   mod.def("quant_linear", &quant_linear, "y = x W^T + b with W in a packed block format",
-          py::arg("x"), py::arg("fmt"), py::arg("qs"), py::arg("d") = py::none(), py::arg("m") = py::none(),
+          py::arg("x"), py::arg("fmt"), py::arg("N"), py::arg("qs"), py::arg("d") = py::none(), py::arg("m") = py::none(),
           py::arg("scale") = py::none(), py::arg("bias") = py::none());
 }
