@@ -30,6 +30,10 @@ namespace {
 
 enum Fmt : int64_t { Q4 = 0, Q8 = 1, I8 = 2 };
 constexpr int64_t QK = 32;  // values per block
+#ifndef PW_MTB
+#define PW_MTB 4
+#endif
+constexpr int MTB = PW_MTB;
 
 struct Act {          // quantized activations
   const int8_t* xq;   // [M, K]
@@ -152,7 +156,8 @@ template <Fmt F, int NV>
 inline void rows_kernel(const Act& a, int64_t M, const Weights& w, int64_t t0, const float* bias, float* out,
                         int64_t ldo) {
   int64_t m0 = 0;
-  for (; m0 + 4 <= M; m0 += 4) tile_kernel<F, 4, NV>(a, m0, w, t0, bias, out, ldo);
+  for (; m0 + MTB <= M; m0 += MTB) tile_kernel<F, MTB, NV>(a, m0, w, t0, bias, out, ldo);
+  if (M - m0 >= 4) { tile_kernel<F, 4, NV>(a, m0, w, t0, bias, out, ldo); m0 += 4; }
   switch (M - m0) {
     case 3: tile_kernel<F, 3, NV>(a, m0, w, t0, bias, out, ldo); break;
     case 2: tile_kernel<F, 2, NV>(a, m0, w, t0, bias, out, ldo); break;
