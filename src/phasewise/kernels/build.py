@@ -12,6 +12,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import shutil
+import sysconfig
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -33,6 +35,13 @@ def disabled() -> bool:
     return os.environ.get("PHASEWISE_NO_KERNELS", "") not in ("", "0")
 
 
+def _put_ninja_on_path() -> None:
+    """cpp_extension runs `ninja` from PATH; the pip-installed one sits beside this Python (venv not activated)."""
+    scripts = sysconfig.get_path("scripts")
+    if shutil.which("ninja") is None and scripts and (Path(scripts) / "ninja").exists():
+        os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
+
+
 @functools.cache
 def load(name: str, sources: tuple[str, ...]) -> ModuleType | None:
     """The compiled extension `name` built from csrc/`sources`, or None where it cannot be had."""
@@ -46,6 +55,7 @@ def load(name: str, sources: tuple[str, ...]) -> ModuleType | None:
 
     from phasewise.tokenizer import default_cache_dir
 
+    _put_ninja_on_path()
     paths = [CSRC / s for s in sources]
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in paths) + " ".join(FLAGS).encode()).hexdigest()[:12]
     build = default_cache_dir() / "kernels" / f"{name}-{torch.__version__.replace('+', '_')}-{digest}"
