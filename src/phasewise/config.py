@@ -36,6 +36,43 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: who proposes draft tokens, and how many per step."""
+    method: str | None = None            # None (off) | "ngram" (prompt lookup) | "draft" (a draft model)
+    num_speculative_tokens: int = 4      # k: drafts verified per step
+    ngram_min: int = 2                   # n-gram sizes tried, longest first
+    ngram_max: int = 4
+    draft_model: str | None = None       # draft: a .gguf file or HF folder; None → the target's own file
+    draft_dtype: str = "q4"              # draft weights: fp32 | bf16 | fp16 | int8 | q4
+
+    def __post_init__(self) -> None:
+        if self.method not in (None, "ngram", "draft"):
+            raise ValueError(f"speculative method must be 'ngram' or 'draft', got {self.method!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"n-gram sizes must satisfy 1 <= min <= max, got {self.ngram_min}..{self.ngram_max}")
+        if self.draft_dtype not in ("fp32", "bf16", "fp16", "int8", "q4"):
+            raise ValueError(f"draft dtype must be fp32, bf16, fp16, int8 or q4, got {self.draft_dtype!r}")
+
+    @classmethod
+    def parse(cls, spec: str | None, **settings) -> SpeculativeConfig:
+        """'ngram', 'draft' (the target's file), 'draft:MODEL', or None/'' (off)."""
+        if not spec:
+            return cls(None, **settings)
+        method, _, model = spec.partition(":")
+        if method == "ngram" and not model:
+            return cls("ngram", **settings)
+        if method == "draft":
+            return cls("draft", draft_model=model or None, **settings)
+        raise ValueError(f"--speculative must be 'ngram' or 'draft:MODEL', got {spec!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None             # .gguf file or HF folder; None → the default model
     dtype: str = "fp32"                  # weights: fp32 | bf16 | fp16
@@ -43,6 +80,7 @@ class EngineConfig:
     kernels: str = "auto"                # linear kernels: auto (oneDNN on CPU) | torch (plain F.linear)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         if self.kernels not in ("auto", "torch"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from phasewise.config import CacheConfig, EngineConfig, SchedulerConfig
+from phasewise.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from phasewise.llm_engine import LLMEngine
 from phasewise.outputs import CompletionOutput, StreamDelta
 from phasewise.sampling.params import SamplingParams
@@ -20,11 +20,18 @@ class LLM:
                  kernels: str = "auto", block_size: int = 16, kv_cache_memory: float = 2.0,
                  num_blocks: int | None = None, enable_prefix_caching: bool = True,
                  max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
-                 max_model_len: int | None = None, kv_dtype: str = "auto", warmup: bool = True) -> None:
+                 max_model_len: int | None = None, kv_dtype: str = "auto",
+                 speculative: str | SpeculativeConfig | None = None, num_speculative_tokens: int = 4,
+                 warmup: bool = True) -> None:
+        """speculative: None, "ngram", "draft" (this model's file at q4) or "draft:MODEL", with
+        num_speculative_tokens drafts per step; a SpeculativeConfig for the other settings."""
+        if not isinstance(speculative, SpeculativeConfig):
+            speculative = SpeculativeConfig.parse(speculative, num_speculative_tokens=num_speculative_tokens)
         config = EngineConfig(
             model=model, dtype=dtype, device=device, kernels=kernels,
             cache=CacheConfig(block_size, kv_cache_memory, num_blocks, enable_prefix_caching, kv_dtype),
-            scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs, max_model_len))
+            scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs, max_model_len),
+            speculative=speculative)
         self.engine = LLMEngine(config)
         if warmup:
             self.engine.warmup()

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from phasewise.config import CacheConfig, EngineConfig
+from phasewise.config import CacheConfig, EngineConfig, SpeculativeConfig
 from phasewise.engine.core import EngineCore
 from phasewise.engine.outputs import RequestOutput
 from phasewise.engine.request import FinishReason, Request
@@ -23,7 +23,20 @@ from phasewise.outputs import CompletionOutput, StreamDelta
 from phasewise.runner.kv_cache import KVCache, num_blocks_for_memory
 from phasewise.runner.model_runner import ModelRunner
 from phasewise.sampling.params import SamplingParams
+from phasewise.spec.draft_model import DraftModelProposer
+from phasewise.spec.ngram import NgramProposer
 from phasewise.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+def _load(path, dtype: str, device: str, kernels: str):
+    """The model at `path` in `dtype`, with the fast linear kernels and fused CPU ops when wanted."""
+    model, cfg = load_model(path, dtype, device)
+    torch_dtype = parse_dtype(dtype)
+    if kernels == "auto":
+        use_fast_linears(model, device, torch_dtype)
+        if torch.device(device).type == "cpu" and torch_dtype == torch.float32:
+            use_cpu_ops(model, cpu_ops.load())
+    return model, cfg
 
 
 @dataclass
@@ -41,11 +54,7 @@ class LLMEngine:
         dtype = parse_dtype(config.dtype)
         load_config(self.model_path)   # cheap: an unsupported architecture fails before anything slow
         self.tokenizer = Tokenizer.load(self.model_path)
-        self.model, self.model_config = load_model(self.model_path, config.dtype, config.device)
-        if config.kernels == "auto":
-            use_fast_linears(self.model, config.device, dtype)
-            if torch.device(config.device).type == "cpu" and dtype == torch.float32:
-                use_cpu_ops(self.model, cpu_ops.load())
+        self.model, self.model_config = _load(self.model_path, config.dtype, config.device, config.kernels)
         max_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
         self.max_model_len = min(max_len, self.model_config.max_position_embeddings)
         cache: CacheConfig = config.cache
@@ -54,11 +63,34 @@ class LLMEngine:
             self.model_config, cache.block_size, kv_dtype, cache.kv_cache_memory_gib)
         self.kv_cache = KVCache(self.model_config, num_blocks, cache.block_size, kv_dtype, config.device)
         runner = ModelRunner(self.model, self.kv_cache, self.tokenizer.eos_token_ids, config.device)
+        spec = config.speculative
+        self.draft_model = None
         self.core = EngineCore(runner, config.scheduler, num_blocks, cache.block_size, self.max_model_len,
-                               cache.enable_prefix_caching)
+                               cache.enable_prefix_caching, self._proposer(spec, num_blocks),
+                               spec.num_speculative_tokens)
         self._ids = itertools.count()
         self._tracked: dict[str, _Tracked] = {}
         self.load_ms = (time.perf_counter() - started) * 1e3
+
+    def _proposer(self, spec: SpeculativeConfig, num_blocks: int):
+        """The draft-token proposer of `spec`, or None. A draft model gets its own KV cache with the
+        target's block layout (same block count and size, its own dtype)."""
+        if spec.method == "ngram":
+            return NgramProposer(spec.ngram_min, spec.ngram_max)
+        if spec.method != "draft":
+            return None
+        path = resolve_model_path(spec.draft_model) if spec.draft_model else self.model_path
+        draft, cfg = _load(path, spec.draft_dtype, self.config.device, self.config.kernels)
+        if cfg.vocab_size != self.model_config.vocab_size:
+            raise ValueError(f"the draft model {path} has {cfg.vocab_size} tokens in its vocabulary, the "
+                             f"target {self.model_config.vocab_size}: they must share the tokenizer")
+        if cfg.max_position_embeddings < self.max_model_len:
+            raise ValueError(f"the draft model {path} holds {cfg.max_position_embeddings} positions, fewer "
+                             f"than the context length {self.max_model_len}: lower --max-model-len")
+        kv = KVCache(cfg, num_blocks, self.config.cache.block_size, parse_dtype(spec.draft_dtype),
+                     self.config.device)
+        self.draft_model = draft
+        return DraftModelProposer(draft, kv, self.config.device)
 
     # ---- requests ---------------------------------------------------------------
 
@@ -105,11 +137,20 @@ class LLMEngine:
     def _process(self, o: RequestOutput) -> StreamDelta:
         tracked = self._tracked[o.request_id]
         out, detok = tracked.output, tracked.detok
-        out.token_ids.extend(o.new_token_ids)
+        new_ids, new_lps = o.new_token_ids, o.new_logprobs
+        if len(new_ids) > 1 and detok.has_stop_strings:   # accepted drafts: keep none past a stop string
+            text = ""
+            for i, t in enumerate(new_ids):
+                text += detok.add([t])
+                if detok.stopped:
+                    new_ids, new_lps = new_ids[:i + 1], new_lps[:i + 1]
+                    break
+        else:
+            text = detok.add(new_ids)
+        out.token_ids.extend(new_ids)
         out.cached_tokens = o.request.num_cached_tokens or 0
         if out.logprobs is not None:
-            out.logprobs.extend(o.new_logprobs)
-        text = detok.add(o.new_token_ids)
+            out.logprobs.extend(new_lps)
         finished, reason = o.finished, o.finish_reason
         if detok.stopped:  # a stop string: end it in the core too
             if not finished:
@@ -126,7 +167,7 @@ class LLMEngine:
             out.finish_reason = reason.value
             del self._tracked[o.request_id]
         out.text += text
-        return StreamDelta(o.request_id, text, list(o.new_token_ids), list(o.new_logprobs), finished, out)
+        return StreamDelta(o.request_id, text, list(new_ids), list(new_lps), finished, out)
 
     def run_until_done(self, request_ids: list[str]) -> list[CompletionOutput]:
         """Step until every given request has finished; outputs in the given order."""
@@ -138,5 +179,6 @@ class LLMEngine:
     @torch.inference_mode()
     def warmup(self) -> None:
         """One tiny request through the whole path, so first-call costs are not timed later."""
-        rid = self.add_request([self.tokenizer.bos_token_id or 0] * 4, SamplingParams(max_tokens=2, ignore_eos=True))
+        n = 3 if self.config.speculative.enabled else 2     # with speculation: one step verifies a draft
+        rid = self.add_request([self.tokenizer.bos_token_id or 0] * 4, SamplingParams(max_tokens=n, ignore_eos=True))
         self.run_until_done([rid])

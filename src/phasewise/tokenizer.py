@@ -188,6 +188,10 @@ class IncrementalDetokenizer:
         self.stopped = False
         self.stop_reason: str | None = None
 
+    @property
+    def has_stop_strings(self) -> bool:
+        return bool(self._stops)
+
     def _decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=self._skip)
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Protocol
 
 from phasewise.engine.kv_cache_manager import KVCacheManager
-from phasewise.engine.outputs import RequestOutput, RunnerOutput, SchedulerOutput, StepRecord
+from phasewise.engine.outputs import RequestOutput, RunnerOutput, ScheduledChunk, SchedulerOutput, StepRecord
 from phasewise.engine.request import FinishReason, Request
 from phasewise.engine.scheduler import Scheduler
 from phasewise.config import SchedulerConfig
@@ -20,15 +21,42 @@ class Runner(Protocol):
     def execute(self, sched: SchedulerOutput) -> RunnerOutput: ...
 
 
+class Proposer(Protocol):
+    def propose(self, chunks: list[ScheduledChunk]) -> None:
+        """Fill each chunk's draft_token_ids (at most max_draft_tokens) and, for sampled requests
+        whose drafts were drawn from a distribution q, draft_probs (q at each draft)."""
+
+
+@dataclass
+class SpecStats:
+    """Speculative decoding since the engine started, over all requests."""
+    num_steps: int = 0                 # request-steps that verified drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_len(self) -> float:
+        """Tokens committed per verification: accepted drafts + the target's own token."""
+        return 1 + self.num_accepted_tokens / self.num_steps if self.num_steps else 0.0
+
+
 class EngineCore:
     def __init__(self, runner: Runner, scheduler_config: SchedulerConfig, num_blocks: int,
-                 block_size: int, max_model_len: int, enable_prefix_caching: bool = True) -> None:
+                 block_size: int, max_model_len: int, enable_prefix_caching: bool = True,
+                 proposer: Proposer | None = None, num_speculative_tokens: int = 0) -> None:
         self.runner = runner
+        self.proposer = proposer
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(scheduler_config, self.kv)
+        k = num_speculative_tokens if proposer is not None else 0
+        self.scheduler = Scheduler(scheduler_config, self.kv, k)
         self.max_model_len = max_model_len
         self.steps: deque[StepRecord] = deque(maxlen=MAX_STEP_RECORDS)   # the most recent steps
         self.num_steps = 0                                                 # all steps ever run
+        self.spec = SpecStats()
 
     def add_request(self, request: Request) -> None:
         """Queue a request; ValueError when it can never fit the context or the KV pool."""
@@ -67,13 +95,32 @@ class EngineCore:
                 raise RuntimeError("no request can be scheduled although some are waiting (KV pool too small)")
             return []
         try:
+            self._propose(sched)
             result = self.runner.execute(sched)
         except Exception:
             for chunk in sched.chunks:   # a failed step fails its requests: nothing stays held
                 self.scheduler.finish(chunk.request.request_id, FinishReason.ERROR)
             raise
         outputs = self.scheduler.update(sched, result, started)
+        accepted = sum(len(a) for a in result.accepted.values())
+        if sched.num_draft_tokens:
+            self.spec.num_steps += sum(1 for c in sched.chunks if c.draft_token_ids)
+            self.spec.num_draft_tokens += sched.num_draft_tokens
+            self.spec.num_accepted_tokens += accepted
         self.num_steps += 1
         self.steps.append(StepRecord(started, (time.perf_counter() - started) * 1e3,
-                                     sched.num_prefill_tokens, sched.num_decode_tokens, len(sched.chunks)))
+                                     sched.num_prefill_tokens, sched.num_decode_tokens, len(sched.chunks),
+                                     sched.num_draft_tokens, accepted))
         return outputs
+
+    def _propose(self, sched: SchedulerOutput) -> None:
+        """Let the proposer fill the draft room the scheduler reserved; unused room stays unused."""
+        wanted = [c for c in sched.chunks if c.max_draft_tokens]
+        if self.proposer is None or not wanted:
+            return
+        self.proposer.propose(wanted)
+        for c in wanted:
+            if len(c.draft_token_ids) > c.max_draft_tokens:
+                raise RuntimeError(f"the proposer gave {len(c.draft_token_ids)} drafts for "
+                                   f"{c.request.request_id}, above the {c.max_draft_tokens} reserved")
+        sched.num_draft_tokens = sum(len(c.draft_token_ids) for c in wanted)

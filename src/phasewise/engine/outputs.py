@@ -2,16 +2,36 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from phasewise.engine.request import FinishReason, Request
 
 
 @dataclass
 class ScheduledChunk:
-    """Compute tokens [num_computed_tokens, num_computed_tokens + num_tokens) of a request this step."""
+    """Compute tokens [num_computed_tokens, num_computed_tokens + num_tokens) of a request this step.
+
+    Speculative decoding: a chunk that samples may also carry draft tokens that would follow the
+    request's last token. They are computed too (budget and KV slots reserved for `max_draft_tokens`
+    of them), verified against the target's own distribution, and only the accepted ones become
+    part of the request; rejected ones leave nothing behind but overwritable slots.
+    """
     request: Request
-    num_tokens: int
+    num_tokens: int                       # tokens of the request itself (drafts not included)
+    max_draft_tokens: int = 0             # room reserved for drafts; the proposer fills up to this many
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_probs: Any = None               # the proposer's q for each draft (opaque here); None: a point mass
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Rows this chunk adds to the forward pass: its own tokens plus the drafts."""
+        return self.num_tokens + len(self.draft_token_ids)
+
+    @property
+    def input_token_ids(self) -> list[int]:
+        start = self.request.num_computed_tokens
+        return self.request.token_ids[start:start + self.num_tokens] + self.draft_token_ids
 
     @property
     def samples(self) -> bool:
@@ -29,6 +49,7 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk]
     num_prefill_tokens: int = 0        # tokens of chunks that are not the one-token decode of a running request
     num_decode_tokens: int = 0
+    num_draft_tokens: int = 0          # draft tokens to verify (known once the proposer has run)
 
     @property
     def is_empty(self) -> bool:
@@ -50,7 +71,8 @@ class SampledToken:
 
 @dataclass
 class RunnerOutput:
-    sampled: dict[str, SampledToken]   # request id → its new token
+    sampled: dict[str, SampledToken]   # request id → its new token (after any accepted drafts)
+    accepted: dict[str, list[SampledToken]] = field(default_factory=dict)  # request id → accepted drafts, in order
 
 
 @dataclass
@@ -61,6 +83,8 @@ class StepRecord:
     num_prefill_tokens: int
     num_decode_tokens: int
     batch_size: int
+    num_draft_tokens: int = 0          # draft tokens verified
+    num_accepted_tokens: int = 0       # of those, accepted
 
 
 @dataclass

@@ -32,6 +32,9 @@ class RequestMetrics:
     prefill_chunks: list[tuple[float, float, int]] = field(default_factory=list)  # (start, end, tokens)
     preempted_at: list[float] = field(default_factory=list)   # when it lost its blocks, each time
     finished: float | None = None
+    spec_steps: int = 0              # steps that verified draft tokens of this request
+    spec_draft_tokens: int = 0       # draft tokens proposed and verified
+    spec_accepted_tokens: int = 0    # of those, accepted by the target
 
     @property
     def preemptions(self) -> int:
@@ -65,6 +68,15 @@ class RequestMetrics:
     def e2e_ms(self) -> float:
         return _ms(self.arrival, self.finished)
 
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted / proposed draft tokens (0 without speculation)."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+
+    @property
+    def spec_mean_accepted_len(self) -> float:
+        """Tokens one verification step commits: accepted drafts plus the target's own token (1..k+1)."""
+        return 1 + self.spec_accepted_tokens / self.spec_steps if self.spec_steps else 0.0
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -104,6 +116,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.sampler_state: Any = None              # the runner's per-request state (a seeded generator)
+        self.spec_state: Any = None                 # the proposer's per-request state (n-gram index, draft KV progress)
         self.metrics = RequestMetrics(arrival if arrival is not None else time.perf_counter())
 
     @property

@@ -6,6 +6,12 @@ decode needs one token, an unfinished prefill takes what the budget allows),
 then waiting requests in arrival order. When a running request needs a block
 and none is free, the newest running request is preempted: its blocks are
 freed and it is recomputed later from its prompt and output so far.
+
+Speculative decoding (num_spec_tokens > 0): a decoding request's chunk also
+reserves budget and KV slots for up to k draft tokens, which a proposer fills
+before the forward pass. Accepted drafts advance the request like sampled tokens;
+rejected ones do not advance `num_computed_tokens`, so the prefix cache only ever
+hashes committed tokens. Drafts are dropped before anyone is preempted for them.
 """
 
 from __future__ import annotations
@@ -21,9 +27,10 @@ from phasewise.engine.request import FinishReason, Request, RequestStatus
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, num_spec_tokens: int = 0) -> None:
         self.config = config
         self.kv = kv
+        self.num_spec_tokens = num_spec_tokens     # draft tokens a decode may carry (0: no speculation)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -45,7 +52,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(req, n):
+            drafts = self._draft_room(req, n, budget)
+            while not self.kv.allocate_slots(req, n + drafts):
+                if drafts:                      # drop the drafts before preempting anyone for them
+                    drafts = 0
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
@@ -53,8 +64,8 @@ class Scheduler:
                     break
             if req.status is not RequestStatus.RUNNING:
                 break  # req preempted itself: nothing after it remains either
-            chunks.append(ScheduledChunk(req, n))
-            budget -= n
+            chunks.append(ScheduledChunk(req, n, drafts))
+            budget -= n + drafts
             i += 1
         # Then waiting requests, in arrival order, after their prefix-cache hits; no admissions
         # in a step that had to preempt (the pool is already short).
@@ -83,6 +94,19 @@ class Scheduler:
                 out.num_prefill_tokens += c.num_tokens
         return out
 
+    def _draft_room(self, req: Request, n: int, budget: int) -> int:
+        """How many draft tokens may follow a one-token decode: k, within the budget, max_tokens
+        and the context (a step commits at most drafts + 1 tokens)."""
+        if not self.num_spec_tokens or n != 1 or req.num_computed_tokens + 1 != req.num_tokens:
+            return 0
+        room = min(self.num_spec_tokens, budget - 1)
+        max_tokens = req.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - len(req.output_token_ids) - 1)
+        if req.max_model_len is not None:
+            room = min(room, req.max_model_len - req.num_tokens - 1)
+        return max(room, 0)
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.kv.free(req)
@@ -92,7 +116,8 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def update(self, sched: SchedulerOutput, result: RunnerOutput, started: float) -> list[RequestOutput]:
-        """Advance computed counts, append sampled tokens, finish what is done (step began at `started`)."""
+        """Advance computed counts, append sampled (and accepted draft) tokens, finish what is done
+        (the step began at `started`). Several tokens committed in one step share its timestamp."""
         now = time.perf_counter()
         outputs = []
         for chunk in sched.chunks:
@@ -101,21 +126,36 @@ class Scheduler:
                 continue
             if not chunk.is_decode:
                 req.metrics.prefill_chunks.append((started, now, chunk.num_tokens))
-            req.num_computed_tokens += chunk.num_tokens
-            self.kv.cache_full_blocks(req)
             sampled = result.sampled.get(req.request_id)
             if sampled is None:
+                req.num_computed_tokens += chunk.num_tokens
+                self.kv.cache_full_blocks(req)
                 continue
-            req.append_output(sampled.token_id, sampled.logprobs)
-            if req.metrics.first_token is None:
-                req.metrics.first_token = now
-            req.metrics.token_times.append(now)
-            reason = req.check_finish()
+            accepted = result.accepted.get(req.request_id, [])
+            if chunk.draft_token_ids:
+                m = req.metrics
+                m.spec_steps += 1
+                m.spec_draft_tokens += len(chunk.draft_token_ids)
+                m.spec_accepted_tokens += len(accepted)
+            # The chunk's own tokens and the accepted drafts now have KV; rejected drafts do not count.
+            req.num_computed_tokens += chunk.num_tokens + len(accepted)
+            new, reason = [], None
+            for tok in (*accepted, sampled):
+                req.append_output(tok.token_id, tok.logprobs)
+                new.append(tok)
+                if req.metrics.first_token is None:
+                    req.metrics.first_token = now
+                req.metrics.token_times.append(now)
+                reason = req.check_finish()
+                if reason is not None:     # the rest of the accepted tokens are dropped
+                    break
+            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
+            self.kv.cache_full_blocks(req)  # hashes only tokens that are in the request
             if reason is not None:
                 self.finish(req.request_id, reason)
-            outputs.append(RequestOutput(req.request_id, [sampled.token_id],
-                                         [sampled.logprobs] if sampled.logprobs else [],
-                                         req.is_finished, req.finish_reason, req))
+            outputs.append(RequestOutput(req.request_id, [t.token_id for t in new],
+                                         [t.logprobs for t in new if t.logprobs], req.is_finished,
+                                         req.finish_reason, req))
         return outputs
 
     def finish(self, request_id: str, reason: FinishReason) -> Request | None:

@@ -8,6 +8,7 @@ from phasewise.engine.outputs import RunnerOutput, SampledToken, SchedulerOutput
 from phasewise.layers.attention import AttentionMetadata
 from phasewise.runner.kv_cache import KVCache
 from phasewise.sampling.sampler import SamplingMetadata, sample
+from phasewise.spec.verify import verify
 
 
 class ModelRunner:
@@ -25,34 +26,50 @@ class ModelRunner:
         positions: list[int] = []
         query_lens, context_lens, tables = [], [], []
         sample_rows, sample_reqs = [], []
+        spec_rows, spec_chunks = [], []
         for chunk in sched.chunks:
-            req, start, n = chunk.request, chunk.request.num_computed_tokens, chunk.num_tokens
-            input_ids.extend(req.token_ids[start:start + n])
+            req, start, n = chunk.request, chunk.request.num_computed_tokens, chunk.num_scheduled_tokens
+            input_ids.extend(chunk.input_token_ids)
             positions.extend(range(start, start + n))
             query_lens.append(n)
             context_lens.append(start + n)
             tables.append(req.block_ids)
-            if chunk.samples:
+            if chunk.samples and chunk.draft_token_ids:   # rows: the last own token, then each draft
+                end = len(input_ids)
+                spec_rows.extend(range(end - len(chunk.draft_token_ids) - 1, end))
+                spec_chunks.append(chunk)
+            elif chunk.samples:
                 sample_rows.append(len(input_ids) - 1)
                 sample_reqs.append(req)
         meta = AttentionMetadata.build(query_lens, context_lens, tables, self.kv_cache.block_size, self.device)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
         hidden = self.model(ids, pos, meta, self.kv_cache.layers)     # [T, hidden]
-        if not sample_reqs:
+        if not sample_reqs and not spec_chunks:
             return RunnerOutput({})
-        rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(hidden[rows])             # [B, V] fp32
-        return RunnerOutput(self._sample(logits, sample_reqs))
+        rows = torch.tensor(sample_rows + spec_rows, dtype=torch.int64, device=self.device)
+        logits = self.model.compute_logits(hidden[rows])             # [B + sum(k + 1), V] fp32
+        out = RunnerOutput(self._sample(logits[:len(sample_rows)], sample_reqs) if sample_reqs else {})
+        if spec_chunks:
+            generators = [self._generator(c.request) for c in spec_chunks]
+            verified = verify(logits[len(sample_rows):], spec_chunks, generators, self.vocab_size,
+                              self.eos_token_ids, self.device)
+            for rid, (accepted, final) in verified.items():
+                out.sampled[rid] = final
+                out.accepted[rid] = accepted
+        return out
+
+    def _generator(self, req) -> torch.Generator | None:
+        """A seeded request's generator, created on first use and kept on the request."""
+        if req.sampler_state is None and req.sampling_params.seed is not None:
+            req.sampler_state = torch.Generator(self.device).manual_seed(req.sampling_params.seed)
+        return req.sampler_state
 
     def _sample(self, logits: torch.Tensor, reqs: list) -> dict[str, SampledToken]:
         params = [r.sampling_params for r in reqs]
-        for r in reqs:
-            if r.sampler_state is None and r.sampling_params.seed is not None:
-                r.sampler_state = torch.Generator(self.device).manual_seed(r.sampling_params.seed)
         meta = SamplingMetadata.build(
             params, [r.prompt_token_ids for r in reqs], [r.output_token_ids for r in reqs],
-            [r.sampler_state for r in reqs], self.vocab_size, self.eos_token_ids, self.device)
+            [self._generator(r) for r in reqs], self.vocab_size, self.eos_token_ids, self.device)
         out = sample(logits, meta)
         token_ids = out.token_ids.tolist()
         result = {}

@@ -216,19 +216,29 @@ def compute_logprobs(raw_logits: Tensor, token_ids: Tensor, num_top: int) -> tup
     return chosen, top_ids, top_logprobs
 
 
+def distribution(raw: Tensor, meta: SamplingMetadata) -> tuple[Tensor, Tensor | None]:
+    """What `sample` draws from, for raw fp32 logits [B, V]: the greedy choice [B] (argmax after
+    bans and penalties) and the probabilities [B, V] after temperature and the filters (None when
+    every row is greedy). Speculative verification uses it as the target distribution p."""
+    logits = raw if meta.banned_mask is None else raw.masked_fill(meta.banned_mask, _NEG_INF)
+    logits = apply_penalties(logits, meta)
+    greedy_ids = logits.argmax(dim=-1)                               # [B]
+    if meta.all_greedy:  # fast path: no softmax, no sort
+        return greedy_ids, None
+    logits = apply_temperature(logits, meta.temperature)
+    logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+    logits = apply_min_p(logits, meta.min_p)
+    return greedy_ids, logits.softmax(dim=-1)
+
+
 def sample(logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
     """Pick one token per row of logits [B, V] (any float dtype) according to meta."""
     raw = logits.float()
-    logits = raw if meta.banned_mask is None else raw.masked_fill(meta.banned_mask, _NEG_INF)
-    logits = apply_penalties(logits, meta)
-    if meta.all_greedy:  # fast path: no softmax, no sort, no random draw
-        token_ids = logits.argmax(dim=-1)
+    greedy_ids, probs = distribution(raw, meta)
+    if probs is None:
+        token_ids = greedy_ids
     else:
-        greedy_ids = logits.argmax(dim=-1)                           # [B]
-        logits = apply_temperature(logits, meta.temperature)
-        logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
-        logits = apply_min_p(logits, meta.min_p)
-        sampled = random_sample(logits.softmax(dim=-1), meta.generators)
+        sampled = random_sample(probs, meta.generators)
         token_ids = torch.where(meta.temperature == 0, greedy_ids, sampled)
     if meta.max_num_logprobs is None:
         return SamplerOutput(token_ids=token_ids, logprobs=None, top_ids=None, top_logprobs=None)

@@ -1,0 +1,134 @@
+"""Draft-model proposer: a cheaper model with the target's tokenizer proposes k tokens per request.
+
+Its KV cache has the target's block layout: a request's draft K/V live at the same
+block ids (and slots) as its target K/V, in a second tensor. Each proposal first
+catches the draft up on the request's committed tokens it has not seen (the whole
+prompt the first time, then the one or two tokens of the last step), then runs k - 1
+one-token steps. The state kept per request is how many committed tokens the draft
+holds and which draft tokens it fed after them; at the next proposal, only the fed
+drafts that were accepted count (rollback = a shorter count; their slots are simply
+overwritten). A preempted request lost its blocks, so its draft starts over. Draft
+writes stay inside the slots the scheduler reserved for the chunk and its drafts, and
+only touch the draft's own cache: whatever the draft computes, the target's outputs
+are decided by verification alone.
+
+Greedy requests get the draft's argmax. Sampled requests get a draw from q, the
+draft's distribution under the request's temperature and top-k/top-p/min-p
+(penalties left out: any q keeps the rule exact), and q is kept for the rejection rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from phasewise.engine.outputs import ScheduledChunk
+from phasewise.layers.attention import AttentionMetadata
+from phasewise.runner.kv_cache import KVCache
+from phasewise.sampling.params import SamplingParams
+from phasewise.sampling.sampler import SamplingMetadata, distribution
+
+
+@dataclass
+class DraftState:
+    num_committed: int = 0           # committed tokens whose draft K/V are in the cache
+    fed: list[int] = field(default_factory=list)   # draft tokens fed after them (positions num_committed..)
+    preemptions: int = 0             # the request's preemptions when this was true
+    generator: torch.Generator | None = None       # a seeded request's draft draws
+
+    def valid(self, token_ids: list[int]) -> int:
+        """Leading tokens of the request whose draft K/V are right: the committed ones, plus the
+        fed drafts that turned out to be accepted."""
+        n = self.num_committed
+        for t in self.fed:
+            if n < len(token_ids) and token_ids[n] == t:
+                n += 1
+            else:
+                break
+        return n
+
+
+def _draft_params(p: SamplingParams) -> SamplingParams:
+    """The request's settings without what depends on the output (penalties, bans) or is not needed."""
+    return dataclasses.replace(p, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
+                               min_tokens=0, logprobs=None)
+
+
+class DraftModelProposer:
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device | str = "cpu") -> None:
+        self.model, self.kv_cache = model, kv_cache
+        self.device = torch.device(device)
+        self.vocab_size = model.config.vocab_size
+
+    @torch.inference_mode()
+    def propose(self, chunks: list[ScheduledChunk]) -> None:
+        reqs = [c.request for c in chunks]
+        states = [self._state(r) for r in reqs]
+        # Catch up: feed committed tokens from the first one the draft lacks (at least the last one).
+        starts = [min(st.valid(r.token_ids), r.num_tokens - 1) for st, r in zip(states, reqs)]
+        logits = self._forward([r.token_ids[s:] for s, r in zip(starts, reqs)], starts, reqs)
+        for st, r in zip(states, reqs):
+            st.num_committed, st.fed = r.num_tokens, []
+        drafts: list[list[int]] = [[] for _ in chunks]
+        qs: list[list[Tensor]] = [[] for _ in chunks]
+        active = list(range(len(chunks)))
+        while True:
+            tokens, probs = self._pick(logits, [chunks[i] for i in active], [states[i] for i in active])
+            for j, i in enumerate(active):
+                drafts[i].append(tokens[j])
+                if probs is not None and chunks[i].request.sampling_params.temperature > 0:
+                    qs[i].append(probs[j])
+            still = [j for j, i in enumerate(active) if len(drafts[i]) < chunks[i].max_draft_tokens]
+            if not still:
+                break
+            active = [active[j] for j in still]
+            # Feed each active request its newest draft, at the position after the previous one.
+            pos = [reqs[i].num_tokens + len(drafts[i]) - 1 for i in active]
+            logits = self._forward([[drafts[i][-1]] for i in active], pos, [reqs[i] for i in active])
+            for i in active:
+                states[i].fed.append(drafts[i][-1])
+        for c, d, q in zip(chunks, drafts, qs):
+            c.draft_token_ids = d
+            c.draft_probs = torch.stack(q) if q else None              # [k, V]
+
+    def _state(self, req) -> DraftState:
+        st = req.spec_state
+        if st is None or st.preemptions != req.metrics.preemptions:   # new, or its blocks were lost
+            seed = req.sampling_params.seed
+            gen = None if seed is None else \
+                torch.Generator(self.device).manual_seed((seed * 0x9E3779B1 + 0x5EC) % 2**63)
+            st = req.spec_state = DraftState(preemptions=req.metrics.preemptions, generator=gen)
+        return st
+
+    def _forward(self, token_lists: list[list[int]], starts: list[int], reqs: list) -> Tensor:
+        """Run the draft on each request's tokens placed at starts[i]..; logits at each last row [B, V]."""
+        ids = [t for ts in token_lists for t in ts]
+        positions = [p for ts, s in zip(token_lists, starts) for p in range(s, s + len(ts))]
+        lens = [len(ts) for ts in token_lists]
+        meta = AttentionMetadata.build(lens, [s + n for s, n in zip(starts, lens)], [r.block_ids for r in reqs],
+                                       self.kv_cache.block_size, self.device)
+        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=self.device),
+                            torch.tensor(positions, dtype=torch.long, device=self.device),
+                            meta, self.kv_cache.layers)                         # [T, hidden]
+        last = torch.tensor(lens, device=self.device).cumsum(0) - 1
+        return self.model.compute_logits(hidden[last]).float()                 # [B, V]
+
+    def _pick(self, logits: Tensor, chunks: list[ScheduledChunk], states: list[DraftState]
+              ) -> tuple[list[int], Tensor | None]:
+        """One draft token per row: argmax (greedy requests) or a draw from q; q [B, V] or None."""
+        params = [_draft_params(c.request.sampling_params) for c in chunks]
+        empty: list[list[int]] = [[] for _ in params]
+        meta = SamplingMetadata.build(params, empty, empty, [s.generator for s in states], self.vocab_size,
+                                      frozenset(), self.device)
+        greedy, probs = distribution(logits, meta)
+        if probs is None:
+            return greedy.tolist(), None
+        noise = torch.empty_like(probs).exponential_()
+        for j, s in enumerate(states):
+            if s.generator is not None:
+                noise[j].exponential_(generator=s.generator)
+        sampled = (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=1)
+        return torch.where(meta.temperature == 0, greedy, sampled).tolist(), probs
