@@ -38,7 +38,7 @@ def random_packed(fmt: str, n: int, k: int) -> quant.PackedWeight:
 
 def clone(w: quant.PackedWeight) -> quant.PackedWeight:
     c = lambda t: None if t is None else t.clone()  # noqa: E731
-    return quant.PackedWeight(w.fmt, w.n, w.k, c(w.qs), c(w.d), c(w.m), c(w.scale))
+    return quant.PackedWeight(w.fmt, w.n, w.k, c(w.blocks), c(w.scale))
 
 
 def timeit(fns: list, x: torch.Tensor, repeats: int, min_time: float) -> float:

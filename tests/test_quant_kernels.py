@@ -88,7 +88,7 @@ def test_activation_quantization_matches_pytorch(ext):
 def test_kernel_matches_its_emulation(ext, fmt, m, n, k):
     w = random_weight(fmt, n, k, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))
-    y = ext.quant_linear(x, quant.FORMAT_IDS[fmt], n, w.qs, w.d, w.m, w.scale, None)
+    y = ext.quant_linear(x, quant.FORMAT_IDS[fmt], n, w.blocks, w.scale, None)
     expected = quant.emulate(x, w)
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
     # and near the weight-only product: activations lose ~1% per block to int8

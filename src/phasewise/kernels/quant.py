@@ -1,7 +1,9 @@
 """Quantized weight formats (csrc/quant_linear.cpp) and their pure-PyTorch reference.
 
 A `PackedWeight` holds a linear layer's weight [N, K] in blocks of 32 along K, rows in
-tiles of 16 (the layout the C++ kernel reads; see the top of quant_linear.cpp):
+tiles of 16, each (tile, block) one run of bytes with its fp16 scales after the quants, so
+a tile streams from memory in one sequence (the layout the C++ kernel reads; see the top of
+quant_linear.cpp):
 
 - "q4": GGUF Q4_1 (w = d q + m) and Q4_0 (m = -8 d), the file's bytes and fp16 scales as they are;
 - "q8": GGUF Q8_0 (w = d q), q stored as q + 128;
@@ -26,7 +28,8 @@ from phasewise.kernels.build import load as _load
 QK = 32                                   # values per block
 TILE = 16                                 # output rows per tile (one zmm lane each)
 FORMAT_IDS = {"q4": 0, "q8": 1, "i8": 2}
-BLOCK_BYTES = {"q4": 256, "q8": 512, "i8": 512}   # bytes per (tile, block) in qs
+QUANT_BYTES = {"q4": 256, "q8": 512, "i8": 512}   # quants per (tile, block); then d (q4, q8), m (q4)
+BLOCK_BYTES = {"q4": 256 + 64, "q8": 512 + 32, "i8": 512}
 # GGUF block types we read as they are: name → (format, bytes per block of 32).
 GGUF_BLOCKS = {"Q4_0": ("q4", 18), "Q4_1": ("q4", 20), "Q8_0": ("q8", 34)}
 
@@ -50,17 +53,31 @@ class PackedWeight:
     fmt: str                       # q4 | q8 | i8
     n: int                         # output features (rows of W)
     k: int                         # input features, a multiple of 32
-    qs: torch.Tensor               # [NT, KB, BLOCK_BYTES] uint8
-    d: torch.Tensor | None = None  # [NT, KB, 16] fp16 (q4, q8)
-    m: torch.Tensor | None = None  # [NT, KB, 16] fp16 (q4)
+    blocks: torch.Tensor               # [NT, KB, BLOCK_BYTES] uint8: quants, then d and m
     scale: torch.Tensor | None = None  # [NT * 16] fp32 (i8)
 
     @property
     def n_padded(self) -> int:
-        return self.qs.shape[0] * TILE
+        return self.blocks.shape[0] * TILE
+
+    @property
+    def qs(self) -> torch.Tensor:
+        """[NT, KB, QUANT_BYTES] uint8 (a view)."""
+        return self.blocks[..., :QUANT_BYTES[self.fmt]]
+
+    @property
+    def d(self) -> torch.Tensor | None:
+        """[NT, KB, 16] fp16 block scales (a view; q4, q8)."""
+        q = QUANT_BYTES[self.fmt]
+        return None if self.fmt == "i8" else self.blocks[..., q:q + 32].view(torch.float16)
+
+    @property
+    def m(self) -> torch.Tensor | None:
+        """[NT, KB, 16] fp16 block mins (a view; q4)."""
+        return self.blocks[..., 288:320].view(torch.float16) if self.fmt == "q4" else None
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m, self.scale) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.blocks, self.scale) if t is not None)
 
 
 def _pad_rows(t: torch.Tensor, n_padded: int) -> torch.Tensor:
@@ -70,9 +87,9 @@ def _pad_rows(t: torch.Tensor, n_padded: int) -> torch.Tensor:
 
 
 def _tile_scales(s: torch.Tensor) -> torch.Tensor:
-    """[Np, KB] → [NT, KB, 16]."""
+    """[Np, KB] fp16 → [NT, KB, 32] bytes: each (tile, block)'s 16 values."""
     np_, kb = s.shape
-    return s.reshape(np_ // TILE, TILE, kb).permute(0, 2, 1).contiguous()
+    return s.reshape(np_ // TILE, TILE, kb).permute(0, 2, 1).contiguous().view(torch.uint8)
 
 
 def _tile_bytes(u: torch.Tensor) -> torch.Tensor:
@@ -93,7 +110,7 @@ def pack_q4(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> PackedWeight:
     qs, d, m = _pad_rows(qs, np_), _pad_rows(d, np_), _pad_rows(m, np_)
     # byte 4j + p of a row's block → chunk j, lane (row), position p
     tiled = qs.reshape(np_ // TILE, TILE, kb, 4, 4).permute(0, 2, 3, 1, 4).reshape(np_ // TILE, kb, 256)
-    return PackedWeight("q4", n, kb * QK, tiled.contiguous(), _tile_scales(d), _tile_scales(m))
+    return PackedWeight("q4", n, kb * QK, torch.cat([tiled, _tile_scales(d), _tile_scales(m)], dim=-1))
 
 
 def pack_q8(q: torch.Tensor, d: torch.Tensor) -> PackedWeight:
@@ -101,7 +118,7 @@ def pack_q8(q: torch.Tensor, d: torch.Tensor) -> PackedWeight:
     n, kb, _ = q.shape
     np_ = -(-n // TILE) * TILE
     u = (_pad_rows(q, np_).to(torch.int16) + 128).to(torch.uint8)
-    return PackedWeight("q8", n, kb * QK, _tile_bytes(u), _tile_scales(_pad_rows(d, np_)))
+    return PackedWeight("q8", n, kb * QK, torch.cat([_tile_bytes(u), _tile_scales(_pad_rows(d, np_))], dim=-1))
 
 
 def quantize_i8(w: torch.Tensor) -> PackedWeight:
@@ -138,13 +155,13 @@ def concat(parts: list[PackedWeight]) -> PackedWeight:
     if any(p.fmt != fmt or p.k != parts[0].k for p in parts) or any(p.n % TILE for p in parts[:-1]):
         raise ValueError("cannot fuse these weights")
     cat = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
-    return PackedWeight(fmt, sum(p.n for p in parts), parts[0].k, cat([p.qs for p in parts]),
-                        cat([p.d for p in parts]), cat([p.m for p in parts]), cat([p.scale for p in parts]))
+    return PackedWeight(fmt, sum(p.n for p in parts), parts[0].k, cat([p.blocks for p in parts]),
+                        cat([p.scale for p in parts]))
 
 
 def dequantize(w: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The weight as [N, K] in dtype, exactly the stored values (the reference path)."""
-    nt, kb, _ = w.qs.shape
+    nt, kb, _ = w.blocks.shape
     if w.fmt == "q4":
         b = w.qs.reshape(nt, kb, 4, TILE, 4).permute(0, 3, 1, 2, 4).reshape(nt * TILE, kb, 16)
         q = torch.cat([b & 0x0F, b >> 4], dim=-1).float()                       # [Np, KB, 32]

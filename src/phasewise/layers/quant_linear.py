@@ -23,8 +23,8 @@ class QuantLinear(nn.Module):
         super().__init__()
         self.fmt, self.in_features, self.out_features = weight.fmt, weight.k, weight.n
         self.fmt_id = quant.FORMAT_IDS[weight.fmt]
-        for name in ("qs", "d", "m", "scale"):
-            self.register_buffer(name, getattr(weight, name))
+        self.register_buffer("blocks", weight.blocks)
+        self.register_buffer("scale", weight.scale)
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
         self.ext: ModuleType | None = None   # the compiled kernels (set_kernels)
         self._args: tuple | None = None      # the kernel's arguments, gathered once (attribute lookups cost µs)
@@ -32,14 +32,13 @@ class QuantLinear(nn.Module):
     def set_kernels(self, ext: ModuleType | None) -> QuantLinear:
         """Use the compiled kernels (None: the reference path). Set on the CPU, after any device move."""
         self.ext = ext
-        self._args = None if ext is None else (self.fmt_id, self.out_features, self.qs, self.d, self.m,
-                                               self.scale, self.bias)
+        self._args = None if ext is None else (self.fmt_id, self.out_features, self.blocks, self.scale, self.bias)
         return self
 
     def _apply(self, fn, recurse=True):
         self._args = None                     # buffers may move: gather the arguments again
         out = super()._apply(fn, recurse)
-        if self.ext is not None and self.qs.device.type == "cpu":
+        if self.ext is not None and self.blocks.device.type == "cpu":
             self.set_kernels(self.ext)
         return out
 
@@ -50,7 +49,7 @@ class QuantLinear(nn.Module):
 
     @property
     def packed(self) -> PackedWeight:
-        return PackedWeight(self.fmt, self.out_features, self.in_features, self.qs, self.d, self.m, self.scale)
+        return PackedWeight(self.fmt, self.out_features, self.in_features, self.blocks, self.scale)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}"

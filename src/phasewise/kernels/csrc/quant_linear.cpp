@@ -9,10 +9,12 @@
 // so a block contributes d (dx acc) + m sx, with acc = sum(u xq) and m = -128 d for the bytes.
 //
 // Layout (python: kernels/quant.py packs it): output rows in tiles of 16, one zmm lane per row.
-// qs [N/16, K/32, BB] u8: per (tile, block), 64-byte chunks of 16 rows x 4 consecutive k.
-//   Q4 (BB = 256): chunk j's low nibbles are k = 4j..4j+3, its high nibbles k = 16+4j..16+4j+3.
-//   Q8, I8 (BB = 512): chunk g holds k = 4g..4g+3.
-// d, m [N/16, K/32, 16] fp16 (Q4, Q8); scale [N] fp32 (I8).
+// blocks [N/16, K/32, BB] u8, per (tile, block) one run of bytes (a tile streams in one sequence):
+//   the quants as 64-byte chunks of 16 rows x 4 consecutive k,
+//     Q4: 4 chunks, chunk j's low nibbles are k = 4j..4j+3, its high nibbles k = 16+4j..16+4j+3;
+//     Q8, I8: 8 chunks, chunk g holds k = 4g..4g+3;
+//   then the 16 rows' d as fp16 (Q4, Q8), then their m (Q4). BB = 320 (Q4), 544 (Q8), 512 (I8).
+// scale [N/16 * 16] fp32 (I8).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -42,10 +44,11 @@ struct Act {          // quantized activations
   int64_t K, KB;
 };
 
+constexpr int64_t quant_bytes(Fmt F) { return F == Q4 ? 256 : 512; }
+constexpr int64_t block_bytes(Fmt F) { return F == Q4 ? 320 : F == Q8 ? 544 : 512; }
+
 struct Weights {
   const uint8_t* qs;      // [NT, KB, BB]
-  const at::Half* d;      // [NT, KB, 16] (Q4, Q8)
-  const at::Half* m;      // [NT, KB, 16] (Q4)
   const float* scale;     // [NT * 16] (I8)
   int64_t KB, BB;
   int64_t N;              // output features (the last tile may be partly padding)
@@ -92,7 +95,7 @@ inline void tile_kernel(const Act& a, int64_t m0, const Weights& w, int64_t t0, 
       for (int j = 0; j < 4; ++j) {
         __m512i lo[NV], hi[NV];
         for (int v = 0; v < NV; ++v) {
-          const __m512i raw = _mm512_loadu_si512(w.qs + ((t0 + v) * w.KB + b) * 256 + j * 64);
+          const __m512i raw = _mm512_loadu_si512(w.qs + ((t0 + v) * w.KB + b) * block_bytes(F) + j * 64);
           lo[v] = _mm512_and_si512(raw, low4);
           hi[v] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
         }
@@ -107,7 +110,8 @@ inline void tile_kernel(const Act& a, int64_t m0, const Weights& w, int64_t t0, 
     } else {
       for (int g = 0; g < 8; ++g) {
         __m512i u[NV];
-        for (int v = 0; v < NV; ++v) u[v] = _mm512_loadu_si512(w.qs + ((t0 + v) * w.KB + b) * 512 + g * 64);
+        for (int v = 0; v < NV; ++v)
+          u[v] = _mm512_loadu_si512(w.qs + ((t0 + v) * w.KB + b) * block_bytes(F) + g * 64);
         for (int i = 0; i < MT; ++i) {
           const __m512i x = bcast4(xb + i * a.K + 4 * g);
           for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_dpbusd_epi32(acc[i][v], u[v], x);
@@ -116,10 +120,10 @@ inline void tile_kernel(const Act& a, int64_t m0, const Weights& w, int64_t t0, 
     }
     // Block epilogue: r += d (dx acc) + m sx (Q4), d (dx acc - 128 sx) (Q8), dx acc (I8).
     for (int v = 0; v < NV; ++v) {
-      const int64_t at = ((t0 + v) * w.KB + b) * 16;
+      const uint8_t* scales = w.qs + ((t0 + v) * w.KB + b) * block_bytes(F) + quant_bytes(F);
       __m512 dv, mv;
-      if constexpr (F != I8) dv = load_half16(w.d + at);
-      if constexpr (F == Q4) mv = load_half16(w.m + at);
+      if constexpr (F != I8) dv = load_half16(reinterpret_cast<const at::Half*>(scales));
+      if constexpr (F == Q4) mv = load_half16(reinterpret_cast<const at::Half*>(scales + 32));
       for (int i = 0; i < MT; ++i) {
         const int64_t xi = (m0 + i) * a.KB + b;
         const __m512 accf = _mm512_cvtepi32_ps(acc[i][v]);
@@ -206,27 +210,18 @@ std::vector<torch::Tensor> quantize_activations(torch::Tensor x) {
 }
 
 // y [M, N] = x [M, K] @ W^T + bias, W packed as described at the top (N rows of NT * 16).
-torch::Tensor quant_linear(torch::Tensor x, int64_t fmt, int64_t N, torch::Tensor qs, c10::optional<torch::Tensor> d,
-                           c10::optional<torch::Tensor> m, c10::optional<torch::Tensor> scale,
-                           c10::optional<torch::Tensor> bias) {
+torch::Tensor quant_linear(torch::Tensor x, int64_t fmt, int64_t N, torch::Tensor blocks,
+                           c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x: fp32 [M, K]");
-  TORCH_CHECK(qs.dim() == 3 && qs.scalar_type() == at::kByte && qs.is_contiguous(), "qs: u8 [NT, KB, BB]");
+  TORCH_CHECK(fmt == Q4 || fmt == Q8 || fmt == I8, "unknown format ", fmt);
+  TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
+              "blocks: u8 [NT, KB, BB]");
   x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), NT = qs.size(0), KB = qs.size(1), BB = qs.size(2);
+  const int64_t M = x.size(0), K = x.size(1), NT = blocks.size(0), KB = blocks.size(1), BB = blocks.size(2);
   TORCH_CHECK(K == KB * QK, "x has ", K, " columns, the weights ", KB * QK);
-  TORCH_CHECK(BB == (fmt == Q4 ? 256 : 512), "block bytes do not match the format");
+  TORCH_CHECK(BB == block_bytes(static_cast<Fmt>(fmt)), "block bytes do not match the format");
   TORCH_CHECK(N > (NT - 1) * 16 && N <= NT * 16, "N does not match the tiles");
-  Weights w{qs.data_ptr<uint8_t>(), nullptr, nullptr, nullptr, KB, BB, N};
-  if (fmt == Q4 || fmt == Q8) {
-    TORCH_CHECK(d.has_value() && d->scalar_type() == at::kHalf && d->is_contiguous() && d->numel() == NT * KB * 16,
-                "d: fp16 [NT, KB, 16]");
-    w.d = d->data_ptr<at::Half>();
-  }
-  if (fmt == Q4) {
-    TORCH_CHECK(m.has_value() && m->scalar_type() == at::kHalf && m->is_contiguous() && m->numel() == NT * KB * 16,
-                "m: fp16 [NT, KB, 16]");
-    w.m = m->data_ptr<at::Half>();
-  }
+  Weights w{blocks.data_ptr<uint8_t>(), nullptr, KB, BB, N};
   if (fmt == I8) {
     TORCH_CHECK(scale.has_value() && scale->scalar_type() == at::kFloat && scale->is_contiguous() &&
                 scale->numel() == NT * 16, "scale: fp32 [N]");
@@ -258,6 +253,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   namespace py = pybind11;
   mod.def("quantize_activations", &quantize_activations, "per-32 symmetric int8 activations: xq, dx, sx");
   mod.def("quant_linear", &quant_linear, "y = x W^T + b with W in a packed block format",
-          py::arg("x"), py::arg("fmt"), py::arg("N"), py::arg("qs"), py::arg("d") = py::none(), py::arg("m") = py::none(),
+          py::arg("x"), py::arg("fmt"), py::arg("N"), py::arg("blocks"),
           py::arg("scale") = py::none(), py::arg("bias") = py::none());
 }
