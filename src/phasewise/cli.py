@@ -24,6 +24,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-dtype", default="auto", choices=["auto", "int8"],
                    help="KV-cache precision: the model's (auto) or int8 with a scale per token and head")
     g.add_argument("--max-model-len", type=int, default=None, help="context length cap")
+    g.add_argument("--speculative", default=None, metavar="ngram|draft[:MODEL]",
+                   help="speculative decoding: 'ngram' (prompt lookup) or 'draft:MODEL' (a draft model with "
+                        "the same tokenizer; plain 'draft' = this model at --draft-dtype); outputs are unchanged")
+    g.add_argument("--num-speculative-tokens", type=int, default=4, help="draft tokens verified per step")
+    g.add_argument("--ngram-min", type=int, default=2, help="shortest n-gram matched by --speculative ngram")
+    g.add_argument("--ngram-max", type=int, default=4, help="longest n-gram matched by --speculative ngram")
+    g.add_argument("--draft-dtype", default="q4", choices=["fp32", "bf16", "fp16", "int8", "q4"],
+                   help="weight precision of the draft model")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -93,13 +101,23 @@ def sampling_params_from_args(args: argparse.Namespace):
         stop=args.stop, ignore_eos=args.ignore_eos, logprobs=args.logprobs)
 
 
+def speculative_config_from_args(args: argparse.Namespace):
+    from phasewise.config import SpeculativeConfig
+
+    return SpeculativeConfig.parse(args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+                                   ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+                                   draft_dtype=args.draft_dtype)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from phasewise.llm import LLM
     from phasewise.report import perf_lines, timings_json
 
     params = sampling_params_from_args(args)   # validate before the (slow) model load
+    spec = speculative_config_from_args(args)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-              kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len, kv_dtype=args.kv_dtype)
+              kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len, kv_dtype=args.kv_dtype,
+              speculative=spec)
     if args.raw:
         prompt = args.prompt
     else:
@@ -145,6 +163,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.trace and not Path(args.trace).resolve().parent.is_dir():
         raise ValueError(f"--trace: the folder of {args.trace} does not exist")
+    spec = speculative_config_from_args(args)
     sock = _listen(args.host, args.port)
     import uvicorn
 
@@ -155,7 +174,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device,
         cache=CacheConfig(args.block_size, args.kv_cache_memory, kv_dtype=args.kv_dtype),
-        scheduler=SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, args.max_model_len))
+        scheduler=SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, args.max_model_len),
+        speculative=spec)
     engine = LLMEngine(config)
     engine.warmup()
     path = Path(engine.model_path)

@@ -30,6 +30,10 @@ def timings(out: CompletionOutput, load_ms: float | None = None) -> dict[str, An
         "itl_ms": m.itl_ms,
         "total_ms": m.e2e_ms,
         "preemptions": m.preemptions,
+        "spec_draft_n": m.spec_draft_tokens,          # speculative decoding: drafts verified,
+        "spec_accepted_n": m.spec_accepted_tokens,    # accepted,
+        "spec_acceptance_rate": m.spec_acceptance_rate,
+        "spec_mean_accepted_len": m.spec_mean_accepted_len,   # tokens per verification step (accepted + 1)
     }
     if load_ms is not None:
         t = {"load_ms": load_ms, **t}
@@ -64,4 +68,6 @@ def perf_lines(out: CompletionOutput, load_ms: float) -> list[str]:
         f"{percentile(itl, 50):.1f} ms, p90 {percentile(itl, 90):.1f} ms",
         f"total time       = {t['total_ms']:9.1f} ms / {n_prompt + len(out.token_ids):5d} tokens"
         + (f" ({t['preemptions']} preemptions)" if t["preemptions"] else ""),
-    ]
+    ] + ([f"speculative      = {t['spec_accepted_n']} of {t['spec_draft_n']} draft tokens accepted "
+          f"({t['spec_acceptance_rate']:.1%}), {t['spec_mean_accepted_len']:.2f} tokens per verification step"]
+         if t["spec_draft_n"] else [])

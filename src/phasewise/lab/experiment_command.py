@@ -121,6 +121,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from phasewise import LLM
+    from phasewise.cli import speculative_config_from_args
 
     console = Console(stderr=True)
     out = Path(args.out or f"results/{args.experiment}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -133,7 +134,8 @@ def cmd_experiment(args: argparse.Namespace) -> int:
         llm = LLM(args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                   kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
                   enable_prefix_caching=args.prefix_caching, max_num_batched_tokens=args.max_num_batched_tokens,
-                  max_num_seqs=args.max_num_seqs, kv_dtype=args.kv_dtype, warmup=warmup)
+                  max_num_seqs=args.max_num_seqs, kv_dtype=args.kv_dtype, warmup=warmup,
+                  speculative=speculative_config_from_args(args))
     limit = llm.engine.max_model_len
     if per_request > limit:
         raise ValueError(f"the longest request has {per_request} tokens, above the context length {limit}")
@@ -149,7 +151,8 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     exp.settings |= {"model": str(llm.engine.model_path), "dtype": args.dtype, "kv_dtype": args.kv_dtype,
                      "device": args.device,
                      "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
-                     "prefix_caching": args.prefix_caching, "warmup": warmup}
+                     "prefix_caching": args.prefix_caching, "warmup": warmup,
+                     "speculative": args.speculative, "num_speculative_tokens": args.num_speculative_tokens}
     from phasewise.lab.plots import draw
 
     plots = draw(exp, out)

@@ -76,6 +76,8 @@ def request_row(out: CompletionOutput) -> dict[str, Any]:
         "decode_tok_s": _rate(runs, m.decode_ms),
         "itl_median_ms": percentile(itl, 50), "itl_p90_ms": percentile(itl, 90),
         "e2e_ms": m.e2e_ms, "preemptions": m.preemptions,
+        "spec_draft_tokens": m.spec_draft_tokens, "spec_accepted_tokens": m.spec_accepted_tokens,
+        "spec_acceptance_rate": m.spec_acceptance_rate, "spec_mean_accepted_len": m.spec_mean_accepted_len,
     }
 
 
@@ -203,7 +205,9 @@ def batch_sweep(llm, concurrencies: Sequence[int], prompt_tokens: int = 128, out
                      "output_tok_s": tokens / wall_s, "per_request_tok_s": tokens / wall_s / c,
                      "itl_median_ms": percentile(itl, 50), "itl_p90_ms": percentile(itl, 90),
                      "ttft_median_ms": percentile(ttft, 50), "ttft_p90_ms": percentile(ttft, 90),
-                     "preemptions": sum(o.metrics.preemptions for o in outs)})
+                     "preemptions": sum(o.metrics.preemptions for o in outs),
+                     "spec_draft_tokens": sum(o.metrics.spec_draft_tokens for o in outs),
+                     "spec_accepted_tokens": sum(o.metrics.spec_accepted_tokens for o in outs)})
         reqs += [(f"c={c} #{i}", o.metrics) for i, o in enumerate(outs)]
         progress(c)
     cols = [Column("concurrency", "concurrent", "d"), Column("output_tok_s", "output tok/s"),

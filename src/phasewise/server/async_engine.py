@@ -53,6 +53,9 @@ class EngineStats:
     num_cached_blocks: int = 0
     kv_usage: float = 0.0
     num_steps: int = 0
+    spec_num_drafts: int = 0               # speculative decoding: request-steps that verified drafts,
+    spec_num_draft_tokens: int = 0         # draft tokens verified,
+    spec_num_accepted_tokens: int = 0      # and accepted (all since the engine started)
 
 
 @dataclass
@@ -402,9 +405,10 @@ class AsyncEngine:
             log.exception("metrics observer failed")
 
     def _publish(self) -> None:
-        sched, pool = self.engine.core.scheduler, self.engine.core.kv.pool
+        sched, pool, spec = self.engine.core.scheduler, self.engine.core.kv.pool, self.engine.core.spec
         self.stats = EngineStats(len(sched.waiting), len(sched.running), pool.num_blocks, pool.num_free,
-                                 pool.num_cached, pool.usage, self.engine.core.num_steps)
+                                 pool.num_cached, pool.usage, self.engine.core.num_steps,
+                                 spec.num_steps, spec.num_draft_tokens, spec.num_accepted_tokens)
 
     def _deliver(self, out: dict[asyncio.AbstractEventLoop, list]) -> None:
         for loop, items in out.items():

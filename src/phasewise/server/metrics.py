@@ -11,6 +11,7 @@ from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest)
+from prometheus_client.core import CounterMetricFamily
 
 from phasewise.outputs import StreamDelta
 from phasewise.server.async_engine import EngineStats, Observer
@@ -20,6 +21,31 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
 REQUEST_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                    120.0, 240.0, 480.0, 960.0, 1920.0)
 FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+SPEC_COUNTERS = (   # (name, help, EngineStats field): the engine's own totals, read at each scrape
+    ("phasewise:spec_decode_num_drafts", "Speculative decoding: request-steps that verified draft tokens.",
+     "spec_num_drafts"),
+    ("phasewise:spec_decode_num_draft_tokens", "Speculative decoding: draft tokens proposed and verified.",
+     "spec_num_draft_tokens"),
+    ("phasewise:spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted by the target "
+     "(acceptance rate = accepted / draft tokens; mean accepted length = 1 + accepted / drafts).",
+     "spec_num_accepted_tokens"),
+)
+
+
+class _SpecCollector:
+    """Counters that mirror the engine core's speculative-decoding totals from the latest snapshot."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.stats = EngineStats()
+
+    def collect(self):
+        for name, doc, field in SPEC_COUNTERS:
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric([self.model_name], getattr(self.stats, field))
+            yield c
 
 
 class ServerMetrics(Observer):
@@ -67,6 +93,8 @@ class ServerMetrics(Observer):
                            "client went away; error: the engine failed).",
                            ["model_name", "finished_reason"], registry=r)
         self.finished = {reason: finished.labels(model_name, reason) for reason in FINISH_REASONS}
+        self.spec = _SpecCollector(model_name)
+        r.register(self.spec)
 
     # ---- Observer: called on the engine thread -------------------------------------------------
 
@@ -101,4 +129,5 @@ class ServerMetrics(Observer):
         self.free_blocks.set(stats.num_free_blocks)
         self.total_blocks.set(stats.num_blocks)
         self.cached_blocks.set(stats.num_cached_blocks)
+        self.spec.stats = stats
         return generate_latest(self.registry)

@@ -22,6 +22,9 @@ def timings(out: CompletionOutput) -> dict[str, Any]:
     itl = t["itl_ms"]
     body["itl_ms_p50"] = percentile(itl, 50)
     body["itl_ms_p99"] = percentile(itl, 99)
+    if t["spec_draft_n"]:                      # speculative decoding ran on this request
+        for k in ("spec_draft_n", "spec_accepted_n", "spec_acceptance_rate", "spec_mean_accepted_len"):
+            body[k] = t[k]
     return body
 
 

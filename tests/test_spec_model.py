@@ -1,0 +1,123 @@
+"""Speculative decoding on the default model: greedy outputs unchanged for both proposers, batched and
+under preemption; seeded sampling reproducible; stop strings; the metrics in outputs, the command and
+/metrics."""
+
+from __future__ import annotations
+
+import pytest
+
+from phasewise import LLM, SamplingParams
+from phasewise.cli import build_parser, speculative_config_from_args
+from phasewise.report import perf_lines, timings
+
+pytestmark = pytest.mark.slow
+
+TEXT = ("The lighthouse keeper climbed the stairs every evening at six. He lit the lamp, wound the clock, "
+        "and wrote the weather in a small green book. In forty years he never missed a night.")
+PROMPTS = [
+    f"Repeat this text word for word:\n{TEXT}",
+    f"Summarize in one sentence:\n{TEXT}",
+    f"Rewrite this text in the past perfect tense:\n{TEXT}",
+    "Write one sentence about the moon.",
+    "List three fruits.",
+    "Write a haiku about rain.",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5)
+PENALISED = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5, repetition_penalty=1.3,
+                           presence_penalty=0.5, min_tokens=8)
+PARAMS = [GREEDY, GREEDY, GREEDY, GREEDY, PENALISED, GREEDY]
+POOL = 16                       # blocks: six requests of ~6-8 blocks each cannot all run at once
+
+
+def chats(llm_, params=PARAMS):
+    return llm_.chat([[{"role": "user", "content": p}] for p in PROMPTS], params)
+
+
+def assert_same_greedy(outs, refs):
+    """Token-identical, or (as in test_engine_model.py) at the first difference both candidates are in the
+    other run's top 5: a floating-point near tie between a k+1-row verification and a 1-row decode."""
+    identical = 0
+    for out, ref in zip(outs, refs):
+        assert len(out.token_ids) == len(ref.token_ids)
+        identical += out.token_ids == ref.token_ids
+        for i, (x, y) in enumerate(zip(out.token_ids, ref.token_ids)):
+            if x != y:
+                assert x in dict(ref.logprobs[i].top) and y in dict(out.logprobs[i].top), (out.text, ref.text)
+                break
+    assert identical >= len(refs) - 1, f"only {identical} of {len(refs)} token-identical"
+
+
+@pytest.fixture(scope="module")
+def alone(llm):
+    return [llm.chat([{"role": "user", "content": p}], params) for p, params in zip(PROMPTS, PARAMS)]
+
+
+@pytest.fixture(scope="module", params=["ngram", "draft"])
+def spec_llm(request):
+    """A small pool, so that running all prompts together preempts."""
+    return LLM(speculative=request.param, num_speculative_tokens=4, num_blocks=POOL, warmup=False)
+
+
+def test_greedy_alone_and_batched_with_preemption_equal_no_speculation(spec_llm, alone):
+    one_by_one = [spec_llm.chat([{"role": "user", "content": p}], params) for p, params in zip(PROMPTS, PARAMS)]
+    assert_same_greedy(one_by_one, alone)
+    assert all(o.metrics.preemptions == 0 for o in one_by_one)
+    together = chats(spec_llm)
+    assert sum(o.metrics.preemptions for o in together) > 0
+    assert_same_greedy(together, alone)
+    pool = spec_llm.engine.core.kv.pool
+    assert pool.num_free == pool.num_blocks
+    for o in one_by_one + together:                          # logprobs for every committed token
+        assert len(o.logprobs) == len(o.token_ids)
+    spec = spec_llm.engine.core.spec
+    assert spec.num_draft_tokens > 0 and 0 < spec.num_accepted_tokens <= spec.num_draft_tokens
+    grounded = one_by_one[0].metrics                         # "repeat this text": drafts mostly right
+    assert grounded.spec_acceptance_rate > 0.5 and grounded.spec_mean_accepted_len > 2
+
+
+def test_seeded_sampling_reproduces_and_stop_strings_cut_like_without(spec_llm, llm):
+    p = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=24, ignore_eos=True)
+    a = spec_llm.chat([{"role": "user", "content": PROMPTS[1]}], p)
+    b = spec_llm.chat([{"role": "user", "content": PROMPTS[1]}], p)
+    assert a.token_ids == b.token_ids and a.metrics.spec_draft_tokens > 0
+    ref = llm.chat([{"role": "user", "content": PROMPTS[0]}], SamplingParams(temperature=0, max_tokens=40))
+    stop = ref.text[len(ref.text) // 2:len(ref.text) // 2 + 5]
+    stopped = SamplingParams(temperature=0, max_tokens=40, stop=[stop])
+    want = llm.chat([{"role": "user", "content": PROMPTS[0]}], stopped)
+    got = spec_llm.chat([{"role": "user", "content": PROMPTS[0]}], stopped)
+    assert got.text == want.text and got.finish_reason == "stop"
+    assert got.token_ids == want.token_ids                  # no accepted draft past the stop string
+
+
+def test_metrics_reach_timings_and_perf_lines(spec_llm):
+    out = spec_llm.chat([{"role": "user", "content": PROMPTS[0]}], SamplingParams(temperature=0, max_tokens=24))
+    t = timings(out)
+    assert t["spec_draft_n"] == out.metrics.spec_draft_tokens > 0
+    assert t["spec_accepted_n"] == out.metrics.spec_accepted_tokens
+    assert 1 <= t["spec_mean_accepted_len"] <= 5 and 0 <= t["spec_acceptance_rate"] <= 1
+    assert any(line.startswith("speculative") for line in perf_lines(out, 0.0))
+
+
+def test_cli_flags_reach_the_config():
+    for cmd in ("generate", "serve"):
+        extra = ["hi"] if cmd == "generate" else []
+        args = build_parser().parse_args([cmd, *extra, "--speculative", "draft:/x.gguf",
+                                          "--num-speculative-tokens", "3", "--draft-dtype", "int8"])
+        spec = speculative_config_from_args(args)
+        assert (spec.method, spec.draft_model, spec.num_speculative_tokens, spec.draft_dtype) == \
+            ("draft", "/x.gguf", 3, "int8")
+    args = build_parser().parse_args(["generate", "hi", "--speculative", "ngram", "--ngram-min", "1"])
+    spec = speculative_config_from_args(args)
+    assert (spec.method, spec.ngram_min, spec.ngram_max) == ("ngram", 1, 4)
+    assert speculative_config_from_args(build_parser().parse_args(["generate", "hi"])).method is None
+
+
+def test_prometheus_exposes_the_engine_totals():
+    from phasewise.server.async_engine import EngineStats
+    from phasewise.server.metrics import ServerMetrics
+
+    text = ServerMetrics("m").render(EngineStats(spec_num_drafts=3, spec_num_draft_tokens=12,
+                                                 spec_num_accepted_tokens=7)).decode()
+    assert 'phasewise:spec_decode_num_drafts_total{model_name="m"} 3.0' in text
+    assert 'phasewise:spec_decode_num_draft_tokens_total{model_name="m"} 12.0' in text
+    assert 'phasewise:spec_decode_num_accepted_tokens_total{model_name="m"} 7.0' in text
