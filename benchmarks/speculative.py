@@ -1,0 +1,117 @@
+"""Speculative decoding: decode tokens/s with and without each proposer, on an input-grounded task and on
+open-ended generation, alone and with several requests at once.
+
+    .venv/bin/python benchmarks/speculative.py [--proposers none ngram draft] [--tasks grounded open]
+                                               [--batches 1 8] [--requests 8] [--max-tokens 128] [-k 4]
+                                               [--draft-model PATH] [--draft-dtype q4] [--temperature 0]
+
+Tasks: "grounded" summarizes a paragraph of benchmarks/data/lighthouses.txt (the
+answer reuses the input's words: prompt lookup can find them); "open" writes a
+short story on a topic (nothing to look up). Every request is greedy by default
+and stops at the end of its answer or --max-tokens; greedy outputs with
+speculation must equal those without (the table says so per row).
+
+Batch 1: --requests requests one after another; batch B: the same requests
+submitted B at a time. Decode tok/s = output tokens after each request's first /
+the time from the first of those tokens to the last (summed over the sequential
+runs at batch 1; the whole wave's span at batch B, which includes prefills that
+overlap the decodes). Acceptance rate = accepted / proposed draft tokens; mean
+accepted length = tokens committed per verification step (accepted + the target's
+own), from 1 to k + 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+TEXT = Path(__file__).parent / "data" / "lighthouses.txt"
+TOPICS = ["a robot who finds a flower", "a lighthouse keeper's last night", "a cat who learns to swim",
+          "a city without clocks", "the first snow of winter", "a letter lost for fifty years",
+          "a baker who cannot sleep", "a train that never stops"]
+
+
+def prompts(task: str, n: int) -> list[list[dict]]:
+    if task == "grounded":
+        paras = [p for p in TEXT.read_text().split("\n\n") if len(p) > 300]
+        texts = [f"Summarize the following text in three sentences.\n\n{paras[i % len(paras)]}" for i in range(n)]
+    else:
+        texts = [f"Write a short story about {TOPICS[i % len(TOPICS)]}." for i in range(n)]
+    return [[{"role": "user", "content": t}] for t in texts]
+
+
+def run(llm, chats: list[list[dict]], batch: int, params) -> dict:
+    """Submit the chats `batch` at a time; decode rate, acceptance and the outputs."""
+    outs, decode_s, n_decode = [], 0.0, 0
+    core = llm.engine.core
+    before = (core.spec.num_steps, core.spec.num_draft_tokens, core.spec.num_accepted_tokens)
+    started = time.perf_counter()
+    for i in range(0, len(chats), batch):
+        wave = llm.chat(chats[i:i + batch], params)
+        firsts = [o.metrics.first_token for o in wave if o.metrics.token_times]
+        lasts = [o.metrics.token_times[-1] for o in wave if o.metrics.token_times]
+        decode_s += max(lasts) - min(firsts)
+        n_decode += sum(max(len(o.token_ids) - 1, 0) for o in wave)
+        outs += wave
+    steps, drafts, accepted = (a - b for a, b in zip(
+        (core.spec.num_steps, core.spec.num_draft_tokens, core.spec.num_accepted_tokens), before))
+    return {"tok_s": n_decode / decode_s if decode_s else 0.0, "wall_s": time.perf_counter() - started,
+            "tokens": sum(len(o.token_ids) for o in outs), "drafts": drafts,
+            "acceptance": accepted / drafts if drafts else 0.0,
+            "mean_len": 1 + accepted / steps if steps else 0.0,
+            "token_ids": [o.token_ids for o in outs]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--proposers", nargs="+", default=["none", "ngram", "draft"],
+                    help="none | ngram | draft (the draft model below)")
+    ap.add_argument("--tasks", nargs="+", default=["grounded", "open"], choices=["grounded", "open"])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--requests", type=int, default=8, help="requests per (proposer, task, batch)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
+    ap.add_argument("--ngram-min", type=int, default=2)
+    ap.add_argument("--ngram-max", type=int, default=4)
+    ap.add_argument("--draft-model", default=None, help="default: the target's own file")
+    ap.add_argument("--draft-dtype", default="q4", choices=["fp32", "bf16", "fp16", "int8", "q4"])
+    ap.add_argument("--dtype", default="fp32", help="the target's weights")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs must match)")
+    args = ap.parse_args()
+
+    from phasewise import LLM, SamplingParams
+    from phasewise.config import SpeculativeConfig
+
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0 if args.temperature
+                            else None)
+    results: dict[tuple, dict] = {}
+    for proposer in args.proposers:
+        spec = SpeculativeConfig(None if proposer == "none" else proposer, args.num_speculative_tokens,
+                                 args.ngram_min, args.ngram_max, args.draft_model, args.draft_dtype)
+        llm = LLM(dtype=args.dtype, kv_cache_memory=0.5, speculative=spec)
+        llm.chat(prompts("open", 1)[0], SamplingParams(temperature=0, max_tokens=16))   # warm every path
+        for task in args.tasks:
+            chats = prompts(task, args.requests)
+            for batch in args.batches:
+                results[proposer, task, batch] = run(llm, chats, batch, params)
+        del llm
+
+    draft = f"draft = {args.draft_model or 'the target'} at {args.draft_dtype}"
+    print(f"speculative decoding: {args.dtype} target, k = {args.num_speculative_tokens}, n-gram "
+          f"{args.ngram_min}..{args.ngram_max}, {draft}; {args.requests} requests per row, up to "
+          f"{args.max_tokens} tokens, temperature {args.temperature}")
+    print(f"{'proposer':>8} {'task':>9} {'batch':>5} {'decode tok/s':>12} {'speedup':>8} {'accept':>7} "
+          f"{'mean len':>8} {'drafts':>7} {'tokens':>7} {'same':>5}")
+    for (proposer, task, batch), r in results.items():
+        base = results.get(("none", task, batch))
+        speedup = f"{r['tok_s'] / base['tok_s']:.2f}x" if base and base["tok_s"] else "-"
+        same = "-" if base is None or args.temperature else ("yes" if r["token_ids"] == base["token_ids"] else "NO")
+        accept = f"{r['acceptance']:.1%}" if r["drafts"] else "-"
+        mean_len = f"{r['mean_len']:.2f}" if r["drafts"] else "-"
+        print(f"{proposer:>8} {task:>9} {batch:>5} {r['tok_s']:>12.1f} {speedup:>8} {accept:>7} {mean_len:>8} "
+              f"{r['drafts']:>7} {r['tokens']:>7} {same:>5}")
+
+
+if __name__ == "__main__":
+    main()
