@@ -90,7 +90,7 @@ class LLMEngine:
         kv = KVCache(cfg, num_blocks, self.config.cache.block_size, parse_dtype(spec.draft_dtype),
                      self.config.device)
         self.draft_model = draft
-        return DraftModelProposer(draft, kv, self.config.device)
+        return DraftModelProposer(draft, kv, self.tokenizer.eos_token_ids, self.config.device)
 
     # ---- requests ---------------------------------------------------------------
 

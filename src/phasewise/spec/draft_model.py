@@ -13,13 +13,13 @@ only touch the draft's own cache: whatever the draft computes, the target's outp
 are decided by verification alone.
 
 Greedy requests get the draft's argmax. Sampled requests get a draw from q, the
-draft's distribution under the request's temperature and top-k/top-p/min-p
-(penalties left out: any q keeps the rule exact), and q is kept for the rejection rule.
+draft's distribution under the request's own settings (bans, penalties over the
+output plus the drafts so far, temperature, filters: the closer q is to p, the more
+is accepted; any q keeps the rule exact), and q is kept for the rejection rule.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -28,7 +28,6 @@ from torch import Tensor
 from phasewise.engine.outputs import ScheduledChunk
 from phasewise.layers.attention import AttentionMetadata
 from phasewise.runner.kv_cache import KVCache
-from phasewise.sampling.params import SamplingParams
 from phasewise.sampling.sampler import SamplingMetadata, distribution
 
 
@@ -51,15 +50,10 @@ class DraftState:
         return n
 
 
-def _draft_params(p: SamplingParams) -> SamplingParams:
-    """The request's settings without what depends on the output (penalties, bans) or is not needed."""
-    return dataclasses.replace(p, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
-                               min_tokens=0, logprobs=None)
-
-
 class DraftModelProposer:
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device | str = "cpu") -> None:
-        self.model, self.kv_cache = model, kv_cache
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, eos_token_ids: frozenset[int] = frozenset(),
+                 device: torch.device | str = "cpu") -> None:
+        self.model, self.kv_cache, self.eos_token_ids = model, kv_cache, eos_token_ids
         self.device = torch.device(device)
         self.vocab_size = model.config.vocab_size
 
@@ -76,7 +70,8 @@ class DraftModelProposer:
         qs: list[list[Tensor]] = [[] for _ in chunks]
         active = list(range(len(chunks)))
         while True:
-            tokens, probs = self._pick(logits, [chunks[i] for i in active], [states[i] for i in active])
+            tokens, probs = self._pick(logits, [reqs[i] for i in active], [drafts[i] for i in active],
+                                       [states[i] for i in active])
             for j, i in enumerate(active):
                 drafts[i].append(tokens[j])
                 if probs is not None and chunks[i].request.sampling_params.temperature > 0:
@@ -116,13 +111,13 @@ class DraftModelProposer:
         last = torch.tensor(lens, device=self.device).cumsum(0) - 1
         return self.model.compute_logits(hidden[last]).float()                 # [B, V]
 
-    def _pick(self, logits: Tensor, chunks: list[ScheduledChunk], states: list[DraftState]
+    def _pick(self, logits: Tensor, reqs: list, drafts: list[list[int]], states: list[DraftState]
               ) -> tuple[list[int], Tensor | None]:
         """One draft token per row: argmax (greedy requests) or a draw from q; q [B, V] or None."""
-        params = [_draft_params(c.request.sampling_params) for c in chunks]
-        empty: list[list[int]] = [[] for _ in params]
-        meta = SamplingMetadata.build(params, empty, empty, [s.generator for s in states], self.vocab_size,
-                                      frozenset(), self.device)
+        meta = SamplingMetadata.build(
+            [r.sampling_params for r in reqs], [r.prompt_token_ids for r in reqs],
+            [r.output_token_ids + d for r, d in zip(reqs, drafts)], [s.generator for s in states],
+            self.vocab_size, self.eos_token_ids, self.device)
         greedy, probs = distribution(logits, meta)
         if probs is None:
             return greedy.tolist(), None
