@@ -112,12 +112,28 @@ def test_cli_flags_reach_the_config():
     assert speculative_config_from_args(build_parser().parse_args(["generate", "hi"])).method is None
 
 
-def test_prometheus_exposes_the_engine_totals():
-    from phasewise.server.async_engine import EngineStats
+def test_server_metrics_expose_the_engine_totals(spec_llm):
+    """Through AsyncEngine in process (the module's engine, handed back idle): /metrics' text."""
+    import asyncio
+
+    from phasewise.server import AsyncEngine
     from phasewise.server.metrics import ServerMetrics
 
-    text = ServerMetrics("m").render(EngineStats(spec_num_drafts=3, spec_num_draft_tokens=12,
-                                                 spec_num_accepted_tokens=7)).decode()
-    assert 'phasewise:spec_decode_num_drafts_total{model_name="m"} 3.0' in text
-    assert 'phasewise:spec_decode_num_draft_tokens_total{model_name="m"} 12.0' in text
-    assert 'phasewise:spec_decode_num_accepted_tokens_total{model_name="m"} 7.0' in text
+    async def scenario() -> str:
+        async_engine = AsyncEngine(spec_llm.engine)
+        try:
+            p = SamplingParams(temperature=0, max_tokens=16)
+            deltas = [d async for d in async_engine.generate([{"role": "user", "content": PROMPTS[0]}], p, chat=True)]
+            assert deltas[-1].finished
+            await async_engine.call(lambda e: None)            # a turn later: the snapshot is published
+            return ServerMetrics("m").render(async_engine.stats).decode()
+        finally:
+            async_engine.shutdown()
+
+    text = asyncio.run(scenario())
+    spec = spec_llm.engine.core.spec
+    assert spec.num_draft_tokens > 0
+    assert f'phasewise:spec_decode_num_drafts_total{{model_name="m"}} {float(spec.num_steps)}' in text
+    assert f'phasewise:spec_decode_num_draft_tokens_total{{model_name="m"}} {float(spec.num_draft_tokens)}' in text
+    assert (f'phasewise:spec_decode_num_accepted_tokens_total{{model_name="m"}} '
+            f'{float(spec.num_accepted_tokens)}') in text

@@ -104,13 +104,16 @@ class ServerMetrics(Observer):
             self.generation_tokens.inc(n)
         m = delta.output.metrics
         times = m.token_times
-        if len(times) == 1 and n:              # the first token: prefill is over
+        if not n:
+            return
+        first = len(times) - n                 # index of the delta's first token
+        if first == 0:                         # the first token: prefill is over
             self.ttft.observe(m.ttft_ms / 1e3)
             self.queue.observe(m.queue_ms / 1e3)
             self.prompt_tokens.inc(len(delta.output.prompt_token_ids))
             self.prefix_cache_hits.inc(delta.output.cached_tokens)
-        elif len(times) >= 2 and n:
-            self.itl.observe(times[-1] - times[-2])
+        for i in range(max(first, 1), len(times)):   # every gap (accepted drafts share their step's time)
+            self.itl.observe(times[i] - times[i - 1])
 
     def on_finish(self, request: Any, reason: str) -> None:
         m = request.metrics
