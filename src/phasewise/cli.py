@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     for p in add_experiment_parsers(sub):
         _add_model_args(p)
+    from phasewise.lab.bench_command import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
