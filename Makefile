@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PROMPT := Write a short story about a robot discovering a flower.
 
-.PHONY: setup run test bench peers clean
+.PHONY: setup run test bench lab peers clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,11 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/decode_vs_hf.py
+
+# The four experiments at their default settings, into docs/results/ (about 15 minutes).
+lab: $(STAMP)
+	for e in prompt-sweep output-sweep repeat batch-sweep; do \
+		$(BIN)/phasewise experiment $$e --out docs/results/$$e || exit 1; done
 
 # The peers of benchmarks/compare_peers.py: llama.cpp (llama-cpp-python, compiled here for this CPU).
 peers: $(STAMP)
