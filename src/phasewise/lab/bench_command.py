@@ -11,17 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from phasewise.lab import load_gen as G
+from phasewise.lab.experiment_command import int_list
 from phasewise.lab.load_stats import parse_goodput, summarize
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -52,7 +43,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     lo.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (default: all at once)")
     lo.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps: 1 = Poisson")
     lo.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
-    lo.add_argument("--sweep", type=_ints, default=None,
+    lo.add_argument("--sweep", type=int_list, default=None,
                     help="run once per max-concurrency value (e.g. 1,2,4,8) and plot the trade-off")
     lo.add_argument("--num-warmup", type=int, default=2, help="requests sent first and not counted")
     lo.add_argument("--goodput", nargs="+", default=[], metavar="METRIC:MS",

@@ -19,7 +19,7 @@ from typing import Any
 from phasewise.lab.experiments import Experiment
 
 
-def _ints(text: str) -> list[int]:
+def int_list(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
@@ -35,7 +35,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> list[argparse.ArgumentParser
                                             "runs, batch sweep (results.json/csv and plots)")
     kinds = exp.add_subparsers(dest="experiment", required=True)
     ps = kinds.add_parser("prompt-sweep", help="prefill cost per token and decode speed as the prompt grows")
-    ps.add_argument("--lengths", type=_ints, default=None,
+    ps.add_argument("--lengths", type=int_list, default=None,
                     help="prompt lengths, e.g. 50,100,500 (default: 10 steps, log-spaced, --min-len..--max-len)")
     ps.add_argument("--min-len", type=int, default=50)
     ps.add_argument("--max-len", type=int, default=3500)
@@ -43,7 +43,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> list[argparse.ArgumentParser
     ps.add_argument("--output-tokens", type=int, default=199)
     ps.add_argument("--runs", type=int, default=1, help="requests per length (the table shows medians)")
     os_ = kinds.add_parser("output-sweep", help="decode time against output length; prefill stays flat")
-    os_.add_argument("--lengths", type=_ints, default=[50, 100, 200, 400, 700, 1000, 1500])
+    os_.add_argument("--lengths", type=int_list, default=[50, 100, 200, 400, 700, 1000, 1500])
     os_.add_argument("--prompt-tokens", type=int, default=32)
     os_.add_argument("--runs", type=int, default=1, help="requests per length (the table shows medians)")
     rp = kinds.add_parser("repeat", help="the same request N times: median, p5, p95, CV, outliers")
@@ -51,7 +51,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> list[argparse.ArgumentParser
     rp.add_argument("--prompt-tokens", type=int, default=128)
     rp.add_argument("--output-tokens", type=int, default=64)
     bs = kinds.add_parser("batch-sweep", help="concurrency 1..64: aggregate tokens/s against inter-token latency")
-    bs.add_argument("--concurrency", type=_ints, default=[1, 2, 4, 8, 16, 32, 64])
+    bs.add_argument("--concurrency", type=int_list, default=[1, 2, 4, 8, 16, 32, 64])
     bs.add_argument("--prompt-tokens", type=int, default=128)
     bs.add_argument("--output-tokens", type=int, default=64)
     parsers = [ps, os_, rp, bs]

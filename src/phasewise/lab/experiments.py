@@ -98,17 +98,25 @@ def _one(llm, prompt: list[int], max_tokens: int) -> CompletionOutput:
     return llm.generate([prompt], _params(max_tokens))[0]
 
 
+def _sweep(llm, key: str, points: Sequence[int], shape: Callable[[int], tuple[int, int]], runs: int, seed: int,
+           progress: Progress) -> tuple[list[dict], list[tuple[str, RequestMetrics]]]:
+    """One request per point and run, one after another; shape(point) = (prompt tokens, output tokens)."""
+    make = PromptMaker(llm.model_config.vocab_size, seed)
+    rows, reqs = [], []
+    for n in points:
+        for run in range(runs):
+            prompt_len, output_len = shape(n)
+            out = _one(llm, make(prompt_len), output_len)
+            rows.append({key: n, "run": run + 1, **request_row(out)})
+            reqs.append((f"{key} {n} run {run + 1}", out.metrics))
+            progress(1)
+    return rows, reqs
+
+
 def prompt_sweep(llm, lengths: Sequence[int], output_tokens: int = 199, runs: int = 1, seed: int = 0,
                  progress: Progress = lambda n: None) -> Experiment:
     """Prefill cost per prompt token as the prompt grows, and decode speed as its context grows."""
-    make = PromptMaker(llm.model_config.vocab_size, seed)
-    rows, reqs = [], []
-    for n in lengths:
-        for run in range(runs):
-            out = _one(llm, make(n), output_tokens)
-            rows.append({"prompt_len": n, "run": run + 1, **request_row(out)})
-            reqs.append((f"prompt {n} run {run + 1}", out.metrics))
-            progress(1)
+    rows, reqs = _sweep(llm, "prompt_len", lengths, lambda n: (n, output_tokens), runs, seed, progress)
     cols = [Column("prompt_len", "prompt tokens", "d"), Column("prefill_ms", "prefill ms"),
             Column("ms_per_prompt_token", "ms / prompt tok", ".3f"), Column("prompt_tok_s", "prompt tok/s"),
             Column("decode_tok_s", "decode tok/s"), Column("ms_per_output_token", "ms / output tok", ".2f")]
@@ -125,14 +133,7 @@ def prompt_sweep(llm, lengths: Sequence[int], output_tokens: int = 199, runs: in
 def output_sweep(llm, lengths: Sequence[int], prompt_tokens: int = 32, runs: int = 1, seed: int = 0,
                  progress: Progress = lambda n: None) -> Experiment:
     """Total decode time against output length, with the (flat) prefill beside it."""
-    make = PromptMaker(llm.model_config.vocab_size, seed)
-    rows, reqs = [], []
-    for n in lengths:
-        for run in range(runs):
-            out = _one(llm, make(prompt_tokens), n)
-            rows.append({"output_len": n, "run": run + 1, **request_row(out)})
-            reqs.append((f"output {n} run {run + 1}", out.metrics))
-            progress(1)
+    rows, reqs = _sweep(llm, "output_len", lengths, lambda n: (prompt_tokens, n), runs, seed, progress)
     cols = [Column("output_len", "output tokens", "d"), Column("prefill_ms", "prefill ms"),
             Column("decode_ms", "decode ms", ".0f"), Column("ms_per_output_token", "ms / output tok", ".2f"),
             Column("decode_tok_s", "decode tok/s"), Column("e2e_ms", "total ms", ".0f")]
