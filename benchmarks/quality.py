@@ -8,7 +8,8 @@ For each --dtypes precision of the default model (or --model):
 - perplexity of the text, teacher-forced, in prefill chunks of --chunk tokens over the paged KV cache;
 - top-1 agreement: the share of positions whose most likely next token equals fp32's;
 - prefill tokens/s of that pass, and decode tokens/s at batch 1 (--decode-tokens greedy tokens
-  after a 128-token prompt), the model alone (no engine, no sampling); medians of --repeats.
+  after a 128-token prompt), the model alone (no engine, no sampling), with the kernels the engine
+  uses (--kernels auto: linear kernels and the fused CPU ops); medians of --repeats.
 Speeds are only comparable within one run on a machine nobody else is using.
 """
 
@@ -22,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from phasewise.kernels import cpu_ops
+from phasewise.kernels.cpu_ops import use_cpu_ops
 from phasewise.layers.attention import AttentionMetadata
 from phasewise.layers.linear import use_fast_linears
 from phasewise.loading.loader import default_model_path, load_model, parse_dtype
@@ -96,8 +99,10 @@ def main() -> None:
         dtypes.insert(0, "fp32")
     for dtype in dtypes:
         model, _ = load_model(path, dtype)
-        if args.kernels == "auto":
+        if args.kernels == "auto":            # as the engine does: linear kernels, then the fused fp32 ops
             use_fast_linears(model, "cpu", parse_dtype(dtype))
+            if parse_dtype(dtype) == torch.float32:
+                use_cpu_ops(model, cpu_ops.load())
         runner = Runner(model, parse_dtype(dtype), len(ids) + args.decode_tokens)
         prefill, decode = [], []
         for _ in range(args.repeats):
