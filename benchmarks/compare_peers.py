@@ -36,9 +36,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from decode_vs_hf import make_prompt  # noqa: E402
 
 
-BYTES_PER_WEIGHT = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "q4": 20 / 32}   # Q4_1: 20 B / 32
-
-
 @dataclass
 class Result:
     name: str
@@ -52,6 +49,11 @@ class Result:
         return self.weight_bytes * self.decode / 1e9
 
 
+def fresh(prompt: list[int], i: int) -> list[int]:
+    """The prompt with its first token changed per repeat, so that no cache can serve it."""
+    return [prompt[0] + 1 + i] + prompt[1:]
+
+
 def prompts_for_batch(tokenizer, n: int, length: int) -> list[list[int]]:
     """n distinct prompts of `length` tokens: windows into a repeated text, each from its own offset."""
     base = make_prompt(tokenizer, length + 7 * n)
@@ -63,11 +65,11 @@ def prompts_for_batch(tokenizer, n: int, length: int) -> list[list[int]]:
 def run_phasewise(dtype: str, prompt, batch, args) -> Result:
     from phasewise import LLM, SamplingParams
 
-    llm = LLM(dtype=dtype, kv_cache_memory=1.0)
+    llm = LLM(dtype=dtype, kv_cache_memory=1.0, enable_prefix_caching=False)
     one = SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
     prefill, decode = [], []
     for i in range(args.repeats + 1):
-        out = llm.generate([prompt], one)[0]
+        out = llm.generate([fresh(prompt, i)], one)[0]
         if i:
             prefill.append(len(prompt) / (out.metrics.prompt_ms / 1e3))
             decode.append((len(out.token_ids) - 1) / (out.metrics.decode_ms / 1e3))
@@ -75,9 +77,10 @@ def run_phasewise(dtype: str, prompt, batch, args) -> Result:
     t0 = time.perf_counter()
     outs = llm.generate(batch, many)
     aggregate = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
-    from phasewise.lab.memory import parameter_count
+    from phasewise.lab.roofline import linear_params, weight_bytes_per_param
 
-    nbytes = int(parameter_count(llm.model_config) * BYTES_PER_WEIGHT.get(dtype, 4.0))
+    cfg = llm.model_config
+    nbytes = int(linear_params(cfg) * weight_bytes_per_param(llm.engine.model, cfg, 2 if "16" in dtype else 4))
     return Result(f"phasewise {dtype}", statistics.median(prefill), statistics.median(decode), aggregate,
                   nbytes)
 
@@ -92,7 +95,9 @@ def run_llama_cpp(path: Path, prompt, batch, args) -> Result:
                 verbose=False)
 
     def generate(ids: list[int], n: int) -> tuple[float, float]:
-        """Greedy, never stopping at eos: (seconds to the first token, seconds for the other n − 1)."""
+        """Greedy, never stopping at eos: (seconds to the first token, seconds for the other n − 1).
+        reset() first: llama-cpp-python would otherwise reuse the cached prefix of the last prompt."""
+        llm.reset()
         t0 = time.perf_counter()
         t1 = None
         for i, _ in enumerate(llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, reset=True)):
@@ -104,7 +109,7 @@ def run_llama_cpp(path: Path, prompt, batch, args) -> Result:
 
     prefill, decode = [], []
     for i in range(args.repeats + 1):
-        ttft, rest = generate(prompt, args.decode_tokens)
+        ttft, rest = generate(fresh(prompt, i), args.decode_tokens)
         if i:
             prefill.append(len(prompt) / ttft)
             decode.append((args.decode_tokens - 1) / rest)

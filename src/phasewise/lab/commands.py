@@ -49,13 +49,15 @@ def cmd_roofline(args: argparse.Namespace) -> int:
     import torch
 
     from phasewise import LLM, SamplingParams
-    from phasewise.lab.roofline import analyse, measure_machine, report
+    from phasewise.lab.roofline import analyse, measure_machine, report, weight_bytes_per_param
+    from phasewise.runner.kv_cache import kv_bytes_per_token
     from phasewise.loading.loader import parse_dtype
 
     if args.prompt_tokens < 2 or args.decode_tokens < 2:
         raise ValueError("--prompt-tokens and --decode-tokens must be at least 2")
     dtype = parse_dtype(args.dtype)
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+              kv_dtype=args.kv_dtype)
     cfg = llm.model_config
     rng = random.Random(0)
     prompt = [rng.randrange(100, cfg.vocab_size) for _ in range(args.prompt_tokens)]
@@ -64,9 +66,14 @@ def cmd_roofline(args: argparse.Namespace) -> int:
     out = llm.generate([prompt], params)[0]
     machine = measure_machine(dtype)
     element = torch.empty((), dtype=dtype).element_size()
-    phases = analyse(cfg, machine, element, cfg.kv_bytes_per_token(element), len(prompt),
+    per_weight = weight_bytes_per_param(llm.engine.model, cfg, element)
+    kv = kv_bytes_per_token(cfg, llm.engine.kv_cache.dtype)
+    phases = analyse(cfg, machine, per_weight, kv, len(prompt),
                      out.metrics.prompt_ms / 1e3, len(out.token_ids) - 1, out.metrics.decode_ms / 1e3)
     print("\n".join(report(machine, phases)))
+    print(f"weights: {per_weight:.3f} bytes per parameter ({args.dtype}); KV: {kv} bytes per token"
+          + ("; the matmul peak is torch's fp32, which the int8 VNNI kernels can exceed"
+             if args.dtype in ("int8", "q4") else ""))
     return 0
 
 

@@ -64,6 +64,18 @@ def linear_params(cfg: ModelConfig) -> int:
     return cfg.num_layers * per_layer + cfg.vocab_size * h       # + the output head
 
 
+def weight_bytes_per_param(model: torch.nn.Module, cfg: ModelConfig, element_size: int) -> float:
+    """Bytes a decode step reads per linear weight: quantized layers' stored bytes (quants, scales), else
+    the element size of the weights' dtype."""
+    from phasewise.layers.quant_linear import QuantLinear
+
+    quant = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    if not quant:
+        return float(element_size)
+    stored = sum(b.numel() * b.element_size() for m in quant for name, b in m.named_buffers() if name != "bias")
+    return stored / linear_params(cfg)
+
+
 def token_costs(cfg: ModelConfig, bytes_per_weight: float, context: int) -> TokenCosts:
     """Per token at `context` tokens of context: attention does QK^T and PV, 2 FLOPs each per element."""
     attention = 4 * cfg.num_layers * context * cfg.q_size
