@@ -127,6 +127,32 @@ def test_paged_attention_matches_the_reference(ops, query_lens, context_lens):
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("head_dim, block_size", [(64, 16), (128, 32), (256, 8), (32, 16), (80, 16)])
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("query_lens, context_lens", [
+    ([1], [1000]),                       # one long decode: the context is cut into parts and merged
+    ([1, 1], [70, 300]),                 # parts of unequal length, some of them empty
+    ([3, 1, 1, 1, 1, 1, 1], [129, 1, 2, 64, 65, 33, 17]),   # many rows: one part each
+])
+def test_paged_attention_kernel_at_every_head_size_and_context(ops, head_dim, block_size, int8, query_lens,
+                                                               context_lens):
+    """The vectorised head sizes (64, 128, 256), the scalar fallback (32, 80), split long contexts."""
+    torch.manual_seed(5)
+    Hq, Hkv = 8, 2
+    num_blocks = sum(-(-c // block_size) for c in context_lens) + 3
+    tables = _tables(context_lens, block_size, num_blocks)
+    T = sum(query_lens)
+    q, k, v = torch.randn(T, Hq, head_dim), torch.randn(T, Hkv, head_dim), torch.randn(T, Hkv, head_dim)
+    caches = [torch.randn(num_blocks * block_size, Hkv, head_dim) * 2 for _ in range(2)]
+    if int8:
+        (kq, ks), (vq, vs) = quantize_rows(caches[0]), quantize_rows(caches[1])
+        caches = [kq, vq, ks, vs]
+    meta = AttentionMetadata.build(query_lens, context_lens, tables, block_size, torch.device("cpu"))
+    ref = paged_attention(q, k, v, tuple(c.clone() for c in caches), meta)
+    out = paged_attention(q, k, v, tuple(caches), meta, ops=ops)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.slow
 def test_default_model_logits_and_greedy_tokens_with_and_without_the_ops(llm):
     """The engine's model, with the compiled ops and with the reference code, on a mixed batch."""

@@ -15,7 +15,7 @@ from phasewise.kernels.build import load as _load
 
 
 def load() -> ModuleType | None:
-    return _load("cpu_ops", ("cpu_ops.cpp",))
+    return _load("cpu_ops", ("cpu_ops.cpp", "paged_attention.cpp"))
 
 
 def applies(ops: ModuleType | None, x: torch.Tensor) -> bool:

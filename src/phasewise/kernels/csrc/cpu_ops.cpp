@@ -1,7 +1,5 @@
 // phasewise's fused CPU ops for the model's non-matmul work, fp32, contiguous tensors:
-//  - paged_attention: each query row attends over its sequence's cached keys and values, read in
-//    place from the paged KV cache (no gather); one task per (row, KV head), the G query heads that
-//    share a KV head together so each K/V row is loaded once; online softmax per block.
+//  - paged_attention (in paged_attention.cpp): query rows over the paged KV cache, read in place.
 //  - rope_and_cache: split a fused qkv row, rotate q and k (NeoX halves), write k and v to their slots.
 //  The KV cache is fp32, or int8 with one fp32 scale per (slot, KV head).
 //  - rms_norm: optional residual add, then RMSNorm, in one pass.
@@ -16,24 +14,6 @@
 
 namespace {
 
-// dot(a, b) over D floats; the compiler vectorises this loop (-O3, AVX-512).
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t D) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t d = 0; d < D; ++d) s += a[d] * b[d];
-  return s;
-}
-
-inline void axpy(float* __restrict y, float a, const float* __restrict x, int64_t D) {
-#pragma omp simd
-  for (int64_t d = 0; d < D; ++d) y[d] += a * x[d];
-}
-
-inline void dequant(const int8_t* __restrict x, float scale, float* __restrict y, int64_t D) {
-#pragma omp simd
-  for (int64_t d = 0; d < D; ++d) y[d] = static_cast<float>(x[d]) * scale;
-}
-
 // y = round(x / scale) with scale = max|x| / 127 (symmetric int8, one scale per row); returns scale.
 inline float quant(const float* __restrict x, int8_t* __restrict y, int64_t D) {
   float amax = 0.f;
@@ -45,95 +25,13 @@ inline float quant(const float* __restrict x, int8_t* __restrict y, int64_t D) {
   return scale;
 }
 
-inline void scale_(float* __restrict y, float a, int64_t D) {
-#pragma omp simd
-  for (int64_t d = 0; d < D; ++d) y[d] *= a;
-}
-
 }  // namespace
 
-// q: [T, Hq, D]; k_cache, v_cache: [num_slots, Hkv, D] (slot = block * block_size + offset);
-// block_tables: [num_seqs, max_blocks] int64; row_seq, row_len: [T] int64 (row t attends over the
-// first row_len[t] tokens of sequence row_seq[t]). Returns [T, Hq, D].
-// An int8 cache comes with k_scale, v_scale: [num_slots, Hkv] fp32 (value = int8 * scale).
+// In paged_attention.cpp.
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, torch::Tensor row_seq, torch::Tensor row_len,
                               int64_t block_size, double scale, c10::optional<torch::Tensor> k_scale,
-                              c10::optional<torch::Tensor> v_scale) {
-  const bool int8 = k_cache.scalar_type() == at::kChar;
-  TORCH_CHECK(q.scalar_type() == at::kFloat && (int8 || k_cache.scalar_type() == at::kFloat),
-              "fp32 queries, fp32 or int8 cache");
-  TORCH_CHECK(!int8 || (k_scale.has_value() && v_scale.has_value()), "an int8 cache needs its scales");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-              block_tables.is_contiguous(), "contiguous inputs");
-  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k_cache.size(1);
-  const int64_t G = Hq / Hkv, max_blocks = block_tables.size(1);
-  auto out = torch::empty_like(q);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = int8 ? nullptr : k_cache.data_ptr<float>();
-  const float* vp = int8 ? nullptr : v_cache.data_ptr<float>();
-  const int8_t* kq = int8 ? k_cache.data_ptr<int8_t>() : nullptr;
-  const int8_t* vq = int8 ? v_cache.data_ptr<int8_t>() : nullptr;
-  const float* ks = int8 ? k_scale->data_ptr<float>() : nullptr;
-  const float* vs = int8 ? v_scale->data_ptr<float>() : nullptr;
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* seqs = row_seq.data_ptr<int64_t>();
-  const int64_t* lens = row_len.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
-
-  at::parallel_for(0, T * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(G * D), m(G), l(G), s(G * block_size), kbuf(block_size * D), vbuf(block_size * D);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t t = task / Hkv, h = task % Hkv;
-      const int64_t* table = tables + seqs[t] * max_blocks;
-      const int64_t L = lens[t];
-      const float* qt = qp + (t * Hq + h * G) * D;              // G query heads, contiguous
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
-      std::fill(l.begin(), l.end(), 0.f);
-      for (int64_t start = 0; start < L; start += block_size) {
-        const int64_t n = std::min(block_size, L - start);
-        const int64_t base = table[start / block_size] * block_size;
-        // Rows j of this block: K at krow(j), V at vrow(j); an int8 block is dequantized once here.
-        const float* kblk = kp ? kp + (base * Hkv + h) * D : kbuf.data();
-        const float* vblk = vp ? vp + (base * Hkv + h) * D : vbuf.data();
-        const int64_t stride = kp ? Hkv * D : D;
-        if (int8) {
-          for (int64_t j = 0; j < n; ++j) {
-            const int64_t at = (base + j) * Hkv + h;
-            dequant(kq + at * D, ks[at], kbuf.data() + j * D, D);
-            dequant(vq + at * D, vs[at], vbuf.data() + j * D, D);
-          }
-        }
-        for (int64_t g = 0; g < G; ++g) {
-          float* sg = s.data() + g * block_size;
-          float mx = m[g];
-          for (int64_t j = 0; j < n; ++j) {
-            sg[j] = dot(qt + g * D, kblk + j * stride, D) * sc;
-            mx = std::max(mx, sg[j]);
-          }
-          const float corr = std::exp(m[g] - mx);               // 0 on the first block (m = -inf)
-          scale_(acc.data() + g * D, corr, D);
-          l[g] *= corr;
-          m[g] = mx;
-          for (int64_t j = 0; j < n; ++j) {
-            const float p = std::exp(sg[j] - mx);
-            l[g] += p;
-            axpy(acc.data() + g * D, p, vblk + j * stride, D);
-          }
-        }
-      }
-      float* ot = op + (t * Hq + h * G) * D;
-      for (int64_t g = 0; g < G; ++g) {
-        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-        for (int64_t d = 0; d < D; ++d) ot[g * D + d] = acc[g * D + d] * inv;
-      }
-    }
-  });
-  return out;
-}
-
+                              c10::optional<torch::Tensor> v_scale);
 
 // qkv: [T, (Hq + 2 Hkv) D]; positions: [T] int64; cos, sin: [P, D/2]; caches: [S, Hkv, D];
 // slots: [T] int64. Returns rotated q [T, Hq, D] and k [T, Hkv, D]; k and v are written to the cache.

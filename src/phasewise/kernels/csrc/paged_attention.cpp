@@ -1,0 +1,267 @@
+// Paged attention on the CPU: each query row attends over its sequence's cached keys and values,
+// read in place from the paged KV cache (fp32, or int8 with one fp32 scale per (slot, KV head)).
+//
+// Work is split into tasks (row, KV head, part of the context): when the batch has fewer
+// (row, head) pairs than the threads can use, the context is cut into parts (flash-decoding)
+// whose partial results (running max m, sum l, unnormalised output) are merged at the end
+// with their log-sum-exp. Within a task, keys go 16 at a time: 16 dot products, one
+// transpose-reduction into a vector of 16 scores, one vectorised exp, then the 16 value rows
+// times their weights. The G query heads that share a KV head are done together, so each
+// K/V row is read once per task. Head sizes that are not 64, 128 or 256 take a scalar loop.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+constexpr int64_t KEYS = 16;          // keys scored per pass (one zmm of scores)
+constexpr int64_t MIN_PART = 64;      // fewest context tokens worth a task of their own
+
+struct Cache {                         // one layer's cache, fp32 or int8
+  const float* k = nullptr;
+  const float* v = nullptr;
+  const int8_t* kq = nullptr;
+  const int8_t* vq = nullptr;
+  const float* ks = nullptr;
+  const float* vs = nullptr;
+  int64_t Hkv, D;
+};
+
+// v[0..NV) = 16 NV floats of one K or V row (slot, head), dequantized when int8.
+template <int NV, bool INT8>
+inline void load_row(const float* x, const int8_t* xq, const float* xs, int64_t at, int64_t D, __m512* v) {
+  if (!INT8) {
+    const float* p = x + at * D;
+    for (int i = 0; i < NV; ++i) v[i] = _mm512_loadu_ps(p + 16 * i);
+  } else {
+    const int8_t* p = xq + at * D;
+    const __m512 s = _mm512_set1_ps(xs[at]);
+    for (int i = 0; i < NV; ++i) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * i));
+      v[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), s);
+    }
+  }
+}
+
+// a[0..16) → r with r[j] = sum of a[j]'s 16 lanes (a is overwritten).
+inline __m512 reduce16(__m512* a) {
+  for (int i = 0; i < 8; ++i)          // pairs: each 128-bit lane k holds a[2i], a[2i+1] partials
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {        // quads: lane k holds partials of a[4i..4i+4)
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    a[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)          // fold the four 128-bit lanes
+    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a[0], a[1], 0x88), _mm512_shuffle_f32x4(a[0], a[1], 0xDD));
+}
+
+// e^x per lane: x log2(e) = n + f with |f| <= 1/2, 2^f by its Taylor series (|error| < 2e-7
+// relative), then scaled by 2^n. Lanes below -103 (and -inf) give 0.
+inline __m512 exp512(__m512 x) {
+  const __m512 t = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(-160.f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.525273380405984e-05f);
+  for (float c : {1.5403530393381606e-04f, 1.3333558146428443e-03f, 9.618129107628477e-03f,
+                  5.550410866482158e-02f, 2.402265069591007e-01f, 6.931471805599453e-01f, 1.f})
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+
+// One task: G query heads (q: [G, D]) over context tokens [from, to) of one sequence.
+// Leaves the running max m[G], sum l[G] and unnormalised output acc[G, D].
+template <int NV, bool INT8>
+void attend(const Cache& c, const int64_t* table, int64_t block_size, int64_t h, const float* q, int64_t G,
+            float sc, int64_t from, int64_t to, float* acc, float* m, float* l) {
+  constexpr int64_t D = 16 * NV;
+  std::vector<__m512> qv(G * NV), out(G * NV, _mm512_setzero_ps());
+  for (int64_t g = 0; g < G; ++g) {
+    for (int i = 0; i < NV; ++i) qv[g * NV + i] = _mm512_mul_ps(_mm512_loadu_ps(q + g * D + 16 * i), _mm512_set1_ps(sc));
+    m[g] = NEG_INF;
+    l[g] = 0.f;
+  }
+  std::vector<float> probs(G * KEYS);
+  for (int64_t start = from; start < to; start += KEYS) {
+    const int64_t n = std::min<int64_t>(KEYS, to - start);
+    int64_t at[KEYS];                                          // (slot, head) row of each key
+    for (int64_t j = 0, blk = start / block_size, off = start % block_size; j < n; ++j) {
+      at[j] = (table[blk] * block_size + off) * c.Hkv + h;
+      if (++off == block_size) ++blk, off = 0;
+    }
+    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 dots[KEYS];
+      for (int64_t j = 0; j < KEYS; ++j) {
+        if (j >= n) { dots[j] = _mm512_setzero_ps(); continue; }
+        __m512 kr[NV];
+        load_row<NV, INT8>(c.k, c.kq, c.ks, at[j], D, kr);
+        __m512 s = _mm512_mul_ps(qv[g * NV], kr[0]);
+        for (int i = 1; i < NV; ++i) s = _mm512_fmadd_ps(qv[g * NV + i], kr[i], s);
+        dots[j] = s;
+      }
+      const __m512 s = _mm512_mask_blend_ps(valid, _mm512_set1_ps(NEG_INF), reduce16(dots));
+      const float mx = std::max(m[g], _mm512_reduce_max_ps(s));
+      const __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(s, _mm512_set1_ps(mx))));
+      const float sum = _mm512_reduce_add_ps(e);
+      _mm512_storeu_ps(probs.data() + g * KEYS, e);
+      const float corr = std::exp(m[g] - mx);                  // 0 on the first pass (m = -inf)
+      l[g] = l[g] * corr + sum;
+      m[g] = mx;
+      const __m512 cv = _mm512_set1_ps(corr);
+      for (int i = 0; i < NV; ++i) out[g * NV + i] = _mm512_mul_ps(out[g * NV + i], cv);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      __m512 vr[NV];
+      load_row<NV, INT8>(c.v, c.vq, c.vs, at[j], D, vr);
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512 w = _mm512_set1_ps(probs[g * KEYS + j]);
+        for (int i = 0; i < NV; ++i) out[g * NV + i] = _mm512_fmadd_ps(w, vr[i], out[g * NV + i]);
+      }
+    }
+  }
+  for (int64_t g = 0; g < G * NV; ++g) _mm512_storeu_ps(acc + 16 * g, out[g]);
+}
+
+// The same for any head size, one key at a time.
+void attend_scalar(const Cache& c, const int64_t* table, int64_t block_size, int64_t h, const float* q,
+                   int64_t G, float sc, int64_t from, int64_t to, float* acc, float* m, float* l) {
+  const int64_t D = c.D;
+  std::vector<float> kr(D), vr(D);
+  std::fill(acc, acc + G * D, 0.f);
+  std::fill(m, m + G, NEG_INF);
+  std::fill(l, l + G, 0.f);
+  for (int64_t pos = from; pos < to; ++pos) {
+    const int64_t at = (table[pos / block_size] * block_size + pos % block_size) * c.Hkv + h;
+    for (int64_t d = 0; d < D; ++d) {
+      kr[d] = c.k ? c.k[at * D + d] : c.kq[at * D + d] * c.ks[at];
+      vr[d] = c.v ? c.v[at * D + d] : c.vq[at * D + d] * c.vs[at];
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      float s = 0.f;
+      for (int64_t d = 0; d < D; ++d) s += q[g * D + d] * kr[d];
+      s *= sc;
+      const float mx = std::max(m[g], s), corr = std::exp(m[g] - mx), p = std::exp(s - mx);
+      l[g] = l[g] * corr + p;
+      m[g] = mx;
+      for (int64_t d = 0; d < D; ++d) acc[g * D + d] = acc[g * D + d] * corr + p * vr[d];
+    }
+  }
+}
+
+// How many parts to cut each row's context into: enough tasks for every thread (and a
+// multiple of their number), but no part shorter than MIN_PART tokens.
+int64_t num_parts(int64_t pairs, int64_t max_len) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t cap = std::max<int64_t>(1, max_len / MIN_PART);
+  if (pairs >= 4 * threads || cap == 1) return 1;
+  int64_t parts = (2 * threads + pairs - 1) / pairs;
+  while ((pairs * parts) % threads) ++parts;
+  return std::min(parts, cap);
+}
+
+}  // namespace
+
+// q: [T, Hq, D]; k_cache, v_cache: [num_slots, Hkv, D] (slot = block * block_size + offset);
+// block_tables: [num_seqs, max_blocks] int64; row_seq, row_len: [T] int64 (row t attends over the
+// first row_len[t] tokens of sequence row_seq[t]). Returns [T, Hq, D].
+// An int8 cache comes with k_scale, v_scale: [num_slots, Hkv] fp32 (value = int8 * scale).
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                              torch::Tensor block_tables, torch::Tensor row_seq, torch::Tensor row_len,
+                              int64_t block_size, double scale, c10::optional<torch::Tensor> k_scale,
+                              c10::optional<torch::Tensor> v_scale) {
+  const bool int8 = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(q.scalar_type() == at::kFloat && (int8 || k_cache.scalar_type() == at::kFloat),
+              "fp32 queries, fp32 or int8 cache");
+  TORCH_CHECK(!int8 || (k_scale.has_value() && v_scale.has_value()), "an int8 cache needs its scales");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              block_tables.is_contiguous() && row_seq.is_contiguous() && row_len.is_contiguous(),
+              "contiguous inputs");
+  Cache c;
+  c.Hkv = k_cache.size(1);
+  c.D = k_cache.size(2);
+  if (int8) {
+    c.kq = k_cache.data_ptr<int8_t>();
+    c.vq = v_cache.data_ptr<int8_t>();
+    c.ks = k_scale->data_ptr<float>();
+    c.vs = v_scale->data_ptr<float>();
+  } else {
+    c.k = k_cache.data_ptr<float>();
+    c.v = v_cache.data_ptr<float>();
+  }
+  const int64_t T = q.size(0), Hq = q.size(1), D = c.D, Hkv = c.Hkv, G = Hq / Hkv;
+  const int64_t max_blocks = block_tables.size(1);
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* seqs = row_seq.data_ptr<int64_t>();
+  const int64_t* lens = row_len.data_ptr<int64_t>();
+  const float* qp = q.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  auto out = torch::empty_like(q);
+  float* op = out.data_ptr<float>();
+  const int64_t max_len = T ? row_len.max().item<int64_t>() : 0;
+  const int64_t P = num_parts(T * Hkv, max_len);
+  // Partial results per task (row, head, part): acc [G, D], then m [G] and l [G].
+  const int64_t stride = G * D + 2 * G;
+  std::vector<float> part(P > 1 ? T * Hkv * P * stride : 0);
+  auto run = [&](auto attend_fn) {
+    at::parallel_for(0, T * Hkv * P, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> own(P > 1 ? 0 : stride);
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t t = task / (Hkv * P), h = (task / P) % Hkv, k = task % P;
+        const int64_t L = lens[t], chunk = (L + P - 1) / P;
+        const int64_t from = std::min(L, k * chunk), to = std::min(L, from + chunk);
+        float* acc = P > 1 ? part.data() + task * stride : own.data();
+        attend_fn(c, tables + seqs[t] * max_blocks, block_size, h, qp + (t * Hq + h * G) * D, G, sc, from, to,
+                  acc, acc + G * D, acc + G * D + G);
+        if (P == 1) {
+          float* ot = op + (t * Hq + h * G) * D;
+          for (int64_t g = 0; g < G; ++g) {
+            const float inv = acc[G * D + G + g] > 0.f ? 1.f / acc[G * D + G + g] : 0.f;
+            for (int64_t d = 0; d < D; ++d) ot[g * D + d] = acc[g * D + d] * inv;
+          }
+        }
+      }
+    });
+  };
+  switch (D * 2 + int8) {
+    case 128: run(attend<4, false>); break;
+    case 129: run(attend<4, true>); break;
+    case 256: run(attend<8, false>); break;
+    case 257: run(attend<8, true>); break;
+    case 512: run(attend<16, false>); break;
+    case 513: run(attend<16, true>); break;
+    default: run(attend_scalar);
+  }
+  if (P > 1) {                          // merge the parts of each (row, head) by their log-sum-exp
+    at::parallel_for(0, T * Hkv, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t pair = begin; pair < end; ++pair) {
+        const int64_t t = pair / Hkv, h = pair % Hkv;
+        const float* base = part.data() + pair * P * stride;
+        float* ot = op + (t * Hq + h * G) * D;
+        for (int64_t g = 0; g < G; ++g) {
+          float mx = NEG_INF;
+          for (int64_t k = 0; k < P; ++k) mx = std::max(mx, base[k * stride + G * D + g]);
+          float l = 0.f;
+          std::fill(ot + g * D, ot + (g + 1) * D, 0.f);
+          for (int64_t k = 0; k < P; ++k) {
+            const float* pk = base + k * stride;
+            if (pk[G * D + G + g] == 0.f) continue;            // an empty part
+            const float w = std::exp(pk[G * D + g] - mx);
+            l += w * pk[G * D + G + g];
+            for (int64_t d = 0; d < D; ++d) ot[g * D + d] += w * pk[g * D + d];
+          }
+          const float inv = l > 0.f ? 1.f / l : 0.f;
+          for (int64_t d = 0; d < D; ++d) ot[g * D + d] *= inv;
+        }
+      }
+    });
+  }
+  return out;
+}
