@@ -1,6 +1,6 @@
 """phasewise against the peers a user would pick instead, on the same prompts, in one run.
 
-    .venv/bin/python benchmarks/compare_peers.py [--dtypes fp32,int8,q4] [--peers llama.cpp,transformers]
+    .venv/bin/python benchmarks/compare_peers.py [--dtypes fp32,int8,q4,q4/int8] [--peers llama.cpp,transformers]
                                                  [--prompt-tokens 512] [--decode-tokens 128]
                                                  [--concurrent 32] [--concurrent-prompt 128]
                                                  [--concurrent-output 64] [--repeats 3]
@@ -8,7 +8,8 @@
 Installs nothing: a peer that is not importable is skipped with a note (`make peers`
 builds llama-cpp-python for this CPU). Every system runs the default model's GGUF:
 phasewise at each --dtypes precision, llama.cpp on the file as it is (Q4_1, 2 threads),
-transformers dequantized to fp32. Figures:
+transformers dequantized to fp32. A --dtypes entry "WEIGHTS/KV" also sets phasewise's KV-cache
+dtype (q4/int8: 4-bit weights, int8 KV cache). Figures:
 
 - prefill tokens/s: --prompt-tokens prompt tokens / time to the first token;
 - decode tokens/s at batch 1: (--decode-tokens − 1) / time from the first to the last token;
@@ -62,10 +63,11 @@ def prompts_for_batch(tokenizer, n: int, length: int) -> list[list[int]]:
 
 # ---- phasewise --------------------------------------------------------------------------------
 
-def run_phasewise(dtype: str, prompt, batch, args) -> Result:
+def run_phasewise(spec: str, prompt, batch, args) -> Result:
     from phasewise import LLM, SamplingParams
 
-    llm = LLM(dtype=dtype, kv_cache_memory=1.0, enable_prefix_caching=False)
+    dtype, _, kv_dtype = spec.partition("/")
+    llm = LLM(dtype=dtype, kv_dtype=kv_dtype or "auto", kv_cache_memory=1.0, enable_prefix_caching=False)
     one = SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
     prefill, decode = [], []
     for i in range(args.repeats + 1):
@@ -81,7 +83,8 @@ def run_phasewise(dtype: str, prompt, batch, args) -> Result:
 
     cfg = llm.model_config
     nbytes = int(linear_params(cfg) * weight_bytes_per_param(llm.engine.model, cfg, 2 if "16" in dtype else 4))
-    return Result(f"phasewise {dtype}", statistics.median(prefill), statistics.median(decode), aggregate,
+    name = f"phasewise {dtype}" + (f" kv {kv_dtype}" if kv_dtype else "")
+    return Result(name, statistics.median(prefill), statistics.median(decode), aggregate,
                   nbytes)
 
 
@@ -183,18 +186,18 @@ def main() -> None:
     machine = measure_machine(torch.float32)
     print(f"\nmeasured read bandwidth: {machine.dram_gbs:.1f} GB/s from memory, {machine.cache_gbs:.1f} GB/s "
           f"from a buffer that fits the last-level cache")
-    head = f"{'':20}{'prefill tok/s':>14}{'decode tok/s':>14}{f'agg@{args.concurrent} tok/s':>15}" \
+    head = f"{'':24}{'prefill tok/s':>14}{'decode tok/s':>14}{f'agg@{args.concurrent} tok/s':>15}" \
            f"{'weights MB':>12}{'weight GB/s':>13}{'of DRAM bw':>11}"
     print(head)
     for r in results:
-        print(f"{r.name:20}{r.prefill:14.1f}{r.decode:14.1f}{r.aggregate:15.1f}{r.weight_bytes / 1e6:12.0f}"
+        print(f"{r.name:24}{r.prefill:14.1f}{r.decode:14.1f}{r.aggregate:15.1f}{r.weight_bytes / 1e6:12.0f}"
               f"{r.weight_gbs:13.1f}{r.weight_gbs / machine.dram_gbs:11.0%}")
     ref = next((r for r in results if r.name.startswith("llama.cpp")), None)
     if ref is not None:
         print(f"\nratios to {ref.name}:")
         for r in results:
             if r is not ref:
-                print(f"{r.name:20}{r.prefill / ref.prefill:13.2f}x{r.decode / ref.decode:13.2f}x"
+                print(f"{r.name:24}{r.prefill / ref.prefill:13.2f}x{r.decode / ref.decode:13.2f}x"
                       f"{r.aggregate / ref.aggregate:14.2f}x")
 
 

@@ -113,7 +113,7 @@ def test_quant_linear_bias_padding_and_batch_dims(ext, fmt):
 
 def test_reference_path_without_the_extension(monkeypatch):
     monkeypatch.setenv("PHASEWISE_NO_KERNELS", "1")
-    assert build.load.__wrapped__("quant_linear", ("quant_linear.cpp",)) is None
+    assert build.load.__wrapped__("cpu", build.CPU_SOURCES) is None
     monkeypatch.setattr(quant, "load", lambda: None)
     model = torch.nn.Sequential(QuantLinear(random_weight("q4", 32, 64)))
     use_fast_linears(model, "cpu", torch.float32)

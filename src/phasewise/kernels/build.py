@@ -1,7 +1,7 @@
 """Build and load phasewise's C++ CPU kernels (torch extensions), once per machine, lazily.
 
 Sources live in `kernels/csrc/`. They are compiled with the machine's compiler by
-`torch.utils.cpp_extension.load` on first use (about 30 s) into
+`torch.utils.cpp_extension.load` on first use (about a minute) into
 `<phasewise cache>/kernels/<name>-<torch version>-<source hash>/` and reused after.
 When the build fails or the CPU lacks AVX-512, `load` returns None after one
 warning, and callers keep their pure-PyTorch reference path.
@@ -19,6 +19,8 @@ from pathlib import Path
 from types import ModuleType
 
 CSRC = Path(__file__).parent / "csrc"
+# The one CPU extension: fused ops, paged attention, quantized linears, the decoder stack.
+CPU_SOURCES = ("cpu_ops.cpp", "paged_attention.cpp", "quant_linear.cpp", "decoder_stack.cpp", "bindings.cpp")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"]
 
 
@@ -57,7 +59,9 @@ def load(name: str, sources: tuple[str, ...]) -> ModuleType | None:
 
     _put_ninja_on_path()
     paths = [CSRC / s for s in sources]
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in paths) + " ".join(FLAGS).encode()).hexdigest()[:12]
+    headers = sorted(CSRC.glob("*.h"))
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in paths + headers) + " ".join(FLAGS).encode()
+                            ).hexdigest()[:12]
     build = default_cache_dir() / "kernels" / f"{name}-{torch.__version__.replace('+', '_')}-{digest}"
     try:
         build.mkdir(parents=True, exist_ok=True)

@@ -11,11 +11,12 @@ from types import ModuleType
 
 import torch
 
+from phasewise.kernels.build import CPU_SOURCES
 from phasewise.kernels.build import load as _load
 
 
 def load() -> ModuleType | None:
-    return _load("cpu_ops", ("cpu_ops.cpp", "paged_attention.cpp"))
+    return _load("cpu", CPU_SOURCES)
 
 
 def applies(ops: ModuleType | None, x: torch.Tensor) -> bool:
@@ -24,10 +25,16 @@ def applies(ops: ModuleType | None, x: torch.Tensor) -> bool:
 
 
 def use_cpu_ops(model: torch.nn.Module, ops: ModuleType | None) -> int:
-    """Give every module with an `ops` slot the compiled ops (None: the reference path); how many."""
+    """Give every module with an `ops` slot the compiled ops (None: the reference path), and every
+    module with a `stack` slot its C++ decoder stack where one can run; how many got ops."""
+    from phasewise.kernels import decoder_stack
+
     n = 0
     for module in model.modules():
         if hasattr(module, "ops"):
             module.ops = ops
             n += 1
+    for module in model.modules():
+        if hasattr(module, "stack"):
+            module.stack = decoder_stack.build(module, ops)
     return n

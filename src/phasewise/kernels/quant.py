@@ -23,6 +23,7 @@ from types import ModuleType
 import numpy as np
 import torch
 
+from phasewise.kernels.build import CPU_SOURCES
 from phasewise.kernels.build import load as _load
 
 QK = 32                                   # values per block
@@ -45,7 +46,8 @@ def load() -> ModuleType | None:
     """The compiled quantized-linear kernels, or None (then QuantLinear runs its reference)."""
     if not cpu_supports_vnni():
         return None
-    return _load("quant_linear", ("quant_linear.cpp",))
+    ext = _load("cpu", CPU_SOURCES)
+    return ext if ext is not None and ext.has_vnni else None
 
 
 @dataclass

@@ -93,10 +93,15 @@ class LlamaModel(nn.Module):
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.stack = None       # the C++ decoder stack (kernels/decoder_stack.py), if in use
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: KVCaches) -> torch.Tensor:
         """input_ids, positions: [T] → hidden states [T, hidden]."""
+        rows = meta.kernel_rows
+        if self.stack is not None and rows is not None and rows.index is None:   # every row: one C++ call
+            return self.stack.forward(self.embed_tokens(input_ids), positions, meta.slot_mapping, kv_caches,
+                                      rows.tables, rows.seq, rows.length, meta.block_size)
         x, residual = self.embed_tokens(input_ids), None
         for layer, kv in zip(self.layers, kv_caches):
             x, residual = layer(positions, x, residual, kv, meta)

@@ -5,7 +5,8 @@
 //  - rms_norm: optional residual add, then RMSNorm, in one pass.
 //  - silu_and_mul: silu(gate) * up of a fused gate_up row.
 // Each has a pure-PyTorch reference in layers/; tests compare the two.
-#include <torch/extension.h>
+#include "ops.h"
+
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -26,12 +27,6 @@ inline float quant(const float* __restrict x, int8_t* __restrict y, int64_t D) {
 }
 
 }  // namespace
-
-// In paged_attention.cpp.
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                              torch::Tensor block_tables, torch::Tensor row_seq, torch::Tensor row_len,
-                              int64_t block_size, double scale, c10::optional<torch::Tensor> k_scale,
-                              c10::optional<torch::Tensor> v_scale);
 
 // qkv: [T, (Hq + 2 Hkv) D]; positions: [T] int64; cos, sin: [P, D/2]; caches: [S, Hkv, D];
 // slots: [T] int64. Returns rotated q [T, Hq, D] and k [T, Hkv, D]; k and v are written to the cache.
@@ -159,18 +154,4 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
     }
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  namespace py = pybind11;
-  m.def("paged_attention", &paged_attention, "attention of query rows over a paged KV cache",
-        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("row_seq"),
-        py::arg("row_len"), py::arg("block_size"), py::arg("scale"), py::arg("k_scale") = py::none(),
-        py::arg("v_scale") = py::none());
-  m.def("rope_and_cache", &rope_and_cache, "split qkv, rotate q and k, write k and v to the cache",
-        py::arg("qkv"), py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"),
-        py::arg("v_cache"), py::arg("slots"), py::arg("Hq"), py::arg("Hkv"), py::arg("k_scale") = py::none(),
-        py::arg("v_scale") = py::none());
-  m.def("rms_norm", &rms_norm, "optional residual add, then RMSNorm");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
 }

@@ -8,7 +8,8 @@
 // transpose-reduction into a vector of 16 scores, one vectorised exp, then the 16 value rows
 // times their weights. The G query heads that share a KV head are done together, so each
 // K/V row is read once per task. Head sizes that are not 64, 128 or 256 take a scalar loop.
-#include <torch/extension.h>
+#include "ops.h"
+
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 

@@ -15,7 +15,8 @@
 //     Q8, I8: 8 chunks, chunk g holds k = 4g..4g+3;
 //   then the 16 rows' d as fp16 (Q4, Q8), then their m (Q4). BB = 320 (Q4), 544 (Q8), 512 (I8).
 // scale [N/16 * 16] fp32 (I8).
-#include <torch/extension.h>
+#include "ops.h"
+
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -24,9 +25,8 @@
 #include <cstring>
 #include <vector>
 
-#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VNNI__)
-#error "the quantized linear kernels need AVX-512 F, BW and VNNI"
-#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+bool has_vnni() { return true; }
 
 namespace {
 
@@ -249,10 +249,11 @@ torch::Tensor quant_linear(torch::Tensor x, int64_t fmt, int64_t N, torch::Tenso
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  namespace py = pybind11;
-  mod.def("quantize_activations", &quantize_activations, "per-32 symmetric int8 activations: xq, dx, sx");
-  mod.def("quant_linear", &quant_linear, "y = x W^T + b with W in a packed block format",
-          py::arg("x"), py::arg("fmt"), py::arg("N"), py::arg("blocks"),
-          py::arg("scale") = py::none(), py::arg("bias") = py::none());
+#else  // no VNNI: the module still loads; QuantLinear keeps its reference path (quant.load() is None)
+bool has_vnni() { return false; }
+std::vector<torch::Tensor> quantize_activations(torch::Tensor) { TORCH_CHECK(false, "needs AVX-512 VNNI"); }
+torch::Tensor quant_linear(torch::Tensor, int64_t, int64_t, torch::Tensor, c10::optional<torch::Tensor>,
+                           c10::optional<torch::Tensor>) {
+  TORCH_CHECK(false, "needs AVX-512 VNNI");
 }
+#endif

@@ -1,0 +1,32 @@
+// DecoderStack: a Llama-family model's decoder layers with quantized weights, run in C++.
+#pragma once
+#include "ops.h"
+
+#include <tuple>
+#include <vector>
+
+// A QuantLinear's kernel arguments: format id, output features, packed blocks, scale, bias.
+using QuantLinearArgs = std::tuple<int64_t, int64_t, torch::Tensor, c10::optional<torch::Tensor>,
+                                   c10::optional<torch::Tensor>>;
+// One layer: input norm weight, post-attention norm weight, qkv, o, gate_up, down.
+using LayerArgs = std::tuple<torch::Tensor, torch::Tensor, QuantLinearArgs, QuantLinearArgs, QuantLinearArgs,
+                             QuantLinearArgs>;
+
+class DecoderStack {
+ public:
+  DecoderStack(std::vector<LayerArgs> layers, torch::Tensor final_norm, torch::Tensor cos, torch::Tensor sin,
+               int64_t Hq, int64_t Hkv, int64_t D, double eps);
+
+  // x: [T, hidden] embedded tokens; positions, slots: [T] int64; kv: per layer (k, v[, k_scale, v_scale]);
+  // tables, row_seq, row_len: the paged-attention kernel's rows (every row of the batch).
+  // Returns the final-normed hidden states [T, hidden].
+  torch::Tensor forward(torch::Tensor x, torch::Tensor positions, torch::Tensor slots,
+                        const std::vector<std::vector<torch::Tensor>>& kv, torch::Tensor tables,
+                        torch::Tensor row_seq, torch::Tensor row_len, int64_t block_size) const;
+
+ private:
+  std::vector<LayerArgs> layers_;
+  torch::Tensor final_norm_, cos_, sin_;
+  int64_t Hq_, Hkv_, D_;
+  double eps_;
+};

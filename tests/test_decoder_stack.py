@@ -1,0 +1,81 @@
+"""The C++ decoder stack against the model's Python layers (the same compiled ops, one by one)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from phasewise.kernels import cpu_ops, decoder_stack, quant
+from phasewise.layers.attention import AttentionMetadata
+from phasewise.layers.linear import use_fast_linears
+from phasewise.runner.kv_cache import KVCache
+
+pytestmark = pytest.mark.skipif(not quant.cpu_supports_vnni(), reason="the stack needs AVX-512 VNNI")
+
+
+@pytest.fixture(scope="module")
+def q4_model(default_model_path):
+    from phasewise.loading.loader import load_model
+
+    model, _ = load_model(default_model_path, "q4")
+    use_fast_linears(model, "cpu", torch.float32)
+    cpu_ops.use_cpu_ops(model, cpu_ops.load())
+    assert model.model.stack is not None, "no decoder stack for the q4 model"
+    return model
+
+
+@torch.inference_mode()
+def run_steps(model, kv_dtype: torch.dtype, use_stack: bool) -> list[torch.Tensor]:
+    """Three sequences: prefill (Python layers), then decode steps and a 4-token chunk over the cache,
+    all batched; returns each step's logits. Only the steps the kernel serves whole go to the stack."""
+    stack = model.model.stack
+    model.model.stack = stack if use_stack else None
+    calls = []
+    hook = model.model.layers[0].register_forward_hook(lambda *_: calls.append(1))
+    try:
+        cache = KVCache(model.config, 48, 16, kv_dtype, "cpu")
+        tables = [list(range(0, 16)), list(range(16, 32)), list(range(32, 48))]
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, 40000, (n,), generator=g).tolist() for n in (37, 5, 120)]
+        meta = AttentionMetadata.build([len(p) for p in prompts], [len(p) for p in prompts], tables, 16,
+                                       torch.device("cpu"))
+        ids = torch.tensor(sum(prompts, []))
+        pos = torch.cat([torch.arange(len(p)) for p in prompts])
+        out = [model.compute_logits(model(ids, pos, meta, cache.layers))]
+        lens = [len(p) for p in prompts]
+        for step in range(6):
+            query = [4, 1, 1] if step == 3 else [1, 1, 1]      # a short chunk: still the kernel's rows
+            new = torch.randint(0, 40000, (sum(query),), generator=g)
+            pos = torch.cat([torch.arange(n, n + q) for n, q in zip(lens, query)])
+            lens = [n + q for n, q in zip(lens, query)]
+            meta = AttentionMetadata.build(query, lens, tables, 16, torch.device("cpu"))
+            assert meta.kernel_rows is not None and meta.kernel_rows.index is None
+            out.append(model.compute_logits(model(new, pos, meta, cache.layers)))
+        assert len(calls) == (1 if use_stack else 7)        # the stack took every step after the prefill
+        return out
+    finally:
+        hook.remove()
+        model.model.stack = stack
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8], ids=["fp32-kv", "int8-kv"])
+def test_stack_matches_the_python_layers(q4_model, kv_dtype):
+    fast = run_steps(q4_model, kv_dtype, use_stack=True)
+    ref = run_steps(q4_model, kv_dtype, use_stack=False)
+    for a, b in zip(fast, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        assert (a.argmax(-1) == b.argmax(-1)).all()
+
+
+def test_no_stack_without_kernels_or_for_fp32(q4_model, default_model_path):
+    from phasewise.loading.loader import load_model
+
+    assert decoder_stack.build(q4_model.model, None) is None
+    fp32, _ = load_model(default_model_path)
+    assert decoder_stack.build(fp32.model, cpu_ops.load()) is None     # its linears are not quantized
+    cpu_ops.use_cpu_ops(q4_model, None)
+    try:
+        assert q4_model.model.stack is None
+    finally:
+        cpu_ops.use_cpu_ops(q4_model, cpu_ops.load())
+    assert q4_model.model.stack is not None
