@@ -34,20 +34,11 @@ struct Cache {                         // one layer's cache, fp32 or int8
   int64_t Hkv, D;
 };
 
-// v[0..NV) = 16 NV floats of one K or V row (slot, head), dequantized when int8.
-template <int NV, bool INT8>
-inline void load_row(const float* x, const int8_t* xq, const float* xs, int64_t at, int64_t D, __m512* v) {
-  if (!INT8) {
-    const float* p = x + at * D;
-    for (int i = 0; i < NV; ++i) v[i] = _mm512_loadu_ps(p + 16 * i);
-  } else {
-    const int8_t* p = xq + at * D;
-    const __m512 s = _mm512_set1_ps(xs[at]);
-    for (int i = 0; i < NV; ++i) {
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * i));
-      v[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), s);
-    }
-  }
+// v[0..NV) = the 16 NV values of one int8 row, as floats (its scale is applied by the caller).
+template <int NV>
+inline void load_int8_row(const int8_t* p, __m512* v) {
+  for (int i = 0; i < NV; ++i)
+    v[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * i))));
 }
 
 // a[0..16) → r with r[j] = sum of a[j]'s 16 lanes (a is overwritten).
@@ -79,6 +70,8 @@ inline __m512 exp512(__m512 x) {
 
 // One task: G query heads (q: [G, D]) over context tokens [from, to) of one sequence.
 // Leaves the running max m[G], sum l[G] and unnormalised output acc[G, D].
+// An int8 cache's keys are converted to floats once per 16 keys (not once per query head), and
+// its scales multiply the 16 scores and the 16 value weights instead of every element.
 template <int NV, bool INT8>
 void attend(const Cache& c, const int64_t* table, int64_t block_size, int64_t h, const float* q, int64_t G,
             float sc, int64_t from, int64_t to, float* acc, float* m, float* l) {
@@ -89,39 +82,54 @@ void attend(const Cache& c, const int64_t* table, int64_t block_size, int64_t h,
     m[g] = NEG_INF;
     l[g] = 0.f;
   }
-  std::vector<float> probs(G * KEYS);
+  std::vector<float> probs(G * KEYS), kbuf(INT8 ? KEYS * D : 0);
+  alignas(64) float kscale[KEYS], vscale[KEYS];
   for (int64_t start = from; start < to; start += KEYS) {
     const int64_t n = std::min<int64_t>(KEYS, to - start);
     int64_t at[KEYS];                                          // (slot, head) row of each key
+    const float* krow[KEYS];
     for (int64_t j = 0, blk = start / block_size, off = start % block_size; j < n; ++j) {
       at[j] = (table[blk] * block_size + off) * c.Hkv + h;
       if (++off == block_size) ++blk, off = 0;
+      if (INT8) {
+        __m512 kr[NV];
+        load_int8_row<NV>(c.kq + at[j] * D, kr);
+        for (int i = 0; i < NV; ++i) _mm512_storeu_ps(kbuf.data() + j * D + 16 * i, kr[i]);
+        krow[j] = kbuf.data() + j * D;
+        kscale[j] = c.ks[at[j]];
+        vscale[j] = c.vs[at[j]];
+      } else {
+        krow[j] = c.k + at[j] * D;
+      }
     }
     const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
     for (int64_t g = 0; g < G; ++g) {
       __m512 dots[KEYS];
       for (int64_t j = 0; j < KEYS; ++j) {
         if (j >= n) { dots[j] = _mm512_setzero_ps(); continue; }
-        __m512 kr[NV];
-        load_row<NV, INT8>(c.k, c.kq, c.ks, at[j], D, kr);
-        __m512 s = _mm512_mul_ps(qv[g * NV], kr[0]);
-        for (int i = 1; i < NV; ++i) s = _mm512_fmadd_ps(qv[g * NV + i], kr[i], s);
+        __m512 s = _mm512_mul_ps(qv[g * NV], _mm512_loadu_ps(krow[j]));
+        for (int i = 1; i < NV; ++i) s = _mm512_fmadd_ps(qv[g * NV + i], _mm512_loadu_ps(krow[j] + 16 * i), s);
         dots[j] = s;
       }
-      const __m512 s = _mm512_mask_blend_ps(valid, _mm512_set1_ps(NEG_INF), reduce16(dots));
+      __m512 s = reduce16(dots);
+      if (INT8) s = _mm512_mul_ps(s, _mm512_maskz_loadu_ps(valid, kscale));
+      s = _mm512_mask_blend_ps(valid, _mm512_set1_ps(NEG_INF), s);
       const float mx = std::max(m[g], _mm512_reduce_max_ps(s));
       const __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(s, _mm512_set1_ps(mx))));
-      const float sum = _mm512_reduce_add_ps(e);
-      _mm512_storeu_ps(probs.data() + g * KEYS, e);
       const float corr = std::exp(m[g] - mx);                  // 0 on the first pass (m = -inf)
-      l[g] = l[g] * corr + sum;
+      l[g] = l[g] * corr + _mm512_reduce_add_ps(e);
       m[g] = mx;
+      _mm512_storeu_ps(probs.data() + g * KEYS, INT8 ? _mm512_mul_ps(e, _mm512_maskz_loadu_ps(valid, vscale)) : e);
       const __m512 cv = _mm512_set1_ps(corr);
       for (int i = 0; i < NV; ++i) out[g * NV + i] = _mm512_mul_ps(out[g * NV + i], cv);
     }
     for (int64_t j = 0; j < n; ++j) {
       __m512 vr[NV];
-      load_row<NV, INT8>(c.v, c.vq, c.vs, at[j], D, vr);
+      if (INT8) {
+        load_int8_row<NV>(c.vq + at[j] * D, vr);
+      } else {
+        for (int i = 0; i < NV; ++i) vr[i] = _mm512_loadu_ps(c.v + at[j] * D + 16 * i);
+      }
       for (int64_t g = 0; g < G; ++g) {
         const __m512 w = _mm512_set1_ps(probs[g * KEYS + j]);
         for (int i = 0; i < NV; ++i) out[g * NV + i] = _mm512_fmadd_ps(w, vr[i], out[g * NV + i]);
