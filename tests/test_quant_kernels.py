@@ -84,7 +84,7 @@ def test_activation_quantization_matches_pytorch(ext):
 @needs_vnni
 @pytest.mark.parametrize("fmt", ["q4", "q8", "i8"])
 @pytest.mark.parametrize("m,n,k", [(1, 576, 576), (3, 960, 576), (17, 3072, 576), (64, 576, 1536),
-                                   (5, 48, 64), (2, 4096, 576)])
+                                   (5, 48, 64), (2, 4096, 576), (300, 80, 576)])   # 300 rows: three row chunks
 def test_kernel_matches_its_emulation(ext, fmt, m, n, k):
     w = random_weight(fmt, n, k, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))

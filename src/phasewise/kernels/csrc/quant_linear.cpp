@@ -170,16 +170,26 @@ inline void rows_kernel(const Act& a, int64_t M, const Weights& w, int64_t t0, c
   }
 }
 
+#ifndef PW_MCHUNK
+#define PW_MCHUNK 128
+#endif
+// Rows go in chunks of MCHUNK (activations and outputs of a chunk stay in L2 while every tile
+// pair of the weight passes over them); within a chunk, threads split the pairs of tiles.
 template <Fmt F>
 void run(const Act& a, int64_t M, const Weights& w, int64_t NT, const float* bias, float* out) {
   const int64_t ldo = w.N, groups = (NT + 1) / 2;  // pairs of tiles, the last one maybe single
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t t0 = 2 * g;
-      if (t0 + 1 < NT) rows_kernel<F, 2>(a, M, w, t0, bias, out, ldo);
-      else rows_kernel<F, 1>(a, M, w, t0, bias, out, ldo);
-    }
-  });
+  for (int64_t m0 = 0; m0 < M; m0 += PW_MCHUNK) {
+    const int64_t rows = std::min<int64_t>(PW_MCHUNK, M - m0);
+    const Act chunk{a.xq + m0 * a.K, a.dx + m0 * a.KB, a.sx + m0 * a.KB, a.K, a.KB};
+    float* o = out + m0 * ldo;
+    at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g) {
+        const int64_t t0 = 2 * g;
+        if (t0 + 1 < NT) rows_kernel<F, 2>(chunk, rows, w, t0, bias, o, ldo);
+        else rows_kernel<F, 1>(chunk, rows, w, t0, bias, o, ldo);
+      }
+    });
+  }
 }
 
 }  // namespace
