@@ -82,19 +82,22 @@ def test_rope_and_cache_quantizes_into_an_int8_cache(ops):
 CASES = [
     ([1], [1]),                          # a first decode
     ([1, 1, 1], [17, 64, 3]),            # decode-only, ragged contexts, a full last block
-    ([1, 5, 12, 1], [40, 5, 30, 16]),    # mixed: decodes, a fresh prompt (SDPA), a chunk over a cache
-    ([4, 20], [9, 50]),                  # a short chunk (kernel) beside a long one (SDPA)
+    ([1, 5, 12, 1], [40, 5, 30, 16]),    # mixed: decodes, a fresh prompt, a chunk over a cache
+    ([4, 20], [9, 50]),                  # chunks in tiles, one of them ragged
+    ([40], [40]),                        # a whole prompt
 ]
 
 
 @pytest.mark.parametrize("query_lens, context_lens", CASES)
 def test_paged_attention_over_an_int8_cache_matches_the_reference(ops, query_lens, context_lens):
-    """Kernel and reference read the same quantized cache: they agree to float rounding."""
+    """Kernel and reference read the same quantized cache: they agree to float rounding. (The new
+    tokens' k and v are int8 values already: the reference attends over a fresh prompt's own k and v.)"""
     torch.manual_seed(4)
     Hq, Hkv, D, bs, num_blocks = 9, 3, 64, 16, 32
     tables = _tables(context_lens, bs, num_blocks)
     T = sum(query_lens)
-    q, k, v = torch.randn(T, Hq, D), torch.randn(T, Hkv, D), torch.randn(T, Hkv, D)
+    q = torch.randn(T, Hq, D)
+    k, v = ((x.float() * s.unsqueeze(-1)) for x, s in (quantize_rows(torch.randn(T, Hkv, D)) for _ in range(2)))
     kq, ks = quantize_rows(torch.randn(num_blocks * bs, Hkv, D))
     vq, vs = quantize_rows(torch.randn(num_blocks * bs, Hkv, D))
     meta = AttentionMetadata.build(query_lens, context_lens, tables, bs, torch.device("cpu"))
@@ -147,6 +150,7 @@ def test_paged_attention_kernel_at_every_head_size_and_context(ops, head_dim, bl
     if int8:
         (kq, ks), (vq, vs) = quantize_rows(caches[0]), quantize_rows(caches[1])
         caches = [kq, vq, ks, vs]
+        k, v = (x.float() * s.unsqueeze(-1) for x, s in (quantize_rows(k), quantize_rows(v)))   # exact in int8
     meta = AttentionMetadata.build(query_lens, context_lens, tables, block_size, torch.device("cpu"))
     ref = paged_attention(q, k, v, tuple(c.clone() for c in caches), meta)
     out = paged_attention(q, k, v, tuple(caches), meta, ops=ops)

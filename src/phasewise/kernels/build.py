@@ -20,7 +20,8 @@ from types import ModuleType
 
 CSRC = Path(__file__).parent / "csrc"
 # The one CPU extension: fused ops, paged attention, quantized linears, the decoder stack.
-CPU_SOURCES = ("cpu_ops.cpp", "paged_attention.cpp", "quant_linear.cpp", "decoder_stack.cpp", "bindings.cpp")
+CPU_SOURCES = ("cpu_ops.cpp", "paged_attention.cpp", "tile_attention.cpp", "quant_linear.cpp", "decoder_stack.cpp",
+               "bindings.cpp")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"]
 
 

@@ -24,20 +24,18 @@ class SeqAttention:
     context_blocks: torch.Tensor | None  # [nblk] its block ids; None: the chunk is the whole context
     mask: torch.Tensor | None       # [n, L] bool, True = may attend; None with is_causal or a single query
     is_causal: bool
-    by_kernel: bool = False         # its rows are in AttentionMetadata.kernel_rows
 
 
 LayerKV = tuple[torch.Tensor, ...]   # (k, v) [num_slots, Hkv, D]; int8: (k, v, k_scale, v_scale [num_slots, Hkv])
-MAX_KERNEL_QUERY = 16   # chunks of at most this many new tokens over a cached context go to the kernel
 
 
 @dataclass
 class KernelRows:
-    """Query rows that the compiled paged-attention kernel serves, reading the cache in place."""
-    index: torch.Tensor | None      # [R] int64 rows of the flat batch; None = every row, in order
-    tables: torch.Tensor            # [N, nblk] int64 block ids of the sequences involved (padded)
-    seq: torch.Tensor               # [R] int64: the row's sequence, an index into tables
-    length: torch.Tensor            # [R] int64: how many tokens the row attends to (causal)
+    """The batch's query rows as the compiled paged-attention kernel takes them (reading the cache
+    in place): decode rows one by one, runs of a prompt chunk in tiles (kernels/csrc)."""
+    tables: torch.Tensor            # [N, nblk] int64 block ids of the batch's sequences (padded)
+    seq: torch.Tensor               # [T] int64: each row's sequence, an index into tables
+    length: torch.Tensor            # [T] int64: how many tokens the row attends to (causal)
 
 
 @dataclass
@@ -49,7 +47,7 @@ class AttentionMetadata:
     decode_only: bool = False       # every sequence has exactly one new token
     decode_blocks: torch.Tensor | None = None  # [B, nblk] block ids, padded with block 0
     decode_mask: torch.Tensor | None = None    # [B, 1, 1, nblk * block_size] bool; None when nothing is padding
-    kernel_rows: KernelRows | None = None      # rows the compiled kernel may serve (when it is loaded)
+    kernel_rows: KernelRows | None = None      # for the compiled kernel (used when it is loaded)
 
     @classmethod
     def build(cls, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
@@ -68,7 +66,7 @@ class AttentionMetadata:
             seqs.append(plan)
             start += n
         meta = cls(torch.tensor(slots, dtype=torch.int64, device=device), block_size, seqs)
-        meta.kernel_rows = _kernel_rows(query_lens, context_lens, block_tables, block_size, seqs, device)
+        meta.kernel_rows = _kernel_rows(query_lens, context_lens, block_tables, block_size, device)
         if all(n == 1 for n in query_lens):
             meta.decode_only = True
             nblk = -(-max(context_lens) // block_size)
@@ -84,26 +82,16 @@ class AttentionMetadata:
 
 
 def _kernel_rows(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
-                 block_size: int, seqs: list[SeqAttention], device: torch.device) -> KernelRows | None:
-    """Rows of short chunks over a cached context (decodes, draft verification); long ones stay on SDPA."""
-    index, seq, length, tables = [], [], [], []
-    for n, ctx, table, plan in zip(query_lens, context_lens, block_tables, seqs):
-        if n >= ctx or n > MAX_KERNEL_QUERY:
-            continue
-        plan.by_kernel = True
-        index.extend(range(plan.start, plan.end))
-        seq.extend([len(tables)] * n)
+                 block_size: int, device: torch.device) -> KernelRows:
+    seq, length, tables = [], [], []
+    for i, (n, ctx, table) in enumerate(zip(query_lens, context_lens, block_tables)):
+        seq.extend([i] * n)
         length.extend(range(ctx - n + 1, ctx + 1))
         tables.append(table[: -(-ctx // block_size)])
-    if not index:
-        return None
-    width = max(len(t) for t in tables)
-    padded = torch.zeros(len(tables), width, dtype=torch.int64)
+    padded = torch.zeros(len(tables), max(len(t) for t in tables), dtype=torch.int64)
     for i, t in enumerate(tables):
         padded[i, : len(t)] = torch.tensor(t)
-    every = len(index) == sum(query_lens)
-    return KernelRows(None if every else torch.tensor(index, device=device), padded.to(device),
-                      torch.tensor(seq, device=device), torch.tensor(length, device=device))
+    return KernelRows(padded.to(device), torch.tensor(seq, device=device), torch.tensor(length, device=device))
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -146,14 +134,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
     int8 cache their scales [num_slots, Hkv]) → out [T, Hq * D].
 
     `written`: k and v are already in their cache slots. `ops`: the compiled CPU ops, which
-    then serve the rows in `meta.kernel_rows` straight from the cache."""
+    then serve every row straight from the cache (`meta.kernel_rows`)."""
     if not written:
         write_kv(kv, meta.slot_mapping, k, v)
     T, Hq, D = q.shape
     Hkv, bs = k.shape[1], meta.block_size
-    rows = meta.kernel_rows if ops is not None else None
-    scales = (kv[2], kv[3]) if len(kv) == 4 else (None, None)
-    if rows is not None and rows.index is None:     # every row: one kernel call
+    rows = meta.kernel_rows
+    if ops is not None and rows is not None:        # one kernel call
+        scales = (kv[2], kv[3]) if len(kv) == 4 else (None, None)
         return ops.paged_attention(q.contiguous(), kv[0], kv[1], rows.tables, rows.seq, rows.length,
                                    bs, D ** -0.5, *scales).view(T, Hq * D)
     if meta.decode_only:
@@ -165,12 +153,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
         out = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=meta.decode_mask)
         return out.reshape(T, Hq * D)
     out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
-    if rows is not None:
-        out[rows.index] = ops.paged_attention(q[rows.index], kv[0], kv[1], rows.tables, rows.seq,
-                                              rows.length, bs, D ** -0.5, *scales)
     for s in meta.seqs:
-        if rows is not None and s.by_kernel:
-            continue
         qs = q[s.start:s.end].transpose(0, 1).unsqueeze(0)            # [1, Hq, n, D]
         if s.context_blocks is None:
             ks, vs = k[s.start:s.end], v[s.start:s.end]                # [n, Hkv, D]

@@ -99,7 +99,7 @@ class LlamaModel(nn.Module):
                 kv_caches: KVCaches) -> torch.Tensor:
         """input_ids, positions: [T] → hidden states [T, hidden]."""
         rows = meta.kernel_rows
-        if self.stack is not None and rows is not None and rows.index is None:   # every row: one C++ call
+        if self.stack is not None and rows is not None:        # the whole step in one C++ call
             return self.stack.forward(self.embed_tokens(input_ids), positions, meta.slot_mapping, kv_caches,
                                       rows.tables, rows.seq, rows.length, meta.block_size)
         x, residual = self.embed_tokens(input_ids), None

@@ -9,6 +9,7 @@
 // times their weights. The G query heads that share a KV head are done together, so each
 // K/V row is read once per task. Head sizes that are not 64, 128 or 256 take a scalar loop.
 #include "ops.h"
+#include "attention.h"
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -20,26 +21,9 @@
 
 namespace {
 
-constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
-constexpr int64_t KEYS = 16;          // keys scored per pass (one zmm of scores)
+using namespace pw_attention;
+
 constexpr int64_t MIN_PART = 64;      // fewest context tokens worth a task of their own
-
-struct Cache {                         // one layer's cache, fp32 or int8
-  const float* k = nullptr;
-  const float* v = nullptr;
-  const int8_t* kq = nullptr;
-  const int8_t* vq = nullptr;
-  const float* ks = nullptr;
-  const float* vs = nullptr;
-  int64_t Hkv, D;
-};
-
-// v[0..NV) = the 16 NV values of one int8 row, as floats (its scale is applied by the caller).
-template <int NV>
-inline void load_int8_row(const int8_t* p, __m512* v) {
-  for (int i = 0; i < NV; ++i)
-    v[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * i))));
-}
 
 // a[0..16) → r with r[j] = sum of a[j]'s 16 lanes (a is overwritten).
 inline __m512 reduce16(__m512* a) {
@@ -53,19 +37,6 @@ inline __m512 reduce16(__m512* a) {
     a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
                          _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(a[0], a[1], 0x88), _mm512_shuffle_f32x4(a[0], a[1], 0xDD));
-}
-
-// e^x per lane: x log2(e) = n + f with |f| <= 1/2, 2^f by its Taylor series (|error| < 2e-7
-// relative), then scaled by 2^n. Lanes below -103 (and -inf) give 0.
-inline __m512 exp512(__m512 x) {
-  const __m512 t = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(-160.f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.525273380405984e-05f);
-  for (float c : {1.5403530393381606e-04f, 1.3333558146428443e-03f, 9.618129107628477e-03f,
-                  5.550410866482158e-02f, 2.402265069591007e-01f, 6.931471805599453e-01f, 1.f})
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, n);
 }
 
 // One task: G query heads (q: [G, D]) over context tokens [from, to) of one sequence.
@@ -214,16 +185,34 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   const float sc = static_cast<float>(scale);
   auto out = torch::empty_like(q);
   float* op = out.data_ptr<float>();
-  const int64_t max_len = T ? row_len.max().item<int64_t>() : 0;
-  const int64_t P = num_parts(T * Hkv, max_len);
+  // Runs of consecutive positions of one sequence (prompt chunks) go in tiles to the tiled
+  // kernel; the other rows (decodes) one by one here.
+  std::vector<Tile> tiles;
+  std::vector<int64_t> rows;
+  const int64_t R = tile_rows(G);
+  for (int64_t t = 0; t < T;) {
+    int64_t n = 1;
+    while (t + n < T && n < R && seqs[t + n] == seqs[t] && lens[t + n] == lens[t] + n) ++n;
+    if (n > 1) tiles.push_back({t, n, seqs[t], lens[t]});
+    else rows.push_back(t);
+    t += n;
+  }
+  if (!tiles.empty() && !attend_tiles(c, tiles, tables, max_blocks, block_size, qp, Hq, sc, op)) {
+    for (const Tile& tile : tiles)                 // no tiled kernel for this shape
+      for (int64_t r = 0; r < tile.R; ++r) rows.push_back(tile.t0 + r);
+  }
+  const int64_t N = static_cast<int64_t>(rows.size());
+  int64_t max_len = 0;
+  for (int64_t t : rows) max_len = std::max(max_len, lens[t]);
+  const int64_t P = num_parts(N * Hkv, max_len);
   // Partial results per task (row, head, part): acc [G, D], then m [G] and l [G].
   const int64_t stride = G * D + 2 * G;
-  std::vector<float> part(P > 1 ? T * Hkv * P * stride : 0);
+  std::vector<float> part(P > 1 ? N * Hkv * P * stride : 0);
   auto run = [&](auto attend_fn) {
-    at::parallel_for(0, T * Hkv * P, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, N * Hkv * P, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> own(P > 1 ? 0 : stride);
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t t = task / (Hkv * P), h = (task / P) % Hkv, k = task % P;
+        const int64_t t = rows[task / (Hkv * P)], h = (task / P) % Hkv, k = task % P;
         const int64_t L = lens[t], chunk = (L + P - 1) / P;
         const int64_t from = std::min(L, k * chunk), to = std::min(L, from + chunk);
         float* acc = P > 1 ? part.data() + task * stride : own.data();
@@ -239,6 +228,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
       }
     });
   };
+  if (N == 0) return out;
   switch (D * 2 + int8) {
     case 128: run(attend<4, false>); break;
     case 129: run(attend<4, true>); break;
@@ -249,9 +239,9 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
     default: run(attend_scalar);
   }
   if (P > 1) {                          // merge the parts of each (row, head) by their log-sum-exp
-    at::parallel_for(0, T * Hkv, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, N * Hkv, 1, [&](int64_t begin, int64_t end) {
       for (int64_t pair = begin; pair < end; ++pair) {
-        const int64_t t = pair / Hkv, h = pair % Hkv;
+        const int64_t t = rows[pair / Hkv], h = pair % Hkv;
         const float* base = part.data() + pair * P * stride;
         float* ot = op + (t * Hq + h * G) * D;
         for (int64_t g = 0; g < G; ++g) {

@@ -1,0 +1,62 @@
+// Shared pieces of the attention kernels (paged_attention.cpp, tile_attention.cpp).
+#pragma once
+#include <immintrin.h>
+
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace pw_attention {
+
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+constexpr int64_t KEYS = 16;          // keys scored per pass (one zmm of scores)
+
+struct Cache {                         // one layer's cache, fp32 or int8
+  const float* k = nullptr;
+  const float* v = nullptr;
+  const int8_t* kq = nullptr;
+  const int8_t* vq = nullptr;
+  const float* ks = nullptr;
+  const float* vs = nullptr;
+  int64_t Hkv, D;
+};
+
+// The (slot, head) row of context position pos of a sequence with block table `table`.
+inline int64_t row_of(const int64_t* table, int64_t block_size, int64_t Hkv, int64_t h, int64_t pos) {
+  return (table[pos / block_size] * block_size + pos % block_size) * Hkv + h;
+}
+
+// v[0..NV) = the 16 NV values of one int8 row, as floats (its scale is applied by the caller).
+template <int NV>
+inline void load_int8_row(const int8_t* p, __m512* v) {
+  for (int i = 0; i < NV; ++i)
+    v[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * i))));
+}
+
+// e^x per lane: x log2(e) = n + f with |f| <= 1/2, 2^f by its Taylor series (|error| < 2e-7
+// relative), then scaled by 2^n. Lanes below -103 (and -inf) give 0.
+inline __m512 exp512(__m512 x) {
+  const __m512 t = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(-160.f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.525273380405984e-05f);
+  for (float c : {1.5403530393381606e-04f, 1.3333558146428443e-03f, 9.618129107628477e-03f,
+                  5.550410866482158e-02f, 2.402265069591007e-01f, 6.931471805599453e-01f, 1.f})
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+
+// A tile: R consecutive rows t0.. of one sequence, row t0 + r attending over its first len0 + r tokens.
+struct Tile {
+  int64_t t0, R, seq, len0;
+};
+
+// tile_attention.cpp: every tile × KV head, its R G queries one per zmm lane; writes out rows.
+// Returns false (and does nothing) where the head size or group size has no tiled kernel.
+bool attend_tiles(const Cache& c, const std::vector<Tile>& tiles, const int64_t* tables, int64_t max_blocks,
+                  int64_t block_size, const float* q, int64_t Hq, float sc, float* out);
+
+// Rows per tile for G query heads per KV head (0: no tiled kernel).
+inline int64_t tile_rows(int64_t G) { return G <= 8 ? 16 / G : 0; }
+
+}  // namespace pw_attention
