@@ -41,6 +41,18 @@ def test_silu_and_mul(ops):
     torch.testing.assert_close(ops.silu_and_mul(x), torch.nn.functional.silu(gate) * up)
 
 
+@pytest.mark.parametrize("V", [1, 15, 16, 49152, 1000])
+def test_argmax_rows_matches_torch_even_on_ties(ops, V):
+    torch.manual_seed(V)
+    x = torch.randn(7, V)
+    x[1] = x[1].round()                        # many ties: the first index wins, as in torch
+    x[2] = 0.0
+    x[3, : V // 2] = float("-inf")
+    x[4] = float("-inf")
+    x[5, -1] = 1e30                            # the last (maybe partial) vector
+    assert torch.equal(ops.argmax_rows(x), x.argmax(-1))
+
+
 def test_rope_and_cache_rotates_and_writes_the_slots(ops):
     torch.manual_seed(1)
     Hq, Hkv, D, T = 6, 2, 32, 5

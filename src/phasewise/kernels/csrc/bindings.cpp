@@ -14,6 +14,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("v_scale") = py::none());
   m.def("rms_norm", &rms_norm, "optional residual add, then RMSNorm");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+  m.def("argmax_rows", &argmax_rows, "each row's argmax (the first on ties)");
   m.def("quantize_activations", &quantize_activations, "per-32 symmetric int8 activations: xq, dx, sx");
   m.def("quant_linear", &quant_linear, "y = x W^T + b with W in a packed block format",
         py::arg("x"), py::arg("fmt"), py::arg("N"), py::arg("blocks"),

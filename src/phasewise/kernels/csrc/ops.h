@@ -20,6 +20,7 @@ std::vector<torch::Tensor> rope_and_cache(torch::Tensor qkv, torch::Tensor posit
 std::vector<torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
                                     c10::optional<torch::Tensor> residual);
 torch::Tensor silu_and_mul(torch::Tensor x);
+torch::Tensor argmax_rows(torch::Tensor x);
 
 // quant_linear.cpp: linear layers on quantized weights (AVX-512 VNNI; has_vnni() says if built in).
 bool has_vnni();
