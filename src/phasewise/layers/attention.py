@@ -10,6 +10,7 @@ over its whole context, read back through its slots.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -40,58 +41,67 @@ class KernelRows:
 
 @dataclass
 class AttentionMetadata:
-    """Everything attention needs about the step's batch, passed explicitly to every layer."""
+    """Everything attention needs about the step's batch, passed explicitly to every layer.
+
+    The compiled kernel needs only `slot_mapping` and `kernel_rows`; the PyTorch path's
+    per-sequence plans are built on first use (they cost about a millisecond a step at batch 32)."""
     slot_mapping: torch.Tensor      # [T] int64: the slot each new token's K/V is written to
     block_size: int
-    seqs: list[SeqAttention]        # per-sequence plans (used when not decode_only)
-    decode_only: bool = False       # every sequence has exactly one new token
-    decode_blocks: torch.Tensor | None = None  # [B, nblk] block ids, padded with block 0
-    decode_mask: torch.Tensor | None = None    # [B, 1, 1, nblk * block_size] bool; None when nothing is padding
-    kernel_rows: KernelRows | None = None      # for the compiled kernel (used when it is loaded)
+    kernel_rows: KernelRows         # every row, as the compiled kernel takes them
+    query_lens: list[int]           # new tokens per sequence
+    context_lens: list[int]         # tokens of context per sequence after this step
+    block_tables: list[list[int]]
+    device: torch.device
 
     @classmethod
     def build(cls, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
               block_size: int, device: torch.device) -> AttentionMetadata:
         """query_lens[i] new tokens of sequence i, which then has context_lens[i] tokens in all."""
-        slots, seqs, start = [], [], 0
-        for n, ctx, table in zip(query_lens, context_lens, block_tables):
-            nblk = -(-ctx // block_size)
-            for pos in range(ctx - n, ctx):
-                slots.append(table[pos // block_size] * block_size + pos % block_size)
-            blocks = None if n == ctx else torch.tensor(table[:nblk], dtype=torch.int64, device=device)
+        slots, seq, length, tables = [], [], [], []
+        for i, (n, ctx, table) in enumerate(zip(query_lens, context_lens, block_tables)):
+            slots.extend(table[pos // block_size] * block_size + pos % block_size for pos in range(ctx - n, ctx))
+            seq.extend([i] * n)
+            length.extend(range(ctx - n + 1, ctx + 1))
+            tables.append(table[: -(-ctx // block_size)])
+        width = max(len(t) for t in tables)
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64, device=device)
+        rows = KernelRows(padded, torch.tensor(seq, device=device), torch.tensor(length, device=device))
+        return cls(torch.tensor(slots, dtype=torch.int64, device=device), block_size, rows, list(query_lens),
+                   list(context_lens), block_tables, device)
+
+    @property
+    def decode_only(self) -> bool:
+        """Every sequence has exactly one new token."""
+        return all(n == 1 for n in self.query_lens)
+
+    @cached_property
+    def seqs(self) -> list[SeqAttention]:
+        """Per-sequence plans for the PyTorch path."""
+        bs, plans, start = self.block_size, [], 0
+        for n, ctx, table in zip(self.query_lens, self.context_lens, self.block_tables):
+            nblk = -(-ctx // bs)
+            blocks = None if n == ctx else torch.tensor(table[:nblk], dtype=torch.int64, device=self.device)
             plan = SeqAttention(start, start + n, ctx, blocks, None, n == ctx and n > 1)
             if 1 < n < ctx:
                 q_pos = torch.arange(ctx - n, ctx).unsqueeze(1)
-                plan.mask = (torch.arange(ctx).unsqueeze(0) <= q_pos).to(device)
-            seqs.append(plan)
+                plan.mask = (torch.arange(ctx).unsqueeze(0) <= q_pos).to(self.device)
+            plans.append(plan)
             start += n
-        meta = cls(torch.tensor(slots, dtype=torch.int64, device=device), block_size, seqs)
-        meta.kernel_rows = _kernel_rows(query_lens, context_lens, block_tables, block_size, device)
-        if all(n == 1 for n in query_lens):
-            meta.decode_only = True
-            nblk = -(-max(context_lens) // block_size)
-            padded = torch.zeros(len(context_lens), nblk, dtype=torch.int64)
-            for i, (ctx, table) in enumerate(zip(context_lens, block_tables)):
-                used = -(-ctx // block_size)
-                padded[i, :used] = torch.tensor(table[:used])
-            meta.decode_blocks = padded.to(device)
-            if any(ctx != nblk * block_size for ctx in context_lens):
-                valid = torch.arange(nblk * block_size).unsqueeze(0) < torch.tensor(context_lens).unsqueeze(1)
-                meta.decode_mask = valid[:, None, None, :].to(device)
-        return meta
+        return plans
 
+    @property
+    def decode_blocks(self) -> torch.Tensor:
+        """[B, nblk] block ids of a decode-only batch, padded with block 0 (the kernel's tables)."""
+        return self.kernel_rows.tables
 
-def _kernel_rows(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
-                 block_size: int, device: torch.device) -> KernelRows:
-    seq, length, tables = [], [], []
-    for i, (n, ctx, table) in enumerate(zip(query_lens, context_lens, block_tables)):
-        seq.extend([i] * n)
-        length.extend(range(ctx - n + 1, ctx + 1))
-        tables.append(table[: -(-ctx // block_size)])
-    padded = torch.zeros(len(tables), max(len(t) for t in tables), dtype=torch.int64)
-    for i, t in enumerate(tables):
-        padded[i, : len(t)] = torch.tensor(t)
-    return KernelRows(padded.to(device), torch.tensor(seq, device=device), torch.tensor(length, device=device))
+    @cached_property
+    def decode_mask(self) -> torch.Tensor | None:
+        """[B, 1, 1, nblk * block_size] bool for a decode-only batch; None when nothing is padding."""
+        span = self.decode_blocks.shape[1] * self.block_size
+        if all(ctx == span for ctx in self.context_lens):
+            return None
+        valid = torch.arange(span).unsqueeze(0) < torch.tensor(self.context_lens).unsqueeze(1)
+        return valid[:, None, None, :].to(self.device)
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
