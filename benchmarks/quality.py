@@ -1,10 +1,11 @@
 """Quality and speed of each weight precision on a text the repo ships, in one process.
 
-    .venv/bin/python benchmarks/quality.py [--dtypes fp32,int8,q4] [--kernels auto|torch]
+    .venv/bin/python benchmarks/quality.py [--dtypes fp32,int8,q4,q4/int8] [--kernels auto|torch]
                                            [--text benchmarks/data/lighthouses.txt] [--chunk 512]
                                            [--decode-tokens 64] [--repeats 3] [--threads N]
 
-For each --dtypes precision of the default model (or --model):
+For each --dtypes precision of the default model (or --model); "WEIGHTS/KV" also sets the KV-cache
+dtype (q4/int8: 4-bit weights and an int8 KV cache):
 - perplexity of the text, teacher-forced, in prefill chunks of --chunk tokens over the paged KV cache;
 - top-1 agreement: the share of positions whose most likely next token equals fp32's;
 - prefill tokens/s of that pass, and decode tokens/s at batch 1 (--decode-tokens greedy tokens
@@ -91,30 +92,32 @@ def main() -> None:
     tok = Tokenizer.load(path)
     ids = tok.encode(args.text.read_text())
     print(f"{args.text.name}: {len(ids)} tokens; kernels={args.kernels}; {torch.get_num_threads()} threads")
-    print(f"{'dtype':>5} {'ppl':>8} {'Δppl':>7} {'top1=fp32':>9} | {'prefill tok/s':>13} {'decode tok/s':>12}")
+    print(f"{'dtype':>8} {'ppl':>8} {'Δppl':>7} {'top1=fp32':>9} | {'prefill tok/s':>13} {'decode tok/s':>12}")
     base_top, base_ppl = None, None
     dtypes = args.dtypes.split(",")
     if "fp32" in dtypes:   # the reference for the agreement comes first
         dtypes.remove("fp32")
         dtypes.insert(0, "fp32")
-    for dtype in dtypes:
+    for spec in dtypes:
+        dtype, _, kv = spec.partition("/")
         model, _ = load_model(path, dtype)
         if args.kernels == "auto":            # as the engine does: linear kernels, then the fused fp32 ops
             use_fast_linears(model, "cpu", parse_dtype(dtype))
             if parse_dtype(dtype) == torch.float32:
                 use_cpu_ops(model, cpu_ops.load())
-        runner = Runner(model, parse_dtype(dtype), len(ids) + args.decode_tokens)
+        kv_dtype = torch.int8 if kv == "int8" else parse_dtype(dtype)
+        runner = Runner(model, kv_dtype, len(ids) + args.decode_tokens)
         prefill, decode = [], []
         for _ in range(args.repeats):
             nll, top, seconds = runner.teacher_forced(ids, args.chunk)
             prefill.append((len(ids) - 1) / seconds)
             decode.append(1 / runner.decode(ids[:128], args.decode_tokens))
         ppl = math.exp(nll.mean().item())
-        if dtype == "fp32":
+        if spec == "fp32":
             base_top, base_ppl = top, ppl
         agree = f"{(top == base_top).float().mean().item():9.2%}" if base_top is not None else f"{'-':>9}"
         delta = f"{ppl / base_ppl - 1:+7.2%}" if base_ppl else f"{'-':>7}"
-        print(f"{dtype:>5} {ppl:8.4f} {delta} {agree} | {statistics.median(prefill):13.1f} "
+        print(f"{spec:>8} {ppl:8.4f} {delta} {agree} | {statistics.median(prefill):13.1f} "
               f"{statistics.median(decode):12.1f}", flush=True)
         del model, runner
 

@@ -179,6 +179,26 @@ def test_top_p_one_keeps_whole_large_vocab():
     assert not torch.isfinite(out[1]).all()
 
 
+@settings(max_examples=60, deadline=None, derandomize=True, database=None)
+@given(scale=st.sampled_from([0.01, 0.5, 2.0, 8.0]), decimals=st.sampled_from([None, 0, 1]),
+       top_p=st.lists(st.sampled_from([0.01, 0.3, 0.9, 0.999, 1.0]), min_size=4, max_size=4),
+       top_k=st.one_of(st.none(), st.lists(st.sampled_from([1, 7, 300, 5000]), min_size=4, max_size=4)),
+       seed=st.integers(0, 2**16))
+def test_top_p_from_candidates_equals_the_full_sort(scale, decimals, top_p, top_k, seed):
+    """The candidate shortcut (vocabularies above TOP_P_CANDIDATES) against the sorted reference:
+    flat rows (which fall back), peaked rows, heavy ties (rounded logits), mixed top-k."""
+    from phasewise.sampling import sampler
+
+    logits = torch.randn(4, 5000, generator=gen(seed)) * scale
+    if decimals is not None:
+        logits = logits.round(decimals=decimals)
+    k = None if top_k is None else torch.tensor(top_k)
+    p = torch.tensor(top_p)
+    masked = logits if k is None else sampler._top_k_mask(logits, k)
+    expected = sampler._top_p_by_sort(masked, p)
+    assert torch.equal(torch.isfinite(apply_top_k_top_p(logits, k, p)), torch.isfinite(expected))
+
+
 def test_min_p_exact_mask():
     logits = log_probs(0.5, 0.3, 0.15, 0.05).expand(3, 4)
     assert kept(apply_min_p(logits, torch.tensor([0.2, 0.5, 0.0]))) == [[0, 1, 2], [0, 1], [0, 1, 2, 3]]
