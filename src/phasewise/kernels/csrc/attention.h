@@ -1,5 +1,7 @@
 // Shared pieces of the attention kernels (paged_attention.cpp, tile_attention.cpp).
 #pragma once
+#include "simd.h"
+
 #include <immintrin.h>
 
 #include <cstdint>
@@ -7,6 +9,8 @@
 #include <vector>
 
 namespace pw_attention {
+
+using pw_simd::exp512;
 
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 constexpr int64_t KEYS = 16;          // keys scored per pass (one zmm of scores)
@@ -31,19 +35,6 @@ template <int NV>
 inline void load_int8_row(const int8_t* p, __m512* v) {
   for (int i = 0; i < NV; ++i)
     v[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * i))));
-}
-
-// e^x per lane: x log2(e) = n + f with |f| <= 1/2, 2^f by its Taylor series (|error| < 2e-7
-// relative), then scaled by 2^n. Lanes below -103 (and -inf) give 0.
-inline __m512 exp512(__m512 x) {
-  const __m512 t = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(-160.f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.525273380405984e-05f);
-  for (float c : {1.5403530393381606e-04f, 1.3333558146428443e-03f, 9.618129107628477e-03f,
-                  5.550410866482158e-02f, 2.402265069591007e-01f, 6.931471805599453e-01f, 1.f})
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, n);
 }
 
 // A tile: R consecutive rows t0.. of one sequence, row t0 + r attending over its first len0 + r tokens.

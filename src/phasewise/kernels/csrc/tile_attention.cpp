@@ -30,7 +30,7 @@ void attend_tile(const Cache& c, const int64_t* table, int64_t block_size, int64
   alignas(64) float corr[16];
   alignas(64) int32_t lenv[16];
   std::memset(qt, 0, sizeof(qt));
-  std::memset(o, 0, sizeof(float) * lanes * D);
+  std::memset(o, 0, sizeof(o));
   for (int64_t lane = 0; lane < 16; ++lane) {   // spare lanes copy lane 0 (computed, never written)
     const int64_t r = lane < lanes ? lane / G : 0, g = lane < lanes ? lane % G : 0;
     lenv[lane] = static_cast<int32_t>(tile.len0 + r);
@@ -89,7 +89,7 @@ void attend_tile(const Cache& c, const int64_t* table, int64_t block_size, int64
     m = mx;
     _mm512_store_ps(corr, cr);
     for (int64_t lane0 = 0; lane0 < lanes; lane0 += 4) {   // four lanes' output rows in registers
-      const int64_t nl = std::min<int64_t>(4, lanes - lane0);
+      constexpr int64_t nl = 4;                            // (spare lanes are computed, never written)
       __m512 acc[4][NV];
       for (int64_t a = 0; a < nl; ++a)
         for (int i = 0; i < NV; ++i)
