@@ -38,6 +38,28 @@ def test_invalid_sampling_values_fail_fast(flags, needle):
     assert_one_line_error(run("generate", "hi", *flags), needle)
 
 
+def test_threads_flag_is_checked_and_applied(monkeypatch):
+    from phasewise import cli
+
+    proc = run("generate", "hi", "--threads", "0")
+    assert proc.returncode == 2 and "--threads: must be at least 1" in proc.stderr
+    seen = []
+    monkeypatch.setattr("torch.set_num_threads", seen.append)
+    parser = cli.build_parser()
+    args = parser.parse_args(["generate", "hi", "--threads", "3"])
+    args.func = lambda a: 0
+    monkeypatch.setattr(cli, "build_parser", lambda: _Fixed(args))
+    assert cli.main([]) == 0 and seen == [3]
+
+
+class _Fixed:
+    def __init__(self, args):
+        self.args = args
+
+    def parse_args(self, argv):
+        return self.args
+
+
 def test_missing_model_file():
     assert_one_line_error(run("generate", "hi", "--model", "/nonexistent/model.gguf"), "model not found")
 

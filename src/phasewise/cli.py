@@ -24,6 +24,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-dtype", default="auto", choices=["auto", "int8"],
                    help="KV-cache precision: the model's (auto) or int8 with a scale per token and head")
     g.add_argument("--max-model-len", type=int, default=None, help="context length cap")
+    g.add_argument("--threads", type=_positive_int, default=None,
+                   help="CPU threads for the model (default: torch's, one per core); on a small machine, "
+                        "`serve --threads <cores - 1>` leaves a core to the HTTP side and its clients")
     g.add_argument("--speculative", default=None, metavar="ngram|draft[:MODEL]",
                    help="speculative decoding: 'ngram' (prompt lookup) or 'draft:MODEL' (a draft model with "
                         "the same tokenizer; plain 'draft' = this model at --draft-dtype); outputs are unchanged")
@@ -32,6 +35,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ngram-max", type=int, default=4, help="longest n-gram matched by --speculative ngram")
     g.add_argument("--draft-dtype", default="q4", choices=["fp32", "bf16", "fp16", "int8", "q4"],
                    help="weight precision of the draft model")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -218,6 +228,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from phasewise.loading.gguf import ModelLoadError
+
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(args.threads)
 
     try:
         return args.func(args)
