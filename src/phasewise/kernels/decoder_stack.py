@@ -1,11 +1,12 @@
 """The C++ decoder stack (csrc/decoder_stack.cpp): every decoder layer of a quantized Llama-family
-model in one call, for steps whose every query row the paged-attention kernel serves.
+model in one call per step (prefill chunks and decodes alike: the compiled attention kernel
+serves every row).
 
 A decode step of a 30-layer model makes about 300 small op calls; from Python each costs
-microseconds of dispatch, which at batch 1 is as much as the linear layers' own time.
-`build` gathers the layers' weights once; `LlamaModel.forward` then hands such steps to the
-stack and keeps its Python layers for the rest (prefill chunks, other devices and dtypes,
-and as the reference the tests compare against).
+microseconds of dispatch, which at batch 1 was a third of the step. `build` gathers the
+layers' weights once; `LlamaModel.forward` then hands every step to the stack, and keeps its
+Python layers for everything else (other devices and dtypes, no compiled ops) and as the
+reference the tests compare against.
 """
 
 from __future__ import annotations

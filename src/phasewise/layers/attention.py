@@ -50,7 +50,7 @@ class AttentionMetadata:
     kernel_rows: KernelRows         # every row, as the compiled kernel takes them
     query_lens: list[int]           # new tokens per sequence
     context_lens: list[int]         # tokens of context per sequence after this step
-    block_tables: list[list[int]]
+    block_tables: list[list[int]]   # each sequence's blocks for its context (copies)
     device: torch.device
 
     @classmethod
@@ -67,7 +67,7 @@ class AttentionMetadata:
         padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64, device=device)
         rows = KernelRows(padded, torch.tensor(seq, device=device), torch.tensor(length, device=device))
         return cls(torch.tensor(slots, dtype=torch.int64, device=device), block_size, rows, list(query_lens),
-                   list(context_lens), block_tables, device)
+                   list(context_lens), tables, device)
 
     @property
     def decode_only(self) -> bool:

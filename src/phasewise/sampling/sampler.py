@@ -152,7 +152,7 @@ def apply_temperature(logits: Tensor, temperature: Tensor) -> Tensor:
     return logits / t[:, None].to(logits.dtype)
 
 
-TOP_P_CANDIDATES = 256   # top-p looks among this many best tokens first; a full sort only where they fall short
+TOP_P_CANDIDATES = (256, 4096)   # top-p looks among this many best tokens first; a full sort only after
 
 
 def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None) -> Tensor:
@@ -164,9 +164,10 @@ def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None
     always the most likely token.
 
     A full sort of the vocabulary costs ~2 ms a row on a CPU, so top-p first looks only at
-    the TOP_P_CANDIDATES best tokens (their mass against the whole row's normaliser); rows
-    whose kept prefix ends inside the candidates, clear of ties at the cut, are exact from
-    them alone, and only the others (very flat rows) are sorted in full.
+    the 256 best tokens (their mass against the whole row's normaliser); a row whose kept
+    prefix ends inside them, clear of ties at the cut, is exact from them alone. Undecided
+    rows try the 4,096 best, and only rows still undecided (very flat ones) are sorted in full.
+    On this model's logits at temperature 0.7 the 256 decide every row at top_p 0.9.
     """
     if top_k is None and top_p is None:
         return logits
@@ -174,10 +175,22 @@ def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None
         logits = _top_k_mask(logits, top_k)
     if top_p is None:
         return logits
-    V = logits.shape[-1]
-    if V <= TOP_P_CANDIDATES:
-        return _top_p_by_sort(logits, top_p)
-    vals, ids = logits.topk(TOP_P_CANDIDATES, dim=-1)                # [B, c] descending, ties in any order
+    out = torch.where((top_p >= 1)[:, None], logits, torch.full_like(logits, _NEG_INF))
+    rows = (top_p < 1).nonzero().squeeze(1)                          # the rows top-p filters
+    for c in TOP_P_CANDIDATES:
+        if rows.numel() == 0 or c >= logits.shape[-1]:
+            break
+        sub, done = _top_p_from_candidates(logits[rows], top_p[rows], c)
+        out[rows[done]] = sub[done]
+        rows = rows[~done]
+    if rows.numel():
+        out[rows] = _top_p_by_sort(logits[rows], top_p[rows])
+    return out
+
+
+def _top_p_from_candidates(logits: Tensor, top_p: Tensor, c: int) -> tuple[Tensor, Tensor]:
+    """top-p from each row's c best tokens: (the filtered rows [B, V], which rows that decided [B])."""
+    vals, ids = logits.topk(c, dim=-1)                               # [B, c] descending, ties in any order
     by_id = ids.argsort(dim=-1)                                      # ties: lower id first
     vals, ids = vals.gather(1, by_id), ids.gather(1, by_id)
     vals, order = vals.sort(dim=-1, descending=True, stable=True)
@@ -187,15 +200,9 @@ def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None
     p = top_p[:, None].to(probs.dtype)
     keep = mass_before < p
     last = vals.gather(1, (keep.sum(-1, keepdim=True) - 1).clamp_min(0))   # the last kept value [B, 1]
-    exact = (mass_before[:, -1:] + probs[:, -1:] >= p) & (last > vals[:, -1:])
+    done = (mass_before[:, -1:] + probs[:, -1:] >= p) & (last > vals[:, -1:])
     out = torch.full_like(logits, _NEG_INF).scatter_(1, ids, vals.masked_fill(~keep, _NEG_INF))
-    off = (top_p >= 1)[:, None]
-    out = torch.where(off, logits, out)
-    rest = ~(exact | off).squeeze(1)
-    if rest.any():
-        rows = rest.nonzero().squeeze(1)
-        out[rows] = _top_p_by_sort(logits[rows], top_p[rows])
-    return out
+    return out, done.squeeze(1)
 
 
 def _top_k_mask(logits: Tensor, top_k: Tensor) -> Tensor:

@@ -1,6 +1,6 @@
-// The decoder layers of a Llama-family model in one call, for steps whose every query row the
-// paged-attention kernel serves (decodes, short chunks over a cache). The Python model calls
-// it instead of looping over its layers: the same ops in the same order (RMSNorm + residual,
+// The decoder layers of a Llama-family model in one call per step (the paged-attention kernel
+// serves every row: decodes and prompt chunks). The Python model calls it instead of looping
+// over its layers: the same ops in the same order (RMSNorm + residual,
 // quantized qkv, RoPE + cache write, paged attention, o, RMSNorm + residual, gate_up, SiLU·mul,
 // down), without the per-op cost of Python (about 80 µs a layer on this project's machine).
 #include "decoder_stack.h"
