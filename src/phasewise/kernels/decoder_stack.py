@@ -27,7 +27,7 @@ def _linear_args(layer) -> tuple | None:
 def build(model: torch.nn.Module, ops: ModuleType | None):
     """A DecoderStack for `model` (a LlamaModel), or None when it cannot run one: no compiled ops,
     a linear layer that is not quantized with the kernels, weights not fp32 on the CPU."""
-    if ops is None or not hasattr(ops, "DecoderStack") or not ops.has_vnni:
+    if ops is None or not ops.has_vnni:
         return None
     layers = []
     for layer in model.layers:

@@ -69,7 +69,7 @@ class AttentionMetadata:
         return cls(torch.tensor(slots, dtype=torch.int64, device=device), block_size, rows, list(query_lens),
                    list(context_lens), tables, device)
 
-    @property
+    @cached_property
     def decode_only(self) -> bool:
         """Every sequence has exactly one new token."""
         return all(n == 1 for n in self.query_lens)
@@ -149,9 +149,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
         write_kv(kv, meta.slot_mapping, k, v)
     T, Hq, D = q.shape
     Hkv, bs = k.shape[1], meta.block_size
-    rows = meta.kernel_rows
-    if ops is not None and rows is not None:        # one kernel call
-        scales = (kv[2], kv[3]) if len(kv) == 4 else (None, None)
+    if ops is not None:                             # one kernel call
+        rows, scales = meta.kernel_rows, ((kv[2], kv[3]) if len(kv) == 4 else (None, None))
         return ops.paged_attention(q.contiguous(), kv[0], kv[1], rows.tables, rows.seq, rows.length,
                                    bs, D ** -0.5, *scales).view(T, Hq * D)
     if meta.decode_only:

@@ -98,8 +98,8 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: KVCaches) -> torch.Tensor:
         """input_ids, positions: [T] → hidden states [T, hidden]."""
-        rows = meta.kernel_rows
-        if self.stack is not None and rows is not None:        # the whole step in one C++ call
+        if self.stack is not None:                              # the whole step in one C++ call
+            rows = meta.kernel_rows
             return self.stack.forward(self.embed_tokens(input_ids), positions, meta.slot_mapping, kv_caches,
                                       rows.tables, rows.seq, rows.length, meta.block_size)
         x, residual = self.embed_tokens(input_ids), None
