@@ -185,7 +185,8 @@ def main() -> None:
         print(f"  done: {results[-1].name}", flush=True)
     machine = measure_machine(torch.float32)
     print(f"\nmeasured read bandwidth: {machine.dram_gbs:.1f} GB/s from memory, {machine.cache_gbs:.1f} GB/s "
-          f"from a buffer that fits the last-level cache")
+          f"from a buffer that fits the last-level cache; compute peaks: fp32 matmul {machine.matmul_gflops:.0f} "
+          f"GFLOP/s" + (f", int8 dot products {machine.int8_gops:.0f} GOP/s" if machine.int8_gops else ""))
     head = f"{'':24}{'prefill tok/s':>14}{'decode tok/s':>14}{f'agg@{args.concurrent} tok/s':>15}" \
            f"{'weights MB':>12}{'weight GB/s':>13}{'of DRAM bw':>11}"
     print(head)

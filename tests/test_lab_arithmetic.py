@@ -73,3 +73,17 @@ def test_roofline_arithmetic_and_binding_resource():
     slow_decode = analyse(cfg, Machine(1e-3, 1e-3, 1e9), 4, 512, 200, 0.01, 10, 0.5)[1]
     assert slow_decode.binds == "memory bandwidth"
     assert analyse(cfg, Machine(1e9, 1e9, 1e-3), 4, 512, 200, 0.01, 10, 0.5)[0].binds == "compute"
+
+
+def test_quantized_phases_are_measured_against_the_int8_peak():
+    from phasewise.lab.roofline import Machine, analyse, report
+    cfg = ModelConfig("llama", 1000, 64, 128, 2, 4, 2, 16, 1e-5, 1e4, 512)
+    machine = Machine(dram_gbs=20.0, cache_gbs=60.0, matmul_gflops=100.0, int8_gops=400.0)
+    fp32 = analyse(cfg, machine, 4, 512, 200, 0.01, 10, 0.5)[0]
+    q4 = analyse(cfg, machine, 0.6, 512, 200, 0.01, 10, 0.5, quantized=True)[0]
+    assert q4.flops == fp32.flops
+    assert q4.compute_share == pytest.approx(fp32.compute_share / 4)
+    no_vnni = Machine(20.0, 60.0, 100.0)                 # no int8 kernels: the matmul stays the roof
+    assert analyse(cfg, no_vnni, 0.6, 512, 200, 0.01, 10, 0.5, quantized=True)[0].compute_share \
+        == pytest.approx(fp32.compute_share)
+    assert any("int8 dot products 400 GOP/s" in line for line in report(machine, [q4]))

@@ -111,6 +111,12 @@ def test_quant_linear_bias_padding_and_batch_dims(ext, fmt):
     assert (out - ref).norm() < 0.02 * ref.norm()
 
 
+def test_int8_peak_is_measured_and_checks_its_argument(ext):
+    assert 1.0 < ext.int8_peak_gops(200_000) < 1e6      # GOP/s: 12 chains of 64 int8 products per round
+    with pytest.raises(RuntimeError, match="iters"):
+        ext.int8_peak_gops(0)
+
+
 def test_reference_path_without_the_extension(monkeypatch):
     monkeypatch.setenv("PHASEWISE_NO_KERNELS", "1")
     assert build.load.__wrapped__("cpu", build.CPU_SOURCES) is None

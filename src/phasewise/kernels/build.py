@@ -2,7 +2,8 @@
 
 Sources live in `kernels/csrc/`. They are compiled with the machine's compiler by
 `torch.utils.cpp_extension.load` on first use (about a minute) into
-`<phasewise cache>/kernels/<name>-<torch version>-<source hash>/` and reused after.
+`<phasewise cache>/kernels/<name>-<torch version>-<hash>/` and reused after (the hash covers the
+sources, the flags and the CPU, since `-march=native` builds for this CPU only).
 When the build fails or the CPU lacks AVX-512, `load` returns None after one
 warning, and callers keep their pure-PyTorch reference path.
 """
@@ -31,6 +32,17 @@ def cpu_supports_avx512() -> bool:
     except OSError:
         return False
     return " avx512f " in flags and " avx512bw " in flags
+
+
+def cpu_identity() -> bytes:
+    """The CPU's model name and feature flags: `-march=native` builds for this CPU only, so a cache
+    shared with another machine (a copied home directory, an image) must not hand its build over."""
+    try:
+        first = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
+    except OSError:
+        return b""
+    keep = [line for line in first.splitlines() if line.split(":")[0].strip() in ("vendor_id", "model name", "flags")]
+    return "\n".join(keep).encode()
 
 
 def disabled() -> bool:
@@ -62,7 +74,7 @@ def load(name: str, sources: tuple[str, ...]) -> ModuleType | None:
     paths = [CSRC / s for s in sources]
     headers = sorted(CSRC.glob("*.h"))
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in paths + headers) + " ".join(FLAGS).encode()
-                            ).hexdigest()[:12]
+                            + cpu_identity()).hexdigest()[:12]
     build = default_cache_dir() / "kernels" / f"{name}-{torch.__version__.replace('+', '_')}-{digest}"
     try:
         build.mkdir(parents=True, exist_ok=True)

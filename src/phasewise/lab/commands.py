@@ -68,12 +68,13 @@ def cmd_roofline(args: argparse.Namespace) -> int:
     element = torch.empty((), dtype=dtype).element_size()
     per_weight = weight_bytes_per_param(llm.engine.model, cfg, element)
     kv = kv_bytes_per_token(cfg, llm.engine.kv_cache.dtype)
-    phases = analyse(cfg, machine, per_weight, kv, len(prompt),
-                     out.metrics.prompt_ms / 1e3, len(out.token_ids) - 1, out.metrics.decode_ms / 1e3)
+    from phasewise.layers.quant_linear import QuantLinear
+
+    quantized = any(isinstance(m, QuantLinear) and m.ext is not None for m in llm.engine.model.modules())
+    phases = analyse(cfg, machine, per_weight, kv, len(prompt), out.metrics.prompt_ms / 1e3,
+                     len(out.token_ids) - 1, out.metrics.decode_ms / 1e3, quantized)
     print("\n".join(report(machine, phases)))
-    print(f"weights: {per_weight:.3f} bytes per parameter ({args.dtype}); KV: {kv} bytes per token"
-          + ("; the matmul peak is torch's fp32, which the int8 VNNI kernels can exceed"
-             if args.dtype in ("int8", "q4") else ""))
+    print(f"weights: {per_weight:.3f} bytes per parameter ({args.dtype}); KV: {kv} bytes per token")
     return 0
 
 

@@ -22,6 +22,12 @@ class Machine:
     dram_gbs: float          # streaming read bandwidth of a buffer far larger than the caches
     cache_gbs: float         # the same for a buffer that fits the last-level cache
     matmul_gflops: float     # a large square matmul in the weights' dtype, best of torch's and our kernel
+    int8_gops: float | None = None  # int8 dot-product peak (VNNI), the roof of the quantized kernels
+
+    def compute_roof(self, quantized: bool) -> float:
+        """The compute peak a phase is measured against: the int8 dot-product peak for quantized
+        weights (their kernels multiply int8 activations by int8 or 4-bit weights), else the matmul."""
+        return self.int8_gops if quantized and self.int8_gops else self.matmul_gflops
 
 
 def _best_seconds(fn, repeats: int) -> float:
@@ -49,7 +55,15 @@ def measure_machine(dtype: torch.dtype = torch.float32, dram_mib: int = 1024, ca
     if onednn_available(torch.device("cpu"), dtype):
         kernels.append(OneDNNLinear(linear))
     secs = min(_best_seconds(lambda k=k: k(x), repeats) for k in kernels)
-    return Machine(read_gbs(dram_mib), read_gbs(cache_mib), 2 * matmul_n**3 / secs / 1e9)
+    return Machine(read_gbs(dram_mib), read_gbs(cache_mib), 2 * matmul_n**3 / secs / 1e9, int8_peak_gops(repeats))
+
+
+def int8_peak_gops(repeats: int = 3) -> float | None:
+    """The int8 dot-product peak of all threads (best of `repeats`), or None without the VNNI kernels."""
+    from phasewise.kernels import quant
+
+    ops = quant.load()
+    return max(ops.int8_peak_gops() for _ in range(repeats)) if ops is not None else None
 
 
 @dataclass(frozen=True)
@@ -90,6 +104,7 @@ class PhaseRoofline:
     bytes_moved: float
     flops: float
     machine: Machine
+    quantized: bool = False          # weights run by the int8 kernels: the int8 peak is the compute roof
 
     @property
     def achieved_gbs(self) -> float:
@@ -105,7 +120,7 @@ class PhaseRoofline:
 
     @property
     def compute_share(self) -> float:
-        return self.achieved_gflops / self.machine.matmul_gflops
+        return self.achieved_gflops / self.machine.compute_roof(self.quantized)
 
     @property
     def binds(self) -> str:
@@ -114,25 +129,29 @@ class PhaseRoofline:
 
 
 def analyse(cfg: ModelConfig, machine: Machine, bytes_per_weight: float, kv_bytes_per_token: float,
-            prompt_tokens: int, prefill_s: float, decode_tokens: int, decode_s: float) -> list[PhaseRoofline]:
+            prompt_tokens: int, prefill_s: float, decode_tokens: int, decode_s: float,
+            quantized: bool = False) -> list[PhaseRoofline]:
     """Prefill reads the weights once for all prompt tokens; each decode step reads them again, plus
-    the KV cache of its context (taken at the middle of the decode)."""
+    the KV cache of its context (taken at the middle of the decode). `quantized`: the int8 kernels
+    run the linear layers, so the compute roof is the int8 dot-product peak."""
     pre = token_costs(cfg, bytes_per_weight, prompt_tokens // 2)
     prefill = PhaseRoofline("prefill", prompt_tokens, prefill_s,
                             pre.weight_bytes + kv_bytes_per_token * prompt_tokens,
-                            pre.flops_per_token * prompt_tokens, machine)
+                            pre.flops_per_token * prompt_tokens, machine, quantized)
     mid = prompt_tokens + decode_tokens // 2
     dec = token_costs(cfg, bytes_per_weight, mid)
     decode = PhaseRoofline("decode", decode_tokens, decode_s,
                            (dec.weight_bytes + kv_bytes_per_token * mid) * decode_tokens,
-                           dec.flops_per_token * decode_tokens, machine)
+                           dec.flops_per_token * decode_tokens, machine, quantized)
     return [prefill, decode]
 
 
 def report(machine: Machine, phases: list[PhaseRoofline]) -> list[str]:
     lines = [f"machine: DRAM read {machine.dram_gbs:.1f} GB/s, cache-resident read {machine.cache_gbs:.1f} GB/s, "
-             f"matmul {machine.matmul_gflops:.1f} GFLOP/s",
-             f"{'phase':8}{'tokens':>8}{'ms':>10}{'GB/s':>9}{'of DRAM':>9}{'GFLOP/s':>10}{'of peak':>9}  binds"]
+             f"matmul {machine.matmul_gflops:.1f} GFLOP/s"
+             + (f", int8 dot products {machine.int8_gops:.0f} GOP/s" if machine.int8_gops else ""),
+             f"{'phase':8}{'tokens':>8}{'ms':>10}{'GB/s':>9}{'of DRAM':>9}{'GFLOP/s':>10}{'of peak':>9}  binds"
+             + ("  (peak: the int8 one)" if any(p.quantized and machine.int8_gops for p in phases) else "")]
     for p in phases:
         lines.append(f"{p.phase:8}{p.tokens:>8}{p.seconds * 1e3:>10.1f}{p.achieved_gbs:>9.1f}"
                      f"{p.bandwidth_share:>9.0%}{p.achieved_gflops:>10.1f}{p.compute_share:>9.0%}  {p.binds}")

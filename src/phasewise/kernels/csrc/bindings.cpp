@@ -20,6 +20,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "each row's argmax (the first on ties)", nogil());
   m.def("quantize_activations", &quantize_activations, "per-32 symmetric int8 activations: xq, dx, sx",
         nogil());
+  m.def("int8_peak_gops", &int8_peak_gops, "the int8 dot-product peak of all threads, GOP/s",
+        py::arg("iters") = 20000000, nogil());
   m.def("quant_linear", &quant_linear, "y = x W^T + b with W in a packed block format",
         py::arg("x"), py::arg("fmt"), py::arg("N"), py::arg("blocks"),
         py::arg("scale") = py::none(), py::arg("bias") = py::none(), nogil());

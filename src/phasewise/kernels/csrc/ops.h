@@ -24,6 +24,7 @@ torch::Tensor argmax_rows(torch::Tensor x);
 
 // quant_linear.cpp: linear layers on quantized weights (AVX-512 VNNI; has_vnni() says if built in).
 bool has_vnni();
+double int8_peak_gops(int64_t iters);
 std::vector<torch::Tensor> quantize_activations(torch::Tensor x);
 torch::Tensor quant_linear(torch::Tensor x, int64_t fmt, int64_t N, torch::Tensor blocks,
                            c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias);

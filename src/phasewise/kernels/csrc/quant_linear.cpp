@@ -21,6 +21,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -259,8 +260,33 @@ torch::Tensor quant_linear(torch::Tensor x, int64_t fmt, int64_t N, torch::Tenso
   return out;
 }
 
+// The machine's int8 dot-product peak in GOP/s (2 per multiply-add): every thread runs `iters`
+// rounds of 12 independent vpdpbusd chains (64 multiply-adds each), the roof of the kernels above.
+double int8_peak_gops(int64_t iters) {
+  TORCH_CHECK(iters > 0, "iters must be positive");
+  const int64_t threads = at::get_num_threads();
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<int32_t> sink(threads * 16);
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      __m512i acc[12];
+      for (int c = 0; c < 12; ++c) acc[c] = _mm512_set1_epi32(c);
+      __m512i a = _mm512_set1_epi8(1), b = _mm512_set1_epi8(static_cast<char>(t + 1));
+      for (int64_t n = 0; n < iters; ++n) {
+        for (int c = 0; c < 12; ++c) acc[c] = _mm512_dpbusd_epi32(acc[c], a, b);
+        __asm__ volatile("" : "+v"(a));  // keeps the chains from being folded
+      }
+      for (int c = 1; c < 12; ++c) acc[0] = _mm512_add_epi32(acc[0], acc[c]);
+      _mm512_storeu_si512(sink.data() + t * 16, acc[0]);
+    }
+  });
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return static_cast<double>(threads) * iters * 12 * 64 * 2 / s / 1e9;
+}
+
 #else  // no VNNI: the module still loads; QuantLinear keeps its reference path (quant.load() is None)
 bool has_vnni() { return false; }
+double int8_peak_gops(int64_t) { TORCH_CHECK(false, "needs AVX-512 VNNI"); }
 std::vector<torch::Tensor> quantize_activations(torch::Tensor) { TORCH_CHECK(false, "needs AVX-512 VNNI"); }
 torch::Tensor quant_linear(torch::Tensor, int64_t, int64_t, torch::Tensor, c10::optional<torch::Tensor>,
                            c10::optional<torch::Tensor>) {
