@@ -17,7 +17,14 @@ dtype (q4/int8: 4-bit weights, int8 KV cache). Figures:
   (continuous batching), transformers as one padded batch through `generate`, llama.cpp
   one after another as a user of llama-cpp-python runs it;
 - weight GB/s: the bytes of weights read per decode step × decode tokens/s, next to the
-  machine's measured read bandwidth (the decode roofline; the model does not fit the L3).
+  machine's measured read bandwidth (the decode roofline; the model does not fit the L3);
+- prefill and aggregate GOP/s: the model's arithmetic (`lab.roofline`: 2 per weight, logits only
+  where a token is sampled, attention at the mean context) per second, and its share of the
+  compute roof: the int8 dot-product peak for quantized weights (llama.cpp's included), torch's
+  fp32 matmul otherwise;
+- quality of each phasewise precision (unless --no-quality): perplexity of the repo's text
+  (benchmarks/data/lighthouses.txt) and next-token top-1 agreement with fp32, teacher-forced,
+  with the engine's own model and KV-cache dtype.
 
 Each batch-1 figure is the median of --repeats runs after a warm-up run.
 """
@@ -44,6 +51,8 @@ class Result:
     decode: float
     aggregate: float
     weight_bytes: int
+    quantized: bool = True                 # its linear layers multiply int8 activations (the int8 roof)
+    quality: tuple[float, torch.Tensor] | None = None   # perplexity, top-1 token per position
 
     @property
     def weight_gbs(self) -> float:
@@ -84,8 +93,31 @@ def run_phasewise(spec: str, prompt, batch, args) -> Result:
     cfg = llm.model_config
     nbytes = int(linear_params(cfg) * weight_bytes_per_param(llm.engine.model, cfg, 2 if "16" in dtype else 4))
     name = f"phasewise {dtype}" + (f" kv {kv_dtype}" if kv_dtype else "")
+    quality = None if args.no_quality else teacher_forced(llm.engine.model, llm.engine.kv_cache.dtype, args.text_ids)
     return Result(name, statistics.median(prefill), statistics.median(decode), aggregate,
-                  nbytes)
+                  nbytes, dtype in ("int8", "q4"), quality)
+
+
+def teacher_forced(model, kv_dtype: torch.dtype, ids: list[int]) -> tuple[float, torch.Tensor]:
+    """Perplexity of `ids` and the top-1 token at each position (quality.py's runner)."""
+    import math
+
+    from quality import Runner
+
+    nll, top, _ = Runner(model, kv_dtype, len(ids)).teacher_forced(ids, 512)
+    return math.exp(nll.mean().item()), top
+
+
+def fp32_reference(path: Path, ids: list[int]) -> tuple[float, torch.Tensor]:
+    """The fp32 model's perplexity and top-1 tokens, with the kernels the engine would use."""
+    from phasewise.kernels import cpu_ops
+    from phasewise.layers.linear import use_fast_linears
+    from phasewise.loading.loader import load_model
+
+    model, _ = load_model(path, "fp32")
+    use_fast_linears(model, "cpu", torch.float32)
+    cpu_ops.use_cpu_ops(model, cpu_ops.load())
+    return teacher_forced(model, torch.float32, ids)
 
 
 # ---- llama.cpp --------------------------------------------------------------------------------
@@ -121,7 +153,7 @@ def run_llama_cpp(path: Path, prompt, batch, args) -> Result:
         generate(ids, args.concurrent_output)
     aggregate = len(batch) * args.concurrent_output / (time.perf_counter() - t0)
     return Result("llama.cpp (Q4_1)", statistics.median(prefill), statistics.median(decode), aggregate,
-                  path.stat().st_size)
+                  path.stat().st_size)             # Q4_1 x Q8_1 dot products: the int8 roof
 
 
 # ---- transformers -------------------------------------------------------------------------------
@@ -141,10 +173,36 @@ def run_transformers(path: Path, prompt, batch, args) -> Result:
                          pad_token_id=0)
     aggregate = (out.shape[1] - ids.shape[1]) * len(batch) / (time.perf_counter() - t0)
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return Result("transformers fp32", prefill, decode, aggregate, nbytes)
+    return Result("transformers fp32", prefill, decode, aggregate, nbytes, quantized=False)
 
 
-# ---- the table ------------------------------------------------------------------------------------
+# ---- the tables -----------------------------------------------------------------------------------
+
+def print_roofline_and_quality(results: list[Result], machine, path: Path, args) -> None:
+    from phasewise.lab.roofline import request_flops
+    from phasewise.loading.loader import load_config
+
+    cfg = load_config(path)
+    prefill_ops = request_flops(cfg, args.prompt_tokens, 1)          # the prompt and its first token
+    agg_ops_per_token = request_flops(cfg, args.concurrent_prompt, args.concurrent_output) / args.concurrent_output
+    base = None
+    if not args.no_quality and any(r.quality for r in results):
+        base = next((r.quality for r in results if r.name == "phasewise fp32"), None)
+        base = base or fp32_reference(path, args.text_ids)
+    print(f"\n{'':24}{'prefill GOP/s':>14}{'of roof':>8}{'agg GOP/s':>11}{'of roof':>8}"
+          + (f"{'ppl':>9}{'Δppl':>8}{'top1=fp32':>10}" if base else ""))
+    for r in results:
+        roof = machine.compute_roof(r.quantized)
+        pre, agg = r.prefill * prefill_ops / args.prompt_tokens / 1e9, r.aggregate * agg_ops_per_token / 1e9
+        line = f"{r.name:24}{pre:14.1f}{pre / roof:8.0%}{agg:11.1f}{agg / roof:8.0%}"
+        if base and r.quality:
+            ppl, top = r.quality
+            line += f"{ppl:9.4f}{ppl / base[0] - 1:+8.2%}{(top == base[1]).float().mean().item():10.2%}"
+        print(line)
+    print(f"roof: int8 dot products for quantized weights ({machine.int8_gops or 0:.0f} GOP/s), else the fp32 "
+          f"matmul ({machine.matmul_gflops:.0f} GFLOP/s); quality on {len(args.text_ids)} tokens of "
+          f"lighthouses.txt" + (f", fp32 perplexity {base[0]:.4f}" if base else ""))
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -156,6 +214,7 @@ def main() -> None:
     ap.add_argument("--concurrent-prompt", type=int, default=128)
     ap.add_argument("--concurrent-output", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-quality", action="store_true", help="skip the perplexity and agreement pass")
     args = ap.parse_args()
 
     from phasewise.lab.roofline import measure_machine
@@ -166,9 +225,13 @@ def main() -> None:
     tokenizer = Tokenizer.load(path)
     prompt = make_prompt(tokenizer, args.prompt_tokens)
     batch = prompts_for_batch(tokenizer, args.concurrent, args.concurrent_prompt)
+    from quality import TEXT
+
+    args.text_ids = tokenizer.encode(TEXT.read_text())
     print(f"model {path.name}, {torch.get_num_threads()} threads; prefill and decode: {len(prompt)} prompt "
           f"tokens, {args.decode_tokens} decoded, median of {args.repeats}; aggregate: {args.concurrent} "
           f"requests × ({args.concurrent_prompt} prompt + {args.concurrent_output} output tokens)", flush=True)
+    machine = measure_machine(torch.float32)          # first: the roofs, before any system has run
     results: list[Result] = []
     for dtype in [d for d in args.dtypes.split(",") if d]:
         results.append(run_phasewise(dtype, prompt, batch, args))
@@ -183,7 +246,6 @@ def main() -> None:
             continue
         results.append(run(path, prompt, batch, args))
         print(f"  done: {results[-1].name}", flush=True)
-    machine = measure_machine(torch.float32)
     print(f"\nmeasured read bandwidth: {machine.dram_gbs:.1f} GB/s from memory, {machine.cache_gbs:.1f} GB/s "
           f"from a buffer that fits the last-level cache; compute peaks: fp32 matmul {machine.matmul_gflops:.0f} "
           f"GFLOP/s" + (f", int8 dot products {machine.int8_gops:.0f} GOP/s" if machine.int8_gops else ""))
@@ -193,6 +255,7 @@ def main() -> None:
     for r in results:
         print(f"{r.name:24}{r.prefill:14.1f}{r.decode:14.1f}{r.aggregate:15.1f}{r.weight_bytes / 1e6:12.0f}"
               f"{r.weight_gbs:13.1f}{r.weight_gbs / machine.dram_gbs:11.0%}")
+    print_roofline_and_quality(results, machine, path, args)
     ref = next((r for r in results if r.name.startswith("llama.cpp")), None)
     if ref is not None:
         print(f"\nratios to {ref.name}:")

@@ -56,7 +56,7 @@ def test_cost_with_and_without_prompt_caching():
 
 
 def test_roofline_arithmetic_and_binding_resource():
-    from phasewise.lab.roofline import Machine, analyse, linear_params, token_costs
+    from phasewise.lab.roofline import Machine, analyse, linear_params, request_flops, token_costs
 
     cfg = ModelConfig("llama", 1000, 64, 128, 2, 4, 2, 16, 1e-5, 1e4, 512)
     per_layer = 64 * (64 + 2 * 32) + 64 * 64 + 3 * 64 * 128
@@ -67,7 +67,9 @@ def test_roofline_arithmetic_and_binding_resource():
     machine = Machine(dram_gbs=20.0, cache_gbs=60.0, matmul_gflops=100.0)
     prefill, decode = analyse(cfg, machine, 4, 512, prompt_tokens=200, prefill_s=0.01,
                               decode_tokens=10, decode_s=0.5)
-    assert prefill.flops == token_costs(cfg, 4, 100).flops_per_token * 200
+    # the prompt's rows skip the output head, except the last one
+    assert prefill.flops == (token_costs(cfg, 4, 100).flops_per_token - 2 * 1000 * 64) * 200 + 2 * 1000 * 64
+    assert request_flops(cfg, 200, 11) == prefill.flops + 10 * token_costs(cfg, 4, 205).flops_per_token
     assert decode.bytes_moved == (4 * linear_params(cfg) + 512 * 205) * 10
     assert decode.achieved_gbs == pytest.approx(decode.bytes_moved / 0.5 / 1e9)
     slow_decode = analyse(cfg, Machine(1e-3, 1e-3, 1e9), 4, 512, 200, 0.01, 10, 0.5)[1]

@@ -78,6 +78,11 @@ def linear_params(cfg: ModelConfig) -> int:
     return cfg.num_layers * per_layer + cfg.vocab_size * h       # + the output head
 
 
+def head_params(cfg: ModelConfig) -> int:
+    """The output head's weights (vocab x hidden), counted in `linear_params`."""
+    return cfg.vocab_size * cfg.hidden_size
+
+
 def weight_bytes_per_param(model: torch.nn.Module, cfg: ModelConfig, element_size: int) -> float:
     """Bytes a decode step reads per linear weight: quantized layers' stored bytes (quants, scales), else
     the element size of the weights' dtype."""
@@ -90,10 +95,20 @@ def weight_bytes_per_param(model: torch.nn.Module, cfg: ModelConfig, element_siz
     return stored / linear_params(cfg)
 
 
-def token_costs(cfg: ModelConfig, bytes_per_weight: float, context: int) -> TokenCosts:
-    """Per token at `context` tokens of context: attention does QK^T and PV, 2 FLOPs each per element."""
+def token_costs(cfg: ModelConfig, bytes_per_weight: float, context: int, head: bool = True) -> TokenCosts:
+    """Per token at `context` tokens of context: attention does QK^T and PV, 2 FLOPs each per element.
+    `head`: the token's logits are computed (every decoded token; of a prompt, only the last)."""
     attention = 4 * cfg.num_layers * context * cfg.q_size
-    return TokenCosts(linear_params(cfg) * bytes_per_weight, 2 * linear_params(cfg) + attention)
+    params = linear_params(cfg) - (0 if head else head_params(cfg))
+    return TokenCosts(linear_params(cfg) * bytes_per_weight, 2 * params + attention)
+
+
+def request_flops(cfg: ModelConfig, prompt_tokens: int, output_tokens: int) -> float:
+    """FLOPs of one request: its prompt (logits at the last position only, which give the first output
+    token), then output_tokens - 1 decode steps, attention taken at each phase's mean context."""
+    prefill = token_costs(cfg, 0, prompt_tokens // 2, head=False).flops_per_token * prompt_tokens
+    decode = token_costs(cfg, 0, prompt_tokens + output_tokens // 2).flops_per_token * (output_tokens - 1)
+    return prefill + 2 * head_params(cfg) + decode
 
 
 @dataclass(frozen=True)
@@ -131,13 +146,14 @@ class PhaseRoofline:
 def analyse(cfg: ModelConfig, machine: Machine, bytes_per_weight: float, kv_bytes_per_token: float,
             prompt_tokens: int, prefill_s: float, decode_tokens: int, decode_s: float,
             quantized: bool = False) -> list[PhaseRoofline]:
-    """Prefill reads the weights once for all prompt tokens; each decode step reads them again, plus
-    the KV cache of its context (taken at the middle of the decode). `quantized`: the int8 kernels
+    """Prefill reads the weights once for all prompt tokens and computes logits for the last one only;
+    each decode step reads the weights again, plus the KV cache of its context (taken at the middle of
+    the decode). `quantized`: the int8 kernels
     run the linear layers, so the compute roof is the int8 dot-product peak."""
-    pre = token_costs(cfg, bytes_per_weight, prompt_tokens // 2)
+    pre = token_costs(cfg, bytes_per_weight, prompt_tokens // 2, head=False)
     prefill = PhaseRoofline("prefill", prompt_tokens, prefill_s,
                             pre.weight_bytes + kv_bytes_per_token * prompt_tokens,
-                            pre.flops_per_token * prompt_tokens, machine, quantized)
+                            pre.flops_per_token * prompt_tokens + 2 * head_params(cfg), machine, quantized)
     mid = prompt_tokens + decode_tokens // 2
     dec = token_costs(cfg, bytes_per_weight, mid)
     decode = PhaseRoofline("decode", decode_tokens, decode_s,

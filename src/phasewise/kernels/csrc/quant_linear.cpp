@@ -53,6 +53,7 @@ struct Weights {
   const float* scale;     // [NT * 16] (I8)
   int64_t KB, BB;
   int64_t N;              // output features (the last tile may be partly padding)
+  int64_t NT;             // tiles of 16 rows
 };
 
 // One row of 32 floats -> 32 int8 (round to nearest even), dx and sx of the block.
@@ -87,7 +88,14 @@ inline void tile_kernel(const Act& a, int64_t m0, const Weights& w, int64_t t0, 
   for (int i = 0; i < MT; ++i)
     for (int v = 0; v < NV; ++v) r[i][v] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0F);
+  // The first row tile of a chunk fetches the next NV tiles' bytes into L2 as it goes, one block
+  // of each per step: few rows make this a stream from DRAM, and the next tiles start elsewhere.
+  const uint8_t* next = m0 == 0 ? w.qs + (t0 + NV) * w.KB * block_bytes(F) : nullptr;
+  const uint8_t* next_end = w.qs + w.NT * w.KB * block_bytes(F);
   for (int64_t b = 0; b < w.KB; ++b) {
+    if (next != nullptr)
+      for (int64_t off = b * NV * block_bytes(F); off < (b + 1) * NV * block_bytes(F); off += 64)
+        if (next + off < next_end) _mm_prefetch(reinterpret_cast<const char*>(next + off), _MM_HINT_T1);
     __m512i acc[MT][NV];
     for (int i = 0; i < MT; ++i)
       for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_si512();
@@ -232,7 +240,7 @@ torch::Tensor quant_linear(torch::Tensor x, int64_t fmt, int64_t N, torch::Tenso
   TORCH_CHECK(K == KB * QK, "x has ", K, " columns, the weights ", KB * QK);
   TORCH_CHECK(BB == block_bytes(static_cast<Fmt>(fmt)), "block bytes do not match the format");
   TORCH_CHECK(N > (NT - 1) * 16 && N <= NT * 16, "N does not match the tiles");
-  Weights w{blocks.data_ptr<uint8_t>(), nullptr, KB, BB, N};
+  Weights w{blocks.data_ptr<uint8_t>(), nullptr, KB, BB, N, NT};
   if (fmt == I8) {
     TORCH_CHECK(scale.has_value() && scale->scalar_type() == at::kFloat && scale->is_contiguous() &&
                 scale->numel() == NT * 16, "scale: fp32 [N]");
