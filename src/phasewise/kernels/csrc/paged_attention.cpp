@@ -43,17 +43,26 @@ inline __m512 reduce16(__m512* a) {
 // Leaves the running max m[G], sum l[G] and unnormalised output acc[G, D].
 // An int8 cache's keys are converted to floats once per 16 keys (not once per query head), and
 // its scales multiply the 16 scores and the 16 value weights instead of every element.
-template <int NV, bool INT8>
-void attend(const Cache& c, const int64_t* table, int64_t block_size, int64_t h, const float* q, int64_t G,
+// GT > 0 fixes G at compile time, so the queries and outputs stay in registers (GT NV <= 16);
+// GT = 0 takes G from the call (at most MAX_G), its state in arrays on the stack.
+constexpr int64_t MAX_G = 32;
+
+template <int NV, bool INT8, int GT>
+void attend(const Cache& c, const int64_t* table, int64_t block_size, int64_t h, const float* q, int64_t G_call,
             float sc, int64_t from, int64_t to, float* acc, float* m, float* l) {
-  constexpr int64_t D = 16 * NV;
-  std::vector<__m512> qv(G * NV), out(G * NV, _mm512_setzero_ps());
+  constexpr int64_t D = 16 * NV, GMAX = GT > 0 ? GT : MAX_G;
+  const int64_t G = GT > 0 ? GT : G_call;
+  __m512 qv[GMAX][NV], out[GMAX][NV];
   for (int64_t g = 0; g < G; ++g) {
-    for (int i = 0; i < NV; ++i) qv[g * NV + i] = _mm512_mul_ps(_mm512_loadu_ps(q + g * D + 16 * i), _mm512_set1_ps(sc));
+    for (int i = 0; i < NV; ++i) {
+      qv[g][i] = _mm512_mul_ps(_mm512_loadu_ps(q + g * D + 16 * i), _mm512_set1_ps(sc));
+      out[g][i] = _mm512_setzero_ps();
+    }
     m[g] = NEG_INF;
     l[g] = 0.f;
   }
-  std::vector<float> probs(G * KEYS), kbuf(INT8 ? KEYS * D : 0);
+  alignas(64) float probs[GMAX][KEYS];
+  alignas(64) float kbuf[INT8 ? KEYS * D : 1];
   alignas(64) float kscale[KEYS], vscale[KEYS];
   for (int64_t start = from; start < to; start += KEYS) {
     const int64_t n = std::min<int64_t>(KEYS, to - start);
@@ -62,11 +71,11 @@ void attend(const Cache& c, const int64_t* table, int64_t block_size, int64_t h,
     for (int64_t j = 0, blk = start / block_size, off = start % block_size; j < n; ++j) {
       at[j] = (table[blk] * block_size + off) * c.Hkv + h;
       if (++off == block_size) ++blk, off = 0;
-      if (INT8) {
+      if constexpr (INT8) {
         __m512 kr[NV];
         load_int8_row<NV>(c.kq + at[j] * D, kr);
-        for (int i = 0; i < NV; ++i) _mm512_storeu_ps(kbuf.data() + j * D + 16 * i, kr[i]);
-        krow[j] = kbuf.data() + j * D;
+        for (int i = 0; i < NV; ++i) _mm512_store_ps(kbuf + j * D + 16 * i, kr[i]);
+        krow[j] = kbuf + j * D;
         kscale[j] = c.ks[at[j]];
         vscale[j] = c.vs[at[j]];
       } else {
@@ -74,40 +83,71 @@ void attend(const Cache& c, const int64_t* table, int64_t block_size, int64_t h,
       }
     }
     const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+    __m512 scores[GMAX];
+    alignas(64) float m_old[GMAX], m_new[GMAX], corr[GMAX];
     for (int64_t g = 0; g < G; ++g) {
       __m512 dots[KEYS];
       for (int64_t j = 0; j < KEYS; ++j) {
         if (j >= n) { dots[j] = _mm512_setzero_ps(); continue; }
-        __m512 s = _mm512_mul_ps(qv[g * NV], _mm512_loadu_ps(krow[j]));
-        for (int i = 1; i < NV; ++i) s = _mm512_fmadd_ps(qv[g * NV + i], _mm512_loadu_ps(krow[j] + 16 * i), s);
+        __m512 s = _mm512_mul_ps(qv[g][0], _mm512_loadu_ps(krow[j]));
+        for (int i = 1; i < NV; ++i) s = _mm512_fmadd_ps(qv[g][i], _mm512_loadu_ps(krow[j] + 16 * i), s);
         dots[j] = s;
       }
       __m512 s = reduce16(dots);
-      if (INT8) s = _mm512_mul_ps(s, _mm512_maskz_loadu_ps(valid, kscale));
-      s = _mm512_mask_blend_ps(valid, _mm512_set1_ps(NEG_INF), s);
-      const float mx = std::max(m[g], _mm512_reduce_max_ps(s));
-      const __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(s, _mm512_set1_ps(mx))));
-      const float corr = std::exp(m[g] - mx);                  // 0 on the first pass (m = -inf)
-      l[g] = l[g] * corr + _mm512_reduce_add_ps(e);
-      m[g] = mx;
-      _mm512_storeu_ps(probs.data() + g * KEYS, INT8 ? _mm512_mul_ps(e, _mm512_maskz_loadu_ps(valid, vscale)) : e);
-      const __m512 cv = _mm512_set1_ps(corr);
-      for (int i = 0; i < NV; ++i) out[g * NV + i] = _mm512_mul_ps(out[g * NV + i], cv);
+      if constexpr (INT8) s = _mm512_mul_ps(s, _mm512_maskz_loadu_ps(valid, kscale));
+      scores[g] = _mm512_mask_blend_ps(valid, _mm512_set1_ps(NEG_INF), s);
+      m_old[g] = m[g];
+      m_new[g] = std::max(m[g], _mm512_reduce_max_ps(scores[g]));
+    }
+    for (int64_t g0 = 0; g0 < G; g0 += 16) {                   // e^(old max - new max), 16 heads a time
+      const __mmask16 heads = static_cast<__mmask16>(G - g0 >= 16 ? 0xFFFF : (1u << (G - g0)) - 1);
+      _mm512_mask_storeu_ps(corr + g0, heads, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(heads, m_old + g0),
+                                                                   _mm512_maskz_loadu_ps(heads, m_new + g0))));
+    }
+    for (int64_t g = 0; g < G; ++g) {                          // corr is 0 on the first pass (m = -inf)
+      const __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(scores[g], _mm512_set1_ps(m_new[g]))));
+      l[g] = l[g] * corr[g] + _mm512_reduce_add_ps(e);
+      m[g] = m_new[g];
+      _mm512_store_ps(probs[g], INT8 ? _mm512_mul_ps(e, _mm512_maskz_loadu_ps(valid, vscale)) : e);
+      const __m512 cv = _mm512_set1_ps(corr[g]);
+      for (int i = 0; i < NV; ++i) out[g][i] = _mm512_mul_ps(out[g][i], cv);
     }
     for (int64_t j = 0; j < n; ++j) {
       __m512 vr[NV];
-      if (INT8) {
+      if constexpr (INT8) {
         load_int8_row<NV>(c.vq + at[j] * D, vr);
       } else {
         for (int i = 0; i < NV; ++i) vr[i] = _mm512_loadu_ps(c.v + at[j] * D + 16 * i);
       }
       for (int64_t g = 0; g < G; ++g) {
-        const __m512 w = _mm512_set1_ps(probs[g * KEYS + j]);
-        for (int i = 0; i < NV; ++i) out[g * NV + i] = _mm512_fmadd_ps(w, vr[i], out[g * NV + i]);
+        const __m512 w = _mm512_set1_ps(probs[g][j]);
+        for (int i = 0; i < NV; ++i) out[g][i] = _mm512_fmadd_ps(w, vr[i], out[g][i]);
       }
     }
   }
-  for (int64_t g = 0; g < G * NV; ++g) _mm512_storeu_ps(acc + 16 * g, out[g]);
+  for (int64_t g = 0; g < G; ++g)
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + g * D + 16 * i, out[g][i]);
+}
+
+// The attend for head size 16 NV and group size G: fixed-G kernels where the state fits registers.
+template <int NV, bool INT8, typename Run>
+void run_for_group(int64_t G, Run&& run) {
+  if constexpr (NV == 4) {
+    switch (G) {
+      case 1: return run(attend<NV, INT8, 1>);
+      case 2: return run(attend<NV, INT8, 2>);
+      case 3: return run(attend<NV, INT8, 3>);
+      case 4: return run(attend<NV, INT8, 4>);
+      default: break;
+    }
+  } else if constexpr (NV == 8) {
+    switch (G) {
+      case 1: return run(attend<NV, INT8, 1>);
+      case 2: return run(attend<NV, INT8, 2>);
+      default: break;
+    }
+  }
+  run(attend<NV, INT8, 0>);
 }
 
 // The same for any head size, one key at a time.
@@ -229,13 +269,13 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
     });
   };
   if (N == 0) return out;
-  switch (D * 2 + int8) {
-    case 128: run(attend<4, false>); break;
-    case 129: run(attend<4, true>); break;
-    case 256: run(attend<8, false>); break;
-    case 257: run(attend<8, true>); break;
-    case 512: run(attend<16, false>); break;
-    case 513: run(attend<16, true>); break;
+  switch (G <= MAX_G ? D * 2 + int8 : 0) {
+    case 128: run_for_group<4, false>(G, run); break;
+    case 129: run_for_group<4, true>(G, run); break;
+    case 256: run_for_group<8, false>(G, run); break;
+    case 257: run_for_group<8, true>(G, run); break;
+    case 512: run_for_group<16, false>(G, run); break;
+    case 513: run_for_group<16, true>(G, run); break;
     default: run(attend_scalar);
   }
   if (P > 1) {                          // merge the parts of each (row, head) by their log-sum-exp
