@@ -142,6 +142,24 @@ def test_paged_attention_matches_the_reference(ops, query_lens, context_lens):
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
+def _kernel_against_reference(ops, Hq: int, Hkv: int, head_dim: int, block_size: int, int8: bool,
+                              query_lens: list[int], context_lens: list[int]) -> None:
+    """Random q, k, v and a cache (fp32, or int8 with its new k and v exact in int8): kernel == reference."""
+    num_blocks = sum(-(-c // block_size) for c in context_lens) + 3
+    tables = _tables(context_lens, block_size, num_blocks)
+    T = sum(query_lens)
+    q, k, v = torch.randn(T, Hq, head_dim), torch.randn(T, Hkv, head_dim), torch.randn(T, Hkv, head_dim)
+    caches = [torch.randn(num_blocks * block_size, Hkv, head_dim) * 2 for _ in range(2)]
+    if int8:
+        (kq, ks), (vq, vs) = quantize_rows(caches[0]), quantize_rows(caches[1])
+        caches = [kq, vq, ks, vs]
+        k, v = (x.float() * s.unsqueeze(-1) for x, s in (quantize_rows(k), quantize_rows(v)))
+    meta = AttentionMetadata.build(query_lens, context_lens, tables, block_size, torch.device("cpu"))
+    ref = paged_attention(q, k, v, tuple(c.clone() for c in caches), meta)
+    out = paged_attention(q, k, v, tuple(caches), meta, ops=ops)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("Hq, Hkv", [(4, 4), (8, 4), (12, 3), (14, 2)])
@@ -149,20 +167,7 @@ def test_paged_attention_kernel_at_every_group_size(ops, head_dim, int8, Hq, Hkv
     """Decode rows: group sizes 1 to 4 have kernels with G fixed at compile time (1, 2 at head size
     128), the others the kernel that takes G at run time."""
     torch.manual_seed(6)
-    query_lens, context_lens, bs = [1, 1, 1], [300, 17, 64], 16
-    num_blocks = sum(-(-c // bs) for c in context_lens) + 2
-    tables = _tables(context_lens, bs, num_blocks)
-    T = sum(query_lens)
-    q, k, v = torch.randn(T, Hq, head_dim), torch.randn(T, Hkv, head_dim), torch.randn(T, Hkv, head_dim)
-    caches = [torch.randn(num_blocks * bs, Hkv, head_dim) * 2 for _ in range(2)]
-    if int8:
-        (kq, ks), (vq, vs) = quantize_rows(caches[0]), quantize_rows(caches[1])
-        caches = [kq, vq, ks, vs]
-        k, v = (x.float() * s.unsqueeze(-1) for x, s in (quantize_rows(k), quantize_rows(v)))   # exact in int8
-    meta = AttentionMetadata.build(query_lens, context_lens, tables, bs, torch.device("cpu"))
-    ref = paged_attention(q, k, v, tuple(c.clone() for c in caches), meta)
-    out = paged_attention(q, k, v, tuple(caches), meta, ops=ops)
-    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    _kernel_against_reference(ops, Hq, Hkv, head_dim, 16, int8, [1, 1, 1], [300, 17, 64])
 
 
 @pytest.mark.parametrize("head_dim, block_size", [(64, 16), (128, 32), (256, 8), (32, 16), (80, 16)])
@@ -176,20 +181,7 @@ def test_paged_attention_kernel_at_every_head_size_and_context(ops, head_dim, bl
                                                                context_lens):
     """The vectorised head sizes (64, 128, 256), the scalar fallback (32, 80), split long contexts."""
     torch.manual_seed(5)
-    Hq, Hkv = 8, 2
-    num_blocks = sum(-(-c // block_size) for c in context_lens) + 3
-    tables = _tables(context_lens, block_size, num_blocks)
-    T = sum(query_lens)
-    q, k, v = torch.randn(T, Hq, head_dim), torch.randn(T, Hkv, head_dim), torch.randn(T, Hkv, head_dim)
-    caches = [torch.randn(num_blocks * block_size, Hkv, head_dim) * 2 for _ in range(2)]
-    if int8:
-        (kq, ks), (vq, vs) = quantize_rows(caches[0]), quantize_rows(caches[1])
-        caches = [kq, vq, ks, vs]
-        k, v = (x.float() * s.unsqueeze(-1) for x, s in (quantize_rows(k), quantize_rows(v)))   # exact in int8
-    meta = AttentionMetadata.build(query_lens, context_lens, tables, block_size, torch.device("cpu"))
-    ref = paged_attention(q, k, v, tuple(c.clone() for c in caches), meta)
-    out = paged_attention(q, k, v, tuple(caches), meta, ops=ops)
-    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    _kernel_against_reference(ops, 8, 2, head_dim, block_size, int8, query_lens, context_lens)
 
 
 @pytest.mark.slow
