@@ -148,8 +148,8 @@ def analyse(cfg: ModelConfig, machine: Machine, bytes_per_weight: float, kv_byte
             quantized: bool = False) -> list[PhaseRoofline]:
     """Prefill reads the weights once for all prompt tokens and computes logits for the last one only;
     each decode step reads the weights again, plus the KV cache of its context (taken at the middle of
-    the decode). `quantized`: the int8 kernels
-    run the linear layers, so the compute roof is the int8 dot-product peak."""
+    the decode). `quantized`: the int8 kernels run the linear layers, so the compute roof is the
+    int8 dot-product peak."""
     pre = token_costs(cfg, bytes_per_weight, prompt_tokens // 2, head=False)
     prefill = PhaseRoofline("prefill", prompt_tokens, prefill_s,
                             pre.weight_bytes + kv_bytes_per_token * prompt_tokens,

@@ -152,7 +152,7 @@ def apply_temperature(logits: Tensor, temperature: Tensor) -> Tensor:
     return logits / t[:, None].to(logits.dtype)
 
 
-TOP_P_CANDIDATES = (256, 4096)   # top-p looks among this many best tokens first; a full sort only after
+TOP_P_CANDIDATES = (256, 4096)   # top-p tries each row's best tokens in these tiers, then a full sort
 
 
 def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None) -> Tensor:
@@ -167,7 +167,8 @@ def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None
     the 256 best tokens (their mass against the whole row's normaliser); a row whose kept
     prefix ends inside them, clear of ties at the cut, is exact from them alone. Undecided
     rows try the 4,096 best, and only rows still undecided (very flat ones) are sorted in full.
-    On this model's logits at temperature 0.7 the 256 decide every row at top_p 0.9.
+    On the default model's logits (512 prompt positions) the 256 decide 99% of rows at
+    temperature 0.7 and top_p 0.9, and 59% at 1.0 and 0.95.
     """
     if top_k is None and top_p is None:
         return logits
