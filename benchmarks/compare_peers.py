@@ -110,13 +110,10 @@ def teacher_forced(model, kv_dtype: torch.dtype, ids: list[int]) -> tuple[float,
 
 def fp32_reference(path: Path, ids: list[int]) -> tuple[float, torch.Tensor]:
     """The fp32 model's perplexity and top-1 tokens, with the kernels the engine would use."""
-    from phasewise.kernels import cpu_ops
-    from phasewise.layers.linear import use_fast_linears
-    from phasewise.loading.loader import load_model
+    from phasewise.kernels import build
+    from phasewise.llm_engine import load_prepared
 
-    model, _ = load_model(path, "fp32")
-    use_fast_linears(model, "cpu", torch.float32)
-    cpu_ops.use_cpu_ops(model, cpu_ops.load())
+    model, _ = load_prepared(path, "fp32", "cpu", build.load())
     return teacher_forced(model, torch.float32, ids)
 
 

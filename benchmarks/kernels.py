@@ -18,7 +18,7 @@ import time
 import torch
 from torch import nn
 
-from phasewise.kernels import quant
+from phasewise.kernels import build, quant
 from phasewise.layers.linear import OneDNNLinear, onednn_available
 from phasewise.layers.quant_linear import QuantLinear
 
@@ -39,6 +39,11 @@ def random_packed(fmt: str, n: int, k: int) -> quant.PackedWeight:
 def clone(w: quant.PackedWeight) -> quant.PackedWeight:
     c = lambda t: None if t is None else t.clone()  # noqa: E731
     return quant.PackedWeight(w.fmt, w.n, w.k, c(w.blocks), c(w.scale))
+
+
+def with_kernels(layer: QuantLinear, kernels) -> QuantLinear:
+    layer.set_kernels(kernels)
+    return layer
 
 
 def timeit(fns: list, x: torch.Tensor, repeats: int, min_time: float) -> float:
@@ -73,10 +78,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    ext = quant.load()
+    ext = build.load()                    # PHASEWISE_ISA picks a lower level
     if ext is None:
         print("note: the C++ kernels are unavailable; int8/q4 run their PyTorch reference")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, kernels: {ext.isa if ext else 'none'}")
     print(f"{'shape':>8} {'N x K':>11} {'M':>4} | {'kernel':>6} {'us':>9} {'GB/s':>6} {'GFLOP/s':>8} {'vs fp32':>7}")
     with torch.inference_mode():
         for name in args.shapes.split(","):
@@ -88,7 +93,7 @@ def main() -> None:
             packed = {"int8": quant.quantize_i8(w), "q4": random_packed("q8" if name == "lm_head" else "q4", n, k)}
             factories = {"fp32": (lambda: OneDNNLinear(lin) if onednn else lin, 4 * n * k)}
             for fmt, pw in packed.items():
-                factories[fmt] = (lambda pw=pw: QuantLinear(clone(pw)).set_kernels(ext), pw.nbytes())
+                factories[fmt] = (lambda pw=pw: with_kernels(QuantLinear(clone(pw)), ext), pw.nbytes())
             kernels = {}
             for kname, (make, nbytes) in factories.items():
                 copies = -(-L3_BYTES * 3 // nbytes) if args.cold else 1

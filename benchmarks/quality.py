@@ -24,11 +24,10 @@ from pathlib import Path
 
 import torch
 
-from phasewise.kernels import cpu_ops
-from phasewise.kernels.cpu_ops import use_cpu_ops
+from phasewise.kernels import build
 from phasewise.layers.attention import AttentionMetadata
-from phasewise.layers.linear import use_fast_linears
-from phasewise.loading.loader import default_model_path, load_model, parse_dtype
+from phasewise.llm_engine import load_prepared
+from phasewise.loading.loader import default_model_path, parse_dtype
 from phasewise.runner.kv_cache import KVCache
 from phasewise.tokenizer import Tokenizer
 
@@ -100,11 +99,9 @@ def main() -> None:
         dtypes.insert(0, "fp32")
     for spec in dtypes:
         dtype, _, kv = spec.partition("/")
-        model, _ = load_model(path, dtype)
-        if args.kernels == "auto":            # as the engine does: linear kernels, then the fused fp32 ops
-            use_fast_linears(model, "cpu", parse_dtype(dtype))
-            if parse_dtype(dtype) == torch.float32:
-                use_cpu_ops(model, cpu_ops.load())
+        # as the engine does: the ISA level's kernels (PHASEWISE_ISA), or plain PyTorch with --kernels torch
+        kernels = build.load() if args.kernels == "auto" else None
+        model, _ = load_prepared(path, dtype, "cpu", kernels, plain=args.kernels == "torch")
         kv_dtype = torch.int8 if kv == "int8" else parse_dtype(dtype)
         runner = Runner(model, kv_dtype, len(ids) + args.decode_tokens)
         prefill, decode = [], []

@@ -5,8 +5,12 @@ from __future__ import annotations
 import torch
 import pytest
 
+from phasewise.kernels.isa import runnable_levels
 from phasewise.layers.attention import AttentionMetadata
 from phasewise.runner.kv_cache import KVCache
+
+# Every ISA level this CPU can run (PHASEWISE_ISA caps it): the kernel tests run at each.
+LEVELS = [lv.name for lv in runnable_levels()]
 
 
 class PagedRunner:
@@ -50,3 +54,32 @@ def llm():
     from phasewise import LLM
 
     return LLM(kv_cache_memory=0.25)
+
+
+def _capped_levels() -> list[str]:
+    """LEVELS up to PHASEWISE_ISA when it is set (to show a lower machine's suite on this one)."""
+    import os
+
+    cap = os.environ.get("PHASEWISE_ISA")
+    return LEVELS[: LEVELS.index(cap) + 1] if cap in LEVELS else LEVELS
+
+
+@pytest.fixture(scope="session", params=_capped_levels())
+def ops(request):
+    """The compiled kernels of one ISA level; tests that take it run once per level."""
+    from phasewise.kernels import build
+
+    kernels = build.load(request.param)
+    assert kernels is not None, f"the {request.param} kernels failed to build"
+    assert kernels.isa.startswith(request.param)
+    return kernels
+
+
+@pytest.fixture(scope="session")
+def chosen_ops():
+    """The kernels an engine on this machine uses (PHASEWISE_ISA, else the best level)."""
+    from phasewise.kernels import build
+
+    kernels = build.load()
+    assert kernels is not None, "the kernels failed to build"
+    return kernels

@@ -1,25 +1,15 @@
-"""The compiled CPU ops against their PyTorch reference paths: each op alone, then whole models."""
+"""The compiled CPU ops against their PyTorch reference paths, at every ISA level this CPU runs:
+each op alone, then whole models."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from phasewise.kernels import cpu_ops
-from phasewise.kernels.build import cpu_supports_avx512
+from phasewise.kernels import use_kernels
 from phasewise.layers.attention import AttentionMetadata, paged_attention, quantize_rows
 from phasewise.layers.norm import RMSNorm
 from phasewise.layers.rotary import RotaryEmbedding
-
-pytestmark = pytest.mark.skipif(not cpu_supports_avx512(), reason="the kernels need AVX-512")
-
-
-@pytest.fixture(scope="module")
-def ops():
-    module = cpu_ops.load()
-    assert module is not None, "the cpu_ops extension failed to build"
-    return module
-
 
 def test_rms_norm_with_and_without_residual(ops):
     torch.manual_seed(0)
@@ -185,7 +175,7 @@ def test_paged_attention_kernel_at_every_head_size_and_context(ops, head_dim, bl
 
 
 @pytest.mark.slow
-def test_default_model_logits_and_greedy_tokens_with_and_without_the_ops(llm):
+def test_default_model_logits_and_greedy_tokens_with_and_without_the_ops(llm, chosen_ops):
     """The engine's model, with the compiled ops and with the reference code, on a mixed batch."""
     from phasewise import SamplingParams
 
@@ -194,11 +184,11 @@ def test_default_model_logits_and_greedy_tokens_with_and_without_the_ops(llm):
     prompts = [list(range(300, 340)), list(range(500, 503)), list(range(700, 790))]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
     fast = llm.generate(prompts, params)
-    cpu_ops.use_cpu_ops(model, None)
+    use_kernels(model, None)
     try:
         slow = llm.generate(prompts, params)
     finally:
-        cpu_ops.use_cpu_ops(model, ops=cpu_ops.load())
+        use_kernels(model, chosen_ops)
     for a, b in zip(fast, slow):
         assert a.token_ids == b.token_ids
         for la, lb in zip(a.logprobs, b.logprobs):
@@ -209,9 +199,4 @@ def test_no_kernels_env_turns_the_build_off(monkeypatch):
     from phasewise.kernels import build
 
     monkeypatch.setenv("PHASEWISE_NO_KERNELS", "1")
-    build.load.cache_clear()
-    try:
-        assert cpu_ops.load() is None
-    finally:
-        monkeypatch.delenv("PHASEWISE_NO_KERNELS")
-        build.load.cache_clear()
+    assert build.load() is None

@@ -1,16 +1,15 @@
-"""The C++ decoder stack against the model's Python layers (the same compiled ops, one by one)."""
+"""The C++ decoder stack against the model's Python layers (the same compiled ops, one by one), at
+every ISA level this CPU runs."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from phasewise.kernels import cpu_ops, decoder_stack, quant
+from phasewise.kernels import use_kernels
 from phasewise.layers.attention import AttentionMetadata
 from phasewise.layers.linear import use_fast_linears
 from phasewise.runner.kv_cache import KVCache
-
-pytestmark = pytest.mark.skipif(not quant.cpu_supports_vnni(), reason="the stack needs AVX-512 VNNI")
 
 
 @pytest.fixture(scope="module")
@@ -18,10 +17,16 @@ def q4_model(default_model_path):
     from phasewise.loading.loader import load_model
 
     model, _ = load_model(default_model_path, "q4")
-    use_fast_linears(model, "cpu", torch.float32)
-    cpu_ops.use_cpu_ops(model, cpu_ops.load())
-    assert model.model.stack is not None, "no decoder stack for the q4 model"
     return model
+
+
+@pytest.fixture
+def q4_stack(q4_model, ops):
+    """The q4 model with one level's kernels and its decoder stack."""
+    use_fast_linears(q4_model, "cpu", torch.float32, ops)
+    use_kernels(q4_model, ops)
+    assert q4_model.model.stack is not None, "no decoder stack for the q4 model"
+    return q4_model
 
 
 @torch.inference_mode()
@@ -58,23 +63,21 @@ def run_steps(model, kv_dtype: torch.dtype, use_stack: bool) -> list[torch.Tenso
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8], ids=["fp32-kv", "int8-kv"])
-def test_stack_matches_the_python_layers(q4_model, kv_dtype):
-    fast = run_steps(q4_model, kv_dtype, use_stack=True)
-    ref = run_steps(q4_model, kv_dtype, use_stack=False)
+def test_stack_matches_the_python_layers(q4_stack, kv_dtype):
+    fast = run_steps(q4_stack, kv_dtype, use_stack=True)
+    ref = run_steps(q4_stack, kv_dtype, use_stack=False)
     for a, b in zip(fast, ref):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
         assert (a.argmax(-1) == b.argmax(-1)).all()
 
 
-def test_no_stack_without_kernels_or_for_fp32(q4_model, default_model_path):
+def test_no_stack_without_kernels_or_for_fp32(q4_model, default_model_path, chosen_ops):
     from phasewise.loading.loader import load_model
 
-    assert decoder_stack.build(q4_model.model, None) is None
     fp32, _ = load_model(default_model_path)
-    assert decoder_stack.build(fp32.model, cpu_ops.load()) is None     # its linears are not quantized
-    cpu_ops.use_cpu_ops(q4_model, None)
-    try:
-        assert q4_model.model.stack is None
-    finally:
-        cpu_ops.use_cpu_ops(q4_model, cpu_ops.load())
+    use_kernels(fp32, chosen_ops)
+    assert fp32.model.stack is None and fp32.model.norm.ops is chosen_ops   # its linears are not quantized
+    use_kernels(q4_model, chosen_ops)
     assert q4_model.model.stack is not None
+    use_kernels(q4_model, None)
+    assert q4_model.model.stack is None

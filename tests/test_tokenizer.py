@@ -10,7 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from phasewise.tokenizer import IncrementalDetokenizer, Tokenizer, default_cache_dir, gguf_cache_key
+from phasewise.paths import default_cache_dir
+from phasewise.tokenizer import IncrementalDetokenizer, Tokenizer, gguf_cache_key
 
 TEXTS = [
     "Hello, world! How are you today?",

@@ -15,8 +15,8 @@ from phasewise.config import CacheConfig, EngineConfig, SpeculativeConfig
 from phasewise.engine.core import EngineCore
 from phasewise.engine.outputs import RequestOutput
 from phasewise.engine.request import FinishReason, Request
-from phasewise.kernels import cpu_ops
-from phasewise.kernels.cpu_ops import use_cpu_ops
+from phasewise.kernels import build as kernel_build
+from phasewise.kernels import use_kernels
 from phasewise.layers.linear import use_fast_linears
 from phasewise.loading.loader import load_config, load_model, parse_dtype, resolve_model_path
 from phasewise.outputs import CompletionOutput, StreamDelta
@@ -28,14 +28,21 @@ from phasewise.spec.ngram import NgramProposer
 from phasewise.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
-def _load(path, dtype: str, device: str, kernels: str):
-    """The model at `path` in `dtype`, with the fast linear kernels and fused CPU ops when wanted."""
+def choose_kernels(config: EngineConfig):
+    """The compiled CPU kernels for this engine (the ISA level isa.py picks), or None: another
+    device, `kernels="torch"`, or nothing could be built. Chosen once, handed to every model."""
+    if config.kernels == "torch" or torch.device(config.device).type != "cpu":
+        return None
+    return kernel_build.load()
+
+
+def load_prepared(path, dtype: str, device: str = "cpu", kernels=None, plain: bool = False):
+    """The model at `path` in `dtype`, its layers given `kernels` (or their reference paths);
+    `plain`: no oneDNN either (kernels="torch")."""
     model, cfg = load_model(path, dtype, device)
     torch_dtype = parse_dtype(dtype)
-    if kernels == "auto":
-        use_fast_linears(model, device, torch_dtype)
-        if torch.device(device).type == "cpu" and torch_dtype == torch.float32:
-            use_cpu_ops(model, cpu_ops.load())
+    use_fast_linears(model, device, torch_dtype, kernels, onednn=not plain)
+    use_kernels(model, kernels if torch_dtype == torch.float32 else None)
     return model, cfg
 
 
@@ -54,7 +61,9 @@ class LLMEngine:
         dtype = parse_dtype(config.dtype)
         load_config(self.model_path)   # cheap: an unsupported architecture fails before anything slow
         self.tokenizer = Tokenizer.load(self.model_path)
-        self.model, self.model_config = _load(self.model_path, config.dtype, config.device, config.kernels)
+        self.kernels = choose_kernels(config)
+        self.model, self.model_config = load_prepared(self.model_path, config.dtype, config.device, self.kernels,
+                                              plain=config.kernels == "torch")
         max_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
         self.max_model_len = min(max_len, self.model_config.max_position_embeddings)
         cache: CacheConfig = config.cache
@@ -62,7 +71,7 @@ class LLMEngine:
         num_blocks = cache.num_blocks or num_blocks_for_memory(
             self.model_config, cache.block_size, kv_dtype, cache.kv_cache_memory_gib)
         self.kv_cache = KVCache(self.model_config, num_blocks, cache.block_size, kv_dtype, config.device)
-        runner = ModelRunner(self.model, self.kv_cache, self.tokenizer.eos_token_ids, config.device)
+        runner = ModelRunner(self.model, self.kv_cache, self.tokenizer.eos_token_ids, config.device, self.kernels)
         spec = config.speculative
         self.draft_model = None
         self.core = EngineCore(runner, config.scheduler, num_blocks, cache.block_size, self.max_model_len,
@@ -80,7 +89,7 @@ class LLMEngine:
         if spec.method != "draft":
             return None
         path = resolve_model_path(spec.draft_model) if spec.draft_model else self.model_path
-        draft, cfg = _load(path, spec.draft_dtype, self.config.device, self.config.kernels)
+        draft, cfg = load_prepared(path, spec.draft_dtype, self.config.device, self.kernels, plain=self.config.kernels == "torch")
         if cfg.vocab_size != self.model_config.vocab_size:
             raise ValueError(f"the draft model {path} has {cfg.vocab_size} tokens in its vocabulary, the "
                              f"target {self.model_config.vocab_size}: they must share the tokenizer")
@@ -90,7 +99,7 @@ class LLMEngine:
         kv = KVCache(cfg, num_blocks, self.config.cache.block_size, parse_dtype(spec.draft_dtype),
                      self.config.device)
         self.draft_model = draft
-        return DraftModelProposer(draft, kv, self.tokenizer.eos_token_ids, self.config.device)
+        return DraftModelProposer(draft, kv, self.tokenizer.eos_token_ids, self.config.device, self.kernels)
 
     # ---- requests ---------------------------------------------------------------
 

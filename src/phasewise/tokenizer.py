@@ -9,6 +9,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 
+from phasewise.paths import default_cache_dir
+
 # Turn-ending tokens of common chat formats (ChatML, Llama 3, Phi-3, Gemma, Llama 2 / Mistral).
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "</s>")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -18,14 +20,6 @@ CACHE_FORMAT = 1  # bump to invalidate every cached tokenizer
 def _one_line(err: BaseException) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
-
-
-def default_cache_dir() -> Path:
-    """Root of phasewise's cache: $PHASEWISE_CACHE, else $XDG_CACHE_HOME/phasewise, else ~/.cache/phasewise."""
-    if os.environ.get("PHASEWISE_CACHE"):
-        return Path(os.environ["PHASEWISE_CACHE"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "phasewise"
 
 
 def gguf_cache_key(path: Path) -> str:

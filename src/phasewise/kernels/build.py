@@ -1,11 +1,16 @@
-"""Build and load phasewise's C++ CPU kernels (torch extensions), once per machine, lazily.
+"""Build and load phasewise's C++ CPU kernels: one library per ISA level, one torch binding.
 
-Sources live in `kernels/csrc/`. They are compiled with the machine's compiler by
-`torch.utils.cpp_extension.load` on first use (about a minute) into
-`<phasewise cache>/kernels/<name>-<torch version>-<hash>/` and reused after (the hash covers the
-sources, the flags and the CPU, since `-march=native` builds for this CPU only).
-When the build fails or the CPU lacks AVX-512, `load` returns None after one
-warning, and callers keep their pure-PyTorch reference path.
+- The kernels (csrc/*.cpp but the binding files) are plain C++ over raw pointers. Each ISA level
+  (kernels/isa.py) compiles them with its own target flags into
+  `<cache>/kernels/<level>-<hash>/libphasewise_kernels.so` (about 10 s a level on 2 cores).
+- The binding (bindings.cpp, kernel_set.cpp, decoder_stack.cpp) is a torch extension built once
+  for every level by `torch.utils.cpp_extension` (about a minute): its `KernelSet` opens a
+  level's library and calls through its table of functions.
+
+Hashes cover the sources, headers, flags and compiler, so a changed file rebuilds and a cache
+copied to another machine is reused only where the same flags run. `load` returns None (after
+one warning) when nothing can be built; callers then keep their PyTorch reference paths.
+`python -m phasewise.kernels.build` builds every level this CPU runs, with timings.
 """
 
 from __future__ import annotations
@@ -14,40 +19,102 @@ import functools
 import hashlib
 import os
 import shutil
+import subprocess
+import sys
 import sysconfig
+import tempfile
+import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 
+from phasewise.kernels.isa import Level, chosen_level, runnable_levels
+from phasewise.paths import default_cache_dir
+
 CSRC = Path(__file__).parent / "csrc"
-# The one CPU extension: fused ops, paged attention, quantized linears, the decoder stack.
-CPU_SOURCES = ("cpu_ops.cpp", "paged_attention.cpp", "tile_attention.cpp", "quant_linear.cpp", "decoder_stack.cpp",
-               "bindings.cpp")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"]
+BINDING_SOURCES = ("bindings.cpp", "kernel_set.cpp", "decoder_stack.cpp")
+KERNEL_SOURCES = ("cpu_ops.cpp", "paged_attention.cpp", "tile_attention.cpp", "quant_linear.cpp", "table.cpp")
+COMMON_FLAGS = ("-std=c++17", "-O3", "-fPIC", "-fopenmp", "-ffast-math", "-fno-finite-math-only",
+                "-fvisibility=hidden")
 
 
-def cpu_supports_avx512() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " avx512f " in flags and " avx512bw " in flags
-
-
-def cpu_identity() -> bytes:
-    """The CPU's model name and feature flags: `-march=native` builds for this CPU only, so a cache
-    shared with another machine (a copied home directory, an image) must not hand its build over."""
-    try:
-        first = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
-    except OSError:
-        return b""
-    keep = [line for line in first.splitlines() if line.split(":")[0].strip() in ("vendor_id", "model name", "flags")]
-    return "\n".join(keep).encode()
+class KernelBuildError(RuntimeError):
+    """The compiler failed or is missing."""
 
 
 def disabled() -> bool:
     """PHASEWISE_NO_KERNELS=1 turns every C++ kernel off (the reference paths run)."""
     return os.environ.get("PHASEWISE_NO_KERNELS", "") not in ("", "0")
+
+
+def compiler() -> str:
+    return os.environ.get("CXX") or "c++"
+
+
+def _headers(kernels: bool) -> list[Path]:
+    """The headers a build reads: the bindings only csrc/*.h, the kernels the vector layer too."""
+    extra = sorted(CSRC.glob("vec/*.h")) + sorted(CSRC.glob("arch/*.h")) if kernels else []
+    return sorted(CSRC.glob("*.h")) + extra
+
+
+@functools.cache
+def _compiler_version(cxx: str) -> bytes:
+    try:
+        return subprocess.run([cxx, "--version"], capture_output=True, check=False).stdout
+    except OSError:
+        return b""
+
+
+def _digest(sources: tuple[str, ...], flags: tuple[str, ...], cxx: str) -> str:
+    data = b"".join(p.read_bytes() for p in [CSRC / s for s in sources] + _headers(sources == KERNEL_SOURCES))
+    return hashlib.sha256(data + " ".join(flags).encode() + _compiler_version(cxx)).hexdigest()[:12]
+
+
+def _say(message: str) -> None:
+    print(f"phasewise: {message}", file=sys.stderr, flush=True)
+
+
+def library_path(level: Level, cxx: str | None = None) -> Path:
+    cxx = cxx or compiler()
+    flags = COMMON_FLAGS + level.flags
+    return default_cache_dir() / "kernels" / f"{level.name}-{_digest(KERNEL_SOURCES, flags, cxx)}" / \
+        "libphasewise_kernels.so"
+
+
+def build_library(level: Level, out: Path | None = None, cxx: str | None = None, jobs: int = 2) -> Path:
+    """Compile the kernels for `level` (once: an existing build is reused) and return the library."""
+    cxx = cxx or compiler()
+    out = out or library_path(level, cxx)
+    if out.exists():
+        return out
+    flags = list(COMMON_FLAGS + level.flags)
+    started = time.perf_counter()
+    _say(f"building the {level.name} kernels (once per machine, about 10 s) ...")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        def compile_one(src: str) -> Path:
+            obj = Path(tmp) / (src + ".o")
+            _run([cxx, *flags, "-c", str(CSRC / src), "-o", str(obj)])
+            return obj
+        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+            objects = list(pool.map(compile_one, KERNEL_SOURCES))
+        staged = Path(tmp) / out.name
+        # Linked without -ffast-math: GCC 12 would add crtfastmath.o, whose constructor turns on
+        # flush-to-zero for the whole process (torch included) when the library is loaded.
+        _run([cxx, "-shared", "-fopenmp", *map(str, objects), "-o", str(staged)])
+        os.replace(staged, out)           # atomic: a concurrent build finds it whole or not at all
+    _say(f"built the {level.name} kernels in {time.perf_counter() - started:.1f} s")
+    return out
+
+
+def _run(cmd: list[str]) -> None:
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    except OSError as e:
+        raise KernelBuildError(f"cannot run the compiler {cmd[0]!r}: {e.strerror or e}") from None
+    if done.returncode != 0:
+        raise KernelBuildError(f"{' '.join(cmd[:1] + cmd[-3:])} failed:\n{done.stderr.strip()[-4000:]}")
 
 
 def _put_ninja_on_path() -> None:
@@ -58,29 +125,69 @@ def _put_ninja_on_path() -> None:
 
 
 @functools.cache
-def load(name: str, sources: tuple[str, ...]) -> ModuleType | None:
-    """The compiled extension `name` built from csrc/`sources`, or None where it cannot be had."""
-    if disabled():
-        return None
-    if not cpu_supports_avx512():
-        warnings.warn(f"phasewise: this CPU has no AVX-512; the {name} kernels fall back to PyTorch", stacklevel=2)
-        return None
+def bindings() -> ModuleType:
+    """The torch extension that opens kernel libraries (KernelSet) and runs the decoder stack."""
     import torch
     from torch.utils import cpp_extension
 
-    from phasewise.tokenizer import default_cache_dir
-
     _put_ninja_on_path()
-    paths = [CSRC / s for s in sources]
-    headers = sorted(CSRC.glob("*.h"))
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in paths + headers) + " ".join(FLAGS).encode()
-                            + cpu_identity()).hexdigest()[:12]
-    build = default_cache_dir() / "kernels" / f"{name}-{torch.__version__.replace('+', '_')}-{digest}"
+    flags = ("-O2", "-std=c++17")
+    digest = _digest(BINDING_SOURCES, flags, compiler())
+    build = default_cache_dir() / "kernels" / f"bindings-{torch.__version__.replace('+', '_')}-{digest}"
+    fresh = not any(build.glob("*.so"))
+    if fresh:
+        _say("building the torch bindings of the kernels (once per torch version, about a minute) ...")
+    started = time.perf_counter()
+    build.mkdir(parents=True, exist_ok=True)
+    module = cpp_extension.load(f"phasewise_kernels_{digest}", [str(CSRC / s) for s in BINDING_SOURCES],
+                                extra_cflags=list(flags), extra_ldflags=["-ldl"], build_directory=str(build),
+                                verbose=False)
+    if fresh:
+        _say(f"built the torch bindings in {time.perf_counter() - started:.1f} s")
+    return module
+
+
+def load(level_name: str | None = None):
+    """The KernelSet of `level_name` (default: PHASEWISE_ISA, else the CPU's best level), or None
+    where it cannot be had (kernels disabled, another architecture, no compiler). An unknown or
+    unsupported PHASEWISE_ISA raises ISAError."""
+    if disabled():
+        return None
+    level = chosen_level(requested=level_name)
+    if level is None:
+        warnings.warn("phasewise: no C++ kernels for this CPU architecture; using PyTorch", stacklevel=2)
+        return None
+    return _load_level(level)
+
+
+@functools.cache
+def _load_level(level: Level):
+    """One KernelSet per level and process (None after one warning when it cannot be built)."""
     try:
-        build.mkdir(parents=True, exist_ok=True)
-        return cpp_extension.load(f"phasewise_{name}_{digest}", [str(p) for p in paths], extra_cflags=FLAGS,
-                                  extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
+        return bindings().KernelSet(str(build_library(level)))
     except Exception as e:  # no compiler, no ninja, a read-only cache ...: run the reference path
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        warnings.warn(f"phasewise: could not build the {name} kernels ({first}); using PyTorch", stacklevel=2)
+        warnings.warn(f"phasewise: could not build the {level.name} kernels ({first}); using PyTorch", stacklevel=2)
         return None
+
+
+def main() -> int:
+    """Build the bindings and every level this CPU runs; print each build's time."""
+    started = time.perf_counter()
+    try:
+        bindings()
+        levels = runnable_levels()
+        for level in levels:
+            build_library(level)
+        chosen = chosen_level()
+    except Exception as e:
+        print(f"phasewise: error: {str(e).strip().splitlines()[0]}", file=sys.stderr)
+        return 2
+    names = ", ".join(lv.name for lv in levels)
+    _say(f"kernels ready for {names} in {time.perf_counter() - started:.1f} s; "
+         f"this machine runs {chosen.name if chosen else 'no level'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

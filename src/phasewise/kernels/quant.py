@@ -17,37 +17,17 @@ quantized per block of 32 too), for tests.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import torch
 
-from phasewise.kernels.build import CPU_SOURCES
-from phasewise.kernels.build import load as _load
-
 QK = 32                                   # values per block
-TILE = 16                                 # output rows per tile (one zmm lane each)
+TILE = 16                                 # output rows per tile (one vector lane each)
 FORMAT_IDS = {"q4": 0, "q8": 1, "i8": 2}
 QUANT_BYTES = {"q4": 256, "q8": 512, "i8": 512}   # quants per (tile, block); then d (q4, q8), m (q4)
 BLOCK_BYTES = {"q4": 256 + 64, "q8": 512 + 32, "i8": 512}
 # GGUF block types we read as they are: name → (format, bytes per block of 32).
 GGUF_BLOCKS = {"Q4_0": ("q4", 18), "Q4_1": ("q4", 20), "Q8_0": ("q8", 34)}
-
-
-def cpu_supports_vnni() -> bool:
-    try:
-        return " avx512_vnni " in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
-
-def load() -> ModuleType | None:
-    """The compiled quantized-linear kernels, or None (then QuantLinear runs its reference)."""
-    if not cpu_supports_vnni():
-        return None
-    ext = _load("cpu", CPU_SOURCES)
-    return ext if ext is not None and ext.has_vnni else None
 
 
 @dataclass

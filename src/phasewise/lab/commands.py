@@ -70,7 +70,7 @@ def cmd_roofline(args: argparse.Namespace) -> int:
     kv = kv_bytes_per_token(cfg, llm.engine.kv_cache.dtype)
     from phasewise.layers.quant_linear import QuantLinear
 
-    quantized = any(isinstance(m, QuantLinear) and m.ext is not None for m in llm.engine.model.modules())
+    quantized = any(isinstance(m, QuantLinear) and m.kernels is not None for m in llm.engine.model.modules())
     phases = analyse(cfg, machine, per_weight, kv, len(prompt), out.metrics.prompt_ms / 1e3,
                      len(out.token_ids) - 1, out.metrics.decode_ms / 1e3, quantized)
     print("\n".join(report(machine, phases)))

@@ -59,11 +59,12 @@ def measure_machine(dtype: torch.dtype = torch.float32, dram_mib: int = 1024, ca
 
 
 def int8_peak_gops(repeats: int = 3) -> float | None:
-    """The int8 dot-product peak of all threads (best of `repeats`), or None without the VNNI kernels."""
-    from phasewise.kernels import quant
+    """The int8 dot-product peak of all threads with the kernels' own instructions (best of
+    `repeats`), or None without compiled kernels."""
+    from phasewise.kernels import build
 
-    ops = quant.load()
-    return max(ops.int8_peak_gops() for _ in range(repeats)) if ops is not None else None
+    kernels = build.load()
+    return max(kernels.int8_peak_gops() for _ in range(repeats)) if kernels is not None else None
 
 
 @dataclass(frozen=True)

@@ -4,16 +4,20 @@ On x86 CPUs, torch's default fp32 GEMM (MKL) is slow for the few-row products
 of decode (about 10 GB/s of weights at one row on this project's machine);
 oneDNN with weights packed ahead of time for its own kernels reads them about
 1.4x faster and is no slower for prefill. `F.linear` stays the reference path,
-used on other devices and wherever the oneDNN ops are missing. Quantized layers
-(`QuantLinear`, --dtype int8 / q4) get the C++ VNNI kernels here, on the CPU.
+used on other devices and wherever the oneDNN ops are missing (bf16 only where
+oneDNN has bf16 kernels for the CPU). Quantized layers (`QuantLinear`, --dtype
+int8 / q4) run the engine's compiled kernels; without them (another device,
+kernels off) their weights are dequantized once here, not on every call.
 """
 
 from __future__ import annotations
 
+import warnings
+from typing import Any
+
 import torch
 from torch import nn
 
-from phasewise.kernels import quant
 from phasewise.layers.quant_linear import QuantLinear
 
 
@@ -22,6 +26,8 @@ def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
         return False
     if not torch.backends.mkldnn.is_available():
         return False
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False          # oneDNN's bf16 weight reorder needs AVX-512 (or AMX, or ARM's bf16)
     return hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
@@ -40,19 +46,25 @@ class OneDNNLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def use_fast_linears(model: nn.Module, device: torch.device | str, dtype: torch.dtype) -> int:
-    """Swap every nn.Linear for the best kernel on this device, and give quantized layers the compiled
-    kernels (CPU); returns how many layers were given a kernel."""
+def use_fast_linears(model: nn.Module, device: torch.device | str, dtype: torch.dtype, kernels: Any = None,
+                     onednn: bool = True) -> int:
+    """Choose every linear layer's kernel: quantized layers keep their blocks where `kernels` can
+    run them (the CPU) and are dequantized once into `dtype` otherwise; plain layers go to oneDNN
+    where it is available (and `onednn`). Returns how many layers were given a fast kernel."""
     device = torch.device(device)
-    quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    ext = quant.load() if quantized and device.type == "cpu" else None
-    for m in quantized:
-        m.set_kernels(ext)
-    if not onednn_available(device, dtype):
-        return len(quantized) if ext else 0
+    parents = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()]
+    quantized = [(p, n, c) for p, n, c in parents if isinstance(c, QuantLinear)]
+    if quantized and (kernels is None or device.type != "cpu"):
+        warnings.warn(f"phasewise: no compiled kernels for the {quantized[0][2].fmt} weights here; they are "
+                      f"dequantized to {str(dtype).removeprefix('torch.')} once at load (float speed and memory)",
+                      stacklevel=2)
+        for parent, name, layer in quantized:
+            setattr(parent, name, layer.dequantized(dtype))
+        quantized = []
+    if not onednn or not onednn_available(device, dtype):
+        return len(quantized)
     targets = [(parent, name, child) for parent in model.modules()
-               for name, child in parent.named_children() if isinstance(child, nn.Linear)]
+               for name, child in parent.named_children() if type(child) is nn.Linear]
     for parent, name, child in targets:
         setattr(parent, name, OneDNNLinear(child))
-    return len(targets) + (len(quantized) if ext else 0)
-
+    return len(targets) + len(quantized)

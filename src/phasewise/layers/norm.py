@@ -5,15 +5,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from phasewise.kernels.cpu_ops import applies
+from phasewise.kernels import UsesKernels, applies
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(UsesKernels, nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
-        self.ops = None                       # the compiled CPU ops (kernels/cpu_ops.py), if in use
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()

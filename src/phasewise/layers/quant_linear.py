@@ -1,14 +1,14 @@
 """QuantLinear: a linear layer whose weight stays quantized (int8 per channel, GGUF Q4/Q8 blocks).
 
-`forward` runs the C++ AVX-512 VNNI kernel (kernels/csrc/quant_linear.cpp) when `ext` is set
-and the input is fp32 on the CPU; it quantizes activations per block of 32 values. Otherwise
+`forward` runs the compiled kernel (kernels/csrc/quant_linear.cpp, on every ISA level) when
+kernels are set and the input is fp32 on the CPU; it quantizes activations per block of 32 values. Otherwise
 the reference path runs anywhere: dequantize the exact stored weight, then `F.linear` on the
 unquantized activations.
 """
 
 from __future__ import annotations
 
-from types import ModuleType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -26,20 +26,20 @@ class QuantLinear(nn.Module):
         self.register_buffer("blocks", weight.blocks)
         self.register_buffer("scale", weight.scale)
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
-        self.ext: ModuleType | None = None   # the compiled kernels (set_kernels)
+        self.kernels: Any = None             # the compiled kernels (set_kernels)
         self._args: tuple | None = None      # the kernel's arguments, gathered once (attribute lookups cost µs)
 
-    def set_kernels(self, ext: ModuleType | None) -> QuantLinear:
-        """Use the compiled kernels (None: the reference path). Set on the CPU, after any device move."""
-        self.ext = ext
-        self._args = None if ext is None else (self.fmt_id, self.out_features, self.blocks, self.scale, self.bias)
-        return self
+    def set_kernels(self, kernels: Any) -> None:
+        """Use the compiled kernels (None: the reference path); they run only on CPU buffers."""
+        self.kernels = kernels
+        on_cpu = self.blocks.device.type == "cpu"
+        self._args = None if kernels is None or not on_cpu else \
+            (self.fmt_id, self.out_features, self.blocks, self.scale, self.bias)
 
     def _apply(self, fn, recurse=True):
         self._args = None                     # buffers may move: gather the arguments again
         out = super()._apply(fn, recurse)
-        if self.ext is not None and self.blocks.device.type == "cpu":
-            self.set_kernels(self.ext)
+        self.set_kernels(self.kernels)
         return out
 
     @classmethod
@@ -60,8 +60,19 @@ class QuantLinear(nn.Module):
         if args is None or x.dtype is not torch.float32 or x.device.type != "cpu":
             return self.reference(x)
         if x.dim() == 2:
-            return self.ext.quant_linear(x, *args)
-        return self.ext.quant_linear(x.reshape(-1, self.in_features), *args).reshape(*x.shape[:-1], -1)
+            return self.kernels.quant_linear(x, *args)
+        return self.kernels.quant_linear(x.reshape(-1, self.in_features), *args).reshape(*x.shape[:-1], -1)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> nn.Linear:
+        """A plain linear layer holding the exact stored weight in dtype (for devices without kernels)."""
+        w = quant.dequantize(self.packed, dtype)
+        layer = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device=w.device,
+                          dtype=dtype)
+        with torch.no_grad():
+            layer.weight.copy_(w)
+            if self.bias is not None:
+                layer.bias.copy_(self.bias.to(dtype))
+        return layer
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """Dequantize the stored weight (exact) and multiply in x's dtype."""

@@ -13,23 +13,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from phasewise.kernels.cpu_ops import applies
+from phasewise.kernels import UsesKernels, applies
 from phasewise.layers.attention import AttentionMetadata, LayerKV, paged_attention
 from phasewise.layers.norm import RMSNorm
+from phasewise.layers.quant_linear import QuantLinear
 from phasewise.layers.rotary import RotaryEmbedding
 from phasewise.models.config import ModelConfig
 
 KVCaches = list[LayerKV]  # per layer: k, v as [num_slots, Hkv, D] (int8: and their scales)
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(UsesKernels, nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.cfg = cfg
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
         self.rotary = rotary
-        self.ops = None                                   # the compiled CPU ops, if in use
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -49,12 +49,11 @@ class LlamaAttention(nn.Module):
         return self.o_proj(paged_attention(q, k, v, kv, meta))
 
 
-class LlamaMLP(nn.Module):
+class LlamaMLP(UsesKernels, nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.ops = None                                   # the compiled CPU ops, if in use
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)                    # [T, 2 I]
@@ -93,7 +92,32 @@ class LlamaModel(nn.Module):
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.stack = None       # the C++ decoder stack (kernels/decoder_stack.py), if in use
+        self.stack = None       # the C++ decoder stack (set_kernels), if it can run
+
+    def set_kernels(self, kernels) -> None:
+        """With compiled kernels, a C++ DecoderStack runs every decoder layer of a step in one call
+        (prefill chunks and decodes alike) where it can: every linear layer quantized, weights fp32
+        on the CPU. A decode step of a 30-layer model makes about 300 op calls, each costing
+        microseconds from Python (a third of the step at batch 1). The Python layers stay the
+        path for everything else and the reference the tests compare against."""
+        self.stack = None
+        if kernels is None:
+            return
+        layers = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+            norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            if not all(isinstance(m, QuantLinear) and _on_cpu(m.blocks) for m in linears) \
+                    or not all(map(_fp32_cpu, norms)):
+                return
+            args = [(m.fmt_id, m.out_features, m.blocks, m.scale, m.bias) for m in linears]
+            layers.append((*(w.detach() for w in norms), *args))
+        rotary, cfg = self.layers[0].self_attn.rotary, self.layers[0].self_attn.cfg
+        if not all(_fp32_cpu(t) for t in (self.norm.weight, rotary.cos, rotary.sin)):
+            return
+        self.stack = kernels.decoder_stack(layers, self.norm.weight.detach(), rotary.cos, rotary.sin, cfg.num_heads,
+                                           cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: KVCaches) -> torch.Tensor:
@@ -175,6 +199,14 @@ class LlamaForCausalLM(nn.Module):
     def expected_weights(self) -> set[str]:
         """What load_weights must fill for the model to be complete."""
         return set().union(*(_shard_names(name) for name, _ in self.named_parameters()))
+
+
+def _on_cpu(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.is_contiguous()
+
+
+def _fp32_cpu(t: torch.Tensor) -> bool:
+    return _on_cpu(t) and t.dtype == torch.float32
 
 
 def _shard_names(param: str) -> set[str]:

@@ -13,12 +13,13 @@ from phasewise.spec.verify import verify
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, eos_token_ids: frozenset[int],
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", kernels=None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.eos_token_ids = eos_token_ids
         self.device = torch.device(device)
         self.vocab_size = model.config.vocab_size
+        self.kernels = kernels            # the engine's compiled CPU kernels (the sampler's argmax), or None
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -53,7 +54,7 @@ class ModelRunner:
         if spec_chunks:
             generators = [self._generator(c.request) for c in spec_chunks]
             verified = verify(logits[len(sample_rows):], spec_chunks, generators, self.vocab_size,
-                              self.eos_token_ids, self.device)
+                              self.eos_token_ids, self.device, self.kernels)
             for rid, (accepted, final) in verified.items():
                 out.sampled[rid] = final
                 out.accepted[rid] = accepted
@@ -69,7 +70,7 @@ class ModelRunner:
         params = [r.sampling_params for r in reqs]
         meta = SamplingMetadata.build(
             params, [r.prompt_token_ids for r in reqs], [r.output_token_ids for r in reqs],
-            [self._generator(r) for r in reqs], self.vocab_size, self.eos_token_ids, self.device)
+            [self._generator(r) for r in reqs], self.vocab_size, self.eos_token_ids, self.device, self.kernels)
         out = sample(logits, meta)
         token_ids = out.token_ids.tolist()
         result = {}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +53,7 @@ class SamplingMetadata:
     generators: list[torch.Generator | None]  # per row; None = default generator
     all_greedy: bool
     max_num_logprobs: int | None        # max over rows of params.logprobs; None when no row wants them
+    kernels: Any = None                 # the engine's compiled CPU kernels (argmax), or None
 
     @classmethod
     def build(
@@ -63,6 +65,7 @@ class SamplingMetadata:
         vocab_size: int,
         eos_token_ids: set[int] | frozenset[int],
         device: torch.device | str = "cpu",
+        kernels: Any = None,
     ) -> SamplingMetadata:
         """Gather the batch's settings into tensors; filters and penalties nobody uses stay None.
 
@@ -118,6 +121,7 @@ class SamplingMetadata:
             generators=list(generators),
             all_greedy=all(p.temperature == 0 for p in params),
             max_num_logprobs=max(wanted, default=None),
+            kernels=kernels,
         )
 
 
@@ -233,7 +237,7 @@ def apply_min_p(logits: Tensor, min_p: Tensor | None) -> Tensor:
     return logits.masked_fill(logits < threshold, _NEG_INF)
 
 
-def random_sample(probs: Tensor, generators: list[torch.Generator | None]) -> Tensor:
+def random_sample(probs: Tensor, generators: list[torch.Generator | None], kernels: Any = None) -> Tensor:
     """Exponential race: argmax(probs / E), E ~ Exp(1), picks token i with prob probs[i] / sum.
 
     probs [B, V] need not be normalised. A row with its own generator draws its noise from
@@ -250,7 +254,7 @@ def random_sample(probs: Tensor, generators: list[torch.Generator | None]) -> Te
         if g is not None:
             noise[i].exponential_(generator=g)
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)  # a 0 draw would turn 0/0 into a NaN winner
-    return argmax(probs / noise)
+    return argmax(probs / noise, kernels)
 
 
 def compute_logprobs(raw_logits: Tensor, token_ids: Tensor, num_top: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -261,15 +265,11 @@ def compute_logprobs(raw_logits: Tensor, token_ids: Tensor, num_top: int) -> tup
     return chosen, top_ids, top_logprobs
 
 
-def argmax(logits: Tensor) -> Tensor:
-    """Each row's argmax [B] (the first on ties). On the CPU the compiled kernel when it is
-    built: torch's CPU argmax reads 49k logits in ~85 µs, a millisecond a step at batch 32."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2:
-        from phasewise.kernels import cpu_ops
-
-        ops = cpu_ops.load()
-        if ops is not None:
-            return ops.argmax_rows(logits.contiguous())
+def argmax(logits: Tensor, kernels: Any = None) -> Tensor:
+    """Each row's argmax [B] (the first on ties). With the engine's compiled CPU kernels, their
+    argmax: torch's CPU argmax reads 49k logits in ~85 µs, a millisecond a step at batch 32."""
+    if kernels is not None and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2:
+        return kernels.argmax_rows(logits.contiguous())
     return logits.argmax(dim=-1)
 
 
@@ -279,7 +279,7 @@ def distribution(raw: Tensor, meta: SamplingMetadata) -> tuple[Tensor, Tensor | 
     every row is greedy). Speculative verification uses it as the target distribution p."""
     logits = raw if meta.banned_mask is None else raw.masked_fill(meta.banned_mask, _NEG_INF)
     logits = apply_penalties(logits, meta)
-    greedy_ids = argmax(logits)                                      # [B]
+    greedy_ids = argmax(logits, meta.kernels)                        # [B]
     if meta.all_greedy:  # fast path: no softmax, no sort
         return greedy_ids, None
     logits = apply_temperature(logits, meta.temperature)
@@ -295,7 +295,7 @@ def sample(logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
     if probs is None:
         token_ids = greedy_ids
     else:
-        sampled = random_sample(probs, meta.generators)
+        sampled = random_sample(probs, meta.generators, meta.kernels)
         token_ids = torch.where(meta.temperature == 0, greedy_ids, sampled)
     if meta.max_num_logprobs is None:
         return SamplerOutput(token_ids=token_ids, logprobs=None, top_ids=None, top_logprobs=None)

@@ -52,8 +52,9 @@ class DraftState:
 
 class DraftModelProposer:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, eos_token_ids: frozenset[int] = frozenset(),
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", kernels=None) -> None:
         self.model, self.kv_cache, self.eos_token_ids = model, kv_cache, eos_token_ids
+        self.kernels = kernels                   # the engine's compiled CPU kernels (argmax), or None
         self.device = torch.device(device)
         self.vocab_size = model.config.vocab_size
 
@@ -117,7 +118,7 @@ class DraftModelProposer:
         meta = SamplingMetadata.build(
             [r.sampling_params for r in reqs], [r.prompt_token_ids for r in reqs],
             [r.output_token_ids + d for r, d in zip(reqs, drafts)], [s.generator for s in states],
-            self.vocab_size, self.eos_token_ids, self.device)
+            self.vocab_size, self.eos_token_ids, self.device, self.kernels)
         greedy, probs = distribution(logits, meta)
         if probs is None:
             return greedy.tolist(), None

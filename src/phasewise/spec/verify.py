@@ -21,7 +21,7 @@ Verified = tuple[list[SampledToken], SampledToken]   # accepted drafts, then the
 
 
 def verify(logits: Tensor, chunks: list[ScheduledChunk], generators: list[torch.Generator | None],
-           vocab_size: int, eos_token_ids: frozenset[int], device: torch.device) -> dict[str, Verified]:
+           vocab_size: int, eos_token_ids: frozenset[int], device: torch.device, kernels=None) -> dict[str, Verified]:
     """logits [sum(k_c + 1), V]: chunk c's rows are its last own token, then each draft."""
     params, prompts, outputs = [], [], []
     for c in chunks:
@@ -30,7 +30,8 @@ def verify(logits: Tensor, chunks: list[ScheduledChunk], generators: list[torch.
             params.append(req.sampling_params)
             prompts.append(req.prompt_token_ids)
             outputs.append(req.output_token_ids + c.draft_token_ids[:i])
-    meta = SamplingMetadata.build(params, prompts, outputs, [None] * len(params), vocab_size, eos_token_ids, device)
+    meta = SamplingMetadata.build(params, prompts, outputs, [None] * len(params), vocab_size, eos_token_ids, device,
+                                  kernels)
     raw = logits.float()
     greedy_ids, probs = distribution(raw, meta)                      # [T], [T, V] or None
 

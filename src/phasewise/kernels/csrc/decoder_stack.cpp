@@ -9,8 +9,8 @@
 
 namespace {
 
-torch::Tensor linear(const torch::Tensor& x, const QuantLinearArgs& w) {
-  return quant_linear(x, std::get<0>(w), std::get<1>(w), std::get<2>(w), std::get<3>(w), std::get<4>(w));
+torch::Tensor linear(const KernelSet& k, const torch::Tensor& x, const QuantLinearArgs& w) {
+  return k.quant_linear(x, std::get<0>(w), std::get<1>(w), std::get<2>(w), std::get<3>(w), std::get<4>(w));
 }
 
 c10::optional<torch::Tensor> at_or_none(const std::vector<torch::Tensor>& v, size_t i) {
@@ -19,12 +19,11 @@ c10::optional<torch::Tensor> at_or_none(const std::vector<torch::Tensor>& v, siz
 
 }  // namespace
 
-DecoderStack::DecoderStack(std::vector<LayerArgs> layers, torch::Tensor final_norm, torch::Tensor cos,
-                           torch::Tensor sin, int64_t Hq, int64_t Hkv, int64_t D, double eps)
-    : layers_(std::move(layers)), final_norm_(std::move(final_norm)), cos_(std::move(cos)),
-      sin_(std::move(sin)), Hq_(Hq), Hkv_(Hkv), D_(D), eps_(eps) {
-  TORCH_CHECK(has_vnni(), "the decoder stack runs quantized linear layers: it needs AVX-512 VNNI");
-}
+DecoderStack::DecoderStack(std::shared_ptr<KernelSet> kernels, std::vector<LayerArgs> layers,
+                           torch::Tensor final_norm, torch::Tensor cos, torch::Tensor sin, int64_t Hq, int64_t Hkv,
+                           int64_t D, double eps)
+    : k_(std::move(kernels)), layers_(std::move(layers)), final_norm_(std::move(final_norm)), cos_(std::move(cos)),
+      sin_(std::move(sin)), Hq_(Hq), Hkv_(Hkv), D_(D), eps_(eps) {}
 
 torch::Tensor DecoderStack::forward(torch::Tensor x, torch::Tensor positions, torch::Tensor slots,
                                     const std::vector<std::vector<torch::Tensor>>& kv, torch::Tensor tables,
@@ -36,15 +35,16 @@ torch::Tensor DecoderStack::forward(torch::Tensor x, torch::Tensor positions, to
   for (size_t i = 0; i < layers_.size(); ++i) {
     const LayerArgs& L = layers_[i];
     const auto& cache = kv[i];
-    auto normed = rms_norm(x, std::get<0>(L), eps_, i ? c10::optional<torch::Tensor>(residual) : c10::nullopt);
+    const KernelSet& k = *k_;
+    auto normed = k.rms_norm(x, std::get<0>(L), eps_, i ? c10::optional<torch::Tensor>(residual) : c10::nullopt);
     residual = i ? normed[1] : x;
-    auto qk = rope_and_cache(linear(normed[0], std::get<2>(L)), positions, cos_, sin_, cache[0], cache[1], slots,
-                             Hq_, Hkv_, at_or_none(cache, 2), at_or_none(cache, 3));
-    auto attn = paged_attention(qk[0], cache[0], cache[1], tables, row_seq, row_len, block_size, scale,
-                                at_or_none(cache, 2), at_or_none(cache, 3));
-    normed = rms_norm(linear(attn.view({T, Hq_ * D_}), std::get<3>(L)), std::get<1>(L), eps_, residual);
+    auto qk = k.rope_and_cache(linear(k, normed[0], std::get<2>(L)), positions, cos_, sin_, cache[0], cache[1],
+                               slots, Hq_, Hkv_, at_or_none(cache, 2), at_or_none(cache, 3));
+    auto attn = k.paged_attention(qk[0], cache[0], cache[1], tables, row_seq, row_len, block_size, scale,
+                                  at_or_none(cache, 2), at_or_none(cache, 3));
+    normed = k.rms_norm(linear(k, attn.view({T, Hq_ * D_}), std::get<3>(L)), std::get<1>(L), eps_, residual);
     residual = normed[1];
-    x = linear(silu_and_mul(linear(normed[0], std::get<4>(L))), std::get<5>(L));
+    x = linear(k, k.silu_and_mul(linear(k, normed[0], std::get<4>(L))), std::get<5>(L));
   }
-  return rms_norm(x, final_norm_, eps_, residual)[0];
+  return k_->rms_norm(x, final_norm_, eps_, residual)[0];
 }

@@ -1,6 +1,8 @@
 // DecoderStack: a Llama-family model's decoder layers with quantized weights, run in C++.
 #pragma once
-#include "ops.h"
+#include "kernel_set.h"
+
+#include <memory>
 
 #include <tuple>
 #include <vector>
@@ -14,8 +16,8 @@ using LayerArgs = std::tuple<torch::Tensor, torch::Tensor, QuantLinearArgs, Quan
 
 class DecoderStack {
  public:
-  DecoderStack(std::vector<LayerArgs> layers, torch::Tensor final_norm, torch::Tensor cos, torch::Tensor sin,
-               int64_t Hq, int64_t Hkv, int64_t D, double eps);
+  DecoderStack(std::shared_ptr<KernelSet> kernels, std::vector<LayerArgs> layers, torch::Tensor final_norm,
+               torch::Tensor cos, torch::Tensor sin, int64_t Hq, int64_t Hkv, int64_t D, double eps);
 
   // x: [T, hidden] embedded tokens; positions, slots: [T] int64; kv: per layer (k, v[, k_scale, v_scale]);
   // tables, row_seq, row_len: the paged-attention kernel's rows (every row of the batch).
@@ -25,6 +27,7 @@ class DecoderStack {
                         torch::Tensor row_seq, torch::Tensor row_len, int64_t block_size) const;
 
  private:
+  std::shared_ptr<KernelSet> k_;
   std::vector<LayerArgs> layers_;
   torch::Tensor final_norm_, cos_, sin_;
   int64_t Hq_, Hkv_, D_;

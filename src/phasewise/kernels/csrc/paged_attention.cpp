@@ -7,37 +7,21 @@
 // with their log-sum-exp. Within a task, keys go 16 at a time: 16 dot products, one
 // transpose-reduction into a vector of 16 scores, one vectorised exp, then the 16 value rows
 // times their weights. The G query heads that share a KV head are done together, so each
-// K/V row is read once per task. Head sizes that are not 64, 128 or 256 take a scalar loop.
-#include "ops.h"
+// K/V row is read once per task. Head sizes that are not 64, 128 or 256 take a scalar loop. Written once over the
+// vector layer (vec/vec.h): 16 keys per pass whatever the ISA.
 #include "attention.h"
-
-#include <ATen/Parallel.h>
-#include <immintrin.h>
+#include "core.h"
+#include "parallel.h"
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
 
+namespace pw {
 namespace {
 
-using namespace pw_attention;
-
 constexpr int64_t MIN_PART = 64;      // fewest context tokens worth a task of their own
-
-// a[0..16) → r with r[j] = sum of a[j]'s 16 lanes (a is overwritten).
-inline __m512 reduce16(__m512* a) {
-  for (int i = 0; i < 8; ++i)          // pairs: each 128-bit lane k holds a[2i], a[2i+1] partials
-    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {        // quads: lane k holds partials of a[4i..4i+4)
-    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
-    a[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  for (int i = 0; i < 2; ++i)          // fold the four 128-bit lanes
-    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(a[0], a[1], 0x88), _mm512_shuffle_f32x4(a[0], a[1], 0xDD));
-}
 
 // One task: G query heads (q: [G, D]) over context tokens [from, to) of one sequence.
 // Leaves the running max m[G], sum l[G] and unnormalised output acc[G, D].
@@ -52,11 +36,11 @@ void attend(const Cache& c, const int64_t* table, int64_t block_size, int64_t h,
             float sc, int64_t from, int64_t to, float* acc, float* m, float* l) {
   constexpr int64_t D = 16 * NV, GMAX = GT > 0 ? GT : MAX_G;
   const int64_t G = GT > 0 ? GT : G_call;
-  __m512 qv[GMAX][NV], out[GMAX][NV];
+  Vf qv[GMAX][NV], out[GMAX][NV];
   for (int64_t g = 0; g < G; ++g) {
     for (int i = 0; i < NV; ++i) {
-      qv[g][i] = _mm512_mul_ps(_mm512_loadu_ps(q + g * D + 16 * i), _mm512_set1_ps(sc));
-      out[g][i] = _mm512_setzero_ps();
+      qv[g][i] = Vf::load(q + g * D + 16 * i) * Vf::set1(sc);
+      out[g][i] = Vf::zero();
     }
     m[g] = NEG_INF;
     l[g] = 0.f;
@@ -72,9 +56,9 @@ void attend(const Cache& c, const int64_t* table, int64_t block_size, int64_t h,
       at[j] = (table[blk] * block_size + off) * c.Hkv + h;
       if (++off == block_size) ++blk, off = 0;
       if constexpr (INT8) {
-        __m512 kr[NV];
+        Vf kr[NV];
         load_int8_row<NV>(c.kq + at[j] * D, kr);
-        for (int i = 0; i < NV; ++i) _mm512_store_ps(kbuf + j * D + 16 * i, kr[i]);
+        for (int i = 0; i < NV; ++i) kr[i].store(kbuf + j * D + 16 * i);
         krow[j] = kbuf + j * D;
         kscale[j] = c.ks[at[j]];
         vscale[j] = c.vs[at[j]];
@@ -82,51 +66,49 @@ void attend(const Cache& c, const int64_t* table, int64_t block_size, int64_t h,
         krow[j] = c.k + at[j] * D;
       }
     }
-    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
-    __m512 scores[GMAX];
+    const Mask valid = first_n(n);
+    Vf scores[GMAX];
     alignas(64) float m_old[GMAX], m_new[GMAX], corr[GMAX];
     for (int64_t g = 0; g < G; ++g) {
-      __m512 dots[KEYS];
+      Vf dots[KEYS];
       for (int64_t j = 0; j < KEYS; ++j) {
-        if (j >= n) { dots[j] = _mm512_setzero_ps(); continue; }
-        __m512 s = _mm512_mul_ps(qv[g][0], _mm512_loadu_ps(krow[j]));
-        for (int i = 1; i < NV; ++i) s = _mm512_fmadd_ps(qv[g][i], _mm512_loadu_ps(krow[j] + 16 * i), s);
+        if (j >= n) { dots[j] = Vf::zero(); continue; }
+        Vf s = qv[g][0] * Vf::load(krow[j]);
+        for (int i = 1; i < NV; ++i) s = fma(qv[g][i], Vf::load(krow[j] + 16 * i), s);
         dots[j] = s;
       }
-      __m512 s = reduce16(dots);
-      if constexpr (INT8) s = _mm512_mul_ps(s, _mm512_maskz_loadu_ps(valid, kscale));
-      scores[g] = _mm512_mask_blend_ps(valid, _mm512_set1_ps(NEG_INF), s);
+      Vf s = reduce16(dots);
+      if constexpr (INT8) s = s * Vf::load_n(kscale, n);
+      scores[g] = select(valid, s, Vf::set1(NEG_INF));
       m_old[g] = m[g];
-      m_new[g] = std::max(m[g], _mm512_reduce_max_ps(scores[g]));
+      m_new[g] = std::max(m[g], reduce_max(scores[g]));
     }
     for (int64_t g0 = 0; g0 < G; g0 += 16) {                   // e^(old max - new max), 16 heads a time
-      const __mmask16 heads = static_cast<__mmask16>(G - g0 >= 16 ? 0xFFFF : (1u << (G - g0)) - 1);
-      _mm512_mask_storeu_ps(corr + g0, heads, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(heads, m_old + g0),
-                                                                   _mm512_maskz_loadu_ps(heads, m_new + g0))));
+      exp(Vf::load_n(m_old + g0, G - g0) - Vf::load_n(m_new + g0, G - g0)).store_n(corr + g0, G - g0);
     }
     for (int64_t g = 0; g < G; ++g) {                          // corr is 0 on the first pass (m = -inf)
-      const __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(scores[g], _mm512_set1_ps(m_new[g]))));
-      l[g] = l[g] * corr[g] + _mm512_reduce_add_ps(e);
+      const Vf e = select(valid, exp(scores[g] - Vf::set1(m_new[g])), Vf::zero());
+      l[g] = l[g] * corr[g] + reduce_add(e);
       m[g] = m_new[g];
-      _mm512_store_ps(probs[g], INT8 ? _mm512_mul_ps(e, _mm512_maskz_loadu_ps(valid, vscale)) : e);
-      const __m512 cv = _mm512_set1_ps(corr[g]);
-      for (int i = 0; i < NV; ++i) out[g][i] = _mm512_mul_ps(out[g][i], cv);
+      (INT8 ? e * Vf::load_n(vscale, n) : e).store(probs[g]);
+      const Vf cv = Vf::set1(corr[g]);
+      for (int i = 0; i < NV; ++i) out[g][i] = out[g][i] * cv;
     }
     for (int64_t j = 0; j < n; ++j) {
-      __m512 vr[NV];
+      Vf vr[NV];
       if constexpr (INT8) {
         load_int8_row<NV>(c.vq + at[j] * D, vr);
       } else {
-        for (int i = 0; i < NV; ++i) vr[i] = _mm512_loadu_ps(c.v + at[j] * D + 16 * i);
+        for (int i = 0; i < NV; ++i) vr[i] = Vf::load(c.v + at[j] * D + 16 * i);
       }
       for (int64_t g = 0; g < G; ++g) {
-        const __m512 w = _mm512_set1_ps(probs[g][j]);
-        for (int i = 0; i < NV; ++i) out[g][i] = _mm512_fmadd_ps(w, vr[i], out[g][i]);
+        const Vf w = Vf::set1(probs[g][j]);
+        for (int i = 0; i < NV; ++i) out[g][i] = fma(w, vr[i], out[g][i]);
       }
     }
   }
   for (int64_t g = 0; g < G; ++g)
-    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + g * D + 16 * i, out[g][i]);
+    for (int i = 0; i < NV; ++i) out[g][i].store(acc + g * D + 16 * i);
 }
 
 // The attend for head size 16 NV and group size G: fixed-G kernels where the state fits registers.
@@ -178,8 +160,7 @@ void attend_scalar(const Cache& c, const int64_t* table, int64_t block_size, int
 
 // How many parts to cut each row's context into: enough tasks for every thread (and a
 // multiple of their number), but no part shorter than MIN_PART tokens.
-int64_t num_parts(int64_t pairs, int64_t max_len) {
-  const int64_t threads = at::get_num_threads();
+int64_t num_parts(int64_t threads, int64_t pairs, int64_t max_len) {
   const int64_t cap = std::max<int64_t>(1, max_len / MIN_PART);
   if (pairs >= 4 * threads || cap == 1) return 1;
   int64_t parts = (2 * threads + pairs - 1) / pairs;
@@ -189,42 +170,15 @@ int64_t num_parts(int64_t pairs, int64_t max_len) {
 
 }  // namespace
 
-// q: [T, Hq, D]; k_cache, v_cache: [num_slots, Hkv, D] (slot = block * block_size + offset);
-// block_tables: [num_seqs, max_blocks] int64; row_seq, row_len: [T] int64 (row t attends over the
-// first row_len[t] tokens of sequence row_seq[t]). Returns [T, Hq, D].
-// An int8 cache comes with k_scale, v_scale: [num_slots, Hkv] fp32 (value = int8 * scale).
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                              torch::Tensor block_tables, torch::Tensor row_seq, torch::Tensor row_len,
-                              int64_t block_size, double scale, c10::optional<torch::Tensor> k_scale,
-                              c10::optional<torch::Tensor> v_scale) {
-  const bool int8 = k_cache.scalar_type() == at::kChar;
-  TORCH_CHECK(q.scalar_type() == at::kFloat && (int8 || k_cache.scalar_type() == at::kFloat),
-              "fp32 queries, fp32 or int8 cache");
-  TORCH_CHECK(!int8 || (k_scale.has_value() && v_scale.has_value()), "an int8 cache needs its scales");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-              block_tables.is_contiguous() && row_seq.is_contiguous() && row_len.is_contiguous(),
-              "contiguous inputs");
-  Cache c;
-  c.Hkv = k_cache.size(1);
-  c.D = k_cache.size(2);
-  if (int8) {
-    c.kq = k_cache.data_ptr<int8_t>();
-    c.vq = v_cache.data_ptr<int8_t>();
-    c.ks = k_scale->data_ptr<float>();
-    c.vs = v_scale->data_ptr<float>();
-  } else {
-    c.k = k_cache.data_ptr<float>();
-    c.v = v_cache.data_ptr<float>();
-  }
-  const int64_t T = q.size(0), Hq = q.size(1), D = c.D, Hkv = c.Hkv, G = Hq / Hkv;
-  const int64_t max_blocks = block_tables.size(1);
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* seqs = row_seq.data_ptr<int64_t>();
-  const int64_t* lens = row_len.data_ptr<int64_t>();
-  const float* qp = q.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
-  auto out = torch::empty_like(q);
-  float* op = out.data_ptr<float>();
+// q: [T, Hq, D]; the cache [num_slots, Hkv, D] (slot = block * block_size + offset); row t attends
+// over the first rows.len[t] tokens of sequence rows.seq[t]. Writes out [T, Hq, D].
+void paged_attention(const Runtime& rt, const float* qp, int64_t T, int64_t Hq, const Cache& c,
+                     const AttentionRows& ar, float sc, float* op) {
+  const int64_t D = c.D, Hkv = c.Hkv, G = Hq / Hkv, max_blocks = ar.max_blocks, block_size = ar.block_size;
+  const int64_t* tables = ar.tables;
+  const int64_t* seqs = ar.seq;
+  const int64_t* lens = ar.len;
+  const bool int8 = c.kq != nullptr;
   // Runs of consecutive positions of one sequence (prompt chunks) go in tiles to the tiled
   // kernel; the other rows (decodes) one by one here.
   std::vector<Tile> tiles;
@@ -237,19 +191,20 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
     else rows.push_back(t);
     t += n;
   }
-  if (!tiles.empty() && !attend_tiles(c, tiles, tables, max_blocks, block_size, qp, Hq, sc, op)) {
+  if (!tiles.empty() && !attend_tiles(rt, c, tiles, ar, qp, Hq, sc, op)) {
     for (const Tile& tile : tiles)                 // no tiled kernel for this shape
       for (int64_t r = 0; r < tile.R; ++r) rows.push_back(tile.t0 + r);
   }
   const int64_t N = static_cast<int64_t>(rows.size());
+  if (N == 0) return;
   int64_t max_len = 0;
   for (int64_t t : rows) max_len = std::max(max_len, lens[t]);
-  const int64_t P = num_parts(N * Hkv, max_len);
+  const int64_t P = num_parts(std::max(rt.threads, 1), N * Hkv, max_len);
   // Partial results per task (row, head, part): acc [G, D], then m [G] and l [G].
   const int64_t stride = G * D + 2 * G;
   std::vector<float> part(P > 1 ? N * Hkv * P * stride : 0);
   auto run = [&](auto attend_fn) {
-    at::parallel_for(0, N * Hkv * P, 1, [&](int64_t begin, int64_t end) {
+    parallel_for(rt, N * Hkv * P, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> own(P > 1 ? 0 : stride);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t t = rows[task / (Hkv * P)], h = (task / P) % Hkv, k = task % P;
@@ -268,7 +223,6 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
       }
     });
   };
-  if (N == 0) return out;
   switch (G <= MAX_G ? D * 2 + int8 : 0) {
     case 128: run_for_group<4, false>(G, run); break;
     case 129: run_for_group<4, true>(G, run); break;
@@ -279,7 +233,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
     default: run(attend_scalar);
   }
   if (P > 1) {                          // merge the parts of each (row, head) by their log-sum-exp
-    at::parallel_for(0, N * Hkv, 1, [&](int64_t begin, int64_t end) {
+    parallel_for(rt, N * Hkv, 1, [&](int64_t begin, int64_t end) {
       for (int64_t pair = begin; pair < end; ++pair) {
         const int64_t t = rows[pair / Hkv], h = pair % Hkv;
         const float* base = part.data() + pair * P * stride;
@@ -302,5 +256,6 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
       }
     });
   }
-  return out;
 }
+
+}  // namespace pw

@@ -1,5 +1,5 @@
 // Attention of prompt chunks over the paged KV cache: R consecutive query positions of one
-// sequence × the G query heads of one KV head, R G <= 16 queries, one per zmm lane.
+// sequence × the G query heads of one KV head, R G <= 16 queries, one per vector lane.
 //
 // Queries are transposed once per task (qt [D][16]), so a key's 16 scores are D FMAs of the
 // broadcast key element with qt[d]: no horizontal sums. The softmax then runs lane-wise
@@ -8,13 +8,12 @@
 // Used for chunks of two or more tokens (prefill, draft verification); single decode rows
 // take the kernel in paged_attention.cpp.
 #include "attention.h"
-
-#include <ATen/Parallel.h>
+#include "parallel.h"
 
 #include <algorithm>
 #include <cstring>
 
-namespace pw_attention {
+namespace pw {
 namespace {
 
 template <int NV, bool INT8>
@@ -39,8 +38,9 @@ void attend_tile(const Cache& c, const int64_t* table, int64_t block_size, int64
       for (int64_t d = 0; d < D; ++d) qt[d * 16 + lane] = qr[d] * sc;
     }
   }
-  const __m512i len = _mm512_load_si512(lenv);
-  __m512 m = _mm512_set1_ps(NEG_INF), l = _mm512_setzero_ps();
+  Vi len;
+  std::memcpy(&len, lenv, sizeof len);
+  Vf m = Vf::set1(NEG_INF), l = Vf::zero();
   const int64_t kmax = tile.len0 + tile.R - 1;   // the last row's context
   const float* vrow[KEYS];
   float kscale[KEYS], vscale[KEYS];
@@ -53,11 +53,11 @@ void attend_tile(const Cache& c, const int64_t* table, int64_t block_size, int64
       }
       const int64_t at = row_of(table, block_size, c.Hkv, h, start + j);
       if (INT8) {
-        __m512 x[NV];
+        Vf x[NV];
         load_int8_row<NV>(c.kq + at * D, x);
-        for (int i = 0; i < NV; ++i) _mm512_store_ps(kt + j * D + 16 * i, x[i]);
+        for (int i = 0; i < NV; ++i) x[i].store(kt + j * D + 16 * i);
         load_int8_row<NV>(c.vq + at * D, x);
-        for (int i = 0; i < NV; ++i) _mm512_store_ps(vt + j * D + 16 * i, x[i]);
+        for (int i = 0; i < NV; ++i) x[i].store(vt + j * D + 16 * i);
         kscale[j] = c.ks[at];
         vscale[j] = c.vs[at];
         vrow[j] = vt + j * D;
@@ -66,48 +66,48 @@ void attend_tile(const Cache& c, const int64_t* table, int64_t block_size, int64
         vrow[j] = c.v + at * D;
       }
     }
-    __m512 s[KEYS];
-    for (int j = 0; j < KEYS; ++j) s[j] = _mm512_setzero_ps();
+    Vf s[KEYS];
+    for (int j = 0; j < KEYS; ++j) s[j] = Vf::zero();
     for (int64_t d = 0; d < D; ++d) {
-      const __m512 qd = _mm512_load_ps(qt + d * 16);
-      for (int j = 0; j < KEYS; ++j) s[j] = _mm512_fmadd_ps(_mm512_set1_ps(kt[j * D + d]), qd, s[j]);
+      const Vf qd = Vf::load(qt + d * 16);
+      for (int j = 0; j < KEYS; ++j) s[j] = fma(Vf::set1(kt[j * D + d]), qd, s[j]);
     }
-    __m512 mx = m;
+    Vf mx = m;
     for (int j = 0; j < KEYS; ++j) {
-      if (INT8 && j < n) s[j] = _mm512_mul_ps(s[j], _mm512_set1_ps(kscale[j]));
-      const __mmask16 ok = _mm512_cmpgt_epi32_mask(len, _mm512_set1_epi32(static_cast<int32_t>(start + j)));
-      s[j] = _mm512_mask_blend_ps(ok, _mm512_set1_ps(NEG_INF), s[j]);
-      mx = _mm512_max_ps(mx, s[j]);
+      if (INT8 && j < n) s[j] = s[j] * Vf::set1(kscale[j]);
+      const Mask ok = len > Vi::set1(static_cast<int32_t>(start + j));
+      s[j] = select(ok, s[j], Vf::set1(NEG_INF));
+      mx = max(mx, s[j]);
     }
-    const __m512 cr = exp512(_mm512_sub_ps(m, mx));   // 0 on the first pass (m = -inf)
-    l = _mm512_mul_ps(l, cr);
+    const Vf cr = exp(m - mx);                        // 0 on the first pass (m = -inf)
+    l = l * cr;
     for (int j = 0; j < KEYS; ++j) {
-      const __m512 p = exp512(_mm512_sub_ps(s[j], mx));  // masked keys: 0
-      l = _mm512_add_ps(l, p);
-      _mm512_store_ps(pt + j * 16, INT8 && j < n ? _mm512_mul_ps(p, _mm512_set1_ps(vscale[j])) : p);
+      const Vf p = exp(s[j] - mx);                    // masked keys: 0
+      l = l + p;
+      (INT8 && j < n ? p * Vf::set1(vscale[j]) : p).store(pt + j * 16);
     }
     m = mx;
-    _mm512_store_ps(corr, cr);
+    cr.store(corr);
     for (int64_t lane0 = 0; lane0 < lanes; lane0 += 4) {   // four lanes' output rows in registers
       constexpr int64_t nl = 4;                            // (spare lanes are computed, never written)
-      __m512 acc[4][NV];
+      Vf acc[4][NV];
       for (int64_t a = 0; a < nl; ++a)
         for (int i = 0; i < NV; ++i)
-          acc[a][i] = _mm512_mul_ps(_mm512_load_ps(o + (lane0 + a) * D + 16 * i), _mm512_set1_ps(corr[lane0 + a]));
+          acc[a][i] = Vf::load(o + (lane0 + a) * D + 16 * i) * Vf::set1(corr[lane0 + a]);
       for (int64_t j = 0; j < n; ++j) {
-        __m512 vr[NV];
-        for (int i = 0; i < NV; ++i) vr[i] = _mm512_loadu_ps(vrow[j] + 16 * i);
+        Vf vr[NV];
+        for (int i = 0; i < NV; ++i) vr[i] = Vf::load(vrow[j] + 16 * i);
         for (int64_t a = 0; a < nl; ++a) {
-          const __m512 w = _mm512_set1_ps(pt[j * 16 + lane0 + a]);
-          for (int i = 0; i < NV; ++i) acc[a][i] = _mm512_fmadd_ps(w, vr[i], acc[a][i]);
+          const Vf w = Vf::set1(pt[j * 16 + lane0 + a]);
+          for (int i = 0; i < NV; ++i) acc[a][i] = fma(w, vr[i], acc[a][i]);
         }
       }
       for (int64_t a = 0; a < nl; ++a)
-        for (int i = 0; i < NV; ++i) _mm512_store_ps(o + (lane0 + a) * D + 16 * i, acc[a][i]);
+        for (int i = 0; i < NV; ++i) acc[a][i].store(o + (lane0 + a) * D + 16 * i);
     }
   }
   alignas(64) float lsum[16];
-  _mm512_store_ps(lsum, l);
+  l.store(lsum);
   for (int64_t lane = 0; lane < lanes; ++lane) {
     const int64_t r = lane / G, g = lane % G;
     float* dst = out + ((tile.t0 + r) * Hq + h * G + g) * D;
@@ -118,17 +118,17 @@ void attend_tile(const Cache& c, const int64_t* table, int64_t block_size, int64
 
 }  // namespace
 
-bool attend_tiles(const Cache& c, const std::vector<Tile>& tiles, const int64_t* tables, int64_t max_blocks,
-                  int64_t block_size, const float* q, int64_t Hq, float sc, float* out) {
+bool attend_tiles(const Runtime& rt, const Cache& c, const std::vector<Tile>& tiles, const AttentionRows& rows,
+                  const float* q, int64_t Hq, float sc, float* out) {
   const int64_t G = Hq / c.Hkv, n = static_cast<int64_t>(tiles.size()) * c.Hkv;
   auto run = [&](auto fn) {
     // Later tiles of a chunk see more context: pair task i with task n - 1 - i so each thread's
     // contiguous share of the range has about the same work.
-    at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    parallel_for(rt, n, 1, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const int64_t task = i % 2 ? n - 1 - i / 2 : i / 2;
         const Tile& tile = tiles[task / c.Hkv];
-        fn(c, tables + tile.seq * max_blocks, block_size, task % c.Hkv, tile, q, Hq, G, sc, out);
+        fn(c, rows.tables + tile.seq * rows.max_blocks, rows.block_size, task % c.Hkv, tile, q, Hq, G, sc, out);
       }
     });
   };
@@ -145,4 +145,4 @@ bool attend_tiles(const Cache& c, const std::vector<Tile>& tiles, const int64_t*
   }
 }
 
-}  // namespace pw_attention
+}  // namespace pw

@@ -1,0 +1,22 @@
+// The core's functions, one per entry of the KernelTable (kernels.h), declared for table.cpp.
+#pragma once
+#include "kernels.h"
+
+namespace pw {
+
+void paged_attention(const Runtime& rt, const float* q, int64_t T, int64_t Hq, const Cache& c,
+                     const AttentionRows& rows, float scale, float* out);
+void rope_and_cache(const Runtime& rt, const float* qkv, int64_t T, const int64_t* positions, const float* cos,
+                    const float* sin, int64_t Hq, int64_t Hkv, int64_t D, const int64_t* slots, const CacheOut& c,
+                    float* q, float* k);
+void rms_norm(const Runtime& rt, const float* x, const float* residual, const float* w, int64_t T, int64_t H,
+              float eps, float* out, float* sum);
+void silu_and_mul(const Runtime& rt, const float* x, int64_t T, int64_t I, float* out);
+void argmax_rows(const Runtime& rt, const float* x, int64_t B, int64_t V, int64_t* out);
+void quantize_activations(const Runtime& rt, const float* x, int64_t M, int64_t K, int8_t* xq, float* dx,
+                          float* sx);
+void quant_linear(const Runtime& rt, const float* x, int64_t M, int64_t K, const PackedWeights& w,
+                  const float* bias, float* y);
+double int8_peak_gops(const Runtime& rt, int64_t iters);
+
+}  // namespace pw

@@ -1,0 +1,183 @@
+// KernelSet: tensor checks, then one call into the ISA level's library (see kernel_set.h).
+#include "kernel_set.h"
+
+#include <ATen/Parallel.h>
+#include <dlfcn.h>
+
+namespace {
+
+pw::Runtime runtime() { return pw::Runtime{at::get_num_threads()}; }
+
+template <typename T>
+T* ptr(const c10::optional<torch::Tensor>& t) {
+  return t.has_value() ? t->data_ptr<T>() : nullptr;
+}
+
+constexpr int64_t QK = 32;
+int64_t block_bytes(int64_t fmt) { return fmt == pw::Q4 ? 320 : fmt == pw::Q8 ? 544 : 512; }
+
+}  // namespace
+
+KernelSet::KernelSet(const std::string& library) {
+  // RTLD_LOCAL: every level's library defines the same names; the table is the way in. Never closed.
+  void* handle = dlopen(library.c_str(), RTLD_NOW | RTLD_LOCAL);
+  TORCH_CHECK(handle != nullptr, "cannot load ", library, ": ", dlerror());
+  auto get = reinterpret_cast<const pw::KernelTable* (*)()>(dlsym(handle, "pw_kernel_table"));
+  TORCH_CHECK(get != nullptr, library, " has no kernel table");
+  table_ = get();
+  TORCH_CHECK(table_->abi == pw::ABI_VERSION, library, " was built for another version of the bindings");
+}
+
+// q: [T, Hq, D]; k_cache, v_cache: [num_slots, Hkv, D] (slot = block * block_size + offset);
+// block_tables: [num_seqs, max_blocks] int64; row_seq, row_len: [T] int64 (row t attends over the
+// first row_len[t] tokens of sequence row_seq[t]). Returns [T, Hq, D].
+// An int8 cache comes with k_scale, v_scale: [num_slots, Hkv] fp32 (value = int8 * scale).
+torch::Tensor KernelSet::paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                         torch::Tensor block_tables, torch::Tensor row_seq, torch::Tensor row_len,
+                                         int64_t block_size, double scale, c10::optional<torch::Tensor> k_scale,
+                                         c10::optional<torch::Tensor> v_scale) const {
+  const bool int8 = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(q.scalar_type() == at::kFloat && (int8 || k_cache.scalar_type() == at::kFloat),
+              "fp32 queries, fp32 or int8 cache");
+  TORCH_CHECK(!int8 || (k_scale.has_value() && v_scale.has_value()), "an int8 cache needs its scales");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && q.size(2) == k_cache.size(2) && q.size(1) % k_cache.size(1) == 0,
+              "q [T, Hq, D], caches [slots, Hkv, D]");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              block_tables.is_contiguous() && row_seq.is_contiguous() && row_len.is_contiguous(),
+              "contiguous inputs");
+  pw::Cache c;
+  c.Hkv = k_cache.size(1);
+  c.D = k_cache.size(2);
+  if (int8) {
+    c.kq = k_cache.data_ptr<int8_t>();
+    c.vq = v_cache.data_ptr<int8_t>();
+    c.ks = k_scale->data_ptr<float>();
+    c.vs = v_scale->data_ptr<float>();
+  } else {
+    c.k = k_cache.data_ptr<float>();
+    c.v = v_cache.data_ptr<float>();
+  }
+  const pw::AttentionRows rows{block_tables.data_ptr<int64_t>(), block_tables.size(1), row_seq.data_ptr<int64_t>(),
+                               row_len.data_ptr<int64_t>(), block_size};
+  auto out = torch::empty_like(q);
+  table_->paged_attention(runtime(), q.data_ptr<float>(), q.size(0), q.size(1), c, rows, static_cast<float>(scale),
+                          out.data_ptr<float>());
+  return out;
+}
+
+// qkv: [T, (Hq + 2 Hkv) D]; positions: [T] int64; cos, sin: [P, D/2]; caches: [S, Hkv, D];
+// slots: [T] int64. Returns rotated q [T, Hq, D] and k [T, Hkv, D]; k and v are written to the cache.
+// An int8 cache stores each (token, head) row quantized, its scale in k_scale / v_scale [S, Hkv].
+std::vector<torch::Tensor> KernelSet::rope_and_cache(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos,
+                                                     torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
+                                                     torch::Tensor slots, int64_t Hq, int64_t Hkv,
+                                                     c10::optional<torch::Tensor> k_scale,
+                                                     c10::optional<torch::Tensor> v_scale) const {
+  const bool int8 = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(!int8 || (k_scale.has_value() && v_scale.has_value()), "an int8 cache needs its scales");
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && (int8 || k_cache.scalar_type() == at::kFloat),
+              "fp32 qkv, fp32 or int8 cache");
+  TORCH_CHECK(qkv.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              cos.is_contiguous() && sin.is_contiguous() && positions.is_contiguous() && slots.is_contiguous(),
+              "contiguous inputs");
+  const int64_t T = qkv.size(0), D = k_cache.size(2);
+  TORCH_CHECK(qkv.size(1) == (Hq + 2 * Hkv) * D, "qkv width does not match the heads");
+  auto q = torch::empty({T, Hq, D}, qkv.options());
+  auto k = torch::empty({T, Hkv, D}, qkv.options());
+  pw::CacheOut c;
+  if (int8) {
+    c.kq = k_cache.data_ptr<int8_t>();
+    c.vq = v_cache.data_ptr<int8_t>();
+    c.ks = k_scale->data_ptr<float>();
+    c.vs = v_scale->data_ptr<float>();
+  } else {
+    c.k = k_cache.data_ptr<float>();
+    c.v = v_cache.data_ptr<float>();
+  }
+  table_->rope_and_cache(runtime(), qkv.data_ptr<float>(), T, positions.data_ptr<int64_t>(), cos.data_ptr<float>(),
+                         sin.data_ptr<float>(), Hq, Hkv, D, slots.data_ptr<int64_t>(), c, q.data_ptr<float>(),
+                         k.data_ptr<float>());
+  return {q, k};
+}
+
+// x, residual (optional): [T, H]; weight: [H]. Returns (normed, x + residual) or (normed,).
+std::vector<torch::Tensor> KernelSet::rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
+                                               c10::optional<torch::Tensor> residual) const {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: fp32, contiguous [T, H]");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == x.size(1),
+              "weight: fp32 [H]");
+  auto out = torch::empty_like(x);
+  torch::Tensor sum;
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->scalar_type() == at::kFloat && residual->is_contiguous() && residual->sizes() == x.sizes(),
+                "residual like x");
+    sum = torch::empty_like(x);
+  }
+  table_->rms_norm(runtime(), x.data_ptr<float>(), ptr<float>(residual), weight.data_ptr<float>(), x.size(0),
+                   x.size(1), static_cast<float>(eps), out.data_ptr<float>(),
+                   residual.has_value() ? sum.data_ptr<float>() : nullptr);
+  if (residual.has_value()) return {out, sum};
+  return {out};
+}
+
+// x: [T, 2I] (gate | up) -> [T, I] = silu(gate) * up.
+torch::Tensor KernelSet::silu_and_mul(torch::Tensor x) const {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "fp32, contiguous [T, 2I]");
+  const int64_t T = x.size(0), I = x.size(1) / 2;
+  auto out = torch::empty({T, I}, x.options());
+  table_->silu_and_mul(runtime(), x.data_ptr<float>(), T, I, out.data_ptr<float>());
+  return out;
+}
+
+// x: [B, V] fp32 -> [B] int64, the index of each row's largest value (the first, on ties), as torch.argmax.
+torch::Tensor KernelSet::argmax_rows(torch::Tensor x) const {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "fp32, contiguous [B, V]");
+  TORCH_CHECK(x.size(1) > 0 && x.size(1) < (int64_t{1} << 31), "0 < V < 2^31");
+  auto out = torch::empty({x.size(0)}, x.options().dtype(at::kLong));
+  table_->argmax_rows(runtime(), x.data_ptr<float>(), x.size(0), x.size(1), out.data_ptr<int64_t>());
+  return out;
+}
+
+// x: [M, K] fp32 -> (xq [M, K] int8, dx [M, K/32], sx [M, K/32]); K a multiple of 32.
+std::vector<torch::Tensor> KernelSet::quantize_activations(torch::Tensor x) const {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous fp32 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), KB = K / QK;
+  TORCH_CHECK(K % QK == 0, "K must be a multiple of 32");
+  auto xq = torch::empty({M, K}, x.options().dtype(at::kChar));
+  auto dx = torch::empty({M, KB}, x.options());
+  auto sx = torch::empty({M, KB}, x.options());
+  table_->quantize_activations(runtime(), x.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), dx.data_ptr<float>(),
+                               sx.data_ptr<float>());
+  return {xq, dx, sx};
+}
+
+// y [M, N] = x [M, K] @ W^T + bias, W packed as quant_linear.cpp describes (N rows of NT * 16).
+torch::Tensor KernelSet::quant_linear(torch::Tensor x, int64_t fmt, int64_t N, torch::Tensor blocks,
+                                      c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias) const {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x: fp32 [M, K]");
+  TORCH_CHECK(fmt == pw::Q4 || fmt == pw::Q8 || fmt == pw::I8, "unknown format ", fmt);
+  TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
+              "blocks: u8 [NT, KB, BB]");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), NT = blocks.size(0), KB = blocks.size(1);
+  TORCH_CHECK(K == KB * QK, "x has ", K, " columns, the weights ", KB * QK);
+  TORCH_CHECK(blocks.size(2) == block_bytes(fmt), "block bytes do not match the format");
+  TORCH_CHECK(N > (NT - 1) * 16 && N <= NT * 16, "N does not match the tiles");
+  const float* sp = nullptr;
+  if (fmt == pw::I8) {
+    TORCH_CHECK(scale.has_value() && scale->scalar_type() == at::kFloat && scale->is_contiguous() &&
+                scale->numel() == NT * 16, "scale: fp32 [N]");
+    sp = scale->data_ptr<float>();
+  }
+  if (bias.has_value())
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "bias: fp32 [N]");
+  auto out = torch::empty({M, N}, x.options());
+  const pw::PackedWeights w{static_cast<pw::QuantFormat>(fmt), blocks.data_ptr<uint8_t>(), sp, N, NT, KB};
+  table_->quant_linear(runtime(), x.data_ptr<float>(), M, K, w, ptr<float>(bias), out.data_ptr<float>());
+  return out;
+}
+
+double KernelSet::int8_peak_gops(int64_t iters) const {
+  TORCH_CHECK(iters > 0, "iters must be positive");
+  return table_->int8_peak_gops(runtime(), iters);
+}

@@ -1,0 +1,37 @@
+// KernelSet: one ISA level's kernel library (kernels.h), loaded with dlopen, behind torch tensors.
+// Each method checks its tensors, then calls the library's function with raw pointers and the
+// caller's torch thread count. The only torch-aware code besides the decoder stack.
+#pragma once
+#include "kernels.h"
+
+#include <torch/extension.h>
+
+#include <string>
+#include <vector>
+
+class KernelSet {
+ public:
+  explicit KernelSet(const std::string& library);
+  std::string isa() const { return table_->isa; }
+
+  torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                torch::Tensor block_tables, torch::Tensor row_seq, torch::Tensor row_len,
+                                int64_t block_size, double scale, c10::optional<torch::Tensor> k_scale,
+                                c10::optional<torch::Tensor> v_scale) const;
+  std::vector<torch::Tensor> rope_and_cache(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos,
+                                            torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
+                                            torch::Tensor slots, int64_t Hq, int64_t Hkv,
+                                            c10::optional<torch::Tensor> k_scale,
+                                            c10::optional<torch::Tensor> v_scale) const;
+  std::vector<torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
+                                      c10::optional<torch::Tensor> residual) const;
+  torch::Tensor silu_and_mul(torch::Tensor x) const;
+  torch::Tensor argmax_rows(torch::Tensor x) const;
+  std::vector<torch::Tensor> quantize_activations(torch::Tensor x) const;
+  torch::Tensor quant_linear(torch::Tensor x, int64_t fmt, int64_t N, torch::Tensor blocks,
+                             c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias) const;
+  double int8_peak_gops(int64_t iters) const;
+
+ private:
+  const pw::KernelTable* table_;
+};

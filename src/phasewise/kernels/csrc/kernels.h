@@ -1,0 +1,82 @@
+// phasewise's CPU kernels: plain C++ over raw pointers (no torch types), built once per ISA level
+// into a shared library of its own (kernels/build.py) that exports one table of functions. The
+// torch binding (bindings.cpp) checks tensors and calls through the table; the C++ tests
+// (tests/kernel_tests.cpp) call the same table, natively or under qemu-user for ARM.
+#pragma once
+#include <cstdint>
+
+namespace pw {
+
+constexpr int ABI_VERSION = 1;
+
+struct Runtime {            // how a call may run: threads of the caller's pool (torch's, through OpenMP)
+  int threads = 1;
+};
+
+struct Cache {              // one layer's KV cache [slots, Hkv, D], fp32 or int8 with per-row scales
+  const float* k = nullptr;
+  const float* v = nullptr;
+  const int8_t* kq = nullptr;
+  const int8_t* vq = nullptr;
+  const float* ks = nullptr;   // [slots, Hkv]
+  const float* vs = nullptr;
+  int64_t Hkv = 0, D = 0;
+};
+
+struct CacheOut {           // the same cache, written
+  float* k = nullptr;
+  float* v = nullptr;
+  int8_t* kq = nullptr;
+  int8_t* vq = nullptr;
+  float* ks = nullptr;
+  float* vs = nullptr;
+};
+
+struct AttentionRows {      // every query row of a step: row t attends over the first len[t] tokens of seq[t]
+  const int64_t* tables;    // [num_seqs, max_blocks] block ids
+  int64_t max_blocks;
+  const int64_t* seq;       // [T]
+  const int64_t* len;       // [T]
+  int64_t block_size;
+};
+
+enum QuantFormat : int64_t { Q4 = 0, Q8 = 1, I8 = 2 };
+
+struct PackedWeights {      // a quantized linear layer's weight, packed (kernels/quant.py, quant_linear.cpp)
+  QuantFormat fmt;
+  const uint8_t* blocks;    // [NT, KB, block bytes]
+  const float* scale;       // [NT * 16] (I8)
+  int64_t N, NT, KB;
+};
+
+struct KernelTable {
+  int abi;
+  const char* isa;
+  // q [T, Hq, D] -> out [T, Hq, D], over the cache, scaled dot products by `scale`
+  void (*paged_attention)(const Runtime&, const float* q, int64_t T, int64_t Hq, const Cache&, const AttentionRows&,
+                          float scale, float* out);
+  // qkv [T, (Hq + 2 Hkv) D] -> q [T, Hq, D], k [T, Hkv, D] rotated (NeoX halves; cos, sin [P, D/2]);
+  // k and v written to the cache at slots [T]
+  void (*rope_and_cache)(const Runtime&, const float* qkv, int64_t T, const int64_t* positions, const float* cos,
+                         const float* sin, int64_t Hq, int64_t Hkv, int64_t D, const int64_t* slots,
+                         const CacheOut&, float* q, float* k);
+  // out = rmsnorm(x (+ residual)) * w, x [T, H]; sum = x + residual when residual is given
+  void (*rms_norm)(const Runtime&, const float* x, const float* residual, const float* w, int64_t T, int64_t H,
+                   float eps, float* out, float* sum);
+  // x [T, 2I] (gate | up) -> out [T, I] = silu(gate) up
+  void (*silu_and_mul)(const Runtime&, const float* x, int64_t T, int64_t I, float* out);
+  // x [B, V] -> out [B], the first index of each row's largest value
+  void (*argmax_rows)(const Runtime&, const float* x, int64_t B, int64_t V, int64_t* out);
+  // x [M, K] -> xq [M, K] int8, dx, sx [M, K / 32]: per block of 32, dx = max|x| / 127, sx = dx sum(xq)
+  void (*quantize_activations)(const Runtime&, const float* x, int64_t M, int64_t K, int8_t* xq, float* dx,
+                               float* sx);
+  // y [M, N] = x [M, K] W^T (+ bias [N])
+  void (*quant_linear)(const Runtime&, const float* x, int64_t M, int64_t K, const PackedWeights&,
+                       const float* bias, float* y);
+  // the int8 dot-product peak of rt.threads threads, GOP/s (2 per multiply-add)
+  double (*int8_peak_gops)(const Runtime&, int64_t iters);
+};
+
+}  // namespace pw
+
+extern "C" const pw::KernelTable* pw_kernel_table();

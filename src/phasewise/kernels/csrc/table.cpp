@@ -1,0 +1,11 @@
+// The one symbol a kernel library exports: its table of functions, for this build's ISA level.
+#include "core.h"
+#include "vec/vec.h"
+
+extern "C" __attribute__((visibility("default"))) const pw::KernelTable* pw_kernel_table() {
+  static const pw::KernelTable table{
+      pw::ABI_VERSION,        pw::ISA,          &pw::paged_attention,      &pw::rope_and_cache,
+      &pw::rms_norm,          &pw::silu_and_mul, &pw::argmax_rows,          &pw::quantize_activations,
+      &pw::quant_linear,      &pw::int8_peak_gops};
+  return &table;
+}

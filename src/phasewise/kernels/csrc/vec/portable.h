@@ -1,0 +1,237 @@
+// The vector layer in GCC vector extensions (GCC and Clang): a 16-lane vector is 16 / W native
+// vectors of W lanes, W = 8 where the compiler targets AVX2 (ymm), else 4 (SSE2, NEON, or
+// whatever 128-bit or scalar code the compiler makes for another CPU). The int8 dot products
+// and the fp16 conversion come from arch/. See vec.h for the API.
+#pragma once
+#include <cstdint>
+#include <cstring>
+#include <initializer_list>
+
+namespace pw {
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(PW_GENERIC)
+#define PW_W 8
+#else
+#define PW_W 4
+#endif
+constexpr int W = PW_W;
+constexpr int NP = 16 / W;   // native vectors per 16 lanes
+
+typedef float f32n __attribute__((vector_size(4 * W)));
+typedef int32_t i32n __attribute__((vector_size(4 * W)));
+typedef int8_t i8n __attribute__((vector_size(4 * W)));      // 4 W signed bytes: W lanes of 4
+typedef uint8_t u8n __attribute__((vector_size(4 * W)));
+typedef int8_t i8w __attribute__((vector_size(W)));          // W bytes: one per lane
+// The same vectors at any address (unaligned loads and stores of native width).
+typedef f32n f32n_u __attribute__((aligned(1), may_alias));
+typedef i32n i32n_u __attribute__((aligned(1), may_alias));
+typedef u8n u8n_u __attribute__((aligned(1), may_alias));
+typedef i8w i8w_u __attribute__((aligned(1), may_alias));
+
+struct Mask {
+  i32n m[NP];   // -1 or 0 per lane
+};
+
+inline Mask first_n(int64_t n) {
+  Mask r;
+  for (int i = 0; i < NP; ++i)
+    for (int k = 0; k < W; ++k) r.m[i][k] = i * W + k < n ? -1 : 0;
+  return r;
+}
+
+struct Vf {
+  f32n v[NP];
+  static Vf load(const float* p) {
+    Vf r;
+    for (int i = 0; i < NP; ++i) r.v[i] = *reinterpret_cast<const f32n_u*>(p + i * W);
+    return r;
+  }
+  static Vf load_n(const float* p, int64_t n) {
+    if (n >= 16) return load(p);
+    alignas(64) float t[16] = {};
+    std::memcpy(t, p, 4 * (n > 0 ? n : 0));
+    return load(t);
+  }
+  static Vf set1(float x) {
+    Vf r;
+    for (int i = 0; i < NP; ++i) r.v[i] = f32n{} + x;
+    return r;
+  }
+  static Vf zero() { return set1(0.f); }
+  static Vf from_i8(const int8_t* p) {
+    Vf r;
+    for (int i = 0; i < NP; ++i) {
+      r.v[i] = __builtin_convertvector(*reinterpret_cast<const i8w_u*>(p + i * W), f32n);
+    }
+    return r;
+  }
+  static Vf from_f16(const uint16_t* p);   // arch/
+  void store(float* p) const {
+    for (int i = 0; i < NP; ++i) *reinterpret_cast<f32n_u*>(p + i * W) = v[i];
+  }
+  void store_n(float* p, int64_t n) const {
+    if (n >= 16) return store(p);
+    alignas(64) float t[16];
+    store(t);
+    std::memcpy(p, t, 4 * (n > 0 ? n : 0));
+  }
+};
+
+#define PW_LANEWISE(expr)             \
+  Vf r;                               \
+  for (int i = 0; i < NP; ++i) r.v[i] = expr; \
+  return r
+
+inline Vf operator+(Vf a, Vf b) { PW_LANEWISE(a.v[i] + b.v[i]); }
+inline Vf operator-(Vf a, Vf b) { PW_LANEWISE(a.v[i] - b.v[i]); }
+inline Vf operator*(Vf a, Vf b) { PW_LANEWISE(a.v[i] * b.v[i]); }
+inline Vf operator/(Vf a, Vf b) { PW_LANEWISE(a.v[i] / b.v[i]); }
+inline Vf fma(Vf a, Vf b, Vf c) { PW_LANEWISE(a.v[i] * b.v[i] + c.v[i]); }   // contracted to an FMA
+inline Vf max(Vf a, Vf b) { PW_LANEWISE(a.v[i] > b.v[i] ? a.v[i] : b.v[i]); }
+inline Vf abs(Vf a) { PW_LANEWISE(a.v[i] < 0 ? -a.v[i] : a.v[i]); }
+inline Vf select(Mask m, Vf a, Vf b) { PW_LANEWISE(m.m[i] ? a.v[i] : b.v[i]); }
+#undef PW_LANEWISE
+
+inline Mask operator>(Vf a, Vf b) {
+  Mask r;
+  for (int i = 0; i < NP; ++i) r.m[i] = a.v[i] > b.v[i];
+  return r;
+}
+
+inline f32n fold(Vf a) {   // the NP native vectors added lane-wise
+  f32n s = a.v[0];
+  for (int i = 1; i < NP; ++i) s += a.v[i];
+  return s;
+}
+inline float reduce_add(Vf a) {
+  const f32n s = fold(a);
+  float r = s[0];
+  for (int k = 1; k < W; ++k) r += s[k];
+  return r;
+}
+inline float reduce_max(Vf a) {
+  f32n s = a.v[0];
+  for (int i = 1; i < NP; ++i) s = s > a.v[i] ? s : a.v[i];
+  float r = s[0];
+  for (int k = 1; k < W; ++k) r = r > s[k] ? r : s[k];
+  return r;
+}
+
+// e^x per lane, as avx512.h: x log2(e) = n + f with |f| <= 1/2, 2^f by its Taylor series, times
+// 2^n built in the exponent bits. Lanes below -87 (and -inf) give 0.
+inline Vf exp(Vf x) {
+  Vf r;
+  for (int i = 0; i < NP; ++i) {
+    f32n t = x.v[i] * 1.44269504088896341f;
+    t = t > -126.f ? t : f32n{} - 126.f;
+    const i32n n = __builtin_convertvector(t + (t < 0 ? f32n{} - 0.5f : f32n{} + 0.5f), i32n);  // nearest
+    const f32n f = t - __builtin_convertvector(n, f32n);
+    f32n p = f32n{} + 1.525273380405984e-05f;
+    for (float c : {1.5403530393381606e-04f, 1.3333558146428443e-03f, 9.618129107628477e-03f,
+                    5.550410866482158e-02f, 2.402265069591007e-01f, 6.931471805599453e-01f, 1.f})
+      p = p * f + c;
+    f32n scale;
+    const i32n bits = (n + 127) << 23;
+    std::memcpy(&scale, &bits, sizeof scale);
+    r.v[i] = x.v[i] > -87.f ? p * scale : f32n{};
+  }
+  return r;
+}
+
+// a[0..16) -> r with r[j] = the sum of a[j]'s lanes: each a[j] folded to one native vector, then
+// pairs of vectors (x, y) -> even lanes of x y + odd lanes of x y, which halves the vectors and
+// keeps their order, until each lane holds one whole sum.
+inline f32n pair_sum(f32n x, f32n y) {
+#if PW_W == 8
+  return __builtin_shufflevector(x, y, 0, 2, 4, 6, 8, 10, 12, 14) + __builtin_shufflevector(x, y, 1, 3, 5, 7, 9, 11, 13, 15);
+#else
+  return __builtin_shufflevector(x, y, 0, 2, 4, 6) + __builtin_shufflevector(x, y, 1, 3, 5, 7);
+#endif
+}
+inline Vf reduce16(Vf* a) {
+  f32n s[16];
+  for (int j = 0; j < 16; ++j) s[j] = fold(a[j]);
+  for (int n = 16; n > NP; n /= 2)
+    for (int i = 0; i < n / 2; ++i) s[i] = pair_sum(s[2 * i], s[2 * i + 1]);
+  Vf r;
+  for (int i = 0; i < NP; ++i) r.v[i] = s[i];
+  return r;
+}
+
+struct Vi {
+  i32n v[NP];
+  static Vi zero() { return set1(0); }
+  static Vi set1(int32_t x) {
+    Vi r;
+    for (int i = 0; i < NP; ++i) r.v[i] = i32n{} + x;
+    return r;
+  }
+  static Vi iota() {
+    Vi r;
+    for (int i = 0; i < NP; ++i)
+      for (int k = 0; k < W; ++k) r.v[i][k] = i * W + k;
+    return r;
+  }
+  void store(int32_t* p) const {
+    for (int i = 0; i < NP; ++i) *reinterpret_cast<i32n_u*>(p + i * W) = v[i];
+  }
+};
+inline Vi operator+(Vi a, Vi b) {
+  Vi r;
+  for (int i = 0; i < NP; ++i) r.v[i] = a.v[i] + b.v[i];
+  return r;
+}
+inline Mask operator>(Vi a, Vi b) {
+  Mask r;
+  for (int i = 0; i < NP; ++i) r.m[i] = a.v[i] > b.v[i];
+  return r;
+}
+inline Vi select(Mask m, Vi a, Vi b) {
+  Vi r;
+  for (int i = 0; i < NP; ++i) r.v[i] = m.m[i] ? a.v[i] : b.v[i];
+  return r;
+}
+inline Vf to_float(Vi a) {
+  Vf r;
+  for (int i = 0; i < NP; ++i) r.v[i] = __builtin_convertvector(a.v[i], f32n);
+  return r;
+}
+
+struct Vb {
+  u8n v[NP];   // native vector i: lanes i W .. i W + W - 1, 4 bytes each
+  static Vb load(const uint8_t* p) {
+    Vb r;
+    for (int i = 0; i < NP; ++i) r.v[i] = *reinterpret_cast<const u8n_u*>(p + i * 4 * W);
+    return r;
+  }
+  static Vb bcast4(const int8_t* p) {
+    int32_t x;
+    std::memcpy(&x, p, 4);
+    const u8n b = (u8n)(i32n{} + x);
+    Vb r;
+    for (int i = 0; i < NP; ++i) r.v[i] = b;
+    return r;
+  }
+};
+inline Vb lo4(Vb a) {
+  for (int i = 0; i < NP; ++i) a.v[i] &= 0x0F;
+  return a;
+}
+inline Vb hi4(Vb a) {
+  for (int i = 0; i < NP; ++i) a.v[i] >>= 4;
+  return a;
+}
+
+inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
+
+}  // namespace pw
+
+#if defined(PW_GENERIC)
+#include "../arch/generic.h"
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include "../arch/x86_avx2.h"
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#include "../arch/arm_neon.h"
+#else
+#include "../arch/generic.h"
+#endif

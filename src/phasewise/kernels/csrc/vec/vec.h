@@ -1,0 +1,27 @@
+// The vector layer every kernel is written against: 16-lane float (Vf) and int32 (Vi) vectors,
+// a 16-lane mask (Mask) and 64 int8 bytes as 16 lanes of 4 (Vb, for the int8 dot products).
+// Kernels never name an intrinsic; each ISA level maps these types onto its registers:
+//   avx512.h    one zmm per vector (AVX-512 F/BW/VL + VNNI);
+//   portable.h  GCC vector extensions, W lanes per native vector: 8 on AVX2 (two ymm per
+//               vector), 4 elsewhere (four 128-bit SSE2 or NEON registers, or what the
+//               compiler makes of them on any other CPU).
+// The int8 dot products, where ISAs differ most, come from arch/ (dot_*.h).
+//
+// API (namespace pw):
+//   Vf::load(p) / load_n(p, n) (lanes >= n are 0) / set1(x) / zero() / from_i8(p) / from_f16(p),
+//   v.store(p) / store_n(p, n); + - * /, fma(a, b, c) = a b + c, max, abs, exp,
+//   reduce_add, reduce_max, reduce16(a[16]) (lane j = the sum of a[j]);
+//   Mask: first_n(n), a > b (Vf or Vi), select(m, a, b) = m ? a : b;
+//   Vi::zero() / set1(x) / iota() / store(p), +, to_float;
+//   Vb::load(p) / bcast4(p) (4 bytes to every lane), lo4, hi4 (the nibbles),
+//   dot_u4(acc, w, x): acc + the 4 products w x of each lane, w in 0..15 unsigned, x signed;
+//   dot_q8(acc, u, x): the same for bytes u = q + 128 (q signed); Q8_BIASED says whether the
+//     result holds sum(u x) (the caller subtracts 128 sum(x)) or sum(q x) already;
+//   prefetch_l2(p); ISA (the level's name).
+#pragma once
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && !defined(PW_GENERIC)
+#include "avx512.h"
+#else
+#include "portable.h"
+#endif
