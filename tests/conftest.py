@@ -50,10 +50,11 @@ def default_model_path():
 
 @pytest.fixture(scope="session")
 def llm():
-    """The default model in the full engine, loaded once for the whole session."""
+    """The default model in the full engine at fp32 (the transformers parity the tests check), loaded
+    once for the whole session."""
     from phasewise import LLM
 
-    return LLM(kv_cache_memory=0.25)
+    return LLM(dtype="fp32", kv_dtype="model", kv_cache_memory=0.25)
 
 
 def _capped_levels() -> list[str]:

@@ -108,6 +108,8 @@ def test_streams_text_then_prints_where_the_time_went():
     assert proc.stdout.strip()
     for label in ("load time", "prompt eval time", "eval time", "time to first token", "total time"):
         assert label in proc.stderr
+    # the default is the fast path, and the command says which precision it chose
+    assert "precision: q4 weights, int8 KV cache (chosen for this machine" in proc.stderr
 
 
 def test_memory_from_numbers():

@@ -72,7 +72,7 @@ def test_engine_greedy_equals_reference_and_chunked_prefill(ours, hf_tokenizer, 
 
     ids = hf_tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}])
     _, ref = PagedRunner(ours, block_size=16).greedy(ids, 24)
-    llm = LLM(max_num_batched_tokens=7, kv_cache_memory=0.05, warmup=False)
+    llm = LLM(dtype="fp32", kv_dtype="model", max_num_batched_tokens=7, kv_cache_memory=0.05, warmup=False)
     out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
     assert out.token_ids == ref
     assert len(out.metrics.prefill_chunks) == -(-len(ids) // 7)

@@ -41,7 +41,7 @@ def test_sixteen_together_equal_each_alone(llm, alone):
 
 
 def test_preemption_does_not_change_outputs(alone):
-    small = LLM(num_blocks=14, warmup=False)          # 16 requests of ~3 blocks each: must preempt
+    small = LLM(dtype="fp32", kv_dtype="model", num_blocks=14, warmup=False)         # 16 requests of ~3 blocks each: must preempt
     outs = chats(small)
     assert sum(o.metrics.preemptions for o in outs) > 0
     assert_same_greedy(outs, alone)
@@ -49,7 +49,7 @@ def test_preemption_does_not_change_outputs(alone):
 
 
 def test_prefix_caching_off_gives_the_same_outputs(alone):
-    plain = LLM(enable_prefix_caching=False, kv_cache_memory=0.1, warmup=False)
+    plain = LLM(dtype="fp32", kv_dtype="model", enable_prefix_caching=False, kv_cache_memory=0.1, warmup=False)
     outs = chats(plain)
     assert all(o.cached_tokens == 0 for o in outs)
     assert_same_greedy(outs, alone)

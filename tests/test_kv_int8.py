@@ -69,7 +69,7 @@ def test_int8_pool_is_sized_with_its_scales(default_model_path):
 def test_engine_with_an_int8_kv_cache_generates_and_frees_everything():
     from phasewise import LLM, SamplingParams
 
-    llm = LLM(kv_cache_memory=0.05, kv_dtype="int8", warmup=False)
+    llm = LLM(dtype="fp32", kv_cache_memory=0.05, kv_dtype="int8", warmup=False)
     assert llm.engine.kv_cache.data.dtype == torch.int8
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outs = llm.generate([TEXT, "Once upon a time", TEXT[:80]], params)

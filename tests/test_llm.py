@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from phasewise import SamplingParams
 
@@ -111,3 +112,40 @@ def test_llm_on_a_hugging_face_folder(llm, tmp_path):
     assert out.prompt_token_ids == llm.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
     assert len(out.token_ids) == 5 and out.finish_reason == "length"
     assert tiny.model_config.max_position_embeddings == 256 and tiny.model_config.num_layers == 2
+
+
+def test_default_precision_is_the_fast_path(default_model_path):
+    """LLM() on a machine with compiled kernels: the file's own 4-bit blocks and the int8 KV cache,
+    every linear layer on the kernels and the decoder stack in use; the text is still right."""
+    from phasewise import LLM
+    from phasewise.layers.quant_linear import QuantLinear
+
+    llm = LLM(kv_cache_memory=0.05, warmup=False)
+    p = llm.engine.precision
+    assert (p.weights, p.kv, p.chosen) == ("q4", "int8", True), p
+    assert llm.engine.kv_cache.dtype == torch.int8
+    layers = [m for m in llm.engine.model.modules() if isinstance(m, QuantLinear)]
+    assert layers and all(m.kernels is llm.engine.kernels for m in layers)
+    assert llm.engine.model.model.stack is not None
+    out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8))[0]
+    assert "Paris" in out.text
+
+
+def test_precision_choices(default_model_path, tmp_path):
+    from phasewise.precision import choose
+
+    class Kernels:
+        isa = "avx2"
+
+    assert choose(default_model_path, "auto", "auto", Kernels()).weights == "q4"
+    folder = choose(tmp_path, "auto", "auto", Kernels())       # a safetensors folder: int8 per channel
+    assert (folder.weights, folder.kv) == ("int8", "int8")
+    none = choose(default_model_path, "auto", "auto", None)   # no kernels: the float weights as they are
+    assert (none.weights, none.kv, none.chosen) == ("fp32", "model", True)
+    asked = choose(default_model_path, "q4", "auto", Kernels())
+    assert (asked.weights, asked.kv, asked.chosen) == ("q4", "model", False)
+    assert choose(default_model_path, "fp32", "int8", None).kv == "int8"
+    with pytest.raises(ValueError, match="dtype"):
+        choose(default_model_path, "q3", "auto", None)
+    with pytest.raises(ValueError, match="kv_dtype"):
+        choose(default_model_path, "auto", "fp8", None)

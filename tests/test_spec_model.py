@@ -55,7 +55,8 @@ def alone(llm):
 @pytest.fixture(scope="module", params=["ngram", "draft"])
 def spec_llm(request):
     """A small pool, so that running all prompts together preempts."""
-    return LLM(speculative=request.param, num_speculative_tokens=4, num_blocks=POOL, warmup=False)
+    return LLM(dtype="fp32", kv_dtype="model", speculative=request.param, num_speculative_tokens=4, num_blocks=POOL,
+               warmup=False)
 
 
 def test_greedy_alone_and_batched_with_preemption_equal_no_speculation(spec_llm, alone):

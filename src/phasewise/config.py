@@ -11,15 +11,15 @@ class CacheConfig:
     kv_cache_memory_gib: float = 2.0     # pool size when num_blocks is not given
     num_blocks: int | None = None        # exact pool size (overrides the memory budget)
     enable_prefix_caching: bool = True   # reuse KV blocks of prompts seen before
-    kv_dtype: str = "auto"               # auto (the model's dtype) | int8 (per-token, per-head scales)
+    kv_dtype: str = "auto"               # auto (precision.py) | model (the weights' float type) | int8
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
         if self.kv_cache_memory_gib <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory_gib}")
-        if self.kv_dtype not in ("auto", "int8"):
-            raise ValueError(f"kv_dtype must be 'auto' or 'int8', got {self.kv_dtype!r}")
+        if self.kv_dtype not in ("auto", "model", "int8"):
+            raise ValueError(f"kv_dtype must be 'auto', 'model' or 'int8', got {self.kv_dtype!r}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {self.num_blocks}")
 
@@ -75,9 +75,9 @@ class SpeculativeConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None             # .gguf file or HF folder; None → the default model
-    dtype: str = "fp32"                  # weights: fp32 | bf16 | fp16
+    dtype: str = "auto"                  # weights: auto (precision.py) | fp32 | bf16 | fp16 | int8 | q4
     device: str = "cpu"
-    kernels: str = "auto"                # linear kernels: auto (oneDNN on CPU) | torch (plain F.linear)
+    kernels: str = "auto"                # auto (compiled CPU kernels, oneDNN) | torch (the PyTorch references)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)

@@ -16,15 +16,17 @@ Messages = list[dict]
 class LLM:
     """A model ready to generate. `LLM()` loads the default model (SmolLM2-135M-Instruct)."""
 
-    def __init__(self, model: str | None = None, *, dtype: str = "fp32", device: str = "cpu",
+    def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "cpu",
                  kernels: str = "auto", block_size: int = 16, kv_cache_memory: float = 2.0,
                  num_blocks: int | None = None, enable_prefix_caching: bool = True,
                  max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
                  max_model_len: int | None = None, kv_dtype: str = "auto",
                  speculative: str | SpeculativeConfig | None = None, num_speculative_tokens: int = 4,
                  warmup: bool = True) -> None:
-        """speculative: None, "ngram", "draft" (this model's file at q4) or "draft:MODEL", with
-        num_speculative_tokens drafts per step; a SpeculativeConfig for the other settings."""
+        """dtype and kv_dtype "auto": the fastest precision for this machine within 0.5% perplexity
+        of the file's weights (precision.py; `engine.precision` says which). speculative: None,
+        "ngram", "draft" (this model's file at q4) or "draft:MODEL", with num_speculative_tokens
+        drafts per step; a SpeculativeConfig for the other settings."""
         if not isinstance(speculative, SpeculativeConfig):
             speculative = SpeculativeConfig.parse(speculative, num_speculative_tokens=num_speculative_tokens)
         config = EngineConfig(

@@ -20,6 +20,7 @@ from phasewise.kernels import use_kernels
 from phasewise.layers.linear import use_fast_linears
 from phasewise.loading.loader import load_config, load_model, parse_dtype, resolve_model_path
 from phasewise.outputs import CompletionOutput, StreamDelta
+from phasewise.precision import choose as choose_precision
 from phasewise.runner.kv_cache import KVCache, num_blocks_for_memory
 from phasewise.runner.model_runner import ModelRunner
 from phasewise.sampling.params import SamplingParams
@@ -58,16 +59,17 @@ class LLMEngine:
         started = time.perf_counter()
         self.config = config = config or EngineConfig()
         self.model_path = resolve_model_path(config.model)
-        dtype = parse_dtype(config.dtype)
         load_config(self.model_path)   # cheap: an unsupported architecture fails before anything slow
-        self.tokenizer = Tokenizer.load(self.model_path)
         self.kernels = choose_kernels(config)
-        self.model, self.model_config = load_prepared(self.model_path, config.dtype, config.device, self.kernels,
-                                              plain=config.kernels == "torch")
+        self.precision = choose_precision(self.model_path, config.dtype, config.cache.kv_dtype, self.kernels)
+        dtype = parse_dtype(self.precision.weights)
+        self.tokenizer = Tokenizer.load(self.model_path)
+        self.model, self.model_config = load_prepared(self.model_path, self.precision.weights, config.device,
+                                                      self.kernels, plain=config.kernels == "torch")
         max_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
         self.max_model_len = min(max_len, self.model_config.max_position_embeddings)
         cache: CacheConfig = config.cache
-        kv_dtype = torch.int8 if cache.kv_dtype == "int8" else dtype
+        kv_dtype = torch.int8 if self.precision.kv == "int8" else dtype
         num_blocks = cache.num_blocks or num_blocks_for_memory(
             self.model_config, cache.block_size, kv_dtype, cache.kv_cache_memory_gib)
         self.kv_cache = KVCache(self.model_config, num_blocks, cache.block_size, kv_dtype, config.device)
@@ -89,7 +91,8 @@ class LLMEngine:
         if spec.method != "draft":
             return None
         path = resolve_model_path(spec.draft_model) if spec.draft_model else self.model_path
-        draft, cfg = load_prepared(path, spec.draft_dtype, self.config.device, self.kernels, plain=self.config.kernels == "torch")
+        draft, cfg = load_prepared(path, spec.draft_dtype, self.config.device, self.kernels,
+                                   plain=self.config.kernels == "torch")
         if cfg.vocab_size != self.model_config.vocab_size:
             raise ValueError(f"the draft model {path} has {cfg.vocab_size} tokens in its vocabulary, the "
                              f"target {self.model_config.vocab_size}: they must share the tokenizer")

@@ -55,9 +55,10 @@ def cmd_roofline(args: argparse.Namespace) -> int:
 
     if args.prompt_tokens < 2 or args.decode_tokens < 2:
         raise ValueError("--prompt-tokens and --decode-tokens must be at least 2")
-    dtype = parse_dtype(args.dtype)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
               kv_dtype=args.kv_dtype)
+    weights = llm.engine.precision.weights
+    dtype = parse_dtype(weights)
     cfg = llm.model_config
     rng = random.Random(0)
     prompt = [rng.randrange(100, cfg.vocab_size) for _ in range(args.prompt_tokens)]
@@ -74,7 +75,7 @@ def cmd_roofline(args: argparse.Namespace) -> int:
     phases = analyse(cfg, machine, per_weight, kv, len(prompt), out.metrics.prompt_ms / 1e3,
                      len(out.token_ids) - 1, out.metrics.decode_ms / 1e3, quantized)
     print("\n".join(report(machine, phases)))
-    print(f"weights: {per_weight:.3f} bytes per parameter ({args.dtype}); KV: {kv} bytes per token")
+    print(f"weights: {per_weight:.3f} bytes per parameter ({weights}); KV: {kv} bytes per token")
     return 0
 
 

@@ -148,7 +148,8 @@ def cmd_experiment(args: argparse.Namespace) -> int:
                   console=console, transient=False) as bar:
         task = bar.add_task("", total=_total(args))
         exp = _run(llm, args, lambda n: bar.advance(task, n))
-    exp.settings |= {"model": str(llm.engine.model_path), "dtype": args.dtype, "kv_dtype": args.kv_dtype,
+    exp.settings |= {"model": str(llm.engine.model_path), "dtype": llm.engine.precision.weights,
+                     "kv_dtype": llm.engine.precision.kv, "isa": llm.engine.kernels.isa if llm.engine.kernels else None,
                      "device": args.device,
                      "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
                      "prefix_caching": args.prefix_caching, "warmup": warmup,

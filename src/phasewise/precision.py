@@ -1,0 +1,68 @@
+"""The weight and KV-cache precision an engine runs at: what was asked for, or by default ("auto")
+the fastest pair measured to stay within 0.5% perplexity of the file's weights in fp32.
+
+Measured with benchmarks/quality.py on the default model and the repo's text (docs/benchmarks.md):
+q4 weights (a GGUF's own Q4_0/Q4_1/Q8_0 blocks) with the int8 KV cache +0.19%, q4 alone +0.23%,
+int8 per-channel weights -0.05%, the int8 KV cache alone about +0.2%. Both int8 paths need the
+compiled kernels to be fast; without them (another device, `kernels="torch"`, no compiler) the
+default is the file's weights in fp32 with a float KV cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+WEIGHT_DTYPES = ("fp32", "bf16", "fp16", "int8", "q4")
+KV_DTYPES = ("model", "int8")
+
+
+@dataclass(frozen=True)
+class Precision:
+    weights: str            # fp32 | bf16 | fp16 | int8 | q4
+    kv: str                 # model (the weights' float type) | int8
+    chosen: bool            # picked by "auto" rather than asked for
+    why: str                # one line on the choice
+
+    def describe(self) -> str:
+        kv = "int8 KV cache" if self.kv == "int8" else "float KV cache"
+        how = "chosen for this machine" if self.chosen else "as asked"
+        return f"precision: {self.weights} weights, {kv} ({how}: {self.why})"
+
+
+def gguf_block_types(path: Path) -> set[str]:
+    """The GGUF types of a file's decoder weight matrices (empty for a folder or another file)."""
+    if path.is_dir() or path.suffix != ".gguf":
+        return set()
+    from gguf.constants import GGMLQuantizationType
+
+    from phasewise.loading.gguf import GGUFFile
+
+    tensors = GGUFFile(path).tensors
+    return {GGMLQuantizationType(t.ggml_type).name for name, t in tensors.items()
+            if name.startswith("blk.") and name.endswith(".weight") and len(t.shape) == 2}
+
+
+def choose(path: Path, dtype: str, kv_dtype: str, kernels: Any) -> Precision:
+    """Resolve "auto" for the weights and the KV cache. An explicit weight dtype keeps the KV cache
+    in its float type unless int8 is asked for; "auto" weights take the int8 cache where kernels run."""
+    from phasewise.kernels.quant import GGUF_BLOCKS
+
+    if dtype not in WEIGHT_DTYPES + ("auto",):
+        raise ValueError(f"unsupported dtype {dtype!r} (choose from auto, {', '.join(WEIGHT_DTYPES)})")
+    if kv_dtype not in KV_DTYPES + ("auto",):
+        raise ValueError(f"kv_dtype must be 'auto', 'model' or 'int8', got {kv_dtype!r}")
+    if dtype != "auto":
+        kv = "model" if kv_dtype == "auto" else kv_dtype
+        return Precision(dtype, kv, False, "--dtype/--kv-dtype")
+    if kernels is None:
+        kv = "model" if kv_dtype == "auto" else kv_dtype
+        return Precision("fp32", kv, True, "no compiled kernels here, so the file's weights in fp32")
+    kv = "int8" if kv_dtype == "auto" else kv_dtype
+    blocks = sorted(gguf_block_types(path) & set(GGUF_BLOCKS))
+    if blocks:
+        return Precision("q4", kv, True, f"the file's own {'/'.join(blocks)} blocks on the {kernels.isa} kernels, "
+                                         "+0.2% perplexity measured")
+    return Precision("int8", kv, True, f"int8 per-channel weights on the {kernels.isa} kernels, "
+                                       "within 0.3% perplexity measured")
