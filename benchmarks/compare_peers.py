@@ -1,37 +1,40 @@
-"""phasewise against the peers a user would pick instead, on the same prompts, in one run.
+"""phasewise against the peers a user would pick instead, on the same model, in one run.
 
-    .venv/bin/python benchmarks/compare_peers.py [--dtypes fp32,int8,q4,q4/int8] [--peers llama.cpp,transformers]
-                                                 [--prompt-tokens 512] [--decode-tokens 128]
-                                                 [--concurrent 32] [--concurrent-prompt 128]
-                                                 [--concurrent-output 64] [--repeats 3]
+    .venv/bin/python benchmarks/compare_peers.py [--dtypes auto,fp32,q4/int8] [--peers llama.cpp,transformers]
+                                                 [--llama-cpp .peers/native/bin] [--prompt-tokens 512]
+                                                 [--decode-tokens 128] [--concurrent 32]
+                                                 [--concurrent-prompt 128] [--concurrent-output 64] [--repeats 3]
+    PHASEWISE_ISA=avx2 .venv/bin/python benchmarks/compare_peers.py --llama-cpp .peers/avx2/bin ...
 
-Installs nothing: a peer that is not importable is skipped with a note (`make peers`
-builds llama-cpp-python for this CPU). Every system runs the default model's GGUF:
-phasewise at each --dtypes precision, llama.cpp on the file as it is (Q4_1, 2 threads),
-transformers dequantized to fp32. A --dtypes entry "WEIGHTS/KV" also sets phasewise's KV-cache
-dtype (q4/int8: 4-bit weights, int8 KV cache). Figures:
+Installs nothing: a peer that is missing is skipped with a note (`make peers` builds llama.cpp's
+llama-bench and llama-server for this CPU, `make peers-avx2` for the AVX2 level). Every system
+runs the default model's GGUF: phasewise at each --dtypes precision ("WEIGHTS/KV", e.g. q4/int8;
+auto = what the engine picks), on the kernels of PHASEWISE_ISA's level (default: the CPU's best);
+llama.cpp on the file as it is (Q4_1); transformers dequantized to fp32. Figures:
 
-- prefill tokens/s: --prompt-tokens prompt tokens / time to the first token;
-- decode tokens/s at batch 1: (--decode-tokens − 1) / time from the first to the last token;
-- aggregate output tokens/s with --concurrent requests: phasewise takes them all at once
-  (continuous batching), transformers as one padded batch through `generate`, llama.cpp
-  one after another as a user of llama-cpp-python runs it;
+- prefill tokens/s at batch 1: --prompt-tokens prompt tokens / time to the first token
+  (llama.cpp: llama-bench's pp<prompt-tokens>);
+- decode tokens/s at batch 1: (--decode-tokens − 1) / time from the first to the last token
+  (llama.cpp: llama-bench's tg<decode-tokens>);
+- served output tokens/s: --concurrent streamed completions at once through HTTP, measured by
+  `phasewise bench serve` against `phasewise serve` and against `llama-server -np <concurrent>`
+  (transformers: one padded batch through `generate`, no server);
 - weight GB/s: the bytes of weights read per decode step × decode tokens/s, next to the
   machine's measured read bandwidth (the decode roofline; the model does not fit the L3);
-- prefill and aggregate GOP/s: the model's arithmetic (`lab.roofline`: 2 per weight, logits only
-  where a token is sampled, attention at the mean context) per second, and its share of the
-  compute roof: the int8 dot-product peak for quantized weights (llama.cpp's included), torch's
-  fp32 matmul otherwise;
+- prefill and served GOP/s: the model's arithmetic (`lab.roofline`) per second, and its share of
+  the compute roof: the int8 dot-product peak of the kernels' level for quantized weights
+  (llama.cpp's included), torch's fp32 matmul otherwise;
 - quality of each phasewise precision (unless --no-quality): perplexity of the repo's text
   (benchmarks/data/lighthouses.txt) and next-token top-1 agreement with fp32, teacher-forced,
   with the engine's own model and KV-cache dtype.
 
-Each batch-1 figure is the median of --repeats runs after a warm-up run.
+Each batch-1 figure of phasewise is the median of --repeats runs after a warm-up run.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -41,6 +44,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+import serving  # noqa: E402
 from decode_vs_hf import make_prompt  # noqa: E402
 
 
@@ -84,18 +88,18 @@ def run_phasewise(spec: str, prompt, batch, args) -> Result:
         if i:
             prefill.append(len(prompt) / (out.metrics.prompt_ms / 1e3))
             decode.append((len(out.token_ids) - 1) / (out.metrics.decode_ms / 1e3))
-    many = SamplingParams(temperature=0, max_tokens=args.concurrent_output, ignore_eos=True)
-    t0 = time.perf_counter()
-    outs = llm.generate(batch, many)
-    aggregate = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
     from phasewise.lab.roofline import linear_params, weight_bytes_per_param
 
-    cfg = llm.model_config
+    cfg, precision = llm.model_config, llm.engine.precision
     nbytes = int(linear_params(cfg) * weight_bytes_per_param(llm.engine.model, cfg, 2 if "16" in dtype else 4))
-    name = f"phasewise {dtype}" + (f" kv {kv_dtype}" if kv_dtype else "")
+    isa = llm.engine.kernels.isa if llm.engine.kernels is not None else "torch"
+    name = f"phasewise {precision.weights}" + (" kv int8" if precision.kv == "int8" else "") + f" {isa}"
     quality = None if args.no_quality else teacher_forced(llm.engine.model, llm.engine.kv_cache.dtype, args.text_ids)
+    del llm                                     # the server below loads its own copy
+    server = serving.phasewise_server(precision.weights, precision.kv, args.threads, args.concurrent)
+    aggregate = serving.served(server, args.load)["output_token_throughput"]
     return Result(name, statistics.median(prefill), statistics.median(decode), aggregate,
-                  nbytes, dtype in ("int8", "q4"), quality)
+                  nbytes, precision.weights in ("int8", "q4"), quality)
 
 
 def teacher_forced(model, kv_dtype: torch.dtype, ids: list[int]) -> tuple[float, torch.Tensor]:
@@ -120,36 +124,13 @@ def fp32_reference(path: Path, ids: list[int]) -> tuple[float, torch.Tensor]:
 # ---- llama.cpp --------------------------------------------------------------------------------
 
 def run_llama_cpp(path: Path, prompt, batch, args) -> Result:
-    from llama_cpp import Llama
-
-    n_ctx = max(len(prompt) + args.decode_tokens, len(batch[0]) + args.concurrent_output) + 16
-    llm = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=torch.get_num_threads(), n_batch=512,
-                verbose=False)
-
-    def generate(ids: list[int], n: int) -> tuple[float, float]:
-        """Greedy, never stopping at eos: (seconds to the first token, seconds for the other n − 1).
-        reset() first: llama-cpp-python would otherwise reuse the cached prefix of the last prompt."""
-        llm.reset()
-        t0 = time.perf_counter()
-        t1 = None
-        for i, _ in enumerate(llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, reset=True)):
-            if i == 0:
-                t1 = time.perf_counter()
-            if i == n - 1:
-                break
-        return t1 - t0, time.perf_counter() - t1
-
-    prefill, decode = [], []
-    for i in range(args.repeats + 1):
-        ttft, rest = generate(fresh(prompt, i), args.decode_tokens)
-        if i:
-            prefill.append(len(prompt) / ttft)
-            decode.append((args.decode_tokens - 1) / rest)
-    t0 = time.perf_counter()
-    for ids in batch:
-        generate(ids, args.concurrent_output)
-    aggregate = len(batch) * args.concurrent_output / (time.perf_counter() - t0)
-    return Result("llama.cpp (Q4_1)", statistics.median(prefill), statistics.median(decode), aggregate,
+    """llama-bench for batch 1, llama-server with a slot per concurrent request for serving."""
+    pp, tg = serving.llama_bench(args.llama_cpp, path, args.threads, args.prompt_tokens, args.decode_tokens,
+                                 args.repeats)
+    ctx = args.concurrent_prompt + args.concurrent_output + 64
+    server = serving.llama_server(args.llama_cpp, path, args.threads, args.concurrent, ctx)
+    aggregate = serving.served(server, args.load)["output_token_throughput"]
+    return Result(f"llama.cpp Q4_1 {args.llama_cpp.parent.name}", pp, tg, aggregate,
                   path.stat().st_size)             # Q4_1 x Q8_1 dot products: the int8 roof
 
 
@@ -184,14 +165,14 @@ def print_roofline_and_quality(results: list[Result], machine, path: Path, args)
     agg_ops_per_token = request_flops(cfg, args.concurrent_prompt, args.concurrent_output) / args.concurrent_output
     base = None
     if not args.no_quality and any(r.quality for r in results):
-        base = next((r.quality for r in results if r.name == "phasewise fp32"), None)
+        base = next((r.quality for r in results if r.name.startswith("phasewise fp32")), None)
         base = base or fp32_reference(path, args.text_ids)
-    print(f"\n{'':24}{'prefill GOP/s':>14}{'of roof':>8}{'agg GOP/s':>11}{'of roof':>8}"
+    print(f"\n{'':32}{'prefill GOP/s':>14}{'of roof':>8}{'srv GOP/s':>11}{'of roof':>8}"
           + (f"{'ppl':>9}{'Δppl':>8}{'top1=fp32':>10}" if base else ""))
     for r in results:
         roof = machine.compute_roof(r.quantized)
         pre, agg = r.prefill * prefill_ops / args.prompt_tokens / 1e9, r.aggregate * agg_ops_per_token / 1e9
-        line = f"{r.name:24}{pre:14.1f}{pre / roof:8.0%}{agg:11.1f}{agg / roof:8.0%}"
+        line = f"{r.name:32}{pre:14.1f}{pre / roof:8.0%}{agg:11.1f}{agg / roof:8.0%}"
         if base and r.quality:
             ppl, top = r.quality
             line += f"{ppl:9.4f}{ppl / base[0] - 1:+8.2%}{(top == base[1]).float().mean().item():10.2%}"
@@ -203,8 +184,12 @@ def print_roofline_and_quality(results: list[Result], machine, path: Path, args)
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dtypes", default="fp32", help="phasewise precisions, comma-separated")
+    ap.add_argument("--dtypes", default="auto", help="phasewise precisions, comma-separated (WEIGHTS/KV)")
     ap.add_argument("--peers", default="llama.cpp,transformers")
+    ap.add_argument("--llama-cpp", type=Path, default=None,
+                    help="the folder of llama-bench and llama-server (default: .peers/avx2/bin with "
+                         "PHASEWISE_ISA=avx2, else .peers/native/bin)")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="threads for every system")
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--concurrent", type=int, default=32)
@@ -213,7 +198,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-quality", action="store_true", help="skip the perplexity and agreement pass")
     args = ap.parse_args()
+    if args.llama_cpp is None:
+        level = "avx2" if os.environ.get("PHASEWISE_ISA") == "avx2" else "native"
+        args.llama_cpp = Path(__file__).parent.parent / ".peers" / level / "bin"
+    args.load = dict(num_prompts=args.concurrent, input_len=args.concurrent_prompt,
+                     output_len=args.concurrent_output, concurrency=args.concurrent)
+    torch.set_num_threads(args.threads)
 
+    from phasewise.kernels import build
     from phasewise.lab.roofline import measure_machine
     from phasewise.loading.loader import default_model_path
     from phasewise.tokenizer import Tokenizer
@@ -225,32 +217,32 @@ def main() -> None:
     from quality import TEXT
 
     args.text_ids = tokenizer.encode(TEXT.read_text())
-    print(f"model {path.name}, {torch.get_num_threads()} threads; prefill and decode: {len(prompt)} prompt "
-          f"tokens, {args.decode_tokens} decoded, median of {args.repeats}; aggregate: {args.concurrent} "
-          f"requests × ({args.concurrent_prompt} prompt + {args.concurrent_output} output tokens)", flush=True)
+    kernels = build.load()
+    print(f"model {path.name}, {args.threads} threads, phasewise kernels: {kernels.isa if kernels else 'none'}; "
+          f"prefill and decode: {len(prompt)} prompt tokens, {args.decode_tokens} decoded, median of "
+          f"{args.repeats}; served: {args.concurrent} streamed requests at once × ({args.concurrent_prompt} "
+          f"prompt + {args.concurrent_output} output tokens)", flush=True)
     machine = measure_machine(torch.float32)          # first: the roofs, before any system has run
     results: list[Result] = []
     for dtype in [d for d in args.dtypes.split(",") if d]:
         results.append(run_phasewise(dtype, prompt, batch, args))
         print(f"  done: {results[-1].name}", flush=True)
-    peers = {"llama.cpp": ("llama_cpp", run_llama_cpp), "transformers": ("transformers", run_transformers)}
+    peers = {"llama.cpp": run_llama_cpp, "transformers": run_transformers}
     for name in [p for p in args.peers.split(",") if p]:
-        module, run = peers[name]
-        try:
-            __import__(module)
-        except ImportError:
-            print(f"  skipped {name}: `{module}` is not installed (make peers)", flush=True)
+        run = peers[name]
+        if name == "llama.cpp" and not (args.llama_cpp / "llama-server").exists():
+            print(f"  skipped llama.cpp: no llama-server in {args.llama_cpp} (make peers)", flush=True)
             continue
         results.append(run(path, prompt, batch, args))
         print(f"  done: {results[-1].name}", flush=True)
     print(f"\nmeasured read bandwidth: {machine.dram_gbs:.1f} GB/s from memory, {machine.cache_gbs:.1f} GB/s "
           f"from a buffer that fits the last-level cache; compute peaks: fp32 matmul {machine.matmul_gflops:.0f} "
           f"GFLOP/s" + (f", int8 dot products {machine.int8_gops:.0f} GOP/s" if machine.int8_gops else ""))
-    head = f"{'':24}{'prefill tok/s':>14}{'decode tok/s':>14}{f'agg@{args.concurrent} tok/s':>15}" \
+    head = f"{'':32}{'prefill tok/s':>14}{'decode tok/s':>14}{f'served@{args.concurrent}':>15}" \
            f"{'weights MB':>12}{'weight GB/s':>13}{'of DRAM bw':>11}"
     print(head)
     for r in results:
-        print(f"{r.name:24}{r.prefill:14.1f}{r.decode:14.1f}{r.aggregate:15.1f}{r.weight_bytes / 1e6:12.0f}"
+        print(f"{r.name:32}{r.prefill:14.1f}{r.decode:14.1f}{r.aggregate:15.1f}{r.weight_bytes / 1e6:12.0f}"
               f"{r.weight_gbs:13.1f}{r.weight_gbs / machine.dram_gbs:11.0%}")
     print_roofline_and_quality(results, machine, path, args)
     ref = next((r for r in results if r.name.startswith("llama.cpp")), None)
@@ -258,7 +250,7 @@ def main() -> None:
         print(f"\nratios to {ref.name}:")
         for r in results:
             if r is not ref:
-                print(f"{r.name:24}{r.prefill / ref.prefill:13.2f}x{r.decode / ref.decode:13.2f}x"
+                print(f"{r.name:32}{r.prefill / ref.prefill:13.2f}x{r.decode / ref.decode:13.2f}x"
                       f"{r.aggregate / ref.aggregate:14.2f}x")
 
 
