@@ -13,6 +13,23 @@ T* ptr(const c10::optional<torch::Tensor>& t) {
   return t.has_value() ? t->data_ptr<T>() : nullptr;
 }
 
+// The pointers of a layer's cache: int8 values and their scales, or fp32 values.
+template <typename C>
+C cache_view(const torch::Tensor& k, const torch::Tensor& v, const c10::optional<torch::Tensor>& k_scale,
+             const c10::optional<torch::Tensor>& v_scale) {
+  C c;
+  if (k.scalar_type() == at::kChar) {
+    c.kq = k.data_ptr<int8_t>();
+    c.vq = v.data_ptr<int8_t>();
+    c.ks = k_scale->data_ptr<float>();
+    c.vs = v_scale->data_ptr<float>();
+  } else {
+    c.k = k.data_ptr<float>();
+    c.v = v.data_ptr<float>();
+  }
+  return c;
+}
+
 constexpr int64_t QK = 32;
 int64_t block_bytes(int64_t fmt) { return fmt == pw::Q4 ? 320 : fmt == pw::Q8 ? 544 : 512; }
 
@@ -40,23 +57,15 @@ torch::Tensor KernelSet::paged_attention(torch::Tensor q, torch::Tensor k_cache,
   TORCH_CHECK(q.scalar_type() == at::kFloat && (int8 || k_cache.scalar_type() == at::kFloat),
               "fp32 queries, fp32 or int8 cache");
   TORCH_CHECK(!int8 || (k_scale.has_value() && v_scale.has_value()), "an int8 cache needs its scales");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "k and v caches of one dtype");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && q.size(2) == k_cache.size(2) && q.size(1) % k_cache.size(1) == 0,
               "q [T, Hq, D], caches [slots, Hkv, D]");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
               block_tables.is_contiguous() && row_seq.is_contiguous() && row_len.is_contiguous(),
               "contiguous inputs");
-  pw::Cache c;
+  pw::Cache c = cache_view<pw::Cache>(k_cache, v_cache, k_scale, v_scale);
   c.Hkv = k_cache.size(1);
   c.D = k_cache.size(2);
-  if (int8) {
-    c.kq = k_cache.data_ptr<int8_t>();
-    c.vq = v_cache.data_ptr<int8_t>();
-    c.ks = k_scale->data_ptr<float>();
-    c.vs = v_scale->data_ptr<float>();
-  } else {
-    c.k = k_cache.data_ptr<float>();
-    c.v = v_cache.data_ptr<float>();
-  }
   const pw::AttentionRows rows{block_tables.data_ptr<int64_t>(), block_tables.size(1), row_seq.data_ptr<int64_t>(),
                                row_len.data_ptr<int64_t>(), block_size};
   auto out = torch::empty_like(q);
@@ -75,6 +84,7 @@ std::vector<torch::Tensor> KernelSet::rope_and_cache(torch::Tensor qkv, torch::T
                                                      c10::optional<torch::Tensor> v_scale) const {
   const bool int8 = k_cache.scalar_type() == at::kChar;
   TORCH_CHECK(!int8 || (k_scale.has_value() && v_scale.has_value()), "an int8 cache needs its scales");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "k and v caches of one dtype");
   TORCH_CHECK(qkv.scalar_type() == at::kFloat && (int8 || k_cache.scalar_type() == at::kFloat),
               "fp32 qkv, fp32 or int8 cache");
   TORCH_CHECK(qkv.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
@@ -84,16 +94,7 @@ std::vector<torch::Tensor> KernelSet::rope_and_cache(torch::Tensor qkv, torch::T
   TORCH_CHECK(qkv.size(1) == (Hq + 2 * Hkv) * D, "qkv width does not match the heads");
   auto q = torch::empty({T, Hq, D}, qkv.options());
   auto k = torch::empty({T, Hkv, D}, qkv.options());
-  pw::CacheOut c;
-  if (int8) {
-    c.kq = k_cache.data_ptr<int8_t>();
-    c.vq = v_cache.data_ptr<int8_t>();
-    c.ks = k_scale->data_ptr<float>();
-    c.vs = v_scale->data_ptr<float>();
-  } else {
-    c.k = k_cache.data_ptr<float>();
-    c.v = v_cache.data_ptr<float>();
-  }
+  const pw::CacheOut c = cache_view<pw::CacheOut>(k_cache, v_cache, k_scale, v_scale);
   table_->rope_and_cache(runtime(), qkv.data_ptr<float>(), T, positions.data_ptr<int64_t>(), cos.data_ptr<float>(),
                          sin.data_ptr<float>(), Hq, Hkv, D, slots.data_ptr<int64_t>(), c, q.data_ptr<float>(),
                          k.data_ptr<float>());

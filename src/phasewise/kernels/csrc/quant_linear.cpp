@@ -86,7 +86,10 @@ inline void tile_kernel(const Act& a, int64_t m0, const Weights& w, int64_t t0, 
     for (int i = 0; i < MT; ++i)
       for (int v = 0; v < NV; ++v) acc[i][v] = Vi::zero();
     const int8_t* xb = a.xq + m0 * a.K + b * QK;
-    if constexpr (F == Q4) {
+    if constexpr (F == Q4) {       // 8 nibble dot products per (row, tile): one narrow accumulator
+      Vs part[MT][NV];
+      for (int i = 0; i < MT; ++i)
+        for (int v = 0; v < NV; ++v) part[i][v] = Vs::zero();
       for (int j = 0; j < 4; ++j) {
         Vb lo[NV], hi[NV];
         for (int v = 0; v < NV; ++v) {
@@ -97,11 +100,13 @@ inline void tile_kernel(const Act& a, int64_t m0, const Weights& w, int64_t t0, 
         for (int i = 0; i < MT; ++i) {
           const Vb xl = Vb::bcast4(xb + i * a.K + 4 * j), xh = Vb::bcast4(xb + i * a.K + 16 + 4 * j);
           for (int v = 0; v < NV; ++v) {
-            acc[i][v] = dot_u4(acc[i][v], lo[v], xl);
-            acc[i][v] = dot_u4(acc[i][v], hi[v], xh);
+            part[i][v] = dot_u4s(part[i][v], lo[v], xl);
+            part[i][v] = dot_u4s(part[i][v], hi[v], xh);
           }
         }
       }
+      for (int i = 0; i < MT; ++i)
+        for (int v = 0; v < NV; ++v) acc[i][v] = widen(part[i][v]);
     } else {
       for (int g = 0; g < 8; ++g) {
         Vb u[NV];

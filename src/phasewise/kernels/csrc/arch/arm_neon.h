@@ -48,4 +48,8 @@ inline Vi dot_q8(Vi acc, Vb u, Vb x) {
   return acc;
 }
 
+using Vs = Vi;
+inline Vi dot_u4s(Vs acc, Vb w, Vb x) { return dot_u4(acc, w, x); }
+inline Vi widen(Vs acc) { return acc; }
+
 }  // namespace pw

@@ -53,4 +53,24 @@ inline Vi dot_q8(Vi acc, Vb u, Vb x) {
   return acc;
 }
 
+#if defined(__AVXVNNI__)
+using Vs = Vi;
+inline Vi dot_u4s(Vs acc, Vb w, Vb x) { return dot_u4(acc, w, x); }
+inline Vi widen(Vs acc) { return acc; }
+#else
+struct Vs {              // int16 pair sums of vpmaddubsw, widened once per 8 calls
+  __m256i v[NP];
+  static Vs zero() { return {{_mm256_setzero_si256(), _mm256_setzero_si256()}}; }
+};
+inline Vs dot_u4s(Vs acc, Vb w, Vb x) {
+  for (int i = 0; i < NP; ++i) acc.v[i] = _mm256_add_epi16(acc.v[i], _mm256_maddubs_epi16(as_m256i(w.v[i]), as_m256i(x.v[i])));
+  return acc;
+}
+inline Vi widen(Vs acc) {
+  Vi r;
+  for (int i = 0; i < NP; ++i) r.v[i] = (i32n)_mm256_madd_epi16(acc.v[i], _mm256_set1_epi16(1));
+  return r;
+}
+#endif
+
 }  // namespace pw

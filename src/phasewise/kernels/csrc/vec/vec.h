@@ -17,6 +17,8 @@
 //   dot_u4(acc, w, x): acc + the 4 products w x of each lane, w in 0..15 unsigned, x signed;
 //   dot_q8(acc, u, x): the same for bytes u = q + 128 (q signed); Q8_BIASED says whether the
 //     result holds sum(u x) (the caller subtracts 128 sum(x)) or sum(q x) already;
+//   Vs: dot_u4 sums in the narrowest accumulator the ISA has (AVX2: int16 pairs, which hold 8
+//     calls: 8 x 2 x 15 x 127 < 32768; elsewhere Vi): Vs::zero(), dot_u4s(acc, w, x), widen(Vs) -> Vi;
 //   prefetch_l2(p); ISA (the level's name).
 #pragma once
 
