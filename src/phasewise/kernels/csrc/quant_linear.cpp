@@ -32,7 +32,10 @@ namespace {
 
 using Fmt = QuantFormat;
 constexpr int64_t QK = 32;                 // values per block
-constexpr int MTB = W == 16 ? 4 : 2;       // activation rows per register tile: what the registers hold
+#ifndef PW_MTB
+#define PW_MTB (W == 4 ? 2 : 4)   // NEON and SSE2 hold 2 x 2 tiles (4 registers a vector); AVX2 4 x 2 spills a little but wins
+#endif
+constexpr int MTB = PW_MTB;               // activation rows per register tile: what the registers hold
 
 struct Act {          // quantized activations
   const int8_t* xq;   // [M, K]
