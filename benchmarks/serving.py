@@ -83,7 +83,8 @@ def llama_server(bin_dir: Path, model: Path, threads: int, slots: int, ctx_per_s
             "-t", str(threads), "-np", str(slots), "-c", str(slots * ctx_per_slot), "--no-webui"]
 
 
-def llama_bench(bin_dir: Path, model: Path, threads: int, prompt: int, decode: int, repeats: int) -> tuple[float, float]:
+def llama_bench(bin_dir: Path, model: Path, threads: int, prompt: int, decode: int,
+                repeats: int) -> tuple[float, float]:
     """llama-bench's pp<prompt> and tg<decode> tokens/s (its mean over `repeats` runs)."""
     cmd = [str(bin_dir / "llama-bench"), "-m", str(model), "-t", str(threads), "-p", str(prompt), "-n", str(decode),
            "-r", str(repeats), "-o", "json"]

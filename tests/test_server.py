@@ -148,6 +148,10 @@ def test_models_health_and_tokenizer_routes(server):
     assert [m.id for m in models] == [MODEL]
     extra = models[0].to_dict()
     assert extra["max_model_len"] == 8192 and extra["root"].endswith(MODEL + ".gguf")
+    assert server.client().models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as missing:
+        server.client().models.retrieve("gpt-4")
+    assert missing.value.body["code"] == "model_not_found"
     ids = server.post("/tokenize", {"prompt": "Hello world"}).json()
     assert ids["count"] == len(ids["tokens"]) > 0
     assert server.post("/detokenize", {"tokens": ids["tokens"]}).json()["prompt"] == "Hello world"

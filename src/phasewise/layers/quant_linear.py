@@ -1,9 +1,9 @@
 """QuantLinear: a linear layer whose weight stays quantized (int8 per channel, GGUF Q4/Q8 blocks).
 
 `forward` runs the compiled kernel (kernels/csrc/quant_linear.cpp, on every ISA level) when
-kernels are set and the input is fp32 on the CPU; it quantizes activations per block of 32 values. Otherwise
-the reference path runs anywhere: dequantize the exact stored weight, then `F.linear` on the
-unquantized activations.
+kernels are set and the input is fp32 on the CPU; it quantizes activations per block of 32
+values. Otherwise the reference path runs anywhere: dequantize the exact stored weight, then
+`F.linear` on the unquantized activations.
 """
 
 from __future__ import annotations

@@ -144,11 +144,18 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     async def prometheus() -> Response:
         return Response(metrics.render(engine.stats), media_type=metrics.content_type)
 
+    def model_card() -> dict:
+        return {"id": config.served_model_name, "object": "model", "created": config.created, "owned_by": "phasewise",
+                "root": config.model_root, "parent": None, "max_model_len": engine.max_model_len}
+
     @app.get("/v1/models", dependencies=keyed)
     async def models() -> dict:
-        return {"object": "list", "data": [{
-            "id": config.served_model_name, "object": "model", "created": config.created, "owned_by": "phasewise",
-            "root": config.model_root, "parent": None, "max_model_len": engine.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=keyed)
+    async def model(model_id: str) -> dict:
+        check_model(model_id)                   # 404 in OpenAI's shape for another name
+        return model_card()
 
     @app.post("/tokenize", dependencies=keyed)
     async def tokenize(request: Request) -> dict:
