@@ -315,6 +315,20 @@ def test_malformed_bodies_get_a_clean_400(server, raw):
     assert_openai_error(resp, 400)
 
 
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", b'{"model": "%s", "prompt": "a\\ud800b"}', "prompt"),
+    ("/v1/chat/completions", b'{"model": "%s", "messages": [{"role": "user", "content": "\\udfff"}]}', "messages"),
+    ("/tokenize", b'{"model": "%s", "prompt": "x\\ud83d"}', "prompt"),
+])
+def test_a_lone_surrogate_is_a_400_not_a_500(server, path, body, param):
+    """JSON can spell an unpaired surrogate ("\\ud800"); no tokenizer can encode it: bad input."""
+    resp = httpx.post(server.url + path, content=body.replace(b"%s", MODEL.encode()),
+                      headers={"content-type": "application/json"})
+    err = assert_openai_error(resp, 400, "surrogate")
+    assert err["param"] == param
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
 def test_openai_client_sees_bad_request_for_invalid_params(server):
     with pytest.raises(openai.BadRequestError) as e:
         server.client().completions.create(model=MODEL, prompt="hi", temperature=-1)

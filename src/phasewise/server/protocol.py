@@ -214,11 +214,34 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
         raise bad_request(f"the request body is not valid JSON ({e})") from None
     if not isinstance(obj, dict):
         raise bad_request("the request body must be a JSON object")
+    where = _lone_surrogate(obj)
+    if where is not None:   # JSON allows "\ud800" alone; no tokenizer can encode it
+        raise bad_request(f"{where or 'a string'} is not valid Unicode: it holds a lone surrogate "
+                          "(an unpaired \\ud800-\\udfff escape)", where.split(".")[0] if where else None)
     try:
         return model.model_validate(obj)
     except ValidationError as e:
         raise bad_request(*validation_message(e.errors(include_url=False, include_input=False,
                                                        include_context=False))) from None
+
+
+def _lone_surrogate(obj: Any, path: str = "") -> str | None:
+    """The dotted path of the first string (key or value) in obj that UTF-8 cannot encode, else None."""
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for key, value in items:
+        here = f"{path}.{key}" if path else str(key)
+        if isinstance(key, str) and _lone_surrogate(key) is not None:
+            return here
+        found = _lone_surrogate(value, here)
+        if found is not None:
+            return found
+    return None
 
 
 def validation_message(errors: Sequence[dict]) -> tuple[str, str | None]:
