@@ -339,9 +339,13 @@ def test_prompt_plus_max_tokens_over_the_context_is_400_with_both_numbers(server
     for path, body in [("/v1/completions", {"model": MODEL, "prompt": "Hello there", "max_tokens": 9000}),
                        ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 9000, "stream": True})]:
         err = assert_openai_error(server.post(path, body), 400, "8192", "9000")
-        assert err["code"] == "context_length_exceeded"
+        assert err["code"] == "context_length_exceeded" and err["param"] == "max_tokens"
     long_ids = list(range(100, 100 + 8200))
-    assert_openai_error(server.post("/v1/completions", {"model": MODEL, "prompt": long_ids}), 400, "8192", "8200")
+    err = assert_openai_error(server.post("/v1/completions", {"model": MODEL, "prompt": long_ids}), 400, "8192", "8200")
+    assert err["param"] == "prompt"                       # the prompt alone is too long: not max_tokens
+    err = assert_openai_error(server.post("/v1/completions", {"model": MODEL, "prompt": [1, 99_999]}), 400,
+                              "99999", "out of range")
+    assert err["param"] == "prompt"
 
 
 def test_unknown_model_is_404_and_the_path_is_an_alias(server):

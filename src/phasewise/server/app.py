@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from phasewise.outputs import CompletionOutput
 from phasewise.server import responses as R
 from phasewise.server.async_engine import (
-    AsyncEngine, ContextLengthError, EngineDeadError, EngineError, RequestStream, SubRequest)
+    AsyncEngine, ContextLengthError, EngineDeadError, EngineError, RequestError, RequestStream, SubRequest)
 from phasewise.server.metrics import ServerMetrics
 from phasewise.server.protocol import (
     APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, bad_request,
@@ -125,8 +125,11 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         admit()
         try:
             return await engine.submit(items, chat)
-        except ContextLengthError as e:
-            raise APIError(400, str(e), param="max_tokens", code="context_length_exceeded") from None
+        except RequestError as e:
+            param = "messages" if e.param == "prompt" and chat else e.param
+            if isinstance(e, ContextLengthError):
+                raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
+            raise bad_request(str(e), param) from None
         except ValueError as e:
             raise bad_request(str(e)) from None
         except EngineDeadError as e:

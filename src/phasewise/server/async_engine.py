@@ -35,7 +35,16 @@ class EngineError(RuntimeError):
     """The engine failed while running a request (not the request's fault)."""
 
 
-class ContextLengthError(ValueError):
+class RequestError(ValueError):
+    """Bad input found on the engine thread; `param` names the request field at fault ("prompt" is
+    the prompt or the messages)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class ContextLengthError(RequestError):
     """The prompt (plus max_tokens) does not fit the context."""
 
 
@@ -323,7 +332,7 @@ class AsyncEngine:
             vocab = self.model_config.vocab_size
             bad = next((t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
             if bad is not None:
-                raise ValueError(f"token id {bad} is out of range: the vocabulary has {vocab} tokens")
+                raise RequestError(f"token id {bad} is out of range: the vocabulary has {vocab} tokens", "prompt")
         return ids
 
     def _fit(self, ids: list[int], params: SamplingParams) -> SamplingParams:
@@ -332,10 +341,11 @@ class AsyncEngine:
         vocab = self.model_config.vocab_size
         bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ValueError(f"stop_token_ids: token id {bad} is out of range: the vocabulary has {vocab} tokens")
+            raise RequestError(f"stop_token_ids: token id {bad} is out of range: the vocabulary has {vocab} tokens",
+                               "stop_token_ids")
         if n >= limit:
             raise ContextLengthError(f"This model's maximum context length is {limit} tokens, but the prompt "
-                                     f"has {n} tokens (at least one token must be left to generate)")
+                                     f"has {n} tokens (at least one token must be left to generate)", "prompt")
         if params.max_tokens is None:
             room = min(limit, self.num_blocks * self.block_size) - n
             if room < 1:
@@ -345,7 +355,8 @@ class AsyncEngine:
         if n + params.max_tokens > limit:
             raise ContextLengthError(f"This model's maximum context length is {limit} tokens, but "
                                      f"{n + params.max_tokens} were requested ({n} in the prompt + "
-                                     f"{params.max_tokens} max_tokens): reduce the prompt or max_tokens")
+                                     f"{params.max_tokens} max_tokens): reduce the prompt or max_tokens",
+                                     "max_tokens")
         return params
 
     def _step(self) -> None:
