@@ -112,6 +112,14 @@ def test_streams_text_then_prints_where_the_time_went():
     assert "precision: q4 weights, int8 KV cache (chosen for this machine" in proc.stderr
 
 
+def test_an_isa_level_the_cpu_cannot_run_is_one_line(monkeypatch):
+    from phasewise.kernels.isa import machine_arch
+
+    other = "neon-dotprod" if machine_arch() == "x86_64" else "avx512"   # a level of the other architecture
+    monkeypatch.setenv("PHASEWISE_ISA", other)
+    assert_one_line_error(run("generate", "hi", "--max-tokens", "2"), f"PHASEWISE_ISA={other}")
+
+
 def test_memory_from_numbers():
     proc = run("memory", "--layers", "80", "--kv-heads", "8", "--head-dim", "128", "--context", "4096")
     assert proc.returncode == 0, proc.stderr
