@@ -196,3 +196,14 @@ def test_every_level_gives_the_same_greedy_tokens(default_model_path, text_ids, 
     assert clear.sum() >= 40
     assert torch.equal(logits.argmax(-1)[clear], best.argmax(-1)[clear])
     assert (logits - best).abs().mean() < 0.01 * span
+
+
+def test_bf16_without_onednn_bf16_kernels_falls_back_with_a_warning(monkeypatch):
+    """On a CPU whose oneDNN has no bf16 kernels (Zen 3: its weight reorder needs AVX-512), bf16 layers
+    stay plain PyTorch linears, with a warning, instead of dying in oneDNN."""
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32).bfloat16())
+    with pytest.warns(UserWarning, match="bf16"):
+        assert use_fast_linears(model, "cpu", torch.bfloat16) == 0
+    assert type(model[0]) is torch.nn.Linear
+    assert model(torch.randn(3, 64).bfloat16()).dtype == torch.bfloat16

@@ -62,6 +62,9 @@ def use_fast_linears(model: nn.Module, device: torch.device | str, dtype: torch.
             setattr(parent, name, layer.dequantized(dtype))
         quantized = []
     if not onednn or not onednn_available(device, dtype):
+        if onednn and device.type == "cpu" and dtype == torch.bfloat16:
+            warnings.warn("phasewise: this CPU has no bf16 kernels in oneDNN; bf16 runs PyTorch's generic "
+                          "linears (slow): --dtype fp32 or the default is faster here", stacklevel=2)
         return len(quantized)
     targets = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children() if type(child) is nn.Linear]
