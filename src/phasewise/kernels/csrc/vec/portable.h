@@ -118,12 +118,14 @@ inline float reduce_max(Vf a) {
 }
 
 // e^x per lane, as avx512.h: x log2(e) = n + f with |f| <= 1/2, 2^f by its Taylor series, times
-// 2^n built in the exponent bits. Lanes below -87 (and -inf) give 0.
+// 2^n built in the exponent bits. Lanes below -87 (and -inf) give 0, above 88.7 infinity (n = 128
+// is the exponent field of infinity).
 inline Vf exp(Vf x) {
   Vf r;
   for (int i = 0; i < NP; ++i) {
     f32n t = x.v[i] * 1.44269504088896341f;
     t = t > -126.f ? t : f32n{} - 126.f;
+    t = t < 128.f ? t : f32n{} + 128.f;
     const i32n n = __builtin_convertvector(t + (t < 0 ? f32n{} - 0.5f : f32n{} + 0.5f), i32n);  // nearest
     const f32n f = t - __builtin_convertvector(n, f32n);
     f32n p = f32n{} + 1.525273380405984e-05f;
