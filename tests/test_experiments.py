@@ -112,9 +112,11 @@ def test_bad_settings_fail_in_one_line_before_loading(argv, needle, capsys):
 
 
 @pytest.mark.slow
-def test_a_sweep_past_the_context_length_fails_in_one_line(capsys):
+def test_a_sweep_past_the_context_length_fails_in_one_line(capsys, tmp_path):
+    out = tmp_path / "sweep"
     code = main(["experiment", "prompt-sweep", "--lengths", "10,9000", "--output-tokens", "4",
-                 "--max-model-len", "2048", "--no-warmup", "--kv-cache-memory", "0.1"])
+                 "--max-model-len", "2048", "--no-warmup", "--kv-cache-memory", "0.1", "--out", str(out)])
     assert code == 2
     err = capsys.readouterr().err
     assert "context length 2048" in err and "Traceback" not in err
+    assert not out.exists()                       # a failed run leaves no empty results folder behind

@@ -118,14 +118,26 @@ def _total(args: argparse.Namespace) -> int:
 def cmd_experiment(args: argparse.Namespace) -> int:
     _check(args)
     from rich.console import Console
+
+    console = Console(stderr=True)
+    out = Path(args.out or f"results/{args.experiment}-{time.strftime('%Y%m%d-%H%M%S')}")
+    fresh = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)          # early: an unwritable place fails before the run
+    try:
+        return _experiment(args, out, console)
+    except BaseException:
+        if fresh and not any(out.iterdir()):        # a failed run leaves no empty folder behind
+            out.rmdir()
+        raise
+
+
+def _experiment(args: argparse.Namespace, out: Path, console) -> int:
+    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from phasewise import LLM
     from phasewise.cli import speculative_config_from_args
 
-    console = Console(stderr=True)
-    out = Path(args.out or f"results/{args.experiment}-{time.strftime('%Y%m%d-%H%M%S')}")
-    out.mkdir(parents=True, exist_ok=True)
     warmup = args.warmup if args.warmup is not None else args.experiment != "repeat"
     # The pool holds the longest request (one at a time) or every request of the largest batch.
     per_request = _longest(args)
