@@ -30,8 +30,6 @@ C cache_view(const torch::Tensor& k, const torch::Tensor& v, const c10::optional
   return c;
 }
 
-constexpr int64_t QK = 32;
-int64_t block_bytes(int64_t fmt) { return fmt == pw::Q4 ? 320 : fmt == pw::Q8 ? 544 : 512; }
 
 }  // namespace
 
@@ -142,8 +140,8 @@ torch::Tensor KernelSet::argmax_rows(torch::Tensor x) const {
 // x: [M, K] fp32 -> (xq [M, K] int8, dx [M, K/32], sx [M, K/32]); K a multiple of 32.
 std::vector<torch::Tensor> KernelSet::quantize_activations(torch::Tensor x) const {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous fp32 [M, K]");
-  const int64_t M = x.size(0), K = x.size(1), KB = K / QK;
-  TORCH_CHECK(K % QK == 0, "K must be a multiple of 32");
+  const int64_t M = x.size(0), K = x.size(1), KB = K / pw::QK;
+  TORCH_CHECK(K % pw::QK == 0, "K must be a multiple of 32");
   auto xq = torch::empty({M, K}, x.options().dtype(at::kChar));
   auto dx = torch::empty({M, KB}, x.options());
   auto sx = torch::empty({M, KB}, x.options());
@@ -161,8 +159,8 @@ torch::Tensor KernelSet::quant_linear(torch::Tensor x, int64_t fmt, int64_t N, t
               "blocks: u8 [NT, KB, BB]");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), NT = blocks.size(0), KB = blocks.size(1);
-  TORCH_CHECK(K == KB * QK, "x has ", K, " columns, the weights ", KB * QK);
-  TORCH_CHECK(blocks.size(2) == block_bytes(fmt), "block bytes do not match the format");
+  TORCH_CHECK(K == KB * pw::QK, "x has ", K, " columns, the weights ", KB * pw::QK);
+  TORCH_CHECK(blocks.size(2) == pw::block_bytes(static_cast<pw::QuantFormat>(fmt)), "block bytes do not match the format");
   TORCH_CHECK(N > (NT - 1) * 16 && N <= NT * 16, "N does not match the tiles");
   const float* sp = nullptr;
   if (fmt == pw::I8) {

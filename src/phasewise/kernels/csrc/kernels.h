@@ -41,6 +41,10 @@ struct AttentionRows {      // every query row of a step: row t attends over the
 };
 
 enum QuantFormat : int64_t { Q4 = 0, Q8 = 1, I8 = 2 };
+constexpr int64_t QK = 32;                    // weights per block along K
+// Bytes per (tile of 16 rows, block): the quants, then the fp16 scales (Q4, Q8) and mins (Q4).
+constexpr int64_t quant_bytes(QuantFormat f) { return f == Q4 ? 256 : 512; }
+constexpr int64_t block_bytes(QuantFormat f) { return f == Q4 ? 320 : f == Q8 ? 544 : 512; }
 
 struct PackedWeights {      // a quantized linear layer's weight, packed (kernels/quant.py, quant_linear.cpp)
   QuantFormat fmt;

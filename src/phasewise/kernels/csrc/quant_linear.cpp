@@ -31,7 +31,6 @@ namespace pw {
 namespace {
 
 using Fmt = QuantFormat;
-constexpr int64_t QK = 32;                 // values per block
 #ifndef PW_MTB
 #define PW_MTB (W == 4 ? 2 : 4)   // NEON and SSE2 hold 2 x 2 tiles (4 registers a vector); AVX2 4 x 2 spills a little but wins
 #endif
@@ -44,8 +43,6 @@ struct Act {          // quantized activations
   int64_t K, KB;
 };
 
-constexpr int64_t quant_bytes(Fmt F) { return F == Q4 ? 256 : 512; }
-constexpr int64_t block_bytes(Fmt F) { return F == Q4 ? 320 : F == Q8 ? 544 : 512; }
 
 struct Weights {
   const uint8_t* qs;      // [NT, KB, BB]
