@@ -291,6 +291,116 @@ void test_quant_linear(const pw::KernelTable& k, pw::QuantFormat fmt, int64_t M,
   check_close(name, y.data(), want.data(), y.size(), 1e-4f, 1e-5f * big);
 }
 
+
+// decoder_stack on a team of threads against the same ops called one by one on one thread, in
+// decoder.cpp's order: the team's barriers and shared buffers must change nothing but rounding.
+void test_decoder_stack(const pw::KernelTable& k, bool int8, const std::vector<int64_t>& query_lens,
+                        const std::vector<int64_t>& context_lens) {
+  const int64_t L = 3, H = 128, I = 96, Hq = 2, Hkv = 1, D = 64, bs = 16, P = 512, half = D / 2;
+  std::vector<std::vector<uint8_t>> blocks;
+  std::vector<std::vector<float>> norms, biases;
+  std::vector<pw::DecoderLayer> layers(L);
+  auto linear = [&](int64_t N, int64_t K) {
+    std::vector<float> W, scale;
+    blocks.push_back(random_weight(pw::Q4, N, K, W, scale));
+    biases.push_back(randn(N, 0.1f));
+    return pw::Linear{{pw::Q4, blocks.back().data(), nullptr, N, (N + 15) / 16, K / 32}, biases.back().data()};
+  };
+  blocks.reserve(4 * L), biases.reserve(4 * L), norms.reserve(2 * L + 1);
+  for (auto& layer : layers) {
+    norms.push_back(randn(H, 0.5f)), layer.input_norm = norms.back().data();
+    norms.push_back(randn(H, 0.5f)), layer.post_norm = norms.back().data();
+    layer.qkv = linear((Hq + 2 * Hkv) * D, H), layer.o = linear(H, Hq * D);
+    layer.gate_up = linear(2 * I, H), layer.down = linear(H, I);
+  }
+  norms.push_back(randn(H, 0.5f));
+  std::vector<float> cs(P * half), sn(P * half);
+  for (int64_t p = 0; p < P; ++p)
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = p * std::pow(10000.f, -2.f * i / D);
+      cs[p * half + i] = std::cos(a), sn[p * half + i] = std::sin(a);
+    }
+  const pw::DecoderModel m{layers.data(), L, H, I, Hq, Hkv, D, 1e-5f, norms.back().data(), cs.data(), sn.data()};
+  // Rows: query_lens[i] positions of sequence i ending at context_lens[i]; blocks in order.
+  const int64_t nseq = query_lens.size();
+  int64_t max_blocks = 0;
+  for (int64_t c : context_lens) max_blocks = std::max(max_blocks, (c + bs - 1) / bs);
+  std::vector<int64_t> tables(nseq * max_blocks), seq, len, pos, slot;
+  for (int64_t i = 0; i < nseq; ++i) {
+    for (int64_t b = 0; b < max_blocks; ++b) tables[i * max_blocks + b] = i * max_blocks + b;
+    for (int64_t r = 0; r < query_lens[i]; ++r) {
+      const int64_t n = context_lens[i] - query_lens[i] + r + 1;
+      seq.push_back(i), len.push_back(n), pos.push_back(n - 1);
+      slot.push_back(tables[i * max_blocks + (n - 1) / bs] * bs + (n - 1) % bs);
+    }
+  }
+  const int64_t T = seq.size(), slots = nseq * max_blocks * bs;
+  // Two copies of every layer's cache, with the same earlier context.
+  std::vector<std::vector<float>> f(4 * L);
+  std::vector<std::vector<int8_t>> q8(4 * L);
+  std::vector<pw::Cache> caches[2];
+  std::vector<pw::CacheOut> outs[2];
+  for (int64_t i = 0; i < L; ++i) {
+    const auto kf = randn(slots * Hkv * D), vf = randn(slots * Hkv * D);
+    std::vector<int8_t> kq(kf.size()), vq(vf.size());
+    for (size_t j = 0; j < kf.size(); ++j)
+      kq[j] = static_cast<int8_t>(std::lround(kf[j] * 40)), vq[j] = static_cast<int8_t>(std::lround(vf[j] * 40));
+    for (int copy = 0; copy < 2; ++copy) {
+      auto& kbuf = f[4 * i + 2 * copy];
+      auto& vbuf = f[4 * i + 2 * copy + 1];
+      auto& kqb = q8[4 * i + 2 * copy];
+      auto& vqb = q8[4 * i + 2 * copy + 1];
+      pw::Cache c;
+      pw::CacheOut o;
+      c.Hkv = Hkv, c.D = D;
+      if (int8) {
+        kqb = kq, vqb = vq;
+        kbuf.assign(slots * Hkv, 1.f / 40), vbuf.assign(slots * Hkv, 1.f / 40);   // the scales
+        c.kq = o.kq = kqb.data(), c.vq = o.vq = vqb.data(), c.ks = o.ks = kbuf.data(), c.vs = o.vs = vbuf.data();
+      } else {
+        kbuf = kf, vbuf = vf;
+        c.k = o.k = kbuf.data(), c.v = o.v = vbuf.data();
+      }
+      caches[copy].push_back(c), outs[copy].push_back(o);
+    }
+  }
+  const pw::AttentionRows rows{tables.data(), max_blocks, seq.data(), len.data(), bs};
+  const auto x = randn(T * H);
+  std::vector<float> ws(pw::decoder_workspace(m, T)), out(T * H);
+  const pw::DecoderStep step{T, pos.data(), slot.data(), caches[0].data(), outs[0].data(), rows};
+  k.decoder_stack(RT, m, step, x.data(), ws.data(), out.data());
+
+  const pw::Runtime one{1};
+  std::vector<float> residual(x), normed(T * H), hidden(T * H), o(T * H), qkv(T * (Hq + 2 * Hkv) * D), qr(T * Hq * D),
+      kr(T * Hkv * D), attn(T * Hq * D), gate_up(T * 2 * I), act(T * I), want(T * H);
+  for (int64_t i = 0; i < L; ++i) {
+    const pw::DecoderLayer& ly = layers[i];
+    if (i == 0) k.rms_norm(one, residual.data(), nullptr, ly.input_norm, T, H, m.eps, normed.data(), nullptr);
+    else k.rms_norm(one, hidden.data(), residual.data(), ly.input_norm, T, H, m.eps, normed.data(), residual.data());
+    k.quant_linear(one, normed.data(), T, H, ly.qkv.w, ly.qkv.bias, qkv.data());
+    k.rope_and_cache(one, qkv.data(), T, pos.data(), cs.data(), sn.data(), Hq, Hkv, D, slot.data(), outs[1][i],
+                     qr.data(), kr.data());
+    k.paged_attention(one, qr.data(), T, Hq, caches[1][i], rows, 1.f / std::sqrt(static_cast<float>(D)), attn.data());
+    k.quant_linear(one, attn.data(), T, Hq * D, ly.o.w, ly.o.bias, o.data());
+    k.rms_norm(one, o.data(), residual.data(), ly.post_norm, T, H, m.eps, normed.data(), residual.data());
+    k.quant_linear(one, normed.data(), T, H, ly.gate_up.w, ly.gate_up.bias, gate_up.data());
+    k.silu_and_mul(one, gate_up.data(), T, I, act.data());
+    k.quant_linear(one, act.data(), T, I, ly.down.w, ly.down.bias, hidden.data());
+  }
+  k.rms_norm(one, hidden.data(), residual.data(), m.final_norm, T, H, m.eps, want.data(), residual.data());
+  char name[96];
+  std::snprintf(name, sizeof name, "decoder_stack %s rows=%lld", int8 ? "int8" : "fp32", (long long)T);
+  check_close(name, out.data(), want.data(), out.size(), 1e-3f, 1e-3f);
+  bool same = true;                            // the caches hold the same new keys and values (int8: within a step)
+  for (int64_t i = 0; i < L; ++i)
+    for (int64_t j = 0; j < 2; ++j) {
+      const auto &a = f[4 * i + j], &b = f[4 * i + 2 + j];
+      for (size_t e = 0; e < a.size(); ++e) same &= std::fabs(a[e] - b[e]) <= 1e-3f * (1.f + std::fabs(b[e]));
+      if (int8)
+        for (size_t e = 0; e < q8[4 * i + j].size(); ++e) same &= std::abs(q8[4 * i + j][e] - q8[4 * i + 2 + j][e]) <= 1;
+    }
+  check(std::string(name) + " caches", same);
+}
 }  // namespace
 
 int main() {
@@ -311,6 +421,10 @@ int main() {
   for (pw::QuantFormat fmt : {pw::Q4, pw::Q8, pw::I8})
     for (const auto& mnk : std::vector<std::vector<int64_t>>{{1, 576, 576}, {3, 40, 64}, {5, 960, 128}, {130, 48, 96}})
       test_quant_linear(k, fmt, mnk[0], mnk[1], mnk[2]);
+  for (bool int8 : {false, true}) {
+    test_decoder_stack(k, int8, {1}, {1});                                      // the first decode step
+    test_decoder_stack(k, int8, {1, 12, 1}, {40, 12, 300});                     // decodes, a prompt chunk
+  }
   check("int8_peak_gops", k.int8_peak_gops(RT, 2000) > 0.0);
   std::printf("%d passed, %d failed\n", passed, failed);
   return failed == 0 ? 0 : 1;

@@ -18,5 +18,7 @@ void quantize_activations(const Runtime& rt, const float* x, int64_t M, int64_t 
 void quant_linear(const Runtime& rt, const float* x, int64_t M, int64_t K, const PackedWeights& w,
                   const float* bias, float* y);
 double int8_peak_gops(const Runtime& rt, int64_t iters);
+void decoder_stack(const Runtime& rt, const DecoderModel& m, const DecoderStep& s, const float* x, float* workspace,
+                   float* out);
 
 }  // namespace pw

@@ -1,20 +1,27 @@
-// The decoder layers of a Llama-family model in one call per step (the paged-attention kernel
-// serves every row: decodes and prompt chunks). The Python model calls it instead of looping
-// over its layers: the same ops in the same order (RMSNorm + residual,
-// quantized qkv, RoPE + cache write, paged attention, o, RMSNorm + residual, gate_up, SiLU·mul,
-// down), without the per-op cost of Python (about 80 µs a layer on this project's machine).
+// The torch side of the decoder stack: checks the weights once, the step's tensors every call, and
+// hands raw pointers to the library's decoder_stack (decoder.cpp), which runs every layer.
 #include "decoder_stack.h"
 
-#include <cmath>
+#include <ATen/Parallel.h>
 
 namespace {
 
-torch::Tensor linear(const KernelSet& k, const torch::Tensor& x, const QuantLinearArgs& w) {
-  return k.quant_linear(x, std::get<0>(w), std::get<1>(w), std::get<2>(w), std::get<3>(w), std::get<4>(w));
+bool fp32_vector(const torch::Tensor& t, int64_t n) {
+  return t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == n && t.device().is_cpu();
 }
 
-c10::optional<torch::Tensor> at_or_none(const std::vector<torch::Tensor>& v, size_t i) {
-  return i < v.size() ? c10::optional<torch::Tensor>(v[i]) : c10::nullopt;
+pw::Linear linear_view(const QuantLinearArgs& a, int64_t K) {
+  const auto& [fmt, N, blocks, scale, bias] = a;
+  TORCH_CHECK(fmt == pw::Q4 || fmt == pw::Q8 || fmt == pw::I8, "unknown format ", fmt);
+  TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
+              blocks.size(2) == pw::block_bytes(static_cast<pw::QuantFormat>(fmt)), "blocks: u8 [NT, KB, BB]");
+  const int64_t NT = blocks.size(0), KB = blocks.size(1);
+  TORCH_CHECK(KB * pw::QK == K && N > (NT - 1) * 16 && N <= NT * 16, "a weight's shape does not match the model");
+  TORCH_CHECK(fmt != pw::I8 || (scale.has_value() && fp32_vector(*scale, NT * 16)), "scale: fp32 [N]");
+  TORCH_CHECK(!bias.has_value() || fp32_vector(*bias, N), "bias: fp32 [N]");
+  return {{static_cast<pw::QuantFormat>(fmt), blocks.data_ptr<uint8_t>(),
+           fmt == pw::I8 ? scale->data_ptr<float>() : nullptr, N, NT, KB},
+          bias.has_value() ? bias->data_ptr<float>() : nullptr};
 }
 
 }  // namespace
@@ -23,28 +30,64 @@ DecoderStack::DecoderStack(std::shared_ptr<KernelSet> kernels, std::vector<Layer
                            torch::Tensor final_norm, torch::Tensor cos, torch::Tensor sin, int64_t Hq, int64_t Hkv,
                            int64_t D, double eps)
     : k_(std::move(kernels)), layers_(std::move(layers)), final_norm_(std::move(final_norm)), cos_(std::move(cos)),
-      sin_(std::move(sin)), Hq_(Hq), Hkv_(Hkv), D_(D), eps_(eps) {}
+      sin_(std::move(sin)) {
+  TORCH_CHECK(!layers_.empty(), "a decoder stack needs layers");
+  const int64_t H = final_norm_.numel();
+  TORCH_CHECK(fp32_vector(final_norm_, H) && cos_.scalar_type() == at::kFloat && sin_.scalar_type() == at::kFloat &&
+              cos_.is_contiguous() && sin_.is_contiguous() && cos_.size(-1) == D / 2 && sin_.sizes() == cos_.sizes(),
+              "final norm fp32 [H], cos and sin fp32 [P, D/2]");
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0 && D % 2 == 0, "bad head counts");
+  const int64_t I2 = std::get<1>(std::get<4>(layers_[0]));   // gate_up's output features: 2I
+  for (const LayerArgs& L : layers_) {
+    const auto& [n1, n2, qkv, o, gate_up, down] = L;
+    TORCH_CHECK(fp32_vector(n1, H) && fp32_vector(n2, H), "norm weights: fp32 [H]");
+    TORCH_CHECK(std::get<1>(qkv) == (Hq + 2 * Hkv) * D && std::get<1>(o) == H && std::get<1>(gate_up) == I2 &&
+                std::get<1>(down) == H, "a layer's linear shapes do not match the model");
+    views_.push_back({n1.data_ptr<float>(), n2.data_ptr<float>(), linear_view(qkv, H), linear_view(o, Hq * D),
+                      linear_view(gate_up, H), linear_view(down, I2 / 2)});
+  }
+  model_ = {views_.data(), static_cast<int64_t>(views_.size()), H, I2 / 2, Hq, Hkv, D, static_cast<float>(eps),
+            final_norm_.data_ptr<float>(), cos_.data_ptr<float>(), sin_.data_ptr<float>()};
+}
 
 torch::Tensor DecoderStack::forward(torch::Tensor x, torch::Tensor positions, torch::Tensor slots,
                                     const std::vector<std::vector<torch::Tensor>>& kv, torch::Tensor tables,
                                     torch::Tensor row_seq, torch::Tensor row_len, int64_t block_size) const {
-  TORCH_CHECK(kv.size() == layers_.size(), "one KV cache per layer");
+  const pw::DecoderModel& m = model_;
+  TORCH_CHECK(kv.size() == static_cast<size_t>(m.L), "one KV cache per layer");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == m.H && x.scalar_type() == at::kFloat, "x: fp32 [T, hidden]");
+  x = x.contiguous();
   const int64_t T = x.size(0);
-  const double scale = 1.0 / std::sqrt(static_cast<double>(D_));
-  torch::Tensor residual;
-  for (size_t i = 0; i < layers_.size(); ++i) {
-    const LayerArgs& L = layers_[i];
-    const auto& cache = kv[i];
-    const KernelSet& k = *k_;
-    auto normed = k.rms_norm(x, std::get<0>(L), eps_, i ? c10::optional<torch::Tensor>(residual) : c10::nullopt);
-    residual = i ? normed[1] : x;
-    auto qk = k.rope_and_cache(linear(k, normed[0], std::get<2>(L)), positions, cos_, sin_, cache[0], cache[1],
-                               slots, Hq_, Hkv_, at_or_none(cache, 2), at_or_none(cache, 3));
-    auto attn = k.paged_attention(qk[0], cache[0], cache[1], tables, row_seq, row_len, block_size, scale,
-                                  at_or_none(cache, 2), at_or_none(cache, 3));
-    normed = k.rms_norm(linear(k, attn.view({T, Hq_ * D_}), std::get<3>(L)), std::get<1>(L), eps_, residual);
-    residual = normed[1];
-    x = linear(k, k.silu_and_mul(linear(k, normed[0], std::get<4>(L))), std::get<5>(L));
+  for (const torch::Tensor& t : {positions, slots, row_seq, row_len})
+    TORCH_CHECK(t.scalar_type() == at::kLong && t.is_contiguous() && t.numel() == T, "positions, slots, rows: int64 [T]");
+  TORCH_CHECK(tables.dim() == 2 && tables.scalar_type() == at::kLong && tables.is_contiguous(), "tables: int64 [S, B]");
+  std::vector<pw::Cache> caches(m.L);
+  std::vector<pw::CacheOut> outs(m.L);
+  for (int64_t i = 0; i < m.L; ++i) {
+    const auto& c = kv[i];
+    TORCH_CHECK(c.size() == 2 || c.size() == 4, "a cache is (k, v) or (k, v, k_scale, v_scale)");
+    const bool int8 = c[0].scalar_type() == at::kChar;
+    TORCH_CHECK(c[1].scalar_type() == c[0].scalar_type() && (int8 || c[0].scalar_type() == at::kFloat) &&
+                c[0].dim() == 3 && c[0].size(1) == m.Hkv && c[0].size(2) == m.D && c[1].sizes() == c[0].sizes() &&
+                c[0].is_contiguous() && c[1].is_contiguous(), "caches: fp32 or int8 [slots, Hkv, D]");
+    TORCH_CHECK(!int8 || (c.size() == 4 && c[2].scalar_type() == at::kFloat && c[3].scalar_type() == at::kFloat &&
+                          c[2].is_contiguous() && c[3].is_contiguous()), "an int8 cache needs its scales");
+    if (int8) {
+      caches[i] = {nullptr, nullptr, c[0].data_ptr<int8_t>(), c[1].data_ptr<int8_t>(), c[2].data_ptr<float>(),
+                   c[3].data_ptr<float>(), m.Hkv, m.D};
+      outs[i] = {nullptr, nullptr, c[0].data_ptr<int8_t>(), c[1].data_ptr<int8_t>(), c[2].data_ptr<float>(),
+                 c[3].data_ptr<float>()};
+    } else {
+      caches[i] = {c[0].data_ptr<float>(), c[1].data_ptr<float>(), nullptr, nullptr, nullptr, nullptr, m.Hkv, m.D};
+      outs[i] = {c[0].data_ptr<float>(), c[1].data_ptr<float>(), nullptr, nullptr, nullptr, nullptr};
+    }
   }
-  return k_->rms_norm(x, final_norm_, eps_, residual)[0];
+  const pw::DecoderStep step{T, positions.data_ptr<int64_t>(), slots.data_ptr<int64_t>(), caches.data(), outs.data(),
+                             {tables.data_ptr<int64_t>(), tables.size(1), row_seq.data_ptr<int64_t>(),
+                              row_len.data_ptr<int64_t>(), block_size}};
+  auto ws = torch::empty({pw::decoder_workspace(m, T)}, x.options());
+  auto out = torch::empty_like(x);
+  k_->table().decoder_stack(pw::Runtime{at::get_num_threads()}, m, step, x.data_ptr<float>(), ws.data_ptr<float>(),
+                            out.data_ptr<float>());
+  return out;
 }

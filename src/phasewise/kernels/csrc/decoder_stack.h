@@ -1,4 +1,5 @@
-// DecoderStack: a Llama-family model's decoder layers with quantized weights, run in C++.
+// DecoderStack: a Llama-family model's decoder layers with quantized weights, run in C++ by the
+// kernel library's decoder_stack (decoder.cpp); this class holds the weights and checks the tensors.
 #pragma once
 #include "kernel_set.h"
 
@@ -28,8 +29,8 @@ class DecoderStack {
 
  private:
   std::shared_ptr<KernelSet> k_;
-  std::vector<LayerArgs> layers_;
+  std::vector<LayerArgs> layers_;             // keeps the tensors behind model_'s pointers alive
   torch::Tensor final_norm_, cos_, sin_;
-  int64_t Hq_, Hkv_, D_;
-  double eps_;
+  std::vector<pw::DecoderLayer> views_;
+  pw::DecoderModel model_;
 };

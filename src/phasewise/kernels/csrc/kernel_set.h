@@ -31,6 +31,7 @@ class KernelSet {
   torch::Tensor quant_linear(torch::Tensor x, int64_t fmt, int64_t N, torch::Tensor blocks,
                              c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias) const;
   double int8_peak_gops(int64_t iters) const;
+  const pw::KernelTable& table() const { return *table_; }
 
  private:
   const pw::KernelTable* table_;

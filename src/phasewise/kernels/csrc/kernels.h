@@ -7,10 +7,11 @@
 
 namespace pw {
 
-constexpr int ABI_VERSION = 1;
+constexpr int ABI_VERSION = 2;
 
 struct Runtime {            // how a call may run: threads of the caller's pool (torch's, through OpenMP)
   int threads = 1;
+  bool team = false;        // every thread of a running parallel region makes this call (decoder.cpp)
 };
 
 struct Cache {              // one layer's KV cache [slots, Hkv, D], fp32 or int8 with per-row scales
@@ -53,6 +54,41 @@ struct PackedWeights {      // a quantized linear layer's weight, packed (kernel
   int64_t N, NT, KB;
 };
 
+struct Linear {             // a quantized linear layer: packed weight and optional bias [N]
+  PackedWeights w;
+  const float* bias;
+};
+
+struct DecoderLayer {       // one Llama-family decoder layer
+  const float* input_norm;  // [H]
+  const float* post_norm;   // [H]
+  Linear qkv, o, gate_up, down;
+};
+
+struct DecoderModel {       // the decoder layers of a model, and what every layer shares
+  const DecoderLayer* layers;
+  int64_t L, H, I, Hq, Hkv, D;
+  float eps;
+  const float* final_norm;  // [H]
+  const float* cos;         // [P, D/2]
+  const float* sin;
+};
+
+struct DecoderStep {        // one step's rows, and the caches of every layer
+  int64_t T;
+  const int64_t* positions; // [T]
+  const int64_t* slots;     // [T]
+  const Cache* caches;      // [L]
+  const CacheOut* cache_out;// [L]
+  AttentionRows rows;
+};
+
+// The floats of scratch decoder_stack needs for T rows (the caller owns it; reuse is fine).
+inline int64_t decoder_workspace(const DecoderModel& m, int64_t T) {
+  const int64_t qkv = (m.Hq + 2 * m.Hkv) * m.D;
+  return T * (4 * m.H + qkv + (2 * m.Hq + m.Hkv) * m.D + 3 * m.I);
+}
+
 struct KernelTable {
   int abi;
   const char* isa;
@@ -79,6 +115,10 @@ struct KernelTable {
                        const float* bias, float* y);
   // the int8 dot-product peak of rt.threads threads, GOP/s (2 per multiply-add)
   double (*int8_peak_gops)(const Runtime&, int64_t iters);
+  // out [T, H] = the final-normed hidden states after every decoder layer, from x [T, H]; writes the
+  // step's keys and values to every layer's cache; workspace: decoder_workspace(m, T) floats
+  void (*decoder_stack)(const Runtime&, const DecoderModel&, const DecoderStep&, const float* x, float* workspace,
+                        float* out);
 };
 
 }  // namespace pw

@@ -202,7 +202,11 @@ void paged_attention(const Runtime& rt, const float* qp, int64_t T, int64_t Hq, 
   const int64_t P = num_parts(std::max(rt.threads, 1), N * Hkv, max_len);
   // Partial results per task (row, head, part): acc [G, D], then m [G] and l [G].
   const int64_t stride = G * D + 2 * G;
-  std::vector<float> part(P > 1 ? N * Hkv * P * stride : 0);
+  std::vector<float> own_part;
+  float* part = P == 1 ? nullptr : team_once<float>(rt, [&] {
+    own_part.resize(N * Hkv * P * stride);
+    return own_part.data();
+  });
   auto run = [&](auto attend_fn) {
     parallel_for(rt, N * Hkv * P, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> own(P > 1 ? 0 : stride);
@@ -210,7 +214,7 @@ void paged_attention(const Runtime& rt, const float* qp, int64_t T, int64_t Hq, 
         const int64_t t = rows[task / (Hkv * P)], h = (task / P) % Hkv, k = task % P;
         const int64_t L = lens[t], chunk = (L + P - 1) / P;
         const int64_t from = std::min(L, k * chunk), to = std::min(L, from + chunk);
-        float* acc = P > 1 ? part.data() + task * stride : own.data();
+        float* acc = P > 1 ? part + task * stride : own.data();
         attend_fn(c, tables + seqs[t] * max_blocks, block_size, h, qp + (t * Hq + h * G) * D, G, sc, from, to,
                   acc, acc + G * D, acc + G * D + G);
         if (P == 1) {
@@ -236,7 +240,7 @@ void paged_attention(const Runtime& rt, const float* qp, int64_t T, int64_t Hq, 
     parallel_for(rt, N * Hkv, 1, [&](int64_t begin, int64_t end) {
       for (int64_t pair = begin; pair < end; ++pair) {
         const int64_t t = rows[pair / Hkv], h = pair % Hkv;
-        const float* base = part.data() + pair * P * stride;
+        const float* base = part + pair * P * stride;
         float* ot = op + (t * Hq + h * G) * D;
         for (int64_t g = 0; g < G; ++g) {
           float mx = NEG_INF;

@@ -167,6 +167,7 @@ inline void rows_kernel(const Act& a, int64_t M, const Weights& w, int64_t t0, c
 }
 
 constexpr int64_t MCHUNK = 128;
+constexpr int64_t QUANT_GRAIN = 256;       // blocks of activations worth a thread
 // Rows go in chunks of MCHUNK (activations and outputs of a chunk stay in L2 while every tile
 // pair of the weight passes over them); within a chunk, threads split the pairs of tiles.
 template <Fmt F>
@@ -186,7 +187,7 @@ void run(const Runtime& rt, const Act& a, int64_t M, const Weights& w, const flo
   }
 }
 
-struct Scratch {  // the calling thread's quantized activations, reused from call to call
+struct Scratch {  // a thread's quantized activations, reused from call to call
   std::vector<int8_t> xq;
   std::vector<float> dx, sx;
 };
@@ -196,7 +197,7 @@ struct Scratch {  // the calling thread's quantized activations, reused from cal
 void quantize_activations(const Runtime& rt, const float* xp, int64_t M, int64_t K, int8_t* qp, float* dp,
                           float* sp) {
   const int64_t KB = K / QK;
-  parallel_for(rt, M * KB, 256, [&](int64_t begin, int64_t end) {
+  parallel_for(rt, M * KB, QUANT_GRAIN, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) quantize_block(xp + i * QK, qp + i * QK, dp + i, sp + i);
   });
 }
@@ -206,11 +207,21 @@ void quant_linear(const Runtime& rt, const float* x, int64_t M, int64_t K, const
                   const float* bias, float* y) {
   if (M == 0) return;
   const int64_t KB = K / QK;
-  thread_local Scratch scratch;
-  if (static_cast<int64_t>(scratch.xq.size()) < M * K) scratch.xq.resize(M * K);
-  if (static_cast<int64_t>(scratch.dx.size()) < M * KB) scratch.dx.resize(M * KB), scratch.sx.resize(M * KB);
-  quantize_activations(rt, x, M, K, scratch.xq.data(), scratch.dx.data(), scratch.sx.data());
-  const Act a{scratch.xq.data(), scratch.dx.data(), scratch.sx.data(), K, KB};
+  thread_local Scratch own;
+  auto reserve = [&] {
+    if (static_cast<int64_t>(own.xq.size()) < M * K) own.xq.resize(M * K);
+    if (static_cast<int64_t>(own.dx.size()) < M * KB) own.dx.resize(M * KB), own.sx.resize(M * KB);
+    return &own;
+  };
+  Scratch* scratch;
+  if (rt.team && M * KB <= QUANT_GRAIN) {     // each thread of a team quantizes a few rows itself: no barrier
+    scratch = reserve();
+    quantize_activations(Runtime{1}, x, M, K, scratch->xq.data(), scratch->dx.data(), scratch->sx.data());
+  } else {                                    // a team shares one thread's buffers
+    scratch = team_once<Scratch>(rt, reserve);
+    quantize_activations(rt, x, M, K, scratch->xq.data(), scratch->dx.data(), scratch->sx.data());
+  }
+  const Act a{scratch->xq.data(), scratch->dx.data(), scratch->sx.data(), K, KB};
   const Weights w{pw.blocks, pw.scale, KB, block_bytes(pw.fmt), pw.N, pw.NT};
   switch (pw.fmt) {
     case Q4: run<Q4>(rt, a, M, w, bias, y); break;
