@@ -14,8 +14,10 @@ llama.cpp on the file as it is (Q4_1); transformers dequantized to fp32. Figures
 
 - prefill tokens/s at batch 1: --prompt-tokens prompt tokens / time to the first token
   (llama.cpp: llama-bench's pp<prompt-tokens>);
-- decode tokens/s at batch 1: (--decode-tokens − 1) / time from the first to the last token
-  (llama.cpp: llama-bench's tg<decode-tokens>);
+- decode tokens/s at batch 1: (--decode-tokens − 1) / time from the first to the last token, at
+  two depths: "decode" from a one-token prompt (llama.cpp: llama-bench's tg<decode-tokens>, which
+  starts from an empty context) and "decode@N" after the --prompt-tokens prompt (llama.cpp:
+  tg<decode-tokens> @ d<prompt-tokens>); every step reads the whole context, so the two differ;
 - served output tokens/s: --concurrent streamed completions at once through HTTP, measured by
   `phasewise bench serve` against `phasewise serve` and against `llama-server -np <concurrent>`
   (transformers: one padded batch through `generate`, no server);
@@ -52,7 +54,8 @@ from decode_vs_hf import make_prompt  # noqa: E402
 class Result:
     name: str
     prefill: float
-    decode: float
+    decode: float                          # from an (almost) empty context
+    decode_deep: float                     # after the prompt
     aggregate: float
     weight_bytes: int
     quantized: bool = True                 # its linear layers multiply int8 activations (the int8 roof)
@@ -82,12 +85,14 @@ def run_phasewise(spec: str, prompt, batch, args) -> Result:
     dtype, _, kv_dtype = spec.partition("/")
     llm = LLM(dtype=dtype, kv_dtype=kv_dtype or "auto", kv_cache_memory=1.0, enable_prefix_caching=False)
     one = SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
-    prefill, decode = [], []
+    prefill, decode, deep = [], [], []
     for i in range(args.repeats + 1):
         out = llm.generate([fresh(prompt, i)], one)[0]
+        short = llm.generate([fresh(prompt[:1], i)], one)[0]
         if i:
             prefill.append(len(prompt) / (out.metrics.prompt_ms / 1e3))
-            decode.append((len(out.token_ids) - 1) / (out.metrics.decode_ms / 1e3))
+            deep.append((len(out.token_ids) - 1) / (out.metrics.decode_ms / 1e3))
+            decode.append((len(short.token_ids) - 1) / (short.metrics.decode_ms / 1e3))
     from phasewise.lab.roofline import linear_params, weight_bytes_per_param
 
     cfg, precision = llm.model_config, llm.engine.precision
@@ -98,7 +103,7 @@ def run_phasewise(spec: str, prompt, batch, args) -> Result:
     del llm                                     # the server below loads its own copy
     server = serving.phasewise_server(precision.weights, precision.kv, args.threads, args.concurrent)
     aggregate = serving.served(server, args.load)["output_token_throughput"]
-    return Result(name, statistics.median(prefill), statistics.median(decode), aggregate,
+    return Result(name, statistics.median(prefill), statistics.median(decode), statistics.median(deep), aggregate,
                   nbytes, precision.weights in ("int8", "q4"), quality)
 
 
@@ -125,12 +130,12 @@ def fp32_reference(path: Path, ids: list[int]) -> tuple[float, torch.Tensor]:
 
 def run_llama_cpp(path: Path, prompt, batch, args) -> Result:
     """llama-bench for batch 1, llama-server with a slot per concurrent request for serving."""
-    pp, tg = serving.llama_bench(args.llama_cpp, path, args.threads, args.prompt_tokens, args.decode_tokens,
-                                 args.repeats)
+    pp, tg, tg_deep = serving.llama_bench(args.llama_cpp, path, args.threads, args.prompt_tokens,
+                                          args.decode_tokens, args.repeats)
     ctx = args.concurrent_prompt + args.concurrent_output + 64
     server = serving.llama_server(args.llama_cpp, path, args.threads, args.concurrent, ctx)
     aggregate = serving.served(server, args.load)["output_token_throughput"]
-    return Result(f"llama.cpp Q4_1 {args.llama_cpp.parent.name}", pp, tg, aggregate,
+    return Result(f"llama.cpp Q4_1 {args.llama_cpp.parent.name}", pp, tg, tg_deep, aggregate,
                   path.stat().st_size)             # Q4_1 x Q8_1 dot products: the int8 roof
 
 
@@ -143,7 +148,8 @@ def run_transformers(path: Path, prompt, batch, args) -> Result:
     from decode_vs_hf import bench_hf
 
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    prefill, decode = bench_hf(model, prompt, args.decode_tokens, args.repeats)
+    prefill, deep = bench_hf(model, prompt, args.decode_tokens, args.repeats)
+    _, decode = bench_hf(model, prompt[:1], args.decode_tokens, args.repeats)
     ids = torch.tensor(batch)                   # equal lengths: no padding needed
     t0 = time.perf_counter()
     out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
@@ -151,7 +157,7 @@ def run_transformers(path: Path, prompt, batch, args) -> Result:
                          pad_token_id=0)
     aggregate = (out.shape[1] - ids.shape[1]) * len(batch) / (time.perf_counter() - t0)
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return Result("transformers fp32", prefill, decode, aggregate, nbytes, quantized=False)
+    return Result("transformers fp32", prefill, decode, deep, aggregate, nbytes, quantized=False)
 
 
 # ---- the tables -----------------------------------------------------------------------------------
@@ -238,12 +244,13 @@ def main() -> None:
     print(f"\nmeasured read bandwidth: {machine.dram_gbs:.1f} GB/s from memory, {machine.cache_gbs:.1f} GB/s "
           f"from a buffer that fits the last-level cache; compute peaks: fp32 matmul {machine.matmul_gflops:.0f} "
           f"GFLOP/s" + (f", int8 dot products {machine.int8_gops:.0f} GOP/s" if machine.int8_gops else ""))
-    head = f"{'':32}{'prefill tok/s':>14}{'decode tok/s':>14}{f'served@{args.concurrent}':>15}" \
+    deep = f"decode@{args.prompt_tokens}"
+    head = f"{'':32}{'prefill tok/s':>14}{'decode tok/s':>14}{deep:>13}{f'served@{args.concurrent}':>15}" \
            f"{'weights MB':>12}{'weight GB/s':>13}{'of DRAM bw':>11}"
     print(head)
     for r in results:
-        print(f"{r.name:32}{r.prefill:14.1f}{r.decode:14.1f}{r.aggregate:15.1f}{r.weight_bytes / 1e6:12.0f}"
-              f"{r.weight_gbs:13.1f}{r.weight_gbs / machine.dram_gbs:11.0%}")
+        print(f"{r.name:32}{r.prefill:14.1f}{r.decode:14.1f}{r.decode_deep:13.1f}{r.aggregate:15.1f}"
+              f"{r.weight_bytes / 1e6:12.0f}{r.weight_gbs:13.1f}{r.weight_gbs / machine.dram_gbs:11.0%}")
     print_roofline_and_quality(results, machine, path, args)
     ref = next((r for r in results if r.name.startswith("llama.cpp")), None)
     if ref is not None:
@@ -251,7 +258,7 @@ def main() -> None:
         for r in results:
             if r is not ref:
                 print(f"{r.name:32}{r.prefill / ref.prefill:13.2f}x{r.decode / ref.decode:13.2f}x"
-                      f"{r.aggregate / ref.aggregate:14.2f}x")
+                      f"{r.decode_deep / ref.decode_deep:12.2f}x{r.aggregate / ref.aggregate:14.2f}x")
 
 
 if __name__ == "__main__":

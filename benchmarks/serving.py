@@ -84,14 +84,18 @@ def llama_server(bin_dir: Path, model: Path, threads: int, slots: int, ctx_per_s
 
 
 def llama_bench(bin_dir: Path, model: Path, threads: int, prompt: int, decode: int,
-                repeats: int) -> tuple[float, float]:
-    """llama-bench's pp<prompt> and tg<decode> tokens/s (its mean over `repeats` runs)."""
+                repeats: int) -> tuple[float, float, float]:
+    """llama-bench's pp<prompt>, tg<decode> from an empty context and tg<decode> @ d<prompt> (after a
+    prompt's worth of context) in tokens/s, each its mean over `repeats` runs."""
     cmd = [str(bin_dir / "llama-bench"), "-m", str(model), "-t", str(threads), "-p", str(prompt), "-n", str(decode),
-           "-r", str(repeats), "-o", "json"]
+           "-d", f"0,{prompt}", "-r", str(repeats), "-o", "json"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"llama-bench failed: {done.stderr.strip()[-800:]}")
     rows = json.loads(done.stdout)
-    pp = next(r["avg_ts"] for r in rows if r["n_prompt"] == prompt and r["n_gen"] == 0)
-    tg = next(r["avg_ts"] for r in rows if r["n_gen"] == decode and r["n_prompt"] == 0)
-    return pp, tg
+
+    def rate(n_prompt: int, n_gen: int, depth: int) -> float:
+        return next(r["avg_ts"] for r in rows
+                    if (r["n_prompt"], r["n_gen"], r.get("n_depth", 0)) == (n_prompt, n_gen, depth))
+
+    return rate(prompt, 0, 0), rate(0, decode, 0), rate(0, decode, prompt)
