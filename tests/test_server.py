@@ -109,9 +109,9 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def guarded(tmp_path_factory):
-    """A second server: an API key, two running requests at most, two queued at most."""
-    s = start_server(tmp_path_factory.mktemp("guarded"), "--api-key", KEY, "--max-waiting", "2",
-                     "--max-num-seqs", "2")
+    """A second server: an API key, four running requests at most, eight waiting at most."""
+    s = start_server(tmp_path_factory.mktemp("guarded"), "--api-key", KEY, "--max-waiting", "8",
+                     "--max-num-seqs", "4")
     yield s
     stop_server(s)
     assert "Traceback" not in s.log.read_text(), s.log.read_text()
@@ -435,29 +435,27 @@ def test_a_non_streaming_client_that_leaves_aborts_its_request(server):
     assert m[aborted] == before + 1 and m["phasewise:num_requests_running"] == 0
 
 
-def test_overload_gets_503_with_retry_after_and_health_stays_up(guarded):
+def test_a_burst_admits_the_running_seats_plus_the_waiting_room(guarded):
+    """20 requests at once against --max-num-seqs 4 --max-waiting 8: exactly 4 + 8 are served (the
+    ones the scheduler starts at once do not count as waiting), the rest get 503 with Retry-After,
+    and /health answers throughout. Each admitted request runs for seconds, so none ends before the
+    burst is in."""
     headers = {"Authorization": f"Bearer {KEY}"}
-    body = {**CHAT, "max_tokens": 48, "ignore_eos": True}
-    results: list[httpx.Response] = []
-    lock = threading.Lock()
+    body = {**CHAT, "max_tokens": 300, "ignore_eos": True}
+    health: list[int] = []
 
-    def fire() -> None:
-        resp = guarded.post("/v1/chat/completions", body, headers=headers)
-        with lock:
-            results.append(resp)
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=guarded.url, headers=headers, timeout=300) as client:
+            sent = [asyncio.create_task(client.post("/v1/chat/completions", json=body)) for _ in range(20)]
+            while not all(t.done() for t in sent):
+                health.append((await client.get("/health")).status_code)
+                await asyncio.sleep(0.2)
+            return [t.result() for t in sent]
 
-    threads = [threading.Thread(target=fire) for _ in range(12)]
-    for t in threads:
-        t.start()
-    health = []
-    while any(t.is_alive() for t in threads):
-        health.append(httpx.get(guarded.url + "/health", timeout=30).status_code)
-        time.sleep(0.2)
-    for t in threads:
-        t.join(300)
+    results = asyncio.run(burst())
     assert health and set(health) == {200}
-    statuses = sorted(r.status_code for r in results)
-    assert set(statuses) == {200, 503} and statuses.count(200) >= 2, statuses
+    statuses = [r.status_code for r in results]
+    assert statuses.count(200) == 12 and statuses.count(503) == 8, statuses
     for r in results:
         if r.status_code == 503:
             assert r.headers["retry-after"] == "1"

@@ -296,3 +296,55 @@ def test_stop_strings_match_reference(tok, data):
     expected, reason = _reference_stop(tok.decode(ids), stops)
     assert (det.text, det.stop_reason, det.stopped) == (expected, reason, reason is not None)
     assert not any(s in det.text for s in stops)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_bytes_rebuild_the_text(tok, text):
+    ids = tok.encode(text, add_special_tokens=False)
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+
+
+def test_token_bytes_of_a_sentencepiece_tokenizer_with_byte_fallback():
+    """Llama 2 / Mistral style: ▁ for a space, <0xNN> tokens for the bytes of unknown characters."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)},
+             "▁h": 259, "é": 260, "llo": 261, "▁": 262, "h": 263, "l": 264, "o": 265, "ll": 266}
+    raw = RawTokenizer(models.BPE(vocab, [("l", "l"), ("ll", "o"), ("▁", "h")], byte_fallback=True,
+                                  unk_token="<unk>"))
+    raw.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    raw.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    sp = Tokenizer(PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>",
+                                           unk_token="<unk>"))
+    ids = sp.encode("🦙 héllo", add_special_tokens=False)
+    assert [sp.token_bytes(i) for i in ids][1:5] == [b"\xf0", b"\x9f", b"\xa6", b"\x99"]   # the emoji's bytes
+    assert b"".join(sp.token_bytes(i) for i in ids) == " 🦙 héllo".encode()
+    assert sp.token_bytes(2) == b"</s>"
+
+
+def test_logprob_bodies_carry_each_tokens_own_bytes(tok):
+    """A token holding part of a character: its own bytes (joining them rebuilds the text), shown as
+    "bytes:\\x.." in the completions format, and text_offset counts the character once."""
+    from phasewise.engine.outputs import TokenLogprobs
+    from phasewise.server.responses import TextOffsets, TokenText
+
+    tt = TokenText(tok)
+    text = "🦙 héllo"
+    ids = tok.encode(text, add_special_tokens=False)
+    lps = [TokenLogprobs(-1.0, [(i, -1.0)]) for i in ids]
+    chat = tt.chat_logprobs(ids, lps)["content"]
+    assert b"".join(bytes(e["bytes"]) for e in chat) == text.encode()
+    assert all(bytes(e["top_logprobs"][0]["bytes"]) == bytes(e["bytes"]) for e in chat)
+    whole = tt.completion_logprobs(ids, lps)
+    partial = [t for t in whole["tokens"] if t.startswith("bytes:")]
+    assert partial and "\ufffd" not in "".join(whole["tokens"])
+    for token, at in zip(whole["tokens"], whole["text_offset"]):
+        if not token.startswith("bytes:"):
+            assert text[at:].startswith(token)
+    offsets = TextOffsets()                         # in chunks, as a stream sends them
+    chunked = [o for i in range(0, len(ids), 2)
+               for o in tt.completion_logprobs(ids[i:i + 2], lps[i:i + 2], offsets)["text_offset"]]
+    assert chunked == whole["text_offset"] and offsets.chars == len(text)

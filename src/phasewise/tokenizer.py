@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -15,6 +17,7 @@ from phasewise.paths import default_cache_dir
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "</s>")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 CACHE_FORMAT = 1  # bump to invalidate every cached tokenizer
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")   # SentencePiece's byte-fallback tokens
 
 
 def _one_line(err: BaseException) -> str:
@@ -63,6 +66,8 @@ class Tokenizer:
         added = hf.get_added_vocab()
         eos.update(added[t] for t in END_OF_TURN_TOKENS if t in template and t in added)
         self.eos_token_ids: frozenset[int] = frozenset(eos)
+        self._added_ids = frozenset(hf.added_tokens_decoder)
+        self._byte_decoder = _byte_level_decoder(hf)
 
     @classmethod
     def from_gguf(cls, path: str | Path, cache_dir: str | Path | None = None, use_cache: bool = True) -> Tokenizer:
@@ -142,6 +147,34 @@ class Tokenizer:
 
     def has_chat_template(self) -> bool:
         return bool(self.hf.chat_template)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for. A token may hold part of a character (a piece of an
+        emoji): its own bytes, where decoding it alone gives U+FFFD."""
+        piece = self.hf.convert_ids_to_tokens(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._added_ids:
+            return piece.encode()
+        if self._byte_decoder is not None:           # byte-level BPE (GPT-2 style): one char per byte
+            if all(c in self._byte_decoder for c in piece):
+                return bytes(self._byte_decoder[c] for c in piece)
+            return piece.encode()
+        if m := _BYTE_PIECE.fullmatch(piece):
+            return bytes([int(m.group(1), 16)])
+        return piece.replace("\u2581", " ").encode()  # SentencePiece: ▁ is a space
+
+
+def _byte_level_decoder(hf: Any) -> dict[str, int] | None:
+    """Char → byte of a byte-level BPE tokenizer's alphabet; None for other tokenizers."""
+    decoder = hf.backend_tokenizer.decoder
+    state = json.loads(decoder.__getstate__()) if decoder is not None else {}
+    kinds = {state.get("type")} | {d.get("type") for d in state.get("decoders", [])}
+    if "ByteLevel" not in kinds:
+        return None
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {c: b for b, c in bytes_to_unicode().items()}
 
 
 def _generation_config_eos(folder: Path) -> list[int]:

@@ -113,16 +113,19 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             raise APIError(404, f"the model '{name}' does not exist (this server serves "
                                 f"'{config.served_model_name}')", param="model", code="model_not_found")
 
-    def admit() -> None:
+    def admit(n: int) -> None:
+        """Refuse n more sub-requests if they would make more than --max-waiting wait (a request
+        bigger than that is let in when the engine is idle, or it could never run)."""
         if not engine.is_alive:
             raise APIError(503, "the engine has stopped", type="server_error", code="engine_dead")
-        if engine.num_queued >= config.max_waiting:
-            raise APIError(503, f"the server is overloaded: {engine.num_queued} requests are waiting "
+        queued = engine.num_queued
+        if engine.queued_after(n) > config.max_waiting and not engine.is_idle:
+            raise APIError(503, f"the server is overloaded: {queued} requests are waiting "
                                 f"(--max-waiting {config.max_waiting}); retry later",
                            type="server_error", code="overloaded", headers={"Retry-After": "1"})
 
     async def start(items: list[SubRequest], chat: bool) -> RequestStream:
-        admit()
+        admit(len(items))
         try:
             return await engine.submit(items, chat)
         except RequestError as e:
@@ -308,7 +311,7 @@ async def _events(stream: RequestStream, make_choice: Any, head: list[dict], rid
 
 def _completion_events(stream: RequestStream, rid: str, created: int, model: str, n: int, want_lp: bool,
                        include_usage: bool, tt: R.TokenText) -> AsyncIterator[str]:
-    offsets = [0] * len(stream.request_ids)
+    offsets = [R.TextOffsets() for _ in stream.request_ids]
 
     def make_choice(i: int, delta: Any) -> dict | None:
         if not delta.text and not delta.finished and not want_lp:
@@ -316,7 +319,6 @@ def _completion_events(stream: RequestStream, rid: str, created: int, model: str
         choice = {"index": i, "text": delta.text, "logprobs": None, "finish_reason": None}
         if want_lp:
             choice["logprobs"] = tt.completion_logprobs(delta.token_ids, delta.logprobs, offsets[i])
-            offsets[i] += sum(len(s) for s in choice["logprobs"]["tokens"])
         if delta.finished:
             choice["finish_reason"], choice["stop_reason"] = delta.output.finish_reason, delta.output.stop_reason
         return choice

@@ -65,6 +65,7 @@ class EngineStats:
     spec_num_drafts: int = 0               # speculative decoding: request-steps that verified drafts,
     spec_num_draft_tokens: int = 0         # draft tokens verified,
     spec_num_accepted_tokens: int = 0      # and accepted (all since the engine started)
+    num_received: int = 0                  # sub-requests the thread has taken in (added or refused), ever
 
 
 @dataclass
@@ -174,7 +175,9 @@ class AsyncEngine:
         self._cond = threading.Condition()
         self._inbox: list = []
         self._stopping = False
-        self._pending = 0                      # sub-requests sent to the thread but not yet added (loop side)
+        self.max_num_seqs = engine.core.scheduler.config.max_num_seqs
+        self._submitted = 0                    # sub-requests sent to the thread, ever (loop side)
+        self._received = 0                     # of them, taken in by the thread (thread side; published)
         self._queues: dict[str, asyncio.Queue] = {}   # request id → its stream's queue (loop side)
         self._live: dict[str, _Live] = {}      # request id → engine Request and its caller's loop (thread side)
         self._thread = threading.Thread(target=self._run, name="phasewise-engine", daemon=True)
@@ -188,8 +191,23 @@ class AsyncEngine:
 
     @property
     def num_queued(self) -> int:
-        """Sub-requests not yet running: on their way to the engine, or waiting in its scheduler."""
-        return self._pending + self.stats.num_waiting
+        """Sub-requests that will really wait: those not yet running (on their way to the engine, or
+        in its scheduler's waiting queue) past the seats free for them (--max-num-seqs less the
+        running ones), which the scheduler fills on its next step."""
+        return self.queued_after(0)
+
+    @property
+    def is_idle(self) -> bool:
+        """Nothing running, waiting or on its way to the engine."""
+        s = self.stats
+        return s.num_running == 0 and s.num_waiting == 0 and self._submitted == s.num_received
+
+    def queued_after(self, n: int) -> int:
+        """num_queued once n more sub-requests are sent. One published snapshot of the thread's counts
+        (what it has received, what waits and runs), so nothing is counted twice or missed."""
+        s = self.stats
+        not_running = s.num_waiting + (self._submitted - s.num_received) + n
+        return max(0, not_running - max(0, self.max_num_seqs - s.num_running))
 
     @property
     def num_running(self) -> int:
@@ -206,7 +224,7 @@ class AsyncEngine:
             self._queues[rid] = queue
         stream = RequestStream(self, rids, queue)
         future = loop.create_future()
-        self._pending += len(items)
+        self._submitted += len(items)
         self._send(_Add(items, chat, future))
         try:
             await future
@@ -217,8 +235,6 @@ class AsyncEngine:
         except BaseException:                  # cancelled (client gone) or the engine died
             stream.close()
             raise
-        finally:
-            self._pending -= len(items)
         return stream
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, chat: bool = False,
@@ -283,13 +299,14 @@ class AsyncEngine:
 
     def _handle(self, command: Any) -> None:
         if isinstance(command, _Add):
+            self._received += len(command.items)
             try:
                 self._add(command.items, command.chat, command.future.get_loop())
             except Exception as e:
                 self._resolve(command.future, error=e if isinstance(e, ValueError) else EngineError(str(e)))
             else:
-                self._publish()                # count them as waiting before the loop stops counting pending
                 self._resolve(command.future, result=None)
+            self._publish()                    # received and waiting change together, in one snapshot
         elif isinstance(command, _Abort):
             for rid in command.request_ids:
                 live = self._live.pop(rid, None)
@@ -419,7 +436,7 @@ class AsyncEngine:
         sched, pool, spec = self.engine.core.scheduler, self.engine.core.kv.pool, self.engine.core.spec
         self.stats = EngineStats(len(sched.waiting), len(sched.running), pool.num_blocks, pool.num_free,
                                  pool.num_cached, pool.usage, self.engine.core.num_steps,
-                                 spec.num_steps, spec.num_draft_tokens, spec.num_accepted_tokens)
+                                 spec.num_steps, spec.num_draft_tokens, spec.num_accepted_tokens, self._received)
 
     def _deliver(self, out: dict[asyncio.AbstractEventLoop, list]) -> None:
         for loop, items in out.items():

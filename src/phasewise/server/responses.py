@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
@@ -36,35 +37,54 @@ def usage(per_prompt: Sequence[CompletionOutput], outputs: Sequence[CompletionOu
             "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in per_prompt)}}
 
 
+class TextOffsets:
+    """Characters of text so far, counted from token bytes (a character split over tokens counts
+    once, at the token that completes it): the legacy completions format's text_offset."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self.chars = 0
+
+    def add(self, data: bytes) -> int:
+        """The offset of a token with these bytes; then counts its completed characters."""
+        at = self.chars
+        self.chars += len(self._decoder.decode(data))
+        return at
+
+
 class TokenText:
-    """Token id → its text (special tokens kept), cached; and the logprob bodies built from them."""
+    """Token id → its bytes and its display text (special tokens kept), cached; and the logprob
+    bodies built from them. A token that is not whole UTF-8 on its own (part of a character) is
+    shown as OpenAI shows it, "bytes:\\xNN...", and its `bytes` are its own."""
 
     def __init__(self, tokenizer: Any) -> None:
-        self._text = lru_cache(maxsize=65536)(
-            lambda i: tokenizer.decode([i], skip_special_tokens=False))
+        self.bytes = lru_cache(maxsize=65536)(tokenizer.token_bytes)
+        self._text = lru_cache(maxsize=65536)(self._display)
+
+    def _display(self, token_id: int) -> str:
+        data = self.bytes(token_id)
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
 
     def __call__(self, token_id: int) -> str:
         return self._text(token_id)
 
     def completion_logprobs(self, token_ids: Sequence[int], lps: Sequence[TokenLogprobs],
-                            offset: int = 0) -> dict[str, Any]:
-        """The legacy completions format; text_offset counts from `offset` (characters of text so far)."""
-        tokens = [self(t) for t in token_ids]
-        offsets = []
-        for s in tokens:
-            offsets.append(offset)
-            offset += len(s)
+                            offsets: TextOffsets | None = None) -> dict[str, Any]:
+        """The legacy completions format; text_offset continues `offsets` (a stream's, chunk to chunk)."""
+        offsets = offsets or TextOffsets()
         return {
-            "tokens": tokens,
+            "tokens": [self(t) for t in token_ids],
             "token_logprobs": [lp.logprob for lp in lps],
             "top_logprobs": [{self(i): v for i, v in lp.top} for lp in lps],
-            "text_offset": offsets,
+            "text_offset": [offsets.add(self.bytes(t)) for t in token_ids],
         }
 
     def chat_logprobs(self, token_ids: Sequence[int], lps: Sequence[TokenLogprobs]) -> dict[str, Any]:
         def entry(i: int, v: float) -> dict[str, Any]:
-            s = self(i)
-            return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8"))}
+            return {"token": self(i), "logprob": v, "bytes": list(self.bytes(i))}
         return {"content": [{**entry(t, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
                             for t, lp in zip(token_ids, lps)]}
 
