@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -524,6 +525,61 @@ def test_async_engine_survives_a_failed_step_and_aborts_on_early_exit(llm, monke
     asyncio.run(scenario())
     assert not async_engine_thread_alive()
     assert pool.num_free == pool.num_blocks and not engine.has_unfinished()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")   # the thread dies, as injected
+def test_a_dead_engine_thread_fails_health_and_answers_503_at_once(llm):
+    """A bug that kills the engine thread while it handles a request: that request gets an error
+    (it does not hang), /health says 503, and a new request gets 503 without waiting."""
+    from phasewise.server import AsyncEngine, ServerConfig, create_app
+
+    async def scenario() -> None:
+        async_engine = AsyncEngine(llm.engine)
+        app = create_app(async_engine, ServerConfig("m"))
+
+        def broken(command) -> None:
+            raise RuntimeError("injected bug in the engine loop")
+
+        async_engine._handle = broken
+        transport = httpx.ASGITransport(app=app)
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as client:
+                body = {"model": "m", "prompt": "Hello", "max_tokens": 4}
+                first = await asyncio.wait_for(client.post("/v1/completions", json=body), 30)
+                assert first.status_code == 503 and assert_openai_error(first, 503)["code"] == "engine_dead"
+                assert (await client.get("/health")).status_code == 503
+                again = await asyncio.wait_for(client.post("/v1/completions", json=body), 5)
+                assert again.status_code == 503
+        finally:
+            async_engine.shutdown()
+
+    asyncio.run(scenario())
+    assert not async_engine_thread_alive()
+    assert not llm.engine.has_unfinished()
+
+
+def test_sigterm_lets_running_streams_finish_then_exits_0(tmp_path):
+    """SIGTERM while a stream runs: no new connection is accepted, the stream gets all its tokens and
+    [DONE], and the process exits 0."""
+    s = start_server(tmp_path, "--shutdown-timeout", "60")
+    try:
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=120) as resp:
+            lines = resp.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            s.proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data: ")]
+        events = [json.loads(line[6:]) for line in [first, *rest[:-1]]]
+        assert rest[-1] == "data: [DONE]"
+        assert events[-1]["usage"]["completion_tokens"] == 200
+        assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "length"
+        assert s.proc.wait(60) == 0
+        with pytest.raises(httpx.TransportError):
+            httpx.get(s.url + "/health", timeout=5)
+    finally:
+        stop_server(s)
+    assert "Traceback" not in s.log.read_text(), s.log.read_text()
 
 
 def async_engine_thread_alive() -> bool:

@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
     s.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one engine step")
     s.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM or Ctrl-C: stop accepting, let running requests finish for up to this many "
+                        "seconds (then cut them), exit 0")
     s.add_argument("--trace", metavar="FILE", default=None,
                    help="on shutdown, write a Chrome/Perfetto trace of the engine steps and finished requests")
     _add_model_args(serve)
@@ -177,6 +180,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for name in ("max_waiting", "max_body_bytes", "max_num_seqs", "max_num_batched_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be at least 0, got {args.shutdown_timeout}")
     if args.trace and not Path(args.trace).resolve().parent.is_dir():
         raise ValueError(f"--trace: the folder of {args.trace} does not exist")
     spec = speculative_config_from_args(args)
@@ -212,9 +217,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"phasewise: serving {name} on http://{host}:{sock.getsockname()[1]}/v1 "
           f"(loaded in {engine.load_ms:.0f} ms)", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level="info", access_log=not args.no_access_log,
-                                           timeout_graceful_shutdown=5))
-    # uvicorn re-raises SIGTERM once it has shut down; exit through `finally` rather than die mid-way.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+                                           timeout_graceful_shutdown=args.shutdown_timeout))
+    # uvicorn drains (no new connections; running requests finish within the timeout), then re-raises
+    # SIGTERM: a shutdown asked for is a clean exit, through `finally` rather than dying mid-way.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         server.run(sockets=[sock])
     finally:

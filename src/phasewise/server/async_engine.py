@@ -174,6 +174,8 @@ class AsyncEngine:
         self.stats = EngineStats(num_blocks=pool.num_blocks, num_free_blocks=pool.num_free)
         self._cond = threading.Condition()
         self._inbox: list = []
+        self._taken: list = []                 # commands the thread took from the inbox and has not yet handled
+        self._dead = False                     # the thread has stopped taking commands (under _cond)
         self._stopping = False
         self.max_num_seqs = engine.core.scheduler.config.max_num_seqs
         self._submitted = 0                    # sub-requests sent to the thread, ever (loop side)
@@ -187,7 +189,7 @@ class AsyncEngine:
 
     @property
     def is_alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.is_alive() and not self._dead
 
     @property
     def num_queued(self) -> int:
@@ -224,9 +226,9 @@ class AsyncEngine:
             self._queues[rid] = queue
         stream = RequestStream(self, rids, queue)
         future = loop.create_future()
-        self._submitted += len(items)
-        self._send(_Add(items, chat, future))
         try:
+            self._send(_Add(items, chat, future))
+            self._submitted += len(items)
             await future
         except ValueError:
             stream._unfinished.clear()         # nothing was added
@@ -263,7 +265,13 @@ class AsyncEngine:
         self._thread.join(timeout)
 
     def _send(self, command: Any) -> None:
+        """Hand a command to the thread; once it has died, an add or call raises EngineDeadError (nothing
+        would answer it) and an abort is dropped (nothing is left to abort)."""
         with self._cond:
+            if self._dead:
+                if isinstance(command, _Abort):
+                    return
+                raise EngineDeadError("the engine has stopped")
             self._inbox.append(command)
             self._cond.notify()
 
@@ -285,9 +293,10 @@ class AsyncEngine:
                         self._cond.wait()
                     if self._stopping:
                         break
-                    commands, self._inbox = self._inbox, []
-                for command in commands:
-                    self._handle(command)
+                    self._taken, self._inbox = self._inbox, []
+                while self._taken:                 # a command stays taken until handled: if handling it
+                    self._handle(self._taken[0])   # kills the thread, _fail_all still answers it
+                    self._taken.pop(0)
                 if engine.has_unfinished():
                     self._step()
                 self._publish()
@@ -419,7 +428,9 @@ class AsyncEngine:
     def _fail_all(self, error: Exception) -> None:
         self._fail(list(self._live), error)
         with self._cond:
-            commands, self._inbox = self._inbox, []
+            self._dead = True
+            commands, self._inbox = self._taken + self._inbox, []   # taken but not handled, then the rest
+            self._taken = []
         for command in commands:
             if isinstance(command, (_Add, _Call)):
                 self._resolve(command.future, error=error)
