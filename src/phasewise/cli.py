@@ -208,7 +208,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     recorder = None
     if args.trace:
         from phasewise.lab.trace import RequestRecorder
-        from phasewise.server.async_engine import Observers
+        from phasewise.server.observer import Observers
 
         recorder = RequestRecorder()
         async_engine.observer = Observers(async_engine.observer, recorder)

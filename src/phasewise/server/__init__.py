@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server: `phasewise serve`."""
 
 from phasewise.server.app import ServerConfig, create_app
-from phasewise.server.async_engine import AsyncEngine, EngineError, RequestStream, SubRequest
+from phasewise.server.async_engine import AsyncEngine, RequestStream, SubRequest
+from phasewise.server.errors import EngineError
 
 __all__ = ["AsyncEngine", "EngineError", "RequestStream", "ServerConfig", "SubRequest", "create_app"]

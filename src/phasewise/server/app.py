@@ -27,8 +27,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from phasewise.outputs import CompletionOutput
 from phasewise.server import responses as R
-from phasewise.server.async_engine import (
-    AsyncEngine, ContextLengthError, EngineDeadError, EngineError, RequestError, RequestStream, SubRequest)
+from phasewise.server.async_engine import AsyncEngine, RequestStream, SubRequest
+from phasewise.server.errors import ContextLengthError, EngineDeadError, EngineError, RequestError
 from phasewise.server.metrics import ServerMetrics
 from phasewise.server.protocol import (
     APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, bad_request,

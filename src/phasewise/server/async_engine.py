@@ -25,31 +25,12 @@ from typing import Any
 from phasewise.llm_engine import LLMEngine
 from phasewise.outputs import StreamDelta
 from phasewise.sampling.params import SamplingParams
+from phasewise.server.errors import ContextLengthError, EngineDeadError, EngineError, RequestError
+from phasewise.server.observer import Observer, Observers
 
 log = logging.getLogger("phasewise.server")
 
 Prompt = str | list[int] | list[dict]
-
-
-class EngineError(RuntimeError):
-    """The engine failed while running a request (not the request's fault)."""
-
-
-class RequestError(ValueError):
-    """Bad input found on the engine thread; `param` names the request field at fault ("prompt" is
-    the prompt or the messages)."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-class ContextLengthError(RequestError):
-    """The prompt (plus max_tokens) does not fit the context."""
-
-
-class EngineDeadError(EngineError):
-    """The engine thread has stopped; no request can be served."""
 
 
 @dataclass(frozen=True)
@@ -98,29 +79,6 @@ class _Abort:
 class _Call:
     fn: Callable[[LLMEngine], Any]
     future: asyncio.Future
-
-
-class Observer:
-    """Hooks called on the engine thread (metrics). Default: do nothing."""
-
-    def on_delta(self, delta: StreamDelta) -> None: ...
-
-    def on_finish(self, request: Any, reason: str) -> None: ...
-
-
-class Observers(Observer):
-    """Several observers called in turn (metrics and a trace recorder)."""
-
-    def __init__(self, *observers: Observer) -> None:
-        self.observers = observers
-
-    def on_delta(self, delta: StreamDelta) -> None:
-        for o in self.observers:
-            o.on_delta(delta)
-
-    def on_finish(self, request: Any, reason: str) -> None:
-        for o in self.observers:
-            o.on_finish(request, reason)
 
 
 class RequestStream:

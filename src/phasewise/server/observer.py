@@ -1,0 +1,30 @@
+"""Hooks the engine thread calls as requests progress (the metrics, a trace recorder)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from phasewise.outputs import StreamDelta
+
+
+class Observer:
+    """Hooks called on the engine thread (metrics). Default: do nothing."""
+
+    def on_delta(self, delta: StreamDelta) -> None: ...
+
+    def on_finish(self, request: Any, reason: str) -> None: ...
+
+
+class Observers(Observer):
+    """Several observers called in turn (metrics and a trace recorder)."""
+
+    def __init__(self, *observers: Observer) -> None:
+        self.observers = observers
+
+    def on_delta(self, delta: StreamDelta) -> None:
+        for o in self.observers:
+            o.on_delta(delta)
+
+    def on_finish(self, request: Any, reason: str) -> None:
+        for o in self.observers:
+            o.on_finish(request, reason)
