@@ -648,3 +648,29 @@ def test_bench_serve_against_no_server_fails_in_one_line(capsys):
     assert main(["bench", "serve", "--base-url", f"http://127.0.0.1:{free_port()}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("phasewise: error: cannot reach")
+
+
+def test_an_engine_given_as_a_function_is_built_on_the_engine_thread(llm):
+    """The server builds its engine on the thread that steps it (one OpenMP pool); what building
+    raises comes out of the constructor, and no thread is left behind."""
+    from phasewise.server import AsyncEngine
+
+    where = []
+
+    def build():
+        where.append(threading.current_thread().name)
+        return llm.engine
+
+    async_engine = AsyncEngine(build)
+    try:
+        assert where == ["phasewise-engine"] and async_engine.engine is llm.engine
+        assert async_engine.max_num_seqs == llm.engine.core.scheduler.config.max_num_seqs
+    finally:
+        async_engine.shutdown()
+
+    def broken():
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        AsyncEngine(broken)
+    assert not async_engine_thread_alive()

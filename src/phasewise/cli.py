@@ -197,12 +197,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cache=CacheConfig(args.block_size, args.kv_cache_memory, kv_dtype=args.kv_dtype),
         scheduler=SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, args.max_model_len),
         speculative=spec)
-    engine = LLMEngine(config)
-    engine.warmup()
+    def build() -> LLMEngine:                  # on the engine thread, which then owns the OpenMP pool
+        engine = LLMEngine(config)
+        engine.warmup()
+        return engine
+
+    async_engine = AsyncEngine(build)
+    engine = async_engine.engine
     path = Path(engine.model_path)
     name = args.served_model_name or (path.name if path.is_dir() else path.stem)
     aliases = tuple(a for a in (args.model, str(path)) if a)
-    async_engine = AsyncEngine(engine)
     app = create_app(async_engine, ServerConfig(name, aliases, args.api_key, args.max_waiting,
                                                 args.max_body_bytes, model_root=str(path)))
     recorder = None

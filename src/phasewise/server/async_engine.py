@@ -120,9 +120,34 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, observer: Observer | None = None) -> None:
-        self.engine = engine
+    """`engine`: an LLMEngine, or a function that builds one, which then runs on the engine thread.
+    Build it there when you can: OpenMP keeps a thread pool per thread that ran parallel work, so
+    a model loaded and warmed up on another thread leaves a second pool, and libgomp, seeing more
+    threads than cores, stops spinning at barriers: a decode step of 32 rows took 41-43 ms instead
+    of 30 here (docs/benchmarks.md). The constructor returns once the engine is built, or raises
+    what building it raised."""
+
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], observer: Observer | None = None) -> None:
         self.observer = observer or Observer()
+        built: list[BaseException] = []          # what building the engine raised, if it did
+        ready = threading.Event()
+        self._cond = threading.Condition()
+        self._inbox: list = []
+        self._taken: list = []                 # commands the thread took from the inbox and has not yet handled
+        self._dead = False                     # the thread has stopped taking commands (under _cond)
+        self._stopping = False
+        self._submitted = 0                    # sub-requests sent to the thread, ever (loop side)
+        self._received = 0                     # of them, taken in by the thread (thread side; published)
+        self._queues: dict[str, asyncio.Queue] = {}   # request id → its stream's queue (loop side)
+        self._live: dict[str, _Live] = {}      # request id → engine Request and its caller's loop (thread side)
+        self._thread = threading.Thread(target=self._run, args=(engine, built, ready), name="phasewise-engine",
+                                        daemon=True)
+        self._thread.start()
+        ready.wait()
+        if built:
+            self._thread.join()
+            raise built[0]
+        engine = self.engine
         self.tokenizer = engine.tokenizer
         self.model_config = engine.model_config
         self.max_model_len = engine.max_model_len
@@ -130,18 +155,7 @@ class AsyncEngine:
         self.num_blocks = pool.num_blocks
         self.block_size = engine.core.kv.block_size
         self.stats = EngineStats(num_blocks=pool.num_blocks, num_free_blocks=pool.num_free)
-        self._cond = threading.Condition()
-        self._inbox: list = []
-        self._taken: list = []                 # commands the thread took from the inbox and has not yet handled
-        self._dead = False                     # the thread has stopped taking commands (under _cond)
-        self._stopping = False
         self.max_num_seqs = engine.core.scheduler.config.max_num_seqs
-        self._submitted = 0                    # sub-requests sent to the thread, ever (loop side)
-        self._received = 0                     # of them, taken in by the thread (thread side; published)
-        self._queues: dict[str, asyncio.Queue] = {}   # request id → its stream's queue (loop side)
-        self._live: dict[str, _Live] = {}      # request id → engine Request and its caller's loop (thread side)
-        self._thread = threading.Thread(target=self._run, name="phasewise-engine", daemon=True)
-        self._thread.start()
 
     # ---- the event loop's side ----------------------------------------------------------
 
@@ -242,8 +256,15 @@ class AsyncEngine:
 
     # ---- the engine thread's side ------------------------------------------------------------
 
-    def _run(self) -> None:
-        engine = self.engine
+    def _run(self, engine: LLMEngine | Callable[[], LLMEngine], built: list[BaseException],
+             ready: threading.Event) -> None:
+        try:
+            self.engine = engine = engine() if callable(engine) else engine
+        except BaseException as e:             # the constructor raises it
+            built.append(e)
+            return
+        finally:
+            ready.set()
         try:
             while True:
                 with self._cond:
