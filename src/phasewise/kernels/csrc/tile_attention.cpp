@@ -16,10 +16,17 @@
 namespace pw {
 namespace {
 
+// What stays in registers: AVX-512 (32 registers of 16 lanes) holds a pass's 16 scores and four
+// lanes' whole output rows; with vectors of 8 or 4 lanes (AVX2 and SSE: 16 registers, a Vf is 2
+// or 4 of them) that would spill on every FMA, so there 4 scores and one 16-wide slice at a time
+// (prefill attention on AVX2: see docs/benchmarks.md).
+constexpr int KG = W >= 16 ? KEYS : 4;
+
 template <int NV, bool INT8>
 void attend_tile(const Cache& c, const int64_t* table, int64_t block_size, int64_t h, const Tile& tile,
                  const float* q, int64_t Hq, int64_t G, float sc, float* out) {
   constexpr int64_t D = 16 * NV;
+  constexpr int SL = W >= 16 ? NV : 1;
   const int64_t lanes = tile.R * G;
   alignas(64) float qt[D * 16];               // [D][lane] queries, scaled
   alignas(64) float o[16 * D];                // [lane][D] unnormalised outputs
@@ -67,10 +74,14 @@ void attend_tile(const Cache& c, const int64_t* table, int64_t block_size, int64
       }
     }
     Vf s[KEYS];
-    for (int j = 0; j < KEYS; ++j) s[j] = Vf::zero();
-    for (int64_t d = 0; d < D; ++d) {
-      const Vf qd = Vf::load(qt + d * 16);
-      for (int j = 0; j < KEYS; ++j) s[j] = fma(Vf::set1(kt[j * D + d]), qd, s[j]);
+    for (int j0 = 0; j0 < KEYS; j0 += KG) {           // KG keys' scores in registers at a time
+      Vf acc[KG];
+      for (int j = 0; j < KG; ++j) acc[j] = Vf::zero();
+      for (int64_t d = 0; d < D; ++d) {
+        const Vf qd = Vf::load(qt + d * 16);
+        for (int j = 0; j < KG; ++j) acc[j] = fma(Vf::set1(kt[(j0 + j) * D + d]), qd, acc[j]);
+      }
+      for (int j = 0; j < KG; ++j) s[j0 + j] = acc[j];
     }
     Vf mx = m;
     for (int j = 0; j < KEYS; ++j) {
@@ -88,22 +99,26 @@ void attend_tile(const Cache& c, const int64_t* table, int64_t block_size, int64
     }
     m = mx;
     cr.store(corr);
-    for (int64_t lane0 = 0; lane0 < lanes; lane0 += 4) {   // four lanes' output rows in registers
-      constexpr int64_t nl = 4;                            // (spare lanes are computed, never written)
-      Vf acc[4][NV];
-      for (int64_t a = 0; a < nl; ++a)
-        for (int i = 0; i < NV; ++i)
-          acc[a][i] = Vf::load(o + (lane0 + a) * D + 16 * i) * Vf::set1(corr[lane0 + a]);
-      for (int64_t j = 0; j < n; ++j) {
-        Vf vr[NV];
-        for (int i = 0; i < NV; ++i) vr[i] = Vf::load(vrow[j] + 16 * i);
-        for (int64_t a = 0; a < nl; ++a) {
-          const Vf w = Vf::set1(pt[j * 16 + lane0 + a]);
-          for (int i = 0; i < NV; ++i) acc[a][i] = fma(w, vr[i], acc[a][i]);
+    // Four lanes' output rows, SL 16-wide slices of each, in registers at a time (spare lanes are
+    // computed, never written).
+    for (int64_t lane0 = 0; lane0 < lanes; lane0 += 4) {
+      constexpr int64_t nl = 4;
+      for (int i0 = 0; i0 < NV; i0 += SL) {
+        Vf acc[4][SL];
+        for (int64_t a = 0; a < nl; ++a)
+          for (int i = 0; i < SL; ++i)
+            acc[a][i] = Vf::load(o + (lane0 + a) * D + 16 * (i0 + i)) * Vf::set1(corr[lane0 + a]);
+        for (int64_t j = 0; j < n; ++j) {
+          Vf vr[SL];
+          for (int i = 0; i < SL; ++i) vr[i] = Vf::load(vrow[j] + 16 * (i0 + i));
+          for (int64_t a = 0; a < nl; ++a) {
+            const Vf w = Vf::set1(pt[j * 16 + lane0 + a]);
+            for (int i = 0; i < SL; ++i) acc[a][i] = fma(w, vr[i], acc[a][i]);
+          }
         }
+        for (int64_t a = 0; a < nl; ++a)
+          for (int i = 0; i < SL; ++i) acc[a][i].store(o + (lane0 + a) * D + 16 * (i0 + i));
       }
-      for (int64_t a = 0; a < nl; ++a)
-        for (int i = 0; i < NV; ++i) acc[a][i].store(o + (lane0 + a) * D + 16 * i);
     }
   }
   alignas(64) float lsum[16];

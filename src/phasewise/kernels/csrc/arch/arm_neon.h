@@ -24,6 +24,16 @@ inline Vf Vf::from_f16(const uint16_t* p) {
   return r;
 }
 
+inline Vf Vf::from_i8(const int8_t* p) {
+  const int8x16_t b = vld1q_s8(p);
+  const int16x8_t lo = vmovl_s8(vget_low_s8(b)), hi = vmovl_high_s8(b);
+  const float32x4_t f[4] = {vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo))), vcvtq_f32_s32(vmovl_high_s16(lo)),
+                            vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi))), vcvtq_f32_s32(vmovl_high_s16(hi))};
+  Vf r;
+  std::memcpy(&r.v, f, sizeof f);
+  return r;
+}
+
 inline int32x4_t dot4(int32x4_t acc, int8x16_t a, int8x16_t b) {
 #if defined(__ARM_FEATURE_DOTPROD)
   return vdotq_s32(acc, a, b);

@@ -7,6 +7,13 @@ namespace pw {
 constexpr const char* ISA = "generic";
 constexpr bool Q8_BIASED = false;
 
+// A loop the compiler vectorises (sign extensions, then one conversion per native vector).
+inline Vf Vf::from_i8(const int8_t* p) {
+  alignas(64) float out[16];
+  for (int k = 0; k < 16; ++k) out[k] = static_cast<float>(p[k]);
+  return load(out);
+}
+
 // fp16 bits -> fp32: a normal number's exponent and mantissa moved into place, then one multiply
 // by 2^112 rescales the exponent bias; a subnormal is its mantissa times 2^-24 (no fp32
 // subnormal on the way, which flush-to-zero would lose). Infinities and NaNs are not expected.

@@ -26,6 +26,15 @@ inline Vf Vf::from_f16(const uint16_t* p) {
   return r;
 }
 
+inline Vf Vf::from_i8(const int8_t* p) {
+  Vf r;
+  for (int i = 0; i < NP; ++i) {
+    const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * i))));
+    std::memcpy(&r.v[i], &f, 32);
+  }
+  return r;
+}
+
 inline __m256i as_m256i(const u8n& v) { return reinterpret_cast<const __m256i&>(v); }
 
 inline Vi dot_u4(Vi acc, Vb w, Vb x) {

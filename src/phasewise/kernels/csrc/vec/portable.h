@@ -21,12 +21,10 @@ typedef float f32n __attribute__((vector_size(4 * W)));
 typedef int32_t i32n __attribute__((vector_size(4 * W)));
 typedef int8_t i8n __attribute__((vector_size(4 * W)));      // 4 W signed bytes: W lanes of 4
 typedef uint8_t u8n __attribute__((vector_size(4 * W)));
-typedef int8_t i8w __attribute__((vector_size(W)));          // W bytes: one per lane
 // The same vectors at any address (unaligned loads and stores of native width).
 typedef f32n f32n_u __attribute__((aligned(1), may_alias));
 typedef i32n i32n_u __attribute__((aligned(1), may_alias));
 typedef u8n u8n_u __attribute__((aligned(1), may_alias));
-typedef i8w i8w_u __attribute__((aligned(1), may_alias));
 
 struct Mask {
   i32n m[NP];   // -1 or 0 per lane
@@ -58,13 +56,10 @@ struct Vf {
     return r;
   }
   static Vf zero() { return set1(0.f); }
-  static Vf from_i8(const int8_t* p) {
-    Vf r;
-    for (int i = 0; i < NP; ++i) {
-      r.v[i] = __builtin_convertvector(*reinterpret_cast<const i8w_u*>(p + i * W), f32n);
-    }
-    return r;
-  }
+  // arch/: GCC 12 turns __builtin_convertvector from int8 to float into 16 scalar conversions on
+  // every target (AVX2, SSE2, NEON), which made prefill attention over an int8 cache on AVX2
+  // spend half its time here.
+  static Vf from_i8(const int8_t* p);
   static Vf from_f16(const uint16_t* p);   // arch/
   void store(float* p) const {
     for (int i = 0; i < NP; ++i) *reinterpret_cast<f32n_u*>(p + i * W) = v[i];
