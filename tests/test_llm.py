@@ -149,3 +149,48 @@ def test_precision_choices(default_model_path, tmp_path):
         choose(default_model_path, "q3", "auto", None)
     with pytest.raises(ValueError, match="kv_dtype"):
         choose(default_model_path, "auto", "fp8", None)
+
+
+def _full_forward_logprobs(llm, ids: list[int]) -> torch.Tensor:
+    """log_softmax of the logits at every position, the whole prompt in one forward pass."""
+    from phasewise.layers.attention import AttentionMetadata
+    from phasewise.runner.kv_cache import KVCache
+
+    model = llm.engine.model
+    blocks = -(-len(ids) // 16)
+    cache = KVCache(model.config, blocks, 16, llm.engine.kv_cache.data.dtype, "cpu")
+    meta = AttentionMetadata.build([len(ids)], [len(ids)], [list(range(blocks))], 16, torch.device("cpu"))
+    with torch.inference_mode():
+        hidden = model(torch.tensor(ids), torch.arange(len(ids)), meta, cache.layers)
+        return torch.log_softmax(model.compute_logits(hidden), dim=-1)
+
+
+def test_prompt_logprobs_score_every_prompt_token_in_chunks_and_past_the_prefix_cache(llm, monkeypatch):
+    """max_tokens 0 + prompt_logprobs: the prompt is scored (as one forward pass over it scores it),
+    nothing is generated; in 16-token chunks, and again once its prefix is cached (a cached prefix
+    has no logits, so such requests skip the cache). Every block is free afterwards."""
+    import dataclasses
+
+    scheduler = llm.engine.core.scheduler
+    monkeypatch.setattr(scheduler, "config", dataclasses.replace(scheduler.config, max_num_batched_tokens=16))
+    ids = llm.tokenizer.encode(" ".join([STORY] * 5))
+    ref = _full_forward_logprobs(llm, ids)
+    free = free_blocks(llm)
+    params = SamplingParams(max_tokens=0, prompt_logprobs=3)
+    first, again = llm.generate([ids], params)[0], llm.generate([ids], params)[0]
+    for out in (first, again):
+        assert out.token_ids == [] and out.text == "" and out.finish_reason == "length"
+        lps = out.prompt_logprobs
+        assert len(lps) == len(ids) > 48 and lps[0] is None
+        got = torch.tensor([lp.logprob for lp in lps[1:]])
+        want = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=0)
+        for p in (1, 20, len(ids) - 1):
+            top_ids = [i for i, _ in lps[p].top]
+            assert len(top_ids) == 3 and top_ids[0] == ref[p - 1].argmax().item()
+    generated = llm.generate([ids], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=0))[0]
+    assert len(generated.token_ids) == 4 and len(generated.prompt_logprobs) == len(ids)
+    assert generated.prompt_logprobs[5].top == []
+    assert free_blocks(llm) == free
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)

@@ -271,6 +271,38 @@ def test_completion_logprobs_legacy_format(server):
     assert streamed == lp.tokens and events[-1] == "[DONE]"
 
 
+def test_echo_returns_the_prompt_with_its_logprobs_as_evaluation_harnesses_read_them(server):
+    """lm-evaluation-harness's loglikelihood request (echo, logprobs 1, max_tokens 1, token ids) and
+    max_tokens 0: the prompt's tokens come first, the first with null logprobs; a token's logprob
+    equals its top-1 exactly when it is the greedy one. Streamed, the prompt comes in the first chunk."""
+    client = server.client()
+    ids = server.post("/tokenize", {"prompt": "The capital of France is Paris"}).json()["tokens"]
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v < 0 for v in lp.token_logprobs[1:]) and all(len(top) == 1 for top in lp.top_logprobs[1:])
+    greedy_last = lp.token_logprobs[-1] == max(lp.top_logprobs[-1].values())   # the sampled token is greedy
+    assert greedy_last and out.choices[0].text.startswith("The capital of France is Paris")
+    assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 1
+    only = client.completions.create(model=MODEL, prompt="The capital of France is Paris", max_tokens=0,
+                                     logprobs=0, echo=True)
+    c = only.choices[0]
+    assert c.text == "The capital of France is Paris" and c.finish_reason == "length"
+    assert c.logprobs.token_logprobs == lp.token_logprobs[:-1] and only.usage.completion_tokens == 0
+    assert c.logprobs.text_offset[0] == 0 and "".join(c.logprobs.tokens) == c.text
+    events = sse_events(server.post("/v1/completions", {"prompt": "The capital of France is Paris", "echo": True,
+                                                        "max_tokens": 2, "logprobs": 0, "temperature": 0,
+                                                        "stream": True}))
+    first = events[0]["choices"][0]
+    assert first["text"].startswith("The capital of France is Paris")
+    assert first["logprobs"]["token_logprobs"][:len(ids)] == lp.token_logprobs[:-1]
+    plain = client.completions.create(model=MODEL, prompt="Hi", max_tokens=0, echo=True)
+    assert plain.choices[0].text == "Hi" and plain.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=0)
+
+
 def test_stop_strings(server):
     client = server.client()
     ref = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=24)

@@ -161,6 +161,8 @@ class LLMEngine:
             text = detok.add(new_ids)
         out.token_ids.extend(new_ids)
         out.cached_tokens = o.request.num_cached_tokens or 0
+        if out.prompt_logprobs is None and o.request.prompt_logprobs is not None:   # the prompt has run
+            out.prompt_logprobs = list(o.request.prompt_logprobs)
         if out.logprobs is not None:
             out.logprobs.extend(new_lps)
         finished, reason = o.finished, o.finish_reason
@@ -173,7 +175,7 @@ class LLMEngine:
                 out.stop_reason = detok.stop_reason
             else:
                 text += detok.finish()
-                last = out.token_ids[-1]
+                last = out.token_ids[-1] if out.token_ids else None
                 if reason is FinishReason.STOP and last in o.request.sampling_params.stop_token_ids:
                     out.stop_reason = last
             out.finish_reason = reason.value

@@ -21,6 +21,8 @@ class CompletionOutput:
     logprobs: list[TokenLogprobs] | None
     metrics: RequestMetrics
     cached_tokens: int = 0
+    # prompt_logprobs: per prompt token (None for the first), once the prompt has run
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:

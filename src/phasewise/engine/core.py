@@ -67,7 +67,7 @@ class EngineCore:
             raise ValueError(f"the prompt has {n} tokens, but the context length is {self.max_model_len} "
                              "(at least one token must be left to generate)")
         max_tokens = request.sampling_params.max_tokens
-        longest = min(self.max_model_len, n + (max_tokens or self.max_model_len))
+        longest = min(self.max_model_len, n + (self.max_model_len if max_tokens is None else max_tokens))
         if self.kv.blocks_for(longest) > self.kv.pool.num_blocks:
             raise ValueError(f"{longest} tokens (prompt {n} + up to {longest - n} generated) need "
                              f"{self.kv.blocks_for(longest)} KV blocks, but the pool holds "

@@ -73,6 +73,8 @@ class SampledToken:
 class RunnerOutput:
     sampled: dict[str, SampledToken]   # request id → its new token (after any accepted drafts)
     accepted: dict[str, list[SampledToken]] = field(default_factory=dict)  # request id → accepted drafts, in order
+    # request id → (first prompt position, its logprobs and the next ones'), for prompt_logprobs
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
 @dataclass

@@ -108,6 +108,9 @@ class Request:
         self.token_ids: list[int] = list(prompt_token_ids)   # prompt + output
         self.output_token_ids: list[int] = []
         self.output_logprobs: list[Any] = []        # per output token, when logprobs were asked for
+        # per prompt position (the first None), when prompt_logprobs were asked for; filled as chunks run
+        self.prompt_logprobs: list[Any] | None = \
+            [None] * len(prompt_token_ids) if getattr(sampling_params, "prompt_logprobs", None) is not None else None
         self.num_computed_tokens = 0                # tokens whose K/V are in the cache
         self.block_ids: list[int] = []
         self.block_hashes: list = []                # (hash, key) per full block, filled by the KV manager

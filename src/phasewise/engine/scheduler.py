@@ -72,7 +72,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs \
                 and not preempted:
             req = self.waiting[0]
-            hits = self.kv.get_computed_blocks(req)
+            hits = self.kv.get_computed_blocks(req) if req.prompt_logprobs is None else []   # no logits in a hit
             cached = len(hits) * self.kv.block_size
             n = min(req.num_tokens - cached, budget)
             if not self.kv.allocate_slots(req, n, hits):
@@ -126,7 +126,17 @@ class Scheduler:
                 continue
             if not chunk.is_decode:
                 req.metrics.prefill_chunks.append((started, now, chunk.num_tokens))
+            scored = result.prompt_logprobs.get(req.request_id)
+            if scored is not None:              # (first position, logprobs) of this chunk's prompt tokens
+                first, lps = scored
+                req.prompt_logprobs[first:first + len(lps)] = lps
             sampled = result.sampled.get(req.request_id)
+            if sampled is not None and req.sampling_params.max_tokens == 0:   # only the prompt was asked for
+                req.num_computed_tokens += chunk.num_tokens
+                self.kv.cache_full_blocks(req)
+                self.finish(req.request_id, FinishReason.LENGTH)
+                outputs.append(RequestOutput(req.request_id, [], [], True, req.finish_reason, req))
+                continue
             if sampled is None:
                 req.num_computed_tokens += chunk.num_tokens
                 self.kv.cache_full_blocks(req)

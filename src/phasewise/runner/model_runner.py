@@ -28,8 +28,13 @@ class ModelRunner:
         query_lens, context_lens, tables = [], [], []
         sample_rows, sample_reqs = [], []
         spec_rows, spec_chunks = [], []
+        scored: list[tuple[str, int, int, list[int], int]] = []   # prompt_logprobs: (id, first row, first pos, targets, top)
         for chunk in sched.chunks:
             req, start, n = chunk.request, chunk.request.num_computed_tokens, chunk.num_scheduled_tokens
+            if req.prompt_logprobs is not None and start + 1 < req.num_prompt_tokens:
+                # rows of positions p = start.. score prompt token p + 1 (the last prompt token's row samples)
+                targets = req.prompt_token_ids[start + 1:min(start + n, req.num_prompt_tokens - 1) + 1]
+                scored.append((req.request_id, len(input_ids), start + 1, targets, req.sampling_params.prompt_logprobs))
             input_ids.extend(chunk.input_token_ids)
             positions.extend(range(start, start + n))
             query_lens.append(n)
@@ -46,11 +51,13 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
         hidden = self.model(ids, pos, meta, self.kv_cache.layers)     # [T, hidden]
+        prompt_lps = {rid: (first, self._score(hidden[row:row + len(t)], t, top)) for rid, row, first, t, top in scored}
         if not sample_reqs and not spec_chunks:
-            return RunnerOutput({})
+            return RunnerOutput({}, prompt_logprobs=prompt_lps)
         rows = torch.tensor(sample_rows + spec_rows, dtype=torch.int64, device=self.device)
         logits = self.model.compute_logits(hidden[rows])             # [B + sum(k + 1), V] fp32
-        out = RunnerOutput(self._sample(logits[:len(sample_rows)], sample_reqs) if sample_reqs else {})
+        out = RunnerOutput(self._sample(logits[:len(sample_rows)], sample_reqs) if sample_reqs else {},
+                           prompt_logprobs=prompt_lps)
         if spec_chunks:
             generators = [self._generator(c.request) for c in spec_chunks]
             verified = verify(logits[len(sample_rows):], spec_chunks, generators, self.vocab_size,
@@ -58,6 +65,22 @@ class ModelRunner:
             for rid, (accepted, final) in verified.items():
                 out.sampled[rid] = final
                 out.accepted[rid] = accepted
+        return out
+
+    def _score(self, hidden: torch.Tensor, targets: list[int], top: int, rows: int = 128) -> list[TokenLogprobs]:
+        """Each row's logprob of its target token (and the top `top`), from the raw distribution;
+        `rows` at a time, so a long prompt never holds [T, vocab] logits at once."""
+        out: list[TokenLogprobs] = []
+        target = torch.tensor(targets, dtype=torch.int64, device=hidden.device)
+        for i in range(0, len(targets), rows):
+            lp = torch.log_softmax(self.model.compute_logits(hidden[i:i + rows]), dim=-1)   # [r, V] fp32
+            chosen = lp.gather(1, target[i:i + rows, None]).squeeze(1).tolist()
+            if top:
+                values, ids = lp.topk(top, dim=-1)
+                pairs = [list(zip(a, b)) for a, b in zip(ids.tolist(), values.tolist())]
+            else:
+                pairs = [[] for _ in chosen]
+            out.extend(TokenLogprobs(c, p) for c, p in zip(chosen, pairs))
         return out
 
     def _generator(self, req) -> torch.Generator | None:

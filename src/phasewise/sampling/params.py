@@ -15,6 +15,11 @@ class SamplingParams:
     presence_penalty and frequency_penalty (0 = off) subtract from the logits of
     tokens already generated, OpenAI style. logprobs=None returns none; an int N
     returns the chosen token's logprob plus the top N (0 means only the chosen).
+    prompt_logprobs (None: none) does the same for every prompt token after the first, from the
+    model's distribution at the position before it (vLLM's prompt_logprobs: what evaluation
+    harnesses score); such a request skips the prefix cache, since a cached prefix has no
+    logits. With prompt_logprobs set, max_tokens may be 0: the prompt is run and scored,
+    nothing is generated.
     """
 
     n: int = 1
@@ -32,6 +37,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
     MAX_LOGPROBS = 20
@@ -57,12 +63,14 @@ class SamplingParams:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2 <= self.frequency_penalty <= 2:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.max_tokens is not None and self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
+            raise ValueError(f"max_tokens must be at least 1 (or 0 with prompt_logprobs), got {self.max_tokens}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= self.MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.prompt_logprobs}")
 
     @property
     def greedy(self) -> bool:

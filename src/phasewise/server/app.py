@@ -205,12 +205,13 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         created, model = int(time.time()), body.model or config.served_model_name
         want_lp = params.logprobs is not None
         if body.stream:
-            gen = _completion_events(stream, rid, created, model, n, want_lp, body.include_usage, token_text)
+            gen = _completion_events(stream, rid, created, model, n, want_lp, body.include_usage, token_text,
+                                     body.echo)
             return _sse(gen, stream)
         outs = await _collect(request, stream)
         if outs is None:
             return Response(status_code=499)
-        return JSONResponse(R.completion_body(rid, created, model, outs, outs[::n], want_lp, token_text))
+        return JSONResponse(R.completion_body(rid, created, model, outs, outs[::n], want_lp, token_text, body.echo))
 
     @app.post("/v1/chat/completions", dependencies=keyed)
     async def chat_completions(request: Request) -> Response:
@@ -310,15 +311,18 @@ async def _events(stream: RequestStream, make_choice: Any, head: list[dict], rid
 
 
 def _completion_events(stream: RequestStream, rid: str, created: int, model: str, n: int, want_lp: bool,
-                       include_usage: bool, tt: R.TokenText) -> AsyncIterator[str]:
+                       include_usage: bool, tt: R.TokenText, echo: bool = False) -> AsyncIterator[str]:
     offsets = [R.TextOffsets() for _ in stream.request_ids]
+    unechoed = set(range(len(stream.request_ids))) if echo else set()   # choices whose prompt is still to send
 
     def make_choice(i: int, delta: Any) -> dict | None:
-        if not delta.text and not delta.finished and not want_lp:
+        text, ids, lps = R.echoed(delta.output, tt) if i in unechoed else ("", [], [])
+        unechoed.discard(i)
+        if not text and not delta.text and not delta.finished and not want_lp:
             return None
-        choice = {"index": i, "text": delta.text, "logprobs": None, "finish_reason": None}
+        choice = {"index": i, "text": text + delta.text, "logprobs": None, "finish_reason": None}
         if want_lp:
-            choice["logprobs"] = tt.completion_logprobs(delta.token_ids, delta.logprobs, offsets[i])
+            choice["logprobs"] = tt.completion_logprobs(ids + delta.token_ids, lps + delta.logprobs, offsets[i])
         if delta.finished:
             choice["finish_reason"], choice["stop_reason"] = delta.output.finish_reason, delta.output.stop_reason
         return choice

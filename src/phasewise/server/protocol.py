@@ -126,15 +126,18 @@ class CompletionRequest(_Request):
         return self.prompt
 
     def sampling_params(self) -> SamplingParams:
-        if self.echo:
-            raise bad_request("echo is not supported", "echo")
+        """With echo, the prompt's tokens come back before the completion, with their logprobs when
+        logprobs is set (the engine's prompt_logprobs), and max_tokens may be 0 (the prompt only)."""
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("best_of is not supported (use n)", "best_of")
         if self.n * len(self.prompt) > MAX_CHOICES:
             raise bad_request(f"n x the number of prompts must be at most {MAX_CHOICES}", "n")
-        return make_params(self._common(), self.max_tokens, self.logprobs)
+        prompt_logprobs = None
+        if self.echo and (self.logprobs is not None or self.max_tokens == 0):
+            prompt_logprobs = self.logprobs or 0
+        return make_params(self._common(), self.max_tokens, self.logprobs, prompt_logprobs)
 
 
 class TextPart(BaseModel):
@@ -186,9 +189,10 @@ class ChatCompletionRequest(_Request):
         return make_params(self._common(), max_tokens, logprobs)
 
 
-def make_params(fields: dict[str, Any], max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def make_params(fields: dict[str, Any], max_tokens: int | None, logprobs: int | None,
+                prompt_logprobs: int | None = None) -> SamplingParams:
     try:
-        return SamplingParams(**fields, max_tokens=max_tokens, logprobs=logprobs)
+        return SamplingParams(**fields, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
     except ValueError as e:
         message = str(e)
         param = message.split(" ", 1)[0]

@@ -71,16 +71,20 @@ class TokenText:
     def __call__(self, token_id: int) -> str:
         return self._text(token_id)
 
-    def completion_logprobs(self, token_ids: Sequence[int], lps: Sequence[TokenLogprobs],
+    def completion_logprobs(self, token_ids: Sequence[int], lps: Sequence[TokenLogprobs | None],
                             offsets: TextOffsets | None = None) -> dict[str, Any]:
-        """The legacy completions format; text_offset continues `offsets` (a stream's, chunk to chunk)."""
+        """The legacy completions format; text_offset continues `offsets` (a stream's, chunk to chunk).
+        A None entry (an echoed prompt's first token) has null logprobs, as in vLLM."""
         offsets = offsets or TextOffsets()
         return {
             "tokens": [self(t) for t in token_ids],
-            "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{self(i): v for i, v in lp.top} for lp in lps],
+            "token_logprobs": [lp.logprob if lp else None for lp in lps],
+            "top_logprobs": [{self(i): v for i, v in lp.top} if lp else None for lp in lps],
             "text_offset": [offsets.add(self.bytes(t)) for t in token_ids],
         }
+
+    def text(self, token_ids: Sequence[int]) -> str:
+        return b"".join(self.bytes(t) for t in token_ids).decode("utf-8", errors="replace")
 
     def chat_logprobs(self, token_ids: Sequence[int], lps: Sequence[TokenLogprobs]) -> dict[str, Any]:
         def entry(i: int, v: float) -> dict[str, Any]:
@@ -93,12 +97,22 @@ def _stop_reason(out: CompletionOutput) -> str | int | None:
     return out.stop_reason
 
 
+def echoed(out: CompletionOutput, tt: TokenText) -> tuple[str, list[int], list[TokenLogprobs | None]]:
+    """With echo: the prompt's text (as sent, or its tokens' text), tokens and logprobs, which come
+    before the completion's."""
+    text = out.prompt if out.prompt is not None else tt.text(out.prompt_token_ids)
+    return text, list(out.prompt_token_ids), list(out.prompt_logprobs or [None] * len(out.prompt_token_ids))
+
+
 def completion_body(rid: str, created: int, model: str, outputs: Sequence[CompletionOutput],
-                    per_prompt: Sequence[CompletionOutput], want_logprobs: bool, tt: TokenText) -> dict[str, Any]:
+                    per_prompt: Sequence[CompletionOutput], want_logprobs: bool, tt: TokenText,
+                    echo: bool = False) -> dict[str, Any]:
     choices = []
     for i, out in enumerate(outputs):
-        choice = {"index": i, "text": out.text,
-                  "logprobs": tt.completion_logprobs(out.token_ids, out.logprobs or []) if want_logprobs else None,
+        text, ids, lps = echoed(out, tt) if echo else ("", [], [])
+        lps += out.logprobs or []
+        choice = {"index": i, "text": text + out.text,
+                  "logprobs": tt.completion_logprobs(ids + out.token_ids, lps) if want_logprobs else None,
                   "finish_reason": out.finish_reason, "stop_reason": _stop_reason(out)}
         if len(outputs) > 1:
             choice["timings"] = timings(out)
