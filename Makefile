@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PROMPT := Write a short story about a robot discovering a flower.
 
-.PHONY: setup kernels run test test-arm bench lab peers peers-avx2 clean
+.PHONY: setup kernels run test test-arm bench lab peers peers-avx2 lm-eval clean
 
 setup: $(STAMP)
 
@@ -70,5 +70,18 @@ peers-avx2: $(LLAMA_CPP_SRC)
 		-DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
 	cmake --build .peers/avx2 --target llama-bench llama-server -j 2
 
+# lm-evaluation-harness in a venv of its own (about 1.7 GB with torch, datasets and transformers: too
+# big for the test extras), for benchmarks/lm_eval_local.py: loglikelihood and generation tasks
+# through `phasewise serve` against lm-eval's own `hf` model on the same GGUF.
+LM_EVAL_VENV := .venv-lm-eval
+$(LM_EVAL_VENV)/.installed:
+	test -x $(LM_EVAL_VENV)/bin/python || $(PYTHON) -m venv $(LM_EVAL_VENV)
+	$(LM_EVAL_VENV)/bin/pip install -q torch==2.13.0
+	$(LM_EVAL_VENV)/bin/pip install -q 'lm-eval[api]==0.4.13' transformers==5.23.0 accelerate==1.15.0 gguf
+	touch $@
+
+lm-eval: $(STAMP) $(LM_EVAL_VENV)/.installed
+	$(BIN)/python benchmarks/lm_eval_local.py --lm-eval $(LM_EVAL_VENV)/bin/lm_eval
+
 clean:
-	rm -rf $(VENV) build src/*.egg-info .peers
+	rm -rf $(VENV) $(LM_EVAL_VENV) build src/*.egg-info .peers

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import zlib
@@ -157,6 +158,22 @@ def test_abort_frees_blocks_at_once():
     assert core.abort("a") and not core.abort("a")
     core.abort("b")
     assert core.kv.pool.num_free == 16 and not core.has_unfinished()
+
+
+def test_stats_snapshot_counts_what_runs_waits_and_holds_blocks():
+    core, _ = make_core(num_blocks=16, max_seqs=1)
+    assert core.stats().num_free_blocks == core.stats().num_blocks == 16
+    core.add_request(request("a", 10, 50))
+    core.add_request(request("b", 10, 50))
+    core.step()
+    s = core.stats()
+    assert (s.num_running, s.num_waiting, s.num_steps) == (1, 1, 1)
+    assert s.num_free_blocks == 16 - 3 and s.kv_usage == 3 / 16
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.num_running = 0
+    core.abort("a")
+    core.abort("b")
+    assert core.stats().num_free_blocks == 16 and core.stats().num_running == 0
 
 
 def test_preemption_recomputes_and_output_is_unchanged():

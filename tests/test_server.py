@@ -158,6 +158,9 @@ def test_models_health_and_tokenizer_routes(server):
     assert server.post("/detokenize", {"tokens": ids["tokens"]}).json()["prompt"] == "Hello world"
     chat_ids = server.post("/tokenize", {"messages": QUESTION}).json()["tokens"]
     assert len(chat_ids) > ids["count"]
+    info = httpx.get(server.url + "/tokenizer_info").json()    # what lm-eval's remote tokenizer reads
+    eos = server.post("/tokenize", {"prompt": info["eos_token"], "add_special_tokens": False}).json()["tokens"]
+    assert len(eos) == 1 and "{%" in info["chat_template"] and info["model_max_length"] == 8192
 
 
 def test_streamed_chat_equals_non_streamed(server):

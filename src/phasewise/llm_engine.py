@@ -13,7 +13,7 @@ import torch
 
 from phasewise.config import CacheConfig, EngineConfig, SpeculativeConfig
 from phasewise.engine.core import EngineCore
-from phasewise.engine.outputs import RequestOutput
+from phasewise.engine.outputs import EngineStats, RequestOutput
 from phasewise.engine.request import FinishReason, Request
 from phasewise.kernels import build as kernel_build
 from phasewise.kernels import use_kernels
@@ -136,6 +136,10 @@ class LLMEngine:
         if tracked is not None and tracked.output.finish_reason is None:
             tracked.output.finish_reason = FinishReason.ABORT.value
         return self.core.abort(request_id)
+
+    def stats(self) -> EngineStats:
+        """Running and waiting requests, KV blocks used, cached and free, step and speculation counters."""
+        return self.core.stats()
 
     def has_unfinished(self) -> bool:
         return self.core.has_unfinished()

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from phasewise.engine.kv_cache_manager import KVCacheManager
-from phasewise.engine.outputs import RequestOutput, RunnerOutput, ScheduledChunk, SchedulerOutput, StepRecord
+from phasewise.engine.outputs import (EngineStats, RequestOutput, RunnerOutput, ScheduledChunk, SchedulerOutput,
+                                      StepRecord)
 from phasewise.engine.request import FinishReason, Request
 from phasewise.engine.scheduler import Scheduler
 from phasewise.config import SchedulerConfig
@@ -85,6 +86,14 @@ class EngineCore:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        """A snapshot of what runs and waits, the KV pool and the counters."""
+        sched, pool, spec = self.scheduler, self.kv.pool, self.spec
+        return EngineStats(num_waiting=len(sched.waiting), num_running=len(sched.running), num_blocks=pool.num_blocks,
+                           num_free_blocks=pool.num_free, num_cached_blocks=pool.num_cached, kv_usage=pool.usage,
+                           num_steps=self.num_steps, spec_num_drafts=spec.num_steps,
+                           spec_num_draft_tokens=spec.num_draft_tokens, spec_num_accepted_tokens=spec.num_accepted_tokens)
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass, update: the outputs of this step."""

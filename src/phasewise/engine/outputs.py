@@ -77,6 +77,24 @@ class RunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine at one moment (`EngineCore.stats()`, `LLMEngine.stats()`): what runs and waits, the
+    KV pool, counters since the start. Frozen: the server's engine thread publishes one after each turn
+    and the event loop reads it without locks."""
+    num_waiting: int = 0
+    num_running: int = 0
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    num_cached_blocks: int = 0
+    kv_usage: float = 0.0
+    num_steps: int = 0
+    spec_num_drafts: int = 0               # speculative decoding: request-steps that verified drafts,
+    spec_num_draft_tokens: int = 0         # draft tokens verified,
+    spec_num_accepted_tokens: int = 0      # and accepted (all since the engine started)
+    num_received: int = 0                  # AsyncEngine: sub-requests its thread has taken in (added or refused), ever
+
+
 @dataclass
 class StepRecord:
     """One engine step: what it ran and how long it took."""

@@ -152,9 +152,10 @@ def _experiment(args: argparse.Namespace, out: Path, console) -> int:
     if per_request > limit:
         raise ValueError(f"the longest request has {per_request} tokens, above the context length {limit}")
     need = many * -(-per_request // args.block_size)
-    if need > llm.engine.core.kv.pool.num_blocks:
+    pool = llm.engine.stats().num_blocks
+    if need > pool:
         console.print(f"[yellow]note: {need} KV blocks would hold every request at once, the pool has "
-                      f"{llm.engine.core.kv.pool.num_blocks}; expect preemptions[/]")
+                      f"{pool}; expect preemptions[/]")
     started = time.perf_counter()
     with Progress(TextColumn(f"{args.experiment}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=False) as bar:

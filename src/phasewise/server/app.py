@@ -181,6 +181,15 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             raise bad_request(str(e)) from None
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
+    @app.get("/tokenizer_info", dependencies=keyed)
+    async def tokenizer_info() -> dict:
+        """What a client needs to tokenize as the server does (vLLM's route; lm-evaluation-harness's
+        `tokenizer_backend=remote` reads it, then uses /tokenize and /detokenize)."""
+        hf = engine.tokenizer.hf
+        return {"tokenizer_class": type(hf).__name__, "eos_token": hf.eos_token, "bos_token": hf.bos_token,
+                "pad_token": hf.pad_token, "unk_token": hf.unk_token, "chat_template": hf.chat_template,
+                "model_max_length": engine.max_model_len, "vocab_size": engine.model_config.vocab_size}
+
     @app.post("/detokenize", dependencies=keyed)
     async def detokenize(request: Request) -> dict:
         body = parse_body(await request.body(), DetokenizeRequest)

@@ -33,22 +33,6 @@ log = logging.getLogger("phasewise.server")
 Prompt = str | list[int] | list[dict]
 
 
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot published by the engine thread after each turn (read by the loop without locks)."""
-    num_waiting: int = 0
-    num_running: int = 0
-    num_blocks: int = 0
-    num_free_blocks: int = 0
-    num_cached_blocks: int = 0
-    kv_usage: float = 0.0
-    num_steps: int = 0
-    spec_num_drafts: int = 0               # speculative decoding: request-steps that verified drafts,
-    spec_num_draft_tokens: int = 0         # draft tokens verified,
-    spec_num_accepted_tokens: int = 0      # and accepted (all since the engine started)
-    num_received: int = 0                  # sub-requests the thread has taken in (added or refused), ever
-
-
 @dataclass
 class SubRequest:
     """One engine request of an API call (an API call with n > 1 or several prompts has several)."""
@@ -151,11 +135,10 @@ class AsyncEngine:
         self.tokenizer = engine.tokenizer
         self.model_config = engine.model_config
         self.max_model_len = engine.max_model_len
-        pool = engine.core.kv.pool
-        self.num_blocks = pool.num_blocks
-        self.block_size = engine.core.kv.block_size
-        self.stats = EngineStats(num_blocks=pool.num_blocks, num_free_blocks=pool.num_free)
-        self.max_num_seqs = engine.core.scheduler.config.max_num_seqs
+        self.stats = engine.stats()
+        self.num_blocks = self.stats.num_blocks
+        self.block_size = engine.config.cache.block_size
+        self.max_num_seqs = engine.config.scheduler.max_num_seqs
 
     # ---- the event loop's side ----------------------------------------------------------
 
@@ -423,10 +406,7 @@ class AsyncEngine:
             log.exception("metrics observer failed")
 
     def _publish(self) -> None:
-        sched, pool, spec = self.engine.core.scheduler, self.engine.core.kv.pool, self.engine.core.spec
-        self.stats = EngineStats(len(sched.waiting), len(sched.running), pool.num_blocks, pool.num_free,
-                                 pool.num_cached, pool.usage, self.engine.core.num_steps,
-                                 spec.num_steps, spec.num_draft_tokens, spec.num_accepted_tokens, self._received)
+        self.stats = dataclasses.replace(self.engine.stats(), num_received=self._received)
 
     def _deliver(self, out: dict[asyncio.AbstractEventLoop, list]) -> None:
         for loop, items in out.items():
