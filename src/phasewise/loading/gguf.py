@@ -56,7 +56,27 @@ class GGUFFile:
         rope_freqs = None
         if "rope_freqs.weight" in self.tensors:
             rope_freqs = self._dequantize("rope_freqs.weight").reshape(-1).tolist()
-        return ModelConfig.from_gguf(self.fields, set(self.tensors), rope_freqs)
+        cfg = ModelConfig.from_gguf(self.fields, set(self.tensors), rope_freqs)
+        self._check_shapes(cfg)
+        return cfg
+
+    def _check_shapes(self, cfg: ModelConfig) -> None:
+        """The metadata against the tensors the file holds, before anything is built from it: a
+        corrupt count would otherwise size the model (and its allocation) by the metadata alone."""
+        h, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
+        expect = {"token_embd.weight": (cfg.vocab_size, h), "blk.0.attn_q.weight": (cfg.num_heads * cfg.head_dim, h),
+                  "blk.0.attn_k.weight": (kv, h), "blk.0.attn_v.weight": (kv, h),
+                  "blk.0.ffn_down.weight": (h, cfg.intermediate_size), "output_norm.weight": (h,)}
+        for name, shape in expect.items():
+            t = self.tensors.get(name)
+            if t is None and name in ("token_embd.weight", "output_norm.weight"):
+                raise ModelLoadError(f"{self.path}: the file has no {name}")
+            if t is not None and tuple(t.shape) != shape:
+                raise ModelLoadError(f"{self.path}: {name} is {list(t.shape)}, but the metadata makes it {list(shape)}")
+        layers = {n.split(".")[1] for n in self.tensors if n.startswith("blk.")}   # "blk.<i>...": at least two parts
+        if layers != {str(i) for i in range(cfg.num_layers)}:
+            raise ModelLoadError(f"{self.path}: the metadata says {cfg.num_layers} layers, the file has tensors "
+                                 f"for {len(layers)}")
 
     def _dequantize(self, name: str) -> np.ndarray:
         """The tensor as fp32 in numpy order, e.g. [out_features, in_features]."""
@@ -101,7 +121,7 @@ class GGUFFile:
 
 def _hf_name(name: str, cfg: ModelConfig) -> str:
     parts = name.split(".")
-    if parts[0] == "blk":
+    if parts[0] == "blk" and len(parts) == 4:
         layer, base, suffix = parts[1], parts[2], parts[3]
         if base not in _LAYER_NAMES:
             raise ModelLoadError(f"unexpected tensor {name!r} in GGUF file")
@@ -109,7 +129,7 @@ def _hf_name(name: str, cfg: ModelConfig) -> str:
         if cfg.architecture == "phi3" and base == "ffn_up":
             hf = "mlp.gate_up_proj"  # Phi-3 keeps gate and up fused
         return f"model.layers.{layer}.{hf}.{suffix}"
-    if parts[0] in _TOP_NAMES:
+    if parts[0] in _TOP_NAMES and len(parts) == 2:
         return f"{_TOP_NAMES[parts[0]]}.{parts[1]}"
     raise ModelLoadError(f"unexpected tensor {name!r} in GGUF file")
 

@@ -10,6 +10,7 @@ caches the result). Dequantization stays with the `gguf` package.
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -124,10 +125,15 @@ def _parse(c: _Cursor, size: int, quant_sizes, qtypes) -> tuple[dict[str, Any], 
     infos = []
     for _ in range(n_tensors):
         name = c.string()
-        dims = [c.unpack("<Q") for _ in range(c.unpack("<I"))]
+        n_dims = c.unpack("<I")
+        if not 1 <= n_dims <= 4:                # GGML_MAX_DIMS
+            raise GGUFFormatError(f"tensor {name!r} has {n_dims} dimensions")
+        dims = [c.unpack("<Q") for _ in range(n_dims)]
         ggml_type, offset = c.unpack("<I"), c.unpack("<Q")
         infos.append((name, dims, ggml_type, offset))
-    alignment = int(fields.get("general.alignment", 32))
+    alignment = fields.get("general.alignment", 32)
+    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 1 or alignment & (alignment - 1):
+        raise GGUFFormatError(f"general.alignment must be a power of two, got {str(alignment)[:40]!r}")
     data_start = -(-c.pos // alignment) * alignment
     tensors = {}
     for name, dims, ggml_type, offset in infos:
@@ -135,7 +141,9 @@ def _parse(c: _Cursor, size: int, quant_sizes, qtypes) -> tuple[dict[str, Any], 
             block, type_size = quant_sizes[qtypes(ggml_type)]
         except (ValueError, KeyError):
             raise GGUFFormatError(f"tensor {name!r} has unknown type {ggml_type}") from None
-        n = int(np.prod(dims)) if dims else 1
+        n = math.prod(dims)                     # exact: numpy's product would wrap around
+        if n == 0 or n % block or dims[0] % block:
+            raise GGUFFormatError(f"tensor {name!r} has dimensions {dims} (blocks of {block} along the first)")
         nbytes = n // block * type_size
         start = data_start + offset
         if start + nbytes > size:

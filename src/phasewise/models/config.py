@@ -17,6 +17,25 @@ class UnsupportedModelError(ValueError):
     """The checkpoint describes an architecture or feature we do not implement."""
 
 
+# What a config may say, as (low, high) per field: beyond these a file is corrupt (or a model no
+# CPU here runs), and building it would try to allocate terabytes. The context bounds RoPE's
+# precomputed table: 2^20 positions x head size 128 is 512 MB.
+LIMITS = {"vocab_size": (1, 1 << 22), "hidden_size": (1, 1 << 16), "intermediate_size": (1, 1 << 18),
+          "num_layers": (1, 1024), "num_heads": (1, 1024), "num_kv_heads": (1, 1024), "head_dim": (2, 1024),
+          "max_position_embeddings": (1, 1 << 20)}
+
+
+def checked(name: str, value: Any, source: str) -> int:
+    """`value` as the integer field `name` of ModelConfig, within LIMITS; UnsupportedModelError
+    naming `source` (the file's key) otherwise."""
+    lo, hi = LIMITS[name]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UnsupportedModelError(f"{source} must be an integer, got {str(value)[:40]!r}")
+    if not lo <= value <= hi:
+        raise UnsupportedModelError(f"{source} = {value} is out of range [{lo}, {hi}]")
+    return value
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str              # "llama" | "mistral" | "qwen2" | "phi3"
@@ -105,43 +124,57 @@ class ModelConfig:
         RoPE frequencies, how llama.cpp stores Llama 3.1-style scaling), if any.
         """
         gguf_arch = fields.get("general.architecture", "")
-        arch = _GGUF_ARCHS.get(gguf_arch)
+        arch = _GGUF_ARCHS.get(gguf_arch) if isinstance(gguf_arch, str) else None
         if arch is None:
             raise UnsupportedModelError(
-                f"unsupported architecture {gguf_arch!r} (supported: {', '.join(SUPPORTED)})")
+                f"unsupported architecture {str(gguf_arch)[:40]!r} (supported: {', '.join(SUPPORTED)})")
 
         def get(key: str, default: Any = None) -> Any:
             return fields.get(f"{gguf_arch}.{key}", default)
 
-        heads = get("attention.head_count")
-        hidden = get("embedding_length")
-        head_dim = get("attention.key_length") or hidden // heads
-        vocab = get("vocab_size")
-        if not (heads and hidden and vocab):
-            raise UnsupportedModelError(f"GGUF metadata lacks {gguf_arch}.attention.head_count, "
-                                        "embedding_length or vocab_size")
+        def count(name: str, key: str, default: Any = None) -> int:
+            value = get(key, default)
+            if value is None:
+                raise UnsupportedModelError(f"GGUF metadata lacks {gguf_arch}.{key}")
+            return checked(name, value, f"GGUF metadata {gguf_arch}.{key}")
+
+        heads = count("num_heads", "attention.head_count")
+        hidden = count("hidden_size", "embedding_length")
+        head_dim = count("head_dim", "attention.key_length", hidden // heads)
+        vocab = count("vocab_size", "vocab_size")
+        def real(key: str, default: float, below: float = float("inf")) -> float:
+            value = get(key, default)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < below:
+                raise UnsupportedModelError(f"GGUF metadata {gguf_arch}.{key} must be a number in (0, {below}), "
+                                            f"got {str(value)[:40]!r}")
+            return float(value)
+
         scaling = None
         kind = get("rope.scaling.type")
         if kind and kind != "none":
             if kind != "linear":
                 raise UnsupportedModelError(f"unsupported RoPE scaling {kind!r} in GGUF (supported: linear)")
-            scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor", 1.0))}
+            scaling = {"rope_type": "linear", "factor": real("rope.scaling.factor", 1.0)}
         if rope_freqs is not None:
             scaling = {"rope_type": "freq_factors", "factors": tuple(float(f) for f in rope_freqs)}
         if get("rope.dimension_count", head_dim) != head_dim:
             raise UnsupportedModelError("partial rotary embeddings are not supported")
+
+        kv_heads = count("num_kv_heads", "attention.head_count_kv", heads)
+        if heads % kv_heads:
+            raise UnsupportedModelError(f"{heads} attention heads do not divide into {kv_heads} KV heads")
         return cls(
             architecture=arch,
-            vocab_size=int(vocab),
-            hidden_size=int(hidden),
-            intermediate_size=int(get("feed_forward_length")),
-            num_layers=int(get("block_count")),
-            num_heads=int(heads),
-            num_kv_heads=int(get("attention.head_count_kv") or heads),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-            rope_theta=float(get("rope.freq_base", 10000.0)),
-            max_position_embeddings=int(get("context_length", 2048)),
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=count("intermediate_size", "feed_forward_length"),
+            num_layers=count("num_layers", "block_count"),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=real("attention.layer_norm_rms_epsilon", 1e-6, 1.0),
+            rope_theta=real("rope.freq_base", 10000.0),
+            max_position_embeddings=count("max_position_embeddings", "context_length", 2048),
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names or "blk.0.attn_qkv.bias" in tensor_names,
             rope_scaling=scaling,
