@@ -1,7 +1,7 @@
 """lm-evaluation-harness through `phasewise serve`, against lm-eval's own `hf` model on the same GGUF.
 
     make lm-eval          # creates .venv-lm-eval (lm-eval, transformers, torch) once, then runs this
-    .venv/bin/python benchmarks/lm_eval_local.py --lm-eval .venv-lm-eval/bin/lm_eval [--dtype fp32 --kv-dtype fp32]
+    .venv/bin/python benchmarks/lm_eval_local.py --lm-eval .venv-lm-eval/bin/lm_eval [--dtype fp32 --kv-dtype model]
 
 Two small tasks defined here on local JSON files (benchmarks/data/lm_eval/; nothing comes from a hub):
 - facts_mc: 40 multiple-choice questions scored by loglikelihood (lm-eval sends each context +
@@ -106,7 +106,10 @@ def main() -> None:
             proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         try:
-            serving.wait_ready(url, proc)
+            try:
+                serving.wait_ready(url, proc)
+            except RuntimeError as e:
+                raise SystemExit(f"{e}:\n{log.read_text()[-1500:]}") from None
             served = run_lm_eval(args.lm_eval, "local-completions",
                                  f"model={path.stem},base_url={url}/v1/completions,tokenizer_backend=remote,"
                                  "num_concurrent=4,max_retries=1", tasks_dir, Path(tmp) / "served", [])
