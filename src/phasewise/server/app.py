@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from phasewise import __version__
 from phasewise.outputs import CompletionOutput
 from phasewise.server import responses as R
 from phasewise.server.async_engine import AsyncEngine, RequestStream, SubRequest
@@ -32,7 +33,7 @@ from phasewise.server.errors import ContextLengthError, EngineDeadError, EngineE
 from phasewise.server.metrics import ServerMetrics
 from phasewise.server.protocol import (
     APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, bad_request,
-    choice_params, error_body, parse_body, validation_message)
+    choice_params, error_body, openapi_body, openapi_schemas, parse_body, validation_message)
 
 log = logging.getLogger("phasewise.server")
 
@@ -92,7 +93,8 @@ class BodyLimit:
 
 
 def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
-    app = FastAPI(title="phasewise", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="phasewise", version=__version__, docs_url=None, redoc_url=None)   # /openapi.json
+    app.openapi = lambda: _openapi(app)
     app.state.engine, app.state.config = engine, config
     app.state.metrics = metrics = ServerMetrics(config.served_model_name)
     engine.observer = metrics
@@ -163,7 +165,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         check_model(model_id)                   # 404 in OpenAI's shape for another name
         return model_card()
 
-    @app.post("/tokenize", dependencies=keyed)
+    @app.post("/tokenize", dependencies=keyed, openapi_extra=openapi_body(TokenizeRequest))
     async def tokenize(request: Request) -> dict:
         body = parse_body(await request.body(), TokenizeRequest)
         check_model(body.model)
@@ -190,7 +192,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                 "pad_token": hf.pad_token, "unk_token": hf.unk_token, "chat_template": hf.chat_template,
                 "model_max_length": engine.max_model_len, "vocab_size": engine.model_config.vocab_size}
 
-    @app.post("/detokenize", dependencies=keyed)
+    @app.post("/detokenize", dependencies=keyed, openapi_extra=openapi_body(DetokenizeRequest))
     async def detokenize(request: Request) -> dict:
         body = parse_body(await request.body(), DetokenizeRequest)
         check_model(body.model)
@@ -201,7 +203,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         tokens = body.tokens
         return {"prompt": await engine.call(lambda e: e.tokenizer.decode(tokens))}
 
-    @app.post("/v1/completions", dependencies=keyed)
+    @app.post("/v1/completions", dependencies=keyed, openapi_extra=openapi_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         body = parse_body(await request.body(), CompletionRequest)
         check_model(body.model)
@@ -222,7 +224,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             return Response(status_code=499)
         return JSONResponse(R.completion_body(rid, created, model, outs, outs[::n], want_lp, token_text, body.echo))
 
-    @app.post("/v1/chat/completions", dependencies=keyed)
+    @app.post("/v1/chat/completions", dependencies=keyed, openapi_extra=openapi_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         body = parse_body(await request.body(), ChatCompletionRequest)
         check_model(body.model)
@@ -242,6 +244,17 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         return JSONResponse(R.chat_body(rid, created, model, outs, want_lp, token_text))
 
     return app
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's schema of the routes, with the request bodies' schemas as components (built once)."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(openapi_schemas())
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 def _sub_id(rid: str, i: int, total: int) -> str:

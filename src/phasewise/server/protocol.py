@@ -100,8 +100,13 @@ class _Request(BaseModel):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
+_IDS = {"type": "array", "items": {"type": "integer"}, "minItems": 1}
+_PROMPT = {"anyOf": [{"type": "string"}, _IDS,
+                     {"type": "array", "items": {"anyOf": [{"type": "string"}, _IDS]}, "minItems": 1}]}
+
+
 class CompletionRequest(_Request):
-    prompt: Any
+    prompt: Any = Field(json_schema_extra=_PROMPT)     # checked by _prompt; the schema says what it takes
     max_tokens: int | None = Field(16, ge=-INT64, lt=INT64)   # OpenAI's and vLLM's default here
     logprobs: int | None = Field(None, ge=-INT64, lt=INT64)
     echo: bool = False
@@ -283,3 +288,21 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
     tokens: list[int]
+
+
+BODIES = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+
+
+def openapi_body(model: type[BaseModel]) -> dict[str, Any]:
+    """A route's `openapi_extra`: its JSON body is `model` (the routes parse bodies themselves, to
+    answer 400 in OpenAI's shape rather than FastAPI's 422, so FastAPI cannot see the model)."""
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def openapi_schemas() -> dict[str, Any]:
+    """The JSON Schemas of every request body (and what they use), for the OpenAPI components."""
+    from pydantic.json_schema import models_json_schema
+
+    _, top = models_json_schema([(m, "validation") for m in BODIES], ref_template="#/components/schemas/{model}")
+    return top["$defs"]
