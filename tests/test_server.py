@@ -18,6 +18,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -709,3 +710,58 @@ def test_an_engine_given_as_a_function_is_built_on_the_engine_thread(llm):
     with pytest.raises(ValueError, match="no such model"):
         AsyncEngine(broken)
     assert not async_engine_thread_alive()
+
+
+def test_a_stream_nobody_reads_is_aborted_and_a_queued_request_that_leaves_never_runs(llm, monkeypatch):
+    """A consumer that stops reading (a client that no longer reads its socket) holds at most
+    max_pending chunks: then its request is aborted and its blocks freed, while another stream runs
+    on; a consumer that comes back reads what was held, then the error. A request closed while it
+    waits for a seat is taken out of the queue and never scheduled."""
+    import dataclasses
+
+    from phasewise import SamplingParams
+    from phasewise.server import AsyncEngine, SubRequest
+    from phasewise.server.errors import SlowClientError
+    from phasewise.server.observer import Observer
+
+    finished: dict[str, tuple[Any, str]] = {}
+
+    class Record(Observer):
+        def on_finish(self, request, reason: str) -> None:
+            finished[request.request_id] = (request, reason)
+
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    pool = llm.engine.core.kv.pool
+
+    async def scenario() -> None:
+        engine = AsyncEngine(llm.engine, Record(), max_pending=8)
+        try:
+            idle = await engine.submit([SubRequest("idle", "Hello", long)])
+            read = [d async for d in engine.generate("Hello", SamplingParams(temperature=0, max_tokens=30,
+                                                                             ignore_eos=True))]
+            assert read[-1].finished and len(read[-1].output.token_ids) == 30
+            got = []
+            with pytest.raises(SlowClientError):
+                async for d in idle:
+                    got.append(d)
+            assert len(got) == 8 and finished["idle"][1] == "abort"
+            assert len(finished["idle"][0].output_token_ids) < 30
+            scheduler = llm.engine.core.scheduler
+            monkeypatch.setattr(scheduler, "config", dataclasses.replace(scheduler.config, max_num_seqs=1))
+            first = await engine.submit([SubRequest("first", "Hello", long)])
+            queued = await engine.submit([SubRequest("queued", "Hello", long)])
+            queued.close()                      # its client went away while it waited for the one seat
+            async for d in first:
+                pass
+            request, reason = finished["queued"]
+            assert reason == "abort" and request.metrics.first_scheduled is None and not request.output_token_ids
+            for _ in range(100):
+                if engine.stats.num_running == engine.stats.num_waiting == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert await engine.call(lambda e: e.stats().num_free_blocks) == pool.num_blocks
+        finally:
+            engine.shutdown()
+
+    asyncio.run(scenario())
+    assert not async_engine_thread_alive() and not llm.engine.has_unfinished()

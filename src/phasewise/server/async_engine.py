@@ -25,7 +25,7 @@ from typing import Any
 from phasewise.llm_engine import LLMEngine
 from phasewise.outputs import StreamDelta
 from phasewise.sampling.params import SamplingParams
-from phasewise.server.errors import ContextLengthError, EngineDeadError, EngineError, RequestError
+from phasewise.server.errors import ContextLengthError, EngineDeadError, EngineError, RequestError, SlowClientError
 from phasewise.server.observer import Observer, Observers
 
 log = logging.getLogger("phasewise.server")
@@ -77,6 +77,7 @@ class RequestStream:
         self.request_ids = request_ids
         self._queue = queue
         self._unfinished = set(request_ids)
+        self._aborted = False
 
     async def __aiter__(self) -> AsyncIterator[StreamDelta]:
         try:
@@ -94,13 +95,30 @@ class RequestStream:
     def finished(self) -> bool:
         return not self._unfinished
 
+    def _put(self, item: Any) -> None:
+        """On the loop: a delta (or an error) for the consumer. Past `max_pending` unread items the
+        consumer has stopped reading (a client that no longer reads its socket): the requests are
+        aborted, and a consumer that comes back finds the error after what it had not read."""
+        limit = self._engine.max_pending
+        if self._queue.qsize() >= limit and not isinstance(item, BaseException):
+            self._queue.put_nowait(SlowClientError(f"the client read none of the last {limit} chunks of its "
+                                                   "stream, so the request was aborted"))
+            self._abort()
+            return
+        self._queue.put_nowait(item)
+
+    def _abort(self) -> None:
+        """Stop routing to this stream and abort what has not finished (once); what is queued stays."""
+        for rid in self.request_ids:
+            self._engine._streams.pop(rid, None)
+        if self._unfinished and not self._aborted:
+            self._engine._send(_Abort(sorted(self._unfinished)))
+            self._aborted = True
+
     def close(self) -> None:
         """Abort the requests that have not finished; idempotent, safe to call from the event loop."""
-        for rid in self.request_ids:
-            self._engine._queues.pop(rid, None)
-        if self._unfinished:
-            self._engine._send(_Abort(sorted(self._unfinished)))
-            self._unfinished.clear()
+        self._abort()
+        self._unfinished.clear()
 
 
 class AsyncEngine:
@@ -111,8 +129,10 @@ class AsyncEngine:
     of 30 here (docs/benchmarks.md). The constructor returns once the engine is built, or raises
     what building it raised."""
 
-    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], observer: Observer | None = None) -> None:
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], observer: Observer | None = None,
+                 max_pending: int = 1024) -> None:
         self.observer = observer or Observer()
+        self.max_pending = max_pending         # unread chunks a stream may hold before its requests are aborted
         built: list[BaseException] = []          # what building the engine raised, if it did
         ready = threading.Event()
         self._cond = threading.Condition()
@@ -122,7 +142,7 @@ class AsyncEngine:
         self._stopping = False
         self._submitted = 0                    # sub-requests sent to the thread, ever (loop side)
         self._received = 0                     # of them, taken in by the thread (thread side; published)
-        self._queues: dict[str, asyncio.Queue] = {}   # request id → its stream's queue (loop side)
+        self._streams: dict[str, RequestStream] = {}   # request id → its stream (loop side)
         self._live: dict[str, _Live] = {}      # request id → engine Request and its caller's loop (thread side)
         self._thread = threading.Thread(target=self._run, args=(engine, built, ready), name="phasewise-engine",
                                         daemon=True)
@@ -175,11 +195,10 @@ class AsyncEngine:
         if not self.is_alive:
             raise EngineDeadError("the engine has stopped")
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
         rids = [it.request_id for it in items]
+        stream = RequestStream(self, rids, asyncio.Queue())
         for rid in rids:
-            self._queues[rid] = queue
-        stream = RequestStream(self, rids, queue)
+            self._streams[rid] = stream
         future = loop.create_future()
         try:
             self._send(_Add(items, chat, future))
@@ -233,9 +252,9 @@ class AsyncEngine:
     def _dispatch(self, items: list[tuple[str, Any]]) -> None:
         """On the loop: route deltas (or errors) to their streams; unknown ids were closed already."""
         for rid, item in items:
-            queue = self._queues.get(rid)
-            if queue is not None:
-                queue.put_nowait(item)
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream._put(item)
 
     # ---- the engine thread's side ------------------------------------------------------------
 

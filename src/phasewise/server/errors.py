@@ -22,3 +22,8 @@ class ContextLengthError(RequestError):
 
 class EngineDeadError(EngineError):
     """The engine thread has stopped; no request can be served."""
+
+
+class SlowClientError(EngineError):
+    """The client stopped reading its stream: so many chunks waited for it that the request was
+    aborted (its blocks freed) rather than buffered without end."""
