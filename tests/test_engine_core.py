@@ -14,7 +14,8 @@ from phasewise.config import SchedulerConfig
 from phasewise.engine.block_pool import BlockPool
 from phasewise.engine.core import EngineCore
 from phasewise.engine.outputs import RunnerOutput, SampledToken, SchedulerOutput
-from phasewise.engine.request import FinishReason, Request, RequestStatus, percentile
+from phasewise.engine.request import FinishReason, Request, RequestStatus
+from phasewise.percentile import percentile
 from phasewise.sampling.params import SamplingParams
 
 EOS = 0

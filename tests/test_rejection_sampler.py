@@ -11,8 +11,8 @@ import torch
 from phasewise.engine.outputs import ScheduledChunk
 from phasewise.engine.request import Request
 from phasewise.sampling.params import SamplingParams
-from phasewise.spec.rejection import greedy_verify, rejection_sample
-from phasewise.spec.verify import verify
+from phasewise.sampling.rejection import greedy_verify, rejection_sample
+from phasewise.sampling.verify import verify
 
 V = 8
 

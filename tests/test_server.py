@@ -200,7 +200,8 @@ def test_usage_and_prefix_cache_hits_on_a_repeated_long_prompt(server):
     assert outs[0].choices[0].text == outs[1].choices[0].text
 
 
-def test_32_concurrent_streams_all_complete(server):
+def test_a_burst_of_60_streams_at_the_defaults_is_admitted_and_completes(server):
+    """60 at once on a server with the default --max-num-seqs (64) and --max-waiting: none refused."""
     async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, object]:
         stream = await client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": f"Count to {i}."}], max_tokens=8,
@@ -216,13 +217,13 @@ def test_32_concurrent_streams_all_complete(server):
     async def run() -> list:
         async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0,
                                       timeout=300) as client:
-            return await asyncio.gather(*(one(client, i) for i in range(32)))
+            return await asyncio.gather(*(one(client, i) for i in range(60)))
 
     results = asyncio.run(run())
-    assert len(results) == 32
+    assert len(results) == 60
     for text, usage in results:
         assert usage is not None and usage.completion_tokens == 8
-    assert sum(1 for text, _ in results if text) >= 30   # 8 tokens may all be whitespace, rarely
+    assert sum(1 for text, _ in results if text) >= 56   # 8 tokens may all be whitespace, rarely
 
 
 def test_n2_choices_differ_with_a_seed_and_share_the_prompt(server):

@@ -17,7 +17,7 @@ from phasewise.engine.core import EngineCore
 from phasewise.engine.outputs import RunnerOutput, SampledToken, SchedulerOutput
 from phasewise.engine.request import FinishReason, Request, RequestStatus
 from phasewise.sampling.params import SamplingParams
-from phasewise.spec.ngram import NgramIndex, NgramProposer
+from phasewise.spec_decode.ngram import NgramIndex, NgramProposer
 
 BS = 4
 
@@ -259,7 +259,7 @@ def test_random_streams_with_drafts_keep_outputs_and_leak_nothing(reqs, num_bloc
 
 
 def test_draft_state_keeps_only_the_fed_drafts_that_were_accepted():
-    from phasewise.spec.draft_model import DraftState
+    from phasewise.spec_decode.draft_model import DraftState
 
     st = DraftState(num_committed=5, fed=[50, 51, 52])    # drafts fed at positions 5, 6, 7
     committed = [1, 2, 3, 4, 5]

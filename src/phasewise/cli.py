@@ -9,41 +9,9 @@ import socket
 import sys
 from pathlib import Path
 
+from phasewise.engine_args import add_engine_args, speculative_config_from_args
+
 EXIT_USAGE = 2
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model and engine")
-    g.add_argument("--model", "-m", default=None,
-                   help="a .gguf file or a Hugging Face model folder (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16", "int8", "q4"],
-                   help="weight precision (int8: per channel; q4: the GGUF file's own 4-bit blocks); auto: the "
-                        "fastest within 0.5%% perplexity of fp32 on this machine (q4 for GGUF files with kernels)")
-    g.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    g.add_argument("--kv-cache-memory", type=float, default=2.0, help="KV-cache pool size in GiB")
-    g.add_argument("--kv-dtype", default="auto", choices=["auto", "model", "int8"],
-                   help="KV-cache precision: int8 with a scale per token and head, or the weights' float type "
-                        "(model); auto: int8 where the compiled kernels run and --dtype is auto")
-    g.add_argument("--max-model-len", type=int, default=None, help="context length cap")
-    g.add_argument("--threads", type=_positive_int, default=None,
-                   help="CPU threads for the model (default: torch's, one per core); on a small machine, "
-                        "`serve --threads <cores - 1>` leaves a core to the HTTP side and its clients")
-    g.add_argument("--speculative", default=None, metavar="ngram|draft[:MODEL]",
-                   help="speculative decoding: 'ngram' (prompt lookup) or 'draft:MODEL' (a draft model with "
-                        "the same tokenizer; plain 'draft' = this model at --draft-dtype); outputs are unchanged")
-    g.add_argument("--num-speculative-tokens", type=int, default=4, help="draft tokens verified per step")
-    g.add_argument("--ngram-min", type=int, default=2, help="shortest n-gram matched by --speculative ngram")
-    g.add_argument("--ngram-max", type=int, default=4, help="longest n-gram matched by --speculative ngram")
-    g.add_argument("--draft-dtype", default="q4", choices=["fp32", "bf16", "fp16", "int8", "q4"],
-                   help="weight precision of the draft model")
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -72,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.add_argument("--trace", metavar="FILE", default=None,
                      help="write a Chrome/Perfetto trace (engine steps, the request's phases) to FILE")
-    _add_model_args(gen)
+    add_engine_args(gen)
     _add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, metrics)")
@@ -93,16 +61,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "seconds (then cut them), exit 0")
     s.add_argument("--trace", metavar="FILE", default=None,
                    help="on shutdown, write a Chrome/Perfetto trace of the engine steps and finished requests")
-    _add_model_args(serve)
+    add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
     from phasewise.lab.commands import add_parsers as add_lab_parsers, add_roofline_parser
 
     add_lab_parsers(sub)
-    _add_model_args(add_roofline_parser(sub))
+    add_engine_args(add_roofline_parser(sub))
     from phasewise.lab.experiment_command import add_parsers as add_experiment_parsers
 
     for p in add_experiment_parsers(sub):
-        _add_model_args(p)
+        add_engine_args(p)
     from phasewise.lab.bench_command import add_parser as add_bench_parser
 
     add_bench_parser(sub)
@@ -117,14 +85,6 @@ def sampling_params_from_args(args: argparse.Namespace):
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, seed=args.seed, max_tokens=args.max_tokens,
         stop=args.stop, ignore_eos=args.ignore_eos, logprobs=args.logprobs)
-
-
-def speculative_config_from_args(args: argparse.Namespace):
-    from phasewise.config import SpeculativeConfig
-
-    return SpeculativeConfig.parse(args.speculative, num_speculative_tokens=args.num_speculative_tokens,
-                                   ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-                                   draft_dtype=args.draft_dtype)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -24,8 +24,8 @@ from phasewise.precision import choose as choose_precision
 from phasewise.runner.kv_cache import KVCache, num_blocks_for_memory
 from phasewise.runner.model_runner import ModelRunner
 from phasewise.sampling.params import SamplingParams
-from phasewise.spec.draft_model import DraftModelProposer
-from phasewise.spec.ngram import NgramProposer
+from phasewise.spec_decode.draft_model import DraftModelProposer
+from phasewise.spec_decode.ngram import NgramProposer
 from phasewise.tokenizer import IncrementalDetokenizer, Tokenizer
 
 

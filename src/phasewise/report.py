@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from phasewise.engine.request import percentile
+from phasewise.percentile import percentile
 from phasewise.outputs import CompletionOutput
 
 

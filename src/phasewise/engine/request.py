@@ -79,17 +79,6 @@ class RequestMetrics:
         return 1 + self.spec_accepted_tokens / self.spec_steps if self.spec_steps else 0.0
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated q-th percentile (numpy's default method); 0.0 for no values."""
-    if not values:
-        return 0.0
-    s = sorted(values)
-    pos = (len(s) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
 def _ms(a: float | None, b: float | None) -> float:
     return (b - a) * 1e3 if a is not None and b is not None else 0.0
 

@@ -50,7 +50,6 @@ def cmd_roofline(args: argparse.Namespace) -> int:
 
     from phasewise import LLM, SamplingParams
     from phasewise.lab.roofline import analyse, measure_machine, report, weight_bytes_per_param
-    from phasewise.runner.kv_cache import kv_bytes_per_token
     from phasewise.loading.loader import parse_dtype
 
     if args.prompt_tokens < 2 or args.decode_tokens < 2:
@@ -68,7 +67,7 @@ def cmd_roofline(args: argparse.Namespace) -> int:
     machine = measure_machine(dtype)
     element = torch.empty((), dtype=dtype).element_size()
     per_weight = weight_bytes_per_param(llm.engine.model, cfg, element)
-    kv = kv_bytes_per_token(cfg, llm.engine.kv_cache.dtype)
+    kv = llm.engine.kv_cache.bytes_per_token
     from phasewise.layers.quant_linear import QuantLinear
 
     quantized = any(isinstance(m, QuantLinear) and m.kernels is not None for m in llm.engine.model.modules())

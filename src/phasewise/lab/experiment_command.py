@@ -136,7 +136,7 @@ def _experiment(args: argparse.Namespace, out: Path, console) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from phasewise import LLM
-    from phasewise.cli import speculative_config_from_args
+    from phasewise.engine_args import speculative_config_from_args
 
     warmup = args.warmup if args.warmup is not None else args.experiment != "repeat"
     # The pool holds the longest request (one at a time) or every request of the largest batch.

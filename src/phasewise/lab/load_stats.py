@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from phasewise.engine.request import percentile
+from phasewise.percentile import percentile
 
 SLO_METRICS = ("ttft", "tpot", "e2e")
 

@@ -30,6 +30,7 @@ class KVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str) -> None:
         self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
+        self.bytes_per_token = kv_bytes_per_token(cfg, dtype)    # K and V of one token, every layer
         slots = num_blocks * block_size
         # Never-written slots are read under a mask (padding of a decode batch) and must hold no NaN
         # (softmax weight 0 * NaN = NaN), so the pool starts zeroed. On the CPU a large fresh

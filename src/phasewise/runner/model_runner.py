@@ -8,7 +8,7 @@ from phasewise.engine.outputs import RunnerOutput, SampledToken, SchedulerOutput
 from phasewise.layers.attention import AttentionMetadata
 from phasewise.runner.kv_cache import KVCache
 from phasewise.sampling.sampler import SamplingMetadata, sample
-from phasewise.spec.verify import verify
+from phasewise.sampling.verify import verify
 
 
 class ModelRunner:

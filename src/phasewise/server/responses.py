@@ -8,7 +8,7 @@ from functools import lru_cache
 from typing import Any
 
 from phasewise.engine.outputs import TokenLogprobs
-from phasewise.engine.request import percentile
+from phasewise.percentile import percentile
 from phasewise.outputs import CompletionOutput
 from phasewise.report import timings as report_timings
 

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from phasewise.engine.outputs import SampledToken, ScheduledChunk, TokenLogprobs
 from phasewise.sampling.sampler import SamplingMetadata, compute_logprobs, distribution
-from phasewise.spec.rejection import greedy_verify, rejection_sample
+from phasewise.sampling.rejection import greedy_verify, rejection_sample
 
 Verified = tuple[list[SampledToken], SampledToken]   # accepted drafts, then the target's own token
 

@@ -1,0 +1,51 @@
+"""The engine options the commands share (generate, serve, roofline, the experiments): one
+argparse group, and the conversion of what it parsed. The CLI and the lab both build on it, so
+neither imports the other."""
+
+from __future__ import annotations
+
+import argparse
+
+from phasewise.config import SpeculativeConfig
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The model and engine options (their group): generate, serve, roofline and the experiments."""
+    g = p.add_argument_group("model and engine")
+    g.add_argument("--model", "-m", default=None,
+                   help="a .gguf file or a Hugging Face model folder (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16", "int8", "q4"],
+                   help="weight precision (int8: per channel; q4: the GGUF file's own 4-bit blocks); auto: the "
+                        "fastest within 0.5%% perplexity of fp32 on this machine (q4 for GGUF files with kernels)")
+    g.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    g.add_argument("--kv-cache-memory", type=float, default=2.0, help="KV-cache pool size in GiB")
+    g.add_argument("--kv-dtype", default="auto", choices=["auto", "model", "int8"],
+                   help="KV-cache precision: int8 with a scale per token and head, or the weights' float type "
+                        "(model); auto: int8 where the compiled kernels run and --dtype is auto")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length cap")
+    g.add_argument("--threads", type=positive_int, default=None,
+                   help="CPU threads for the model (default: torch's, one per core); on a small machine, "
+                        "`serve --threads <cores - 1>` leaves a core to the HTTP side and its clients")
+    g.add_argument("--speculative", default=None, metavar="ngram|draft[:MODEL]",
+                   help="speculative decoding: 'ngram' (prompt lookup) or 'draft:MODEL' (a draft model with "
+                        "the same tokenizer; plain 'draft' = this model at --draft-dtype); outputs are unchanged")
+    g.add_argument("--num-speculative-tokens", type=int, default=4, help="draft tokens verified per step")
+    g.add_argument("--ngram-min", type=int, default=2, help="shortest n-gram matched by --speculative ngram")
+    g.add_argument("--ngram-max", type=int, default=4, help="longest n-gram matched by --speculative ngram")
+    g.add_argument("--draft-dtype", default="q4", choices=["fp32", "bf16", "fp16", "int8", "q4"],
+                   help="weight precision of the draft model")
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig:
+    """The SpeculativeConfig the speculative options of add_engine_args ask for."""
+    return SpeculativeConfig.parse(args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+                                   ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+                                   draft_dtype=args.draft_dtype)
