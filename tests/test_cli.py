@@ -154,3 +154,27 @@ def test_roofline_runs_and_names_the_binding_resource():
     assert lines[0].startswith("machine: DRAM read")
     assert lines[2].startswith("prefill") and lines[3].startswith("decode")
     assert lines[3].endswith(("memory bandwidth", "compute"))
+
+
+@pytest.mark.parametrize("flags, weights, note", [
+    ([], "auto", False),
+    (["--quantization", "q4"], "q4", False),
+    (["--quantization", "int8", "--dtype", "fp32"], "int8", False),
+    (["--quantization", "none"], "fp32", False),
+    (["--dtype", "bf16"], "bf16", False),
+    (["--dtype", "q4"], "q4", True),                 # the old spelling, with a note
+    (["--dtype", "int8", "--quantization", "int8"], "int8", True),
+])
+def test_quantization_is_its_own_option_and_dtype_keeps_the_float_type(flags, weights, note, capsys):
+    from phasewise.cli import build_parser
+    from phasewise.engine_args import resolve_weights
+
+    args = build_parser().parse_args(["generate", "hi", *flags])
+    resolve_weights(args)
+    assert args.dtype == weights
+    assert ("--quantization" in capsys.readouterr().err) == note
+
+
+@pytest.mark.parametrize("flags", [["--dtype", "bf16", "--quantization", "q4"], ["--dtype", "q4", "--quantization", "int8"]])
+def test_disagreeing_weight_options_are_one_line(flags):
+    assert_one_line_error(run("generate", "hi", *flags), "quantization")

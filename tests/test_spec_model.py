@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from phasewise import LLM, SamplingParams
-from phasewise.cli import build_parser, speculative_config_from_args
+from phasewise.cli import build_parser
+from phasewise.engine_args import speculative_config_from_args
 from phasewise.report import perf_lines, timings
 
 pytestmark = pytest.mark.slow

@@ -9,7 +9,7 @@ import socket
 import sys
 from pathlib import Path
 
-from phasewise.engine_args import add_engine_args, speculative_config_from_args
+from phasewise.engine_args import add_engine_args, resolve_weights, speculative_config_from_args
 
 EXIT_USAGE = 2
 
@@ -209,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
 
     try:
+        if hasattr(args, "quantization"):
+            resolve_weights(args)
         return args.func(args)
     except (ValueError, ModelLoadError, FileNotFoundError) as e:  # bad input: one line, no traceback
         print(f"phasewise: error: {e}", file=sys.stderr)

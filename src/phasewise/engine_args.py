@@ -5,6 +5,7 @@ neither imports the other."""
 from __future__ import annotations
 
 import argparse
+import sys
 
 from phasewise.config import SpeculativeConfig
 
@@ -15,8 +16,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", "-m", default=None,
                    help="a .gguf file or a Hugging Face model folder (default: SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16", "int8", "q4"],
-                   help="weight precision (int8: per channel; q4: the GGUF file's own 4-bit blocks); auto: the "
-                        "fastest within 0.5%% perplexity of fp32 on this machine (q4 for GGUF files with kernels)")
+                   help="the float type of the weights and activations (int8 and q4 here are the old spelling of "
+                        "--quantization)")
+    g.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "q4"],
+                   help="the weight format: int8 per channel, or q4 (the GGUF file's own 4-bit blocks), or none; "
+                        "auto: the fastest within 0.5%% perplexity of fp32 on this machine (q4 for GGUF files with "
+                        "kernels) when --dtype is auto too, else none")
     g.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     g.add_argument("--kv-cache-memory", type=float, default=2.0, help="KV-cache pool size in GiB")
@@ -49,3 +54,15 @@ def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig:
     return SpeculativeConfig.parse(args.speculative, num_speculative_tokens=args.num_speculative_tokens,
                                    ngram_min=args.ngram_min, ngram_max=args.ngram_max,
                                    draft_dtype=args.draft_dtype)
+
+
+def resolve_weights(args: argparse.Namespace) -> None:
+    """Fold --dtype (the float type) and --quantization (the weight format) into args.dtype, the one
+    weights setting the engine takes (precision.weights_setting). `--dtype int8|q4`, the old
+    spelling, still works, with a note. ValueError when the two disagree."""
+    from phasewise.precision import weights_setting
+
+    if args.dtype in ("int8", "q4"):
+        print(f"phasewise: note: --dtype {args.dtype} is --quantization {args.dtype} now (the old spelling "
+              "still works)", file=sys.stderr)
+    args.dtype = weights_setting(args.dtype, args.quantization)

@@ -7,6 +7,7 @@ from collections.abc import Iterator, Sequence
 from phasewise.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from phasewise.llm_engine import LLMEngine
 from phasewise.outputs import CompletionOutput, StreamDelta
+from phasewise.precision import weights_setting
 from phasewise.sampling.params import SamplingParams
 
 Prompt = str | list[int]
@@ -16,21 +17,23 @@ Messages = list[dict]
 class LLM:
     """A model ready to generate. `LLM()` loads the default model (SmolLM2-135M-Instruct)."""
 
-    def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "cpu",
+    def __init__(self, model: str | None = None, *, dtype: str = "auto", quantization: str = "auto",
+                 device: str = "cpu",
                  kernels: str = "auto", block_size: int = 16, kv_cache_memory: float = 2.0,
                  num_blocks: int | None = None, enable_prefix_caching: bool = True,
                  max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
                  max_model_len: int | None = None, kv_dtype: str = "auto",
                  speculative: str | SpeculativeConfig | None = None, num_speculative_tokens: int = 4,
                  warmup: bool = True) -> None:
-        """dtype and kv_dtype "auto": the fastest precision for this machine within 0.5% perplexity
-        of the file's weights (precision.py; `engine.precision` says which). speculative: None,
+        """dtype (the float type) and quantization (the weight format: int8, q4, none) and kv_dtype
+        "auto": the fastest precision for this machine within 0.5% perplexity of the file's weights
+        (precision.py; `engine.precision` says which); dtype="int8"/"q4" is the old spelling. speculative: None,
         "ngram", "draft" (this model's file at q4) or "draft:MODEL", with num_speculative_tokens
         drafts per step; a SpeculativeConfig for the other settings."""
         if not isinstance(speculative, SpeculativeConfig):
             speculative = SpeculativeConfig.parse(speculative, num_speculative_tokens=num_speculative_tokens)
         config = EngineConfig(
-            model=model, dtype=dtype, device=device, kernels=kernels,
+            model=model, dtype=weights_setting(dtype, quantization), device=device, kernels=kernels,
             cache=CacheConfig(block_size, kv_cache_memory, num_blocks, enable_prefix_caching, kv_dtype),
             scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs, max_model_len),
             speculative=speculative)

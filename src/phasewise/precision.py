@@ -31,6 +31,23 @@ class Precision:
         return f"precision: {self.weights} weights, {kv} ({how}: {self.why})"
 
 
+def weights_setting(dtype: str, quantization: str = "auto") -> str:
+    """The one weights setting an engine takes (auto, fp32, bf16, fp16, int8 or q4) from the float
+    type (`dtype`; int8 and q4 there are the old spelling of the format) and the weight format
+    (`quantization`: auto, none, int8, q4). ValueError when they disagree."""
+    if quantization not in ("auto", "none", "int8", "q4"):
+        raise ValueError(f"quantization must be auto, none, int8 or q4, got {quantization!r}")
+    if dtype in ("int8", "q4"):
+        if quantization not in ("auto", dtype):
+            raise ValueError(f"dtype {dtype} and quantization {quantization} disagree: give the quantization only")
+        return dtype
+    if quantization in ("int8", "q4"):
+        if dtype not in ("auto", "fp32"):
+            raise ValueError(f"quantization {quantization} runs its activations in fp32: drop dtype {dtype}")
+        return quantization
+    return "fp32" if quantization == "none" and dtype == "auto" else dtype
+
+
 def gguf_block_types(path: Path) -> set[str]:
     """The GGUF types of a file's decoder weight matrices (empty for a folder or another file)."""
     if path.is_dir() or path.suffix != ".gguf":

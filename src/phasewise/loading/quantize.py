@@ -1,4 +1,4 @@
-"""Swap a loaded model's nn.Linear layers for QuantLinear: `--dtype int8` and `--dtype q4`.
+"""Swap a loaded model's nn.Linear layers for QuantLinear: `--quantization int8` and `--quantization q4`.
 
 - int8: every linear (the tied output head too) quantized per output channel from its fp32
   weight; fused projections (qkv, gate_up) are quantized after fusion, one scale per fused row.
