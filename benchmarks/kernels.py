@@ -38,7 +38,7 @@ def random_packed(fmt: str, n: int, k: int) -> quant.PackedWeight:
 
 def clone(w: quant.PackedWeight) -> quant.PackedWeight:
     c = lambda t: None if t is None else t.clone()  # noqa: E731
-    return quant.PackedWeight(w.fmt, w.n, w.k, c(w.blocks), c(w.scale))
+    return quant.PackedWeight(fmt=w.fmt, n=w.n, k=w.k, blocks=c(w.blocks), scale=c(w.scale))
 
 
 def with_kernels(layer: QuantLinear, kernels) -> QuantLinear:

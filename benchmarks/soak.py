@@ -150,8 +150,9 @@ def main() -> int:
         proc = subprocess.Popen([sys.executable, "-m", "phasewise.cli", "serve", "--port", str(port),
                                  "--kv-cache-memory", "0.5", "--no-access-log"], stdout=log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
-        serving.wait_ready(url, proc)
     try:
+        if proc is not None:
+            serving.wait_ready(url, proc)
         soak = Soak(url, args.seed)
         memory = asyncio.run(load(soak, args.duration, args.concurrency, proc.pid if proc else None))
         for _ in range(120):                        # hung-up streams are aborted on the next turn

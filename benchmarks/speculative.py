@@ -87,8 +87,9 @@ def main() -> None:
                             else None)
     results: dict[tuple, dict] = {}
     for proposer in args.proposers:
-        spec = SpeculativeConfig(None if proposer == "none" else proposer, args.num_speculative_tokens,
-                                 args.ngram_min, args.ngram_max, args.draft_model, args.draft_dtype)
+        spec = SpeculativeConfig(method=None if proposer == "none" else proposer,
+                                 num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,
+                                 ngram_max=args.ngram_max, draft_model=args.draft_model, draft_dtype=args.draft_dtype)
         llm = LLM(dtype=args.dtype, kv_cache_memory=0.5, speculative=spec)
         llm.chat(prompts("open", 1)[0], SamplingParams(temperature=0, max_tokens=16))   # warm every path
         for task in args.tasks:

@@ -41,3 +41,23 @@ def test_phasewise_isa_picks_a_lower_level_and_refuses_a_higher_one():
     with pytest.raises(ISAError, match="not a level of x86_64"):
         chosen_level(ZEN4, "x86_64", requested="neon")
     assert chosen_level(ZEN4, "riscv64", requested="") is None
+
+
+def test_a_build_lock_left_by_a_killed_build_is_cleared_and_a_fresh_one_kept(tmp_path):
+    """torch's builder waits for its lock without end; a build killed half-way must not hang every
+    later run (this hung a session's servers until the lock was removed by hand)."""
+    import os
+    import time
+
+    from phasewise.kernels import build
+
+    old, fresh = tmp_path / "old" / "lock", tmp_path / "fresh" / "lock"
+    for lock in (old, fresh):
+        lock.parent.mkdir()
+        lock.touch()
+    stale = time.time() - build.STALE_LOCK_S - 60
+    os.utime(old, (stale, stale))
+    build._clear_stale_lock(old)
+    build._clear_stale_lock(fresh)
+    build._clear_stale_lock(tmp_path / "none" / "lock")
+    assert not old.exists() and fresh.exists()

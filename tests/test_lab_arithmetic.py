@@ -29,7 +29,9 @@ def test_parameter_count_matches_the_default_model_and_transformers():
         with torch.device("meta"):
             n = sum(p.numel() for p in cls(hf_cfg).parameters())
         assert parameter_count(ModelConfig.from_hf(hf_cfg.to_dict())) == n
-    smollm = ModelConfig("llama", 49152, 576, 1536, 30, 9, 3, 64, 1e-5, 1e5, 8192, tie_word_embeddings=True)
+    smollm = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=1e5,
+                         max_position_embeddings=8192, tie_word_embeddings=True)
     assert parameter_count(smollm) == 134_515_008                    # SmolLM2-135M
 
 
@@ -58,7 +60,9 @@ def test_cost_with_and_without_prompt_caching():
 def test_roofline_arithmetic_and_binding_resource():
     from phasewise.lab.roofline import Machine, analyse, linear_params, request_flops, token_costs
 
-    cfg = ModelConfig("llama", 1000, 64, 128, 2, 4, 2, 16, 1e-5, 1e4, 512)
+    cfg = ModelConfig(architecture="llama", vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4,
+                      max_position_embeddings=512)
     per_layer = 64 * (64 + 2 * 32) + 64 * 64 + 3 * 64 * 128
     assert linear_params(cfg) == 2 * per_layer + 1000 * 64
     costs = token_costs(cfg, 4, context=100)
@@ -79,7 +83,9 @@ def test_roofline_arithmetic_and_binding_resource():
 
 def test_quantized_phases_are_measured_against_the_int8_peak():
     from phasewise.lab.roofline import Machine, analyse, report
-    cfg = ModelConfig("llama", 1000, 64, 128, 2, 4, 2, 16, 1e-5, 1e4, 512)
+    cfg = ModelConfig(architecture="llama", vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4,
+                      max_position_embeddings=512)
     machine = Machine(dram_gbs=20.0, cache_gbs=60.0, matmul_gflops=100.0, int8_gops=400.0)
     fp32 = analyse(cfg, machine, 4, 512, 200, 0.01, 10, 0.5)[0]
     q4 = analyse(cfg, machine, 0.6, 512, 200, 0.01, 10, 0.5, quantized=True)[0]

@@ -138,7 +138,7 @@ def chunk_with(drafts: list[int], **params) -> ScheduledChunk:
     req = Request("r", [1, 2], SamplingParams(max_tokens=10, **params), frozenset({0}))
     req.append_output(7)
     req.num_computed_tokens = 2
-    return ScheduledChunk(req, 1, len(drafts), list(drafts))
+    return ScheduledChunk(request=req, num_tokens=1, max_draft_tokens=len(drafts), draft_token_ids=list(drafts))
 
 
 def test_penalties_at_a_draft_position_count_the_drafts_before_it():

@@ -572,7 +572,7 @@ def test_a_dead_engine_thread_fails_health_and_answers_503_at_once(llm):
 
     async def scenario() -> None:
         async_engine = AsyncEngine(llm.engine)
-        app = create_app(async_engine, ServerConfig("m"))
+        app = create_app(async_engine, ServerConfig(served_model_name="m"))
 
         def broken(command) -> None:
             raise RuntimeError("injected bug in the engine loop")

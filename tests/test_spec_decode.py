@@ -195,9 +195,9 @@ def test_speculative_config_parsing():
         with pytest.raises(ValueError):
             SpeculativeConfig.parse(bad)
     with pytest.raises(ValueError):
-        SpeculativeConfig("ngram", num_speculative_tokens=0)
+        SpeculativeConfig(method="ngram", num_speculative_tokens=0)
     with pytest.raises(ValueError):
-        SpeculativeConfig("ngram", ngram_min=3, ngram_max=2)
+        SpeculativeConfig(method="ngram", ngram_min=3, ngram_max=2)
 
 
 def cached_blocks_hold_their_tokens(core: EngineCore, runner: FakeTarget) -> None:

@@ -10,7 +10,8 @@ from phasewise.lab.trace import REQUESTS_PID, chrome_trace
 def test_trace_of_a_preempted_request():
     m = RequestMetrics(arrival=10.0, first_scheduled=10.5, first_token=11.0, token_times=[11.0, 11.1, 11.3],
                        prefill_chunks=[(10.5, 10.7, 8), (10.8, 11.0, 4)], preempted_at=[11.15], finished=11.3)
-    steps = [StepRecord(10.5, 200.0, 8, 0, 1), StepRecord(10.8, 200.0, 4, 2, 3)]
+    steps = [StepRecord(start=10.5, duration_ms=200.0, num_prefill_tokens=8, num_decode_tokens=0, batch_size=1), StepRecord(start=10.8, duration_ms=200.0, num_prefill_tokens=4,
+                                                          num_decode_tokens=2, batch_size=3)]
     events = chrome_trace(steps, [("r1", m)])["traceEvents"]
     spans = {(e["name"], round(e["ts"]), round(e["dur"])) for e in events if e["ph"] == "X"}
     assert ("queued", 0, 500_000) in spans

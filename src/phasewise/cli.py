@@ -154,7 +154,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config = EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device,
-        cache=CacheConfig(args.block_size, args.kv_cache_memory, kv_dtype=args.kv_dtype),
+        cache=CacheConfig(block_size=args.block_size, kv_cache_memory_gib=args.kv_cache_memory,
+                          kv_dtype=args.kv_dtype),
         scheduler=SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, args.max_model_len),
         speculative=spec)
     def build() -> LLMEngine:                  # on the engine thread, which then owns the OpenMP pool
@@ -167,8 +168,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     path = Path(engine.model_path)
     name = args.served_model_name or (path.name if path.is_dir() else path.stem)
     aliases = tuple(a for a in (args.model, str(path)) if a)
-    app = create_app(async_engine, ServerConfig(name, aliases, args.api_key, args.max_waiting,
-                                                args.max_body_bytes, model_root=str(path)))
+    app = create_app(async_engine, ServerConfig(served_model_name=name, model_aliases=aliases, api_key=args.api_key,
+                                                max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
+                                                model_root=str(path)))
     recorder = None
     if args.trace:
         from phasewise.lab.trace import RequestRecorder

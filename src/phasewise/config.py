@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CacheConfig:
     block_size: int = 16                 # tokens per KV block
     kv_cache_memory_gib: float = 2.0     # pool size when num_blocks is not given
@@ -35,7 +35,7 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be at least 1")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SpeculativeConfig:
     """Speculative decoding: who proposes draft tokens, and how many per step."""
     method: str | None = None            # None (off) | "ngram" (prompt lookup) | "draft" (a draft model)
@@ -59,12 +59,12 @@ class SpeculativeConfig:
     def parse(cls, spec: str | None, **settings) -> SpeculativeConfig:
         """'ngram', 'draft' (the target's file), 'draft:MODEL', or None/'' (off)."""
         if not spec:
-            return cls(None, **settings)
+            return cls(method=None, **settings)
         method, _, model = spec.partition(":")
         if method == "ngram" and not model:
-            return cls("ngram", **settings)
+            return cls(method="ngram", **settings)
         if method == "draft":
-            return cls("draft", draft_model=model or None, **settings)
+            return cls(method="draft", draft_model=model or None, **settings)
         raise ValueError(f"--speculative must be 'ngram' or 'draft:MODEL', got {spec!r}")
 
     @property
@@ -72,7 +72,7 @@ class SpeculativeConfig:
         return self.method is not None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     model: str | None = None             # .gguf file or HF folder; None → the default model
     dtype: str = "auto"                  # weights: auto (precision.py) | fp32 | bf16 | fp16 | int8 | q4

@@ -34,7 +34,8 @@ class LLM:
             speculative = SpeculativeConfig.parse(speculative, num_speculative_tokens=num_speculative_tokens)
         config = EngineConfig(
             model=model, dtype=weights_setting(dtype, quantization), device=device, kernels=kernels,
-            cache=CacheConfig(block_size, kv_cache_memory, num_blocks, enable_prefix_caching, kv_dtype),
+            cache=CacheConfig(block_size=block_size, kv_cache_memory_gib=kv_cache_memory, num_blocks=num_blocks,
+                              enable_prefix_caching=enable_prefix_caching, kv_dtype=kv_dtype),
             scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs, max_model_len),
             speculative=speculative)
         self.engine = LLMEngine(config)

@@ -125,8 +125,10 @@ class LLMEngine:
         req = Request(request_id, prompt_ids, params, self.tokenizer.eos_token_ids, arrival=arrival)
         self.core.add_request(req)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens, params.stop)
-        out = CompletionOutput(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, "", [],
-                               None, None, [] if params.logprobs is not None else None, req.metrics)
+        out = CompletionOutput(request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
+                               prompt_token_ids=prompt_ids, text="", token_ids=[], finish_reason=None,
+                               stop_reason=None, logprobs=[] if params.logprobs is not None else None,
+                               metrics=req.metrics)
         self._tracked[request_id] = _Tracked(out, detok, req)
         return request_id
 
@@ -185,7 +187,8 @@ class LLMEngine:
             out.finish_reason = reason.value
             del self._tracked[o.request_id]
         out.text += text
-        return StreamDelta(o.request_id, text, list(new_ids), list(new_lps), finished, out)
+        return StreamDelta(request_id=o.request_id, text=text, token_ids=list(new_ids), logprobs=list(new_lps),
+                           finished=finished, output=out)
 
     def run_until_done(self, request_ids: list[str]) -> list[CompletionOutput]:
         """Step until every given request has finished; outputs in the given order."""

@@ -8,7 +8,7 @@ from phasewise.engine.outputs import TokenLogprobs
 from phasewise.engine.request import RequestMetrics
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CompletionOutput:
     """A finished (or, while streaming, the growing) result of one request."""
     request_id: str
@@ -29,7 +29,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StreamDelta:
     """What one engine step added to one request."""
     request_id: str

@@ -117,9 +117,10 @@ class EngineCore:
             self.spec.num_draft_tokens += sched.num_draft_tokens
             self.spec.num_accepted_tokens += accepted
         self.num_steps += 1
-        self.steps.append(StepRecord(started, (time.perf_counter() - started) * 1e3,
-                                     sched.num_prefill_tokens, sched.num_decode_tokens, len(sched.chunks),
-                                     sched.num_draft_tokens, accepted))
+        self.steps.append(StepRecord(start=started, duration_ms=(time.perf_counter() - started) * 1e3,
+                                     num_prefill_tokens=sched.num_prefill_tokens,
+                                     num_decode_tokens=sched.num_decode_tokens, batch_size=len(sched.chunks),
+                                     num_draft_tokens=sched.num_draft_tokens, num_accepted_tokens=accepted))
         return outputs
 
     def _propose(self, sched: SchedulerOutput) -> None:

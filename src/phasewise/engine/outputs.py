@@ -8,7 +8,7 @@ from typing import Any
 from phasewise.engine.request import FinishReason, Request
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ScheduledChunk:
     """Compute tokens [num_computed_tokens, num_computed_tokens + num_tokens) of a request this step.
 
@@ -77,7 +77,7 @@ class RunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EngineStats:
     """The engine at one moment (`EngineCore.stats()`, `LLMEngine.stats()`): what runs and waits, the
     KV pool, counters since the start. Frozen: the server's engine thread publishes one after each turn
@@ -95,7 +95,7 @@ class EngineStats:
     num_received: int = 0                  # AsyncEngine: sub-requests its thread has taken in (added or refused), ever
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StepRecord:
     """One engine step: what it ran and how long it took."""
     start: float
@@ -107,7 +107,7 @@ class StepRecord:
     num_accepted_tokens: int = 0       # of those, accepted
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RequestOutput:
     """What one step produced for one request: a delta of new tokens, and whether it ended."""
     request_id: str

@@ -22,7 +22,7 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RequestMetrics:
     """Wall-clock stamps (time.perf_counter seconds) of one request's life."""
     arrival: float
@@ -109,7 +109,7 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.sampler_state: Any = None              # the runner's per-request state (a seeded generator)
         self.spec_state: Any = None                 # the proposer's per-request state (n-gram index, draft KV progress)
-        self.metrics = RequestMetrics(arrival if arrival is not None else time.perf_counter())
+        self.metrics = RequestMetrics(arrival=arrival if arrival is not None else time.perf_counter())
 
     @property
     def num_tokens(self) -> int:

@@ -64,7 +64,7 @@ class Scheduler:
                     break
             if req.status is not RequestStatus.RUNNING:
                 break  # req preempted itself: nothing after it remains either
-            chunks.append(ScheduledChunk(req, n, drafts))
+            chunks.append(ScheduledChunk(request=req, num_tokens=n, max_draft_tokens=drafts))
             budget -= n + drafts
             i += 1
         # Then waiting requests, in arrival order, after their prefix-cache hits; no admissions
@@ -84,7 +84,7 @@ class Scheduler:
                 req.metrics.first_scheduled = now
                 req.num_cached_tokens = cached
             req.status = RequestStatus.RUNNING
-            chunks.append(ScheduledChunk(req, n))
+            chunks.append(ScheduledChunk(request=req, num_tokens=n))
             budget -= n
         out = SchedulerOutput(chunks)
         for c in chunks:
@@ -135,7 +135,8 @@ class Scheduler:
                 req.num_computed_tokens += chunk.num_tokens
                 self.kv.cache_full_blocks(req)
                 self.finish(req.request_id, FinishReason.LENGTH)
-                outputs.append(RequestOutput(req.request_id, [], [], True, req.finish_reason, req))
+                outputs.append(RequestOutput(request_id=req.request_id, new_token_ids=[], new_logprobs=[],
+                                             finished=True, finish_reason=req.finish_reason, request=req))
                 continue
             if sampled is None:
                 req.num_computed_tokens += chunk.num_tokens
@@ -163,9 +164,9 @@ class Scheduler:
             self.kv.cache_full_blocks(req)  # hashes only tokens that are in the request
             if reason is not None:
                 self.finish(req.request_id, reason)
-            outputs.append(RequestOutput(req.request_id, [t.token_id for t in new],
-                                         [t.logprobs for t in new if t.logprobs], req.is_finished,
-                                         req.finish_reason, req))
+            outputs.append(RequestOutput(request_id=req.request_id, new_token_ids=[t.token_id for t in new],
+                                         new_logprobs=[t.logprobs for t in new if t.logprobs],
+                                         finished=req.is_finished, finish_reason=req.finish_reason, request=req))
         return outputs
 
     def finish(self, request_id: str, reason: FinishReason) -> Request | None:

@@ -139,12 +139,28 @@ def bindings() -> ModuleType:
         _say("building the torch bindings of the kernels (once per torch version, about a minute) ...")
     started = time.perf_counter()
     build.mkdir(parents=True, exist_ok=True)
+    _clear_stale_lock(build / "lock")
     module = cpp_extension.load(f"phasewise_kernels_{digest}", [str(CSRC / s) for s in BINDING_SOURCES],
                                 extra_cflags=list(flags), extra_ldflags=["-ldl"], build_directory=str(build),
                                 verbose=False)
     if fresh:
         _say(f"built the torch bindings in {time.perf_counter() - started:.1f} s")
     return module
+
+
+STALE_LOCK_S = 600     # a build takes about a minute; a lock this old was left by one that was killed
+
+
+def _clear_stale_lock(lock: Path) -> None:
+    """torch's extension builder waits for its lock file without end: a build killed half-way (Ctrl-C
+    on the first run, a CI job stopped) would leave every later process waiting forever."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        _say(f"removing a build lock left {age / 60:.0f} minutes ago by a build that did not finish: {lock}")
+        lock.unlink(missing_ok=True)
 
 
 def load(level_name: str | None = None):

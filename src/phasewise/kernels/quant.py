@@ -30,7 +30,7 @@ BLOCK_BYTES = {"q4": 256 + 64, "q8": 512 + 32, "i8": 512}
 GGUF_BLOCKS = {"Q4_0": ("q4", 18), "Q4_1": ("q4", 20), "Q8_0": ("q8", 34)}
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PackedWeight:
     fmt: str                       # q4 | q8 | i8
     n: int                         # output features (rows of W)
@@ -92,7 +92,7 @@ def pack_q4(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> PackedWeight:
     qs, d, m = _pad_rows(qs, np_), _pad_rows(d, np_), _pad_rows(m, np_)
     # byte 4j + p of a row's block → chunk j, lane (row), position p
     tiled = qs.reshape(np_ // TILE, TILE, kb, 4, 4).permute(0, 2, 3, 1, 4).reshape(np_ // TILE, kb, 256)
-    return PackedWeight("q4", n, kb * QK, torch.cat([tiled, _tile_scales(d), _tile_scales(m)], dim=-1))
+    return PackedWeight(fmt="q4", n=n, k=kb * QK, blocks=torch.cat([tiled, _tile_scales(d), _tile_scales(m)], dim=-1))
 
 
 def pack_q8(q: torch.Tensor, d: torch.Tensor) -> PackedWeight:
@@ -100,7 +100,8 @@ def pack_q8(q: torch.Tensor, d: torch.Tensor) -> PackedWeight:
     n, kb, _ = q.shape
     np_ = -(-n // TILE) * TILE
     u = (_pad_rows(q, np_).to(torch.int16) + 128).to(torch.uint8)
-    return PackedWeight("q8", n, kb * QK, torch.cat([_tile_bytes(u), _tile_scales(_pad_rows(d, np_))], dim=-1))
+    return PackedWeight(fmt="q8", n=n, k=kb * QK,
+                        blocks=torch.cat([_tile_bytes(u), _tile_scales(_pad_rows(d, np_))], dim=-1))
 
 
 def quantize_i8(w: torch.Tensor) -> PackedWeight:
@@ -114,7 +115,7 @@ def quantize_i8(w: torch.Tensor) -> PackedWeight:
     q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int16)
     np_ = -(-n // TILE) * TILE
     u = (_pad_rows(q, np_) + 128).to(torch.uint8).reshape(np_, k // QK, QK)
-    return PackedWeight("i8", n, k, _tile_bytes(u), scale=_pad_rows(scale, np_).contiguous())
+    return PackedWeight(fmt="i8", n=n, k=k, blocks=_tile_bytes(u), scale=_pad_rows(scale, np_).contiguous())
 
 
 def pack_gguf(type_name: str, raw: np.ndarray | torch.Tensor) -> PackedWeight:
@@ -137,8 +138,8 @@ def concat(parts: list[PackedWeight]) -> PackedWeight:
     if any(p.fmt != fmt or p.k != parts[0].k for p in parts) or any(p.n % TILE for p in parts[:-1]):
         raise ValueError("cannot fuse these weights")
     cat = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
-    return PackedWeight(fmt, sum(p.n for p in parts), parts[0].k, cat([p.blocks for p in parts]),
-                        cat([p.scale for p in parts]))
+    return PackedWeight(fmt=fmt, n=sum(p.n for p in parts), k=parts[0].k, blocks=cat([p.blocks for p in parts]),
+                        scale=cat([p.scale for p in parts]))
 
 
 def dequantize(w: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -85,8 +85,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     slos = parse_goodput(args.goodput)
     base = args.base_url.rstrip("/")
     base = base if base.endswith("/v1") else base + "/v1"
-    target = G.Target(base, args.model or G.first_model(base, args.api_key), args.endpoint, args.api_key,
-                      not args.no_ignore_eos)
+    target = G.Target(base_url=base, model=args.model or G.first_model(base, args.api_key), endpoint=args.endpoint,
+                      api_key=args.api_key, ignore_eos=not args.no_ignore_eos)
     prompts = prompts_for(args, args.num_prompts, args.seed)
     if args.num_warmup:
         warm = prompts_for(args, args.num_warmup, args.seed + 1)[: args.num_warmup]

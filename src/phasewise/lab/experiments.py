@@ -30,7 +30,7 @@ class Column:
     fmt: str = ".1f"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Experiment:
     name: str
     settings: dict[str, Any]
@@ -128,7 +128,8 @@ def prompt_sweep(llm, lengths: Sequence[int], output_tokens: int = 199, runs: in
              f"decode: {table[0]['ms_per_output_token']:.2f} ms/token after {table[0]['prompt_len']} prompt tokens, "
              f"{table[-1]['ms_per_output_token']:.2f} after {table[-1]['prompt_len']}"]
     settings = {"lengths": list(lengths), "output_tokens": output_tokens, "runs": runs, "seed": seed}
-    return Experiment("prompt-sweep", settings, rows, cols, table, notes, reqs)
+    return Experiment(name="prompt-sweep", settings=settings, rows=rows, columns=cols, table=table, notes=notes,
+                      requests=reqs)
 
 
 def output_sweep(llm, lengths: Sequence[int], prompt_tokens: int = 32, runs: int = 1, seed: int = 0,
@@ -143,7 +144,8 @@ def output_sweep(llm, lengths: Sequence[int], prompt_tokens: int = 32, runs: int
     notes = [f"prefill stays {min(pre):.1f}–{max(pre):.1f} ms across output lengths; decode grows "
              f"from {table[0]['decode_ms']:.0f} ms to {table[-1]['decode_ms']:.0f} ms"]
     settings = {"lengths": list(lengths), "prompt_tokens": prompt_tokens, "runs": runs, "seed": seed}
-    return Experiment("output-sweep", settings, rows, cols, table, notes, reqs)
+    return Experiment(name="output-sweep", settings=settings, rows=rows, columns=cols, table=table, notes=notes,
+                      requests=reqs)
 
 
 REPEAT_TIMINGS = ("ttft_ms", "prefill_ms", "ms_per_output_token", "decode_tok_s", "e2e_ms")
@@ -188,7 +190,8 @@ def repeat(llm, runs: int = 20, prompt_tokens: int = 128, output_tokens: int = 6
             Column("p95", "p95", ".2f"), Column("cv", "CV", ".1%"), Column("min", "min", ".2f"),
             Column("max", "max", ".2f")]
     settings = {"runs": runs, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens, "seed": seed}
-    return Experiment("repeat", settings, rows, cols, table, notes or ["no outliers"], reqs)
+    return Experiment(name="repeat", settings=settings, rows=rows, columns=cols, table=table,
+                      notes=notes or ["no outliers"], requests=reqs)
 
 
 def batch_sweep(llm, concurrencies: Sequence[int], prompt_tokens: int = 128, output_tokens: int = 64,
@@ -221,4 +224,5 @@ def batch_sweep(llm, concurrencies: Sequence[int], prompt_tokens: int = 128, out
              f"{top['itl_median_ms'] / base['itl_median_ms']:.1f}x the median inter-token latency"]
     settings = {"concurrencies": list(concurrencies), "prompt_tokens": prompt_tokens,
                 "output_tokens": output_tokens, "seed": seed}
-    return Experiment("batch-sweep", settings, rows, cols, rows, notes, reqs)
+    return Experiment(name="batch-sweep", settings=settings, rows=rows, columns=cols, table=rows, notes=notes,
+                      requests=reqs)

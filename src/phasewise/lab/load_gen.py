@@ -83,7 +83,7 @@ def intervals(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> It
         yield 0.0 if rate == float("inf") else rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Target:
     base_url: str                    # up to and including /v1
     model: str

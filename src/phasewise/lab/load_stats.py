@@ -19,7 +19,7 @@ from phasewise.percentile import percentile
 SLO_METRICS = ("ttft", "tpot", "e2e")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RequestRecord:
     start: float                               # when the request was sent (perf_counter s)
     ok: bool = False

@@ -112,7 +112,7 @@ def request_flops(cfg: ModelConfig, prompt_tokens: int, output_tokens: int) -> f
     return prefill + 2 * head_params(cfg) + decode
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PhaseRoofline:
     phase: str
     tokens: int
@@ -152,14 +152,15 @@ def analyse(cfg: ModelConfig, machine: Machine, bytes_per_weight: float, kv_byte
     the decode). `quantized`: the int8 kernels run the linear layers, so the compute roof is the
     int8 dot-product peak."""
     pre = token_costs(cfg, bytes_per_weight, prompt_tokens // 2, head=False)
-    prefill = PhaseRoofline("prefill", prompt_tokens, prefill_s,
-                            pre.weight_bytes + kv_bytes_per_token * prompt_tokens,
-                            pre.flops_per_token * prompt_tokens + 2 * head_params(cfg), machine, quantized)
+    prefill = PhaseRoofline(phase="prefill", tokens=prompt_tokens, seconds=prefill_s,
+                            bytes_moved=pre.weight_bytes + kv_bytes_per_token * prompt_tokens,
+                            flops=pre.flops_per_token * prompt_tokens + 2 * head_params(cfg), machine=machine,
+                            quantized=quantized)
     mid = prompt_tokens + decode_tokens // 2
     dec = token_costs(cfg, bytes_per_weight, mid)
-    decode = PhaseRoofline("decode", decode_tokens, decode_s,
-                           (dec.weight_bytes + kv_bytes_per_token * mid) * decode_tokens,
-                           dec.flops_per_token * decode_tokens, machine, quantized)
+    decode = PhaseRoofline(phase="decode", tokens=decode_tokens, seconds=decode_s,
+                           bytes_moved=(dec.weight_bytes + kv_bytes_per_token * mid) * decode_tokens,
+                           flops=dec.flops_per_token * decode_tokens, machine=machine, quantized=quantized)
     return [prefill, decode]
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SeqAttention:
     """How one sequence of the batch attends; built once per step, shared by every layer."""
     start: int                      # its rows in the flat batch are [start, end)
@@ -39,7 +39,7 @@ class KernelRows:
     length: torch.Tensor            # [T] int64: how many tokens the row attends to (causal)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class AttentionMetadata:
     """Everything attention needs about the step's batch, passed explicitly to every layer.
 
@@ -66,8 +66,9 @@ class AttentionMetadata:
         width = max(len(t) for t in tables)
         padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64, device=device)
         rows = KernelRows(padded, torch.tensor(seq, device=device), torch.tensor(length, device=device))
-        return cls(torch.tensor(slots, dtype=torch.int64, device=device), block_size, rows, list(query_lens),
-                   list(context_lens), tables, device)
+        return cls(slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device), block_size=block_size,
+                   kernel_rows=rows, query_lens=list(query_lens), context_lens=list(context_lens),
+                   block_tables=tables, device=device)
 
     @cached_property
     def decode_only(self) -> bool:
@@ -81,7 +82,8 @@ class AttentionMetadata:
         for n, ctx, table in zip(self.query_lens, self.context_lens, self.block_tables):
             nblk = -(-ctx // bs)
             blocks = None if n == ctx else torch.tensor(table[:nblk], dtype=torch.int64, device=self.device)
-            plan = SeqAttention(start, start + n, ctx, blocks, None, n == ctx and n > 1)
+            plan = SeqAttention(start=start, end=start + n, context_len=ctx, context_blocks=blocks, mask=None,
+                                is_causal=n == ctx and n > 1)
             if 1 < n < ctx:
                 q_pos = torch.arange(ctx - n, ctx).unsqueeze(1)
                 plan.mask = (torch.arange(ctx).unsqueeze(0) <= q_pos).to(self.device)

@@ -49,7 +49,8 @@ class QuantLinear(nn.Module):
 
     @property
     def packed(self) -> PackedWeight:
-        return PackedWeight(self.fmt, self.out_features, self.in_features, self.blocks, self.scale)
+        return PackedWeight(fmt=self.fmt, n=self.out_features, k=self.in_features, blocks=self.blocks,
+                            scale=self.scale)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}"

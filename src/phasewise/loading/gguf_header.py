@@ -40,7 +40,7 @@ class SkippedArray:
         return self.count
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TensorInfo:
     name: str
     ggml_type: int
@@ -148,5 +148,6 @@ def _parse(c: _Cursor, size: int, quant_sizes, qtypes) -> tuple[dict[str, Any], 
         start = data_start + offset
         if start + nbytes > size:
             raise GGUFFormatError(f"tensor {name!r} runs past the end of the file (truncated?)")
-        tensors[name] = TensorInfo(name, ggml_type, tuple(reversed(dims)), start, nbytes)
+        tensors[name] = TensorInfo(name=name, ggml_type=ggml_type, shape=tuple(reversed(dims)), offset=start,
+                                   nbytes=nbytes)
     return fields, tensors

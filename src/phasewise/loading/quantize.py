@@ -70,4 +70,4 @@ def file_blocks(gguf: GGUFFile, cfg: ModelConfig, path: str) -> quant.PackedWeig
 
 def _to(w: quant.PackedWeight, device) -> quant.PackedWeight:
     move = lambda t: None if t is None else t.to(device)  # noqa: E731
-    return quant.PackedWeight(w.fmt, w.n, w.k, move(w.blocks), move(w.scale))
+    return quant.PackedWeight(fmt=w.fmt, n=w.n, k=w.k, blocks=move(w.blocks), scale=move(w.scale))

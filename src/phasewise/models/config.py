@@ -36,7 +36,7 @@ def checked(name: str, value: Any, source: str) -> int:
     return value
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     architecture: str              # "llama" | "mistral" | "qwen2" | "phi3"
     vocab_size: int

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SamplingParams:
     """Per-request sampling settings, validated on construction (ValueError names the field).
 

@@ -36,7 +36,7 @@ def _mask(id_lists: list[list[int]], vocab_size: int, device: torch.device) -> T
     return mask
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SamplingMetadata:
     """Tensors for one step's batch of B rows, built once per step."""
 

@@ -38,7 +38,7 @@ from phasewise.server.protocol import (
 log = logging.getLogger("phasewise.server")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ServerConfig:
     served_model_name: str
     model_aliases: tuple[str, ...] = ()       # other names a request may use (the model path as given)
