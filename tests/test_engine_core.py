@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 from phasewise.config import SchedulerConfig
 from phasewise.engine.block_pool import BlockPool
 from phasewise.engine.core import EngineCore
-from phasewise.engine.outputs import RunnerOutput, SampledToken, SchedulerOutput
+from phasewise.engine.handoffs import RunnerOutput, SampledToken, SchedulerOutput
 from phasewise.engine.request import FinishReason, Request, RequestStatus
 from phasewise.percentile import percentile
 from phasewise.sampling.params import SamplingParams

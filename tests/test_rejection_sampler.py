@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from phasewise.engine.outputs import ScheduledChunk
+from phasewise.engine.handoffs import ScheduledChunk
 from phasewise.engine.request import Request
 from phasewise.sampling.params import SamplingParams
 from phasewise.sampling.rejection import greedy_verify, rejection_sample

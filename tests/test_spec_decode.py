@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 
 from phasewise.config import SchedulerConfig, SpeculativeConfig
 from phasewise.engine.core import EngineCore
-from phasewise.engine.outputs import RunnerOutput, SampledToken, SchedulerOutput
+from phasewise.engine.handoffs import RunnerOutput, SampledToken, SchedulerOutput
 from phasewise.engine.request import FinishReason, Request, RequestStatus
 from phasewise.sampling.params import SamplingParams
 from phasewise.spec_decode.ngram import NgramIndex, NgramProposer

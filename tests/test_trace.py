@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from phasewise.engine.outputs import StepRecord
+from phasewise.engine.handoffs import StepRecord
 from phasewise.engine.request import RequestMetrics
 from phasewise.lab.trace import REQUESTS_PID, chrome_trace
 

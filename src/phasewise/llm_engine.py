@@ -13,7 +13,7 @@ import torch
 
 from phasewise.config import CacheConfig, EngineConfig, SpeculativeConfig
 from phasewise.engine.core import EngineCore
-from phasewise.engine.outputs import EngineStats, RequestOutput
+from phasewise.engine.handoffs import EngineStats, RequestOutput
 from phasewise.engine.request import FinishReason, Request
 from phasewise.kernels import build as kernel_build
 from phasewise.kernels import use_kernels

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from phasewise.engine.outputs import TokenLogprobs
+from phasewise.engine.handoffs import TokenLogprobs
 from phasewise.engine.request import RequestMetrics
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from phasewise.engine.kv_cache_manager import KVCacheManager
-from phasewise.engine.outputs import (EngineStats, RequestOutput, RunnerOutput, ScheduledChunk, SchedulerOutput,
+from phasewise.engine.handoffs import (EngineStats, RequestOutput, RunnerOutput, ScheduledChunk, SchedulerOutput,
                                       StepRecord)
 from phasewise.engine.request import FinishReason, Request
 from phasewise.engine.scheduler import Scheduler

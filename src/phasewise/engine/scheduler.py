@@ -21,7 +21,7 @@ from collections import deque
 
 from phasewise.config import SchedulerConfig
 from phasewise.engine.kv_cache_manager import KVCacheManager
-from phasewise.engine.outputs import (
+from phasewise.engine.handoffs import (
     RequestOutput, RunnerOutput, ScheduledChunk, SchedulerOutput)
 from phasewise.engine.request import FinishReason, Request, RequestStatus
 

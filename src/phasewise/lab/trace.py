@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from phasewise.engine.outputs import StepRecord
+from phasewise.engine.handoffs import StepRecord
 from phasewise.engine.request import RequestMetrics
 
 ENGINE_PID, REQUESTS_PID = 1, 2

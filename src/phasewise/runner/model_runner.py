@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from phasewise.engine.outputs import RunnerOutput, SampledToken, SchedulerOutput, TokenLogprobs
+from phasewise.engine.handoffs import RunnerOutput, SampledToken, SchedulerOutput, TokenLogprobs
 from phasewise.layers.attention import AttentionMetadata
 from phasewise.runner.kv_cache import KVCache
 from phasewise.sampling.sampler import SamplingMetadata, sample
