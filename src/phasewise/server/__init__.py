@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: `phasewise serve`."""
 
 from phasewise.server.app import ServerConfig, create_app
-from phasewise.server.async_engine import AsyncEngine, RequestStream, SubRequest
+from phasewise.server.async_engine import AsyncEngine, SubRequest
+from phasewise.server.request_stream import RequestStream
 from phasewise.server.errors import EngineError
 
 __all__ = ["AsyncEngine", "EngineError", "RequestStream", "ServerConfig", "SubRequest", "create_app"]

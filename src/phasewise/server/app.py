@@ -15,8 +15,9 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -28,7 +29,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from phasewise import __version__
 from phasewise.outputs import CompletionOutput
 from phasewise.server import responses as R
-from phasewise.server.async_engine import AsyncEngine, RequestStream, SubRequest
+from phasewise.server.async_engine import AsyncEngine, SubRequest
+from phasewise.server.request_stream import RequestStream
 from phasewise.server.errors import ContextLengthError, EngineDeadError, EngineError, RequestError
 from phasewise.server.metrics import ServerMetrics
 from phasewise.server.protocol import (
@@ -140,6 +142,21 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         except EngineDeadError as e:
             raise APIError(503, str(e), type="server_error", code="engine_dead") from None
 
+    async def respond(request: Request, body: Any, rid: str, items: list[SubRequest], chat: bool,
+                      events: Callable, final: Callable) -> Response:
+        """The flow completions and chat share: start the sub-requests, then stream `events` (SSE) or
+        collect every output into `final`'s body (499 when the client left first)."""
+        stream = await start(items, chat)
+        created, model = int(time.time()), body.model or config.served_model_name
+        want_lp = items[0].params.logprobs is not None
+        if body.stream:
+            return _sse(events(stream, rid, created, model, want_lp=want_lp, include_usage=body.include_usage),
+                        stream)
+        outs = await _collect(request, stream)
+        if outs is None:
+            return Response(status_code=499)
+        return JSONResponse(final(rid, created, model, outs, want_lp))
+
     keyed = [Depends(require_key)]
 
     @app.get("/health")
@@ -212,17 +229,9 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         rid = f"cmpl-{uuid.uuid4().hex}"
         items = [SubRequest(_sub_id(rid, p * n + j, len(prompts) * n), prompts[p], choice_params(params, j))
                  for p in range(len(prompts)) for j in range(n)]
-        stream = await start(items, chat=False)
-        created, model = int(time.time()), body.model or config.served_model_name
-        want_lp = params.logprobs is not None
-        if body.stream:
-            gen = _completion_events(stream, rid, created, model, n, want_lp, body.include_usage, token_text,
-                                     body.echo)
-            return _sse(gen, stream)
-        outs = await _collect(request, stream)
-        if outs is None:
-            return Response(status_code=499)
-        return JSONResponse(R.completion_body(rid, created, model, outs, outs[::n], want_lp, token_text, body.echo))
+        return await respond(request, body, rid, items, False,
+                             partial(_completion_events, n=n, tt=token_text, echo=body.echo),
+                             partial(R.completion_body, n=n, tt=token_text, echo=body.echo))
 
     @app.post("/v1/chat/completions", dependencies=keyed, openapi_extra=openapi_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
@@ -232,16 +241,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         messages = body.conversation()
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         items = [SubRequest(_sub_id(rid, j, body.n), messages, choice_params(params, j)) for j in range(body.n)]
-        stream = await start(items, chat=True)
-        created, model = int(time.time()), body.model or config.served_model_name
-        want_lp = params.logprobs is not None
-        if body.stream:
-            gen = _chat_events(stream, rid, created, model, body.n, want_lp, body.include_usage, token_text)
-            return _sse(gen, stream)
-        outs = await _collect(request, stream)
-        if outs is None:
-            return Response(status_code=499)
-        return JSONResponse(R.chat_body(rid, created, model, outs, want_lp, token_text))
+        return await respond(request, body, rid, items, True, partial(_chat_events, n=body.n, tt=token_text),
+                             partial(R.chat_body, tt=token_text))
 
     return app
 

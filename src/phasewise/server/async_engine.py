@@ -25,7 +25,8 @@ from typing import Any
 from phasewise.llm_engine import LLMEngine
 from phasewise.outputs import StreamDelta
 from phasewise.sampling.params import SamplingParams
-from phasewise.server.errors import ContextLengthError, EngineDeadError, EngineError, RequestError, SlowClientError
+from phasewise.server.errors import ContextLengthError, EngineDeadError, EngineError, RequestError
+from phasewise.server.request_stream import RequestStream
 from phasewise.server.observer import Observer, Observers
 
 log = logging.getLogger("phasewise.server")
@@ -63,62 +64,6 @@ class _Abort:
 class _Call:
     fn: Callable[[LLMEngine], Any]
     future: asyncio.Future
-
-
-class RequestStream:
-    """The deltas of one or more engine requests added together, in the order they are produced.
-
-    Iterate with `async for`; `close()` (also run when iteration stops for any reason)
-    aborts whatever has not finished.
-    """
-
-    def __init__(self, engine: AsyncEngine, request_ids: list[str], queue: asyncio.Queue) -> None:
-        self._engine = engine
-        self.request_ids = request_ids
-        self._queue = queue
-        self._unfinished = set(request_ids)
-        self._aborted = False
-
-    async def __aiter__(self) -> AsyncIterator[StreamDelta]:
-        try:
-            while self._unfinished:
-                item = await self._queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.finished:
-                    self._unfinished.discard(item.request_id)
-                yield item
-        finally:
-            self.close()
-
-    @property
-    def finished(self) -> bool:
-        return not self._unfinished
-
-    def _put(self, item: Any) -> None:
-        """On the loop: a delta (or an error) for the consumer. Past `max_pending` unread items the
-        consumer has stopped reading (a client that no longer reads its socket): the requests are
-        aborted, and a consumer that comes back finds the error after what it had not read."""
-        limit = self._engine.max_pending
-        if self._queue.qsize() >= limit and not isinstance(item, BaseException):
-            self._queue.put_nowait(SlowClientError(f"the client read none of the last {limit} chunks of its "
-                                                   "stream, so the request was aborted"))
-            self._abort()
-            return
-        self._queue.put_nowait(item)
-
-    def _abort(self) -> None:
-        """Stop routing to this stream and abort what has not finished (once); what is queued stays."""
-        for rid in self.request_ids:
-            self._engine._streams.pop(rid, None)
-        if self._unfinished and not self._aborted:
-            self._engine._send(_Abort(sorted(self._unfinished)))
-            self._aborted = True
-
-    def close(self) -> None:
-        """Abort the requests that have not finished; idempotent, safe to call from the event loop."""
-        self._abort()
-        self._unfinished.clear()
 
 
 class AsyncEngine:
@@ -196,7 +141,7 @@ class AsyncEngine:
             raise EngineDeadError("the engine has stopped")
         loop = asyncio.get_running_loop()
         rids = [it.request_id for it in items]
-        stream = RequestStream(self, rids, asyncio.Queue())
+        stream = RequestStream(rids, self._close_stream, self.max_pending)
         for rid in rids:
             self._streams[rid] = stream
         future = loop.create_future()
@@ -248,6 +193,13 @@ class AsyncEngine:
                 raise EngineDeadError("the engine has stopped")
             self._inbox.append(command)
             self._cond.notify()
+
+    def _close_stream(self, request_ids: list[str], abort: list[str]) -> None:
+        """On the loop: route nothing more to these requests; abort those given (a closed stream's)."""
+        for rid in request_ids:
+            self._streams.pop(rid, None)
+        if abort:
+            self._send(_Abort(abort))
 
     def _dispatch(self, items: list[tuple[str, Any]]) -> None:
         """On the loop: route deltas (or errors) to their streams; unknown ids were closed already."""

@@ -106,6 +106,8 @@ class ServerMetrics(Observer):
         m = delta.output.metrics
         times = m.token_times
         if not n:
+            if delta.finished and not times:   # max_tokens 0 (the prompt scored only): its prompt still ran
+                self.prompt_tokens.inc(len(delta.output.prompt_token_ids))
             return
         first = len(times) - n                 # index of the delta's first token
         if first == 0:                         # the first token: prefill is over

@@ -104,9 +104,9 @@ def echoed(out: CompletionOutput, tt: TokenText) -> tuple[str, list[int], list[T
     return text, list(out.prompt_token_ids), list(out.prompt_logprobs or [None] * len(out.prompt_token_ids))
 
 
-def completion_body(rid: str, created: int, model: str, outputs: Sequence[CompletionOutput],
-                    per_prompt: Sequence[CompletionOutput], want_logprobs: bool, tt: TokenText,
-                    echo: bool = False) -> dict[str, Any]:
+def completion_body(rid: str, created: int, model: str, outputs: Sequence[CompletionOutput], want_logprobs: bool,
+                    *, n: int, tt: TokenText, echo: bool = False) -> dict[str, Any]:
+    """outputs: n choices per prompt, prompt by prompt."""
     choices = []
     for i, out in enumerate(outputs):
         text, ids, lps = echoed(out, tt) if echo else ("", [], [])
@@ -118,11 +118,11 @@ def completion_body(rid: str, created: int, model: str, outputs: Sequence[Comple
             choice["timings"] = timings(out)
         choices.append(choice)
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
-            "usage": usage(per_prompt, outputs), "timings": timings(outputs[0])}
+            "usage": usage(outputs[::n], outputs), "timings": timings(outputs[0])}
 
 
 def chat_body(rid: str, created: int, model: str, outputs: Sequence[CompletionOutput], want_logprobs: bool,
-              tt: TokenText) -> dict[str, Any]:
+              *, tt: TokenText) -> dict[str, Any]:
     choices = []
     for i, out in enumerate(outputs):
         choice = {"index": i, "message": {"role": "assistant", "content": out.text},
