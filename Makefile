@@ -70,7 +70,7 @@ peers-avx2: $(LLAMA_CPP_SRC)
 		-DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
 	cmake --build .peers/avx2 --target llama-bench llama-server -j 2
 
-# lm-evaluation-harness in a venv of its own (about 1.7 GB with torch, datasets and transformers: too
+# lm-evaluation-harness in a venv of its own (about 1.8 GB with torch, datasets and transformers: too
 # big for the test extras), for benchmarks/lm_eval_local.py: loglikelihood and generation tasks
 # through `phasewise serve` against lm-eval's own `hf` model on the same GGUF.
 LM_EVAL_VENV := .venv-lm-eval

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import httpx
 
+from phasewise.percentile import percentile
+
 sys.path.insert(0, str(Path(__file__).parent))
 import serving  # noqa: E402
 
@@ -37,13 +39,6 @@ WORDS = ("time year people way day man thing woman life child world school state
          "problem hand part place case week company system program question work number night point home water "
          "room mother area money story fact month lot right study book eye job word business issue side").split()
 INVALID = [{"max_tokens": -3}, {"model": "no-such-model"}, {"temperature": -1}, {"n": 0}, {"top_p": 5}]
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    s = sorted(values)
-    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
 
 
 class Soak:
