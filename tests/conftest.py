@@ -84,3 +84,26 @@ def chosen_ops():
     kernels = build.load()
     assert kernels is not None, "the kernels failed to build"
     return kernels
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    """One live `phasewise serve` for the server tests (tests/live_server.py)."""
+    from live_server import MAX_BODY, start_server, stop_server
+
+    s = start_server(tmp_path_factory.mktemp("server"), "--max-body-bytes", str(MAX_BODY))
+    yield s
+    stop_server(s)
+    assert "Traceback" not in s.log.read_text(), s.log.read_text()
+
+
+@pytest.fixture(scope="session")
+def guarded(tmp_path_factory):
+    """A second server: an API key, four running requests at most, eight waiting at most."""
+    from live_server import KEY, start_server, stop_server
+
+    s = start_server(tmp_path_factory.mktemp("guarded"), "--api-key", KEY, "--max-waiting", "8",
+                     "--max-num-seqs", "4")
+    yield s
+    stop_server(s)
+    assert "Traceback" not in s.log.read_text(), s.log.read_text()

@@ -13,7 +13,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
-from test_server import start_server, stop_server
+from live_server import start_server, stop_server
 
 pytestmark = pytest.mark.slow
 

@@ -27,7 +27,7 @@ from phasewise.outputs import StreamDelta
 from phasewise.sampling.params import SamplingParams
 from phasewise.server.errors import ContextLengthError, EngineDeadError, EngineError, RequestError
 from phasewise.server.request_stream import RequestStream
-from phasewise.server.observer import Observer, Observers
+from phasewise.server.observer import Observer
 
 log = logging.getLogger("phasewise.server")
 

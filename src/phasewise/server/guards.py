@@ -1,0 +1,127 @@
+"""What refuses a request before it runs, and the shape every refusal takes.
+
+`BodyLimit` answers 413 before the app reads an oversized body; `Guards` checks the API
+key (401), the model name (404) and the waiting room (503 with Retry-After); the error
+handlers turn every exception into OpenAI's error JSON (400 rather than FastAPI's 422,
+500 with one line and no traceback).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from phasewise.server.async_engine import AsyncEngine
+from phasewise.server.config import ServerConfig
+from phasewise.server.protocol import APIError, error_body, validation_message
+
+log = logging.getLogger("phasewise.server")
+
+
+@dataclass(frozen=True)
+class Guards:
+    engine: AsyncEngine
+    config: ServerConfig
+
+    def require_key(self, request: Request) -> None:
+        """A FastAPI dependency: with --api-key set, 'Authorization: Bearer <key>' or 401."""
+        key = self.config.api_key
+        if key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
+            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                           param=None, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    def check_model(self, name: str | None) -> None:
+        config = self.config
+        if name is not None and name != config.served_model_name and name not in config.model_aliases:
+            raise APIError(404, f"the model '{name}' does not exist (this server serves "
+                                f"'{config.served_model_name}')", param="model", code="model_not_found")
+
+    def admit(self, n: int) -> None:
+        """Refuse n more sub-requests if they would make more than --max-waiting wait (a request
+        bigger than that is let in when the engine is idle, or it could never run)."""
+        engine, limit = self.engine, self.config.max_waiting
+        if not engine.is_alive:
+            raise APIError(503, "the engine has stopped", type="server_error", code="engine_dead")
+        queued = engine.num_queued
+        if engine.queued_after(n) > limit and not engine.is_idle:
+            raise APIError(503, f"the server is overloaded: {queued} requests are waiting "
+                                f"(--max-waiting {limit}); retry later",
+                           type="server_error", code="overloaded", headers={"Retry-After": "1"})
+
+
+class BodyLimit:
+    """ASGI middleware: a body over the limit is answered 413 before the app sees the request."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await self._too_large(send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":     # the client left before sending its body
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await self._too_large(send)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()                     # then: the disconnect, when it comes
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, send: Any) -> None:
+        body = json.dumps(error_body(f"the request body is larger than {self.max_bytes} bytes",
+                                     code="request_too_large")).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(message, kind), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(exc.errors())
+        return JSONResponse(error_body(message, param=param), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return JSONResponse(error_body(f"internal server error: {first}", "server_error"), status_code=500)

@@ -1,0 +1,103 @@
+"""The OpenAI API proper: /v1/models, /v1/completions and /v1/chat/completions.
+
+Completions and chat share one flow (`respond`): build the sub-requests (one per prompt and
+choice), admit and submit them, then stream SSE chunks or collect one JSON body.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from phasewise.server import responses as R
+from phasewise.server.async_engine import SubRequest
+from phasewise.server.errors import ContextLengthError, EngineDeadError, RequestError
+from phasewise.server.guards import Guards
+from phasewise.server.protocol import (
+    APIError, ChatCompletionRequest, CompletionRequest, bad_request, choice_params, openapi_body, parse_body)
+from phasewise.server.request_stream import RequestStream
+from phasewise.server.sse import chat_events, collect, completion_events, sse_response
+
+
+def openai_router(guards: Guards) -> APIRouter:
+    engine, config = guards.engine, guards.config
+    token_text = R.TokenText(engine.tokenizer)
+    router = APIRouter(dependencies=[Depends(guards.require_key)])
+
+    async def start(items: list[SubRequest], chat: bool) -> RequestStream:
+        guards.admit(len(items))
+        try:
+            return await engine.submit(items, chat)
+        except RequestError as e:
+            param = "messages" if e.param == "prompt" and chat else e.param
+            if isinstance(e, ContextLengthError):
+                raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
+            raise bad_request(str(e), param) from None
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+        except EngineDeadError as e:
+            raise APIError(503, str(e), type="server_error", code="engine_dead") from None
+
+    async def respond(request: Request, body: Any, rid: str, items: list[SubRequest], chat: bool,
+                      events: Callable, final: Callable) -> Response:
+        """Start the sub-requests, then stream `events` (SSE) or collect every output into `final`'s
+        body (499 when the client left first)."""
+        stream = await start(items, chat)
+        created, model = int(time.time()), body.model or config.served_model_name
+        want_lp = items[0].params.logprobs is not None
+        if body.stream:
+            return sse_response(events(stream, rid, created, model, want_lp=want_lp,
+                                       include_usage=body.include_usage), stream)
+        outs = await collect(request, stream)
+        if outs is None:
+            return Response(status_code=499)
+        return JSONResponse(final(rid, created, model, outs, want_lp))
+
+    def model_card() -> dict:
+        return {"id": config.served_model_name, "object": "model", "created": config.created, "owned_by": "phasewise",
+                "root": config.model_root, "parent": None, "max_model_len": engine.max_model_len}
+
+    @router.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [model_card()]}
+
+    @router.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        guards.check_model(model_id)                   # 404 in OpenAI's shape for another name
+        return model_card()
+
+    @router.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
+    async def completions(request: Request) -> Response:
+        body = parse_body(await request.body(), CompletionRequest)
+        guards.check_model(body.model)
+        params = body.sampling_params()
+        prompts, n = body.prompts(), body.n
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        items = [SubRequest(_sub_id(rid, p * n + j, len(prompts) * n), prompts[p], choice_params(params, j))
+                 for p in range(len(prompts)) for j in range(n)]
+        return await respond(request, body, rid, items, False,
+                             partial(completion_events, n=n, tt=token_text, echo=body.echo),
+                             partial(R.completion_body, n=n, tt=token_text, echo=body.echo))
+
+    @router.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
+    async def chat_completions(request: Request) -> Response:
+        body = parse_body(await request.body(), ChatCompletionRequest)
+        guards.check_model(body.model)
+        params = body.sampling_params()
+        messages = body.conversation()
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        items = [SubRequest(_sub_id(rid, j, body.n), messages, choice_params(params, j)) for j in range(body.n)]
+        return await respond(request, body, rid, items, True, partial(chat_events, n=body.n, tt=token_text),
+                             partial(R.chat_body, tt=token_text))
+
+    return router
+
+
+def _sub_id(rid: str, i: int, total: int) -> str:
+    return rid if total == 1 else f"{rid}-{i}"

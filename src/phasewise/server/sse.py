@@ -1,0 +1,128 @@
+"""A request's RequestStream as the client receives it: SSE chunks, or one collected list of outputs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from starlette.background import BackgroundTask
+
+from phasewise.outputs import CompletionOutput
+from phasewise.server import responses as R
+from phasewise.server.errors import EngineError
+from phasewise.server.protocol import APIError, error_body
+from phasewise.server.request_stream import RequestStream
+
+
+async def collect(request: Request, stream: RequestStream) -> list[CompletionOutput] | None:
+    """The final outputs in submission order, or None when the client disconnected first (then aborted)."""
+    async def run() -> list[CompletionOutput]:
+        finals = {}
+        async for delta in stream:
+            if delta.finished:
+                finals[delta.request_id] = delta.output
+        return [finals[rid] for rid in stream.request_ids]
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work, watch = asyncio.ensure_future(run()), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        gone = not work.done()
+        if gone:
+            work.cancel()
+        stream.close()
+    if gone:
+        return None
+    try:
+        return work.result()
+    except EngineError as e:
+        raise APIError(500, str(e), type="server_error", code="engine_error") from None
+
+
+def sse_response(gen: AsyncIterator[str], stream: RequestStream) -> StreamingResponse:
+    # background: closes the stream even when the body never started (client gone at once)
+    return StreamingResponse(gen, media_type="text/event-stream", background=BackgroundTask(stream.close),
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _event(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def _events(stream: RequestStream, make_choice: Any, head: list[dict], rid: str, obj: str, created: int,
+                  model: str, n: int, include_usage: bool) -> AsyncIterator[str]:
+    """Shared SSE loop: one chunk per delta with something in it, timings on each choice's last chunk,
+    the usage chunk when asked for, then [DONE]. An engine failure becomes an error event."""
+    index = {rid_: i for i, rid_ in enumerate(stream.request_ids)}
+    finals: dict[int, CompletionOutput] = {}
+    try:
+        for choice in head:
+            yield _event(R.chunk(rid, obj, created, model, [choice], include_usage))
+        async for delta in stream:
+            i = index[delta.request_id]
+            choice = make_choice(i, delta)
+            if choice is None:
+                continue
+            extra = {}
+            if delta.finished:
+                finals[i] = delta.output
+                extra["timings"] = R.timings(delta.output)
+            yield _event(R.chunk(rid, obj, created, model, [choice], include_usage, **extra))
+        if include_usage:
+            outs = [finals[i] for i in sorted(finals)]
+            yield _event(R.chunk(rid, obj, created, model, [], False, usage=R.usage(outs[::n], outs),
+                                 timings=R.timings(outs[0])))
+        yield "data: [DONE]\n\n"
+    except EngineError as e:
+        yield _event(error_body(str(e), "server_error", code="engine_error"))
+        yield "data: [DONE]\n\n"
+    finally:
+        stream.close()
+
+
+def completion_events(stream: RequestStream, rid: str, created: int, model: str, n: int, want_lp: bool,
+                      include_usage: bool, tt: R.TokenText, echo: bool = False) -> AsyncIterator[str]:
+    offsets = [R.TextOffsets() for _ in stream.request_ids]
+    unechoed = set(range(len(stream.request_ids))) if echo else set()   # choices whose prompt is still to send
+
+    def make_choice(i: int, delta: Any) -> dict | None:
+        text, ids, lps = R.echoed(delta.output, tt) if i in unechoed else ("", [], [])
+        unechoed.discard(i)
+        if not text and not delta.text and not delta.finished and not want_lp:
+            return None
+        choice = {"index": i, "text": text + delta.text, "logprobs": None, "finish_reason": None}
+        if want_lp:
+            choice["logprobs"] = tt.completion_logprobs(ids + delta.token_ids, lps + delta.logprobs, offsets[i])
+        if delta.finished:
+            choice["finish_reason"], choice["stop_reason"] = delta.output.finish_reason, delta.output.stop_reason
+        return choice
+
+    return _events(stream, make_choice, [], rid, "text_completion", created, model, n, include_usage)
+
+
+def chat_events(stream: RequestStream, rid: str, created: int, model: str, n: int, want_lp: bool,
+                include_usage: bool, tt: R.TokenText) -> AsyncIterator[str]:
+    head = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            for i in range(len(stream.request_ids))]
+
+    def make_choice(i: int, delta: Any) -> dict | None:
+        if not delta.text and not delta.finished and not want_lp:
+            return None
+        choice = {"index": i, "delta": {"content": delta.text} if delta.text else {}, "logprobs": None,
+                  "finish_reason": None}
+        if want_lp:
+            choice["logprobs"] = tt.chat_logprobs(delta.token_ids, delta.logprobs)
+        if delta.finished:
+            choice["finish_reason"], choice["stop_reason"] = delta.output.finish_reason, delta.output.stop_reason
+        return choice
+
+    return _events(stream, make_choice, head, rid, "chat.completion.chunk", created, model, n, include_usage)

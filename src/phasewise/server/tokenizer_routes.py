@@ -1,0 +1,53 @@
+"""/tokenize, /detokenize and /tokenizer_info: the server's tokenizer, for clients that count or score."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+
+from phasewise.server.guards import Guards
+from phasewise.server.protocol import DetokenizeRequest, TokenizeRequest, bad_request, openapi_body, parse_body
+
+
+def tokenizer_router(guards: Guards) -> APIRouter:
+    engine = guards.engine
+    router = APIRouter(dependencies=[Depends(guards.require_key)])
+
+    @router.post("/tokenize", openapi_extra=openapi_body(TokenizeRequest))
+    async def tokenize(request: Request) -> dict:
+        body = parse_body(await request.body(), TokenizeRequest)
+        guards.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("give either prompt or messages")
+        if body.messages is not None:
+            messages = [m.as_dict() for m in body.messages]
+            fn = lambda e: e.tokenizer.apply_chat_template(messages)    # noqa: E731
+        else:
+            text, special = body.prompt, body.add_special_tokens
+            fn = lambda e: e.tokenizer.encode(text, add_special_tokens=special)    # noqa: E731
+        try:
+            ids = await engine.call(fn)
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+
+    @router.get("/tokenizer_info")
+    async def tokenizer_info() -> dict:
+        """What a client needs to tokenize as the server does (vLLM's route; lm-evaluation-harness's
+        `tokenizer_backend=remote` reads it, then uses /tokenize and /detokenize)."""
+        hf = engine.tokenizer.hf
+        return {"tokenizer_class": type(hf).__name__, "eos_token": hf.eos_token, "bos_token": hf.bos_token,
+                "pad_token": hf.pad_token, "unk_token": hf.unk_token, "chat_template": hf.chat_template,
+                "model_max_length": engine.max_model_len, "vocab_size": engine.model_config.vocab_size}
+
+    @router.post("/detokenize", openapi_extra=openapi_body(DetokenizeRequest))
+    async def detokenize(request: Request) -> dict:
+        body = parse_body(await request.body(), DetokenizeRequest)
+        guards.check_model(body.model)
+        vocab = engine.model_config.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is out of range: the vocabulary has {vocab} tokens", "tokens")
+        tokens = body.tokens
+        return {"prompt": await engine.call(lambda e: e.tokenizer.decode(tokens))}
+
+    return router
