@@ -134,7 +134,7 @@ def test_paged_attention_matches_the_reference(ops, query_lens, context_lens):
 
 
 def _kernel_against_reference(ops, Hq: int, Hkv: int, head_dim: int, block_size: int, int8: bool,
-                              query_lens: list[int], context_lens: list[int]) -> None:
+                              query_lens: list[int], context_lens: list[int], window: int | None = None) -> None:
     """Random q, k, v and a cache (fp32, or int8 with its new k and v exact in int8): kernel == reference."""
     num_blocks = sum(-(-c // block_size) for c in context_lens) + 3
     tables = _tables(context_lens, block_size, num_blocks)
@@ -146,9 +146,39 @@ def _kernel_against_reference(ops, Hq: int, Hkv: int, head_dim: int, block_size:
         caches = [kq, vq, ks, vs]
         k, v = (x.float() * s.unsqueeze(-1) for x, s in (quantize_rows(k), quantize_rows(v)))
     meta = AttentionMetadata.build(query_lens, context_lens, tables, block_size, torch.device("cpu"))
-    ref = paged_attention(q, k, v, tuple(c.clone() for c in caches), meta)
-    out = paged_attention(q, k, v, tuple(caches), meta, ops=ops)
+    ref = paged_attention(q, k, v, tuple(c.clone() for c in caches), meta, window=window)
+    out = paged_attention(q, k, v, tuple(caches), meta, ops=ops, window=window)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("head_dim, Hq, Hkv", [(256, 4, 1), (64, 9, 3)])
+@pytest.mark.parametrize("query_lens, context_lens", [
+    ([1, 1, 1], [700, 33, 40]),          # decodes past, at and inside the window
+    ([40, 1], [40, 900]),                # a prompt inside its window (tiled), a decode past it
+    ([37, 20], [100, 60]),               # chunks whose keys reach past the window: row by row
+])
+def test_sliding_window_kernel_matches_the_reference(ops, int8, head_dim, Hq, Hkv, query_lens, context_lens):
+    """A sliding-window layer (Gemma 3's local layers, Mistral): each row sees its last 40 tokens."""
+    torch.manual_seed(8)
+    _kernel_against_reference(ops, Hq, Hkv, head_dim, 16, int8, query_lens, context_lens, window=40)
+
+
+def test_the_reference_window_is_the_masked_softmax():
+    """The reference itself, against attention written out for one sequence: the query at position p
+    sees keys p - W + 1 .. p."""
+    torch.manual_seed(9)
+    W, n, ctx, H, D, bs = 5, 6, 12, 2, 8, 4
+    cache = [torch.randn(ctx, H, D) for _ in range(2)]
+    q, k, v = torch.randn(n, H, D), cache[0][ctx - n:].clone(), cache[1][ctx - n:].clone()
+    meta = AttentionMetadata.build([n], [ctx], [[0, 1, 2]], bs, torch.device("cpu"))
+    out = paged_attention(q, k, v, (cache[0].clone(), cache[1].clone()), meta, window=W).view(n, H, D)
+    for i in range(n):
+        p = ctx - n + i
+        keys = range(p - W + 1, p + 1)
+        scores = torch.einsum("hd,khd->hk", q[i], cache[0][list(keys)]) * D ** -0.5
+        expect = torch.einsum("hk,khd->hd", scores.softmax(-1), cache[1][list(keys)])
+        torch.testing.assert_close(out[i], expect, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

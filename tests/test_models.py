@@ -9,83 +9,13 @@ import numpy as np
 import pytest
 import torch
 from conftest import PagedRunner
+from model_builders import (N_NEW, QT, assert_logits_close, build_hf, check_against_hf, gguf, hf_config,
+                            hf_reference, prompt_ids, write_gguf)
 
 from phasewise.loading.gguf import ModelLoadError
 from phasewise.loading.loader import load_model
 from phasewise.models.config import UnsupportedModelError
 
-gguf = pytest.importorskip("gguf")
-transformers = pytest.importorskip("transformers")
-from gguf import GGMLQuantizationType as QT  # noqa: E402
-from gguf.quants import dequantize, quantize  # noqa: E402
-
-SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, bos_token_id=None, eos_token_id=None)
-N_NEW = 24
-
-
-# ---- builders ---------------------------------------------------------------------------------
-
-def hf_config(kind: str, **over):
-    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-           "mistral": transformers.MistralConfig, "phi3": transformers.Phi3Config}[kind]
-    kw = dict(SMALL, max_position_embeddings=128)
-    if kind == "phi3":
-        kw.update(pad_token_id=0, original_max_position_embeddings=128)
-    kw.update(over)
-    return cls(**kw)
-
-
-def build_hf(config, seed: int = 0) -> torch.nn.Module:
-    """An HF model with every parameter random (HF zeroes biases and sets norms to 1; we want them all to count)."""
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():  # a tied lm_head is the embedding: listed once
-            noise = torch.randn(p.shape, generator=g)
-            if "embed_tokens" in name:
-                p.copy_(noise)
-            elif p.ndim == 1:
-                p.copy_(1 + 0.3 * noise if "norm" in name else 0.5 * noise)
-            else:
-                p.copy_(noise * (3.0 if "lm_head" in name else 1.0) / p.shape[1] ** 0.5)
-    return model
-
-
-def prompt_ids(vocab: int, n: int, seed: int = 0) -> list[int]:
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-@torch.no_grad()
-def hf_reference(model, prompt: list[int], n: int) -> tuple[torch.Tensor, list[int]]:
-    """HF's prompt logits [T, V] and n greedy tokens (generate, no eos stop)."""
-    ids = torch.tensor([prompt])
-    logits = model(ids).logits[0].float()
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                         do_sample=False, eos_token_id=None, pad_token_id=0)
-    tokens = out[0, len(prompt):].tolist()
-    assert len(tokens) == n
-    return logits, tokens
-
-
-def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor, tol: float = 1e-4) -> None:
-    assert ours.shape == ref.shape
-    diff = (ours.float() - ref).abs().max().item()
-    span = (ref.max() - ref.min()).item()
-    assert diff < tol or diff / span < tol, f"max |diff| {diff:.3g} (logit range {span:.3g})"
-
-
-def check_against_hf(path: Path, hf_model, prompt: list[int], n: int = N_NEW, chunk: int | None = None):
-    model, cfg = load_model(path)
-    ref_logits, ref_tokens = hf_reference(hf_model, prompt, n)
-    logits, tokens = PagedRunner(model).greedy(prompt, n, chunk=chunk)
-    assert_logits_close(logits, ref_logits)
-    assert tokens == ref_tokens
-    return model, cfg
-
-
-# ---- HF folders ------------------------------------------------------------------------------
 
 HF_CASES = {
     "llama": ("llama", {}),
@@ -189,79 +119,6 @@ def test_bf16_runs_and_agrees_with_fp32(hf_checkpoints):
     assert clear.sum() >= 5
     assert torch.equal(ours.argmax(-1)[clear], ref.argmax(-1)[clear])
 
-
-# ---- GGUF --------------------------------------------------------------------------------------
-
-_GGUF_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-               "mlp.down_proj": "ffn_down"}
-_GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-
-
-def gguf_name(hf: str) -> str:
-    if hf in _GGUF_TOP:
-        return _GGUF_TOP[hf]
-    _, _, layer, rest = hf.split(".", 3)
-    base, suffix = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_GGUF_LAYER[base]}.{suffix}"
-
-
-def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    rows, cols = w.shape
-    return w.reshape(n_head, 2, rows // n_head // 2, cols).swapaxes(1, 2).reshape(rows, cols)
-
-
-def file_type_for(name: str) -> QT:
-    if name == "token_embd.weight" or name == "blk.0.attn_q.weight" or (
-            name.endswith((".ffn_down.weight", ".ffn_gate.weight"))):
-        return QT.Q8_0
-    if name.endswith(".attn_k.weight") or name == "output.weight":
-        return QT.F16
-    return QT.F32
-
-
-def write_gguf(path: Path, hf_model, arch: str, *, permute: bool, vocab_in_tokens: bool = False) -> set[QT]:
-    """Write hf_model as llama.cpp would, then set hf_model to exactly the (dequantized) values in the file."""
-    c = hf_model.config
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_name("tiny-test")
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    if vocab_in_tokens:
-        w.add_tokenizer_model("llama")
-        w.add_token_list([f"<t{i}>" for i in range(c.vocab_size)])
-    else:
-        w.add_vocab_size(c.vocab_size)
-    used, params = set(), dict(hf_model.named_parameters())  # tied lm_head is not listed
-    for hf, p in params.items():
-        name = gguf_name(hf)
-        array = p.detach().numpy().astype(np.float32)
-        order = np.arange(array.shape[0])
-        if permute and name.endswith((".attn_q.weight", ".attn_k.weight")):
-            heads = c.num_attention_heads if ".attn_q." in name else c.num_key_value_heads
-            order = llama_cpp_permute(order[:, None], heads)[:, 0]  # file row i = HF row order[i]
-            array = array[order]
-        qtype = file_type_for(name) if array.ndim == 2 else QT.F32
-        data = quantize(array, qtype)
-        w.add_tensor(name, data, raw_dtype=qtype if qtype not in (QT.F32, QT.F16) else None)
-        held = np.empty_like(array)
-        held[order] = dequantize(data, qtype).reshape(array.shape)
-        with torch.no_grad():
-            p.copy_(torch.from_numpy(held))
-        used.add(qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return used
 
 
 GGUF_CASES = {

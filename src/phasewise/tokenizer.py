@@ -16,7 +16,17 @@ from phasewise.paths import default_cache_dir
 # Turn-ending tokens of common chat formats (ChatML, Llama 3, Phi-3, Gemma, Llama 2 / Mistral).
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "</s>")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-CACHE_FORMAT = 1  # bump to invalidate every cached tokenizer
+CACHE_FORMAT = 2  # bump to invalidate every cached tokenizer
+# The turn format of a GGUF that ships no chat template, known by a token of its vocabulary (as
+# llama.cpp falls back to its built-in templates). Gemma: system text opens the next user turn.
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% set ns = namespace(system='') %}{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{% set ns.system = ns.system + m['content'] + '\n\n' %}"
+    "{% else %}{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else 'user') + '\n'"
+    " + (ns.system if m['role'] == 'user' else '') + m['content'] | trim + '<end_of_turn>\n' }}"
+    "{% if m['role'] == 'user' %}{% set ns.system = '' %}{% endif %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
+FALLBACK_TEMPLATES = {"<start_of_turn>": GEMMA_TEMPLATE}
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")   # SentencePiece's byte-fallback tokens
 
 
@@ -90,6 +100,9 @@ class Tokenizer:
             hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         except Exception as e:
             raise ValueError(f"cannot load the tokenizer of {path}: {_one_line(e)}") from e
+        if not hf.chat_template:
+            vocab = hf.get_vocab()
+            hf.chat_template = next((tpl for marker, tpl in FALLBACK_TEMPLATES.items() if marker in vocab), None)
         if use_cache:
             _save_atomically(hf, cached)
         return cls(hf)

@@ -96,6 +96,15 @@ class AttentionMetadata:
         """[B, nblk] block ids of a decode-only batch, padded with block 0 (the kernel's tables)."""
         return self.kernel_rows.tables
 
+    def decode_window_mask(self, window: int) -> torch.Tensor:
+        """decode_mask, also hiding keys before each sequence's window (its last `window` tokens)."""
+        masks = self.__dict__.setdefault("_window_masks", {})
+        if window not in masks:
+            span = self.decode_blocks.shape[1] * self.block_size
+            pos, ctx = torch.arange(span).unsqueeze(0), torch.tensor(self.context_lens).unsqueeze(1)
+            masks[window] = ((pos < ctx) & (pos >= ctx - window))[:, None, None, :].to(self.device)
+        return masks[window]
+
     @cached_property
     def decode_mask(self) -> torch.Tensor | None:
         """[B, 1, 1, nblk * block_size] bool for a decode-only batch; None when nothing is padding."""
@@ -141,27 +150,32 @@ def _read(kv: LayerKV, which: int, blocks: torch.Tensor, block_size: int, dtype:
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, meta: AttentionMetadata,
-                    ops=None, written: bool = False) -> torch.Tensor:
+                    ops=None, written: bool = False, window: int | None = None,
+                    scale: float | None = None) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D]; kv: the layer's cache (k, v [num_slots, Hkv, D], and for an
     int8 cache their scales [num_slots, Hkv]) → out [T, Hq * D].
 
     `written`: k and v are already in their cache slots. `ops`: the compiled CPU ops, which
-    then serve every row straight from the cache (`meta.kernel_rows`)."""
+    then serve every row straight from the cache (`meta.kernel_rows`). `window`: a query at
+    position p sees only keys p - window + 1 .. p (a sliding-window layer). `scale`: of the
+    scores (default 1/sqrt(D))."""
     if not written:
         write_kv(kv, meta.slot_mapping, k, v)
     T, Hq, D = q.shape
     Hkv, bs = k.shape[1], meta.block_size
+    scale = D ** -0.5 if scale is None else scale
     if ops is not None:                             # one kernel call
         rows, scales = meta.kernel_rows, ((kv[2], kv[3]) if len(kv) == 4 else (None, None))
         return ops.paged_attention(q.contiguous(), kv[0], kv[1], rows.tables, rows.seq, rows.length,
-                                   bs, D ** -0.5, *scales).view(T, Hq * D)
+                                   bs, scale, *scales, window=window or 0).view(T, Hq * D)
     if meta.decode_only:
         # Grouped-query trick: the G query heads sharing a KV head ride in the query-length axis.
         B, G = T, Hq // Hkv
         qg = q.view(B, Hkv, G, D)                                      # [B, Hkv, G, D]
         kc = _read(kv, 0, meta.decode_blocks, bs, q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
         vc = _read(kv, 1, meta.decode_blocks, bs, q.dtype).transpose(1, 2)
-        out = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=meta.decode_mask)
+        mask = meta.decode_mask if window is None else meta.decode_window_mask(window)
+        out = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask, scale=scale)
         return out.reshape(T, Hq * D)
     out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
     for s in meta.seqs:
@@ -172,7 +186,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
             ks = _read(kv, 0, s.context_blocks, bs, q.dtype)[: s.context_len]  # [L, Hkv, D]
             vs = _read(kv, 1, s.context_blocks, bs, q.dtype)[: s.context_len]
         ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=s.mask, is_causal=s.is_causal,
+        mask, causal = s.mask, s.is_causal
+        if window is not None and s.context_len > window:
+            mask, causal = _window_mask(s.end - s.start, s.context_len, window, q.device), False
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal, scale=scale,
                                            enable_gqa=Hq != Hkv)
         out[s.start:s.end] = o[0].transpose(0, 1)
     return out.view(T, Hq * D)
+
+
+def _window_mask(n: int, ctx: int, window: int, device: torch.device) -> torch.Tensor:
+    """[n, ctx] bool: the last n positions of a ctx-token context, each seeing its window of keys."""
+    q_pos = torch.arange(ctx - n, ctx).unsqueeze(1)
+    k_pos = torch.arange(ctx).unsqueeze(0)
+    return ((k_pos <= q_pos) & (k_pos > q_pos - window)).to(device)

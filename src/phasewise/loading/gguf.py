@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -25,6 +24,10 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Qwen3 and Gemma 3: QK-norm; Gemma 3: four norms a layer (ffn_norm is the one before the MLP).
+_LAYER_NAMES_QK = {**_LAYER_NAMES, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_LAYER_NAMES_GEMMA3 = {**_LAYER_NAMES_QK, "post_attention_norm": "post_attention_layernorm",
+                       "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _SKIP = {"rope_freqs.weight"}  # read into the config instead
 # llama.cpp's converter permutes Q/K rows of these architectures for its interleaved RoPE.
@@ -113,6 +116,8 @@ class GGUFFile:
                 continue
             hf_name = _hf_name(name, cfg)
             array = self._dequantize(name)
+            if cfg.architecture == "gemma3" and name.endswith("norm.weight"):
+                array = array - 1          # llama.cpp stores Gemma's norms as 1 + w; HF's convention is w
             if permuted and (".attn_q." in name or ".attn_k." in name):
                 heads = cfg.num_heads if ".attn_q." in name else cfg.num_kv_heads
                 array = _unpermute(array, heads)
@@ -123,9 +128,10 @@ def _hf_name(name: str, cfg: ModelConfig) -> str:
     parts = name.split(".")
     if parts[0] == "blk" and len(parts) == 4:
         layer, base, suffix = parts[1], parts[2], parts[3]
-        if base not in _LAYER_NAMES:
+        names = _layer_names(cfg)
+        if base not in names:
             raise ModelLoadError(f"unexpected tensor {name!r} in GGUF file")
-        hf = _LAYER_NAMES[base]
+        hf = names[base]
         if cfg.architecture == "phi3" and base == "ffn_up":
             hf = "mlp.gate_up_proj"  # Phi-3 keeps gate and up fused
         return f"model.layers.{layer}.{hf}.{suffix}"
@@ -143,10 +149,16 @@ def _gguf_name(hf_name: str, cfg: ModelConfig) -> str | None:
         hf = ".".join(parts[3:5])
         if cfg.architecture == "phi3" and hf == "mlp.gate_up_proj":
             return f"blk.{parts[2]}.ffn_up.{parts[5]}"
-        for base, name in _LAYER_NAMES.items():
+        for base, name in _layer_names(cfg).items():
             if name == hf:
                 return f"blk.{parts[2]}.{base}.{parts[5]}"
     return None
+
+
+def _layer_names(cfg: ModelConfig) -> dict[str, str]:
+    if cfg.architecture == "gemma3":
+        return _LAYER_NAMES_GEMMA3
+    return _LAYER_NAMES_QK if cfg.qk_norm else _LAYER_NAMES
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:

@@ -8,8 +8,13 @@ from pathlib import Path
 from typing import Any
 
 # HF model_type / GGUF general.architecture → our architecture family name.
-_HF_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "phi3": "phi3"}
-_GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "phi3": "phi3"}
+_HF_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+             "gemma3": "gemma3", "gemma3_text": "gemma3"}
+_GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+               "gemma3": "gemma3"}
+_QK_NORM = {"qwen3", "gemma3"}        # RMSNorm over each head of q and k, before RoPE
+GEMMA3_GLOBAL_EVERY = 6               # Gemma 3: five local (sliding-window) layers, then one global
+GEMMA3_LOCAL_THETA = 10000.0          # Gemma 3's RoPE base on local layers (llama.cpp's and transformers' default)
 SUPPORTED = sorted(set(_HF_TYPES.values()))
 
 
@@ -38,7 +43,7 @@ def checked(name: str, value: Any, source: str) -> int:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    architecture: str              # "llama" | "mistral" | "qwen2" | "phi3"
+    architecture: str              # "llama" | "mistral" | "qwen2" | "qwen3" | "phi3" | "gemma3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -51,7 +56,14 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool = False
     attention_bias: bool = False   # Qwen2: bias on q, k and v
-    rope_scaling: dict[str, Any] | None = field(default=None, hash=False, compare=False)
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False, compare=False)  # global layers'
+    qk_norm: bool = False          # Qwen3, Gemma 3: RMSNorm over each q and k head before RoPE
+    hidden_act: str = "silu"       # the MLP's gate: "silu" | "gelu_tanh" (Gemma)
+    sliding_window: int | None = None   # local layers attend to the latest this many tokens (themselves included)
+    sliding_layers: tuple[int, ...] = ()  # which layers are local (windowed); the rest attend to everything
+    rope_local_theta: float | None = None  # RoPE base of the local layers (Gemma 3); None: rope_theta
+    query_scale: float | None = None    # attention's score scale; None: head_dim ** -0.5
+    embedding_scale: float = 1.0   # Gemma: embeddings are multiplied by sqrt(hidden_size)
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -61,6 +73,19 @@ class ModelConfig:
         kind = (self.rope_scaling or {}).get("rope_type", "default")
         if kind not in ("default", "linear", "llama3", "freq_factors"):
             raise UnsupportedModelError(f"unsupported RoPE scaling {kind!r} (supported: linear, llama3)")
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise UnsupportedModelError(f"unsupported MLP activation {self.hidden_act!r} (supported: silu, gelu_tanh)")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise UnsupportedModelError(f"sliding window must be at least 1 token, got {self.sliding_window}")
+        if any(not 0 <= i < self.num_layers for i in self.sliding_layers):
+            raise UnsupportedModelError("a sliding-window layer index is out of range")
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of `layer`, or None when it attends to its whole context."""
+        return self.sliding_window if layer in self.sliding_layers else None
+
+    def rope_theta_of(self, layer: int) -> float:
+        return self.rope_local_theta if self.rope_local_theta and layer in self.sliding_layers else self.rope_theta
 
     @property
     def q_size(self) -> int:
@@ -90,6 +115,11 @@ class ModelConfig:
                 f"unsupported architecture {model_type!r} (supported: {', '.join(SUPPORTED)})")
         heads = config["num_attention_heads"]
         rope = dict(config.get("rope_parameters") or {})  # transformers >= 5 keeps theta here
+        local_theta = None
+        if arch == "gemma3":                              # per layer type: {"full_attention": {...}, ...}
+            local = rope.get("sliding_attention") or {}
+            rope = dict(rope.get("full_attention") or {})
+            local_theta = float(local.get("rope_theta") or config.get("rope_local_base_freq") or GEMMA3_LOCAL_THETA)
         scaling = config.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         if scaling is not None:
             scaling = dict(scaling)
@@ -97,6 +127,13 @@ class ModelConfig:
         partial = config.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
         if partial is not None and float(partial) != 1.0:
             raise UnsupportedModelError(f"partial rotary embeddings are not supported (partial_rotary_factor={partial})")
+        window, sliding = _hf_sliding_window(config, arch)
+        gemma = arch == "gemma3"
+        if gemma:
+            for key in ("final_logit_softcapping", "attn_logit_softcapping", "use_bidirectional_attention"):
+                if config.get(key):
+                    raise UnsupportedModelError(f"Gemma 3 with {key} = {config[key]} is not supported")
+        act = config.get("hidden_activation") or config.get("hidden_act") or "silu"
         return cls(
             architecture=arch,
             vocab_size=config["vocab_size"],
@@ -109,9 +146,16 @@ class ModelConfig:
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             rope_theta=float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0),
             max_position_embeddings=config.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", gemma)),
             attention_bias=bool(config.get("attention_bias", arch == "qwen2")),
             rope_scaling=scaling,
+            qk_norm=arch in _QK_NORM,
+            hidden_act={"gelu_pytorch_tanh": "gelu_tanh"}.get(act, act),
+            sliding_window=window,
+            sliding_layers=sliding,
+            rope_local_theta=local_theta,
+            query_scale=float(config.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else None,
+            embedding_scale=float(config["hidden_size"]) ** 0.5 if gemma else 1.0,
             name=config.get("_name_or_path", ""),
         )
 
@@ -163,20 +207,63 @@ class ModelConfig:
         kv_heads = count("num_kv_heads", "attention.head_count_kv", heads)
         if heads % kv_heads:
             raise UnsupportedModelError(f"{heads} attention heads do not divide into {kv_heads} KV heads")
+        layers = count("num_layers", "block_count")
+        context = count("max_position_embeddings", "context_length", 2048)
+        window = get("attention.sliding_window")
+        if window is not None:
+            window = checked("max_position_embeddings", window, f"GGUF metadata {gguf_arch}.attention.sliding_window")
+        gemma = arch == "gemma3"
+        if window is None or window >= context:
+            sliding: tuple[int, ...] = ()
+        elif gemma:                     # llama.cpp fixes the pattern: every sixth layer is global
+            sliding = tuple(i for i in range(layers) if (i + 1) % GEMMA3_GLOBAL_EVERY)
+        else:
+            sliding = tuple(range(layers))
+        # llama.cpp's Gemma 3 query scale: 1/sqrt(hidden / heads) for the 27B shape, else 1/sqrt(head size)
+        query_scale = (hidden // heads if hidden == 5376 else head_dim) ** -0.5 if gemma else None
         return cls(
             architecture=arch,
             vocab_size=vocab,
             hidden_size=hidden,
             intermediate_size=count("intermediate_size", "feed_forward_length"),
-            num_layers=count("num_layers", "block_count"),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
             rms_norm_eps=real("attention.layer_norm_rms_epsilon", 1e-6, 1.0),
             rope_theta=real("rope.freq_base", 10000.0),
-            max_position_embeddings=count("max_position_embeddings", "context_length", 2048),
+            max_position_embeddings=context,
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names or "blk.0.attn_qkv.bias" in tensor_names,
             rope_scaling=scaling,
+            qk_norm=arch in _QK_NORM,
+            hidden_act="gelu_tanh" if gemma else "silu",
+            sliding_window=window if sliding else None,
+            sliding_layers=sliding,
+            rope_local_theta=GEMMA3_LOCAL_THETA if gemma else None,
+            query_scale=query_scale,
+            embedding_scale=float(hidden) ** 0.5 if gemma else 1.0,
             name=str(fields.get("general.name", "")),
         )
+
+
+def _hf_sliding_window(config: dict[str, Any], arch: str) -> tuple[int | None, tuple[int, ...]]:
+    """(window, the local layers) of an HF config: `layer_types` where the config lists them (Gemma 3,
+    Qwen2/3 in transformers 5), else Qwen2/3's `max_window_layers`, else (Mistral) every layer. A
+    window no shorter than the context changes nothing and is dropped."""
+    window, layers = config.get("sliding_window"), config["num_hidden_layers"]
+    if arch in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
+        window = None
+    if not window or window >= config.get("max_position_embeddings", 2048):
+        return None, ()
+    types = config.get("layer_types")
+    if types:
+        sliding = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
+    elif arch == "gemma3":
+        every = config.get("sliding_window_pattern", GEMMA3_GLOBAL_EVERY)
+        sliding = tuple(i for i in range(layers) if (i + 1) % every)
+    elif arch in ("qwen2", "qwen3"):
+        sliding = tuple(range(config.get("max_window_layers", layers), layers))
+    else:
+        sliding = tuple(range(layers))
+    return (int(window), sliding) if sliding else (None, ())

@@ -1,4 +1,4 @@
-"""Llama family (Llama, SmolLM2, Mistral, Qwen2, Phi-3) in plain PyTorch.
+"""Llama family (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3) in plain PyTorch.
 
 Tokens of all sequences in a step are flattened into one batch [T]; attention
 reads the paged KV cache through `AttentionMetadata`. The KV tensors are passed
@@ -24,29 +24,42 @@ KVCaches = list[LayerKV]  # per layer: k, v as [num_slots, Hkv, D] (int8: and th
 
 
 class LlamaAttention(UsesKernels, nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    """Grouped-query attention over the paged cache; with `cfg.qk_norm` (Qwen3, Gemma 3) each q and k
+    head is RMS-normed before RoPE; a layer in `cfg.sliding_layers` sees only its window."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, layer: int = 0) -> None:
         super().__init__()
         self.cfg = cfg
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
         self.rotary = rotary
+        self.window = cfg.window(layer)
+        self.scale = cfg.query_scale or cfg.head_dim ** -0.5
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         """x: [T, hidden] → [T, hidden]."""
         cfg = self.cfg
         qkv = self.qkv_proj(x)                            # [T, q_size + 2 kv_size]
-        if applies(self.ops, qkv):                        # split, rotate, write k and v: one op
+        if applies(self.ops, qkv) and not cfg.qk_norm:    # split, rotate, write k and v: one op
             q, k = self.ops.rope_and_cache(qkv, positions, self.rotary.cos, self.rotary.sin, kv[0], kv[1],
                                            meta.slot_mapping, cfg.num_heads, cfg.num_kv_heads, *kv[2:])
             v = qkv[:, cfg.q_size + cfg.kv_size:].view(-1, cfg.num_kv_heads, cfg.head_dim)
-            return self.o_proj(paged_attention(q, k, v, kv, meta, self.ops, written=True))
+            return self.o_proj(paged_attention(q, k, v, kv, meta, self.ops, written=True, window=self.window,
+                                               scale=self.scale))
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(-1, cfg.num_heads, cfg.head_dim)      # [T, Hq, D]
-        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)   # [T, Hkv, D]
-        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:                                   # over each head: [T * H, D]
+            q = self.q_norm(q.reshape(-1, cfg.head_dim))
+            k = self.k_norm(k.reshape(-1, cfg.head_dim))
+        q = q.reshape(-1, cfg.num_heads, cfg.head_dim)   # [T, Hq, D]
+        k = k.reshape(-1, cfg.num_kv_heads, cfg.head_dim)   # [T, Hkv, D]
+        v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
         q, k = self.rotary(positions, q, k)
-        return self.o_proj(paged_attention(q, k, v, kv, meta))
+        return self.o_proj(paged_attention(q, k, v, kv, meta, self.ops if applies(self.ops, q) else None,
+                                           window=self.window, scale=self.scale))
 
 
 class LlamaMLP(UsesKernels, nn.Module):
@@ -54,9 +67,13 @@ class LlamaMLP(UsesKernels, nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gelu = cfg.hidden_act == "gelu_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)                    # [T, 2 I]
+        if self.gelu:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         if applies(self.ops, gate_up):
             return self.down_proj(self.ops.silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)               # [T, I] each
@@ -64,10 +81,10 @@ class LlamaMLP(UsesKernels, nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, rotary)
+        self.self_attn = LlamaAttention(cfg, rotary, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
@@ -90,7 +107,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.stack = None       # the C++ decoder stack (set_kernels), if it can run
 
@@ -101,8 +118,9 @@ class LlamaModel(nn.Module):
         microseconds from Python (a third of the step at batch 1). The Python layers stay the
         path for everything else and the reference the tests compare against."""
         self.stack = None
-        if kernels is None:
-            return
+        cfg = self.layers[0].self_attn.cfg
+        if kernels is None or cfg.qk_norm or cfg.sliding_layers or cfg.query_scale or cfg.hidden_act != "silu":
+            return                                              # the stack is the plain Llama layer
         layers = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -113,7 +131,7 @@ class LlamaModel(nn.Module):
                 return
             args = [(m.fmt_id, m.out_features, m.blocks, m.scale, m.bias) for m in linears]
             layers.append((*(w.detach() for w in norms), *args))
-        rotary, cfg = self.layers[0].self_attn.rotary, self.layers[0].self_attn.cfg
+        rotary = self.layers[0].self_attn.rotary
         if not all(_fp32_cpu(t) for t in (self.norm.weight, rotary.cos, rotary.sin)):
             return
         self.stack = kernels.decoder_stack(layers, self.norm.weight.detach(), rotary.cos, rotary.sin, cfg.num_heads,
@@ -141,10 +159,12 @@ _PACKED = {
 
 
 class LlamaForCausalLM(nn.Module):
+    model_class: type[nn.Module] = LlamaModel
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg)
+        self.model = self.model_class(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
 

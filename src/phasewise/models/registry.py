@@ -8,8 +8,12 @@ from phasewise.models.config import ModelConfig, UnsupportedModelError
 
 
 def model_class(cfg: ModelConfig) -> type[nn.Module]:
-    if cfg.architecture in ("llama", "mistral", "qwen2", "phi3"):
+    if cfg.architecture in ("llama", "mistral", "qwen2", "qwen3", "phi3"):
         from phasewise.models.llama import LlamaForCausalLM
 
         return LlamaForCausalLM
+    if cfg.architecture == "gemma3":
+        from phasewise.models.gemma3 import Gemma3ForCausalLM
+
+        return Gemma3ForCausalLM
     raise UnsupportedModelError(f"no model class for architecture {cfg.architecture!r}")

@@ -46,11 +46,12 @@ KernelSet::KernelSet(const std::string& library) {
 // q: [T, Hq, D]; k_cache, v_cache: [num_slots, Hkv, D] (slot = block * block_size + offset);
 // block_tables: [num_seqs, max_blocks] int64; row_seq, row_len: [T] int64 (row t attends over the
 // first row_len[t] tokens of sequence row_seq[t]). Returns [T, Hq, D].
-// An int8 cache comes with k_scale, v_scale: [num_slots, Hkv] fp32 (value = int8 * scale).
+// An int8 cache comes with k_scale, v_scale: [num_slots, Hkv] fp32 (value = int8 * scale). window > 0:
+// each row sees only its last `window` tokens.
 torch::Tensor KernelSet::paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                          torch::Tensor block_tables, torch::Tensor row_seq, torch::Tensor row_len,
                                          int64_t block_size, double scale, c10::optional<torch::Tensor> k_scale,
-                                         c10::optional<torch::Tensor> v_scale) const {
+                                         c10::optional<torch::Tensor> v_scale, int64_t window) const {
   const bool int8 = k_cache.scalar_type() == at::kChar;
   TORCH_CHECK(q.scalar_type() == at::kFloat && (int8 || k_cache.scalar_type() == at::kFloat),
               "fp32 queries, fp32 or int8 cache");
@@ -65,7 +66,8 @@ torch::Tensor KernelSet::paged_attention(torch::Tensor q, torch::Tensor k_cache,
   c.Hkv = k_cache.size(1);
   c.D = k_cache.size(2);
   const pw::AttentionRows rows{block_tables.data_ptr<int64_t>(), block_tables.size(1), row_seq.data_ptr<int64_t>(),
-                               row_len.data_ptr<int64_t>(), block_size};
+                               row_len.data_ptr<int64_t>(), block_size, window};
+  TORCH_CHECK(window >= 0, "window >= 0 (0: none)");
   auto out = torch::empty_like(q);
   table_->paged_attention(runtime(), q.data_ptr<float>(), q.size(0), q.size(1), c, rows, static_cast<float>(scale),
                           out.data_ptr<float>());

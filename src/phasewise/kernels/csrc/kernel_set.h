@@ -17,7 +17,7 @@ class KernelSet {
   torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                 torch::Tensor block_tables, torch::Tensor row_seq, torch::Tensor row_len,
                                 int64_t block_size, double scale, c10::optional<torch::Tensor> k_scale,
-                                c10::optional<torch::Tensor> v_scale) const;
+                                c10::optional<torch::Tensor> v_scale, int64_t window) const;
   std::vector<torch::Tensor> rope_and_cache(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos,
                                             torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
                                             torch::Tensor slots, int64_t Hq, int64_t Hkv,

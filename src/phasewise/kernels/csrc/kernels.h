@@ -7,7 +7,7 @@
 
 namespace pw {
 
-constexpr int ABI_VERSION = 2;
+constexpr int ABI_VERSION = 3;
 
 struct Runtime {            // how a call may run: threads of the caller's pool (torch's, through OpenMP)
   int threads = 1;
@@ -39,6 +39,7 @@ struct AttentionRows {      // every query row of a step: row t attends over the
   const int64_t* seq;       // [T]
   const int64_t* len;       // [T]
   int64_t block_size;
+  int64_t window = 0;       // > 0: row t sees only its last `window` tokens (a sliding-window layer)
 };
 
 enum QuantFormat : int64_t { Q4 = 0, Q8 = 1, I8 = 2 };

@@ -171,7 +171,8 @@ int64_t num_parts(int64_t threads, int64_t pairs, int64_t max_len) {
 }  // namespace
 
 // q: [T, Hq, D]; the cache [num_slots, Hkv, D] (slot = block * block_size + offset); row t attends
-// over the first rows.len[t] tokens of sequence rows.seq[t]. Writes out [T, Hq, D].
+// over the first rows.len[t] tokens of sequence rows.seq[t] (with rows.window > 0: only the last
+// `window` of them). Writes out [T, Hq, D].
 void paged_attention(const Runtime& rt, const float* qp, int64_t T, int64_t Hq, const Cache& c,
                      const AttentionRows& ar, float sc, float* op) {
   const int64_t D = c.D, Hkv = c.Hkv, G = Hq / Hkv, max_blocks = ar.max_blocks, block_size = ar.block_size;
@@ -191,14 +192,25 @@ void paged_attention(const Runtime& rt, const float* qp, int64_t T, int64_t Hq, 
     else rows.push_back(t);
     t += n;
   }
+  // A tile whose keys reach past its rows' windows goes row by row (the tiled kernel masks only above).
+  if (ar.window > 0) {
+    std::vector<Tile> unwindowed;
+    for (const Tile& tile : tiles) {
+      if (tile.len0 + tile.R - 1 <= ar.window) unwindowed.push_back(tile);
+      else for (int64_t r = 0; r < tile.R; ++r) rows.push_back(tile.t0 + r);
+    }
+    tiles.swap(unwindowed);
+  }
   if (!tiles.empty() && !attend_tiles(rt, c, tiles, ar, qp, Hq, sc, op)) {
     for (const Tile& tile : tiles)                 // no tiled kernel for this shape
       for (int64_t r = 0; r < tile.R; ++r) rows.push_back(tile.t0 + r);
   }
   const int64_t N = static_cast<int64_t>(rows.size());
   if (N == 0) return;
+  const int64_t window = ar.window;
+  auto first = [&](int64_t t) { return window > 0 ? std::max<int64_t>(0, lens[t] - window) : int64_t{0}; };
   int64_t max_len = 0;
-  for (int64_t t : rows) max_len = std::max(max_len, lens[t]);
+  for (int64_t t : rows) max_len = std::max(max_len, lens[t] - first(t));
   const int64_t P = num_parts(std::max(rt.threads, 1), N * Hkv, max_len);
   // Partial results per task (row, head, part): acc [G, D], then m [G] and l [G].
   const int64_t stride = G * D + 2 * G;
@@ -212,8 +224,8 @@ void paged_attention(const Runtime& rt, const float* qp, int64_t T, int64_t Hq, 
       std::vector<float> own(P > 1 ? 0 : stride);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t t = rows[task / (Hkv * P)], h = (task / P) % Hkv, k = task % P;
-        const int64_t L = lens[t], chunk = (L + P - 1) / P;
-        const int64_t from = std::min(L, k * chunk), to = std::min(L, from + chunk);
+        const int64_t L = lens[t], L0 = first(t), chunk = (L - L0 + P - 1) / P;
+        const int64_t from = std::min(L, L0 + k * chunk), to = std::min(L, from + chunk);
         float* acc = P > 1 ? part + task * stride : own.data();
         attend_fn(c, tables + seqs[t] * max_blocks, block_size, h, qp + (t * Hq + h * G) * D, G, sc, from, to,
                   acc, acc + G * D, acc + G * D + G);
