@@ -95,3 +95,13 @@ def test_quantized_phases_are_measured_against_the_int8_peak():
     assert analyse(cfg, no_vnni, 0.6, 512, 200, 0.01, 10, 0.5, quantized=True)[0].compute_share \
         == pytest.approx(fp32.compute_share)
     assert any("int8 dot products 400 GOP/s" in line for line in report(machine, [q4]))
+
+
+def test_the_windowed_kv_figure_counts_global_layers_whole_and_local_ones_to_their_window():
+    from phasewise.lab.memory import ModelShape
+
+    gemma = ModelShape(layers=18, kv_heads=1, head_dim=256, window=512, window_layers=15)
+    per_layer_token = 2 * 256 * 2
+    assert gemma.windowed_kv_bytes_per_sequence(8192) == per_layer_token * (3 * 8192 + 15 * 512)
+    assert gemma.windowed_kv_bytes_per_sequence(300) == gemma.kv_bytes_per_sequence(300)
+    assert gemma.windowed_kv_bytes_per_sequence(8192) / gemma.kv_bytes_per_sequence(8192) < 0.25

@@ -17,10 +17,20 @@ class ModelShape:
     kv_heads: int
     head_dim: int
     params: int | None = None
+    window: int | None = None       # sliding window of the local layers (Gemma 3, Mistral)
+    window_layers: int = 0          # how many layers have it
 
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> ModelShape:
-        return cls(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, parameter_count(cfg))
+        return cls(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, parameter_count(cfg), cfg.sliding_window,
+                   len(cfg.sliding_layers))
+
+    def windowed_kv_bytes_per_sequence(self, context_len: int, dtype: str = "fp16") -> float:
+        """KV of one sequence if local layers kept only their window: what a cache that frees the
+        blocks behind the window would hold (phasewise's pool does not free them yet)."""
+        per_layer = self.kv_bytes_per_token(dtype) / self.layers
+        local = min(context_len, self.window or context_len)
+        return per_layer * ((self.layers - self.window_layers) * context_len + self.window_layers * local)
 
     def kv_bytes_per_token(self, dtype: str = "fp16") -> float:
         """2 (K and V) × layers × kv_heads × head_dim × bytes per element."""
@@ -48,6 +58,10 @@ def parameter_count(cfg: ModelConfig) -> int:
     if cfg.attention_bias:
         attn += cfg.q_size + 2 * cfg.kv_size
     per_layer = attn + 3 * h * i + 2 * h
+    if cfg.qk_norm:
+        per_layer += 2 * cfg.head_dim
+    if cfg.architecture == "gemma3":       # norms after attention and after the MLP too
+        per_layer += 2 * h
     return v * h + cfg.num_layers * per_layer + h + (0 if cfg.tie_word_embeddings else v * h)
 
 
@@ -62,6 +76,12 @@ def report(shape: ModelShape, context_len: int, memory_gib: float, kv_dtype: str
         f"sequences of {context_len} tokens in {memory_gib:g} GiB: "
         f"{shape.sequences_that_fit(memory_gib * GIB, context_len, kv_dtype)} (KV only)",
     ]
+    if shape.window and shape.window_layers:
+        full = shape.kv_bytes_per_sequence(context_len, kv_dtype)
+        bounded = shape.windowed_kv_bytes_per_sequence(context_len, kv_dtype)
+        lines.append(f"sliding window: {shape.window_layers} of {shape.layers} layers see the last {shape.window} "
+                     f"tokens; keeping only those, one sequence would need {bounded / MIB:,.1f} MiB "
+                     f"({bounded / full:.0%}); phasewise's pool holds the full figure today")
     if shape.params is not None:
         lines.append(f"weights ({shape.params / 1e6:,.1f} M parameters): " + ", ".join(
             f"{d} {shape.weight_bytes(d) / MIB:,.0f} MiB" for d in ("fp32", "bf16", "int8", "int4")))
