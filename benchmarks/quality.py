@@ -40,7 +40,7 @@ class Runner:
     def __init__(self, model, dtype: torch.dtype, max_tokens: int, block_size: int = 16) -> None:
         self.model, self.block_size = model, block_size
         blocks = -(-max_tokens // block_size) + 1
-        self.cache = KVCache(model.config, blocks, block_size, dtype, "cpu")
+        self.cache = KVCache(model.config, blocks, block_size, dtype, "cpu", grouped=False)   # one table
         self.table = list(range(blocks))
 
     @torch.inference_mode()

@@ -17,16 +17,20 @@ class PagedRunner:
     """Drives one sequence through a model with a small paged KV cache (shuffled block ids)."""
 
     def __init__(self, model: torch.nn.Module, block_size: int = 4, num_blocks: int = 64, seed: int = 0) -> None:
+        """num_blocks per KV group; each group gets its own shuffled blocks of one pool."""
         self.model, self.block_size = model, block_size
         dtype = next(model.parameters()).dtype
-        self.cache = KVCache(model.config, num_blocks, block_size, dtype, "cpu")
-        self.table = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+        groups = len(model.config.kv_groups)
+        self.cache = KVCache(model.config, num_blocks * groups, block_size, dtype, "cpu")
+        perm = torch.randperm(num_blocks * groups, generator=torch.Generator().manual_seed(seed)).tolist()
+        self.tables = [perm[g::groups] for g in range(groups)]
 
     @torch.inference_mode()
     def forward(self, ids: list[int], start: int) -> torch.Tensor:
         """Compute tokens ids at positions start.. (context start + len(ids)); logits [len(ids), V]."""
         n = len(ids)
-        meta = AttentionMetadata.build([n], [start + n], [self.table], self.block_size, torch.device("cpu"))
+        meta = AttentionMetadata.build_groups([n], [start + n], [[t] for t in self.tables], self.block_size,
+                                              torch.device("cpu"))
         hidden = self.model(torch.tensor(ids), torch.arange(start, start + n), meta, self.cache.layers)
         return self.model.compute_logits(hidden)
 

@@ -78,7 +78,7 @@ class LLMEngine:
         self.draft_model = None
         self.core = EngineCore(runner, config.scheduler, num_blocks, cache.block_size, self.max_model_len,
                                cache.enable_prefix_caching, self._proposer(spec, num_blocks),
-                               spec.num_speculative_tokens)
+                               spec.num_speculative_tokens, self.model_config.kv_group_windows)
         self._ids = itertools.count()
         self._tracked: dict[str, _Tracked] = {}
         self.load_ms = (time.perf_counter() - started) * 1e3
@@ -90,6 +90,9 @@ class LLMEngine:
             return NgramProposer(spec.ngram_min, spec.ngram_max)
         if spec.method != "draft":
             return None
+        if self.model_config.kv_group_windows[0] is not None:
+            raise ValueError("a draft model needs a target with full-attention layers (every layer of this one "
+                             "has a sliding window): use --speculative ngram")
         path = resolve_model_path(spec.draft_model) if spec.draft_model else self.model_path
         draft, cfg = load_prepared(path, spec.draft_dtype, self.config.device, self.kernels,
                                    plain=self.config.kernels == "torch")
@@ -100,7 +103,7 @@ class LLMEngine:
             raise ValueError(f"the draft model {path} holds {cfg.max_position_embeddings} positions, fewer "
                              f"than the context length {self.max_model_len}: lower --max-model-len")
         kv = KVCache(cfg, num_blocks, self.config.cache.block_size, parse_dtype(spec.draft_dtype),
-                     self.config.device)
+                     self.config.device, grouped=False)   # read through the target's first group's table
         self.draft_model = draft
         return DraftModelProposer(draft, kv, self.tokenizer.eos_token_ids, self.config.device, self.kernels)
 

@@ -48,10 +48,12 @@ class SpecStats:
 class EngineCore:
     def __init__(self, runner: Runner, scheduler_config: SchedulerConfig, num_blocks: int,
                  block_size: int, max_model_len: int, enable_prefix_caching: bool = True,
-                 proposer: Proposer | None = None, num_speculative_tokens: int = 0) -> None:
+                 proposer: Proposer | None = None, num_speculative_tokens: int = 0,
+                 kv_windows: tuple[int | None, ...] = (None,)) -> None:
+        """kv_windows: the sliding window of each KV group (None: full attention); one group by default."""
         self.runner = runner
         self.proposer = proposer
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, kv_windows)
         k = num_speculative_tokens if proposer is not None else 0
         self.scheduler = Scheduler(scheduler_config, self.kv, k)
         self.max_model_len = max_model_len
@@ -69,9 +71,10 @@ class EngineCore:
                              "(at least one token must be left to generate)")
         max_tokens = request.sampling_params.max_tokens
         longest = min(self.max_model_len, n + (self.max_model_len if max_tokens is None else max_tokens))
-        if self.kv.blocks_for(longest) > self.kv.pool.num_blocks:
+        need = self.kv.max_blocks(longest, self.scheduler.config.max_num_batched_tokens)
+        if need > self.kv.pool.num_blocks:
             raise ValueError(f"{longest} tokens (prompt {n} + up to {longest - n} generated) need "
-                             f"{self.kv.blocks_for(longest)} KV blocks, but the pool holds "
+                             f"{need} KV blocks, but the pool holds "
                              f"{self.kv.pool.num_blocks}: raise the KV cache memory")
         request.max_model_len = self.max_model_len
         self.scheduler.add(request)

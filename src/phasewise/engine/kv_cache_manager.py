@@ -1,25 +1,53 @@
-"""Which KV blocks each request holds: prefix-cache hits, growth on demand, and freeing.
+"""Which KV blocks each request holds: prefix-cache hits, growth on demand, freeing, and the
+blocks a sliding window no longer sees.
 
-Prefix caching: every full block of a request's tokens gets a hash chained on
-its parent block's hash, so equal hashes mean equal prefixes. A new request
-takes the longest run of cached blocks that matches its tokens, but never the
-block holding its last prompt token: that token's logits must be computed.
+KV groups: the model's layers are split into groups of equal size (one group for a model
+whose layers all attend to everything); every block id of the one pool belongs to one group
+at a time and holds the K/V of that group's layers for `block_size` tokens. A request has a
+block table per group (`request.block_tables[g]`). A group with a window (Gemma 3's local layers,
+Mistral) frees the blocks wholly behind its window as the request moves on: their entries
+become NULL_BLOCK, so a long sequence holds its full context only in the full-attention groups.
+
+Prefix caching: every full block of a request's tokens gets a hash chained on its parent
+block's hash, so equal hashes mean equal prefixes (per group: each group caches its own
+blocks). A new request takes the longest cached prefix whose blocks every group still has
+(a windowed group only those its window needs), but never the block holding its last prompt
+token: that token's logits must be computed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
+
 from phasewise.engine.block_pool import BlockKey, BlockPool
 from phasewise.engine.request import Request
 
+NULL_BLOCK = -1     # a table entry whose block was freed behind a window (never read)
+
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 windows: Sequence[int | None] = (None,)) -> None:
+        """windows: one entry per KV group, its sliding window in tokens (None: full attention)."""
+        if not windows:
+            raise ValueError("at least one KV group")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.windows = tuple(windows)
         self.pool = BlockPool(num_blocks)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def max_blocks(self, num_tokens: int, chunk: int) -> int:
+        """The most blocks one request of `num_tokens` can hold at once, computing `chunk` tokens
+        a step: its whole context in full groups, a window and a chunk in windowed ones."""
+        full = self.blocks_for(num_tokens)
+        return sum(full if w is None else min(full, self.blocks_for(w + chunk) + 1) for w in self.windows)
 
     @property
     def usage(self) -> float:
@@ -38,41 +66,82 @@ class KVCacheManager:
             hashes.append((hash(key), key))
         return hashes[:num_blocks]
 
+    @staticmethod
+    def _in_group(group: int, h: int, key: BlockKey) -> tuple[int, Hashable]:
+        """A block's cache entry in `group` (group 0 keeps the plain hash)."""
+        return (h, key) if group == 0 else (hash((group, h)), (group, key))
+
     # ---- allocation -------------------------------------------------------------------
 
-    def get_computed_blocks(self, request: Request) -> list[int]:
-        """The cached blocks that hold a prefix of the request (tokens: len(result) * block_size)."""
+    def _first_needed(self, group: int, num_computed: int) -> int:
+        """The first block the next query (at position num_computed) can still see in `group`."""
+        w = self.windows[group]
+        return 0 if w is None else max(0, num_computed - w + 1) // self.block_size
+
+    def get_computed_blocks(self, request: Request) -> list[list[int]]:
+        """Per group, the cached blocks that give the request a computed prefix (NULL_BLOCK where a
+        window no longer needs one); every table has the same length n (n * block_size tokens)."""
+        empty = [[] for _ in self.windows]
         if not self.enable_prefix_caching:
-            return []
-        usable = (request.num_tokens - 1) // self.block_size   # never cover the last token
-        hits = []
-        for h, key in self._block_keys(request, usable):
-            b = self.pool.lookup(h, key)
-            if b is None:
-                break
-            hits.append(b)
-        return hits
+            return empty
+        keys = self._block_keys(request, (request.num_tokens - 1) // self.block_size)  # never the last token
+        found: list[list[int | None]] = []
+        for g in range(self.num_groups):          # each group's cached blocks, in order, until a miss
+            hits: list[int | None] = []
+            for h, key in keys:
+                hits.append(self.pool.lookup(*self._in_group(g, h, key)))
+            found.append(hits)
+        for n in range(len(keys), 0, -1):         # the longest prefix every group can serve
+            if all(b is not None for g in range(self.num_groups)
+                   for b in found[g][self._first_needed(g, n * self.block_size):n]):
+                return [[NULL_BLOCK] * (first := self._first_needed(g, n * self.block_size)) + found[g][first:n]
+                        for g in range(self.num_groups)]
+        return empty
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: tuple[int, ...] | list[int] = ()) -> bool:
+                       computed_blocks: Sequence[Sequence[int]] = ()) -> bool:
         """Make room for `num_new_tokens` more tokens after the computed ones (plus, for a newly
-        admitted request, the cache hits `computed_blocks`, which it then holds). False, with
-        nothing changed, when the pool is short."""
-        pool = self.pool
-        held = len(request.block_ids) + len(computed_blocks)
-        computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
-        needed = self.blocks_for(computed + num_new_tokens) - held
-        hits_now_free = sum(1 for b in computed_blocks if pool.ref_counts[b] == 0)
+        admitted request, the cache hits `computed_blocks`, per group, which it then holds). Blocks
+        behind a window are freed first. False, with nothing else changed, when the pool is short."""
+        pool, groups = self.pool, range(self.num_groups)
+        if not request.block_tables:
+            request.block_tables = [[] for _ in groups]
+        hits = [list(computed_blocks[g]) if computed_blocks else [] for g in groups]
+        computed = request.num_computed_tokens + (len(hits[0]) * self.block_size if computed_blocks else 0)
+        self._free_behind_windows(request)
+        total = self.blocks_for(computed + num_new_tokens)
+        needed = sum(total - len(request.block_tables[g]) - len(hits[g]) for g in groups)
+        taken = [b for g in groups for b in hits[g] if b != NULL_BLOCK]
+        hits_now_free = sum(1 for b in taken if pool.ref_counts[b] == 0)
         if needed > pool.num_free - hits_now_free:
             return False
-        pool.touch(computed_blocks)
-        request.block_ids.extend(computed_blocks)
-        if needed > 0:
-            request.block_ids.extend(pool.allocate(needed))
+        pool.touch(taken)
+        for g in groups:
+            table = request.block_tables[g]
+            table.extend(hits[g])
+            if total > len(table):
+                table.extend(pool.allocate(total - len(table)))
         return True
 
-    def cache_full_blocks(self, request: Request) -> None:
-        """Register the request's blocks that are now full of computed tokens in the prefix cache."""
+    def _free_behind_windows(self, request: Request) -> None:
+        """Free each windowed group's blocks that no query from num_computed_tokens on can see."""
+        for g, w in enumerate(self.windows):
+            if w is None or g >= len(request.block_tables):
+                continue
+            table = request.block_tables[g]
+            stale = [i for i in range(min(self._first_needed(g, request.num_computed_tokens), len(table)))
+                     if table[i] != NULL_BLOCK]
+            self.pool.free(table[i] for i in stale)
+            for i in stale:
+                table[i] = NULL_BLOCK
+
+    def commit(self, request: Request) -> None:
+        """After a step: register the blocks now full of computed tokens in the prefix cache, and free
+        what the windows left behind (so the pool holds no more than the next step needs)."""
+        self._cache_full_blocks(request)
+        self._free_behind_windows(request)
+
+    def _cache_full_blocks(self, request: Request) -> None:
         if not self.enable_prefix_caching:
             return
         full = request.num_computed_tokens // self.block_size
@@ -80,11 +149,14 @@ class KVCacheManager:
             return
         for i, (h, key) in enumerate(self._block_keys(request, full)[request.num_cached_blocks:],
                                      start=request.num_cached_blocks):
-            self.pool.cache(request.block_ids[i], h, key)
+            for g, table in enumerate(request.block_tables):
+                if table[i] != NULL_BLOCK:
+                    self.pool.cache(table[i], *self._in_group(g, h, key))
         request.num_cached_blocks = full
 
     def free(self, request: Request) -> None:
         """Return every block of the request, tail first (so tails are evicted first)."""
-        self.pool.free(reversed(request.block_ids))
-        request.block_ids = []
+        for table in request.block_tables:
+            self.pool.free(b for b in reversed(table) if b != NULL_BLOCK)
+        request.block_tables = []
         request.num_cached_blocks = 0

@@ -101,7 +101,7 @@ class Request:
         self.prompt_logprobs: list[Any] | None = \
             [None] * len(prompt_token_ids) if getattr(sampling_params, "prompt_logprobs", None) is not None else None
         self.num_computed_tokens = 0                # tokens whose K/V are in the cache
-        self.block_ids: list[int] = []
+        self.block_tables: list[list[int]] = []    # per KV group, its blocks (engine/kv_cache_manager.py)
         self.block_hashes: list = []                # (hash, key) per full block, filled by the KV manager
         self.num_cached_blocks = 0                  # leading blocks registered in the prefix cache
         self.num_cached_tokens: int | None = None   # prompt tokens found in the prefix cache at admission
@@ -142,6 +142,11 @@ class Request:
             return FinishReason.LENGTH
         return None
 
+    @property
+    def block_ids(self) -> list[int]:
+        """The first KV group's table: the whole context's blocks for a model without windows."""
+        return self.block_tables[0] if self.block_tables else []
+
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
-                f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})")
+                f"computed={self.num_computed_tokens}, blocks={sum(map(len, self.block_tables))})")

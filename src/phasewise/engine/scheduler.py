@@ -73,7 +73,7 @@ class Scheduler:
                 and not preempted:
             req = self.waiting[0]
             hits = self.kv.get_computed_blocks(req) if req.prompt_logprobs is None else []   # no logits in a hit
-            cached = len(hits) * self.kv.block_size
+            cached = len(hits[0]) * self.kv.block_size if hits else 0
             n = min(req.num_tokens - cached, budget)
             if not self.kv.allocate_slots(req, n, hits):
                 break
@@ -133,14 +133,14 @@ class Scheduler:
             sampled = result.sampled.get(req.request_id)
             if sampled is not None and req.sampling_params.max_tokens == 0:   # only the prompt was asked for
                 req.num_computed_tokens += chunk.num_tokens
-                self.kv.cache_full_blocks(req)
+                self.kv.commit(req)
                 self.finish(req.request_id, FinishReason.LENGTH)
                 outputs.append(RequestOutput(request_id=req.request_id, new_token_ids=[], new_logprobs=[],
                                              finished=True, finish_reason=req.finish_reason, request=req))
                 continue
             if sampled is None:
                 req.num_computed_tokens += chunk.num_tokens
-                self.kv.cache_full_blocks(req)
+                self.kv.commit(req)
                 continue
             accepted = result.accepted.get(req.request_id, [])
             if chunk.draft_token_ids:
@@ -161,7 +161,7 @@ class Scheduler:
                 if reason is not None:     # the rest of the accepted tokens are dropped
                     break
             req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
-            self.kv.cache_full_blocks(req)  # hashes only tokens that are in the request
+            self.kv.commit(req)  # hashes only tokens that are in the request
             if reason is not None:
                 self.finish(req.request_id, reason)
             outputs.append(RequestOutput(request_id=req.request_id, new_token_ids=[t.token_id for t in new],

@@ -25,12 +25,14 @@ class ModelShape:
         return cls(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, parameter_count(cfg), cfg.sliding_window,
                    len(cfg.sliding_layers))
 
-    def windowed_kv_bytes_per_sequence(self, context_len: int, dtype: str = "fp16") -> float:
-        """KV of one sequence if local layers kept only their window: what a cache that frees the
-        blocks behind the window would hold (phasewise's pool does not free them yet)."""
-        per_layer = self.kv_bytes_per_token(dtype) / self.layers
-        local = min(context_len, self.window or context_len)
-        return per_layer * ((self.layers - self.window_layers) * context_len + self.window_layers * local)
+    def windowed_kv_bytes_per_sequence(self, context_len: int, dtype: str = "fp16", block_size: int = 16) -> float:
+        """KV one sequence holds in phasewise's pool once it has computed context_len tokens: whole
+        blocks, the full layers all of them, the windowed layers from the block of the oldest key
+        the next token sees (engine/kv_cache_manager.py frees the rest)."""
+        per_layer_block = self.kv_bytes_per_token(dtype) / self.layers * block_size
+        blocks = -(-context_len // block_size)
+        local = blocks - max(0, context_len - (self.window or context_len) + 1) // block_size
+        return per_layer_block * ((self.layers - self.window_layers) * blocks + self.window_layers * local)
 
     def kv_bytes_per_token(self, dtype: str = "fp16") -> float:
         """2 (K and V) × layers × kv_heads × head_dim × bytes per element."""
@@ -80,8 +82,9 @@ def report(shape: ModelShape, context_len: int, memory_gib: float, kv_dtype: str
         full = shape.kv_bytes_per_sequence(context_len, kv_dtype)
         bounded = shape.windowed_kv_bytes_per_sequence(context_len, kv_dtype)
         lines.append(f"sliding window: {shape.window_layers} of {shape.layers} layers see the last {shape.window} "
-                     f"tokens; keeping only those, one sequence would need {bounded / MIB:,.1f} MiB "
-                     f"({bounded / full:.0%}); phasewise's pool holds the full figure today")
+                     f"tokens; the pool frees the blocks behind the window, so one sequence holds "
+                     f"{bounded / MIB:,.1f} MiB ({bounded / full:.0%}, blocks of 16 tokens) and "
+                     f"{int(memory_gib * GIB // bounded)} fit in {memory_gib:g} GiB")
     if shape.params is not None:
         lines.append(f"weights ({shape.params / 1e6:,.1f} M parameters): " + ", ".join(
             f"{d} {shape.weight_bytes(d) / MIB:,.0f} MiB" for d in ("fp32", "bf16", "int8", "int4")))

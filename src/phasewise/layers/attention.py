@@ -52,6 +52,22 @@ class AttentionMetadata:
     context_lens: list[int]         # tokens of context per sequence after this step
     block_tables: list[list[int]]   # each sequence's blocks for its context (copies)
     device: torch.device
+    groups: list[AttentionMetadata] | None = None   # per KV group (the first is this one); None: one group
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """The metadata of a KV group's layers (their own block tables and slots)."""
+        return self if self.groups is None else self.groups[group]
+
+    @classmethod
+    def build_groups(cls, query_lens: list[int], context_lens: list[int], group_tables: list[list[list[int]]],
+                     block_size: int, device: torch.device) -> AttentionMetadata:
+        """group_tables[g][i]: sequence i's blocks in KV group g (NULL entries, < 0, behind a window:
+        never read; they become block 0 in the kernel's tables)."""
+        metas = [cls.build(query_lens, context_lens, [t if not t or min(t) >= 0 else [max(b, 0) for b in t]
+                                                      for t in tables], block_size, device) for tables in group_tables]
+        if len(metas) > 1:
+            metas[0].groups = metas
+        return metas[0]
 
     @classmethod
     def build(cls, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],

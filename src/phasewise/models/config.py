@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,28 @@ class ModelConfig:
     def window(self, layer: int) -> int | None:
         """The sliding window of `layer`, or None when it attends to its whole context."""
         return self.sliding_window if layer in self.sliding_layers else None
+
+    @property
+    def kv_groups(self) -> tuple[tuple[int, ...], ...]:
+        """The layers of each KV group: the full-attention layers, then the windowed ones, in groups
+        of one size (the gcd of their counts), so that one block of the pool can hold any group."""
+        local = set(self.sliding_layers)
+        full = [i for i in range(self.num_layers) if i not in local]
+        windowed = [i for i in range(self.num_layers) if i in local]
+        size = math.gcd(len(full), len(windowed))
+        return tuple(tuple(layers[i:i + size]) for layers in (full, windowed) for i in range(0, len(layers), size))
+
+    @property
+    def kv_group_windows(self) -> tuple[int | None, ...]:
+        return tuple(self.window(group[0]) for group in self.kv_groups)
+
+    def kv_place(self, layer: int) -> tuple[int, int]:
+        """(group, index within the group) of a layer: its KV lives in the group's blocks, in the
+        pool's tensor of that index."""
+        for g, group in enumerate(self.kv_groups):
+            if layer in group:
+                return g, group.index(layer)
+        raise IndexError(layer)
 
     def rope_theta_of(self, layer: int) -> float:
         return self.rope_local_theta if self.rope_local_theta and layer in self.sliding_layers else self.rope_theta

@@ -34,6 +34,7 @@ class LlamaAttention(UsesKernels, nn.Module):
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
         self.rotary = rotary
         self.window = cfg.window(layer)
+        self.kv_group = cfg.kv_place(layer)[0]
         self.scale = cfg.query_scale or cfg.head_dim ** -0.5
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -42,7 +43,7 @@ class LlamaAttention(UsesKernels, nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         """x: [T, hidden] → [T, hidden]."""
-        cfg = self.cfg
+        cfg, meta = self.cfg, meta.for_group(self.kv_group)
         qkv = self.qkv_proj(x)                            # [T, q_size + 2 kv_size]
         if applies(self.ops, qkv) and not cfg.qk_norm:    # split, rotate, write k and v: one op
             q, k = self.ops.rope_and_cache(qkv, positions, self.rotary.cos, self.rotary.sin, kv[0], kv[1],

@@ -1,6 +1,10 @@
 """The KV tensors: one (k, v) pair per layer, [num_blocks * block_size, Hkv, D], sized from a memory budget.
 
-An int8 cache also holds one fp32 scale per slot and KV head: (k, v, k_scale, v_scale).
+The pool's tensor is [P, 2, slots, Hkv, D] for KV groups of P layers (ModelConfig.kv_groups): a
+block holds one group's P layers, and layer l reads and writes index `kv_place(l)[1]` through
+its group's block table, so layers of different groups share a tensor but never a block. A
+model without windows is one group of all its layers. An int8 cache also holds one fp32 scale
+per slot and KV head: (k, v, k_scale, v_scale).
 """
 
 from __future__ import annotations
@@ -19,29 +23,37 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
 
 
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """K and V of `block_size` tokens in the layers of one KV group."""
+    return kv_bytes_per_token(cfg, dtype) * len(cfg.kv_groups[0]) // cfg.num_layers * block_size
+
+
 def num_blocks_for_memory(cfg: ModelConfig, block_size: int, dtype: torch.dtype, gib: float) -> int:
-    """How many blocks of `block_size` tokens fit in `gib` GiB of K and V."""
-    return max(1, int(gib * 2**30) // (kv_bytes_per_token(cfg, dtype) * block_size))
+    """How many blocks of `block_size` tokens (of one KV group) fit in `gib` GiB of K and V."""
+    return max(1, int(gib * 2**30) // kv_bytes_per_block(cfg, block_size, dtype))
 
 
 class KVCache:
     """dtype: the model's dtype, or torch.int8 (per-token, per-head scales, quantized on write)."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, grouped: bool = True) -> None:
+        """grouped=False: every layer its own tensor, all read through one table (a draft model
+        that follows the target's first KV group)."""
         self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
         self.bytes_per_token = kv_bytes_per_token(cfg, dtype)    # K and V of one token, every layer
-        slots = num_blocks * block_size
+        self.bytes_per_block = kv_bytes_per_block(cfg, block_size, dtype)
+        slots, P = num_blocks * block_size, len(cfg.kv_groups[0]) if grouped else cfg.num_layers
+        index = [cfg.kv_place(i)[1] if grouped else i for i in range(cfg.num_layers)]
         # Never-written slots are read under a mask (padding of a decode batch) and must hold no NaN
         # (softmax weight 0 * NaN = NaN), so the pool starts zeroed. On the CPU a large fresh
         # allocation is mapped from the OS as zero pages: `empty` gives zeros without touching
         # gigabytes up front (torch.zeros would spend ~1 s per GiB writing them).
-        shape = (cfg.num_layers, 2, slots, cfg.num_kv_heads, cfg.head_dim)   # [L, 2, S, Hkv, D]
+        shape = (P, 2, slots, cfg.num_kv_heads, cfg.head_dim)   # [P, 2, S, Hkv, D]
         fresh_zero_pages = torch.device(device).type == "cpu" and math.prod(shape) >= 2**26
         alloc = torch.empty if fresh_zero_pages else torch.zeros
         self.data = alloc(shape, dtype=dtype, device=device)
-        self.layers: list[tuple[torch.Tensor, ...]] = [(self.data[i, 0], self.data[i, 1])
-                                                       for i in range(cfg.num_layers)]
+        self.layers: list[tuple[torch.Tensor, ...]] = [(self.data[p, 0], self.data[p, 1]) for p in index]
         if dtype == torch.int8:   # unwritten slots: int8 zeros times scale 1 → 0, never NaN
-            self.scales = torch.ones(cfg.num_layers, 2, slots, cfg.num_kv_heads, device=device)
-            self.layers = [(k, v, self.scales[i, 0], self.scales[i, 1]) for i, (k, v) in enumerate(self.layers)]
+            self.scales = torch.ones(P, 2, slots, cfg.num_kv_heads, device=device)
+            self.layers = [(k, v, self.scales[p, 0], self.scales[p, 1]) for p, (k, v) in zip(index, self.layers)]

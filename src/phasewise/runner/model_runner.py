@@ -39,7 +39,7 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             query_lens.append(n)
             context_lens.append(start + n)
-            tables.append(req.block_ids)
+            tables.append(req.block_tables)
             if chunk.samples and chunk.draft_token_ids:   # rows: the last own token, then each draft
                 end = len(input_ids)
                 spec_rows.extend(range(end - len(chunk.draft_token_ids) - 1, end))
@@ -47,7 +47,8 @@ class ModelRunner:
             elif chunk.samples:
                 sample_rows.append(len(input_ids) - 1)
                 sample_reqs.append(req)
-        meta = AttentionMetadata.build(query_lens, context_lens, tables, self.kv_cache.block_size, self.device)
+        meta = AttentionMetadata.build_groups(query_lens, context_lens, [list(t) for t in zip(*tables)],
+                                              self.kv_cache.block_size, self.device)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
         hidden = self.model(ids, pos, meta, self.kv_cache.layers)     # [T, hidden]
