@@ -19,7 +19,7 @@ TEXT = Path(__file__).parent.parent / "benchmarks" / "data" / "lighthouses.txt"
 
 
 def gguf_rows(type_name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
-    """Random but valid GGUF rows [n, k/32 * block bytes] of Q4_0, Q4_1 or Q8_0."""
+    """Random but valid GGUF rows [n, k/32 * block bytes] of Q4_0, Q4_1, Q8_0 or Q5_0."""
     rng = np.random.default_rng(seed)
     kb = k // 32
     d = (rng.random((n, kb, 1)) * 0.02 + 1e-4).astype(np.float16).view(np.uint8)
@@ -27,6 +27,9 @@ def gguf_rows(type_name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
         body = rng.integers(-128, 128, (n, kb, 32), dtype=np.int8).view(np.uint8)
         return np.concatenate([d, body], axis=-1).reshape(n, -1)
     qs = rng.integers(0, 256, (n, kb, 16), dtype=np.uint8)
+    if type_name == "Q5_0":
+        qh = rng.integers(0, 256, (n, kb, 4), dtype=np.uint8)
+        return np.concatenate([d, qh, qs], axis=-1).reshape(n, -1)
     if type_name == "Q4_0":
         return np.concatenate([d, qs], axis=-1).reshape(n, -1)
     m = (-rng.random((n, kb, 1)) * 0.1).astype(np.float16).view(np.uint8)
@@ -39,7 +42,7 @@ def random_weight(fmt: str, n: int, k: int, seed: int = 0) -> quant.PackedWeight
     return quant.pack_gguf("Q4_1" if fmt == "q4" else "Q8_0", gguf_rows("Q4_1" if fmt == "q4" else "Q8_0", n, k, seed))
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q5_0"])
 def test_packing_keeps_the_files_values_exactly(type_name):
     from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize

@@ -6,7 +6,7 @@ a tile streams from memory in one sequence (the layout the C++ kernel reads; see
 quant_linear.cpp):
 
 - "q4": GGUF Q4_1 (w = d q + m) and Q4_0 (m = -8 d), the file's bytes and fp16 scales as they are;
-- "q8": GGUF Q8_0 (w = d q), q stored as q + 128;
+- "q8": GGUF Q8_0 (w = d q), q stored as q + 128; GGUF Q5_0 (w = d (q - 16), 5-bit q) as the same;
 - "i8": our own int8 per output channel (w = s_n q), from fp32 weights.
 
 Packing only moves bytes (no second rounding for the GGUF formats). `dequantize` is the
@@ -27,7 +27,7 @@ FORMAT_IDS = {"q4": 0, "q8": 1, "i8": 2}
 QUANT_BYTES = {"q4": 256, "q8": 512, "i8": 512}   # quants per (tile, block); then d (q4, q8), m (q4)
 BLOCK_BYTES = {"q4": 256 + 64, "q8": 512 + 32, "i8": 512}
 # GGUF block types we read as they are: name → (format, bytes per block of 32).
-GGUF_BLOCKS = {"Q4_0": ("q4", 18), "Q4_1": ("q4", 20), "Q8_0": ("q8", 34)}
+GGUF_BLOCKS = {"Q4_0": ("q4", 18), "Q4_1": ("q4", 20), "Q8_0": ("q8", 34), "Q5_0": ("q8", 22)}
 
 
 @dataclass(kw_only=True)
@@ -119,7 +119,7 @@ def quantize_i8(w: torch.Tensor) -> PackedWeight:
 
 
 def pack_gguf(type_name: str, raw: np.ndarray | torch.Tensor) -> PackedWeight:
-    """Raw GGUF rows [N, KB * block bytes] uint8 of type Q4_0, Q4_1 or Q8_0 → a PackedWeight."""
+    """Raw GGUF rows [N, KB * block bytes] uint8 of type Q4_0, Q4_1, Q8_0 or Q5_0 → a PackedWeight."""
     raw = torch.from_numpy(np.array(raw, dtype=np.uint8)) if isinstance(raw, np.ndarray) else raw  # a copy
     fmt, size = GGUF_BLOCKS[type_name]
     n = raw.shape[0]
@@ -129,6 +129,12 @@ def pack_gguf(type_name: str, raw: np.ndarray | torch.Tensor) -> PackedWeight:
         return pack_q4(blocks[..., 4:20], d, blocks[..., 2:4].contiguous().view(torch.float16)[..., 0])
     if type_name == "Q4_0":
         return pack_q4(blocks[..., 2:18], d, d * -8)  # exact: a power of two times an fp16
+    if type_name == "Q5_0":   # low nibbles as Q4_0's; bit j of the 32-bit qh is value j's fifth bit
+        qh = blocks[..., 2:6].contiguous().view(torch.int32)                  # [N, KB, 1]
+        qs = blocks[..., 6:22]
+        low = torch.cat([qs & 0x0F, qs >> 4], dim=-1).to(torch.int16)        # [N, KB, 32]
+        high = ((qh >> torch.arange(32, dtype=torch.int32)) & 1).to(torch.int16) << 4
+        return pack_q8(((low | high) - 16).to(torch.int8), d)
     return pack_q8(blocks[..., 2:34].contiguous().view(torch.int8), d)
 
 

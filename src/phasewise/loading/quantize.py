@@ -2,10 +2,11 @@
 
 - int8: every linear (the tied output head too) quantized per output channel from its fp32
   weight; fused projections (qkv, gate_up) are quantized after fusion, one scale per fused row.
-- q4: the GGUF file's own blocks, repacked without rounding: Q4_1/Q4_0 (and Q8_0, which is how
-  the default file stores its tied embedding, used as the output head). A fused projection
-  concatenates its parts' blocks along N. A layer the file holds in another type (F32, K-quants,
-  a safetensors model) falls back to int8 per channel.
+- q4: the GGUF file's own blocks, repacked without rounding: Q4_1/Q4_0 as 4-bit blocks, Q8_0
+  (how the default file stores its tied embedding, used as the output head) and Q5_0 (Gemma 3's
+  q, k, gate and up) as 8-bit blocks. A fused projection concatenates its parts' blocks along N.
+  A layer the file holds in another type (F32, K-quants, a safetensors model) falls back to
+  int8 per channel.
 
 The embedding lookup keeps its fp32 table either way.
 """

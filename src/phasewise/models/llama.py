@@ -45,16 +45,17 @@ class LlamaAttention(UsesKernels, nn.Module):
         """x: [T, hidden] → [T, hidden]."""
         cfg, meta = self.cfg, meta.for_group(self.kv_group)
         qkv = self.qkv_proj(x)                            # [T, q_size + 2 kv_size]
-        if applies(self.ops, qkv) and not cfg.qk_norm:    # split, rotate, write k and v: one op
+        if cfg.qk_norm:                                   # each q and k head normed in place, before RoPE
+            T, q_size, kv_size, D = qkv.shape[0], cfg.q_size, cfg.kv_size, cfg.head_dim
+            qkv[:, :q_size] = self.q_norm(qkv[:, :q_size].reshape(-1, D)).view(T, q_size)
+            qkv[:, q_size:q_size + kv_size] = self.k_norm(qkv[:, q_size:q_size + kv_size].reshape(-1, D)).view(T, kv_size)
+        if applies(self.ops, qkv):                        # split, rotate, write k and v: one op
             q, k = self.ops.rope_and_cache(qkv, positions, self.rotary.cos, self.rotary.sin, kv[0], kv[1],
                                            meta.slot_mapping, cfg.num_heads, cfg.num_kv_heads, *kv[2:])
             v = qkv[:, cfg.q_size + cfg.kv_size:].view(-1, cfg.num_kv_heads, cfg.head_dim)
             return self.o_proj(paged_attention(q, k, v, kv, meta, self.ops, written=True, window=self.window,
                                                scale=self.scale))
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        if cfg.qk_norm:                                   # over each head: [T * H, D]
-            q = self.q_norm(q.reshape(-1, cfg.head_dim))
-            k = self.k_norm(k.reshape(-1, cfg.head_dim))
         q = q.reshape(-1, cfg.num_heads, cfg.head_dim)   # [T, Hq, D]
         k = k.reshape(-1, cfg.num_kv_heads, cfg.head_dim)   # [T, Hkv, D]
         v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
