@@ -1,6 +1,7 @@
 """phasewise against the peers a user would pick instead, on the same model, in one run.
 
-    .venv/bin/python benchmarks/compare_peers.py [--dtypes auto,fp32,q4/int8] [--peers llama.cpp,transformers]
+    .venv/bin/python benchmarks/compare_peers.py [--model gemma-3-270m] [--dtypes auto,fp32,q4/int8]
+                                                 [--peers llama.cpp,transformers]
                                                  [--llama-cpp .peers/native/bin] [--prompt-tokens 512]
                                                  [--decode-tokens 128] [--concurrent 32]
                                                  [--concurrent-prompt 128] [--concurrent-output 64] [--repeats 3]
@@ -8,9 +9,10 @@
 
 Installs nothing: a peer that is missing is skipped with a note (`make peers` builds llama.cpp's
 llama-bench and llama-server for this CPU, `make peers-avx2` for the AVX2 level). Every system
-runs the default model's GGUF: phasewise at each --dtypes precision ("WEIGHTS/KV", e.g. q4/int8;
-auto = what the engine picks), on the kernels of PHASEWISE_ISA's level (default: the CPU's best);
-llama.cpp on the file as it is (Q4_1); transformers dequantized to fp32. Figures:
+runs the same GGUF (the default model's, or --model's: a .gguf file or a packaged model's name):
+phasewise at each --dtypes precision ("WEIGHTS/KV", e.g. q4/int8; auto = what the engine picks),
+on the kernels of PHASEWISE_ISA's level (default: the CPU's best); llama.cpp on the file as it is;
+transformers dequantized to fp32. Figures:
 
 - prefill tokens/s at batch 1: --prompt-tokens prompt tokens / time to the first token
   (llama.cpp: llama-bench's pp<prompt-tokens>);
@@ -83,7 +85,8 @@ def run_phasewise(spec: str, prompt, batch, args) -> Result:
     from phasewise import LLM, SamplingParams
 
     dtype, _, kv_dtype = spec.partition("/")
-    llm = LLM(dtype=dtype, kv_dtype=kv_dtype or "auto", kv_cache_memory=1.0, enable_prefix_caching=False)
+    llm = LLM(str(args.path), dtype=dtype, kv_dtype=kv_dtype or "auto", kv_cache_memory=1.0,
+              enable_prefix_caching=False)
     one = SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
     prefill, decode, deep = [], [], []
     for i in range(args.repeats + 1):
@@ -101,7 +104,7 @@ def run_phasewise(spec: str, prompt, batch, args) -> Result:
     name = f"phasewise {precision.weights}" + (" kv int8" if precision.kv == "int8" else "") + f" {isa}"
     quality = None if args.no_quality else teacher_forced(llm.engine.model, llm.engine.kv_cache.dtype, args.text_ids)
     del llm                                     # the server below loads its own copy
-    server = serving.phasewise_server(precision.weights, precision.kv, args.threads, args.concurrent)
+    server = serving.phasewise_server(precision.weights, precision.kv, args.threads, args.concurrent, str(args.path))
     aggregate = serving.served(server, args.load)["output_token_throughput"]
     return Result(name, statistics.median(prefill), statistics.median(decode), statistics.median(deep), aggregate,
                   nbytes, precision.weights in ("int8", "q4"), quality)
@@ -135,8 +138,12 @@ def run_llama_cpp(path: Path, prompt, batch, args) -> Result:
     ctx = args.concurrent_prompt + args.concurrent_output + 64
     server = serving.llama_server(args.llama_cpp, path, args.threads, args.concurrent, ctx)
     aggregate = serving.served(server, args.load)["output_token_throughput"]
-    return Result(f"llama.cpp Q4_1 {args.llama_cpp.parent.name}", pp, tg, tg_deep, aggregate,
-                  path.stat().st_size)             # Q4_1 x Q8_1 dot products: the int8 roof
+    from phasewise.loading.gguf import GGUFFile
+
+    ftype = {2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 15: "Q4_K_M", 17: "Q5_K_M", 18: "Q6_K"}.get(
+        GGUFFile(path).fields.get("general.file_type"), "GGUF")
+    return Result(f"llama.cpp {ftype} {args.llama_cpp.parent.name}", pp, tg, tg_deep, aggregate,
+                  path.stat().st_size)             # int8 dot products (Q8_1 activations): the int8 roof
 
 
 # ---- transformers -------------------------------------------------------------------------------
@@ -190,6 +197,8 @@ def print_roofline_and_quality(results: list[Result], machine, path: Path, args)
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="a .gguf file or a packaged model (gemma-3-270m); default: "
+                                                  "SmolLM2-135M-Instruct")
     ap.add_argument("--dtypes", default="auto", help="phasewise precisions, comma-separated (WEIGHTS/KV)")
     ap.add_argument("--peers", default="llama.cpp,transformers")
     ap.add_argument("--llama-cpp", type=Path, default=None,
@@ -213,10 +222,10 @@ def main() -> None:
 
     from phasewise.kernels import build
     from phasewise.lab.roofline import measure_machine
-    from phasewise.loading.loader import default_model_path
+    from phasewise.loading.loader import resolve_model_path
     from phasewise.tokenizer import Tokenizer
 
-    path = default_model_path()
+    path = args.path = resolve_model_path(args.model)
     tokenizer = Tokenizer.load(path)
     prompt = make_prompt(tokenizer, args.prompt_tokens)
     batch = prompts_for_batch(tokenizer, args.concurrent, args.concurrent_prompt)

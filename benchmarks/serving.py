@@ -72,8 +72,10 @@ def served(cmd: list[str], load: dict, env: dict | None = None) -> dict:
             proc.kill()
 
 
-def phasewise_server(dtype: str, kv_dtype: str, threads: int, max_num_seqs: int) -> list[str]:
+def phasewise_server(dtype: str, kv_dtype: str, threads: int, max_num_seqs: int, model: str | None = None
+                     ) -> list[str]:
     weights = ["--quantization", dtype] if dtype in ("int8", "q4") else ["--dtype", dtype]
+    weights += ["--model", model] if model else []
     return [sys.executable, "-m", "phasewise.cli", "serve", "--port", "{port}", *weights,
             "--kv-dtype", kv_dtype, "--threads", str(threads), "--max-num-seqs", str(max_num_seqs),
             "--max-waiting", str(max_num_seqs), "--no-access-log"]

@@ -157,20 +157,20 @@ void test_rope_and_cache(const pw::KernelTable& k, bool int8) {
 
 // Scalar attention of one query row over the first len tokens of a paged cache.
 void attend_ref(const pw::Cache& c, const int64_t* table, int64_t bs, const float* q, int64_t Hq, int64_t len,
-                float scale, float* out) {
-  const int64_t D = c.D, G = Hq / c.Hkv;
+                float scale, float* out, int64_t window = 0) {
+  const int64_t D = c.D, G = Hq / c.Hkv, first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
   std::vector<double> s(len);
   for (int64_t h = 0; h < Hq; ++h) {
     const int64_t hk = h / G;
     double mx = -INFINITY, sum = 0;
-    for (int64_t p = 0; p < len; ++p) {
+    for (int64_t p = first; p < len; ++p) {
       const int64_t at = (table[p / bs] * bs + p % bs) * c.Hkv + hk;
       double dot = 0;
       for (int64_t d = 0; d < D; ++d) dot += q[h * D + d] * (c.k ? c.k[at * D + d] : c.kq[at * D + d] * c.ks[at]);
       s[p] = dot * scale, mx = std::max(mx, s[p]);
     }
     for (int64_t d = 0; d < D; ++d) out[h * D + d] = 0.f;
-    for (int64_t p = 0; p < len; ++p) {
+    for (int64_t p = first; p < len; ++p) {
       const int64_t at = (table[p / bs] * bs + p % bs) * c.Hkv + hk;
       const double w = std::exp(s[p] - mx);
       sum += w;
@@ -182,7 +182,8 @@ void attend_ref(const pw::Cache& c, const int64_t* table, int64_t bs, const floa
 
 // Rows: query_lens[i] consecutive positions of sequence i ending at context_lens[i].
 void test_attention(const pw::KernelTable& k, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, bool int8,
-                    const std::vector<int64_t>& query_lens, const std::vector<int64_t>& context_lens) {
+                    const std::vector<int64_t>& query_lens, const std::vector<int64_t>& context_lens,
+                    int64_t window = 0) {
   const int64_t nseq = query_lens.size();
   int64_t blocks = 2, max_blocks = 0;
   for (int64_t c : context_lens) blocks += (c + bs - 1) / bs, max_blocks = std::max(max_blocks, (c + bs - 1) / bs);
@@ -211,16 +212,17 @@ void test_attention(const pw::KernelTable& k, int64_t Hq, int64_t Hkv, int64_t D
   } else {
     c.k = kf.data(), c.v = vf.data();
   }
-  const pw::AttentionRows rows{tables.data(), max_blocks, seq.data(), len.data(), bs};
+  const pw::AttentionRows rows{tables.data(), max_blocks, seq.data(), len.data(), bs, window};
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   std::vector<float> out(T * Hq * D), want(T * Hq * D);
   k.paged_attention(RT, q.data(), T, Hq, c, rows, scale, out.data());
   for (int64_t t = 0; t < T; ++t)
     attend_ref(c, tables.data() + seq[t] * max_blocks, bs, q.data() + t * Hq * D, Hq, len[t], scale,
-               want.data() + t * Hq * D);
+               want.data() + t * Hq * D, window);
   char name[160];
-  std::snprintf(name, sizeof name, "paged_attention Hq=%lld Hkv=%lld D=%lld bs=%lld %s rows=%lld",
-                (long long)Hq, (long long)Hkv, (long long)D, (long long)bs, int8 ? "int8" : "fp32", (long long)T);
+  std::snprintf(name, sizeof name, "paged_attention Hq=%lld Hkv=%lld D=%lld bs=%lld %s rows=%lld window=%lld",
+                (long long)Hq, (long long)Hkv, (long long)D, (long long)bs, int8 ? "int8" : "fp32", (long long)T,
+                (long long)window);
   check_close(name, out.data(), want.data(), out.size(), 1e-4f, 5e-5f);
 }
 
@@ -417,6 +419,7 @@ int main() {
       test_attention(k, 8, 2, D, 16, int8, {1, 1}, {70, 1000});                   // a long context in parts
     test_attention(k, 9, 3, 64, 16, int8, {1, 5, 12, 1}, {40, 5, 30, 16});         // prompt chunks in tiles
     test_attention(k, 8, 2, 128, 32, int8, {4, 20, 40}, {9, 50, 40});
+    test_attention(k, 4, 1, 256, 16, int8, {37, 1, 1}, {100, 700, 30}, 40);    // sliding window: tiles and rows
   }
   for (pw::QuantFormat fmt : {pw::Q4, pw::Q8, pw::I8})
     for (const auto& mnk : std::vector<std::vector<int64_t>>{{1, 576, 576}, {3, 40, 64}, {5, 960, 128}, {130, 48, 96}})

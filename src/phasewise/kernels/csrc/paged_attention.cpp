@@ -192,15 +192,6 @@ void paged_attention(const Runtime& rt, const float* qp, int64_t T, int64_t Hq, 
     else rows.push_back(t);
     t += n;
   }
-  // A tile whose keys reach past its rows' windows goes row by row (the tiled kernel masks only above).
-  if (ar.window > 0) {
-    std::vector<Tile> unwindowed;
-    for (const Tile& tile : tiles) {
-      if (tile.len0 + tile.R - 1 <= ar.window) unwindowed.push_back(tile);
-      else for (int64_t r = 0; r < tile.R; ++r) rows.push_back(tile.t0 + r);
-    }
-    tiles.swap(unwindowed);
-  }
   if (!tiles.empty() && !attend_tiles(rt, c, tiles, ar, qp, Hq, sc, op)) {
     for (const Tile& tile : tiles)                 // no tiled kernel for this shape
       for (int64_t r = 0; r < tile.R; ++r) rows.push_back(tile.t0 + r);

@@ -4,7 +4,8 @@
 // Queries are transposed once per task (qt [D][16]), so a key's 16 scores are D FMAs of the
 // broadcast key element with qt[d]: no horizontal sums. The softmax then runs lane-wise
 // (per query) over keys, and the causal mask is one compare of the lanes' context lengths
-// with the key's position. Values: each lane's output row += its weight × the value row.
+// with the key's position (a sliding window adds one compare of its lower edge, and keys start
+// at the first row's window). Values: each lane's output row += its weight × the value row.
 // Used for chunks of two or more tokens (prefill, draft verification); single decode rows
 // take the kernel in paged_attention.cpp.
 #include "attention.h"
@@ -23,8 +24,8 @@ namespace {
 constexpr int KG = W >= 16 ? KEYS : 4;
 
 template <int NV, bool INT8>
-void attend_tile(const Cache& c, const int64_t* table, int64_t block_size, int64_t h, const Tile& tile,
-                 const float* q, int64_t Hq, int64_t G, float sc, float* out) {
+void attend_tile(const Cache& c, const int64_t* table, int64_t block_size, int64_t window, int64_t h,
+                 const Tile& tile, const float* q, int64_t Hq, int64_t G, float sc, float* out) {
   constexpr int64_t D = 16 * NV;
   constexpr int SL = W >= 16 ? NV : 1;
   const int64_t lanes = tile.R * G;
@@ -47,11 +48,19 @@ void attend_tile(const Cache& c, const int64_t* table, int64_t block_size, int64
   }
   Vi len;
   std::memcpy(&len, lenv, sizeof len);
+  // With a window W, lane r sees keys len - W .. len - 1: the pass's keys below that are masked. The
+  // first pass starts at the first row's lower edge, so every lane has a key in it (R <= 16) and
+  // no lane's running max stays -inf (exp(-inf + inf) would be NaN).
+  alignas(64) int32_t lov[16];
+  for (int64_t lane = 0; lane < 16; ++lane) lov[lane] = window > 0 ? lenv[lane] - static_cast<int32_t>(window) : -1;
+  Vi lo;
+  std::memcpy(&lo, lov, sizeof lo);
+  const int64_t kmin = window > 0 ? std::max<int64_t>(0, tile.len0 - window) : 0;
   Vf m = Vf::set1(NEG_INF), l = Vf::zero();
   const int64_t kmax = tile.len0 + tile.R - 1;   // the last row's context
   const float* vrow[KEYS];
   float kscale[KEYS], vscale[KEYS];
-  for (int64_t start = 0; start < kmax; start += KEYS) {
+  for (int64_t start = kmin; start < kmax; start += KEYS) {
     const int64_t n = std::min<int64_t>(KEYS, kmax - start);
     for (int64_t j = 0; j < KEYS; ++j) {
       if (j >= n) {                                // past every lane's context: masked below
@@ -88,6 +97,7 @@ void attend_tile(const Cache& c, const int64_t* table, int64_t block_size, int64
       if (INT8 && j < n) s[j] = s[j] * Vf::set1(kscale[j]);
       const Mask ok = len > Vi::set1(static_cast<int32_t>(start + j));
       s[j] = select(ok, s[j], Vf::set1(NEG_INF));
+      if (window > 0) s[j] = select(Vi::set1(static_cast<int32_t>(start + j + 1)) > lo, s[j], Vf::set1(NEG_INF));
       mx = max(mx, s[j]);
     }
     const Vf cr = exp(m - mx);                        // 0 on the first pass (m = -inf)
@@ -143,7 +153,8 @@ bool attend_tiles(const Runtime& rt, const Cache& c, const std::vector<Tile>& ti
       for (int64_t i = begin; i < end; ++i) {
         const int64_t task = i % 2 ? n - 1 - i / 2 : i / 2;
         const Tile& tile = tiles[task / c.Hkv];
-        fn(c, rows.tables + tile.seq * rows.max_blocks, rows.block_size, task % c.Hkv, tile, q, Hq, G, sc, out);
+        fn(c, rows.tables + tile.seq * rows.max_blocks, rows.block_size, rows.window, task % c.Hkv, tile, q, Hq, G,
+           sc, out);
       }
     });
   };
