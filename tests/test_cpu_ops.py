@@ -25,6 +25,13 @@ def test_rms_norm_with_and_without_residual(ops):
     torch.testing.assert_close(norm(x), ref_plain)
 
 
+def test_gelu_and_mul(ops):
+    x = torch.randn(7, 2 * 200) * 4
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(ops.silu_and_mul(x, gelu=True), torch.nn.functional.gelu(gate, approximate="tanh") * up,
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_silu_and_mul(ops):
     x = torch.randn(5, 2 * 40) * 4
     x[0, :16] = torch.linspace(-200, 175, 16)       # gates far past e^x's range both ways

@@ -81,3 +81,60 @@ def test_no_stack_without_kernels_or_for_fp32(q4_model, default_model_path, chos
     assert q4_model.model.stack is not None
     use_kernels(q4_model, None)
     assert q4_model.model.stack is None
+
+
+# ---- Gemma 3 and Qwen3: QK-norm, sandwich norms, GELU, windows, per-layer RoPE, KV groups ------------
+
+@pytest.fixture(scope="module", params=["gemma3", "qwen3"])
+def int8_family_model(request, tmp_path_factory):
+    """A tiny random checkpoint of the family (6 layers; Gemma 3: five local with a window of 8, then
+    a global one), its linear layers int8."""
+    from model_builders import build_hf, hf_config
+
+    from phasewise.loading.loader import load_model
+
+    over = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=6, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=64)
+    if request.param == "gemma3":
+        over.update(sliding_window=8, query_pre_attn_scalar=48)
+    folder = tmp_path_factory.mktemp(request.param)
+    build_hf(hf_config(request.param, **over), seed=3).save_pretrained(folder)
+    model, cfg = load_model(folder, "int8")
+    return model
+
+
+@torch.inference_mode()
+def run_group_steps(model, kv_dtype: torch.dtype) -> list[torch.Tensor]:
+    """Three sequences, a batched prefill then six batched steps (one a 4-token chunk), each KV group
+    with its own blocks; each step's logits."""
+    cfg, bs = model.config, 16
+    groups = len(cfg.kv_groups)
+    cache = KVCache(cfg, 12 * groups, bs, kv_dtype, "cpu")
+    tables = [[list(range(12 * g + 4 * s, 12 * g + 4 * s + 4)) for s in range(3)] for g in range(groups)]
+    g = torch.Generator().manual_seed(0)
+    lens, query, out = [0, 0, 0], [37, 5, 20], []
+    for step in range(7):
+        new = torch.randint(0, 256, (sum(query),), generator=g)
+        pos = torch.cat([torch.arange(n, n + q) for n, q in zip(lens, query)])
+        lens = [n + q for n, q in zip(lens, query)]
+        meta = AttentionMetadata.build_groups(query, lens, tables, bs, torch.device("cpu"))
+        out.append(model.compute_logits(model(new, pos, meta, cache.layers)))
+        query = [4, 1, 1] if step == 2 else [1, 1, 1]
+    return out
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8], ids=["fp32-kv", "int8-kv"])
+def test_family_stack_matches_the_python_layers(int8_family_model, ops, kv_dtype):
+    model = int8_family_model
+    use_fast_linears(model, "cpu", torch.float32, ops)
+    use_kernels(model, ops)
+    stack = model.model.stack
+    assert stack is not None, "no decoder stack for the model"
+    try:
+        fast = run_group_steps(model, kv_dtype)
+        model.model.stack = None
+        ref = run_group_steps(model, kv_dtype)
+    finally:
+        model.model.stack = stack
+    for a, b in zip(fast, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

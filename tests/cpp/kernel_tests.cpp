@@ -369,7 +369,8 @@ void test_decoder_stack(const pw::KernelTable& k, bool int8, const std::vector<i
   const pw::AttentionRows rows{tables.data(), max_blocks, seq.data(), len.data(), bs};
   const auto x = randn(T * H);
   std::vector<float> ws(pw::decoder_workspace(m, T)), out(T * H);
-  const pw::DecoderStep step{T, pos.data(), slot.data(), caches[0].data(), outs[0].data(), rows};
+  const int64_t* group_slots[1] = {slot.data()};
+  const pw::DecoderStep step{T, pos.data(), group_slots, caches[0].data(), outs[0].data(), &rows};
   k.decoder_stack(RT, m, step, x.data(), ws.data(), out.data());
 
   const pw::Runtime one{1};

@@ -19,6 +19,7 @@ from phasewise.layers.norm import RMSNorm
 from phasewise.layers.rotary import RotaryEmbedding
 from phasewise.models.config import ModelConfig
 from phasewise.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from phasewise.models.stack import build_stack, run_stack
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -51,11 +52,19 @@ class Gemma3Model(nn.Module):
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.embedding_scale = cfg.embedding_scale
+        self.cfg = cfg
+        self.stack = None       # the C++ decoder stack (set_kernels), if it can run
+
+    def set_kernels(self, kernels) -> None:
+        """The C++ decoder stack where it can run these layers (models/stack.py)."""
+        self.stack = build_stack(kernels, self.cfg, self.layers, self.norm.weight, sandwich=True)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[LayerKV]) -> torch.Tensor:
         """input_ids, positions: [T] → hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids) * self.embedding_scale
+        if self.stack is not None:                              # the whole step in one C++ call
+            return run_stack(self.stack, self.cfg, x, positions, meta, kv_caches)
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(positions, x, kv, meta)
         return self.norm(x)

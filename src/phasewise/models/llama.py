@@ -16,9 +16,9 @@ from torch import nn
 from phasewise.kernels import UsesKernels, applies
 from phasewise.layers.attention import AttentionMetadata, LayerKV, paged_attention
 from phasewise.layers.norm import RMSNorm
-from phasewise.layers.quant_linear import QuantLinear
 from phasewise.layers.rotary import RotaryEmbedding
 from phasewise.models.config import ModelConfig
+from phasewise.models.stack import build_stack, run_stack
 
 KVCaches = list[LayerKV]  # per layer: k, v as [num_slots, Hkv, D] (int8: and their scales)
 
@@ -73,13 +73,11 @@ class LlamaMLP(UsesKernels, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)                    # [T, 2 I]
-        if self.gelu:
-            gate, up = gate_up.chunk(2, dim=-1)
-            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         if applies(self.ops, gate_up):
-            return self.down_proj(self.ops.silu_and_mul(gate_up))
+            return self.down_proj(self.ops.silu_and_mul(gate_up, gelu=self.gelu))
         gate, up = gate_up.chunk(2, dim=-1)               # [T, I] each
-        return self.down_proj(F.silu(gate) * up)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -114,38 +112,15 @@ class LlamaModel(nn.Module):
         self.stack = None       # the C++ decoder stack (set_kernels), if it can run
 
     def set_kernels(self, kernels) -> None:
-        """With compiled kernels, a C++ DecoderStack runs every decoder layer of a step in one call
-        (prefill chunks and decodes alike) where it can: every linear layer quantized, weights fp32
-        on the CPU. A decode step of a 30-layer model makes about 300 op calls, each costing
-        microseconds from Python (a third of the step at batch 1). The Python layers stay the
-        path for everything else and the reference the tests compare against."""
-        self.stack = None
-        cfg = self.layers[0].self_attn.cfg
-        if kernels is None or cfg.qk_norm or cfg.sliding_layers or cfg.query_scale or cfg.hidden_act != "silu":
-            return                                              # the stack is the plain Llama layer
-        layers = []
-        for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-            norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-            if not all(isinstance(m, QuantLinear) and _on_cpu(m.blocks) for m in linears) \
-                    or not all(map(_fp32_cpu, norms)):
-                return
-            args = [(m.fmt_id, m.out_features, m.blocks, m.scale, m.bias) for m in linears]
-            layers.append((*(w.detach() for w in norms), *args))
-        rotary = self.layers[0].self_attn.rotary
-        if not all(_fp32_cpu(t) for t in (self.norm.weight, rotary.cos, rotary.sin)):
-            return
-        self.stack = kernels.decoder_stack(layers, self.norm.weight.detach(), rotary.cos, rotary.sin, cfg.num_heads,
-                                           cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
+        """The C++ decoder stack where it can run these layers (models/stack.py)."""
+        self.stack = build_stack(kernels, self.layers[0].self_attn.cfg, self.layers, self.norm.weight)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: KVCaches) -> torch.Tensor:
         """input_ids, positions: [T] → hidden states [T, hidden]."""
         if self.stack is not None:                              # the whole step in one C++ call
-            rows = meta.kernel_rows
-            return self.stack.forward(self.embed_tokens(input_ids), positions, meta.slot_mapping, kv_caches,
-                                      rows.tables, rows.seq, rows.length, meta.block_size)
+            cfg = self.layers[0].self_attn.cfg
+            return run_stack(self.stack, cfg, self.embed_tokens(input_ids), positions, meta, kv_caches)
         x, residual = self.embed_tokens(input_ids), None
         for layer, kv in zip(self.layers, kv_caches):
             x, residual = layer(positions, x, residual, kv, meta)
@@ -221,14 +196,6 @@ class LlamaForCausalLM(nn.Module):
     def expected_weights(self) -> set[str]:
         """What load_weights must fill for the model to be complete."""
         return set().union(*(_shard_names(name) for name, _ in self.named_parameters()))
-
-
-def _on_cpu(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and t.is_contiguous()
-
-
-def _fp32_cpu(t: torch.Tensor) -> bool:
-    return _on_cpu(t) and t.dtype == torch.float32
 
 
 def _shard_names(param: str) -> set[str]:

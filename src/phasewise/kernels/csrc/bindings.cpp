@@ -22,7 +22,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("v_scale") = py::none(), nogil())
       .def("rms_norm", &KernelSet::rms_norm, "optional residual add, then RMSNorm", py::arg("x"),
            py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none(), nogil())
-      .def("silu_and_mul", &KernelSet::silu_and_mul, "silu(gate) * up", nogil())
+      .def("silu_and_mul", &KernelSet::silu_and_mul, "silu(gate) * up (gelu: GELU-tanh(gate) * up)", py::arg("x"),
+           py::arg("gelu") = false, nogil())
       .def("argmax_rows", &KernelSet::argmax_rows, "each row's argmax (the first on ties)", nogil())
       .def("quantize_activations", &KernelSet::quantize_activations,
            "per-32 symmetric int8 activations: xq, dx, sx", nogil())
@@ -33,12 +34,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("bias") = py::none(), nogil())
       .def("decoder_stack",
            [](std::shared_ptr<KernelSet> self, std::vector<LayerArgs> layers, torch::Tensor final_norm,
-              torch::Tensor cos, torch::Tensor sin, int64_t Hq, int64_t Hkv, int64_t D, double eps) {
+              torch::Tensor cos, torch::Tensor sin, int64_t Hq, int64_t Hkv, int64_t D, double eps,
+              std::vector<LayerExtras> extras, double scale, bool gelu) {
              return DecoderStack(std::move(self), std::move(layers), std::move(final_norm), std::move(cos),
-                                 std::move(sin), Hq, Hkv, D, eps);
+                                 std::move(sin), Hq, Hkv, D, eps, std::move(extras), scale, gelu);
            },
            "a Llama-family model's decoder layers on these kernels", py::arg("layers"), py::arg("final_norm"),
-           py::arg("cos"), py::arg("sin"), py::arg("Hq"), py::arg("Hkv"), py::arg("D"), py::arg("eps"));
+           py::arg("cos"), py::arg("sin"), py::arg("Hq"), py::arg("Hkv"), py::arg("D"), py::arg("eps"),
+           py::arg("extras") = std::vector<LayerExtras>{}, py::arg("scale") = 0.0, py::arg("gelu") = false);
   py::class_<DecoderStack>(m, "DecoderStack")
       .def("forward", &DecoderStack::forward, py::arg("x"), py::arg("positions"), py::arg("slots"),
            py::arg("kv"), py::arg("tables"), py::arg("row_seq"), py::arg("row_len"), py::arg("block_size"),

@@ -12,6 +12,7 @@ void rope_and_cache(const Runtime& rt, const float* qkv, int64_t T, const int64_
 void rms_norm(const Runtime& rt, const float* x, const float* residual, const float* w, int64_t T, int64_t H,
               float eps, float* out, float* sum);
 void silu_and_mul(const Runtime& rt, const float* x, int64_t T, int64_t I, float* out);
+void gelu_and_mul(const Runtime& rt, const float* x, int64_t T, int64_t I, float* out);
 void argmax_rows(const Runtime& rt, const float* x, int64_t B, int64_t V, int64_t* out);
 void quantize_activations(const Runtime& rt, const float* x, int64_t M, int64_t K, int8_t* xq, float* dx,
                           float* sx);

@@ -3,7 +3,7 @@
 //  - rope_and_cache: split a fused qkv row, rotate q and k (NeoX halves), write k and v to their
 //    cache slots (fp32, or int8 with one fp32 scale per (slot, KV head));
 //  - rms_norm: optional residual add, then RMSNorm, in one pass;
-//  - silu_and_mul: silu(gate) * up of a fused gate_up row;
+//  - silu_and_mul: silu(gate) * up of a fused gate_up row; gelu_and_mul: the same with GELU-tanh (Gemma);
 //  - argmax_rows: each row's largest value's index (greedy sampling).
 #include "core.h"
 
@@ -104,6 +104,26 @@ void silu_and_mul(const Runtime& rt, const float* xp, int64_t T, int64_t I, floa
         (gv / (Vf::set1(1.f) + exp(Vf::zero() - gv)) * Vf::load(u + i)).store(o + i);
       }
       for (; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    }
+  });
+}
+
+// x [T, 2I] (gate | up) -> out [T, I] = gelu_tanh(gate) up, gelu_tanh(g) = g / (1 + e^(-2 c (g + 0.044715 g^3)))
+// with c = sqrt(2 / pi) (0.5 g (1 + tanh(y)) = g / (1 + e^-2y)).
+void gelu_and_mul(const Runtime& rt, const float* xp, int64_t T, int64_t I, float* op) {
+  constexpr float C = 0.7978845608028654f, A = 0.044715f;
+  parallel_for(rt, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* g = xp + t * 2 * I;
+      const float* u = g + I;
+      float* o = op + t * I;
+      int64_t i = 0;
+      for (; i + 16 <= I; i += 16) {
+        const Vf gv = Vf::load(g + i);
+        const Vf y = Vf::set1(-2.f * C) * (gv + Vf::set1(A) * gv * gv * gv);
+        (gv / (Vf::set1(1.f) + exp(y)) * Vf::load(u + i)).store(o + i);
+      }
+      for (; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-2.f * C * (g[i] + A * g[i] * g[i] * g[i]))) * u[i];
     }
   });
 }

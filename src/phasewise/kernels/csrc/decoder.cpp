@@ -2,6 +2,8 @@
 // the same ops in the same order as the Python layers (RMSNorm + residual, quantized qkv, RoPE +
 // cache write, paged attention for every row (decodes and prompt chunks), o, RMSNorm + residual,
 // gate_up, SiLU·mul, down), into a workspace the caller owns: no allocation, no per-op call cost.
+// What Qwen3 and Gemma 3 add: QK-norm on each head of the fused qkv before RoPE; per-layer RoPE
+// tables, KV group and window; Gemma's norms after attention and after the MLP; a GELU-tanh gate.
 #include "core.h"
 #include "parallel.h"
 
@@ -11,6 +13,24 @@
 namespace pw {
 
 namespace {
+
+// In place: each q and k head of every row of qkv [T, (Hq + 2 Hkv) D] RMS-normed and scaled by qw / kw.
+void head_norms(const Runtime& rt, float* qkv, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const float* qw,
+                const float* kw, float eps) {
+  const int64_t heads = Hq + Hkv, width = (Hq + 2 * Hkv) * D;
+  parallel_for(rt, T * heads, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* x = qkv + (r / heads) * width + (r % heads) * D;
+      const float* w = r % heads < Hq ? qw : kw;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t d = 0; d < D; ++d) ss += x[d] * x[d];
+      const float inv = 1.f / std::sqrt(ss / D + eps);
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) x[d] = x[d] * inv * w[d];
+    }
+  });
+}
 
 void layers(const Runtime& rt, const DecoderModel& m, const DecoderStep& s, const float* x, float* ws, float* out) {
   const int64_t T = s.T, H = m.H, I = m.I, D = m.D, Hq = m.Hq, Hkv = m.Hkv;
@@ -25,20 +45,31 @@ void layers(const Runtime& rt, const DecoderModel& m, const DecoderStep& s, cons
   float* attn = k + T * Hkv * D;              // [T, Hq, D]
   float* gate_up = attn + T * Hq * D;         // [T, 2I]
   float* act = gate_up + T * 2 * I;           // [T, I]
-  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  const float scale = m.scale > 0.f ? m.scale : 1.f / std::sqrt(static_cast<float>(D));
   parallel_for(rt, T * H, 4096, [&](int64_t begin, int64_t end) { std::copy(x + begin, x + end, residual + begin); });
   for (int64_t i = 0; i < m.L; ++i) {
     const DecoderLayer& L = m.layers[i];
     if (i == 0) rms_norm(rt, residual, nullptr, L.input_norm, T, H, m.eps, normed, nullptr);
     else rms_norm(rt, hidden, residual, L.input_norm, T, H, m.eps, normed, residual);
     quant_linear(rt, normed, T, H, L.qkv.w, L.qkv.bias, qkv);
-    rope_and_cache(rt, qkv, T, s.positions, m.cos, m.sin, Hq, Hkv, D, s.slots, s.cache_out[i], q, k);
-    paged_attention(rt, q, T, Hq, s.caches[i], s.rows, scale, attn);
+    if (L.q_norm != nullptr) head_norms(rt, qkv, T, Hq, Hkv, D, L.q_norm, L.k_norm, m.eps);
+    rope_and_cache(rt, qkv, T, s.positions, L.cos ? L.cos : m.cos, L.sin ? L.sin : m.sin, Hq, Hkv, D,
+                   s.slots[L.group], s.cache_out[i], q, k);
+    AttentionRows rows = s.rows[L.group];
+    rows.window = L.window;
+    paged_attention(rt, q, T, Hq, s.caches[i], rows, scale, attn);
     quant_linear(rt, attn, T, Hq * D, L.o.w, L.o.bias, o);
-    rms_norm(rt, o, residual, L.post_norm, T, H, m.eps, normed, residual);
+    if (L.pre_ffn_norm != nullptr) {           // Gemma: norm the attention's output, add, norm again
+      rms_norm(rt, o, nullptr, L.post_norm, T, H, m.eps, o, nullptr);
+      rms_norm(rt, o, residual, L.pre_ffn_norm, T, H, m.eps, normed, residual);
+    } else {
+      rms_norm(rt, o, residual, L.post_norm, T, H, m.eps, normed, residual);
+    }
     quant_linear(rt, normed, T, H, L.gate_up.w, L.gate_up.bias, gate_up);
-    silu_and_mul(rt, gate_up, T, I, act);
+    if (m.gelu) gelu_and_mul(rt, gate_up, T, I, act);
+    else silu_and_mul(rt, gate_up, T, I, act);
     quant_linear(rt, act, T, I, L.down.w, L.down.bias, hidden);
+    if (L.post_ffn_norm != nullptr) rms_norm(rt, hidden, nullptr, L.post_ffn_norm, T, H, m.eps, hidden, nullptr);
   }
   rms_norm(rt, hidden, residual, m.final_norm, T, H, m.eps, out, residual);
 }

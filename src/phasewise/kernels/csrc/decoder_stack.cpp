@@ -28,9 +28,9 @@ pw::Linear linear_view(const QuantLinearArgs& a, int64_t K) {
 
 DecoderStack::DecoderStack(std::shared_ptr<KernelSet> kernels, std::vector<LayerArgs> layers,
                            torch::Tensor final_norm, torch::Tensor cos, torch::Tensor sin, int64_t Hq, int64_t Hkv,
-                           int64_t D, double eps)
-    : k_(std::move(kernels)), layers_(std::move(layers)), final_norm_(std::move(final_norm)), cos_(std::move(cos)),
-      sin_(std::move(sin)) {
+                           int64_t D, double eps, std::vector<LayerExtras> extras, double scale, bool gelu)
+    : k_(std::move(kernels)), layers_(std::move(layers)), extras_(std::move(extras)),
+      final_norm_(std::move(final_norm)), cos_(std::move(cos)), sin_(std::move(sin)) {
   TORCH_CHECK(!layers_.empty(), "a decoder stack needs layers");
   const int64_t H = final_norm_.numel();
   TORCH_CHECK(fp32_vector(final_norm_, H) && cos_.scalar_type() == at::kFloat && sin_.scalar_type() == at::kFloat &&
@@ -46,21 +46,54 @@ DecoderStack::DecoderStack(std::shared_ptr<KernelSet> kernels, std::vector<Layer
     views_.push_back({n1.data_ptr<float>(), n2.data_ptr<float>(), linear_view(qkv, H), linear_view(o, Hq * D),
                       linear_view(gate_up, H), linear_view(down, I2 / 2)});
   }
+  TORCH_CHECK(extras_.empty() || extras_.size() == layers_.size(), "extras: none or one per layer");
+  auto ptr = [](const Opt& t, int64_t n) -> const float* {
+    if (!t.has_value()) return nullptr;
+    TORCH_CHECK(n == 0 ? t->scalar_type() == at::kFloat && t->is_contiguous() : fp32_vector(*t, n),
+                "extras: fp32, contiguous, of the model's sizes");
+    return t->data_ptr<float>();
+  };
+  for (size_t i = 0; i < extras_.size(); ++i) {
+    const auto& [qn, kn, pre, post, c, s, group, window] = extras_[i];
+    pw::DecoderLayer& v = views_[i];
+    TORCH_CHECK(qn.has_value() == kn.has_value() && pre.has_value() == post.has_value() &&
+                c.has_value() == s.has_value() && group >= 0 && window >= 0, "extras: pairs given together");
+    TORCH_CHECK(!c.has_value() || (c->sizes() == cos_.sizes() && s->sizes() == cos_.sizes()), "a layer's cos, sin");
+    v.q_norm = ptr(qn, D), v.k_norm = ptr(kn, D), v.pre_ffn_norm = ptr(pre, H), v.post_ffn_norm = ptr(post, H);
+    v.cos = ptr(c, 0), v.sin = ptr(s, 0), v.group = group, v.window = window;
+    groups_ = std::max(groups_, group + 1);
+  }
   model_ = {views_.data(), static_cast<int64_t>(views_.size()), H, I2 / 2, Hq, Hkv, D, static_cast<float>(eps),
-            final_norm_.data_ptr<float>(), cos_.data_ptr<float>(), sin_.data_ptr<float>()};
+            final_norm_.data_ptr<float>(), cos_.data_ptr<float>(), sin_.data_ptr<float>(), static_cast<float>(scale),
+            gelu};
 }
 
-torch::Tensor DecoderStack::forward(torch::Tensor x, torch::Tensor positions, torch::Tensor slots,
-                                    const std::vector<std::vector<torch::Tensor>>& kv, torch::Tensor tables,
-                                    torch::Tensor row_seq, torch::Tensor row_len, int64_t block_size) const {
+torch::Tensor DecoderStack::forward(torch::Tensor x, torch::Tensor positions, const std::vector<torch::Tensor>& slots,
+                                    const std::vector<std::vector<torch::Tensor>>& kv,
+                                    const std::vector<torch::Tensor>& tables, const std::vector<torch::Tensor>& row_seq,
+                                    const std::vector<torch::Tensor>& row_len, int64_t block_size) const {
   const pw::DecoderModel& m = model_;
   TORCH_CHECK(kv.size() == static_cast<size_t>(m.L), "one KV cache per layer");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == m.H && x.scalar_type() == at::kFloat, "x: fp32 [T, hidden]");
   x = x.contiguous();
   const int64_t T = x.size(0);
-  for (const torch::Tensor& t : {positions, slots, row_seq, row_len})
+  const size_t G = static_cast<size_t>(groups_);
+  TORCH_CHECK(slots.size() >= G && tables.size() == slots.size() && row_seq.size() == slots.size() &&
+              row_len.size() == slots.size(), "slots and rows for each KV group");
+  std::vector<const int64_t*> group_slots;
+  std::vector<pw::AttentionRows> rows;
+  auto int64_rows = [&](const torch::Tensor& t) {
     TORCH_CHECK(t.scalar_type() == at::kLong && t.is_contiguous() && t.numel() == T, "positions, slots, rows: int64 [T]");
-  TORCH_CHECK(tables.dim() == 2 && tables.scalar_type() == at::kLong && tables.is_contiguous(), "tables: int64 [S, B]");
+    return t.data_ptr<int64_t>();
+  };
+  int64_rows(positions);
+  for (size_t g = 0; g < G; ++g) {
+    TORCH_CHECK(tables[g].dim() == 2 && tables[g].scalar_type() == at::kLong && tables[g].is_contiguous(),
+                "tables: int64 [S, B]");
+    group_slots.push_back(int64_rows(slots[g]));
+    rows.push_back({tables[g].data_ptr<int64_t>(), tables[g].size(1), int64_rows(row_seq[g]), int64_rows(row_len[g]),
+                    block_size});
+  }
   std::vector<pw::Cache> caches(m.L);
   std::vector<pw::CacheOut> outs(m.L);
   for (int64_t i = 0; i < m.L; ++i) {
@@ -82,9 +115,8 @@ torch::Tensor DecoderStack::forward(torch::Tensor x, torch::Tensor positions, to
       outs[i] = {c[0].data_ptr<float>(), c[1].data_ptr<float>(), nullptr, nullptr, nullptr, nullptr};
     }
   }
-  const pw::DecoderStep step{T, positions.data_ptr<int64_t>(), slots.data_ptr<int64_t>(), caches.data(), outs.data(),
-                             {tables.data_ptr<int64_t>(), tables.size(1), row_seq.data_ptr<int64_t>(),
-                              row_len.data_ptr<int64_t>(), block_size}};
+  const pw::DecoderStep step{T, positions.data_ptr<int64_t>(), group_slots.data(), caches.data(), outs.data(),
+                             rows.data()};
   auto ws = torch::empty({pw::decoder_workspace(m, T)}, x.options());
   auto out = torch::empty_like(x);
   k_->table().decoder_stack(pw::Runtime{at::get_num_threads()}, m, step, x.data_ptr<float>(), ws.data_ptr<float>(),

@@ -14,22 +14,31 @@ using QuantLinearArgs = std::tuple<int64_t, int64_t, torch::Tensor, c10::optiona
 // One layer: input norm weight, post-attention norm weight, qkv, o, gate_up, down.
 using LayerArgs = std::tuple<torch::Tensor, torch::Tensor, QuantLinearArgs, QuantLinearArgs, QuantLinearArgs,
                              QuantLinearArgs>;
+// What Qwen3 and Gemma 3 add to a layer (each optional): q_norm, k_norm [D], pre- and post-MLP norms
+// [H], the layer's cos and sin [P, D/2], its KV group and its window (0: none).
+using Opt = c10::optional<torch::Tensor>;
+using LayerExtras = std::tuple<Opt, Opt, Opt, Opt, Opt, Opt, int64_t, int64_t>;
 
 class DecoderStack {
  public:
+  // extras: empty, or one per layer; scale: attention's (0: 1/sqrt(D)); gelu: a GELU-tanh gate.
   DecoderStack(std::shared_ptr<KernelSet> kernels, std::vector<LayerArgs> layers, torch::Tensor final_norm,
-               torch::Tensor cos, torch::Tensor sin, int64_t Hq, int64_t Hkv, int64_t D, double eps);
+               torch::Tensor cos, torch::Tensor sin, int64_t Hq, int64_t Hkv, int64_t D, double eps,
+               std::vector<LayerExtras> extras, double scale, bool gelu);
 
-  // x: [T, hidden] embedded tokens; positions, slots: [T] int64; kv: per layer (k, v[, k_scale, v_scale]);
-  // tables, row_seq, row_len: the paged-attention kernel's rows (every row of the batch).
+  // x: [T, hidden] embedded tokens; positions: [T] int64; kv: per layer (k, v[, k_scale, v_scale]);
+  // per KV group: slots [T] int64 and the paged-attention kernel's rows (tables, row_seq, row_len).
   // Returns the final-normed hidden states [T, hidden].
-  torch::Tensor forward(torch::Tensor x, torch::Tensor positions, torch::Tensor slots,
-                        const std::vector<std::vector<torch::Tensor>>& kv, torch::Tensor tables,
-                        torch::Tensor row_seq, torch::Tensor row_len, int64_t block_size) const;
+  torch::Tensor forward(torch::Tensor x, torch::Tensor positions, const std::vector<torch::Tensor>& slots,
+                        const std::vector<std::vector<torch::Tensor>>& kv, const std::vector<torch::Tensor>& tables,
+                        const std::vector<torch::Tensor>& row_seq, const std::vector<torch::Tensor>& row_len,
+                        int64_t block_size) const;
 
  private:
   std::shared_ptr<KernelSet> k_;
   std::vector<LayerArgs> layers_;             // keeps the tensors behind model_'s pointers alive
+  std::vector<LayerExtras> extras_;
+  int64_t groups_ = 1;
   torch::Tensor final_norm_, cos_, sin_;
   std::vector<pw::DecoderLayer> views_;
   pw::DecoderModel model_;

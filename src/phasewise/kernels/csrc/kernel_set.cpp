@@ -121,12 +121,12 @@ std::vector<torch::Tensor> KernelSet::rms_norm(torch::Tensor x, torch::Tensor we
   return {out};
 }
 
-// x: [T, 2I] (gate | up) -> [T, I] = silu(gate) * up.
-torch::Tensor KernelSet::silu_and_mul(torch::Tensor x) const {
+// x: [T, 2I] (gate | up) -> [T, I] = silu(gate) * up, or gelu_tanh(gate) * up.
+torch::Tensor KernelSet::silu_and_mul(torch::Tensor x, bool gelu) const {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "fp32, contiguous [T, 2I]");
   const int64_t T = x.size(0), I = x.size(1) / 2;
   auto out = torch::empty({T, I}, x.options());
-  table_->silu_and_mul(runtime(), x.data_ptr<float>(), T, I, out.data_ptr<float>());
+  (gelu ? table_->gelu_and_mul : table_->silu_and_mul)(runtime(), x.data_ptr<float>(), T, I, out.data_ptr<float>());
   return out;
 }
 

@@ -7,7 +7,7 @@
 
 namespace pw {
 
-constexpr int ABI_VERSION = 3;
+constexpr int ABI_VERSION = 4;
 
 struct Runtime {            // how a call may run: threads of the caller's pool (torch's, through OpenMP)
   int threads = 1;
@@ -60,10 +60,18 @@ struct Linear {             // a quantized linear layer: packed weight and optio
   const float* bias;
 };
 
-struct DecoderLayer {       // one Llama-family decoder layer
+struct DecoderLayer {       // one Llama-family decoder layer (and what Qwen3 and Gemma 3 add)
   const float* input_norm;  // [H]
-  const float* post_norm;   // [H]
+  const float* post_norm;   // [H] before the MLP; with pre_ffn_norm (Gemma 3): after attention
   Linear qkv, o, gate_up, down;
+  const float* q_norm = nullptr;        // [D] each q head's RMSNorm before RoPE (QK-norm), or none
+  const float* k_norm = nullptr;        // [D]
+  const float* pre_ffn_norm = nullptr;  // [H] Gemma 3: the norm before the MLP
+  const float* post_ffn_norm = nullptr; // [H] Gemma 3: the norm after the MLP
+  const float* cos = nullptr;           // [P, D/2] this layer's RoPE tables (none: the model's)
+  const float* sin = nullptr;
+  int64_t group = 0;                    // its KV group: the step's slots and rows of that group
+  int64_t window = 0;                   // > 0: a sliding-window layer
 };
 
 struct DecoderModel {       // the decoder layers of a model, and what every layer shares
@@ -73,15 +81,17 @@ struct DecoderModel {       // the decoder layers of a model, and what every lay
   const float* final_norm;  // [H]
   const float* cos;         // [P, D/2]
   const float* sin;
+  float scale = 0.f;        // attention's score scale (0: 1/sqrt(D))
+  bool gelu = false;        // the MLP's gate: GELU-tanh (Gemma) instead of SiLU
 };
 
 struct DecoderStep {        // one step's rows, and the caches of every layer
   int64_t T;
   const int64_t* positions; // [T]
-  const int64_t* slots;     // [T]
+  const int64_t* const* slots;  // [groups][T] each KV group's slots for the step's tokens
   const Cache* caches;      // [L]
   const CacheOut* cache_out;// [L]
-  AttentionRows rows;
+  const AttentionRows* rows;    // [groups] each group's tables (window 0: a layer sets its own)
 };
 
 // The floats of scratch decoder_stack needs for T rows (the caller owns it; reuse is fine).
@@ -120,6 +130,8 @@ struct KernelTable {
   // step's keys and values to every layer's cache; workspace: decoder_workspace(m, T) floats
   void (*decoder_stack)(const Runtime&, const DecoderModel&, const DecoderStep&, const float* x, float* workspace,
                         float* out);
+  // x [T, 2I] (gate | up) -> out [T, I] = gelu_tanh(gate) up
+  void (*gelu_and_mul)(const Runtime&, const float* x, int64_t T, int64_t I, float* out);
 };
 
 }  // namespace pw

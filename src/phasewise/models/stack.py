@@ -1,0 +1,66 @@
+"""The C++ decoder stack (kernels/csrc/decoder.cpp) built from a model's layers and run for a step.
+
+With compiled kernels, one DecoderStack call runs every decoder layer of a step (prefill chunks
+and decodes alike) where it can: every linear layer quantized, norms and RoPE tables fp32 on the
+CPU. A decode step of a 30-layer model makes about 300 op calls, each costing microseconds from
+Python (a third of the step at batch 1). The Python layers stay the path for everything else and
+the reference the tests compare against.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from phasewise.layers.attention import AttentionMetadata, LayerKV
+from phasewise.layers.quant_linear import QuantLinear
+from phasewise.models.config import ModelConfig
+
+
+def build_stack(kernels: Any, cfg: ModelConfig, layers: nn.ModuleList, final_norm: torch.Tensor,
+                sandwich: bool = False) -> Any:
+    """The DecoderStack of `layers` (Llama-family layers; `sandwich`: Gemma 3's, with norms after
+    attention and after the MLP too), or None where the stack cannot run them."""
+    if kernels is None:
+        return None
+    args, extras = [], []
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+        norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+        ffn = [layer.pre_feedforward_layernorm.weight, layer.post_feedforward_layernorm.weight] if sandwich else []
+        qk = [attn.q_norm.weight, attn.k_norm.weight] if cfg.qk_norm else []
+        rope = [attn.rotary.cos, attn.rotary.sin]
+        if not all(isinstance(m, QuantLinear) and _on_cpu(m.blocks) for m in linears) \
+                or not all(map(_fp32_cpu, norms + ffn + qk + rope)):
+            return None
+        args.append((*(w.detach() for w in norms), *[(m.fmt_id, m.out_features, m.blocks, m.scale, m.bias)
+                                                      for m in linears]))
+        qk = [w.detach() for w in qk] or [None, None]
+        ffn = [w.detach() for w in ffn] or [None, None]
+        extras.append((*qk, *ffn, *rope, attn.kv_group, attn.window or 0))
+    if not _fp32_cpu(final_norm):
+        return None
+    rotary = layers[0].self_attn.rotary
+    return kernels.decoder_stack(args, final_norm.detach(), rotary.cos, rotary.sin, cfg.num_heads, cfg.num_kv_heads,
+                                 cfg.head_dim, cfg.rms_norm_eps, extras, cfg.query_scale or 0.0,
+                                 cfg.hidden_act == "gelu_tanh")
+
+
+def run_stack(stack: Any, cfg: ModelConfig, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+              kv_caches: list[LayerKV]) -> torch.Tensor:
+    """x: [T, hidden] embedded tokens → the final-normed hidden states, every layer in one call."""
+    metas = [meta.for_group(g) for g in range(len(cfg.kv_groups))]
+    rows = [m.kernel_rows for m in metas]
+    return stack.forward(x, positions, [m.slot_mapping for m in metas], kv_caches, [r.tables for r in rows],
+                         [r.seq for r in rows], [r.length for r in rows], meta.block_size)
+
+
+def _on_cpu(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.is_contiguous()
+
+
+def _fp32_cpu(t: torch.Tensor) -> bool:
+    return _on_cpu(t) and t.dtype == torch.float32
