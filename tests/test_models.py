@@ -268,3 +268,21 @@ def test_partial_rotary_is_rejected(tmp_path):
     build_hf(hf_config("phi3", partial_rotary_factor=0.5)).save_pretrained(tmp_path)
     with pytest.raises(UnsupportedModelError, match="partial"):
         load_model(tmp_path)
+
+
+def test_a_gguf_tensor_type_phasewise_cannot_read_is_one_line_naming_it(tmp_path):
+    path = tmp_path / "f64.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    for add, value in ((w.add_block_count, 1), (w.add_context_length, 32), (w.add_embedding_length, 8),
+                       (w.add_feed_forward_length, 16), (w.add_head_count, 2), (w.add_vocab_size, 4)):
+        add(value)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float64))
+    w.add_tensor("output_norm.weight", np.ones(8, np.float32))
+    w.add_tensor("blk.0.attn_norm.weight", np.ones(8, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match="cannot read GGUF tensor type F64") as err:
+        load_model(path)
+    _one_line_naming(err, path)

@@ -76,6 +76,9 @@ class GGUFFile:
                 raise ModelLoadError(f"{self.path}: the file has no {name}")
             if t is not None and tuple(t.shape) != shape:
                 raise ModelLoadError(f"{self.path}: {name} is {list(t.shape)}, but the metadata makes it {list(shape)}")
+        unreadable = sorted({_type_name(t.ggml_type) for t in self.tensors.values() if not _readable(t.ggml_type)})
+        if unreadable:
+            raise ModelLoadError(f"{self.path}: phasewise cannot read GGUF tensor type {', '.join(unreadable)}")
         layers = {n.split(".")[1] for n in self.tensors if n.startswith("blk.")}   # "blk.<i>...": at least two parts
         if layers != {str(i) for i in range(cfg.num_layers)}:
             raise ModelLoadError(f"{self.path}: the metadata says {cfg.num_layers} layers, the file has tensors "
@@ -122,6 +125,27 @@ class GGUFFile:
                 heads = cfg.num_heads if ".attn_q." in name else cfg.num_kv_heads
                 array = _unpermute(array, heads)
             yield hf_name, torch.from_numpy(array)
+
+
+def _readable(ggml_type: int) -> bool:
+    """Whether the gguf package dequantizes this tensor type."""
+    from gguf.constants import GGMLQuantizationType as QT
+    from gguf.quants import _type_traits
+
+    try:
+        qt = QT(ggml_type)
+    except ValueError:
+        return False
+    return qt in (QT.F32, QT.F16) or qt in _type_traits
+
+
+def _type_name(ggml_type: int) -> str:
+    from gguf.constants import GGMLQuantizationType as QT
+
+    try:
+        return QT(ggml_type).name
+    except ValueError:
+        return f"#{ggml_type}"
 
 
 def _hf_name(name: str, cfg: ModelConfig) -> str:
