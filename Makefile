@@ -37,7 +37,7 @@ run: $(STAMP)
 	$(BIN)/phasewise generate "$(PROMPT)" --max-tokens 200
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 # The kernels' C++ tests for AArch64 (generic, neon, neon-dotprod), cross-compiled and run under
 # qemu-user; installs Debian's cross compiler and qemu when missing (needs root).
