@@ -85,14 +85,15 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return empty
         keys = self._block_keys(request, (request.num_tokens - 1) // self.block_size)  # never the last token
-        found: list[list[int | None]] = []
-        for g in range(self.num_groups):          # each group's cached blocks, in order, until a miss
-            hits: list[int | None] = []
-            for h, key in keys:
-                hits.append(self.pool.lookup(*self._in_group(g, h, key)))
+        found: list[list[int | None]] = []        # per group, its cached block (or None) for each key
+        limit = len(keys)                         # a full group serves at most its run from the start
+        for g, w in enumerate(self.windows):
+            hits = [self.pool.lookup(*self._in_group(g, h, key)) for h, key in keys[:limit]]
+            if w is None:
+                limit = next((i for i, b in enumerate(hits) if b is None), limit)
             found.append(hits)
-        for n in range(len(keys), 0, -1):         # the longest prefix every group can serve
-            if all(b is not None for g in range(self.num_groups)
+        for n in range(limit, 0, -1):             # the longest prefix whose windows are there too
+            if all(b is not None for g, w in enumerate(self.windows) if w is not None
                    for b in found[g][self._first_needed(g, n * self.block_size):n]):
                 return [[NULL_BLOCK] * (first := self._first_needed(g, n * self.block_size)) + found[g][first:n]
                         for g in range(self.num_groups)]
