@@ -107,9 +107,6 @@ class ModelConfig:
                 return g, group.index(layer)
         raise IndexError(layer)
 
-    def rope_theta_of(self, layer: int) -> float:
-        return self.rope_local_theta if self.rope_local_theta and layer in self.sliding_layers else self.rope_theta
-
     @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
