@@ -75,6 +75,29 @@ def run_all(core: EngineCore) -> dict[str, Request]:
     raise AssertionError("engine did not finish")
 
 
+def add_and_drive(core: EngineCore, reqs, abort_at, fits, after_step) -> list[Request]:
+    """Add the (prompt length, max tokens, family) requests (the refused ones must not `fits`), then
+    step until all finish, aborting (step, request index) pairs and calling after_step() each step."""
+    added = []
+    for i, (p, m, family) in enumerate(reqs):
+        r = request(f"r{i}", p, m, family)
+        try:
+            core.add_request(r)
+            added.append(r)
+        except ValueError:
+            assert not fits(p + m)
+    step = 0
+    while core.has_unfinished():
+        for when, which in abort_at:
+            if when == step and which < len(added):
+                core.abort(added[which].request_id)
+        core.step()
+        step += 1
+        assert step < 5_000
+        after_step(added)
+    return added
+
+
 def test_engine_core_imports_no_torch():
     code = "import sys, phasewise, phasewise.engine.core; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -269,22 +292,8 @@ def test_random_streams_respect_limits_and_leak_nothing(reqs, num_blocks, budget
                                                         prefix_caching):
     core, runner = make_core(num_blocks, budget, max_seqs, 10_000, prefix_caching)
     pool = core.kv.pool
-    added = []
-    for i, (p, m, family) in enumerate(reqs):
-        r = request(f"r{i}", p, m, family)
-        try:
-            core.add_request(r)
-            added.append(r)
-        except ValueError:
-            assert core.kv.blocks_for(p + m) > num_blocks
-    step = 0
-    while core.has_unfinished():
-        for when, which in abort_at:
-            if when == step and which < len(added):
-                core.abort(added[which].request_id)
-        core.step()
-        step += 1
-        assert step < 5_000
+
+    def check(added: list[Request]) -> None:
         sched = runner.steps[-1] if runner.steps else None
         if sched is not None:
             assert sum(c.num_tokens for c in sched.chunks) <= budget
@@ -293,6 +302,8 @@ def test_random_streams_respect_limits_and_leak_nothing(reqs, num_blocks, budget
         assert len(set(held)) == num_blocks - pool.num_free              # shared blocks counted once
         assert sorted(held) == sorted(b for b in range(num_blocks) for _ in range(pool.ref_counts[b]))
         assert all(pool.block_hash[b] is not None for b in pool.cached.values())
+
+    added = add_and_drive(core, reqs, abort_at, lambda n: core.kv.blocks_for(n) <= num_blocks, check)
     assert pool.num_free == num_blocks and not core.scheduler.running and not core.scheduler.waiting
     if not prefix_caching:
         assert pool.num_cached == 0

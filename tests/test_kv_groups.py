@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from hypothesis import given, settings, strategies as st
-from test_engine_core import request, run_all, token_for
+from test_engine_core import add_and_drive, request, run_all, token_for
 
 from phasewise.config import SchedulerConfig
 from phasewise.engine.core import EngineCore
@@ -136,22 +136,9 @@ def test_a_prefix_hit_needs_the_window_blocks_of_every_group():
 def test_random_streams_with_windows_keep_their_keys_and_leak_nothing(reqs, windows, num_blocks, budget, max_seqs,
                                                                       abort_at, prefix_caching):
     core, runner = make(windows, num_blocks, 4, budget, max_seqs, 10_000, prefix_caching)
-    pool, added = core.kv.pool, []
-    for i, (p, m, family) in enumerate(reqs):
-        r = request(f"r{i}", p, m, family)
-        try:
-            core.add_request(r)
-            added.append(r)
-        except ValueError:
-            assert core.kv.max_blocks(p + m, budget) > num_blocks
-    step = 0
-    while core.has_unfinished():
-        for when, which in abort_at:
-            if when == step and which < len(added):
-                core.abort(added[which].request_id)
-        core.step()
-        step += 1
-        assert step < 5_000
+    pool = core.kv.pool
+
+    def check(added: list[Request]) -> None:
         held = held_blocks(core)
         assert len(set(held)) == num_blocks - pool.num_free
         assert sorted(held) == sorted(b for b in range(num_blocks) for _ in range(pool.ref_counts[b]))
@@ -159,6 +146,8 @@ def test_random_streams_with_windows_keep_their_keys_and_leak_nothing(reqs, wind
             for w, table in zip(windows, r.block_tables):
                 first = 0 if w is None else max(0, r.num_computed_tokens - w + 1) // 4
                 assert all(b == NULL_BLOCK for b in table[:first]) and NULL_BLOCK not in table[first:]
+
+    added = add_and_drive(core, reqs, abort_at, lambda n: core.kv.max_blocks(n, budget) <= num_blocks, check)
     assert pool.num_free == num_blocks
     for r in added:
         assert r.is_finished and r.status is RequestStatus.FINISHED

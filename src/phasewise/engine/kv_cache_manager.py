@@ -102,14 +102,13 @@ class KVCacheManager:
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_blocks: Sequence[Sequence[int]] = ()) -> bool:
         """Make room for `num_new_tokens` more tokens after the computed ones (plus, for a newly
-        admitted request, the cache hits `computed_blocks`, per group, which it then holds). Blocks
-        behind a window are freed first. False, with nothing else changed, when the pool is short."""
+        admitted request, the cache hits `computed_blocks`, per group, which it then holds). False,
+        with nothing changed, when the pool is short."""
         pool, groups = self.pool, range(self.num_groups)
         if not request.block_tables:
             request.block_tables = [[] for _ in groups]
         hits = [list(computed_blocks[g]) if computed_blocks else [] for g in groups]
         computed = request.num_computed_tokens + (len(hits[0]) * self.block_size if computed_blocks else 0)
-        self._free_behind_windows(request)
         total = self.blocks_for(computed + num_new_tokens)
         needed = sum(total - len(request.block_tables[g]) - len(hits[g]) for g in groups)
         taken = [b for g in groups for b in hits[g] if b != NULL_BLOCK]
@@ -125,16 +124,17 @@ class KVCacheManager:
         return True
 
     def _free_behind_windows(self, request: Request) -> None:
-        """Free each windowed group's blocks that no query from num_computed_tokens on can see."""
+        """Free each windowed group's blocks that no query from num_computed_tokens on can see. What
+        an earlier step freed is already NULL below them, so the scan walks down only the new ones."""
         for g, w in enumerate(self.windows):
             if w is None or g >= len(request.block_tables):
                 continue
             table = request.block_tables[g]
-            stale = [i for i in range(min(self._first_needed(g, request.num_computed_tokens), len(table)))
-                     if table[i] != NULL_BLOCK]
-            self.pool.free(table[i] for i in stale)
-            for i in stale:
-                table[i] = NULL_BLOCK
+            end = i = min(self._first_needed(g, request.num_computed_tokens), len(table))
+            while i > 0 and table[i - 1] != NULL_BLOCK:
+                i -= 1
+            self.pool.free(table[i:end])
+            table[i:end] = [NULL_BLOCK] * (end - i)
 
     def commit(self, request: Request) -> None:
         """After a step: register the blocks now full of computed tokens in the prefix cache, and free

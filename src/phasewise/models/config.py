@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +86,7 @@ class ModelConfig:
         """The sliding window of `layer`, or None when it attends to its whole context."""
         return self.sliding_window if layer in self.sliding_layers else None
 
-    @property
+    @cached_property
     def kv_groups(self) -> tuple[tuple[int, ...], ...]:
         """The layers of each KV group: the full-attention layers, then the windowed ones, in groups
         of one size (the gcd of their counts), so that one block of the pool can hold any group."""

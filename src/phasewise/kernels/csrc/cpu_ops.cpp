@@ -92,26 +92,12 @@ void rms_norm(const Runtime& rt, const float* xp, const float* rp, const float* 
   });
 }
 
-void silu_and_mul(const Runtime& rt, const float* xp, int64_t T, int64_t I, float* op) {
-  parallel_for(rt, T, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* g = xp + t * 2 * I;
-      const float* u = g + I;
-      float* o = op + t * I;
-      int64_t i = 0;
-      for (; i + 16 <= I; i += 16) {              // silu(g) = g / (1 + e^-g), e^x vectorised
-        const Vf gv = Vf::load(g + i);
-        (gv / (Vf::set1(1.f) + exp(Vf::zero() - gv)) * Vf::load(u + i)).store(o + i);
-      }
-      for (; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-    }
-  });
-}
+namespace {
 
-// x [T, 2I] (gate | up) -> out [T, I] = gelu_tanh(gate) up, gelu_tanh(g) = g / (1 + e^(-2 c (g + 0.044715 g^3)))
-// with c = sqrt(2 / pi) (0.5 g (1 + tanh(y)) = g / (1 + e^-2y)).
-void gelu_and_mul(const Runtime& rt, const float* xp, int64_t T, int64_t I, float* op) {
-  constexpr float C = 0.7978845608028654f, A = 0.044715f;
+// x [T, 2I] (gate | up) -> out [T, I] = g / (1 + e^z(g)) * up: SiLU and GELU-tanh are both
+// g sigmoid(-z); `z` and `zs` give z for a vector and for a float (e^x vectorised).
+template <typename Z, typename Zs>
+void gate_and_mul(const Runtime& rt, const float* xp, int64_t T, int64_t I, float* op, const Z& z, const Zs& zs) {
   parallel_for(rt, T, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* g = xp + t * 2 * I;
@@ -120,12 +106,28 @@ void gelu_and_mul(const Runtime& rt, const float* xp, int64_t T, int64_t I, floa
       int64_t i = 0;
       for (; i + 16 <= I; i += 16) {
         const Vf gv = Vf::load(g + i);
-        const Vf y = Vf::set1(-2.f * C) * (gv + Vf::set1(A) * gv * gv * gv);
-        (gv / (Vf::set1(1.f) + exp(y)) * Vf::load(u + i)).store(o + i);
+        (gv / (Vf::set1(1.f) + exp(z(gv))) * Vf::load(u + i)).store(o + i);
       }
-      for (; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-2.f * C * (g[i] + A * g[i] * g[i] * g[i]))) * u[i];
+      for (; i < I; ++i) o[i] = g[i] / (1.f + std::exp(zs(g[i]))) * u[i];
     }
   });
+}
+
+constexpr float GELU_C = 0.7978845608028654f, GELU_A = 0.044715f;   // sqrt(2 / pi), the cubic's weight
+
+}  // namespace
+
+// silu(g) = g / (1 + e^-g)
+void silu_and_mul(const Runtime& rt, const float* xp, int64_t T, int64_t I, float* op) {
+  gate_and_mul(rt, xp, T, I, op, [](Vf g) { return Vf::zero() - g; }, [](float g) { return -g; });
+}
+
+// gelu_tanh(g) = 0.5 g (1 + tanh(y)) = g / (1 + e^-2y), y = c (g + 0.044715 g^3)
+void gelu_and_mul(const Runtime& rt, const float* xp, int64_t T, int64_t I, float* op) {
+  gate_and_mul(
+      rt, xp, T, I, op,
+      [](Vf g) { return Vf::set1(-2.f * GELU_C) * (g + Vf::set1(GELU_A) * g * g * g); },
+      [](float g) { return -2.f * GELU_C * (g + GELU_A * g * g * g); });
 }
 
 // torch's own CPU argmax reads under 1 GB/s; this one at memory speed. Ties: the first index.
