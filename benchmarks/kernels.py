@@ -32,8 +32,8 @@ def random_packed(fmt: str, n: int, k: int) -> quant.PackedWeight:
     d = (torch.rand(n, kb) * 0.01).half()
     if fmt == "q4":
         qs = torch.randint(0, 256, (n, kb, 16), dtype=torch.uint8)
-        return quant.pack_q4(qs, d, (-torch.rand(n, kb) * 0.05).half())
-    return quant.pack_q8(torch.randint(-128, 128, (n, kb, 32), dtype=torch.int8), d)
+        return quant.pack("q4", torch.cat([qs & 0x0F, qs >> 4], dim=-1), [d, (-torch.rand(n, kb) * 0.05).half()])
+    return quant.pack("q8", torch.randint(-127, 128, (n, kb, 32), dtype=torch.int8), [d])
 
 
 def clone(w: quant.PackedWeight) -> quant.PackedWeight:

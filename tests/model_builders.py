@@ -122,8 +122,27 @@ def file_type_for(name: str) -> QT:
     return QT.F32
 
 
-def write_gguf(path: Path, hf_model, arch: str, *, permute: bool, vocab_in_tokens: bool = False) -> set[QT]:
-    """Write hf_model as llama.cpp would, then set hf_model to exactly the (dequantized) values in the file."""
+def gguf_rows(type_name: str, n: int, k: int, seed: int = 0, scale: float = 1.0) -> np.ndarray:
+    """Random but valid GGUF rows [n, k / block values * block bytes] of a block type (Q4_0, Q4_1,
+    Q8_0, Q5_0, Q4_K, Q5_K, Q6_K), scales times `scale`: how K-quant files are made here (the
+    gguf package cannot quantize to them)."""
+    rng = np.random.default_rng(seed)
+    blocks = k // (256 if "_K" in type_name else 32)
+    half = lambda lo, hi: (rng.random((n, blocks, 1)) * (hi - lo) * scale + lo * scale  # noqa: E731
+                           ).astype(np.float16).view(np.uint8)
+    body = lambda size: rng.integers(0, 256, (n, blocks, size), dtype=np.uint8)  # noqa: E731
+    parts = {"Q8_0": [half(1e-4, 0.02), body(32)], "Q5_0": [half(1e-4, 0.02), body(4), body(16)],
+             "Q4_0": [half(1e-4, 0.02), body(16)], "Q4_1": [half(1e-4, 0.02), half(-0.1, 0), body(16)],
+             "Q4_K": [half(1e-4, 0.002), half(1e-4, 0.002), body(12), body(128)],
+             "Q5_K": [half(1e-4, 0.002), half(1e-4, 0.002), body(12), body(32), body(128)],
+             "Q6_K": [body(128), body(64), body(16), half(1e-4, 0.002)]}[type_name]
+    return np.concatenate(parts, axis=-1).reshape(n, -1)
+
+
+def write_gguf(path: Path, hf_model, arch: str, *, permute: bool, vocab_in_tokens: bool = False,
+               types=file_type_for) -> set[QT]:
+    """Write hf_model as llama.cpp would, then set hf_model to exactly the (dequantized) values in the file.
+    `types(gguf name)` picks each matrix's type; K-quant matrices get random blocks (gguf_rows)."""
     c = hf_model.config
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name("tiny-test")
@@ -156,8 +175,11 @@ def write_gguf(path: Path, hf_model, arch: str, *, permute: bool, vocab_in_token
             heads = c.num_attention_heads if ".attn_q." in name else c.num_key_value_heads
             order = llama_cpp_permute(order[:, None], heads)[:, 0]  # file row i = HF row order[i]
             array = array[order]
-        qtype = file_type_for(name) if array.ndim == 2 else QT.F32
-        data = quantize(array, qtype)
+        qtype = types(name) if array.ndim == 2 else QT.F32
+        if qtype.name.endswith("_K"):
+            data = gguf_rows(qtype.name, *array.shape, seed=len(used) + 7 * array.shape[0], scale=0.1)
+        else:
+            data = quantize(array, qtype)
         w.add_tensor(name, data, raw_dtype=qtype if qtype not in (QT.F32, QT.F16) else None)
         held = np.empty_like(array)
         held[order] = dequantize(data, qtype).reshape(array.shape)

@@ -146,6 +146,34 @@ def test_gguf_matches_transformers(case, tmp_path):
     assert cfg.vocab_size == 256 and cfg.num_kv_heads == 2 and cfg.num_layers == 2
 
 
+K_QUANT_TYPES = {"attn_q": QT.Q4_K, "attn_k": QT.Q4_K, "attn_v": QT.Q6_K, "attn_output": QT.Q5_K,
+                 "ffn_gate": QT.Q4_K, "ffn_up": QT.Q4_K, "ffn_down": QT.Q6_K}
+
+
+def test_gguf_k_quants_at_their_own_precision(tmp_path, chosen_ops):
+    """A Q4_K_M-like file (Q4_K q and k fused with a Q6_K v, Q5_K, Q6_K): fp32 equals transformers on
+    the same file; at the file's own blocks every projection keeps them (k4, k8), the reference
+    path gives the fp32 logits, the kernels (activations in int8) a close copy."""
+    from phasewise.kernels import use_kernels
+    from phasewise.layers.quant_linear import QuantLinear
+
+    hf_model = build_hf(hf_config("llama", hidden_size=256, intermediate_size=512), seed=3)
+    path = tmp_path / "k.gguf"
+    types = lambda name: K_QUANT_TYPES.get(name.split(".")[-2], QT.Q8_0) if name.startswith("blk.") else QT.Q8_0  # noqa: E731
+    assert {QT.Q4_K, QT.Q5_K, QT.Q6_K} <= write_gguf(path, hf_model, "llama", permute=True, types=types)
+    ids = prompt_ids(256, 20, seed=2)
+    check_against_hf(path, hf_model, ids, n=4)
+    fp32, _ = load_model(path)
+    want = PagedRunner(fp32, block_size=16).forward(ids, 0)
+    model, _ = load_model(path, "q4")
+    formats = {name.rsplit(".", 1)[-1]: m.fmt for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+    assert formats == {"qkv_proj": "k8", "o_proj": "k8", "gate_up_proj": "k4", "down_proj": "k8", "lm_head": "q8"}
+    torch.testing.assert_close(PagedRunner(model, block_size=16).forward(ids, 0), want, rtol=1e-4, atol=1e-4)
+    use_kernels(model, chosen_ops)
+    got = PagedRunner(model, block_size=16).forward(ids, 0)
+    assert (got - want).norm() < 0.03 * want.norm()
+
+
 def test_gguf_chunked_prefill(tmp_path):
     hf_model = build_hf(hf_config("llama"), seed=8)
     path = tmp_path / "tiny.gguf"

@@ -1,4 +1,4 @@
-"""Quantized linear layers: packing vs the gguf package, the C++ kernel vs its PyTorch emulation (at
+"""Quantized linear layers: packing (every GGUF block type we run, fused mixes) vs the gguf package, the C++ kernel vs its PyTorch emulation (at
 every ISA level this CPU runs), the fallback without kernels, and int8 / q4 on the default model
 against fp32 and across levels."""
 
@@ -11,47 +11,52 @@ import pytest
 import torch
 
 from phasewise.kernels import quant
+from phasewise.kernels.gguf_blocks import GGUF_BLOCKS, pack_gguf
 from phasewise.layers.linear import use_fast_linears
 from phasewise.layers.quant_linear import QuantLinear
 from tests.conftest import LEVELS
+from model_builders import gguf_rows
 
 TEXT = Path(__file__).parent.parent / "benchmarks" / "data" / "lighthouses.txt"
 
 
-def gguf_rows(type_name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
-    """Random but valid GGUF rows [n, k/32 * block bytes] of Q4_0, Q4_1, Q8_0 or Q5_0."""
-    rng = np.random.default_rng(seed)
-    kb = k // 32
-    d = (rng.random((n, kb, 1)) * 0.02 + 1e-4).astype(np.float16).view(np.uint8)
-    if type_name == "Q8_0":
-        body = rng.integers(-128, 128, (n, kb, 32), dtype=np.int8).view(np.uint8)
-        return np.concatenate([d, body], axis=-1).reshape(n, -1)
-    qs = rng.integers(0, 256, (n, kb, 16), dtype=np.uint8)
-    if type_name == "Q5_0":
-        qh = rng.integers(0, 256, (n, kb, 4), dtype=np.uint8)
-        return np.concatenate([d, qh, qs], axis=-1).reshape(n, -1)
-    if type_name == "Q4_0":
-        return np.concatenate([d, qs], axis=-1).reshape(n, -1)
-    m = (-rng.random((n, kb, 1)) * 0.1).astype(np.float16).view(np.uint8)
-    return np.concatenate([d, m, qs], axis=-1).reshape(n, -1)
-
-
 def random_weight(fmt: str, n: int, k: int, seed: int = 0) -> quant.PackedWeight:
+    g = torch.Generator().manual_seed(seed)
     if fmt == "i8":
-        return quant.quantize_i8(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05)
-    return quant.pack_gguf("Q4_1" if fmt == "q4" else "Q8_0", gguf_rows("Q4_1" if fmt == "q4" else "Q8_0", n, k, seed))
+        return quant.quantize_i8(torch.randn(n, k, generator=g) * 0.05)
+    if fmt in ("k4", "k8"):         # any K (the GGUF K-quants need multiples of 256): values as packed
+        kb = k // 32
+        q = torch.randint(0, 16, (n, kb, 32), generator=g) if fmt == "k4" else \
+            torch.randint(-32, 32, (n, kb, 32), generator=g)
+        scales = [torch.rand(n, kb, generator=g) * 0.01 + 1e-4 for _ in range(1 if fmt == "k4" else 2)]
+        return quant.pack(fmt, q, scales + [-torch.rand(n, kb, generator=g) * 0.05])
+    return pack_gguf("Q4_1" if fmt == "q4" else "Q8_0", gguf_rows("Q4_1" if fmt == "q4" else "Q8_0", n, k, seed))
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q5_0"])
+@pytest.mark.parametrize("type_name", list(GGUF_BLOCKS))
 def test_packing_keeps_the_files_values_exactly(type_name):
     from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    raw = gguf_rows(type_name, 40, 96)             # 40 rows: the last tile is padded
+    k = 512 if "_K" in type_name else 96
+    raw = gguf_rows(type_name, 40, k)             # 40 rows: the last tile is padded
     expected = dequantize(raw, GGMLQuantizationType[type_name])
-    packed = quant.pack_gguf(type_name, raw)
-    assert packed.n_padded == 48
+    packed = pack_gguf(type_name, raw)
+    assert packed.fmt == GGUF_BLOCKS[type_name] and packed.n_padded == 48
     assert torch.equal(quant.dequantize(packed), torch.from_numpy(expected.astype(np.float32)))
+
+
+@pytest.mark.parametrize("types,fmt", [(("Q4_K", "Q4_0", "Q4_K"), "k4"), (("Q4_K", "Q4_K", "Q6_K"), "k8"),
+                                       (("Q5_0", "Q8_0", "Q6_K"), "k8"), (("Q4_1", "Q5_K"), "k8"),
+                                       (("Q5_0", "Q8_0"), "q8")])
+def test_fused_parts_of_mixed_types_keep_their_values(types, fmt):
+    """A Q4_K_M file's q, k (Q4_K) and v (Q6_K) fuse into one projection: repacked, not re-rounded."""
+    parts = [pack_gguf(t, gguf_rows(t, 32, 256, seed=i)) for i, t in enumerate(types)]
+    fused = quant.concat(parts)
+    assert fused.fmt == fmt
+    assert torch.equal(quant.dequantize(fused), torch.cat([quant.dequantize(p) for p in parts]))
+    with pytest.raises(ValueError, match="fuse"):
+        quant.concat([parts[0], random_weight("i8", 16, 256)])
 
 
 def test_int8_per_channel_error_is_half_a_step():
@@ -59,12 +64,6 @@ def test_int8_per_channel_error_is_half_a_step():
     packed = quant.quantize_i8(w)
     step = w.abs().amax(dim=1, keepdim=True) / 127
     assert ((quant.dequantize(packed) - w).abs() <= step / 2 + 1e-7).all()
-
-
-def test_concat_fuses_along_n():
-    a, b = random_weight("q4", 32, 64, 1), random_weight("q4", 16, 64, 2)
-    fused = quant.concat([a, b])
-    assert torch.equal(quant.dequantize(fused), torch.cat([quant.dequantize(a), quant.dequantize(b)]))
 
 
 def test_activation_quantization_matches_pytorch(ops):
@@ -77,7 +76,7 @@ def test_activation_quantization_matches_pytorch(ops):
     torch.testing.assert_close(sx, rsx, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("fmt", ["q4", "q8", "i8"])
+@pytest.mark.parametrize("fmt", ["q4", "q8", "i8", "k4", "k8"])
 @pytest.mark.parametrize("m,n,k", [(1, 576, 576), (3, 960, 576), (17, 3072, 576), (64, 576, 1536),
                                    (5, 48, 64), (2, 4096, 576), (300, 80, 576)])   # 300 rows: three row chunks
 def test_kernel_matches_its_emulation(ops, fmt, m, n, k):
@@ -91,7 +90,7 @@ def test_kernel_matches_its_emulation(ops, fmt, m, n, k):
     assert (y - exact).norm() < 0.02 * exact.norm()
 
 
-@pytest.mark.parametrize("fmt", ["q4", "i8"])
+@pytest.mark.parametrize("fmt", ["q4", "i8", "k8"])
 def test_quant_linear_bias_padding_and_batch_dims(ops, fmt):
     w = random_weight(fmt, 40, 64)                  # N = 40: padded to 48 inside
     bias = torch.randn(40)

@@ -64,7 +64,7 @@ def gguf_block_types(path: Path) -> set[str]:
 def choose(path: Path, dtype: str, kv_dtype: str, kernels: Any) -> Precision:
     """Resolve "auto" for the weights and the KV cache. An explicit weight dtype keeps the KV cache
     in its float type unless int8 is asked for; "auto" weights take the int8 cache where kernels run."""
-    from phasewise.kernels.quant import GGUF_BLOCKS
+    from phasewise.kernels.gguf_blocks import GGUF_BLOCKS
 
     if dtype not in WEIGHT_DTYPES + ("auto",):
         raise ValueError(f"unsupported dtype {dtype!r} (choose from auto, {', '.join(WEIGHT_DTYPES)})")

@@ -229,30 +229,38 @@ void test_attention(const pw::KernelTable& k, int64_t Hq, int64_t Hkv, int64_t D
 // A random packed weight of `fmt` (quant_linear.cpp's layout) and its values W [N, K].
 std::vector<uint8_t> random_weight(pw::QuantFormat fmt, int64_t N, int64_t K, std::vector<float>& W,
                                    std::vector<float>& scale) {
-  const int64_t NT = (N + 15) / 16, KB = K / 32, BB = fmt == pw::Q4 ? 320 : fmt == pw::Q8 ? 544 : 512;
+  const int64_t NT = (N + 15) / 16, KB = K / 32, BB = pw::block_bytes(fmt), QB = pw::quant_bytes(fmt);
+  const bool nibbles = fmt == pw::Q4 || fmt == pw::K4, f32 = fmt == pw::K4 || fmt == pw::K8;
   std::vector<uint8_t> blocks(NT * KB * BB);
   for (uint8_t& b : blocks) b = static_cast<uint8_t>(rng());
   W.assign(NT * 16 * K, 0.f);
   scale.assign(NT * 16, 0.f);
-  for (float& s : scale) s = 0.001f + 0.01f * std::uniform_real_distribution<float>(0.f, 1.f)(rng);
+  auto uniform = [](float lo, float hi) { return std::uniform_real_distribution<float>(lo, hi)(rng); };
+  for (float& s : scale) s = 0.001f + 0.01f * uniform(0.f, 1.f);
   for (int64_t t = 0; t < NT; ++t)
     for (int64_t b = 0; b < KB; ++b) {
       uint8_t* blk = blocks.data() + (t * KB + b) * BB;
-      uint16_t* dm = reinterpret_cast<uint16_t*>(blk + (fmt == pw::Q4 ? 256 : 512));
-      if (fmt != pw::I8)
+      uint16_t* dm = reinterpret_cast<uint16_t*>(blk + QB);   // fp16 d (and m) of Q4, Q8
+      float* ds = reinterpret_cast<float*>(blk + QB);         // fp32 d (K8: d of each half) and m of K4, K8
+      if (fmt == pw::Q4 || fmt == pw::Q8)
         for (int r = 0; r < (fmt == pw::Q4 ? 32 : 16); ++r) dm[r] = random_half(8, 12);
+      if (f32)
+        for (int r = 0; r < (fmt == pw::K4 ? 32 : 48); ++r) ds[r] = r < (fmt == pw::K4 ? 16 : 32) ?
+            uniform(0.001f, 0.02f) : uniform(-0.1f, 0.1f);
       for (int r = 0; r < 16; ++r) {
         float* w = W.data() + (t * 16 + r) * K + b * 32;
         for (int kk = 0; kk < 32; ++kk) {
-          if (fmt == pw::Q4) {
+          if (nibbles) {
             const int j = (kk % 16) / 4, p = kk % 4;
             const uint8_t byte = blk[j * 64 + r * 4 + p];
             const int q = kk < 16 ? byte & 15 : byte >> 4;
-            w[kk] = half_to_float(dm[r]) * q + half_to_float(dm[16 + r]);
+            w[kk] = fmt == pw::Q4 ? half_to_float(dm[r]) * q + half_to_float(dm[16 + r]) : ds[r] * q + ds[16 + r];
           } else {
             uint8_t& u = blk[(kk / 4) * 64 + r * 4 + kk % 4];
             if (u == 0) u = 1;                                   // q = -128 is never stored
-            w[kk] = (u - 128) * (fmt == pw::Q8 ? half_to_float(dm[r]) : scale[t * 16 + r]);
+            const float d = fmt == pw::Q8 ? half_to_float(dm[r]) : fmt == pw::I8 ? scale[t * 16 + r] :
+                            ds[(kk < 16 ? 0 : 16) + r];
+            w[kk] = (u - 128) * d + (fmt == pw::K8 ? ds[32 + r] : 0.f);
           }
         }
       }
@@ -422,7 +430,7 @@ int main() {
     test_attention(k, 8, 2, 128, 32, int8, {4, 20, 40}, {9, 50, 40});
     test_attention(k, 4, 1, 256, 16, int8, {37, 1, 1}, {100, 700, 30}, 40);    // sliding window: tiles and rows
   }
-  for (pw::QuantFormat fmt : {pw::Q4, pw::Q8, pw::I8})
+  for (pw::QuantFormat fmt : {pw::Q4, pw::Q8, pw::I8, pw::K4, pw::K8})
     for (const auto& mnk : std::vector<std::vector<int64_t>>{{1, 576, 576}, {3, 40, 64}, {5, 960, 128}, {130, 48, 96}})
       test_quant_linear(k, fmt, mnk[0], mnk[1], mnk[2]);
   for (bool int8 : {false, true}) {

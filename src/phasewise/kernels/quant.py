@@ -1,41 +1,46 @@
 """Quantized weight formats (csrc/quant_linear.cpp) and their pure-PyTorch reference.
 
 A `PackedWeight` holds a linear layer's weight [N, K] in blocks of 32 along K, rows in
-tiles of 16, each (tile, block) one run of bytes with its fp16 scales after the quants, so
-a tile streams from memory in one sequence (the layout the C++ kernel reads; see the top of
+tiles of 16, each (tile, block) one run of bytes with its scales after the quants, so a tile
+streams from memory in one sequence (the layout the C++ kernel reads; see the top of
 quant_linear.cpp):
 
 - "q4": GGUF Q4_1 (w = d q + m) and Q4_0 (m = -8 d), the file's bytes and fp16 scales as they are;
 - "q8": GGUF Q8_0 (w = d q), q stored as q + 128; GGUF Q5_0 (w = d (q - 16), 5-bit q) as the same;
-- "i8": our own int8 per output channel (w = s_n q), from fp32 weights.
+- "i8": our own int8 per output channel (w = s_n q), from fp32 weights;
+- "k4": GGUF Q4_K, as q4 with fp32 d, m per block of 32 (d_K sc and -dmin_K m_K, exact in fp32);
+- "k8": GGUF Q5_K and Q6_K, bytes with an fp32 d per 16-wide half of a block and an fp32 m:
+  w = d_h q + m (Q6_K's sub-blocks are 16 wide, Q5_K's halves share d). A fused projection whose
+  parts differ in block type is repacked, exactly, as k4 (q4 and k4 parts) or k8 (any other mix).
 
-Packing only moves bytes (no second rounding for the GGUF formats). `dequantize` is the
-device-agnostic reference; `emulate` computes in PyTorch what the kernel computes (activations
-quantized per block of 32 too), for tests.
+Packing only moves bytes and widens scales (no second rounding of GGUF weights). `dequantize` is
+the device-agnostic reference; `emulate` computes in PyTorch what the kernel computes
+(activations quantized per block of 32 too), for tests. kernels/gguf_blocks.py reads GGUF blocks.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 QK = 32                                   # values per block
 TILE = 16                                 # output rows per tile (one vector lane each)
-FORMAT_IDS = {"q4": 0, "q8": 1, "i8": 2}
-QUANT_BYTES = {"q4": 256, "q8": 512, "i8": 512}   # quants per (tile, block); then d (q4, q8), m (q4)
-BLOCK_BYTES = {"q4": 256 + 64, "q8": 512 + 32, "i8": 512}
-# GGUF block types we read as they are: name → (format, bytes per block of 32).
-GGUF_BLOCKS = {"Q4_0": ("q4", 18), "Q4_1": ("q4", 20), "Q8_0": ("q8", 34), "Q5_0": ("q8", 22)}
+FORMAT_IDS = {"q4": 0, "q8": 1, "i8": 2, "k4": 3, "k8": 4}
+NIBBLES = ("q4", "k4")                    # quants as 4-bit values; the others as bytes q + 128
+# each format's per-block scales after the quants: their dtype and how many 16-row vectors
+SCALES = {"q4": (torch.float16, 2), "q8": (torch.float16, 1), "i8": (torch.float32, 0),
+          "k4": (torch.float32, 2), "k8": (torch.float32, 3)}
+QUANT_BYTES = {f: 256 if f in NIBBLES else 512 for f in FORMAT_IDS}   # quants per (tile, block)
+BLOCK_BYTES = {f: QUANT_BYTES[f] + 16 * n * dt.itemsize for f, (dt, n) in SCALES.items()}
 
 
 @dataclass(kw_only=True)
 class PackedWeight:
-    fmt: str                       # q4 | q8 | i8
+    fmt: str                       # q4 | q8 | i8 | k4 | k8
     n: int                         # output features (rows of W)
     k: int                         # input features, a multiple of 32
-    blocks: torch.Tensor               # [NT, KB, BLOCK_BYTES] uint8: quants, then d and m
+    blocks: torch.Tensor               # [NT, KB, BLOCK_BYTES] uint8: quants, then the scales
     scale: torch.Tensor | None = None  # [NT * 16] fp32 (i8)
 
     @property
@@ -47,16 +52,24 @@ class PackedWeight:
         """[NT, KB, QUANT_BYTES] uint8 (a view)."""
         return self.blocks[..., :QUANT_BYTES[self.fmt]]
 
-    @property
-    def d(self) -> torch.Tensor | None:
-        """[NT, KB, 16] fp16 block scales (a view; q4, q8)."""
-        q = QUANT_BYTES[self.fmt]
-        return None if self.fmt == "i8" else self.blocks[..., q:q + 32].view(torch.float16)
+    def scales(self, i: int) -> torch.Tensor:
+        """[Np, KB] the i-th per-block scale of every row (q4, k4: d, m; q8: d; k8: d of each half, m)."""
+        dtype, count = SCALES[self.fmt]
+        if i >= count:
+            raise IndexError(f"{self.fmt} has {count} scales per block")
+        nt, kb, _ = self.blocks.shape
+        lo = QUANT_BYTES[self.fmt] + 16 * dtype.itemsize * i
+        s = self.blocks[..., lo:lo + 16 * dtype.itemsize].contiguous().view(dtype)    # [NT, KB, 16]
+        return s.permute(0, 2, 1).reshape(nt * TILE, kb)
 
-    @property
-    def m(self) -> torch.Tensor | None:
-        """[NT, KB, 16] fp16 block mins (a view; q4)."""
-        return self.blocks[..., 288:320].view(torch.float16) if self.fmt == "q4" else None
+    def values(self) -> torch.Tensor:
+        """[Np, KB, 32] int16: each weight's integer (nibble formats 0..15, the others u - 128)."""
+        nt, kb, _ = self.blocks.shape
+        if self.fmt in NIBBLES:
+            b = self.qs.reshape(nt, kb, 4, TILE, 4).permute(0, 3, 1, 2, 4).reshape(nt * TILE, kb, 16)
+            return torch.cat([b & 0x0F, b >> 4], dim=-1).to(torch.int16)
+        u = self.qs.reshape(nt, kb, 8, TILE, 4).permute(0, 3, 1, 2, 4).reshape(nt * TILE, kb, QK)
+        return u.to(torch.int16) - 128
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.blocks, self.scale) if t is not None)
@@ -69,7 +82,7 @@ def _pad_rows(t: torch.Tensor, n_padded: int) -> torch.Tensor:
 
 
 def _tile_scales(s: torch.Tensor) -> torch.Tensor:
-    """[Np, KB] fp16 → [NT, KB, 32] bytes: each (tile, block)'s 16 values."""
+    """[Np, KB] → [NT, KB, 16 * itemsize] bytes: each (tile, block)'s 16 values."""
     np_, kb = s.shape
     return s.reshape(np_ // TILE, TILE, kb).permute(0, 2, 1).contiguous().view(torch.uint8)
 
@@ -80,28 +93,22 @@ def _tile_bytes(u: torch.Tensor) -> torch.Tensor:
     return u.reshape(np_ // TILE, TILE, kb, 8, 4).permute(0, 2, 3, 1, 4).reshape(np_ // TILE, kb, 512).contiguous()
 
 
-def _untile_bytes(qs: torch.Tensor) -> torch.Tensor:
-    nt, kb, _ = qs.shape
-    return qs.reshape(nt, kb, 8, TILE, 4).permute(0, 3, 1, 2, 4).reshape(nt * TILE, kb, QK)
-
-
-def pack_q4(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> PackedWeight:
-    """GGUF Q4 blocks: qs [N, KB, 16] uint8 (byte i: k = i low nibble, k = i + 16 high), d, m [N, KB] fp16."""
-    n, kb, _ = qs.shape
-    np_ = -(-n // TILE) * TILE
-    qs, d, m = _pad_rows(qs, np_), _pad_rows(d, np_), _pad_rows(m, np_)
-    # byte 4j + p of a row's block → chunk j, lane (row), position p
-    tiled = qs.reshape(np_ // TILE, TILE, kb, 4, 4).permute(0, 2, 3, 1, 4).reshape(np_ // TILE, kb, 256)
-    return PackedWeight(fmt="q4", n=n, k=kb * QK, blocks=torch.cat([tiled, _tile_scales(d), _tile_scales(m)], dim=-1))
-
-
-def pack_q8(q: torch.Tensor, d: torch.Tensor) -> PackedWeight:
-    """GGUF Q8_0 blocks: q [N, KB, 32] int8, d [N, KB] fp16."""
+def pack(fmt: str, q: torch.Tensor, scales: list[torch.Tensor]) -> PackedWeight:
+    """q [N, KB, 32] integers (q4, k4: 0..15; q8, k8: -127..127) and the format's scales, each [N, KB]
+    (cast to the format's dtype: pass values it holds exactly) → a PackedWeight."""
     n, kb, _ = q.shape
+    dtype, count = SCALES[fmt]
+    if fmt == "i8" or len(scales) != count:
+        raise ValueError(f"{fmt} takes {count} scales per block")
     np_ = -(-n // TILE) * TILE
-    u = (_pad_rows(q, np_).to(torch.int16) + 128).to(torch.uint8)
-    return PackedWeight(fmt="q8", n=n, k=kb * QK,
-                        blocks=torch.cat([_tile_bytes(u), _tile_scales(_pad_rows(d, np_))], dim=-1))
+    q = _pad_rows(q.to(torch.int16), np_)
+    if fmt in NIBBLES:   # byte i of a row's block: k = i low nibble, k = i + 16 high; byte 4j + p → chunk j
+        b = (q[..., :16] | (q[..., 16:] << 4)).to(torch.uint8)
+        quants = b.reshape(np_ // TILE, TILE, kb, 4, 4).permute(0, 2, 3, 1, 4).reshape(np_ // TILE, kb, 256)
+    else:
+        quants = _tile_bytes((q + 128).to(torch.uint8))
+    tiles = [_tile_scales(_pad_rows(s.to(dtype), np_)) for s in scales]
+    return PackedWeight(fmt=fmt, n=n, k=kb * QK, blocks=torch.cat([quants, *tiles], dim=-1))
 
 
 def quantize_i8(w: torch.Tensor) -> PackedWeight:
@@ -118,51 +125,48 @@ def quantize_i8(w: torch.Tensor) -> PackedWeight:
     return PackedWeight(fmt="i8", n=n, k=k, blocks=_tile_bytes(u), scale=_pad_rows(scale, np_).contiguous())
 
 
-def pack_gguf(type_name: str, raw: np.ndarray | torch.Tensor) -> PackedWeight:
-    """Raw GGUF rows [N, KB * block bytes] uint8 of type Q4_0, Q4_1, Q8_0 or Q5_0 → a PackedWeight."""
-    raw = torch.from_numpy(np.array(raw, dtype=np.uint8)) if isinstance(raw, np.ndarray) else raw  # a copy
-    fmt, size = GGUF_BLOCKS[type_name]
-    n = raw.shape[0]
-    blocks = raw.reshape(n, -1, size)
-    d = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0]
-    if type_name == "Q4_1":
-        return pack_q4(blocks[..., 4:20], d, blocks[..., 2:4].contiguous().view(torch.float16)[..., 0])
-    if type_name == "Q4_0":
-        return pack_q4(blocks[..., 2:18], d, d * -8)  # exact: a power of two times an fp16
-    if type_name == "Q5_0":   # low nibbles as Q4_0's; bit j of the 32-bit qh is value j's fifth bit
-        qh = blocks[..., 2:6].contiguous().view(torch.int32)                  # [N, KB, 1]
-        qs = blocks[..., 6:22]
-        low = torch.cat([qs & 0x0F, qs >> 4], dim=-1).to(torch.int16)        # [N, KB, 32]
-        high = ((qh >> torch.arange(32, dtype=torch.int32)) & 1).to(torch.int16) << 4
-        return pack_q8(((low | high) - 16).to(torch.int8), d)
-    return pack_q8(blocks[..., 2:34].contiguous().view(torch.int8), d)
+def repack(w: PackedWeight, fmt: str) -> PackedWeight:
+    """The same weight in a wider block format, exactly: q4 → k4; q4, k4, q8 → k8."""
+    if w.fmt == fmt:
+        return w
+    q, s = w.values()[:w.n], [w.scales(i)[:w.n].float() for i in range(SCALES[w.fmt][1])]
+    if fmt == "k4" and w.fmt == "q4":
+        return pack("k4", q, s)
+    if fmt == "k8" and w.fmt in ("q4", "k4", "q8"):
+        m = s[1] if w.fmt in NIBBLES else torch.zeros_like(s[0])
+        return pack("k8", q, [s[0], s[0], m])
+    raise ValueError(f"cannot repack {w.fmt} as {fmt}")
 
 
 def concat(parts: list[PackedWeight]) -> PackedWeight:
-    """Stack weights of one format along N (a fused projection); every part but the last fills whole tiles."""
-    fmt = parts[0].fmt
-    if any(p.fmt != fmt or p.k != parts[0].k for p in parts) or any(p.n % TILE for p in parts[:-1]):
+    """Stack weights along N (a fused projection); every part but the last fills whole tiles.
+    Parts of different block formats are repacked first (k4 for q4 with k4, else k8)."""
+    fmts = {p.fmt for p in parts}
+    if any(p.k != parts[0].k for p in parts) or any(p.n % TILE for p in parts[:-1]) or \
+            (len(fmts) > 1 and "i8" in fmts):
         raise ValueError("cannot fuse these weights")
+    if len(fmts) > 1:
+        target = "k4" if fmts <= set(NIBBLES) else "k8"
+        parts = [repack(p, target) for p in parts]
     cat = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
-    return PackedWeight(fmt=fmt, n=sum(p.n for p in parts), k=parts[0].k, blocks=cat([p.blocks for p in parts]),
-                        scale=cat([p.scale for p in parts]))
+    return PackedWeight(fmt=parts[0].fmt, n=sum(p.n for p in parts), k=parts[0].k,
+                        blocks=cat([p.blocks for p in parts]), scale=cat([p.scale for p in parts]))
 
 
 def dequantize(w: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The weight as [N, K] in dtype, exactly the stored values (the reference path)."""
-    nt, kb, _ = w.blocks.shape
-    if w.fmt == "q4":
-        b = w.qs.reshape(nt, kb, 4, TILE, 4).permute(0, 3, 1, 2, 4).reshape(nt * TILE, kb, 16)
-        q = torch.cat([b & 0x0F, b >> 4], dim=-1).float()                       # [Np, KB, 32]
-        d, m = (s.permute(0, 2, 1).reshape(nt * TILE, kb, 1).float() for s in (w.d, w.m))
-        out = q * d + m
+    q = w.values().float()                                                      # [Np, KB, 32]
+    if w.fmt == "i8":
+        out = q * w.scale.reshape(-1, 1, 1)
     else:
-        q = _untile_bytes(w.qs).float() - 128
+        s = [w.scales(i).float()[..., None] for i in range(SCALES[w.fmt][1])]  # each [Np, KB, 1]
         if w.fmt == "q8":
-            out = q * w.d.permute(0, 2, 1).reshape(nt * TILE, kb, 1).float()
-        else:
-            out = q * w.scale.reshape(-1, 1, 1)
-    return out.reshape(nt * TILE, kb * QK)[: w.n].to(dtype)
+            out = q * s[0]
+        elif w.fmt in NIBBLES:
+            out = q * s[0] + s[1]
+        else:                                                                   # k8: a d per half, then m
+            out = q * torch.cat([s[0].expand(-1, -1, 16), s[1].expand(-1, -1, 16)], dim=-1) + s[2]
+    return out.reshape(w.n_padded, w.k)[: w.n].to(dtype)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -2,11 +2,12 @@
 
 - int8: every linear (the tied output head too) quantized per output channel from its fp32
   weight; fused projections (qkv, gate_up) are quantized after fusion, one scale per fused row.
-- q4: the GGUF file's own blocks, repacked without rounding: Q4_1/Q4_0 as 4-bit blocks, Q8_0
-  (how the default file stores its tied embedding, used as the output head) and Q5_0 (Gemma 3's
-  q, k, gate and up) as 8-bit blocks. A fused projection concatenates its parts' blocks along N.
-  A layer the file holds in another type (F32, K-quants, a safetensors model) falls back to
-  int8 per channel.
+- q4: the GGUF file's own blocks, repacked without rounding (kernels/gguf_blocks.py): Q4_1/Q4_0
+  as 4-bit blocks, Q8_0 (how the default file stores its tied embedding, used as the output head)
+  and Q5_0 (Gemma 3's q, k, gate and up) as 8-bit blocks, Q4_K as 4-bit blocks with fp32 scales,
+  Q5_K and Q6_K as 8-bit blocks with fp32 half-block scales. A fused projection concatenates its
+  parts' blocks along N (parts of different types repacked to one format, exactly). A layer the
+  file holds in another type (F32, F16, a safetensors model) falls back to int8 per channel.
 
 The embedding lookup keeps its fp32 table either way.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 from torch import nn
 
 from phasewise.kernels import quant
+from phasewise.kernels.gguf_blocks import GGUF_BLOCKS, pack_gguf
 from phasewise.layers.quant_linear import QuantLinear
 from phasewise.loading.gguf import GGUFFile
 from phasewise.models.config import ModelConfig
@@ -60,9 +62,9 @@ def file_blocks(gguf: GGUFFile, cfg: ModelConfig, path: str) -> quant.PackedWeig
     parts = []
     for hf_name in names:
         raw = gguf.raw_rows(hf_name, cfg)
-        if raw is None or raw[0] not in quant.GGUF_BLOCKS:
+        if raw is None or raw[0] not in GGUF_BLOCKS:
             return None
-        parts.append(quant.pack_gguf(*raw))
+        parts.append(pack_gguf(*raw))
     try:
         return parts[0] if len(parts) == 1 else quant.concat(parts)
     except ValueError:   # mixed types, or a part that does not fill whole tiles

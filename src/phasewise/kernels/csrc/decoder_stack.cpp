@@ -12,7 +12,7 @@ bool fp32_vector(const torch::Tensor& t, int64_t n) {
 
 pw::Linear linear_view(const QuantLinearArgs& a, int64_t K) {
   const auto& [fmt, N, blocks, scale, bias] = a;
-  TORCH_CHECK(fmt == pw::Q4 || fmt == pw::Q8 || fmt == pw::I8, "unknown format ", fmt);
+  TORCH_CHECK(pw::known_format(fmt), "unknown format ", fmt);
   TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
               blocks.size(2) == pw::block_bytes(static_cast<pw::QuantFormat>(fmt)), "blocks: u8 [NT, KB, BB]");
   const int64_t NT = blocks.size(0), KB = blocks.size(1);

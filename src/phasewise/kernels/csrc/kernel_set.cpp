@@ -156,7 +156,7 @@ std::vector<torch::Tensor> KernelSet::quantize_activations(torch::Tensor x) cons
 torch::Tensor KernelSet::quant_linear(torch::Tensor x, int64_t fmt, int64_t N, torch::Tensor blocks,
                                       c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias) const {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x: fp32 [M, K]");
-  TORCH_CHECK(fmt == pw::Q4 || fmt == pw::Q8 || fmt == pw::I8, "unknown format ", fmt);
+  TORCH_CHECK(pw::known_format(fmt), "unknown format ", fmt);
   TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
               "blocks: u8 [NT, KB, BB]");
   x = x.contiguous();

@@ -2,21 +2,26 @@
 // layer (vec/vec.h), whose int8 dot products are the per-ISA part (VNNI, AVX2, NEON, generic).
 //
 // Activations are quantized per block of 32 values (symmetric int8, own fp32 scale dx, and
-// sx = dx * sum(xq) for the weight offsets); weight blocks of 32 along K are unsigned bytes, so
-// VNNI's `vpdpbusd` (u8 x s8 -> s32, 4 products per lane) takes them as they are:
+// sx = dx * sum(xq), sl = dx * sum of the first 16 xq, for the weight offsets); weight blocks of
+// 32 along K are unsigned bytes, so VNNI's `vpdpbusd` (u8 x s8 -> s32, 4 products per lane) takes
+// them as they are:
 //   Q4 (GGUF Q4_1, and Q4_0 with m = -8 d):  w = d q + m,        q in 0..15, d, m fp16 per block
-//   Q8 (GGUF Q8_0):                          w = d (u - 128),    u = q + 128, d fp16 per block
+//   Q8 (GGUF Q8_0, Q5_0):                    w = d (u - 128),    u = q + 128, d fp16 per block
 //   I8 (our per-channel int8):               w = s_n (u - 128),  s_n fp32 per output row
-// so a block contributes d (dx acc) + m sx, with acc = sum(u xq) and m = -128 d for the bytes
-// (where the ISA's dot product unbiases the bytes itself, Q8_BIASED false: acc = sum(q xq), m = 0).
+//   K4 (GGUF Q4_K):                          Q4 with d = d_K sc, m = -dmin_K m_K as fp32
+//   K8 (GGUF Q5_K, Q6_K, mixes):             w = d_h (u - 128) + m, u = q + 128, one fp32 d per
+//                                            16-wide half h of the block (Q6_K's sub-blocks), m fp32
+// (the K scales are fp16 x 6- or 8-bit integers in the file: exact in fp32), so a block contributes
+// d (dx acc) + m sx (Q4, K4) or d (dx acc - 128 sx) + m sx (the bytes), with acc = sum(u xq) (K8:
+// per half, with sl and sx - sl). Where the ISA's dot product unbiases the bytes itself
+// (Q8_BIASED false), acc = sum((u - 128) xq) and the -128 sx term goes.
 //
 // Layout (python: kernels/quant.py packs it): output rows in tiles of 16, one vector lane per row.
 // blocks [N/16, K/32, BB] u8, per (tile, block) one run of bytes (a tile streams in one sequence):
 //   the quants as 64-byte chunks of 16 rows x 4 consecutive k,
-//     Q4: 4 chunks, chunk j's low nibbles are k = 4j..4j+3, its high nibbles k = 16+4j..16+4j+3;
-//     Q8, I8: 8 chunks, chunk g holds k = 4g..4g+3;
-//   then the 16 rows' d as fp16 (Q4, Q8), then their m (Q4). BB = 320 (Q4), 544 (Q8), 512 (I8).
-// scale [N/16 * 16] fp32 (I8).
+//     Q4, K4: 4 chunks, chunk j's low nibbles are k = 4j..4j+3, its high nibbles k = 16+4j..16+4j+3;
+//     the bytes: 8 chunks, chunk g holds k = 4g..4g+3;
+//   then the 16 rows' scales (kernels.h, block_bytes). scale [N/16 * 16] fp32 (I8).
 #include "core.h"
 #include "parallel.h"
 #include "vec/vec.h"
@@ -40,6 +45,7 @@ struct Act {          // quantized activations
   const int8_t* xq;   // [M, K]
   const float* dx;    // [M, KB]
   const float* sx;    // [M, KB]
+  const float* sl;    // [M, KB] dx * the sum of a block's first 16 xq
   int64_t K, KB;
 };
 
@@ -52,19 +58,63 @@ struct Weights {
   int64_t NT;             // tiles of 16 rows
 };
 
-// One row of 32 floats -> 32 int8 (round to nearest even), dx and sx of the block.
-inline void quantize_block(const float* x, int8_t* q, float* dx, float* sx) {
+// One row of 32 floats -> 32 int8 (round to nearest even), dx, sx (and sl, when asked) of the block.
+inline void quantize_block(const float* x, int8_t* q, float* dx, float* sx, float* sl) {
   const float amax = reduce_max(max(abs(Vf::load(x)), abs(Vf::load(x + 16))));
   const float id = amax > 0.f ? 127.f / amax : 0.f;
-  int32_t sum = 0;
-#pragma omp simd reduction(+ : sum)
-  for (int k = 0; k < QK; ++k) {
+  int32_t lo = 0, hi = 0;
+#pragma omp simd reduction(+ : lo)
+  for (int k = 0; k < QK / 2; ++k) {
     const int32_t v = static_cast<int32_t>(std::nearbyint(x[k] * id));
     q[k] = static_cast<int8_t>(v);
-    sum += v;
+    lo += v;
+  }
+#pragma omp simd reduction(+ : hi)
+  for (int k = QK / 2; k < QK; ++k) {
+    const int32_t v = static_cast<int32_t>(std::nearbyint(x[k] * id));
+    q[k] = static_cast<int8_t>(v);
+    hi += v;
   }
   *dx = amax / 127.f;
-  *sx = *dx * static_cast<float>(sum);
+  *sx = *dx * static_cast<float>(lo + hi);
+  if (sl) *sl = *dx * static_cast<float>(lo);
+}
+
+constexpr bool nibbles(Fmt F) { return F == Q4 || F == K4; }
+
+// r[i][v] += one block's (or K8's half block's) contribution: acc [MT][NV], the block's scales at
+// `scales` for tile t0 + v (K8: half h's d at scales + 64 h, m at scales + 128).
+template <Fmt F, int MT, int NV>
+inline void block_epilogue(const Act& a, int64_t m0, const Weights& w, int64_t t0, int64_t b, int h,
+                           Vi (&acc)[MT][NV], Vf (&r)[MT][NV]) {
+  for (int v = 0; v < NV; ++v) {
+    const uint8_t* scales = w.qs + ((t0 + v) * w.KB + b) * block_bytes(F) + quant_bytes(F);
+    Vf dv, mv;
+    if constexpr (F == Q4 || F == Q8) dv = Vf::from_f16(reinterpret_cast<const uint16_t*>(scales));
+    if constexpr (F == Q4) mv = Vf::from_f16(reinterpret_cast<const uint16_t*>(scales + 32));
+    if constexpr (F == K4 || F == K8) dv = Vf::load(reinterpret_cast<const float*>(scales + 64 * h));
+    if constexpr (F == K4) mv = Vf::load(reinterpret_cast<const float*>(scales + 64));
+    if constexpr (F == K8) mv = Vf::load(reinterpret_cast<const float*>(scales + 128));
+    for (int i = 0; i < MT; ++i) {
+      const int64_t xi = (m0 + i) * a.KB + b;
+      const Vf accf = to_float(acc[i][v]);
+      const Vf dx = Vf::set1(a.dx[xi]);
+      float xs = a.sx[xi];                 // the activations' sum the offsets multiply
+      if constexpr (F == K8 && Q8_BIASED) xs = h == 0 ? a.sl[xi] : a.sx[xi] - a.sl[xi];
+      if constexpr (nibbles(F)) {
+        r[i][v] = fma(accf * dx, dv, r[i][v]);
+        r[i][v] = fma(mv, Vf::set1(xs), r[i][v]);
+      } else if constexpr (F == I8) {
+        r[i][v] = fma(accf, dx, r[i][v]);
+      } else {
+        const Vf t = Q8_BIASED ? fma(accf, dx, Vf::set1(-128.f * xs)) : accf * dx;
+        r[i][v] = fma(t, dv, r[i][v]);
+        if constexpr (F == K8) {
+          if (h == 1) r[i][v] = fma(mv, Vf::set1(a.sx[xi]), r[i][v]);
+        }
+      }
+    }
+  }
 }
 
 // MT activation rows from m0 x NV tiles of 16 output rows from tile t0: out[m0.., 16 t0..].
@@ -83,10 +133,8 @@ inline void tile_kernel(const Act& a, int64_t m0, const Weights& w, int64_t t0, 
       for (int64_t off = b * NV * block_bytes(F); off < (b + 1) * NV * block_bytes(F); off += 64)
         if (next + off < next_end) prefetch_l2(next + off);
     Vi acc[MT][NV];
-    for (int i = 0; i < MT; ++i)
-      for (int v = 0; v < NV; ++v) acc[i][v] = Vi::zero();
     const int8_t* xb = a.xq + m0 * a.K + b * QK;
-    if constexpr (F == Q4) {       // 8 nibble dot products per (row, tile): one narrow accumulator
+    if constexpr (nibbles(F)) {    // 8 nibble dot products per (row, tile): one narrow accumulator
       Vs part[MT][NV];
       for (int i = 0; i < MT; ++i)
         for (int v = 0; v < NV; ++v) part[i][v] = Vs::zero();
@@ -107,35 +155,21 @@ inline void tile_kernel(const Act& a, int64_t m0, const Weights& w, int64_t t0, 
       }
       for (int i = 0; i < MT; ++i)
         for (int v = 0; v < NV; ++v) acc[i][v] = widen(part[i][v]);
-    } else {
-      for (int g = 0; g < 8; ++g) {
-        Vb u[NV];
-        for (int v = 0; v < NV; ++v) u[v] = Vb::load(w.qs + ((t0 + v) * w.KB + b) * block_bytes(F) + g * 64);
-        for (int i = 0; i < MT; ++i) {
-          const Vb x = Vb::bcast4(xb + i * a.K + 4 * g);
-          for (int v = 0; v < NV; ++v) acc[i][v] = dot_q8(acc[i][v], u[v], x);
+      block_epilogue<F, MT, NV>(a, m0, w, t0, b, 0, acc, r);
+    } else {                       // the bytes; K8 closes each 16-wide half with its own scale
+      constexpr int halves = F == K8 ? 2 : 1, chunks = 8 / halves;
+      for (int h = 0; h < halves; ++h) {
+        for (int i = 0; i < MT; ++i)
+          for (int v = 0; v < NV; ++v) acc[i][v] = Vi::zero();
+        for (int g = h * chunks; g < (h + 1) * chunks; ++g) {
+          Vb u[NV];
+          for (int v = 0; v < NV; ++v) u[v] = Vb::load(w.qs + ((t0 + v) * w.KB + b) * block_bytes(F) + g * 64);
+          for (int i = 0; i < MT; ++i) {
+            const Vb x = Vb::bcast4(xb + i * a.K + 4 * g);
+            for (int v = 0; v < NV; ++v) acc[i][v] = dot_q8(acc[i][v], u[v], x);
+          }
         }
-      }
-    }
-    // Block epilogue: r += d (dx acc) + m sx (Q4), d (dx acc - 128 sx) (Q8), dx acc (I8).
-    for (int v = 0; v < NV; ++v) {
-      const uint8_t* scales = w.qs + ((t0 + v) * w.KB + b) * block_bytes(F) + quant_bytes(F);
-      Vf dv, mv;
-      if constexpr (F != I8) dv = Vf::from_f16(reinterpret_cast<const uint16_t*>(scales));
-      if constexpr (F == Q4) mv = Vf::from_f16(reinterpret_cast<const uint16_t*>(scales + 32));
-      for (int i = 0; i < MT; ++i) {
-        const int64_t xi = (m0 + i) * a.KB + b;
-        const Vf accf = to_float(acc[i][v]);
-        const Vf dx = Vf::set1(a.dx[xi]);
-        if constexpr (F == Q4) {
-          r[i][v] = fma(accf * dx, dv, r[i][v]);
-          r[i][v] = fma(mv, Vf::set1(a.sx[xi]), r[i][v]);
-        } else if constexpr (F == Q8) {
-          const Vf t = Q8_BIASED ? fma(accf, dx, Vf::set1(-128.f * a.sx[xi])) : accf * dx;
-          r[i][v] = fma(t, dv, r[i][v]);
-        } else {
-          r[i][v] = fma(accf, dx, r[i][v]);
-        }
+        block_epilogue<F, MT, NV>(a, m0, w, t0, b, h, acc, r);
       }
     }
   }
@@ -175,7 +209,7 @@ void run(const Runtime& rt, const Act& a, int64_t M, const Weights& w, const flo
   const int64_t ldo = w.N, NT = w.NT, groups = (NT + 1) / 2;  // pairs of tiles, the last one maybe single
   for (int64_t m0 = 0; m0 < M; m0 += MCHUNK) {
     const int64_t rows = std::min<int64_t>(MCHUNK, M - m0);
-    const Act chunk{a.xq + m0 * a.K, a.dx + m0 * a.KB, a.sx + m0 * a.KB, a.K, a.KB};
+    const Act chunk{a.xq + m0 * a.K, a.dx + m0 * a.KB, a.sx + m0 * a.KB, a.sl + m0 * a.KB, a.K, a.KB};
     float* o = out + m0 * ldo;
     parallel_for(rt, groups, 1, [&](int64_t begin, int64_t end) {
       for (int64_t g = begin; g < end; ++g) {
@@ -189,17 +223,23 @@ void run(const Runtime& rt, const Act& a, int64_t M, const Weights& w, const flo
 
 struct Scratch {  // a thread's quantized activations, reused from call to call
   std::vector<int8_t> xq;
-  std::vector<float> dx, sx;
+  std::vector<float> dx, sx, sl;
 };
+
+void quantize_rows(const Runtime& rt, const float* xp, int64_t M, int64_t K, int8_t* qp, float* dp, float* sp,
+                   float* lp) {
+  const int64_t KB = K / QK;
+  parallel_for(rt, M * KB, QUANT_GRAIN, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      quantize_block(xp + i * QK, qp + i * QK, dp + i, sp + i, lp ? lp + i : nullptr);
+  });
+}
 
 }  // namespace
 
 void quantize_activations(const Runtime& rt, const float* xp, int64_t M, int64_t K, int8_t* qp, float* dp,
                           float* sp) {
-  const int64_t KB = K / QK;
-  parallel_for(rt, M * KB, QUANT_GRAIN, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) quantize_block(xp + i * QK, qp + i * QK, dp + i, sp + i);
-  });
+  quantize_rows(rt, xp, M, K, qp, dp, sp, nullptr);
 }
 
 // y [M, N] = x [M, K] @ W^T + bias, W packed as described at the top (N rows of NT * 16).
@@ -210,23 +250,28 @@ void quant_linear(const Runtime& rt, const float* x, int64_t M, int64_t K, const
   thread_local Scratch own;
   auto reserve = [&] {
     if (static_cast<int64_t>(own.xq.size()) < M * K) own.xq.resize(M * K);
-    if (static_cast<int64_t>(own.dx.size()) < M * KB) own.dx.resize(M * KB), own.sx.resize(M * KB);
+    if (static_cast<int64_t>(own.dx.size()) < M * KB) own.dx.resize(M * KB), own.sx.resize(M * KB), own.sl.resize(M * KB);
     return &own;
   };
   Scratch* scratch;
+  const bool halves = pw.fmt == K8 && Q8_BIASED;   // K8 on biased bytes needs each half's sum
   if (rt.team && M * KB <= QUANT_GRAIN) {     // each thread of a team quantizes a few rows itself: no barrier
     scratch = reserve();
-    quantize_activations(Runtime{1}, x, M, K, scratch->xq.data(), scratch->dx.data(), scratch->sx.data());
+    quantize_rows(Runtime{1}, x, M, K, scratch->xq.data(), scratch->dx.data(), scratch->sx.data(),
+                  halves ? scratch->sl.data() : nullptr);
   } else {                                    // a team shares one thread's buffers
     scratch = team_once<Scratch>(rt, reserve);
-    quantize_activations(rt, x, M, K, scratch->xq.data(), scratch->dx.data(), scratch->sx.data());
+    quantize_rows(rt, x, M, K, scratch->xq.data(), scratch->dx.data(), scratch->sx.data(),
+                  halves ? scratch->sl.data() : nullptr);
   }
-  const Act a{scratch->xq.data(), scratch->dx.data(), scratch->sx.data(), K, KB};
+  const Act a{scratch->xq.data(), scratch->dx.data(), scratch->sx.data(), scratch->sl.data(), K, KB};
   const Weights w{pw.blocks, pw.scale, KB, block_bytes(pw.fmt), pw.N, pw.NT};
   switch (pw.fmt) {
     case Q4: run<Q4>(rt, a, M, w, bias, y); break;
     case Q8: run<Q8>(rt, a, M, w, bias, y); break;
     case I8: run<I8>(rt, a, M, w, bias, y); break;
+    case K4: run<K4>(rt, a, M, w, bias, y); break;
+    case K8: run<K8>(rt, a, M, w, bias, y); break;
   }
 }
 

@@ -1,0 +1,81 @@
+"""GGUF's block types read into our packed formats (kernels/quant.py), without rounding.
+
+Each type decodes to integer values per block of 32 and that block's scales, then packs:
+- Q4_0, Q4_1 → q4 (Q4_0's m = -8 d); Q8_0, Q5_0 → q8 (Q5_0's q - 16 is a signed byte);
+- Q4_K → k4: a super-block of 256 holds 8 sub-blocks of 32 with 6-bit sc, m; d = d_K sc and
+  m = -dmin_K m_K, products of an fp16 and a 6-bit integer, are exact in fp32;
+- Q5_K → k8 as Q4_K with a fifth bit (both halves share d);
+- Q6_K → k8: 16 sub-blocks of 16 with int8 scales (d of each half = d_K sc, exact), q - 32, m = 0.
+The bit layouts follow llama.cpp's ggml-quants.c, as `gguf.quants` dequantizes them (the tests
+compare every type with `gguf.quants.dequantize`); Q4_K's scale unpacking is gguf's own.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from phasewise.kernels import quant
+
+# GGUF type name → the packed format its blocks run in
+GGUF_BLOCKS = {"Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8", "Q5_0": "q8", "Q4_K": "k4", "Q5_K": "k8", "Q6_K": "k8"}
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """[n, 2] bytes → [n] fp32 (an fp16 each)."""
+    return np.ascontiguousarray(b).view(np.float16)[:, 0].astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray, width: int) -> np.ndarray:
+    """[n, c * width] bytes → [n, 2c, width]: each run's low nibbles, then its high ones."""
+    n = qs.shape[0]
+    return (qs.reshape(n, -1, 1, width) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1) & 0x0F).reshape(n, -1, width)
+
+
+def decode(type_name: str, blocks: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    """GGUF blocks [n, type bytes] uint8 → values [n, S, 32] int16 and scales, each [n, S] fp32
+    (S blocks of 32 per GGUF block), in the order quant.pack takes for GGUF_BLOCKS[type_name]."""
+    from gguf.quants import Q4_K
+
+    n = blocks.shape[0]
+    if type_name in ("Q4_0", "Q4_1", "Q8_0", "Q5_0"):
+        d = _f16(blocks[:, 0:2])[:, None]
+        if type_name == "Q8_0":
+            return blocks[:, 2:34].view(np.int8).astype(np.int16)[:, None], [d]
+        if type_name == "Q4_1":
+            return _nibbles(blocks[:, 4:20], 16).reshape(n, 1, 32).astype(np.int16), [d, _f16(blocks[:, 2:4])[:, None]]
+        if type_name == "Q4_0":
+            return _nibbles(blocks[:, 2:18], 16).reshape(n, 1, 32).astype(np.int16), [d, d * -8]
+        qh = np.ascontiguousarray(blocks[:, 2:6]).view(np.uint32)                         # Q5_0: bit j is value j's
+        high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16) << 4       # fifth bit
+        low = _nibbles(blocks[:, 6:22], 16).reshape(n, 32).astype(np.int16)
+        return ((low | high) - 16)[:, None], [d]
+    if type_name in ("Q4_K", "Q5_K"):
+        d, dmin = _f16(blocks[:, 0:2])[:, None], _f16(blocks[:, 2:4])[:, None]
+        sc, m = Q4_K.get_scale_min(blocks[:, 4:16])                                     # [n, 8] each
+        scale, low = d * sc.astype(np.float32), -(dmin * m.astype(np.float32))
+        if type_name == "Q4_K":
+            return _nibbles(blocks[:, 16:144], 32).astype(np.int16), [scale, low]
+        qh = blocks[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1) & 1
+        q = _nibbles(blocks[:, 48:176], 32).astype(np.int16) | (qh.astype(np.int16) << 4)
+        return q, [scale, scale, low]
+    if type_name == "Q6_K":
+        ql = _nibbles(blocks[:, 0:128], 64).reshape(n, 8, 32)
+        qh = (blocks[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
+        q = (ql.astype(np.int16) | (qh.reshape(n, 8, 32).astype(np.int16) << 4)) - 32
+        d = _f16(blocks[:, 208:210])[:, None] * blocks[:, 192:208].view(np.int8).astype(np.float32)   # [n, 16]
+        return q, [d[:, 0::2], d[:, 1::2], np.zeros_like(d[:, 0::2])]
+    raise ValueError(f"GGUF type {type_name} has no packed format here")
+
+
+def pack_gguf(type_name: str, raw: np.ndarray | torch.Tensor) -> quant.PackedWeight:
+    """Raw GGUF rows [N, row bytes] uint8 of a type in GGUF_BLOCKS → a PackedWeight."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    raw = raw.numpy() if isinstance(raw, torch.Tensor) else np.asarray(raw, dtype=np.uint8)
+    size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][1]
+    rows = raw.shape[0]
+    q, scales = decode(type_name, raw.reshape(-1, size))
+    kb = q.shape[0] * q.shape[1] // rows
+    return quant.pack(GGUF_BLOCKS[type_name], torch.from_numpy(q.reshape(rows, kb, quant.QK)),
+                      [torch.from_numpy(np.ascontiguousarray(s).reshape(rows, kb)) for s in scales])
