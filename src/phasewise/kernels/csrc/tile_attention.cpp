@@ -17,17 +17,18 @@
 namespace pw {
 namespace {
 
-// What stays in registers: AVX-512 (32 registers of 16 lanes) holds a pass's 16 scores and four
-// lanes' whole output rows; with vectors of 8 or 4 lanes (AVX2 and SSE: 16 registers, a Vf is 2
-// or 4 of them) that would spill on every FMA, so there 4 scores and one 16-wide slice at a time
-// (prefill attention on AVX2: see docs/benchmarks.md).
+// What stays in registers: AVX-512 (32 registers of 16 lanes) holds a pass's 16 scores, and
+// four lanes' output rows in slices of up to 64 values (4 x 4 accumulators and 4 value vectors:
+// a head of 128 or 256 in whole would spill on every FMA); with vectors of 8 or 4 lanes (AVX2 and
+// SSE: 16 registers, a Vf is 2 or 4 of them) that would spill too, so there 4 scores and one
+// 16-wide slice at a time (prefill attention on AVX2: see docs/benchmarks.md).
 constexpr int KG = W >= 16 ? KEYS : 4;
 
 template <int NV, bool INT8>
 void attend_tile(const Cache& c, const int64_t* table, int64_t block_size, int64_t window, int64_t h,
                  const Tile& tile, const float* q, int64_t Hq, int64_t G, float sc, float* out) {
   constexpr int64_t D = 16 * NV;
-  constexpr int SL = W >= 16 ? NV : 1;
+  constexpr int SL = W >= 16 ? (NV < 4 ? NV : 4) : 1;
   const int64_t lanes = tile.R * G;
   alignas(64) float qt[D * 16];               // [D][lane] queries, scaled
   alignas(64) float o[16 * D];                // [lane][D] unnormalised outputs
