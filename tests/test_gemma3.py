@@ -7,6 +7,7 @@ again from the prefix cache; the default precision (every weight in the file's o
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -31,8 +32,28 @@ def path() -> Path:
 
 @pytest.fixture(scope="module")
 def hf(path):
+    """transformers' model of the GGUF. Its conversion (a minute: gguf-py dequantizes every tensor in
+    Python) is kept beside the file as safetensors, keyed by the file's size and time, and reused
+    (transformers will not save a model it loaded from a GGUF: its config and weights are saved here)."""
     transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_model, save_model
+
+    stat = path.stat()
+    kept = path.parent / f"{path.stem}.transformers-{stat.st_size}-{int(stat.st_mtime)}"
+    if (kept / "model.safetensors").exists():
+        config = transformers.AutoConfig.from_pretrained(kept)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        load_model(model, kept / "model.safetensors")
+        return model.eval()
     model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    partial = kept.with_name(kept.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir()
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    type(model.config).from_dict(config).save_pretrained(partial)
+    save_model(model, str(partial / "model.safetensors"))
+    partial.rename(kept)
     return model.eval()
 
 

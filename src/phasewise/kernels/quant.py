@@ -98,8 +98,10 @@ def pack(fmt: str, q: torch.Tensor, scales: list[torch.Tensor]) -> PackedWeight:
     (cast to the format's dtype: pass values it holds exactly) → a PackedWeight."""
     n, kb, _ = q.shape
     dtype, count = SCALES[fmt]
-    if fmt == "i8" or len(scales) != count:
-        raise ValueError(f"{fmt} takes {count} scales per block")
+    if fmt == "i8":
+        raise ValueError("i8 weights come from quantize_i8 (one scale per row, not per block)")
+    if len(scales) != count:
+        raise ValueError(f"{fmt} takes {count} scales per block, got {len(scales)}")
     np_ = -(-n // TILE) * TILE
     q = _pad_rows(q.to(torch.int16), np_)
     if fmt in NIBBLES:   # byte i of a row's block: k = i low nibble, k = i + 16 high; byte 4j + p → chunk j

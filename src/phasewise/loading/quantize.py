@@ -67,7 +67,7 @@ def file_blocks(gguf: GGUFFile, cfg: ModelConfig, path: str) -> quant.PackedWeig
         parts.append(pack_gguf(*raw))
     try:
         return parts[0] if len(parts) == 1 else quant.concat(parts)
-    except ValueError:   # mixed types, or a part that does not fill whole tiles
+    except ValueError:   # a part that does not fill whole tiles
         return None
 
 
