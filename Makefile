@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PROMPT := Write a short story about a robot discovering a flower.
 
-.PHONY: setup kernels run test test-arm bench lab peers peers-avx2 lm-eval gemma3 clean
+.PHONY: setup kernels run test test-arm test-browser bench lab peers peers-avx2 lm-eval gemma3 clean
 
 setup: $(STAMP)
 
@@ -37,7 +37,14 @@ run: $(STAMP)
 	$(BIN)/phasewise generate "$(PROMPT)" --max-tokens 200
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q --durations=15 -m "not browser"
+
+# The dashboard in a real headless browser: Debian's chromium (installed when missing; needs root) driven
+# by playwright (its Python package only: its own browser download cannot be reached here).
+test-browser: $(STAMP)
+	@command -v chromium >/dev/null || { apt-get update -q && apt-get install -y -q chromium; }
+	$(BIN)/pip install -q -e '.[browser]'
+	$(BIN)/python -m pytest -q -m browser tests/browser
 
 # The kernels' C++ tests for AArch64 (generic, neon, neon-dotprod), cross-compiled and run under
 # qemu-user; installs Debian's cross compiler and qemu when missing (needs root).

@@ -136,6 +136,17 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _dashboard_roofline(engine):
+    """The dashboard's roofs from the figures `phasewise roofline` kept for this machine, or None."""
+    from phasewise.lab.roofline import load_machine, serving_roofline
+    from phasewise.loading.loader import parse_dtype
+    from phasewise.server.dashboard_feed import Roofline
+
+    dtype = parse_dtype(engine.precision.weights)
+    machine = load_machine(dtype)
+    return Roofline(**serving_roofline(machine, engine.model, engine.model_config, dtype)) if machine else None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     for name in ("max_waiting", "max_body_bytes", "max_num_seqs", "max_num_batched_tokens"):
         if getattr(args, name) < 1:
@@ -168,9 +179,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     path = Path(engine.model_path)
     name = args.served_model_name or (path.name if path.is_dir() else path.stem)
     aliases = tuple(a for a in (args.model, str(path)) if a)
+    roofline = _dashboard_roofline(engine)
     app = create_app(async_engine, ServerConfig(served_model_name=name, model_aliases=aliases, api_key=args.api_key,
                                                 max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
-                                                model_root=str(path)))
+                                                model_root=str(path)), roofline)
     recorder = None
     if args.trace:
         from phasewise.lab.trace import RequestRecorder
@@ -180,10 +192,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         async_engine.observer = Observers(async_engine.observer, recorder)
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"phasewise: {engine.precision.describe()}", file=sys.stderr)
-    print(f"phasewise: serving {name} on http://{host}:{sock.getsockname()[1]}/v1 "
-          f"(loaded in {engine.load_ms:.0f} ms)", file=sys.stderr, flush=True)
+    base = f"http://{host}:{sock.getsockname()[1]}"
+    print(f"phasewise: dashboard at {base}/dashboard" + ("" if roofline else " (to see which resource binds, "
+          "measure this machine once: phasewise roofline --model ...)"), file=sys.stderr)
+    print(f"phasewise: serving {name} on {base}/v1 (loaded in {engine.load_ms:.0f} ms)", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level="info", access_log=not args.no_access_log,
                                            timeout_graceful_shutdown=args.shutdown_timeout))
+    app.state.stopping = lambda: server.should_exit          # ends the dashboard's event streams
     # uvicorn drains (no new connections; running requests finish within the timeout), then re-raises
     # SIGTERM: a shutdown asked for is a clean exit, through `finally` rather than dying mid-way.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

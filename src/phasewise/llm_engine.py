@@ -13,7 +13,7 @@ import torch
 
 from phasewise.config import CacheConfig, EngineConfig, SpeculativeConfig
 from phasewise.engine.core import EngineCore
-from phasewise.engine.handoffs import EngineStats, RequestOutput
+from phasewise.engine.handoffs import EngineStats, RequestOutput, StepRecord
 from phasewise.engine.request import FinishReason, Request
 from phasewise.kernels import build as kernel_build
 from phasewise.kernels import use_kernels
@@ -145,6 +145,11 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         """Running and waiting requests, KV blocks used, cached and free, step and speculation counters."""
         return self.core.stats()
+
+    @property
+    def last_step(self) -> StepRecord | None:
+        """The latest step's record (what it ran, how long it took), or None before the first."""
+        return self.core.steps[-1] if self.core.steps else None
 
     def has_unfinished(self) -> bool:
         return self.core.has_unfinished()

@@ -46,10 +46,8 @@ def add_roofline_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
 def cmd_roofline(args: argparse.Namespace) -> int:
     import random
 
-    import torch
-
     from phasewise import LLM, SamplingParams
-    from phasewise.lab.roofline import analyse, measure_machine, report, weight_bytes_per_param
+    from phasewise.lab.roofline import analyse, measure_machine, model_weights, report, save_machine
     from phasewise.loading.loader import parse_dtype
 
     if args.prompt_tokens < 2 or args.decode_tokens < 2:
@@ -65,16 +63,14 @@ def cmd_roofline(args: argparse.Namespace) -> int:
     llm.generate([prompt[: min(32, len(prompt))]], params)          # warm-up
     out = llm.generate([prompt], params)[0]
     machine = measure_machine(dtype)
-    element = torch.empty((), dtype=dtype).element_size()
-    per_weight = weight_bytes_per_param(llm.engine.model, cfg, element)
+    saved = save_machine(machine, dtype)
+    per_weight, quantized = model_weights(llm.engine.model, cfg, dtype)
     kv = llm.engine.kv_cache.bytes_per_token
-    from phasewise.layers.quant_linear import QuantLinear
-
-    quantized = any(isinstance(m, QuantLinear) and m.kernels is not None for m in llm.engine.model.modules())
     phases = analyse(cfg, machine, per_weight, kv, len(prompt), out.metrics.prompt_ms / 1e3,
                      len(out.token_ids) - 1, out.metrics.decode_ms / 1e3, quantized)
     print("\n".join(report(machine, phases)))
     print(f"weights: {per_weight:.3f} bytes per parameter ({weights}); KV: {kv} bytes per token")
+    print(f"machine figures kept in {saved} (the server's dashboard uses them)")
     return 0
 
 

@@ -8,8 +8,13 @@ prefill and decode, the share of each bound achieved and which one binds.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import platform
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -56,6 +61,47 @@ def measure_machine(dtype: torch.dtype = torch.float32, dram_mib: int = 1024, ca
         kernels.append(OneDNNLinear(linear))
     secs = min(_best_seconds(lambda k=k: k(x), repeats) for k in kernels)
     return Machine(read_gbs(dram_mib), read_gbs(cache_mib), 2 * matmul_n**3 / secs / 1e9, int8_peak_gops(repeats))
+
+
+def _machine_key(dtype: torch.dtype) -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")),
+               platform.processor() or platform.machine())
+    return f"{cpu} / {torch.get_num_threads()} threads / {str(dtype).removeprefix('torch.')}"
+
+
+def _cpuinfo() -> list[str]:
+    try:
+        return Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
+
+
+def _machines_file() -> Path:
+    from phasewise.paths import default_cache_dir
+
+    return default_cache_dir() / "machines.json"
+
+
+def save_machine(machine: Machine, dtype: torch.dtype) -> Path:
+    """Keep the figures for this CPU, thread count and dtype (the server's dashboard reads them)."""
+    path = _machines_file()
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    known[_machine_key(dtype)] = dataclasses.asdict(machine)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(known, indent=1))
+    return path
+
+
+def load_machine(dtype: torch.dtype) -> Machine | None:
+    """The figures `phasewise roofline` measured on this CPU at this thread count and dtype, if any."""
+    try:
+        figures = json.loads(_machines_file().read_text()).get(_machine_key(dtype))
+        return Machine(**figures) if figures else None
+    except (OSError, ValueError, TypeError):
+        return None
 
 
 def int8_peak_gops(repeats: int = 3) -> float | None:
@@ -110,6 +156,26 @@ def request_flops(cfg: ModelConfig, prompt_tokens: int, output_tokens: int) -> f
     prefill = token_costs(cfg, 0, prompt_tokens // 2, head=False).flops_per_token * prompt_tokens
     decode = token_costs(cfg, 0, prompt_tokens + output_tokens // 2).flops_per_token * (output_tokens - 1)
     return prefill + 2 * head_params(cfg) + decode
+
+
+def model_weights(model: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype) -> tuple[float, bool]:
+    """Bytes per linear weight as stored, and whether the int8 kernels run them (their roof: the int8 peak)."""
+    from phasewise.layers.quant_linear import QuantLinear
+
+    element = torch.empty((), dtype=dtype).element_size()
+    quantized = any(isinstance(m, QuantLinear) and m.kernels is not None for m in model.modules())
+    return weight_bytes_per_param(model, cfg, element), quantized
+
+
+def serving_roofline(machine: Machine, model: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
+    """What the server's dashboard needs to say which resource its recent steps bind: the roofs, the
+    linear weights one step reads, the FLOPs per token without and with the output head."""
+    per_weight, quantized = model_weights(model, cfg, dtype)
+    head = head_params(cfg)
+    return {"dram_gbs": machine.dram_gbs, "compute_gops": machine.compute_roof(quantized),
+            "compute_name": "int8 dot products" if quantized and machine.int8_gops else "matmul",
+            "weight_bytes": linear_params(cfg) * per_weight, "flops_per_token": 2.0 * (linear_params(cfg) - head),
+            "head_flops": 2.0 * head}
 
 
 @dataclass(frozen=True, kw_only=True)

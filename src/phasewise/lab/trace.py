@@ -65,6 +65,12 @@ class RequestRecorder:
     def __init__(self, max_requests: int = 100_000) -> None:
         self.requests: deque[tuple[str, RequestMetrics]] = deque(maxlen=max_requests)
 
+    def on_add(self, request: Any) -> None:
+        pass
+
+    def on_step(self, record: Any, stats: Any) -> None:
+        pass
+
     def on_delta(self, delta: Any) -> None:
         pass
 

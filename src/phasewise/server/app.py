@@ -9,6 +9,7 @@ generation against the client's disconnect (sse.py).
     guards.py            413 / 401 / 404 / 503 before a request runs; every error in OpenAI's shape
     openai_routes.py     /v1/models, /v1/completions, /v1/chat/completions
     tokenizer_routes.py  /tokenize, /detokenize, /tokenizer_info
+    dashboard_routes.py  /dashboard (the page) and /dashboard/events (its live feed, dashboard_feed.py)
     here                 /health, /metrics, /openapi.json
 """
 
@@ -20,25 +21,34 @@ from fastapi.responses import JSONResponse, Response
 from phasewise import __version__
 from phasewise.server.async_engine import AsyncEngine
 from phasewise.server.config import ServerConfig
+from phasewise.server.dashboard_feed import DashboardFeed, Roofline
+from phasewise.server.dashboard_routes import dashboard_router
 from phasewise.server.guards import BodyLimit, Guards, install_error_handlers
 from phasewise.server.metrics import ServerMetrics
+from phasewise.server.observer import Observers
 from phasewise.server.openai_routes import openai_router
 from phasewise.server.protocol import openapi_schemas
 from phasewise.server.tokenizer_routes import tokenizer_router
 
 
 
-def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
+def create_app(engine: AsyncEngine, config: ServerConfig, roofline: Roofline | None = None) -> FastAPI:
+    """`roofline`: the machine's roofs and the model's costs, for the dashboard's 'what binds now'.
+    `app.state.stopping` (a function, set by whoever runs the server) ends the dashboard's streams."""
     app = FastAPI(title="phasewise", version=__version__, docs_url=None, redoc_url=None)   # /openapi.json
     app.openapi = lambda: _openapi(app)
     app.state.engine, app.state.config = engine, config
+    app.state.stopping = lambda: False
     app.state.metrics = metrics = ServerMetrics(config.served_model_name)
-    engine.observer = metrics
+    app.state.feed = feed = DashboardFeed(token_budget=engine.token_budget, max_num_seqs=engine.max_num_seqs,
+                                          num_blocks=engine.num_blocks, roofline=roofline)
+    engine.observer = Observers(metrics, feed)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     install_error_handlers(app)
     guards = Guards(engine, config)
     app.include_router(openai_router(guards))
     app.include_router(tokenizer_router(guards))
+    app.include_router(dashboard_router(guards, feed))
 
     @app.get("/health")
     async def health() -> Response:

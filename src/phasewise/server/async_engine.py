@@ -104,6 +104,7 @@ class AsyncEngine:
         self.num_blocks = self.stats.num_blocks
         self.block_size = engine.config.cache.block_size
         self.max_num_seqs = engine.config.scheduler.max_num_seqs
+        self.token_budget = engine.config.scheduler.max_num_batched_tokens
 
     # ---- the event loop's side ----------------------------------------------------------
 
@@ -219,6 +220,7 @@ class AsyncEngine:
             return
         finally:
             ready.set()
+        steps = engine.stats().num_steps
         try:
             while True:
                 with self._cond:
@@ -233,6 +235,9 @@ class AsyncEngine:
                 if engine.has_unfinished():
                     self._step()
                 self._publish()
+                if self.stats.num_steps != steps:      # a step ran (a step with nothing scheduled records none)
+                    steps = self.stats.num_steps
+                    self._observe(self.observer.on_step, engine.last_step, self.stats)
         except BaseException:                  # a bug in this loop: make it loud, fail everyone
             log.exception("the engine thread died")
             raise
@@ -279,6 +284,8 @@ class AsyncEngine:
                 engine.add_request(ids, params, request_id=rid)
                 added.append(rid)
                 self._live[rid] = _Live(engine.core.scheduler.requests[rid], loop)
+            for rid in added:
+                self._observe(self.observer.on_add, self._live[rid].request)
         except Exception:
             for rid in added:
                 self._live.pop(rid, None)

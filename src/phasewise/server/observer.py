@@ -1,14 +1,19 @@
-"""Hooks the engine thread calls as requests progress (the metrics, a trace recorder)."""
+"""Hooks the engine thread calls as requests progress (the metrics, a trace recorder, the dashboard)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from phasewise.engine.handoffs import EngineStats, StepRecord
 from phasewise.outputs import StreamDelta
 
 
 class Observer:
     """Hooks called on the engine thread (metrics). Default: do nothing."""
+
+    def on_add(self, request: Any) -> None: ...
+
+    def on_step(self, record: StepRecord, stats: EngineStats) -> None: ...
 
     def on_delta(self, delta: StreamDelta) -> None: ...
 
@@ -20,6 +25,14 @@ class Observers(Observer):
 
     def __init__(self, *observers: Observer) -> None:
         self.observers = observers
+
+    def on_add(self, request: Any) -> None:
+        for o in self.observers:
+            o.on_add(request)
+
+    def on_step(self, record: StepRecord, stats: EngineStats) -> None:
+        for o in self.observers:
+            o.on_step(record, stats)
 
     def on_delta(self, delta: StreamDelta) -> None:
         for o in self.observers:

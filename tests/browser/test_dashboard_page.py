@@ -1,0 +1,150 @@
+"""/dashboard in a real headless browser (Debian's chromium driven by playwright), against a live
+`phasewise serve` with an API key: the key rule, requests' bars appearing and finishing as the openai
+client streams them, the KV gauge back at zero, and saved runs opened by dropping a file.
+
+`make test-browser` installs chromium and playwright and runs these; where either is missing they
+skip with the reason. Every wait is bounded, none is measured.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+from live_server import KEY, MODEL, start_server, stop_server
+from phasewise.engine.handoffs import StepRecord
+from phasewise.engine.request import RequestMetrics
+from phasewise.lab.trace import chrome_trace
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (make test-browser)")
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+if CHROMIUM is None:
+    pytest.skip("Debian's chromium is not installed (make test-browser)", allow_module_level=True)
+
+# No background traffic: this machine's network is closed, and chromium would keep trying.
+FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+ROOT = Path(__file__).resolve().parents[2]
+WAIT_MS = 120_000
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory):
+    s = start_server(tmp_path_factory.mktemp("dashboard"), "--api-key", KEY, "--max-num-seqs", "8")
+    yield s
+    stop_server(s)
+    assert "Traceback" not in s.log.read_text(), s.log.read_text()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser, keyed):
+    context = browser.new_context(viewport={"width": 1280, "height": 1000})
+    page = context.new_page()
+    page.errors = []
+    page.on("pageerror", lambda e: page.errors.append(str(e)))
+    page.on("console", lambda m: page.errors.append(m.text) if m.type == "error" and "401" not in m.text else None)
+    page.goto(keyed.url + "/dashboard")
+    yield page
+    context.close()
+
+
+def _connect(page) -> None:
+    page.wait_for_selector("#keyform:not([hidden])", timeout=WAIT_MS)
+    page.fill("#key", KEY)
+    page.click("#keyform button")
+    page.wait_for_function("document.getElementById('status').dataset.state === 'live'", timeout=WAIT_MS)
+
+
+def _drop(page, name: str, text: str) -> None:
+    """A real drop event carrying the file, as a user's drag from the desktop delivers it."""
+    page.evaluate("""([name, text]) => {
+        const dt = new DataTransfer();
+        dt.items.add(new File([text], name, { type: "application/json" }));
+        window.dispatchEvent(new DragEvent("drop", { dataTransfer: dt, bubbles: true }));
+    }""", [name, text])
+
+
+def test_the_page_needs_the_key_then_follows_requests_to_their_end(page, keyed, tmp_path):
+    assert page.text_content("#status") == "API key needed"
+    page.fill("#key", "wrong")
+    page.click("#keyform button")
+    page.wait_for_function("document.getElementById('keyerror').textContent.includes('refused')", timeout=WAIT_MS)
+    _connect(page)
+
+    client = keyed.client(KEY)
+    finished: dict[str, str] = {}
+
+    def one(i: int) -> None:
+        stream = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Tell me story number {i}."}],
+            max_tokens=40 + 30 * i, stream=True)
+        rid = None
+        for chunk in stream:
+            rid = chunk.id
+            if chunk.choices and chunk.choices[0].finish_reason:
+                finished[rid] = chunk.choices[0].finish_reason
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    seen: dict[str, set[str]] = {}
+    while any(t.is_alive() for t in threads):          # the bars while the requests run
+        for bar in page.evaluate("window.phasewise.bars()"):
+            seen.setdefault(bar["id"], set()).add(bar["state"])
+        page.wait_for_timeout(200)
+    for t in threads:
+        t.join()
+    page.screenshot(path=str(tmp_path / "under-load.png"))
+    assert len(finished) == 4
+    page.wait_for_function(
+        "ids => ids.every(id => window.phasewise.bars().some(b => b.id === id && b.state === 'finished'))",
+        arg=list(finished), timeout=WAIT_MS)
+    bars = {b["id"]: b for b in page.evaluate("window.phasewise.bars()")}
+    assert {rid: bars[rid]["reason"] for rid in finished} == finished
+    assert any(states & {"queued", "prefill", "decode"} for rid, states in seen.items() if rid in finished), \
+        "no request was ever drawn running"
+    page.wait_for_function("document.querySelector('[data-card=kv] b').textContent === '0'", timeout=WAIT_MS)
+    page.wait_for_function("document.querySelector('[data-card=running] b').textContent === '0'", timeout=WAIT_MS)
+    rows = page.eval_on_selector("tr[data-metric=ttft_ms]", "tr => [...tr.cells].map(c => c.textContent)")
+    assert int(rows[-1]) >= 4 and float(rows[1]) > 0          # samples, p50
+    assert page.errors == []
+
+
+def test_saved_runs_open_by_dropping_them(page):
+    _connect(page)
+    m = RequestMetrics(arrival=10.0, first_scheduled=10.5, first_token=11.0, token_times=[11.0, 11.1, 11.3],
+                       prefill_chunks=[(10.5, 10.7, 8), (10.8, 11.0, 4)], preempted_at=[11.15], finished=11.3)
+    steps = [StepRecord(start=10.5, duration_ms=200.0, num_prefill_tokens=8, num_decode_tokens=0, batch_size=1),
+             StepRecord(start=10.8, duration_ms=200.0, num_prefill_tokens=4, num_decode_tokens=2, batch_size=3)]
+    _drop(page, "trace.json", json.dumps(chrome_trace(steps, [("r1", m)])))
+    page.wait_for_function("document.getElementById('status').textContent === 'viewing trace.json'", timeout=WAIT_MS)
+    assert page.evaluate("window.phasewise.bars()") == [{"id": "r1", "state": "finished", "reason": None}]
+    ttft = page.eval_on_selector("tr[data-metric=ttft_ms]", "tr => tr.cells[1].textContent")
+    assert float(ttft) == pytest.approx(1000.0)                 # arrival 10.0 → first token 11.0
+    assert "2 steps shown" in page.text_content("#steps-caption")
+
+    results = (ROOT / "docs/results/prompt-sweep/results.json").read_text()
+    _drop(page, "results.json", results)
+    page.wait_for_function("document.getElementById('status').textContent === 'viewing results.json'",
+                           timeout=WAIT_MS)
+    assert len(page.evaluate("window.phasewise.bars()")) == len(json.loads(results)["rows"])
+
+    _drop(page, "notes.json", '{"hello": 1}')
+    page.wait_for_function("document.getElementById('status').textContent.includes('not a phasewise trace')",
+                           timeout=WAIT_MS)
+    page.click("#live")
+    page.wait_for_function("document.getElementById('status').dataset.state === 'live'", timeout=WAIT_MS)
+    assert page.errors == []
