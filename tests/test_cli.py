@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -154,6 +155,9 @@ def test_roofline_runs_and_names_the_binding_resource():
     assert lines[0].startswith("machine: DRAM read")
     assert lines[2].startswith("prefill") and lines[3].startswith("decode")
     assert lines[3].endswith(("memory bandwidth", "compute"))
+    saved = Path(lines[-1].removeprefix("machine figures kept in ").split(" (")[0])
+    figures = json.loads(saved.read_text())       # what the server's dashboard reads for its roofs
+    assert any(key.endswith("threads / float32") and value["dram_gbs"] > 0 for key, value in figures.items())
 
 
 @pytest.mark.parametrize("flags, weights, note", [
