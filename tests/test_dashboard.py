@@ -80,6 +80,7 @@ def test_feed_sends_what_is_new_since_the_cursor_and_every_live_request():
     assert [s["decode"] for s in second["steps"]] == [2]
     assert [(r["id"], r["reason"], r["tokens"]) for r in second["finished"]] == [("a", "length", 3)]
     assert second["finished"][0]["itl_mean_ms"] == pytest.approx(75.0)
+    assert second["finished"][0]["itl_max_ms"] == pytest.approx(100.0)
     assert [r["id"] for r in second["live"]] == ["b"] and second["engine"]["used"] == 0
     lat = second["latency"]
     assert lat["itl_ms"]["n"] == 2 and lat["itl_ms"]["p50"] == pytest.approx(75.0)

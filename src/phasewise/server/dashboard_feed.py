@@ -68,18 +68,21 @@ def binding(steps: list[dict[str, Any]], roof: Roofline | None) -> dict[str, Any
 
 
 def request_summary(request: Any, reason: str | None) -> dict[str, Any]:
-    """A request's life in brief, times in perf_counter seconds (the page shifts them)."""
+    """A request's life in brief, times in perf_counter seconds (the page shifts them). The mean gap
+    needs only the ends; the largest gap is looked for once, when the request has ended (a live
+    request's summary is rebuilt every second for every open page)."""
     m = request.metrics
     times = m.token_times
-    gaps = [(b - a) * 1e3 for a, b in zip(times, times[1:])]
+    n = len(times)
+    longest = max((b - a for a, b in zip(times, times[1:])), default=None) if reason is not None else None
     return {"id": request.request_id, "arrival": m.arrival, "scheduled": m.first_scheduled,
             "chunks": [list(c) for c in m.prefill_chunks], "first_token": m.first_token,
-            "last_token": times[-1] if times else None, "tokens": len(times), "prompt_tokens": request.num_prompt_tokens,
+            "last_token": times[-1] if n else None, "tokens": n, "prompt_tokens": request.num_prompt_tokens,
             "cached_tokens": request.num_cached_tokens or 0, "preempted": list(m.preempted_at),
             "finished": m.finished, "reason": reason,
             "ttft_ms": m.ttft_ms if m.first_token is not None else None,
-            "itl_mean_ms": sum(gaps) / len(gaps) if gaps else None,
-            "itl_max_ms": max(gaps) if gaps else None}
+            "itl_mean_ms": (times[-1] - times[0]) * 1e3 / (n - 1) if n > 1 else None,
+            "itl_max_ms": longest * 1e3 if longest is not None else None}
 
 
 class _Samples:

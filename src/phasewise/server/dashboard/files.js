@@ -125,5 +125,5 @@ const Files = (() => {
     throw new Error(`${name}: not a phasewise trace (traceEvents) or results.json (rows or runs)`);
   }
 
-  return { load, percentile };
+  return { load };
 })();
