@@ -1,12 +1,12 @@
 """Does watching slow the engine? Decode throughput and ITL with /dashboard open and closed, in one run.
 
-    .venv/bin/python benchmarks/dashboard_overhead.py [--rounds 4] [--streams 8] [--tokens 128]
+    .venv/bin/python benchmarks/dashboard_overhead.py [--rounds 4] [--streams 8] [--tokens 128] [--refresh 2]
                                                        [--viewer chromium|sse] [--screenshot docs/dashboard.png]
 
 One `phasewise serve` (the default model, its default precision). Each round sends --streams
 concurrent streamed chats of --tokens tokens (ignore_eos) through the openai client, and rounds
 alternate: page closed (the browser on about:blank), page open (headless chromium showing /dashboard,
-redrawing once a second). The browser, the clients and the server share this machine's cores, as
+redrawing every --refresh seconds, 2 as the page's default). The browser, the clients and the server share this machine's cores, as
 they would on a user's laptop. Output tokens/s = tokens / the round's wall time; ITL = gaps between
 a stream's chunks as the client receives them. Medians over the rounds of each kind.
 --viewer sse replaces the browser by a thread reading /dashboard/events (the server's share
@@ -96,8 +96,8 @@ def cpu_seconds(pattern: str) -> float:
 class SSEViewer:
     """A thread reading the dashboard's event stream while the round runs (no browser)."""
 
-    def __init__(self, url: str) -> None:
-        self.url, self.stop, self.thread = url, threading.Event(), None
+    def __init__(self, url: str, every: str) -> None:
+        self.url, self.every, self.stop, self.thread = url, every, threading.Event(), None
 
     def open(self) -> None:
         self.stop.clear()
@@ -111,7 +111,7 @@ class SSEViewer:
             self.thread = None
 
     def _read(self) -> None:
-        with httpx.stream("GET", self.url + "/dashboard/events", timeout=600) as resp:
+        with httpx.stream("GET", f"{self.url}/dashboard/events?every={self.every}", timeout=600) as resp:
             for _ in resp.iter_lines():
                 if self.stop.is_set():
                     return
@@ -144,6 +144,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--screenshot", default=None, help="save the page under load here (PNG)")
     ap.add_argument("--viewer", choices=("chromium", "sse"), default="chromium")
+    ap.add_argument("--refresh", choices=("1", "2", "5", "10"), default="2", help="the page's refresh, seconds")
     ap.add_argument("--browser-nice", type=int, default=0,
                     help="run the browser's processes at this niceness (the engine keeps the cores it needs)")
     args = ap.parse_args()
@@ -155,7 +156,7 @@ def main() -> None:
     results: dict[str, list[tuple[float, list[float]]]] = {"closed": [], "open": []}
     try:
         if chromium is None:
-            viewer = SSEViewer(url)
+            viewer = SSEViewer(url, args.refresh)
             one_round(url, model, args.streams, 16)                        # warm-up
             for r in range(args.rounds * 2):
                 kind = "open" if r % 2 else "closed"
@@ -170,6 +171,7 @@ def main() -> None:
             with sync_playwright() as p:
                 page = p.chromium.launch(executable_path=chromium, args=FLAGS).new_page(
                     viewport={"width": 1280, "height": 1000})
+                page.add_init_script(f"localStorage.setItem('phasewise-refresh', '{args.refresh}')")
                 one_round(url, model, args.streams, 16)                    # warm-up
                 for r in range(args.rounds * 2):
                     kind = "open" if r % 2 else "closed"

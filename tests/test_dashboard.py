@@ -120,6 +120,12 @@ def test_dashboard_routes_and_the_key_rule(guarded):
     assert_openai_error(httpx.get(guarded.url + "/dashboard/events"), 401, "API key")
     assert_openai_error(httpx.get(guarded.url + "/dashboard/events",
                                   headers={"Authorization": "Bearer wrong"}), 401)
+    key = {"Authorization": f"Bearer {KEY}"}
+    for every in ("0.1", "100", "nan"):                   # the page's refresh: 0.5 to 60 s
+        assert_openai_error(httpx.get(guarded.url + f"/dashboard/events?every={every}", headers=key), 400, "every")
+    with httpx.stream("GET", guarded.url + "/dashboard/events?every=5", headers=key, timeout=60) as resp:
+        hello = json.loads(next(line for line in resp.iter_lines() if line.startswith("data: "))[len("data: "):])
+    assert hello["interval_s"] == 5
 
 
 @pytest.mark.slow

@@ -7,19 +7,28 @@ const Charts = (() => {
   const css = (name) => (colours[name] ??= getComputedStyle(document.documentElement).getPropertyValue(name).trim());
 
   // Size the canvas to its box at the device's pixel ratio (its backing store is only reallocated when
-  // that changes); returns a cleared context in CSS pixels.
+  // that changes); returns a context in CSS pixels, filled with the panel's colour. The box's width is
+  // kept by a ResizeObserver: reading clientWidth after the page's text changed would force a layout
+  // every frame. The canvas is opaque (cheaper to composite).
   function setup(canvas) {
     const dpr = window.devicePixelRatio || 1;
-    canvas.plotHeight ??= Number(canvas.getAttribute("height")) || 200;
-    const w = canvas.clientWidth || 600, h = canvas.plotHeight;
+    if (canvas.plotWidth === undefined) {
+      canvas.plotHeight = Number(canvas.getAttribute("height")) || 200;
+      canvas.plotWidth = canvas.clientWidth || 600;
+      new ResizeObserver((entries) => {
+        const width = Math.round(entries[0].contentRect.width);
+        if (width && width !== canvas.plotWidth) { canvas.plotWidth = width; canvas.onresized?.(); }
+      }).observe(canvas);
+    }
+    const w = canvas.plotWidth, h = canvas.plotHeight;
     if (canvas.width !== Math.round(w * dpr) || canvas.height !== Math.round(h * dpr)) {
       canvas.width = Math.round(w * dpr);
       canvas.height = Math.round(h * dpr);
       canvas.style.height = h + "px";
     }
-    const ctx = canvas.getContext("2d");
+    const ctx = canvas.getContext("2d", { alpha: false });
     ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
-    ctx.clearRect(0, 0, w, h);
+    ctx.fillStyle = css("--panel"); ctx.fillRect(0, 0, w, h);
     ctx.font = "11px system-ui, sans-serif";
     return { ctx, w, h };
   }
@@ -78,12 +87,16 @@ const Charts = (() => {
     for (const s of series) {
       if (!s.points.length) continue;
       ctx.beginPath();
-      let last = null;
+      let last = null, lastX = -1;
       for (const [t, v] of s.points) {
-        const x = Math.max(box.x, box.x_of(t)), y = box.y_of(v);
-        if (last === null) ctx.moveTo(x, y); else ctx.lineTo(x, last);
-        ctx.lineTo(x, y); last = y;
+        // Several points in one pixel column draw as one: the column's last value.
+        const x = Math.round(Math.max(box.x, box.x_of(t))), y = box.y_of(v);
+        if (last === null) ctx.moveTo(x, y);
+        else if (x === lastX) { last = y; continue; }
+        else { ctx.lineTo(lastX, last); ctx.lineTo(x, last); }
+        lastX = x; last = y;
       }
+      ctx.lineTo(lastX, last);
       ctx.lineTo(box.x_of(t1), last);
       ctx.strokeStyle = s.color; ctx.lineWidth = 2; ctx.stroke(); ctx.lineWidth = 1;
       if (s.fill) {
@@ -101,12 +114,22 @@ const Charts = (() => {
     const box = frame(w, h, t0, t1, top, 44, true);
     valueAxis(ctx, box, top);
     timeAxis(ctx, box, t0, t1, ref, live);
+    // Steps narrower than a pixel share their column: it shows the tallest of them.
+    const cols = [];
     for (const s of steps) {
       if (s.t + s.ms / 1e3 < t0) continue;
-      const x = box.x_of(Math.max(s.t, t0)), width = Math.max(1, box.x_of(s.t + s.ms / 1e3) - x);
-      const yPre = box.y_of(s.prefill), yAll = box.y_of(s.prefill + s.decode + s.draft);
-      ctx.fillStyle = css("--prefill"); ctx.fillRect(x, yPre, width, box.y_of(0) - yPre);
-      ctx.fillStyle = css("--decode"); ctx.fillRect(x, yAll, width, yPre - yAll);
+      const x0 = Math.floor(box.x_of(Math.max(s.t, t0))), x1 = Math.max(x0 + 1, Math.round(box.x_of(s.t + s.ms / 1e3)));
+      const c = cols[cols.length - 1], pre = s.prefill, all = s.prefill + s.decode + s.draft;
+      if (c && c.x0 === x0) { c.x1 = Math.max(c.x1, x1); c.pre = Math.max(c.pre, pre); c.all = Math.max(c.all, all); }
+      else cols.push({ x0, x1, pre, all });
+    }
+    const base = box.y_of(0);
+    ctx.fillStyle = css("--prefill");
+    for (const c of cols) if (c.pre) ctx.fillRect(c.x0, box.y_of(c.pre), c.x1 - c.x0, base - box.y_of(c.pre));
+    ctx.fillStyle = css("--decode");
+    for (const c of cols) {
+      const yPre = box.y_of(c.pre), yAll = box.y_of(c.all);
+      if (yPre > yAll) ctx.fillRect(c.x0, yAll, c.x1 - c.x0, yPre - yAll);
     }
     if (budget) {
       ctx.setLineDash([5, 4]); ctx.strokeStyle = css("--ink");

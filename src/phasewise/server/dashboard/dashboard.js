@@ -1,5 +1,7 @@
 // The dashboard: reads /dashboard/events (server-sent events through fetch, so the API key can go in a
-// header), keeps the recent steps and requests, and redraws on every snapshot (once a second).
+// header), keeps the recent steps and requests, and redraws on every snapshot, which arrive every
+// "refresh" seconds (the header's choice, 2 s unless changed; kept in localStorage). Drawing waits for
+// the browser's next frame, so a page in a hidden tab draws nothing until it is shown again.
 // A dropped file replaces the live view until "back to live". window.phasewise exposes the state and
 // what the last frame drew, for the browser tests.
 "use strict";
@@ -10,7 +12,7 @@ const fmt = (v, d = 1) => (v === null || v === undefined || !isFinite(v) ? "–"
 const pct = (v) => (v === null || v === undefined ? "–" : `${(100 * v).toFixed(0)}%`);
 
 const live = { mode: "live", steps: [], requests: new Map(), engine: null, now: 0, seq: 0, itlLabel: "every gap" };
-let view = live, drawn = [], stepBox = null, timelineRows = [];
+let view = live, drawn = [], stepBox = null, timelineRows = [], controller = null, pending = false;
 
 // ---- the live feed -------------------------------------------------------------------------------
 
@@ -20,8 +22,9 @@ async function connect() {
   const key = sessionStorage.getItem("phasewise-key");
   const headers = key ? { Authorization: `Bearer ${key}` } : {};
   let res;
-  try { res = await fetch(`/dashboard/events?after=${live.seq}`, { headers }); }
-  catch (e) { return retry("cannot reach the server"); }
+  const mine = controller = new AbortController();       // aborted when the refresh choice changes
+  try { res = await fetch(`/dashboard/events?after=${live.seq}&every=${$("refresh").value}`, { headers, signal: mine.signal }); }
+  catch (e) { return mine.signal.aborted ? undefined : retry("cannot reach the server"); }
   if (res.status === 401) {
     setStatus("key", "API key needed");
     $("keyform").hidden = false;
@@ -35,7 +38,7 @@ async function connect() {
   let buf = "";
   for (;;) {
     let chunk;
-    try { chunk = await reader.read(); } catch (e) { break; }
+    try { chunk = await reader.read(); } catch (e) { if (mine.signal.aborted) return; break; }
     if (chunk.done) break;
     buf += chunk.value;
     let cut;
@@ -58,7 +61,14 @@ function onEvent(block) {
   const idle = !msg.steps.length && !msg.finished.length && !msg.live.length;
   merge(msg);
   // An idle server whose last frame was already empty: skip the redraw (an idle page costs nothing).
-  if (view === live && !(idle && live.drawnEmpty)) render();
+  if (view === live && !(idle && live.drawnEmpty)) schedule();
+}
+
+// One drawing per browser frame at most, and none while the page is hidden (no frames come).
+function schedule() {
+  if (pending) return;
+  pending = true;
+  requestAnimationFrame(() => { pending = false; render(); });
 }
 
 function merge(snap) {
@@ -183,9 +193,13 @@ function latency(s) {
     return;
   }
   const l = s.latency || {}, names = { ttft_ms: "TTFT", itl_ms: `ITL (${s.itlLabel})`, e2e_ms: "end to end" };
+  // The rows are built once per kind of view; a new snapshot rewrites only the cells that changed.
   setHTML(table, "<tr><th>ms</th><th>p50</th><th>p90</th><th>p99</th><th>samples</th></tr>" +
-    Object.entries(names).map(([k, label]) => { const v = l[k] || {};
-      return `<tr data-metric="${k}"><td>${label}</td><td>${fmt(v.p50)}</td><td>${fmt(v.p90)}</td><td>${fmt(v.p99)}</td><td>${v.n ?? 0}</td></tr>`; }).join(""));
+    Object.entries(names).map(([k, label]) => `<tr data-metric="${k}"><td>${label}</td><td></td><td></td><td></td><td></td></tr>`).join(""));
+  for (const k of Object.keys(names)) {
+    const v = l[k] || {}, cells = table.querySelector(`tr[data-metric="${k}"]`).children;
+    [fmt(v.p50), fmt(v.p90), fmt(v.p99), v.n ?? 0].forEach((text, i) => setText(cells[i + 1], text));
+  }
   setText($("latency-caption"), s.mode === "live" ? `the last ${s.window_s ?? 60} s` : s.name);
 }
 
@@ -246,7 +260,7 @@ function openFile(file) {
     view = Files.load(file.name, text);
     $("live").hidden = false;
     setStatus("file", `viewing ${file.name}`);
-    render();
+    schedule();
   }).catch((e) => { setStatus("lost", e.message); });
 }
 
@@ -256,13 +270,19 @@ addEventListener("drop", (ev) => {
   ev.preventDefault(); $("drop").hidden = true;
   if (ev.dataTransfer.files.length) openFile(ev.dataTransfer.files[0]);
 });
-$("live").addEventListener("click", () => { view = live; $("live").hidden = true; setStatus("live", "live"); render(); });
+$("live").addEventListener("click", () => { view = live; $("live").hidden = true; setStatus("live", "live"); schedule(); });
 $("keyform").addEventListener("submit", (ev) => {
   ev.preventDefault();
   sessionStorage.setItem("phasewise-key", $("key").value.trim());
   connect();
 });
-addEventListener("resize", () => render());
+for (const id of ["timeline", "steps", "kv"]) $(id).onresized = schedule;
+$("refresh").value = localStorage.getItem("phasewise-refresh") || "2";
+$("refresh").addEventListener("change", () => {
+  localStorage.setItem("phasewise-refresh", $("refresh").value);
+  controller?.abort();
+  connect();
+});
 
 window.phasewise = { live, view: () => view, bars: () => drawn, openText: (name, text) => openFile(new File([text], name)) };
 connect();
