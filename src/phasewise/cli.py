@@ -95,7 +95,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     spec = speculative_config_from_args(args)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
               kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len, kv_dtype=args.kv_dtype,
-              speculative=spec)
+              speculative=spec, tensor_parallel_size=args.tensor_parallel_size)
     print(f"phasewise: {llm.engine.precision.describe()}", file=sys.stderr)
     if args.raw:
         prompt = args.prompt
@@ -168,7 +168,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_gib=args.kv_cache_memory,
                           kv_dtype=args.kv_dtype),
         scheduler=SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, args.max_model_len),
-        speculative=spec)
+        speculative=spec, tensor_parallel_size=args.tensor_parallel_size)
     def build() -> LLMEngine:                  # on the engine thread, which then owns the OpenMP pool
         engine = LLMEngine(config)
         engine.warmup()

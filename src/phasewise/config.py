@@ -81,7 +81,10 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    tensor_parallel_size: int = 1        # ranks the model is split over (runner/tp_worker.py)
 
     def __post_init__(self) -> None:
         if self.kernels not in ("auto", "torch"):
             raise ValueError(f"kernels must be 'auto' or 'torch', got {self.kernels!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")

@@ -32,6 +32,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=positive_int, default=None,
                    help="CPU threads for the model (default: torch's, one per core); on a small machine, "
                         "`serve --threads <cores - 1>` leaves a core to the HTTP side and its clients")
+    g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
+                   help="split the model over this many processes on this machine (torch.distributed, gloo on "
+                        "CPUs); each gets an equal share of the threads")
     g.add_argument("--speculative", default=None, metavar="ngram|draft[:MODEL]",
                    help="speculative decoding: 'ngram' (prompt lookup) or 'draft:MODEL' (a draft model with "
                         "the same tokenizer; plain 'draft' = this model at --draft-dtype); outputs are unchanged")

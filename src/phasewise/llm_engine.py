@@ -7,22 +7,24 @@ from __future__ import annotations
 
 import itertools
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
 
 from phasewise.config import CacheConfig, EngineConfig, SpeculativeConfig
+from phasewise.distributed import TensorParallel, init_tensor_parallel
 from phasewise.engine.core import EngineCore
 from phasewise.engine.handoffs import EngineStats, RequestOutput, StepRecord
 from phasewise.engine.request import FinishReason, Request
 from phasewise.kernels import build as kernel_build
-from phasewise.kernels import use_kernels
-from phasewise.layers.linear import use_fast_linears
-from phasewise.loading.loader import load_config, load_model, parse_dtype, resolve_model_path
+from phasewise.loading.loader import load_config, load_prepared, parse_dtype, resolve_model_path
+from phasewise.loading.sharding import check_tensor_parallel, shard_config
 from phasewise.outputs import CompletionOutput, StreamDelta
 from phasewise.precision import choose as choose_precision
 from phasewise.runner.kv_cache import KVCache, num_blocks_for_memory
 from phasewise.runner.model_runner import ModelRunner
+from phasewise.runner.tp_worker import Setup, TPWorkers, threads_per_rank
 from phasewise.sampling.params import SamplingParams
 from phasewise.spec_decode.draft_model import DraftModelProposer
 from phasewise.spec_decode.ngram import NgramProposer
@@ -37,16 +39,6 @@ def choose_kernels(config: EngineConfig):
     return kernel_build.load()
 
 
-def load_prepared(path, dtype: str, device: str = "cpu", kernels=None, plain: bool = False):
-    """The model at `path` in `dtype`, its layers given `kernels` (or their reference paths);
-    `plain`: no oneDNN either (kernels="torch")."""
-    model, cfg = load_model(path, dtype, device)
-    torch_dtype = parse_dtype(dtype)
-    use_fast_linears(model, device, torch_dtype, kernels, onednn=not plain)
-    use_kernels(model, kernels if torch_dtype == torch.float32 else None)
-    return model, cfg
-
-
 @dataclass
 class _Tracked:
     output: CompletionOutput
@@ -57,24 +49,36 @@ class _Tracked:
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None) -> None:
         started = time.perf_counter()
+        self._finalizer = None                  # stops a tensor-parallel engine's other ranks
         self.config = config = config or EngineConfig()
         self.model_path = resolve_model_path(config.model)
-        load_config(self.model_path)   # cheap: an unsupported architecture fails before anything slow
+        full = load_config(self.model_path)   # cheap: an unsupported architecture fails before anything slow
+        spec, size, cache = config.speculative, config.tensor_parallel_size, config.cache
+        check_tensor_parallel(full, size)
+        if size > 1 and spec.method == "draft":
+            raise ValueError("a draft model does not run with tensor parallelism yet: use --speculative ngram")
         self.kernels = choose_kernels(config)
         self.precision = choose_precision(self.model_path, config.dtype, config.cache.kv_dtype, self.kernels)
         dtype = parse_dtype(self.precision.weights)
+        kv_dtype = torch.int8 if self.precision.kv == "int8" else dtype
         self.tokenizer = Tokenizer.load(self.model_path)
+        self.tp, workers = self._start_tensor_parallel(size)
+        part = shard_config(full, self.tp) if self.tp else full     # what this rank holds
+        num_blocks = cache.num_blocks or num_blocks_for_memory(part, cache.block_size, kv_dtype,
+                                                               cache.kv_cache_memory_gib)
+        if self.tp:
+            self.tp.broadcast(Setup(str(self.model_path), self.precision.weights, self.precision.kv, num_blocks,
+                                    cache.block_size, config.device, self.kernels is not None,
+                                    config.kernels == "torch"))
         self.model, self.model_config = load_prepared(self.model_path, self.precision.weights, config.device,
-                                                      self.kernels, plain=config.kernels == "torch")
+                                                      self.kernels, plain=config.kernels == "torch", tp=self.tp)
+        if self.tp:
+            self.tp.broadcast("ready")                               # every rank has loaded its part
         max_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
         self.max_model_len = min(max_len, self.model_config.max_position_embeddings)
-        cache: CacheConfig = config.cache
-        kv_dtype = torch.int8 if self.precision.kv == "int8" else dtype
-        num_blocks = cache.num_blocks or num_blocks_for_memory(
-            self.model_config, cache.block_size, kv_dtype, cache.kv_cache_memory_gib)
         self.kv_cache = KVCache(self.model_config, num_blocks, cache.block_size, kv_dtype, config.device)
-        runner = ModelRunner(self.model, self.kv_cache, self.tokenizer.eos_token_ids, config.device, self.kernels)
-        spec = config.speculative
+        runner = ModelRunner(self.model, self.kv_cache, self.tokenizer.eos_token_ids, config.device, self.kernels,
+                             self.tp)
         self.draft_model = None
         self.core = EngineCore(runner, config.scheduler, num_blocks, cache.block_size, self.max_model_len,
                                cache.enable_prefix_caching, self._proposer(spec, num_blocks),
@@ -82,6 +86,23 @@ class LLMEngine:
         self._ids = itertools.count()
         self._tracked: dict[str, _Tracked] = {}
         self.load_ms = (time.perf_counter() - started) * 1e3
+
+    def _start_tensor_parallel(self, size: int) -> tuple[TensorParallel | None, TPWorkers | None]:
+        """With size > 1: spawn ranks 1..size-1 on this machine, join their group as rank 0, and share
+        this process's threads among the ranks. `close()` (or exit) stops them."""
+        if size == 1:
+            return None, None
+        threads = threads_per_rank(size, torch.get_num_threads())
+        workers = TPWorkers(size, threads)
+        torch.set_num_threads(threads)
+        tp = init_tensor_parallel(0, size, workers.init_method, self.config.device)
+        self._finalizer = weakref.finalize(self, workers.stop, tp)
+        return tp, workers
+
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel engine (nothing to do otherwise)."""
+        if self._finalizer is not None:
+            self._finalizer()
 
     def _proposer(self, spec: SpeculativeConfig, num_blocks: int):
         """The draft-token proposer of `spec`, or None. A draft model gets its own KV cache with the

@@ -9,10 +9,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from phasewise.distributed import TensorParallel
+from phasewise.kernels import use_kernels
+from phasewise.layers.linear import use_fast_linears
 from phasewise.layers.rotary import RotaryEmbedding
 from phasewise.loading.gguf import GGUFFile, ModelLoadError
 from phasewise.loading.quantize import WEIGHT_FORMATS, quantize_model
 from phasewise.loading.safetensors import hf_tensors, safetensors_files
+from phasewise.loading.sharding import check_tensor_parallel, shard_config, shard_weights
 from phasewise.models.config import ModelConfig
 from phasewise.models.registry import model_class
 
@@ -81,9 +85,10 @@ def load_config(path: Path) -> ModelConfig:
     return GGUFFile(path).model_config()
 
 
-def load_model(path: Path, dtype: torch.dtype | str = torch.float32,
-               device: torch.device | str = "cpu") -> tuple[nn.Module, ModelConfig]:
-    """Build the model for `path` (a .gguf file or an HF folder) with every weight loaded.
+def load_model(path: Path, dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu",
+               tp: TensorParallel | None = None) -> tuple[nn.Module, ModelConfig]:
+    """Build the model for `path` (a .gguf file or an HF folder) with every weight loaded; with `tp`,
+    this rank's part of it (loading/sharding.py), and the config of that part.
 
     dtype "int8" or "q4" loads in fp32, then swaps the linear layers for quantized ones (loading/quantize.py).
     """
@@ -98,8 +103,12 @@ def load_model(path: Path, dtype: torch.dtype | str = torch.float32,
         gguf = GGUFFile(path)
         cfg = gguf.model_config()
         weights = gguf.hf_tensors(cfg)
+    full = cfg
+    if tp is not None:
+        check_tensor_parallel(cfg, tp.size)
+        cfg, weights = shard_config(cfg, tp), shard_weights(weights, cfg, tp)
     with torch.device("meta"):
-        model = model_class(cfg)(cfg)
+        model = model_class(cfg)(cfg, tp=tp) if tp is not None else model_class(cfg)(cfg)
     model.to_empty(device=device)
     model.tie_weights()
     for p in model.parameters():
@@ -120,5 +129,16 @@ def load_model(path: Path, dtype: torch.dtype | str = torch.float32,
         raise ModelLoadError(f"{path}: {len(missing)} weights missing from the checkpoint, "
                              f"e.g. {sorted(missing)[0]}")
     if weight_format:
-        quantize_model(model, weight_format, cfg, gguf)
+        quantize_model(model, weight_format, full, gguf, tp)
     return model.eval(), cfg
+
+
+def load_prepared(path: Path, dtype: str, device: str = "cpu", kernels=None, plain: bool = False,
+                  tp: TensorParallel | None = None) -> tuple[nn.Module, ModelConfig]:
+    """The model at `path` in `dtype` (with `tp`, this rank's part), its layers given `kernels` (or
+    their reference paths); `plain`: no oneDNN either (kernels="torch")."""
+    model, cfg = load_model(path, dtype, device, tp)
+    torch_dtype = parse_dtype(dtype)
+    use_fast_linears(model, device, torch_dtype, kernels, onednn=not plain)
+    use_kernels(model, kernels if torch_dtype == torch.float32 else None)
+    return model, cfg

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 from torch import nn
 
+from phasewise.distributed import TensorParallel
 from phasewise.kernels import quant
 from phasewise.kernels.gguf_blocks import GGUF_BLOCKS, pack_gguf
 from phasewise.layers.quant_linear import QuantLinear
 from phasewise.loading.gguf import GGUFFile
+from phasewise.loading.sharding import shard_raw
 from phasewise.models.config import ModelConfig
 
 # --dtype value → weight format
@@ -28,8 +30,10 @@ WEIGHT_FORMATS = {"int8": "i8", "q4": "q4"}
 FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
-def quantize_model(model: nn.Module, dtype: str, cfg: ModelConfig, gguf: GGUFFile | None = None) -> dict[str, int]:
-    """Replace every nn.Linear in place; returns how many layers ended in each format."""
+def quantize_model(model: nn.Module, dtype: str, cfg: ModelConfig, gguf: GGUFFile | None = None,
+                   tp: TensorParallel | None = None) -> dict[str, int]:
+    """Replace every nn.Linear in place; returns how many layers ended in each format. `cfg` is the
+    whole model's; with `tp`, the file's blocks are cut to this rank's part."""
     fmt = WEIGHT_FORMATS[dtype]
     targets = [(parent, name, child, f"{prefix}.{name}" if prefix else name)
                for prefix, parent in model.named_modules()
@@ -38,7 +42,7 @@ def quantize_model(model: nn.Module, dtype: str, cfg: ModelConfig, gguf: GGUFFil
     for parent, name, linear, path in targets:
         packed = None
         if fmt == "q4" and gguf is not None:
-            packed = file_blocks(gguf, cfg, path)
+            packed = file_blocks(gguf, cfg, path, tp)
         if packed is not None and (packed.n, packed.k) == (linear.out_features, linear.in_features):
             packed = _to(packed, linear.weight.device)
         elif linear.in_features % quant.QK:
@@ -52,8 +56,9 @@ def quantize_model(model: nn.Module, dtype: str, cfg: ModelConfig, gguf: GGUFFil
     return counts
 
 
-def file_blocks(gguf: GGUFFile, cfg: ModelConfig, path: str) -> quant.PackedWeight | None:
-    """The layer `path`'s weight from the file's own blocks (None when some part is not in a block format)."""
+def file_blocks(gguf: GGUFFile, cfg: ModelConfig, path: str, tp: TensorParallel | None = None) -> quant.PackedWeight | None:
+    """The layer `path`'s weight from the file's own blocks (None when some part is not in a block
+    format, or with `tp` when this rank's part does not cut along whole blocks)."""
     raw = gguf.raw_rows(f"{path}.weight", cfg)
     names = [f"{path}.weight"]
     if raw is None and path.rsplit(".", 1)[-1] in FUSED_PARTS:
@@ -64,6 +69,11 @@ def file_blocks(gguf: GGUFFile, cfg: ModelConfig, path: str) -> quant.PackedWeig
         raw = gguf.raw_rows(hf_name, cfg)
         if raw is None or raw[0] not in GGUF_BLOCKS:
             return None
+        if tp is not None:
+            rows = shard_raw(hf_name, raw[0], raw[1], cfg, tp)
+            if rows is None:
+                return None
+            raw = raw[0], rows
         parts.append(pack_gguf(*raw))
     try:
         return parts[0] if len(parts) == 1 else quant.concat(parts)

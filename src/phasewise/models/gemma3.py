@@ -14,23 +14,24 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from phasewise.distributed import TensorParallel
 from phasewise.layers.attention import AttentionMetadata, LayerKV
 from phasewise.layers.norm import RMSNorm
 from phasewise.layers.rotary import RotaryEmbedding
 from phasewise.models.config import ModelConfig
-from phasewise.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from phasewise.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, embed, vocab_embedding
 from phasewise.models.stack import build_stack, run_stack
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, layer: int, tp: TensorParallel | None = None) -> None:
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(h, eps)
-        self.self_attn = LlamaAttention(cfg, rotary, layer)
+        self.self_attn = LlamaAttention(cfg, rotary, layer, tp)
         self.post_attention_layernorm = RMSNorm(h, eps)
         self.pre_feedforward_layernorm = RMSNorm(h, eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = LlamaMLP(cfg, tp)
         self.post_feedforward_layernorm = RMSNorm(h, eps)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv: LayerKV, meta: AttentionMetadata
@@ -41,28 +42,28 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3Model(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
-                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.embed_tokens = vocab_embedding(cfg, tp)
         P = cfg.max_position_embeddings
         glob = RotaryEmbedding(cfg.head_dim, P, cfg.rope_theta, cfg.rope_scaling)
         local = RotaryEmbedding(cfg.head_dim, P, cfg.rope_local_theta or cfg.rope_theta)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, local if i in cfg.sliding_layers else glob, i)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, local if i in cfg.sliding_layers else glob, i, tp)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.embedding_scale = cfg.embedding_scale
-        self.cfg = cfg
+        self.cfg, self.tp = cfg, tp
         self.stack = None       # the C++ decoder stack (set_kernels), if it can run
 
     def set_kernels(self, kernels) -> None:
-        """The C++ decoder stack where it can run these layers (models/stack.py)."""
-        self.stack = build_stack(kernels, self.cfg, self.layers, self.norm.weight, sandwich=True)
+        """The C++ decoder stack where it can run these layers (models/stack.py); not with tp."""
+        if self.tp is None:
+            self.stack = build_stack(kernels, self.cfg, self.layers, self.norm.weight, sandwich=True)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[LayerKV]) -> torch.Tensor:
         """input_ids, positions: [T] → hidden states [T, hidden]."""
-        x = self.embed_tokens(input_ids) * self.embedding_scale
+        x = embed(self.embed_tokens, input_ids, self.cfg, self.tp) * self.embedding_scale
         if self.stack is not None:                              # the whole step in one C++ call
             return run_stack(self.stack, self.cfg, x, positions, meta, kv_caches)
         for layer, kv in zip(self.layers, kv_caches):

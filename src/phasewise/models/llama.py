@@ -2,7 +2,9 @@
 
 Tokens of all sequences in a step are flattened into one batch [T]; attention
 reads the paged KV cache through `AttentionMetadata`. The KV tensors are passed
-to `forward` explicitly, one (k, v) pair per layer.
+to `forward` explicitly, one (k, v) pair per layer. With tensor parallelism (`tp`) the
+config gives one rank's heads and MLP width (loading/sharding.py): o_proj and down_proj
+end in an all-reduce, the embedding and output head hold a part of the vocabulary.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from phasewise.distributed import TensorParallel
 from phasewise.kernels import UsesKernels, applies
 from phasewise.layers.attention import AttentionMetadata, LayerKV, paged_attention
 from phasewise.layers.norm import RMSNorm
@@ -27,9 +30,10 @@ class LlamaAttention(UsesKernels, nn.Module):
     """Grouped-query attention over the paged cache; with `cfg.qk_norm` (Qwen3, Gemma 3) each q and k
     head is RMS-normed before RoPE; a layer in `cfg.sliding_layers` sees only its window."""
 
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, layer: int = 0) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, layer: int = 0,
+                 tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.tp = cfg, tp
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
         self.rotary = rotary
@@ -53,20 +57,26 @@ class LlamaAttention(UsesKernels, nn.Module):
             q, k = self.ops.rope_and_cache(qkv, positions, self.rotary.cos, self.rotary.sin, kv[0], kv[1],
                                            meta.slot_mapping, cfg.num_heads, cfg.num_kv_heads, *kv[2:])
             v = qkv[:, cfg.q_size + cfg.kv_size:].view(-1, cfg.num_kv_heads, cfg.head_dim)
-            return self.o_proj(paged_attention(q, k, v, kv, meta, self.ops, written=True, window=self.window,
-                                               scale=self.scale))
+            return self._out(paged_attention(q, k, v, kv, meta, self.ops, written=True, window=self.window,
+                                             scale=self.scale))
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.reshape(-1, cfg.num_heads, cfg.head_dim)   # [T, Hq, D]
         k = k.reshape(-1, cfg.num_kv_heads, cfg.head_dim)   # [T, Hkv, D]
         v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
         q, k = self.rotary(positions, q, k)
-        return self.o_proj(paged_attention(q, k, v, kv, meta, self.ops if applies(self.ops, q) else None,
-                                           window=self.window, scale=self.scale))
+        return self._out(paged_attention(q, k, v, kv, meta, self.ops if applies(self.ops, q) else None,
+                                         window=self.window, scale=self.scale))
+
+    def _out(self, attn: torch.Tensor) -> torch.Tensor:
+        """[T, Hq, D] or [T, q_size] → [T, hidden]: o_proj, summed over the ranks' heads."""
+        out = self.o_proj(attn.reshape(attn.shape[0], -1))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class LlamaMLP(UsesKernels, nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
+        self.tp = tp
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.gelu = cfg.hidden_act == "gelu_tanh"
@@ -74,19 +84,22 @@ class LlamaMLP(UsesKernels, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)                    # [T, 2 I]
         if applies(self.ops, gate_up):
-            return self.down_proj(self.ops.silu_and_mul(gate_up, gelu=self.gelu))
-        gate, up = gate_up.chunk(2, dim=-1)               # [T, I] each
-        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.down_proj(act * up)
+            act = self.ops.silu_and_mul(gate_up, gelu=self.gelu)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)           # [T, I] each
+            act = (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up
+        out = self.down_proj(act)                         # [T, hidden]: this rank's share of the sum
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, layer: int = 0) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, layer: int = 0,
+                 tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, rotary, layer)
+        self.self_attn = LlamaAttention(cfg, rotary, layer, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = LlamaMLP(cfg, tp)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
@@ -100,28 +113,39 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+def vocab_embedding(cfg: ModelConfig, tp: TensorParallel | None) -> nn.Embedding:
+    """The token table (this rank's part of the vocabulary, with tp). Weights arrive from the
+    checkpoint: no random init (nn.Embedding's normal_ is slow, even on meta)."""
+    rows = cfg.vocab_size if tp is None else tp.padded(cfg.vocab_size)
+    return nn.Embedding(rows, cfg.hidden_size, _weight=torch.empty(rows, cfg.hidden_size))
+
+
+def embed(table: nn.Embedding, ids: torch.Tensor, cfg: ModelConfig, tp: TensorParallel | None) -> torch.Tensor:
+    return table(ids) if tp is None else tp.embed(table, ids, cfg.vocab_size)
+
+
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        # Weights arrive from the checkpoint: no random init (nn.Embedding's normal_ is slow, even on meta).
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
-                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.cfg, self.tp = cfg, tp
+        self.embed_tokens = vocab_embedding(cfg, tp)
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.stack = None       # the C++ decoder stack (set_kernels), if it can run
 
     def set_kernels(self, kernels) -> None:
-        """The C++ decoder stack where it can run these layers (models/stack.py)."""
-        self.stack = build_stack(kernels, self.layers[0].self_attn.cfg, self.layers, self.norm.weight)
+        """The C++ decoder stack where it can run these layers (models/stack.py); not with tp (its
+        layers' all-reduces run between the Python layers' ops)."""
+        if self.tp is None:
+            self.stack = build_stack(kernels, self.cfg, self.layers, self.norm.weight)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: KVCaches) -> torch.Tensor:
         """input_ids, positions: [T] → hidden states [T, hidden]."""
+        x, residual = embed(self.embed_tokens, input_ids, self.cfg, self.tp), None
         if self.stack is not None:                              # the whole step in one C++ call
-            cfg = self.layers[0].self_attn.cfg
-            return run_stack(self.stack, cfg, self.embed_tokens(input_ids), positions, meta, kv_caches)
-        x, residual = self.embed_tokens(input_ids), None
+            return run_stack(self.stack, self.cfg, x, positions, meta, kv_caches)
         for layer, kv in zip(self.layers, kv_caches):
             x, residual = layer(positions, x, residual, kv, meta)
         x, _ = self.norm(x, residual)
@@ -138,11 +162,12 @@ _PACKED = {
 class LlamaForCausalLM(nn.Module):
     model_class: type[nn.Module] = LlamaModel
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.config = cfg
-        self.model = self.model_class(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.config, self.tp = cfg, tp
+        self.model = self.model_class(cfg, tp)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size if tp is None else tp.padded(cfg.vocab_size),
+                                 bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -154,9 +179,10 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: KVCaches) -> torch.Tensor:
         return self.model(input_ids, positions, meta, kv_caches)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden] → logits [N, vocab] in fp32."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden: [N, hidden] → logits [N, vocab] in fp32 (with tp: on rank 0, None on the others)."""
+        logits = self.lm_head(hidden).float()
+        return logits if self.tp is None else self.tp.gather_vocab(logits, self.config.vocab_size)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into our (fused) parameters; returns the parameter names filled."""

@@ -1,9 +1,18 @@
-"""ModelRunner: SchedulerOutput → flat tensors → one forward pass → sampled tokens."""
+"""ModelRunner: SchedulerOutput → flat tensors → one forward pass → sampled tokens.
+
+With tensor parallelism the runner on rank 0 is the driver: it broadcasts each step's plan
+(`StepInputs`, plain lists) and each logits request to the other ranks' runners
+(runner/tp_worker.py), which run the same forward on their part of the model; logits arrive
+whole on rank 0, which samples.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from phasewise.distributed import TensorParallel
 from phasewise.engine.handoffs import RunnerOutput, SampledToken, SchedulerOutput, TokenLogprobs
 from phasewise.layers.attention import AttentionMetadata
 from phasewise.runner.kv_cache import KVCache
@@ -11,10 +20,21 @@ from phasewise.sampling.sampler import SamplingMetadata, sample
 from phasewise.sampling.verify import verify
 
 
+@dataclass
+class StepInputs:
+    """What every rank needs to run one step's forward: flat token ids and positions, and per
+    sequence its new tokens, its context and its block table of each KV group."""
+    input_ids: list[int]
+    positions: list[int]
+    query_lens: list[int]
+    context_lens: list[int]
+    tables: list[list[list[int]]]          # [group][sequence] → block ids
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, eos_token_ids: frozenset[int],
-                 device: torch.device | str = "cpu", kernels=None) -> None:
-        self.model = model
+                 device: torch.device | str = "cpu", kernels=None, tp: TensorParallel | None = None) -> None:
+        self.model, self.tp = model, tp
         self.kv_cache = kv_cache
         self.eos_token_ids = eos_token_ids
         self.device = torch.device(device)
@@ -47,16 +67,14 @@ class ModelRunner:
             elif chunk.samples:
                 sample_rows.append(len(input_ids) - 1)
                 sample_reqs.append(req)
-        meta = AttentionMetadata.build_groups(query_lens, context_lens, [list(t) for t in zip(*tables)],
-                                              self.kv_cache.block_size, self.device)
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        hidden = self.model(ids, pos, meta, self.kv_cache.layers)     # [T, hidden]
-        prompt_lps = {rid: (first, self._score(hidden[row:row + len(t)], t, top)) for rid, row, first, t, top in scored}
+        inputs = StepInputs(input_ids, positions, query_lens, context_lens, [list(t) for t in zip(*tables)])
+        if self.tp is not None:
+            self.tp.broadcast(("forward", inputs))
+        hidden = self.forward(inputs)                                  # [T, hidden]
+        prompt_lps = {rid: (first, self._score(hidden, row, t, top)) for rid, row, first, t, top in scored}
         if not sample_reqs and not spec_chunks:
             return RunnerOutput({}, prompt_logprobs=prompt_lps)
-        rows = torch.tensor(sample_rows + spec_rows, dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(hidden[rows])             # [B + sum(k + 1), V] fp32
+        logits = self.logits(hidden, sample_rows + spec_rows)        # [B + sum(k + 1), V] fp32
         out = RunnerOutput(self._sample(logits[:len(sample_rows)], sample_reqs) if sample_reqs else {},
                            prompt_logprobs=prompt_lps)
         if spec_chunks:
@@ -68,13 +86,30 @@ class ModelRunner:
                 out.accepted[rid] = accepted
         return out
 
-    def _score(self, hidden: torch.Tensor, targets: list[int], top: int, rows: int = 128) -> list[TokenLogprobs]:
-        """Each row's logprob of its target token (and the top `top`), from the raw distribution;
-        `rows` at a time, so a long prompt never holds [T, vocab] logits at once."""
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """One forward pass over the step's tokens → hidden states [T, hidden] (every rank runs it)."""
+        meta = AttentionMetadata.build_groups(inputs.query_lens, inputs.context_lens, inputs.tables,
+                                              self.kv_cache.block_size, self.device)
+        ids = torch.tensor(inputs.input_ids, dtype=torch.int64, device=self.device)
+        pos = torch.tensor(inputs.positions, dtype=torch.int64, device=self.device)
+        return self.model(ids, pos, meta, self.kv_cache.layers)
+
+    def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """fp32 logits [len(rows), V] of these rows of the step's hidden states (the driver asks the
+        other ranks for their part of the vocabulary first)."""
+        if self.tp is not None:
+            self.tp.broadcast(("logits", rows))
+        return self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.int64, device=self.device)])
+
+    def _score(self, hidden: torch.Tensor, first: int, targets: list[int], top: int,
+               rows: int = 128) -> list[TokenLogprobs]:
+        """The logprob of each target token (and the top `top`) at rows first.. of hidden, from the raw
+        distribution; `rows` at a time, so a long prompt never holds [T, vocab] logits at once."""
         out: list[TokenLogprobs] = []
         target = torch.tensor(targets, dtype=torch.int64, device=hidden.device)
         for i in range(0, len(targets), rows):
-            lp = torch.log_softmax(self.model.compute_logits(hidden[i:i + rows]), dim=-1)   # [r, V] fp32
+            chunk = list(range(first + i, first + min(i + rows, len(targets))))
+            lp = torch.log_softmax(self.logits(hidden, chunk), dim=-1)   # [r, V] fp32
             chosen = lp.gather(1, target[i:i + rows, None]).squeeze(1).tolist()
             if top:
                 values, ids = lp.topk(top, dim=-1)

@@ -243,6 +243,9 @@ class AsyncEngine:
             raise
         finally:
             self._fail_all(EngineDeadError("the engine has stopped"))
+            close = getattr(engine, "close", None)   # a tensor-parallel engine's other ranks, from this thread
+            if close is not None:
+                close()
 
     def _handle(self, command: Any) -> None:
         if isinstance(command, _Add):

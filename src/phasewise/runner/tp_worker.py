@@ -1,0 +1,118 @@
+"""The other ranks of a tensor-parallel engine: processes that hold their part of the model and of
+the KV cache and run whatever step rank 0's runner broadcasts (vLLM's driver and workers).
+
+On one machine `TPWorkers` starts ranks 1..N-1 as fresh interpreters running this module (never
+`fork` after OpenMP started, and unlike multiprocessing's spawn, without re-importing the
+caller's script) and rank 0 joins the group with them over loopback; each rank gets its share
+of the cores as torch threads. Rank 0 then sends the setup every rank needs to build the same
+cache (`Setup`), and afterwards one message per forward pass or logits request; a "stop"
+message, or the group failing (a rank died: collectives time out or break), ends a worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from phasewise.distributed import TensorParallel, init_tensor_parallel
+from phasewise.kernels import build as kernel_build
+from phasewise.loading.loader import load_prepared, parse_dtype
+from phasewise.runner.kv_cache import KVCache
+from phasewise.runner.model_runner import ModelRunner
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What rank 0 decided and every rank must agree on."""
+    model_path: str
+    weights: str               # precision.Precision.weights
+    kv_dtype: str              # "int8" or the weights' float type
+    num_blocks: int
+    block_size: int
+    device: str
+    kernels: bool              # compiled CPU kernels (each rank loads its own, at the same ISA level)
+    plain: bool                # kernels="torch": no oneDNN either
+
+
+def threads_per_rank(size: int, threads: int | None = None) -> int:
+    """The cores (or `threads`) shared evenly by `size` ranks on one machine, at least one each."""
+    return max(1, (threads or os.cpu_count() or 1) // size)
+
+
+class TPWorkers:
+    """Ranks 1..size-1 as child processes of this one (rank 0)."""
+
+    def __init__(self, size: int, threads: int) -> None:
+        with socket.socket() as s:                       # a free loopback port for the group's rendezvous
+            s.bind(("127.0.0.1", 0))
+            self.init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        self.procs = [subprocess.Popen([sys.executable, "-m", "phasewise.runner.tp_worker", str(rank), str(size),
+                                        self.init_method, str(threads)]) for rank in range(1, size)]
+
+    def stop(self, tp: TensorParallel | None, timeout: float = 30.0) -> None:
+        """Tell the workers to end, wait for them, leave the group."""
+        if tp is not None and all(p.poll() is None for p in self.procs):
+            try:
+                tp.broadcast(("stop", None))
+            except RuntimeError:
+                pass
+        for p in self.procs:
+            try:
+                p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _worker_main(rank: int, size: int, init_method: str, threads: int) -> None:
+    torch.set_num_threads(threads)
+    tp = init_tensor_parallel(rank, size, init_method)
+    try:
+        setup: Setup = tp.broadcast()
+        kernels = kernel_build.load() if setup.kernels else None
+        model, cfg = load_prepared(Path(setup.model_path), setup.weights, setup.device, kernels, setup.plain, tp)
+        kv_dtype = torch.int8 if setup.kv_dtype == "int8" else parse_dtype(setup.weights)
+        cache = KVCache(cfg, setup.num_blocks, setup.block_size, kv_dtype, setup.device)
+        runner = ModelRunner(model, cache, frozenset(), setup.device, kernels, tp)
+        if tp.broadcast() == "ready":              # rank 0 loaded its part too (else it failed: stop)
+            serve_steps(runner)
+    except RuntimeError:           # the group broke: rank 0 is gone
+        pass
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@torch.inference_mode()
+def serve_steps(runner: ModelRunner) -> None:
+    """Run what rank 0 sends until it says stop: a step's forward pass, or the logits of some of its
+    rows (this rank's part of the vocabulary, gathered on rank 0)."""
+    tp, hidden = runner.tp, None
+    while True:
+        kind, payload = tp.broadcast()
+        if kind == "forward":
+            hidden = runner.forward(payload)
+        elif kind == "logits":
+            runner.model.compute_logits(hidden[torch.tensor(payload, dtype=torch.int64, device=hidden.device)])
+        else:
+            return
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description="one rank of a tensor-parallel phasewise engine (started by rank 0)")
+    ap.add_argument("rank", type=int)
+    ap.add_argument("size", type=int)
+    ap.add_argument("init_method")
+    ap.add_argument("threads", type=int)
+    a = ap.parse_args()
+    _worker_main(a.rank, a.size, a.init_method, a.threads)
