@@ -176,3 +176,30 @@ def test_three_ranks_run_the_files_own_blocks():
     diffs = [abs(a[0] - b[0]) for (s, _), (r, _) in zip(ours, one) for a, b in zip(s, r)]
     assert sum(diffs) / len(diffs) < 0.25, diffs
     assert_same_scores(ours, one, tol=1.0, tie=0.5)
+
+
+@pytest.mark.slow
+def test_a_lost_rank_ends_every_request_and_frees_every_block(tiny_folder):
+    """A worker killed mid-generation: the next step fails at once (no hang), every request ends and
+    its blocks are free, every later step says why, and close() returns with no worker left."""
+    from phasewise import LLM
+    from phasewise.llm_engine import EngineBrokenError
+
+    llm = LLM(str(tiny_folder), tensor_parallel_size=2, dtype="fp32", kv_dtype="model", kv_cache_memory=0.01,
+              warmup=False)
+    engine = llm.engine
+    for i in range(3):
+        engine.add_request(f"story {i}", SamplingParams(max_tokens=200, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert engine.stats().num_free_blocks < engine.stats().num_blocks
+    engine._workers.procs[0].kill()
+    with pytest.raises(EngineBrokenError, match="tensor-parallel group failed"):
+        for _ in range(200):
+            engine.step()
+    stats = engine.stats()
+    assert stats.num_free_blocks == stats.num_blocks and not engine.has_unfinished()
+    with pytest.raises(EngineBrokenError):
+        engine.step()
+    llm.close()
+    assert all(p.poll() is not None for p in engine._workers.procs)

@@ -39,6 +39,11 @@ def choose_kernels(config: EngineConfig):
     return kernel_build.load()
 
 
+class EngineBrokenError(RuntimeError):
+    """The engine cannot run another step: a rank of its tensor-parallel group failed (or a step failed
+    while the ranks ran it, so they are no longer in step). Its requests have ended; close() it."""
+
+
 @dataclass
 class _Tracked:
     output: CompletionOutput
@@ -50,6 +55,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None) -> None:
         started = time.perf_counter()
         self._finalizer = None                  # stops a tensor-parallel engine's other ranks
+        self.broken: str | None = None          # why no step can run any more (EngineBrokenError)
         self.config = config = config or EngineConfig()
         self.model_path = resolve_model_path(config.model)
         full = load_config(self.model_path)   # cheap: an unsupported architecture fails before anything slow
@@ -62,7 +68,7 @@ class LLMEngine:
         dtype = parse_dtype(self.precision.weights)
         kv_dtype = torch.int8 if self.precision.kv == "int8" else dtype
         self.tokenizer = Tokenizer.load(self.model_path)
-        self.tp, workers = self._start_tensor_parallel(size)
+        self.tp, self._workers = self._start_tensor_parallel(size)
         part = shard_config(full, self.tp) if self.tp else full     # what this rank holds
         num_blocks = cache.num_blocks or num_blocks_for_memory(part, cache.block_size, kv_dtype,
                                                                cache.kv_cache_memory_gib)
@@ -178,8 +184,23 @@ class LLMEngine:
     # ---- stepping -----------------------------------------------------------------
 
     def step(self) -> list[StreamDelta]:
-        """One engine step; a delta for each request that produced a token (or ended)."""
-        return [self._process(o) for o in self.core.step() if o.request_id in self._tracked]
+        """One engine step; a delta for each request that produced a token (or ended). A failed step
+        fails its requests (ValueError, RuntimeError...); under tensor parallelism it breaks the engine:
+        every request is aborted (its blocks freed) and this and every later step raise
+        EngineBrokenError."""
+        if self.broken:
+            raise EngineBrokenError(self.broken)
+        try:
+            outputs = self.core.step()
+        except Exception as e:
+            if self.tp is None:
+                raise
+            self.broken = f"a rank of the tensor-parallel group failed: {e}"
+            self._workers.broken = True
+            for rid in list(self._tracked):
+                self.abort(rid)
+            raise EngineBrokenError(self.broken) from e
+        return [self._process(o) for o in outputs if o.request_id in self._tracked]
 
     def _process(self, o: RequestOutput) -> StreamDelta:
         tracked = self._tracked[o.request_id]

@@ -54,16 +54,19 @@ class TPWorkers:
         with socket.socket() as s:                       # a free loopback port for the group's rendezvous
             s.bind(("127.0.0.1", 0))
             self.init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        self.broken = False                              # the ranks are out of step: kill, do not ask
         self.procs = [subprocess.Popen([sys.executable, "-m", "phasewise.runner.tp_worker", str(rank), str(size),
                                         self.init_method, str(threads)]) for rank in range(1, size)]
 
     def stop(self, tp: TensorParallel | None, timeout: float = 30.0) -> None:
         """Tell the workers to end, wait for them, leave the group."""
-        if tp is not None and all(p.poll() is None for p in self.procs):
+        if tp is not None and not self.broken and all(p.poll() is None for p in self.procs):
             try:
                 tp.broadcast(("stop", None))
             except RuntimeError:
                 pass
+        else:                                  # a rank died or the ranks are out of step: kill the rest
+            timeout = 0
         for p in self.procs:
             try:
                 p.wait(timeout)

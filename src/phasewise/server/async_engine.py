@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from phasewise.llm_engine import LLMEngine
+from phasewise.llm_engine import EngineBrokenError, LLMEngine
 from phasewise.outputs import StreamDelta
 from phasewise.sampling.params import SamplingParams
 from phasewise.server.errors import ContextLengthError, EngineDeadError, EngineError, RequestError
@@ -238,6 +238,8 @@ class AsyncEngine:
                 if self.stats.num_steps != steps:      # a step ran (a step with nothing scheduled records none)
                     steps = self.stats.num_steps
                     self._observe(self.observer.on_step, engine.last_step, self.stats)
+        except EngineBrokenError as e:         # a rank is gone: say so once, fail everyone
+            log.error("the engine stopped: %s", e)
         except BaseException:                  # a bug in this loop: make it loud, fail everyone
             log.exception("the engine thread died")
             raise
@@ -331,6 +333,8 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             deltas = self.engine.step()
+        except EngineBrokenError:
+            raise                              # nothing more can run: the thread ends, everyone is told
         except Exception as e:
             log.exception("engine step failed")
             self._fail_step(e)
