@@ -107,7 +107,7 @@ def test_greedy_past_the_window_and_from_the_prefix_cache(hf, fp32, prompts):
 
 
 def test_default_precision_is_within_1_percent_perplexity_of_fp32(path, fp32, prompts):
-    ids = prompts[1500][:1432]
+    ids = prompts[1500][:800]                 # past the 512-token window of the local layers
 
     def perplexity(llm: LLM) -> float:
         out = llm.generate([ids], SamplingParams(max_tokens=0, prompt_logprobs=0))[0]
