@@ -204,3 +204,27 @@ def test_a_lost_rank_ends_every_request_and_frees_every_block(tiny_folder):
         engine.step()
     llm.close()
     assert all(p.poll() is not None for p in engine._workers.procs)
+
+
+@pytest.mark.slow
+def test_ranks_started_by_torchrun(tiny_folder):
+    """`torchrun --nproc-per-node 2 -m phasewise.cli generate -tp 2`: rank 0 runs the engine, rank 1
+    steps from torchrun's environment; the text is one process's."""
+    import socket
+    import subprocess
+    import sys
+
+    from phasewise import LLM
+
+    opts = ["--model", str(tiny_folder), "--dtype", "fp32", "--kv-dtype", "model", "--kv-cache-memory", "0.01",
+            "--raw", "--temperature", "0", "--ignore-eos", "--max-tokens", "8", "Once upon a time"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                          "127.0.0.1", "--master-port", str(port), "-m", "phasewise.cli", "generate", "-tp", "2", *opts],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    one = LLM(str(tiny_folder), dtype="fp32", kv_dtype="model", kv_cache_memory=0.01, warmup=False)
+    text = one.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].text
+    assert run.stdout.strip() == text.strip()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import socket
 import sys
@@ -228,6 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if hasattr(args, "quantization"):
             resolve_weights(args)
+        if getattr(args, "tensor_parallel_size", 1) > 1 and int(os.environ.get("RANK", "0")) > 0:
+            from phasewise.runner.tp_worker import serve_launched_rank
+
+            serve_launched_rank(args.tensor_parallel_size, args.device)    # torchrun's other ranks: steps until rank 0 stops
+            return 0
         return args.func(args)
     except (ValueError, ModelLoadError, FileNotFoundError) as e:  # bad input: one line, no traceback
         print(f"phasewise: error: {e}", file=sys.stderr)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from phasewise.config import CacheConfig, EngineConfig, SpeculativeConfig
-from phasewise.distributed import TensorParallel, init_tensor_parallel
+from phasewise.distributed import TensorParallel, init_tensor_parallel, launched_rank
 from phasewise.engine.core import EngineCore
 from phasewise.engine.handoffs import EngineStats, RequestOutput, StepRecord
 from phasewise.engine.request import FinishReason, Request
@@ -74,7 +74,7 @@ class LLMEngine:
                                                                cache.kv_cache_memory_gib)
         if self.tp:
             self.tp.broadcast(Setup(str(self.model_path), self.precision.weights, self.precision.kv, num_blocks,
-                                    cache.block_size, config.device, self.kernels is not None,
+                                    cache.block_size, self.kernels is not None,
                                     config.kernels == "torch"))
         self.model, self.model_config = load_prepared(self.model_path, self.precision.weights, config.device,
                                                       self.kernels, plain=config.kernels == "torch", tp=self.tp)
@@ -95,11 +95,21 @@ class LLMEngine:
 
     def _start_tensor_parallel(self, size: int) -> tuple[TensorParallel | None, TPWorkers | None]:
         """With size > 1: spawn ranks 1..size-1 on this machine, join their group as rank 0, and share
-        this process's threads among the ranks. `close()` (or exit) stops them."""
+        this process's threads among the ranks; under torchrun, join the group its environment names
+        (this must be rank 0; the others run cli's worker path). `close()` (or exit) stops them."""
         if size == 1:
             return None, None
+        launched = launched_rank()
+        if launched is not None:
+            rank, world = launched
+            if (rank, world) != (0, size):
+                raise ValueError(f"the engine runs on rank 0 of {size} (torchrun started rank {rank} of {world})")
+            tp = init_tensor_parallel(0, size, "env://", self.config.device)
+            workers = TPWorkers.launched()
+            self._finalizer = weakref.finalize(self, workers.stop, tp)
+            return tp, workers
         threads = threads_per_rank(size, torch.get_num_threads())
-        workers = TPWorkers(size, threads)
+        workers = TPWorkers(size, threads, self.config.device)
         torch.set_num_threads(threads)
         tp = init_tensor_parallel(0, size, workers.init_method, self.config.device)
         self._finalizer = weakref.finalize(self, workers.stop, tp)

@@ -16,6 +16,7 @@ default group (gloo on CPUs, NCCL on GPUs) is only what `init_tensor_parallel` j
 from __future__ import annotations
 
 import datetime
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +69,21 @@ class TensorParallel:
         box = [obj]
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
+
+
+def launched_rank() -> tuple[int, int] | None:
+    """(rank, world size) when this process was started by torchrun (or anything setting its
+    environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) with more than one process; else None."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def rank_device(device: str) -> str:
+    """A CUDA device per rank on a node (torchrun's LOCAL_RANK); any other device as given."""
+    if device == "cuda" and "LOCAL_RANK" in os.environ:
+        return f"cuda:{os.environ['LOCAL_RANK']}"
+    return device
 
 
 def init_tensor_parallel(rank: int, size: int, init_method: str, device: str = "cpu",

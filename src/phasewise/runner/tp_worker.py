@@ -1,7 +1,9 @@
 """The other ranks of a tensor-parallel engine: processes that hold their part of the model and of
 the KV cache and run whatever step rank 0's runner broadcasts (vLLM's driver and workers).
 
-On one machine `TPWorkers` starts ranks 1..N-1 as fresh interpreters running this module (never
+Started by `torchrun` (ranks on one machine or several), every process runs the same command:
+rank 0 builds the engine, the others call `serve_launched_rank` instead (cli.py). Otherwise, on one
+machine, `TPWorkers` starts ranks 1..N-1 as fresh interpreters running this module (never
 `fork` after OpenMP started, and unlike multiprocessing's spawn, without re-importing the
 caller's script) and rank 0 joins the group with them over loopback; each rank gets its share
 of the cores as torch threads. Rank 0 then sends the setup every rank needs to build the same
@@ -22,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from phasewise.distributed import TensorParallel, init_tensor_parallel
+from phasewise.distributed import TensorParallel, init_tensor_parallel, rank_device
 from phasewise.kernels import build as kernel_build
 from phasewise.loading.loader import load_prepared, parse_dtype
 from phasewise.runner.kv_cache import KVCache
@@ -37,7 +39,6 @@ class Setup:
     kv_dtype: str              # "int8" or the weights' float type
     num_blocks: int
     block_size: int
-    device: str
     kernels: bool              # compiled CPU kernels (each rank loads its own, at the same ISA level)
     plain: bool                # kernels="torch": no oneDNN either
 
@@ -50,13 +51,21 @@ def threads_per_rank(size: int, threads: int | None = None) -> int:
 class TPWorkers:
     """Ranks 1..size-1 as child processes of this one (rank 0)."""
 
-    def __init__(self, size: int, threads: int) -> None:
+    def __init__(self, size: int, threads: int, device: str = "cpu") -> None:
         with socket.socket() as s:                       # a free loopback port for the group's rendezvous
             s.bind(("127.0.0.1", 0))
             self.init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
         self.broken = False                              # the ranks are out of step: kill, do not ask
         self.procs = [subprocess.Popen([sys.executable, "-m", "phasewise.runner.tp_worker", str(rank), str(size),
-                                        self.init_method, str(threads)]) for rank in range(1, size)]
+                                        self.init_method, str(threads), f"cuda:{rank}" if device == "cuda" else device])
+                      for rank in range(1, size)]
+
+    @classmethod
+    def launched(cls) -> TPWorkers:
+        """The other ranks as torchrun started them: not ours to wait for or kill, only to tell."""
+        workers = cls.__new__(cls)
+        workers.init_method, workers.broken, workers.procs = "env://", False, []
+        return workers
 
     def stop(self, tp: TensorParallel | None, timeout: float = 30.0) -> None:
         """Tell the workers to end, wait for them, leave the group."""
@@ -77,16 +86,19 @@ class TPWorkers:
             dist.destroy_process_group()
 
 
-def _worker_main(rank: int, size: int, init_method: str, threads: int) -> None:
+def _worker_main(rank: int, size: int, init_method: str, threads: int, device: str = "cpu") -> None:
     torch.set_num_threads(threads)
-    tp = init_tensor_parallel(rank, size, init_method)
+    device = rank_device(device)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    tp = init_tensor_parallel(rank, size, init_method, device)
     try:
         setup: Setup = tp.broadcast()
         kernels = kernel_build.load() if setup.kernels else None
-        model, cfg = load_prepared(Path(setup.model_path), setup.weights, setup.device, kernels, setup.plain, tp)
+        model, cfg = load_prepared(Path(setup.model_path), setup.weights, device, kernels, setup.plain, tp)
         kv_dtype = torch.int8 if setup.kv_dtype == "int8" else parse_dtype(setup.weights)
-        cache = KVCache(cfg, setup.num_blocks, setup.block_size, kv_dtype, setup.device)
-        runner = ModelRunner(model, cache, frozenset(), setup.device, kernels, tp)
+        cache = KVCache(cfg, setup.num_blocks, setup.block_size, kv_dtype, device)
+        runner = ModelRunner(model, cache, frozenset(), device, kernels, tp)
         if tp.broadcast() == "ready":              # rank 0 loaded its part too (else it failed: stop)
             serve_steps(runner)
     except RuntimeError:           # the group broke: rank 0 is gone
@@ -94,6 +106,15 @@ def _worker_main(rank: int, size: int, init_method: str, threads: int) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def serve_launched_rank(size: int, device: str = "cpu") -> None:
+    """A rank > 0 that torchrun started (its environment names the group): run steps until rank 0
+    stops. The model path and precision come from rank 0's setup, not from this command line."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world != size:
+        raise ValueError(f"torchrun started {world} processes but --tensor-parallel-size is {size}")
+    _worker_main(rank, size, "env://", torch.get_num_threads(), device)
 
 
 @torch.inference_mode()
@@ -117,5 +138,6 @@ if __name__ == "__main__":
     ap.add_argument("size", type=int)
     ap.add_argument("init_method")
     ap.add_argument("threads", type=int)
+    ap.add_argument("device", nargs="?", default="cpu")
     a = ap.parse_args()
-    _worker_main(a.rank, a.size, a.init_method, a.threads)
+    _worker_main(a.rank, a.size, a.init_method, a.threads, a.device)
