@@ -22,7 +22,7 @@ from phasewise.loading.loader import load_config, load_prepared, parse_dtype, re
 from phasewise.loading.sharding import check_tensor_parallel, shard_config
 from phasewise.outputs import CompletionOutput, StreamDelta
 from phasewise.precision import choose as choose_precision
-from phasewise.runner.kv_cache import KVCache, num_blocks_for_memory
+from phasewise.runner.kv_cache import KVBlocks, KVCache, num_blocks_for_memory
 from phasewise.runner.model_runner import ModelRunner
 from phasewise.runner.tp_worker import Setup, TPWorkers, threads_per_rank
 from phasewise.sampling.params import SamplingParams
@@ -178,6 +178,47 @@ class LLMEngine:
         if tracked is not None and tracked.output.finish_reason is None:
             tracked.output.finish_reason = FinishReason.ABORT.value
         return self.core.abort(request_id)
+
+    # ---- KV blocks between engines (prefill/decode disaggregation) ---------------------------
+
+    def export_kv(self, token_ids: list[int]) -> KVBlocks:
+        """The blocks of this engine's prefix cache that hold the longest computed prefix of token_ids
+        (whole blocks, never the last token's: the receiver computes that one), copied out. Run the
+        prompt first (e.g. max_tokens=1): its blocks stay cached after it ends."""
+        self._no_tp("exporting KV blocks")
+        blocks = self.core.kv.cached_prefix(token_ids)
+        bs = self.kv_cache.block_size
+        return KVBlocks(list(token_ids[:len(blocks) * bs]), bs, self.kv_cache.read_blocks(blocks))
+
+    def import_kv(self, kv: KVBlocks) -> int:
+        """Enter another engine's blocks (same model, block size and KV precision) in this engine's
+        prefix cache: a request with that prefix then computes only the rest. Returns the tokens
+        imported; ValueError when the layouts differ or the pool has no room for them."""
+        self._no_tp("importing KV blocks")
+        if kv.block_size != self.kv_cache.block_size:
+            raise ValueError(f"KV blocks of {kv.block_size} tokens cannot enter a cache of {self.kv_cache.block_size}")
+        mine = self.kv_cache.read_blocks([0])
+        for name, t in mine.items():
+            theirs = kv.parts.get(name)
+            per_block = None if theirs is None else (*theirs.shape[:2], theirs.shape[2] // max(kv.num_blocks, 1),
+                                                         *theirs.shape[3:])
+            if (theirs is None or theirs.dtype != t.dtype or per_block != tuple(t.shape)
+                    or theirs.shape[2] != len(kv.token_ids) or len(kv.token_ids) % kv.block_size):
+                raise ValueError(f"the KV blocks' {name} does not match this engine's cache "
+                                 f"({None if theirs is None else tuple(theirs.shape)} vs {tuple(t.shape)} per block, "
+                                 f"{None if theirs is None else theirs.dtype} vs {t.dtype})")
+        placed = self.core.kv.adopt_prefix(kv.token_ids, kv.num_blocks)
+        if placed is None:
+            raise ValueError(f"no room for {kv.num_blocks} KV blocks: {self.core.kv.pool.num_free} are free")
+        fill = [i for i, (_, fresh) in enumerate(placed) if fresh]
+        if fill:
+            self.kv_cache.write_blocks([placed[i][0] for i in fill],
+                                       {name: torch.cat([kv.block(i)[name] for i in fill], dim=2) for name in kv.parts})
+        return kv.num_blocks * kv.block_size
+
+    def _no_tp(self, what: str) -> None:
+        if self.tp is not None:
+            raise ValueError(f"{what} is not implemented under tensor parallelism yet")
 
     def stats(self) -> EngineStats:
         """Running and waiting requests, KV blocks used, cached and free, step and speculation counters."""

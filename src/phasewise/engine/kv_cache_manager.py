@@ -57,14 +57,7 @@ class KVCacheManager:
 
     def _block_keys(self, request: Request, num_blocks: int) -> list[tuple[int, BlockKey]]:
         """(hash, key) of the request's first `num_blocks` full blocks, computed once and kept."""
-        hashes = request.block_hashes
-        bs = self.block_size
-        while len(hashes) < num_blocks:
-            i = len(hashes)
-            parent = hashes[-1][0] if hashes else None
-            key = (parent, tuple(request.token_ids[i * bs:(i + 1) * bs]))
-            hashes.append((hash(key), key))
-        return hashes[:num_blocks]
+        return chain_keys(request.token_ids, num_blocks, self.block_size, request.block_hashes)
 
     @staticmethod
     def _in_group(group: int, h: int, key: BlockKey) -> tuple[int, Hashable]:
@@ -155,9 +148,62 @@ class KVCacheManager:
                     self.pool.cache(table[i], *self._in_group(g, h, key))
         request.num_cached_blocks = full
 
+    # ---- KV handed from one engine to another (prefill/decode disaggregation) -----------
+
+    def cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        """The cached blocks holding the longest computed prefix of token_ids (whole blocks, never the
+        block of the last token, as a request would take them); full-attention models only."""
+        self._only_full("exporting KV blocks")
+        keys = chain_keys(token_ids, (len(token_ids) - 1) // self.block_size, self.block_size)
+        blocks = []
+        for h, key in keys:
+            b = self.pool.lookup(h, key) if self.enable_prefix_caching else None
+            if b is None:
+                break
+            blocks.append(b)
+        return blocks
+
+    def adopt_prefix(self, token_ids: Sequence[int], num_blocks: int) -> list[tuple[int, bool]] | None:
+        """Take free blocks for the first `num_blocks` blocks of token_ids and enter them in the prefix
+        cache as if computed here (the caller fills them before any request runs), then release them:
+        cached and free, a request with this prefix takes them as hits. A block already cached here
+        is kept as it is. Returns (block id, whether the caller must fill it) for each, or None when
+        the pool is short (nothing taken)."""
+        self._only_full("importing KV blocks")
+        if not self.enable_prefix_caching:
+            raise ValueError("importing KV blocks needs prefix caching (they arrive as cached blocks)")
+        keys = chain_keys(token_ids, num_blocks, self.block_size)
+        have = [self.pool.lookup(h, key) for h, key in keys]
+        fresh = self.pool.allocate(sum(1 for b in have if b is None))
+        if fresh is None:
+            return None
+        it = iter(fresh)
+        blocks = [(b, False) if b is not None else (next(it), True) for b in have]
+        for (b, _), (h, key) in zip(blocks, keys):
+            self.pool.cache(b, h, key)
+        self.pool.free(fresh)
+        return blocks
+
+    def _only_full(self, what: str) -> None:
+        if len(self.windows) != 1 or self.windows[0] is not None:
+            raise ValueError(f"{what} is not implemented for models with sliding-window layers yet")
+
     def free(self, request: Request) -> None:
         """Return every block of the request, tail first (so tails are evicted first)."""
         for table in request.block_tables:
             self.pool.free(b for b in reversed(table) if b != NULL_BLOCK)
         request.block_tables = []
         request.num_cached_blocks = 0
+
+
+def chain_keys(token_ids: Sequence[int], num_blocks: int, block_size: int,
+               hashes: list[tuple[int, BlockKey]] | None = None) -> list[tuple[int, BlockKey]]:
+    """(hash, key) of the first `num_blocks` full blocks of token_ids, each chained on its parent's
+    hash; `hashes` (a request's, kept across steps) is extended in place."""
+    hashes = [] if hashes is None else hashes
+    while len(hashes) < num_blocks:
+        i = len(hashes)
+        parent = hashes[-1][0] if hashes else None
+        key = (parent, tuple(token_ids[i * block_size:(i + 1) * block_size]))
+        hashes.append((hash(key), key))
+    return hashes[:num_blocks]

@@ -10,6 +10,7 @@ per slot and KV head: (k, v, k_scale, v_scale).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -57,3 +58,41 @@ class KVCache:
         if dtype == torch.int8:   # unwritten slots: int8 zeros times scale 1 → 0, never NaN
             self.scales = torch.ones(P, 2, slots, cfg.num_kv_heads, device=device)
             self.layers = [(k, v, self.scales[p, 0], self.scales[p, 1]) for p, (k, v) in zip(index, self.layers)]
+
+    def _slots(self, block_ids: list[int]) -> torch.Tensor:
+        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.data.device)
+        return (ids[:, None] * self.block_size + torch.arange(self.block_size, device=ids.device)).flatten()
+
+    def read_blocks(self, block_ids: list[int]) -> dict[str, torch.Tensor]:
+        """A copy of these blocks' K and V in every layer ("kv": [P, 2, n * block_size, Hkv, D]) and, int8,
+        their scales ("scales": [P, 2, n * block_size, Hkv])."""
+        slots = self._slots(block_ids)
+        out = {"kv": self.data[:, :, slots].clone()}
+        if self.dtype == torch.int8:
+            out["scales"] = self.scales[:, :, slots].clone()
+        return out
+
+    def write_blocks(self, block_ids: list[int], parts: dict[str, torch.Tensor]) -> None:
+        """Fill these blocks from read_blocks' output (of a cache laid out as this one)."""
+        slots = self._slots(block_ids)
+        self.data[:, :, slots] = parts["kv"].to(self.data.device)
+        if self.dtype == torch.int8:
+            self.scales[:, :, slots] = parts["scales"].to(self.data.device)
+
+
+@dataclass
+class KVBlocks:
+    """A prompt prefix's KV blocks as they leave one engine for another (prefill/decode
+    disaggregation): the tokens they hold (whole blocks) and their contents (KVCache.read_blocks)."""
+    token_ids: list[int]
+    block_size: int
+    parts: dict[str, torch.Tensor]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.token_ids) // self.block_size
+
+    def block(self, i: int) -> dict[str, torch.Tensor]:
+        """Block i's contents alone."""
+        bs = self.block_size
+        return {name: t[:, :, i * bs:(i + 1) * bs] for name, t in self.parts.items()}

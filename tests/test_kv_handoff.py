@@ -1,0 +1,62 @@
+"""KV blocks handed from one engine to another (the core of prefill/decode disaggregation): the
+block manager's side without torch, then two engines on the default model."""
+
+from __future__ import annotations
+
+import pytest
+
+from phasewise.engine.kv_cache_manager import KVCacheManager
+from phasewise.engine.request import Request
+from phasewise.sampling.params import SamplingParams
+
+
+def _request(tokens: list[int], rid: str = "r") -> Request:
+    return Request(rid, tokens, SamplingParams(max_tokens=4), frozenset())
+
+
+def test_adopted_blocks_are_hits_for_a_request_with_that_prefix():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    tokens = list(range(11))                                   # 2 whole blocks + 3 tokens
+    placed = kv.adopt_prefix(tokens, 2)
+    assert [fresh for _, fresh in placed] == [True, True] and kv.pool.num_free == 8   # cached, free
+    req = _request(tokens)
+    assert kv.get_computed_blocks(req) == [[b for b, _ in placed]]
+    assert kv.cached_prefix(tokens) == [b for b, _ in placed]
+    again = kv.adopt_prefix(tokens, 2)                          # already here: kept, nothing to fill
+    assert again == [(b, False) for b, _ in placed]
+    other = _request([99] + tokens[1:])
+    assert kv.get_computed_blocks(other) == [[]]                # another first block: no hit
+
+
+def test_adopting_more_than_the_pool_takes_nothing():
+    kv = KVCacheManager(num_blocks=3, block_size=4)
+    req = _request(list(range(8)))
+    assert kv.allocate_slots(req, 8)                           # 2 blocks held
+    assert kv.adopt_prefix(list(range(100, 116)), 4) is None and kv.pool.num_free == 1
+    with pytest.raises(ValueError, match="sliding-window"):
+        KVCacheManager(8, 4, windows=(None, 16)).adopt_prefix(list(range(8)), 2)
+    with pytest.raises(ValueError, match="prefix caching"):
+        KVCacheManager(8, 4, enable_prefix_caching=False).adopt_prefix(list(range(8)), 2)
+
+
+@pytest.mark.slow
+def test_a_prompt_computed_by_one_engine_continues_on_another(default_model_path):
+    """Engine A runs a prompt; its cached blocks move to engine B, which computes only the last
+    partial block and then generates exactly what A generates from its own cache."""
+    from phasewise import LLM
+
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    a, b = (LLM(kv_cache_memory=0.05, warmup=False) for _ in range(2))
+    prompt = a.tokenizer.apply_chat_template([{"role": "user", "content": "Explain in detail how a bicycle works."}])
+    a.generate(prompt, SamplingParams(max_tokens=1))              # the prefill side: the prompt, once
+    kv = a.engine.export_kv(prompt)
+    assert kv.num_blocks == (len(prompt) - 1) // 16 and kv.num_blocks >= 2
+    assert b.engine.import_kv(kv) == kv.num_blocks * 16
+    ours = b.generate(prompt, greedy)[0]
+    ref = a.generate(prompt, greedy)[0]                           # A from its own cache
+    assert ours.cached_tokens == ref.cached_tokens == kv.num_blocks * 16
+    assert ours.token_ids == ref.token_ids
+    stats = b.engine.stats()
+    assert stats.num_free_blocks == stats.num_blocks
+    with pytest.raises(ValueError, match="cannot enter a cache of 16"):
+        b.engine.import_kv(type(kv)(kv.token_ids[:8], 8, kv.parts))
