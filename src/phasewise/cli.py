@@ -62,6 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "seconds (then cut them), exit 0")
     s.add_argument("--trace", metavar="FILE", default=None,
                    help="on shutdown, write a Chrome/Perfetto trace of the engine steps and finished requests")
+    d = serve.add_argument_group("prefill/decode disaggregation")
+    d.add_argument("--role", choices=["prefill", "decode", "proxy"], default=None,
+                   help="one part of a disaggregated pair: prefill and decode instances joined by --kv-peer, and "
+                        "a proxy (no model) in front of them")
+    d.add_argument("--kv-peer", metavar="tcp://HOST:PORT", default=None,
+                   help="prefill and decode: where the pair's KV link meets (the same address on both)")
+    d.add_argument("--prefill", metavar="URL", default=None, help="proxy: the prefill instance")
+    d.add_argument("--decode", metavar="URL", default=None, help="proxy: the decode instance")
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
     from phasewise.lab.commands import add_parsers as add_lab_parsers, add_roofline_parser
@@ -156,6 +164,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--shutdown-timeout must be at least 0, got {args.shutdown_timeout}")
     if args.trace and not Path(args.trace).resolve().parent.is_dir():
         raise ValueError(f"--trace: the folder of {args.trace} does not exist")
+    if args.role == "proxy":
+        return _serve_proxy(args)
+    if args.prefill or args.decode:
+        raise ValueError("--prefill and --decode are the proxy's (--role proxy)")
     spec = speculative_config_from_args(args)
     sock = _listen(args.host, args.port)
     import uvicorn
@@ -169,7 +181,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_gib=args.kv_cache_memory,
                           kv_dtype=args.kv_dtype),
         scheduler=SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, args.max_model_len),
-        speculative=spec, tensor_parallel_size=args.tensor_parallel_size)
+        speculative=spec, tensor_parallel_size=args.tensor_parallel_size, kv_role=args.role, kv_peer=args.kv_peer)
     def build() -> LLMEngine:                  # on the engine thread, which then owns the OpenMP pool
         engine = LLMEngine(config)
         engine.warmup()
@@ -183,7 +195,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     roofline = _dashboard_roofline(engine)
     app = create_app(async_engine, ServerConfig(served_model_name=name, model_aliases=aliases, api_key=args.api_key,
                                                 max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
-                                                model_root=str(path)), roofline)
+                                                model_root=str(path), role=args.role), roofline)
     recorder = None
     if args.trace:
         from phasewise.lab.trace import RequestRecorder
@@ -214,6 +226,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
             write_trace(args.trace, list(engine.core.steps), list(recorder.requests))
             print(f"phasewise: wrote the trace of {len(recorder.requests)} requests to {args.trace}",
                   file=sys.stderr)
+    return 0
+
+
+def _serve_proxy(args: argparse.Namespace) -> int:
+    """The disaggregated pair's entry: no model, every request to the prefill then the decode instance."""
+    if not (args.prefill and args.decode):
+        raise ValueError("--role proxy needs --prefill URL and --decode URL")
+    sock = _listen(args.host, args.port)
+    import uvicorn
+
+    from phasewise.server.proxy import create_proxy
+
+    print(f"phasewise: proxy on http://{args.host}:{sock.getsockname()[1]} -> prefill {args.prefill}, "
+          f"decode {args.decode}", file=sys.stderr)
+    uvicorn.Server(uvicorn.Config(create_proxy(args.prefill, args.decode), log_level="info",
+                                  access_log=not args.no_access_log)).run(sockets=[sock])
     return 0
 
 

@@ -82,9 +82,17 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     tensor_parallel_size: int = 1        # ranks the model is split over (runner/tp_worker.py)
+    kv_role: str | None = None           # "prefill" or "decode": one side of a disaggregated pair
+    kv_peer: str | None = None           # the pair's rendezvous (tcp://host:port), both sides the same
 
     def __post_init__(self) -> None:
         if self.kernels not in ("auto", "torch"):
             raise ValueError(f"kernels must be 'auto' or 'torch', got {self.kernels!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if self.kv_role not in (None, "prefill", "decode"):
+            raise ValueError(f"kv_role must be 'prefill' or 'decode', got {self.kv_role!r}")
+        if (self.kv_role is None) != (self.kv_peer is None):
+            raise ValueError("a prefill or decode role needs --kv-peer tcp://HOST:PORT (the same on both sides)")
+        if self.kv_role and self.tensor_parallel_size > 1:
+            raise ValueError("a prefill or decode instance runs one rank (tensor parallelism is not combined yet)")

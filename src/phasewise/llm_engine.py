@@ -8,12 +8,14 @@ from __future__ import annotations
 import itertools
 import time
 import weakref
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
 from phasewise.config import CacheConfig, EngineConfig, SpeculativeConfig
 from phasewise.distributed import TensorParallel, init_tensor_parallel, launched_rank
+from phasewise.distributed.kv_link import KVLink
 from phasewise.engine.core import EngineCore
 from phasewise.engine.handoffs import EngineStats, RequestOutput, StepRecord
 from phasewise.engine.request import FinishReason, Request
@@ -91,6 +93,7 @@ class LLMEngine:
                                spec.num_speculative_tokens, self.model_config.kv_group_windows)
         self._ids = itertools.count()
         self._tracked: dict[str, _Tracked] = {}
+        self.kv_link = KVLink(config.kv_role, config.kv_peer) if config.kv_role else None
         self.load_ms = (time.perf_counter() - started) * 1e3
 
     def _start_tensor_parallel(self, size: int) -> tuple[TensorParallel | None, TPWorkers | None]:
@@ -215,6 +218,29 @@ class LLMEngine:
             self.kv_cache.write_blocks([placed[i][0] for i in fill],
                                        {name: torch.cat([kv.block(i)[name] for i in fill], dim=2) for name in kv.parts})
         return kv.num_blocks * kv.block_size
+
+    def send_kv(self, transfer_id: str, token_ids: list[int]) -> Future:
+        """A prefill instance: send the cached blocks of this computed prompt to the decode instance
+        (kv_link); the future resolves once they are sent."""
+        if self.kv_link is None or self.kv_link.role != "prefill":
+            raise ValueError("only a prefill instance (--role prefill) sends KV blocks")
+        kv = self.export_kv(token_ids)
+        return self.kv_link.send(transfer_id, (kv.token_ids, kv.block_size, kv.parts))
+
+    def expect_kv(self, transfer_id: str) -> Future:
+        """A decode instance: the future of the blocks the prefill instance sends under transfer_id
+        (a KVBlocks for import_kv)."""
+        if self.kv_link is None or self.kv_link.role != "decode":
+            raise ValueError("only a decode instance (--role decode) receives KV blocks")
+        out: Future = Future()
+
+        def done(f: Future) -> None:
+            if f.exception() is not None:
+                out.set_exception(f.exception())
+            else:
+                out.set_result(KVBlocks(*f.result()))
+        self.kv_link.expect(transfer_id).add_done_callback(done)
+        return out
 
     def _no_tp(self, what: str) -> None:
         if self.tp is not None:

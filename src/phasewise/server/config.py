@@ -14,4 +14,5 @@ class ServerConfig:
     max_waiting: int = 1024                   # queued sub-requests past which new ones get 503
     max_body_bytes: int = 4 * 1024 * 1024
     model_root: str = ""
+    role: str | None = None                   # "prefill" | "decode": one side of a disaggregated pair
     created: int = field(default_factory=lambda: int(time.time()))

@@ -19,6 +19,7 @@ from phasewise.server import responses as R
 from phasewise.server.async_engine import SubRequest
 from phasewise.server.errors import ContextLengthError, EngineDeadError, RequestError
 from phasewise.server.guards import Guards
+from phasewise.server.kv_transfers import KVTransfers
 from phasewise.server.protocol import (
     APIError, ChatCompletionRequest, CompletionRequest, bad_request, choice_params, openapi_body, parse_body)
 from phasewise.server.request_stream import RequestStream
@@ -28,6 +29,7 @@ from phasewise.server.sse import chat_events, collect, completion_events, sse_re
 def openai_router(guards: Guards) -> APIRouter:
     engine, config = guards.engine, guards.config
     token_text = R.TokenText(engine.tokenizer)
+    kv_transfers = KVTransfers(engine)
     router = APIRouter(dependencies=[Depends(guards.require_key)])
 
     async def start(items: list[SubRequest], chat: bool) -> RequestStream:
@@ -47,8 +49,23 @@ def openai_router(guards: Guards) -> APIRouter:
     async def respond(request: Request, body: Any, rid: str, items: list[SubRequest], chat: bool,
                       events: Callable, final: Callable) -> Response:
         """Start the sub-requests, then stream `events` (SSE) or collect every output into `final`'s
-        body (499 when the client left first)."""
+        body (499 when the client left first). With kv_transfer_params (from `serve --role proxy`):
+        a decode instance first imports the prompt's KV blocks the prefill instance sends; a prefill
+        instance sends them once its (one-token) answer is done."""
+        transfer = body.kv_transfer_params.transfer_id if body.kv_transfer_params else None
+        if transfer and config.role == "decode":
+            await kv_transfers.receive(transfer)
         stream = await start(items, chat)
+        if transfer and config.role == "prefill":
+            if body.stream or len(items) != 1:
+                raise bad_request("a prefill instance's request carries one prompt, one choice, no stream",
+                                  "kv_transfer_params")
+            outs = await collect(request, stream)
+            if outs is None:
+                return Response(status_code=499)
+            await kv_transfers.send(transfer, items[0].prompt, chat)
+            return JSONResponse(final(rid, int(time.time()), body.model or config.served_model_name, outs,
+                                      items[0].params.logprobs is not None))
         created, model = int(time.time()), body.model or config.served_model_name
         want_lp = items[0].params.logprobs is not None
         if body.stream:

@@ -46,6 +46,11 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class KVTransferParams(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    transfer_id: str = Field(min_length=1, max_length=200)
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
@@ -68,6 +73,8 @@ class _Request(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None
+    # prefill/decode disaggregation (set by `serve --role proxy`): the transfer carrying this prompt's KV
+    kv_transfer_params: KVTransferParams | None = None
     user: str | None = None
 
     @field_validator("stop", mode="before")

@@ -1,0 +1,52 @@
+"""The server's side of a disaggregated pair (`serve --role prefill|decode`): a request that carries
+kv_transfer_params has its prompt's KV blocks sent (prefill) or received and imported (decode)
+through the engine's KV link, on the engine thread between steps.
+
+A transfer that fails or does not come within the timeout fails only its request (503 in
+OpenAI's shape, code kv_transfer_failed) and holds no block on either side: the prefill side's
+blocks are the finished request's, cached and free; the decode side takes blocks only once the
+transfer is there. A decode instance without room for the blocks computes the prompt itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from phasewise.server.async_engine import AsyncEngine
+from phasewise.server.protocol import APIError
+
+log = logging.getLogger("phasewise.server")
+
+
+class KVTransfers:
+    def __init__(self, engine: AsyncEngine, timeout_s: float = 120.0) -> None:
+        self.engine, self.timeout_s = engine, timeout_s
+
+    async def send(self, transfer_id: str, prompt: Any, chat: bool) -> None:
+        """After the prefill instance ran the prompt: its blocks to the decode instance."""
+        try:
+            sent = await self.engine.call(lambda e: e.send_kv(transfer_id, e.encode_prompt(prompt, chat)))
+            await asyncio.wait_for(asyncio.wrap_future(sent), self.timeout_s)
+        except (ConnectionError, TimeoutError, asyncio.TimeoutError, ValueError) as e:
+            raise _failed(f"sending this prompt's KV blocks failed: {e or 'timed out'}") from None
+
+    async def receive(self, transfer_id: str) -> int:
+        """Before the decode instance runs the request: wait for its blocks and import them (the
+        tokens imported; 0 when there was no room and the prompt is computed here)."""
+        try:
+            arriving = await self.engine.call(lambda e: e.expect_kv(transfer_id))
+            kv = await asyncio.wait_for(asyncio.wrap_future(arriving), self.timeout_s)
+        except (ConnectionError, TimeoutError, asyncio.TimeoutError, ValueError) as e:
+            await self.engine.call(lambda eng: eng.kv_link.forget(transfer_id))
+            raise _failed(f"this prompt's KV blocks did not arrive: {e or 'timed out'}") from None
+        try:
+            return await self.engine.call(lambda e: e.import_kv(kv))
+        except ValueError as e:
+            log.warning("computing a prompt here instead of importing its KV blocks: %s", e)
+            return 0
+
+
+def _failed(message: str) -> APIError:
+    return APIError(503, message, type="server_error", code="kv_transfer_failed")

@@ -1,0 +1,89 @@
+"""`phasewise serve --role proxy --prefill URL --decode URL`: the entry of a disaggregated pair.
+
+Each completion or chat request goes first to the prefill instance as a one-token, unstreamed
+request tagged with a fresh kv_transfer_params.transfer_id; when it has answered (its prompt's KV
+blocks are on their way to the decode instance over the pair's KV link), the request as the
+client sent it, with the same tag, goes to the decode instance, whose answer (streamed or not)
+is passed back unchanged. The proxy loads no model; an error from either instance reaches the
+client as that instance gave it. Requests the prefill instance cannot take as one prompt (a
+list of completion prompts) go straight to the decode instance, which then computes them.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from phasewise.server.protocol import error_body
+
+
+def create_proxy(prefill: str, decode: str) -> FastAPI:
+    app = FastAPI(title="phasewise proxy", docs_url=None, redoc_url=None, openapi_url=None)
+    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0))
+    prefill, decode = prefill.rstrip("/"), decode.rstrip("/")
+
+    def passed(request: Request) -> dict[str, str]:
+        auth = request.headers.get("authorization")
+        return {"authorization": auth} if auth else {}
+
+    def relay(r: httpx.Response) -> Response:
+        return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            ok = [(await client.get(url + "/health")).status_code == 200 for url in (prefill, decode)]
+        except httpx.TransportError:
+            ok = [False]
+        return Response(status_code=200 if all(ok) else 503)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return relay(await client.get(decode + "/v1/models", headers=passed(request)))
+
+    async def forward(request: Request, path: str) -> Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            return JSONResponse(error_body("the body is not valid JSON"), status_code=400)
+        if not isinstance(body, dict):
+            return JSONResponse(error_body("the body must be a JSON object"), status_code=400)
+        headers = passed(request)
+        prompt = body.get("prompt")
+        one_prompt = path.endswith("chat/completions") or not (
+            isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) and len(prompt) > 1)
+        try:
+            if one_prompt:
+                tag = {"transfer_id": uuid.uuid4().hex}
+                first = {k: v for k, v in body.items() if k not in ("stream_options", "max_completion_tokens")}
+                first.update(max_tokens=1, min_tokens=0, stream=False, n=1, kv_transfer_params=tag)
+                r = await client.post(prefill + path, json=first, headers=headers)
+                if r.status_code != 200:
+                    return relay(r)
+                body = {**body, "kv_transfer_params": tag}
+            if not body.get("stream"):
+                return relay(await client.post(decode + path, json=body, headers=headers))
+            r = await client.send(client.build_request("POST", decode + path, json=body, headers=headers), stream=True)
+        except httpx.TransportError as e:
+            return JSONResponse(error_body(f"an instance of the pair cannot be reached: {e}", "server_error"),
+                                status_code=502)
+        return StreamingResponse(r.aiter_raw(), status_code=r.status_code, media_type=r.headers.get("content-type"),
+                                 background=BackgroundTask(r.aclose))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await forward(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await forward(request, "/v1/chat/completions")
+
+    @app.on_event("shutdown")
+    async def close() -> None:
+        await client.aclose()
+
+    return app

@@ -1,0 +1,100 @@
+"""Prefill/decode disaggregation on 127.0.0.1: a prefill and a decode instance joined by their KV
+link (torch.distributed, gloo), a proxy in front, driven through the official openai client;
+then the prefill instance dies."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from live_server import STARTUP_TIMEOUT, Server, free_port, stop_server
+
+pytestmark = pytest.mark.slow
+
+QUESTION = [{"role": "user", "content": "Explain in detail how a bicycle works."}]
+
+
+def _start(log_dir, name: str, *args: str) -> Server:
+    port = free_port()
+    log = log_dir / f"{name}.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "phasewise.cli", "serve", "--host", "127.0.0.1", "--port",
+                                 str(port), "--no-access-log", *args], stdout=f, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    return Server(proc, f"http://127.0.0.1:{port}", log)
+
+
+def _healthy(*servers: Server) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    for s in servers:
+        while True:
+            if s.proc.poll() is not None:
+                pytest.fail(f"{s.log.name} exited:\n{s.log.read_text()}")
+            try:
+                if httpx.get(s.url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"{s.log.name} never became healthy:\n{s.log.read_text()}")
+            time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """Both instances at fp32 (the session's reference engine's precision), one thread each."""
+    logs = tmp_path_factory.mktemp("pair")
+    peer = f"tcp://127.0.0.1:{free_port()}"
+    engine = ("--dtype", "fp32", "--kv-dtype", "model", "--kv-cache-memory", "0.1", "--threads", "1")
+    decode = _start(logs, "decode", "--role", "decode", "--kv-peer", peer, *engine)
+    prefill = _start(logs, "prefill", "--role", "prefill", "--kv-peer", peer, *engine)
+    proxy = _start(logs, "proxy", "--role", "proxy", "--prefill", prefill.url, "--decode", decode.url)
+    _healthy(prefill, decode, proxy)
+    yield prefill, decode, proxy
+    for s in (proxy, decode, prefill):
+        if s.proc.poll() is None:
+            stop_server(s)
+    assert "Traceback" not in decode.log.read_text(), decode.log.read_text()
+
+
+def test_the_pair_answers_as_one_server_does(pair, llm):
+    from phasewise.sampling.params import SamplingParams
+
+    prefill, decode, proxy = pair
+    ref = llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=16)).text
+    client = proxy.client()
+    model = client.models.list().data[0].id
+    out = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=16, temperature=0)
+    assert out.choices[0].message.content == ref
+    assert out.usage.prompt_tokens_details.cached_tokens == 32        # the prompt's 2 whole blocks arrived
+    chunks = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=16, temperature=0,
+                                            stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref
+    text = client.completions.create(model=model, prompt=["one two", "three four"], max_tokens=4, temperature=0)
+    assert len(text.choices) == 2                                      # several prompts: decode computes them
+    for s in (prefill, decode):
+        m = s.metrics()
+        assert m["phasewise:num_requests_running"] == 0
+        assert m["phasewise:kv_cache_free_blocks"] == m["phasewise:kv_cache_total_blocks"]
+
+
+def test_a_lost_prefill_instance_fails_only_what_needed_it(pair):
+    prefill, decode, proxy = pair
+    prefill.proc.kill()
+    prefill.proc.wait()
+    r = proxy.post("/v1/chat/completions", {"model": "m", "messages": QUESTION, "max_tokens": 4})
+    assert r.status_code == 502 and r.json()["error"]["type"] == "server_error"
+    r = decode.post("/v1/chat/completions", {"messages": QUESTION, "max_tokens": 4,
+                                             "kv_transfer_params": {"transfer_id": "never-sent"}})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "kv_transfer_failed"
+    client = decode.client()
+    out = client.chat.completions.create(model=client.models.list().data[0].id, messages=QUESTION, max_tokens=4,
+                                         temperature=0)
+    assert out.choices[0].finish_reason == "length"                    # the decode instance still serves
+    m = decode.metrics()
+    assert m["phasewise:kv_cache_free_blocks"] == m["phasewise:kv_cache_total_blocks"]
+    assert httpx.get(proxy.url + "/health").status_code == 503
