@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 log = logging.getLogger("phasewise.kv_link")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8]
+MAX_UNCLAIMED = 64          # transfers kept for requests that have not asked yet (the oldest dropped)
 NAMES = ["kv", "scales"]
 Payload = tuple[list[int], int, dict[str, torch.Tensor]]     # token ids, block size, parts
 
@@ -133,5 +134,7 @@ class KVLink:
                 waiter = self._waiting.pop(key, None)
                 if waiter is None:
                     self._arrived[key] = payload
+                    while len(self._arrived) > MAX_UNCLAIMED:     # their requests never came: let go
+                        del self._arrived[next(iter(self._arrived))]
             if waiter is not None:
                 waiter.set_result(payload)
