@@ -112,7 +112,7 @@ class LLMEngine:
             self._finalizer = weakref.finalize(self, workers.stop, tp)
             return tp, workers
         threads = threads_per_rank(size, torch.get_num_threads())
-        workers = TPWorkers(size, threads, self.config.device)
+        workers = TPWorkers.spawn(size, threads, self.config.device)
         torch.set_num_threads(threads)
         tp = init_tensor_parallel(0, size, workers.init_method, self.config.device)
         self._finalizer = weakref.finalize(self, workers.stop, tp)

@@ -49,23 +49,26 @@ def threads_per_rank(size: int, threads: int | None = None) -> int:
 
 
 class TPWorkers:
-    """Ranks 1..size-1 as child processes of this one (rank 0)."""
+    """Ranks 1..size-1: child processes of this one (rank 0), or torchrun's (not ours to wait for or
+    kill, only to tell)."""
 
-    def __init__(self, size: int, threads: int, device: str = "cpu") -> None:
+    def __init__(self, init_method: str, procs: list[subprocess.Popen]) -> None:
+        self.init_method, self.procs = init_method, procs
+        self.broken = False                              # the ranks are out of step: kill, do not ask
+
+    @classmethod
+    def spawn(cls, size: int, threads: int, device: str = "cpu") -> TPWorkers:
         with socket.socket() as s:                       # a free loopback port for the group's rendezvous
             s.bind(("127.0.0.1", 0))
-            self.init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-        self.broken = False                              # the ranks are out of step: kill, do not ask
-        self.procs = [subprocess.Popen([sys.executable, "-m", "phasewise.runner.tp_worker", str(rank), str(size),
-                                        self.init_method, str(threads), f"cuda:{rank}" if device == "cuda" else device])
-                      for rank in range(1, size)]
+            init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        return cls(init_method, [subprocess.Popen([sys.executable, "-m", "phasewise.runner.tp_worker", str(rank),
+                                                   str(size), init_method, str(threads),
+                                                   f"cuda:{rank}" if device == "cuda" else device])
+                                 for rank in range(1, size)])
 
     @classmethod
     def launched(cls) -> TPWorkers:
-        """The other ranks as torchrun started them: not ours to wait for or kill, only to tell."""
-        workers = cls.__new__(cls)
-        workers.init_method, workers.broken, workers.procs = "env://", False, []
-        return workers
+        return cls("env://", [])
 
     def stop(self, tp: TensorParallel | None, timeout: float = 30.0) -> None:
         """Tell the workers to end, wait for them, leave the group."""
