@@ -60,3 +60,42 @@ def test_a_prompt_computed_by_one_engine_continues_on_another(default_model_path
     assert stats.num_free_blocks == stats.num_blocks
     with pytest.raises(ValueError, match="cannot enter a cache of 16"):
         b.engine.import_kv(type(kv)(kv.token_ids[:8], 8, kv.parts))
+
+
+def test_a_transfer_without_room_waits_for_it_then_gives_up():
+    """The decode side's import is retried while the pool is short; past the wait, the prompt is
+    computed there instead (0 tokens imported); a transfer that never comes is a 503."""
+    import asyncio
+    from concurrent.futures import Future
+
+    from phasewise.server.kv_transfers import KVTransfers
+    from phasewise.server.protocol import APIError
+
+    class Engine:                                  # what KVTransfers uses of AsyncEngine and LLMEngine
+        def __init__(self, short: int, arrives: bool = True):
+            self.short, self.arrives, self.kv_link = short, arrives, self
+            self.tries = 0
+
+        async def call(self, fn):
+            return fn(self)
+
+        def expect_kv(self, transfer_id):
+            f = Future()
+            f.set_result("blocks") if self.arrives else f.set_exception(ConnectionError("the link is down"))
+            return f
+
+        def import_kv(self, kv):
+            self.tries += 1
+            if self.tries <= self.short:
+                raise ValueError("no room")
+            return 32
+
+        def forget(self, transfer_id):
+            pass
+
+    waits = Engine(short=3)
+    assert asyncio.run(KVTransfers(waits, room_wait_s=5).receive("t")) == 32 and waits.tries == 4
+    gives_up = Engine(short=10**9)
+    assert asyncio.run(KVTransfers(gives_up, room_wait_s=0.2).receive("t")) == 0 and gives_up.tries > 1
+    with pytest.raises(APIError, match="did not arrive: the link is down"):
+        asyncio.run(KVTransfers(Engine(0, arrives=False)).receive("t"))

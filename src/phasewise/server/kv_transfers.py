@@ -5,7 +5,8 @@ through the engine's KV link, on the engine thread between steps.
 A transfer that fails or does not come within the timeout fails only its request (503 in
 OpenAI's shape, code kv_transfer_failed) and holds no block on either side: the prefill side's
 blocks are the finished request's, cached and free; the decode side takes blocks only once the
-transfer is there. A decode instance without room for the blocks computes the prompt itself.
+transfer is there. A decode instance without room for the blocks waits for running requests to
+free some (up to `room_wait_s`), then computes the prompt itself.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ log = logging.getLogger("phasewise.server")
 
 
 class KVTransfers:
-    def __init__(self, engine: AsyncEngine, timeout_s: float = 120.0) -> None:
-        self.engine, self.timeout_s = engine, timeout_s
+    def __init__(self, engine: AsyncEngine, timeout_s: float = 120.0, room_wait_s: float = 30.0) -> None:
+        self.engine, self.timeout_s, self.room_wait_s = engine, timeout_s, room_wait_s
 
     async def send(self, transfer_id: str, prompt: Any, chat: bool) -> None:
         """After the prefill instance ran the prompt: its blocks to the decode instance."""
@@ -41,11 +42,15 @@ class KVTransfers:
         except (ConnectionError, TimeoutError, asyncio.TimeoutError, ValueError) as e:
             await self.engine.call(lambda eng: eng.kv_link.forget(transfer_id))
             raise _failed(f"this prompt's KV blocks did not arrive: {e or 'timed out'}") from None
-        try:
-            return await self.engine.call(lambda e: e.import_kv(kv))
-        except ValueError as e:
-            log.warning("computing a prompt here instead of importing its KV blocks: %s", e)
-            return 0
+        deadline = asyncio.get_running_loop().time() + self.room_wait_s
+        while True:
+            try:
+                return await self.engine.call(lambda e: e.import_kv(kv))
+            except ValueError as e:               # no room now: the transfer waits its turn
+                if asyncio.get_running_loop().time() >= deadline:
+                    log.warning("computing a prompt here instead of importing its KV blocks: %s", e)
+                    return 0
+            await asyncio.sleep(0.05)
 
 
 def _failed(message: str) -> APIError:
