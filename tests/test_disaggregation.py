@@ -82,11 +82,23 @@ def test_the_pair_answers_as_one_server_does(pair, llm):
         assert m["phasewise:kv_cache_free_blocks"] == m["phasewise:kv_cache_total_blocks"]
 
 
-def test_a_lost_prefill_instance_fails_only_what_needed_it(pair):
+def test_a_prefill_instance_lost_mid_request_fails_only_what_needed_it(pair):
+    """Killed while it runs a long prompt: that request gets a 502 from the proxy; the decode instance
+    fails a transfer that cannot come (503) and keeps serving, holding no block."""
+    import threading
+
     prefill, decode, proxy = pair
+    long_prompt = " ".join(["word"] * 1500)
+    model = proxy.client().models.list().data[0].id
+    answer: dict = {}
+    t = threading.Thread(target=lambda: answer.update(r=proxy.post("/v1/completions", {
+        "model": model, "prompt": long_prompt, "max_tokens": 4})))
+    t.start()
+    time.sleep(0.5)                                   # the prompt is being prefilled (1 thread: ~1 s)
     prefill.proc.kill()
     prefill.proc.wait()
-    r = proxy.post("/v1/chat/completions", {"model": "m", "messages": QUESTION, "max_tokens": 4})
+    t.join(60)
+    r = answer["r"]
     assert r.status_code == 502 and r.json()["error"]["type"] == "server_error"
     r = decode.post("/v1/chat/completions", {"messages": QUESTION, "max_tokens": 4,
                                              "kv_transfer_params": {"transfer_id": "never-sent"}})
@@ -98,3 +110,23 @@ def test_a_lost_prefill_instance_fails_only_what_needed_it(pair):
     m = decode.metrics()
     assert m["phasewise:kv_cache_free_blocks"] == m["phasewise:kv_cache_total_blocks"]
     assert httpx.get(proxy.url + "/health").status_code == 503
+
+
+def test_a_decode_instance_lost_mid_stream_ends_the_stream_with_an_error():
+    """The proxy passes the decode instance's stream on; cut mid-way, it ends with an error event."""
+    import asyncio
+
+    from phasewise.server.proxy import _relay_stream
+
+    class Cut(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            yield b'data: {"choices": []}\n\n'
+            raise httpx.RemoteProtocolError("peer closed connection")
+
+    async def relay() -> bytes:
+        return b"".join([c async for c in _relay_stream(httpx.Response(200, stream=Cut()))])
+
+    out = asyncio.run(relay()).decode()
+    events = [e[len("data: "):] for e in out.split("\n\n") if e.startswith("data: ")]
+    assert events[0] == '{"choices": []}' and events[-1] == "[DONE]"
+    assert '"code": "decode_lost"' in events[-2] and "lost mid-stream" in events[-2]

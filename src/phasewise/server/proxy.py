@@ -7,11 +7,15 @@ client sent it, with the same tag, goes to the decode instance, whose answer (st
 is passed back unchanged. The proxy loads no model; an error from either instance reaches the
 client as that instance gave it. Requests the prefill instance cannot take as one prompt (a
 list of completion prompts) go straight to the decode instance, which then computes them.
+An instance that cannot be reached is a 502; a decode instance lost mid-stream ends the stream
+with an error event and [DONE], as the server's own streams end when its engine fails.
 """
 
 from __future__ import annotations
 
+import json
 import uuid
+from collections.abc import AsyncIterator
 
 import httpx
 from fastapi import FastAPI, Request
@@ -71,8 +75,8 @@ def create_proxy(prefill: str, decode: str) -> FastAPI:
         except httpx.TransportError as e:
             return JSONResponse(error_body(f"an instance of the pair cannot be reached: {e}", "server_error"),
                                 status_code=502)
-        return StreamingResponse(r.aiter_raw(), status_code=r.status_code, media_type=r.headers.get("content-type"),
-                                 background=BackgroundTask(r.aclose))
+        return StreamingResponse(_relay_stream(r), status_code=r.status_code,
+                                 media_type=r.headers.get("content-type"), background=BackgroundTask(r.aclose))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -87,3 +91,13 @@ def create_proxy(prefill: str, decode: str) -> FastAPI:
         await client.aclose()
 
     return app
+
+
+async def _relay_stream(r: httpx.Response) -> AsyncIterator[bytes]:
+    """The decode instance's bytes as they come; if it is lost mid-way, an error event and [DONE]."""
+    try:
+        async for chunk in r.aiter_raw():
+            yield chunk
+    except httpx.HTTPError as e:
+        body = error_body(f"the decode instance was lost mid-stream: {e}", "server_error", code="decode_lost")
+        yield f"\n\ndata: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
