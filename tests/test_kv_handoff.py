@@ -99,3 +99,23 @@ def test_a_transfer_without_room_waits_for_it_then_gives_up():
     assert asyncio.run(KVTransfers(gives_up, room_wait_s=0.2).receive("t")) == 0 and gives_up.tries > 1
     with pytest.raises(APIError, match="did not arrive: the link is down"):
         asyncio.run(KVTransfers(Engine(0, arrives=False)).receive("t"))
+
+
+def test_a_kv_link_whose_peer_is_gone_fails_every_transfer_at_once():
+    """Once the link has failed (here: its peer never came), sends and waits fail immediately instead
+    of waiting for their timeout."""
+    import socket
+
+    from phasewise.distributed.kv_link import KVLink
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    link = KVLink("prefill", f"tcp://127.0.0.1:{port}", timeout_s=1.0)   # nobody joins: init times out
+    pending = link.send("early", ([1, 2], 2, {}))
+    with pytest.raises(ConnectionError, match="KV link to the decode instance failed"):
+        pending.result(timeout=60)
+    with pytest.raises(ConnectionError):
+        link.send("late", ([1, 2], 2, {})).result(timeout=1)
+    with pytest.raises(ConnectionError):
+        link.expect("late").result(timeout=1)

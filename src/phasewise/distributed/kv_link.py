@@ -53,7 +53,11 @@ class KVLink:
     def send(self, key: str, payload: Payload) -> Future:
         """Queue a transfer to the decode instance; the future resolves once it has been sent."""
         done: Future = Future()
-        self._sends.put((transfer_key(key), payload, done))
+        with self._lock:                         # after a failure nothing sends: fail at once
+            if self.error is None:
+                self._sends.put((transfer_key(key), payload, done))
+                return done
+        done.set_exception(ConnectionError(self.error))
         return done
 
     def expect(self, key: str) -> Future:
@@ -92,10 +96,10 @@ class KVLink:
         with self._lock:
             self.error = why
             waiting, self._waiting = list(self._waiting.values()), {}
+            while not self._sends.empty():
+                waiting.append(self._sends.get_nowait()[2])
         for f in waiting:
             f.set_exception(ConnectionError(why))
-        while not self._sends.empty():
-            self._sends.get_nowait()[2].set_exception(ConnectionError(why))
 
     def _send_loop(self) -> None:
         while True:
