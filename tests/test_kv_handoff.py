@@ -101,21 +101,32 @@ def test_a_transfer_without_room_waits_for_it_then_gives_up():
         asyncio.run(KVTransfers(Engine(0, arrives=False)).receive("t"))
 
 
+LINK_ALONE = """
+import socket
+import pytest
+from phasewise.distributed.kv_link import KVLink
+
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+link = KVLink("prefill", f"tcp://127.0.0.1:{port}", timeout_s=1.0)   # nobody joins: init times out
+pending = link.send("early", ([1, 2], 2, {}))
+with pytest.raises(ConnectionError, match="KV link to the decode instance failed"):
+    pending.result(timeout=60)
+with pytest.raises(ConnectionError):
+    link.send("late", ([1, 2], 2, {})).result(timeout=1)
+with pytest.raises(ConnectionError):
+    link.expect("late").result(timeout=1)
+print("ok")
+"""
+
+
 def test_a_kv_link_whose_peer_is_gone_fails_every_transfer_at_once():
     """Once the link has failed (here: its peer never came), sends and waits fail immediately instead
-    of waiting for their timeout."""
-    import socket
+    of waiting for their timeout. In a process of its own: the link takes torch.distributed's
+    default group, which must stay free in this one (the TP tests use it)."""
+    import subprocess
+    import sys
 
-    from phasewise.distributed.kv_link import KVLink
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    link = KVLink("prefill", f"tcp://127.0.0.1:{port}", timeout_s=1.0)   # nobody joins: init times out
-    pending = link.send("early", ([1, 2], 2, {}))
-    with pytest.raises(ConnectionError, match="KV link to the decode instance failed"):
-        pending.result(timeout=60)
-    with pytest.raises(ConnectionError):
-        link.send("late", ([1, 2], 2, {})).result(timeout=1)
-    with pytest.raises(ConnectionError):
-        link.expect("late").result(timeout=1)
+    run = subprocess.run([sys.executable, "-c", LINK_ALONE], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
