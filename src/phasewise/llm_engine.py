@@ -200,16 +200,14 @@ class LLMEngine:
         self._no_tp("importing KV blocks")
         if kv.block_size != self.kv_cache.block_size:
             raise ValueError(f"KV blocks of {kv.block_size} tokens cannot enter a cache of {self.kv_cache.block_size}")
-        mine = self.kv_cache.read_blocks([0])
-        for name, t in mine.items():
+        n = len(kv.token_ids)
+        for name, t in self.kv_cache.read_blocks([]).items():       # this cache's layout, 0 tokens long
+            want = (*t.shape[:2], n, *t.shape[3:])
             theirs = kv.parts.get(name)
-            per_block = None if theirs is None else (*theirs.shape[:2], theirs.shape[2] // max(kv.num_blocks, 1),
-                                                         *theirs.shape[3:])
-            if (theirs is None or theirs.dtype != t.dtype or per_block != tuple(t.shape)
-                    or theirs.shape[2] != len(kv.token_ids) or len(kv.token_ids) % kv.block_size):
-                raise ValueError(f"the KV blocks' {name} does not match this engine's cache "
-                                 f"({None if theirs is None else tuple(theirs.shape)} vs {tuple(t.shape)} per block, "
-                                 f"{None if theirs is None else theirs.dtype} vs {t.dtype})")
+            if theirs is None or theirs.dtype != t.dtype or tuple(theirs.shape) != want or n % kv.block_size:
+                got = None if theirs is None else f"{tuple(theirs.shape)} {theirs.dtype}"
+                raise ValueError(f"the KV blocks' {name} ({got}) does not match this engine's cache "
+                                 f"({want} {t.dtype})")
         placed = self.core.kv.adopt_prefix(kv.token_ids, kv.num_blocks)
         if placed is None:
             raise ValueError(f"no room for {kv.num_blocks} KV blocks: {self.core.kv.pool.num_free} are free")

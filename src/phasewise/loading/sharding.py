@@ -83,6 +83,16 @@ def _kind(name: str) -> tuple[str, str] | None:
     return None
 
 
+def _vocab_rows(t: torch.Tensor | np.ndarray, cfg: ModelConfig, tp: TensorParallel) -> torch.Tensor | np.ndarray:
+    """This rank's rows of a [vocab, ...] table (a tensor, or a GGUF weight's stored rows), the last part
+    padded with zero rows (zero bytes are a zero block in every GGUF type)."""
+    start, stop = tp.part(cfg.vocab_size)
+    part, pad = t[start:stop], tp.padded(cfg.vocab_size) - (stop - start)
+    if isinstance(t, torch.Tensor):
+        return torch.cat([part, part.new_zeros((pad, *part.shape[1:]))])
+    return np.concatenate([part, np.zeros((pad, *part.shape[1:]), dtype=part.dtype)])
+
+
 def shard_tensor(name: str, t: torch.Tensor, cfg: ModelConfig, tp: TensorParallel) -> torch.Tensor:
     """This rank's part of the HF-named checkpoint tensor `name` of the full model `cfg`."""
     kind = _kind(name)
@@ -90,10 +100,7 @@ def shard_tensor(name: str, t: torch.Tensor, cfg: ModelConfig, tp: TensorParalle
         return t
     axis, what = kind
     if axis == "vocab":
-        start, stop = tp.part(cfg.vocab_size)
-        out = t.new_zeros((tp.padded(cfg.vocab_size), *t.shape[1:]))
-        out[:stop - start] = t[start:stop]
-        return out
+        return _vocab_rows(t, cfg, tp)
     start, stop = _span(what, cfg, tp)
     return (t[start:stop] if axis == "column" else t[:, start:stop]).contiguous()
 
@@ -126,10 +133,7 @@ def shard_raw(name: str, type_name: str, raw: np.ndarray, cfg: ModelConfig,
         return raw
     axis, what = kind
     if axis == "vocab":
-        start, stop = tp.part(cfg.vocab_size)
-        out = np.zeros((tp.padded(cfg.vocab_size), raw.shape[1]), dtype=np.uint8)
-        out[:stop - start] = raw[start:stop]
-        return out
+        return _vocab_rows(raw, cfg, tp)
     start, stop = _span(what, cfg, tp)
     if axis == "column":
         return raw[start:stop]

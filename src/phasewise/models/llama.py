@@ -68,8 +68,8 @@ class LlamaAttention(UsesKernels, nn.Module):
                                          window=self.window, scale=self.scale))
 
     def _out(self, attn: torch.Tensor) -> torch.Tensor:
-        """[T, Hq, D] or [T, q_size] → [T, hidden]: o_proj, summed over the ranks' heads."""
-        out = self.o_proj(attn.reshape(attn.shape[0], -1))
+        """[T, q_size] → [T, hidden]: o_proj, summed over the ranks' heads."""
+        out = self.o_proj(attn)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
