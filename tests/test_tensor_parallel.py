@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from phasewise.distributed import TensorParallel
-from phasewise.loading.sharding import check_tensor_parallel, shard_config, shard_raw, shard_tensor, shard_weights
+from phasewise.loading.gguf_tensor import GGUFTensor
+from phasewise.loading.sharding import check_tensor_parallel, shard_config, shard_raw, shard_weights
 from phasewise.models.config import ModelConfig
 from phasewise.sampling.params import SamplingParams
 
@@ -72,13 +73,101 @@ def test_fused_checkpoint_tensors_are_cut_part_by_part():
 
 def test_gguf_blocks_are_cut_on_block_boundaries_only():
     raw = np.arange(64 * 2 * 20, dtype=np.int64).astype(np.uint8).reshape(64, 40)   # Q4_1: 2 blocks of 32 a row
-    assert np.array_equal(shard_raw("model.layers.0.self_attn.q_proj.weight", "Q4_1", raw, CFG, TensorParallel(1, 2)),
-                          raw[32:])
-    o = shard_raw("model.layers.0.self_attn.o_proj.weight", "Q4_1", raw, CFG, TensorParallel(1, 2))
+    w = GGUFTensor("Q4_1", raw, (64, 64))
+    assert np.array_equal(shard_raw("model.layers.0.self_attn.q_proj.weight", w, CFG, TensorParallel(1, 2)), raw[32:])
+    o = shard_raw("model.layers.0.self_attn.o_proj.weight", w, CFG, TensorParallel(1, 2))
     assert np.array_equal(o, raw[:, 20:])                    # columns 32..63: the second block of each row
-    assert shard_raw("model.layers.0.self_attn.o_proj.weight", "Q4_1", raw, CFG, TensorParallel(1, 4)) is None
-    head = shard_raw("lm_head.weight", "Q8_0", np.ones((250, 34), np.uint8), CFG, TensorParallel(3, 4))
+    assert shard_raw("model.layers.0.self_attn.o_proj.weight", w, CFG, TensorParallel(1, 4)) is None
+    head = shard_raw("lm_head.weight", GGUFTensor("Q8_0", np.ones((250, 34), np.uint8), (250, 32)), CFG,
+                     TensorParallel(3, 4))
     assert head.shape == (63, 34) and head[:61].all() and not head[61:].any()
+    qkv = np.arange(128 * 20, dtype=np.int64).astype(np.uint8).reshape(128, 20)    # Phi-3's fused q, k, v
+    part = shard_raw("model.layers.0.self_attn.qkv_proj.weight", GGUFTensor("Q4_1", qkv, (128, 32)), CFG,
+                     TensorParallel(1, 2))
+    assert np.array_equal(part, np.concatenate([qkv[32:64], qkv[80:96], qkv[112:128]]))
+
+
+def _file_sources(kind: str, tmp_path):
+    """A tiny checkpoint as the loader sees it: a llama GGUF (Q/K rows permuted, Q8_0/F16/F32) or a
+    Phi-3 safetensors folder (q, k, v and gate, up fused); returns (config, a fresh source per call)."""
+    from model_builders import QT, build_hf, hf_config, write_gguf
+
+    from phasewise.loading.gguf import GGUFFile
+    from phasewise.loading.safetensors import hf_tensors
+
+    hf = build_hf(hf_config(kind), seed=5)
+    if kind == "phi3":
+        hf.save_pretrained(tmp_path, safe_serialization=True)
+        return ModelConfig.from_hf(tmp_path), lambda: hf_tensors(tmp_path)
+    types = lambda name: QT.F16 if ".attn_k." in name else QT.Q8_0  # noqa: E731
+    write_gguf(tmp_path / "t.gguf", hf, kind, permute=True, types=types)
+    file = GGUFFile(tmp_path / "t.gguf")
+    cfg = file.model_config()
+    return cfg, lambda: file.hf_tensors(cfg)
+
+
+@pytest.mark.parametrize("kind", ["llama", "phi3"])
+def test_each_rank_reads_only_its_part_of_the_file(kind, tmp_path, monkeypatch):
+    """Parts read from the file equal the whole tensors read and then cut (GGUF: rows unpermuted
+    head by head, columns inside a Q8_0 block at 4 ranks); a GGUF rank dequantizes about half the
+    file's bytes at 2 ranks, a safetensors rank reads only 1-D tensors whole."""
+    import gguf.quants
+    import safetensors
+
+    cfg, source = _file_sources(kind, tmp_path)
+    for size in (2, 4):
+        for rank in range(size):
+            tp = TensorParallel(rank, size)
+            want = dict(shard_weights([(n, t.read()) for n, t in source()], cfg, tp))
+            got = dict(shard_weights(source(), cfg, tp))
+            assert want.keys() == got.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+    one_d = {n for n, t in source() if t.read().ndim == 1}
+    seen: list[int | str] = []
+    if kind == "llama":
+        whole = gguf.quants.dequantize
+        monkeypatch.setattr(gguf.quants, "dequantize", lambda data, qtype: seen.append(data.size) or whole(data, qtype))
+    else:
+        class Handle:                                     # safe_open, noting what is read whole
+            def __init__(self, *a, **kw):
+                self.f = opened(*a, **kw)
+
+            def __enter__(self):
+                self.f.__enter__()
+                return self
+
+            def __exit__(self, *exc):
+                return self.f.__exit__(*exc)
+
+            def get_tensor(self, name):
+                seen.append(name)
+                return self.f.get_tensor(name)
+
+            def __getattr__(self, name):
+                return getattr(self.f, name)
+
+        opened = safetensors.safe_open
+        monkeypatch.setattr(safetensors, "safe_open", Handle)
+    dict(shard_weights(source(), cfg, None))
+    full, seen[:] = list(seen), []
+    dict(shard_weights(source(), cfg, TensorParallel(1, 2)))
+    if kind == "llama":
+        assert 0.45 < sum(seen) / sum(full) < 0.55
+    else:
+        assert set(seen) == one_d and len(full) > len(seen)
+
+
+def test_a_gguf_tensor_cut_anywhere_is_the_whole_cut():
+    """Rows across heads of a permuted tensor, columns inside and on blocks: the same values as
+    dequantizing it all (the tensor-parallel cuts take the cheap paths; these are the others)."""
+    from model_builders import gguf_rows
+
+    w = GGUFTensor("Q4_1", gguf_rows("Q4_1", 64, 96, seed=1), (64, 96), heads=4)
+    whole = w.read()
+    assert torch.equal(w.read(slice(5, 37)), whole[5:37]) and torch.equal(w.read(slice(16, 48)), whole[16:48])
+    assert torch.equal(w.read(cols=slice(40, 70)), whole[:, 40:70])
+    assert torch.equal(w.read(slice(16, 32), slice(32, 96)), whole[16:32, 32:])
+    assert w.raw(cols=slice(40, 64)) is None
 
 
 def test_an_empty_embedding_lookup_outside_the_part_is_zero():

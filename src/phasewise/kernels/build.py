@@ -133,7 +133,10 @@ def bindings() -> ModuleType:
     _put_ninja_on_path()
     flags = ("-O2", "-std=c++17")
     digest = _digest(BINDING_SOURCES, flags, compiler())
-    build = default_cache_dir() / "kernels" / f"bindings-{torch.__version__.replace('+', '_')}-{digest}"
+    # One build directory per checkout too: torch's ninja file names the sources by absolute path, so
+    # two checkouts sharing one directory would rebuild it each time the other had run.
+    where = hashlib.sha256(str(CSRC.resolve()).encode()).hexdigest()[:6]
+    build = default_cache_dir() / "kernels" / f"bindings-{torch.__version__.replace('+', '_')}-{digest}-{where}"
     fresh = not any(build.glob("*.so"))
     if fresh:
         _say("building the torch bindings of the kernels (once per torch version, about a minute) ...")

@@ -1,4 +1,4 @@
-"""Read a GGUF file with the `gguf` package: metadata, config, and HF-named fp32 tensors."""
+"""Read a GGUF file with the `gguf` package: metadata, config, and its tensors under HF names."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from phasewise.loading.gguf_header import GGUFFormatError, read_header
+from phasewise.loading.gguf_tensor import GGUFTensor
 from phasewise.models.config import ModelConfig
 
 # GGUF tensor name (after "blk.N.") → HF name (after "model.layers.N.").
@@ -58,7 +58,7 @@ class GGUFFile:
     def model_config(self) -> ModelConfig:
         rope_freqs = None
         if "rope_freqs.weight" in self.tensors:
-            rope_freqs = self._dequantize("rope_freqs.weight").reshape(-1).tolist()
+            rope_freqs = self._tensor("rope_freqs.weight").read().reshape(-1).tolist()
         cfg = ModelConfig.from_gguf(self.fields, set(self.tensors), rope_freqs)
         self._check_shapes(cfg)
         return cfg
@@ -84,47 +84,36 @@ class GGUFFile:
             raise ModelLoadError(f"{self.path}: the metadata says {cfg.num_layers} layers, the file has tensors "
                                  f"for {len(layers)}")
 
-    def _dequantize(self, name: str) -> np.ndarray:
-        """The tensor as fp32 in numpy order, e.g. [out_features, in_features]."""
+    def _tensor(self, name: str, cfg: ModelConfig | None = None) -> GGUFTensor:
+        """The stored tensor `name`, to be read in HF's layout (Q/K permutation undone, Gemma 3's
+        norms back to HF's convention)."""
         from gguf.constants import GGMLQuantizationType
-        from gguf.quants import dequantize
 
         t = self.tensors[name]
         rows = int(np.prod(t.shape[:-1])) if len(t.shape) > 1 else 1
-        raw = self._data[t.offset:t.offset + t.nbytes].reshape(*t.shape[:-1], t.nbytes // rows)
-        array = np.asarray(dequantize(raw, GGMLQuantizationType(t.ggml_type)), dtype=np.float32)
-        return array if array.flags.writeable else array.copy()  # unquantized tensors are read-only mmap views
+        data = self._data[t.offset:t.offset + t.nbytes].reshape(rows, t.nbytes // rows)
+        heads, offset = 0, 0.0
+        if cfg is not None and self.fields.get("general.architecture") in _PERMUTED_ARCHS and (
+                ".attn_q." in name or ".attn_k." in name):
+            heads = cfg.num_heads if ".attn_q." in name else cfg.num_kv_heads
+        if cfg is not None and cfg.architecture == "gemma3" and name.endswith("norm.weight"):
+            offset = -1.0        # llama.cpp stores Gemma's norms as 1 + w; HF's convention is w
+        return GGUFTensor(GGMLQuantizationType(t.ggml_type).name, data, tuple(t.shape), heads, offset)
 
-    def raw_rows(self, hf_name: str, cfg: ModelConfig) -> tuple[str, np.ndarray] | None:
-        """The stored bytes of an HF-named 2-D weight as (GGUF type name, [rows, row bytes] uint8), rows
-        in HF order (Q/K permutation undone; blocks run along a row, so moving rows is exact); None if absent."""
-        from gguf.constants import GGMLQuantizationType
-
+    def weight(self, hf_name: str, cfg: ModelConfig) -> GGUFTensor | None:
+        """The HF-named 2-D weight of a linear layer (a tied output head: the embedding); None if absent."""
         name = _gguf_name(hf_name, cfg)
         if name not in self.tensors and hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
             name = "token_embd.weight"
         if name not in self.tensors or len(self.tensors[name].shape) != 2:
             return None
-        t = self.tensors[name]
-        raw = self._data[t.offset:t.offset + t.nbytes].reshape(t.shape[0], t.nbytes // t.shape[0])
-        if self.fields.get("general.architecture") in _PERMUTED_ARCHS and (".attn_q." in name or ".attn_k." in name):
-            raw = _unpermute(raw, cfg.num_heads if ".attn_q." in name else cfg.num_kv_heads)
-        return GGMLQuantizationType(t.ggml_type).name, raw
+        return self._tensor(name, cfg)
 
-    def hf_tensors(self, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (HF name, fp32 tensor) for every weight, Q/K permutation undone."""
-        permuted = self.fields.get("general.architecture") in _PERMUTED_ARCHS
+    def hf_tensors(self, cfg: ModelConfig) -> Iterator[tuple[str, GGUFTensor]]:
+        """(HF name, tensor to read whole or in part) for every weight."""
         for name in self.tensors:
-            if name in _SKIP:
-                continue
-            hf_name = _hf_name(name, cfg)
-            array = self._dequantize(name)
-            if cfg.architecture == "gemma3" and name.endswith("norm.weight"):
-                array = array - 1          # llama.cpp stores Gemma's norms as 1 + w; HF's convention is w
-            if permuted and (".attn_q." in name or ".attn_k." in name):
-                heads = cfg.num_heads if ".attn_q." in name else cfg.num_kv_heads
-                array = _unpermute(array, heads)
-            yield hf_name, torch.from_numpy(array)
+            if name not in _SKIP:
+                yield _hf_name(name, cfg), self._tensor(name, cfg)
 
 
 def _readable(ggml_type: int) -> bool:
@@ -183,9 +172,3 @@ def _layer_names(cfg: ModelConfig) -> dict[str, str]:
     if cfg.architecture == "gemma3":
         return _LAYER_NAMES_GEMMA3
     return _LAYER_NAMES_QK if cfg.qk_norm else _LAYER_NAMES
-
-
-def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Invert llama.cpp's row permutation: per head, interleaved pairs → two halves."""
-    rows = w.shape[0]
-    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

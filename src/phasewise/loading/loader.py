@@ -106,7 +106,8 @@ def load_model(path: Path, dtype: torch.dtype | str = torch.float32, device: tor
     full = cfg
     if tp is not None:
         check_tensor_parallel(cfg, tp.size)
-        cfg, weights = shard_config(cfg, tp), shard_weights(weights, cfg, tp)
+        cfg = shard_config(cfg, tp)
+    weights = shard_weights(weights, full, tp)        # each read whole, or as this rank's part
     with torch.device("meta"):
         model = model_class(cfg)(cfg, tp=tp) if tp is not None else model_class(cfg)(cfg)
     model.to_empty(device=device)

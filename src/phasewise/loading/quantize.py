@@ -59,22 +59,19 @@ def quantize_model(model: nn.Module, dtype: str, cfg: ModelConfig, gguf: GGUFFil
 def file_blocks(gguf: GGUFFile, cfg: ModelConfig, path: str, tp: TensorParallel | None = None) -> quant.PackedWeight | None:
     """The layer `path`'s weight from the file's own blocks (None when some part is not in a block
     format, or with `tp` when this rank's part does not cut along whole blocks)."""
-    raw = gguf.raw_rows(f"{path}.weight", cfg)
     names = [f"{path}.weight"]
-    if raw is None and path.rsplit(".", 1)[-1] in FUSED_PARTS:
+    if gguf.weight(names[0], cfg) is None and path.rsplit(".", 1)[-1] in FUSED_PARTS:
         head, fused = path.rsplit(".", 1)
         names = [f"{head}.{part}.weight" for part in FUSED_PARTS[fused]]
     parts = []
     for hf_name in names:
-        raw = gguf.raw_rows(hf_name, cfg)
-        if raw is None or raw[0] not in GGUF_BLOCKS:
+        weight = gguf.weight(hf_name, cfg)
+        if weight is None or weight.type_name not in GGUF_BLOCKS:
             return None
-        if tp is not None:
-            rows = shard_raw(hf_name, raw[0], raw[1], cfg, tp)
-            if rows is None:
-                return None
-            raw = raw[0], rows
-        parts.append(pack_gguf(*raw))
+        rows = shard_raw(hf_name, weight, cfg, tp)
+        if rows is None:
+            return None
+        parts.append(pack_gguf(weight.type_name, rows))
     try:
         return parts[0] if len(parts) == 1 else quant.concat(parts)
     except ValueError:   # a part that does not fill whole tiles

@@ -1,28 +1,51 @@
 """Tensor parallelism at load time: a rank's share of the config and of each checkpoint tensor.
 
-Every rank reads the checkpoint's HF-named tensors and keeps only its part (distributed/
-tensor_parallel.py has the split): q and o by query heads, k and v by KV heads (each rank one KV
-head, the same head on several ranks, where the ranks outnumber the KV heads), gate/up and down
-by the MLP's width, the embedding and the output head by vocabulary (the last part padded with
-zero rows). Norms are whole on every rank. A GGUF's own blocks are cut the same way without
-rounding: by rows, or along a row in whole blocks where the cut falls on a block boundary (else
-that layer is quantized from its fp32 part, as a safetensors model is).
+Each rank reads only its part of every HF-named checkpoint tensor (distributed/tensor_parallel.py
+has the split): q and o by query heads, k and v by KV heads (each rank one KV head, the same head
+on several ranks, where the ranks outnumber the KV heads), gate/up and down by the MLP's width,
+the embedding and the output head by vocabulary (the last part padded with zero rows). Norms are
+whole on every rank. The part is cut in the file, not after reading: safetensors' `get_slice`, a
+GGUF's stored blocks before dequantizing (loading/gguf_tensor.py). A GGUF's blocks are also kept
+as they are, cut without rounding: by rows, or along a row in whole blocks where the cut falls on
+a block boundary (else that layer is quantized from its fp32 part, as a safetensors model is).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Iterator
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from phasewise.distributed import TensorParallel
+from phasewise.loading.gguf_tensor import GGUFTensor
 from phasewise.models.config import ModelConfig
 
 COLUMN = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "mlp", "up_proj": "mlp"}   # rows cut
 ROW = {"o_proj": "q", "down_proj": "mlp"}                                                         # columns cut
 VOCAB = {"model.embed_tokens.weight", "lm_head.weight"}
+
+
+class Readable(Protocol):
+    """A checkpoint tensor not yet read (loading/safetensors.py, loading/gguf_tensor.py)."""
+    def read(self, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """What one rank keeps of a tensor: rows, or columns, then `pad` zero rows (the vocabulary's
+    last part)."""
+    rows: slice | None = None
+    cols: slice | None = None
+    pad: int = 0
+
+    def shifted(self, skip: int) -> Part:
+        """The same part of a tensor that starts `skip` rows into a fused one."""
+        if self.rows is None or not skip:
+            return self
+        return dataclasses.replace(self, rows=slice(self.rows.start + skip, self.rows.stop + skip))
 
 
 def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
@@ -83,61 +106,68 @@ def _kind(name: str) -> tuple[str, str] | None:
     return None
 
 
-def _vocab_rows(t: torch.Tensor | np.ndarray, cfg: ModelConfig, tp: TensorParallel) -> torch.Tensor | np.ndarray:
-    """This rank's rows of a [vocab, ...] table (a tensor, or a GGUF weight's stored rows), the last part
-    padded with zero rows (zero bytes are a zero block in every GGUF type)."""
-    start, stop = tp.part(cfg.vocab_size)
-    part, pad = t[start:stop], tp.padded(cfg.vocab_size) - (stop - start)
-    if isinstance(t, torch.Tensor):
-        return torch.cat([part, part.new_zeros((pad, *part.shape[1:]))])
-    return np.concatenate([part, np.zeros((pad, *part.shape[1:]), dtype=part.dtype)])
-
-
-def shard_tensor(name: str, t: torch.Tensor, cfg: ModelConfig, tp: TensorParallel) -> torch.Tensor:
+def part_of(name: str, cfg: ModelConfig, tp: TensorParallel | None) -> Part:
     """This rank's part of the HF-named checkpoint tensor `name` of the full model `cfg`."""
     kind = _kind(name)
-    if tp.size == 1 or kind is None:
-        return t
+    if tp is None or tp.size == 1 or kind is None:
+        return Part()
     axis, what = kind
     if axis == "vocab":
-        return _vocab_rows(t, cfg, tp)
+        start, stop = tp.part(cfg.vocab_size)
+        return Part(rows=slice(start, stop), pad=tp.padded(cfg.vocab_size) - (stop - start))
     start, stop = _span(what, cfg, tp)
-    return (t[start:stop] if axis == "column" else t[:, start:stop]).contiguous()
+    return Part(rows=slice(start, stop)) if axis == "column" else Part(cols=slice(start, stop))
 
 
-def shard_weights(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig,
-                  tp: TensorParallel) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors, each cut to this rank's part. Phi-3's fused qkv_proj and gate_up_proj
-    are split into their parts first."""
+def _read(t: torch.Tensor | Readable, part: Part) -> torch.Tensor:
+    """`part` of t, padded."""
+    if isinstance(t, torch.Tensor):
+        out = t if part.rows is None else t[part.rows]
+        out = out if part.cols is None else out[:, part.cols]
+    else:
+        out = t.read(part.rows, part.cols)
+    if part.pad:
+        out = torch.cat([out, out.new_zeros((part.pad, *out.shape[1:]))])
+    return out.contiguous()
+
+
+def _pieces(name: str, cfg: ModelConfig) -> list[tuple[str, int]]:
+    """(part name, first row) of Phi-3's fused qkv_proj and gate_up_proj (their parts' rows follow one
+    another); [(name, 0)] for any other tensor."""
+    head, _, tail = name.rpartition(".")
+    if head.endswith(".qkv_proj"):
+        stem = head.removesuffix("qkv_proj")
+        return [(f"{stem}q_proj.{tail}", 0), (f"{stem}k_proj.{tail}", cfg.q_size),
+                (f"{stem}v_proj.{tail}", cfg.q_size + cfg.kv_size)]
+    if head.endswith(".gate_up_proj") and tail == "weight":
+        stem = head.removesuffix("gate_up_proj")
+        return [(f"{stem}gate_proj.weight", 0), (f"{stem}up_proj.weight", cfg.intermediate_size)]
+    return [(name, 0)]
+
+
+def shard_weights(weights: Iterable[tuple[str, torch.Tensor | Readable]], cfg: ModelConfig,
+                  tp: TensorParallel | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors, each read as this rank's part (whole without `tp`); a fused tensor
+    is cut part by part, and its parts come out under their own names."""
     for name, t in weights:
-        if tp.size > 1 and name.endswith(("qkv_proj.weight", "qkv_proj.bias", "gate_up_proj.weight")):
-            head, tail = name.rsplit(".", 2)[0], name.rsplit(".", 1)[1]
-            if "qkv_proj" in name:
-                pieces = zip(("q_proj", "k_proj", "v_proj"), t.split([cfg.q_size, cfg.kv_size, cfg.kv_size]))
-            else:
-                pieces = zip(("gate_proj", "up_proj"), t.chunk(2))
-            for part, piece in pieces:
-                yield f"{head}.{part}.{tail}", shard_tensor(f"{head}.{part}.{tail}", piece, cfg, tp)
+        if tp is None or tp.size == 1:
+            yield name, _read(t, Part())
             continue
-        yield name, shard_tensor(name, t, cfg, tp)
+        for part_name, skip in _pieces(name, cfg):
+            yield part_name, _read(t, part_of(part_name, cfg, tp).shifted(skip))
 
 
-def shard_raw(name: str, type_name: str, raw: np.ndarray, cfg: ModelConfig,
-              tp: TensorParallel) -> np.ndarray | None:
-    """This rank's part of a GGUF weight's stored rows [rows, row bytes] (HF row order), cut without
-    rounding; None when a row-parallel cut falls inside a block."""
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    kind = _kind(name)
-    if tp.size == 1 or kind is None:
-        return raw
-    axis, what = kind
-    if axis == "vocab":
-        return _vocab_rows(raw, cfg, tp)
-    start, stop = _span(what, cfg, tp)
-    if axis == "column":
-        return raw[start:stop]
-    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
-    if start % block or stop % block:
-        return None
-    return np.ascontiguousarray(raw[:, start // block * size:stop // block * size])
+def shard_raw(name: str, weight: GGUFTensor, cfg: ModelConfig, tp: TensorParallel | None) -> np.ndarray | None:
+    """This rank's part of a GGUF weight's stored rows [rows, row bytes] (HF row order; a fused
+    weight's parts one after another), cut without rounding; None when a row-parallel cut falls
+    inside a block."""
+    if tp is None or tp.size == 1:
+        return weight.raw()
+    out = []
+    for part_name, skip in _pieces(name, cfg):
+        part = part_of(part_name, cfg, tp).shifted(skip)
+        raw = weight.raw(part.rows, part.cols)
+        if raw is None:
+            return None
+        out += [raw, np.zeros((part.pad, raw.shape[1]), dtype=raw.dtype)] if part.pad else [raw]
+    return out[0] if len(out) == 1 else np.concatenate(out)
