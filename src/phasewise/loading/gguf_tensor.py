@@ -43,7 +43,9 @@ class GGUFTensor:
         if raw is None:
             return self.read(rows)[:, cols].contiguous()
         array = dequantize(np.ascontiguousarray(raw), GGMLQuantizationType[self.type_name])
-        array = np.array(array, dtype=np.float32)                   # a copy: the memory map is read-only
+        array = np.asarray(array, dtype=np.float32)
+        if not array.flags.writeable:               # F32 is a view of the read-only memory map
+            array = array.copy()
         if self.offset:
             array += self.offset
         shape = self.shape if rows is None and cols is None else (raw.shape[0], -1)
