@@ -1,6 +1,6 @@
 """Prefill/decode disaggregation on 127.0.0.1: a prefill and a decode instance joined by their KV
 link (torch.distributed, gloo), a proxy in front, driven through the official openai client;
-then the prefill instance dies."""
+then the prefill instance dies, and in a second pair the decode instance."""
 
 from __future__ import annotations
 
@@ -44,21 +44,29 @@ def _healthy(*servers: Server) -> None:
             time.sleep(0.5)
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
+def _start_pair(logs) -> tuple[Server, Server, Server]:
     """Both instances at fp32 (the session's reference engine's precision), one thread each."""
-    logs = tmp_path_factory.mktemp("pair")
     peer = f"tcp://127.0.0.1:{free_port()}"
     engine = ("--dtype", "fp32", "--kv-dtype", "model", "--kv-cache-memory", "0.1", "--threads", "1")
     decode = _start(logs, "decode", "--role", "decode", "--kv-peer", peer, *engine)
     prefill = _start(logs, "prefill", "--role", "prefill", "--kv-peer", peer, *engine)
     proxy = _start(logs, "proxy", "--role", "proxy", "--prefill", prefill.url, "--decode", decode.url)
     _healthy(prefill, decode, proxy)
-    yield prefill, decode, proxy
-    for s in (proxy, decode, prefill):
+    return prefill, decode, proxy
+
+
+def _stop_pair(servers: tuple[Server, Server, Server]) -> None:
+    for s in reversed(servers):
         if s.proc.poll() is None:
             stop_server(s)
-    assert "Traceback" not in decode.log.read_text(), decode.log.read_text()
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    servers = _start_pair(tmp_path_factory.mktemp("pair"))
+    yield servers
+    _stop_pair(servers)
+    assert "Traceback" not in servers[1].log.read_text(), servers[1].log.read_text()
 
 
 def test_the_pair_answers_as_one_server_does(pair, llm):
@@ -112,7 +120,41 @@ def test_a_prefill_instance_lost_mid_request_fails_only_what_needed_it(pair):
     assert httpx.get(proxy.url + "/health").status_code == 503
 
 
-def test_a_decode_instance_lost_mid_stream_ends_the_stream_with_an_error():
+def test_a_decode_instance_lost_mid_stream_ends_that_stream_and_frees_the_prefill_side(tmp_path):
+    """A pair of its own, its decode instance killed while it streams through the proxy: the client's
+    stream ends with an error event and [DONE]; the prefill instance holds no block and still serves
+    its own clients; a request through the proxy fails with its 503 (the KV link is down for good: a
+pair is restarted together)."""
+    import json
+
+    servers = prefill, decode, proxy = _start_pair(tmp_path)
+    try:
+        model = proxy.client().models.list().data[0].id
+        body = {"model": model, "messages": QUESTION, "max_tokens": 500, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", proxy.url + "/v1/chat/completions", json=body, timeout=120) as resp:
+            lines = (line for line in resp.iter_lines() if line.startswith("data: "))
+            text = lambda line: (json.loads(line[6:]).get("choices") or [{}])[0].get("delta", {}).get("content")  # noqa: E731
+            first = next(line for line in lines if text(line))
+            decode.proc.kill()
+            decode.proc.wait()
+            rest = list(lines)
+        assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["error"]["code"] == "decode_lost"
+        assert len(rest) < 500                                           # it did not run to the end
+        r = proxy.post("/v1/chat/completions", {"model": model, "messages": QUESTION, "max_tokens": 4})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "kv_transfer_failed", r.text
+        client = prefill.client()
+        out = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=4)
+        assert out.choices[0].finish_reason == "length"                  # the prefill instance still serves
+        m = prefill.metrics()
+        assert m["phasewise:num_requests_running"] == 0
+        assert m["phasewise:kv_cache_free_blocks"] == m["phasewise:kv_cache_total_blocks"]
+        assert httpx.get(proxy.url + "/health").status_code == 503
+    finally:
+        _stop_pair(servers)
+    assert "Traceback" not in prefill.log.read_text(), prefill.log.read_text()
+
+
+def test_the_proxy_ends_a_cut_stream_with_an_error():
     """The proxy passes the decode instance's stream on; cut mid-way, it ends with an error event."""
     import asyncio
 
