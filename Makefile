@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PROMPT := Write a short story about a robot discovering a flower.
 
-.PHONY: setup kernels run test test-arm test-browser bench lab peers peers-avx2 lm-eval gemma3 clean
+.PHONY: setup kernels run test test-arm test-browser bench lab peers peers-avx512 peers-avx2 lm-eval gemma3 clean
 
 setup: $(STAMP)
 
@@ -78,6 +78,14 @@ $(LLAMA_CPP_SRC): $(STAMP)
 peers: $(LLAMA_CPP_SRC)
 	cmake -S $(LLAMA_CPP_SRC) -B .peers/native $(LLAMA_CPP_CMAKE) -DGGML_NATIVE=ON
 	cmake --build .peers/native --target llama-bench llama-server -j 2
+
+# The AVX-512 level without AMX (llama.cpp's native build on an AMX CPU crashes in its AMX weight
+# repacking on some machines; this one runs everywhere AVX-512 with VNNI does), into .peers/avx512/bin.
+peers-avx512: $(LLAMA_CPP_SRC)
+	cmake -S $(LLAMA_CPP_SRC) -B .peers/avx512 $(LLAMA_CPP_CMAKE) -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON \
+		-DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON \
+		-DGGML_AVX512_BF16=ON
+	cmake --build .peers/avx512 --target llama-bench llama-server -j 2
 
 peers-avx2: $(LLAMA_CPP_SRC)
 	cmake -S $(LLAMA_CPP_SRC) -B .peers/avx2 $(LLAMA_CPP_CMAKE) -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON \

@@ -94,7 +94,7 @@ def llama_bench(bin_dir: Path, model: Path, threads: int, prompt: int, decode: i
            "-d", f"0,{prompt}", "-r", str(repeats), "-o", "json"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
-        raise RuntimeError(f"llama-bench failed: {done.stderr.strip()[-800:]}")
+        raise RuntimeError(f"llama-bench failed (exit {done.returncode}): {done.stderr.strip()[-800:]}")
     rows = json.loads(done.stdout)
 
     def rate(n_prompt: int, n_gen: int, depth: int) -> float:
