@@ -79,8 +79,8 @@ peers: $(LLAMA_CPP_SRC)
 	cmake -S $(LLAMA_CPP_SRC) -B .peers/native $(LLAMA_CPP_CMAKE) -DGGML_NATIVE=ON
 	cmake --build .peers/native --target llama-bench llama-server -j 2
 
-# The AVX-512 level without AMX (llama.cpp's native build on an AMX CPU crashes in its AMX weight
-# repacking on some machines; this one runs everywhere AVX-512 with VNNI does), into .peers/avx512/bin.
+# The AVX-512 level without AMX, into .peers/avx512/bin: llama.cpp's native build crashed with weight
+# repacking on (AMX's buffer type) on a Sapphire Rapids-class VM here; this one ran there.
 peers-avx512: $(LLAMA_CPP_SRC)
 	cmake -S $(LLAMA_CPP_SRC) -B .peers/avx512 $(LLAMA_CPP_CMAKE) -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON \
 		-DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON \

@@ -9,8 +9,8 @@
 
 Installs nothing: a peer that is missing is skipped with a note (`make peers` builds llama.cpp's
 llama-bench and llama-server for this CPU, `make peers-avx2` for the AVX2 level, `make peers-avx512`
-for AVX-512 without AMX: on an AMX CPU, pass `--llama-cpp .peers/avx512/bin` where the native build
-crashes in its AMX weight repacking, as on one Sapphire Rapids-class VM here). Every system
+for AVX-512 without AMX: pass `--llama-cpp .peers/avx512/bin` on an AMX CPU where the native build
+crashes with weight repacking on, as on one Sapphire Rapids-class VM here). Every system
 runs the same GGUF (the default model's, or --model's: a .gguf file or a packaged model's name):
 phasewise at each --dtypes precision ("WEIGHTS/KV", e.g. q4/int8; auto = what the engine picks),
 on the kernels of PHASEWISE_ISA's level (default: the CPU's best); llama.cpp on the file as it is;
