@@ -45,6 +45,42 @@ class PagedRunner:
         return logits, out
 
 
+def transformers_from_gguf(path):
+    """transformers' fp32 model of a GGUF file, the parity reference. Its conversion (20-60 s: gguf-py
+    reads the metadata and dequantizes every tensor in Python) is kept in phasewise's cache as
+    safetensors, keyed by the file's size and first MiB and transformers' version, so fresh clones
+    and venvs reuse it (transformers will not save a model it loaded from a GGUF: its config and
+    weights are saved here)."""
+    import hashlib
+    import shutil
+
+    import transformers
+    from safetensors.torch import load_model, save_model
+
+    from phasewise.paths import default_cache_dir
+
+    with open(path, "rb") as f:
+        head = hashlib.sha256(f.read(1 << 20)).hexdigest()[:16]
+    key = f"{path.stem}-{path.stat().st_size}-{head}-transformers-{transformers.__version__}"
+    kept = default_cache_dir() / "transformers" / key
+    if (kept / "model.safetensors").exists():
+        config = transformers.AutoConfig.from_pretrained(kept)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        load_model(model, kept / "model.safetensors")
+        return model.eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    partial = kept.with_name(kept.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    type(model.config).from_dict(config).save_pretrained(partial)
+    save_model(model, str(partial / "model.safetensors"))
+    shutil.rmtree(kept, ignore_errors=True)
+    partial.rename(kept)
+    return model.eval()
+
+
 @pytest.fixture(scope="session")
 def default_model_path():
     from phasewise.loading.loader import default_model_path as find

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from phasewise.loading.loader import load_model
-from tests.conftest import PagedRunner
+from tests.conftest import PagedRunner, transformers_from_gguf
 
 pytestmark = pytest.mark.slow
 
@@ -25,10 +25,7 @@ def ours(default_model_path):
 
 @pytest.fixture(scope="module")
 def hf(default_model_path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(default_model_path.parent, gguf_file=default_model_path.name,
-                                                dtype=torch.float32).eval()
+    return transformers_from_gguf(default_model_path)
 
 
 @pytest.fixture(scope="module")

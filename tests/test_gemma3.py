@@ -7,7 +7,6 @@ again from the prefix cache; the default precision (every weight in the file's o
 from __future__ import annotations
 
 import math
-import shutil
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ import torch
 from phasewise import LLM, SamplingParams
 from phasewise.loading.gguf import ModelLoadError
 from phasewise.loading.loader import resolve_model_path
+from tests.conftest import transformers_from_gguf
 
 pytestmark = pytest.mark.slow
 TEXT = Path(__file__).parent.parent / "benchmarks" / "data" / "lighthouses.txt"
@@ -32,29 +32,8 @@ def path() -> Path:
 
 @pytest.fixture(scope="module")
 def hf(path):
-    """transformers' model of the GGUF. Its conversion (a minute: gguf-py dequantizes every tensor in
-    Python) is kept beside the file as safetensors, keyed by the file's size and time, and reused
-    (transformers will not save a model it loaded from a GGUF: its config and weights are saved here)."""
-    transformers = pytest.importorskip("transformers")
-    from safetensors.torch import load_model, save_model
-
-    stat = path.stat()
-    kept = path.parent / f"{path.stem}.transformers-{stat.st_size}-{int(stat.st_mtime)}"
-    if (kept / "model.safetensors").exists():
-        config = transformers.AutoConfig.from_pretrained(kept)
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        load_model(model, kept / "model.safetensors")
-        return model.eval()
-    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    partial = kept.with_name(kept.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir()
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    type(model.config).from_dict(config).save_pretrained(partial)
-    save_model(model, str(partial / "model.safetensors"))
-    partial.rename(kept)
-    return model.eval()
+    pytest.importorskip("transformers")
+    return transformers_from_gguf(path)
 
 
 @pytest.fixture(scope="module")
@@ -127,9 +106,10 @@ def test_default_precision_is_within_1_percent_perplexity_of_fp32(path, fp32, pr
     from phasewise.layers.quant_linear import QuantLinear
 
     default = LLM(model=str(path), max_num_batched_tokens=256, kv_cache_memory=0.5)
-    # every projection in the file's own blocks: Q5_0 and Q8_0 as q8, Q4_K as k4, Q6_K as k8
+    # every projection in the file's own blocks: Q5_0 as q6 (fused with a Q8_0 v: q8), Q8_0 as q8,
+    # Q4_K as k4, Q6_K as k6
     formats = {m.fmt for m in default.engine.model.modules() if isinstance(m, QuantLinear)}
-    assert formats == {"q8", "k4", "k8"}, formats
+    assert formats == {"q6", "q8", "k4", "k6"}, formats
     ratio = perplexity(default) / perplexity(fp32)
     assert abs(ratio - 1) < 0.01, ratio
 

@@ -24,13 +24,15 @@ def random_weight(fmt: str, n: int, k: int, seed: int = 0) -> quant.PackedWeight
     g = torch.Generator().manual_seed(seed)
     if fmt == "i8":
         return quant.quantize_i8(torch.randn(n, k, generator=g) * 0.05)
-    if fmt in ("k4", "k8"):         # any K (the GGUF K-quants need multiples of 256): values as packed
+    if fmt in ("k4", "k8", "k6"):   # any K (the GGUF K-quants need multiples of 256): values as packed
         kb = k // 32
         q = torch.randint(0, 16, (n, kb, 32), generator=g) if fmt == "k4" else \
-            torch.randint(-32, 32, (n, kb, 32), generator=g)
+            torch.randint(-32, 32, (n, kb, 32), generator=g) if fmt == "k6" else \
+            torch.randint(-127, 128, (n, kb, 32), generator=g)
         scales = [torch.rand(n, kb, generator=g) * 0.01 + 1e-4 for _ in range(1 if fmt == "k4" else 2)]
         return quant.pack(fmt, q, scales + [-torch.rand(n, kb, generator=g) * 0.05])
-    return pack_gguf("Q4_1" if fmt == "q4" else "Q8_0", gguf_rows("Q4_1" if fmt == "q4" else "Q8_0", n, k, seed))
+    type_name = {"q4": "Q4_1", "q8": "Q8_0", "q6": "Q5_0"}[fmt]
+    return pack_gguf(type_name, gguf_rows(type_name, n, k, seed))
 
 
 @pytest.mark.parametrize("type_name", list(GGUF_BLOCKS))
@@ -46,9 +48,10 @@ def test_packing_keeps_the_files_values_exactly(type_name):
     assert torch.equal(quant.dequantize(packed), torch.from_numpy(expected.astype(np.float32)))
 
 
-@pytest.mark.parametrize("types,fmt", [(("Q4_K", "Q4_0", "Q4_K"), "k4"), (("Q4_K", "Q4_K", "Q6_K"), "k8"),
-                                       (("Q5_0", "Q8_0", "Q6_K"), "k8"), (("Q4_1", "Q5_K"), "k8"),
-                                       (("Q5_0", "Q8_0"), "q8")])
+@pytest.mark.parametrize("types,fmt", [(("Q4_K", "Q4_0", "Q4_K"), "k4"), (("Q4_K", "Q4_K", "Q6_K"), "k6"),
+                                       (("Q5_0", "Q8_0", "Q6_K"), "k8"), (("Q4_1", "Q5_K"), "k6"),
+                                       (("Q5_0", "Q8_0"), "q8"), (("Q8_0", "Q5_0"), "q8"),
+                                       (("Q5_0", "Q4_0"), "k6"), (("Q4_K", "Q8_0"), "k8")])
 def test_fused_parts_of_mixed_types_keep_their_values(types, fmt):
     """A Q4_K_M file's q, k (Q4_K) and v (Q6_K) fuse into one projection: repacked, not re-rounded."""
     parts = [pack_gguf(t, gguf_rows(t, 32, 256, seed=i)) for i, t in enumerate(types)]
@@ -57,6 +60,17 @@ def test_fused_parts_of_mixed_types_keep_their_values(types, fmt):
     assert torch.equal(quant.dequantize(fused), torch.cat([quant.dequantize(p) for p in parts]))
     with pytest.raises(ValueError, match="fuse"):
         quant.concat([parts[0], random_weight("i8", 16, 256)])
+
+
+def test_six_bit_formats_refuse_what_they_cannot_hold():
+    """q6 and k6 store q + 32 in a byte that AVX2 multiplies unbiased: values past -32..31 would
+    overflow its int16 sums, so packing refuses them, and an 8-bit weight never repacks into them."""
+    d = [torch.full((16, 1), 0.01)]
+    with pytest.raises(ValueError, match="-32..31"):
+        quant.pack("q6", torch.full((16, 1, 32), 32), d)
+    assert torch.equal(quant.pack("q6", torch.full((16, 1, 32), -32), d).values(), torch.full((16, 1, 32), -32))
+    with pytest.raises(ValueError, match="cannot repack q8 as k6"):
+        quant.repack(random_weight("q8", 16, 64), "k6")
 
 
 def test_int8_per_channel_error_is_half_a_step():
@@ -81,8 +95,8 @@ SHAPES = [(1, 576, 576), (3, 960, 576), (17, 3072, 576), (64, 576, 1536), (5, 48
 SHORT = [(1, 576, 576), (5, 48, 64), (300, 80, 576)]            # the K formats share q4's and q8's loops
 
 
-@pytest.mark.parametrize("fmt,m,n,k", [(f, *s) for f in ("q4", "q8", "i8") for s in SHAPES] +
-                                      [(f, *s) for f in ("k4", "k8") for s in SHORT])
+@pytest.mark.parametrize("fmt,m,n,k", [(f, *s) for f in ("q4", "q8", "i8", "q6") for s in SHAPES] +
+                                      [(f, *s) for f in ("k4", "k8", "k6") for s in SHORT])
 def test_kernel_matches_its_emulation(ops, fmt, m, n, k):
     w = random_weight(fmt, n, k, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))
@@ -94,7 +108,7 @@ def test_kernel_matches_its_emulation(ops, fmt, m, n, k):
     assert (y - exact).norm() < 0.02 * exact.norm()
 
 
-@pytest.mark.parametrize("fmt", ["q4", "i8", "k8"])
+@pytest.mark.parametrize("fmt", ["q4", "i8", "k8", "k6"])
 def test_quant_linear_bias_padding_and_batch_dims(ops, fmt):
     w = random_weight(fmt, 40, 64)                  # N = 40: padded to 48 inside
     bias = torch.randn(40)

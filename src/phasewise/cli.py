@@ -97,11 +97,11 @@ def sampling_params_from_args(args: argparse.Namespace):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    params = sampling_params_from_args(args)   # validate before torch's import and the model load
+    spec = speculative_config_from_args(args)
     from phasewise.llm import LLM
     from phasewise.report import perf_lines, timings_json
 
-    params = sampling_params_from_args(args)   # validate before the (slow) model load
-    spec = speculative_config_from_args(args)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
               kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len, kv_dtype=args.kv_dtype,
               speculative=spec, tensor_parallel_size=args.tensor_parallel_size)
@@ -247,8 +247,6 @@ def _serve_proxy(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from phasewise.loading.gguf import ModelLoadError
-
     if getattr(args, "threads", None):
         import torch
 
@@ -263,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             serve_launched_rank(args.tensor_parallel_size, args.device)    # torchrun's other ranks: steps until rank 0 stops
             return 0
         return args.func(args)
-    except (ValueError, ModelLoadError, FileNotFoundError) as e:  # bad input: one line, no traceback
+    except (ValueError, FileNotFoundError) as e:  # bad input (ModelLoadError is one): one line, no traceback
         print(f"phasewise: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

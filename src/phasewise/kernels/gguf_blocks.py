@@ -1,11 +1,11 @@
 """GGUF's block types read into our packed formats (kernels/quant.py), without rounding.
 
 Each type decodes to integer values per block of 32 and that block's scales, then packs:
-- Q4_0, Q4_1 → q4 (Q4_0's m = -8 d); Q8_0, Q5_0 → q8 (Q5_0's q - 16 is a signed byte);
+- Q4_0, Q4_1 → q4 (Q4_0's m = -8 d); Q8_0 → q8; Q5_0 → q6 (its q - 16 is in -16..15);
 - Q4_K → k4: a super-block of 256 holds 8 sub-blocks of 32 with 6-bit sc, m; d = d_K sc and
   m = -dmin_K m_K, products of an fp16 and a 6-bit integer, are exact in fp32;
-- Q5_K → k8 as Q4_K with a fifth bit (both halves share d);
-- Q6_K → k8: 16 sub-blocks of 16 with int8 scales (d of each half = d_K sc, exact), q - 32, m = 0.
+- Q5_K → k6 as Q4_K with a fifth bit (q 0..31; both halves share d);
+- Q6_K → k6: 16 sub-blocks of 16 with int8 scales (d of each half = d_K sc, exact), q - 32, m = 0.
 The bit layouts follow llama.cpp's ggml-quants.c, as `gguf.quants` dequantizes them (the tests
 compare every type with `gguf.quants.dequantize`); Q4_K's scale unpacking is gguf's own.
 """
@@ -18,7 +18,7 @@ import torch
 from phasewise.kernels import quant
 
 # GGUF type name → the packed format its blocks run in
-GGUF_BLOCKS = {"Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8", "Q5_0": "q8", "Q4_K": "k4", "Q5_K": "k8", "Q6_K": "k8"}
+GGUF_BLOCKS = {"Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8", "Q5_0": "q6", "Q4_K": "k4", "Q5_K": "k6", "Q6_K": "k6"}
 
 
 def _f16(b: np.ndarray) -> np.ndarray:

@@ -6,12 +6,17 @@ streams from memory in one sequence (the layout the C++ kernel reads; see the to
 quant_linear.cpp):
 
 - "q4": GGUF Q4_1 (w = d q + m) and Q4_0 (m = -8 d), the file's bytes and fp16 scales as they are;
-- "q8": GGUF Q8_0 (w = d q), q stored as q + 128; GGUF Q5_0 (w = d (q - 16), 5-bit q) as the same;
+- "q8": GGUF Q8_0 (w = d q), q stored as q + 128;
+- "q6": q8 for q in -32..31, stored as q + 32: GGUF Q5_0 (w = d (q - 16), 5-bit q);
 - "i8": our own int8 per output channel (w = s_n q), from fp32 weights;
 - "k4": GGUF Q4_K, as q4 with fp32 d, m per block of 32 (d_K sc and -dmin_K m_K, exact in fp32);
-- "k8": GGUF Q5_K and Q6_K, bytes with an fp32 d per 16-wide half of a block and an fp32 m:
-  w = d_h q + m (Q6_K's sub-blocks are 16 wide, Q5_K's halves share d). A fused projection whose
-  parts differ in block type is repacked, exactly, as k4 (q4 and k4 parts) or k8 (any other mix).
+- "k8": bytes with an fp32 d per 16-wide half of a block and an fp32 m: w = d_h q + m;
+- "k6": k8 for q in -32..31, stored as q + 32: GGUF Q5_K (q 0..31, both halves share d) and Q6_K
+  (q - 32, its 16-wide sub-blocks' d).
+The 6-bit bytes of q6 and k6 multiply unbiased on every ISA (AVX2's vpmaddubsw without
+saturating), where q8's need a slower path on AVX2. A fused projection whose parts differ in
+block type is repacked, exactly, into the first format every part fits (WIDER): q4 and k4 parts
+as k4, q6 with q8 as q8, nibbles with q6 or k6 as k6, any other mix as k8.
 
 Packing only moves bytes and widens scales (no second rounding of GGUF weights). `dequantize` is
 the device-agnostic reference; `emulate` computes in PyTorch what the kernel computes
@@ -26,18 +31,22 @@ import torch
 
 QK = 32                                   # values per block
 TILE = 16                                 # output rows per tile (one vector lane each)
-FORMAT_IDS = {"q4": 0, "q8": 1, "i8": 2, "k4": 3, "k8": 4}
-NIBBLES = ("q4", "k4")                    # quants as 4-bit values; the others as bytes q + 128
+FORMAT_IDS = {"q4": 0, "q8": 1, "i8": 2, "k4": 3, "k8": 4, "q6": 5, "k6": 6}
+NIBBLES = ("q4", "k4")                    # quants as 4-bit values; the others as bytes q + OFFSET
+OFFSET = {"q8": 128, "i8": 128, "k8": 128, "q6": 32, "k6": 32}
+# the formats each format's values and scales fit exactly (quant.repack), narrowest first
+WIDER = {"q4": ("q4", "k4", "k6", "k8"), "k4": ("k4", "k6", "k8"), "q6": ("q6", "q8", "k6", "k8"),
+         "q8": ("q8", "k8"), "k6": ("k6", "k8"), "k8": ("k8",), "i8": ("i8",)}
 # each format's per-block scales after the quants: their dtype and how many 16-row vectors
 SCALES = {"q4": (torch.float16, 2), "q8": (torch.float16, 1), "i8": (torch.float32, 0),
-          "k4": (torch.float32, 2), "k8": (torch.float32, 3)}
+          "k4": (torch.float32, 2), "k8": (torch.float32, 3), "q6": (torch.float16, 1), "k6": (torch.float32, 3)}
 QUANT_BYTES = {f: 256 if f in NIBBLES else 512 for f in FORMAT_IDS}   # quants per (tile, block)
 BLOCK_BYTES = {f: QUANT_BYTES[f] + 16 * n * dt.itemsize for f, (dt, n) in SCALES.items()}
 
 
 @dataclass(kw_only=True)
 class PackedWeight:
-    fmt: str                       # q4 | q8 | i8 | k4 | k8
+    fmt: str                       # q4 | q8 | i8 | k4 | k8 | q6 | k6
     n: int                         # output features (rows of W)
     k: int                         # input features, a multiple of 32
     blocks: torch.Tensor               # [NT, KB, BLOCK_BYTES] uint8: quants, then the scales
@@ -53,7 +62,7 @@ class PackedWeight:
         return self.blocks[..., :QUANT_BYTES[self.fmt]]
 
     def scales(self, i: int) -> torch.Tensor:
-        """[Np, KB] the i-th per-block scale of every row (q4, k4: d, m; q8: d; k8: d of each half, m)."""
+        """[Np, KB] the i-th per-block scale of every row (q4, k4: d, m; q8, q6: d; k8, k6: d of each half, m)."""
         dtype, count = SCALES[self.fmt]
         if i >= count:
             raise IndexError(f"{self.fmt} has {count} scales per block")
@@ -63,13 +72,13 @@ class PackedWeight:
         return s.permute(0, 2, 1).reshape(nt * TILE, kb)
 
     def values(self) -> torch.Tensor:
-        """[Np, KB, 32] int16: each weight's integer (nibble formats 0..15, the others u - 128)."""
+        """[Np, KB, 32] int16: each weight's integer (nibble formats 0..15, the others u - OFFSET)."""
         nt, kb, _ = self.blocks.shape
         if self.fmt in NIBBLES:
             b = self.qs.reshape(nt, kb, 4, TILE, 4).permute(0, 3, 1, 2, 4).reshape(nt * TILE, kb, 16)
             return torch.cat([b & 0x0F, b >> 4], dim=-1).to(torch.int16)
         u = self.qs.reshape(nt, kb, 8, TILE, 4).permute(0, 3, 1, 2, 4).reshape(nt * TILE, kb, QK)
-        return u.to(torch.int16) - 128
+        return u.to(torch.int16) - OFFSET[self.fmt]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.blocks, self.scale) if t is not None)
@@ -94,8 +103,8 @@ def _tile_bytes(u: torch.Tensor) -> torch.Tensor:
 
 
 def pack(fmt: str, q: torch.Tensor, scales: list[torch.Tensor]) -> PackedWeight:
-    """q [N, KB, 32] integers (q4, k4: 0..15; q8, k8: -127..127) and the format's scales, each [N, KB]
-    (cast to the format's dtype: pass values it holds exactly) → a PackedWeight."""
+    """q [N, KB, 32] integers (q4, k4: 0..15; q8, k8: -128..127; q6, k6: -32..31) and the format's
+    scales, each [N, KB] (cast to the format's dtype: pass values it holds exactly) → a PackedWeight."""
     n, kb, _ = q.shape
     dtype, count = SCALES[fmt]
     if fmt == "i8":
@@ -108,7 +117,10 @@ def pack(fmt: str, q: torch.Tensor, scales: list[torch.Tensor]) -> PackedWeight:
         b = (q[..., :16] | (q[..., 16:] << 4)).to(torch.uint8)
         quants = b.reshape(np_ // TILE, TILE, kb, 4, 4).permute(0, 2, 3, 1, 4).reshape(np_ // TILE, kb, 256)
     else:
-        quants = _tile_bytes((q + 128).to(torch.uint8))
+        lo, hi = (-32, 31) if fmt in ("q6", "k6") else (-128, 127)
+        if q.numel() and (q.min() < lo or q.max() > hi):
+            raise ValueError(f"{fmt} holds values in {lo}..{hi}, got {q.min().item()}..{q.max().item()}")
+        quants = _tile_bytes((q + OFFSET[fmt]).to(torch.uint8))
     tiles = [_tile_scales(_pad_rows(s.to(dtype), np_)) for s in scales]
     return PackedWeight(fmt=fmt, n=n, k=kb * QK, blocks=torch.cat([quants, *tiles], dim=-1))
 
@@ -128,27 +140,29 @@ def quantize_i8(w: torch.Tensor) -> PackedWeight:
 
 
 def repack(w: PackedWeight, fmt: str) -> PackedWeight:
-    """The same weight in a wider block format, exactly: q4 → k4; q4, k4, q8 → k8."""
+    """The same weight in a format it fits exactly (WIDER[w.fmt]): values kept, scales widened."""
     if w.fmt == fmt:
         return w
+    if fmt not in WIDER[w.fmt]:
+        raise ValueError(f"cannot repack {w.fmt} as {fmt}")
     q, s = w.values()[:w.n], [w.scales(i)[:w.n].float() for i in range(SCALES[w.fmt][1])]
-    if fmt == "k4" and w.fmt == "q4":
-        return pack("k4", q, s)
-    if fmt == "k8" and w.fmt in ("q4", "k4", "q8"):
-        m = s[1] if w.fmt in NIBBLES else torch.zeros_like(s[0])
-        return pack("k8", q, [s[0], s[0], m])
-    raise ValueError(f"cannot repack {w.fmt} as {fmt}")
+    if fmt in ("k4", "q8"):                          # q4 → k4, q6 → q8: the same scales
+        return pack(fmt, q, s)
+    if w.fmt in ("k6", "k8"):
+        return pack(fmt, q, s)
+    m = s[1] if w.fmt in NIBBLES else torch.zeros_like(s[0])
+    return pack(fmt, q, [s[0], s[0], m])                            # → k6, k8: one d for both halves
 
 
 def concat(parts: list[PackedWeight]) -> PackedWeight:
     """Stack weights along N (a fused projection); every part but the last fills whole tiles.
-    Parts of different block formats are repacked first (k4 for q4 with k4, else k8)."""
+    Parts of different block formats are repacked first, into the first format all of them fit."""
     fmts = {p.fmt for p in parts}
     if any(p.k != parts[0].k for p in parts) or any(p.n % TILE for p in parts[:-1]) or \
             (len(fmts) > 1 and "i8" in fmts):
         raise ValueError("cannot fuse these weights")
     if len(fmts) > 1:
-        target = "k4" if fmts <= set(NIBBLES) else "k8"
+        target = next(f for f in WIDER[parts[0].fmt] if all(f in WIDER[p.fmt] for p in parts))
         parts = [repack(p, target) for p in parts]
     cat = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
     return PackedWeight(fmt=parts[0].fmt, n=sum(p.n for p in parts), k=parts[0].k,
@@ -162,11 +176,11 @@ def dequantize(w: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Ten
         out = q * w.scale.reshape(-1, 1, 1)
     else:
         s = [w.scales(i).float()[..., None] for i in range(SCALES[w.fmt][1])]  # each [Np, KB, 1]
-        if w.fmt == "q8":
+        if w.fmt in ("q8", "q6"):
             out = q * s[0]
         elif w.fmt in NIBBLES:
             out = q * s[0] + s[1]
-        else:                                                                   # k8: a d per half, then m
+        else:                                                                   # k8, k6: a d per half, then m
             out = q * torch.cat([s[0].expand(-1, -1, 16), s[1].expand(-1, -1, 16)], dim=-1) + s[2]
     return out.reshape(w.n_padded, w.k)[: w.n].to(dtype)
 

@@ -9,12 +9,16 @@
 //   Q8 (GGUF Q8_0, Q5_0):                    w = d (u - 128),    u = q + 128, d fp16 per block
 //   I8 (our per-channel int8):               w = s_n (u - 128),  s_n fp32 per output row
 //   K4 (GGUF Q4_K):                          Q4 with d = d_K sc, m = -dmin_K m_K as fp32
-//   K8 (GGUF Q5_K, Q6_K, mixes):             w = d_h (u - 128) + m, u = q + 128, one fp32 d per
-//                                            16-wide half h of the block (Q6_K's sub-blocks), m fp32
-// (the K scales are fp16 x 6- or 8-bit integers in the file: exact in fp32), so a block contributes
-// d (dx acc) + m sx (Q4, K4) or d (dx acc - 128 sx) + m sx (the bytes), with acc = sum(u xq) (K8:
-// per half, with sl and sx - sl). Where the ISA's dot product unbiases the bytes itself
-// (Q8_BIASED false), acc = sum((u - 128) xq) and the -128 sx term goes.
+//   K8 (mixes of block types):               w = d_h (u - 128) + m, u = q + 128, one fp32 d per
+//                                            16-wide half h of the block, m fp32
+//   Q6 (GGUF Q5_0), K6 (GGUF Q5_K, Q6_K):     Q8 and K8 with u = q + 32, q in -32..31
+// (the K scales are fp16 x 6- or 8-bit integers in the file: exact in fp32; Q6_K's sub-blocks are
+// 16 wide), so a block contributes d (dx acc) + m sx (Q4, K4) or d (dx acc - o sx) + m sx (the
+// bytes, offset o = 128 or 32), with acc = sum(u xq) (K8, K6: per half, with sl and sx - sl).
+// Where the ISA's dot product unbiases 8-bit bytes itself (Q8_BIASED false: no u8 x s8 product
+// that holds 255 x 127), Q8, I8 and K8 get acc = sum((u - 128) xq) and the -128 sx term goes. Bytes
+// of 6 bits every ISA multiplies as they are (AVX2's vpmaddubsw without saturating), so Q6 and K6
+// give the same sums, and outputs, at every level.
 //
 // Layout (python: kernels/quant.py packs it): output rows in tiles of 16, one vector lane per row.
 // blocks [N/16, K/32, BB] u8, per (tile, block) one run of bytes (a tile streams in one sequence):
@@ -36,10 +40,16 @@ namespace pw {
 namespace {
 
 using Fmt = QuantFormat;
+// A register tile: MTB activation rows x NVB tiles of 16 output rows, what the registers hold.
+// AVX-512 4 x 2; NEON and SSE2 2 x 2 (4 registers a vector); AVX2 4 x 1 (2 ymm a vector, 16
+// registers: at 4 x 2 the int16 and int32 sums spilled on every chunk, 1.1-1.4x slower).
 #ifndef PW_MTB
-#define PW_MTB (W == 4 ? 2 : 4)   // NEON and SSE2 hold 2 x 2 tiles (4 registers a vector); AVX2 4 x 2 spills a little but wins
+#define PW_MTB (W == 4 ? 2 : 4)
 #endif
-constexpr int MTB = PW_MTB;               // activation rows per register tile: what the registers hold
+#ifndef PW_NVB
+#define PW_NVB (W == 8 ? 1 : 2)
+#endif
+constexpr int MTB = PW_MTB, NVB = PW_NVB;
 
 struct Act {          // quantized activations
   const int8_t* xq;   // [M, K]
@@ -81,35 +91,39 @@ inline void quantize_block(const float* x, int8_t* q, float* dx, float* sx, floa
 }
 
 constexpr bool nibbles(Fmt F) { return F == Q4 || F == K4; }
+constexpr bool six_bits(Fmt F) { return F == Q6 || F == K6; }
+constexpr bool halves(Fmt F) { return F == K8 || F == K6; }         // a d per 16-wide half
+constexpr bool biased(Fmt F) { return six_bits(F) || Q8_BIASED; }   // acc = sum(u xq) of the bytes
+constexpr float offset(Fmt F) { return six_bits(F) ? 32.f : 128.f; }
 
-// r[i][v] += one block's (or K8's half block's) contribution: acc [MT][NV], the block's scales at
-// `scales` for tile t0 + v (K8: half h's d at scales + 64 h, m at scales + 128).
+// r[i][v] += one block's (or K8's, K6's half block's) contribution: acc [MT][NV], the block's scales
+// at `scales` for tile t0 + v (K8, K6: half h's d at scales + 64 h, m at scales + 128).
 template <Fmt F, int MT, int NV>
 inline void block_epilogue(const Act& a, int64_t m0, const Weights& w, int64_t t0, int64_t b, int h,
                            Vi (&acc)[MT][NV], Vf (&r)[MT][NV]) {
   for (int v = 0; v < NV; ++v) {
     const uint8_t* scales = w.qs + ((t0 + v) * w.KB + b) * block_bytes(F) + quant_bytes(F);
     Vf dv, mv;
-    if constexpr (F == Q4 || F == Q8) dv = Vf::from_f16(reinterpret_cast<const uint16_t*>(scales));
+    if constexpr (F == Q4 || F == Q8 || F == Q6) dv = Vf::from_f16(reinterpret_cast<const uint16_t*>(scales));
     if constexpr (F == Q4) mv = Vf::from_f16(reinterpret_cast<const uint16_t*>(scales + 32));
-    if constexpr (F == K4 || F == K8) dv = Vf::load(reinterpret_cast<const float*>(scales + 64 * h));
+    if constexpr (F == K4 || halves(F)) dv = Vf::load(reinterpret_cast<const float*>(scales + 64 * h));
     if constexpr (F == K4) mv = Vf::load(reinterpret_cast<const float*>(scales + 64));
-    if constexpr (F == K8) mv = Vf::load(reinterpret_cast<const float*>(scales + 128));
+    if constexpr (halves(F)) mv = Vf::load(reinterpret_cast<const float*>(scales + 128));
     for (int i = 0; i < MT; ++i) {
       const int64_t xi = (m0 + i) * a.KB + b;
       const Vf accf = to_float(acc[i][v]);
       const Vf dx = Vf::set1(a.dx[xi]);
       float xs = a.sx[xi];                 // the activations' sum the offsets multiply
-      if constexpr (F == K8 && Q8_BIASED) xs = h == 0 ? a.sl[xi] : a.sx[xi] - a.sl[xi];
+      if constexpr (halves(F) && biased(F)) xs = h == 0 ? a.sl[xi] : a.sx[xi] - a.sl[xi];
       if constexpr (nibbles(F)) {
         r[i][v] = fma(accf * dx, dv, r[i][v]);
         r[i][v] = fma(mv, Vf::set1(xs), r[i][v]);
       } else if constexpr (F == I8) {
         r[i][v] = fma(accf, dx, r[i][v]);
       } else {
-        const Vf t = Q8_BIASED ? fma(accf, dx, Vf::set1(-128.f * xs)) : accf * dx;
+        const Vf t = biased(F) ? fma(accf, dx, Vf::set1(-offset(F) * xs)) : accf * dx;
         r[i][v] = fma(t, dv, r[i][v]);
-        if constexpr (F == K8) {
+        if constexpr (halves(F)) {
           if (h == 1) r[i][v] = fma(mv, Vf::set1(a.sx[xi]), r[i][v]);
         }
       }
@@ -156,18 +170,31 @@ inline void tile_kernel(const Act& a, int64_t m0, const Weights& w, int64_t t0, 
       for (int i = 0; i < MT; ++i)
         for (int v = 0; v < NV; ++v) acc[i][v] = widen(part[i][v]);
       block_epilogue<F, MT, NV>(a, m0, w, t0, b, 0, acc, r);
-    } else {                       // the bytes; K8 closes each 16-wide half with its own scale
-      constexpr int halves = F == K8 ? 2 : 1, chunks = 8 / halves;
-      for (int h = 0; h < halves; ++h) {
+    } else {                       // the bytes; K8, K6 close each 16-wide half with its own scale
+      constexpr int parts = halves(F) ? 2 : 1, chunks = 8 / parts;
+      constexpr int span = six_bits(F) ? std::min(VS_U6, chunks) : 1;   // chunks summed narrow
+      for (int h = 0; h < parts; ++h) {
         for (int i = 0; i < MT; ++i)
           for (int v = 0; v < NV; ++v) acc[i][v] = Vi::zero();
-        for (int g = h * chunks; g < (h + 1) * chunks; ++g) {
-          Vb u[NV];
-          for (int v = 0; v < NV; ++v) u[v] = Vb::load(w.qs + ((t0 + v) * w.KB + b) * block_bytes(F) + g * 64);
-          for (int i = 0; i < MT; ++i) {
-            const Vb x = Vb::bcast4(xb + i * a.K + 4 * g);
-            for (int v = 0; v < NV; ++v) acc[i][v] = dot_q8(acc[i][v], u[v], x);
+        for (int g0 = h * chunks; g0 < (h + 1) * chunks; g0 += span) {
+          Vs part[MT][NV];
+          if constexpr (six_bits(F))
+            for (int i = 0; i < MT; ++i)
+              for (int v = 0; v < NV; ++v) part[i][v] = Vs::zero();
+          for (int g = g0; g < g0 + span; ++g) {
+            Vb u[NV];
+            for (int v = 0; v < NV; ++v) u[v] = Vb::load(w.qs + ((t0 + v) * w.KB + b) * block_bytes(F) + g * 64);
+            for (int i = 0; i < MT; ++i) {
+              const Vb x = Vb::bcast4(xb + i * a.K + 4 * g);
+              for (int v = 0; v < NV; ++v) {
+                if constexpr (six_bits(F)) part[i][v] = dot_u4s(part[i][v], u[v], x);
+                else acc[i][v] = dot_q8(acc[i][v], u[v], x);
+              }
+            }
           }
+          if constexpr (six_bits(F))
+            for (int i = 0; i < MT; ++i)
+              for (int v = 0; v < NV; ++v) acc[i][v] = acc[i][v] + widen(part[i][v]);
         }
         block_epilogue<F, MT, NV>(a, m0, w, t0, b, h, acc, r);
       }
@@ -206,16 +233,16 @@ constexpr int64_t QUANT_GRAIN = 256;       // blocks of activations worth a thre
 // pair of the weight passes over them); within a chunk, threads split the pairs of tiles.
 template <Fmt F>
 void run(const Runtime& rt, const Act& a, int64_t M, const Weights& w, const float* bias, float* out) {
-  const int64_t ldo = w.N, NT = w.NT, groups = (NT + 1) / 2;  // pairs of tiles, the last one maybe single
+  const int64_t ldo = w.N, NT = w.NT, groups = (NT + NVB - 1) / NVB;  // NVB tiles, the last group maybe one
   for (int64_t m0 = 0; m0 < M; m0 += MCHUNK) {
     const int64_t rows = std::min<int64_t>(MCHUNK, M - m0);
     const Act chunk{a.xq + m0 * a.K, a.dx + m0 * a.KB, a.sx + m0 * a.KB, a.sl + m0 * a.KB, a.K, a.KB};
     float* o = out + m0 * ldo;
     parallel_for(rt, groups, 1, [&](int64_t begin, int64_t end) {
       for (int64_t g = begin; g < end; ++g) {
-        const int64_t t0 = 2 * g;
-        if (t0 + 1 < NT) rows_kernel<F, 2>(chunk, rows, w, t0, bias, o, ldo);
-        else rows_kernel<F, 1>(chunk, rows, w, t0, bias, o, ldo);
+        const int64_t t0 = NVB * g;
+        if (t0 + NVB <= NT) rows_kernel<F, NVB>(chunk, rows, w, t0, bias, o, ldo);
+        else for (int64_t t = t0; t < NT; ++t) rows_kernel<F, 1>(chunk, rows, w, t, bias, o, ldo);
       }
     });
   }
@@ -254,15 +281,15 @@ void quant_linear(const Runtime& rt, const float* x, int64_t M, int64_t K, const
     return &own;
   };
   Scratch* scratch;
-  const bool halves = pw.fmt == K8 && Q8_BIASED;   // K8 on biased bytes needs each half's sum
+  const bool half_sums = pw.fmt == K6 || (pw.fmt == K8 && Q8_BIASED);   // biased halves need each half's sum
   if (rt.team && M * KB <= QUANT_GRAIN) {     // each thread of a team quantizes a few rows itself: no barrier
     scratch = reserve();
     quantize_rows(Runtime{1}, x, M, K, scratch->xq.data(), scratch->dx.data(), scratch->sx.data(),
-                  halves ? scratch->sl.data() : nullptr);
+                  half_sums ? scratch->sl.data() : nullptr);
   } else {                                    // a team shares one thread's buffers
     scratch = team_once<Scratch>(rt, reserve);
     quantize_rows(rt, x, M, K, scratch->xq.data(), scratch->dx.data(), scratch->sx.data(),
-                  halves ? scratch->sl.data() : nullptr);
+                  half_sums ? scratch->sl.data() : nullptr);
   }
   const Act a{scratch->xq.data(), scratch->dx.data(), scratch->sx.data(), scratch->sl.data(), K, KB};
   const Weights w{pw.blocks, pw.scale, KB, block_bytes(pw.fmt), pw.N, pw.NT};
@@ -272,6 +299,8 @@ void quant_linear(const Runtime& rt, const float* x, int64_t M, int64_t K, const
     case I8: run<I8>(rt, a, M, w, bias, y); break;
     case K4: run<K4>(rt, a, M, w, bias, y); break;
     case K8: run<K8>(rt, a, M, w, bias, y); break;
+    case Q6: run<Q6>(rt, a, M, w, bias, y); break;
+    case K6: run<K6>(rt, a, M, w, bias, y); break;
   }
 }
 

@@ -100,6 +100,7 @@ inline Vb hi4(Vb a) { return {_mm512_and_si512(_mm512_srli_epi16(a.v, 4), _mm512
 inline Vi dot_u4(Vi acc, Vb w, Vb x) { return {_mm512_dpbusd_epi32(acc.v, w.v, x.v)}; }
 inline Vi dot_q8(Vi acc, Vb u, Vb x) { return {_mm512_dpbusd_epi32(acc.v, u.v, x.v)}; }
 using Vs = Vi;                                   // vpdpbusd sums into int32 directly
+constexpr int VS_U6 = 8;
 inline Vi dot_u4s(Vs acc, Vb w, Vb x) { return dot_u4(acc, w, x); }
 inline Vi widen(Vs acc) { return acc; }
 

@@ -19,6 +19,7 @@
 //     result holds sum(u x) (the caller subtracts 128 sum(x)) or sum(q x) already;
 //   Vs: dot_u4 sums in the narrowest accumulator the ISA has (AVX2: int16 pairs, which hold 8
 //     calls: 8 x 2 x 15 x 127 < 32768; elsewhere Vi): Vs::zero(), dot_u4s(acc, w, x), widen(Vs) -> Vi;
+//     it also takes bytes of 0..63 (Q6, K6), VS_U6 calls of them before widen (AVX2: 2, else 8);
 //   prefetch_l2(p); ISA (the level's name).
 #pragma once
 
