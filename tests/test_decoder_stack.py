@@ -29,10 +29,14 @@ def q4_stack(q4_model, ops):
     return q4_model
 
 
+KEEP = {3: torch.tensor([0, 2, 5]), 4: torch.tensor([], dtype=torch.int64)}   # step → the rows wanted
+
+
 @torch.inference_mode()
 def run_steps(model, kv_dtype: torch.dtype, use_stack: bool) -> list[torch.Tensor]:
     """Three sequences: a batched prefill, then decode steps and a 4-token chunk over the cache, all
-    batched; returns each step's logits."""
+    batched; returns each step's logits: of every row, or of the rows KEEP names (none: the step's keys
+    and values only, which the next steps read)."""
     stack = model.model.stack
     model.model.stack = stack if use_stack else None
     calls = []
@@ -46,7 +50,7 @@ def run_steps(model, kv_dtype: torch.dtype, use_stack: bool) -> list[torch.Tenso
                                        torch.device("cpu"))
         ids = torch.tensor(sum(prompts, []))
         pos = torch.cat([torch.arange(len(p)) for p in prompts])
-        out = [model.compute_logits(model(ids, pos, meta, cache.layers))]
+        out = [model.compute_logits(model(ids, pos, meta, cache.layers, torch.tensor([36, 41, 161])))]
         lens = [len(p) for p in prompts]
         for step in range(6):
             query = [4, 1, 1] if step == 3 else [1, 1, 1]      # a short chunk: still the kernel's rows
@@ -54,7 +58,7 @@ def run_steps(model, kv_dtype: torch.dtype, use_stack: bool) -> list[torch.Tenso
             pos = torch.cat([torch.arange(n, n + q) for n, q in zip(lens, query)])
             lens = [n + q for n, q in zip(lens, query)]
             meta = AttentionMetadata.build(query, lens, tables, 16, torch.device("cpu"))
-            out.append(model.compute_logits(model(new, pos, meta, cache.layers)))
+            out.append(model.compute_logits(model(new, pos, meta, cache.layers, KEEP.get(step))))
         assert len(calls) == (0 if use_stack else 7)        # the stack took every step
         return out
     finally:
@@ -106,7 +110,7 @@ def int8_family_model(request, tmp_path_factory):
 @torch.inference_mode()
 def run_group_steps(model, kv_dtype: torch.dtype) -> list[torch.Tensor]:
     """Three sequences, a batched prefill then six batched steps (one a 4-token chunk), each KV group
-    with its own blocks; each step's logits."""
+    with its own blocks; each step's logits (of the rows KEEP names, as run_steps)."""
     cfg, bs = model.config, 16
     groups = len(cfg.kv_groups)
     cache = KVCache(cfg, 12 * groups, bs, kv_dtype, "cpu")
@@ -118,7 +122,8 @@ def run_group_steps(model, kv_dtype: torch.dtype) -> list[torch.Tensor]:
         pos = torch.cat([torch.arange(n, n + q) for n, q in zip(lens, query)])
         lens = [n + q for n, q in zip(lens, query)]
         meta = AttentionMetadata.build_groups(query, lens, tables, bs, torch.device("cpu"))
-        out.append(model.compute_logits(model(new, pos, meta, cache.layers)))
+        keep = torch.tensor([36, 41, 61]) if step == 0 else KEEP.get(step)
+        out.append(model.compute_logits(model(new, pos, meta, cache.layers, keep)))
         query = [4, 1, 1] if step == 2 else [1, 1, 1]
     return out
 

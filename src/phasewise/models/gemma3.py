@@ -61,14 +61,14 @@ class Gemma3Model(nn.Module):
             self.stack = build_stack(kernels, self.cfg, self.layers, self.norm.weight, sandwich=True)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[LayerKV]) -> torch.Tensor:
-        """input_ids, positions: [T] → hidden states [T, hidden]."""
+                kv_caches: list[LayerKV], keep: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] → hidden states [T, hidden], or of the rows `keep` [R] (ascending)."""
         x = embed(self.embed_tokens, input_ids, self.cfg, self.tp) * self.embedding_scale
         if self.stack is not None:                              # the whole step in one C++ call
-            return run_stack(self.stack, self.cfg, x, positions, meta, kv_caches)
+            return run_stack(self.stack, self.cfg, x, positions, meta, kv_caches, keep)
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(positions, x, kv, meta)
-        return self.norm(x)
+        return self.norm(x if keep is None else x[keep])
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):

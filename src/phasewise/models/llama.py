@@ -141,13 +141,15 @@ class LlamaModel(nn.Module):
             self.stack = build_stack(kernels, self.cfg, self.layers, self.norm.weight)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: KVCaches) -> torch.Tensor:
-        """input_ids, positions: [T] → hidden states [T, hidden]."""
+                kv_caches: KVCaches, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] → hidden states [T, hidden], or of the rows `keep` [R] (ascending)."""
         x, residual = embed(self.embed_tokens, input_ids, self.cfg, self.tp), None
         if self.stack is not None:                              # the whole step in one C++ call
-            return run_stack(self.stack, self.cfg, x, positions, meta, kv_caches)
+            return run_stack(self.stack, self.cfg, x, positions, meta, kv_caches, keep)
         for layer, kv in zip(self.layers, kv_caches):
             x, residual = layer(positions, x, residual, kv, meta)
+        if keep is not None:
+            x, residual = x[keep], residual[keep]
         x, _ = self.norm(x, residual)
         return x
 
@@ -176,8 +178,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: KVCaches) -> torch.Tensor:
-        return self.model(input_ids, positions, meta, kv_caches)
+                kv_caches: KVCaches, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden], or of the rows `keep` [R] (ascending): what compute_logits takes."""
+        return self.model(input_ids, positions, meta, kv_caches, keep)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden: [N, hidden] → logits [N, vocab] in fp32 (with tp: on rank 0, None on the others)."""

@@ -50,12 +50,14 @@ def build_stack(kernels: Any, cfg: ModelConfig, layers: nn.ModuleList, final_nor
 
 
 def run_stack(stack: Any, cfg: ModelConfig, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-              kv_caches: list[LayerKV]) -> torch.Tensor:
-    """x: [T, hidden] embedded tokens → the final-normed hidden states, every layer in one call."""
+              kv_caches: list[LayerKV], keep: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [T, hidden] embedded tokens → the final-normed hidden states [T, hidden] (or of the rows
+    `keep` [R], ascending: the last layer computes only those past its keys and values), every layer
+    in one call."""
     metas = [meta.for_group(g) for g in range(len(cfg.kv_groups))]
     rows = [m.kernel_rows for m in metas]
     return stack.forward(x, positions, [m.slot_mapping for m in metas], kv_caches, [r.tables for r in rows],
-                         [r.seq for r in rows], [r.length for r in rows], meta.block_size)
+                         [r.seq for r in rows], [r.length for r in rows], meta.block_size, keep)
 
 
 def _on_cpu(t: torch.Tensor) -> bool:

@@ -29,6 +29,7 @@ class StepInputs:
     query_lens: list[int]
     context_lens: list[int]
     tables: list[list[list[int]]]          # [group][sequence] → block ids
+    keep: list[int] | None = None          # the rows whose hidden states are wanted, ascending (None: all)
 
 
 class ModelRunner:
@@ -67,10 +68,19 @@ class ModelRunner:
             elif chunk.samples:
                 sample_rows.append(len(input_ids) - 1)
                 sample_reqs.append(req)
-        inputs = StepInputs(input_ids, positions, query_lens, context_lens, [list(t) for t in zip(*tables)])
+        # only the rows that sample or score are computed past the last layer's keys and values;
+        # from here on a row is its index among them
+        scored_rows = (r for _, first, _, t, _ in scored for r in range(first, first + len(t)))
+        wanted = sorted({*sample_rows, *spec_rows, *scored_rows})
+        keep = None if len(wanted) == len(input_ids) else wanted
+        if keep is not None:
+            index = {r: i for i, r in enumerate(keep)}
+            sample_rows, spec_rows = [index[r] for r in sample_rows], [index[r] for r in spec_rows]
+            scored = [(rid, index[row], first, t, top) for rid, row, first, t, top in scored]
+        inputs = StepInputs(input_ids, positions, query_lens, context_lens, [list(t) for t in zip(*tables)], keep)
         if self.tp is not None:
             self.tp.broadcast(("forward", inputs))
-        hidden = self.forward(inputs)                                  # [T, hidden]
+        hidden = self.forward(inputs)                                  # [len(wanted), hidden]
         prompt_lps = {rid: (first, self._score(hidden, row, t, top)) for rid, row, first, t, top in scored}
         if not sample_reqs and not spec_chunks:
             return RunnerOutput({}, prompt_logprobs=prompt_lps)
@@ -87,16 +97,18 @@ class ModelRunner:
         return out
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """One forward pass over the step's tokens → hidden states [T, hidden] (every rank runs it)."""
+        """One forward pass over the step's tokens → hidden states of its rows inputs.keep [R, hidden]
+        (all: [T, hidden]); every rank runs it."""
         meta = AttentionMetadata.build_groups(inputs.query_lens, inputs.context_lens, inputs.tables,
                                               self.kv_cache.block_size, self.device)
         ids = torch.tensor(inputs.input_ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(inputs.positions, dtype=torch.int64, device=self.device)
-        return self.model(ids, pos, meta, self.kv_cache.layers)
+        keep = None if inputs.keep is None else torch.tensor(inputs.keep, dtype=torch.int64, device=self.device)
+        return self.model(ids, pos, meta, self.kv_cache.layers, keep)
 
     def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """fp32 logits [len(rows), V] of these rows of the step's hidden states (the driver asks the
-        other ranks for their part of the vocabulary first)."""
+        """fp32 logits [len(rows), V] of these rows of the step's (kept) hidden states (the driver asks
+        the other ranks for their part of the vocabulary first)."""
         if self.tp is not None:
             self.tp.broadcast(("logits", rows))
         return self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.int64, device=self.device)])

@@ -106,11 +106,11 @@ class DraftModelProposer:
         lens = [len(ts) for ts in token_lists]
         meta = AttentionMetadata.build(lens, [s + n for s, n in zip(starts, lens)], [r.block_ids for r in reqs],
                                        self.kv_cache.block_size, self.device)
+        last = torch.tensor(lens, device=self.device).cumsum(0) - 1
         hidden = self.model(torch.tensor(ids, dtype=torch.long, device=self.device),
                             torch.tensor(positions, dtype=torch.long, device=self.device),
-                            meta, self.kv_cache.layers)                         # [T, hidden]
-        last = torch.tensor(lens, device=self.device).cumsum(0) - 1
-        return self.model.compute_logits(hidden[last]).float()                 # [B, V]
+                            meta, self.kv_cache.layers, last)                   # [B, hidden]
+        return self.model.compute_logits(hidden).float()                       # [B, V]
 
     def _pick(self, logits: Tensor, reqs: list, drafts: list[list[int]], states: list[DraftState]
               ) -> tuple[list[int], Tensor | None]:

@@ -32,8 +32,18 @@ void head_norms(const Runtime& rt, float* qkv, int64_t T, int64_t Hq, int64_t Hk
   });
 }
 
+// Rows keep[0..R) of x [., width] moved to rows 0..R, in order (keep ascending: a row is read before
+// it is written over).
+void keep_rows(const Runtime& rt, float* x, int64_t width, const int64_t* keep, int64_t R) {
+  team_serial(rt, [&] {
+    for (int64_t r = 0; r < R; ++r)
+      if (keep[r] != r) std::copy(x + keep[r] * width, x + (keep[r] + 1) * width, x + r * width);
+  });
+}
+
 void layers(const Runtime& rt, const DecoderModel& m, const DecoderStep& s, const float* x, float* ws, float* out) {
-  const int64_t T = s.T, H = m.H, I = m.I, D = m.D, Hq = m.Hq, Hkv = m.Hkv;
+  int64_t T = s.T;                            // the rows still computed (the last layer: R)
+  const int64_t H = m.H, I = m.I, D = m.D, Hq = m.Hq, Hkv = m.Hkv;
   if (T == 0) return;
   float* residual = ws;                       // [T, H]
   float* normed = residual + T * H;           // [T, H]
@@ -56,6 +66,12 @@ void layers(const Runtime& rt, const DecoderModel& m, const DecoderStep& s, cons
     rope_and_cache(rt, qkv, T, s.positions, L.cos ? L.cos : m.cos, L.sin ? L.sin : m.sin, Hq, Hkv, D,
                    s.slots[L.group], s.cache_out[i], q, k);
     AttentionRows rows = s.rows[L.group];
+    if (s.R >= 0 && i == m.L - 1) {   // the rest of the last layer: only the kept rows
+      keep_rows(rt, q, Hq * D, s.keep, s.R);
+      keep_rows(rt, residual, H, s.keep, s.R);
+      rows = s.kept[L.group];
+      T = s.R;
+    }
     rows.window = L.window;
     paged_attention(rt, q, T, Hq, s.caches[i], rows, scale, attn);
     quant_linear(rt, attn, T, Hq * D, L.o.w, L.o.bias, o);

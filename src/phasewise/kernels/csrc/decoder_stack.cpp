@@ -71,7 +71,8 @@ DecoderStack::DecoderStack(std::shared_ptr<KernelSet> kernels, std::vector<Layer
 torch::Tensor DecoderStack::forward(torch::Tensor x, torch::Tensor positions, const std::vector<torch::Tensor>& slots,
                                     const std::vector<std::vector<torch::Tensor>>& kv,
                                     const std::vector<torch::Tensor>& tables, const std::vector<torch::Tensor>& row_seq,
-                                    const std::vector<torch::Tensor>& row_len, int64_t block_size) const {
+                                    const std::vector<torch::Tensor>& row_len, int64_t block_size,
+                                    const Opt& keep) const {
   const pw::DecoderModel& m = model_;
   TORCH_CHECK(kv.size() == static_cast<size_t>(m.L), "one KV cache per layer");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == m.H && x.scalar_type() == at::kFloat, "x: fp32 [T, hidden]");
@@ -115,10 +116,26 @@ torch::Tensor DecoderStack::forward(torch::Tensor x, torch::Tensor positions, co
       outs[i] = {c[0].data_ptr<float>(), c[1].data_ptr<float>(), nullptr, nullptr, nullptr, nullptr};
     }
   }
-  const pw::DecoderStep step{T, positions.data_ptr<int64_t>(), group_slots.data(), caches.data(), outs.data(),
-                             rows.data()};
+  pw::DecoderStep step{T, positions.data_ptr<int64_t>(), group_slots.data(), caches.data(), outs.data(),
+                       rows.data()};
+  std::vector<torch::Tensor> kept_index;        // the kept rows' seq and len of each group
+  std::vector<pw::AttentionRows> kept;
+  if (keep.has_value()) {
+    TORCH_CHECK(keep->dim() == 1 && keep->scalar_type() == at::kLong && keep->is_contiguous(), "keep: int64 [R]");
+    const int64_t R = keep->numel(), *k = keep->data_ptr<int64_t>();
+    for (int64_t r = 0; r < R; ++r)
+      TORCH_CHECK(k[r] >= 0 && k[r] < T && (r == 0 || k[r] > k[r - 1]), "keep: ascending rows of the step");
+    for (size_t g = 0; g < G; ++g) {
+      kept_index.push_back(row_seq[g].index_select(0, *keep));
+      kept_index.push_back(row_len[g].index_select(0, *keep));
+      kept.push_back(rows[g]);
+      kept.back().seq = kept_index[2 * g].data_ptr<int64_t>();
+      kept.back().len = kept_index[2 * g + 1].data_ptr<int64_t>();
+    }
+    step.R = R, step.keep = k, step.kept = kept.data();
+  }
   auto ws = torch::empty({pw::decoder_workspace(m, T)}, x.options());
-  auto out = torch::empty_like(x);
+  auto out = torch::empty({keep.has_value() ? step.R : T, m.H}, x.options());
   k_->table().decoder_stack(pw::Runtime{at::get_num_threads()}, m, step, x.data_ptr<float>(), ws.data_ptr<float>(),
                             out.data_ptr<float>());
   return out;

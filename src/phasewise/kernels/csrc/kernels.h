@@ -7,7 +7,7 @@
 
 namespace pw {
 
-constexpr int ABI_VERSION = 6;
+constexpr int ABI_VERSION = 7;
 
 struct Runtime {            // how a call may run: threads of the caller's pool (torch's, through OpenMP)
   int threads = 1;
@@ -99,6 +99,11 @@ struct DecoderStep {        // one step's rows, and the caches of every layer
   const Cache* caches;      // [L]
   const CacheOut* cache_out;// [L]
   const AttentionRows* rows;    // [groups] each group's tables (window 0: a layer sets its own)
+  // The rows whose hidden states the caller wants (a prefill chunk: its last; R < 0: all T). The last
+  // layer attends, projects and runs its MLP for these R rows only (its keys and values for all T).
+  int64_t R = -1;
+  const int64_t* keep = nullptr;      // [R] ascending
+  const AttentionRows* kept = nullptr;  // [groups] rows with seq and len of the kept rows
 };
 
 // The floats of scratch decoder_stack needs for T rows (the caller owns it; reuse is fine).
@@ -133,8 +138,9 @@ struct KernelTable {
                        const float* bias, float* y);
   // the int8 dot-product peak of rt.threads threads, GOP/s (2 per multiply-add)
   double (*int8_peak_gops)(const Runtime&, int64_t iters);
-  // out [T, H] = the final-normed hidden states after every decoder layer, from x [T, H]; writes the
-  // step's keys and values to every layer's cache; workspace: decoder_workspace(m, T) floats
+  // out [T, H] (with step.keep: [R, H]) = the final-normed hidden states after every decoder layer,
+  // from x [T, H]; writes the step's keys and values to every layer's cache; workspace:
+  // decoder_workspace(m, T) floats
   void (*decoder_stack)(const Runtime&, const DecoderModel&, const DecoderStep&, const float* x, float* workspace,
                         float* out);
   // x [T, 2I] (gate | up) -> out [T, I] = gelu_tanh(gate) up

@@ -51,4 +51,12 @@ T* team_once(const Runtime& rt, const F& make) {
   return p;
 }
 
+// f() on one thread of a team (the others wait at its end), or a plain call outside a team.
+template <typename F>
+void team_serial(const Runtime& rt, const F& f) {
+  if (!rt.team) return f();
+#pragma omp single
+  f();
+}
+
 }  // namespace pw

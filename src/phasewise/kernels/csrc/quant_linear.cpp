@@ -172,29 +172,31 @@ inline void tile_kernel(const Act& a, int64_t m0, const Weights& w, int64_t t0, 
       block_epilogue<F, MT, NV>(a, m0, w, t0, b, 0, acc, r);
     } else {                       // the bytes; K8, K6 close each 16-wide half with its own scale
       constexpr int parts = halves(F) ? 2 : 1, chunks = 8 / parts;
-      constexpr int span = six_bits(F) ? std::min(VS_U6, chunks) : 1;   // chunks summed narrow
+      // six-bit bytes where the narrow sums fill before a half does (AVX2: every 2 chunks): each
+      // row sums `span` chunks narrow, one row at a time, so acc and the weights stay in registers
+      constexpr int span = six_bits(F) && VS_U6 < chunks ? VS_U6 : 1;
       for (int h = 0; h < parts; ++h) {
         for (int i = 0; i < MT; ++i)
           for (int v = 0; v < NV; ++v) acc[i][v] = Vi::zero();
         for (int g0 = h * chunks; g0 < (h + 1) * chunks; g0 += span) {
-          Vs part[MT][NV];
-          if constexpr (six_bits(F))
-            for (int i = 0; i < MT; ++i)
-              for (int v = 0; v < NV; ++v) part[i][v] = Vs::zero();
-          for (int g = g0; g < g0 + span; ++g) {
-            Vb u[NV];
-            for (int v = 0; v < NV; ++v) u[v] = Vb::load(w.qs + ((t0 + v) * w.KB + b) * block_bytes(F) + g * 64);
-            for (int i = 0; i < MT; ++i) {
-              const Vb x = Vb::bcast4(xb + i * a.K + 4 * g);
-              for (int v = 0; v < NV; ++v) {
-                if constexpr (six_bits(F)) part[i][v] = dot_u4s(part[i][v], u[v], x);
-                else acc[i][v] = dot_q8(acc[i][v], u[v], x);
+          Vb u[span][NV];
+          for (int s = 0; s < span; ++s)
+            for (int v = 0; v < NV; ++v) u[s][v] = Vb::load(w.qs + ((t0 + v) * w.KB + b) * block_bytes(F) + (g0 + s) * 64);
+          for (int i = 0; i < MT; ++i) {
+            Vb x[span];
+            for (int s = 0; s < span; ++s) x[s] = Vb::bcast4(xb + i * a.K + 4 * (g0 + s));
+            for (int v = 0; v < NV; ++v) {
+              if constexpr (span > 1) {
+                Vs part = Vs::zero();
+                for (int s = 0; s < span; ++s) part = dot_u4s(part, u[s][v], x[s]);
+                acc[i][v] = acc[i][v] + widen(part);
+              } else if constexpr (six_bits(F)) {
+                acc[i][v] = dot_u4(acc[i][v], u[0][v], x[0]);
+              } else {
+                acc[i][v] = dot_q8(acc[i][v], u[0][v], x[0]);
               }
             }
           }
-          if constexpr (six_bits(F))
-            for (int i = 0; i < MT; ++i)
-              for (int v = 0; v < NV; ++v) acc[i][v] = acc[i][v] + widen(part[i][v]);
         }
         block_epilogue<F, MT, NV>(a, m0, w, t0, b, h, acc, r);
       }

@@ -14,7 +14,7 @@
 //   Mask: first_n(n), a > b (Vf or Vi), select(m, a, b) = m ? a : b;
 //   Vi::zero() / set1(x) / iota() / store(p), +, to_float;
 //   Vb::load(p) / bcast4(p) (4 bytes to every lane), lo4, hi4 (the nibbles),
-//   dot_u4(acc, w, x): acc + the 4 products w x of each lane, w in 0..15 unsigned, x signed;
+//   dot_u4(acc, w, x): acc + the 4 products w x of each lane, w in 0..15 (or 0..63) unsigned, x signed;
 //   dot_q8(acc, u, x): the same for bytes u = q + 128 (q signed); Q8_BIASED says whether the
 //     result holds sum(u x) (the caller subtracts 128 sum(x)) or sum(q x) already;
 //   Vs: dot_u4 sums in the narrowest accumulator the ISA has (AVX2: int16 pairs, which hold 8
