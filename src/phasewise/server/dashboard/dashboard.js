@@ -1,6 +1,6 @@
 // The dashboard: reads /dashboard/events (server-sent events through fetch, so the API key can go in a
 // header), keeps the recent steps and requests, and redraws on every snapshot, which arrive every
-// "refresh" seconds (the header's choice, 2 s unless changed; kept in localStorage). Drawing waits for
+// "refresh" seconds (the header's choice, 5 s unless changed; kept in localStorage). Drawing waits for
 // the browser's next frame, so a page in a hidden tab draws nothing until it is shown again.
 // A dropped file replaces the live view until "back to live". window.phasewise exposes the state and
 // what the last frame drew, for the browser tests.
@@ -277,7 +277,7 @@ $("keyform").addEventListener("submit", (ev) => {
   connect();
 });
 for (const id of ["timeline", "steps", "kv"]) $(id).onresized = schedule;
-$("refresh").value = localStorage.getItem("phasewise-refresh") || "2";
+$("refresh").value = localStorage.getItem("phasewise-refresh") || "5";
 $("refresh").addEventListener("change", () => {
   localStorage.setItem("phasewise-refresh", $("refresh").value);
   controller?.abort();
