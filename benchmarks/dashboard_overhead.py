@@ -88,7 +88,7 @@ def one_round(url: str, model: str, streams: int, tokens: int, during=None) -> t
 def steady_gaps(times: list[list[float]]) -> list[float]:
     """The gaps (ms) between a stream's chunks once every stream has its first one: before that, the
     prompts' prefill steps sit between some streams' tokens, and those few long gaps would be the p99."""
-    everyone = max(ts[0] for ts in times if ts)
+    everyone = max((ts[0] for ts in times if ts), default=0.0)
     return [(b - a) * 1e3 for ts in times for a, b in zip(ts, ts[1:]) if a >= everyone]
 
 
@@ -219,8 +219,8 @@ def main() -> None:
     ratio, noise = relabelled(results["closed"], results["open"])
     names = ("throughput", "ITL p50", "ITL p99")
     print("open / closed: " + ", ".join(f"{n} {r:.3f}" for n, r in zip(names, ratio)))
-    print("the same ratios when the rounds' labels are shuffled (every split of the rounds in two; "
-          "the range holding 95% of them is the noise):")
+    print("the same ratios over other splits of the rounds into two halves (every one, or 2,000 at random); "
+          "the range holding 95% of them is the noise:")
     print("               " + ", ".join(f"{n} {lo:.3f}-{hi:.3f}" for n, (lo, hi) in zip(names, noise)))
 
 
