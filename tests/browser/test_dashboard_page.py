@@ -84,7 +84,8 @@ def test_the_page_needs_the_key_then_follows_requests_to_their_end(page, keyed, 
     page.click("#keyform button")
     page.wait_for_function("document.getElementById('keyerror').textContent.includes('refused')", timeout=WAIT_MS)
     _connect(page)
-    page.select_option("#refresh", "1")                  # reconnects at one snapshot a second (5 s default)
+    assert page.input_value("#refresh") == "5"           # the default: few steps meet a frame (benchmarks.md)
+    page.select_option("#refresh", "1")                  # reconnects at one snapshot a second
     page.wait_for_function("document.getElementById('status').dataset.state === 'live'", timeout=WAIT_MS)
 
     client = keyed.client(KEY)
