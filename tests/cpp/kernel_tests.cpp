@@ -93,12 +93,13 @@ void test_elementwise(const pw::KernelTable& k) {
     for (float& v : logits) v = std::round(randn() * 2.f);   // many ties: the first index wins
     std::fill(logits.begin() + V, logits.begin() + V + V / 2, -INFINITY);
     logits[3 * V + V - 1] = 1e30f;                            // the last (maybe partial) vector
-    std::vector<int64_t> got(4);
+    std::vector<int64_t> got(4), alone(4);
     k.argmax_rows(RT, logits.data(), 4, V, got.data());
     bool ok = true;
     for (int64_t b = 0; b < 4; ++b) {
       const float* row = logits.data() + b * V;
-      ok &= got[b] == std::max_element(row, row + V) - row;
+      k.argmax_rows(RT, row, 1, V, &alone[b]);            // one row: in a piece per thread
+      ok &= got[b] == std::max_element(row, row + V) - row && alone[b] == got[b];
     }
     check("argmax_rows V=" + std::to_string(V), ok);
   }

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 namespace pw {
 namespace {
@@ -130,33 +131,59 @@ void gelu_and_mul(const Runtime& rt, const float* xp, int64_t T, int64_t I, floa
       [](float g) { return -2.f * GELU_C * (g + GELU_A * g * g * g); });
 }
 
-// torch's own CPU argmax reads under 1 GB/s; this one at memory speed. Ties: the first index.
+namespace {
+
+struct Best {
+  float value;
+  int64_t index;
+};
+
+// The first largest value of row[begin, end) and its index (NaN never wins; all -inf: begin).
+Best argmax_span(const float* row, int64_t begin, int64_t end) {
+  const Vf neg_inf = Vf::set1(-std::numeric_limits<float>::infinity());
+  const Vi step = Vi::set1(16);
+  Vf best = neg_inf;
+  Vi where = Vi::zero(), lane = Vi::iota();       // counted from begin
+  auto take = [&](const Vf& v) {
+    const Mask more = v > best;                   // strictly: the first wins
+    best = select(more, v, best);
+    where = select(more, lane, where);
+    lane = lane + step;
+  };
+  int64_t i = begin;
+  for (; i + 16 <= end; i += 16) take(Vf::load(row + i));
+  if (i < end) take(select(first_n(end - i), Vf::load_n(row + i, end - i), neg_inf));
+  alignas(64) float bv[16];
+  alignas(64) int32_t bi[16];
+  best.store(bv);
+  where.store(bi);
+  Best r{bv[0], bi[0]};
+  for (int k = 1; k < 16; ++k)
+    if (bv[k] > r.value || (bv[k] == r.value && bi[k] < r.index)) r = {bv[k], bi[k]};
+  r.index += begin;
+  return r;
+}
+
+}  // namespace
+
+// torch's own CPU argmax reads under 1 GB/s; this one at memory speed, a row in as many pieces as
+// there are threads when the rows are fewer (greedy decode of one sequence). Ties: the first index.
 void argmax_rows(const Runtime& rt, const float* xp, int64_t B, int64_t V, int64_t* op) {
-  parallel_for(rt, B, 1, [&](int64_t begin, int64_t end) {
-    const Vf neg_inf = Vf::set1(-std::numeric_limits<float>::infinity());
-    for (int64_t b = begin; b < end; ++b) {
-      const float* row = xp + b * V;
-      Vf best = neg_inf;
-      Vi where = Vi::zero(), lane = Vi::iota();
-      const Vi step = Vi::set1(16);
-      for (int64_t i = 0; i < V; i += 16) {
-        const Vf v = select(first_n(V - i), Vf::load_n(row + i, V - i), neg_inf);
-        const Mask more = v > best;                 // strictly: the first wins
-        best = select(more, v, best);
-        where = select(more, lane, where);
-        lane = lane + step;
-      }
-      alignas(64) float bv[16];
-      alignas(64) int32_t bi[16];
-      best.store(bv);
-      where.store(bi);
-      int32_t arg = bi[0];
-      float top = bv[0];
-      for (int k = 1; k < 16; ++k)
-        if (bv[k] > top || (bv[k] == top && bi[k] < arg)) top = bv[k], arg = bi[k];
-      op[b] = arg;
+  const int64_t threads = std::max(rt.threads, 1);
+  const int64_t S = B >= threads ? 1 : (threads + B - 1) / B, piece = (V + S - 1) / S;
+  std::vector<Best> best(B * S);
+  parallel_for(rt, B * S, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t lo = std::min(V, (u % S) * piece), hi = std::min(V, lo + piece);
+      best[u] = argmax_span(xp + (u / S) * V, lo, hi);
     }
   });
+  for (int64_t b = 0; b < B; ++b) {
+    Best r = best[b * S];
+    for (int64_t s = 1; s < S; ++s)
+      if (best[b * S + s].value > r.value) r = best[b * S + s];
+    op[b] = r.index;
+  }
 }
 
 }  // namespace pw
