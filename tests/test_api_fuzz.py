@@ -17,7 +17,7 @@ from live_server import start_server, stop_server
 
 pytestmark = pytest.mark.slow
 
-EXAMPLES = {"POST": 100, "GET": 20}          # per operation; POST bodies are where the input is
+EXAMPLES = {"POST": 70, "GET": 20}          # per operation; POST bodies are where the input is
 
 
 @pytest.fixture(scope="module")

@@ -124,7 +124,7 @@ def test_a_burst_admits_the_running_seats_plus_the_waiting_room(guarded):
     and /health answers throughout. Each admitted request runs for seconds, so none ends before the
     burst is in."""
     headers = {"Authorization": f"Bearer {KEY}"}
-    body = {**CHAT, "max_tokens": 300, "ignore_eos": True}
+    body = {**CHAT, "max_tokens": 160, "ignore_eos": True}
     health: list[int] = []
 
     async def burst() -> list[httpx.Response]:
