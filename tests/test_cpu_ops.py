@@ -48,7 +48,7 @@ def test_argmax_rows_matches_torch_even_on_ties(ops, V):
     x[3, : V // 2] = float("-inf")
     x[4] = float("-inf")
     x[5, -1] = 1e30                            # the last (maybe partial) vector
-    x[6, V // 2:] = x[6, : V - V // 2].clone() # equal maxima in both halves of the row
+    x[6, V // 2:] = x[6, : V - V // 2].clone()  # equal maxima in both halves of the row
     assert torch.equal(ops.argmax_rows(x), x.argmax(-1))
     for r in range(7):                         # one row: cut in a piece per thread, the first still wins
         assert torch.equal(ops.argmax_rows(x[r:r + 1]), x[r:r + 1].argmax(-1)), r
