@@ -11,8 +11,9 @@ redrawing every --refresh seconds, 5 as the page's default). The browser, the cl
 they would on a user's laptop. Output tokens/s = tokens / the round's wall time; ITL = gaps between
 a stream's chunks as the client receives them once every stream has its first token (steady
 decode: the prompts' prefill steps are not counted as ITL), pooled over the rounds of each kind; throughput is
-their median. Whether a difference is more than noise: the same ratios over every other split of
-the rounds into two halves (a permutation test), whose central 95% is printed beside them.
+their median. Whether a difference is more than noise: the same ratios over other splits of the
+rounds into two halves (every one, or 2,000 at random: a permutation test), whose central 95% is
+printed beside them.
 --viewer sse replaces the browser by a thread reading /dashboard/events (the server's share
 of the cost alone). For chromium, each open round also prints the CPU its processes used (from
 /proc), as a share of one core. --screenshot keeps a picture of the page under load (the third
@@ -245,8 +246,8 @@ def relabelled(closed: list, opened: list) -> tuple[tuple[float, ...], list[tupl
         a = [rounds[i] for i in picked]
         b = [rounds[i] for i in range(len(rounds)) if i not in picked]
         null.append([y / x for x, y in zip(figures(a), figures(b))])
-    columns = list(zip(*null))
-    return ratio, [(sorted(c)[int(0.025 * len(c))], sorted(c)[int(0.975 * len(c)) - 1]) for c in columns]
+    lo, hi = np.quantile(np.array(null), [0.025, 0.975], axis=0)
+    return ratio, list(zip(lo.tolist(), hi.tolist()))
 
 if __name__ == "__main__":
     main()
