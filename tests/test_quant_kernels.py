@@ -31,7 +31,7 @@ def random_weight(fmt: str, n: int, k: int, seed: int = 0) -> quant.PackedWeight
             torch.randint(-127, 128, (n, kb, 32), generator=g)
         scales = [torch.rand(n, kb, generator=g) * 0.01 + 1e-4 for _ in range(1 if fmt == "k4" else 2)]
         return quant.pack(fmt, q, scales + [-torch.rand(n, kb, generator=g) * 0.05])
-    type_name = {"q4": "Q4_1", "q8": "Q8_0", "q6": "Q5_0"}[fmt]
+    type_name = {"q4": "Q4_1", "q8": "Q8_0", "q5": "Q5_0"}[fmt]
     return pack_gguf(type_name, gguf_rows(type_name, n, k, seed))
 
 
@@ -62,15 +62,24 @@ def test_fused_parts_of_mixed_types_keep_their_values(types, fmt):
         quant.concat([parts[0], random_weight("i8", 16, 256)])
 
 
-def test_six_bit_formats_refuse_what_they_cannot_hold():
-    """q6 and k6 store q + 32 in a byte that AVX2 multiplies unbiased: values past -32..31 would
-    overflow its int16 sums, so packing refuses them, and an 8-bit weight never repacks into them."""
+def test_narrow_formats_refuse_what_they_cannot_hold():
+    """q5 and k6 store q + 16 and q + 32 in 5 and 6 bits that AVX2 multiplies unbiased: values past
+    -16..15 and -32..31 would overflow its int16 sums, so packing refuses them, and an 8-bit weight
+    never repacks into them."""
     d = [torch.full((16, 1), 0.01)]
-    with pytest.raises(ValueError, match="-32..31"):
-        quant.pack("q6", torch.full((16, 1, 32), 32), d)
-    assert torch.equal(quant.pack("q6", torch.full((16, 1, 32), -32), d).values(), torch.full((16, 1, 32), -32))
+    for fmt, lo in (("q5", -16), ("k6", -32)):
+        with pytest.raises(ValueError, match=f"{lo}..{-lo - 1}"):
+            quant.pack(fmt, torch.full((16, 1, 32), -lo), d if fmt == "q5" else d * 3)
+        edges = torch.tensor([lo, -lo - 1]).repeat(16, 1, 16)
+        assert torch.equal(quant.pack(fmt, edges, d if fmt == "q5" else d * 3).values(), edges)
     with pytest.raises(ValueError, match="cannot repack q8 as k6"):
         quant.repack(random_weight("q8", 16, 64), "k6")
+
+
+def test_q5_keeps_five_and_a_half_bits_a_weight():
+    """Q5_0's weights stream at the file's 5.5 bits: 16 rows x 32 weights in 352 bytes."""
+    w = random_weight("q5", 48, 96)
+    assert w.blocks.shape == (3, 3, 352) and w.nbytes() * 8 / (48 * 96) == 5.5
 
 
 def test_int8_per_channel_error_is_half_a_step():
@@ -95,7 +104,7 @@ SHAPES = [(1, 576, 576), (3, 960, 576), (17, 3072, 576), (64, 576, 1536), (5, 48
 SHORT = [(1, 576, 576), (5, 48, 64), (300, 80, 576)]            # the K formats share q4's and q8's loops
 
 
-@pytest.mark.parametrize("fmt,m,n,k", [(f, *s) for f in ("q4", "q8", "i8", "q6") for s in SHAPES] +
+@pytest.mark.parametrize("fmt,m,n,k", [(f, *s) for f in ("q4", "q8", "i8", "q5") for s in SHAPES] +
                                       [(f, *s) for f in ("k4", "k8", "k6") for s in SHORT])
 def test_kernel_matches_its_emulation(ops, fmt, m, n, k):
     w = random_weight(fmt, n, k, seed=m)
@@ -108,7 +117,7 @@ def test_kernel_matches_its_emulation(ops, fmt, m, n, k):
     assert (y - exact).norm() < 0.02 * exact.norm()
 
 
-@pytest.mark.parametrize("fmt", ["q4", "i8", "k8", "k6"])
+@pytest.mark.parametrize("fmt", ["q4", "i8", "k8", "k6", "q5"])
 def test_quant_linear_bias_padding_and_batch_dims(ops, fmt):
     w = random_weight(fmt, 40, 64)                  # N = 40: padded to 48 inside
     bias = torch.randn(40)

@@ -232,7 +232,7 @@ std::vector<uint8_t> random_weight(pw::QuantFormat fmt, int64_t N, int64_t K, st
                                    std::vector<float>& scale) {
   const int64_t NT = (N + 15) / 16, KB = K / 32, BB = pw::block_bytes(fmt), QB = pw::quant_bytes(fmt);
   const bool nibbles = fmt == pw::Q4 || fmt == pw::K4, f32 = fmt == pw::K4 || fmt == pw::K8 || fmt == pw::K6;
-  const bool six = fmt == pw::Q6 || fmt == pw::K6, halves = fmt == pw::K8 || fmt == pw::K6;
+  const bool six = fmt == pw::K6, halves = fmt == pw::K8 || fmt == pw::K6;
   std::vector<uint8_t> blocks(NT * KB * BB);
   for (uint8_t& b : blocks) b = static_cast<uint8_t>(rng());
   W.assign(NT * 16 * K, 0.f);
@@ -242,9 +242,9 @@ std::vector<uint8_t> random_weight(pw::QuantFormat fmt, int64_t N, int64_t K, st
   for (int64_t t = 0; t < NT; ++t)
     for (int64_t b = 0; b < KB; ++b) {
       uint8_t* blk = blocks.data() + (t * KB + b) * BB;
-      uint16_t* dm = reinterpret_cast<uint16_t*>(blk + QB);   // fp16 d (and m) of Q4, Q8, Q6
+      uint16_t* dm = reinterpret_cast<uint16_t*>(blk + QB);   // fp16 d (and m) of Q4, Q8, Q5
       float* ds = reinterpret_cast<float*>(blk + QB);         // fp32 d (K8, K6: of each half) and m
-      if (fmt == pw::Q4 || fmt == pw::Q8 || fmt == pw::Q6)
+      if (fmt == pw::Q4 || fmt == pw::Q8 || fmt == pw::Q5)
         for (int r = 0; r < (fmt == pw::Q4 ? 32 : 16); ++r) dm[r] = random_half(8, 12);
       if (f32)
         for (int r = 0; r < (fmt == pw::K4 ? 32 : 48); ++r) ds[r] = r < (fmt == pw::K4 ? 16 : 32) ?
@@ -252,16 +252,21 @@ std::vector<uint8_t> random_weight(pw::QuantFormat fmt, int64_t N, int64_t K, st
       for (int r = 0; r < 16; ++r) {
         float* w = W.data() + (t * 16 + r) * K + b * 32;
         for (int kk = 0; kk < 32; ++kk) {
-          if (nibbles) {
+          if (fmt == pw::Q5) {                                   // u = nibble | fifth bit << 4
+            const int g = kk / 4, p = r * 4 + kk % 4;
+            const uint8_t byte = blk[(g % 4) * 64 + p];
+            const int u = (g < 4 ? byte & 15 : byte >> 4) | ((blk[256 + p] >> g) & 1) << 4;
+            w[kk] = half_to_float(dm[r]) * (u - 16);
+          } else if (nibbles) {
             const int j = (kk % 16) / 4, p = kk % 4;
             const uint8_t byte = blk[j * 64 + r * 4 + p];
             const int q = kk < 16 ? byte & 15 : byte >> 4;
             w[kk] = fmt == pw::Q4 ? half_to_float(dm[r]) * q + half_to_float(dm[16 + r]) : ds[r] * q + ds[16 + r];
           } else {
             uint8_t& u = blk[(kk / 4) * 64 + r * 4 + kk % 4];
-            if (six) u &= 63;                                    // Q6, K6: q + 32 in 0..63
+            if (six) u &= 63;                                    // K6: q + 32 in 0..63
             else if (u == 0) u = 1;                              // q = -128 is never stored
-            const float d = fmt == pw::Q8 || fmt == pw::Q6 ? half_to_float(dm[r]) :
+            const float d = fmt == pw::Q8 ? half_to_float(dm[r]) :
                             fmt == pw::I8 ? scale[t * 16 + r] : ds[(kk < 16 ? 0 : 16) + r];
             w[kk] = (u - (six ? 32 : 128)) * d + (halves ? ds[32 + r] : 0.f);
           }
@@ -433,7 +438,7 @@ int main() {
     test_attention(k, 8, 2, 128, 32, int8, {4, 20, 40}, {9, 50, 40});
     test_attention(k, 4, 1, 256, 16, int8, {37, 1, 1}, {100, 700, 30}, 40);    // sliding window: tiles and rows
   }
-  for (pw::QuantFormat fmt : {pw::Q4, pw::Q8, pw::I8, pw::K4, pw::K8, pw::Q6, pw::K6})
+  for (pw::QuantFormat fmt : {pw::Q4, pw::Q8, pw::I8, pw::K4, pw::K8, pw::Q5, pw::K6})
     for (const auto& mnk : std::vector<std::vector<int64_t>>{{1, 576, 576}, {3, 40, 64}, {5, 960, 128}, {130, 48, 96}})
       test_quant_linear(k, fmt, mnk[0], mnk[1], mnk[2]);
   for (bool int8 : {false, true}) {

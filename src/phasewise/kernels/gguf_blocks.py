@@ -1,7 +1,7 @@
 """GGUF's block types read into our packed formats (kernels/quant.py), without rounding.
 
 Each type decodes to integer values per block of 32 and that block's scales, then packs:
-- Q4_0, Q4_1 → q4 (Q4_0's m = -8 d); Q8_0 → q8; Q5_0 → q6 (its q - 16 is in -16..15);
+- Q4_0, Q4_1 → q4 (Q4_0's m = -8 d); Q8_0 → q8; Q5_0 → q5 (its q - 16 is in -16..15);
 - Q4_K → k4: a super-block of 256 holds 8 sub-blocks of 32 with 6-bit sc, m; d = d_K sc and
   m = -dmin_K m_K, products of an fp16 and a 6-bit integer, are exact in fp32;
 - Q5_K → k6 as Q4_K with a fifth bit (q 0..31; both halves share d);
@@ -18,7 +18,7 @@ import torch
 from phasewise.kernels import quant
 
 # GGUF type name → the packed format its blocks run in
-GGUF_BLOCKS = {"Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8", "Q5_0": "q6", "Q4_K": "k4", "Q5_K": "k6", "Q6_K": "k6"}
+GGUF_BLOCKS = {"Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8", "Q5_0": "q5", "Q4_K": "k4", "Q5_K": "k6", "Q6_K": "k6"}
 
 
 def _f16(b: np.ndarray) -> np.ndarray:

@@ -7,16 +7,17 @@ quant_linear.cpp):
 
 - "q4": GGUF Q4_1 (w = d q + m) and Q4_0 (m = -8 d), the file's bytes and fp16 scales as they are;
 - "q8": GGUF Q8_0 (w = d q), q stored as q + 128;
-- "q6": q8 for q in -32..31, stored as q + 32: GGUF Q5_0 (w = d (q - 16), 5-bit q);
+- "q5": GGUF Q5_0 (w = d (u - 16), u in 0..31) in 5.5 bits a weight: u's low 4 bits as q4's
+  nibbles, then 64 bytes of fifth bits (bit g: k = 4g..4g+3 at that byte of a chunk), fp16 d;
 - "i8": our own int8 per output channel (w = s_n q), from fp32 weights;
 - "k4": GGUF Q4_K, as q4 with fp32 d, m per block of 32 (d_K sc and -dmin_K m_K, exact in fp32);
 - "k8": bytes with an fp32 d per 16-wide half of a block and an fp32 m: w = d_h q + m;
 - "k6": k8 for q in -32..31, stored as q + 32: GGUF Q5_K (q 0..31, both halves share d) and Q6_K
   (q - 32, its 16-wide sub-blocks' d).
-The 6-bit bytes of q6 and k6 multiply unbiased on every ISA (AVX2's vpmaddubsw without
-saturating), where q8's need a slower path on AVX2. A fused projection whose parts differ in
-block type is repacked, exactly, into the first format every part fits (WIDER): q4 and k4 parts
-as k4, q6 with q8 as q8, nibbles with q6 or k6 as k6, any other mix as k8.
+The 6-bit bytes of k6 (and q5's, unpacked to bytes in the kernel) multiply unbiased on every ISA
+(AVX2's vpmaddubsw without saturating), where q8's need a slower path on AVX2. A fused projection
+whose parts differ in block type is repacked, exactly, into the first format every part fits
+(WIDER): q4 and k4 parts as k4, q5 with q8 as q8, nibbles with q5 or k6 as k6, any other mix as k8.
 
 Packing only moves bytes and widens scales (no second rounding of GGUF weights). `dequantize` is
 the device-agnostic reference; `emulate` computes in PyTorch what the kernel computes
@@ -31,22 +32,22 @@ import torch
 
 QK = 32                                   # values per block
 TILE = 16                                 # output rows per tile (one vector lane each)
-FORMAT_IDS = {"q4": 0, "q8": 1, "i8": 2, "k4": 3, "k8": 4, "q6": 5, "k6": 6}
-NIBBLES = ("q4", "k4")                    # quants as 4-bit values; the others as bytes q + OFFSET
-OFFSET = {"q8": 128, "i8": 128, "k8": 128, "q6": 32, "k6": 32}
+FORMAT_IDS = {"q4": 0, "q8": 1, "i8": 2, "k4": 3, "k8": 4, "q5": 5, "k6": 6}
+NIBBLES = ("q4", "k4")                    # quants as 4-bit values; q5 as q + 16 in 5 bits; the others bytes
+OFFSET = {"q8": 128, "i8": 128, "k8": 128, "q5": 16, "k6": 32}
 # the formats each format's values and scales fit exactly (quant.repack), narrowest first
-WIDER = {"q4": ("q4", "k4", "k6", "k8"), "k4": ("k4", "k6", "k8"), "q6": ("q6", "q8", "k6", "k8"),
+WIDER = {"q4": ("q4", "k4", "k6", "k8"), "k4": ("k4", "k6", "k8"), "q5": ("q5", "q8", "k6", "k8"),
          "q8": ("q8", "k8"), "k6": ("k6", "k8"), "k8": ("k8",), "i8": ("i8",)}
 # each format's per-block scales after the quants: their dtype and how many 16-row vectors
 SCALES = {"q4": (torch.float16, 2), "q8": (torch.float16, 1), "i8": (torch.float32, 0),
-          "k4": (torch.float32, 2), "k8": (torch.float32, 3), "q6": (torch.float16, 1), "k6": (torch.float32, 3)}
-QUANT_BYTES = {f: 256 if f in NIBBLES else 512 for f in FORMAT_IDS}   # quants per (tile, block)
+          "k4": (torch.float32, 2), "k8": (torch.float32, 3), "q5": (torch.float16, 1), "k6": (torch.float32, 3)}
+QUANT_BYTES = {f: 256 if f in NIBBLES else 320 if f == "q5" else 512 for f in FORMAT_IDS}   # per (tile, block)
 BLOCK_BYTES = {f: QUANT_BYTES[f] + 16 * n * dt.itemsize for f, (dt, n) in SCALES.items()}
 
 
 @dataclass(kw_only=True)
 class PackedWeight:
-    fmt: str                       # q4 | q8 | i8 | k4 | k8 | q6 | k6
+    fmt: str                       # q4 | q8 | i8 | k4 | k8 | q5 | k6
     n: int                         # output features (rows of W)
     k: int                         # input features, a multiple of 32
     blocks: torch.Tensor               # [NT, KB, BLOCK_BYTES] uint8: quants, then the scales
@@ -62,7 +63,7 @@ class PackedWeight:
         return self.blocks[..., :QUANT_BYTES[self.fmt]]
 
     def scales(self, i: int) -> torch.Tensor:
-        """[Np, KB] the i-th per-block scale of every row (q4, k4: d, m; q8, q6: d; k8, k6: d of each half, m)."""
+        """[Np, KB] the i-th per-block scale of every row (q4, k4: d, m; q8, q5: d; k8, k6: d of each half, m)."""
         dtype, count = SCALES[self.fmt]
         if i >= count:
             raise IndexError(f"{self.fmt} has {count} scales per block")
@@ -77,6 +78,13 @@ class PackedWeight:
         if self.fmt in NIBBLES:
             b = self.qs.reshape(nt, kb, 4, TILE, 4).permute(0, 3, 1, 2, 4).reshape(nt * TILE, kb, 16)
             return torch.cat([b & 0x0F, b >> 4], dim=-1).to(torch.int16)
+        if self.fmt == "q5":       # nibbles as q4's, bit g of the plane's byte: chunk g's fifth bit
+            nib = self.qs[..., :256].reshape(nt, kb, 4, 64)
+            low = torch.cat([nib & 0x0F, nib >> 4], dim=2)                                  # [NT, KB, 8, 64]
+            plane = self.qs[..., 256:].reshape(nt, kb, 1, 64)
+            fifth = (plane >> torch.arange(8, dtype=torch.uint8).reshape(1, 1, 8, 1)) & 1
+            u = (low | (fifth << 4)).reshape(nt, kb, 8, TILE, 4).permute(0, 3, 1, 2, 4).reshape(nt * TILE, kb, QK)
+            return u.to(torch.int16) - OFFSET["q5"]
         u = self.qs.reshape(nt, kb, 8, TILE, 4).permute(0, 3, 1, 2, 4).reshape(nt * TILE, kb, QK)
         return u.to(torch.int16) - OFFSET[self.fmt]
 
@@ -103,7 +111,7 @@ def _tile_bytes(u: torch.Tensor) -> torch.Tensor:
 
 
 def pack(fmt: str, q: torch.Tensor, scales: list[torch.Tensor]) -> PackedWeight:
-    """q [N, KB, 32] integers (q4, k4: 0..15; q8, k8: -128..127; q6, k6: -32..31) and the format's
+    """q [N, KB, 32] integers (q4, k4: 0..15; q8, k8: -128..127; q5: -16..15; k6: -32..31) and the format's
     scales, each [N, KB] (cast to the format's dtype: pass values it holds exactly) → a PackedWeight."""
     n, kb, _ = q.shape
     dtype, count = SCALES[fmt]
@@ -117,10 +125,16 @@ def pack(fmt: str, q: torch.Tensor, scales: list[torch.Tensor]) -> PackedWeight:
         b = (q[..., :16] | (q[..., 16:] << 4)).to(torch.uint8)
         quants = b.reshape(np_ // TILE, TILE, kb, 4, 4).permute(0, 2, 3, 1, 4).reshape(np_ // TILE, kb, 256)
     else:
-        lo, hi = (-32, 31) if fmt in ("q6", "k6") else (-128, 127)
+        lo, hi = (-16, 15) if fmt == "q5" else (-32, 31) if fmt == "k6" else (-128, 127)
         if q.numel() and (q.min() < lo or q.max() > hi):
             raise ValueError(f"{fmt} holds values in {lo}..{hi}, got {q.min().item()}..{q.max().item()}")
         quants = _tile_bytes((q + OFFSET[fmt]).to(torch.uint8))
+        if fmt == "q5":     # [NT, KB, 8 chunks of 64] bytes → the low nibbles as q4's, then the fifth bits
+            u = quants.reshape(np_ // TILE, kb, 8, 64)
+            nib = (u[:, :, :4] & 0x0F) | ((u[:, :, 4:] & 0x0F) << 4)
+            bits = (u >> 4) << torch.arange(8, dtype=torch.uint8).reshape(1, 1, 8, 1)
+            plane = bits.sum(dim=2, dtype=torch.uint8)                   # distinct bits: the sum is the or
+            quants = torch.cat([nib.reshape(np_ // TILE, kb, 256), plane], dim=-1)
     tiles = [_tile_scales(_pad_rows(s.to(dtype), np_)) for s in scales]
     return PackedWeight(fmt=fmt, n=n, k=kb * QK, blocks=torch.cat([quants, *tiles], dim=-1))
 
@@ -146,7 +160,7 @@ def repack(w: PackedWeight, fmt: str) -> PackedWeight:
     if fmt not in WIDER[w.fmt]:
         raise ValueError(f"cannot repack {w.fmt} as {fmt}")
     q, s = w.values()[:w.n], [w.scales(i)[:w.n].float() for i in range(SCALES[w.fmt][1])]
-    if fmt in ("k4", "q8"):                          # q4 → k4, q6 → q8: the same scales
+    if fmt in ("k4", "q8"):                          # q4 → k4, q5 → q8: the same scales
         return pack(fmt, q, s)
     if w.fmt in ("k6", "k8"):
         return pack(fmt, q, s)
@@ -176,7 +190,7 @@ def dequantize(w: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Ten
         out = q * w.scale.reshape(-1, 1, 1)
     else:
         s = [w.scales(i).float()[..., None] for i in range(SCALES[w.fmt][1])]  # each [Np, KB, 1]
-        if w.fmt in ("q8", "q6"):
+        if w.fmt in ("q8", "q5"):
             out = q * s[0]
         elif w.fmt in NIBBLES:
             out = q * s[0] + s[1]

@@ -6,26 +6,33 @@
 // 32 along K are unsigned bytes, so VNNI's `vpdpbusd` (u8 x s8 -> s32, 4 products per lane) takes
 // them as they are:
 //   Q4 (GGUF Q4_1, and Q4_0 with m = -8 d):  w = d q + m,        q in 0..15, d, m fp16 per block
-//   Q8 (GGUF Q8_0, Q5_0):                    w = d (u - 128),    u = q + 128, d fp16 per block
+//   Q8 (GGUF Q8_0):                          w = d (u - 128),    u = q + 128, d fp16 per block
 //   I8 (our per-channel int8):               w = s_n (u - 128),  s_n fp32 per output row
 //   K4 (GGUF Q4_K):                          Q4 with d = d_K sc, m = -dmin_K m_K as fp32
 //   K8 (mixes of block types):               w = d_h (u - 128) + m, u = q + 128, one fp32 d per
 //                                            16-wide half h of the block, m fp32
-//   Q6 (GGUF Q5_0), K6 (GGUF Q5_K, Q6_K):     Q8 and K8 with u = q + 32, q in -32..31
+//   Q5 (GGUF Q5_0):                          w = d (u - 16), u in 0..31 in 5.5 bits: Q4's nibbles
+//                                            and a plane of fifth bits; U5 the same one byte a weight
+//   K6 (GGUF Q5_K, Q6_K):                    K8 with u = q + 32, q in -32..31
 // (the K scales are fp16 x 6- or 8-bit integers in the file: exact in fp32; Q6_K's sub-blocks are
 // 16 wide), so a block contributes d (dx acc) + m sx (Q4, K4) or d (dx acc - o sx) + m sx (the
-// bytes, offset o = 128 or 32), with acc = sum(u xq) (K8, K6: per half, with sl and sx - sl).
+// bytes, offset o = 128, 32 or 16), with acc = sum(u xq) (K8, K6: per half, with sl and sx - sl).
 // Where the ISA's dot product unbiases 8-bit bytes itself (Q8_BIASED false: no u8 x s8 product
 // that holds 255 x 127), Q8, I8 and K8 get acc = sum((u - 128) xq) and the -128 sx term goes. Bytes
-// of 6 bits every ISA multiplies as they are (AVX2's vpmaddubsw without saturating), so Q6 and K6
+// below 64 every ISA multiplies as they are (AVX2's vpmaddubsw without saturating), so U5 and K6
 // give the same sums, and outputs, at every level.
 //
 // Layout (python: kernels/quant.py packs it): output rows in tiles of 16, one vector lane per row.
 // blocks [N/16, K/32, BB] u8, per (tile, block) one run of bytes (a tile streams in one sequence):
 //   the quants as 64-byte chunks of 16 rows x 4 consecutive k,
 //     Q4, K4: 4 chunks, chunk j's low nibbles are k = 4j..4j+3, its high nibbles k = 16+4j..16+4j+3;
-//     the bytes: 8 chunks, chunk g holds k = 4g..4g+3;
+//     Q5: Q4's 4 chunks of the low 4 bits, then 64 bytes whose bit g is the fifth bit of k = 4g..4g+3
+//       at the same byte of a chunk;
+//     the bytes (and U5): 8 chunks, chunk g holds k = 4g..4g+3;
 //   then the 16 rows' scales (kernels.h, block_bytes). scale [N/16 * 16] fp32 (I8).
+// Q5 streams 5.5 bits a weight from memory: from Q5_UNPACK_ROWS rows a thread unpacks a tile's blocks
+// to bytes (U5, in L1/L2) before its rows pass over them; fewer rows put each chunk's bytes together
+// in registers (AVX2: 4 chunks of 5-bit bytes summed in int16 before a widening, 6-bit bytes 2).
 #include "core.h"
 #include "parallel.h"
 #include "vec/vec.h"
@@ -34,6 +41,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace pw {
@@ -91,10 +100,22 @@ inline void quantize_block(const float* x, int8_t* q, float* dx, float* sx, floa
 }
 
 constexpr bool nibbles(Fmt F) { return F == Q4 || F == K4; }
-constexpr bool six_bits(Fmt F) { return F == Q6 || F == K6; }
+constexpr bool narrow(Fmt F) { return F == Q5 || F == U5 || F == K6; }   // values below 64, multiplied unbiased
 constexpr bool halves(Fmt F) { return F == K8 || F == K6; }         // a d per 16-wide half
-constexpr bool biased(Fmt F) { return six_bits(F) || Q8_BIASED; }   // acc = sum(u xq) of the bytes
-constexpr float offset(Fmt F) { return six_bits(F) ? 32.f : 128.f; }
+constexpr bool biased(Fmt F) { return narrow(F) || Q8_BIASED; }     // acc = sum(u xq) of the bytes
+constexpr bool five_bits(Fmt F) { return F == Q5 || F == U5; }
+constexpr float offset(Fmt F) { return five_bits(F) ? 16.f : F == K6 ? 32.f : 128.f; }
+// dot_u4s calls before widen: Q5's in-register path sums 4 on AVX2; U5 sums 2 as K6 does (at 4 the
+// bytes of 4 chunks and the sums of 4 rows outgrow AVX2's 16 registers: 1.1-1.2x slower)
+constexpr int narrow_calls(Fmt F) { return F == Q5 ? VS_U5 : VS_U6; }
+
+// f(std::integral_constant<int, j>) for j = 0 .. N - 1 (a shift count that must be a constant)
+template <typename Fn, int... J>
+inline void for_each_j(const Fn& f, std::integer_sequence<int, J...>) {
+  (f(std::integral_constant<int, J>{}), ...);
+}
+template <int N, typename Fn>
+inline void for_each_j(const Fn& f) { for_each_j(f, std::make_integer_sequence<int, N>{}); }
 
 // r[i][v] += one block's (or K8's, K6's half block's) contribution: acc [MT][NV], the block's scales
 // at `scales` for tile t0 + v (K8, K6: half h's d at scales + 64 h, m at scales + 128).
@@ -104,7 +125,7 @@ inline void block_epilogue(const Act& a, int64_t m0, const Weights& w, int64_t t
   for (int v = 0; v < NV; ++v) {
     const uint8_t* scales = w.qs + ((t0 + v) * w.KB + b) * block_bytes(F) + quant_bytes(F);
     Vf dv, mv;
-    if constexpr (F == Q4 || F == Q8 || F == Q6) dv = Vf::from_f16(reinterpret_cast<const uint16_t*>(scales));
+    if constexpr (F == Q4 || F == Q8 || five_bits(F)) dv = Vf::from_f16(reinterpret_cast<const uint16_t*>(scales));
     if constexpr (F == Q4) mv = Vf::from_f16(reinterpret_cast<const uint16_t*>(scales + 32));
     if constexpr (F == K4 || halves(F)) dv = Vf::load(reinterpret_cast<const float*>(scales + 64 * h));
     if constexpr (F == K4) mv = Vf::load(reinterpret_cast<const float*>(scales + 64));
@@ -148,7 +169,37 @@ inline void tile_kernel(const Act& a, int64_t m0, const Weights& w, int64_t t0, 
         if (next + off < next_end) prefetch_l2(next + off);
     Vi acc[MT][NV];
     const int8_t* xb = a.xq + m0 * a.K + b * QK;
-    if constexpr (nibbles(F)) {    // 8 nibble dot products per (row, tile): one narrow accumulator
+    if constexpr (F == Q5) {       // few rows: each chunk's bytes put together in registers
+      constexpr int per = narrow_calls(F) / 2 < 4 ? narrow_calls(F) / 2 : 4;   // chunks j per widen
+      Vb fifth[NV];
+      for (int v = 0; v < NV; ++v) fifth[v] = Vb::load(w.qs + ((t0 + v) * w.KB + b) * block_bytes(F) + 256);
+      for (int i = 0; i < MT; ++i)
+        for (int v = 0; v < NV; ++v) acc[i][v] = Vi::zero();
+      Vs part[MT][NV];
+      for_each_j<4>([&](auto J) {
+        constexpr int j = decltype(J)::value;
+        if constexpr (j % per == 0)
+          for (int i = 0; i < MT; ++i)
+            for (int v = 0; v < NV; ++v) part[i][v] = Vs::zero();
+        Vb lo[NV], hi[NV];
+        for (int v = 0; v < NV; ++v) {
+          const Vb raw = Vb::load(w.qs + ((t0 + v) * w.KB + b) * block_bytes(F) + j * 64);
+          lo[v] = with_fifth<j>(lo4(raw), fifth[v]);
+          hi[v] = with_fifth<j + 4>(hi4(raw), fifth[v]);
+        }
+        for (int i = 0; i < MT; ++i) {
+          const Vb xl = Vb::bcast4(xb + i * a.K + 4 * j), xh = Vb::bcast4(xb + i * a.K + 16 + 4 * j);
+          for (int v = 0; v < NV; ++v) {
+            part[i][v] = dot_u4s(part[i][v], lo[v], xl);
+            part[i][v] = dot_u4s(part[i][v], hi[v], xh);
+          }
+        }
+        if constexpr (j % per == per - 1)
+          for (int i = 0; i < MT; ++i)
+            for (int v = 0; v < NV; ++v) acc[i][v] = acc[i][v] + widen(part[i][v]);
+      });
+      block_epilogue<F, MT, NV>(a, m0, w, t0, b, 0, acc, r);
+    } else if constexpr (nibbles(F)) {    // 8 nibble dot products per (row, tile): one narrow accumulator
       Vs part[MT][NV];
       for (int i = 0; i < MT; ++i)
         for (int v = 0; v < NV; ++v) part[i][v] = Vs::zero();
@@ -172,9 +223,9 @@ inline void tile_kernel(const Act& a, int64_t m0, const Weights& w, int64_t t0, 
       block_epilogue<F, MT, NV>(a, m0, w, t0, b, 0, acc, r);
     } else {                       // the bytes; K8, K6 close each 16-wide half with its own scale
       constexpr int parts = halves(F) ? 2 : 1, chunks = 8 / parts;
-      // six-bit bytes where the narrow sums fill before a half does (AVX2: every 2 chunks): each
+      // narrow bytes where the int16 sums fill before a half does (AVX2: every 2 chunks): each
       // row sums `span` chunks narrow, one row at a time, so acc and the weights stay in registers
-      constexpr int span = six_bits(F) && VS_U6 < chunks ? VS_U6 : 1;
+      constexpr int span = narrow(F) && narrow_calls(F) < chunks ? narrow_calls(F) : 1;
       for (int h = 0; h < parts; ++h) {
         for (int i = 0; i < MT; ++i)
           for (int v = 0; v < NV; ++v) acc[i][v] = Vi::zero();
@@ -190,7 +241,7 @@ inline void tile_kernel(const Act& a, int64_t m0, const Weights& w, int64_t t0, 
                 Vs part = Vs::zero();
                 for (int s = 0; s < span; ++s) part = dot_u4s(part, u[s][v], x[s]);
                 acc[i][v] = acc[i][v] + widen(part);
-              } else if constexpr (six_bits(F)) {
+              } else if constexpr (narrow(F)) {
                 acc[i][v] = dot_u4(acc[i][v], u[0][v], x[0]);
               } else {
                 acc[i][v] = dot_q8(acc[i][v], u[0][v], x[0]);
@@ -229,7 +280,30 @@ inline void rows_kernel(const Act& a, int64_t M, const Weights& w, int64_t t0, c
   }
 }
 
+// Q5 tiles t0 .. t0 + nv - 1 as U5 in buf [nv, KB, block_bytes(U5)]: each weight's nibble and fifth
+// bit in one byte, the scales after them; the next nv tiles' bytes are fetched into L2 meanwhile.
+inline void unpack_q5(const Weights& w, int64_t t0, int64_t nv, uint8_t* buf) {
+  constexpr int64_t QB = quant_bytes(Q5), BB = block_bytes(Q5), UB = block_bytes(U5);
+  const uint8_t* next = w.qs + (t0 + nv) * w.KB * BB;
+  const uint8_t* end = w.qs + w.NT * w.KB * BB;
+  for (int64_t i = 0; i < nv * w.KB; ++i) {          // block i of the run of tiles
+    for (int64_t off = i * BB; off < (i + 1) * BB; off += 64)
+      if (next + off < end) prefetch_l2(next + off);
+    const uint8_t* src = w.qs + (t0 * w.KB + i) * BB;
+    uint8_t* dst = buf + i * UB;
+    const Vb fifth = Vb::load(src + 256);
+    for_each_j<4>([&](auto J) {
+      constexpr int j = decltype(J)::value;
+      const Vb raw = Vb::load(src + 64 * j);
+      with_fifth<j>(lo4(raw), fifth).store(dst + 64 * j);
+      with_fifth<j + 4>(hi4(raw), fifth).store(dst + 64 * (j + 4));
+    });
+    std::memcpy(dst + 512, src + QB, UB - 512);
+  }
+}
+
 constexpr int64_t MCHUNK = 128;
+constexpr int64_t Q5_UNPACK_ROWS = 8;     // from this many rows Q5 tiles are unpacked once for all rows
 constexpr int64_t QUANT_GRAIN = 256;       // blocks of activations worth a thread
 // Rows go in chunks of MCHUNK (activations and outputs of a chunk stay in L2 while every tile
 // pair of the weight passes over them); within a chunk, threads split the pairs of tiles.
@@ -242,9 +316,20 @@ void run(const Runtime& rt, const Act& a, int64_t M, const Weights& w, const flo
     float* o = out + m0 * ldo;
     parallel_for(rt, groups, 1, [&](int64_t begin, int64_t end) {
       for (int64_t g = begin; g < end; ++g) {
-        const int64_t t0 = NVB * g;
-        if (t0 + NVB <= NT) rows_kernel<F, NVB>(chunk, rows, w, t0, bias, o, ldo);
-        else for (int64_t t = t0; t < NT; ++t) rows_kernel<F, 1>(chunk, rows, w, t, bias, o, ldo);
+        const int64_t t0 = NVB * g, nv = std::min<int64_t>(NVB, NT - t0);
+        if (F == Q5 && rows >= Q5_UNPACK_ROWS) {   // the group's tiles as U5 once, then every row over them
+          thread_local std::vector<uint8_t> buf;
+          if (static_cast<int64_t>(buf.size()) < NVB * w.KB * block_bytes(U5)) buf.resize(NVB * w.KB * block_bytes(U5));
+          unpack_q5(w, t0, nv, buf.data());
+          const Weights u{buf.data(), nullptr, w.KB, block_bytes(U5), std::min<int64_t>(w.N - 16 * t0, 16 * nv), nv};
+          const float* b = bias ? bias + 16 * t0 : nullptr;
+          if (nv == NVB) rows_kernel<U5, NVB>(chunk, rows, u, 0, b, o + 16 * t0, ldo);
+          else for (int64_t t = 0; t < nv; ++t) rows_kernel<U5, 1>(chunk, rows, u, t, b, o + 16 * t0, ldo);
+        } else if (nv == NVB) {
+          rows_kernel<F, NVB>(chunk, rows, w, t0, bias, o, ldo);
+        } else {
+          for (int64_t t = t0; t < NT; ++t) rows_kernel<F, 1>(chunk, rows, w, t, bias, o, ldo);
+        }
       }
     });
   }
@@ -301,8 +386,9 @@ void quant_linear(const Runtime& rt, const float* x, int64_t M, int64_t K, const
     case I8: run<I8>(rt, a, M, w, bias, y); break;
     case K4: run<K4>(rt, a, M, w, bias, y); break;
     case K8: run<K8>(rt, a, M, w, bias, y); break;
-    case Q6: run<Q6>(rt, a, M, w, bias, y); break;
+    case Q5: run<Q5>(rt, a, M, w, bias, y); break;
     case K6: run<K6>(rt, a, M, w, bias, y); break;
+    case U5: break;                   // not a packed format (kernels.h)
   }
 }
 

@@ -59,7 +59,7 @@ inline Vi dot_q8(Vi acc, Vb u, Vb x) {
 }
 
 using Vs = Vi;
-constexpr int VS_U6 = 8;
+constexpr int VS_U6 = 8, VS_U5 = 8;
 inline Vi dot_u4s(Vs acc, Vb w, Vb x) { return dot_u4(acc, w, x); }
 inline Vi widen(Vs acc) { return acc; }
 

@@ -62,7 +62,7 @@ inline Vi dot_u4(Vi acc, Vb w, Vb x) { return dot_bytes(acc, w, x, false); }
 inline Vi dot_q8(Vi acc, Vb u, Vb x) { return dot_bytes(acc, u, x, true); }
 
 using Vs = Vi;
-constexpr int VS_U6 = 8;
+constexpr int VS_U6 = 8, VS_U5 = 8;
 inline Vi dot_u4s(Vs acc, Vb w, Vb x) { return dot_u4(acc, w, x); }
 inline Vi widen(Vs acc) { return acc; }
 

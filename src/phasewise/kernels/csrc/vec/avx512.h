@@ -89,6 +89,7 @@ inline Vf to_float(Vi a) { return {_mm512_cvtepi32_ps(a.v)}; }
 struct Vb {
   __m512i v;
   static Vb load(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }
+  void store(uint8_t* p) const { _mm512_storeu_si512(p, v); }
   static Vb bcast4(const int8_t* p) {
     int32_t x;
     std::memcpy(&x, p, 4);
@@ -97,10 +98,15 @@ struct Vb {
 };
 inline Vb lo4(Vb a) { return {_mm512_and_si512(a.v, _mm512_set1_epi8(0x0F))}; }
 inline Vb hi4(Vb a) { return {_mm512_and_si512(_mm512_srli_epi16(a.v, 4), _mm512_set1_epi8(0x0F))}; }
+template <int G>
+inline Vb with_fifth(Vb nib, Vb bits) {
+  const __m512i b = G <= 4 ? _mm512_slli_epi16(bits.v, 4 - G) : _mm512_srli_epi16(bits.v, G - 4);
+  return {_mm512_or_si512(nib.v, _mm512_and_si512(b, _mm512_set1_epi8(0x10)))};
+}
 inline Vi dot_u4(Vi acc, Vb w, Vb x) { return {_mm512_dpbusd_epi32(acc.v, w.v, x.v)}; }
 inline Vi dot_q8(Vi acc, Vb u, Vb x) { return {_mm512_dpbusd_epi32(acc.v, u.v, x.v)}; }
 using Vs = Vi;                                   // vpdpbusd sums into int32 directly
-constexpr int VS_U6 = 8;
+constexpr int VS_U6 = 8, VS_U5 = 8;
 inline Vi dot_u4s(Vs acc, Vb w, Vb x) { return dot_u4(acc, w, x); }
 inline Vi widen(Vs acc) { return acc; }
 

@@ -21,6 +21,7 @@ typedef float f32n __attribute__((vector_size(4 * W)));
 typedef int32_t i32n __attribute__((vector_size(4 * W)));
 typedef int8_t i8n __attribute__((vector_size(4 * W)));      // 4 W signed bytes: W lanes of 4
 typedef uint8_t u8n __attribute__((vector_size(4 * W)));
+typedef uint16_t u16n __attribute__((vector_size(4 * W)));
 // The same vectors at any address (unaligned loads and stores of native width).
 typedef f32n f32n_u __attribute__((aligned(1), may_alias));
 typedef i32n i32n_u __attribute__((aligned(1), may_alias));
@@ -209,6 +210,9 @@ struct Vb {
     for (int i = 0; i < NP; ++i) r.v[i] = b;
     return r;
   }
+  void store(uint8_t* p) const {
+    for (int i = 0; i < NP; ++i) *reinterpret_cast<u8n_u*>(p + i * 4 * W) = v[i];
+  }
 };
 inline Vb lo4(Vb a) {
   for (int i = 0; i < NP; ++i) a.v[i] &= 0x0F;
@@ -217,6 +221,14 @@ inline Vb lo4(Vb a) {
 inline Vb hi4(Vb a) {
   for (int i = 0; i < NP; ++i) a.v[i] >>= 4;
   return a;
+}
+template <int G>            // nib with bit G of each byte of `bits` as its bit 4 (shifts of 16-bit lanes)
+inline Vb with_fifth(Vb nib, Vb bits) {
+  for (int i = 0; i < NP; ++i) {
+    const u16n b = (u16n)bits.v[i];
+    nib.v[i] |= (u8n)((G <= 4 ? b << (4 - G) : b >> (G - 4)) & 0x1010);
+  }
+  return nib;
 }
 
 inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }

@@ -13,13 +13,15 @@
 //   reduce_add, reduce_max, reduce16(a[16]) (lane j = the sum of a[j]);
 //   Mask: first_n(n), a > b (Vf or Vi), select(m, a, b) = m ? a : b;
 //   Vi::zero() / set1(x) / iota() / store(p), +, to_float;
-//   Vb::load(p) / bcast4(p) (4 bytes to every lane), lo4, hi4 (the nibbles),
+//   Vb::load(p) / bcast4(p) (4 bytes to every lane) / v.store(p), lo4, hi4 (the nibbles),
+//   with_fifth<G>(nib, bits): nib | bit G of each byte of bits, moved to bit 4 (Q5's fifth bits),
 //   dot_u4(acc, w, x): acc + the 4 products w x of each lane, w in 0..15 (or 0..63) unsigned, x signed;
 //   dot_q8(acc, u, x): the same for bytes u = q + 128 (q signed); Q8_BIASED says whether the
 //     result holds sum(u x) (the caller subtracts 128 sum(x)) or sum(q x) already;
 //   Vs: dot_u4 sums in the narrowest accumulator the ISA has (AVX2: int16 pairs, which hold 8
 //     calls: 8 x 2 x 15 x 127 < 32768; elsewhere Vi): Vs::zero(), dot_u4s(acc, w, x), widen(Vs) -> Vi;
-//     it also takes bytes of 0..63 (Q6, K6), VS_U6 calls of them before widen (AVX2: 2, else 8);
+//     it also takes bytes of 0..63 (K6), VS_U6 calls of them before widen (AVX2: 2, else 8), and of
+//     0..31 (U5), VS_U5 calls (AVX2: 4, else 8);
 //   prefetch_l2(p); ISA (the level's name).
 #pragma once
 
