@@ -4,8 +4,8 @@
   weight; fused projections (qkv, gate_up) are quantized after fusion, one scale per fused row.
 - q4: the GGUF file's own blocks, repacked without rounding (kernels/gguf_blocks.py): Q4_1/Q4_0
   as 4-bit blocks, Q8_0 (how the default file stores its tied embedding, used as the output head)
-  and Q5_0 (Gemma 3's q, k, gate and up) as 8-bit blocks, Q4_K as 4-bit blocks with fp32 scales,
-  Q5_K and Q6_K as 8-bit blocks with fp32 half-block scales. A fused projection concatenates its
+  as 8-bit blocks, Q5_0 (Gemma 3's q, k, gate and up) in its own 5.5 bits, Q4_K as 4-bit blocks
+  with fp32 scales, Q5_K and Q6_K as 8-bit blocks with fp32 half-block scales. A fused projection concatenates its
   parts' blocks along N (parts of different types repacked to one format, exactly). A layer the
   file holds in another type (F32, F16, a safetensors model) falls back to int8 per channel.
 
