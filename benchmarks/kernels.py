@@ -1,11 +1,14 @@
 """Linear-layer kernels at the default model's shapes: fp32 oneDNN against the int8 and q4 kernels.
 
     .venv/bin/python benchmarks/kernels.py [--rows 1,4,32,512] [--repeats 5] [--min-time 0.2] [--threads N] [--cold]
+        [--shapes qkv,o,...] [--formats int8,q4 | any of q4,q8,q5,k4,k6,k8,i8]
 
-For each weight shape (N, K) of SmolLM2-135M and each number of activation rows M, prints the
-median time of one call, the weight bytes read per second (GB/s, what bounds decode) and the
-arithmetic rate (GFLOP/s, what bounds prefill). q4 is GGUF Q4_1 except the output head, which the
-default file stores as Q8_0. Random weights; the kernels' speed does not depend on the values.
+For each weight shape (N, K) of SmolLM2-135M (or Gemma 3 270M: --shapes gemma_qkv,gemma_o,
+gemma_gate_up,gemma_down) and each number of activation rows M, prints the median time of one
+call, the weight bytes read per second (GB/s, what bounds decode) and the arithmetic rate
+(GFLOP/s, what bounds prefill). q4 is GGUF Q4_1 except the output head, which the default file
+stores as Q8_0; --formats names packed formats (kernels/quant.py) to compare them on one shape.
+Random weights; the kernels' speed does not depend on the values.
 Run it alone: another process on this 2-core machine changes the numbers several-fold.
 """
 
@@ -24,7 +27,8 @@ from phasewise.layers.quant_linear import QuantLinear
 
 L3_BYTES = 32 << 20
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
-          "lm_head": (49152, 576)}
+          "lm_head": (49152, 576),
+          "gemma_qkv": (1536, 640), "gemma_o": (640, 1024), "gemma_gate_up": (4096, 640), "gemma_down": (640, 2048)}
 
 
 def random_packed(fmt: str, n: int, k: int) -> quant.PackedWeight:
@@ -33,7 +37,12 @@ def random_packed(fmt: str, n: int, k: int) -> quant.PackedWeight:
     if fmt == "q4":
         qs = torch.randint(0, 256, (n, kb, 16), dtype=torch.uint8)
         return quant.pack("q4", torch.cat([qs & 0x0F, qs >> 4], dim=-1), [d, (-torch.rand(n, kb) * 0.05).half()])
-    return quant.pack("q8", torch.randint(-127, 128, (n, kb, 32), dtype=torch.int8), [d])
+    if fmt in ("q8", "q5"):
+        lo, hi = (-127, 127) if fmt == "q8" else (-16, 15)
+        return quant.pack(fmt, torch.randint(lo, hi + 1, (n, kb, 32)), [d])
+    lo, hi = {"k4": (0, 15), "k6": (-32, 31), "k8": (-127, 127)}[fmt]
+    scales = [torch.rand(n, kb) * 0.01 for _ in range(1 if fmt == "k4" else 2)] + [-torch.rand(n, kb) * 0.05]
+    return quant.pack(fmt, torch.randint(lo, hi + 1, (n, kb, 32)), scales)
 
 
 def clone(w: quant.PackedWeight) -> quant.PackedWeight:
@@ -68,7 +77,9 @@ def timeit(fns: list, x: torch.Tensor, repeats: int, min_time: float) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,4,32,512")
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--shapes", default="qkv,o,gate_up,down,lm_head")
+    ap.add_argument("--formats", default="int8,q4",
+                    help="int8 (per channel from the fp32 weight), q4 (the default file's blocks) or packed formats")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--min-time", type=float, default=0.2, help="seconds per measurement")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -90,7 +101,8 @@ def main() -> None:
             lin = nn.Linear(k, n, bias=False)
             lin.weight.data = w
             onednn = onednn_available(torch.device("cpu"), torch.float32)
-            packed = {"int8": quant.quantize_i8(w), "q4": random_packed("q8" if name == "lm_head" else "q4", n, k)}
+            packed = {f: quant.quantize_i8(w) if f in ("int8", "i8") else
+                      random_packed("q8" if f == "q4" and name == "lm_head" else f, n, k) for f in args.formats.split(",")}
             factories = {"fp32": (lambda: OneDNNLinear(lin) if onednn else lin, 4 * n * k)}
             for fmt, pw in packed.items():
                 factories[fmt] = (lambda pw=pw: with_kernels(QuantLinear(clone(pw)), ext), pw.nbytes())
