@@ -82,7 +82,7 @@ class PackedWeight:
             nib = self.qs[..., :256].reshape(nt, kb, 4, 64)
             low = torch.cat([nib & 0x0F, nib >> 4], dim=2)                                  # [NT, KB, 8, 64]
             plane = self.qs[..., 256:].reshape(nt, kb, 1, 64)
-            fifth = (plane >> torch.arange(8, dtype=torch.uint8).reshape(1, 1, 8, 1)) & 1
+            fifth = (plane >> torch.arange(8, dtype=torch.uint8, device=plane.device).reshape(1, 1, 8, 1)) & 1
             u = (low | (fifth << 4)).reshape(nt, kb, 8, TILE, 4).permute(0, 3, 1, 2, 4).reshape(nt * TILE, kb, QK)
             return u.to(torch.int16) - OFFSET["q5"]
         u = self.qs.reshape(nt, kb, 8, TILE, 4).permute(0, 3, 1, 2, 4).reshape(nt * TILE, kb, QK)
@@ -132,7 +132,7 @@ def pack(fmt: str, q: torch.Tensor, scales: list[torch.Tensor]) -> PackedWeight:
         if fmt == "q5":     # [NT, KB, 8 chunks of 64] bytes → the low nibbles as q4's, then the fifth bits
             u = quants.reshape(np_ // TILE, kb, 8, 64)
             nib = (u[:, :, :4] & 0x0F) | ((u[:, :, 4:] & 0x0F) << 4)
-            bits = (u >> 4) << torch.arange(8, dtype=torch.uint8).reshape(1, 1, 8, 1)
+            bits = (u >> 4) << torch.arange(8, dtype=torch.uint8, device=u.device).reshape(1, 1, 8, 1)
             plane = bits.sum(dim=2, dtype=torch.uint8)                   # distinct bits: the sum is the or
             quants = torch.cat([nib.reshape(np_ // TILE, kb, 256), plane], dim=-1)
     tiles = [_tile_scales(_pad_rows(s.to(dtype), np_)) for s in scales]
