@@ -135,6 +135,8 @@ def test_saved_runs_open_by_dropping_them(page):
              StepRecord(start=10.8, duration_ms=200.0, num_prefill_tokens=4, num_decode_tokens=2, batch_size=3)]
     _drop(page, "trace.json", json.dumps(chrome_trace(steps, [("r1", m)])))
     page.wait_for_function("document.getElementById('status').textContent === 'viewing trace.json'", timeout=WAIT_MS)
+    # the status changes at once, the page redraws on the next animation frame
+    page.wait_for_function("window.phasewise.bars().map(b => b.id).join() === 'r1'", timeout=WAIT_MS)
     assert page.evaluate("window.phasewise.bars()") == [{"id": "r1", "state": "finished", "reason": None}]
     ttft = page.eval_on_selector("tr[data-metric=ttft_ms]", "tr => tr.cells[1].textContent")
     assert float(ttft) == pytest.approx(1000.0)                 # arrival 10.0 → first token 11.0
@@ -144,7 +146,9 @@ def test_saved_runs_open_by_dropping_them(page):
     _drop(page, "results.json", results)
     page.wait_for_function("document.getElementById('status').textContent === 'viewing results.json'",
                            timeout=WAIT_MS)
-    assert len(page.evaluate("window.phasewise.bars()")) == len(json.loads(results)["rows"])
+    rows = len(json.loads(results)["rows"])
+    page.wait_for_function(f"window.phasewise.bars().length === {rows}", timeout=WAIT_MS)
+    assert all(b["id"] != "r1" for b in page.evaluate("window.phasewise.bars()"))
 
     _drop(page, "notes.json", '{"hello": 1}')
     page.wait_for_function("document.getElementById('status').textContent.includes('not a phasewise trace')",
