@@ -116,6 +116,16 @@ inline void for_each_j(const Fn& f, std::integer_sequence<int, J...>) {
 template <int N, typename Fn>
 inline void for_each_j(const Fn& f) { for_each_j(f, std::make_integer_sequence<int, N>{}); }
 
+// Chunk J of the Q5 block at blk as bytes: its low nibbles (k = 4J..) and high ones (k = 16 + 4J..),
+// each with its fifth bit from the plane after the nibbles (`fifth`, loaded once per block).
+constexpr int64_t Q5_FIFTH = 256;
+template <int J>
+inline void q5_chunk(const uint8_t* blk, Vb fifth, Vb& lo, Vb& hi) {
+  const Vb raw = Vb::load(blk + 64 * J);
+  lo = with_fifth<J>(lo4(raw), fifth);
+  hi = with_fifth<J + 4>(hi4(raw), fifth);
+}
+
 // r[i][v] += one block's (or K8's, K6's half block's) contribution: acc [MT][NV], the block's scales
 // at `scales` for tile t0 + v (K8, K6: half h's d at scales + 64 h, m at scales + 128).
 template <Fmt F, int MT, int NV>
@@ -171,7 +181,7 @@ inline void tile_kernel(const Act& a, int64_t m0, const Weights& w, int64_t t0, 
     if constexpr (F == Q5) {       // few rows: each chunk's bytes put together in registers
       constexpr int per = narrow_calls(F) / 2 < 4 ? narrow_calls(F) / 2 : 4;   // chunks j per widen
       Vb fifth[NV];
-      for (int v = 0; v < NV; ++v) fifth[v] = Vb::load(w.qs + ((t0 + v) * w.KB + b) * block_bytes(F) + 256);
+      for (int v = 0; v < NV; ++v) fifth[v] = Vb::load(w.qs + ((t0 + v) * w.KB + b) * block_bytes(F) + Q5_FIFTH);
       for (int i = 0; i < MT; ++i)
         for (int v = 0; v < NV; ++v) acc[i][v] = Vi::zero();
       Vs part[MT][NV];
@@ -181,11 +191,7 @@ inline void tile_kernel(const Act& a, int64_t m0, const Weights& w, int64_t t0, 
           for (int i = 0; i < MT; ++i)
             for (int v = 0; v < NV; ++v) part[i][v] = Vs::zero();
         Vb lo[NV], hi[NV];
-        for (int v = 0; v < NV; ++v) {
-          const Vb raw = Vb::load(w.qs + ((t0 + v) * w.KB + b) * block_bytes(F) + j * 64);
-          lo[v] = with_fifth<j>(lo4(raw), fifth[v]);
-          hi[v] = with_fifth<j + 4>(hi4(raw), fifth[v]);
-        }
+        for (int v = 0; v < NV; ++v) q5_chunk<j>(w.qs + ((t0 + v) * w.KB + b) * block_bytes(F), fifth[v], lo[v], hi[v]);
         for (int i = 0; i < MT; ++i) {
           const Vb xl = Vb::bcast4(xb + i * a.K + 4 * j), xh = Vb::bcast4(xb + i * a.K + 16 + 4 * j);
           for (int v = 0; v < NV; ++v) {
@@ -290,12 +296,13 @@ inline void unpack_q5(const Weights& w, int64_t t0, int64_t nv, uint8_t* buf) {
       if (next + off < end) prefetch_l2(next + off);
     const uint8_t* src = w.qs + (t0 * w.KB + i) * BB;
     uint8_t* dst = buf + i * UB;
-    const Vb fifth = Vb::load(src + 256);
+    const Vb fifth = Vb::load(src + Q5_FIFTH);
     for_each_j<4>([&](auto J) {
       constexpr int j = decltype(J)::value;
-      const Vb raw = Vb::load(src + 64 * j);
-      with_fifth<j>(lo4(raw), fifth).store(dst + 64 * j);
-      with_fifth<j + 4>(hi4(raw), fifth).store(dst + 64 * (j + 4));
+      Vb lo, hi;
+      q5_chunk<j>(src, fifth, lo, hi);
+      lo.store(dst + 64 * j);
+      hi.store(dst + 64 * (j + 4));
     });
     std::memcpy(dst + 512, src + QB, UB - 512);
   }
@@ -316,19 +323,20 @@ void run(const Runtime& rt, const Act& a, int64_t M, const Weights& w, const flo
     parallel_for(rt, groups, 1, [&](int64_t begin, int64_t end) {
       for (int64_t g = begin; g < end; ++g) {
         const int64_t t0 = NVB * g, nv = std::min<int64_t>(NVB, NT - t0);
-        if (F == Q5 && rows >= Q5_UNPACK_ROWS) {   // the group's tiles as U5 once, then every row over them
-          thread_local std::vector<uint8_t> buf;
-          if (static_cast<int64_t>(buf.size()) < NVB * w.KB * block_bytes(U5)) buf.resize(NVB * w.KB * block_bytes(U5));
-          unpack_q5(w, t0, nv, buf.data());
-          const Weights u{buf.data(), nullptr, w.KB, block_bytes(U5), std::min<int64_t>(w.N - 16 * t0, 16 * nv), nv};
-          const float* b = bias ? bias + 16 * t0 : nullptr;
-          if (nv == NVB) rows_kernel<U5, NVB>(chunk, rows, u, 0, b, o + 16 * t0, ldo);
-          else for (int64_t t = 0; t < nv; ++t) rows_kernel<U5, 1>(chunk, rows, u, t, b, o + 16 * t0, ldo);
-        } else if (nv == NVB) {
-          rows_kernel<F, NVB>(chunk, rows, w, t0, bias, o, ldo);
-        } else {
-          for (int64_t t = t0; t < NT; ++t) rows_kernel<F, 1>(chunk, rows, w, t, bias, o, ldo);
+        if constexpr (F == Q5) {
+          if (rows >= Q5_UNPACK_ROWS) {   // the group's tiles as U5 once, then every row over them
+            thread_local std::vector<uint8_t> buf;
+            if (static_cast<int64_t>(buf.size()) < NVB * w.KB * block_bytes(U5)) buf.resize(NVB * w.KB * block_bytes(U5));
+            unpack_q5(w, t0, nv, buf.data());
+            const Weights u{buf.data(), nullptr, w.KB, block_bytes(U5), std::min<int64_t>(w.N - 16 * t0, 16 * nv), nv};
+            const float* b = bias ? bias + 16 * t0 : nullptr;
+            if (nv == NVB) rows_kernel<U5, NVB>(chunk, rows, u, 0, b, o + 16 * t0, ldo);
+            else for (int64_t t = 0; t < nv; ++t) rows_kernel<U5, 1>(chunk, rows, u, t, b, o + 16 * t0, ldo);
+            continue;
+          }
         }
+        if (nv == NVB) rows_kernel<F, NVB>(chunk, rows, w, t0, bias, o, ldo);
+        else for (int64_t t = t0; t < NT; ++t) rows_kernel<F, 1>(chunk, rows, w, t, bias, o, ldo);
       }
     });
   }
