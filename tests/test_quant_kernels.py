@@ -92,6 +92,8 @@ def test_int8_per_channel_error_is_half_a_step():
 def test_activation_quantization_matches_pytorch(ops):
     x = torch.randn(17, 192) * torch.logspace(-3, 2, 192)   # outlier channels
     x[3, :32] = 0                                            # an all-zero block
+    x[5, :32] = torch.arange(32) - 15.5                      # halves: ties go to the even integer
+    x[5, 0] = 127                                            # (scale 127 / 127: the halves stay halves)
     xq, dx, sx = ops.quantize_activations(x)
     rq, rdx, rsx = quant.quantize_activations(x)
     assert torch.equal(xq, rq)

@@ -38,7 +38,6 @@
 #include "vec/vec.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <type_traits>
 #include <utility>
@@ -78,24 +77,13 @@ struct Weights {
 
 // One row of 32 floats -> 32 int8 (round to nearest even), dx, sx (and sl, when asked) of the block.
 inline void quantize_block(const float* x, int8_t* q, float* dx, float* sx, float* sl) {
-  const float amax = reduce_max(max(abs(Vf::load(x)), abs(Vf::load(x + 16))));
-  const float id = amax > 0.f ? 127.f / amax : 0.f;
-  int32_t lo = 0, hi = 0;
-#pragma omp simd reduction(+ : lo)
-  for (int k = 0; k < QK / 2; ++k) {
-    const int32_t v = static_cast<int32_t>(std::nearbyint(x[k] * id));
-    q[k] = static_cast<int8_t>(v);
-    lo += v;
-  }
-#pragma omp simd reduction(+ : hi)
-  for (int k = QK / 2; k < QK; ++k) {
-    const int32_t v = static_cast<int32_t>(std::nearbyint(x[k] * id));
-    q[k] = static_cast<int8_t>(v);
-    hi += v;
-  }
+  const Vf a = Vf::load(x), b = Vf::load(x + 16);
+  const float amax = reduce_max(max(abs(a), abs(b)));
+  const Vf id = Vf::set1(amax > 0.f ? 127.f / amax : 0.f);
+  const Vf lo = to_float(round_to_i8(a * id, q)), hi = to_float(round_to_i8(b * id, q + 16));   // sums exact
   *dx = amax / 127.f;
-  *sx = *dx * static_cast<float>(lo + hi);
-  if (sl) *sl = *dx * static_cast<float>(lo);
+  *sx = *dx * reduce_add(lo + hi);
+  if (sl) *sl = *dx * reduce_add(lo);
 }
 
 constexpr bool nibbles(Fmt F) { return F == Q4 || F == K4; }

@@ -34,6 +34,15 @@ inline Vf Vf::from_i8(const int8_t* p) {
   return r;
 }
 
+inline Vi round_to_i8(Vf x, int8_t* p) {
+  Vi r;
+  for (int i = 0; i < NP; ++i) r.v[i] = (i32n)vcvtnq_s32_f32((float32x4_t)x.v[i]);   // nearest, ties to even
+  const int16x8_t lo = vcombine_s16(vqmovn_s32((int32x4_t)r.v[0]), vqmovn_s32((int32x4_t)r.v[1]));
+  const int16x8_t hi = vcombine_s16(vqmovn_s32((int32x4_t)r.v[2]), vqmovn_s32((int32x4_t)r.v[3]));
+  vst1q_s8(p, vcombine_s8(vqmovn_s16(lo), vqmovn_s16(hi)));
+  return r;
+}
+
 inline int32x4_t dot4(int32x4_t acc, int8x16_t a, int8x16_t b) {
 #if defined(__ARM_FEATURE_DOTPROD)
   return vdotq_s32(acc, a, b);

@@ -1,6 +1,7 @@
 // Any other CPU: the int8 dot products and the fp16 conversion of the portable vector layer in
 // plain C++ (the compiler vectorises what it can).
 #pragma once
+#include <cmath>
 
 namespace pw {
 
@@ -12,6 +13,19 @@ inline Vf Vf::from_i8(const int8_t* p) {
   alignas(64) float out[16];
   for (int k = 0; k < 16; ++k) out[k] = static_cast<float>(p[k]);
   return load(out);
+}
+
+inline Vi round_to_i8(Vf x, int8_t* p) {
+  alignas(64) float f[16];
+  alignas(64) int32_t q[16];
+  x.store(f);
+  for (int k = 0; k < 16; ++k) {
+    q[k] = static_cast<int32_t>(std::nearbyint(f[k]));   // the current rounding: nearest, ties to even
+    p[k] = static_cast<int8_t>(q[k] < -128 ? -128 : q[k] > 127 ? 127 : q[k]);
+  }
+  Vi r;
+  std::memcpy(&r.v, q, sizeof q);
+  return r;
 }
 
 // fp16 bits -> fp32: a normal number's exponent and mantissa moved into place, then one multiply

@@ -35,6 +35,15 @@ inline Vf Vf::from_i8(const int8_t* p) {
   return r;
 }
 
+inline Vi round_to_i8(Vf x, int8_t* p) {
+  Vi r;
+  for (int i = 0; i < NP; ++i) r.v[i] = (i32n)_mm256_cvtps_epi32((__m256)x.v[i]);   // nearest, ties to even
+  // int16 in 128-bit halves (0-3 8-11 | 4-7 12-15), put in order, then bytes
+  const __m256i h = _mm256_permute4x64_epi64(_mm256_packs_epi32((__m256i)r.v[0], (__m256i)r.v[1]), 0xD8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+  return r;
+}
+
 inline __m256i as_m256i(const u8n& v) { return reinterpret_cast<const __m256i&>(v); }
 
 inline Vi dot_u4(Vi acc, Vb w, Vb x) {

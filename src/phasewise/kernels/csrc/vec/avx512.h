@@ -85,6 +85,11 @@ inline Vi operator+(Vi a, Vi b) { return {_mm512_add_epi32(a.v, b.v)}; }
 inline Mask operator>(Vi a, Vi b) { return {_mm512_cmpgt_epi32_mask(a.v, b.v)}; }
 inline Vi select(Mask m, Vi a, Vi b) { return {_mm512_mask_blend_epi32(m.m, b.v, a.v)}; }
 inline Vf to_float(Vi a) { return {_mm512_cvtepi32_ps(a.v)}; }
+inline Vi round_to_i8(Vf x, int8_t* p) {
+  const __m512i q = _mm512_cvtps_epi32(x.v);   // MXCSR's rounding: nearest, ties to even
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtsepi32_epi8(q));
+  return {q};
+}
 
 struct Vb {
   __m512i v;

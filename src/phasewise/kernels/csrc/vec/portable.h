@@ -105,13 +105,24 @@ inline float reduce_add(Vf a) {
   for (int k = 1; k < W; ++k) r += s[k];
   return r;
 }
-inline float reduce_max(Vf a) {
+// The lanes of s with lane k swapped for lane k ^ J (J < W, a constant).
+#if PW_W == 8
+#define PW_SWAP(s, J) __builtin_shufflevector(s, s, 0 ^ J, 1 ^ J, 2 ^ J, 3 ^ J, 4 ^ J, 5 ^ J, 6 ^ J, 7 ^ J)
+#else
+#define PW_SWAP(s, J) __builtin_shufflevector(s, s, 0 ^ J, 1 ^ J, 2 ^ J, 3 ^ J)
+#endif
+inline float reduce_max(Vf a) {   // a shuffle tree: every lane ends as the maximum
   f32n s = a.v[0];
   for (int i = 1; i < NP; ++i) s = s > a.v[i] ? s : a.v[i];
-  float r = s[0];
-  for (int k = 1; k < W; ++k) r = r > s[k] ? r : s[k];
-  return r;
+  f32n t;
+#if PW_W == 8
+  t = PW_SWAP(s, 4), s = s > t ? s : t;
+#endif
+  t = PW_SWAP(s, 2), s = s > t ? s : t;
+  t = PW_SWAP(s, 1), s = s > t ? s : t;
+  return s[0];
 }
+#undef PW_SWAP
 
 // e^x per lane, as avx512.h: x log2(e) = n + f with |f| <= 1/2, 2^f by its Taylor series, times
 // 2^n built in the exponent bits. Lanes below -87 (and -inf) give 0, above 88.7 infinity (n = 128

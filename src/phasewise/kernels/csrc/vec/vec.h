@@ -13,6 +13,8 @@
 //   reduce_add, reduce_max, reduce16(a[16]) (lane j = the sum of a[j]);
 //   Mask: first_n(n), a > b (Vf or Vi), select(m, a, b) = m ? a : b;
 //   Vi::zero() / set1(x) / iota() / store(p), +, to_float;
+//   round_to_i8(x, p): x's lanes rounded to the nearest integer (ties to even) as Vi, and stored
+//     at p as 16 int8 (saturated);
 //   Vb::load(p) / bcast4(p) (4 bytes to every lane) / v.store(p), lo4, hi4 (the nibbles),
 //   with_fifth<G>(nib, bits): nib | bit G of each byte of bits, moved to bit 4 (Q5's fifth bits),
 //   dot_u4(acc, w, x): acc + the 4 products w x of each lane, w in 0..15 (or 0..63) unsigned, x signed;
