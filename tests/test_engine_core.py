@@ -108,11 +108,15 @@ def test_block_pool_exact_ids_and_order():
     assert pool.allocate(2) == [0, 1]
     assert pool.allocate(3) == [2, 3, 4]
     assert pool.allocate(2) is None and pool.num_free == 1
-    pool.free([4, 3, 2])
-    assert list(pool.free_queue) == [5, 4, 3, 2]
-    assert pool.allocate(2) == [5, 4]
+    pool.free([4, 3, 2])                       # uncached: the last freed is the first taken back
+    assert pool.allocate(2) == [2, 3]
     with pytest.raises(RuntimeError):
-        pool.free([3])
+        pool.free([4])
+    key = (None, (1, 2))
+    pool.cache(0, 7, key)
+    pool.free([0, 1])                          # 0 holds a cached prefix, 1 nothing
+    assert pool.allocate(3) == [1, 4, 5] and pool.lookup(7, key) == 0   # the cached one is kept
+    assert pool.allocate(1) == [0] and pool.lookup(7, key) is None      # until nothing else is free
 
 
 def test_prefix_cache_hits_exact_blocks_and_lru_eviction():
@@ -121,13 +125,14 @@ def test_prefix_cache_hits_exact_blocks_and_lru_eviction():
     a = Request("a", list(range(1, 11)), SamplingParams(max_tokens=1), frozenset())
     core.add_request(a)
     run_all(core)                                   # 10 tokens: blocks 0, 1 full (cached), 2 partial
-    assert list(pool.free_queue) == [3, 4, 5, 6, 7, 2, 1, 0]   # freed tail first, at the back
+    assert pool.free_stack == [7, 6, 5, 4, 3, 2]           # the partial block: taken back first
+    assert list(pool.free_cached) == [1, 0]                 # freed tail first: evicted first
     assert pool.num_cached == 2 and a.num_cached_tokens == 0
 
     b = Request("b", list(range(1, 9)) + [50, 51, 52, 53], SamplingParams(max_tokens=2), frozenset())
     core.add_request(b)
     core.step()
-    assert b.block_ids == [0, 1, 3] and b.num_cached_tokens == 8
+    assert b.block_ids == [0, 1, 2] and b.num_cached_tokens == 8
     assert runner.steps[-1].chunks[0].num_tokens == 4          # only the uncached tail is computed
     run_all(core)
 
@@ -137,7 +142,8 @@ def test_prefix_cache_hits_exact_blocks_and_lru_eviction():
     assert c.num_cached_tokens == 4 and c.block_ids[0] == 0
     run_all(core)
 
-    # Fill the pool: the least recently freed cached blocks are evicted and forgotten.
+    # Fill the pool: the uncached blocks, then the least recently freed cached ones (evicted and
+    # forgotten).
     d = Request("d", [90 + i for i in range(28)], SamplingParams(max_tokens=2), frozenset())
     core.add_request(d)
     core.step()
@@ -146,7 +152,7 @@ def test_prefix_cache_hits_exact_blocks_and_lru_eviction():
     e = Request("e", list(range(1, 11)), SamplingParams(max_tokens=2), frozenset())
     core.add_request(e)
     core.step()
-    assert e.num_cached_tokens == 0
+    assert e.num_cached_tokens == 0               # d's next token took the survivor
 
 
 def test_chunked_prefill_keeps_decode_going():
