@@ -246,10 +246,14 @@ inline void tile_kernel(const Act& a, int64_t m0, const Weights& w, int64_t t0, 
       }
     }
   }
+  // unrolled, as every loop over r before it: a loop over r left rolled keeps r in memory, and GCC
+  // then stores the whole register tile to the stack after every block (AVX-512: 8 zmm stores)
+  #pragma GCC unroll 16
   for (int i = 0; i < MT; ++i) {
     float off = 0.f;  // I8 with biased bytes: the sum over blocks of -128 sx, then the row scale
     if constexpr (F == I8 && Q8_BIASED)
       for (int64_t b = 0; b < w.KB; ++b) off -= 128.f * a.sx[(m0 + i) * a.KB + b];
+    #pragma GCC unroll 16
     for (int v = 0; v < NV; ++v) {
       const int64_t n0 = (t0 + v) * 16, keep = w.N - n0;   // keep: 16 but in the last tile
       Vf y = r[i][v];
