@@ -1,4 +1,4 @@
-"""Build the kernel library's C++ tests (kernel_tests.cpp) for every ISA level of an architecture and
+"""Build the kernel library's C++ tests (tests/cpp/*.cpp) for every ISA level of an architecture and
 run them: natively, or for AArch64 cross-compiled with Debian's g++-aarch64-linux-gnu and run under
 qemu-user, each level on an emulated CPU that has just its features (so an instruction the level may
 not use fails). Prints each level's result and a last 'N passed, N failed' line; exit 1 on a failure.
@@ -43,7 +43,7 @@ def main() -> int:
         for level in levels:
             exe = Path(tmp) / f"kernel_tests_{level.name}"
             flags = [f for f in COMMON_FLAGS if f != "-fPIC"] + list(level.flags) + static
-            sources = [str(HERE / "kernel_tests.cpp")] + [str(CSRC / s) for s in KERNEL_SOURCES]
+            sources = [str(p) for p in sorted(HERE.glob("*.cpp"))] + [str(CSRC / s) for s in KERNEL_SOURCES]
             build = subprocess.run([cxx, *flags, f"-I{CSRC}", *sources, "-o", str(exe)], capture_output=True,
                                    text=True)
             if build.returncode != 0:

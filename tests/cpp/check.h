@@ -1,0 +1,71 @@
+// What the kernel tests share: the pass and fail counts, a seeded generator, random data, the
+// checks, and the test functions each file defines (main in kernel_tests.cpp runs them in order).
+#pragma once
+#include "kernels.h"
+
+#include <cmath>
+#include <cstdio>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace kt {
+
+inline int passed = 0, failed = 0;
+inline std::mt19937 rng(1234);
+
+inline float randn() { return std::normal_distribution<float>(0.f, 1.f)(rng); }
+inline std::vector<float> randn(size_t n, float scale = 1.f) {
+  std::vector<float> v(n);
+  for (float& x : v) x = randn() * scale;
+  return v;
+}
+
+// |got - want| <= atol + rtol |want| everywhere; one line per failing check.
+inline void check_close(const std::string& name, const float* got, const float* want, size_t n, float rtol, float atol) {
+  size_t bad = 0, worst = 0;
+  float worst_err = 0.f;
+  for (size_t i = 0; i < n; ++i) {
+    const float err = std::fabs(got[i] - want[i]);
+    if (!(err <= atol + rtol * std::fabs(want[i]))) {
+      ++bad;
+      if (!(err <= worst_err)) worst_err = err, worst = i;
+    }
+  }
+  if (bad == 0) {
+    ++passed;
+    return;
+  }
+  ++failed;
+  std::printf("FAILED %s: %zu of %zu differ; at %zu got %g, want %g\n", name.c_str(), bad, n, worst, got[worst],
+              want[worst]);
+}
+
+inline void check(const std::string& name, bool ok) {
+  ok ? ++passed : ++failed;
+  if (!ok) std::printf("FAILED %s\n", name.c_str());
+}
+
+inline float half_to_float(uint16_t h) {
+  const int e = (h >> 10) & 31, m = h & 1023;
+  const float v = e == 0 ? std::ldexp(static_cast<float>(m), -24) : std::ldexp(1.f + m / 1024.f, e - 15);
+  return (h & 0x8000) ? -v : v;
+}
+
+inline uint16_t random_half(int min_exp, int max_exp) {   // a normal fp16 of either sign, 2^(min-15) .. 2^(max-14)
+  const int e = std::uniform_int_distribution<int>(min_exp, max_exp)(rng);
+  const int m = std::uniform_int_distribution<int>(0, 1023)(rng);
+  return static_cast<uint16_t>(((rng() & 1) << 15) | (e << 10) | m);
+}
+
+inline const pw::Runtime RT{2};
+
+// quant_tests.cpp
+std::vector<uint8_t> random_weight(pw::QuantFormat fmt, int64_t N, int64_t K, std::vector<float>& W,
+                                   std::vector<float>& scale);
+void test_quant_linear(const pw::KernelTable& k, pw::QuantFormat fmt, int64_t M, int64_t N, int64_t K);
+void test_decoder_stack(const pw::KernelTable& k, bool int8, const std::vector<int64_t>& query_lens,
+                        const std::vector<int64_t>& context_lens);
+
+}  // namespace kt

@@ -1,0 +1,203 @@
+// The kernel tests of the quantized linear layers (every packed format against the exact weights)
+// and of decoder_stack (a team of threads against the ops called one by one).
+#include "check.h"
+
+#include <algorithm>
+#include <cstring>
+
+namespace kt {
+
+// A random packed weight of `fmt` (quant_linear.cpp's layout) and its values W [N, K].
+std::vector<uint8_t> random_weight(pw::QuantFormat fmt, int64_t N, int64_t K, std::vector<float>& W,
+                                   std::vector<float>& scale) {
+  const int64_t NT = (N + 15) / 16, KB = K / 32, BB = pw::block_bytes(fmt), QB = pw::quant_bytes(fmt);
+  const bool nibbles = fmt == pw::Q4 || fmt == pw::K4, f32 = fmt == pw::K4 || fmt == pw::K8 || fmt == pw::K6;
+  const bool six = fmt == pw::K6, halves = fmt == pw::K8 || fmt == pw::K6;
+  std::vector<uint8_t> blocks(NT * KB * BB);
+  for (uint8_t& b : blocks) b = static_cast<uint8_t>(rng());
+  W.assign(NT * 16 * K, 0.f);
+  scale.assign(NT * 16, 0.f);
+  auto uniform = [](float lo, float hi) { return std::uniform_real_distribution<float>(lo, hi)(rng); };
+  for (float& s : scale) s = 0.001f + 0.01f * uniform(0.f, 1.f);
+  for (int64_t t = 0; t < NT; ++t)
+    for (int64_t b = 0; b < KB; ++b) {
+      uint8_t* blk = blocks.data() + (t * KB + b) * BB;
+      uint16_t* dm = reinterpret_cast<uint16_t*>(blk + QB);   // fp16 d (and m) of Q4, Q8, Q5
+      float* ds = reinterpret_cast<float*>(blk + QB);         // fp32 d (K8, K6: of each half) and m
+      if (fmt == pw::Q4 || fmt == pw::Q8 || fmt == pw::Q5)
+        for (int r = 0; r < (fmt == pw::Q4 ? 32 : 16); ++r) dm[r] = random_half(8, 12);
+      if (f32)
+        for (int r = 0; r < (fmt == pw::K4 ? 32 : 48); ++r) ds[r] = r < (fmt == pw::K4 ? 16 : 32) ?
+            uniform(0.001f, 0.02f) : uniform(-0.1f, 0.1f);
+      for (int r = 0; r < 16; ++r) {
+        float* w = W.data() + (t * 16 + r) * K + b * 32;
+        for (int kk = 0; kk < 32; ++kk) {
+          if (fmt == pw::Q5) {                                   // u = nibble | fifth bit << 4
+            const int g = kk / 4, p = r * 4 + kk % 4;
+            const uint8_t byte = blk[(g % 4) * 64 + p];
+            const int u = (g < 4 ? byte & 15 : byte >> 4) | ((blk[256 + p] >> g) & 1) << 4;
+            w[kk] = half_to_float(dm[r]) * (u - 16);
+          } else if (nibbles) {
+            const int j = (kk % 16) / 4, p = kk % 4;
+            const uint8_t byte = blk[j * 64 + r * 4 + p];
+            const int q = kk < 16 ? byte & 15 : byte >> 4;
+            w[kk] = fmt == pw::Q4 ? half_to_float(dm[r]) * q + half_to_float(dm[16 + r]) : ds[r] * q + ds[16 + r];
+          } else {
+            uint8_t& u = blk[(kk / 4) * 64 + r * 4 + kk % 4];
+            if (six) u &= 63;                                    // K6: q + 32 in 0..63
+            else if (u == 0) u = 1;                              // q = -128 is never stored
+            const float d = fmt == pw::Q8 ? half_to_float(dm[r]) :
+                            fmt == pw::I8 ? scale[t * 16 + r] : ds[(kk < 16 ? 0 : 16) + r];
+            w[kk] = (u - (six ? 32 : 128)) * d + (halves ? ds[32 + r] : 0.f);
+          }
+        }
+      }
+    }
+  return blocks;
+}
+
+void test_quant_linear(const pw::KernelTable& k, pw::QuantFormat fmt, int64_t M, int64_t N, int64_t K) {
+  std::vector<float> W, scale;
+  const auto blocks = random_weight(fmt, N, K, W, scale);
+  const int64_t NT = (N + 15) / 16, KB = K / 32;
+  auto x = randn(M * K), bias = randn(N);
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> dx(M * KB), sx(M * KB);
+  k.quantize_activations(RT, x.data(), M, K, xq.data(), dx.data(), sx.data());
+  bool ok = true;                              // the activations: per block of 32, round to nearest even
+  for (int64_t i = 0; i < M * KB; ++i) {
+    float amax = 0.f;
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(x[i * 32 + j]));
+    ok &= std::fabs(dx[i] - amax / 127.f) <= 1e-6f * amax;
+    for (int j = 0; j < 32; ++j) ok &= xq[i * 32 + j] == static_cast<int8_t>(std::nearbyint(x[i * 32 + j] * (127.f / amax)));
+  }
+  check("quantize_activations M=" + std::to_string(M), ok);
+  std::vector<float> y(M * N), want(M * N);
+  const pw::PackedWeights w{fmt, blocks.data(), scale.data(), N, NT, KB};
+  k.quant_linear(RT, x.data(), M, K, w, bias.data(), y.data());
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      double acc = bias[n];
+      for (int64_t kk = 0; kk < K; ++kk) acc += static_cast<double>(W[n * K + kk]) * xq[m * K + kk] * dx[m * KB + kk / 32];
+      want[m * N + n] = static_cast<float>(acc);
+    }
+  float big = 0.f;
+  for (float v : want) big = std::max(big, std::fabs(v));
+  char name[96];
+  std::snprintf(name, sizeof name, "quant_linear fmt=%d M=%lld N=%lld K=%lld", static_cast<int>(fmt), (long long)M,
+                (long long)N, (long long)K);
+  check_close(name, y.data(), want.data(), y.size(), 1e-4f, 1e-5f * big);
+}
+
+// decoder_stack on a team of threads against the same ops called one by one on one thread, in
+// decoder.cpp's order: the team's barriers and shared buffers must change nothing but rounding.
+void test_decoder_stack(const pw::KernelTable& k, bool int8, const std::vector<int64_t>& query_lens,
+                        const std::vector<int64_t>& context_lens) {
+  const int64_t L = 3, H = 128, I = 96, Hq = 2, Hkv = 1, D = 64, bs = 16, P = 512, half = D / 2;
+  std::vector<std::vector<uint8_t>> blocks;
+  std::vector<std::vector<float>> norms, biases;
+  std::vector<pw::DecoderLayer> layers(L);
+  auto linear = [&](int64_t N, int64_t K) {
+    std::vector<float> W, scale;
+    blocks.push_back(random_weight(pw::Q4, N, K, W, scale));
+    biases.push_back(randn(N, 0.1f));
+    return pw::Linear{{pw::Q4, blocks.back().data(), nullptr, N, (N + 15) / 16, K / 32}, biases.back().data()};
+  };
+  blocks.reserve(4 * L), biases.reserve(4 * L), norms.reserve(2 * L + 1);
+  for (auto& layer : layers) {
+    norms.push_back(randn(H, 0.5f)), layer.input_norm = norms.back().data();
+    norms.push_back(randn(H, 0.5f)), layer.post_norm = norms.back().data();
+    layer.qkv = linear((Hq + 2 * Hkv) * D, H), layer.o = linear(H, Hq * D);
+    layer.gate_up = linear(2 * I, H), layer.down = linear(H, I);
+  }
+  norms.push_back(randn(H, 0.5f));
+  std::vector<float> cs(P * half), sn(P * half);
+  for (int64_t p = 0; p < P; ++p)
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = p * std::pow(10000.f, -2.f * i / D);
+      cs[p * half + i] = std::cos(a), sn[p * half + i] = std::sin(a);
+    }
+  const pw::DecoderModel m{layers.data(), L, H, I, Hq, Hkv, D, 1e-5f, norms.back().data(), cs.data(), sn.data()};
+  // Rows: query_lens[i] positions of sequence i ending at context_lens[i]; blocks in order.
+  const int64_t nseq = query_lens.size();
+  int64_t max_blocks = 0;
+  for (int64_t c : context_lens) max_blocks = std::max(max_blocks, (c + bs - 1) / bs);
+  std::vector<int64_t> tables(nseq * max_blocks), seq, len, pos, slot;
+  for (int64_t i = 0; i < nseq; ++i) {
+    for (int64_t b = 0; b < max_blocks; ++b) tables[i * max_blocks + b] = i * max_blocks + b;
+    for (int64_t r = 0; r < query_lens[i]; ++r) {
+      const int64_t n = context_lens[i] - query_lens[i] + r + 1;
+      seq.push_back(i), len.push_back(n), pos.push_back(n - 1);
+      slot.push_back(tables[i * max_blocks + (n - 1) / bs] * bs + (n - 1) % bs);
+    }
+  }
+  const int64_t T = seq.size(), slots = nseq * max_blocks * bs;
+  // Two copies of every layer's cache, with the same earlier context.
+  std::vector<std::vector<float>> f(4 * L);
+  std::vector<std::vector<int8_t>> q8(4 * L);
+  std::vector<pw::Cache> caches[2];
+  std::vector<pw::CacheOut> outs[2];
+  for (int64_t i = 0; i < L; ++i) {
+    const auto kf = randn(slots * Hkv * D), vf = randn(slots * Hkv * D);
+    std::vector<int8_t> kq(kf.size()), vq(vf.size());
+    for (size_t j = 0; j < kf.size(); ++j)
+      kq[j] = static_cast<int8_t>(std::lround(kf[j] * 40)), vq[j] = static_cast<int8_t>(std::lround(vf[j] * 40));
+    for (int copy = 0; copy < 2; ++copy) {
+      auto& kbuf = f[4 * i + 2 * copy];
+      auto& vbuf = f[4 * i + 2 * copy + 1];
+      auto& kqb = q8[4 * i + 2 * copy];
+      auto& vqb = q8[4 * i + 2 * copy + 1];
+      pw::Cache c;
+      pw::CacheOut o;
+      c.Hkv = Hkv, c.D = D;
+      if (int8) {
+        kqb = kq, vqb = vq;
+        kbuf.assign(slots * Hkv, 1.f / 40), vbuf.assign(slots * Hkv, 1.f / 40);   // the scales
+        c.kq = o.kq = kqb.data(), c.vq = o.vq = vqb.data(), c.ks = o.ks = kbuf.data(), c.vs = o.vs = vbuf.data();
+      } else {
+        kbuf = kf, vbuf = vf;
+        c.k = o.k = kbuf.data(), c.v = o.v = vbuf.data();
+      }
+      caches[copy].push_back(c), outs[copy].push_back(o);
+    }
+  }
+  const pw::AttentionRows rows{tables.data(), max_blocks, seq.data(), len.data(), bs};
+  const auto x = randn(T * H);
+  std::vector<float> ws(pw::decoder_workspace(m, T)), out(T * H);
+  const int64_t* group_slots[1] = {slot.data()};
+  const pw::DecoderStep step{T, pos.data(), group_slots, caches[0].data(), outs[0].data(), &rows};
+  k.decoder_stack(RT, m, step, x.data(), ws.data(), out.data());
+
+  const pw::Runtime one{1};
+  std::vector<float> residual(x), normed(T * H), hidden(T * H), o(T * H), qkv(T * (Hq + 2 * Hkv) * D), qr(T * Hq * D),
+      kr(T * Hkv * D), attn(T * Hq * D), gate_up(T * 2 * I), act(T * I), want(T * H);
+  for (int64_t i = 0; i < L; ++i) {
+    const pw::DecoderLayer& ly = layers[i];
+    if (i == 0) k.rms_norm(one, residual.data(), nullptr, ly.input_norm, T, H, m.eps, normed.data(), nullptr);
+    else k.rms_norm(one, hidden.data(), residual.data(), ly.input_norm, T, H, m.eps, normed.data(), residual.data());
+    k.quant_linear(one, normed.data(), T, H, ly.qkv.w, ly.qkv.bias, qkv.data());
+    k.rope_and_cache(one, qkv.data(), T, pos.data(), cs.data(), sn.data(), Hq, Hkv, D, slot.data(), outs[1][i],
+                     qr.data(), kr.data());
+    k.paged_attention(one, qr.data(), T, Hq, caches[1][i], rows, 1.f / std::sqrt(static_cast<float>(D)), attn.data());
+    k.quant_linear(one, attn.data(), T, Hq * D, ly.o.w, ly.o.bias, o.data());
+    k.rms_norm(one, o.data(), residual.data(), ly.post_norm, T, H, m.eps, normed.data(), residual.data());
+    k.quant_linear(one, normed.data(), T, H, ly.gate_up.w, ly.gate_up.bias, gate_up.data());
+    k.silu_and_mul(one, gate_up.data(), T, I, act.data());
+    k.quant_linear(one, act.data(), T, I, ly.down.w, ly.down.bias, hidden.data());
+  }
+  k.rms_norm(one, hidden.data(), residual.data(), m.final_norm, T, H, m.eps, want.data(), residual.data());
+  char name[96];
+  std::snprintf(name, sizeof name, "decoder_stack %s rows=%lld", int8 ? "int8" : "fp32", (long long)T);
+  check_close(name, out.data(), want.data(), out.size(), 1e-3f, 1e-3f);
+  bool same = true;                            // the caches hold the same new keys and values (int8: within a step)
+  for (int64_t i = 0; i < L; ++i)
+    for (int64_t j = 0; j < 2; ++j) {
+      const auto &a = f[4 * i + j], &b = f[4 * i + 2 + j];
+      for (size_t e = 0; e < a.size(); ++e) same &= std::fabs(a[e] - b[e]) <= 1e-3f * (1.f + std::fabs(b[e]));
+      if (int8)
+        for (size_t e = 0; e < q8[4 * i + j].size(); ++e) same &= std::abs(q8[4 * i + j][e] - q8[4 * i + 2 + j][e]) <= 1;
+    }
+  check(std::string(name) + " caches", same);
+}
+
+}  // namespace kt
