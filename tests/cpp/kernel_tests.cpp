@@ -104,19 +104,31 @@ void test_rope_and_cache(const pw::KernelTable& k, bool int8) {
   check("rope cache writes" + tag, ok);
 }
 
-// Scalar attention of one query row over the first len tokens of a paged cache.
+// Scalar attention of one query row over the first len tokens of a paged cache. Over an int8 cache
+// the query is int8 too, as the kernels take it: x = scale q rounded to nearest even in steps of
+// max |x| / 127, and a score is the integer dot product times the two steps.
 void attend_ref(const pw::Cache& c, const int64_t* table, int64_t bs, const float* q, int64_t Hq, int64_t len,
                 float scale, float* out, int64_t window = 0) {
   const int64_t D = c.D, G = Hq / c.Hkv, first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
   std::vector<double> s(len);
+  std::vector<int> qi(D);
   for (int64_t h = 0; h < Hq; ++h) {
     const int64_t hk = h / G;
     double mx = -INFINITY, sum = 0;
+    float amax = 0.f;
+    for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(q[h * D + d] * scale));
+    for (int64_t d = 0; d < D; ++d) qi[d] = static_cast<int>(std::nearbyint(q[h * D + d] * scale * (127.f / amax)));
     for (int64_t p = first; p < len; ++p) {
       const int64_t at = (table[p / bs] * bs + p % bs) * c.Hkv + hk;
       double dot = 0;
-      for (int64_t d = 0; d < D; ++d) dot += q[h * D + d] * (c.k ? c.k[at * D + d] : c.kq[at * D + d] * c.ks[at]);
-      s[p] = dot * scale, mx = std::max(mx, s[p]);
+      if (c.k) {
+        for (int64_t d = 0; d < D; ++d) dot += q[h * D + d] * c.k[at * D + d];
+        dot *= scale;
+      } else {
+        for (int64_t d = 0; d < D; ++d) dot += qi[d] * c.kq[at * D + d];
+        dot *= static_cast<double>(amax / 127.f) * c.ks[at];
+      }
+      s[p] = dot, mx = std::max(mx, s[p]);
     }
     for (int64_t d = 0; d < D; ++d) out[h * D + d] = 0.f;
     for (int64_t p = first; p < len; ++p) {

@@ -2,7 +2,8 @@
 
 The KV cache of one layer is a pair of tensors [num_slots, Hkv, D] (a block of
 `block_size` slots per block id, slot = block_id * block_size + offset); an int8
-cache adds one fp32 scale per slot and KV head for each. Each step
+cache adds one fp32 scale per slot and KV head for each, and is read with the query rounded to
+int8 steps as well (quantize_query, as the kernels do). Each step
 the new tokens' K and V are written to their slots, then every sequence attends
 over its whole context, read back through its slots.
 """
@@ -145,6 +146,16 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(x / scale.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8), scale
 
 
+def quantize_query(q: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [..., D] as an int8 cache's readers take it (csrc/attention.h): x = scale·q rounded to the
+    nearest (even) step of max |x| / 127 per row, returned divided by `scale` again, so that the
+    scores, x·k, are the int8 dot products times the two steps."""
+    x = q.float() * scale
+    amax = x.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return (torch.round(x * inv) * (amax / 127) / scale).to(q.dtype)
+
+
 def write_kv(kv: LayerKV, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Put k, v [T, Hkv, D] into their cache slots (quantized for an int8 cache)."""
     if len(kv) == 2:
@@ -184,6 +195,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
         rows, scales = meta.kernel_rows, ((kv[2], kv[3]) if len(kv) == 4 else (None, None))
         return ops.paged_attention(q.contiguous(), kv[0], kv[1], rows.tables, rows.seq, rows.length,
                                    bs, scale, *scales, window=window or 0).view(T, Hq * D)
+    if len(kv) == 4:                                # an int8 cache: the query in int8 steps too
+        q = quantize_query(q, scale)
     if meta.decode_only:
         # Grouped-query trick: the G query heads sharing a KV head ride in the query-length axis.
         B, G = T, Hq // Hkv

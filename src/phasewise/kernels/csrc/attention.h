@@ -3,6 +3,8 @@
 #include "kernels.h"
 #include "vec/vec.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <vector>
@@ -21,6 +23,29 @@ inline int64_t row_of(const int64_t* table, int64_t block_size, int64_t Hkv, int
 template <int NV>
 inline void load_int8_row(const int8_t* p, Vf* v) {
   for (int i = 0; i < NV; ++i) v[i] = Vf::from_i8(p + 16 * i);
+}
+
+// A query row read against an int8 cache: x = sc q (the scores' scale folded in) as int8 with its
+// own scale max |x| / 127, returned; a score is then an exact integer dot product with the key's
+// int8 row times the two scales. Every path that reads an int8 cache (tiles, rows, the scalar
+// loop, and the PyTorch reference) rounds the query so, and a token scores the same whether it is
+// computed in a prompt chunk or decoded.
+inline float quantize_query(const float* q, int64_t D, float sc, int8_t* out) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(q[d] * sc));
+  const float id = amax > 0.f ? 127.f / amax : 0.f;
+  for (int64_t d = 0; d < D; ++d) out[d] = static_cast<int8_t>(std::nearbyint(q[d] * sc * id));
+  return amax / 127.f;
+}
+
+// The exact sum of an int8 row of D values (a multiple of 64): with Q8_BIASED, dot_q8 of a query
+// biased by 128 holds 128 times it too.
+inline float row_sum_i8(const int8_t* k, int64_t D) {
+  static const int8_t ones[4] = {1, 1, 1, 1};
+  const Vb one = Vb::bcast4(ones);
+  Vi s = Vi::zero();
+  for (int64_t i = 0; i < D; i += 64) s = dot_q8(s, one, Vb::load(reinterpret_cast<const uint8_t*>(k + i)));
+  return reduce_add(to_float(s));
 }
 
 // A tile: R consecutive rows t0.. of one sequence, row t0 + r attending over its first len0 + r tokens.

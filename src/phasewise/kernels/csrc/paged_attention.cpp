@@ -25,8 +25,9 @@ constexpr int64_t MIN_PART = 64;      // fewest context tokens worth a task of t
 
 // One task: G query heads (q: [G, D]) over context tokens [from, to) of one sequence.
 // Leaves the running max m[G], sum l[G] and unnormalised output acc[G, D].
-// An int8 cache's keys are converted to floats once per 16 keys (not once per query head), and
-// its scales multiply the 16 scores and the 16 value weights instead of every element.
+// Over an int8 cache the queries are int8 too (quantize_query, once per task): a score is an
+// int8 dot product of the query with the key's row, times the query's and the key's scale; the
+// value scales multiply the 16 value weights instead of every element.
 // GT > 0 fixes G at compile time, so the queries and outputs stay in registers (GT NV <= 16);
 // GT = 0 takes G from the call (at most MAX_G), its state in arrays on the stack.
 constexpr int64_t MAX_G = 32;
@@ -36,18 +37,23 @@ void attend(const Cache& c, const int64_t* table, int64_t block_size, int64_t h,
             float sc, int64_t from, int64_t to, float* acc, float* m, float* l) {
   constexpr int64_t D = 16 * NV, GMAX = GT > 0 ? GT : MAX_G;
   const int64_t G = GT > 0 ? GT : G_call;
-  Vf qv[GMAX][NV], out[GMAX][NV];
+  Vf qv[INT8 ? 1 : GMAX][NV], out[GMAX][NV];
+  alignas(64) int8_t qi[INT8 ? GMAX : 1][D];   // int8 cache: the queries as int8 (quantize_query) + 128
+  float qs[GMAX];                              // and their scales
   for (int64_t g = 0; g < G; ++g) {
-    for (int i = 0; i < NV; ++i) {
-      qv[g][i] = Vf::load(q + g * D + 16 * i) * Vf::set1(sc);
-      out[g][i] = Vf::zero();
+    for (int i = 0; i < NV; ++i) out[g][i] = Vf::zero();
+    if constexpr (INT8) {
+      qs[g] = quantize_query(q + g * D, D, sc, qi[g]);
+      for (int64_t d = 0; d < D; ++d) qi[g][d] = static_cast<int8_t>(static_cast<uint8_t>(qi[g][d] + 128));
+    } else {
+      for (int i = 0; i < NV; ++i) qv[g][i] = Vf::load(q + g * D + 16 * i) * Vf::set1(sc);
     }
     m[g] = NEG_INF;
     l[g] = 0.f;
   }
   alignas(64) float probs[GMAX][KEYS];
-  alignas(64) float kbuf[INT8 ? KEYS * D : 1];
-  alignas(64) float kscale[KEYS], vscale[KEYS];
+  alignas(64) float kscale[KEYS], vscale[KEYS], ksum[KEYS] = {};
+  const int8_t* kq[KEYS];
   for (int64_t start = from; start < to; start += KEYS) {
     const int64_t n = std::min<int64_t>(KEYS, to - start);
     int64_t at[KEYS];                                          // (slot, head) row of each key
@@ -56,10 +62,8 @@ void attend(const Cache& c, const int64_t* table, int64_t block_size, int64_t h,
       at[j] = (table[blk] * block_size + off) * c.Hkv + h;
       if (++off == block_size) ++blk, off = 0;
       if constexpr (INT8) {
-        Vf kr[NV];
-        load_int8_row<NV>(c.kq + at[j] * D, kr);
-        for (int i = 0; i < NV; ++i) kr[i].store(kbuf + j * D + 16 * i);
-        krow[j] = kbuf + j * D;
+        kq[j] = c.kq + at[j] * D;
+        if (Q8_BIASED) ksum[j] = row_sum_i8(kq[j], D);
         kscale[j] = c.ks[at[j]];
         vscale[j] = c.vs[at[j]];
       } else {
@@ -73,12 +77,23 @@ void attend(const Cache& c, const int64_t* table, int64_t block_size, int64_t h,
       Vf dots[KEYS];
       for (int64_t j = 0; j < KEYS; ++j) {
         if (j >= n) { dots[j] = Vf::zero(); continue; }
-        Vf s = qv[g][0] * Vf::load(krow[j]);
-        for (int i = 1; i < NV; ++i) s = fma(qv[g][i], Vf::load(krow[j] + 16 * i), s);
-        dots[j] = s;
+        if constexpr (INT8) {                                    // 64 products a step, summed exactly
+          Vi a = Vi::zero();
+          for (int64_t i = 0; i < D; i += 64)
+            a = dot_q8(a, Vb::load(reinterpret_cast<const uint8_t*>(qi[g] + i)),
+                       Vb::load(reinterpret_cast<const uint8_t*>(kq[j] + i)));
+          dots[j] = to_float(a);
+        } else {
+          Vf s = qv[g][0] * Vf::load(krow[j]);
+          for (int i = 1; i < NV; ++i) s = fma(qv[g][i], Vf::load(krow[j] + 16 * i), s);
+          dots[j] = s;
+        }
       }
-      Vf s = reduce16(dots);
-      if constexpr (INT8) s = s * Vf::load_n(kscale, n);
+      Vf s = reduce16(dots);                                     // int8: exact integers
+      if constexpr (INT8) {
+        if (Q8_BIASED) s = s - Vf::set1(128.f) * Vf::load(ksum);
+        s = s * Vf::set1(qs[g]) * Vf::load_n(kscale, n);
+      }
       scores[g] = select(valid, s, Vf::set1(NEG_INF));
       m_old[g] = m[g];
       m_new[g] = std::max(m[g], reduce_max(scores[g]));
@@ -136,20 +151,28 @@ void run_for_group(int64_t G, Run&& run) {
 void attend_scalar(const Cache& c, const int64_t* table, int64_t block_size, int64_t h, const float* q,
                    int64_t G, float sc, int64_t from, int64_t to, float* acc, float* m, float* l) {
   const int64_t D = c.D;
-  std::vector<float> kr(D), vr(D);
+  std::vector<float> kr(D), vr(D), qs(G);
+  std::vector<int8_t> qi(c.kq ? G * D : 0);
+  for (int64_t g = 0; g < G && c.kq; ++g) qs[g] = quantize_query(q + g * D, D, sc, qi.data() + g * D);
   std::fill(acc, acc + G * D, 0.f);
   std::fill(m, m + G, NEG_INF);
   std::fill(l, l + G, 0.f);
   for (int64_t pos = from; pos < to; ++pos) {
     const int64_t at = (table[pos / block_size] * block_size + pos % block_size) * c.Hkv + h;
     for (int64_t d = 0; d < D; ++d) {
-      kr[d] = c.k ? c.k[at * D + d] : c.kq[at * D + d] * c.ks[at];
+      if (c.k) kr[d] = c.k[at * D + d];
       vr[d] = c.v ? c.v[at * D + d] : c.vq[at * D + d] * c.vs[at];
     }
     for (int64_t g = 0; g < G; ++g) {
       float s = 0.f;
-      for (int64_t d = 0; d < D; ++d) s += q[g * D + d] * kr[d];
-      s *= sc;
+      if (c.kq) {                                // the exact integer dot product, then the scales
+        int32_t dot = 0;
+        for (int64_t d = 0; d < D; ++d) dot += qi[g * D + d] * c.kq[at * D + d];
+        s = static_cast<float>(dot) * qs[g] * c.ks[at];
+      } else {
+        for (int64_t d = 0; d < D; ++d) s += q[g * D + d] * kr[d];
+        s *= sc;
+      }
       const float mx = std::max(m[g], s), corr = std::exp(m[g] - mx), p = std::exp(s - mx);
       l[g] = l[g] * corr + p;
       m[g] = mx;

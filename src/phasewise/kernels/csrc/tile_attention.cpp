@@ -2,7 +2,9 @@
 // sequence × the G query heads of one KV head, R G <= 16 queries, one per vector lane.
 //
 // Queries are transposed once per task (qt [D][16]), so a key's 16 scores are D FMAs of the
-// broadcast key element with qt[d]: no horizontal sums. The softmax then runs lane-wise
+// broadcast key element with qt[d]: no horizontal sums. Over an int8 cache the queries are int8
+// too (quantize_query), in groups of 4 per lane (qb [D/4][16][4]), and a key's 16 scores are D/4
+// int8 dot products of the broadcast 4 key bytes (VNNI: 64 instructions at D = 256, not 256 FMAs). The softmax then runs lane-wise
 // (per query) over keys, and the causal mask is one compare of the lanes' context lengths
 // with the key's position (a sliding window adds one compare of its lower edge, and keys start
 // at the first row's window). Values: each lane's output row += its weight × the value row.
@@ -30,23 +32,32 @@ void attend_tile(const Cache& c, const int64_t* table, int64_t block_size, int64
   constexpr int64_t D = 16 * NV;
   constexpr int SL = W >= 16 ? (NV < 4 ? NV : 4) : 1;
   const int64_t lanes = tile.R * G;
-  alignas(64) float qt[D * 16];               // [D][lane] queries, scaled
+  alignas(64) float qt[INT8 ? 1 : D * 16];    // [D][lane] queries, scaled (fp32 cache)
+  alignas(64) uint8_t qb[INT8 ? D * 16 : 1];  // [D/4][lane][4] queries as int8 + 128 (int8 cache)
   alignas(64) float o[16 * D];                // [lane][D] unnormalised outputs
-  alignas(64) float kt[KEYS * D];             // [key][D] the pass's keys (as floats)
+  alignas(64) float kt[INT8 ? 1 : KEYS * D];  // [key][D] the pass's keys (fp32 cache)
   alignas(64) float vt[INT8 ? KEYS * D : 1];  // [key][D] its values (int8 cache)
   alignas(64) float pt[KEYS * 16];            // [key][lane] value weights
   alignas(64) float corr[16];
   alignas(64) int32_t lenv[16];
-  std::memset(qt, 0, sizeof(qt));
+  alignas(64) float qsv[16] = {};             // the int8 queries' scales (spare lanes: 0)
+  if constexpr (INT8) std::memset(qb, 128, sizeof(qb));   // spare lanes: queries of 0
+  else std::memset(qt, 0, sizeof(qt));
   std::memset(o, 0, sizeof(o));
   for (int64_t lane = 0; lane < 16; ++lane) {   // spare lanes copy lane 0 (computed, never written)
     const int64_t r = lane < lanes ? lane / G : 0, g = lane < lanes ? lane % G : 0;
     lenv[lane] = static_cast<int32_t>(tile.len0 + r);
-    if (lane < lanes) {
-      const float* qr = q + ((tile.t0 + r) * Hq + h * G + g) * D;
+    if (lane >= lanes) continue;
+    const float* qr = q + ((tile.t0 + r) * Hq + h * G + g) * D;
+    if constexpr (INT8) {
+      int8_t qi[D];
+      qsv[lane] = quantize_query(qr, D, sc, qi);
+      for (int64_t d = 0; d < D; ++d) qb[(d / 4) * 64 + lane * 4 + d % 4] = static_cast<uint8_t>(qi[d] + 128);
+    } else {
       for (int64_t d = 0; d < D; ++d) qt[d * 16 + lane] = qr[d] * sc;
     }
   }
+  const Vf qscale = Vf::load(qsv);
   Vi len;
   std::memcpy(&len, lenv, sizeof len);
   // With a window W, lane r sees keys len - W .. len - 1: the pass's keys below that are masked. The
@@ -60,19 +71,22 @@ void attend_tile(const Cache& c, const int64_t* table, int64_t block_size, int64
   Vf m = Vf::set1(NEG_INF), l = Vf::zero();
   const int64_t kmax = tile.len0 + tile.R - 1;   // the last row's context
   const float* vrow[KEYS];
-  float kscale[KEYS], vscale[KEYS];
+  const int8_t* krow[KEYS];                    // int8 cache: the pass's key rows (absent keys: zeros)
+  alignas(64) const int8_t kzero[INT8 ? D : 1] = {};
+  float kscale[KEYS], vscale[KEYS], ksum[KEYS];
   for (int64_t start = kmin; start < kmax; start += KEYS) {
     const int64_t n = std::min<int64_t>(KEYS, kmax - start);
     for (int64_t j = 0; j < KEYS; ++j) {
       if (j >= n) {                                // past every lane's context: masked below
-        std::memset(kt + j * D, 0, sizeof(float) * D);
+        if constexpr (INT8) krow[j] = kzero, ksum[j] = 0.f;
+        else std::memset(kt + j * D, 0, sizeof(float) * D);
         continue;
       }
       const int64_t at = row_of(table, block_size, c.Hkv, h, start + j);
-      if (INT8) {
+      if constexpr (INT8) {
+        krow[j] = c.kq + at * D;
+        if (Q8_BIASED) ksum[j] = row_sum_i8(krow[j], D);
         Vf x[NV];
-        load_int8_row<NV>(c.kq + at * D, x);
-        for (int i = 0; i < NV; ++i) x[i].store(kt + j * D + 16 * i);
         load_int8_row<NV>(c.vq + at * D, x);
         for (int i = 0; i < NV; ++i) x[i].store(vt + j * D + 16 * i);
         kscale[j] = c.ks[at];
@@ -85,13 +99,27 @@ void attend_tile(const Cache& c, const int64_t* table, int64_t block_size, int64
     }
     Vf s[KEYS];
     for (int j0 = 0; j0 < KEYS; j0 += KG) {           // KG keys' scores in registers at a time
-      Vf acc[KG];
-      for (int j = 0; j < KG; ++j) acc[j] = Vf::zero();
-      for (int64_t d = 0; d < D; ++d) {
-        const Vf qd = Vf::load(qt + d * 16);
-        for (int j = 0; j < KG; ++j) acc[j] = fma(Vf::set1(kt[(j0 + j) * D + d]), qd, acc[j]);
+      if constexpr (INT8) {                           // 4 of each query's int8 values per lane and step
+        Vi acc[KG];
+        for (int j = 0; j < KG; ++j) acc[j] = Vi::zero();
+        for (int64_t d4 = 0; d4 < D / 4; ++d4) {
+          const Vb qd = Vb::load(qb + 64 * d4);
+          for (int j = 0; j < KG; ++j) acc[j] = dot_q8(acc[j], qd, Vb::bcast4(krow[j0 + j] + 4 * d4));
+        }
+        for (int j = 0; j < KG; ++j) {
+          Vf dot = to_float(acc[j]);                  // exact: |sum| < 2^24
+          if (Q8_BIASED) dot = dot - Vf::set1(128.f * ksum[j0 + j]);
+          s[j0 + j] = dot * qscale;
+        }
+      } else {
+        Vf acc[KG];
+        for (int j = 0; j < KG; ++j) acc[j] = Vf::zero();
+        for (int64_t d = 0; d < D; ++d) {
+          const Vf qd = Vf::load(qt + d * 16);
+          for (int j = 0; j < KG; ++j) acc[j] = fma(Vf::set1(kt[(j0 + j) * D + d]), qd, acc[j]);
+        }
+        for (int j = 0; j < KG; ++j) s[j0 + j] = acc[j];
       }
-      for (int j = 0; j < KG; ++j) s[j0 + j] = acc[j];
     }
     Vf mx = m;
     for (int j = 0; j < KEYS; ++j) {
