@@ -38,14 +38,19 @@ inline float quantize_query(const float* q, int64_t D, float sc, int8_t* out) {
   return amax / 127.f;
 }
 
-// The exact sum of an int8 row of D values (a multiple of 64): with Q8_BIASED, dot_q8 of a query
-// biased by 128 holds 128 times it too.
-inline float row_sum_i8(const int8_t* k, int64_t D) {
+// Lane j: the exact sum of int8 row rows[j] of D values (D a multiple of 64), 0 from lane n on; with
+// Q8_BIASED, dot_q8 of a query biased by 128 holds 128 times it too. One transpose-reduction for
+// a pass's 16 keys.
+inline Vf row_sums_i8(const int8_t* const* rows, int64_t n, int64_t D) {
   static const int8_t ones[4] = {1, 1, 1, 1};
   const Vb one = Vb::bcast4(ones);
-  Vi s = Vi::zero();
-  for (int64_t i = 0; i < D; i += 64) s = dot_q8(s, one, Vb::load(reinterpret_cast<const uint8_t*>(k + i)));
-  return reduce_add(to_float(s));
+  Vf sums[16];
+  for (int64_t j = 0; j < 16; ++j) {
+    Vi s = Vi::zero();
+    for (int64_t i = 0; j < n && i < D; i += 64) s = dot_q8(s, one, Vb::load(reinterpret_cast<const uint8_t*>(rows[j] + i)));
+    sums[j] = to_float(s);
+  }
+  return reduce16(sums);   // exact: integers below 2^24
 }
 
 // A tile: R consecutive rows t0.. of one sequence, row t0 + r attending over its first len0 + r tokens.

@@ -39,7 +39,7 @@ void attend(const Cache& c, const int64_t* table, int64_t block_size, int64_t h,
   const int64_t G = GT > 0 ? GT : G_call;
   Vf qv[INT8 ? 1 : GMAX][NV], out[GMAX][NV];
   alignas(64) int8_t qi[INT8 ? GMAX : 1][D];   // int8 cache: the queries as int8 (quantize_query) + 128
-  float qs[GMAX];                              // and their scales
+  float qs[INT8 ? GMAX : 1];                   // and their scales
   for (int64_t g = 0; g < G; ++g) {
     for (int i = 0; i < NV; ++i) out[g][i] = Vf::zero();
     if constexpr (INT8) {
@@ -52,7 +52,7 @@ void attend(const Cache& c, const int64_t* table, int64_t block_size, int64_t h,
     l[g] = 0.f;
   }
   alignas(64) float probs[GMAX][KEYS];
-  alignas(64) float kscale[KEYS], vscale[KEYS], ksum[KEYS] = {};
+  alignas(64) float kscale[KEYS], vscale[KEYS];
   const int8_t* kq[KEYS];
   for (int64_t start = from; start < to; start += KEYS) {
     const int64_t n = std::min<int64_t>(KEYS, to - start);
@@ -63,7 +63,6 @@ void attend(const Cache& c, const int64_t* table, int64_t block_size, int64_t h,
       if (++off == block_size) ++blk, off = 0;
       if constexpr (INT8) {
         kq[j] = c.kq + at[j] * D;
-        if (Q8_BIASED) ksum[j] = row_sum_i8(kq[j], D);
         kscale[j] = c.ks[at[j]];
         vscale[j] = c.vs[at[j]];
       } else {
@@ -71,6 +70,8 @@ void attend(const Cache& c, const int64_t* table, int64_t block_size, int64_t h,
       }
     }
     const Mask valid = first_n(n);
+    Vf ksum = Vf::zero();                                        // int8 with Q8_BIASED: the keys' byte sums
+    if constexpr (INT8 && Q8_BIASED) ksum = row_sums_i8(kq, n, D);
     Vf scores[GMAX];
     alignas(64) float m_old[GMAX], m_new[GMAX], corr[GMAX];
     for (int64_t g = 0; g < G; ++g) {
@@ -91,7 +92,7 @@ void attend(const Cache& c, const int64_t* table, int64_t block_size, int64_t h,
       }
       Vf s = reduce16(dots);                                     // int8: exact integers
       if constexpr (INT8) {
-        if (Q8_BIASED) s = s - Vf::set1(128.f) * Vf::load(ksum);
+        if (Q8_BIASED) s = s - Vf::set1(128.f) * ksum;
         s = s * Vf::set1(qs[g]) * Vf::load_n(kscale, n);
       }
       scores[g] = select(valid, s, Vf::set1(NEG_INF));

@@ -4,8 +4,8 @@
 // Queries are transposed once per task (qt [D][16]), so a key's 16 scores are D FMAs of the
 // broadcast key element with qt[d]: no horizontal sums. Over an int8 cache the queries are int8
 // too (quantize_query), in groups of 4 per lane (qb [D/4][16][4]), and a key's 16 scores are D/4
-// int8 dot products of the broadcast 4 key bytes (VNNI: 64 instructions at D = 256, not 256 FMAs). The softmax then runs lane-wise
-// (per query) over keys, and the causal mask is one compare of the lanes' context lengths
+// int8 dot products of the broadcast 4 key bytes (VNNI: 64 instructions at D = 256, not 256
+// FMAs). The softmax then runs lane-wise (per query) over keys, and the causal mask is one compare of the lanes' context lengths
 // with the key's position (a sliding window adds one compare of its lower edge, and keys start
 // at the first row's window). Values: each lane's output row += its weight × the value row.
 // Used for chunks of two or more tokens (prefill, draft verification); single decode rows
@@ -73,19 +73,19 @@ void attend_tile(const Cache& c, const int64_t* table, int64_t block_size, int64
   const float* vrow[KEYS];
   const int8_t* krow[KEYS];                    // int8 cache: the pass's key rows (absent keys: zeros)
   alignas(64) const int8_t kzero[INT8 ? D : 1] = {};
-  float kscale[KEYS], vscale[KEYS], ksum[KEYS];
+  float kscale[KEYS], vscale[KEYS];
+  alignas(64) float ksum[KEYS];                // int8 cache with Q8_BIASED: each key's sum of bytes
   for (int64_t start = kmin; start < kmax; start += KEYS) {
     const int64_t n = std::min<int64_t>(KEYS, kmax - start);
     for (int64_t j = 0; j < KEYS; ++j) {
       if (j >= n) {                                // past every lane's context: masked below
-        if constexpr (INT8) krow[j] = kzero, ksum[j] = 0.f;
+        if constexpr (INT8) krow[j] = kzero;
         else std::memset(kt + j * D, 0, sizeof(float) * D);
         continue;
       }
       const int64_t at = row_of(table, block_size, c.Hkv, h, start + j);
       if constexpr (INT8) {
         krow[j] = c.kq + at * D;
-        if (Q8_BIASED) ksum[j] = row_sum_i8(krow[j], D);
         Vf x[NV];
         load_int8_row<NV>(c.vq + at * D, x);
         for (int i = 0; i < NV; ++i) x[i].store(vt + j * D + 16 * i);
@@ -97,6 +97,7 @@ void attend_tile(const Cache& c, const int64_t* table, int64_t block_size, int64
         vrow[j] = c.v + at * D;
       }
     }
+    if constexpr (INT8 && Q8_BIASED) row_sums_i8(krow, n, D).store(ksum);
     Vf s[KEYS];
     for (int j0 = 0; j0 < KEYS; j0 += KG) {           // KG keys' scores in registers at a time
       if constexpr (INT8) {                           // 4 of each query's int8 values per lane and step
