@@ -86,27 +86,6 @@ inline void quantize_block(const float* x, int8_t* q, float* dx, float* sx, floa
   if (sl) *sl = *dx * reduce_add(lo);
 }
 
-// 16 consecutive blocks at once, the same values as quantize_block: their maxima and sums come out
-// of one transpose-reduction each (reduce16_max, reduce16) rather than a horizontal chain per
-// block, whose latency bounded the one-block loop (4.4% of a Gemma prefill at avx512).
-inline void quantize_16_blocks(const float* x, int8_t* q, float* dx, float* sx, float* sl) {
-  Vf t[16];
-  for (int j = 0; j < 16; ++j) t[j] = max(abs(Vf::load(x + QK * j)), abs(Vf::load(x + QK * j + 16)));
-  const Vf amax = reduce16_max(t), zero = Vf::zero();
-  alignas(64) float id[16];
-  select(amax > zero, Vf::set1(127.f) / amax, zero).store(id);
-  Vf lo[16];
-  for (int j = 0; j < 16; ++j) {
-    const Vf s = Vf::set1(id[j]);
-    lo[j] = to_float(round_to_i8(Vf::load(x + QK * j) * s, q + QK * j));
-    t[j] = lo[j] + to_float(round_to_i8(Vf::load(x + QK * j + 16) * s, q + QK * j + 16));
-  }
-  const Vf d = amax / Vf::set1(127.f);
-  d.store(dx);
-  (d * reduce16(t)).store(sx);                   // sums exact: integers below 2^24
-  if (sl) (d * reduce16(lo)).store(sl);
-}
-
 constexpr bool nibbles(Fmt F) { return F == Q4 || F == K4; }
 constexpr bool narrow(Fmt F) { return F == Q5 || F == U5 || F == K6; }   // values below 64, multiplied unbiased
 constexpr bool halves(Fmt F) { return F == K8 || F == K6; }         // a d per 16-wide half
@@ -366,12 +345,10 @@ void quantize_rows(const Runtime& rt, const float* xp, int64_t M, int64_t K, int
                    float* lp) {
   const int64_t KB = K / QK;
   parallel_for(rt, M * KB, QUANT_GRAIN, [&](int64_t begin, int64_t end) {
-    int64_t i = begin;
-    for (; i + 16 <= end; i += 16) {
-      for (int64_t off = 0; off < 16 * QK && i + 16 + off / QK < end; off += 16) prefetch_l2(xp + (i + 16) * QK + off);
-      quantize_16_blocks(xp + i * QK, qp + i * QK, dp + i, sp + i, lp ? lp + i : nullptr);
+    for (int64_t i = begin; i < end; ++i) {   // the block 16 ahead fetched into L2 (the rows come from L2, L3)
+      if (i + 16 < end) prefetch_l2(xp + (i + 16) * QK), prefetch_l2(xp + (i + 16) * QK + 16);
+      quantize_block(xp + i * QK, qp + i * QK, dp + i, sp + i, lp ? lp + i : nullptr);
     }
-    for (; i < end; ++i) quantize_block(xp + i * QK, qp + i * QK, dp + i, sp + i, lp ? lp + i : nullptr);
   });
 }
 

@@ -58,24 +58,21 @@ inline Vf exp(Vf x) {
   return {_mm512_scalef_ps(p, n)};
 }
 
-// a[0..16) -> r with r[j] = a[j]'s lanes combined by op (add: reduce16, max: reduce16_max): pairs
-// of vectors interleaved and combined, then quads, then the 128-bit lanes.
-template <typename Op>
-inline Vf reduce16_with(const Vf* a, Op op) {
+// a[0..16) -> r with r[j] = the sum of a[j]'s lanes (a is overwritten).
+inline Vf reduce16(Vf* a) {
   __m512 x[16];
   for (int i = 0; i < 16; ++i) x[i] = a[i].v;
   for (int i = 0; i < 8; ++i)          // pairs: each 128-bit lane k holds x[2i], x[2i+1] partials
-    x[i] = op(_mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]), _mm512_unpackhi_ps(x[2 * i], x[2 * i + 1]));
+    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]), _mm512_unpackhi_ps(x[2 * i], x[2 * i + 1]));
   for (int i = 0; i < 4; ++i) {        // quads: lane k holds partials of x[4i..4i+4)
     const __m512d p = _mm512_castps_pd(x[2 * i]), q = _mm512_castps_pd(x[2 * i + 1]);
-    x[i] = op(_mm512_castpd_ps(_mm512_unpacklo_pd(p, q)), _mm512_castpd_ps(_mm512_unpackhi_pd(p, q)));
+    x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(p, q)), _mm512_castpd_ps(_mm512_unpackhi_pd(p, q)));
   }
   for (int i = 0; i < 2; ++i)          // fold the four 128-bit lanes
-    x[i] = op(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88), _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
-  return {op(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xDD))};
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
+  return {_mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xDD))};
 }
-inline Vf reduce16(const Vf* a) { return reduce16_with(a, [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); }); }
-inline Vf reduce16_max(const Vf* a) { return reduce16_with(a, [](__m512 x, __m512 y) { return _mm512_max_ps(x, y); }); }
 
 struct Vi {
   __m512i v;

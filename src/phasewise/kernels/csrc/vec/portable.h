@@ -147,31 +147,25 @@ inline Vf exp(Vf x) {
   return r;
 }
 
-// a[0..16) -> r with r[j] = a[j]'s lanes combined by op (add: reduce16, max: reduce16_max): each
-// a[j] folded to one native vector, then pairs of vectors (x, y) -> op(even lanes of x y, odd lanes
-// of x y), which halves the vectors and keeps their order, until each lane holds one whole result.
-template <typename Op>
-inline Vf reduce16_with(const Vf* a, Op op) {
-  f32n s[16];
-  for (int j = 0; j < 16; ++j) {
-    s[j] = a[j].v[0];
-    for (int i = 1; i < NP; ++i) s[j] = op(s[j], a[j].v[i]);
-  }
-  for (int n = 16; n > NP; n /= 2)
-    for (int i = 0; i < n / 2; ++i) {
-      const f32n x = s[2 * i], y = s[2 * i + 1];
+// a[0..16) -> r with r[j] = the sum of a[j]'s lanes: each a[j] folded to one native vector, then
+// pairs of vectors (x, y) -> even lanes of x y + odd lanes of x y, which halves the vectors and
+// keeps their order, until each lane holds one whole sum.
+inline f32n pair_sum(f32n x, f32n y) {
 #if PW_W == 8
-      s[i] = op(__builtin_shufflevector(x, y, 0, 2, 4, 6, 8, 10, 12, 14), __builtin_shufflevector(x, y, 1, 3, 5, 7, 9, 11, 13, 15));
+  return __builtin_shufflevector(x, y, 0, 2, 4, 6, 8, 10, 12, 14) + __builtin_shufflevector(x, y, 1, 3, 5, 7, 9, 11, 13, 15);
 #else
-      s[i] = op(__builtin_shufflevector(x, y, 0, 2, 4, 6), __builtin_shufflevector(x, y, 1, 3, 5, 7));
+  return __builtin_shufflevector(x, y, 0, 2, 4, 6) + __builtin_shufflevector(x, y, 1, 3, 5, 7);
 #endif
-    }
+}
+inline Vf reduce16(Vf* a) {
+  f32n s[16];
+  for (int j = 0; j < 16; ++j) s[j] = fold(a[j]);
+  for (int n = 16; n > NP; n /= 2)
+    for (int i = 0; i < n / 2; ++i) s[i] = pair_sum(s[2 * i], s[2 * i + 1]);
   Vf r;
   for (int i = 0; i < NP; ++i) r.v[i] = s[i];
   return r;
 }
-inline Vf reduce16(const Vf* a) { return reduce16_with(a, [](f32n x, f32n y) { return x + y; }); }
-inline Vf reduce16_max(const Vf* a) { return reduce16_with(a, [](f32n x, f32n y) { return x > y ? x : y; }); }
 
 struct Vi {
   i32n v[NP];
