@@ -56,10 +56,31 @@ def test_fused_parts_of_mixed_types_keep_their_values(types, fmt):
     """A Q4_K_M file's q, k (Q4_K) and v (Q6_K) fuse into one projection: repacked, not re-rounded."""
     parts = [pack_gguf(t, gguf_rows(t, 32, 256, seed=i)) for i, t in enumerate(types)]
     fused = quant.concat(parts)
-    assert fused.fmt == fmt
+    assert fused.fmt == fmt and fused.u5_tiles == (2 if types == ("Q5_0", "Q8_0") else 0)
     assert torch.equal(quant.dequantize(fused), torch.cat([quant.dequantize(p) for p in parts]))
     with pytest.raises(ValueError, match="fuse"):
         quant.concat([parts[0], random_weight("i8", 16, 256)])
+
+
+@pytest.mark.parametrize("m", [1, 5, 300])
+def test_q5_parts_before_q8_keep_their_products(ops, m):
+    """Gemma 3's q, k (Q5_0) and v (Q8_0) in one projection: the q5 tiles hold U5 bytes inside the
+    q8 weight (u5_tiles), which the kernel multiplies as U5, the rest as Q8, into one output."""
+    parts = [pack_gguf(t, gguf_rows(t, n, 96, seed=i)) for i, (t, n) in enumerate([("Q5_0", 64), ("Q5_0", 32),
+                                                                                   ("Q8_0", 40)])]
+    fused = quant.concat(parts)
+    assert (fused.fmt, fused.u5_tiles, fused.n, fused.blocks.shape) == ("q8", 6, 136, (9, 3, 544))
+    assert torch.equal(quant.dequantize(fused), torch.cat([quant.dequantize(p) for p in parts]))
+    bias = torch.randn(136)
+    layer = QuantLinear(fused, bias)
+    layer.set_kernels(ops)
+    x = torch.randn(m, 96, generator=torch.Generator().manual_seed(m))
+    y, expected = layer(x), quant.emulate(x, fused, bias)
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    with pytest.raises(ValueError, match="fuse"):
+        quant.concat([fused, parts[2]])
+    with pytest.raises(RuntimeError, match="u5_tiles"):
+        ops.quant_linear(x, quant.FORMAT_IDS["q5"], 64, parts[0].blocks, None, None, 1)
 
 
 def test_narrow_formats_refuse_what_they_cannot_hold():

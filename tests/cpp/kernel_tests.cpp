@@ -209,6 +209,8 @@ int main() {
   for (pw::QuantFormat fmt : {pw::Q4, pw::Q8, pw::I8, pw::K4, pw::K8, pw::Q5, pw::K6})
     for (const auto& mnk : std::vector<std::vector<int64_t>>{{1, 576, 576}, {3, 40, 64}, {5, 960, 128}, {130, 48, 96}})
       test_quant_linear(k, fmt, mnk[0], mnk[1], mnk[2]);
+  for (const auto& mnk : std::vector<std::vector<int64_t>>{{1, 40, 64}, {130, 48, 96}, {5, 64, 128}, {3, 32, 64}})
+    test_quant_linear(k, pw::Q8, mnk[0], mnk[1], mnk[2], 2);   // 2 U5 tiles, then Q8 (partly padding; none)
   for (bool int8 : {false, true}) {
     test_decoder_stack(k, int8, {1}, {1});                                      // the first decode step
     test_decoder_stack(k, int8, {1, 12, 1}, {40, 12, 300});                     // decodes, a prompt chunk

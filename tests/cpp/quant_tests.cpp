@@ -7,9 +7,10 @@
 
 namespace kt {
 
-// A random packed weight of `fmt` (quant_linear.cpp's layout) and its values W [N, K].
+// A random packed weight of `fmt` (quant_linear.cpp's layout) and its values W [N, K]; Q8's first
+// u5_tiles tiles hold U5 bytes (w = d (u - 16), u in 0..31).
 std::vector<uint8_t> random_weight(pw::QuantFormat fmt, int64_t N, int64_t K, std::vector<float>& W,
-                                   std::vector<float>& scale) {
+                                   std::vector<float>& scale, int64_t u5_tiles) {
   const int64_t NT = (N + 15) / 16, KB = K / 32, BB = pw::block_bytes(fmt), QB = pw::quant_bytes(fmt);
   const bool nibbles = fmt == pw::Q4 || fmt == pw::K4, f32 = fmt == pw::K4 || fmt == pw::K8 || fmt == pw::K6;
   const bool six = fmt == pw::K6, halves = fmt == pw::K8 || fmt == pw::K6;
@@ -44,11 +45,13 @@ std::vector<uint8_t> random_weight(pw::QuantFormat fmt, int64_t N, int64_t K, st
             w[kk] = fmt == pw::Q4 ? half_to_float(dm[r]) * q + half_to_float(dm[16 + r]) : ds[r] * q + ds[16 + r];
           } else {
             uint8_t& u = blk[(kk / 4) * 64 + r * 4 + kk % 4];
+            const bool u5 = t < u5_tiles;
             if (six) u &= 63;                                    // K6: q + 32 in 0..63
+            else if (u5) u &= 31;                                // U5: q + 16 in 0..31
             else if (u == 0) u = 1;                              // q = -128 is never stored
             const float d = fmt == pw::Q8 ? half_to_float(dm[r]) :
                             fmt == pw::I8 ? scale[t * 16 + r] : ds[(kk < 16 ? 0 : 16) + r];
-            w[kk] = (u - (six ? 32 : 128)) * d + (halves ? ds[32 + r] : 0.f);
+            w[kk] = (u - (six ? 32 : u5 ? 16 : 128)) * d + (halves ? ds[32 + r] : 0.f);
           }
         }
       }
@@ -56,9 +59,10 @@ std::vector<uint8_t> random_weight(pw::QuantFormat fmt, int64_t N, int64_t K, st
   return blocks;
 }
 
-void test_quant_linear(const pw::KernelTable& k, pw::QuantFormat fmt, int64_t M, int64_t N, int64_t K) {
+void test_quant_linear(const pw::KernelTable& k, pw::QuantFormat fmt, int64_t M, int64_t N, int64_t K,
+                       int64_t u5_tiles) {
   std::vector<float> W, scale;
-  const auto blocks = random_weight(fmt, N, K, W, scale);
+  const auto blocks = random_weight(fmt, N, K, W, scale, u5_tiles);
   const int64_t NT = (N + 15) / 16, KB = K / 32;
   auto x = randn(M * K), bias = randn(N);
   std::vector<int8_t> xq(M * K);
@@ -80,7 +84,7 @@ void test_quant_linear(const pw::KernelTable& k, pw::QuantFormat fmt, int64_t M,
   }
   check("quantize_activations M=" + std::to_string(M), ok);
   std::vector<float> y(M * N), want(M * N);
-  const pw::PackedWeights w{fmt, blocks.data(), scale.data(), N, NT, KB};
+  const pw::PackedWeights w{fmt, blocks.data(), scale.data(), N, NT, KB, u5_tiles};
   k.quant_linear(RT, x.data(), M, K, w, bias.data(), y.data());
   for (int64_t m = 0; m < M; ++m)
     for (int64_t n = 0; n < N; ++n) {
@@ -91,8 +95,8 @@ void test_quant_linear(const pw::KernelTable& k, pw::QuantFormat fmt, int64_t M,
   float big = 0.f;
   for (float v : want) big = std::max(big, std::fabs(v));
   char name[96];
-  std::snprintf(name, sizeof name, "quant_linear fmt=%d M=%lld N=%lld K=%lld", static_cast<int>(fmt), (long long)M,
-                (long long)N, (long long)K);
+  std::snprintf(name, sizeof name, "quant_linear fmt=%d M=%lld N=%lld K=%lld u5_tiles=%lld", static_cast<int>(fmt),
+                (long long)M, (long long)N, (long long)K, (long long)u5_tiles);
   check_close(name, y.data(), want.data(), y.size(), 1e-4f, 1e-5f * big);
 }
 
@@ -106,7 +110,7 @@ void test_decoder_stack(const pw::KernelTable& k, bool int8, const std::vector<i
   std::vector<pw::DecoderLayer> layers(L);
   auto linear = [&](int64_t N, int64_t K) {
     std::vector<float> W, scale;
-    blocks.push_back(random_weight(pw::Q4, N, K, W, scale));
+    blocks.push_back(random_weight(pw::Q4, N, K, W, scale, 0));
     biases.push_back(randn(N, 0.1f));
     return pw::Linear{{pw::Q4, blocks.back().data(), nullptr, N, (N + 15) / 16, K / 32}, biases.back().data()};
   };

@@ -17,7 +17,8 @@ quant_linear.cpp):
 The 6-bit bytes of k6 (and q5's, unpacked to bytes in the kernel) multiply unbiased on every ISA
 (AVX2's vpmaddubsw without saturating), where q8's need a slower path on AVX2. A fused projection
 whose parts differ in block type is repacked, exactly, into the first format every part fits
-(WIDER): q4 and k4 parts as k4, q5 with q8 as q8, nibbles with q5 or k6 as k6, any other mix as k8.
+(WIDER): q4 and k4 parts as k4, q5 with q8 as q8 (q5 parts first: as q8 tiles holding U5 bytes,
+u = q + 16, `u5_tiles`), nibbles with q5 or k6 as k6, any other mix as k8.
 
 Packing only moves bytes and widens scales (no second rounding of GGUF weights). `dequantize` is
 the device-agnostic reference; `emulate` computes in PyTorch what the kernel computes
@@ -52,6 +53,7 @@ class PackedWeight:
     k: int                         # input features, a multiple of 32
     blocks: torch.Tensor               # [NT, KB, BLOCK_BYTES] uint8: quants, then the scales
     scale: torch.Tensor | None = None  # [NT * 16] fp32 (i8)
+    u5_tiles: int = 0                  # q8: its first tiles hold q5 values as u = q + 16 (concat)
 
     @property
     def n_padded(self) -> int:
@@ -85,8 +87,10 @@ class PackedWeight:
             fifth = (plane >> torch.arange(8, dtype=torch.uint8, device=plane.device).reshape(1, 1, 8, 1)) & 1
             u = (low | (fifth << 4)).reshape(nt, kb, 8, TILE, 4).permute(0, 3, 1, 2, 4).reshape(nt * TILE, kb, QK)
             return u.to(torch.int16) - OFFSET["q5"]
-        u = self.qs.reshape(nt, kb, 8, TILE, 4).permute(0, 3, 1, 2, 4).reshape(nt * TILE, kb, QK)
-        return u.to(torch.int16) - OFFSET[self.fmt]
+        u = self.qs.reshape(nt, kb, 8, TILE, 4).permute(0, 3, 1, 2, 4).reshape(nt * TILE, kb, QK).to(torch.int16)
+        if self.u5_tiles:
+            return torch.cat([u[: TILE * self.u5_tiles] - OFFSET["q5"], u[TILE * self.u5_tiles:] - OFFSET["q8"]])
+        return u - OFFSET[self.fmt]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.blocks, self.scale) if t is not None)
@@ -170,11 +174,23 @@ def repack(w: PackedWeight, fmt: str) -> PackedWeight:
 
 def concat(parts: list[PackedWeight]) -> PackedWeight:
     """Stack weights along N (a fused projection); every part but the last fills whole tiles.
-    Parts of different block formats are repacked first, into the first format all of them fit."""
+    Parts of different block formats are repacked first, into the first format all of them fit;
+    q5 parts before q8 ones become q8 tiles of U5 bytes (u5_tiles: the same bytes per block as
+    q8's, with q5's cheaper products where the ISA has no unsigned-by-signed int8 product)."""
     fmts = {p.fmt for p in parts}
     if any(p.k != parts[0].k for p in parts) or any(p.n % TILE for p in parts[:-1]) or \
-            (len(fmts) > 1 and "i8" in fmts):
+            (len(fmts) > 1 and "i8" in fmts) or any(p.u5_tiles for p in parts):
         raise ValueError("cannot fuse these weights")
+    order = [p.fmt for p in parts]
+    if fmts == {"q5", "q8"} and order == sorted(order, key=lambda f: f == "q8"):
+        narrow = [p for p in parts if p.fmt == "q5"]
+        u5 = concat(narrow) if len(narrow) > 1 else narrow[0]
+        as_u5 = PackedWeight(fmt="q8", n=u5.n, k=u5.k, u5_tiles=u5.blocks.shape[0],
+                             blocks=torch.cat([_tile_bytes((u5.values() + OFFSET["q5"]).to(torch.uint8)),
+                                               _tile_scales(u5.scales(0))], dim=-1))
+        wide = concat(parts[len(narrow):]) if len(parts) - len(narrow) > 1 else parts[-1]
+        return PackedWeight(fmt="q8", n=as_u5.n + wide.n, k=u5.k, u5_tiles=as_u5.u5_tiles,
+                            blocks=torch.cat([as_u5.blocks, wide.blocks]))
     if len(fmts) > 1:
         target = next(f for f in WIDER[parts[0].fmt] if all(f in WIDER[p.fmt] for p in parts))
         parts = [repack(p, target) for p in parts]

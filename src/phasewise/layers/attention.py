@@ -64,28 +64,40 @@ class AttentionMetadata:
                      block_size: int, device: torch.device) -> AttentionMetadata:
         """group_tables[g][i]: sequence i's blocks in KV group g (NULL entries, < 0, behind a window:
         never read; they become block 0 in the kernel's tables)."""
+        rows = cls.row_tensors(query_lens, context_lens, device)   # the same for every group
         metas = [cls.build(query_lens, context_lens, [t if not t or min(t) >= 0 else [max(b, 0) for b in t]
-                                                      for t in tables], block_size, device) for tables in group_tables]
+                                                      for t in tables], block_size, device, rows)
+                 for tables in group_tables]
         if len(metas) > 1:
             metas[0].groups = metas
         return metas[0]
 
-    @classmethod
-    def build(cls, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
-              block_size: int, device: torch.device) -> AttentionMetadata:
-        """query_lens[i] new tokens of sequence i, which then has context_lens[i] tokens in all."""
-        slots, seq, length, tables = [], [], [], []
-        for i, (n, ctx, table) in enumerate(zip(query_lens, context_lens, block_tables)):
-            slots.extend(table[pos // block_size] * block_size + pos % block_size for pos in range(ctx - n, ctx))
+    @staticmethod
+    def row_tensors(query_lens: list[int], context_lens: list[int],
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's sequence and how many tokens it attends to ([T] int64 each, KernelRows')."""
+        seq, length = [], []
+        for i, (n, ctx) in enumerate(zip(query_lens, context_lens)):
             seq.extend([i] * n)
             length.extend(range(ctx - n + 1, ctx + 1))
+        return torch.tensor(seq, dtype=torch.int64, device=device), torch.tensor(length, dtype=torch.int64, device=device)
+
+    @classmethod
+    def build(cls, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
+              block_size: int, device: torch.device,
+              rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> AttentionMetadata:
+        """query_lens[i] new tokens of sequence i, which then has context_lens[i] tokens in all
+        (`rows`: row_tensors of these lengths, when the caller has them already)."""
+        slots, tables = [], []
+        for n, ctx, table in zip(query_lens, context_lens, block_tables):
+            slots.extend(table[pos // block_size] * block_size + pos % block_size for pos in range(ctx - n, ctx))
             tables.append(table[: -(-ctx // block_size)])
         width = max(len(t) for t in tables)
         padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64, device=device)
-        rows = KernelRows(padded, torch.tensor(seq, device=device), torch.tensor(length, device=device))
+        seq, length = rows if rows is not None else cls.row_tensors(query_lens, context_lens, device)
         return cls(slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device), block_size=block_size,
-                   kernel_rows=rows, query_lens=list(query_lens), context_lens=list(context_lens),
-                   block_tables=tables, device=device)
+                   kernel_rows=KernelRows(padded, seq, length), query_lens=list(query_lens),
+                   context_lens=list(context_lens), block_tables=tables, device=device)
 
     @cached_property
     def decode_only(self) -> bool:

@@ -22,7 +22,7 @@ class QuantLinear(nn.Module):
     def __init__(self, weight: PackedWeight, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.fmt, self.in_features, self.out_features = weight.fmt, weight.k, weight.n
-        self.fmt_id = quant.FORMAT_IDS[weight.fmt]
+        self.fmt_id, self.u5_tiles = quant.FORMAT_IDS[weight.fmt], weight.u5_tiles
         self.register_buffer("blocks", weight.blocks)
         self.register_buffer("scale", weight.scale)
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
@@ -34,7 +34,7 @@ class QuantLinear(nn.Module):
         self.kernels = kernels
         on_cpu = self.blocks.device.type == "cpu"
         self._args = None if kernels is None or not on_cpu else \
-            (self.fmt_id, self.out_features, self.blocks, self.scale, self.bias)
+            (self.fmt_id, self.out_features, self.blocks, self.scale, self.bias, self.u5_tiles)
 
     def _apply(self, fn, recurse=True):
         self._args = None                     # buffers may move: gather the arguments again
@@ -50,10 +50,11 @@ class QuantLinear(nn.Module):
     @property
     def packed(self) -> PackedWeight:
         return PackedWeight(fmt=self.fmt, n=self.out_features, k=self.in_features, blocks=self.blocks,
-                            scale=self.scale)
+                            scale=self.scale, u5_tiles=self.u5_tiles)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}"
+        u5 = f" ({self.u5_tiles} tiles of q5 values)" if self.u5_tiles else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}{u5}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., in] → [..., out]."""

@@ -80,4 +80,5 @@ def file_blocks(gguf: GGUFFile, cfg: ModelConfig, path: str, tp: TensorParallel 
 
 def _to(w: quant.PackedWeight, device) -> quant.PackedWeight:
     move = lambda t: None if t is None else t.to(device)  # noqa: E731
-    return quant.PackedWeight(fmt=w.fmt, n=w.n, k=w.k, blocks=move(w.blocks), scale=move(w.scale))
+    return quant.PackedWeight(fmt=w.fmt, n=w.n, k=w.k, blocks=move(w.blocks), scale=move(w.scale),
+                              u5_tiles=w.u5_tiles)

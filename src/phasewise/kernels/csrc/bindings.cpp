@@ -31,7 +31,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("iters") = 20000000, nogil())
       .def("quant_linear", &KernelSet::quant_linear, "y = x W^T + b with W in a packed block format",
            py::arg("x"), py::arg("fmt"), py::arg("N"), py::arg("blocks"), py::arg("scale") = py::none(),
-           py::arg("bias") = py::none(), nogil())
+           py::arg("bias") = py::none(), py::arg("u5_tiles") = 0, nogil())
       .def("decoder_stack",
            [](std::shared_ptr<KernelSet> self, std::vector<LayerArgs> layers, torch::Tensor final_norm,
               torch::Tensor cos, torch::Tensor sin, int64_t Hq, int64_t Hkv, int64_t D, double eps,

@@ -8,9 +8,10 @@
 #include <tuple>
 #include <vector>
 
-// A QuantLinear's kernel arguments: format id, output features, packed blocks, scale, bias.
+// A QuantLinear's kernel arguments: format id, output features, packed blocks, scale, bias, and
+// the leading tiles that hold U5 bytes (PackedWeights::u5_tiles).
 using QuantLinearArgs = std::tuple<int64_t, int64_t, torch::Tensor, c10::optional<torch::Tensor>,
-                                   c10::optional<torch::Tensor>>;
+                                   c10::optional<torch::Tensor>, int64_t>;
 // One layer: input norm weight, post-attention norm weight, qkv, o, gate_up, down.
 using LayerArgs = std::tuple<torch::Tensor, torch::Tensor, QuantLinearArgs, QuantLinearArgs, QuantLinearArgs,
                              QuantLinearArgs>;

@@ -154,7 +154,8 @@ std::vector<torch::Tensor> KernelSet::quantize_activations(torch::Tensor x) cons
 
 // y [M, N] = x [M, K] @ W^T + bias, W packed as quant_linear.cpp describes (N rows of NT * 16).
 torch::Tensor KernelSet::quant_linear(torch::Tensor x, int64_t fmt, int64_t N, torch::Tensor blocks,
-                                      c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias) const {
+                                      c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias,
+                                      int64_t u5_tiles) const {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x: fp32 [M, K]");
   TORCH_CHECK(pw::known_format(fmt), "unknown format ", fmt);
   TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
@@ -164,6 +165,7 @@ torch::Tensor KernelSet::quant_linear(torch::Tensor x, int64_t fmt, int64_t N, t
   TORCH_CHECK(K == KB * pw::QK, "x has ", K, " columns, the weights ", KB * pw::QK);
   TORCH_CHECK(blocks.size(2) == pw::block_bytes(static_cast<pw::QuantFormat>(fmt)), "block bytes do not match the format");
   TORCH_CHECK(N > (NT - 1) * 16 && N <= NT * 16, "N does not match the tiles");
+  TORCH_CHECK(u5_tiles == 0 || (fmt == pw::Q8 && u5_tiles > 0 && u5_tiles <= NT), "u5_tiles: Q8 tiles 0..NT");
   const float* sp = nullptr;
   if (fmt == pw::I8) {
     TORCH_CHECK(scale.has_value() && scale->scalar_type() == at::kFloat && scale->is_contiguous() &&
@@ -173,7 +175,7 @@ torch::Tensor KernelSet::quant_linear(torch::Tensor x, int64_t fmt, int64_t N, t
   if (bias.has_value())
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "bias: fp32 [N]");
   auto out = torch::empty({M, N}, x.options());
-  const pw::PackedWeights w{static_cast<pw::QuantFormat>(fmt), blocks.data_ptr<uint8_t>(), sp, N, NT, KB};
+  const pw::PackedWeights w{static_cast<pw::QuantFormat>(fmt), blocks.data_ptr<uint8_t>(), sp, N, NT, KB, u5_tiles};
   table_->quant_linear(runtime(), x.data_ptr<float>(), M, K, w, ptr<float>(bias), out.data_ptr<float>());
   return out;
 }

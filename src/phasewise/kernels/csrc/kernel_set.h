@@ -29,7 +29,8 @@ class KernelSet {
   torch::Tensor argmax_rows(torch::Tensor x) const;
   std::vector<torch::Tensor> quantize_activations(torch::Tensor x) const;
   torch::Tensor quant_linear(torch::Tensor x, int64_t fmt, int64_t N, torch::Tensor blocks,
-                             c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias) const;
+                             c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias,
+                             int64_t u5_tiles) const;
   double int8_peak_gops(int64_t iters) const;
   const pw::KernelTable& table() const { return *table_; }
 

@@ -7,7 +7,7 @@
 
 namespace pw {
 
-constexpr int ABI_VERSION = 8;
+constexpr int ABI_VERSION = 9;
 
 struct Runtime {            // how a call may run: threads of the caller's pool (torch's, through OpenMP)
   int threads = 1;
@@ -63,6 +63,9 @@ struct PackedWeights {      // a quantized linear layer's weight, packed (kernel
   const uint8_t* blocks;    // [NT, KB, block bytes]
   const float* scale;       // [NT * 16] (I8)
   int64_t N, NT, KB;
+  // Q8 only: its first u5_tiles tiles hold Q5_0 values as U5 bytes (u = q + 16, the same block
+  // bytes as Q8's), a projection fused from Q5_0 and Q8_0 parts: they take U5's cheaper products
+  int64_t u5_tiles = 0;
 };
 
 struct Linear {             // a quantized linear layer: packed weight and optional bias [N]

@@ -308,8 +308,8 @@ constexpr int64_t QUANT_GRAIN = 256;       // blocks of activations worth a thre
 // chunks over its own pairs: chunks write disjoint rows, so no barrier between them (one per
 // chunk cost a 512-token prefill a few percent in waits).
 template <Fmt F>
-void run(const Runtime& rt, const Act& a, int64_t M, const Weights& w, const float* bias, float* out) {
-  const int64_t ldo = w.N, NT = w.NT, groups = (NT + NVB - 1) / NVB;  // NVB tiles, the last group maybe one
+void run(const Runtime& rt, const Act& a, int64_t M, const Weights& w, const float* bias, float* out, int64_t ldo) {
+  const int64_t NT = w.NT, groups = (NT + NVB - 1) / NVB;  // NVB tiles, the last group maybe one
   parallel_for(rt, groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < M; m0 += MCHUNK) {
       const int64_t rows = std::min<int64_t>(MCHUNK, M - m0);
@@ -383,14 +383,25 @@ void quant_linear(const Runtime& rt, const float* x, int64_t M, int64_t K, const
   }
   const Act a{scratch->xq.data(), scratch->dx.data(), scratch->sx.data(), scratch->sl.data(), K, KB};
   const Weights w{pw.blocks, pw.scale, KB, block_bytes(pw.fmt), pw.N, pw.NT};
+  const int64_t N = pw.N;
   switch (pw.fmt) {
-    case Q4: run<Q4>(rt, a, M, w, bias, y); break;
-    case Q8: run<Q8>(rt, a, M, w, bias, y); break;
-    case I8: run<I8>(rt, a, M, w, bias, y); break;
-    case K4: run<K4>(rt, a, M, w, bias, y); break;
-    case K8: run<K8>(rt, a, M, w, bias, y); break;
-    case Q5: run<Q5>(rt, a, M, w, bias, y); break;
-    case K6: run<K6>(rt, a, M, w, bias, y); break;
+    case Q4: run<Q4>(rt, a, M, w, bias, y, N); break;
+    case Q8:
+      if (pw.u5_tiles > 0) {          // the U5 tiles, then the Q8 ones from tile u5 on: two regions
+        const int64_t u5 = pw.u5_tiles, n5 = std::min(N, 16 * u5);
+        run<U5>(rt, a, M, Weights{w.qs, nullptr, KB, w.BB, n5, u5}, bias, y, N);
+        if (u5 < pw.NT)
+          run<Q8>(rt, a, M, Weights{w.qs + u5 * KB * w.BB, nullptr, KB, w.BB, N - n5, pw.NT - u5},
+                  bias ? bias + n5 : nullptr, y + n5, N);
+      } else {
+        run<Q8>(rt, a, M, w, bias, y, N);
+      }
+      break;
+    case I8: run<I8>(rt, a, M, w, bias, y, N); break;
+    case K4: run<K4>(rt, a, M, w, bias, y, N); break;
+    case K8: run<K8>(rt, a, M, w, bias, y, N); break;
+    case Q5: run<Q5>(rt, a, M, w, bias, y, N); break;
+    case K6: run<K6>(rt, a, M, w, bias, y, N); break;
     case U5: break;                   // not a packed format (kernels.h)
   }
 }
