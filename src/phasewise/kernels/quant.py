@@ -183,14 +183,11 @@ def concat(parts: list[PackedWeight]) -> PackedWeight:
         raise ValueError("cannot fuse these weights")
     order = [p.fmt for p in parts]
     if fmts == {"q5", "q8"} and order == sorted(order, key=lambda f: f == "q8"):
-        narrow = [p for p in parts if p.fmt == "q5"]
-        u5 = concat(narrow) if len(narrow) > 1 else narrow[0]
-        as_u5 = PackedWeight(fmt="q8", n=u5.n, k=u5.k, u5_tiles=u5.blocks.shape[0],
-                             blocks=torch.cat([_tile_bytes((u5.values() + OFFSET["q5"]).to(torch.uint8)),
-                                               _tile_scales(u5.scales(0))], dim=-1))
-        wide = concat(parts[len(narrow):]) if len(parts) - len(narrow) > 1 else parts[-1]
-        return PackedWeight(fmt="q8", n=as_u5.n + wide.n, k=u5.k, u5_tiles=as_u5.u5_tiles,
-                            blocks=torch.cat([as_u5.blocks, wide.blocks]))
+        cut = order.index("q8")
+        u5, wide = concat(parts[:cut]), concat(parts[cut:])
+        u = _tile_bytes((u5.values() + OFFSET["q5"]).to(torch.uint8))      # q8's layout, u = q + 16
+        blocks = torch.cat([torch.cat([u, _tile_scales(u5.scales(0))], dim=-1), wide.blocks])
+        return PackedWeight(fmt="q8", n=u5.n + wide.n, k=u5.k, u5_tiles=u5.blocks.shape[0], blocks=blocks)
     if len(fmts) > 1:
         target = next(f for f in WIDER[parts[0].fmt] if all(f in WIDER[p.fmt] for p in parts))
         parts = [repack(p, target) for p in parts]
