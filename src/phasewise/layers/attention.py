@@ -80,7 +80,8 @@ class AttentionMetadata:
         for i, (n, ctx) in enumerate(zip(query_lens, context_lens)):
             seq.extend([i] * n)
             length.extend(range(ctx - n + 1, ctx + 1))
-        return torch.tensor(seq, dtype=torch.int64, device=device), torch.tensor(length, dtype=torch.int64, device=device)
+        as_tensor = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
+        return as_tensor(seq), as_tensor(length)
 
     @classmethod
     def build(cls, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
