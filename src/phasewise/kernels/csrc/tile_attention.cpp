@@ -5,9 +5,10 @@
 // broadcast key element with qt[d]: no horizontal sums. Over an int8 cache the queries are int8
 // too (quantize_query), in groups of 4 per lane (qb [D/4][16][4]), and a key's 16 scores are D/4
 // int8 dot products of the broadcast 4 key bytes (VNNI: 64 instructions at D = 256, not 256
-// FMAs). The softmax then runs lane-wise (per query) over keys, and the causal mask is one compare of the lanes' context lengths
-// with the key's position (a sliding window adds one compare of its lower edge, and keys start
-// at the first row's window). Values: each lane's output row += its weight × the value row.
+// FMAs). The softmax then runs lane-wise (per query) over keys, and the causal mask is one
+// compare of the lanes' context lengths with the key's position (a sliding window adds one
+// compare of its lower edge, and keys start at the first row's window). Values: each lane's
+// output row += its weight × the value row.
 // Used for chunks of two or more tokens (prefill, draft verification); single decode rows
 // take the kernel in paged_attention.cpp.
 #include "attention.h"
