@@ -42,6 +42,8 @@ def random_packed(fmt: str, n: int, k: int) -> quant.PackedWeight:
         return quant.pack(fmt, torch.randint(lo, hi + 1, (n, kb, 32)), [d])
     lo, hi = {"k4": (0, 15), "k6": (-32, 31), "k8": (-127, 127)}[fmt]
     scales = [torch.rand(n, kb) * 0.01 for _ in range(1 if fmt == "k4" else 2)] + [-torch.rand(n, kb) * 0.05]
+    if fmt == "k6":                 # d, each half's integer sc (Q6_K's int8), m
+        scales = [scales[0] * 0.02, *torch.randint(-128, 128, (2, n, kb)).float(), scales[2]]
     return quant.pack(fmt, torch.randint(lo, hi + 1, (n, kb, 32)), scales)
 
 

@@ -30,6 +30,10 @@ def random_weight(fmt: str, n: int, k: int, seed: int = 0) -> quant.PackedWeight
             torch.randint(-32, 32, (n, kb, 32), generator=g) if fmt == "k6" else \
             torch.randint(-127, 128, (n, kb, 32), generator=g)
         scales = [torch.rand(n, kb, generator=g) * 0.01 + 1e-4 for _ in range(1 if fmt == "k4" else 2)]
+        if fmt == "k6":                # d, then each half's integer sc (both ends of its range included)
+            sc = torch.randint(-quant.K6_SC, quant.K6_SC + 1, (2, n, kb), generator=g).float()
+            sc[0, 0, 0], sc[1, -1, -1] = quant.K6_SC, -quant.K6_SC
+            scales = [scales[0] * 0.02, sc[0], sc[1]]
         return quant.pack(fmt, q, scales + [-torch.rand(n, kb, generator=g) * 0.05])
     type_name = {"q4": "Q4_1", "q8": "Q8_0", "q5": "Q5_0"}[fmt]
     return pack_gguf(type_name, gguf_rows(type_name, n, k, seed))
@@ -87,12 +91,16 @@ def test_narrow_formats_refuse_what_they_cannot_hold():
     """q5 and k6 store q + 16 and q + 32 in 5 and 6 bits that AVX2 multiplies unbiased: values past
     -16..15 and -32..31 would overflow its int16 sums, so packing refuses them, and an 8-bit weight
     never repacks into them."""
-    d = [torch.full((16, 1), 0.01)]
+    d, one = [torch.full((16, 1), 0.01)], torch.ones(16, 1)
     for fmt, lo in (("q5", -16), ("k6", -32)):
+        scales = d if fmt == "q5" else [d[0], one, one, d[0]]
         with pytest.raises(ValueError, match=f"{lo}..{-lo - 1}"):
-            quant.pack(fmt, torch.full((16, 1, 32), -lo), d if fmt == "q5" else d * 3)
+            quant.pack(fmt, torch.full((16, 1, 32), -lo), scales)
         edges = torch.tensor([lo, -lo - 1]).repeat(16, 1, 16)
-        assert torch.equal(quant.pack(fmt, edges, d if fmt == "q5" else d * 3).values(), edges)
+        assert torch.equal(quant.pack(fmt, edges, scales).values(), edges)
+    for sc in (one * (quant.K6_SC + 1), one * 1.5):     # k6's sub-block scales: integers AVX2's sums hold
+        with pytest.raises(ValueError, match="integers"):
+            quant.pack("k6", edges, [d[0], one, sc, d[0]])
     with pytest.raises(ValueError, match="cannot repack q8 as k6"):
         quant.repack(random_weight("q8", 16, 64), "k6")
 

@@ -24,12 +24,18 @@ std::vector<uint8_t> random_weight(pw::QuantFormat fmt, int64_t N, int64_t K, st
     for (int64_t b = 0; b < KB; ++b) {
       uint8_t* blk = blocks.data() + (t * KB + b) * BB;
       uint16_t* dm = reinterpret_cast<uint16_t*>(blk + QB);   // fp16 d (and m) of Q4, Q8, Q5
-      float* ds = reinterpret_cast<float*>(blk + QB);         // fp32 d (K8, K6: of each half) and m
+      float* ds = reinterpret_cast<float*>(blk + QB);         // fp32 d (K8: of each half) and m
+      int16_t* sc = reinterpret_cast<int16_t*>(blk + QB + 64);   // K6: 16 sc of half 0, then of half 1
       if (fmt == pw::Q4 || fmt == pw::Q8 || fmt == pw::Q5)
         for (int r = 0; r < (fmt == pw::Q4 ? 32 : 16); ++r) dm[r] = random_half(8, 12);
       if (f32)
         for (int r = 0; r < (fmt == pw::K4 ? 32 : 48); ++r) ds[r] = r < (fmt == pw::K4 ? 16 : 32) ?
             uniform(0.001f, 0.02f) : uniform(-0.1f, 0.1f);
+      if (six)                                                 // d by integer sc of -128..128 (both ends)
+        for (int r = 0; r < 32; ++r) {
+          if (r < 16) ds[r] = uniform(1e-5f, 2e-4f);
+          sc[r] = static_cast<int16_t>(r == 3 ? 128 : r == 20 ? -128 : static_cast<int>(rng() % 257) - 128);
+        }
       for (int r = 0; r < 16; ++r) {
         float* w = W.data() + (t * 16 + r) * K + b * 32;
         for (int kk = 0; kk < 32; ++kk) {
@@ -49,8 +55,8 @@ std::vector<uint8_t> random_weight(pw::QuantFormat fmt, int64_t N, int64_t K, st
             if (six) u &= 63;                                    // K6: q + 32 in 0..63
             else if (u5) u &= 31;                                // U5: q + 16 in 0..31
             else if (u == 0) u = 1;                              // q = -128 is never stored
-            const float d = fmt == pw::Q8 ? half_to_float(dm[r]) :
-                            fmt == pw::I8 ? scale[t * 16 + r] : ds[(kk < 16 ? 0 : 16) + r];
+            const float d = fmt == pw::Q8 ? half_to_float(dm[r]) : fmt == pw::I8 ? scale[t * 16 + r] :
+                            six ? ds[r] * sc[(kk < 16 ? 0 : 16) + r] : ds[(kk < 16 ? 0 : 16) + r];
             w[kk] = (u - (six ? 32 : u5 ? 16 : 128)) * d + (halves ? ds[32 + r] : 0.f);
           }
         }

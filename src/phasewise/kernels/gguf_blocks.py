@@ -4,8 +4,8 @@ Each type decodes to integer values per block of 32 and that block's scales, the
 - Q4_0, Q4_1 → q4 (Q4_0's m = -8 d); Q8_0 → q8; Q5_0 → q5 (its q - 16 is in -16..15);
 - Q4_K → k4: a super-block of 256 holds 8 sub-blocks of 32 with 6-bit sc, m; d = d_K sc and
   m = -dmin_K m_K, products of an fp16 and a 6-bit integer, are exact in fp32;
-- Q5_K → k6 as Q4_K with a fifth bit (q 0..31; both halves share d);
-- Q6_K → k6: 16 sub-blocks of 16 with int8 scales (d of each half = d_K sc, exact), q - 32, m = 0.
+- Q5_K → k6 as Q4_K with a fifth bit (q 0..31; both halves share d: sc = 1);
+- Q6_K → k6: 16 sub-blocks of 16 with int8 scales (k6's d = d_K, each half's sc its int8), q - 32, m = 0.
 The bit layouts follow llama.cpp's ggml-quants.c, as `gguf.quants` dequantizes them (the tests
 compare every type with `gguf.quants.dequantize`); Q4_K's scale unpacking is gguf's own.
 """
@@ -58,13 +58,14 @@ def decode(type_name: str, blocks: np.ndarray) -> tuple[np.ndarray, list[np.ndar
             return _nibbles(blocks[:, 16:144], 32).astype(np.int16), [scale, low]
         qh = blocks[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1) & 1
         q = _nibbles(blocks[:, 48:176], 32).astype(np.int16) | (qh.astype(np.int16) << 4)
-        return q, [scale, scale, low]
+        return q, [scale, np.ones_like(scale), np.ones_like(scale), low]
     if type_name == "Q6_K":
         ql = _nibbles(blocks[:, 0:128], 64).reshape(n, 8, 32)
         qh = (blocks[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
         q = (ql.astype(np.int16) | (qh.reshape(n, 8, 32).astype(np.int16) << 4)) - 32
-        d = _f16(blocks[:, 208:210])[:, None] * blocks[:, 192:208].view(np.int8).astype(np.float32)   # [n, 16]
-        return q, [d[:, 0::2], d[:, 1::2], np.zeros_like(d[:, 0::2])]
+        sc = blocks[:, 192:208].view(np.int8).astype(np.float32)                        # [n, 16]
+        d = np.repeat(_f16(blocks[:, 208:210])[:, None], 8, axis=1)
+        return q, [d, sc[:, 0::2], sc[:, 1::2], np.zeros_like(d)]
     raise ValueError(f"GGUF type {type_name} has no packed format here")
 
 

@@ -12,8 +12,9 @@ quant_linear.cpp):
 - "i8": our own int8 per output channel (w = s_n q), from fp32 weights;
 - "k4": GGUF Q4_K, as q4 with fp32 d, m per block of 32 (d_K sc and -dmin_K m_K, exact in fp32);
 - "k8": bytes with an fp32 d per 16-wide half of a block and an fp32 m: w = d_h q + m;
-- "k6": k8 for q in -32..31, stored as q + 32: GGUF Q5_K (q 0..31, both halves share d) and Q6_K
-  (q - 32, its 16-wide sub-blocks' d).
+- "k6": q in -32..31 stored as q + 32, w = d sc_h q + m: fp32 d and m, and an integer sc
+  (|sc| <= 128, int16) per 16-wide half h: GGUF Q5_K (sc = 1, d its sub-block's d_K sc_K) and Q6_K
+  (d = d_K, sc its sub-blocks' int8 scales), so AVX2's kernel sums both halves in one integer sum.
 The 6-bit bytes of k6 (and q5's, unpacked to bytes in the kernel) multiply unbiased on every ISA
 (AVX2's vpmaddubsw without saturating), where q8's need a slower path on AVX2. A fused projection
 whose parts differ in block type is repacked, exactly, into the first format every part fits
@@ -39,11 +40,13 @@ OFFSET = {"q8": 128, "i8": 128, "k8": 128, "q5": 16, "k6": 32}
 # the formats each format's values and scales fit exactly (quant.repack), narrowest first
 WIDER = {"q4": ("q4", "k4", "k6", "k8"), "k4": ("k4", "k6", "k8"), "q5": ("q5", "q8", "k6", "k8"),
          "q8": ("q8", "k8"), "k6": ("k6", "k8"), "k8": ("k8",), "i8": ("i8",)}
-# each format's per-block scales after the quants: their dtype and how many 16-row vectors
-SCALES = {"q4": (torch.float16, 2), "q8": (torch.float16, 1), "i8": (torch.float32, 0),
-          "k4": (torch.float32, 2), "k8": (torch.float32, 3), "q5": (torch.float16, 1), "k6": (torch.float32, 3)}
+# each format's per-block scales after the quants, in pack's order: one 16-row vector each, of this dtype
+_F16, _F32, _I16 = torch.float16, torch.float32, torch.int16
+SCALES = {"q4": (_F16, _F16), "q8": (_F16,), "i8": (), "k4": (_F32, _F32), "k8": (_F32, _F32, _F32),
+          "q5": (_F16,), "k6": (_F32, _I16, _I16, _F32)}
 QUANT_BYTES = {f: 256 if f in NIBBLES else 320 if f == "q5" else 512 for f in FORMAT_IDS}   # per (tile, block)
-BLOCK_BYTES = {f: QUANT_BYTES[f] + 16 * n * dt.itemsize for f, (dt, n) in SCALES.items()}
+BLOCK_BYTES = {f: QUANT_BYTES[f] + 16 * sum(dt.itemsize for dt in SCALES[f]) for f in FORMAT_IDS}
+K6_SC = 128                               # k6's largest |sc|: AVX2's int16 pair sums times sc stay in int32
 
 
 @dataclass(kw_only=True)
@@ -65,13 +68,14 @@ class PackedWeight:
         return self.blocks[..., :QUANT_BYTES[self.fmt]]
 
     def scales(self, i: int) -> torch.Tensor:
-        """[Np, KB] the i-th per-block scale of every row (q4, k4: d, m; q8, q5: d; k8, k6: d of each half, m)."""
-        dtype, count = SCALES[self.fmt]
-        if i >= count:
-            raise IndexError(f"{self.fmt} has {count} scales per block")
+        """[Np, KB] the i-th per-block scale of every row (q4, k4: d, m; q8, q5: d; k8: d of each half, m;
+        k6: d, sc of each half, m)."""
+        dtypes = SCALES[self.fmt]
+        if i >= len(dtypes):
+            raise IndexError(f"{self.fmt} has {len(dtypes)} scales per block")
         nt, kb, _ = self.blocks.shape
-        lo = QUANT_BYTES[self.fmt] + 16 * dtype.itemsize * i
-        s = self.blocks[..., lo:lo + 16 * dtype.itemsize].contiguous().view(dtype)    # [NT, KB, 16]
+        lo = QUANT_BYTES[self.fmt] + 16 * sum(dt.itemsize for dt in dtypes[:i])
+        s = self.blocks[..., lo:lo + 16 * dtypes[i].itemsize].contiguous().view(dtypes[i])    # [NT, KB, 16]
         return s.permute(0, 2, 1).reshape(nt * TILE, kb)
 
     def values(self) -> torch.Tensor:
@@ -118,11 +122,13 @@ def pack(fmt: str, q: torch.Tensor, scales: list[torch.Tensor]) -> PackedWeight:
     """q [N, KB, 32] integers (q4, k4: 0..15; q8, k8: -128..127; q5: -16..15; k6: -32..31) and the format's
     scales, each [N, KB] (cast to the format's dtype: pass values it holds exactly) → a PackedWeight."""
     n, kb, _ = q.shape
-    dtype, count = SCALES[fmt]
+    dtypes = SCALES[fmt]
     if fmt == "i8":
         raise ValueError("i8 weights come from quantize_i8 (one scale per row, not per block)")
-    if len(scales) != count:
-        raise ValueError(f"{fmt} takes {count} scales per block, got {len(scales)}")
+    if len(scales) != len(dtypes):
+        raise ValueError(f"{fmt} takes {len(dtypes)} scales per block, got {len(scales)}")
+    if fmt == "k6" and any(s.numel() and (s.abs().max() > K6_SC or not torch.equal(s, s.round())) for s in scales[1:3]):
+        raise ValueError(f"k6's sub-block scales are integers of at most {K6_SC} in magnitude")
     np_ = -(-n // TILE) * TILE
     q = _pad_rows(q.to(torch.int16), np_)
     if fmt in NIBBLES:   # byte i of a row's block: k = i low nibble, k = i + 16 high; byte 4j + p → chunk j
@@ -139,7 +145,7 @@ def pack(fmt: str, q: torch.Tensor, scales: list[torch.Tensor]) -> PackedWeight:
             bits = (u >> 4) << torch.arange(8, dtype=torch.uint8, device=u.device).reshape(1, 1, 8, 1)
             plane = bits.sum(dim=2, dtype=torch.uint8)                   # distinct bits: the sum is the or
             quants = torch.cat([nib.reshape(np_ // TILE, kb, 256), plane], dim=-1)
-    tiles = [_tile_scales(_pad_rows(s.to(dtype), np_)) for s in scales]
+    tiles = [_tile_scales(_pad_rows(s.to(dtype), np_)) for s, dtype in zip(scales, dtypes)]
     return PackedWeight(fmt=fmt, n=n, k=kb * QK, blocks=torch.cat([quants, *tiles], dim=-1))
 
 
@@ -163,13 +169,15 @@ def repack(w: PackedWeight, fmt: str) -> PackedWeight:
         return w
     if fmt not in WIDER[w.fmt]:
         raise ValueError(f"cannot repack {w.fmt} as {fmt}")
-    q, s = w.values()[:w.n], [w.scales(i)[:w.n].float() for i in range(SCALES[w.fmt][1])]
+    q, s = w.values()[:w.n], [w.scales(i)[:w.n].float() for i in range(len(SCALES[w.fmt]))]
     if fmt in ("k4", "q8"):                          # q4 → k4, q5 → q8: the same scales
         return pack(fmt, q, s)
-    if w.fmt in ("k6", "k8"):
-        return pack(fmt, q, s)
+    if w.fmt == "k6":                                # → k8: each half's d = d sc, exact in fp32
+        return pack(fmt, q, [s[0] * s[1], s[0] * s[2], s[3]])
     m = s[1] if w.fmt in NIBBLES else torch.zeros_like(s[0])
-    return pack(fmt, q, [s[0], s[0], m])                            # → k6, k8: one d for both halves
+    if fmt == "k6":                                  # one d for both halves: sc = 1
+        return pack(fmt, q, [s[0], torch.ones_like(s[0]), torch.ones_like(s[0]), m])
+    return pack(fmt, q, [s[0], s[0], m])
 
 
 def concat(parts: list[PackedWeight]) -> PackedWeight:
@@ -202,13 +210,14 @@ def dequantize(w: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Ten
     if w.fmt == "i8":
         out = q * w.scale.reshape(-1, 1, 1)
     else:
-        s = [w.scales(i).float()[..., None] for i in range(SCALES[w.fmt][1])]  # each [Np, KB, 1]
+        s = [w.scales(i).float()[..., None] for i in range(len(SCALES[w.fmt]))]  # each [Np, KB, 1]
         if w.fmt in ("q8", "q5"):
             out = q * s[0]
         elif w.fmt in NIBBLES:
             out = q * s[0] + s[1]
-        else:                                                                   # k8, k6: a d per half, then m
-            out = q * torch.cat([s[0].expand(-1, -1, 16), s[1].expand(-1, -1, 16)], dim=-1) + s[2]
+        else:                                                   # k8: a d per half, then m; k6: d sc per half
+            halves = [s[0] * s[1], s[0] * s[2]] if w.fmt == "k6" else s[:2]
+            out = q * torch.cat([halves[0].expand(-1, -1, 16), halves[1].expand(-1, -1, 16)], dim=-1) + s[-1]
     return out.reshape(w.n_padded, w.k)[: w.n].to(dtype)
 
 

@@ -1,4 +1,5 @@
-// The core's functions, one per entry of the KernelTable (kernels.h), declared for table.cpp.
+// The core's functions, one per entry of the KernelTable (kernels.h), declared for table.cpp, and
+// quantize_rows, which quant_linear.cpp takes from activation_quant.cpp.
 #pragma once
 #include "kernels.h"
 
@@ -16,6 +17,11 @@ void gelu_and_mul(const Runtime& rt, const float* x, int64_t T, int64_t I, float
 void argmax_rows(const Runtime& rt, const float* x, int64_t B, int64_t V, int64_t* out);
 void quantize_activations(const Runtime& rt, const float* x, int64_t M, int64_t K, int8_t* xq, float* dx,
                           float* sx);
+// quantize_activations, and with sl each block's first-half sum; threads split the M K / 32 blocks
+// in shares of at least QUANT_GRAIN
+constexpr int64_t QUANT_GRAIN = 256;
+void quantize_rows(const Runtime& rt, const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* sx,
+                   float* sl);
 void quant_linear(const Runtime& rt, const float* x, int64_t M, int64_t K, const PackedWeights& w,
                   const float* bias, float* y);
 double int8_peak_gops(const Runtime& rt, int64_t iters);

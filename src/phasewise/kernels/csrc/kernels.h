@@ -45,14 +45,15 @@ struct AttentionRows {      // every query row of a step: row t attends over the
 // Q4, Q8: GGUF's legacy blocks; I8: int8 per output channel; K4: GGUF's Q4_K, K8: K-quant blocks
 // of bytes (and any mix of block types fused into one projection), their scales resolved to fp32;
 // Q5: GGUF's Q5_0 in 5.5 bits a weight: u = q + 16 (0..31) as Q4's nibbles and a plane of fifth
-// bits; K6: K8 for values of at most 6 bits (GGUF's Q5_K, Q6_K), stored as u = q + 32.
+// bits; K6: values of at most 6 bits (GGUF's Q5_K, Q6_K), stored as u = q + 32, w = d sc_h q + m.
 // U5 is no packed format: Q5's tiles unpacked to one byte a weight (quant_linear.cpp).
 enum QuantFormat : int64_t { Q4 = 0, Q8 = 1, I8 = 2, K4 = 3, K8 = 4, Q5 = 5, K6 = 6, U5 = 7 };
 constexpr bool known_format(int64_t f) { return f >= Q4 && f <= K6; }
 constexpr int64_t QK = 32;                    // weights per block along K
 // Bytes per (tile of 16 rows, block): the quants (nibbles for Q4, K4; nibbles and 64 bytes of fifth
 // bits for Q5), then 16 rows' scales: d, m as fp16 (Q4), d as fp16 (Q8, Q5, U5), d, m as fp32 (K4),
-// d of each 16-wide half and m as fp32 (K8, K6).
+// d of each 16-wide half and m as fp32 (K8), d as fp32, each half's integer sc as int16 (16 of sc0,
+// then 16 of sc1) and m as fp32 (K6).
 constexpr int64_t quant_bytes(QuantFormat f) { return f == Q4 || f == K4 ? 256 : f == Q5 ? 320 : 512; }
 constexpr int64_t block_bytes(QuantFormat f) {
   return f == Q4 ? 320 : f == Q5 ? 352 : f == Q8 || f == U5 ? 544 : f == I8 ? 512 : f == K4 ? 384 : 704;

@@ -13,10 +13,14 @@
 //                                            16-wide half h of the block, m fp32
 //   Q5 (GGUF Q5_0):                          w = d (u - 16), u in 0..31 in 5.5 bits: Q4's nibbles
 //                                            and a plane of fifth bits; U5 the same one byte a weight
-//   K6 (GGUF Q5_K, Q6_K):                    K8 with u = q + 32, q in -32..31
+//   K6 (GGUF Q5_K, Q6_K):                    w = d sc_h (u - 32) + m, u = q + 32, q in -32..31, d and
+//                                            m fp32, an integer sc per half (|sc| <= 128, int16)
 // (the K scales are fp16 x 6- or 8-bit integers in the file: exact in fp32; Q6_K's sub-blocks are
 // 16 wide), so a block contributes d (dx acc) + m sx (Q4, K4) or d (dx acc - o sx) + m sx (the
-// bytes, offset o = 128, 32 or 16), with acc = sum(u xq) (K8, K6: per half, with sl and sx - sl).
+// bytes, offset o = 128, 32 or 16), with acc = sum(u xq) (K8, K6: per half, with sl and sx - sl,
+// and K6's d sc of each half). On AVX2 (int16 sums) K6 takes acc = sc0 sum_0(u xq) + sc1 sum_1(u xq)
+// in integers instead, vpmaddwd by sc where the other formats widen by ones, and its offsets
+// -32 d (sc0 sl + sc1 (sx - sl)): one epilogue a block, not two (k6 GEMMs 1.13-1.15x).
 // Where the ISA's dot product unbiases 8-bit bytes itself (Q8_BIASED false: no u8 x s8 product
 // that holds 255 x 127), Q8, I8 and K8 get acc = sum((u - 128) xq) and the -128 sx term goes. Bytes
 // below 64 every ISA multiplies as they are (AVX2's vpmaddubsw without saturating), so U5 and K6
@@ -75,20 +79,12 @@ struct Weights {
   int64_t NT;             // tiles of 16 rows
 };
 
-// One block of 32 floats -> 32 int8 (round to nearest even), dx, sx (and sl, when asked) of the block.
-inline void quantize_block(const float* x, int8_t* q, float* dx, float* sx, float* sl) {
-  const Vf a = Vf::load(x), b = Vf::load(x + 16);
-  const float amax = reduce_max(max(abs(a), abs(b)));
-  const Vf id = Vf::set1(amax > 0.f ? 127.f / amax : 0.f);
-  const Vf lo = to_float(round_to_i8(a * id, q)), hi = to_float(round_to_i8(b * id, q + 16));   // sums exact
-  *dx = amax / 127.f;
-  *sx = *dx * reduce_add(lo + hi);
-  if (sl) *sl = *dx * reduce_add(lo);
-}
-
 constexpr bool nibbles(Fmt F) { return F == Q4 || F == K4; }
 constexpr bool narrow(Fmt F) { return F == Q5 || F == U5 || F == K6; }   // values below 64, multiplied unbiased
-constexpr bool halves(Fmt F) { return F == K8 || F == K6; }         // a d per 16-wide half
+// K6 in one integer sum a block where the widening multiplies anyway (AVX2's int16 sums); with
+// int32 sums (VNNI, NEON) a multiply by sc costs more than the second epilogue (k6 1.07x slower)
+constexpr bool k6_one_sum = VS_U6 < 4;
+constexpr bool halves(Fmt F) { return F == K8 || (F == K6 && !k6_one_sum); }   // an epilogue per 16-wide half
 constexpr bool biased(Fmt F) { return narrow(F) || Q8_BIASED; }     // acc = sum(u xq) of the bytes
 constexpr bool five_bits(Fmt F) { return F == Q5 || F == U5; }
 constexpr float offset(Fmt F) { return five_bits(F) ? 16.f : F == K6 ? 32.f : 128.f; }
@@ -114,8 +110,9 @@ inline void q5_chunk(const uint8_t* blk, Vb fifth, Vb& lo, Vb& hi) {
   hi = with_fifth<J + 4>(hi4(raw), fifth);
 }
 
-// r[i][v] += one block's (or K8's, K6's half block's) contribution: acc [MT][NV], the block's scales
-// at `scales` for tile t0 + v (K8, K6: half h's d at scales + 64 h, m at scales + 128).
+// r[i][v] += one block's (or K8's half block's) contribution: acc [MT][NV], the block's scales at
+// `scales` for tile t0 + v (K8: half h's d at scales + 64 h, m at scales + 128; K6: d, sc0 and sc1
+// as int16 at scales + 64 and + 96, m at scales + 128).
 template <Fmt F, int MT, int NV>
 inline void block_epilogue(const Act& a, int64_t m0, const Weights& w, int64_t t0, int64_t b, int h,
                            Vi (&acc)[MT][NV], Vf (&r)[MT][NV]) {
@@ -124,9 +121,25 @@ inline void block_epilogue(const Act& a, int64_t m0, const Weights& w, int64_t t
     Vf dv, mv;
     if constexpr (F == Q4 || F == Q8 || five_bits(F)) dv = Vf::from_f16(reinterpret_cast<const uint16_t*>(scales));
     if constexpr (F == Q4) mv = Vf::from_f16(reinterpret_cast<const uint16_t*>(scales + 32));
-    if constexpr (F == K4 || halves(F)) dv = Vf::load(reinterpret_cast<const float*>(scales + 64 * h));
+    if constexpr (F == K4 || F == K8) dv = Vf::load(reinterpret_cast<const float*>(scales + 64 * h));
+    if constexpr (F == K6 && halves(F))   // half h's d sc
+      dv = Vf::load(reinterpret_cast<const float*>(scales)) *
+           to_float(Vi::from_i16(reinterpret_cast<const int16_t*>(scales + 64 + 32 * h)));
     if constexpr (F == K4) mv = Vf::load(reinterpret_cast<const float*>(scales + 64));
-    if constexpr (halves(F)) mv = Vf::load(reinterpret_cast<const float*>(scales + 128));
+    if constexpr (halves(F) || F == K6) mv = Vf::load(reinterpret_cast<const float*>(scales + 128));
+    if constexpr (F == K6 && k6_one_sum) {   // r += d dx acc + a sl + b sx: a = -32 d (sc0 - sc1), b = m - 32 d sc1
+      dv = Vf::load(reinterpret_cast<const float*>(scales));
+      const Vf s0 = to_float(Vi::from_i16(reinterpret_cast<const int16_t*>(scales + 64)));
+      const Vf s1 = to_float(Vi::from_i16(reinterpret_cast<const int16_t*>(scales + 96)));
+      const Vf d32 = dv * Vf::set1(-32.f), av = (s0 - s1) * d32, bv = fma(s1, d32, mv);
+      for (int i = 0; i < MT; ++i) {
+        const int64_t xi = (m0 + i) * a.KB + b;
+        r[i][v] = fma(to_float(acc[i][v]), dv * Vf::set1(a.dx[xi]), r[i][v]);
+        r[i][v] = fma(av, Vf::set1(a.sl[xi]), r[i][v]);
+        r[i][v] = fma(bv, Vf::set1(a.sx[xi]), r[i][v]);
+      }
+      continue;
+    }
     for (int i = 0; i < MT; ++i) {
       const int64_t xi = (m0 + i) * a.KB + b;
       const Vf accf = to_float(acc[i][v]);
@@ -214,7 +227,33 @@ inline void tile_kernel(const Act& a, int64_t m0, const Weights& w, int64_t t0, 
       for (int i = 0; i < MT; ++i)
         for (int v = 0; v < NV; ++v) acc[i][v] = widen(part[i][v]);
       block_epilogue<F, MT, NV>(a, m0, w, t0, b, 0, acc, r);
-    } else {                       // the bytes; K8, K6 close each 16-wide half with its own scale
+    } else if constexpr (F == K6 && k6_one_sum) {   // both halves in one integer sum, each widened by its sc
+      constexpr int span = VS_U6;                     // chunks summed narrow before a widening
+      Vi by[2][NV];
+      for (int v = 0; v < NV; ++v) {
+        const auto* sc = reinterpret_cast<const int16_t*>(w.qs + ((t0 + v) * w.KB + b) * block_bytes(F) + quant_bytes(F) + 64);
+        by[0][v] = pair_factor(Vi::from_i16(sc));
+        by[1][v] = pair_factor(Vi::from_i16(sc + 16));
+      }
+      for (int i = 0; i < MT; ++i)
+        for (int v = 0; v < NV; ++v) acc[i][v] = Vi::zero();
+      #pragma GCC unroll 8
+      for (int g0 = 0; g0 < 8; g0 += span) {   // unrolled: by[g0 / 4] and acc stay in registers
+        Vb u[span][NV];
+        for (int s = 0; s < span; ++s)
+          for (int v = 0; v < NV; ++v) u[s][v] = Vb::load(w.qs + ((t0 + v) * w.KB + b) * block_bytes(F) + (g0 + s) * 64);
+        for (int i = 0; i < MT; ++i) {
+          Vb x[span];
+          for (int s = 0; s < span; ++s) x[s] = Vb::bcast4(xb + i * a.K + 4 * (g0 + s));
+          for (int v = 0; v < NV; ++v) {
+            Vs part = Vs::zero();
+            for (int s = 0; s < span; ++s) part = dot_u4s(part, u[s][v], x[s]);
+            acc[i][v] = acc[i][v] + widen_by(part, by[g0 / 4][v]);
+          }
+        }
+      }
+      block_epilogue<F, MT, NV>(a, m0, w, t0, b, 0, acc, r);
+    } else {                       // the bytes; K8 (K6 with int32 sums) close each 16-wide half with its scale
       constexpr int parts = halves(F) ? 2 : 1, chunks = 8 / parts;
       // narrow bytes where the int16 sums fill before a half does (AVX2: every 2 chunks): each
       // row sums `span` chunks narrow, one row at a time, so acc and the weights stay in registers
@@ -302,7 +341,6 @@ inline void unpack_q5(const Weights& w, int64_t t0, int64_t nv, uint8_t* buf) {
 
 constexpr int64_t MCHUNK = 128;
 constexpr int64_t Q5_UNPACK_ROWS = 8;     // from this many rows Q5 tiles are unpacked once for all rows
-constexpr int64_t QUANT_GRAIN = 256;       // blocks of activations worth a thread
 // Rows go in chunks of MCHUNK (activations and outputs of a chunk stay in L2 while every tile
 // pair of the weight passes over them). Threads split the pairs of tiles once and each walks the
 // chunks over its own pairs: chunks write disjoint rows, so no barrier between them (one per
@@ -341,23 +379,7 @@ struct Scratch {  // a thread's quantized activations, reused from call to call
   std::vector<float> dx, sx, sl;
 };
 
-void quantize_rows(const Runtime& rt, const float* xp, int64_t M, int64_t K, int8_t* qp, float* dp, float* sp,
-                   float* lp) {
-  const int64_t KB = K / QK;
-  parallel_for(rt, M * KB, QUANT_GRAIN, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {   // the block 16 ahead fetched into L2 (the rows come from L2, L3)
-      if (i + 16 < end) prefetch_l2(xp + (i + 16) * QK), prefetch_l2(xp + (i + 16) * QK + 16);
-      quantize_block(xp + i * QK, qp + i * QK, dp + i, sp + i, lp ? lp + i : nullptr);
-    }
-  });
-}
-
 }  // namespace
-
-void quantize_activations(const Runtime& rt, const float* xp, int64_t M, int64_t K, int8_t* qp, float* dp,
-                          float* sp) {
-  quantize_rows(rt, xp, M, K, qp, dp, sp, nullptr);
-}
 
 // y [M, N] = x [M, K] @ W^T + bias, W packed as described at the top (N rows of NT * 16).
 void quant_linear(const Runtime& rt, const float* x, int64_t M, int64_t K, const PackedWeights& pw,

@@ -76,6 +76,8 @@ using Vs = Vi;
 constexpr int VS_U6 = 8, VS_U5 = 8;
 inline Vi dot_u4s(Vs acc, Vb w, Vb x) { return dot_u4(acc, w, x); }
 inline Vi widen(Vs acc) { return acc; }
+inline Vi pair_factor(Vi sc) { return sc; }
+inline Vi widen_by(Vs acc, Vi by) { return acc * by; }
 #else
 constexpr int VS_U6 = 2;   // int16 pairs of 6-bit bytes: 2 calls x 2 x 63 x 127 < 32768
 constexpr int VS_U5 = 4;   // and of 5-bit bytes: 4 calls x 2 x 31 x 127 < 32768
@@ -90,6 +92,17 @@ inline Vs dot_u4s(Vs acc, Vb w, Vb x) {
 inline Vi widen(Vs acc) {
   Vi r;
   for (int i = 0; i < NP; ++i) r.v[i] = (i32n)_mm256_madd_epi16(acc.v[i], _mm256_set1_epi16(1));
+  return r;
+}
+// widen_by's factor: sc (|sc| <= 128) in both int16 halves of each lane, for vpmaddwd
+inline Vi pair_factor(Vi sc) {
+  Vi r;
+  for (int i = 0; i < NP; ++i) r.v[i] = (sc.v[i] & 0xFFFF) | (sc.v[i] << 16);
+  return r;
+}
+inline Vi widen_by(Vs acc, Vi by) {   // the pair sums times sc, summed: the widening's own multiply
+  Vi r;
+  for (int i = 0; i < NP; ++i) r.v[i] = (i32n)_mm256_madd_epi16(acc.v[i], (__m256i)by.v[i]);
   return r;
 }
 #endif

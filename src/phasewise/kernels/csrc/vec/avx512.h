@@ -79,9 +79,11 @@ struct Vi {
   static Vi zero() { return {_mm512_setzero_si512()}; }
   static Vi set1(int32_t x) { return {_mm512_set1_epi32(x)}; }
   static Vi iota() { return {_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)}; }
+  static Vi from_i16(const int16_t* p) { return {_mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
   void store(int32_t* p) const { _mm512_storeu_si512(p, v); }
 };
 inline Vi operator+(Vi a, Vi b) { return {_mm512_add_epi32(a.v, b.v)}; }
+inline Vi operator*(Vi a, Vi b) { return {_mm512_mullo_epi32(a.v, b.v)}; }
 inline Mask operator>(Vi a, Vi b) { return {_mm512_cmpgt_epi32_mask(a.v, b.v)}; }
 inline Vi select(Mask m, Vi a, Vi b) { return {_mm512_mask_blend_epi32(m.m, b.v, a.v)}; }
 inline Vf to_float(Vi a) { return {_mm512_cvtepi32_ps(a.v)}; }
@@ -114,6 +116,8 @@ using Vs = Vi;                                   // vpdpbusd sums into int32 dir
 constexpr int VS_U6 = 8, VS_U5 = 8;
 inline Vi dot_u4s(Vs acc, Vb w, Vb x) { return dot_u4(acc, w, x); }
 inline Vi widen(Vs acc) { return acc; }
+inline Vi pair_factor(Vi sc) { return sc; }
+inline Vi widen_by(Vs acc, Vi by) { return acc * by; }
 
 inline void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 

@@ -26,6 +26,8 @@ typedef uint16_t u16n __attribute__((vector_size(4 * W)));
 typedef f32n f32n_u __attribute__((aligned(1), may_alias));
 typedef i32n i32n_u __attribute__((aligned(1), may_alias));
 typedef u8n u8n_u __attribute__((aligned(1), may_alias));
+typedef int16_t i16n __attribute__((vector_size(2 * W)));
+typedef i16n i16n_u __attribute__((aligned(1), may_alias));
 
 struct Mask {
   i32n m[NP];   // -1 or 0 per lane
@@ -181,6 +183,11 @@ struct Vi {
       for (int k = 0; k < W; ++k) r.v[i][k] = i * W + k;
     return r;
   }
+  static Vi from_i16(const int16_t* p) {   // 16 int16, sign-extended
+    Vi r;
+    for (int i = 0; i < NP; ++i) r.v[i] = __builtin_convertvector(*reinterpret_cast<const i16n_u*>(p + i * W), i32n);
+    return r;
+  }
   void store(int32_t* p) const {
     for (int i = 0; i < NP; ++i) *reinterpret_cast<i32n_u*>(p + i * W) = v[i];
   }
@@ -188,6 +195,11 @@ struct Vi {
 inline Vi operator+(Vi a, Vi b) {
   Vi r;
   for (int i = 0; i < NP; ++i) r.v[i] = a.v[i] + b.v[i];
+  return r;
+}
+inline Vi operator*(Vi a, Vi b) {
+  Vi r;
+  for (int i = 0; i < NP; ++i) r.v[i] = a.v[i] * b.v[i];
   return r;
 }
 inline Mask operator>(Vi a, Vi b) {

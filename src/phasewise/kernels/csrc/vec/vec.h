@@ -12,7 +12,7 @@
 //   v.store(p) / store_n(p, n); + - * /, fma(a, b, c) = a b + c, max, abs, exp,
 //   reduce_add, reduce_max, reduce16(a[16]) (lane j = the sum of a[j]);
 //   Mask: first_n(n), a > b (Vf or Vi), select(m, a, b) = m ? a : b;
-//   Vi::zero() / set1(x) / iota() / store(p), +, to_float;
+//   Vi::zero() / set1(x) / iota() / from_i16(p) (16 int16, sign-extended) / store(p), +, *, to_float;
 //   round_to_i8(x, p): x's lanes rounded to the nearest integer (ties to even) as Vi, and stored
 //     at p as 16 int8 (saturated);
 //   Vb::load(p) / bcast4(p) (4 bytes to every lane) / v.store(p), lo4, hi4 (the nibbles),
@@ -23,7 +23,8 @@
 //   Vs: dot_u4 sums in the narrowest accumulator the ISA has (AVX2: int16 pairs, which hold 8
 //     calls: 8 x 2 x 15 x 127 < 32768; elsewhere Vi): Vs::zero(), dot_u4s(acc, w, x), widen(Vs) -> Vi;
 //     it also takes bytes of 0..63 (K6), VS_U6 calls of them before widen (AVX2: 2, else 8), and of
-//     0..31 (U5), VS_U5 calls (AVX2: 4, else 8);
+//     0..31 (U5), VS_U5 calls (AVX2: 4, else 8); widen_by(acc, pair_factor(sc)) = widen(acc) sc
+//     per lane for |sc| <= 128 (AVX2: vpmaddwd by sc instead of ones, else a multiply);
 //   prefetch_l2(p); ISA (the level's name).
 #pragma once
 
