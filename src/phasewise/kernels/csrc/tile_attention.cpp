@@ -145,19 +145,27 @@ void attend_tile(const Cache& c, const int64_t* table, int64_t block_size, int64
     for (int64_t lane0 = 0; lane0 < lanes; lane0 += 4) {
       constexpr int64_t nl = 4;
       for (int i0 = 0; i0 < NV; i0 += SL) {
+        // every loop over acc unrolled: one left rolled keeps acc in memory, stored on every key
         Vf acc[4][SL];
+        #pragma GCC unroll 4
         for (int64_t a = 0; a < nl; ++a)
+          #pragma GCC unroll 4
           for (int i = 0; i < SL; ++i)
             acc[a][i] = Vf::load(o + (lane0 + a) * D + 16 * (i0 + i)) * Vf::set1(corr[lane0 + a]);
         for (int64_t j = 0; j < n; ++j) {
           Vf vr[SL];
+          #pragma GCC unroll 4
           for (int i = 0; i < SL; ++i) vr[i] = Vf::load(vrow[j] + 16 * (i0 + i));
+          #pragma GCC unroll 4
           for (int64_t a = 0; a < nl; ++a) {
             const Vf w = Vf::set1(pt[j * 16 + lane0 + a]);
+            #pragma GCC unroll 4
             for (int i = 0; i < SL; ++i) acc[a][i] = fma(w, vr[i], acc[a][i]);
           }
         }
+        #pragma GCC unroll 4
         for (int64_t a = 0; a < nl; ++a)
+          #pragma GCC unroll 4
           for (int i = 0; i < SL; ++i) acc[a][i].store(o + (lane0 + a) * D + 16 * (i0 + i));
       }
     }

@@ -6,6 +6,11 @@
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
+#if defined(__AVX2__) && defined(__FMA__) && !defined(PW_GENERIC)
+#include <immintrin.h>
+#elif defined(__aarch64__) && defined(__ARM_NEON) && !defined(PW_GENERIC)
+#include <arm_neon.h>
+#endif
 
 namespace pw {
 
@@ -84,7 +89,16 @@ inline Vf operator+(Vf a, Vf b) { PW_LANEWISE(a.v[i] + b.v[i]); }
 inline Vf operator-(Vf a, Vf b) { PW_LANEWISE(a.v[i] - b.v[i]); }
 inline Vf operator*(Vf a, Vf b) { PW_LANEWISE(a.v[i] * b.v[i]); }
 inline Vf operator/(Vf a, Vf b) { PW_LANEWISE(a.v[i] / b.v[i]); }
-inline Vf fma(Vf a, Vf b, Vf c) { PW_LANEWISE(a.v[i] * b.v[i] + c.v[i]); }   // contracted to an FMA
+// fma as the ISA's own instruction where it has one: written a * b + c, -ffast-math's reassociation
+// may split a chain of them into multiplies and adds (AVX2's P.V loop in tile_attention.cpp had
+// one multiply and one add for every other FMA)
+#if PW_W == 8
+inline Vf fma(Vf a, Vf b, Vf c) { PW_LANEWISE((f32n)_mm256_fmadd_ps((__m256)a.v[i], (__m256)b.v[i], (__m256)c.v[i])); }
+#elif defined(__aarch64__) && defined(__ARM_NEON) && !defined(PW_GENERIC)
+inline Vf fma(Vf a, Vf b, Vf c) { PW_LANEWISE((f32n)vfmaq_f32((float32x4_t)c.v[i], (float32x4_t)a.v[i], (float32x4_t)b.v[i])); }
+#else
+inline Vf fma(Vf a, Vf b, Vf c) { PW_LANEWISE(a.v[i] * b.v[i] + c.v[i]); }
+#endif
 inline Vf max(Vf a, Vf b) { PW_LANEWISE(a.v[i] > b.v[i] ? a.v[i] : b.v[i]); }
 inline Vf abs(Vf a) { PW_LANEWISE(a.v[i] < 0 ? -a.v[i] : a.v[i]); }
 inline Vf select(Mask m, Vf a, Vf b) { PW_LANEWISE(m.m[i] ? a.v[i] : b.v[i]); }
