@@ -31,6 +31,14 @@ inline void load_int8_row(const int8_t* p, Vf* v) {
 // loop, and the PyTorch reference) rounds the query so, and a token scores the same whether it is
 // computed in a prompt chunk or decoded.
 inline float quantize_query(const float* q, int64_t D, float sc, int8_t* out) {
+  if (D % 16 == 0) {          // the same steps 16 lanes at a time (every reader of a head size takes one path)
+    Vf m = Vf::zero();
+    for (int64_t d = 0; d < D; d += 16) m = max(m, abs(Vf::load(q + d) * Vf::set1(sc)));
+    const float amax = reduce_max(m);
+    const Vf id = Vf::set1(amax > 0.f ? 127.f / amax : 0.f);
+    for (int64_t d = 0; d < D; d += 16) round_to_i8(Vf::load(q + d) * Vf::set1(sc) * id, out + d);
+    return amax / 127.f;
+  }
   float amax = 0.f;
   for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(q[d] * sc));
   const float id = amax > 0.f ? 127.f / amax : 0.f;

@@ -53,7 +53,12 @@ void attend_tile(const Cache& c, const int64_t* table, int64_t block_size, int64
     if constexpr (INT8) {
       int8_t qi[D];
       qsv[lane] = quantize_query(qr, D, sc, qi);
-      for (int64_t d = 0; d < D; ++d) qb[(d / 4) * 64 + lane * 4 + d % 4] = static_cast<uint8_t>(qi[d] + 128);
+      for (int64_t d4 = 0; d4 < D / 4; ++d4) {   // 4 values a store, each + 128 (the sign bit flipped)
+        uint32_t four;
+        std::memcpy(&four, qi + 4 * d4, 4);
+        four ^= 0x80808080u;
+        std::memcpy(qb + 64 * d4 + 4 * lane, &four, 4);
+      }
     } else {
       for (int64_t d = 0; d < D; ++d) qt[d * 16 + lane] = qr[d] * sc;
     }
