@@ -1,8 +1,8 @@
 // phasewise's quantized linear layers: y[M, N] = x[M, K] @ W^T (+ bias), written once over the vector
 // layer (vec/vec.h), whose int8 dot products are the per-ISA part (VNNI, AVX2, NEON, generic).
 //
-// Activations are quantized per block of 32 values (symmetric int8, own fp32 scale dx, and
-// sx = dx * sum(xq), sl = dx * sum of the first 16 xq, for the weight offsets); weight blocks of
+// Activations are quantized per block of 32 values (activation_quant.cpp: symmetric int8, own fp32
+// scale dx, and sx = dx * sum(xq), sl = dx * sum of the first 16 xq, for the weight offsets); weight blocks of
 // 32 along K are unsigned bytes, so VNNI's `vpdpbusd` (u8 x s8 -> s32, 4 products per lane) takes
 // them as they are:
 //   Q4 (GGUF Q4_1, and Q4_0 with m = -8 d):  w = d q + m,        q in 0..15, d, m fp16 per block
