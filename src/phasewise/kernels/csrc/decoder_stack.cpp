@@ -135,9 +135,11 @@ torch::Tensor DecoderStack::forward(torch::Tensor x, torch::Tensor positions, co
     }
     step.R = R, step.keep = k, step.kept = kept.data();
   }
-  auto ws = torch::empty({pw::decoder_workspace(m, T)}, x.options());
   auto out = torch::empty({keep.has_value() ? step.R : T, m.H}, x.options());
-  k_->table().decoder_stack(pw::Runtime{at::get_num_threads()}, m, step, x.data_ptr<float>(), ws.data_ptr<float>(),
+  std::lock_guard<std::mutex> lock(*mu_);
+  const int64_t need = pw::decoder_workspace(m, T);
+  if (!ws_.defined() || ws_.numel() < need) ws_ = torch::empty({need}, x.options());
+  k_->table().decoder_stack(pw::Runtime{at::get_num_threads()}, m, step, x.data_ptr<float>(), ws_.data_ptr<float>(),
                             out.data_ptr<float>());
   return out;
 }

@@ -4,7 +4,7 @@
 #include "kernel_set.h"
 
 #include <memory>
-
+#include <mutex>
 #include <tuple>
 #include <vector>
 
@@ -44,4 +44,8 @@ class DecoderStack {
   torch::Tensor final_norm_, cos_, sin_;
   std::vector<pw::DecoderLayer> views_;
   pw::DecoderModel model_;
+  // Scratch kept from step to step (25.7 MB for a 512-token Gemma 3 step): a fresh tensor each
+  // step was fresh pages, and zeroing them in the kernel was 3% of a prefill. One step at a time.
+  std::unique_ptr<std::mutex> mu_ = std::make_unique<std::mutex>();
+  mutable torch::Tensor ws_;
 };
