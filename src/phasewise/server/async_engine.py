@@ -25,7 +25,8 @@ from typing import Any
 from phasewise.llm_engine import EngineBrokenError, LLMEngine
 from phasewise.outputs import StreamDelta
 from phasewise.sampling.params import SamplingParams
-from phasewise.server.errors import ContextLengthError, EngineDeadError, EngineError, RequestError
+from phasewise.server.admission import check_token_ids, fit
+from phasewise.server.errors import EngineDeadError, EngineError
 from phasewise.server.request_stream import RequestStream
 from phasewise.server.observer import Observer
 
@@ -300,35 +301,12 @@ class AsyncEngine:
     def _encode(self, prompt: Prompt, chat: bool) -> list[int]:
         ids = self.engine.encode_prompt(prompt, chat)
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], dict):
-            vocab = self.model_config.vocab_size
-            bad = next((t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
-            if bad is not None:
-                raise RequestError(f"token id {bad} is out of range: the vocabulary has {vocab} tokens", "prompt")
+            check_token_ids(ids, self.model_config.vocab_size)
         return ids
 
     def _fit(self, ids: list[int], params: SamplingParams) -> SamplingParams:
-        """Check prompt + max_tokens against the context; no max_tokens → as many as fit."""
-        n, limit = len(ids), self.max_model_len
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestError(f"stop_token_ids: token id {bad} is out of range: the vocabulary has {vocab} tokens",
-                               "stop_token_ids")
-        if n >= limit:
-            raise ContextLengthError(f"This model's maximum context length is {limit} tokens, but the prompt "
-                                     f"has {n} tokens (at least one token must be left to generate)", "prompt")
-        if params.max_tokens is None:
-            room = min(limit, self.num_blocks * self.block_size) - n
-            if room < 1:
-                raise ValueError(f"the prompt has {n} tokens, but the KV cache holds only "
-                                 f"{self.num_blocks * self.block_size}: raise the KV cache memory")
-            return dataclasses.replace(params, max_tokens=room)
-        if n + params.max_tokens > limit:
-            raise ContextLengthError(f"This model's maximum context length is {limit} tokens, but "
-                                     f"{n + params.max_tokens} were requested ({n} in the prompt + "
-                                     f"{params.max_tokens} max_tokens): reduce the prompt or max_tokens",
-                                     "max_tokens")
-        return params
+        return fit(len(ids), params, self.max_model_len, self.num_blocks * self.block_size,
+                   self.model_config.vocab_size)
 
     def _step(self) -> None:
         try:
