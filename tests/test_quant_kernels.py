@@ -24,12 +24,18 @@ def random_weight(fmt: str, n: int, k: int, seed: int = 0) -> quant.PackedWeight
     g = torch.Generator().manual_seed(seed)
     if fmt == "i8":
         return quant.quantize_i8(torch.randn(n, k, generator=g) * 0.05)
-    if fmt in ("k4", "k8", "k6"):   # any K (the GGUF K-quants need multiples of 256): values as packed
+    if fmt == "k4":                 # K in super-blocks of 256: sc and m 0..63, fp16 d and dmin
         kb = k // 32
-        q = torch.randint(0, 16, (n, kb, 32), generator=g) if fmt == "k4" else \
-            torch.randint(-32, 32, (n, kb, 32), generator=g) if fmt == "k6" else \
+        q = torch.randint(0, 16, (n, kb, 32), generator=g)
+        sc, m = (torch.randint(0, 64, (n, kb), generator=g) for _ in range(2))
+        sc[0, 0], m[-1, -1] = 63, 63
+        d, dmin = ((torch.rand(n, kb // 8, generator=g) * 1e-3 + 1e-5).half().float() for _ in range(2))
+        return quant.pack(fmt, q, [sc, m], (d, dmin))
+    if fmt in ("k8", "k6"):         # any K (the GGUF K-quants need multiples of 256): values as packed
+        kb = k // 32
+        q = torch.randint(-32, 32, (n, kb, 32), generator=g) if fmt == "k6" else \
             torch.randint(-127, 128, (n, kb, 32), generator=g)
-        scales = [torch.rand(n, kb, generator=g) * 0.01 + 1e-4 for _ in range(1 if fmt == "k4" else 2)]
+        scales = [torch.rand(n, kb, generator=g) * 0.01 + 1e-4 for _ in range(2)]
         if fmt == "k6":                # d, then each half's integer sc (both ends of its range included)
             sc = torch.randint(-quant.K6_SC, quant.K6_SC + 1, (2, n, kb), generator=g).float()
             sc[0, 0, 0], sc[1, -1, -1] = quant.K6_SC, -quant.K6_SC
@@ -52,7 +58,7 @@ def test_packing_keeps_the_files_values_exactly(type_name):
     assert torch.equal(quant.dequantize(packed), torch.from_numpy(expected.astype(np.float32)))
 
 
-@pytest.mark.parametrize("types,fmt", [(("Q4_K", "Q4_0", "Q4_K"), "k4"), (("Q4_K", "Q4_K", "Q6_K"), "k6"),
+@pytest.mark.parametrize("types,fmt", [(("Q4_K", "Q4_K"), "k4"), (("Q4_K", "Q4_0", "Q4_K"), "k6"), (("Q4_K", "Q4_K", "Q6_K"), "k6"),
                                        (("Q5_0", "Q8_0", "Q6_K"), "k8"), (("Q4_1", "Q5_K"), "k6"),
                                        (("Q5_0", "Q8_0"), "q8"), (("Q8_0", "Q5_0"), "q8"),
                                        (("Q5_0", "Q4_0"), "k6"), (("Q4_K", "Q8_0"), "k8")])
@@ -105,10 +111,24 @@ def test_narrow_formats_refuse_what_they_cannot_hold():
         quant.repack(random_weight("q8", 16, 64), "k6")
 
 
-def test_q5_keeps_five_and_a_half_bits_a_weight():
-    """Q5_0's weights stream at the file's 5.5 bits: 16 rows x 32 weights in 352 bytes."""
-    w = random_weight("q5", 48, 96)
-    assert w.blocks.shape == (3, 3, 352) and w.nbytes() * 8 / (48 * 96) == 5.5
+@pytest.mark.parametrize("type_name,bits", [("Q4_0", 5), ("Q4_1", 5), ("Q5_0", 5.5), ("Q8_0", 8.5), ("Q4_K", 4.625)])
+def test_packed_weights_are_no_wider_than_the_file(type_name, bits):
+    """Q4_0/Q4_1 at 5 bits a weight (Q4_0's m as an fp16), Q5_0 at its 5.5, Q8_0 at 8.5, and Q4_K at
+    4.625 against its 4.5 (the sub-block scales as bytes: 2.8% wider)."""
+    w = pack_gguf(type_name, gguf_rows(type_name, 48, 512))
+    assert w.nbytes() * 8 / (48 * 512) == bits
+
+
+@pytest.mark.parametrize("fmt", ["q4", "q8", "i8", "k4", "k8", "q5", "k6"])
+def test_dequantize_rows_is_the_rows_of_dequantize(ops, fmt):
+    """An embedding kept in its blocks: the kernel's rows (and the reference's) are dequantize's, bit for bit."""
+    w = random_weight(fmt, 40, 512, seed=3)
+    ids = torch.tensor([[0, 39, 17], [16, 16, 5]])
+    expected = quant.dequantize(w)[ids]
+    assert torch.equal(quant.dequantize_rows(w, ids), expected)
+    assert torch.equal(ops.dequantize_rows(ids, quant.FORMAT_IDS[fmt], w.n, w.blocks, w.scale), expected)
+    with pytest.raises(RuntimeError, match="outside"):
+        ops.dequantize_rows(torch.tensor([40]), quant.FORMAT_IDS[fmt], w.n, w.blocks, w.scale)
 
 
 def test_int8_per_channel_error_is_half_a_step():
@@ -136,7 +156,8 @@ SHORT = [(1, 576, 576), (5, 48, 64), (300, 80, 576)]            # the K formats 
 
 
 @pytest.mark.parametrize("fmt,m,n,k", [(f, *s) for f in ("q4", "q8", "i8", "q5") for s in SHAPES] +
-                                      [(f, *s) for f in ("k4", "k8", "k6") for s in SHORT])
+                                      [(f, *s) for f in ("k8", "k6") for s in SHORT] +
+                                      [("k4", *s) for s in [(1, 576, 512), (5, 48, 256), (300, 80, 768)]])
 def test_kernel_matches_its_emulation(ops, fmt, m, n, k):
     w = random_weight(fmt, n, k, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))

@@ -63,7 +63,7 @@ inline const pw::Runtime RT{2};
 
 // quant_tests.cpp
 std::vector<uint8_t> random_weight(pw::QuantFormat fmt, int64_t N, int64_t K, std::vector<float>& W,
-                                   std::vector<float>& scale, int64_t u5_tiles);
+                                   std::vector<float>& scale, int64_t u5_tiles, std::vector<uint16_t>* super);
 void test_quant_linear(const pw::KernelTable& k, pw::QuantFormat fmt, int64_t M, int64_t N, int64_t K,
                        int64_t u5_tiles = 0);
 void test_decoder_stack(const pw::KernelTable& k, bool int8, const std::vector<int64_t>& query_lens,

@@ -8,11 +8,11 @@
 namespace kt {
 
 // A random packed weight of `fmt` (quant_linear.cpp's layout) and its values W [N, K]; Q8's first
-// u5_tiles tiles hold U5 bytes (w = d (u - 16), u in 0..31).
+// u5_tiles tiles hold U5 bytes (w = d (u - 16), u in 0..31); K4's super-block d and dmin in `super`.
 std::vector<uint8_t> random_weight(pw::QuantFormat fmt, int64_t N, int64_t K, std::vector<float>& W,
-                                   std::vector<float>& scale, int64_t u5_tiles) {
+                                   std::vector<float>& scale, int64_t u5_tiles, std::vector<uint16_t>* super) {
   const int64_t NT = (N + 15) / 16, KB = K / 32, BB = pw::block_bytes(fmt), QB = pw::quant_bytes(fmt);
-  const bool nibbles = fmt == pw::Q4 || fmt == pw::K4, f32 = fmt == pw::K4 || fmt == pw::K8 || fmt == pw::K6;
+  const bool nibbles = fmt == pw::Q4 || fmt == pw::K4, f32 = fmt == pw::K8 || fmt == pw::K6;
   const bool six = fmt == pw::K6, halves = fmt == pw::K8 || fmt == pw::K6;
   std::vector<uint8_t> blocks(NT * KB * BB);
   for (uint8_t& b : blocks) b = static_cast<uint8_t>(rng());
@@ -20,6 +20,10 @@ std::vector<uint8_t> random_weight(pw::QuantFormat fmt, int64_t N, int64_t K, st
   scale.assign(NT * 16, 0.f);
   auto uniform = [](float lo, float hi) { return std::uniform_real_distribution<float>(lo, hi)(rng); };
   for (float& s : scale) s = 0.001f + 0.01f * uniform(0.f, 1.f);
+  if (fmt == pw::K4) {                       // d of 2^-14 .. 2^-9 and dmin, each sc and m 0..63 (both ends)
+    super->resize(NT * (KB / pw::K4_SUPER) * 32);
+    for (uint16_t& h : *super) h = random_half(1, 5) & 0x7FFF;
+  }
   for (int64_t t = 0; t < NT; ++t)
     for (int64_t b = 0; b < KB; ++b) {
       uint8_t* blk = blocks.data() + (t * KB + b) * BB;
@@ -29,8 +33,9 @@ std::vector<uint8_t> random_weight(pw::QuantFormat fmt, int64_t N, int64_t K, st
       if (fmt == pw::Q4 || fmt == pw::Q8 || fmt == pw::Q5)
         for (int r = 0; r < (fmt == pw::Q4 ? 32 : 16); ++r) dm[r] = random_half(8, 12);
       if (f32)
-        for (int r = 0; r < (fmt == pw::K4 ? 32 : 48); ++r) ds[r] = r < (fmt == pw::K4 ? 16 : 32) ?
-            uniform(0.001f, 0.02f) : uniform(-0.1f, 0.1f);
+        for (int r = 0; r < 48; ++r) ds[r] = r < 32 ? uniform(0.001f, 0.02f) : uniform(-0.1f, 0.1f);
+      if (fmt == pw::K4)
+        for (int r = 0; r < 32; ++r) blk[QB + r] = r == 5 ? 63 : r == 21 ? 0 : static_cast<uint8_t>(rng() % 64);
       if (six)                                                 // d by integer sc of -128..128 (both ends)
         for (int r = 0; r < 32; ++r) {
           if (r < 16) ds[r] = uniform(1e-5f, 2e-4f);
@@ -48,7 +53,12 @@ std::vector<uint8_t> random_weight(pw::QuantFormat fmt, int64_t N, int64_t K, st
             const int j = (kk % 16) / 4, p = kk % 4;
             const uint8_t byte = blk[j * 64 + r * 4 + p];
             const int q = kk < 16 ? byte & 15 : byte >> 4;
-            w[kk] = fmt == pw::Q4 ? half_to_float(dm[r]) * q + half_to_float(dm[16 + r]) : ds[r] * q + ds[16 + r];
+            if (fmt == pw::Q4) {
+              w[kk] = half_to_float(dm[r]) * q + half_to_float(dm[16 + r]);
+            } else {
+              const uint16_t* sb = super->data() + (t * (KB / pw::K4_SUPER) + b / pw::K4_SUPER) * 32;
+              w[kk] = half_to_float(sb[r]) * blk[QB + r] * q - half_to_float(sb[16 + r]) * blk[QB + 16 + r];
+            }
           } else {
             uint8_t& u = blk[(kk / 4) * 64 + r * 4 + kk % 4];
             const bool u5 = t < u5_tiles;
@@ -68,7 +78,8 @@ std::vector<uint8_t> random_weight(pw::QuantFormat fmt, int64_t N, int64_t K, st
 void test_quant_linear(const pw::KernelTable& k, pw::QuantFormat fmt, int64_t M, int64_t N, int64_t K,
                        int64_t u5_tiles) {
   std::vector<float> W, scale;
-  const auto blocks = random_weight(fmt, N, K, W, scale, u5_tiles);
+  std::vector<uint16_t> super;
+  const auto blocks = random_weight(fmt, N, K, W, scale, u5_tiles, &super);
   const int64_t NT = (N + 15) / 16, KB = K / 32;
   auto x = randn(M * K), bias = randn(N);
   std::vector<int8_t> xq(M * K);
@@ -90,7 +101,7 @@ void test_quant_linear(const pw::KernelTable& k, pw::QuantFormat fmt, int64_t M,
   }
   check("quantize_activations M=" + std::to_string(M), ok);
   std::vector<float> y(M * N), want(M * N);
-  const pw::PackedWeights w{fmt, blocks.data(), scale.data(), N, NT, KB, u5_tiles};
+  const pw::PackedWeights w{fmt, blocks.data(), scale.data(), N, NT, KB, u5_tiles, super.data()};
   k.quant_linear(RT, x.data(), M, K, w, bias.data(), y.data());
   for (int64_t m = 0; m < M; ++m)
     for (int64_t n = 0; n < N; ++n) {
@@ -116,7 +127,7 @@ void test_decoder_stack(const pw::KernelTable& k, bool int8, const std::vector<i
   std::vector<pw::DecoderLayer> layers(L);
   auto linear = [&](int64_t N, int64_t K) {
     std::vector<float> W, scale;
-    blocks.push_back(random_weight(pw::Q4, N, K, W, scale, 0));
+    blocks.push_back(random_weight(pw::Q4, N, K, W, scale, 0, nullptr));
     biases.push_back(randn(N, 0.1f));
     return pw::Linear{{pw::Q4, blocks.back().data(), nullptr, N, (N + 15) / 16, K / 32}, biases.back().data()};
   };

@@ -10,7 +10,9 @@ quant_linear.cpp):
 - "q5": GGUF Q5_0 (w = d (u - 16), u in 0..31) in 5.5 bits a weight: u's low 4 bits as q4's
   nibbles, then 64 bytes of fifth bits (bit g: k = 4g..4g+3 at that byte of a chunk), fp16 d;
 - "i8": our own int8 per output channel (w = s_n q), from fp32 weights;
-- "k4": GGUF Q4_K, as q4 with fp32 d, m per block of 32 (d_K sc and -dmin_K m_K, exact in fp32);
+- "k4": GGUF Q4_K at the file's width (4.625 bits a weight against its 4.5): the nibbles as q4's,
+  each block's 6-bit sc and m as bytes, and per super-block of 256 (8 blocks) the file's fp16 d and
+  dmin in `scale` ([NT, KB/8, 32]: 16 rows' d, then their dmin), so w = d sc q - dmin m;
 - "k8": bytes with an fp32 d per 16-wide half of a block and an fp32 m: w = d_h q + m;
 - "k6": q in -32..31 stored as q + 32, w = d sc_h q + m: fp32 d and m, and an integer sc
   (|sc| <= 128, int16) per 16-wide half h: GGUF Q5_K (sc = 1, d its sub-block's d_K sc_K) and Q6_K
@@ -38,15 +40,16 @@ FORMAT_IDS = {"q4": 0, "q8": 1, "i8": 2, "k4": 3, "k8": 4, "q5": 5, "k6": 6}
 NIBBLES = ("q4", "k4")                    # quants as 4-bit values; q5 as q + 16 in 5 bits; the others bytes
 OFFSET = {"q8": 128, "i8": 128, "k8": 128, "q5": 16, "k6": 32}
 # the formats each format's values and scales fit exactly (quant.repack), narrowest first
-WIDER = {"q4": ("q4", "k4", "k6", "k8"), "k4": ("k4", "k6", "k8"), "q5": ("q5", "q8", "k6", "k8"),
+WIDER = {"q4": ("q4", "k6", "k8"), "k4": ("k4", "k6", "k8"), "q5": ("q5", "q8", "k6", "k8"),
          "q8": ("q8", "k8"), "k6": ("k6", "k8"), "k8": ("k8",), "i8": ("i8",)}
 # each format's per-block scales after the quants, in pack's order: one 16-row vector each, of this dtype
-_F16, _F32, _I16 = torch.float16, torch.float32, torch.int16
-SCALES = {"q4": (_F16, _F16), "q8": (_F16,), "i8": (), "k4": (_F32, _F32), "k8": (_F32, _F32, _F32),
+_F16, _F32, _I16, _U8 = torch.float16, torch.float32, torch.int16, torch.uint8
+SCALES = {"q4": (_F16, _F16), "q8": (_F16,), "i8": (), "k4": (_U8, _U8), "k8": (_F32, _F32, _F32),
           "q5": (_F16,), "k6": (_F32, _I16, _I16, _F32)}
 QUANT_BYTES = {f: 256 if f in NIBBLES else 320 if f == "q5" else 512 for f in FORMAT_IDS}   # per (tile, block)
 BLOCK_BYTES = {f: QUANT_BYTES[f] + 16 * sum(dt.itemsize for dt in SCALES[f]) for f in FORMAT_IDS}
 K6_SC = 128                               # k6's largest |sc|: AVX2's int16 pair sums times sc stay in int32
+SUPER = 8                                 # k4's blocks per super-block (its fp16 d and dmin in `scale`)
 
 
 @dataclass(kw_only=True)
@@ -55,7 +58,7 @@ class PackedWeight:
     n: int                         # output features (rows of W)
     k: int                         # input features, a multiple of 32
     blocks: torch.Tensor               # [NT, KB, BLOCK_BYTES] uint8: quants, then the scales
-    scale: torch.Tensor | None = None  # [NT * 16] fp32 (i8)
+    scale: torch.Tensor | None = None  # [NT * 16] fp32 (i8); [NT, KB / 8, 32] fp16 (k4: d, then dmin)
     u5_tiles: int = 0                  # q8: its first tiles hold q5 values as u = q + 16 (concat)
 
     @property
@@ -68,8 +71,8 @@ class PackedWeight:
         return self.blocks[..., :QUANT_BYTES[self.fmt]]
 
     def scales(self, i: int) -> torch.Tensor:
-        """[Np, KB] the i-th per-block scale of every row (q4, k4: d, m; q8, q5: d; k8: d of each half, m;
-        k6: d, sc of each half, m)."""
+        """[Np, KB] the i-th per-block scale of every row (q4: d, m; k4: sc, m; q8, q5: d; k8: d of each
+        half, m; k6: d, sc of each half, m)."""
         dtypes = SCALES[self.fmt]
         if i >= len(dtypes):
             raise IndexError(f"{self.fmt} has {len(dtypes)} scales per block")
@@ -77,6 +80,20 @@ class PackedWeight:
         lo = QUANT_BYTES[self.fmt] + 16 * sum(dt.itemsize for dt in dtypes[:i])
         s = self.blocks[..., lo:lo + 16 * dtypes[i].itemsize].contiguous().view(dtypes[i])    # [NT, KB, 16]
         return s.permute(0, 2, 1).reshape(nt * TILE, kb)
+
+    def super_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """k4: [Np, KB] fp32 d and dmin of every block's super-block."""
+        nt, ks, _ = self.scale.shape
+        both = self.scale.float().reshape(nt, ks, 2, TILE).permute(2, 0, 3, 1).reshape(2, nt * TILE, ks)
+        return both[0].repeat_interleave(SUPER, dim=1), both[1].repeat_interleave(SUPER, dim=1)
+
+    def block_scales(self) -> list[torch.Tensor]:
+        """Every per-block scale as [Np, KB] fp32, k4's resolved to d sc and -dmin m (exact in fp32)."""
+        s = [self.scales(i).float() for i in range(len(SCALES[self.fmt]))]
+        if self.fmt == "k4":
+            d, dmin = self.super_scales()
+            return [d * s[0], -(dmin * s[1])]
+        return s
 
     def values(self) -> torch.Tensor:
         """[Np, KB, 32] int16: each weight's integer (nibble formats 0..15, the others u - OFFSET)."""
@@ -118,9 +135,11 @@ def _tile_bytes(u: torch.Tensor) -> torch.Tensor:
     return u.reshape(np_ // TILE, TILE, kb, 8, 4).permute(0, 2, 3, 1, 4).reshape(np_ // TILE, kb, 512).contiguous()
 
 
-def pack(fmt: str, q: torch.Tensor, scales: list[torch.Tensor]) -> PackedWeight:
+def pack(fmt: str, q: torch.Tensor, scales: list[torch.Tensor],
+         sb: tuple[torch.Tensor, torch.Tensor] | None = None) -> PackedWeight:
     """q [N, KB, 32] integers (q4, k4: 0..15; q8, k8: -128..127; q5: -16..15; k6: -32..31) and the format's
-    scales, each [N, KB] (cast to the format's dtype: pass values it holds exactly) → a PackedWeight."""
+    scales, each [N, KB] (cast to the format's dtype: pass values it holds exactly); k4 also takes `sb`,
+    its d and dmin [N, KB / 8] (fp16 values) → a PackedWeight."""
     n, kb, _ = q.shape
     dtypes = SCALES[fmt]
     if fmt == "i8":
@@ -129,6 +148,9 @@ def pack(fmt: str, q: torch.Tensor, scales: list[torch.Tensor]) -> PackedWeight:
         raise ValueError(f"{fmt} takes {len(dtypes)} scales per block, got {len(scales)}")
     if fmt == "k6" and any(s.numel() and (s.abs().max() > K6_SC or not torch.equal(s, s.round())) for s in scales[1:3]):
         raise ValueError(f"k6's sub-block scales are integers of at most {K6_SC} in magnitude")
+    if fmt == "k4" and (sb is None or kb % SUPER or any(s.numel() and (s.min() < 0 or s.max() > 63 or
+                                                                        not torch.equal(s, s.round())) for s in scales)):
+        raise ValueError(f"k4 takes sub-block scales of 0..63, super-block d and dmin, and a multiple of {SUPER} blocks")
     np_ = -(-n // TILE) * TILE
     q = _pad_rows(q.to(torch.int16), np_)
     if fmt in NIBBLES:   # byte i of a row's block: k = i low nibble, k = i + 16 high; byte 4j + p → chunk j
@@ -146,7 +168,10 @@ def pack(fmt: str, q: torch.Tensor, scales: list[torch.Tensor]) -> PackedWeight:
             plane = bits.sum(dim=2, dtype=torch.uint8)                   # distinct bits: the sum is the or
             quants = torch.cat([nib.reshape(np_ // TILE, kb, 256), plane], dim=-1)
     tiles = [_tile_scales(_pad_rows(s.to(dtype), np_)) for s, dtype in zip(scales, dtypes)]
-    return PackedWeight(fmt=fmt, n=n, k=kb * QK, blocks=torch.cat([quants, *tiles], dim=-1))
+    side = None
+    if fmt == "k4":        # [NT, KB / 8, 32]: each (tile, super-block)'s 16 d, then 16 dmin
+        side = torch.cat([_tile_scales(_pad_rows(s.to(_F16), np_)).view(_F16) for s in sb], dim=-1)
+    return PackedWeight(fmt=fmt, n=n, k=kb * QK, blocks=torch.cat([quants, *tiles], dim=-1), scale=side)
 
 
 def quantize_i8(w: torch.Tensor) -> PackedWeight:
@@ -169,8 +194,8 @@ def repack(w: PackedWeight, fmt: str) -> PackedWeight:
         return w
     if fmt not in WIDER[w.fmt]:
         raise ValueError(f"cannot repack {w.fmt} as {fmt}")
-    q, s = w.values()[:w.n], [w.scales(i)[:w.n].float() for i in range(len(SCALES[w.fmt]))]
-    if fmt in ("k4", "q8"):                          # q4 → k4, q5 → q8: the same scales
+    q, s = w.values()[:w.n], [t[:w.n] for t in w.block_scales()]
+    if fmt == "q8":                                  # q5 → q8: the same scales
         return pack(fmt, q, s)
     if w.fmt == "k6":                                # → k8: each half's d = d sc, exact in fp32
         return pack(fmt, q, [s[0] * s[1], s[0] * s[2], s[3]])
@@ -210,7 +235,7 @@ def dequantize(w: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Ten
     if w.fmt == "i8":
         out = q * w.scale.reshape(-1, 1, 1)
     else:
-        s = [w.scales(i).float()[..., None] for i in range(len(SCALES[w.fmt]))]  # each [Np, KB, 1]
+        s = [t[..., None] for t in w.block_scales()]                            # each [Np, KB, 1]
         if w.fmt in ("q8", "q5"):
             out = q * s[0]
         elif w.fmt in NIBBLES:
@@ -219,6 +244,20 @@ def dequantize(w: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Ten
             halves = [s[0] * s[1], s[0] * s[2]] if w.fmt == "k6" else s[:2]
             out = q * torch.cat([halves[0].expand(-1, -1, 16), halves[1].expand(-1, -1, 16)], dim=-1) + s[-1]
     return out.reshape(w.n_padded, w.k)[: w.n].to(dtype)
+
+
+def dequantize_rows(w: PackedWeight, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows `ids` [T] of the weight as [T, K] (the reference of the kernels' dequantize_rows): only
+    the tiles holding them are dequantized."""
+    if w.u5_tiles:
+        raise ValueError("dequantize_rows takes a table, not a fused projection")
+    flat = ids.reshape(-1)
+    tiles, lanes = torch.unique(flat // TILE, return_inverse=True)
+    scale = None if w.scale is None else w.scale[tiles] if w.fmt == "k4" else \
+        w.scale.reshape(-1, TILE)[tiles].reshape(-1)
+    part = PackedWeight(fmt=w.fmt, n=tiles.numel() * TILE, k=w.k, blocks=w.blocks[tiles], scale=scale)
+    rows = dequantize(part, dtype)[lanes * TILE + flat % TILE]
+    return rows.reshape(*ids.shape, w.k)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -101,7 +101,8 @@ class GGUFFile:
         return GGUFTensor(GGMLQuantizationType(t.ggml_type).name, data, tuple(t.shape), heads, offset)
 
     def weight(self, hf_name: str, cfg: ModelConfig) -> GGUFTensor | None:
-        """The HF-named 2-D weight of a linear layer (a tied output head: the embedding); None if absent."""
+        """The HF-named 2-D weight of a linear layer or the token table (a tied output head: the
+        embedding); None if absent."""
         name = _gguf_name(hf_name, cfg)
         if name not in self.tensors and hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
             name = "token_embd.weight"
@@ -158,6 +159,8 @@ def _gguf_name(hf_name: str, cfg: ModelConfig) -> str | None:
     parts = hf_name.split(".")
     if hf_name == "lm_head.weight":
         return "output.weight"
+    if hf_name == "model.embed_tokens.weight":
+        return "token_embd.weight"
     if len(parts) == 6 and parts[:2] == ["model", "layers"]:
         hf = ".".join(parts[3:5])
         if cfg.architecture == "phi3" and hf == "mlp.gate_up_proj":

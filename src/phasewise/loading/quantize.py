@@ -9,16 +9,22 @@
   parts' blocks along N (parts of different types repacked to one format, exactly). A layer the
   file holds in another type (F32, F16, a safetensors model) falls back to int8 per channel.
 
-The embedding lookup keeps its fp32 table either way.
+With q4 the file's blocks are planned before any weight is read (`plan_file_weights`): the
+loader then never reads those weights in fp32, and the token table stays in its blocks too
+(QuantEmbedding, sharing the head's when tied), so memory holds the packed weights and little
+else.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 from torch import nn
 
 from phasewise.distributed import TensorParallel
 from phasewise.kernels import quant
 from phasewise.kernels.gguf_blocks import GGUF_BLOCKS, pack_gguf
+from phasewise.layers.quant_embedding import QuantEmbedding
 from phasewise.layers.quant_linear import QuantLinear
 from phasewise.loading.gguf import GGUFFile
 from phasewise.loading.sharding import shard_raw
@@ -30,19 +36,64 @@ WEIGHT_FORMATS = {"int8": "i8", "q4": "q4"}
 FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
+@dataclass
+class FileWeights:
+    """What a GGUF's own blocks give a model before its weights are read: packed linear layers
+    by module path, the token table (None: it stays an fp32 nn.Embedding), and the checkpoint
+    names they stand for (the loader skips reading those)."""
+    linears: dict[str, quant.PackedWeight] = field(default_factory=dict)
+    embedding: quant.PackedWeight | None = None
+    names: set[str] = field(default_factory=set)
+
+
+def plan_file_weights(model: nn.Module, cfg: ModelConfig, gguf: GGUFFile,
+                      tp: TensorParallel | None = None) -> FileWeights:
+    """Pack every linear layer of `model` (meta or not) the file holds in blocks, and the token table
+    (without tp); `cfg` is the whole model's."""
+    plan = FileWeights()
+    for path, linear in _linears(model):
+        found = file_blocks(gguf, cfg, path, tp)
+        if found is not None and (found[0].n, found[0].k) == (linear.out_features, linear.in_features):
+            plan.linears[path], names = found
+            plan.names.update(names)
+    table = gguf.weight("model.embed_tokens.weight", cfg)
+    if tp is None and table is not None and table.type_name in GGUF_BLOCKS:
+        head = plan.linears.get("lm_head")
+        tied = cfg.tie_word_embeddings and head is not None and "output.weight" not in gguf.tensors
+        plan.embedding = head if tied else pack_gguf(table.type_name, table.raw())
+        plan.names.add("model.embed_tokens.weight")
+    return plan
+
+
+def use_file_weights(model: nn.Module, plan: FileWeights) -> None:
+    """Swap the planned layers in (each QuantLinear keeps its nn.Linear's loaded bias)."""
+    moved: dict[int, quant.PackedWeight] = {}      # a tied table moves once: head and embedding share it
+    def to(w: quant.PackedWeight, device) -> quant.PackedWeight:  # noqa: E306
+        return moved.setdefault(id(w), _to(w, device))
+    device = None
+    for path, linear in _linears(model):
+        device = linear.weight.device
+        if path in plan.linears:
+            parent, name = _parent(model, path)
+            setattr(parent, name, QuantLinear.from_linear(linear, to(plan.linears[path], device)))
+    if plan.embedding is not None:
+        parent, name = _parent(model, "model.embed_tokens")
+        setattr(parent, name, QuantEmbedding(to(plan.embedding, device)))
+
+
 def quantize_model(model: nn.Module, dtype: str, cfg: ModelConfig, gguf: GGUFFile | None = None,
                    tp: TensorParallel | None = None) -> dict[str, int]:
-    """Replace every nn.Linear in place; returns how many layers ended in each format. `cfg` is the
-    whole model's; with `tp`, the file's blocks are cut to this rank's part."""
+    """Replace every remaining nn.Linear in place (q4: from the file's blocks where it has them, as
+    `plan_file_weights`; else int8 per channel); returns how many layers ended in each format. `cfg`
+    is the whole model's; with `tp`, the file's blocks are cut to this rank's part."""
     fmt = WEIGHT_FORMATS[dtype]
-    targets = [(parent, name, child, f"{prefix}.{name}" if prefix else name)
-               for prefix, parent in model.named_modules()
-               for name, child in parent.named_children() if isinstance(child, nn.Linear)]
     counts: dict[str, int] = {}
-    for parent, name, linear, path in targets:
-        packed = None
-        if fmt == "q4" and gguf is not None:
-            packed = file_blocks(gguf, cfg, path, tp)
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            counts[module.fmt] = counts.get(module.fmt, 0) + 1
+    for path, linear in _linears(model):
+        found = file_blocks(gguf, cfg, path, tp) if fmt == "q4" and gguf is not None else None
+        packed = found[0] if found is not None else None
         if packed is not None and (packed.n, packed.k) == (linear.out_features, linear.in_features):
             packed = _to(packed, linear.weight.device)
         elif linear.in_features % quant.QK:
@@ -51,14 +102,26 @@ def quantize_model(model: nn.Module, dtype: str, cfg: ModelConfig, gguf: GGUFFil
         else:
             packed = None
         module = QuantLinear.from_linear(linear, packed)
+        parent, name = _parent(model, path)
         setattr(parent, name, module)
         counts[module.fmt] = counts.get(module.fmt, 0) + 1
     return counts
 
 
-def file_blocks(gguf: GGUFFile, cfg: ModelConfig, path: str, tp: TensorParallel | None = None) -> quant.PackedWeight | None:
-    """The layer `path`'s weight from the file's own blocks (None when some part is not in a block
-    format, or with `tp` when this rank's part does not cut along whole blocks)."""
+def _linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    return [(path, m) for path, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
+def _parent(model: nn.Module, path: str) -> tuple[nn.Module, str]:
+    head, _, name = path.rpartition(".")
+    return (model.get_submodule(head) if head else model), name
+
+
+def file_blocks(gguf: GGUFFile, cfg: ModelConfig, path: str,
+                tp: TensorParallel | None = None) -> tuple[quant.PackedWeight, list[str]] | None:
+    """The layer `path`'s weight from the file's own blocks and the checkpoint names of its parts
+    (None when some part is not in a block format, or with `tp` when this rank's part does not cut
+    along whole blocks)."""
     names = [f"{path}.weight"]
     if gguf.weight(names[0], cfg) is None and path.rsplit(".", 1)[-1] in FUSED_PARTS:
         head, fused = path.rsplit(".", 1)
@@ -73,7 +136,7 @@ def file_blocks(gguf: GGUFFile, cfg: ModelConfig, path: str, tp: TensorParallel 
             return None
         parts.append(pack_gguf(weight.type_name, rows))
     try:
-        return parts[0] if len(parts) == 1 else quant.concat(parts)
+        return (parts[0] if len(parts) == 1 else quant.concat(parts)), names
     except ValueError:   # a part that does not fill whole tiles
         return None
 

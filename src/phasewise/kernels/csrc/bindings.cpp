@@ -32,6 +32,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("quant_linear", &KernelSet::quant_linear, "y = x W^T + b with W in a packed block format",
            py::arg("x"), py::arg("fmt"), py::arg("N"), py::arg("blocks"), py::arg("scale") = py::none(),
            py::arg("bias") = py::none(), py::arg("u5_tiles") = 0, nogil())
+      .def("dequantize_rows", &KernelSet::dequantize_rows, "rows ids of a packed weight in fp32 (an embedding)",
+           py::arg("ids"), py::arg("fmt"), py::arg("N"), py::arg("blocks"), py::arg("scale") = py::none(), nogil())
       .def("decoder_stack",
            [](std::shared_ptr<KernelSet> self, std::vector<LayerArgs> layers, torch::Tensor final_norm,
               torch::Tensor cos, torch::Tensor sin, int64_t Hq, int64_t Hkv, int64_t D, double eps,

@@ -12,17 +12,10 @@ bool fp32_vector(const torch::Tensor& t, int64_t n) {
 
 pw::Linear linear_view(const QuantLinearArgs& a, int64_t K) {
   const auto& [fmt, N, blocks, scale, bias, u5_tiles] = a;
-  TORCH_CHECK(pw::known_format(fmt), "unknown format ", fmt);
-  TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
-              blocks.size(2) == pw::block_bytes(static_cast<pw::QuantFormat>(fmt)), "blocks: u8 [NT, KB, BB]");
-  const int64_t NT = blocks.size(0), KB = blocks.size(1);
-  TORCH_CHECK(KB * pw::QK == K && N > (NT - 1) * 16 && N <= NT * 16, "a weight's shape does not match the model");
-  TORCH_CHECK(fmt != pw::I8 || (scale.has_value() && fp32_vector(*scale, NT * 16)), "scale: fp32 [N]");
+  const pw::PackedWeights w = packed_weights(fmt, N, blocks, scale, u5_tiles);
+  TORCH_CHECK(w.KB * pw::QK == K, "a weight's shape does not match the model");
   TORCH_CHECK(!bias.has_value() || fp32_vector(*bias, N), "bias: fp32 [N]");
-  TORCH_CHECK(u5_tiles == 0 || (fmt == pw::Q8 && u5_tiles > 0 && u5_tiles <= NT), "u5_tiles: Q8 tiles 0..NT");
-  return {{static_cast<pw::QuantFormat>(fmt), blocks.data_ptr<uint8_t>(),
-           fmt == pw::I8 ? scale->data_ptr<float>() : nullptr, N, NT, KB, u5_tiles},
-          bias.has_value() ? bias->data_ptr<float>() : nullptr};
+  return {w, bias.has_value() ? bias->data_ptr<float>() : nullptr};
 }
 
 }  // namespace

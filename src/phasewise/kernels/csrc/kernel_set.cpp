@@ -33,6 +33,31 @@ C cache_view(const torch::Tensor& k, const torch::Tensor& v, const c10::optional
 
 }  // namespace
 
+pw::PackedWeights packed_weights(int64_t fmt, int64_t N, const torch::Tensor& blocks,
+                                 const c10::optional<torch::Tensor>& scale, int64_t u5_tiles) {
+  TORCH_CHECK(pw::known_format(fmt), "unknown format ", fmt);
+  const auto f = static_cast<pw::QuantFormat>(fmt);
+  TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() && blocks.device().is_cpu(),
+              "blocks: u8 [NT, KB, BB] on the CPU");
+  TORCH_CHECK(blocks.size(2) == pw::block_bytes(f), "block bytes do not match the format");
+  const int64_t NT = blocks.size(0), KB = blocks.size(1);
+  TORCH_CHECK(N > (NT - 1) * 16 && N <= NT * 16, "N does not match the tiles");
+  TORCH_CHECK(u5_tiles == 0 || (f == pw::Q8 && u5_tiles > 0 && u5_tiles <= NT), "u5_tiles: Q8 tiles 0..NT");
+  pw::PackedWeights w{f, blocks.data_ptr<uint8_t>(), nullptr, N, NT, KB, u5_tiles};
+  if (f == pw::I8) {
+    TORCH_CHECK(scale.has_value() && scale->scalar_type() == at::kFloat && scale->is_contiguous() &&
+                scale->numel() == NT * 16, "scale: fp32 [N]");
+    w.scale = scale->data_ptr<float>();
+  }
+  if (f == pw::K4) {
+    TORCH_CHECK(KB % pw::K4_SUPER == 0 && scale.has_value() && scale->scalar_type() == at::kHalf &&
+                scale->is_contiguous() && scale->dim() == 3 && scale->size(0) == NT &&
+                scale->size(1) == KB / pw::K4_SUPER && scale->size(2) == 32, "K4's scale: fp16 [NT, KB / 8, 32]");
+    w.super = reinterpret_cast<const uint16_t*>(scale->data_ptr<at::Half>());
+  }
+  return w;
+}
+
 KernelSet::KernelSet(const std::string& library) {
   // RTLD_LOCAL: every level's library defines the same names; the table is the way in. Never closed.
   void* handle = dlopen(library.c_str(), RTLD_NOW | RTLD_LOCAL);
@@ -157,27 +182,30 @@ torch::Tensor KernelSet::quant_linear(torch::Tensor x, int64_t fmt, int64_t N, t
                                       c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias,
                                       int64_t u5_tiles) const {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x: fp32 [M, K]");
-  TORCH_CHECK(pw::known_format(fmt), "unknown format ", fmt);
-  TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
-              "blocks: u8 [NT, KB, BB]");
+  const pw::PackedWeights w = packed_weights(fmt, N, blocks, scale, u5_tiles);
   x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), NT = blocks.size(0), KB = blocks.size(1);
-  TORCH_CHECK(K == KB * pw::QK, "x has ", K, " columns, the weights ", KB * pw::QK);
-  TORCH_CHECK(blocks.size(2) == pw::block_bytes(static_cast<pw::QuantFormat>(fmt)), "block bytes do not match the format");
-  TORCH_CHECK(N > (NT - 1) * 16 && N <= NT * 16, "N does not match the tiles");
-  TORCH_CHECK(u5_tiles == 0 || (fmt == pw::Q8 && u5_tiles > 0 && u5_tiles <= NT), "u5_tiles: Q8 tiles 0..NT");
-  const float* sp = nullptr;
-  if (fmt == pw::I8) {
-    TORCH_CHECK(scale.has_value() && scale->scalar_type() == at::kFloat && scale->is_contiguous() &&
-                scale->numel() == NT * 16, "scale: fp32 [N]");
-    sp = scale->data_ptr<float>();
-  }
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K == w.KB * pw::QK, "x has ", K, " columns, the weights ", w.KB * pw::QK);
   if (bias.has_value())
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "bias: fp32 [N]");
   auto out = torch::empty({M, N}, x.options());
-  const pw::PackedWeights w{static_cast<pw::QuantFormat>(fmt), blocks.data_ptr<uint8_t>(), sp, N, NT, KB, u5_tiles};
   table_->quant_linear(runtime(), x.data_ptr<float>(), M, K, w, ptr<float>(bias), out.data_ptr<float>());
   return out;
+}
+
+// ids [T] int64 (each in 0..N-1) -> [T, K] fp32: those rows of a weight packed as quant_linear takes it.
+torch::Tensor KernelSet::dequantize_rows(torch::Tensor ids, int64_t fmt, int64_t N, torch::Tensor blocks,
+                                         c10::optional<torch::Tensor> scale) const {
+  TORCH_CHECK(ids.scalar_type() == at::kLong, "ids: int64");
+  const pw::PackedWeights w = packed_weights(fmt, N, blocks, scale, 0);
+  auto flat = ids.reshape(-1).contiguous();
+  const int64_t* idp = flat.data_ptr<int64_t>();
+  for (int64_t t = 0; t < flat.numel(); ++t) TORCH_CHECK(idp[t] >= 0 && idp[t] < N, "id ", idp[t], " outside 0..", N - 1);
+  auto out = torch::empty({flat.numel(), w.KB * pw::QK}, torch::kFloat);
+  table_->dequantize_rows(runtime(), w, idp, flat.numel(), out.data_ptr<float>());
+  auto shape = ids.sizes().vec();
+  shape.push_back(w.KB * pw::QK);
+  return out.view(shape);
 }
 
 double KernelSet::int8_peak_gops(int64_t iters) const {

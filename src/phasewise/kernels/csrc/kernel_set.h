@@ -9,6 +9,11 @@
 #include <string>
 #include <vector>
 
+// A packed weight's tensors checked against its format (quant_linear.cpp's layout): blocks u8
+// [NT, KB, BB]; scale fp32 [NT * 16] (I8) or fp16 [NT, KB / 8, 32] (K4's super-blocks), else unused.
+pw::PackedWeights packed_weights(int64_t fmt, int64_t N, const torch::Tensor& blocks,
+                                 const c10::optional<torch::Tensor>& scale, int64_t u5_tiles);
+
 class KernelSet {
  public:
   explicit KernelSet(const std::string& library);
@@ -31,6 +36,8 @@ class KernelSet {
   torch::Tensor quant_linear(torch::Tensor x, int64_t fmt, int64_t N, torch::Tensor blocks,
                              c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias,
                              int64_t u5_tiles) const;
+  torch::Tensor dequantize_rows(torch::Tensor ids, int64_t fmt, int64_t N, torch::Tensor blocks,
+                                c10::optional<torch::Tensor> scale) const;
   double int8_peak_gops(int64_t iters) const;
   const pw::KernelTable& table() const { return *table_; }
 

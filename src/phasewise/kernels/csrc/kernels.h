@@ -7,7 +7,7 @@
 
 namespace pw {
 
-constexpr int ABI_VERSION = 9;
+constexpr int ABI_VERSION = 10;
 
 struct Runtime {            // how a call may run: threads of the caller's pool (torch's, through OpenMP)
   int threads = 1;
@@ -42,7 +42,8 @@ struct AttentionRows {      // every query row of a step: row t attends over the
   int64_t window = 0;       // > 0: row t sees only its last `window` tokens (a sliding-window layer)
 };
 
-// Q4, Q8: GGUF's legacy blocks; I8: int8 per output channel; K4: GGUF's Q4_K, K8: K-quant blocks
+// Q4, Q8: GGUF's legacy blocks; I8: int8 per output channel; K4: GGUF's Q4_K at its own width (the
+// sub-blocks' 6-bit sc and m as bytes, the super-blocks' fp16 d and dmin beside), K8: K-quant blocks
 // of bytes (and any mix of block types fused into one projection), their scales resolved to fp32;
 // Q5: GGUF's Q5_0 in 5.5 bits a weight: u = q + 16 (0..31) as Q4's nibbles and a plane of fifth
 // bits; K6: values of at most 6 bits (GGUF's Q5_K, Q6_K), stored as u = q + 32, w = d sc_h q + m.
@@ -51,13 +52,14 @@ enum QuantFormat : int64_t { Q4 = 0, Q8 = 1, I8 = 2, K4 = 3, K8 = 4, Q5 = 5, K6 
 constexpr bool known_format(int64_t f) { return f >= Q4 && f <= K6; }
 constexpr int64_t QK = 32;                    // weights per block along K
 // Bytes per (tile of 16 rows, block): the quants (nibbles for Q4, K4; nibbles and 64 bytes of fifth
-// bits for Q5), then 16 rows' scales: d, m as fp16 (Q4), d as fp16 (Q8, Q5, U5), d, m as fp32 (K4),
+// bits for Q5), then 16 rows' scales: d, m as fp16 (Q4), d as fp16 (Q8, Q5, U5), sc, m as u8 (K4),
 // d of each 16-wide half and m as fp32 (K8), d as fp32, each half's integer sc as int16 (16 of sc0,
 // then 16 of sc1) and m as fp32 (K6).
 constexpr int64_t quant_bytes(QuantFormat f) { return f == Q4 || f == K4 ? 256 : f == Q5 ? 320 : 512; }
 constexpr int64_t block_bytes(QuantFormat f) {
-  return f == Q4 ? 320 : f == Q5 ? 352 : f == Q8 || f == U5 ? 544 : f == I8 ? 512 : f == K4 ? 384 : 704;
+  return f == Q4 ? 320 : f == Q5 ? 352 : f == Q8 || f == U5 ? 544 : f == I8 ? 512 : f == K4 ? 288 : 704;
 }
+constexpr int64_t K4_SUPER = 8;               // K4's blocks per super-block (GGUF's 256 weights)
 
 struct PackedWeights {      // a quantized linear layer's weight, packed (kernels/quant.py, quant_linear.cpp)
   QuantFormat fmt;
@@ -67,6 +69,7 @@ struct PackedWeights {      // a quantized linear layer's weight, packed (kernel
   // Q8 only: its first u5_tiles tiles hold Q5_0 values as U5 bytes (u = q + 16, the same block
   // bytes as Q8's), a projection fused from Q5_0 and Q8_0 parts: they take U5's cheaper products
   int64_t u5_tiles = 0;
+  const uint16_t* super = nullptr;  // K4: [NT, KB / 8, 32] fp16, each (tile, super-block)'s 16 d, then 16 dmin
 };
 
 struct Linear {             // a quantized linear layer: packed weight and optional bias [N]
@@ -152,6 +155,8 @@ struct KernelTable {
                         float* out);
   // x [T, 2I] (gate | up) -> out [T, I] = gelu_tanh(gate) up
   void (*gelu_and_mul)(const Runtime&, const float* x, int64_t T, int64_t I, float* out);
+  // out [T, K] = rows ids [T] of a packed weight in fp32 (an embedding kept in its blocks)
+  void (*dequantize_rows)(const Runtime&, const PackedWeights& w, const int64_t* ids, int64_t T, float* out);
 };
 
 }  // namespace pw

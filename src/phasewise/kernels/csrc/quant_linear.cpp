@@ -114,7 +114,7 @@ void quant_linear(const Runtime& rt, const float* x, int64_t M, int64_t K, const
                   half_sums ? scratch->sl.data() : nullptr);
   }
   const Act a{scratch->xq.data(), scratch->dx.data(), scratch->sx.data(), scratch->sl.data(), K, KB};
-  const Weights w{pw.blocks, pw.scale, KB, block_bytes(pw.fmt), pw.N, pw.NT};
+  const Weights w{pw.blocks, pw.scale, KB, block_bytes(pw.fmt), pw.N, pw.NT, pw.super};
   const int64_t N = pw.N;
   switch (pw.fmt) {
     case Q4: run<Q4>(rt, a, M, w, bias, y, N); break;

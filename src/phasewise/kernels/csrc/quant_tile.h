@@ -9,7 +9,8 @@
 //   Q4 (GGUF Q4_1, and Q4_0 with m = -8 d):  w = d q + m,        q in 0..15, d, m fp16 per block
 //   Q8 (GGUF Q8_0):                          w = d (u - 128),    u = q + 128, d fp16 per block
 //   I8 (our per-channel int8):               w = s_n (u - 128),  s_n fp32 per output row
-//   K4 (GGUF Q4_K):                          Q4 with d = d_K sc, m = -dmin_K m_K as fp32
+//   K4 (GGUF Q4_K):                          Q4 with d = d_K sc, m = -dmin_K m_K: sc, m as u8 per
+//                                            block, d_K, dmin_K fp16 per super-block of 8 (w.super)
 //   K8 (mixes of block types):               w = d_h (u - 128) + m, u = q + 128, one fp32 d per
 //                                            16-wide half h of the block, m fp32
 //   Q5 (GGUF Q5_0):                          w = d (u - 16), u in 0..31 in 5.5 bits: Q4's nibbles
@@ -66,6 +67,7 @@ struct Weights {
   int64_t KB, BB;
   int64_t N;              // output features (the last tile may be partly padding)
   int64_t NT;             // tiles of 16 rows
+  const uint16_t* super = nullptr;   // K4: its super-blocks' fp16 d and dmin (kernels.h)
 };
 
 constexpr bool nibbles(Fmt F) { return F == Q4 || F == K4; }
@@ -110,11 +112,15 @@ inline void block_epilogue(const Act& a, int64_t m0, const Weights& w, int64_t t
     Vf dv, mv;
     if constexpr (F == Q4 || F == Q8 || five_bits(F)) dv = Vf::from_f16(reinterpret_cast<const uint16_t*>(scales));
     if constexpr (F == Q4) mv = Vf::from_f16(reinterpret_cast<const uint16_t*>(scales + 32));
-    if constexpr (F == K4 || F == K8) dv = Vf::load(reinterpret_cast<const float*>(scales + 64 * h));
+    if constexpr (F == K4) {   // d sc and -dmin m, exact in fp32 (an fp16 times a 6-bit integer)
+      const uint16_t* sb = w.super + ((t0 + v) * (w.KB / K4_SUPER) + b / K4_SUPER) * 32;
+      dv = Vf::from_f16(sb) * to_float(Vi::from_u8(scales));
+      mv = Vf::zero() - Vf::from_f16(sb + 16) * to_float(Vi::from_u8(scales + 16));
+    }
+    if constexpr (F == K8) dv = Vf::load(reinterpret_cast<const float*>(scales + 64 * h));
     if constexpr (F == K6 && halves(F))   // half h's d sc
       dv = Vf::load(reinterpret_cast<const float*>(scales)) *
            to_float(Vi::from_i16(reinterpret_cast<const int16_t*>(scales + 64 + 32 * h)));
-    if constexpr (F == K4) mv = Vf::load(reinterpret_cast<const float*>(scales + 64));
     if constexpr (halves(F) || F == K6) mv = Vf::load(reinterpret_cast<const float*>(scales + 128));
     if constexpr (F == K6 && k6_one_sum) {   // r += d dx acc + a sl + b sx: a = -32 d (sc0 - sc1), b = m - 32 d sc1
       dv = Vf::load(reinterpret_cast<const float*>(scales));

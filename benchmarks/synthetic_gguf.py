@@ -1,0 +1,263 @@
+"""Write a Llama- or Qwen2-shaped GGUF file of a chosen size, filled with random but valid
+Q4_K_M-style blocks: the text it generates is noise, but its load time, memory and speed are those
+of a real model of that shape. For benchmarking phasewise and llama.cpp at sizes no package ships.
+
+    .venv/bin/python benchmarks/synthetic_gguf.py --size 1.5b --arch qwen2 --out /tmp/syn-1.5b.gguf
+    .venv/bin/python benchmarks/synthetic_gguf.py --list
+
+Shapes are the published ones (hidden, layers, heads, kv heads, ffn):
+    qwen2 0.5b  Qwen2.5-0.5B   896, 24, 14, 2,  4864, tied embeddings
+    qwen2 1.5b  Qwen2.5-1.5B  1536, 28, 12, 2,  8960, tied
+    qwen2 3b    Qwen2.5-3B    2048, 36, 16, 2, 11008, tied
+    qwen2 7b/8b Qwen2.5-7B    3584, 28, 28, 4, 18944, untied   (Qwen2.5 has no 8B)
+    llama 0.5b/1.5b Llama-3.2-1B  2048, 16, 32, 8,  8192, tied   (the smallest Llama 3)
+    llama 3b    Llama-3.2-3B  3072, 28, 24, 8,  8192, tied
+    llama 7b/8b Llama-3.1-8B  4096, 32, 32, 8, 14336, untied
+The vocabulary is that of the tokenizer copied into the file (all tokenizer.* fields of
+--tokenizer-from, by default the Qwen2.5-Coder-0.5B GGUF: 151936 tokens, for Llama too, whose real
+vocabulary is 128256). Types follow llama.cpp's Q4_K_M: Q4_K matrices, Q6_K for the untied output
+and for attn_v/ffn_down in llama.cpp's "more bits" layers (half of them), Q5_0/Q8_0 instead of
+Q4_K/Q6_K where a row is not a multiple of 256 long; F32 norms (near 1) and Qwen2's q/k/v biases.
+Block scales make every weight matrix's values spread about 0.02, so activations stay finite.
+Tensors are generated and written a chunk at a time: memory stays ~100 MB at any size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+from gguf import GGUFValueType as VT
+
+CHUNK = 64 << 20            # bytes generated at a time
+DEFAULT_TOKENIZER = [Path.home() / ".cache/phasewise/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+                     Path("/tmp/qwen05.gguf")]
+
+
+@dataclass(frozen=True)
+class Shape:
+    source: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    tied: bool
+
+
+_Q = {s.source: s for s in (Shape("Qwen2.5-0.5B", 896, 24, 14, 2, 4864, True),
+                            Shape("Qwen2.5-1.5B", 1536, 28, 12, 2, 8960, True),
+                            Shape("Qwen2.5-3B", 2048, 36, 16, 2, 11008, True),
+                            Shape("Qwen2.5-7B", 3584, 28, 28, 4, 18944, False),
+                            Shape("Llama-3.2-1B", 2048, 16, 32, 8, 8192, True),
+                            Shape("Llama-3.2-3B", 3072, 28, 24, 8, 8192, True),
+                            Shape("Llama-3.1-8B", 4096, 32, 32, 8, 14336, False))}
+SHAPES: dict[str, dict[str, Shape]] = {
+    "qwen2": {"0.5b": _Q["Qwen2.5-0.5B"], "1.5b": _Q["Qwen2.5-1.5B"], "3b": _Q["Qwen2.5-3B"],
+              "7b": _Q["Qwen2.5-7B"], "8b": _Q["Qwen2.5-7B"]},
+    "llama": {"0.5b": _Q["Llama-3.2-1B"], "1.5b": _Q["Llama-3.2-1B"], "3b": _Q["Llama-3.2-3B"],
+              "7b": _Q["Llama-3.1-8B"], "8b": _Q["Llama-3.1-8B"]},
+}
+# rope theta, context length, RMS norm eps, q/k/v biases
+ARCH = {"qwen2": (1e6, 32768, 1e-6, True), "llama": (500000.0, 131072, 1e-5, False)}
+
+# type -> (bytes a block, values a block, [(byte offset of an fp16 scale, low, high)]). The ranges
+# give each type values of std ~0.02: Q8_0 q*d (q int8), Q5_0 (q-16)*d, Q4_K d*sc*q - dmin*m
+# (6-bit sc/m, 4-bit q; dmin ~7.5 d centres it), Q6_K d*sc*(q-32) (int8 sc, 6-bit q).
+LAYOUT: dict[QT, tuple[int, int, list[tuple[int, float, float]]]] = {
+    QT.Q8_0: (34, 32, [(0, 1.5e-4, 4e-4)]),
+    QT.Q5_0: (22, 32, [(0, 1.2e-3, 3.2e-3)]),
+    QT.Q4_K: (144, 256, [(0, 5e-5, 1.2e-4), (2, 4e-4, 9e-4)]),
+    QT.Q6_K: (210, 256, [(208, 1e-5, 2.2e-5)]),
+}
+
+
+def more_bits(i: int, n: int) -> bool:
+    """llama.cpp's use_more_bits: the layers whose attn_v/ffn_down Q4_K_M keeps in Q6_K."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def qtype(base: QT, row: int) -> QT:
+    """llama.cpp's fallback when a row is not a whole number of 256-value K-quant blocks."""
+    return base if row % 256 == 0 else {QT.Q4_K: QT.Q5_0, QT.Q6_K: QT.Q8_0}[base]
+
+
+def plan(s: Shape, vocab: int, bias: bool) -> list[tuple[str, tuple[int, ...], QT]]:
+    """(name, numpy shape [rows, row length], type) of every tensor, in llama.cpp's order."""
+    hd = s.hidden // s.heads
+    q, kv, h = s.heads * hd, s.kv_heads * hd, s.hidden
+    out: list[tuple[str, tuple[int, ...], QT]] = [("token_embd.weight", (vocab, h), qtype(QT.Q4_K, h))]
+    for i in range(s.layers):
+        big = QT.Q6_K if more_bits(i, s.layers) else QT.Q4_K
+        b = f"blk.{i}."
+        out += [(b + "attn_norm.weight", (h,), QT.F32),
+                (b + "attn_q.weight", (q, h), qtype(QT.Q4_K, h)),
+                (b + "attn_k.weight", (kv, h), qtype(QT.Q4_K, h)),
+                (b + "attn_v.weight", (kv, h), qtype(big, h))]
+        if bias:
+            out += [(b + "attn_q.bias", (q,), QT.F32), (b + "attn_k.bias", (kv,), QT.F32),
+                    (b + "attn_v.bias", (kv,), QT.F32)]
+        out += [(b + "attn_output.weight", (h, q), qtype(QT.Q4_K, q)),
+                (b + "ffn_norm.weight", (h,), QT.F32),
+                (b + "ffn_gate.weight", (s.ffn, h), qtype(QT.Q4_K, h)),
+                (b + "ffn_up.weight", (s.ffn, h), qtype(QT.Q4_K, h)),
+                (b + "ffn_down.weight", (h, s.ffn), qtype(big, s.ffn))]
+    out.append(("output_norm.weight", (h,), QT.F32))
+    if not s.tied:
+        out.append(("output.weight", (vocab, h), qtype(QT.Q6_K, h)))
+    return out
+
+
+def nbytes(shape: tuple[int, ...], t: QT) -> int:
+    n = int(np.prod(shape))
+    if t == QT.F32:
+        return 4 * n
+    block_bytes, block_values, _ = LAYOUT[t]
+    return n // block_values * block_bytes
+
+
+def chunks(rng: np.random.Generator, name: str, shape: tuple[int, ...], t: QT) -> Iterator[np.ndarray]:
+    """The tensor's bytes, CHUNK at a time: random blocks with their fp16 scales set in range."""
+    if t == QT.F32:
+        norm = name.endswith("norm.weight")
+        yield (rng.uniform(0.95, 1.05, shape) if norm else rng.normal(0.0, 0.02, shape)).astype(np.float32)
+        return
+    block_bytes, block_values, scales = LAYOUT[t]
+    total = nbytes(shape, t) // block_bytes
+    step = max(1, CHUNK // block_bytes)
+    for start in range(0, total, step):
+        n = min(step, total - start)
+        raw = rng.bit_generator.random_raw(-(-n * block_bytes // 8)).view(np.uint8)[:n * block_bytes]
+        blocks = raw.reshape(n, block_bytes)
+        for off, lo, hi in scales:
+            blocks[:, off:off + 2] = rng.uniform(lo, hi, (n, 1)).astype(np.float16).view(np.uint8)
+        yield blocks
+
+
+def tokenizer_fields(path: Path) -> list[tuple[str, Any, VT, VT | None]]:
+    """Every tokenizer.* field of a GGUF file, with its GGUF types (strings kept as raw bytes)."""
+    r = gguf.GGUFReader(str(path))
+    out = []
+    for key, f in r.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        main, sub = VT(f.types[0]), (VT(f.types[-1]) if f.types[0] == VT.ARRAY else None)
+        if VT.STRING in (main, sub):
+            vals = [bytes(f.parts[i]) for i in f.data]
+            out.append((key, vals if sub else vals[0], main, sub))
+        else:
+            out.append((key, f.contents(), main, sub))
+    return out
+
+
+def find_tokenizer() -> Path:
+    for p in DEFAULT_TOKENIZER:
+        if p.is_file():
+            return p
+    sys.exit("no tokenizer source found (Qwen2.5-Coder-0.5B GGUF): pass --tokenizer-from PATH")
+
+
+def params_of(tensors: list[tuple[str, tuple[int, ...], QT]]) -> int:
+    return sum(int(np.prod(shape)) for _, shape, _ in tensors)
+
+
+def list_shapes(vocab: int) -> None:
+    print(f"{'arch':6} {'size':5} {'shape of':13} {'hidden':>6} {'layers':>6} {'heads':>5} {'kv':>3} "
+          f"{'ffn':>6} {'tied':>5} {'params':>7} {'file':>8}   (vocab {vocab})")
+    for arch, sizes in SHAPES.items():
+        for size, s in sizes.items():
+            t = plan(s, vocab, ARCH[arch][3])
+            mb = sum(nbytes(shape, q) for _, shape, q in t) / 1e6
+            print(f"{arch:6} {size:5} {s.source:13} {s.hidden:6} {s.layers:6} {s.heads:5} {s.kv_heads:3} "
+                  f"{s.ffn:6} {str(s.tied):>5} {params_of(t) / 1e9:6.2f}B {mb:6.0f} MB")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", choices=["0.5b", "1.5b", "3b", "7b", "8b"])
+    ap.add_argument("--arch", choices=list(SHAPES), default="qwen2")
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--tokenizer-from", type=Path, help="GGUF file whose tokenizer.* fields to copy")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--force", action="store_true", help="overwrite --out if it exists")
+    ap.add_argument("--list", action="store_true", help="print the shapes and exit")
+    args = ap.parse_args()
+    if args.list:
+        list_shapes(151936)
+        return
+    if args.size is None or args.out is None:
+        ap.error("--size and --out are required (or --list)")
+    if args.out.exists() and not args.force:
+        print(f"error: {args.out} exists (pass --force to overwrite)", file=sys.stderr)
+        sys.exit(2)
+
+    tok_path = args.tokenizer_from or find_tokenizer()
+    tok = tokenizer_fields(tok_path)
+    vocab = next(len(v) for k, v, _, _ in tok if k == "tokenizer.ggml.tokens")
+    s, (theta, ctx, eps, bias) = SHAPES[args.arch][args.size], ARCH[args.arch]
+    tensors = plan(s, vocab, bias)
+    data_bytes = sum(nbytes(shape, t) for _, shape, t in tensors)
+    free = shutil.disk_usage(args.out.resolve().parent).free
+    if free < data_bytes + (64 << 20):
+        print(f"error: {args.out.parent} has {free / 1e9:.1f} GB free, the file needs "
+              f"{data_bytes / 1e9:.1f} GB", file=sys.stderr)
+        sys.exit(2)
+
+    w = gguf.GGUFWriter(str(args.out), args.arch)
+    w.add_name(f"synthetic-{args.arch}-{args.size}")
+    w.add_type("model")
+    w.add_file_type(15)                                  # LLAMA_FTYPE_MOSTLY_Q4_K_M
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    w.add_context_length(ctx)
+    w.add_embedding_length(s.hidden)
+    w.add_block_count(s.layers)
+    w.add_feed_forward_length(s.ffn)
+    w.add_head_count(s.heads)
+    w.add_head_count_kv(s.kv_heads)
+    w.add_rope_freq_base(theta)
+    w.add_layer_norm_rms_eps(eps)
+    w.add_vocab_size(vocab)
+    if args.arch == "llama":
+        w.add_rope_dimension_count(s.hidden // s.heads)
+    for key, val, main, sub in tok:
+        w.add_key_value(key, val, main, sub)
+    for name, shape, t in tensors:
+        if t == QT.F32:
+            w.add_tensor_info(name, shape, np.dtype(np.float32), nbytes(shape, t))
+        else:
+            w.add_tensor_info(name, shape, np.dtype(np.float32), nbytes(shape, t), raw_dtype=t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+
+    assert w.fout is not None
+    f, rng, t0, done, shown = w.fout[0], np.random.default_rng(args.seed), time.time(), 0, -1
+    print(f"writing {args.out}: {args.arch} {args.size} ({s.source} shape), {len(tensors)} tensors, "
+          f"{data_bytes / 1e6:.0f} MB, tokenizer from {tok_path}", file=sys.stderr)
+    for i, (name, shape, t) in enumerate(tensors, 1):
+        w.write_padding(f, f.tell())                     # each tensor starts at the alignment
+        for part in chunks(rng, name, shape, t):
+            f.write(memoryview(part).cast("B"))
+            done += part.nbytes
+        w.write_padding(f, nbytes(shape, t))
+        if 20 * done // data_bytes > shown or i == len(tensors):
+            shown = 20 * done // data_bytes
+            print(f"  tensor {i}/{len(tensors)}  {done / 1e6:7.0f} / {data_bytes / 1e6:.0f} MB  "
+                  f"{time.time() - t0:5.1f} s", file=sys.stderr)
+    w.close()
+
+    size, n = args.out.stat().st_size, params_of(tensors)
+    print(f"{args.out}: {size / 1e6:.0f} MB, {n / 1e9:.3f}B parameters, {size / n:.3f} bytes/weight "
+          f"({8 * size / n:.2f} bits), {time.time() - t0:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

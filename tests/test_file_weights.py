@@ -1,0 +1,84 @@
+"""A GGUF's own blocks as the model's weights: no fp32 copy of what the file holds in blocks (the
+linear layers and the token table), the table's lookups exactly the rows the fp32 model had, and the
+packaged models joined from their part packages."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from phasewise.layers.quant_embedding import QuantEmbedding
+from phasewise.layers.quant_linear import QuantLinear
+from phasewise.loading.gguf import ModelLoadError
+from phasewise.loading.loader import load_model
+from phasewise.loading.packaged import PartedModel, join_parts
+
+
+@pytest.fixture(scope="module")
+def q4_and_fp32(default_model_path):
+    return load_model(default_model_path, "q4")[0], load_model(default_model_path)[0]
+
+
+def test_q4_model_holds_no_fp32_copy_of_the_files_blocks(q4_and_fp32):
+    """Every linear and the (tied) token table stay in the file's blocks; what is left in fp32 is
+    norms and biases, a few KB a layer."""
+    q4, _ = q4_and_fp32
+    table = q4.model.embed_tokens
+    assert isinstance(table, QuantEmbedding) and table.fmt == "q8"
+    assert table.blocks is q4.lm_head.blocks                   # tied: one table for the lookup and the head
+    assert not any(isinstance(m, (nn.Linear, nn.Embedding)) for m in q4.modules())
+    assert all(isinstance(m, QuantLinear) for m in (q4.lm_head, q4.model.layers[0].mlp.down_proj))
+    fp32 = sum(t.numel() * t.element_size() for t in q4.parameters())
+    assert fp32 < 64 * 1024 * q4.config.num_layers, fp32
+
+
+def test_quant_embedding_gives_the_files_rows(q4_and_fp32, ops):
+    """Lookups, with kernels and on the reference path, equal the fp32 model's table (the file's
+    values, dequantized by the gguf package)."""
+    q4, fp32 = q4_and_fp32
+    ids = torch.tensor([[0, 1, 49151], [7, 7, 300]])
+    expected = fp32.model.embed_tokens(ids)
+    table = q4.model.embed_tokens
+    try:
+        for kernels in (None, ops):
+            table.set_kernels(kernels)
+            assert torch.equal(table(ids), expected)
+        with pytest.raises((IndexError, RuntimeError), match="outside"):
+            table(torch.tensor([q4.config.vocab_size]))
+    finally:
+        table.set_kernels(None)
+
+
+def _fake_parts(tmp_path, monkeypatch, pieces: list[bytes]) -> tuple[str, ...]:
+    names = []
+    for i, data in enumerate(pieces, 1):
+        pkg = tmp_path / "site" / f"fake_model_part{i}"
+        (pkg / "data").mkdir(parents=True)
+        (pkg / "__init__.py").write_text("")
+        (pkg / "data" / f"part{i:02d}.bin").write_bytes(data)
+        names.append(pkg.name)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    return tuple(names)
+
+
+def test_parted_model_joins_in_part_order_once(tmp_path, monkeypatch):
+    pieces = [bytes([i]) * (1000 + i) for i in range(1, 12)]          # part10 after part9, not after part1
+    model = PartedModel("m.gguf", _fake_parts(tmp_path, monkeypatch, pieces), "make m")
+    target = tmp_path / "cache" / "m.gguf"
+    assert join_parts(model, target).read_bytes() == b"".join(pieces)
+    stamp = target.stat().st_mtime_ns
+    assert join_parts(model, target).stat().st_mtime_ns == stamp      # a whole join is reused
+    target.write_bytes(b"cut")                                        # a short one is joined again
+    assert join_parts(model, target).read_bytes() == b"".join(pieces)
+    assert not list(target.parent.glob("*.partial"))
+
+
+def test_parted_model_missing_a_part_names_the_install(tmp_path, monkeypatch):
+    names = _fake_parts(tmp_path, monkeypatch, [b"a", b"b"])
+    model = PartedModel("m.gguf", (*names, "fake_model_part_absent"), "make m")
+    with pytest.raises(ModelLoadError, match="make m .*fake_model_part_absent"):
+        join_parts(model, tmp_path / "m.gguf")
+    sys.modules.pop("fake_model_part1", None)
