@@ -31,6 +31,13 @@ def random_weight(fmt: str, n: int, k: int, seed: int = 0) -> quant.PackedWeight
         sc[0, 0], m[-1, -1] = 63, 63
         d, dmin = ((torch.rand(n, kb // 8, generator=g) * 1e-3 + 1e-5).half().float() for _ in range(2))
         return quant.pack(fmt, q, [sc, m], (d, dmin))
+    if fmt == "q6k":                # K in super-blocks of 256: int8 sc per half (both ends), fp16 d
+        kb = k // 32
+        q = torch.randint(-32, 32, (n, kb, 32), generator=g)
+        sc = torch.randint(-128, 128, (2, n, kb), generator=g)
+        sc[0, 0, 0], sc[1, -1, -1] = 127, -128
+        d = (torch.rand(n, kb // 8, generator=g) * 1e-4 + 1e-6).half().float()
+        return quant.pack(fmt, q, [sc[0], sc[1]], (d,))
     if fmt in ("k8", "k6"):         # any K (the GGUF K-quants need multiples of 256): values as packed
         kb = k // 32
         q = torch.randint(-32, 32, (n, kb, 32), generator=g) if fmt == "k6" else \
@@ -58,7 +65,7 @@ def test_packing_keeps_the_files_values_exactly(type_name):
     assert torch.equal(quant.dequantize(packed), torch.from_numpy(expected.astype(np.float32)))
 
 
-@pytest.mark.parametrize("types,fmt", [(("Q4_K", "Q4_K"), "k4"), (("Q4_K", "Q4_0", "Q4_K"), "k6"), (("Q4_K", "Q4_K", "Q6_K"), "k6"),
+@pytest.mark.parametrize("types,fmt", [(("Q4_K", "Q4_K"), "k4"), (("Q4_K", "Q4_0", "Q4_K"), "k6"), (("Q4_K", "Q4_K", "Q6_K"), "k6"), (("Q6_K", "Q6_K"), "q6k"),
                                        (("Q5_0", "Q8_0", "Q6_K"), "k8"), (("Q4_1", "Q5_K"), "k6"),
                                        (("Q5_0", "Q8_0"), "q8"), (("Q8_0", "Q5_0"), "q8"),
                                        (("Q5_0", "Q4_0"), "k6"), (("Q4_K", "Q8_0"), "k8")])
@@ -111,15 +118,16 @@ def test_narrow_formats_refuse_what_they_cannot_hold():
         quant.repack(random_weight("q8", 16, 64), "k6")
 
 
-@pytest.mark.parametrize("type_name,bits", [("Q4_0", 5), ("Q4_1", 5), ("Q5_0", 5.5), ("Q8_0", 8.5), ("Q4_K", 4.625)])
+@pytest.mark.parametrize("type_name,bits", [("Q4_0", 5), ("Q4_1", 5), ("Q5_0", 5.5), ("Q8_0", 8.5), ("Q4_K", 4.625),
+                                            ("Q6_K", 6.5625)])
 def test_packed_weights_are_no_wider_than_the_file(type_name, bits):
-    """Q4_0/Q4_1 at 5 bits a weight (Q4_0's m as an fp16), Q5_0 at its 5.5, Q8_0 at 8.5, and Q4_K at
-    4.625 against its 4.5 (the sub-block scales as bytes: 2.8% wider)."""
+    """Q4_1 at its 5 bits a weight, Q5_0 at its 5.5, Q8_0 at 8.5, Q6_K at its 6.5625, and Q4_K at 4.625
+    against its 4.5 (the sub-block scales as bytes: 2.8% wider); Q4_0 keeps an fp16 m (5 against 4.5)."""
     w = pack_gguf(type_name, gguf_rows(type_name, 48, 512))
     assert w.nbytes() * 8 / (48 * 512) == bits
 
 
-@pytest.mark.parametrize("fmt", ["q4", "q8", "i8", "k4", "k8", "q5", "k6"])
+@pytest.mark.parametrize("fmt", ["q4", "q8", "i8", "k4", "k8", "q5", "k6", "q6k"])
 def test_dequantize_rows_is_the_rows_of_dequantize(ops, fmt):
     """An embedding kept in its blocks: the kernel's rows (and the reference's) are dequantize's, bit for bit."""
     w = random_weight(fmt, 40, 512, seed=3)
@@ -157,7 +165,7 @@ SHORT = [(1, 576, 576), (5, 48, 64), (300, 80, 576)]            # the K formats 
 
 @pytest.mark.parametrize("fmt,m,n,k", [(f, *s) for f in ("q4", "q8", "i8", "q5") for s in SHAPES] +
                                       [(f, *s) for f in ("k8", "k6") for s in SHORT] +
-                                      [("k4", *s) for s in [(1, 576, 512), (5, 48, 256), (300, 80, 768)]])
+                                      [(f, *s) for f in ("k4", "q6k") for s in [(1, 576, 512), (5, 48, 256), (300, 80, 768)]])
 def test_kernel_matches_its_emulation(ops, fmt, m, n, k):
     w = random_weight(fmt, n, k, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))

@@ -20,8 +20,8 @@ std::vector<uint8_t> random_weight(pw::QuantFormat fmt, int64_t N, int64_t K, st
   scale.assign(NT * 16, 0.f);
   auto uniform = [](float lo, float hi) { return std::uniform_real_distribution<float>(lo, hi)(rng); };
   for (float& s : scale) s = 0.001f + 0.01f * uniform(0.f, 1.f);
-  if (fmt == pw::K4) {                       // d of 2^-14 .. 2^-9 and dmin, each sc and m 0..63 (both ends)
-    super->resize(NT * (KB / pw::K4_SUPER) * 32);
+  if (pw::super_halves(fmt)) {               // d of 2^-14 .. 2^-9 (and K4's dmin); K4's sc and m 0..63 (both ends)
+    super->resize(NT * (KB / pw::K4_SUPER) * pw::super_halves(fmt));
     for (uint16_t& h : *super) h = random_half(1, 5) & 0x7FFF;
   }
   for (int64_t t = 0; t < NT; ++t)
@@ -41,10 +41,19 @@ std::vector<uint8_t> random_weight(pw::QuantFormat fmt, int64_t N, int64_t K, st
           if (r < 16) ds[r] = uniform(1e-5f, 2e-4f);
           sc[r] = static_cast<int16_t>(r == 3 ? 128 : r == 20 ? -128 : static_cast<int>(rng() % 257) - 128);
         }
+      if (fmt == pw::Q6K) {                                    // int8 sc of each half, -128 and 127 included
+        blk[QB + 2] = 0x80, blk[QB + 30] = 0x7F;
+      }
       for (int r = 0; r < 16; ++r) {
         float* w = W.data() + (t * 16 + r) * K + b * 32;
         for (int kk = 0; kk < 32; ++kk) {
-          if (fmt == pw::Q5) {                                   // u = nibble | fifth bit << 4
+          if (fmt == pw::Q6K) {                                  // u = nibble | high pair << 4
+            const int j = (kk % 16) / 4, p = r * 4 + kk % 4, g = kk < 16 ? j : j + 4;
+            const uint8_t byte = blk[j * 64 + p];
+            const int u = (kk < 16 ? byte & 15 : byte >> 4) | ((blk[256 + 64 * (g / 4) + p] >> (2 * (g % 4))) & 3) << 4;
+            const uint16_t* sb = super->data() + (t * (KB / pw::K4_SUPER) + b / pw::K4_SUPER) * 16;
+            w[kk] = half_to_float(sb[r]) * static_cast<int8_t>(blk[QB + (kk < 16 ? 0 : 16) + r]) * (u - 32);
+          } else if (fmt == pw::Q5) {                                   // u = nibble | fifth bit << 4
             const int g = kk / 4, p = r * 4 + kk % 4;
             const uint8_t byte = blk[(g % 4) * 64 + p];
             const int u = (g < 4 ? byte & 15 : byte >> 4) | ((blk[256 + p] >> g) & 1) << 4;

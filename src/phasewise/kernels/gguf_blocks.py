@@ -6,7 +6,8 @@ Each type decodes to integer values per block of 32 and that block's scales, the
   the super-block's fp16 d and dmin (w = d sc q - dmin m);
 - Q5_K → k6: a fifth bit (q 0..31), d = d_K sc and m = -dmin_K m_K (exact in fp32; both halves
   share d: sc = 1);
-- Q6_K → k6: 16 sub-blocks of 16 with int8 scales (k6's d = d_K, each half's sc its int8), q - 32, m = 0.
+- Q6_K → q6k: 16 sub-blocks of 16 with int8 scales, kept as they are with the super-block's fp16 d,
+  q - 32 (w = d sc q).
 The bit layouts follow llama.cpp's ggml-quants.c, as `gguf.quants` dequantizes them (the tests
 compare every type with `gguf.quants.dequantize`); Q4_K's scale unpacking is gguf's own.
 """
@@ -19,7 +20,7 @@ import torch
 from phasewise.kernels import quant
 
 # GGUF type name → the packed format its blocks run in
-GGUF_BLOCKS = {"Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8", "Q5_0": "q5", "Q4_K": "k4", "Q5_K": "k6", "Q6_K": "k6"}
+GGUF_BLOCKS = {"Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8", "Q5_0": "q5", "Q4_K": "k4", "Q5_K": "k6", "Q6_K": "q6k"}
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -36,7 +37,7 @@ def _nibbles(qs: np.ndarray, width: int) -> np.ndarray:
 def decode(type_name: str, blocks: np.ndarray) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray] | None]:
     """GGUF blocks [n, type bytes] uint8 → values [n, S, 32] int16, scales, each [n, S] fp32 (S blocks
     of 32 per GGUF block), in the order quant.pack takes for GGUF_BLOCKS[type_name], and k4's
-    super-block d and dmin, each [n, 1] (None for the others)."""
+    super-block d and dmin (q6k's d), each [n, 1] (None for the others)."""
     from gguf.quants import Q4_K
 
     n = blocks.shape[0]
@@ -66,8 +67,7 @@ def decode(type_name: str, blocks: np.ndarray) -> tuple[np.ndarray, list[np.ndar
         qh = (blocks[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
         q = (ql.astype(np.int16) | (qh.reshape(n, 8, 32).astype(np.int16) << 4)) - 32
         sc = blocks[:, 192:208].view(np.int8).astype(np.float32)                        # [n, 16]
-        d = np.repeat(_f16(blocks[:, 208:210])[:, None], 8, axis=1)
-        return q, [d, sc[:, 0::2], sc[:, 1::2], np.zeros_like(d)], None
+        return q, [sc[:, 0::2], sc[:, 1::2]], [_f16(blocks[:, 208:210])[:, None]]
     raise ValueError(f"GGUF type {type_name} has no packed format here")
 
 
@@ -88,7 +88,7 @@ def pack_gguf(type_name: str, raw: np.ndarray | torch.Tensor, chunk_rows: int = 
         kb = q.shape[0] * q.shape[1] // part.shape[0]
         as_rows = lambda a: torch.from_numpy(np.ascontiguousarray(a).reshape(part.shape[0], -1))  # noqa: E731
         packed = quant.pack(fmt, torch.from_numpy(q.reshape(part.shape[0], kb, quant.QK)), [as_rows(s) for s in scales],
-                            None if sb is None else (as_rows(sb[0]), as_rows(sb[1])))
+                            None if sb is None else tuple(as_rows(x) for x in sb))
         if rows <= step:
             return packed
         if blocks is None:

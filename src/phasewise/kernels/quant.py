@@ -17,6 +17,9 @@ quant_linear.cpp):
 - "k6": q in -32..31 stored as q + 32, w = d sc_h q + m: fp32 d and m, and an integer sc
   (|sc| <= 128, int16) per 16-wide half h: GGUF Q5_K (sc = 1, d its sub-block's d_K sc_K) and Q6_K
   (d = d_K, sc its sub-blocks' int8 scales), so AVX2's kernel sums both halves in one integer sum.
+- "q6k": GGUF Q6_K at the file's width (6.5625 bits): u = q + 32 as q4's nibbles, then two 64-byte
+  planes of high bit pairs (plane P, bits 2j..2j+1: chunk 4P + j's), each half's int8 sc, and the
+  super-block's fp16 d in `scale` ([NT, KB/8, 16]); the kernels unpack it to k6 tiles in L1/L2.
 The 6-bit bytes of k6 (and q5's, unpacked to bytes in the kernel) multiply unbiased on every ISA
 (AVX2's vpmaddubsw without saturating), where q8's need a slower path on AVX2. A fused projection
 whose parts differ in block type is repacked, exactly, into the first format every part fits
@@ -36,20 +39,22 @@ import torch
 
 QK = 32                                   # values per block
 TILE = 16                                 # output rows per tile (one vector lane each)
-FORMAT_IDS = {"q4": 0, "q8": 1, "i8": 2, "k4": 3, "k8": 4, "q5": 5, "k6": 6}
+FORMAT_IDS = {"q4": 0, "q8": 1, "i8": 2, "k4": 3, "k8": 4, "q5": 5, "k6": 6, "q6k": 8}
 NIBBLES = ("q4", "k4")                    # quants as 4-bit values; q5 as q + 16 in 5 bits; the others bytes
-OFFSET = {"q8": 128, "i8": 128, "k8": 128, "q5": 16, "k6": 32}
+OFFSET = {"q8": 128, "i8": 128, "k8": 128, "q5": 16, "k6": 32, "q6k": 32}
 # the formats each format's values and scales fit exactly (quant.repack), narrowest first
 WIDER = {"q4": ("q4", "k6", "k8"), "k4": ("k4", "k6", "k8"), "q5": ("q5", "q8", "k6", "k8"),
-         "q8": ("q8", "k8"), "k6": ("k6", "k8"), "k8": ("k8",), "i8": ("i8",)}
+         "q8": ("q8", "k8"), "k6": ("k6", "k8"), "k8": ("k8",), "i8": ("i8",), "q6k": ("q6k", "k6", "k8")}
 # each format's per-block scales after the quants, in pack's order: one 16-row vector each, of this dtype
-_F16, _F32, _I16, _U8 = torch.float16, torch.float32, torch.int16, torch.uint8
+_F16, _F32, _I16, _U8, _I8 = torch.float16, torch.float32, torch.int16, torch.uint8, torch.int8
 SCALES = {"q4": (_F16, _F16), "q8": (_F16,), "i8": (), "k4": (_U8, _U8), "k8": (_F32, _F32, _F32),
-          "q5": (_F16,), "k6": (_F32, _I16, _I16, _F32)}
-QUANT_BYTES = {f: 256 if f in NIBBLES else 320 if f == "q5" else 512 for f in FORMAT_IDS}   # per (tile, block)
+          "q5": (_F16,), "k6": (_F32, _I16, _I16, _F32), "q6k": (_I8, _I8)}
+QUANT_BYTES = {f: 256 if f in NIBBLES else 320 if f == "q5" else 384 if f == "q6k" else 512
+               for f in FORMAT_IDS}       # per (tile, block)
 BLOCK_BYTES = {f: QUANT_BYTES[f] + 16 * sum(dt.itemsize for dt in SCALES[f]) for f in FORMAT_IDS}
 K6_SC = 128                               # k6's largest |sc|: AVX2's int16 pair sums times sc stay in int32
-SUPER = 8                                 # k4's blocks per super-block (its fp16 d and dmin in `scale`)
+SUPER = 8                                 # k4's, q6k's blocks per super-block (their fp16 d (and dmin) in `scale`)
+SUPER_SCALES = {"k4": 2, "q6k": 1}        # fp16 vectors of 16 per (tile, super-block)
 
 
 @dataclass(kw_only=True)
@@ -58,7 +63,7 @@ class PackedWeight:
     n: int                         # output features (rows of W)
     k: int                         # input features, a multiple of 32
     blocks: torch.Tensor               # [NT, KB, BLOCK_BYTES] uint8: quants, then the scales
-    scale: torch.Tensor | None = None  # [NT * 16] fp32 (i8); [NT, KB / 8, 32] fp16 (k4: d, then dmin)
+    scale: torch.Tensor | None = None  # [NT * 16] fp32 (i8); [NT, KB / 8, 32] fp16 (k4: d, then dmin; q6k: [.., 16] d)
     u5_tiles: int = 0                  # q8: its first tiles hold q5 values as u = q + 16 (concat)
 
     @property
@@ -81,18 +86,23 @@ class PackedWeight:
         s = self.blocks[..., lo:lo + 16 * dtypes[i].itemsize].contiguous().view(dtypes[i])    # [NT, KB, 16]
         return s.permute(0, 2, 1).reshape(nt * TILE, kb)
 
-    def super_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """k4: [Np, KB] fp32 d and dmin of every block's super-block."""
+    def super_scales(self) -> list[torch.Tensor]:
+        """k4: [Np, KB] fp32 d and dmin of every block's super-block; q6k: its d."""
         nt, ks, _ = self.scale.shape
-        both = self.scale.float().reshape(nt, ks, 2, TILE).permute(2, 0, 3, 1).reshape(2, nt * TILE, ks)
-        return both[0].repeat_interleave(SUPER, dim=1), both[1].repeat_interleave(SUPER, dim=1)
+        n = SUPER_SCALES[self.fmt]
+        each = self.scale.float().reshape(nt, ks, n, TILE).permute(2, 0, 3, 1).reshape(n, nt * TILE, ks)
+        return [e.repeat_interleave(SUPER, dim=1) for e in each]
 
     def block_scales(self) -> list[torch.Tensor]:
-        """Every per-block scale as [Np, KB] fp32, k4's resolved to d sc and -dmin m (exact in fp32)."""
+        """Every per-block scale as [Np, KB] fp32, k4's resolved to d sc and -dmin m (exact in fp32),
+        q6k's in k6's order (d, sc of each half, m = 0)."""
         s = [self.scales(i).float() for i in range(len(SCALES[self.fmt]))]
         if self.fmt == "k4":
             d, dmin = self.super_scales()
             return [d * s[0], -(dmin * s[1])]
+        if self.fmt == "q6k":
+            d, = self.super_scales()
+            return [d, s[0], s[1], torch.zeros_like(d)]
         return s
 
     def values(self) -> torch.Tensor:
@@ -101,6 +111,14 @@ class PackedWeight:
         if self.fmt in NIBBLES:
             b = self.qs.reshape(nt, kb, 4, TILE, 4).permute(0, 3, 1, 2, 4).reshape(nt * TILE, kb, 16)
             return torch.cat([b & 0x0F, b >> 4], dim=-1).to(torch.int16)
+        if self.fmt == "q6k":     # chunk g: its nibbles as q4's, bits 2 (g % 4) of pair plane g / 4
+            nib = self.qs[..., :256].reshape(nt, kb, 4, 64)
+            low = torch.cat([nib & 0x0F, nib >> 4], dim=2)                                  # [NT, KB, 8, 64]
+            planes = self.qs[..., 256:].reshape(nt, kb, 2, 1, 64)
+            shift = (2 * torch.arange(4, dtype=torch.uint8, device=planes.device)).reshape(1, 1, 1, 4, 1)
+            pairs = ((planes >> shift) & 3).reshape(nt, kb, 8, 64)
+            u = (low | (pairs << 4)).reshape(nt, kb, 8, TILE, 4).permute(0, 3, 1, 2, 4).reshape(nt * TILE, kb, QK)
+            return u.to(torch.int16) - OFFSET["q6k"]
         if self.fmt == "q5":       # nibbles as q4's, bit g of the plane's byte: chunk g's fifth bit
             nib = self.qs[..., :256].reshape(nt, kb, 4, 64)
             low = torch.cat([nib & 0x0F, nib >> 4], dim=2)                                  # [NT, KB, 8, 64]
@@ -151,13 +169,16 @@ def pack(fmt: str, q: torch.Tensor, scales: list[torch.Tensor],
     if fmt == "k4" and (sb is None or kb % SUPER or any(s.numel() and (s.min() < 0 or s.max() > 63 or
                                                                         not torch.equal(s, s.round())) for s in scales)):
         raise ValueError(f"k4 takes sub-block scales of 0..63, super-block d and dmin, and a multiple of {SUPER} blocks")
+    if fmt == "q6k" and (sb is None or kb % SUPER or any(s.numel() and (s.min() < -128 or s.max() > 127 or
+                                                                         not torch.equal(s, s.round())) for s in scales)):
+        raise ValueError(f"q6k takes int8 sub-block scales, a super-block d, and a multiple of {SUPER} blocks")
     np_ = -(-n // TILE) * TILE
     q = _pad_rows(q.to(torch.int16), np_)
     if fmt in NIBBLES:   # byte i of a row's block: k = i low nibble, k = i + 16 high; byte 4j + p → chunk j
         b = (q[..., :16] | (q[..., 16:] << 4)).to(torch.uint8)
         quants = b.reshape(np_ // TILE, TILE, kb, 4, 4).permute(0, 2, 3, 1, 4).reshape(np_ // TILE, kb, 256)
     else:
-        lo, hi = (-16, 15) if fmt == "q5" else (-32, 31) if fmt == "k6" else (-128, 127)
+        lo, hi = (-16, 15) if fmt == "q5" else (-32, 31) if fmt in ("k6", "q6k") else (-128, 127)
         if q.numel() and (q.min() < lo or q.max() > hi):
             raise ValueError(f"{fmt} holds values in {lo}..{hi}, got {q.min().item()}..{q.max().item()}")
         quants = _tile_bytes((q + OFFSET[fmt]).to(torch.uint8))
@@ -167,9 +188,15 @@ def pack(fmt: str, q: torch.Tensor, scales: list[torch.Tensor],
             bits = (u >> 4) << torch.arange(8, dtype=torch.uint8, device=u.device).reshape(1, 1, 8, 1)
             plane = bits.sum(dim=2, dtype=torch.uint8)                   # distinct bits: the sum is the or
             quants = torch.cat([nib.reshape(np_ // TILE, kb, 256), plane], dim=-1)
+        if fmt == "q6k":    # the low nibbles as q4's, then pair planes: plane P, bits 2j: chunk 4P + j's high pair
+            u = quants.reshape(np_ // TILE, kb, 8, 64)
+            nib = (u[:, :, :4] & 0x0F) | ((u[:, :, 4:] & 0x0F) << 4)
+            shift = (2 * torch.arange(4, dtype=torch.uint8, device=u.device)).reshape(1, 1, 1, 4, 1)
+            pairs = ((u >> 4).reshape(np_ // TILE, kb, 2, 4, 64) << shift).sum(dim=3, dtype=torch.uint8)
+            quants = torch.cat([nib.reshape(np_ // TILE, kb, 256), pairs.reshape(np_ // TILE, kb, 128)], dim=-1)
     tiles = [_tile_scales(_pad_rows(s.to(dtype), np_)) for s, dtype in zip(scales, dtypes)]
     side = None
-    if fmt == "k4":        # [NT, KB / 8, 32]: each (tile, super-block)'s 16 d, then 16 dmin
+    if fmt in SUPER_SCALES:    # [NT, KB / 8, 16 or 32]: each (tile, super-block)'s 16 d (then 16 dmin)
         side = torch.cat([_tile_scales(_pad_rows(s.to(_F16), np_)).view(_F16) for s in sb], dim=-1)
     return PackedWeight(fmt=fmt, n=n, k=kb * QK, blocks=torch.cat([quants, *tiles], dim=-1), scale=side)
 
@@ -197,6 +224,8 @@ def repack(w: PackedWeight, fmt: str) -> PackedWeight:
     q, s = w.values()[:w.n], [t[:w.n] for t in w.block_scales()]
     if fmt == "q8":                                  # q5 → q8: the same scales
         return pack(fmt, q, s)
+    if w.fmt == "q6k":                               # → k6: the same scales, d in fp32
+        return pack(fmt, q, s) if fmt == "k6" else pack(fmt, q, [s[0] * s[1], s[0] * s[2], s[3]])
     if w.fmt == "k6":                                # → k8: each half's d = d sc, exact in fp32
         return pack(fmt, q, [s[0] * s[1], s[0] * s[2], s[3]])
     m = s[1] if w.fmt in NIBBLES else torch.zeros_like(s[0])
@@ -241,7 +270,7 @@ def dequantize(w: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Ten
         elif w.fmt in NIBBLES:
             out = q * s[0] + s[1]
         else:                                                   # k8: a d per half, then m; k6: d sc per half
-            halves = [s[0] * s[1], s[0] * s[2]] if w.fmt == "k6" else s[:2]
+            halves = [s[0] * s[1], s[0] * s[2]] if w.fmt in ("k6", "q6k") else s[:2]
             out = q * torch.cat([halves[0].expand(-1, -1, 16), halves[1].expand(-1, -1, 16)], dim=-1) + s[-1]
     return out.reshape(w.n_padded, w.k)[: w.n].to(dtype)
 
@@ -253,7 +282,7 @@ def dequantize_rows(w: PackedWeight, ids: torch.Tensor, dtype: torch.dtype = tor
         raise ValueError("dequantize_rows takes a table, not a fused projection")
     flat = ids.reshape(-1)
     tiles, lanes = torch.unique(flat // TILE, return_inverse=True)
-    scale = None if w.scale is None else w.scale[tiles] if w.fmt == "k4" else \
+    scale = None if w.scale is None else w.scale[tiles] if w.fmt in SUPER_SCALES else \
         w.scale.reshape(-1, TILE)[tiles].reshape(-1)
     part = PackedWeight(fmt=w.fmt, n=tiles.numel() * TILE, k=w.k, blocks=w.blocks[tiles], scale=scale)
     rows = dequantize(part, dtype)[lanes * TILE + flat % TILE]

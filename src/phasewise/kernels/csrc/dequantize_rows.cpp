@@ -61,6 +61,12 @@ void block_row(QuantFormat F, const uint8_t* blk, const uint8_t* sb, int lane, f
       q[k] = ((b & 0x0F) | (((plane >> (k / 4)) & 1) << 4)) - 16;
       q[k + 16] = ((b >> 4) | (((plane >> (4 + k / 4)) & 1) << 4)) - 16;
     }
+  } else if (F == Q6K) {               // nibbles as Q4's; bits 2 (g % 4) of pair plane g / 4: chunk g's high pair
+    for (int k = 0; k < 16; ++k) {
+      const int b = byte_at(blk, lane, k), g = k / 4, p = 4 * lane + k % 4;
+      q[k] = ((b & 0x0F) | (((blk[256 + p] >> (2 * g)) & 3) << 4)) - 32;
+      q[k + 16] = ((b >> 4) | (((blk[320 + p] >> (2 * g)) & 3) << 4)) - 32;
+    }
   } else {
     const int off = F == K6 ? 32 : 128;
     for (int k = 0; k < 32; ++k) q[k] = byte_at(blk, lane, k) - off;
@@ -101,6 +107,13 @@ void block_row(QuantFormat F, const uint8_t* blk, const uint8_t* sb, int lane, f
       for (int k = 0; k < 32; ++k) out[k] = static_cast<float>(q[k]) * (k < 16 ? h0 : h1) + m;
       break;
     }
+    case Q6K: {  // d sc_h q + 0, as quant.py's block_scales (k6's order, m = 0)
+      const float d = f16(sb + 2 * lane);
+      const float h0 = d * static_cast<float>(static_cast<int8_t>(blk[Q + lane]));
+      const float h1 = d * static_cast<float>(static_cast<int8_t>(blk[Q + 16 + lane]));
+      for (int k = 0; k < 32; ++k) out[k] = static_cast<float>(q[k]) * (k < 16 ? h0 : h1) + 0.f;
+      break;
+    }
     case U5: break;                     // not a packed format
   }
 }
@@ -116,8 +129,9 @@ void dequantize_rows(const Runtime& rt, const PackedWeights& w, const int64_t* i
       const int lane = static_cast<int>(ids[t] % 16);
       const float row_scale = w.fmt == I8 ? w.scale[ids[t]] : 0.f;
       for (int64_t b = 0; b < w.KB; ++b) {
-        const uint8_t* sb = w.fmt == K4 ? reinterpret_cast<const uint8_t*>(
-            w.super + (tile * (w.KB / K4_SUPER) + b / K4_SUPER) * 32) : nullptr;
+        const int64_t halves = super_halves(w.fmt);
+        const uint8_t* sb = halves ? reinterpret_cast<const uint8_t*>(
+            w.super + (tile * (w.KB / K4_SUPER) + b / K4_SUPER) * halves) : nullptr;
         block_row(w.fmt, w.blocks + (tile * w.KB + b) * BB, sb, lane, row_scale, out + t * K + b * QK);
       }
     }

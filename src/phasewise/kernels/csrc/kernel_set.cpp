@@ -49,10 +49,10 @@ pw::PackedWeights packed_weights(int64_t fmt, int64_t N, const torch::Tensor& bl
                 scale->numel() == NT * 16, "scale: fp32 [N]");
     w.scale = scale->data_ptr<float>();
   }
-  if (f == pw::K4) {
+  if (const int64_t h = pw::super_halves(f)) {
     TORCH_CHECK(KB % pw::K4_SUPER == 0 && scale.has_value() && scale->scalar_type() == at::kHalf &&
                 scale->is_contiguous() && scale->dim() == 3 && scale->size(0) == NT &&
-                scale->size(1) == KB / pw::K4_SUPER && scale->size(2) == 32, "K4's scale: fp16 [NT, KB / 8, 32]");
+                scale->size(1) == KB / pw::K4_SUPER && scale->size(2) == h, "scale: fp16 [NT, KB / 8, ", h, "]");
     w.super = reinterpret_cast<const uint16_t*>(scale->data_ptr<at::Half>());
   }
   return w;

@@ -10,7 +10,7 @@
 #include <vector>
 
 // A packed weight's tensors checked against its format (quant_linear.cpp's layout): blocks u8
-// [NT, KB, BB]; scale fp32 [NT * 16] (I8) or fp16 [NT, KB / 8, 32] (K4's super-blocks), else unused.
+// [NT, KB, BB]; scale fp32 [NT * 16] (I8) or fp16 [NT, KB / 8, 32 or 16] (K4's, Q6K's super-blocks).
 pw::PackedWeights packed_weights(int64_t fmt, int64_t N, const torch::Tensor& blocks,
                                  const c10::optional<torch::Tensor>& scale, int64_t u5_tiles);
 

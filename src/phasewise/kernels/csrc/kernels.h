@@ -47,19 +47,25 @@ struct AttentionRows {      // every query row of a step: row t attends over the
 // of bytes (and any mix of block types fused into one projection), their scales resolved to fp32;
 // Q5: GGUF's Q5_0 in 5.5 bits a weight: u = q + 16 (0..31) as Q4's nibbles and a plane of fifth
 // bits; K6: values of at most 6 bits (GGUF's Q5_K, Q6_K), stored as u = q + 32, w = d sc_h q + m.
+// Q6K: GGUF's Q6_K at its own width: u = q + 32 as nibbles (Q4's layout) and two planes of high
+// bit pairs, each 16-wide half's int8 sc, the super-blocks' fp16 d beside (w = d sc_h q).
 // U5 is no packed format: Q5's tiles unpacked to one byte a weight (quant_linear.cpp).
-enum QuantFormat : int64_t { Q4 = 0, Q8 = 1, I8 = 2, K4 = 3, K8 = 4, Q5 = 5, K6 = 6, U5 = 7 };
-constexpr bool known_format(int64_t f) { return f >= Q4 && f <= K6; }
+enum QuantFormat : int64_t { Q4 = 0, Q8 = 1, I8 = 2, K4 = 3, K8 = 4, Q5 = 5, K6 = 6, U5 = 7, Q6K = 8 };
+constexpr bool known_format(int64_t f) { return (f >= Q4 && f <= K6) || f == Q6K; }
 constexpr int64_t QK = 32;                    // weights per block along K
 // Bytes per (tile of 16 rows, block): the quants (nibbles for Q4, K4; nibbles and 64 bytes of fifth
 // bits for Q5), then 16 rows' scales: d, m as fp16 (Q4), d as fp16 (Q8, Q5, U5), sc, m as u8 (K4),
 // d of each 16-wide half and m as fp32 (K8), d as fp32, each half's integer sc as int16 (16 of sc0,
 // then 16 of sc1) and m as fp32 (K6).
-constexpr int64_t quant_bytes(QuantFormat f) { return f == Q4 || f == K4 ? 256 : f == Q5 ? 320 : 512; }
-constexpr int64_t block_bytes(QuantFormat f) {
-  return f == Q4 ? 320 : f == Q5 ? 352 : f == Q8 || f == U5 ? 544 : f == I8 ? 512 : f == K4 ? 288 : 704;
+// Q6K: nibbles, 128 bytes of high pairs, then sc0 and sc1 as int8.
+constexpr int64_t quant_bytes(QuantFormat f) {
+  return f == Q4 || f == K4 ? 256 : f == Q5 ? 320 : f == Q6K ? 384 : 512;
 }
-constexpr int64_t K4_SUPER = 8;               // K4's blocks per super-block (GGUF's 256 weights)
+constexpr int64_t block_bytes(QuantFormat f) {
+  return f == Q4 ? 320 : f == Q5 ? 352 : f == Q8 || f == U5 ? 544 : f == I8 ? 512 : f == K4 ? 288 : f == Q6K ? 416 : 704;
+}
+constexpr int64_t K4_SUPER = 8;               // K4's and Q6K's blocks per super-block (GGUF's 256 weights)
+constexpr int64_t super_halves(QuantFormat f) { return f == K4 ? 32 : f == Q6K ? 16 : 0; }  // fp16 per (tile, super)
 
 struct PackedWeights {      // a quantized linear layer's weight, packed (kernels/quant.py, quant_linear.cpp)
   QuantFormat fmt;
@@ -69,7 +75,8 @@ struct PackedWeights {      // a quantized linear layer's weight, packed (kernel
   // Q8 only: its first u5_tiles tiles hold Q5_0 values as U5 bytes (u = q + 16, the same block
   // bytes as Q8's), a projection fused from Q5_0 and Q8_0 parts: they take U5's cheaper products
   int64_t u5_tiles = 0;
-  const uint16_t* super = nullptr;  // K4: [NT, KB / 8, 32] fp16, each (tile, super-block)'s 16 d, then 16 dmin
+  // K4: [NT, KB / 8, 32] fp16, each (tile, super-block)'s 16 d, then 16 dmin; Q6K: [NT, KB / 8, 16] its d
+  const uint16_t* super = nullptr;
 };
 
 struct Linear {             // a quantized linear layer: packed weight and optional bias [N]

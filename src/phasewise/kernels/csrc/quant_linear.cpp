@@ -49,6 +49,34 @@ inline void unpack_q5(const Weights& w, int64_t t0, int64_t nv, uint8_t* buf) {
   }
 }
 
+// Q6K tiles t0 .. t0 + nv - 1 as K6 in buf [nv, KB, block_bytes(K6)]: bytes u = q + 32 from the
+// nibbles and the high pairs, d from the super-block's fp16, sc as int16, m = 0 (w = d sc_h q).
+// Decode and prefill both run K6's tiles over it (from L1/L2); the next tiles stream into L2.
+inline void unpack_q6k(const Weights& w, int64_t t0, int64_t nv, uint8_t* buf) {
+  constexpr int64_t QB = quant_bytes(Q6K), BB = block_bytes(Q6K), UB = block_bytes(K6), KQ = quant_bytes(K6);
+  const uint8_t* next = w.qs + (t0 + nv) * w.KB * BB;
+  const uint8_t* end = w.qs + w.NT * w.KB * BB;
+  for (int64_t i = 0; i < nv * w.KB; ++i) {          // block i of the run of tiles
+    for (int64_t off = i * BB; off < (i + 1) * BB; off += 64)
+      if (next + off < end) prefetch_l2(next + off);
+    const int64_t t = t0 + i / w.KB, b = i % w.KB;
+    const uint8_t* src = w.qs + (t * w.KB + b) * BB;
+    uint8_t* dst = buf + i * UB;
+    const Vb low = Vb::load(src + 256), high = Vb::load(src + 320);   // pairs of chunks 0..3, 4..7
+    for_each_j<4>([&](auto J) {
+      constexpr int j = decltype(J)::value;
+      const Vb raw = Vb::load(src + 64 * j);
+      with_high2<j>(lo4(raw), low).store(dst + 64 * j);
+      with_high2<j>(hi4(raw), high).store(dst + 64 * (j + 4));
+    });
+    Vf::from_f16(w.super + (t * (w.KB / K4_SUPER) + b / K4_SUPER) * 16).store(reinterpret_cast<float*>(dst + KQ));
+    int16_t sc[32];
+    for (int r = 0; r < 32; ++r) sc[r] = static_cast<int8_t>(src[QB + r]);
+    std::memcpy(dst + KQ + 64, sc, sizeof sc);
+    std::memset(dst + KQ + 128, 0, 64);
+  }
+}
+
 constexpr int64_t MCHUNK = 128;
 constexpr int64_t Q5_UNPACK_ROWS = 8;     // from this many rows Q5 tiles are unpacked once for all rows
 // Rows go in chunks of MCHUNK (activations and outputs of a chunk stay in L2 while every tile
@@ -65,6 +93,15 @@ void run(const Runtime& rt, const Act& a, int64_t M, const Weights& w, const flo
       float* o = out + m0 * ldo;
       for (int64_t g = begin; g < end; ++g) {
         const int64_t t0 = NVB * g, nv = std::min<int64_t>(NVB, NT - t0);
+        if constexpr (F == Q6K) {        // always as K6, from a buffer the group's rows share
+          thread_local std::vector<uint8_t> buf;
+          if (static_cast<int64_t>(buf.size()) < NVB * w.KB * block_bytes(K6)) buf.resize(NVB * w.KB * block_bytes(K6));
+          unpack_q6k(w, t0, nv, buf.data());
+          const Weights u{buf.data(), nullptr, w.KB, block_bytes(K6), std::min<int64_t>(w.N - 16 * t0, 16 * nv), nv};
+          const float* b = bias ? bias + 16 * t0 : nullptr;
+          if (nv == NVB) rows_kernel<K6, NVB>(chunk, rows, u, 0, b, o + 16 * t0, ldo);
+          else for (int64_t t = 0; t < nv; ++t) rows_kernel<K6, 1>(chunk, rows, u, t, b, o + 16 * t0, ldo);
+        }
         if constexpr (F == Q5) {
           if (rows >= Q5_UNPACK_ROWS) {   // the group's tiles as U5 once, then every row over them
             thread_local std::vector<uint8_t> buf;
@@ -77,8 +114,10 @@ void run(const Runtime& rt, const Act& a, int64_t M, const Weights& w, const flo
             continue;
           }
         }
-        if (nv == NVB) rows_kernel<F, NVB>(chunk, rows, w, t0, bias, o, ldo);
-        else for (int64_t t = t0; t < NT; ++t) rows_kernel<F, 1>(chunk, rows, w, t, bias, o, ldo);
+        if constexpr (F != Q6K) {
+          if (nv == NVB) rows_kernel<F, NVB>(chunk, rows, w, t0, bias, o, ldo);
+          else for (int64_t t = t0; t < NT; ++t) rows_kernel<F, 1>(chunk, rows, w, t, bias, o, ldo);
+        }
       }
     }
   });
@@ -103,7 +142,7 @@ void quant_linear(const Runtime& rt, const float* x, int64_t M, int64_t K, const
     return &own;
   };
   Scratch* scratch;
-  const bool half_sums = pw.fmt == K6 || (pw.fmt == K8 && Q8_BIASED);   // biased halves need each half's sum
+  const bool half_sums = pw.fmt == K6 || pw.fmt == Q6K || (pw.fmt == K8 && Q8_BIASED);   // biased halves need each half's sum
   if (rt.team && M * KB <= QUANT_GRAIN) {     // each thread of a team quantizes a few rows itself: no barrier
     scratch = reserve();
     quantize_rows(Runtime{1}, x, M, K, scratch->xq.data(), scratch->dx.data(), scratch->sx.data(),
@@ -134,6 +173,7 @@ void quant_linear(const Runtime& rt, const float* x, int64_t M, int64_t K, const
     case K8: run<K8>(rt, a, M, w, bias, y, N); break;
     case Q5: run<Q5>(rt, a, M, w, bias, y, N); break;
     case K6: run<K6>(rt, a, M, w, bias, y, N); break;
+    case Q6K: run<Q6K>(rt, a, M, w, bias, y, N); break;
     case U5: break;                   // not a packed format (kernels.h)
   }
 }

@@ -111,6 +111,11 @@ inline Vb with_fifth(Vb nib, Vb bits) {
   const __m512i b = G <= 4 ? _mm512_slli_epi16(bits.v, 4 - G) : _mm512_srli_epi16(bits.v, G - 4);
   return {_mm512_or_si512(nib.v, _mm512_and_si512(b, _mm512_set1_epi8(0x10)))};
 }
+template <int J>           // nib with bits 2J, 2J + 1 of each byte of `pairs` as its bits 4, 5
+inline Vb with_high2(Vb nib, Vb pairs) {
+  const __m512i b = J <= 2 ? _mm512_slli_epi16(pairs.v, 4 - 2 * J) : _mm512_srli_epi16(pairs.v, 2 * J - 4);
+  return {_mm512_or_si512(nib.v, _mm512_and_si512(b, _mm512_set1_epi8(0x30)))};
+}
 inline Vi dot_u4(Vi acc, Vb w, Vb x) { return {_mm512_dpbusd_epi32(acc.v, w.v, x.v)}; }
 inline Vi dot_q8(Vi acc, Vb u, Vb x) { return {_mm512_dpbusd_epi32(acc.v, u.v, x.v)}; }
 using Vs = Vi;                                   // vpdpbusd sums into int32 directly

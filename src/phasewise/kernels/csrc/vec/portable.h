@@ -272,6 +272,14 @@ inline Vb hi4(Vb a) {
   for (int i = 0; i < NP; ++i) a.v[i] >>= 4;
   return a;
 }
+template <int J>            // nib with bits 2J, 2J + 1 of each byte of `pairs` as its bits 4, 5 (16-bit shifts)
+inline Vb with_high2(Vb nib, Vb pairs) {
+  for (int i = 0; i < NP; ++i) {
+    const u16n b = (u16n)pairs.v[i];
+    nib.v[i] |= (u8n)((J <= 2 ? b << (4 - 2 * J) : b >> (2 * J - 4)) & 0x3030);
+  }
+  return nib;
+}
 template <int G>            // nib with bit G of each byte of `bits` as its bit 4 (shifts of 16-bit lanes)
 inline Vb with_fifth(Vb nib, Vb bits) {
   for (int i = 0; i < NP; ++i) {
