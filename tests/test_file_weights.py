@@ -82,3 +82,31 @@ def test_parted_model_missing_a_part_names_the_install(tmp_path, monkeypatch):
     with pytest.raises(ModelLoadError, match="make m .*fake_model_part_absent"):
         join_parts(model, tmp_path / "m.gguf")
     sys.modules.pop("fake_model_part1", None)
+
+
+def test_packed_cache_maps_what_the_first_load_packed(default_model_path, tmp_path, monkeypatch, capsys):
+    """The first q4 load writes the packed-weight cache; the next maps it without packing anything
+    (the same weights, bit for bit); a damaged file is repacked and rewritten; packed_cache=False
+    neither reads nor writes it."""
+    from phasewise.kernels import gguf_blocks
+    from phasewise.loading import quantize
+
+    monkeypatch.setenv("PHASEWISE_CACHE", str(tmp_path))
+    first, _ = load_model(default_model_path, "q4")
+    files = list((tmp_path / "packed").glob("*.pt"))
+    assert len(files) == 1
+    monkeypatch.setattr(quantize, "pack_gguf", lambda *a, **k: pytest.fail("packed again"))
+    second, _ = load_model(default_model_path, "q4")
+    for a, b in zip(first.buffers(), second.buffers()):
+        assert torch.equal(a, b)
+    assert isinstance(second.model.embed_tokens, QuantEmbedding)
+    assert second.model.embed_tokens.blocks is second.lm_head.blocks       # still one tied table
+    monkeypatch.setattr(quantize, "pack_gguf", gguf_blocks.pack_gguf)
+    files[0].write_bytes(files[0].read_bytes()[:4096])                     # cut short
+    third, _ = load_model(default_model_path, "q4")
+    assert "ignoring the packed-weight cache" in capsys.readouterr().err
+    assert files[0].stat().st_size > 4096
+    assert torch.equal(third.lm_head.blocks, first.lm_head.blocks)
+    files[0].unlink()
+    load_model(default_model_path, "q4", packed_cache=False)
+    assert not files[0].exists()

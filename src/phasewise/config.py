@@ -84,6 +84,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1        # ranks the model is split over (runner/tp_worker.py)
     kv_role: str | None = None           # "prefill" or "decode": one side of a disaggregated pair
     kv_peer: str | None = None           # the pair's rendezvous (tcp://host:port), both sides the same
+    packed_cache: bool = True            # map packed GGUF weights from <cache>/packed (loading/packed_cache.py)
 
     def __post_init__(self) -> None:
         if self.kernels not in ("auto", "torch"):

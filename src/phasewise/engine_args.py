@@ -29,6 +29,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV-cache precision: int8 with a scale per token and head, or the weights' float type "
                         "(model); auto: int8 where the compiled kernels run and --dtype is auto")
     g.add_argument("--max-model-len", type=int, default=None, help="context length cap")
+    g.add_argument("--no-packed-cache", dest="packed_cache", action="store_false",
+                   help="repack a GGUF's weights at every load instead of mapping them from the packed-weight "
+                        "cache (<cache>/packed, written by the first load)")
     g.add_argument("--threads", type=positive_int, default=None,
                    help="CPU threads for the model (default: torch's, one per core); on a small machine, "
                         "`serve --threads <cores - 1>` leaves a core to the HTTP side and its clients")

@@ -24,13 +24,14 @@ class LLM:
                  max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
                  max_model_len: int | None = None, kv_dtype: str = "auto",
                  speculative: str | SpeculativeConfig | None = None, num_speculative_tokens: int = 4,
-                 tensor_parallel_size: int = 1, warmup: bool = True) -> None:
+                 tensor_parallel_size: int = 1, warmup: bool = True, packed_cache: bool = True) -> None:
         """dtype (the float type) and quantization (the weight format: int8, q4, none) and kv_dtype
         "auto": the fastest precision for this machine within 0.5% perplexity of the file's weights
         (precision.py; `engine.precision` says which); dtype="int8"/"q4" is the old spelling. speculative: None,
         "ngram", "draft" (this model's file at q4) or "draft:MODEL", with num_speculative_tokens
         drafts per step; a SpeculativeConfig for the other settings. tensor_parallel_size: split the
-        model over that many processes on this machine (close() stops them)."""
+        model over that many processes on this machine (close() stops them). packed_cache: map a GGUF's
+        packed weights from the cache directory after the first load packs them."""
         if not isinstance(speculative, SpeculativeConfig):
             speculative = SpeculativeConfig.parse(speculative, num_speculative_tokens=num_speculative_tokens)
         config = EngineConfig(
@@ -38,7 +39,7 @@ class LLM:
             cache=CacheConfig(block_size=block_size, kv_cache_memory_gib=kv_cache_memory, num_blocks=num_blocks,
                               enable_prefix_caching=enable_prefix_caching, kv_dtype=kv_dtype),
             scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs, max_model_len),
-            speculative=speculative, tensor_parallel_size=tensor_parallel_size)
+            speculative=speculative, tensor_parallel_size=tensor_parallel_size, packed_cache=packed_cache)
         self.engine = LLMEngine(config)
         if warmup:
             self.engine.warmup()

@@ -79,7 +79,8 @@ class LLMEngine:
                                     cache.block_size, self.kernels is not None,
                                     config.kernels == "torch"))
         self.model, self.model_config = load_prepared(self.model_path, self.precision.weights, config.device,
-                                                      self.kernels, plain=config.kernels == "torch", tp=self.tp)
+                                                      self.kernels, plain=config.kernels == "torch", tp=self.tp,
+                                                      packed_cache=config.packed_cache)
         if self.tp:
             self.tp.broadcast("ready")                               # every rank has loaded its part
         max_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
@@ -135,7 +136,7 @@ class LLMEngine:
                              "has a sliding window): use --speculative ngram")
         path = resolve_model_path(spec.draft_model) if spec.draft_model else self.model_path
         draft, cfg = load_prepared(path, spec.draft_dtype, self.config.device, self.kernels,
-                                   plain=self.config.kernels == "torch")
+                                   plain=self.config.kernels == "torch", packed_cache=self.config.packed_cache)
         if cfg.vocab_size != self.model_config.vocab_size:
             raise ValueError(f"the draft model {path} has {cfg.vocab_size} tokens in its vocabulary, the "
                              f"target {self.model_config.vocab_size}: they must share the tokenizer")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,7 +47,9 @@ class GGUFFile:
         if not self.path.is_file():
             raise ModelLoadError(f"model file not found: {self.path}")
         try:
-            self.fields, self.tensors = read_header(self.path)
+            st = self.path.stat()
+            fields, tensors = _header(str(self.path.resolve()), st.st_size, st.st_mtime_ns)
+            self.fields, self.tensors = dict(fields), dict(tensors)
         except (GGUFFormatError, OSError) as e:
             raise ModelLoadError(f"not a valid GGUF file: {self.path} ({e})") from None
         arch = self.fields.get("general.architecture", "")
@@ -115,6 +118,13 @@ class GGUFFile:
         for name in self.tensors:
             if name not in _SKIP:
                 yield _hf_name(name, cfg), self._tensor(name, cfg)
+
+
+@functools.lru_cache(maxsize=4)
+def _header(path: str, size: int, mtime_ns: int) -> tuple[dict, dict]:
+    """read_header, once per file version: an engine opens its file three times (config, precision,
+    weights), and a 150k-token vocabulary takes ~0.4 s to walk."""
+    return read_header(Path(path))
 
 
 def _readable(ggml_type: int) -> bool:

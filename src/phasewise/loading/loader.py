@@ -53,13 +53,14 @@ def load_config(path: Path) -> ModelConfig:
 
 
 def load_model(path: Path, dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu",
-               tp: TensorParallel | None = None) -> tuple[nn.Module, ModelConfig]:
+               tp: TensorParallel | None = None, packed_cache: bool = True) -> tuple[nn.Module, ModelConfig]:
     """Build the model for `path` (a .gguf file or an HF folder) with every weight loaded; with `tp`,
     this rank's part of it (loading/sharding.py), and the config of that part.
 
     dtype "int8" or "q4" loads in fp32, then swaps the linear layers for quantized ones (loading/quantize.py);
     q4 from a GGUF takes the file's blocks for every layer (and the token table) that has them without
-    reading those weights in fp32 at all.
+    reading those weights in fp32 at all, and with `packed_cache` maps them from the packed-weight
+    cache when an earlier load left them there (loading/packed_cache.py).
     """
     weight_format = dtype if isinstance(dtype, str) and dtype in WEIGHT_FORMATS else None
     dtype = parse_dtype(dtype)
@@ -78,7 +79,8 @@ def load_model(path: Path, dtype: torch.dtype | str = torch.float32, device: tor
         cfg = shard_config(cfg, tp)
     with torch.device("meta"):
         model = model_class(cfg)(cfg, tp=tp) if tp is not None else model_class(cfg)(cfg)
-    plan = plan_file_weights(model, full, gguf, tp) if weight_format == "q4" and gguf is not None else FileWeights()
+    plan = plan_file_weights(model, full, gguf, tp, packed_cache) if weight_format == "q4" and gguf is not None \
+        else FileWeights()
     weights = shard_weights(((n, t) for n, t in weights if n not in plan.names), full, tp)   # each read whole, or as this rank's part
     model.to_empty(device=device)
     model.tie_weights()
@@ -106,10 +108,10 @@ def load_model(path: Path, dtype: torch.dtype | str = torch.float32, device: tor
 
 
 def load_prepared(path: Path, dtype: str, device: str = "cpu", kernels=None, plain: bool = False,
-                  tp: TensorParallel | None = None) -> tuple[nn.Module, ModelConfig]:
+                  tp: TensorParallel | None = None, packed_cache: bool = True) -> tuple[nn.Module, ModelConfig]:
     """The model at `path` in `dtype` (with `tp`, this rank's part), its layers given `kernels` (or
     their reference paths); `plain`: no oneDNN either (kernels="torch")."""
-    model, cfg = load_model(path, dtype, device, tp)
+    model, cfg = load_model(path, dtype, device, tp, packed_cache)
     torch_dtype = parse_dtype(dtype)
     use_fast_linears(model, device, torch_dtype, kernels, onednn=not plain)
     use_kernels(model, kernels if torch_dtype == torch.float32 else None)

@@ -17,6 +17,8 @@ else.
 
 from __future__ import annotations
 
+import sys
+import time
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -26,6 +28,7 @@ from phasewise.kernels import quant
 from phasewise.kernels.gguf_blocks import GGUF_BLOCKS, pack_gguf
 from phasewise.layers.quant_embedding import QuantEmbedding
 from phasewise.layers.quant_linear import QuantLinear
+from phasewise.loading import packed_cache
 from phasewise.loading.gguf import GGUFFile
 from phasewise.loading.sharding import shard_raw
 from phasewise.models.config import ModelConfig
@@ -46,23 +49,54 @@ class FileWeights:
     names: set[str] = field(default_factory=set)
 
 
-def plan_file_weights(model: nn.Module, cfg: ModelConfig, gguf: GGUFFile,
-                      tp: TensorParallel | None = None) -> FileWeights:
+def plan_file_weights(model: nn.Module, cfg: ModelConfig, gguf: GGUFFile, tp: TensorParallel | None = None,
+                      cache: bool = True) -> FileWeights:
     """Pack every linear layer of `model` (meta or not) the file holds in blocks, and the token table
-    (without tp); `cfg` is the whole model's."""
+    (without tp); `cfg` is the whole model's. With `cache` (and no tp) the packed layers come from,
+    or go to, the packed-weight cache (loading/packed_cache.py)."""
+    where = packed_cache.cache_path(gguf.path) if cache and tp is None and packed_cache.wanted(gguf.path) else None
+    kept = packed_cache.load(where) if where is not None else None
+    layers = {path: (linear.out_features, linear.in_features) for path, linear in _linears(model)}
+    if kept is not None and all(layers.get(p) == (w.n, w.k) for p, w in kept[0].items()):
+        return FileWeights(*kept)
     plan = FileWeights()
-    for path, linear in _linears(model):
+    progress = _Progress(len(layers))
+    for path, shape in layers.items():
         found = file_blocks(gguf, cfg, path, tp)
-        if found is not None and (found[0].n, found[0].k) == (linear.out_features, linear.in_features):
+        if found is not None and (found[0].n, found[0].k) == shape:
             plan.linears[path], names = found
             plan.names.update(names)
+        progress.step(path)
     table = gguf.weight("model.embed_tokens.weight", cfg)
     if tp is None and table is not None and table.type_name in GGUF_BLOCKS:
         head = plan.linears.get("lm_head")
         tied = cfg.tie_word_embeddings and head is not None and "output.weight" not in gguf.tensors
         plan.embedding = head if tied else pack_gguf(table.type_name, table.raw())
         plan.names.add("model.embed_tokens.weight")
+    progress.done()
+    if where is not None:
+        packed_cache.save(where, gguf.path, plan.linears, plan.embedding, plan.names)
     return plan
+
+
+class _Progress:
+    """A line on stderr while a first load packs for more than two seconds."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.count, self.started, self.shown = total, 0, time.perf_counter(), False
+
+    def step(self, path: str) -> None:
+        self.count += 1
+        if time.perf_counter() - self.started > 2 and sys.stderr.isatty() or self.shown:
+            self.shown = True
+            print(f"\rphasewise: packing the file's weights {self.count}/{self.total} ({path})\033[K",
+                  end="", file=sys.stderr, flush=True)
+
+    def done(self) -> None:
+        if self.shown or time.perf_counter() - self.started > 2:
+            head, tail = ("\r", "\033[K") if self.shown else ("", "")
+            print(f"{head}phasewise: packed the file's weights in {time.perf_counter() - self.started:.1f} s{tail}",
+                  file=sys.stderr, flush=True)
 
 
 def use_file_weights(model: nn.Module, plan: FileWeights) -> None:
