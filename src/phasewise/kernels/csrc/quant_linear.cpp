@@ -51,7 +51,9 @@ inline void unpack_q5(const Weights& w, int64_t t0, int64_t nv, uint8_t* buf) {
 
 // Q6K tiles t0 .. t0 + nv - 1 as K6 in buf [nv, KB, block_bytes(K6)]: bytes u = q + 32 from the
 // nibbles and the high pairs, d from the super-block's fp16, sc as int16, m = 0 (w = d sc_h q).
-// Decode and prefill both run K6's tiles over it (from L1/L2); the next tiles stream into L2.
+// From Q6K_UNPACK_ROWS rows K6's tiles run over it (from L1/L2); the next tiles stream into L2.
+// Fewer rows (decode) take Q6K in place: unpacking through memory made its GEMV compute-bound
+// (13-14 GB/s where k4 streams 25).
 inline void unpack_q6k(const Weights& w, int64_t t0, int64_t nv, uint8_t* buf) {
   constexpr int64_t QB = quant_bytes(Q6K), BB = block_bytes(Q6K), UB = block_bytes(K6), KQ = quant_bytes(K6);
   const uint8_t* next = w.qs + (t0 + nv) * w.KB * BB;
@@ -79,6 +81,7 @@ inline void unpack_q6k(const Weights& w, int64_t t0, int64_t nv, uint8_t* buf) {
 
 constexpr int64_t MCHUNK = 128;
 constexpr int64_t Q5_UNPACK_ROWS = 8;     // from this many rows Q5 tiles are unpacked once for all rows
+constexpr int64_t Q6K_UNPACK_ROWS = 8;    // and Q6K tiles, to K6
 // Rows go in chunks of MCHUNK (activations and outputs of a chunk stay in L2 while every tile
 // pair of the weight passes over them). Threads split the pairs of tiles once and each walks the
 // chunks over its own pairs: chunks write disjoint rows, so no barrier between them (one per
@@ -93,14 +96,17 @@ void run(const Runtime& rt, const Act& a, int64_t M, const Weights& w, const flo
       float* o = out + m0 * ldo;
       for (int64_t g = begin; g < end; ++g) {
         const int64_t t0 = NVB * g, nv = std::min<int64_t>(NVB, NT - t0);
-        if constexpr (F == Q6K) {        // always as K6, from a buffer the group's rows share
-          thread_local std::vector<uint8_t> buf;
-          if (static_cast<int64_t>(buf.size()) < NVB * w.KB * block_bytes(K6)) buf.resize(NVB * w.KB * block_bytes(K6));
-          unpack_q6k(w, t0, nv, buf.data());
-          const Weights u{buf.data(), nullptr, w.KB, block_bytes(K6), std::min<int64_t>(w.N - 16 * t0, 16 * nv), nv};
-          const float* b = bias ? bias + 16 * t0 : nullptr;
-          if (nv == NVB) rows_kernel<K6, NVB>(chunk, rows, u, 0, b, o + 16 * t0, ldo);
-          else for (int64_t t = 0; t < nv; ++t) rows_kernel<K6, 1>(chunk, rows, u, t, b, o + 16 * t0, ldo);
+        if constexpr (F == Q6K) {
+          if (rows >= Q6K_UNPACK_ROWS) {  // the group's tiles as K6 once, then every row over them
+            thread_local std::vector<uint8_t> buf;
+            if (static_cast<int64_t>(buf.size()) < NVB * w.KB * block_bytes(K6)) buf.resize(NVB * w.KB * block_bytes(K6));
+            unpack_q6k(w, t0, nv, buf.data());
+            const Weights u{buf.data(), nullptr, w.KB, block_bytes(K6), std::min<int64_t>(w.N - 16 * t0, 16 * nv), nv};
+            const float* b = bias ? bias + 16 * t0 : nullptr;
+            if (nv == NVB) rows_kernel<K6, NVB>(chunk, rows, u, 0, b, o + 16 * t0, ldo);
+            else for (int64_t t = 0; t < nv; ++t) rows_kernel<K6, 1>(chunk, rows, u, t, b, o + 16 * t0, ldo);
+            continue;
+          }                               // fewer: in place, each chunk unpacked in registers
         }
         if constexpr (F == Q5) {
           if (rows >= Q5_UNPACK_ROWS) {   // the group's tiles as U5 once, then every row over them
@@ -114,10 +120,8 @@ void run(const Runtime& rt, const Act& a, int64_t M, const Weights& w, const flo
             continue;
           }
         }
-        if constexpr (F != Q6K) {
-          if (nv == NVB) rows_kernel<F, NVB>(chunk, rows, w, t0, bias, o, ldo);
-          else for (int64_t t = t0; t < NT; ++t) rows_kernel<F, 1>(chunk, rows, w, t, bias, o, ldo);
-        }
+        if (nv == NVB) rows_kernel<F, NVB>(chunk, rows, w, t0, bias, o, ldo);
+        else for (int64_t t = t0; t < NT; ++t) rows_kernel<F, 1>(chunk, rows, w, t, bias, o, ldo);
       }
     }
   });

@@ -71,14 +71,14 @@ struct Weights {
 };
 
 constexpr bool nibbles(Fmt F) { return F == Q4 || F == K4; }
-constexpr bool narrow(Fmt F) { return F == Q5 || F == U5 || F == K6; }   // values below 64, multiplied unbiased
+constexpr bool narrow(Fmt F) { return F == Q5 || F == U5 || F == K6 || F == Q6K; }   // values below 64, multiplied unbiased
 // K6 in one integer sum a block where the widening multiplies anyway (AVX2's int16 sums); with
 // int32 sums (VNNI, NEON) a multiply by sc costs more than the second epilogue (k6 1.07x slower)
 constexpr bool k6_one_sum = VS_U6 < 4;
-constexpr bool halves(Fmt F) { return F == K8 || (F == K6 && !k6_one_sum); }   // an epilogue per 16-wide half
+constexpr bool halves(Fmt F) { return F == K8 || (F == K6 && !k6_one_sum) || F == Q6K; }   // an epilogue per 16-wide half
 constexpr bool biased(Fmt F) { return narrow(F) || Q8_BIASED; }     // acc = sum(u xq) of the bytes
 constexpr bool five_bits(Fmt F) { return F == Q5 || F == U5; }
-constexpr float offset(Fmt F) { return five_bits(F) ? 16.f : F == K6 ? 32.f : 128.f; }
+constexpr float offset(Fmt F) { return five_bits(F) ? 16.f : F == K6 || F == Q6K ? 32.f : 128.f; }
 // dot_u4s calls before widen: Q5's in-register path sums 4 on AVX2; U5 sums 2 as K6 does (at 4 the
 // bytes of 4 chunks and the sums of 4 rows outgrow AVX2's 16 registers: 1.1-1.2x slower)
 constexpr int narrow_calls(Fmt F) { return F == Q5 ? VS_U5 : VS_U6; }
@@ -101,6 +101,24 @@ inline void q5_chunk(const uint8_t* blk, Vb fifth, Vb& lo, Vb& hi) {
   hi = with_fifth<J + 4>(hi4(raw), fifth);
 }
 
+// Chunk g (k = 4g..4g + 3 of 16 rows) of a block as bytes: as stored, or Q6K's nibble with its high
+// pair (few rows run Q6K in place: unpacked in registers, not through a buffer as prefill does)
+template <Fmt F>
+inline Vb chunk_bytes(const uint8_t* blk, int g) {
+  if constexpr (F != Q6K) {
+    return Vb::load(blk + 64 * g);
+  } else {
+    const Vb raw = Vb::load(blk + 64 * (g & 3)), pairs = Vb::load(blk + (g < 4 ? 256 : 320));
+    const Vb nib = g < 4 ? lo4(raw) : hi4(raw);
+    switch (g & 3) {
+      case 0: return with_high2<0>(nib, pairs);
+      case 1: return with_high2<1>(nib, pairs);
+      case 2: return with_high2<2>(nib, pairs);
+      default: return with_high2<3>(nib, pairs);
+    }
+  }
+}
+
 // r[i][v] += one block's (or K8's half block's) contribution: acc [MT][NV], the block's scales at
 // `scales` for tile t0 + v (K8: half h's d at scales + 64 h, m at scales + 128; K6: d, sc0 and sc1
 // as int16 at scales + 64 and + 96, m at scales + 128).
@@ -118,10 +136,13 @@ inline void block_epilogue(const Act& a, int64_t m0, const Weights& w, int64_t t
       mv = Vf::zero() - Vf::from_f16(sb + 16) * to_float(Vi::from_u8(scales + 16));
     }
     if constexpr (F == K8) dv = Vf::load(reinterpret_cast<const float*>(scales + 64 * h));
+    if constexpr (F == Q6K)    // half h's d sc (m = 0)
+      dv = Vf::from_f16(w.super + ((t0 + v) * (w.KB / K4_SUPER) + b / K4_SUPER) * 16) *
+           to_float(Vi::from_i8(scales + 16 * h));
     if constexpr (F == K6 && halves(F))   // half h's d sc
       dv = Vf::load(reinterpret_cast<const float*>(scales)) *
            to_float(Vi::from_i16(reinterpret_cast<const int16_t*>(scales + 64 + 32 * h)));
-    if constexpr (halves(F) || F == K6) mv = Vf::load(reinterpret_cast<const float*>(scales + 128));
+    if constexpr ((halves(F) || F == K6) && F != Q6K) mv = Vf::load(reinterpret_cast<const float*>(scales + 128));
     if constexpr (F == K6 && k6_one_sum) {   // r += d dx acc + a sl + b sx: a = -32 d (sc0 - sc1), b = m - 32 d sc1
       dv = Vf::load(reinterpret_cast<const float*>(scales));
       const Vf s0 = to_float(Vi::from_i16(reinterpret_cast<const int16_t*>(scales + 64)));
@@ -149,7 +170,7 @@ inline void block_epilogue(const Act& a, int64_t m0, const Weights& w, int64_t t
       } else {
         const Vf t = biased(F) ? fma(accf, dx, Vf::set1(-offset(F) * xs)) : accf * dx;
         r[i][v] = fma(t, dv, r[i][v]);
-        if constexpr (halves(F)) {
+        if constexpr (halves(F) && F != Q6K) {
           if (h == 1) r[i][v] = fma(mv, Vf::set1(a.sx[xi]), r[i][v]);
         }
       }
@@ -261,7 +282,7 @@ inline void tile_kernel(const Act& a, int64_t m0, const Weights& w, int64_t t0, 
         for (int g0 = h * chunks; g0 < (h + 1) * chunks; g0 += span) {
           Vb u[span][NV];
           for (int s = 0; s < span; ++s)
-            for (int v = 0; v < NV; ++v) u[s][v] = Vb::load(w.qs + ((t0 + v) * w.KB + b) * block_bytes(F) + (g0 + s) * 64);
+            for (int v = 0; v < NV; ++v) u[s][v] = chunk_bytes<F>(w.qs + ((t0 + v) * w.KB + b) * block_bytes(F), g0 + s);
           for (int i = 0; i < MT; ++i) {
             Vb x[span];
             for (int s = 0; s < span; ++s) x[s] = Vb::bcast4(xb + i * a.K + 4 * (g0 + s));

@@ -80,6 +80,7 @@ struct Vi {
   static Vi set1(int32_t x) { return {_mm512_set1_epi32(x)}; }
   static Vi iota() { return {_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)}; }
   static Vi from_i16(const int16_t* p) { return {_mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
+  static Vi from_i8(const uint8_t* p) { return {_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))}; }
   static Vi from_u8(const uint8_t* p) { return {_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))}; }
   void store(int32_t* p) const { _mm512_storeu_si512(p, v); }
 };

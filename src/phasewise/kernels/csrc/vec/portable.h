@@ -35,6 +35,8 @@ typedef int16_t i16n __attribute__((vector_size(2 * W)));
 typedef i16n i16n_u __attribute__((aligned(1), may_alias));
 typedef uint8_t u8w __attribute__((vector_size(W)));         // W bytes: one per lane
 typedef u8w u8w_u __attribute__((aligned(1), may_alias));
+typedef int8_t i8w __attribute__((vector_size(W)));
+typedef i8w i8w_u __attribute__((aligned(1), may_alias));
 
 struct Mask {
   i32n m[NP];   // -1 or 0 per lane
@@ -208,6 +210,11 @@ struct Vi {
   static Vi from_i16(const int16_t* p) {   // 16 int16, sign-extended
     Vi r;
     for (int i = 0; i < NP; ++i) r.v[i] = __builtin_convertvector(*reinterpret_cast<const i16n_u*>(p + i * W), i32n);
+    return r;
+  }
+  static Vi from_i8(const uint8_t* p) {    // 16 bytes as int8, sign-extended
+    Vi r;
+    for (int i = 0; i < NP; ++i) r.v[i] = __builtin_convertvector(*reinterpret_cast<const i8w_u*>(p + i * W), i32n);
     return r;
   }
   static Vi from_u8(const uint8_t* p) {    // 16 bytes, zero-extended
