@@ -22,10 +22,11 @@ def q4_and_fp32(default_model_path):
     return load_model(default_model_path, "q4")[0], load_model(default_model_path)[0]
 
 
-def test_q4_model_holds_no_fp32_copy_of_the_files_blocks(q4_and_fp32):
+def test_q4_model_holds_no_fp32_copy_of_the_files_blocks(q4_and_fp32, default_model_path):
     """Every linear and the (tied) token table stay in the file's blocks; what is left in fp32 is
     norms and biases, a few KB a layer."""
     q4, _ = q4_and_fp32
+    q4_path = default_model_path
     table = q4.model.embed_tokens
     assert isinstance(table, QuantEmbedding) and table.fmt == "q8"
     assert table.blocks is q4.lm_head.blocks                   # tied: one table for the lookup and the head
@@ -33,6 +34,11 @@ def test_q4_model_holds_no_fp32_copy_of_the_files_blocks(q4_and_fp32):
     assert all(isinstance(m, QuantLinear) for m in (q4.lm_head, q4.model.layers[0].mlp.down_proj))
     fp32 = sum(t.numel() * t.element_size() for t in q4.parameters())
     assert fp32 < 64 * 1024 * q4.config.num_layers, fp32
+    from phasewise.loading.loader import q4_weight_bytes
+
+    held = {t.data_ptr(): t.numel() * t.element_size() for m in q4.modules() if isinstance(m, (QuantLinear, QuantEmbedding))
+            for t in (m.blocks, m.scale) if t is not None}
+    assert q4_weight_bytes(q4_path)[0] == sum(held.values())   # `phasewise memory`'s figure, without packing
 
 
 def test_quant_embedding_gives_the_files_rows(q4_and_fp32, ops):
@@ -110,3 +116,16 @@ def test_packed_cache_maps_what_the_first_load_packed(default_model_path, tmp_pa
     files[0].unlink()
     load_model(default_model_path, "q4", packed_cache=False)
     assert not files[0].exists()
+
+
+def test_memory_check_names_the_kv_pool_that_fits(default_model_path):
+    """A model that cannot fit says so in one line before loading, naming the --kv-cache-memory that would."""
+    from phasewise.loading.loader import OVERHEAD, check_memory, q4_weight_bytes
+
+    packed, stored = q4_weight_bytes(default_model_path)
+    assert 0.99 * stored <= packed <= 1.01 * stored           # Q4_1 and Q8_0 as the file holds them
+    check_memory(default_model_path, 2**30, available=packed + 2**30 + OVERHEAD)
+    with pytest.raises(ModelLoadError, match=r"--kv-cache-memory 0\.\d\d would fit"):
+        check_memory(default_model_path, 2**31, available=packed + 2**30 + OVERHEAD)
+    with pytest.raises(ModelLoadError, match="the weights alone do not fit"):
+        check_memory(default_model_path, 0, available=packed)

@@ -20,11 +20,11 @@ from phasewise.engine.core import EngineCore
 from phasewise.engine.handoffs import EngineStats, RequestOutput, StepRecord
 from phasewise.engine.request import FinishReason, Request
 from phasewise.kernels import build as kernel_build
-from phasewise.loading.loader import load_config, load_prepared, parse_dtype, resolve_model_path
+from phasewise.loading.loader import check_memory, load_config, load_prepared, parse_dtype, resolve_model_path
 from phasewise.loading.sharding import check_tensor_parallel, shard_config
 from phasewise.outputs import CompletionOutput, StreamDelta
 from phasewise.precision import choose as choose_precision
-from phasewise.runner.kv_cache import KVBlocks, KVCache, num_blocks_for_memory
+from phasewise.runner.kv_cache import KVBlocks, KVCache, kv_bytes_per_block, num_blocks_for_memory
 from phasewise.runner.model_runner import ModelRunner
 from phasewise.runner.tp_worker import Setup, TPWorkers, threads_per_rank
 from phasewise.sampling.params import SamplingParams
@@ -78,6 +78,8 @@ class LLMEngine:
             self.tp.broadcast(Setup(str(self.model_path), self.precision.weights, self.precision.kv, num_blocks,
                                     cache.block_size, self.kernels is not None,
                                     config.kernels == "torch"))
+        if self.precision.weights == "q4" and not self.tp and str(config.device).startswith("cpu"):
+            check_memory(self.model_path, num_blocks * kv_bytes_per_block(part, cache.block_size, kv_dtype))
         self.model, self.model_config = load_prepared(self.model_path, self.precision.weights, config.device,
                                                       self.kernels, plain=config.kernels == "torch", tp=self.tp,
                                                       packed_cache=config.packed_cache)

@@ -135,6 +135,12 @@ class PackedWeight:
         return sum(t.numel() * t.element_size() for t in (self.blocks, self.scale) if t is not None)
 
 
+def bits_per_weight(fmt: str) -> float:
+    """What a packed weight of `fmt` streams per weight: its blocks and per-block scales (k4's and
+    q6k's super-block scales spread over their 8 blocks; i8's row scale left out)."""
+    return (BLOCK_BYTES[fmt] + 2 * TILE * SUPER_SCALES.get(fmt, 0) / SUPER) * 8 / (TILE * QK)
+
+
 def _pad_rows(t: torch.Tensor, n_padded: int) -> torch.Tensor:
     if t.shape[0] == n_padded:
         return t

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from phasewise.lab.cost import Prices, Workload, cost_with_caching, cost_without_caching
-from phasewise.lab.memory import BYTES_PER_ELEMENT, ModelShape, report
+from phasewise.lab.memory import BYTES_PER_ELEMENT, MIB, OVERHEAD, ModelShape, report
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -76,17 +76,28 @@ def cmd_roofline(args: argparse.Namespace) -> int:
 
 def cmd_memory(args: argparse.Namespace) -> int:
     numbers = (args.layers, args.kv_heads, args.head_dim)
+    q4 = None
     if any(n is not None for n in numbers):
         if any(n is None or n < 1 for n in numbers):
             raise ValueError("give --layers, --kv-heads and --head-dim together, each at least 1")
         shape = ModelShape(*numbers, params=int(args.params) if args.params else None)
     else:
-        from phasewise.loading.loader import load_config, resolve_model_path
+        from phasewise.loading.loader import load_config, q4_weight_bytes, resolve_model_path
 
-        shape = ModelShape.from_config(load_config(resolve_model_path(args.model)))
+        path = resolve_model_path(args.model)
+        shape = ModelShape.from_config(load_config(path))
+        q4 = q4_weight_bytes(path)
     if args.context < 1 or args.memory <= 0:
         raise ValueError("--context must be at least 1 and --memory positive")
     print("\n".join(report(shape, args.context, args.memory, args.kv_dtype)))
+    if q4 is not None and q4[1]:
+        packed, stored = q4
+        params = shape.params or 1
+        print(f"q4 weights (the file's own blocks, what phasewise holds): {packed / MIB:,.0f} MiB, "
+              f"{packed * 8 / params:.3f} bits a parameter ({packed / stored - 1:+.1%} against the file's "
+              f"{stored / MIB:,.0f} MiB)")
+        print(f"peak memory serving it: {packed / MIB:,.0f} MiB of weights + the KV pool (--kv-cache-memory, "
+              f"default 2 GiB) + about {OVERHEAD / MIB:,.0f} MiB")
     return 0
 
 

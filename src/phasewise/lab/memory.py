@@ -8,6 +8,7 @@ from phasewise.models.config import ModelConfig
 
 BYTES_PER_ELEMENT = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5}
 MIB, GIB = 2**20, 2**30
+OVERHEAD = 400 * MIB        # what a process holds beside weights and KV cache (torch, tokenizer, buffers)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ from phasewise.layers.linear import use_fast_linears
 from phasewise.layers.rotary import RotaryEmbedding
 from phasewise.loading.gguf import GGUFFile, ModelLoadError
 from phasewise.loading.packaged import PACKAGED_MODELS, default_model_path, packaged_model_path
-from phasewise.loading.quantize import WEIGHT_FORMATS, FileWeights, plan_file_weights, quantize_model, use_file_weights
+from phasewise.loading.quantize import (WEIGHT_FORMATS, FileWeights, packed_bytes, plan_file_weights, quantize_model,
+                                       use_file_weights)
 from phasewise.loading.safetensors import hf_tensors, safetensors_files
 from phasewise.loading.sharding import check_tensor_parallel, shard_config, shard_weights
 from phasewise.models.config import ModelConfig
@@ -105,6 +106,49 @@ def load_model(path: Path, dtype: torch.dtype | str = torch.float32, device: tor
     if weight_format:
         quantize_model(model, weight_format, full, gguf, tp)
     return model.eval(), cfg
+
+
+def q4_weight_bytes(path: Path) -> tuple[float, float] | None:
+    """(packed bytes, the file's bytes) of the weights a q4 load of this GGUF holds (None: not a
+    GGUF), computed from its header without reading a weight."""
+    if path.is_dir():
+        return None
+    gguf = GGUFFile(path)
+    cfg = gguf.model_config()
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg)
+    return packed_bytes(model, cfg, gguf)
+
+
+OVERHEAD = 400 * 2**20     # a process beside its weights and KV cache: torch, the tokenizer, buffers
+
+
+def check_memory(path: Path, kv_bytes: float, available: float | None = None) -> None:
+    """A one-line ModelLoadError, before anything is loaded, when a q4 load of `path` with a KV pool
+    of `kv_bytes` would not fit in `available` bytes (default: the system's MemAvailable)."""
+    q4 = q4_weight_bytes(path)
+    if available is None:
+        available = _mem_available()
+    if q4 is None or available is None or q4[0] + kv_bytes + OVERHEAD <= available:
+        return
+    gib = lambda b: b / 2**30  # noqa: E731
+    room = available - q4[0] - OVERHEAD
+    hint = f"--kv-cache-memory {room / 2**30 * 0.9:.2f} would fit" if room > 0.05 * 2**30 else \
+        "the weights alone do not fit"
+    raise ModelLoadError(f"{path.name} needs {gib(q4[0] + kv_bytes + OVERHEAD):.2f} GiB ({gib(q4[0]):.2f} GiB of "
+                         f"weights, a {gib(kv_bytes):.2f} GiB KV pool, {gib(OVERHEAD):.1f} GiB besides) and "
+                         f"{gib(available):.2f} GiB is available: {hint}")
+
+
+def _mem_available() -> float | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def load_prepared(path: Path, dtype: str, device: str = "cpu", kernels=None, plain: bool = False,

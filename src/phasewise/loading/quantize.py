@@ -99,6 +99,32 @@ class _Progress:
                   file=sys.stderr, flush=True)
 
 
+def packed_bytes(model: nn.Module, cfg: ModelConfig, gguf: GGUFFile) -> tuple[float, float]:
+    """(bytes the q4 load packs, bytes of the same tensors in the file), without packing: each linear
+    of `model` (meta is fine) in its parts' format (or the one their mix repacks to; int8 for other
+    types) and an untied token table in its own."""
+    packed = stored = 0.0
+    for path, linear in _linears(model):
+        names = [f"{path}.weight"]
+        if gguf.weight(names[0], cfg) is None and path.rsplit(".", 1)[-1] in FUSED_PARTS:
+            head, fused = path.rsplit(".", 1)
+            names = [f"{head}.{part}.weight" for part in FUSED_PARTS[fused]]
+        parts = [gguf.weight(n, cfg) for n in names]
+        if any(p is None for p in parts):
+            continue
+        fmts = [GGUF_BLOCKS.get(p.type_name, "i8") for p in parts]
+        fmt = fmts[0] if len(set(fmts)) == 1 else \
+            next(f for f in quant.WIDER.get(fmts[0], ("k8",)) if all(f in quant.WIDER.get(g, ()) for g in fmts)) \
+            if "i8" not in fmts else "i8"
+        packed += quant.bits_per_weight(fmt) / 8 * linear.out_features * linear.in_features
+        stored += sum(p.data.nbytes for p in parts)
+    table = gguf.weight("model.embed_tokens.weight", cfg)
+    if table is not None and (not cfg.tie_word_embeddings or "output.weight" in gguf.tensors):
+        packed += quant.bits_per_weight(GGUF_BLOCKS.get(table.type_name, "i8")) / 8 * table.shape[0] * table.shape[1]
+        stored += table.data.nbytes
+    return packed, stored
+
+
 def use_file_weights(model: nn.Module, plan: FileWeights) -> None:
     """Swap the planned layers in (each QuantLinear keeps its nn.Linear's loaded bias)."""
     moved: dict[int, quant.PackedWeight] = {}      # a tied table moves once: head and embedding share it
