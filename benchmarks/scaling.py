@@ -176,6 +176,11 @@ def measure(name: str, args: argparse.Namespace, machine: Any) -> dict[str, Any]
         if synthetic:
             path.unlink(missing_ok=True)
             forget_packed(path)
+    return with_roofs(row, machine)
+
+
+def with_roofs(row: dict[str, Any], machine: Any) -> dict[str, Any]:
+    """The row's roofs and its decodes' share of the DRAM roof, by the machine's figures."""
     if "bytes_per_token" in row:
         row["decode_roof_tps"] = machine.dram_gbs * 1e9 / row["bytes_per_token"]
         row["prefill_roof_tps"] = (machine.int8_gops or machine.matmul_gflops) * 1e9 / (2 * row["params"])
@@ -250,6 +255,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="threads of both systems")
     ap.add_argument("--tmp", type=Path, default=Path("/tmp"), help="where syn: files are written")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "scaling")
+    ap.add_argument("--remeasure", action="store_true", help="measure the machine's roofs again first (the "
+                    "kept figures may come from a busy moment)")
+    ap.add_argument("--render", type=Path, help="redraw the table and plot of this results JSON with the kept "
+                    "machine figures (no run)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--phase", default="measure", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -265,9 +274,18 @@ def main() -> None:
     from phasewise.lab.roofline import load_machine, measure_machine, save_machine
 
     torch.set_num_threads(args.threads)                   # the machine figures are kept per thread count
-    if (machine := load_machine(torch.float32)) is None:
+    if args.remeasure or (machine := load_machine(torch.float32)) is None:
         print("measuring the machine's roofs (kept for next time) ...", flush=True)
         save_machine(machine := measure_machine(torch.float32), torch.float32)
+    if args.render:
+        report = json.loads(args.render.read_text())
+        report["machine"] = dataclasses.asdict(machine)
+        report["rows"] = [with_roofs(r, machine) for r in report["rows"]]
+        args.render.write_text(json.dumps(report, indent=1))
+        plot(report["rows"], args.render.with_suffix(".png"), machine)
+        table(report["rows"])
+        print(f"\nDRAM {machine.dram_gbs:.1f} GB/s, int8 {machine.int8_gops or 0:.0f} GOP/s; rewrote {args.render}")
+        return
     cpu = next((x.split(":", 1)[1].strip() for x in Path("/proc/cpuinfo").read_text().splitlines()
                 if x.startswith("model name")), "unknown")
     if (load := os.getloadavg()[0]) > 0.5:

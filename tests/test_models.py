@@ -152,8 +152,8 @@ K_QUANT_TYPES = {"attn_q": QT.Q4_K, "attn_k": QT.Q4_K, "attn_v": QT.Q6_K, "attn_
 
 def test_gguf_k_quants_at_their_own_precision(tmp_path, chosen_ops):
     """A Q4_K_M-like file (Q4_K q and k fused with a Q6_K v, Q5_K, Q6_K): fp32 equals transformers on
-    the same file; at the file's own blocks every projection keeps them (k4, q6k; k6 for Q5_K and the
-    mixed qkv), the reference
+    the same file; at the file's own blocks every projection keeps them (k4, q6k, k6 for Q5_K; the qkv
+    of two types in two parts), the reference
     path gives the fp32 logits, the kernels (activations in int8) a close copy."""
     from phasewise.kernels import use_kernels
     from phasewise.layers.quant_linear import QuantLinear
@@ -167,8 +167,9 @@ def test_gguf_k_quants_at_their_own_precision(tmp_path, chosen_ops):
     fp32, _ = load_model(path)
     want = PagedRunner(fp32, block_size=16).forward(ids, 0)
     model, _ = load_model(path, "q4")
-    formats = {name.rsplit(".", 1)[-1]: m.fmt for name, m in model.named_modules() if isinstance(m, QuantLinear)}
-    assert formats == {"qkv_proj": "k6", "o_proj": "k6", "gate_up_proj": "k4", "down_proj": "q6k", "lm_head": "q8"}
+    formats = {name.rsplit(".", 1)[-1]: "+".join(p.fmt for p in m.packed.parts) for name, m in model.named_modules()
+               if isinstance(m, QuantLinear)}
+    assert formats == {"qkv_proj": "k4+q6k", "o_proj": "k6", "gate_up_proj": "k4", "down_proj": "q6k", "lm_head": "q8"}
     torch.testing.assert_close(PagedRunner(model, block_size=16).forward(ids, 0), want, rtol=1e-4, atol=1e-4)
     use_kernels(model, chosen_ops)
     got = PagedRunner(model, block_size=16).forward(ids, 0)

@@ -65,18 +65,41 @@ def test_packing_keeps_the_files_values_exactly(type_name):
     assert torch.equal(quant.dequantize(packed), torch.from_numpy(expected.astype(np.float32)))
 
 
-@pytest.mark.parametrize("types,fmt", [(("Q4_K", "Q4_K"), "k4"), (("Q4_K", "Q4_0", "Q4_K"), "k6"), (("Q4_K", "Q4_K", "Q6_K"), "k6"), (("Q6_K", "Q6_K"), "q6k"),
-                                       (("Q5_0", "Q8_0", "Q6_K"), "k8"), (("Q4_1", "Q5_K"), "k6"),
-                                       (("Q5_0", "Q8_0"), "q8"), (("Q8_0", "Q5_0"), "q8"),
-                                       (("Q5_0", "Q4_0"), "k6"), (("Q4_K", "Q8_0"), "k8")])
-def test_fused_parts_of_mixed_types_keep_their_values(types, fmt):
-    """A Q4_K_M file's q, k (Q4_K) and v (Q6_K) fuse into one projection: repacked, not re-rounded."""
+@pytest.mark.parametrize("types,fmts", [(("Q4_K", "Q4_K"), ["k4"]), (("Q4_K", "Q4_0", "Q4_K"), ["k4", "q4", "k4"]),
+                                        (("Q4_K", "Q4_K", "Q6_K"), ["k4", "q6k"]), (("Q6_K", "Q6_K"), ["q6k"]),
+                                        (("Q5_0", "Q8_0", "Q6_K"), ["q5", "q8", "q6k"]), (("Q4_1", "Q5_K"), ["q4", "k6"]),
+                                        (("Q5_0", "Q8_0"), ["q8"]), (("Q8_0", "Q5_0"), ["q8", "q5"]),
+                                        (("Q5_0", "Q4_0"), ["q5", "q4"]), (("Q4_K", "Q8_0"), ["k4", "q8"])])
+def test_fused_parts_of_mixed_types_keep_their_values(types, fmts):
+    """A Q4_K_M file's q, k (Q4_K) and v (Q6_K) fuse into one projection whose parts keep their own
+    formats (runs of one type joined), not re-rounded and no wider than the file."""
     parts = [pack_gguf(t, gguf_rows(t, 32, 256, seed=i)) for i, t in enumerate(types)]
     fused = quant.concat(parts)
-    assert fused.fmt == fmt and fused.u5_tiles == (2 if types == ("Q5_0", "Q8_0") else 0)
+    assert [p.fmt for p in fused.parts] == fmts and fused.u5_tiles == (2 if types == ("Q5_0", "Q8_0") else 0)
+    assert fused.rows == 32 * len(types)
+    assert fused.u5_tiles or fused.nbytes() == sum(p.nbytes() for p in parts)     # U5 bytes: q8's width
     assert torch.equal(quant.dequantize(fused), torch.cat([quant.dequantize(p) for p in parts]))
     with pytest.raises(ValueError, match="fuse"):
         quant.concat([parts[0], random_weight("i8", 16, 256)])
+
+
+@pytest.mark.parametrize("m", [1, 5, 300])
+def test_fused_parts_run_in_their_own_formats(ops, m):
+    """The kernel runs each part of a mixed fused weight into its columns of one output (with the
+    bias across all of them), as its emulation does; the last part may be partly padding."""
+    types = [("Q4_K", 64), ("Q6_K", 32), ("Q8_0", 16), ("Q4_K", 40)]
+    fused = quant.concat([pack_gguf(t, gguf_rows(t, n, 512, seed=i)) for i, (t, n) in enumerate(types)])
+    assert [p.fmt for p in fused.parts] == ["k4", "q6k", "q8", "k4"]
+    bias = torch.randn(fused.rows)
+    layer = QuantLinear(fused, bias)
+    assert (layer.out_features, layer.packed.rows) == (152, 152)
+    layer.set_kernels(ops)
+    x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
+    y, expected = layer(x), quant.emulate(x, fused, bias)
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    with pytest.raises(RuntimeError, match="whole tiles"):
+        ops.quant_linear(x, quant.FORMAT_IDS["k4"], 88, fused.blocks[:2], fused.scale[:2], None, 0,
+                         [(quant.FORMAT_IDS["q6k"], 64, fused.rest[0].blocks, fused.rest[0].scale)])
 
 
 @pytest.mark.parametrize("m", [1, 5, 300])

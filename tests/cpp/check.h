@@ -66,6 +66,7 @@ std::vector<uint8_t> random_weight(pw::QuantFormat fmt, int64_t N, int64_t K, st
                                    std::vector<float>& scale, int64_t u5_tiles, std::vector<uint16_t>* super);
 void test_quant_linear(const pw::KernelTable& k, pw::QuantFormat fmt, int64_t M, int64_t N, int64_t K,
                        int64_t u5_tiles = 0);
+void test_fused_parts(const pw::KernelTable& k, int64_t M, int64_t K);
 void test_decoder_stack(const pw::KernelTable& k, bool int8, const std::vector<int64_t>& query_lens,
                         const std::vector<int64_t>& context_lens);
 

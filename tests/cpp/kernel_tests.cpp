@@ -212,6 +212,7 @@ int main() {
   for (const auto& mnk : std::vector<std::vector<int64_t>>{{1, 576, 256}, {3, 40, 512}, {5, 960, 256}, {130, 48, 768}})
     for (pw::QuantFormat fmt : {pw::K4, pw::Q6K})
       test_quant_linear(k, fmt, mnk[0], mnk[1], mnk[2]);        // whole super-blocks of 256
+  for (int64_t M : {1, 5, 130}) test_fused_parts(k, M, 512);
   for (const auto& mnk : std::vector<std::vector<int64_t>>{{1, 40, 64}, {130, 48, 96}, {5, 64, 128}, {3, 32, 64}})
     test_quant_linear(k, pw::Q8, mnk[0], mnk[1], mnk[2], 2);   // 2 U5 tiles, then Q8 (partly padding; none)
   for (bool int8 : {false, true}) {

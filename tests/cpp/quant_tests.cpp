@@ -126,6 +126,39 @@ void test_quant_linear(const pw::KernelTable& k, pw::QuantFormat fmt, int64_t M,
   check_close(name, y.data(), want.data(), y.size(), 1e-4f, 1e-5f * big);
 }
 
+// A fused weight of mixed parts (pw.next): K4 (32 rows), Q6K (16), Q8 (20: the last tile partly
+// padding), each part's rows into its columns of one output, against the parts' exact weights.
+void test_fused_parts(const pw::KernelTable& k, int64_t M, int64_t K) {
+  const pw::QuantFormat fmts[3] = {pw::K4, pw::Q6K, pw::Q8};
+  const int64_t rows[3] = {32, 16, 20};
+  std::vector<std::vector<uint8_t>> blocks(3);
+  std::vector<std::vector<float>> Ws(3), scales(3);
+  std::vector<std::vector<uint16_t>> supers(3);
+  std::vector<pw::PackedWeights> parts;
+  for (int i = 0; i < 3; ++i) {
+    blocks[i] = random_weight(fmts[i], rows[i], K, Ws[i], scales[i], 0, &supers[i]);
+    parts.push_back({fmts[i], blocks[i].data(), nullptr, rows[i], (rows[i] + 15) / 16, K / 32, 0, supers[i].data()});
+  }
+  parts[0].next = &parts[1], parts[1].next = &parts[2];
+  const int64_t N = 68, KB = K / 32;
+  auto x = randn(M * K), bias = randn(N);
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> dx(M * KB), sx(M * KB), y(M * N), want(M * N);
+  k.quantize_activations(RT, x.data(), M, K, xq.data(), dx.data(), sx.data());
+  k.quant_linear(RT, x.data(), M, K, parts[0], bias.data(), y.data());
+  float big = 0.f;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0, i = 0, r = 0; n < N; ++n, ++r) {
+      if (r == rows[i]) ++i, r = 0;
+      double acc = bias[n];
+      for (int64_t kk = 0; kk < K; ++kk) acc += static_cast<double>(Ws[i][r * K + kk]) * xq[m * K + kk] * dx[m * KB + kk / 32];
+      want[m * N + n] = static_cast<float>(acc);
+      big = std::max(big, std::fabs(want[m * N + n]));
+    }
+  check_close("quant_linear of fused parts K4+Q6K+Q8 M=" + std::to_string(M), y.data(), want.data(), y.size(), 1e-4f,
+              1e-5f * big);
+}
+
 // decoder_stack on a team of threads against the same ops called one by one on one thread, in
 // decoder.cpp's order: the team's barriers and shared buffers must change nothing but rounding.
 void test_decoder_stack(const pw::KernelTable& k, bool int8, const std::vector<int64_t>& query_lens,

@@ -22,9 +22,9 @@ quant_linear.cpp):
   super-block's fp16 d in `scale` ([NT, KB/8, 16]); the kernels unpack it to k6 tiles in L1/L2.
 The 6-bit bytes of k6 (and q5's, unpacked to bytes in the kernel) multiply unbiased on every ISA
 (AVX2's vpmaddubsw without saturating), where q8's need a slower path on AVX2. A fused projection
-whose parts differ in block type is repacked, exactly, into the first format every part fits
-(WIDER): q4 and k4 parts as k4, q5 with q8 as q8 (q5 parts first: as q8 tiles holding U5 bytes,
-u = q + 16, `u5_tiles`), nibbles with q5 or k6 as k6, any other mix as k8.
+whose parts differ in block type keeps each part in its own format, chained (`rest`), but for q5
+parts before q8 ones: q8 tiles holding U5 bytes (u = q + 16, `u5_tiles`). `repack` moves a weight
+into a wider format exactly (WIDER; k8 holds any mix of bytes); loading no longer needs it.
 
 Packing only moves bytes and widens scales (no second rounding of GGUF weights). `dequantize` is
 the device-agnostic reference; `emulate` computes in PyTorch what the kernel computes
@@ -33,7 +33,7 @@ the device-agnostic reference; `emulate` computes in PyTorch what the kernel com
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -65,6 +65,17 @@ class PackedWeight:
     blocks: torch.Tensor               # [NT, KB, BLOCK_BYTES] uint8: quants, then the scales
     scale: torch.Tensor | None = None  # [NT * 16] fp32 (i8); [NT, KB / 8, 32] fp16 (k4: d, then dmin; q6k: [.., 16] d)
     u5_tiles: int = 0                  # q8: its first tiles hold q5 values as u = q + 16 (concat)
+    rest: tuple[PackedWeight, ...] = ()  # the rows that follow, each part in its own format (concat)
+
+    @property
+    def rows(self) -> int:
+        """Output features of every part."""
+        return self.n + sum(p.n for p in self.rest)
+
+    @property
+    def parts(self) -> list[PackedWeight]:
+        """Each part on its own (one for a weight of one format)."""
+        return [replace(self, rest=()), *self.rest]
 
     @property
     def n_padded(self) -> int:
@@ -132,7 +143,7 @@ class PackedWeight:
         return u - OFFSET[self.fmt]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.blocks, self.scale) if t is not None)
+        return sum(t.numel() * t.element_size() for p in self.parts for t in (p.blocks, p.scale) if t is not None)
 
 
 def bits_per_weight(fmt: str) -> float:
@@ -242,12 +253,13 @@ def repack(w: PackedWeight, fmt: str) -> PackedWeight:
 
 def concat(parts: list[PackedWeight]) -> PackedWeight:
     """Stack weights along N (a fused projection); every part but the last fills whole tiles.
-    Parts of different block formats are repacked first, into the first format all of them fit;
-    q5 parts before q8 ones become q8 tiles of U5 bytes (u5_tiles: the same bytes per block as
-    q8's, with q5's cheaper products where the ISA has no unsigned-by-signed int8 product)."""
+    Consecutive parts of one format become one; parts of different formats stay each in its own
+    (`rest`: a Q4_K_M file's Q4_K q and k and Q6_K v, each at the file's width), but for q5 parts
+    before q8 ones: those become q8 tiles of U5 bytes (u5_tiles: the same bytes per block as q8's,
+    with q5's cheaper products where the ISA has no unsigned-by-signed int8 product)."""
     fmts = {p.fmt for p in parts}
     if any(p.k != parts[0].k for p in parts) or any(p.n % TILE for p in parts[:-1]) or \
-            (len(fmts) > 1 and "i8" in fmts) or any(p.u5_tiles for p in parts):
+            (len(fmts) > 1 and "i8" in fmts) or any(p.u5_tiles or p.rest for p in parts):
         raise ValueError("cannot fuse these weights")
     order = [p.fmt for p in parts]
     if fmts == {"q5", "q8"} and order == sorted(order, key=lambda f: f == "q8"):
@@ -256,9 +268,12 @@ def concat(parts: list[PackedWeight]) -> PackedWeight:
         u = _tile_bytes((u5.values() + OFFSET["q5"]).to(torch.uint8))      # q8's layout, u = q + 16
         blocks = torch.cat([torch.cat([u, _tile_scales(u5.scales(0))], dim=-1), wide.blocks])
         return PackedWeight(fmt="q8", n=u5.n + wide.n, k=u5.k, u5_tiles=u5.blocks.shape[0], blocks=blocks)
-    if len(fmts) > 1:
-        target = next(f for f in WIDER[parts[0].fmt] if all(f in WIDER[p.fmt] for p in parts))
-        parts = [repack(p, target) for p in parts]
+    if len(fmts) > 1:                                # runs of one format, chained
+        runs = [[parts[0]]]
+        for p in parts[1:]:
+            (runs[-1].append(p) if p.fmt == runs[-1][0].fmt else runs.append([p]))
+        first, *rest = [concat(r) for r in runs]
+        return replace(first, rest=tuple(rest))
     cat = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
     return PackedWeight(fmt=parts[0].fmt, n=sum(p.n for p in parts), k=parts[0].k,
                         blocks=cat([p.blocks for p in parts]), scale=cat([p.scale for p in parts]))
@@ -266,6 +281,8 @@ def concat(parts: list[PackedWeight]) -> PackedWeight:
 
 def dequantize(w: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The weight as [N, K] in dtype, exactly the stored values (the reference path)."""
+    if w.rest:
+        return torch.cat([dequantize(p, dtype) for p in w.parts])
     q = w.values().float()                                                      # [Np, KB, 32]
     if w.fmt == "i8":
         out = q * w.scale.reshape(-1, 1, 1)
@@ -284,7 +301,7 @@ def dequantize(w: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Ten
 def dequantize_rows(w: PackedWeight, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Rows `ids` [T] of the weight as [T, K] (the reference of the kernels' dequantize_rows): only
     the tiles holding them are dequantized."""
-    if w.u5_tiles:
+    if w.u5_tiles or w.rest:
         raise ValueError("dequantize_rows takes a table, not a fused projection")
     flat = ids.reshape(-1)
     tiles, lanes = torch.unique(flat // TILE, return_inverse=True)

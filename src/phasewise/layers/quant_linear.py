@@ -21,10 +21,14 @@ from phasewise.kernels.quant import PackedWeight
 class QuantLinear(nn.Module):
     def __init__(self, weight: PackedWeight, bias: torch.Tensor | None = None) -> None:
         super().__init__()
-        self.fmt, self.in_features, self.out_features = weight.fmt, weight.k, weight.n
-        self.fmt_id, self.u5_tiles = quant.FORMAT_IDS[weight.fmt], weight.u5_tiles
+        self.fmt, self.in_features, self.out_features = weight.fmt, weight.k, weight.rows
+        self.fmt_id, self.u5_tiles, self.part_rows = quant.FORMAT_IDS[weight.fmt], weight.u5_tiles, weight.n
         self.register_buffer("blocks", weight.blocks)
         self.register_buffer("scale", weight.scale)
+        self.rest = [(p.fmt, p.n) for p in weight.rest]       # a fused weight's further parts: blocks1, scale1, ...
+        for i, p in enumerate(weight.rest, 1):
+            self.register_buffer(f"blocks{i}", p.blocks)
+            self.register_buffer(f"scale{i}", p.scale)
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
         self.kernels: Any = None             # the compiled kernels (set_kernels)
         self._args: tuple | None = None      # the kernel's arguments, gathered once (attribute lookups cost µs)
@@ -34,7 +38,12 @@ class QuantLinear(nn.Module):
         self.kernels = kernels
         on_cpu = self.blocks.device.type == "cpu"
         self._args = None if kernels is None or not on_cpu else \
-            (self.fmt_id, self.out_features, self.blocks, self.scale, self.bias, self.u5_tiles)
+            (self.fmt_id, self.out_features, self.blocks, self.scale, self.bias, self.u5_tiles, self.rest_args())
+
+    def rest_args(self) -> list[tuple]:
+        """The kernels' (format id, rows, blocks, scale) of each further part."""
+        return [(quant.FORMAT_IDS[fmt], n, getattr(self, f"blocks{i}"), getattr(self, f"scale{i}"))
+                for i, (fmt, n) in enumerate(self.rest, 1)]
 
     def _apply(self, fn, recurse=True):
         self._args = None                     # buffers may move: gather the arguments again
@@ -49,12 +58,15 @@ class QuantLinear(nn.Module):
 
     @property
     def packed(self) -> PackedWeight:
-        return PackedWeight(fmt=self.fmt, n=self.out_features, k=self.in_features, blocks=self.blocks,
-                            scale=self.scale, u5_tiles=self.u5_tiles)
+        rest = tuple(PackedWeight(fmt=fmt, n=n, k=self.in_features, blocks=getattr(self, f"blocks{i}"),
+                                  scale=getattr(self, f"scale{i}")) for i, (fmt, n) in enumerate(self.rest, 1))
+        return PackedWeight(fmt=self.fmt, n=self.part_rows, k=self.in_features, blocks=self.blocks,
+                            scale=self.scale, u5_tiles=self.u5_tiles, rest=rest)
 
     def extra_repr(self) -> str:
         u5 = f" ({self.u5_tiles} tiles of q5 values)" if self.u5_tiles else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}{u5}"
+        fmt = "+".join([self.fmt, *(f for f, _ in self.rest)])
+        return f"in_features={self.in_features}, out_features={self.out_features}, fmt={fmt}{u5}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., in] → [..., out]."""

@@ -22,7 +22,7 @@ import torch
 
 from phasewise.kernels import quant
 
-PACK_VERSION = 2          # bump when kernels/quant.py's layouts change (2: k4 and q6k at the file's width)
+PACK_VERSION = 3          # bump when kernels/quant.py's layouts change (2: k4 and q6k at the file's width; 3: parts)
 MIN_BYTES = 32 << 20      # smaller GGUFs pack in well under a second: not cached
 
 
@@ -42,12 +42,13 @@ def cache_path(gguf_path: Path) -> Path:
 
 
 def _record(w: quant.PackedWeight) -> dict:
-    return {"fmt": w.fmt, "n": w.n, "k": w.k, "blocks": w.blocks, "scale": w.scale, "u5_tiles": w.u5_tiles}
+    return {"fmt": w.fmt, "n": w.n, "k": w.k, "blocks": w.blocks, "scale": w.scale, "u5_tiles": w.u5_tiles,
+            "rest": [_record(p) for p in w.rest]}
 
 
 def _weight(r: dict) -> quant.PackedWeight:
     return quant.PackedWeight(fmt=r["fmt"], n=r["n"], k=r["k"], blocks=r["blocks"], scale=r["scale"],
-                              u5_tiles=r["u5_tiles"])
+                              u5_tiles=r["u5_tiles"], rest=tuple(_weight(p) for p in r["rest"]))
 
 
 def save(path: Path, source: Path, linears: dict[str, quant.PackedWeight], embedding: quant.PackedWeight | None,
@@ -94,7 +95,7 @@ def load(path: Path) -> tuple[dict[str, quant.PackedWeight], quant.PackedWeight 
         linears = {p: _weight(r) for p, r in data["linears"].items()}
         table = data["embedding"]
         embedding = linears[table] if isinstance(table, str) else None if table is None else _weight(table)
-        for w in [*linears.values(), *([embedding] if embedding is not None else [])]:
+        for w in [p for w in [*linears.values(), *([embedding] if embedding is not None else [])] for p in w.parts]:
             if w.fmt not in quant.FORMAT_IDS or w.blocks.shape[-1] != quant.BLOCK_BYTES[w.fmt] or \
                     w.blocks.shape[0] * quant.TILE < w.n or w.blocks.shape[1] * quant.QK != w.k:
                 return None

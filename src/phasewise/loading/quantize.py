@@ -17,8 +17,10 @@ else.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -57,16 +59,18 @@ def plan_file_weights(model: nn.Module, cfg: ModelConfig, gguf: GGUFFile, tp: Te
     where = packed_cache.cache_path(gguf.path) if cache and tp is None and packed_cache.wanted(gguf.path) else None
     kept = packed_cache.load(where) if where is not None else None
     layers = {path: (linear.out_features, linear.in_features) for path, linear in _linears(model)}
-    if kept is not None and all(layers.get(p) == (w.n, w.k) for p, w in kept[0].items()):
+    if kept is not None and all(layers.get(p) == (w.rows, w.k) for p, w in kept[0].items()):
         return FileWeights(*kept)
     plan = FileWeights()
     progress = _Progress(len(layers))
-    for path, shape in layers.items():
-        found = file_blocks(gguf, cfg, path, tp)
-        if found is not None and (found[0].n, found[0].k) == shape:
-            plan.linears[path], names = found
-            plan.names.update(names)
-        progress.step(path)
+    # two layers at a time: numpy's and torch's element-wise passes let go of the GIL
+    with ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as pool:
+        packed = pool.map(lambda path: file_blocks(gguf, cfg, path, tp), layers)
+        for (path, shape), found in zip(layers.items(), packed):
+            if found is not None and (found[0].rows, found[0].k) == shape:
+                plan.linears[path], names = found
+                plan.names.update(names)
+            progress.step(path)
     table = gguf.weight("model.embed_tokens.weight", cfg)
     if tp is None and table is not None and table.type_name in GGUF_BLOCKS:
         head = plan.linears.get("lm_head")
@@ -101,8 +105,8 @@ class _Progress:
 
 def packed_bytes(model: nn.Module, cfg: ModelConfig, gguf: GGUFFile) -> tuple[float, float]:
     """(bytes the q4 load packs, bytes of the same tensors in the file), without packing: each linear
-    of `model` (meta is fine) in its parts' format (or the one their mix repacks to; int8 for other
-    types) and an untied token table in its own."""
+    of `model` (meta is fine) in its parts' formats (int8 for other types) and an untied token table
+    in its own."""
     packed = stored = 0.0
     for path, linear in _linears(model):
         names = [f"{path}.weight"]
@@ -113,10 +117,9 @@ def packed_bytes(model: nn.Module, cfg: ModelConfig, gguf: GGUFFile) -> tuple[fl
         if any(p is None for p in parts):
             continue
         fmts = [GGUF_BLOCKS.get(p.type_name, "i8") for p in parts]
-        fmt = fmts[0] if len(set(fmts)) == 1 else \
-            next(f for f in quant.WIDER.get(fmts[0], ("k8",)) if all(f in quant.WIDER.get(g, ()) for g in fmts)) \
-            if "i8" not in fmts else "i8"
-        packed += quant.bits_per_weight(fmt) / 8 * linear.out_features * linear.in_features
+        if "i8" in fmts or (set(fmts) == {"q5", "q8"} and fmts == sorted(fmts, key=lambda f: f == "q8")):
+            fmts = ["i8" if "i8" in fmts else "q8"] * len(fmts)     # int8 throughout; q5 parts as U5 bytes
+        packed += sum(quant.bits_per_weight(f) / 8 * p.shape[0] for f, p in zip(fmts, parts)) * linear.in_features
         stored += sum(p.data.nbytes for p in parts)
     table = gguf.weight("model.embed_tokens.weight", cfg)
     if table is not None and (not cfg.tie_word_embeddings or "output.weight" in gguf.tensors):
@@ -154,7 +157,7 @@ def quantize_model(model: nn.Module, dtype: str, cfg: ModelConfig, gguf: GGUFFil
     for path, linear in _linears(model):
         found = file_blocks(gguf, cfg, path, tp) if fmt == "q4" and gguf is not None else None
         packed = found[0] if found is not None else None
-        if packed is not None and (packed.n, packed.k) == (linear.out_features, linear.in_features):
+        if packed is not None and (packed.rows, packed.k) == (linear.out_features, linear.in_features):
             packed = _to(packed, linear.weight.device)
         elif linear.in_features % quant.QK:
             counts["fp32"] = counts.get("fp32", 0) + 1   # no int8 blocks for this width: stays as it is
@@ -204,4 +207,4 @@ def file_blocks(gguf: GGUFFile, cfg: ModelConfig, path: str,
 def _to(w: quant.PackedWeight, device) -> quant.PackedWeight:
     move = lambda t: None if t is None else t.to(device)  # noqa: E731
     return quant.PackedWeight(fmt=w.fmt, n=w.n, k=w.k, blocks=move(w.blocks), scale=move(w.scale),
-                              u5_tiles=w.u5_tiles)
+                              u5_tiles=w.u5_tiles, rest=tuple(_to(p, device) for p in w.rest))

@@ -36,8 +36,8 @@ def build_stack(kernels: Any, cfg: ModelConfig, layers: nn.ModuleList, final_nor
         if not all(isinstance(m, QuantLinear) and _on_cpu(m.blocks) for m in linears) \
                 or not all(map(_fp32_cpu, norms + ffn + qk + rope)):
             return None
-        args.append((*(w.detach() for w in norms), *[(m.fmt_id, m.out_features, m.blocks, m.scale, m.bias, m.u5_tiles)
-                                                      for m in linears]))
+        args.append((*(w.detach() for w in norms), *[(m.fmt_id, m.out_features, m.blocks, m.scale, m.bias, m.u5_tiles,
+                                                       m.rest_args()) for m in linears]))
         qk = [w.detach() for w in qk] or [None, None]
         ffn = [w.detach() for w in ffn] or [None, None]
         extras.append((*qk, *ffn, *rope, attn.kv_group, attn.window or 0))

@@ -31,7 +31,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("iters") = 20000000, nogil())
       .def("quant_linear", &KernelSet::quant_linear, "y = x W^T + b with W in a packed block format",
            py::arg("x"), py::arg("fmt"), py::arg("N"), py::arg("blocks"), py::arg("scale") = py::none(),
-           py::arg("bias") = py::none(), py::arg("u5_tiles") = 0, nogil())
+           py::arg("bias") = py::none(), py::arg("u5_tiles") = 0, py::arg("rest") = std::vector<PartArgs>{}, nogil())
       .def("dequantize_rows", &KernelSet::dequantize_rows, "rows ids of a packed weight in fp32 (an embedding)",
            py::arg("ids"), py::arg("fmt"), py::arg("N"), py::arg("blocks"), py::arg("scale") = py::none(), nogil())
       .def("decoder_stack",

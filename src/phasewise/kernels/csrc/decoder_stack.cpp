@@ -10,10 +10,13 @@ bool fp32_vector(const torch::Tensor& t, int64_t n) {
   return t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == n && t.device().is_cpu();
 }
 
-pw::Linear linear_view(const QuantLinearArgs& a, int64_t K) {
-  const auto& [fmt, N, blocks, scale, bias, u5_tiles] = a;
-  const pw::PackedWeights w = packed_weights(fmt, N, blocks, scale, u5_tiles);
+pw::Linear linear_view(const QuantLinearArgs& a, int64_t K, std::vector<pw::PackedWeights>& parts) {
+  const auto& [fmt, N, blocks, scale, bias, u5_tiles, rest] = a;
+  int64_t first = N;
+  for (const PartArgs& p : rest) first -= std::get<1>(p);
+  pw::PackedWeights w = packed_weights(fmt, first, blocks, scale, u5_tiles);
   TORCH_CHECK(w.KB * pw::QK == K, "a weight's shape does not match the model");
+  w.next = link_parts(rest, first, K, parts);
   TORCH_CHECK(!bias.has_value() || fp32_vector(*bias, N), "bias: fp32 [N]");
   return {w, bias.has_value() ? bias->data_ptr<float>() : nullptr};
 }
@@ -37,8 +40,10 @@ DecoderStack::DecoderStack(std::shared_ptr<KernelSet> kernels, std::vector<Layer
     TORCH_CHECK(fp32_vector(n1, H) && fp32_vector(n2, H), "norm weights: fp32 [H]");
     TORCH_CHECK(std::get<1>(qkv) == (Hq + 2 * Hkv) * D && std::get<1>(o) == H && std::get<1>(gate_up) == I2 &&
                 std::get<1>(down) == H, "a layer's linear shapes do not match the model");
-    views_.push_back({n1.data_ptr<float>(), n2.data_ptr<float>(), linear_view(qkv, H), linear_view(o, Hq * D),
-                      linear_view(gate_up, H), linear_view(down, I2 / 2)});
+    auto& parts = *parts_.emplace_back(std::make_unique<std::vector<pw::PackedWeights>>());
+    parts.reserve(std::get<6>(qkv).size() + std::get<6>(o).size() + std::get<6>(gate_up).size() + std::get<6>(down).size());
+    views_.push_back({n1.data_ptr<float>(), n2.data_ptr<float>(), linear_view(qkv, H, parts),
+                      linear_view(o, Hq * D, parts), linear_view(gate_up, H, parts), linear_view(down, I2 / 2, parts)});
   }
   TORCH_CHECK(extras_.empty() || extras_.size() == layers_.size(), "extras: none or one per layer");
   auto ptr = [](const Opt& t, int64_t n) -> const float* {

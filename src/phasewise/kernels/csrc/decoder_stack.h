@@ -8,10 +8,10 @@
 #include <tuple>
 #include <vector>
 
-// A QuantLinear's kernel arguments: format id, output features, packed blocks, scale, bias, and
-// the leading tiles that hold U5 bytes (PackedWeights::u5_tiles).
+// A QuantLinear's kernel arguments: format id, output features (all parts'), packed blocks, scale,
+// bias, the leading tiles that hold U5 bytes (PackedWeights::u5_tiles), and the further parts.
 using QuantLinearArgs = std::tuple<int64_t, int64_t, torch::Tensor, c10::optional<torch::Tensor>,
-                                   c10::optional<torch::Tensor>, int64_t>;
+                                   c10::optional<torch::Tensor>, int64_t, std::vector<PartArgs>>;
 // One layer: input norm weight, post-attention norm weight, qkv, o, gate_up, down.
 using LayerArgs = std::tuple<torch::Tensor, torch::Tensor, QuantLinearArgs, QuantLinearArgs, QuantLinearArgs,
                              QuantLinearArgs>;
@@ -43,6 +43,7 @@ class DecoderStack {
   int64_t groups_ = 1;
   torch::Tensor final_norm_, cos_, sin_;
   std::vector<pw::DecoderLayer> views_;
+  std::vector<std::unique_ptr<std::vector<pw::PackedWeights>>> parts_;   // the fused weights' further parts
   pw::DecoderModel model_;
   // Scratch kept from step to step (25.7 MB for a 512-token Gemma 3 step): a fresh tensor each
   // step was fresh pages, and zeroing them in the kernel was 3% of a prefill. One step at a time.

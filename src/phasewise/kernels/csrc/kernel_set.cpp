@@ -58,6 +58,22 @@ pw::PackedWeights packed_weights(int64_t fmt, int64_t N, const torch::Tensor& bl
   return w;
 }
 
+const pw::PackedWeights* link_parts(const std::vector<PartArgs>& rest, int64_t first, int64_t K,
+                                    std::vector<pw::PackedWeights>& parts) {
+  if (rest.empty()) return nullptr;
+  TORCH_CHECK(first > 0 && first % 16 == 0, "every part of a fused weight but the last fills whole tiles");
+  parts.reserve(parts.size() + rest.size());
+  const size_t start = parts.size();
+  for (size_t i = 0; i < rest.size(); ++i) {
+    const auto& [fmt, n, blocks, scale] = rest[i];
+    TORCH_CHECK(i + 1 == rest.size() || n % 16 == 0, "every part of a fused weight but the last fills whole tiles");
+    parts.push_back(packed_weights(fmt, n, blocks, scale, 0));
+    TORCH_CHECK(parts.back().KB * pw::QK == K, "the parts of a fused weight share K");
+  }
+  for (size_t i = start; i + 1 < parts.size(); ++i) parts[i].next = &parts[i + 1];
+  return &parts[start];
+}
+
 KernelSet::KernelSet(const std::string& library) {
   // RTLD_LOCAL: every level's library defines the same names; the table is the way in. Never closed.
   void* handle = dlopen(library.c_str(), RTLD_NOW | RTLD_LOCAL);
@@ -180,9 +196,13 @@ std::vector<torch::Tensor> KernelSet::quantize_activations(torch::Tensor x) cons
 // y [M, N] = x [M, K] @ W^T + bias, W packed as quant_linear.cpp describes (N rows of NT * 16).
 torch::Tensor KernelSet::quant_linear(torch::Tensor x, int64_t fmt, int64_t N, torch::Tensor blocks,
                                       c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias,
-                                      int64_t u5_tiles) const {
+                                      int64_t u5_tiles, const std::vector<PartArgs>& rest) const {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x: fp32 [M, K]");
-  const pw::PackedWeights w = packed_weights(fmt, N, blocks, scale, u5_tiles);
+  int64_t first = N;
+  for (const PartArgs& p : rest) first -= std::get<1>(p);
+  pw::PackedWeights w = packed_weights(fmt, first, blocks, scale, u5_tiles);
+  std::vector<pw::PackedWeights> parts;
+  w.next = link_parts(rest, first, w.KB * pw::QK, parts);
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K == w.KB * pw::QK, "x has ", K, " columns, the weights ", w.KB * pw::QK);

@@ -7,12 +7,19 @@
 #include <torch/extension.h>
 
 #include <string>
+#include <tuple>
 #include <vector>
 
 // A packed weight's tensors checked against its format (quant_linear.cpp's layout): blocks u8
 // [NT, KB, BB]; scale fp32 [NT * 16] (I8) or fp16 [NT, KB / 8, 32 or 16] (K4's, Q6K's super-blocks).
 pw::PackedWeights packed_weights(int64_t fmt, int64_t N, const torch::Tensor& blocks,
                                  const c10::optional<torch::Tensor>& scale, int64_t u5_tiles);
+// The further parts of a fused projection of mixed types: (format, rows, blocks, scale) each, after
+// a first part of `first` rows (whole tiles); the parts go into `parts` (its addresses must not
+// move), each linked to the next, and the first part's `next` is returned.
+using PartArgs = std::tuple<int64_t, int64_t, torch::Tensor, c10::optional<torch::Tensor>>;
+const pw::PackedWeights* link_parts(const std::vector<PartArgs>& rest, int64_t first, int64_t K,
+                                    std::vector<pw::PackedWeights>& parts);
 
 class KernelSet {
  public:
@@ -35,7 +42,7 @@ class KernelSet {
   std::vector<torch::Tensor> quantize_activations(torch::Tensor x) const;
   torch::Tensor quant_linear(torch::Tensor x, int64_t fmt, int64_t N, torch::Tensor blocks,
                              c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias,
-                             int64_t u5_tiles) const;
+                             int64_t u5_tiles, const std::vector<PartArgs>& rest) const;
   torch::Tensor dequantize_rows(torch::Tensor ids, int64_t fmt, int64_t N, torch::Tensor blocks,
                                 c10::optional<torch::Tensor> scale) const;
   double int8_peak_gops(int64_t iters) const;

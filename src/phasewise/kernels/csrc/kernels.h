@@ -77,6 +77,9 @@ struct PackedWeights {      // a quantized linear layer's weight, packed (kernel
   int64_t u5_tiles = 0;
   // K4: [NT, KB / 8, 32] fp16, each (tile, super-block)'s 16 d, then 16 dmin; Q6K: [NT, KB / 8, 16] its d
   const uint16_t* super = nullptr;
+  // the rows that follow, in another format (a projection fused from parts of mixed GGUF types,
+  // each kept at its own width); every part but the last fills whole tiles
+  const PackedWeights* next = nullptr;
 };
 
 struct Linear {             // a quantized linear layer: packed weight and optional bias [N]

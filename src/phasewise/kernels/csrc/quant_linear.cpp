@@ -132,13 +132,49 @@ struct Scratch {  // a thread's quantized activations, reused from call to call
   std::vector<float> dx, sx, sl;
 };
 
+
+// One part's rows: y[:, :pw.N] (row stride ldo) of x W^T + bias.
+void run_part(const Runtime& rt, const Act& a, int64_t M, const PackedWeights& pw, const float* bias, float* y,
+              int64_t ldo) {
+  const int64_t KB = a.KB, N = pw.N;
+  const Weights w{pw.blocks, pw.scale, KB, block_bytes(pw.fmt), pw.N, pw.NT, pw.super};
+  switch (pw.fmt) {
+    case Q4: run<Q4>(rt, a, M, w, bias, y, ldo); break;
+    case Q8:
+      if (pw.u5_tiles > 0) {          // the U5 tiles, then the Q8 ones from tile u5 on: two regions
+        const int64_t u5 = pw.u5_tiles, n5 = std::min(N, 16 * u5);
+        run<U5>(rt, a, M, Weights{w.qs, nullptr, KB, w.BB, n5, u5}, bias, y, ldo);
+        if (u5 < pw.NT)
+          run<Q8>(rt, a, M, Weights{w.qs + u5 * KB * w.BB, nullptr, KB, w.BB, N - n5, pw.NT - u5},
+                  bias ? bias + n5 : nullptr, y + n5, ldo);
+      } else {
+        run<Q8>(rt, a, M, w, bias, y, ldo);
+      }
+      break;
+    case I8: run<I8>(rt, a, M, w, bias, y, ldo); break;
+    case K4: run<K4>(rt, a, M, w, bias, y, ldo); break;
+    case K8: run<K8>(rt, a, M, w, bias, y, ldo); break;
+    case Q5: run<Q5>(rt, a, M, w, bias, y, ldo); break;
+    case K6: run<K6>(rt, a, M, w, bias, y, ldo); break;
+    case Q6K: run<Q6K>(rt, a, M, w, bias, y, ldo); break;
+    case U5: break;                   // not a packed format (kernels.h)
+  }
+}
+
 }  // namespace
 
-// y [M, N] = x [M, K] @ W^T + bias, W packed as described at the top (N rows of NT * 16).
+// y [M, N] = x [M, K] @ W^T + bias, W packed as described at the top (N rows of NT * 16), its rows
+// continued by pw.next's in another format (a fused projection of mixed parts): N the sum.
 void quant_linear(const Runtime& rt, const float* x, int64_t M, int64_t K, const PackedWeights& pw,
                   const float* bias, float* y) {
   if (M == 0) return;
   const int64_t KB = K / QK;
+  int64_t N = 0;
+  bool half_sums = false;                     // biased halves need each half's sum
+  for (const PackedWeights* p = &pw; p != nullptr; p = p->next) {
+    N += p->N;
+    half_sums |= p->fmt == K6 || p->fmt == Q6K || (p->fmt == K8 && Q8_BIASED);
+  }
   thread_local Scratch own;
   auto reserve = [&] {
     if (static_cast<int64_t>(own.xq.size()) < M * K) own.xq.resize(M * K);
@@ -146,7 +182,6 @@ void quant_linear(const Runtime& rt, const float* x, int64_t M, int64_t K, const
     return &own;
   };
   Scratch* scratch;
-  const bool half_sums = pw.fmt == K6 || pw.fmt == Q6K || (pw.fmt == K8 && Q8_BIASED);   // biased halves need each half's sum
   if (rt.team && M * KB <= QUANT_GRAIN) {     // each thread of a team quantizes a few rows itself: no barrier
     scratch = reserve();
     quantize_rows(Runtime{1}, x, M, K, scratch->xq.data(), scratch->dx.data(), scratch->sx.data(),
@@ -157,29 +192,9 @@ void quant_linear(const Runtime& rt, const float* x, int64_t M, int64_t K, const
                   half_sums ? scratch->sl.data() : nullptr);
   }
   const Act a{scratch->xq.data(), scratch->dx.data(), scratch->sx.data(), scratch->sl.data(), K, KB};
-  const Weights w{pw.blocks, pw.scale, KB, block_bytes(pw.fmt), pw.N, pw.NT, pw.super};
-  const int64_t N = pw.N;
-  switch (pw.fmt) {
-    case Q4: run<Q4>(rt, a, M, w, bias, y, N); break;
-    case Q8:
-      if (pw.u5_tiles > 0) {          // the U5 tiles, then the Q8 ones from tile u5 on: two regions
-        const int64_t u5 = pw.u5_tiles, n5 = std::min(N, 16 * u5);
-        run<U5>(rt, a, M, Weights{w.qs, nullptr, KB, w.BB, n5, u5}, bias, y, N);
-        if (u5 < pw.NT)
-          run<Q8>(rt, a, M, Weights{w.qs + u5 * KB * w.BB, nullptr, KB, w.BB, N - n5, pw.NT - u5},
-                  bias ? bias + n5 : nullptr, y + n5, N);
-      } else {
-        run<Q8>(rt, a, M, w, bias, y, N);
-      }
-      break;
-    case I8: run<I8>(rt, a, M, w, bias, y, N); break;
-    case K4: run<K4>(rt, a, M, w, bias, y, N); break;
-    case K8: run<K8>(rt, a, M, w, bias, y, N); break;
-    case Q5: run<Q5>(rt, a, M, w, bias, y, N); break;
-    case K6: run<K6>(rt, a, M, w, bias, y, N); break;
-    case Q6K: run<Q6K>(rt, a, M, w, bias, y, N); break;
-    case U5: break;                   // not a packed format (kernels.h)
-  }
+  int64_t n0 = 0;
+  for (const PackedWeights* p = &pw; p != nullptr; n0 += p->N, p = p->next)
+    run_part(rt, a, M, *p, bias ? bias + n0 : nullptr, y + n0, N);
 }
 
 }  // namespace pw
