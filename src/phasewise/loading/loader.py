@@ -104,7 +104,7 @@ def load_model(path: Path, dtype: torch.dtype | str = torch.float32, device: tor
         raise ModelLoadError(f"{path}: {len(missing)} weights missing from the checkpoint, "
                              f"e.g. {sorted(missing)[0]}")
     if weight_format:
-        quantize_model(model, weight_format, full, gguf, tp)
+        quantize_model(model)
     return model.eval(), cfg
 
 

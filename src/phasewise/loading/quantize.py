@@ -3,11 +3,10 @@
 - int8: every linear (the tied output head too) quantized per output channel from its fp32
   weight; fused projections (qkv, gate_up) are quantized after fusion, one scale per fused row.
 - q4: the GGUF file's own blocks, repacked without rounding (kernels/gguf_blocks.py): Q4_1/Q4_0
-  as 4-bit blocks, Q8_0 (how the default file stores its tied embedding, used as the output head)
-  as 8-bit blocks, Q5_0 (Gemma 3's q, k, gate and up) in its own 5.5 bits, Q4_K as 4-bit blocks
-  with fp32 scales, Q5_K and Q6_K as 8-bit blocks with fp32 half-block scales. A fused projection concatenates its
-  parts' blocks along N (parts of different types repacked to one format, exactly). A layer the
-  file holds in another type (F32, F16, a safetensors model) falls back to int8 per channel.
+  as q4, Q8_0 as q8, Q5_0 in its own 5.5 bits, Q4_K and Q6_K at the file's width (k4, q6k), Q5_K
+  as k6. A fused projection concatenates its parts' blocks along N, parts of different types each
+  in its own format (quant.concat). A layer the file holds in another type (F32, F16, a
+  safetensors model) falls back to int8 per channel.
 
 With q4 the file's blocks are planned before any weight is read (`plan_file_weights`): the
 loader then never reads those weights in fp32, and the token table stays in its blocks too
@@ -144,30 +143,21 @@ def use_file_weights(model: nn.Module, plan: FileWeights) -> None:
         setattr(parent, name, QuantEmbedding(to(plan.embedding, device)))
 
 
-def quantize_model(model: nn.Module, dtype: str, cfg: ModelConfig, gguf: GGUFFile | None = None,
-                   tp: TensorParallel | None = None) -> dict[str, int]:
-    """Replace every remaining nn.Linear in place (q4: from the file's blocks where it has them, as
-    `plan_file_weights`; else int8 per channel); returns how many layers ended in each format. `cfg`
-    is the whole model's; with `tp`, the file's blocks are cut to this rank's part."""
-    fmt = WEIGHT_FORMATS[dtype]
+def quantize_model(model: nn.Module) -> dict[str, int]:
+    """Quantize every remaining nn.Linear in place to int8 per channel (with q4, what the file does
+    not hold in blocks: `plan_file_weights` took the rest); returns how many layers ended in each
+    format."""
     counts: dict[str, int] = {}
     for module in model.modules():
         if isinstance(module, QuantLinear):
             counts[module.fmt] = counts.get(module.fmt, 0) + 1
     for path, linear in _linears(model):
-        found = file_blocks(gguf, cfg, path, tp) if fmt == "q4" and gguf is not None else None
-        packed = found[0] if found is not None else None
-        if packed is not None and (packed.rows, packed.k) == (linear.out_features, linear.in_features):
-            packed = _to(packed, linear.weight.device)
-        elif linear.in_features % quant.QK:
+        if linear.in_features % quant.QK:
             counts["fp32"] = counts.get("fp32", 0) + 1   # no int8 blocks for this width: stays as it is
             continue
-        else:
-            packed = None
-        module = QuantLinear.from_linear(linear, packed)
         parent, name = _parent(model, path)
-        setattr(parent, name, module)
-        counts[module.fmt] = counts.get(module.fmt, 0) + 1
+        setattr(parent, name, QuantLinear.from_linear(linear))
+        counts["i8"] = counts.get("i8", 0) + 1
     return counts
 
 
