@@ -1,10 +1,10 @@
 """Linear-layer kernels at the default model's shapes: fp32 oneDNN against the int8 and q4 kernels.
 
     .venv/bin/python benchmarks/kernels.py [--rows 1,4,32,512] [--repeats 5] [--min-time 0.2] [--threads N] [--cold]
-        [--shapes qkv,o,...] [--formats int8,q4 | any of q4,q8,q5,k4,k6,k8,i8]
+        [--shapes qkv,o,...] [--formats int8,q4 | any of q4,q8,q5,k4,q6k,k6,k8,i8]
 
 For each weight shape (N, K) of SmolLM2-135M (or Gemma 3 270M: --shapes gemma_qkv,gemma_o,
-gemma_gate_up,gemma_down) and each number of activation rows M, prints the median time of one
+gemma_gate_up,gemma_down; Qwen2.5-1.5B's MLP: qwen15_gate_up,qwen15_down) and each number of activation rows M, prints the median time of one
 call, the weight bytes read per second (GB/s, what bounds decode) and the arithmetic rate
 (GFLOP/s, what bounds prefill). q4 is GGUF Q4_1 except the output head, which the default file
 stores as Q8_0; --formats names packed formats (kernels/quant.py) to compare them on one shape.
@@ -28,7 +28,8 @@ from phasewise.layers.quant_linear import QuantLinear
 L3_BYTES = 32 << 20
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
           "lm_head": (49152, 576),
-          "gemma_qkv": (1536, 640), "gemma_o": (640, 1024), "gemma_gate_up": (4096, 640), "gemma_down": (640, 2048)}
+          "gemma_qkv": (1536, 640), "gemma_o": (640, 1024), "gemma_gate_up": (4096, 640), "gemma_down": (640, 2048),
+          "qwen15_gate_up": (17920, 1536), "qwen15_down": (1536, 8960)}
 
 
 def random_packed(fmt: str, n: int, k: int) -> quant.PackedWeight:
@@ -40,8 +41,13 @@ def random_packed(fmt: str, n: int, k: int) -> quant.PackedWeight:
     if fmt in ("q8", "q5"):
         lo, hi = (-127, 127) if fmt == "q8" else (-16, 15)
         return quant.pack(fmt, torch.randint(lo, hi + 1, (n, kb, 32)), [d])
-    lo, hi = {"k4": (0, 15), "k6": (-32, 31), "k8": (-127, 127)}[fmt]
-    scales = [torch.rand(n, kb) * 0.01 for _ in range(1 if fmt == "k4" else 2)] + [-torch.rand(n, kb) * 0.05]
+    if fmt in ("k4", "q6k"):         # sub-block scales as integers, fp16 super-block scales (K % 256 == 0)
+        sb = [(torch.rand(n, kb // quant.SUPER) * 1e-3).half().float() for _ in range(quant.SUPER_SCALES[fmt])]
+        if fmt == "k4":
+            return quant.pack("k4", torch.randint(0, 16, (n, kb, 32)), [torch.randint(0, 64, (n, kb)) for _ in "sm"], sb)
+        return quant.pack("q6k", torch.randint(-32, 32, (n, kb, 32)), [*torch.randint(-128, 128, (2, n, kb))], sb)
+    lo, hi = {"k6": (-32, 31), "k8": (-127, 127)}[fmt]
+    scales = [torch.rand(n, kb) * 0.01 for _ in range(2)] + [-torch.rand(n, kb) * 0.05]
     if fmt == "k6":                 # d, each half's integer sc (Q6_K's int8), m
         scales = [scales[0] * 0.02, *torch.randint(-128, 128, (2, n, kb)).float(), scales[2]]
     return quant.pack(fmt, torch.randint(lo, hi + 1, (n, kb, 32)), scales)
@@ -49,7 +55,7 @@ def random_packed(fmt: str, n: int, k: int) -> quant.PackedWeight:
 
 def clone(w: quant.PackedWeight) -> quant.PackedWeight:
     c = lambda t: None if t is None else t.clone()  # noqa: E731
-    return quant.PackedWeight(fmt=w.fmt, n=w.n, k=w.k, blocks=c(w.blocks), scale=c(w.scale))
+    return quant.PackedWeight(fmt=w.fmt, n=w.n, k=w.k, blocks=c(w.blocks), scale=c(w.scale), u5_tiles=w.u5_tiles)
 
 
 def with_kernels(layer: QuantLinear, kernels) -> QuantLinear:

@@ -11,7 +11,7 @@
 //       at the same byte of a chunk;
 //     the bytes (and U5): 8 chunks, chunk g holds k = 4g..4g+3;
 //   then the 16 rows' scales (kernels.h, block_bytes). scale [N/16 * 16] fp32 (I8).
-// Q5 streams 5.5 bits a weight from memory: from Q5_UNPACK_ROWS rows a thread unpacks a tile's blocks
+// Q5 streams 5.5 bits a weight from memory: from UNPACK_ROWS rows a thread unpacks a tile's blocks
 // to bytes (U5, in L1/L2) before its rows pass over them; fewer rows put each chunk's bytes together
 // in registers (AVX2: 4 chunks of 5-bit bytes summed in int16 before a widening, 6-bit bytes 2).
 #include "core.h"
@@ -51,7 +51,7 @@ inline void unpack_q5(const Weights& w, int64_t t0, int64_t nv, uint8_t* buf) {
 
 // Q6K tiles t0 .. t0 + nv - 1 as K6 in buf [nv, KB, block_bytes(K6)]: bytes u = q + 32 from the
 // nibbles and the high pairs, d from the super-block's fp16, sc as int16, m = 0 (w = d sc_h q).
-// From Q6K_UNPACK_ROWS rows K6's tiles run over it (from L1/L2); the next tiles stream into L2.
+// From UNPACK_ROWS rows K6's tiles run over it (from L1/L2); the next tiles stream into L2.
 // Fewer rows (decode) take Q6K in place: unpacking through memory made its GEMV compute-bound
 // (13-14 GB/s where k4 streams 25).
 inline void unpack_q6k(const Weights& w, int64_t t0, int64_t nv, uint8_t* buf) {
@@ -80,8 +80,20 @@ inline void unpack_q6k(const Weights& w, int64_t t0, int64_t nv, uint8_t* buf) {
 }
 
 constexpr int64_t MCHUNK = 128;
-constexpr int64_t Q5_UNPACK_ROWS = 8;     // from this many rows Q5 tiles are unpacked once for all rows
-constexpr int64_t Q6K_UNPACK_ROWS = 8;    // and Q6K tiles, to K6
+constexpr int64_t UNPACK_ROWS = 8;        // from this many rows Q5 (Q6K) tiles are unpacked to U5 (K6) once
+
+// Tiles t0 .. t0 + nv - 1 unpacked to format U in this thread's buffer, then rows_kernel<U> over them.
+template <Fmt U, typename Unpack>
+inline void run_unpacked(const Act& chunk, int64_t rows, const Weights& w, int64_t t0, int64_t nv, const float* bias,
+                         float* o, int64_t ldo, const Unpack& unpack) {
+  thread_local std::vector<uint8_t> buf;
+  if (static_cast<int64_t>(buf.size()) < NVB * w.KB * block_bytes(U)) buf.resize(NVB * w.KB * block_bytes(U));
+  unpack(w, t0, nv, buf.data());
+  const Weights u{buf.data(), nullptr, w.KB, block_bytes(U), std::min<int64_t>(w.N - 16 * t0, 16 * nv), nv};
+  const float* b = bias ? bias + 16 * t0 : nullptr;
+  if (nv == NVB) rows_kernel<U, NVB>(chunk, rows, u, 0, b, o + 16 * t0, ldo);
+  else for (int64_t t = 0; t < nv; ++t) rows_kernel<U, 1>(chunk, rows, u, t, b, o + 16 * t0, ldo);
+}
 // Rows go in chunks of MCHUNK (activations and outputs of a chunk stay in L2 while every tile
 // pair of the weight passes over them). Threads split the pairs of tiles once and each walks the
 // chunks over its own pairs: chunks write disjoint rows, so no barrier between them (one per
@@ -96,29 +108,12 @@ void run(const Runtime& rt, const Act& a, int64_t M, const Weights& w, const flo
       float* o = out + m0 * ldo;
       for (int64_t g = begin; g < end; ++g) {
         const int64_t t0 = NVB * g, nv = std::min<int64_t>(NVB, NT - t0);
-        if constexpr (F == Q6K) {
-          if (rows >= Q6K_UNPACK_ROWS) {  // the group's tiles as K6 once, then every row over them
-            thread_local std::vector<uint8_t> buf;
-            if (static_cast<int64_t>(buf.size()) < NVB * w.KB * block_bytes(K6)) buf.resize(NVB * w.KB * block_bytes(K6));
-            unpack_q6k(w, t0, nv, buf.data());
-            const Weights u{buf.data(), nullptr, w.KB, block_bytes(K6), std::min<int64_t>(w.N - 16 * t0, 16 * nv), nv};
-            const float* b = bias ? bias + 16 * t0 : nullptr;
-            if (nv == NVB) rows_kernel<K6, NVB>(chunk, rows, u, 0, b, o + 16 * t0, ldo);
-            else for (int64_t t = 0; t < nv; ++t) rows_kernel<K6, 1>(chunk, rows, u, t, b, o + 16 * t0, ldo);
+        if constexpr (F == Q5 || F == Q6K) {
+          if (rows >= UNPACK_ROWS) {      // the group's tiles unpacked once, then every row over them
+            if constexpr (F == Q5) run_unpacked<U5>(chunk, rows, w, t0, nv, bias, o, ldo, unpack_q5);
+            else run_unpacked<K6>(chunk, rows, w, t0, nv, bias, o, ldo, unpack_q6k);
             continue;
-          }                               // fewer: in place, each chunk unpacked in registers
-        }
-        if constexpr (F == Q5) {
-          if (rows >= Q5_UNPACK_ROWS) {   // the group's tiles as U5 once, then every row over them
-            thread_local std::vector<uint8_t> buf;
-            if (static_cast<int64_t>(buf.size()) < NVB * w.KB * block_bytes(U5)) buf.resize(NVB * w.KB * block_bytes(U5));
-            unpack_q5(w, t0, nv, buf.data());
-            const Weights u{buf.data(), nullptr, w.KB, block_bytes(U5), std::min<int64_t>(w.N - 16 * t0, 16 * nv), nv};
-            const float* b = bias ? bias + 16 * t0 : nullptr;
-            if (nv == NVB) rows_kernel<U5, NVB>(chunk, rows, u, 0, b, o + 16 * t0, ldo);
-            else for (int64_t t = 0; t < nv; ++t) rows_kernel<U5, 1>(chunk, rows, u, t, b, o + 16 * t0, ldo);
-            continue;
-          }
+          }                               // fewer: in place, each chunk put together in registers
         }
         if (nv == NVB) rows_kernel<F, NVB>(chunk, rows, w, t0, bias, o, ldo);
         else for (int64_t t = t0; t < NT; ++t) rows_kernel<F, 1>(chunk, rows, w, t, bias, o, ldo);
