@@ -1,7 +1,7 @@
 """Speculative decoding: decode tokens/s with and without each proposer, on an input-grounded task and on
 open-ended generation, alone and with several requests at once.
 
-    .venv/bin/python benchmarks/speculative.py [--proposers none ngram draft] [--tasks grounded open]
+    .venv/bin/python benchmarks/speculative.py [--model M] [--proposers none ngram draft] [--tasks grounded open]
                                                [--batches 1 8] [--requests 8] [--max-tokens 128] [-k 4]
                                                [--draft-model PATH] [--draft-dtype q4] [--temperature 0]
 
@@ -74,6 +74,8 @@ def main() -> None:
     ap.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--ngram-min", type=int, default=2)
     ap.add_argument("--ngram-max", type=int, default=4)
+    ap.add_argument("--model", default=None, help="the target: a .gguf file or a packaged model (default: the "
+                    "default model)")
     ap.add_argument("--draft-model", default=None, help="default: the target's own file")
     ap.add_argument("--draft-dtype", default="q4", choices=["fp32", "bf16", "fp16", "int8", "q4"])
     ap.add_argument("--dtype", default="fp32", help="the target's weights")
@@ -90,7 +92,7 @@ def main() -> None:
         spec = SpeculativeConfig(method=None if proposer == "none" else proposer,
                                  num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,
                                  ngram_max=args.ngram_max, draft_model=args.draft_model, draft_dtype=args.draft_dtype)
-        llm = LLM(dtype=args.dtype, kv_cache_memory=0.5, speculative=spec)
+        llm = LLM(args.model, dtype=args.dtype, kv_cache_memory=0.5, speculative=spec)
         llm.chat(prompts("open", 1)[0], SamplingParams(temperature=0, max_tokens=16))   # warm every path
         for task in args.tasks:
             chats = prompts(task, args.requests)
