@@ -1,10 +1,11 @@
 // Paged attention on the CPU: each query row attends over its sequence's cached keys and values,
 // read in place from the paged KV cache (fp32, or int8 with one fp32 scale per (slot, KV head)).
 //
-// Work is split into tasks (row, KV head, part of the context): when the batch has fewer
-// (row, head) pairs than the threads can use, the context is cut into parts (flash-decoding)
-// whose partial results (running max m, sum l, unnormalised output) are merged at the end
-// with their log-sum-exp. Within a task, keys go 16 at a time: 16 dot products, one
+// Work is split into tasks (row, KV head, part of the context): each row's context is cut into
+// parts of PART_TOKENS from its first token (flash-decoding), whose partial results (running
+// max m, sum l, unnormalised output) are merged in order with their log-sum-exp. The parts
+// depend on the row alone, never on the batch or the thread count, so a row's output is the
+// same bits in any batch: a speculative verify's rows equal the decode steps they stand for. Within a task, keys go 16 at a time: 16 dot products, one
 // transpose-reduction into a vector of 16 scores, one vectorised exp, then the 16 value rows
 // times their weights. The G query heads that share a KV head are done together, so each
 // K/V row is read once per task. Head sizes that are not 64, 128 or 256 take a scalar loop. Written once over the
@@ -21,7 +22,10 @@
 namespace pw {
 namespace {
 
-constexpr int64_t MIN_PART = 64;      // fewest context tokens worth a task of their own
+constexpr int64_t PART_TOKENS = 128;  // context tokens of one task (the last part of a row: fewer)
+// Runs of at most this many consecutive positions of one sequence (a speculative verify of up to
+// 7 drafts) go row by row as decodes do; longer runs (prompt chunks) to the tiled kernel.
+constexpr int64_t ROW_RUN = 8;
 
 // One task: G query heads (q: [G, D]) over context tokens [from, to) of one sequence.
 // Leaves the running max m[G], sum l[G] and unnormalised output acc[G, D].
@@ -182,16 +186,6 @@ void attend_scalar(const Cache& c, const int64_t* table, int64_t block_size, int
   }
 }
 
-// How many parts to cut each row's context into: enough tasks for every thread (and a
-// multiple of their number), but no part shorter than MIN_PART tokens.
-int64_t num_parts(int64_t threads, int64_t pairs, int64_t max_len) {
-  const int64_t cap = std::max<int64_t>(1, max_len / MIN_PART);
-  if (pairs >= 4 * threads || cap == 1) return 1;
-  int64_t parts = (2 * threads + pairs - 1) / pairs;
-  while ((pairs * parts) % threads) ++parts;
-  return std::min(parts, cap);
-}
-
 }  // namespace
 
 // q: [T, Hq, D]; the cache [num_slots, Hkv, D] (slot = block * block_size + offset); row t attends
@@ -204,17 +198,22 @@ void paged_attention(const Runtime& rt, const float* qp, int64_t T, int64_t Hq, 
   const int64_t* seqs = ar.seq;
   const int64_t* lens = ar.len;
   const bool int8 = c.kq != nullptr;
-  // Runs of consecutive positions of one sequence (prompt chunks) go in tiles to the tiled
-  // kernel; the other rows (decodes) one by one here.
+  // Runs of more than ROW_RUN consecutive positions of one sequence (prompt chunks) go in tiles to
+  // the tiled kernel; the other rows (decodes, verifies) one by one here.
   std::vector<Tile> tiles;
   std::vector<int64_t> rows;
   const int64_t R = tile_rows(G);
   for (int64_t t = 0; t < T;) {
-    int64_t n = 1;
-    while (t + n < T && n < R && seqs[t + n] == seqs[t] && lens[t + n] == lens[t] + n) ++n;
-    if (n > 1) tiles.push_back({t, n, seqs[t], lens[t]});
-    else rows.push_back(t);
-    t += n;
+    int64_t run = 1;                    // the run of consecutive positions of one sequence from row t
+    while (t + run < T && seqs[t + run] == seqs[t] && lens[t + run] == lens[t] + run) ++run;
+    if (run <= ROW_RUN)
+      for (int64_t r = 0; r < run; ++r) rows.push_back(t + r);
+    else
+      for (int64_t r = 0; r < run; r += R) {
+        if (run - r > 1) tiles.push_back({t + r, std::min(R, run - r), seqs[t], lens[t] + r});
+        else rows.push_back(t + r);
+      }
+    t += run;
   }
   if (!tiles.empty() && !attend_tiles(rt, c, tiles, ar, qp, Hq, sc, op)) {
     for (const Tile& tile : tiles)                 // no tiled kernel for this shape
@@ -226,7 +225,7 @@ void paged_attention(const Runtime& rt, const float* qp, int64_t T, int64_t Hq, 
   auto first = [&](int64_t t) { return window > 0 ? std::max<int64_t>(0, lens[t] - window) : int64_t{0}; };
   int64_t max_len = 0;
   for (int64_t t : rows) max_len = std::max(max_len, lens[t] - first(t));
-  const int64_t P = num_parts(std::max(rt.threads, 1), N * Hkv, max_len);
+  const int64_t P = std::max<int64_t>(1, (max_len + PART_TOKENS - 1) / PART_TOKENS);   // parts of the longest row
   // Partial results per task (row, head, part): acc [G, D], then m [G] and l [G].
   const int64_t stride = G * D + 2 * G;
   std::vector<float> own_part;
@@ -239,8 +238,8 @@ void paged_attention(const Runtime& rt, const float* qp, int64_t T, int64_t Hq, 
       std::vector<float> own(P > 1 ? 0 : stride);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t t = rows[task / (Hkv * P)], h = (task / P) % Hkv, k = task % P;
-        const int64_t L = lens[t], L0 = first(t), chunk = (L - L0 + P - 1) / P;
-        const int64_t from = std::min(L, L0 + k * chunk), to = std::min(L, from + chunk);
+        const int64_t L = lens[t], L0 = first(t);
+        const int64_t from = std::min(L, L0 + k * PART_TOKENS), to = std::min(L, from + PART_TOKENS);
         float* acc = P > 1 ? part + task * stride : own.data();
         attend_fn(c, tables + seqs[t] * max_blocks, block_size, h, qp + (t * Hq + h * G) * D, G, sc, from, to,
                   acc, acc + G * D, acc + G * D + G);
