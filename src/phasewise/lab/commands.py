@@ -53,7 +53,7 @@ def cmd_roofline(args: argparse.Namespace) -> int:
     if args.prompt_tokens < 2 or args.decode_tokens < 2:
         raise ValueError("--prompt-tokens and --decode-tokens must be at least 2")
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-              kv_dtype=args.kv_dtype)
+              kv_dtype=args.kv_dtype, packed_cache=args.packed_cache)
     weights = llm.engine.precision.weights
     dtype = parse_dtype(weights)
     cfg = llm.model_config

@@ -147,7 +147,8 @@ def _experiment(args: argparse.Namespace, out: Path, console) -> int:
                   kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
                   enable_prefix_caching=args.prefix_caching, max_num_batched_tokens=args.max_num_batched_tokens,
                   max_num_seqs=args.max_num_seqs, kv_dtype=args.kv_dtype, warmup=warmup,
-                  speculative=speculative_config_from_args(args), tensor_parallel_size=args.tensor_parallel_size)
+                  speculative=speculative_config_from_args(args), tensor_parallel_size=args.tensor_parallel_size,
+                  packed_cache=args.packed_cache)
     limit = llm.engine.max_model_len
     if per_request > limit:
         raise ValueError(f"the longest request has {per_request} tokens, above the context length {limit}")
