@@ -246,33 +246,31 @@ def test_no_kernels_env_turns_the_build_off(monkeypatch):
 
 
 @settings(max_examples=25, deadline=None)
-@given(first=st.integers(1, 700), drafts=st.integers(0, 7), other=st.integers(1, 700), int8=st.booleans(),
-       threads=st.sampled_from([1, 2]))
-def test_a_verify_rows_attention_is_its_decode_steps_bit_for_bit(ops, first, drafts, other, int8, threads):
-    """Rows L .. L + k of one sequence (a speculative verify), batched with another sequence's decode
-    row and on any thread count, give each row the very bits it gets alone, as one decode step."""
+@given(lens=st.lists(st.integers(1, 700), min_size=1, max_size=5), int8=st.booleans(), threads=st.sampled_from([1, 2]))
+def test_a_decode_rows_attention_is_the_same_bits_in_any_batch(ops, lens, int8, threads):
+    """Decode rows of several sequences in one call, on any thread count, give each row the very
+    bits it gets alone: a row's context is cut into parts by its own length, not by the batch."""
     Hq, Hkv, D, bs = 8, 2, 64, 16
-    lens0 = first + drafts
-    g = torch.Generator().manual_seed(first * 8 + drafts)
-    blocks = [-(-lens0 // bs), -(-other // bs)]
-    tables = torch.tensor([list(range(blocks[0])) + [0] * (max(blocks) - blocks[0]),
-                           list(range(blocks[0], sum(blocks))) + [0] * (max(blocks) - blocks[1])])
+    g = torch.Generator().manual_seed(sum(lens) * 7 + len(lens))
+    blocks = [-(-n // bs) for n in lens]
+    tables = torch.zeros(len(lens), max(blocks), dtype=torch.int64)
+    for i, n in enumerate(blocks):
+        tables[i, :n] = torch.arange(sum(blocks[:i]), sum(blocks[:i]) + n)
     slots = sum(blocks) * bs
     if int8:
         kc, ks = quantize_rows(torch.randn(slots, Hkv, D, generator=g))
         vc, vs = quantize_rows(torch.randn(slots, Hkv, D, generator=g))
     else:
         kc, vc, ks, vs = torch.randn(slots, Hkv, D, generator=g), torch.randn(slots, Hkv, D, generator=g), None, None
-    seq = torch.tensor([0] * (drafts + 1) + [1])
-    lens = torch.tensor([first + i for i in range(drafts + 1)] + [other])
-    q = torch.randn(len(seq), Hq, D, generator=g)
+    seq, length = torch.arange(len(lens)), torch.tensor(lens)
+    q = torch.randn(len(lens), Hq, D, generator=g)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
-        together = ops.paged_attention(q, kc, vc, tables, seq, lens, bs, 0.125, ks, vs)
+        together = ops.paged_attention(q, kc, vc, tables, seq, length, bs, 0.125, ks, vs)
         torch.set_num_threads(3 - threads)
-        for t in range(len(seq)):
-            alone = ops.paged_attention(q[t:t + 1].contiguous(), kc, vc, tables, seq[t:t + 1], lens[t:t + 1], bs,
+        for t in range(len(lens)):
+            alone = ops.paged_attention(q[t:t + 1].contiguous(), kc, vc, tables, seq[t:t + 1], length[t:t + 1], bs,
                                         0.125, ks, vs)
             assert torch.equal(alone[0], together[t]), t
     finally:

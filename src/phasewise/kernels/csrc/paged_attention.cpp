@@ -4,8 +4,9 @@
 // Work is split into tasks (row, KV head, part of the context): each row's context is cut into
 // parts of PART_TOKENS from its first token (flash-decoding), whose partial results (running
 // max m, sum l, unnormalised output) are merged in order with their log-sum-exp. The parts
-// depend on the row alone, never on the batch or the thread count, so a row's output is the
-// same bits in any batch: a speculative verify's rows equal the decode steps they stand for. Within a task, keys go 16 at a time: 16 dot products, one
+// depend on the row alone, never on the batch or the thread count, so a decode row's output is
+// the same bits in any batch. (A run of rows of one sequence goes to the tiled kernel, whose
+// sums are in another order: a speculative verify's rows are not yet its decode steps' bits.) Within a task, keys go 16 at a time: 16 dot products, one
 // transpose-reduction into a vector of 16 scores, one vectorised exp, then the 16 value rows
 // times their weights. The G query heads that share a KV head are done together, so each
 // K/V row is read once per task. Head sizes that are not 64, 128 or 256 take a scalar loop. Written once over the
@@ -23,9 +24,11 @@ namespace pw {
 namespace {
 
 constexpr int64_t PART_TOKENS = 128;  // context tokens of one task (the last part of a row: fewer)
-// Runs of at most this many consecutive positions of one sequence (a speculative verify of up to
-// 7 drafts) go row by row as decodes do; longer runs (prompt chunks) to the tiled kernel.
-constexpr int64_t ROW_RUN = 8;
+// Runs of more than this many consecutive positions of one sequence go to the tiled kernel. At 8
+// a verify of up to 7 drafts equalled its decode steps, but a prompt's last few tokens computed
+// again after a prefix-cache hit then differed from the first prefill's (tiled) bits: until the
+// two kernels sum in one order, every run goes to tiles.
+constexpr int64_t ROW_RUN = 1;
 
 // One task: G query heads (q: [G, D]) over context tokens [from, to) of one sequence.
 // Leaves the running max m[G], sum l[G] and unnormalised output acc[G, D].
