@@ -255,7 +255,7 @@ def test_three_ranks_run_the_files_own_blocks():
     """At the default precision each rank runs its cut of the file's q4 blocks (cut along whole
     blocks, no requantization). Activation quantization makes this precision chaotic: a relative
     change of 1e-6 in every MLP's output (what the all-reduce's order of additions does) already
-    moves these prompts' logprobs by 0.014-0.16 on average (docs/benchmarks.md), so the check is
+    moves these prompts' logprobs by 0.014-0.16 on average (the record in `git show 045ac65:docs/benchmarks.md`), so the check is
     that the scores stay within that noise and the confident top tokens agree."""
     from phasewise import LLM
 

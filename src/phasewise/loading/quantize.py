@@ -108,11 +108,7 @@ def packed_bytes(model: nn.Module, cfg: ModelConfig, gguf: GGUFFile) -> tuple[fl
     in its own."""
     packed = stored = 0.0
     for path, linear in _linears(model):
-        names = [f"{path}.weight"]
-        if gguf.weight(names[0], cfg) is None and path.rsplit(".", 1)[-1] in FUSED_PARTS:
-            head, fused = path.rsplit(".", 1)
-            names = [f"{head}.{part}.weight" for part in FUSED_PARTS[fused]]
-        parts = [gguf.weight(n, cfg) for n in names]
+        parts = [gguf.weight(n, cfg) for n in part_names(gguf, cfg, path)]
         if any(p is None for p in parts):
             continue
         fmts = [GGUF_BLOCKS.get(p.type_name, "i8") for p in parts]
@@ -161,6 +157,15 @@ def quantize_model(model: nn.Module) -> dict[str, int]:
     return counts
 
 
+def part_names(gguf: GGUFFile, cfg: ModelConfig, path: str) -> list[str]:
+    """The checkpoint names of layer `path`'s weight: its own, or its fused parts' (qkv, gate_up)."""
+    name = f"{path}.weight"
+    if gguf.weight(name, cfg) is None and path.rsplit(".", 1)[-1] in FUSED_PARTS:
+        head, fused = path.rsplit(".", 1)
+        return [f"{head}.{part}.weight" for part in FUSED_PARTS[fused]]
+    return [name]
+
+
 def _linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     return [(path, m) for path, m in model.named_modules() if isinstance(m, nn.Linear)]
 
@@ -175,10 +180,7 @@ def file_blocks(gguf: GGUFFile, cfg: ModelConfig, path: str,
     """The layer `path`'s weight from the file's own blocks and the checkpoint names of its parts
     (None when some part is not in a block format, or with `tp` when this rank's part does not cut
     along whole blocks)."""
-    names = [f"{path}.weight"]
-    if gguf.weight(names[0], cfg) is None and path.rsplit(".", 1)[-1] in FUSED_PARTS:
-        head, fused = path.rsplit(".", 1)
-        names = [f"{head}.{part}.weight" for part in FUSED_PARTS[fused]]
+    names = part_names(gguf, cfg, path)
     parts = []
     for hf_name in names:
         weight = gguf.weight(hf_name, cfg)
