@@ -60,3 +60,18 @@ def test_chat_template_and_the_files_width(path, fp32):
     assert reply.finish_reason == "stop" and "<|im_end|>" not in reply.text
     packed, stored = q4_weight_bytes(path)
     assert stored <= packed <= 1.03 * stored
+
+
+def test_the_small_model_drafting_for_the_large_one_is_plain_greedy():
+    """Greedy with Qwen2.5-Coder-0.5B drafting for the 1.5B at the default precision: the very tokens
+    of plain greedy (a verify's rows read the cache in a decode step's order), with drafts accepted."""
+    try:
+        target, draft = resolve_model_path("qwen2.5-coder-1.5b"), resolve_model_path("qwen2.5-coder-0.5b")
+    except ModelLoadError as e:
+        pytest.skip(str(e))
+    messages = [{"role": "user", "content": "Write a Python function that checks whether a number is prime."}]
+    params = SamplingParams(temperature=0, max_tokens=96)
+    plain = LLM(model=str(target), kv_cache_memory=0.5).chat(messages, params)
+    spec = LLM(model=str(target), kv_cache_memory=0.5, speculative=f"draft:{draft}").chat(messages, params)
+    assert spec.token_ids == plain.token_ids
+    assert spec.metrics.spec_accepted_tokens > 0

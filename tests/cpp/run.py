@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from phasewise.kernels.build import COMMON_FLAGS, CSRC, KERNEL_SOURCES
+from phasewise.kernels.build import COMMON_FLAGS, CSRC, KERNEL_SOURCES, source_flags
 from phasewise.kernels.isa import levels_for, machine_arch, runnable_levels
 
 HERE = Path(__file__).parent
@@ -43,9 +43,16 @@ def main() -> int:
         for level in levels:
             exe = Path(tmp) / f"kernel_tests_{level.name}"
             flags = [f for f in COMMON_FLAGS if f != "-fPIC"] + list(level.flags) + static
-            sources = [str(p) for p in sorted(HERE.glob("*.cpp"))] + [str(CSRC / s) for s in KERNEL_SOURCES]
-            build = subprocess.run([cxx, *flags, f"-I{CSRC}", *sources, "-o", str(exe)], capture_output=True,
-                                   text=True)
+            sources = [p for p in sorted(HERE.glob("*.cpp"))] + [CSRC / s for s in KERNEL_SOURCES]
+            objects = [Path(tmp) / f"{level.name}-{p.stem}.o" for p in sources]
+            for src, obj in zip(sources, objects):      # each with its own flags, as build.py compiles them
+                build = subprocess.run([cxx, *flags, *source_flags(src.name), f"-I{CSRC}", "-c", str(src), "-o",
+                                        str(obj)], capture_output=True, text=True)
+                if build.returncode != 0:
+                    break
+            else:
+                build = subprocess.run([cxx, *flags, *map(str, objects), "-o", str(exe)], capture_output=True,
+                                       text=True)
             if build.returncode != 0:
                 print(f"{level.name}: the build failed\n{build.stderr[-3000:]}")
                 failed += 1

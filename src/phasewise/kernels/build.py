@@ -38,6 +38,15 @@ KERNEL_SOURCES = ("cpu_ops.cpp", "paged_attention.cpp", "tile_attention.cpp", "q
                   "activation_quant.cpp", "dequantize_rows.cpp", "int8_peak.cpp", "decoder.cpp", "table.cpp")
 COMMON_FLAGS = ("-std=c++17", "-O3", "-fPIC", "-fopenmp", "-ffast-math", "-fno-finite-math-only",
                 "-fvisibility=hidden")
+# Attention gives a row the same bits whichever of its kernels reads it (csrc/attention.h): its files
+# keep every sum in the order written (no reassociation, no contraction beyond the explicit fmas).
+_IN_ORDER = ("-fno-associative-math", "-ffp-contract=off")
+SOURCE_FLAGS = {"paged_attention.cpp": _IN_ORDER, "tile_attention.cpp": _IN_ORDER}
+
+
+def source_flags(src: str) -> tuple[str, ...]:
+    """The flags one kernel source adds to the common ones."""
+    return SOURCE_FLAGS.get(src, ())
 
 
 class KernelBuildError(RuntimeError):
@@ -78,7 +87,7 @@ def _say(message: str) -> None:
 
 def library_path(level: Level, cxx: str | None = None) -> Path:
     cxx = cxx or compiler()
-    flags = COMMON_FLAGS + level.flags
+    flags = COMMON_FLAGS + level.flags + tuple(f"{s}:{f}" for s in KERNEL_SOURCES for f in source_flags(s))
     return default_cache_dir() / "kernels" / f"{level.name}-{_digest(KERNEL_SOURCES, flags, cxx)}" / \
         "libphasewise_kernels.so"
 
@@ -96,7 +105,7 @@ def build_library(level: Level, out: Path | None = None, cxx: str | None = None,
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         def compile_one(src: str) -> Path:
             obj = Path(tmp) / (src + ".o")
-            _run([cxx, *flags, "-c", str(CSRC / src), "-o", str(obj)])
+            _run([cxx, *flags, *source_flags(src), "-c", str(CSRC / src), "-o", str(obj)])
             return obj
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
             objects = list(pool.map(compile_one, KERNEL_SOURCES))

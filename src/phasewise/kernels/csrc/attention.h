@@ -14,9 +14,15 @@ namespace pw {
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 constexpr int64_t KEYS = 16;          // keys scored per pass (one vector of scores)
 
-// The (slot, head) row of context position pos of a sequence with block table `table`.
-inline int64_t row_of(const int64_t* table, int64_t block_size, int64_t Hkv, int64_t h, int64_t pos) {
-  return (table[pos / block_size] * block_size + pos % block_size) * Hkv + h;
+// x[0] + ... + x[15] as a pairwise tree ((x0 + x1) + (x2 + x3)) + ...: a pass's softmax sum, taken
+// in this order by every reader (T = Vf: 16 queries' sums at once; T = float: one query's).
+template <typename T>
+inline T sum16(const T* x) {
+  T a[8];
+  for (int i = 0; i < 8; ++i) a[i] = x[2 * i] + x[2 * i + 1];
+  for (int i = 0; i < 4; ++i) a[i] = a[2 * i] + a[2 * i + 1];
+  for (int i = 0; i < 2; ++i) a[i] = a[2 * i] + a[2 * i + 1];
+  return a[0] + a[1];
 }
 
 // v[0..NV) = the 16 NV values of one int8 row, as floats (its scale is applied by the caller).
@@ -61,17 +67,42 @@ inline Vf row_sums_i8(const int8_t* const* rows, int64_t n, int64_t D) {
   return reduce16(sums);   // exact: integers below 2^24
 }
 
-// A tile: R consecutive rows t0.. of one sequence, row t0 + r attending over its first len0 + r tokens.
+// The order every vectorised read of the cache follows for a query row (tile_attention.cpp), so a
+// row's output is the same bits whichever rows share its call (decode rows, a verify's run, a
+// prompt chunk, a tail computed again after a prefix-cache hit): its context is cut into parts of
+// PART_TOKENS at absolute positions [128 k, 128 k + 128), each part read in passes of KEYS keys at
+// absolute positions [16 i, 16 i + 16) with a running max and sum of its own, and the parts are
+// folded in order. Keys a row does not see are masked in a pass (weight 0; a pass with no key of
+// the row changes nothing).
+constexpr int64_t PART_TOKENS = 128;
+
+// A tile: R consecutive rows t0.. of one sequence (row t0 + r attends over its first len0 + r
+// tokens) x query heads g0 .. g0 + gn of a KV head; lane r gn + i is row r, head g0 + i (R gn <= 16).
 struct Tile {
-  int64_t t0, R, seq, len0;
+  int64_t t0, R, seq, len0, g0, gn;
 };
 
-// tile_attention.cpp: every tile x KV head, its R G queries one per lane; writes out rows.
-// Returns false (and does nothing) where the head size or group size has no tiled kernel.
-bool attend_tiles(const Runtime& rt, const Cache& c, const std::vector<Tile>& tiles, const AttentionRows& rows,
-                  const float* q, int64_t Hq, float sc, float* out);
+// The state of a tile's lanes over some parts: running max m [16], sum l [16], then the
+// unnormalised outputs o [lanes][D].
+inline int64_t state_floats(int64_t lanes, int64_t D) { return 32 + lanes * D; }
 
-// Rows per tile for G query heads per KV head (0: no tiled kernel).
-inline int64_t tile_rows(int64_t G) { return G <= 8 ? 16 / G : 0; }
+// st (a fold of earlier parts) := st folded with a part's state (m, l [16], o [lanes][D]), lane by
+// lane; an empty part changes nothing, and folding into a cleared state copies the part.
+void fold_part(float* st, const float* m, const float* l, const float* o, int64_t lanes, int64_t D);
+
+// A kernel for one tile's parts [part0, part1) of KV head h, each part folded into st.
+using TileKernel = void (*)(const Cache& c, const int64_t* table, int64_t block_size, int64_t window, int64_t h,
+                            const Tile& tile, const float* q, int64_t Hq, float sc, int64_t part0, int64_t part1,
+                            float* st);
+
+// paged_attention.cpp: the kernel for a one-row tile of `lanes` heads over an int8 cache of head size
+// D that reads keys row by row (the same bits as the tiled kernel, fewer steps for few lanes), or
+// nullptr where the tiled kernel is faster.
+TileKernel row_kernel(int64_t D, int64_t lanes);
+
+// tile_attention.cpp: every row of a step (q [T, Hq, D]) into out [T, Hq, D]. Returns false (and
+// does nothing) where the head size has no vector kernel.
+bool attend_tiled(const Runtime& rt, const Cache& c, int64_t T, int64_t Hq, const AttentionRows& rows,
+                  const float* q, float sc, float* out);
 
 }  // namespace pw

@@ -42,6 +42,14 @@ inline Vf max(Vf a, Vf b) { return {_mm512_max_ps(a.v, b.v)}; }
 inline Vf abs(Vf a) { return {_mm512_abs_ps(a.v)}; }
 inline float reduce_add(Vf a) { return _mm512_reduce_add_ps(a.v); }
 inline float reduce_max(Vf a) { return _mm512_reduce_max_ps(a.v); }
+// The lanes summed as the pairwise tree ((a0 + a1) + (a2 + a3)) + ... (sum16 in attention.h).
+inline float reduce_add_pairs(Vf a) {
+  __m512 s = _mm512_add_ps(a.v, _mm512_permute_ps(a.v, 0xB1));    // lanes 2i, 2i + 1: a2i + a2i+1
+  s = _mm512_add_ps(s, _mm512_permute_ps(s, 0x4E));               // lane 4i: the four's sum
+  s = _mm512_add_ps(s, _mm512_shuffle_f32x4(s, s, 0xB1));         // lane 0: lanes 0..7
+  s = _mm512_add_ps(s, _mm512_shuffle_f32x4(s, s, 0x4E));         // lane 0: 0..7 + 8..15
+  return _mm512_cvtss_f32(s);
+}
 inline Mask operator>(Vf a, Vf b) { return {_mm512_cmp_ps_mask(a.v, b.v, _CMP_GT_OQ)}; }
 inline Vf select(Mask m, Vf a, Vf b) { return {_mm512_mask_blend_ps(m.m, b.v, a.v)}; }
 

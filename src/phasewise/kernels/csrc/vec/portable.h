@@ -137,6 +137,23 @@ inline float reduce_add(Vf a) {
   s += PW_SWAP(s, 1);
   return s[0];
 }
+// The 16 lanes summed as the pairwise tree ((a0 + a1) + (a2 + a3)) + ... (sum16 in attention.h):
+// swaps of 1, 2 (and 4) lanes inside each native vector, then the native vectors pairwise.
+inline float reduce_add_pairs(Vf a) {
+  f32n v[NP];
+  for (int i = 0; i < NP; ++i) {
+    f32n s = a.v[i];
+    s += PW_SWAP(s, 1);
+    s += PW_SWAP(s, 2);
+#if PW_W == 8
+    s += PW_SWAP(s, 4);
+#endif
+    v[i] = s;
+  }
+  for (int n = NP; n > 1; n /= 2)
+    for (int i = 0; i < n / 2; ++i) v[i] = v[2 * i] + v[2 * i + 1];
+  return v[0][0];
+}
 inline float reduce_max(Vf a) {   // a shuffle tree: every lane ends as the maximum
   f32n s = a.v[0];
   for (int i = 1; i < NP; ++i) s = s > a.v[i] ? s : a.v[i];

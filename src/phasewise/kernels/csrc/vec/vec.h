@@ -10,7 +10,8 @@
 // API (namespace pw):
 //   Vf::load(p) / load_n(p, n) (lanes >= n are 0) / set1(x) / zero() / from_i8(p) / from_f16(p),
 //   v.store(p) / store_n(p, n); + - * /, fma(a, b, c) = a b + c, max, abs, exp,
-//   reduce_add, reduce_max, reduce16(a[16]) (lane j = the sum of a[j]);
+//   reduce_add, reduce_max, reduce16(a[16]) (lane j = the sum of a[j]), reduce_add_pairs (the
+//   lanes as the tree ((a0 + a1) + (a2 + a3)) + ..., the same bits at every level);
 //   Mask: first_n(n), a > b (Vf or Vi), select(m, a, b) = m ? a : b;
 //   Vi::zero() / set1(x) / iota() / from_i16(p) (16 int16, sign-extended) / store(p), +, *, to_float;
 //   round_to_i8(x, p): x's lanes rounded to the nearest integer (ties to even) as Vi, and stored
