@@ -1,13 +1,14 @@
 """Speculative decoding: decode tokens/s with and without each proposer, on an input-grounded task and on
 open-ended generation, alone and with several requests at once.
 
-    .venv/bin/python benchmarks/speculative.py [--model M] [--proposers none ngram draft] [--tasks grounded open]
+    .venv/bin/python benchmarks/speculative.py [--model M] [--proposers none ngram draft] [--tasks grounded open code]
                                                [--batches 1 8] [--requests 8] [--max-tokens 128] [-k 4]
                                                [--draft-model PATH] [--draft-dtype q4] [--temperature 0]
 
 Tasks: "grounded" summarizes a paragraph of benchmarks/data/lighthouses.txt (the
 answer reuses the input's words: prompt lookup can find them); "open" writes a
-short story on a topic (nothing to look up). Every request is greedy by default
+short story on a topic (nothing to look up); "code" writes a small program (what a
+code model is asked). Every request is greedy by default
 and stops at the end of its answer or --max-tokens; greedy outputs with
 speculation must equal those without (the table says so per row).
 
@@ -30,12 +31,18 @@ TEXT = Path(__file__).parent / "data" / "lighthouses.txt"
 TOPICS = ["a robot who finds a flower", "a lighthouse keeper's last night", "a cat who learns to swim",
           "a city without clocks", "the first snow of winter", "a letter lost for fifty years",
           "a baker who cannot sleep", "a train that never stops"]
+PROGRAMS = ["a Python function that checks whether a number is prime", "a quicksort in Python with type hints",
+            "a C function that reverses a linked list", "a Python class for a bank account with deposit and withdraw",
+            "a JavaScript function that debounces another function", "a Python function that parses a CSV line",
+            "a Rust function that counts the words of a string", "a SQL query for the ten best-selling products"]
 
 
 def prompts(task: str, n: int) -> list[list[dict]]:
     if task == "grounded":
         paras = [p for p in TEXT.read_text().split("\n\n") if len(p) > 300]
         texts = [f"Summarize the following text in three sentences.\n\n{paras[i % len(paras)]}" for i in range(n)]
+    elif task == "code":
+        texts = [f"Write {PROGRAMS[i % len(PROGRAMS)]}." for i in range(n)]
     else:
         texts = [f"Write a short story about {TOPICS[i % len(TOPICS)]}." for i in range(n)]
     return [[{"role": "user", "content": t}] for t in texts]
@@ -67,7 +74,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--proposers", nargs="+", default=["none", "ngram", "draft"],
                     help="none | ngram | draft (the draft model below)")
-    ap.add_argument("--tasks", nargs="+", default=["grounded", "open"], choices=["grounded", "open"])
+    ap.add_argument("--tasks", nargs="+", default=["grounded", "open"], choices=["grounded", "open", "code"])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--requests", type=int, default=8, help="requests per (proposer, task, batch)")
     ap.add_argument("--max-tokens", type=int, default=128)
