@@ -139,6 +139,29 @@ def test_chat_logprobs(server):
     assert "".join(e.token for e in content).startswith(text)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_chat_logprobs_rebuild_the_content_when_the_turn_ends(server, stream, skip_special_tokens):
+    """An answer that ends on its end-of-turn token: one logprobs entry per token of the content, so
+    the entries' bytes are the content's (the end-of-turn token has one only where the content
+    shows it, with skip_special_tokens false)."""
+    messages = [{"role": "user", "content": "Say OK."}]
+    kw = dict(model=MODEL, messages=messages, temperature=0, max_tokens=64, logprobs=True,
+              extra_body={"skip_special_tokens": skip_special_tokens})
+    if stream:
+        chunks = [c for c in server.client().chat.completions.create(stream=True, **kw) if c.choices]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks)
+        entries = [e for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        out = server.client().chat.completions.create(**kw)
+        text, entries, finish = out.choices[0].message.content, out.choices[0].logprobs.content, \
+            out.choices[0].finish_reason
+    assert finish == "stop"
+    assert bytes(b for e in entries for b in e.bytes).decode() == text
+    assert text.endswith("<|im_end|>") != skip_special_tokens
+
+
 def test_completion_logprobs_legacy_format(server):
     out = server.client().completions.create(model=MODEL, prompt="The capital of France is", temperature=0,
                                              max_tokens=6, logprobs=2, extra_body={"ignore_eos": True})

@@ -29,10 +29,27 @@ pytestmark = pytest.mark.slow
     ({**CHAT, "messages": "hello"}, "messages"),
     ({**CHAT, "messages": [{"content": "no role"}]}, "messages"),
     ({"model": MODEL}, "messages"),
+    ({**CHAT, "messages": [{"role": "robot", "content": "hi"}]}, "messages"),
+    ({**CHAT, "messages": [{"role": "tool", "content": "42", "tool_call_id": "c1"}]}, "messages"),
+    ({**CHAT, "guided_json": {"type": "object"}}, "guided_json"),         # vLLM's
+    ({**CHAT, "grammar": "root ::= \"yes\""}, "grammar"),               # llama.cpp's
+    ({**CHAT, "structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs"),
+    ({**CHAT, "mirostat": 2}, "mirostat"),
 ])
 def test_invalid_chat_parameters_are_400(server, body, param):
+    """Bad values, and fields that would change the output but are not implemented: a 400 naming
+    the field, never a 200 that silently ignores it."""
     err = assert_openai_error(server.post("/v1/chat/completions", body), 400, param)
     assert err["param"] == param and err["type"] == "invalid_request_error"
+
+
+def test_fields_that_change_nothing_pass_and_developer_is_system(server):
+    body = {**CHAT, "max_tokens": 2, "user": "u1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
+            "cache_prompt": True, "messages": [{"role": "developer", "content": "Be brief."}, *CHAT["messages"]]}
+    assert server.post("/v1/chat/completions", body).status_code == 200
+    as_system = {**body, "messages": [{"role": "system", "content": "Be brief."}, *CHAT["messages"]]}
+    ids = [server.post("/tokenize", {"messages": b["messages"]}).json()["tokens"] for b in (body, as_system)]
+    assert ids[0] == ids[1]
 
 
 @pytest.mark.parametrize("raw", [b"{not json", b"[1, 2, 3]", b'{"prompt": NaN}', b"\xff\xfe"])

@@ -12,7 +12,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from phasewise.sampling.params import SamplingParams
 
@@ -51,8 +51,34 @@ class KVTransferParams(BaseModel):
     transfer_id: str = Field(min_length=1, max_length=200)
 
 
+# Request fields of OpenAI's, vLLM's and llama.cpp's servers that would change the output and that
+# this server does not implement: a 400 naming the field, never silently ignored. Fields that change
+# nothing in the output (user, metadata, store, service_tier, cache_prompt ...) pass.
+UNSUPPORTED_FIELDS = frozenset({
+    # constrained output (vLLM, llama.cpp)
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+    "guided_whitespace_pattern", "structured_outputs", "grammar", "json_schema",
+    # tools and formats (OpenAI)
+    "functions", "function_call", "tool_choice", "prediction", "audio", "modalities", "reasoning_effort",
+    "web_search_options", "verbosity",
+    # sampling and penalties (vLLM, llama.cpp)
+    "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words", "logits_processors", "typical_p",
+    "tfs_z", "mirostat", "mirostat_tau", "mirostat_eta", "dynatemp_range", "dynatemp_exponent",
+    "xtc_probability", "xtc_threshold", "dry_multiplier", "dry_base", "dry_allowed_length",
+    "dry_penalty_last_n", "dry_sequence_breakers", "repeat_last_n", "penalty_last_n", "repeat_penalty",
+    "top_n_sigma", "samplers", "n_predict", "n_probs", "truncate_prompt_tokens", "include_stop_str_in_output",
+})
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> _Request:
+        for name, value in (self.model_extra or {}).items():
+            if name in UNSUPPORTED_FIELDS and value is not None:
+                raise bad_request(f"{name} is not supported by this server", name)
+        return self
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_CHOICES)
@@ -158,18 +184,25 @@ class TextPart(BaseModel):
     text: str | None = None
 
 
+ROLES = ("system", "developer", "user", "assistant")   # developer: OpenAI's newer name of system
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: str
     content: str | list[TextPart] | None = None
 
     def as_dict(self) -> dict[str, str]:
+        if self.role not in ROLES:
+            raise bad_request(f"messages: a role must be one of {', '.join(ROLES)}, got {self.role!r}"
+                              + (" (tool calling is not supported yet)" if self.role in ("tool", "function") else ""),
+                              "messages")
         content = self.content
         if isinstance(content, list):
             if any(p.type != "text" or p.text is None for p in content):
                 raise bad_request("only text content parts are supported", "messages")
             content = "".join(p.text for p in content)
-        return {"role": self.role, "content": content or ""}
+        return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
 
 
 class ChatCompletionRequest(_Request):

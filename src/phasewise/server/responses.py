@@ -86,11 +86,24 @@ class TokenText:
     def text(self, token_ids: Sequence[int]) -> str:
         return b"".join(self.bytes(t) for t in token_ids).decode("utf-8", errors="replace")
 
-    def chat_logprobs(self, token_ids: Sequence[int], lps: Sequence[TokenLogprobs]) -> dict[str, Any]:
+    def chat_logprobs(self, token_ids: Sequence[int], lps: Sequence[TokenLogprobs], ended: bool = False
+                      ) -> dict[str, Any]:
+        """One entry per token of the message's content; `ended`: the last token is the stop token
+        that ended the turn (an end-of-turn or a stop_token_ids token), which the content does not
+        hold, so it has no entry (the entries' bytes rebuild the content)."""
         def entry(i: int, v: float) -> dict[str, Any]:
             return {"token": self(i), "logprob": v, "bytes": list(self.bytes(i))}
+        n = len(token_ids) - 1 if ended and token_ids else len(token_ids)
         return {"content": [{**entry(t, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
-                            for t, lp in zip(token_ids, lps)]}
+                            for t, lp in zip(token_ids[:n], lps[:n])]}
+
+
+def ended_on_stop_token(out: CompletionOutput, text: str, tt: TokenText) -> bool:
+    """The output finished on a stop token (an end of turn or one of stop_token_ids; not a stop
+    string, not its length) that `text` (its text, or its last delta's) does not end with: skipped
+    as a special token, so the content does not hold it."""
+    return (out.finish_reason == "stop" and not isinstance(out.stop_reason, str) and bool(out.token_ids)
+            and not text.endswith(tt(out.token_ids[-1])))
 
 
 def _stop_reason(out: CompletionOutput) -> str | int | None:
@@ -126,7 +139,8 @@ def chat_body(rid: str, created: int, model: str, outputs: Sequence[CompletionOu
     choices = []
     for i, out in enumerate(outputs):
         choice = {"index": i, "message": {"role": "assistant", "content": out.text},
-                  "logprobs": tt.chat_logprobs(out.token_ids, out.logprobs or []) if want_logprobs else None,
+                  "logprobs": tt.chat_logprobs(out.token_ids, out.logprobs or [], ended_on_stop_token(out, out.text, tt))
+                  if want_logprobs else None,
                   "finish_reason": out.finish_reason, "stop_reason": _stop_reason(out)}
         if len(outputs) > 1:
             choice["timings"] = timings(out)

@@ -120,7 +120,8 @@ def chat_events(stream: RequestStream, rid: str, created: int, model: str, n: in
         choice = {"index": i, "delta": {"content": delta.text} if delta.text else {}, "logprobs": None,
                   "finish_reason": None}
         if want_lp:
-            choice["logprobs"] = tt.chat_logprobs(delta.token_ids, delta.logprobs)
+            choice["logprobs"] = tt.chat_logprobs(delta.token_ids, delta.logprobs,
+                                                  delta.finished and R.ended_on_stop_token(delta.output, delta.text, tt))
         if delta.finished:
             choice["finish_reason"], choice["stop_reason"] = delta.output.finish_reason, delta.output.stop_reason
         return choice
