@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 import time
 import weakref
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +22,7 @@ from phasewise.engine.request import FinishReason, Request
 from phasewise.kernels import build as kernel_build
 from phasewise.loading.loader import check_memory, load_config, load_prepared, parse_dtype, resolve_model_path
 from phasewise.loading.sharding import check_tensor_parallel, shard_config
+from phasewise.models.config import ModelConfig
 from phasewise.outputs import CompletionOutput, StreamDelta
 from phasewise.precision import choose as choose_precision
 from phasewise.runner.kv_cache import KVBlocks, KVCache, kv_bytes_per_block, num_blocks_for_memory
@@ -69,7 +70,24 @@ class LLMEngine:
         self.precision = choose_precision(self.model_path, config.dtype, config.cache.kv_dtype, self.kernels)
         dtype = parse_dtype(self.precision.weights)
         kv_dtype = torch.int8 if self.precision.kv == "int8" else dtype
-        self.tokenizer = Tokenizer.load(self.model_path)
+        with ThreadPoolExecutor(1) as pool:   # the tokenizer reads its files while the weights load
+            tokenizer = pool.submit(Tokenizer.load, self.model_path)
+            self._load(config, full, size, kv_dtype)
+            self.tokenizer = tokenizer.result()
+        runner = ModelRunner(self.model, self.kv_cache, self.tokenizer.eos_token_ids, config.device, self.kernels,
+                             self.tp)
+        self.draft_model = None
+        self.core = EngineCore(runner, config.scheduler, self.kv_cache.num_blocks, cache.block_size, self.max_model_len,
+                               cache.enable_prefix_caching, self._proposer(spec, self.kv_cache.num_blocks),
+                               spec.num_speculative_tokens, self.model_config.kv_group_windows)
+        self._ids = itertools.count()
+        self._tracked: dict[str, _Tracked] = {}
+        self.kv_link = KVLink(config.kv_role, config.kv_peer) if config.kv_role else None
+        self.load_ms = (time.perf_counter() - started) * 1e3
+
+    def _load(self, config: EngineConfig, full: ModelConfig, size: int, kv_dtype: torch.dtype) -> None:
+        """Start the tensor-parallel ranks, size the KV cache, load the model and make its cache."""
+        cache = config.cache
         self.tp, self._workers = self._start_tensor_parallel(size)
         part = shard_config(full, self.tp) if self.tp else full     # what this rank holds
         num_blocks = cache.num_blocks or num_blocks_for_memory(part, cache.block_size, kv_dtype,
@@ -88,16 +106,6 @@ class LLMEngine:
         max_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
         self.max_model_len = min(max_len, self.model_config.max_position_embeddings)
         self.kv_cache = KVCache(self.model_config, num_blocks, cache.block_size, kv_dtype, config.device)
-        runner = ModelRunner(self.model, self.kv_cache, self.tokenizer.eos_token_ids, config.device, self.kernels,
-                             self.tp)
-        self.draft_model = None
-        self.core = EngineCore(runner, config.scheduler, num_blocks, cache.block_size, self.max_model_len,
-                               cache.enable_prefix_caching, self._proposer(spec, num_blocks),
-                               spec.num_speculative_tokens, self.model_config.kv_group_windows)
-        self._ids = itertools.count()
-        self._tracked: dict[str, _Tracked] = {}
-        self.kv_link = KVLink(config.kv_role, config.kv_peer) if config.kv_role else None
-        self.load_ms = (time.perf_counter() - started) * 1e3
 
     def _start_tensor_parallel(self, size: int) -> tuple[TensorParallel | None, TPWorkers | None]:
         """With size > 1: spawn ranks 1..size-1 on this machine, join their group as rank 0, and share

@@ -83,7 +83,7 @@ def load_model(path: Path, dtype: torch.dtype | str = torch.float32, device: tor
     plan = plan_file_weights(model, full, gguf, tp, packed_cache) if weight_format == "q4" and gguf is not None \
         else FileWeights()
     weights = shard_weights(((n, t) for n, t in weights if n not in plan.names), full, tp)   # each read whole, or as this rank's part
-    model.to_empty(device=device)
+    materialize(model, device)
     model.tie_weights()
     for p in model.parameters():
         p.data = p.data.to(dtype)
@@ -108,6 +108,19 @@ def load_model(path: Path, dtype: torch.dtype | str = torch.float32, device: tor
     return model.eval(), cfg
 
 
+def materialize(model: nn.Module, device: torch.device | str) -> None:
+    """Module.to_empty without its path through torch's reference ops, whose first call imports
+    sympy (0.8 s at start): every meta parameter and buffer becomes uninitialised memory on `device`."""
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.is_meta:
+                setattr(module, name, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                                   requires_grad=p.requires_grad))
+        for name, b in list(module.named_buffers(recurse=False)):
+            if b is not None and b.is_meta:   # assigning to a buffer's name keeps it a buffer, as it was
+                setattr(module, name, torch.empty(b.shape, dtype=b.dtype, device=device))
+
+
 def q4_weight_bytes(path: Path) -> tuple[float, float] | None:
     """(packed bytes, the file's bytes) of the weights a q4 load of this GGUF holds (None: not a
     GGUF), computed from its header without reading a weight."""
@@ -121,15 +134,19 @@ def q4_weight_bytes(path: Path) -> tuple[float, float] | None:
 
 
 OVERHEAD = 400 * 2**20     # a process beside its weights and KV cache: torch, the tokenizer, buffers
+PACKED_AT_MOST = 1.25      # q4's packed weights against a GGUF's bytes, at most (Q4_0: 1.11; f16/f32 files: less)
 
 
 def check_memory(path: Path, kv_bytes: float, available: float | None = None) -> None:
     """A one-line ModelLoadError, before anything is loaded, when a q4 load of `path` with a KV pool
     of `kv_bytes` would not fit in `available` bytes (default: the system's MemAvailable)."""
-    q4 = q4_weight_bytes(path)
     if available is None:
         available = _mem_available()
-    if q4 is None or available is None or q4[0] + kv_bytes + OVERHEAD <= available:
+    if available is None or (path.is_file() and PACKED_AT_MOST * path.stat().st_size + kv_bytes + OVERHEAD
+                             <= available):
+        return                                # fits whatever the packing (and no model built to know)
+    q4 = q4_weight_bytes(path)
+    if q4 is None or q4[0] + kv_bytes + OVERHEAD <= available:
         return
     gib = lambda b: b / 2**30  # noqa: E731
     room = available - q4[0] - OVERHEAD

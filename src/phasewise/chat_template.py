@@ -1,0 +1,102 @@
+"""A model's chat template (Jinja), rendered as transformers' `apply_chat_template` renders it, without
+importing transformers (1-2 s at start).
+
+The same environment: Jinja's immutable sandbox with trim_blocks and lstrip_blocks, loop controls,
+`{% generation %}` blocks (rendered as their body), a `tojson` that keeps non-ASCII text and takes
+indent / separators / sort_keys, `raise_exception`, `strftime_now`, and namespaces that refuse
+underscore names. The template sees `messages`, `tools`, `documents`, `add_generation_prompt` and the
+tokenizer's special tokens (`bos_token`, `eos_token`, ...). tests/test_chat_template.py holds the
+renderings to transformers' own on every model at hand, with and without tools.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class _Generation(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (transformers marks assistant text with it): the body."""
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Any) -> str:
+        return caller()
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """Jinja's namespace() without underscore attributes (no way to CPython internals)."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:   # Jinja's signature trick: namespace(self=...) works
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _Namespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _Namespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"a chat template cannot set {name!r} on a namespace")
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _plain(value: Any) -> Any:
+    """What the template may see: JSON types only (subclasses reduced to their base type)."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, bool):
+        return bool(value)
+    for base in (str, int, float):
+        if isinstance(value, base):
+            return base(value)
+    if isinstance(value, dict):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return f"<{type(value).__name__}>"
+
+
+@lru_cache(maxsize=32)
+def _compile(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_Generation, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=_raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt),
+                       dict=dict, namespace=_Namespace)
+    return env.from_string(source)
+
+
+class ChatTemplate:
+    """One template and the special tokens it may name; `render` raises jinja2.TemplateError."""
+
+    def __init__(self, source: str, special_tokens: dict[str, str]) -> None:
+        self.source = source
+        self.special_tokens = dict(special_tokens)
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+               documents: list[dict] | None = None) -> str:
+        return _compile(self.source).render(messages=_plain(messages), tools=_plain(tools), documents=_plain(documents),
+                                            add_generation_prompt=add_generation_prompt, **self.special_tokens)
