@@ -83,6 +83,20 @@ def test_prompt_longer_than_context():
 
 
 @pytest.mark.slow
+def test_max_tokens_past_the_context_is_refused_as_the_server_refuses_it():
+    assert_one_line_error(run("generate", "hi", "--max-tokens", "9000"), "--max-tokens 9000", "context of 8192")
+
+
+@pytest.mark.parametrize("device, needle", [("foo", "unknown device 'foo'"), ("cuda", "no CUDA device")])
+def test_a_device_this_torch_cannot_use_is_one_line(device, needle):
+    import torch
+
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert_one_line_error(run("generate", "hi", "--device", device), needle)
+
+
+@pytest.mark.slow
 def test_json_output_and_trace(tmp_path):
     trace = tmp_path / "gen.trace.json"
     proc = run("generate", "The capital of France is", "--raw", "--json", "--temperature", "0",

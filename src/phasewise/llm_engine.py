@@ -47,6 +47,16 @@ class EngineBrokenError(RuntimeError):
     while the ranks ran it, so they are no longer in step). Its requests have ended; close() it."""
 
 
+def check_device(device: str) -> None:
+    """ValueError (one line) for a device torch does not know, or one this torch build cannot reach."""
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {device!r} (cpu, cuda or cuda:N)") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: this torch build sees no CUDA device (torch {torch.__version__})")
+
+
 @dataclass
 class _Tracked:
     output: CompletionOutput
@@ -60,6 +70,7 @@ class LLMEngine:
         self._finalizer = None                  # stops a tensor-parallel engine's other ranks
         self.broken: str | None = None          # why no step can run any more (EngineBrokenError)
         self.config = config = config or EngineConfig()
+        check_device(config.device)
         self.model_path = resolve_model_path(config.model)
         full = load_config(self.model_path)   # cheap: an unsupported architecture fails before anything slow
         spec, size, cache = config.speculative, config.tensor_parallel_size, config.cache
