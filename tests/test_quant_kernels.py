@@ -65,6 +65,23 @@ def test_packing_keeps_the_files_values_exactly(type_name):
     assert torch.equal(quant.dequantize(packed), torch.from_numpy(expected.astype(np.float32)))
 
 
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("n", [1, 40, 16])
+def test_the_kernels_repack_the_files_blocks_to_the_same_bytes(ops, type_name, n):
+    """csrc/repack_gguf.cpp (the loader's path where kernels run) gives the numpy path's bytes,
+    padding rows included; random bytes, so every bit pattern of the blocks' fields occurs (but NaN
+    d's: the numpy path goes through fp32, which sets a NaN's quiet bit; the kernel copies bits)."""
+    size = 144 if type_name == "Q4_K" else 210
+    raw = np.random.default_rng(n).integers(0, 256, (n, 4, size), dtype=np.uint8)
+    for high in (1, 3) if type_name == "Q4_K" else (209,):
+        raw[:, :, high] &= 0xBF                      # an fp16's top exponent bit off: finite
+    raw = raw.reshape(n, 4 * size)
+    want, got = pack_gguf(type_name, raw), pack_gguf(type_name, raw, kernels=ops)
+    assert (got.fmt, got.n, got.k) == (want.fmt, want.n, want.k)
+    assert torch.equal(got.blocks, want.blocks)
+    assert torch.equal(got.scale.view(torch.int16), want.scale.view(torch.int16))
+
+
 @pytest.mark.parametrize("types,fmts", [(("Q4_K", "Q4_K"), ["k4"]), (("Q4_K", "Q4_0", "Q4_K"), ["k4", "q4", "k4"]),
                                         (("Q4_K", "Q4_K", "Q6_K"), ["k4", "q6k"]), (("Q6_K", "Q6_K"), ["q6k"]),
                                         (("Q5_0", "Q8_0", "Q6_K"), ["q5", "q8", "q6k"]), (("Q4_1", "Q5_K"), ["q4", "k6"]),

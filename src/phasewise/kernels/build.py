@@ -35,7 +35,8 @@ from phasewise.paths import default_cache_dir
 CSRC = Path(__file__).parent / "csrc"
 BINDING_SOURCES = ("bindings.cpp", "kernel_set.cpp", "decoder_stack.cpp")
 KERNEL_SOURCES = ("cpu_ops.cpp", "paged_attention.cpp", "tile_attention.cpp", "quant_linear.cpp",
-                  "activation_quant.cpp", "dequantize_rows.cpp", "int8_peak.cpp", "decoder.cpp", "table.cpp")
+                  "activation_quant.cpp", "dequantize_rows.cpp", "repack_gguf.cpp", "int8_peak.cpp", "decoder.cpp",
+                  "table.cpp")
 COMMON_FLAGS = ("-std=c++17", "-O3", "-fPIC", "-fopenmp", "-ffast-math", "-fno-finite-math-only",
                 "-fvisibility=hidden")
 # Attention gives a row the same bits whichever of its kernels reads it (csrc/attention.h): its files

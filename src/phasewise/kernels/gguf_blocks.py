@@ -14,6 +14,9 @@ compare every type with `gguf.quants.dequantize`); Q4_K's scale unpacking is ggu
 
 from __future__ import annotations
 
+import warnings
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -21,6 +24,8 @@ from phasewise.kernels import quant
 
 # GGUF type name → the packed format its blocks run in
 GGUF_BLOCKS = {"Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8", "Q5_0": "q5", "Q4_K": "k4", "Q5_K": "k6", "Q6_K": "q6k"}
+# the types the kernel library repacks itself (csrc/repack_gguf.cpp, the same bytes): ggml's type ids
+REPACKED = {"Q4_K": 12, "Q6_K": 14}
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -71,15 +76,24 @@ def decode(type_name: str, blocks: np.ndarray) -> tuple[np.ndarray, list[np.ndar
     raise ValueError(f"GGUF type {type_name} has no packed format here")
 
 
-def pack_gguf(type_name: str, raw: np.ndarray | torch.Tensor, chunk_rows: int = 2048) -> quant.PackedWeight:
+def pack_gguf(type_name: str, raw: np.ndarray | torch.Tensor, chunk_rows: int = 2048,
+              kernels: Any = None) -> quant.PackedWeight:
     """Raw GGUF rows [N, row bytes] uint8 of a type in GGUF_BLOCKS → a PackedWeight, packed
     `chunk_rows` rows (whole tiles) at a time into one buffer, so decoding never holds more than a
-    chunk's values (a 150k-row vocabulary's were several GB)."""
+    chunk's values (a 150k-row vocabulary's were several GB). With `kernels` (a KernelSet), the
+    REPACKED types go through its repack_gguf instead (memory speed, the same bytes)."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     raw = raw.numpy() if isinstance(raw, torch.Tensor) else np.asarray(raw, dtype=np.uint8)
     size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][1]
     rows, fmt = raw.shape[0], GGUF_BLOCKS[type_name]
+    if kernels is not None and type_name in REPACKED and rows:
+        k = raw.shape[1] // size * 256
+        with warnings.catch_warnings():     # a read-only map of the file: the kernel only reads it
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.from_numpy(np.ascontiguousarray(raw))
+        blocks, side = kernels.repack_gguf(REPACKED[type_name], data, rows, k)
+        return quant.PackedWeight(fmt=fmt, n=rows, k=k, blocks=blocks, scale=side)
     step = max(quant.TILE, chunk_rows // quant.TILE * quant.TILE)
     blocks = None
     for r0 in range(0, rows, step):

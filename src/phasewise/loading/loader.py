@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -54,7 +55,8 @@ def load_config(path: Path) -> ModelConfig:
 
 
 def load_model(path: Path, dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu",
-               tp: TensorParallel | None = None, packed_cache: bool = True) -> tuple[nn.Module, ModelConfig]:
+               tp: TensorParallel | None = None, packed_cache: bool = True,
+               kernels: Any = None) -> tuple[nn.Module, ModelConfig]:
     """Build the model for `path` (a .gguf file or an HF folder) with every weight loaded; with `tp`,
     this rank's part of it (loading/sharding.py), and the config of that part.
 
@@ -80,7 +82,7 @@ def load_model(path: Path, dtype: torch.dtype | str = torch.float32, device: tor
         cfg = shard_config(cfg, tp)
     with torch.device("meta"):
         model = model_class(cfg)(cfg, tp=tp) if tp is not None else model_class(cfg)(cfg)
-    plan = plan_file_weights(model, full, gguf, tp, packed_cache) if weight_format == "q4" and gguf is not None \
+    plan = plan_file_weights(model, full, gguf, tp, packed_cache, kernels) if weight_format == "q4" and gguf is not None \
         else FileWeights()
     weights = shard_weights(((n, t) for n, t in weights if n not in plan.names), full, tp)   # each read whole, or as this rank's part
     materialize(model, device)
@@ -172,7 +174,7 @@ def load_prepared(path: Path, dtype: str, device: str = "cpu", kernels=None, pla
                   tp: TensorParallel | None = None, packed_cache: bool = True) -> tuple[nn.Module, ModelConfig]:
     """The model at `path` in `dtype` (with `tp`, this rank's part), its layers given `kernels` (or
     their reference paths); `plain`: no oneDNN either (kernels="torch")."""
-    model, cfg = load_model(path, dtype, device, tp, packed_cache)
+    model, cfg = load_model(path, dtype, device, tp, packed_cache, kernels)
     torch_dtype = parse_dtype(dtype)
     use_fast_linears(model, device, torch_dtype, kernels, onednn=not plain)
     use_kernels(model, kernels if torch_dtype == torch.float32 else None)

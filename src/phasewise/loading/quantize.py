@@ -21,6 +21,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 
@@ -51,10 +52,11 @@ class FileWeights:
 
 
 def plan_file_weights(model: nn.Module, cfg: ModelConfig, gguf: GGUFFile, tp: TensorParallel | None = None,
-                      cache: bool = True) -> FileWeights:
+                      cache: bool = True, kernels: Any = None) -> FileWeights:
     """Pack every linear layer of `model` (meta or not) the file holds in blocks, and the token table
     (without tp); `cfg` is the whole model's. With `cache` (and no tp) the packed layers come from,
-    or go to, the packed-weight cache (loading/packed_cache.py)."""
+    or go to, the packed-weight cache (loading/packed_cache.py). `kernels` (a KernelSet, or None)
+    repacks the types it can (gguf_blocks.pack_gguf)."""
     where = packed_cache.cache_path(gguf.path) if cache and tp is None and packed_cache.wanted(gguf.path) else None
     kept = packed_cache.load(where) if where is not None else None
     layers = {path: (linear.out_features, linear.in_features) for path, linear in _linears(model)}
@@ -64,7 +66,7 @@ def plan_file_weights(model: nn.Module, cfg: ModelConfig, gguf: GGUFFile, tp: Te
     progress = _Progress(len(layers))
     # two layers at a time: numpy's and torch's element-wise passes let go of the GIL
     with ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as pool:
-        packed = pool.map(lambda path: file_blocks(gguf, cfg, path, tp), layers)
+        packed = pool.map(lambda path: file_blocks(gguf, cfg, path, tp, kernels), layers)
         for (path, shape), found in zip(layers.items(), packed):
             if found is not None and (found[0].rows, found[0].k) == shape:
                 plan.linears[path], names = found
@@ -74,7 +76,7 @@ def plan_file_weights(model: nn.Module, cfg: ModelConfig, gguf: GGUFFile, tp: Te
     if tp is None and table is not None and table.type_name in GGUF_BLOCKS:
         head = plan.linears.get("lm_head")
         tied = cfg.tie_word_embeddings and head is not None and "output.weight" not in gguf.tensors
-        plan.embedding = head if tied else pack_gguf(table.type_name, table.raw())
+        plan.embedding = head if tied else pack_gguf(table.type_name, table.raw(), kernels=kernels)
         plan.names.add("model.embed_tokens.weight")
     progress.done()
     if where is not None:
@@ -175,8 +177,8 @@ def _parent(model: nn.Module, path: str) -> tuple[nn.Module, str]:
     return (model.get_submodule(head) if head else model), name
 
 
-def file_blocks(gguf: GGUFFile, cfg: ModelConfig, path: str,
-                tp: TensorParallel | None = None) -> tuple[quant.PackedWeight, list[str]] | None:
+def file_blocks(gguf: GGUFFile, cfg: ModelConfig, path: str, tp: TensorParallel | None = None,
+                kernels: Any = None) -> tuple[quant.PackedWeight, list[str]] | None:
     """The layer `path`'s weight from the file's own blocks and the checkpoint names of its parts
     (None when some part is not in a block format, or with `tp` when this rank's part does not cut
     along whole blocks)."""
@@ -189,7 +191,7 @@ def file_blocks(gguf: GGUFFile, cfg: ModelConfig, path: str,
         rows = shard_raw(hf_name, weight, cfg, tp)
         if rows is None:
             return None
-        parts.append(pack_gguf(weight.type_name, rows))
+        parts.append(pack_gguf(weight.type_name, rows, kernels=kernels))
     try:
         return (parts[0] if len(parts) == 1 else quant.concat(parts)), names
     except ValueError:   # a part that does not fill whole tiles

@@ -32,6 +32,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("quant_linear", &KernelSet::quant_linear, "y = x W^T + b with W in a packed block format",
            py::arg("x"), py::arg("fmt"), py::arg("N"), py::arg("blocks"), py::arg("scale") = py::none(),
            py::arg("bias") = py::none(), py::arg("u5_tiles") = 0, py::arg("rest") = std::vector<PartArgs>{}, nogil())
+      .def("repack_gguf", &KernelSet::repack_gguf, "GGUF Q4_K / Q6_K rows -> the k4 / q6k layout: blocks, side",
+           py::arg("type"), py::arg("raw"), py::arg("N"), py::arg("K"), nogil())
       .def("dequantize_rows", &KernelSet::dequantize_rows, "rows ids of a packed weight in fp32 (an embedding)",
            py::arg("ids"), py::arg("fmt"), py::arg("N"), py::arg("blocks"), py::arg("scale") = py::none(), nogil())
       .def("decoder_stack",

@@ -26,6 +26,8 @@ void quant_linear(const Runtime& rt, const float* x, int64_t M, int64_t K, const
                   const float* bias, float* y);
 double int8_peak_gops(const Runtime& rt, int64_t iters);
 void dequantize_rows(const Runtime& rt, const PackedWeights& w, const int64_t* ids, int64_t T, float* out);
+void repack_gguf(const Runtime& rt, int64_t type, const uint8_t* raw, int64_t N, int64_t K, uint8_t* blocks,
+                 uint16_t* side);
 void decoder_stack(const Runtime& rt, const DecoderModel& m, const DecoderStep& s, const float* x, float* workspace,
                    float* out);
 

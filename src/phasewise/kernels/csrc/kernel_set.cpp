@@ -213,6 +213,22 @@ torch::Tensor KernelSet::quant_linear(torch::Tensor x, int64_t fmt, int64_t N, t
   return out;
 }
 
+// raw [N, K / 256 * type bytes] uint8 GGUF rows (Q4_K or Q6_K) -> [blocks, side]: the k4 / q6k packed
+// layout (kernels/quant.py), side as fp16.
+std::vector<torch::Tensor> KernelSet::repack_gguf(int64_t type, torch::Tensor raw, int64_t N, int64_t K) const {
+  TORCH_CHECK(type == pw::GGUF_Q4_K || type == pw::GGUF_Q6_K, "repack_gguf: Q4_K (12) or Q6_K (14), got ", type);
+  const bool q6k = type == pw::GGUF_Q6_K;
+  TORCH_CHECK(K > 0 && K % 256 == 0 && N > 0, "repack_gguf: K a multiple of 256, N > 0");
+  TORCH_CHECK(raw.scalar_type() == at::kByte && raw.is_contiguous() && raw.numel() == N * (K / 256) * (q6k ? 210 : 144),
+              "repack_gguf: raw uint8 [N, K / 256 * type bytes], contiguous");
+  const int64_t NT = (N + 15) / 16;
+  auto blocks = torch::empty({NT, K / 32, q6k ? 416 : 288}, torch::kByte);
+  auto side = torch::empty({NT, K / 256, q6k ? 16 : 32}, torch::kHalf);
+  table_->repack_gguf(runtime(), type, raw.data_ptr<uint8_t>(), N, K, blocks.data_ptr<uint8_t>(),
+                      reinterpret_cast<uint16_t*>(side.data_ptr<at::Half>()));
+  return {blocks, side};
+}
+
 // ids [T] int64 (each in 0..N-1) -> [T, K] fp32: those rows of a weight packed as quant_linear takes it.
 torch::Tensor KernelSet::dequantize_rows(torch::Tensor ids, int64_t fmt, int64_t N, torch::Tensor blocks,
                                          c10::optional<torch::Tensor> scale) const {

@@ -43,6 +43,7 @@ class KernelSet {
   torch::Tensor quant_linear(torch::Tensor x, int64_t fmt, int64_t N, torch::Tensor blocks,
                              c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias,
                              int64_t u5_tiles, const std::vector<PartArgs>& rest) const;
+  std::vector<torch::Tensor> repack_gguf(int64_t type, torch::Tensor raw, int64_t N, int64_t K) const;
   torch::Tensor dequantize_rows(torch::Tensor ids, int64_t fmt, int64_t N, torch::Tensor blocks,
                                 c10::optional<torch::Tensor> scale) const;
   double int8_peak_gops(int64_t iters) const;

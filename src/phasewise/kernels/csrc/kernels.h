@@ -7,7 +7,7 @@
 
 namespace pw {
 
-constexpr int ABI_VERSION = 10;
+constexpr int ABI_VERSION = 11;
 
 struct Runtime {            // how a call may run: threads of the caller's pool (torch's, through OpenMP)
   int threads = 1;
@@ -167,7 +167,13 @@ struct KernelTable {
   void (*gelu_and_mul)(const Runtime&, const float* x, int64_t T, int64_t I, float* out);
   // out [T, K] = rows ids [T] of a packed weight in fp32 (an embedding kept in its blocks)
   void (*dequantize_rows)(const Runtime&, const PackedWeights& w, const int64_t* ids, int64_t T, float* out);
+  // GGUF rows raw [N, K / 256 super-blocks] of type GGUF_Q4_K or GGUF_Q6_K -> the k4 or q6k layout:
+  // blocks [ceil(N / 16), K / 32, 288 or 416] bytes, side [ceil(N / 16), K / 256, 32 or 16] fp16 bits
+  void (*repack_gguf)(const Runtime&, int64_t type, const uint8_t* raw, int64_t N, int64_t K, uint8_t* blocks,
+                      uint16_t* side);
 };
+
+constexpr int64_t GGUF_Q4_K = 12, GGUF_Q6_K = 14;   // ggml's type ids
 
 }  // namespace pw
 
