@@ -24,8 +24,9 @@ namespace {
 // the tiled kernel's arithmetic step for step (the order in attention.h), with a pass's 16 keys in
 // the vector lanes instead of 16 queries. Per key and head: D / 64 int8 dot products of whole
 // rows, one transpose-reduction for the pass (the integer sums are exact in any order); the
-// softmax's sum is taken key by key as the tiled kernel's lanes take it. GT > 0 fixes G at
-// compile time (queries and outputs in registers); GT = 0 takes it from the tile.
+// pass's weights are summed in sum16's tree (reduce_add_pairs), as the tiled kernel sums its
+// lanes. GT > 0 fixes G at compile time (queries and outputs in registers); GT = 0 takes it from
+// the tile.
 template <int NV, int GT>
 void attend_row(const Cache& c, const int64_t* table, int64_t block_size, int64_t window, int64_t h,
                 const Tile& tile, const float* q, int64_t Hq, float sc, int64_t part0, int64_t part1, float* st) {

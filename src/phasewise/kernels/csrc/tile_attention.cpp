@@ -98,7 +98,7 @@ void attend_tile(const Cache& c, const int64_t* table, int64_t block_size, int64
   const Vf neg_inf = Vf::set1(NEG_INF), one = Vf::set1(1.f);
   for (int64_t part = part0; part < part1; ++part) {
     Vf m = neg_inf, l = Vf::zero();
-    std::memset(o, 0, sizeof(float) * lanes * D);
+    std::memset(o, 0, sizeof(float) * D * ((lanes + 3) / 4 * 4));   // P.V runs four lanes at a time
     const int64_t pend = std::min(kmax, (part + 1) * PART_TOKENS);
     for (int64_t start = std::max(part * PART_TOKENS, kmin / KEYS * KEYS); start < pend; start += KEYS) {
       for (int64_t j = 0, blk = start / block_size, off = start % block_size; j < KEYS; ++j) {
