@@ -67,8 +67,6 @@ def _plain(value: Any) -> Any:
     """What the template may see: JSON types only (subclasses reduced to their base type)."""
     if value is None or type(value) in (str, int, float, bool):
         return value
-    if isinstance(value, bool):
-        return bool(value)
     for base in (str, int, float):
         if isinstance(value, base):
             return base(value)

@@ -36,7 +36,7 @@ class SavedTokenizer:
         try:
             config = json.loads((folder / "tokenizer_config.json").read_text())
             self.backend_tokenizer = RustTokenizer.from_file(str(folder / "tokenizer.json"))
-        except (OSError, ValueError, Exception) as e:   # tokenizers raises its own Exception type
+        except Exception as e:   # OSError, bad JSON, or tokenizers' own Exception type
             raise ValueError(f"not a saved fast tokenizer: {folder} ({e})") from e
         if config.get("backend", "tokenizers") != "tokenizers":
             raise ValueError(f"not a saved fast tokenizer: {folder}")
@@ -47,8 +47,8 @@ class SavedTokenizer:
             self.chat_template = named.get("default", next(iter(named.values()), None))
         self.special_tokens_map = {name: text for name in SPECIAL_NAMES
                                    if (text := _token_text(config.get(name))) is not None}
-        for name in SPECIAL_NAMES:
-            setattr(self, name, self.special_tokens_map.get(name))
+        self.bos_token, self.eos_token, self.unk_token, self.pad_token = (
+            self.special_tokens_map.get(name) for name in ("bos_token", "eos_token", "unk_token", "pad_token"))
         self.added_tokens_decoder = self.backend_tokenizer.get_added_tokens_decoder()
 
     def __len__(self) -> int:

@@ -14,11 +14,10 @@ namespace pw {
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 constexpr int64_t KEYS = 16;          // keys scored per pass (one vector of scores)
 
-// x[0] + ... + x[15] as a pairwise tree ((x0 + x1) + (x2 + x3)) + ...: a pass's softmax sum, taken
-// in this order by every reader (T = Vf: 16 queries' sums at once; T = float: one query's).
-template <typename T>
-inline T sum16(const T* x) {
-  T a[8];
+// x[0] + ... + x[15] lane by lane as a pairwise tree ((x0 + x1) + (x2 + x3)) + ...: a pass's
+// softmax sum for 16 queries (the row kernel takes one query's in the same tree: reduce_add_pairs).
+inline Vf sum16(const Vf* x) {
+  Vf a[8];
   for (int i = 0; i < 8; ++i) a[i] = x[2 * i] + x[2 * i + 1];
   for (int i = 0; i < 4; ++i) a[i] = a[2 * i] + a[2 * i + 1];
   for (int i = 0; i < 2; ++i) a[i] = a[2 * i] + a[2 * i + 1];

@@ -275,12 +275,11 @@ bool attend_tiled(const Runtime& rt, const Cache& c, int64_t T, int64_t Hq, cons
   struct Task {
     int64_t tile, part0, part1, slot;   // slot >= 0: the part's state goes to parts[slot]
   };
-  std::vector<Task> split, whole;
-  std::vector<int64_t> folded;          // tiles whose parts are folded after
+  std::vector<Task> split, whole, folded;   // folded: a split tile's parts, from its first slot on
   for (int64_t i = 0; i < static_cast<int64_t>(tiles.size()); ++i) {
     const int64_t p0 = first_part(tiles[i], window), p1 = end_part(tiles[i]);
     if (tiles[i].R == 1 && p1 - p0 > 1) {
-      folded.push_back(i);
+      folded.push_back({i, p0, p1, static_cast<int64_t>(split.size())});
       for (int64_t k = p0; k < p1; ++k) split.push_back({i, k, k + 1, static_cast<int64_t>(split.size())});
     } else {
       whole.push_back({i, p0, p1, -1});
@@ -313,20 +312,15 @@ bool attend_tiled(const Runtime& rt, const Cache& c, int64_t T, int64_t Hq, cons
     for (int64_t i = begin; i < end; ++i) run(split[i / Hkv], i % Hkv, parts + (split[i / Hkv].slot * Hkv + i % Hkv) * SP);
   });
   if (folded.empty()) return true;
-  std::vector<int64_t> first(folded.size());   // each folded tile's first slot
-  for (int64_t i = 0, s = 0; i < static_cast<int64_t>(folded.size()); ++i) {
-    first[i] = s;
-    s += end_part(tiles[folded[i]]) - first_part(tiles[folded[i]], window);
-  }
   parallel_for(rt, static_cast<int64_t>(folded.size()) * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> st(S);
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t f = i / Hkv, h = i % Hkv;
-      const Tile& tile = tiles[folded[f]];
-      const int64_t n = end_part(tile) - first_part(tile, window);
+      const Task& task = folded[i / Hkv];
+      const int64_t h = i % Hkv;
+      const Tile& tile = tiles[task.tile];
       clear_state(st.data(), tile.gn, D);
-      for (int64_t k = 0; k < n; ++k) {
-        const float* p = parts + ((first[f] + k) * Hkv + h) * SP;
+      for (int64_t k = 0; k < task.part1 - task.part0; ++k) {
+        const float* p = parts + ((task.slot + k) * Hkv + h) * SP;
         fold_part(st.data(), p, p + 16, p + 32, tile.gn, D);
       }
       write_rows(st.data(), tile, Hq, G, h, D, out);
