@@ -91,6 +91,42 @@ def test_seeded_sampling_reproduces_and_stop_strings_cut_like_without(spec_llm, 
     assert got.token_ids == want.token_ids                  # no accepted draft past the stop string
 
 
+SCHEMA = {"type": "object", "required": ["keeper", "lamp", "years"], "additionalProperties": False,
+          "properties": {"keeper": {"type": "string"}, "lamp": {"enum": ["lit", "dark"]},
+                         "years": {"type": "integer"}}}
+ECHO = '{"keeper": "the lighthouse keeper", "lamp": "lit", "years": 40}'
+
+
+def test_constrained_outputs_equal_no_speculation_and_reject_the_drafts_the_grammar_refuses(spec_llm, llm):
+    """Drafts are cut at the first token the grammar refuses; the rows after accepted drafts are masked as
+    if those drafts were committed: greedy outputs stay the plain engine's, alone and under preemption."""
+    import json
+
+    from phasewise import StructuredOutputs
+
+    asks = [f"Repeat this JSON exactly: {ECHO}", f"Summarize as JSON:\n{TEXT}", "Describe a lighthouse as JSON.",
+            f"Repeat this text word for word:\n{TEXT}"] * 2
+    so = StructuredOutputs(json=SCHEMA)
+    params = [SamplingParams(temperature=0, max_tokens=48, logprobs=5, structured_outputs=so)] * 6 + \
+        [SamplingParams(temperature=0.9, seed=s, max_tokens=48, structured_outputs=so) for s in (1, 2)]
+    messages = [[{"role": "user", "content": a}] for a in asks]
+    want = llm.chat(messages[:6], params[:6])
+    together = spec_llm.chat(messages, params)
+    assert sum(o.metrics.preemptions for o in together) > 0
+    for out, ref in zip(together, want):        # as assert_same_greedy, but a near tie may change the length
+        first = next((i for i, (x, y) in enumerate(zip(out.token_ids, ref.token_ids)) if x != y), None)
+        if first is None:
+            assert out.token_ids == ref.token_ids, (out.text, ref.text)
+        else:
+            assert ref.token_ids[first] in dict(out.logprobs[first].top), (out.text, ref.text)
+    assert json.loads(together[0].text) == json.loads(ECHO) and together[0].metrics.spec_accepted_tokens > 10
+    for o in together:
+        assert o.finish_reason == "length" or set(json.loads(o.text)) == {"keeper", "lamp", "years"}
+    assert sum(o.metrics.spec_draft_tokens for o in together) > 0
+    pool = spec_llm.engine.core.kv.pool
+    assert pool.num_free == pool.num_blocks
+
+
 def test_metrics_reach_timings_and_perf_lines(spec_llm):
     out = spec_llm.chat([{"role": "user", "content": PROMPTS[0]}], SamplingParams(temperature=0, max_tokens=24))
     t = timings(out)

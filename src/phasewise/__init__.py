@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from phasewise.sampling.params import SamplingParams
+from phasewise.sampling.params import SamplingParams, StructuredOutputs
 
 if TYPE_CHECKING:
     from phasewise.llm import LLM
     from phasewise.outputs import CompletionOutput, StreamDelta
 
-__all__ = ["LLM", "SamplingParams", "CompletionOutput", "StreamDelta"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputs", "CompletionOutput", "StreamDelta"]
 __version__ = "0.1.0"
 
 _LAZY = {"LLM": "phasewise.llm", "CompletionOutput": "phasewise.outputs", "StreamDelta": "phasewise.outputs"}

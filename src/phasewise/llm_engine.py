@@ -31,6 +31,7 @@ from phasewise.runner.tp_worker import Setup, TPWorkers, threads_per_rank
 from phasewise.sampling.params import SamplingParams
 from phasewise.spec_decode.draft_model import DraftModelProposer
 from phasewise.spec_decode.ngram import NgramProposer
+from phasewise.structured import GrammarCompiler
 from phasewise.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -85,6 +86,8 @@ class LLMEngine:
             tokenizer = pool.submit(Tokenizer.load, self.model_path)
             self._load(config, full, size, kv_dtype)
             self.tokenizer = tokenizer.result()
+        self.grammars = GrammarCompiler(self.tokenizer.backend, self.model_config.vocab_size,
+                                        self.tokenizer.eos_token_ids)
         runner = ModelRunner(self.model, self.kv_cache, self.tokenizer.eos_token_ids, config.device, self.kernels,
                              self.tp)
         self.draft_model = None
@@ -182,12 +185,14 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int] | list[dict], params: SamplingParams | None = None,
                     chat: bool = False, request_id: str | None = None) -> str:
-        """Queue a prompt (text, token ids, or chat messages); returns the request id."""
+        """Queue a prompt (text, token ids, or chat messages); returns the request id. ValueError for a
+        prompt that cannot fit or a structured_outputs constraint that does not compile."""
         params = params or SamplingParams()
         arrival = time.perf_counter()
         prompt_ids = self.encode_prompt(prompt, chat)
         request_id = request_id or f"req-{next(self._ids)}"
-        req = Request(request_id, prompt_ids, params, self.tokenizer.eos_token_ids, arrival=arrival)
+        grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
+        req = Request(request_id, prompt_ids, params, self.tokenizer.eos_token_ids, arrival=arrival, grammar=grammar)
         self.core.add_request(req)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens, params.stop)
         out = CompletionOutput(request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,

@@ -136,6 +136,11 @@ class Tokenizer:
             raise ValueError(f"no such file or directory: {path}")
         raise ValueError(f"expected a .gguf file or an HF model folder: {path}")
 
+    @property
+    def backend(self) -> Any:
+        """The `tokenizers.Tokenizer` underneath (what grammar compilers read the vocabulary from)."""
+        return self.hf.backend_tokenizer
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Tokenize raw text; add_special_tokens adds BOS etc. only if the model is configured to."""
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))

@@ -136,4 +136,12 @@ class EngineCore:
             if len(c.draft_token_ids) > c.max_draft_tokens:
                 raise RuntimeError(f"the proposer gave {len(c.draft_token_ids)} drafts for "
                                    f"{c.request.request_id}, above the {c.max_draft_tokens} reserved")
+            grammar = c.request.grammar
+            if grammar is not None and c.draft_token_ids:
+                # drafts from the first one the grammar refuses on would be rejected (the target gives
+                # them no mass): they are not computed at all
+                n = grammar.valid_prefix(c.draft_token_ids)
+                if n < len(c.draft_token_ids):
+                    c.draft_token_ids = c.draft_token_ids[:n]
+                    c.draft_probs = None if c.draft_probs is None or n == 0 else c.draft_probs[:n]
         sched.num_draft_tokens = sum(len(c.draft_token_ids) for c in wanted)

@@ -88,7 +88,7 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: Any,
                  eos_token_ids: frozenset[int] = frozenset(), max_model_len: int | None = None,
-                 arrival: float | None = None) -> None:
+                 arrival: float | None = None, grammar: Any = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params      # phasewise.sampling.SamplingParams (duck-typed here)
@@ -109,6 +109,8 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.sampler_state: Any = None              # the runner's per-request state (a seeded generator)
         self.spec_state: Any = None                 # the proposer's per-request state (n-gram index, draft KV progress)
+        # structured outputs: a structured.GrammarMatcher (accept(token) -> bool, finished, error), or None
+        self.grammar: Any = grammar
         self.metrics = RequestMetrics(arrival=arrival if arrival is not None else time.perf_counter())
 
     @property
@@ -128,11 +130,21 @@ class Request:
         self.output_token_ids.append(token_id)
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)      # a refused token leaves the grammar failed: check_finish ends it
+
+    @property
+    def grammar_error(self) -> str | None:
+        """Why the request's grammar stopped matching its output (None: it matches, or there is none)."""
+        return None if self.grammar is None else self.grammar.error
 
     def check_finish(self) -> FinishReason | None:
-        """After a token is appended: eos / stop token, max_tokens, or the context length."""
+        """After a token is appended: eos / stop token, a complete grammar (nothing may follow), max_tokens,
+        or the context length. A grammar that refused the token is an error."""
         params, n_out = self.sampling_params, len(self.output_token_ids)
         last = self.output_token_ids[-1]
+        if self.grammar is not None and self.grammar.finished:
+            return FinishReason.ERROR if self.grammar.error else FinishReason.STOP
         if n_out >= params.min_tokens:
             if last in params.stop_token_ids or (not params.ignore_eos and last in self.eos_token_ids):
                 return FinishReason.STOP

@@ -18,6 +18,7 @@ from phasewise.layers.attention import AttentionMetadata
 from phasewise.runner.kv_cache import KVCache
 from phasewise.sampling.sampler import SamplingMetadata, sample
 from phasewise.sampling.verify import verify
+from phasewise.structured import grammar_bitmask
 
 
 @dataclass
@@ -85,12 +86,16 @@ class ModelRunner:
         if not sample_reqs and not spec_chunks:
             return RunnerOutput({}, prompt_logprobs=prompt_lps)
         logits = self.logits(hidden, sample_rows + spec_rows)        # [B + sum(k + 1), V] fp32
-        out = RunnerOutput(self._sample(logits[:len(sample_rows)], sample_reqs) if sample_reqs else {},
-                           prompt_logprobs=prompt_lps)
+        # grammar masks: each sampling row's, then each draft row's (the position after drafts 0..i-1)
+        masks = grammar_bitmask([(r.grammar, ()) for r in sample_reqs]
+                                + [(c.request.grammar, c.draft_token_ids) for c in spec_chunks], self.vocab_size)
+        b = len(sample_rows)
+        out = RunnerOutput(self._sample(logits[:b], sample_reqs, None if masks is None else masks[:b])
+                           if sample_reqs else {}, prompt_logprobs=prompt_lps)
         if spec_chunks:
             generators = [self._generator(c.request) for c in spec_chunks]
-            verified = verify(logits[len(sample_rows):], spec_chunks, generators, self.vocab_size,
-                              self.eos_token_ids, self.device, self.kernels)
+            verified = verify(logits[b:], spec_chunks, generators, self.vocab_size,
+                              self.eos_token_ids, self.device, self.kernels, None if masks is None else masks[b:])
             for rid, (accepted, final) in verified.items():
                 out.sampled[rid] = final
                 out.accepted[rid] = accepted
@@ -137,11 +142,12 @@ class ModelRunner:
             req.sampler_state = torch.Generator(self.device).manual_seed(req.sampling_params.seed)
         return req.sampler_state
 
-    def _sample(self, logits: torch.Tensor, reqs: list) -> dict[str, SampledToken]:
+    def _sample(self, logits: torch.Tensor, reqs: list, masks=None) -> dict[str, SampledToken]:
         params = [r.sampling_params for r in reqs]
         meta = SamplingMetadata.build(
             params, [r.prompt_token_ids for r in reqs], [r.output_token_ids for r in reqs],
-            [self._generator(r) for r in reqs], self.vocab_size, self.eos_token_ids, self.device, self.kernels)
+            [self._generator(r) for r in reqs], self.vocab_size, self.eos_token_ids, self.device, self.kernels,
+            masks)
         out = sample(logits, meta)
         token_ids = out.token_ids.tolist()
         result = {}

@@ -2,7 +2,59 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(kw_only=True)
+class StructuredOutputs:
+    """A constraint on the output: set exactly one of json (a JSON schema, dict or text), json_object
+    (any JSON object), regex, choice (one of these strings) or grammar (Lark, or llama.cpp's GBNF).
+
+    strict=False lets a JSON schema use keywords the grammar compiler does not implement (they are then
+    not enforced, as OpenAI's non-strict mode); with strict=True such a schema is refused.
+    """
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    strict: bool = True
+
+    def __post_init__(self) -> None:
+        kinds = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        if len(kinds) != 1:
+            raise ValueError("structured_outputs needs exactly one of json, json_object, regex, choice, grammar; "
+                             f"got {', '.join(kinds) or 'none'}")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured_outputs choice must be a non-empty list of strings")
+        if isinstance(self.json, str):
+            try:
+                json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs json is not valid JSON: {e}") from None
+
+    @property
+    def kind(self) -> str:
+        """json, regex, choice or grammar (json_object is a json schema)."""
+        return "json" if self.json_object else next(
+            k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None)
+
+    @property
+    def text(self) -> str:
+        """The constraint as one string (a schema as compact JSON, its key order kept: the output follows
+        it); with kind, the compile cache's key."""
+        if self.json_object:
+            return '{"type": "object"}'
+        value = getattr(self, self.kind)
+        if self.kind == "json" and isinstance(value, str):
+            value = json.loads(value)
+        if self.kind == "json" and not isinstance(value, dict):
+            raise ValueError("structured_outputs json must be a JSON schema object")
+        return value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
 
 
 @dataclass(kw_only=True)
@@ -20,6 +72,8 @@ class SamplingParams:
     harnesses score); such a request skips the prefix cache, since a cached prefix has no
     logits. With prompt_logprobs set, max_tokens may be 0: the prompt is run and scored,
     nothing is generated.
+    structured_outputs constrains every token to a grammar (a JSON schema, regex, choice list or
+    grammar); the request ends ("stop") as soon as the grammar is complete and nothing may follow.
     """
 
     n: int = 1
@@ -39,6 +93,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputs | None = None
 
     MAX_LOGPROBS = 20
 

@@ -2,7 +2,7 @@
 
 Every function is pure (returns new tensors, never mutates its inputs) and runs on
 whatever device the logits live on. `sample` composes them in vLLM's order:
-banned tokens -> penalties -> greedy argmax | temperature -> top-k -> top-p -> min-p
+grammar mask and banned tokens -> penalties -> greedy argmax | temperature -> top-k -> top-p -> min-p
 -> exponential-race draw. Logprobs are always taken from the raw model logits.
 """
 
@@ -50,6 +50,7 @@ class SamplingMetadata:
     prompt_mask: Tensor | None          # [B, V] bool, token in prompt; rows without repetition_penalty stay False
     output_counts: Tensor | None        # [B, V] int32, occurrences in the output so far
     banned_mask: Tensor | None          # [B, V] bool, tokens forbidden this step (min_tokens)
+    allowed_mask: Tensor | None         # [B, V] bool, tokens the row's grammar allows; None: no row has one
     generators: list[torch.Generator | None]  # per row; None = default generator
     all_greedy: bool
     max_num_logprobs: int | None        # max over rows of params.logprobs; None when no row wants them
@@ -66,11 +67,14 @@ class SamplingMetadata:
         eos_token_ids: set[int] | frozenset[int],
         device: torch.device | str = "cpu",
         kernels: Any = None,
+        grammar_bitmask: Any = None,
     ) -> SamplingMetadata:
         """Gather the batch's settings into tensors; filters and penalties nobody uses stay None.
 
         While a row has fewer than min_tokens outputs, its stop_token_ids are banned, and so
         are the eos ids unless ignore_eos (eos cannot end such a request anyway, as in vLLM).
+        grammar_bitmask ([B, ceil(V / 32)] int32, numpy or torch; None: no grammar): bit t % 32 of word
+        t // 32 is set where the row's grammar allows token t.
         """
         B, V = len(params), vocab_size
         if not len(prompt_ids) == len(output_ids) == len(generators) == B:
@@ -118,11 +122,19 @@ class SamplingMetadata:
             prompt_mask=prompt_mask,
             output_counts=output_counts,
             banned_mask=banned_mask,
+            allowed_mask=None if grammar_bitmask is None else unpack_bitmask(grammar_bitmask, V, device),
             generators=list(generators),
             all_greedy=all(p.temperature == 0 for p in params),
             max_num_logprobs=max(wanted, default=None),
             kernels=kernels,
         )
+
+
+def unpack_bitmask(bitmask: Any, vocab_size: int, device: torch.device) -> Tensor:
+    """[B, W] int32 words (numpy or torch) → [B, vocab_size] bool: bit t % 32 of word t // 32."""
+    words = torch.as_tensor(bitmask).to(device)                      # [B, W]
+    bits = torch.arange(32, dtype=torch.int32, device=device)
+    return ((words[:, :, None] >> bits) & 1).bool().flatten(1)[:, :vocab_size]
 
 
 @dataclass
@@ -277,7 +289,8 @@ def distribution(raw: Tensor, meta: SamplingMetadata) -> tuple[Tensor, Tensor | 
     """What `sample` draws from, for raw fp32 logits [B, V]: the greedy choice [B] (argmax after
     bans and penalties) and the probabilities [B, V] after temperature and the filters (None when
     every row is greedy). Speculative verification uses it as the target distribution p."""
-    logits = raw if meta.banned_mask is None else raw.masked_fill(meta.banned_mask, _NEG_INF)
+    logits = raw if meta.allowed_mask is None else raw.masked_fill(~meta.allowed_mask, _NEG_INF)
+    logits = logits if meta.banned_mask is None else logits.masked_fill(meta.banned_mask, _NEG_INF)
     logits = apply_penalties(logits, meta)
     greedy_ids = argmax(logits, meta.kernels)                        # [B]
     if meta.all_greedy:  # fast path: no softmax, no sort

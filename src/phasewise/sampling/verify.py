@@ -1,7 +1,7 @@
 """Verification of draft tokens: target logits at the k + 1 rows of each chunk → accepted drafts + one token.
 
 The target distribution at draft position i is exactly what `sample` would draw from
-there: bans (min_tokens), penalties with the output so far *including drafts 0..i-1*,
+there: the grammar's mask after drafts 0..i-1, bans (min_tokens), penalties with the output so far *including drafts 0..i-1*,
 temperature, top-k/top-p/min-p. Greedy requests are verified by argmax, sampled ones by
 the rejection rule with randomness from the request's own generator when it is seeded
 (so seeded requests stay reproducible) and the default one otherwise. Logprobs of the
@@ -21,8 +21,10 @@ Verified = tuple[list[SampledToken], SampledToken]   # accepted drafts, then the
 
 
 def verify(logits: Tensor, chunks: list[ScheduledChunk], generators: list[torch.Generator | None],
-           vocab_size: int, eos_token_ids: frozenset[int], device: torch.device, kernels=None) -> dict[str, Verified]:
-    """logits [sum(k_c + 1), V]: chunk c's rows are its last own token, then each draft."""
+           vocab_size: int, eos_token_ids: frozenset[int], device: torch.device, kernels=None,
+           grammar_bitmask=None) -> dict[str, Verified]:
+    """logits [sum(k_c + 1), V]: chunk c's rows are its last own token, then each draft. grammar_bitmask
+    (None: no grammar) has the same rows: the tokens each row's grammar allows after drafts 0..i-1."""
     params, prompts, outputs = [], [], []
     for c in chunks:
         req = c.request
@@ -31,7 +33,7 @@ def verify(logits: Tensor, chunks: list[ScheduledChunk], generators: list[torch.
             prompts.append(req.prompt_token_ids)
             outputs.append(req.output_token_ids + c.draft_token_ids[:i])
     meta = SamplingMetadata.build(params, prompts, outputs, [None] * len(params), vocab_size, eos_token_ids, device,
-                                  kernels)
+                                  kernels, grammar_bitmask)
     raw = logits.float()
     greedy_ids, probs = distribution(raw, meta)                      # [T], [T, V] or None
 

@@ -1,0 +1,7 @@
+"""Structured outputs: grammars (JSON schema, regex, choice, Lark/GBNF) compiled for one tokenizer by
+llguidance, and the per-request matchers whose token masks the sampler applies. No torch here."""
+
+from phasewise.structured.grammar_compiler import GrammarCompiler
+from phasewise.structured.grammar_matcher import GrammarMatcher, grammar_bitmask
+
+__all__ = ["GrammarCompiler", "GrammarMatcher", "grammar_bitmask"]

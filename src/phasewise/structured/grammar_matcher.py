@@ -1,0 +1,67 @@
+"""GrammarMatcher: one request's place in its grammar; the token masks of a step's rows."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+from llguidance import LLMatcher
+from llguidance.numpy import fill_next_token_bitmask
+
+
+class GrammarMatcher:
+    """Wraps an llguidance matcher. The engine advances it with each committed output token
+    (`accept`); the runner reads the masks of the next position and of positions after draft tokens
+    (`fill`), which leaves it where it was."""
+
+    def __init__(self, matcher: LLMatcher) -> None:
+        self._m = matcher
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past a committed token; False (and `error` set) if the grammar refuses it."""
+        return self._m.consume_token(token_id)
+
+    @property
+    def finished(self) -> bool:
+        """Nothing may follow but an end-of-sequence token (or the matcher failed): the output is done."""
+        return self._m.is_stopped()
+
+    @property
+    def error(self) -> str | None:
+        return self._m.get_error() or None
+
+    def valid_prefix(self, token_ids: Sequence[int]) -> int:
+        """How many of these tokens, in order, the grammar allows from here (draft tokens)."""
+        return self._m.validate_tokens(list(token_ids)) if token_ids else 0
+
+    def fill(self, bitmask: np.ndarray, row: int, drafts: Sequence[int] = ()) -> None:
+        """Write the allowed tokens of the next position into bitmask[row] (int32, bit t % 32 of word
+        t // 32), and for each draft token (all allowed: `valid_prefix`) the position after it into the
+        following rows."""
+        fill_next_token_bitmask(self._m, bitmask, row)
+        consumed = 0
+        for i, t in enumerate(drafts):
+            if self._m.is_stopped():
+                # the grammar is complete: the output ends at the draft before (an end-of-sequence draft
+                # is not a token llguidance can roll back); the rows after it are never read
+                break
+            if not self._m.consume_token(t):
+                raise ValueError(f"draft token {t} is not allowed by the grammar: {self._m.get_error()}")
+            consumed += 1
+            fill_next_token_bitmask(self._m, bitmask, row + i + 1)
+        if consumed:
+            self._m.rollback(consumed)
+
+
+def grammar_bitmask(rows: Sequence[tuple[GrammarMatcher | None, Sequence[int]]], vocab_size: int) -> np.ndarray | None:
+    """The masks of a step's sampling rows: per (matcher or None, draft tokens) entry, 1 + len(drafts)
+    rows; [R, ceil(V / 32)] int32 with every bit set in rows without a grammar. None when no entry has one."""
+    if all(m is None for m, _ in rows):
+        return None
+    bitmask = np.full((sum(1 + len(d) for _, d in rows), (vocab_size + 31) // 32), -1, dtype=np.int32)
+    row = 0
+    for matcher, drafts in rows:
+        if matcher is not None:
+            matcher.fill(bitmask, row, drafts)
+        row += 1 + len(drafts)
+    return bitmask
