@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -114,6 +115,34 @@ def test_json_output_and_trace(tmp_path):
     assert names.count("prefill chunk") == 1 and "decode" in names and "queued" in names
     steps = [e for e in events if e["name"].startswith("step")]
     assert len(steps) == 6 and sum(e["args"]["decode_tokens"] for e in steps) == 5
+
+
+@pytest.mark.slow
+def test_generate_follows_a_json_schema_file_and_a_regex(tmp_path):
+    schema = {"type": "object", "required": ["city"], "additionalProperties": False,
+              "properties": {"city": {"type": "string", "maxLength": 20}}}
+    (tmp_path / "city.json").write_text(json.dumps(schema))
+    proc = run("generate", "Which city is the capital of France?", "--json-schema", str(tmp_path / "city.json"),
+               "--temperature", "0", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert set(json.loads(out["text"])) == {"city"} and out["finish_reason"] == "stop"
+    proc = run("generate", "A year:", "--regex", "(19|20)[0-9]{2}", "--temperature", "0", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert re.fullmatch("(19|20)[0-9]{2}", json.loads(proc.stdout)["text"])
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--json-schema", "/no/such/schema.json"], "/no/such/schema.json"),
+    (["--regex", "(a"], "invalid regex"),
+    (["--regex", "a", "--choice", "b"], "not allowed with"),
+])
+def test_a_bad_constraint_is_one_line(flags, needle):
+    proc = run("generate", "hi", *flags)
+    if "not allowed with" in needle:      # argparse's own usage error
+        assert proc.returncode == 2 and needle in proc.stderr
+    else:
+        assert_one_line_error(proc, needle)
 
 
 @pytest.mark.slow

@@ -29,6 +29,33 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
     g.add_argument("--logprobs", type=int, default=None, help="return the top-N logprobs of each token")
+    c = p.add_argument_group("structured output (one of)").add_mutually_exclusive_group()
+    c.add_argument("--json-schema", metavar="FILE", default=None, help="output JSON that matches this JSON schema")
+    c.add_argument("--json-object", action="store_true", help="output one JSON object")
+    c.add_argument("--regex", default=None, help="output text that matches this regular expression")
+    c.add_argument("--choice", action="append", default=None, help="output one of these strings (repeatable)")
+    c.add_argument("--grammar", metavar="FILE", default=None,
+                   help="output text of this grammar (Lark, or llama.cpp's GBNF with a root rule)")
+
+
+def _read(path: str, flag: str) -> str:
+    try:
+        return Path(path).expanduser().read_text()
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: {e.strerror or e}") from None
+
+
+def structured_outputs_from_args(args: argparse.Namespace):
+    """The constraint the flags ask for, or None."""
+    from phasewise.sampling.params import StructuredOutputs
+
+    if args.json_schema is not None:
+        return StructuredOutputs(json=_read(args.json_schema, "--json-schema"))
+    if args.grammar is not None:
+        return StructuredOutputs(grammar=_read(args.grammar, "--grammar"))
+    if args.json_object or args.regex is not None or args.choice:
+        return StructuredOutputs(json_object=args.json_object, regex=args.regex, choice=args.choice)
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,7 +120,8 @@ def sampling_params_from_args(args: argparse.Namespace):
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, seed=args.seed, max_tokens=args.max_tokens,
-        stop=args.stop, ignore_eos=args.ignore_eos, logprobs=args.logprobs)
+        stop=args.stop, ignore_eos=args.ignore_eos, logprobs=args.logprobs,
+        structured_outputs=structured_outputs_from_args(args))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

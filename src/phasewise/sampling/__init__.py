@@ -1,5 +1,5 @@
 """Sampling: per-request parameters (plain Python) and the batched sampler (torch, in sampler.py)."""
 
-from phasewise.sampling.params import SamplingParams, StructuredOutputs
+from phasewise.sampling.params import ConstraintError, SamplingParams, StructuredOutputs
 
-__all__ = ["SamplingParams", "StructuredOutputs"]
+__all__ = ["ConstraintError", "SamplingParams", "StructuredOutputs"]

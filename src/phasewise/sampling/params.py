@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+class ConstraintError(ValueError):
+    """A structured_outputs constraint that does not compile (the message says why)."""
+
+
 @dataclass(kw_only=True)
 class StructuredOutputs:
     """A constraint on the output: set exactly one of json (a JSON schema, dict or text), json_object

@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
+from phasewise.sampling.params import ConstraintError
 from phasewise.server import responses as R
 from phasewise.server.async_engine import SubRequest
 from phasewise.server.errors import ContextLengthError, EngineDeadError, RequestError
@@ -32,10 +33,12 @@ def openai_router(guards: Guards) -> APIRouter:
     kv_transfers = KVTransfers(engine)
     router = APIRouter(dependencies=[Depends(guards.require_key)])
 
-    async def start(items: list[SubRequest], chat: bool) -> RequestStream:
+    async def start(items: list[SubRequest], chat: bool, constraint_field: str | None = None) -> RequestStream:
         guards.admit(len(items))
         try:
             return await engine.submit(items, chat)
+        except ConstraintError as e:
+            raise bad_request(str(e), constraint_field) from None
         except RequestError as e:
             param = "messages" if e.param == "prompt" and chat else e.param
             if isinstance(e, ContextLengthError):
@@ -55,7 +58,7 @@ def openai_router(guards: Guards) -> APIRouter:
         transfer = body.kv_transfer_params.transfer_id if body.kv_transfer_params else None
         if transfer and config.role == "decode":
             await kv_transfers.receive(transfer)
-        stream = await start(items, chat)
+        stream = await start(items, chat, body.constraint_field)
         if transfer and config.role == "prefill":
             if body.stream or len(items) != 1:
                 raise bad_request("a prefill instance's request carries one prompt, one choice, no stream",

@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from phasewise.sampling.params import SamplingParams
+from phasewise.server import constraints
 
 MAX_CHOICES = 128          # n x prompts of one API call
 INT64 = 2 ** 63
@@ -55,9 +56,8 @@ class KVTransferParams(BaseModel):
 # this server does not implement: a 400 naming the field, never silently ignored. Fields that change
 # nothing in the output (user, metadata, store, service_tier, cache_prompt ...) pass.
 UNSUPPORTED_FIELDS = frozenset({
-    # constrained output (vLLM, llama.cpp)
-    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-    "guided_whitespace_pattern", "structured_outputs", "grammar", "json_schema",
+    # constrained output (vLLM): free whitespace inside JSON
+    "guided_whitespace_pattern",
     # tools and formats (OpenAI)
     "functions", "function_call", "tool_choice", "prediction", "audio", "modalities", "reasoning_effort",
     "web_search_options", "verbosity",
@@ -99,6 +99,16 @@ class _Request(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None
+    # structured outputs (server/constraints.py: OpenAI's, vLLM's and llama.cpp's spellings)
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: str | None = None    # accepted and ignored: llguidance is the one backend
+    json_schema: Any = None
+    grammar: Any = None
     # prefill/decode disaggregation (set by `serve --role proxy`): the transfer carrying this prompt's KV
     kv_transfer_params: KVTransferParams | None = None
     user: str | None = None
@@ -120,13 +130,20 @@ class _Request(BaseModel):
         fields = {
             "n": self.n, "seed": self.seed, "stop": self.stop, "ignore_eos": self.ignore_eos,
             "min_tokens": self.min_tokens, "stop_token_ids": self.stop_token_ids or [],
-            "skip_special_tokens": self.skip_special_tokens}
+            "skip_special_tokens": self.skip_special_tokens,
+            "structured_outputs": constraints.structured_outputs(
+                {name: getattr(self, name) for name in constraints.FIELDS}, bad_request)}
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p",
                      "repetition_penalty"):
             value = getattr(self, name)
             if value is not None:
                 fields[name] = value
         return fields
+
+    @property
+    def constraint_field(self) -> str | None:
+        """The field that constrains the output (response_format, structured_outputs, ...), or None."""
+        return constraints.given_field({name: getattr(self, name) for name in constraints.FIELDS})
 
     @property
     def include_usage(self) -> bool:
@@ -212,7 +229,6 @@ class ChatCompletionRequest(_Request):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=-INT64, lt=INT64)
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     def conversation(self) -> list[dict[str, str]]:
         if not self.messages:
@@ -222,8 +238,6 @@ class ChatCompletionRequest(_Request):
     def sampling_params(self) -> SamplingParams:
         if self.tools:
             raise bad_request("tools are not supported", "tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise bad_request("response_format other than text is not supported", "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= SamplingParams.MAX_LOGPROBS:

@@ -11,7 +11,7 @@ from typing import Any
 import llguidance
 from llguidance import LLMatcher, LLTokenizer
 
-from phasewise.sampling.params import StructuredOutputs
+from phasewise.sampling.params import ConstraintError, StructuredOutputs
 from phasewise.structured.grammar_matcher import GrammarMatcher
 
 # JSON as one line with OpenAI's separators: no free whitespace a small model could loop in
@@ -65,14 +65,15 @@ class GrammarCompiler:
             self._tokenizer.set_exception(e)
 
     def compile(self, spec: StructuredOutputs) -> GrammarMatcher:
-        """A fresh matcher for the constraint; ValueError naming the problem when it is invalid."""
+        """A fresh matcher for the constraint; ConstraintError (a ValueError) naming the problem when it is
+        invalid."""
         key = (spec.kind, spec.text, spec.strict)
         template = self._cache.get(key)
         if template is None:
             tokenizer = self._future(background=False).result()
             template = LLMatcher(tokenizer, self._grammar(spec), log_level=0)
             if template.is_error():
-                raise ValueError(f"invalid {_NAMES[spec.kind]}: {_one_line(template.get_error())}")
+                raise ConstraintError(f"invalid {_NAMES[spec.kind]}: {_one_line(template.get_error())}")
             self._cache[key] = template
             if len(self._cache) > self.CACHE_SIZE:
                 self._cache.popitem(last=False)
@@ -93,7 +94,7 @@ class GrammarCompiler:
                 return LLMatcher.grammar_from_lark(f"start: /{llguidance.regex_to_lark(text, 'dw')}/")
             return llguidance.grammar_from(spec.kind, text)
         except ValueError as e:
-            raise ValueError(f"invalid {_NAMES[spec.kind]}: {_one_line(str(e))}") from None
+            raise ConstraintError(f"invalid {_NAMES[spec.kind]}: {_one_line(str(e))}") from None
 
 
 _NAMES = {"json": "JSON schema", "regex": "regex", "choice": "choice list", "grammar": "grammar"}

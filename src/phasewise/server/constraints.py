@@ -1,0 +1,85 @@
+"""The structured-output fields of three ecosystems → one StructuredOutputs (or a 400 naming the field).
+
+OpenAI: `response_format` {"type": "text" | "json_object" | "json_schema", "json_schema": {"name",
+"schema", "strict"}}. vLLM: `structured_outputs` {"json" | "json_object" | "regex" | "choice" |
+"grammar"} and the older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`.
+llama.cpp: `json_schema` (a schema) and `grammar` (GBNF). At most one may constrain a request.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from phasewise.sampling.params import StructuredOutputs
+
+VLLM_KEYS = ("json", "json_object", "regex", "choice", "grammar")
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+FIELDS = ("response_format", "structured_outputs", *GUIDED, "json_schema", "grammar")
+
+
+def _given(fields: dict[str, Any]) -> list[str]:
+    return [name for name in FIELDS if fields.get(name) is not None
+            and not (name == "response_format" and _is_text(fields[name]))]
+
+
+def given_field(fields: dict[str, Any]) -> str | None:
+    """The field that constrains the request (the first, if several), or None."""
+    return next(iter(_given(fields)), None)
+
+
+def structured_outputs(fields: dict[str, Any], bad_request: Callable[..., Exception]) -> StructuredOutputs | None:
+    """From a request's fields (name → value; absent or None: not set); bad_request(message, param)
+    makes the error to raise."""
+    given = _given(fields)
+    if not given:
+        return None
+    if len(given) > 1:
+        raise bad_request(f"only one of {', '.join(given)} may constrain a request", given[1])
+    name = given[0]
+    value = fields[name]
+    try:
+        if name == "response_format":
+            return _response_format(value)
+        if name == "structured_outputs":
+            if not isinstance(value, dict):
+                raise ValueError("must be an object")
+            unknown = sorted(set(value) - set(VLLM_KEYS) - {"strict"})
+            if unknown:
+                raise ValueError(f"{', '.join(unknown)} not supported (it takes one of {', '.join(VLLM_KEYS)})")
+            return StructuredOutputs(**{k: v for k, v in value.items() if v is not None})
+        if name in GUIDED:
+            return StructuredOutputs(**{GUIDED[name]: value})
+        if name == "json_schema":
+            return StructuredOutputs(json=value)
+        return StructuredOutputs(grammar=_text(value))
+    except (TypeError, ValueError) as e:
+        message = str(e).removeprefix("structured_outputs ")
+        raise bad_request(f"{name}: {message}", name) from None
+
+
+def _is_text(value: Any) -> bool:
+    return isinstance(value, dict) and value.get("type", "text") == "text"
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError("must be a string")
+    return value
+
+
+def _response_format(value: Any) -> StructuredOutputs:
+    if not isinstance(value, dict):
+        raise ValueError("must be an object with a type")
+    kind = value.get("type")
+    if kind == "json_object":
+        return StructuredOutputs(json_object=True)
+    if kind != "json_schema":
+        raise ValueError(f"type must be text, json_object or json_schema, got {kind!r}")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise ValueError("json_schema must be an object with a name and a schema")
+    schema = spec.get("schema")
+    if schema is None:                      # OpenAI's schema is optional: any JSON object then
+        return StructuredOutputs(json_object=True)
+    # OpenAI's default is strict=false: keywords the compiler does not implement are then not enforced
+    return StructuredOutputs(json=schema, strict=bool(spec.get("strict")))
