@@ -219,6 +219,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     def build() -> LLMEngine:                  # on the engine thread, which then owns the OpenMP pool
         engine = LLMEngine(config)
         engine.warmup()
+        engine.grammars.prepare()              # structured outputs' tokenizer view, in the background
         return engine
 
     async_engine = AsyncEngine(build)
