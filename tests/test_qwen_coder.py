@@ -75,3 +75,60 @@ def test_the_small_model_drafting_for_the_large_one_is_plain_greedy():
     spec = LLM(model=str(target), kv_cache_memory=0.5, speculative=f"draft:{draft}").chat(messages, params)
     assert spec.token_ids == plain.token_ids
     assert spec.metrics.spec_accepted_tokens > 0
+
+
+@pytest.fixture(scope="module")
+def qwen_server(tmp_path_factory):
+    """`phasewise serve` on the 0.5B at its default precision (the native tool template: Hermes calls)."""
+    from live_server import start_server, stop_server
+
+    try:
+        path = resolve_model_path("qwen2.5-coder-0.5b")
+    except ModelLoadError as e:
+        pytest.skip(str(e))
+    s = start_server(tmp_path_factory.mktemp("qwen"), "--model", str(path), "--served-model-name", "qwen")
+    yield s
+    stop_server(s)
+    assert "Traceback" not in s.log.read_text(), s.log.read_text()
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_the_model_calls_a_tool_on_its_own_and_the_result_goes_back(qwen_server):
+    """tool_choice auto: the model's own template renders the tools, its reply is parsed into a call
+    (streamed the same); the call and its result go back through the template."""
+    import json
+
+    client = qwen_server.client()
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    kw = {"model": "qwen", "tools": [WEATHER_TOOL], "temperature": 0, "max_tokens": 60}
+    out = client.chat.completions.create(messages=ask, **kw).choices[0]
+    assert out.finish_reason == "tool_calls" and out.message.content is None
+    call = out.message.tool_calls[0]
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    chunks = list(client.chat.completions.create(messages=ask, stream=True, **kw))
+    streamed = "".join(c.function.arguments or "" for ch in chunks for c in ch.choices[0].delta.tool_calls or [])
+    assert json.loads(streamed) == {"city": "Paris"} and chunks[-1].choices[0].finish_reason == "tool_calls"
+    history = [*ask, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+               {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and raining"}]
+    assert client.chat.completions.create(messages=history, **kw).choices[0].finish_reason   # (the 0.5B calls again)
+    tokens = qwen_server.post("/tokenize", {"messages": history, "tools": [WEATHER_TOOL]}).json()["tokens"]
+    prompt = qwen_server.post("/detokenize", {"tokens": tokens}).json()["prompt"]
+    assert "<tool_response>\n18 degrees and raining\n</tool_response>" in prompt
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
+
+
+def test_structured_output_on_a_large_vocabulary(qwen_server):
+    import json
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["language", "year"],
+              "properties": {"language": {"enum": ["Python", "C", "Rust"]}, "year": {"type": "integer"}}}
+    out = qwen_server.client().chat.completions.create(
+        model="qwen", messages=[{"role": "user", "content": "When did Python first appear? Answer in JSON."}],
+        temperature=0, max_tokens=40,
+        response_format={"type": "json_schema", "json_schema": {"name": "lang", "schema": schema, "strict": True}})
+    value = json.loads(out.choices[0].message.content)
+    assert value["language"] in ("Python", "C", "Rust") and isinstance(value["year"], int)

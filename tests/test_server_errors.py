@@ -30,7 +30,9 @@ pytestmark = pytest.mark.slow
     ({**CHAT, "messages": [{"content": "no role"}]}, "messages"),
     ({"model": MODEL}, "messages"),
     ({**CHAT, "messages": [{"role": "robot", "content": "hi"}]}, "messages"),
-    ({**CHAT, "messages": [{"role": "tool", "content": "42", "tool_call_id": "c1"}]}, "messages"),
+    ({**CHAT, "messages": [{"role": "user", "content": "hi", "tool_calls": []}, {"role": "user", "content": "",
+                                                                                 "tool_calls": [{"id": "1"}]}]},
+     "messages"),                                                         # only an assistant calls tools
     ({**CHAT, "guided_whitespace_pattern": " *"}, "guided_whitespace_pattern"),   # vLLM's
     ({**CHAT, "mirostat": 2}, "mirostat"),                                          # llama.cpp's
 ])

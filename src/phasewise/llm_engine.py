@@ -174,22 +174,25 @@ class LLMEngine:
 
     # ---- requests ---------------------------------------------------------------
 
-    def encode_prompt(self, prompt: str | list[int] | list[dict], chat: bool) -> list[int]:
+    def encode_prompt(self, prompt: str | list[int] | list[dict], chat: bool,
+                      tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a prompt: chat messages (with OpenAI-style tools) through the chat template."""
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-            return self.tokenizer.apply_chat_template(prompt)
+            return self.tokenizer.apply_chat_template(prompt, tools=tools)
         if isinstance(prompt, list):
             return list(prompt)
         if chat:
-            return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+            return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tools=tools)
         return self.tokenizer.encode(prompt)
 
     def add_request(self, prompt: str | list[int] | list[dict], params: SamplingParams | None = None,
-                    chat: bool = False, request_id: str | None = None) -> str:
-        """Queue a prompt (text, token ids, or chat messages); returns the request id. ValueError for a
-        prompt that cannot fit or a structured_outputs constraint that does not compile."""
+                    chat: bool = False, request_id: str | None = None, tools: list[dict] | None = None) -> str:
+        """Queue a prompt (text, token ids, or chat messages, with tools for the template); returns the
+        request id. ValueError for a prompt that cannot fit or a structured_outputs constraint that does
+        not compile."""
         params = params or SamplingParams()
         arrival = time.perf_counter()
-        prompt_ids = self.encode_prompt(prompt, chat)
+        prompt_ids = self.encode_prompt(prompt, chat, tools)
         request_id = request_id or f"req-{next(self._ids)}"
         grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
         req = Request(request_id, prompt_ids, params, self.tokenizer.eos_token_ids, arrival=arrival, grammar=grammar)

@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 
+from phasewise import tool_calling
 from phasewise.paths import default_cache_dir
 from phasewise.saved_tokenizer import SavedTokenizer
 
@@ -72,8 +73,7 @@ class Tokenizer:
         eos = {i for i in extra_eos_ids if 0 <= i < self.vocab_size}
         if hf.eos_token_id is not None:
             eos.add(hf.eos_token_id)
-        template = hf.chat_template or ""
-        template = "\n".join(template.values()) if isinstance(template, dict) else template
+        template = self.chat_template
         added = hf.get_added_vocab()
         eos.update(added[t] for t in END_OF_TURN_TOKENS if t in template and t in added)
         self.eos_token_ids: frozenset[int] = frozenset(eos)
@@ -145,20 +145,41 @@ class Tokenizer:
         """Tokenize raw text; add_special_tokens adds BOS etc. only if the model is configured to."""
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The chat template applied to messages, as text."""
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
+        """The chat template applied to messages (and OpenAI-style tools), as text. A template without
+        tool support gets the tools, tool calls and tool results in a generic form (tool_calling/prompt.py)."""
         if not self.has_chat_template():
             raise ValueError("this tokenizer has no chat template; pass a raw prompt instead")
         import jinja2
 
+        extra = {}
+        if tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
+            if tool_calling.supports_tools(self.chat_template):
+                messages, extra = tool_calling.native_messages(messages), {"tools": tools} if tools else {}
+            else:
+                messages = tool_calling.generic_messages(messages, tools)
         try:
-            return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+            return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                               **extra)
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template failed: {_one_line(e)}") from e
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:
         """Token ids of the rendered chat (the template supplies any BOS, as in transformers)."""
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
+
+    @property
+    def chat_template(self) -> str:
+        """The chat template's text ("" without one; a template dict's entries joined)."""
+        template = self.hf.chat_template or ""
+        return "\n".join(template.values()) if isinstance(template, dict) else template
+
+    @property
+    def tool_format(self) -> str:
+        """How this model writes tool calls: "hermes" or "llama3_json" (tool_calling/parser.py)."""
+        return tool_calling.tool_format(self.chat_template)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of ids, without transformers' tokenization-space clean-up (so decoding is concatenative)."""

@@ -41,6 +41,7 @@ class SubRequest:
     request_id: str
     prompt: Prompt
     params: SamplingParams
+    tools: list[dict] | None = None            # chat: the tools the template renders
 
 
 @dataclass
@@ -282,7 +283,7 @@ class AsyncEngine:
         for it in items:
             key = id(it.prompt)                # the choices of one prompt share its object: encode once
             if key not in encoded:
-                encoded[key] = self._encode(it.prompt, chat)
+                encoded[key] = self._encode(it.prompt, chat, it.tools)
             prepared.append((it.request_id, encoded[key], self._fit(encoded[key], it.params)))
         added = []
         try:
@@ -298,8 +299,8 @@ class AsyncEngine:
                 engine.abort(rid)
             raise
 
-    def _encode(self, prompt: Prompt, chat: bool) -> list[int]:
-        ids = self.engine.encode_prompt(prompt, chat)
+    def _encode(self, prompt: Prompt, chat: bool, tools: list[dict] | None = None) -> list[int]:
+        ids = self.engine.encode_prompt(prompt, chat, tools)
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], dict):
             check_token_ids(ids, self.model_config.vocab_size)
         return ids

@@ -21,7 +21,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from phasewise.server.async_engine import AsyncEngine
 from phasewise.server.config import ServerConfig
-from phasewise.server.protocol import APIError, error_body, validation_message
+from phasewise.server.body_parsing import validation_message
+from phasewise.server.protocol import APIError, error_body
 
 log = logging.getLogger("phasewise.server")
 

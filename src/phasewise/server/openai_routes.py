@@ -22,7 +22,8 @@ from phasewise.server.errors import ContextLengthError, EngineDeadError, Request
 from phasewise.server.guards import Guards
 from phasewise.server.kv_transfers import KVTransfers
 from phasewise.server.protocol import (
-    APIError, ChatCompletionRequest, CompletionRequest, bad_request, choice_params, openapi_body, parse_body)
+    APIError, ChatCompletionRequest, CompletionRequest, bad_request, choice_params, openapi_body)
+from phasewise.server.body_parsing import parse_body
 from phasewise.server.request_stream import RequestStream
 from phasewise.server.sse import chat_events, collect, completion_events, sse_response
 
@@ -109,12 +110,15 @@ def openai_router(guards: Guards) -> APIRouter:
     async def chat_completions(request: Request) -> Response:
         body = parse_body(await request.body(), ChatCompletionRequest)
         guards.check_model(body.model)
-        params = body.sampling_params()
-        messages = body.conversation()
+        params, tool_format = body.tool_params(body.sampling_params(), engine.tokenizer.tool_format)
+        messages, tools = body.conversation(), body.checked_tools()
+        names = frozenset(t["function"]["name"] for t in tools or ())
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        items = [SubRequest(_sub_id(rid, j, body.n), messages, choice_params(params, j)) for j in range(body.n)]
-        return await respond(request, body, rid, items, True, partial(chat_events, n=body.n, tt=token_text),
-                             partial(R.chat_body, tt=token_text))
+        items = [SubRequest(_sub_id(rid, j, body.n), messages, choice_params(params, j), tools)
+                 for j in range(body.n)]
+        parsing = {"tool_format": tool_format, "tool_names": names}
+        return await respond(request, body, rid, items, True, partial(chat_events, n=body.n, tt=token_text, **parsing),
+                             partial(R.chat_body, tt=token_text, **parsing))
 
     return router
 

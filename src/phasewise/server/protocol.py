@@ -8,13 +8,12 @@ rendered in OpenAI's shape {"error": {"message", "type", "param", "code"}}.
 from __future__ import annotations
 
 import dataclasses
-import json
-from collections.abc import Sequence
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from phasewise.sampling.params import SamplingParams
+from phasewise import tool_calling
+from phasewise.sampling.params import SamplingParams, StructuredOutputs
 from phasewise.server import constraints
 
 MAX_CHOICES = 128          # n x prompts of one API call
@@ -58,8 +57,8 @@ class KVTransferParams(BaseModel):
 UNSUPPORTED_FIELDS = frozenset({
     # constrained output (vLLM): free whitespace inside JSON
     "guided_whitespace_pattern",
-    # tools and formats (OpenAI)
-    "functions", "function_call", "tool_choice", "prediction", "audio", "modalities", "reasoning_effort",
+    # formats (OpenAI): the legacy functions, predicted outputs, audio, ...
+    "functions", "function_call", "prediction", "audio", "modalities", "reasoning_effort",
     "web_search_options", "verbosity",
     # sampling and penalties (vLLM, llama.cpp)
     "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words", "logits_processors", "typical_p",
@@ -201,25 +200,37 @@ class TextPart(BaseModel):
     text: str | None = None
 
 
-ROLES = ("system", "developer", "user", "assistant")   # developer: OpenAI's newer name of system
+ROLES = ("system", "developer", "user", "assistant", "tool")   # developer: OpenAI's newer name of system
+TOOL_CHOICES = ("none", "auto", "required")
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: str
     content: str | list[TextPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None      # an assistant's earlier calls
+    tool_call_id: str | None = None                     # a tool result: the call it answers
+    name: str | None = None
 
-    def as_dict(self) -> dict[str, str]:
+    def as_dict(self) -> dict[str, Any]:
         if self.role not in ROLES:
-            raise bad_request(f"messages: a role must be one of {', '.join(ROLES)}, got {self.role!r}"
-                              + (" (tool calling is not supported yet)" if self.role in ("tool", "function") else ""),
-                              "messages")
+            raise bad_request(f"messages: a role must be one of {', '.join(ROLES)}, got {self.role!r}", "messages")
         content = self.content
         if isinstance(content, list):
             if any(p.type != "text" or p.text is None for p in content):
                 raise bad_request("only text content parts are supported", "messages")
             content = "".join(p.text for p in content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                                   "content": content or ""}
+        if self.tool_calls:
+            if self.role != "assistant":
+                raise bad_request("messages: only an assistant message has tool_calls", "messages")
+            message["tool_calls"] = self.tool_calls
+        if self.role == "tool":
+            message["tool_call_id"] = self.tool_call_id or ""
+        if self.name is not None and self.role == "tool":
+            message["name"] = self.name
+        return message
 
 
 class ChatCompletionRequest(_Request):
@@ -228,16 +239,43 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = Field(None, ge=-INT64, lt=INT64)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=-INT64, lt=INT64)
-    tools: list[Any] | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool = True
 
-    def conversation(self) -> list[dict[str, str]]:
+    def conversation(self) -> list[dict[str, Any]]:
         if not self.messages:
             raise bad_request("messages must not be empty", "messages")
         return [m.as_dict() for m in self.messages]
 
+    @property
+    def constraint_field(self) -> str | None:
+        own = super().constraint_field
+        return own or ("tool_choice" if self.tools is not None and self.forced_tool()[0] else None)
+
+    def checked_tools(self) -> list[dict] | None:
+        """The tools (None without), checked."""
+        if self.tools is None:
+            if self.tool_choice not in (None, "none"):
+                raise bad_request("tool_choice needs tools", "tool_choice")
+            return None
+        try:
+            return tool_calling.check_tools(self.tools)
+        except ValueError as e:
+            raise bad_request(str(e), "tools") from None
+
+    def forced_tool(self) -> tuple[bool, str | None]:
+        """(whether tool_choice forces a call, the function it names or None for any of them)."""
+        choice = self.tool_choice
+        if choice is None or choice in TOOL_CHOICES:
+            return choice == "required", None
+        name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+        if not isinstance(name, str) or choice.get("type", "function") != "function":
+            raise bad_request('tool_choice must be "none", "auto", "required" or {"type": "function", '
+                              '"function": {"name": ...}}', "tool_choice")
+        return True, name
+
     def sampling_params(self) -> SamplingParams:
-        if self.tools:
-            raise bad_request("tools are not supported", "tools")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= SamplingParams.MAX_LOGPROBS:
@@ -246,6 +284,24 @@ class ChatCompletionRequest(_Request):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return make_params(self._common(), max_tokens, logprobs)
+
+    def tool_params(self, params: SamplingParams, tool_format: str) -> tuple[SamplingParams, str | None]:
+        """With tools: params whose grammar forces a call when tool_choice asks for one, and the format
+        to parse calls in (None: tool_choice "none" or no tools, nothing is parsed)."""
+        tools = self.checked_tools()
+        forced, name = self.forced_tool()
+        if tools is None or self.tool_choice == "none":
+            return params, None
+        if forced:
+            if params.structured_outputs is not None:
+                raise bad_request(f"tool_choice {self.tool_choice!r} forces a tool call: it cannot be combined "
+                                  f"with {self.constraint_field}", "tool_choice")
+            try:
+                grammar = tool_calling.call_grammar(tools, tool_format, name, self.parallel_tool_calls)
+            except ValueError as e:
+                raise bad_request(str(e), "tool_choice") from None
+            params = dataclasses.replace(params, structured_outputs=StructuredOutputs(grammar=grammar))
+        return params, tool_format
 
 
 def make_params(fields: dict[str, Any], max_tokens: int | None, logprobs: int | None,
@@ -265,76 +321,12 @@ def choice_params(params: SamplingParams, i: int) -> SamplingParams:
     return dataclasses.replace(params, seed=(params.seed + i) % 2 ** 64)
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
-    """JSON bytes → a validated model, or a 400 APIError with a message a person can read."""
-    try:
-        obj = json.loads(raw, parse_constant=_reject_constant)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise bad_request(f"the request body is not valid JSON ({e})") from None
-    if not isinstance(obj, dict):
-        raise bad_request("the request body must be a JSON object")
-    where = _lone_surrogate(obj)
-    if where is not None:   # JSON allows "\ud800" alone; no tokenizer can encode it
-        raise bad_request(f"{where or 'a string'} is not valid Unicode: it holds a lone surrogate "
-                          "(an unpaired \\ud800-\\udfff escape)", where.split(".")[0] if where else None)
-    try:
-        return model.model_validate(obj)
-    except ValidationError as e:
-        raise bad_request(*validation_message(e.errors(include_url=False, include_input=False,
-                                                       include_context=False))) from None
-
-
-def _lone_surrogate(obj: Any, path: str = "") -> str | None:
-    """The dotted path of the first string (key or value) in obj that UTF-8 cannot encode, else None."""
-    if isinstance(obj, str):
-        try:
-            obj.encode("utf-8")
-        except UnicodeEncodeError:
-            return path
-        return None
-    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
-    for key, value in items:
-        here = f"{path}.{key}" if path else str(key)
-        if isinstance(key, str) and _lone_surrogate(key) is not None:
-            return here
-        found = _lone_surrogate(value, here)
-        if found is not None:
-            return found
-    return None
-
-
-def validation_message(errors: Sequence[dict]) -> tuple[str, str | None]:
-    """The first error as 'field.sub: message', without pydantic's types, inputs or links."""
-    if not errors:
-        return "invalid request", None
-    err = errors[0]
-    loc = [str(p) for p in err.get("loc", ()) if not _is_type_tag(p)]
-    if loc and loc[0] == "body":       # FastAPI's own validation prefixes the body
-        loc = loc[1:]
-    msg = err.get("msg", "invalid value")
-    if msg.startswith("Value error, "):
-        msg = msg[len("Value error, "):]
-    if err.get("type") == "missing":
-        msg = "this field is required"
-    where = ".".join(loc)
-    return (f"{where}: {msg}" if where else msg), (loc[0] if loc else None)
-
-
-def _is_type_tag(part: Any) -> bool:
-    """Union members show up in pydantic locations as 'str', 'list[TextPart]', ...: not field names."""
-    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "list", "dict", "none")
-                                      or "[" in part)
-
-
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: Any = None                      # with messages: rendered by the chat template, as in a chat request
     add_special_tokens: bool = True
 
 

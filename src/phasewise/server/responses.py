@@ -10,6 +10,7 @@ from typing import Any
 from phasewise.engine.handoffs import TokenLogprobs
 from phasewise.percentile import percentile
 from phasewise.outputs import CompletionOutput
+from phasewise.tool_calling import ToolCallParser
 from phasewise.report import timings as report_timings
 
 TIMING_KEYS = ("queue_ms", "ttft_ms", "prompt_n", "cache_n", "prompt_ms", "prompt_per_second", "predicted_n",
@@ -134,14 +135,51 @@ def completion_body(rid: str, created: int, model: str, outputs: Sequence[Comple
             "usage": usage(outputs[::n], outputs), "timings": timings(outputs[0])}
 
 
+def tool_finish_reason(reason: str | None, parser: ToolCallParser | None) -> str | None:
+    """"tool_calls" for an output that ended on its own after calling tools (OpenAI's finish reason)."""
+    return "tool_calls" if parser is not None and parser.calls and reason == "stop" else reason
+
+
+def chat_message(out: CompletionOutput, tool_format: str | None,
+                 tool_names: frozenset[str] = frozenset()) -> tuple[dict[str, Any], str | None]:
+    """The assistant message of a finished output and its finish reason: with a tool format, the calls
+    found in the text as tool_calls (content: the text around them, or null)."""
+    if tool_format is None:
+        return {"role": "assistant", "content": out.text}, out.finish_reason
+    parser = ToolCallParser(tool_format, tool_names)
+    parser.feed(out.text, final=True)
+    if not parser.calls:
+        return {"role": "assistant", "content": out.text}, out.finish_reason
+    return ({"role": "assistant", "content": parser.content or None,
+             "tool_calls": [c.as_dict() for c in parser.calls]}, tool_finish_reason(out.finish_reason, parser))
+
+
+def merge_delta(pieces: list[dict]) -> dict[str, Any]:
+    """A parser's pieces of one step as one chat delta: content joined, each call's pieces in one entry."""
+    delta: dict[str, Any] = {}
+    for piece in pieces:
+        if "content" in piece:
+            delta["content"] = delta.get("content", "") + piece["content"]
+        for call in piece.get("tool_calls", ()):
+            calls = delta.setdefault("tool_calls", [])
+            same = next((c for c in calls if c["index"] == call["index"]), None)
+            if same is None:
+                calls.append({**call, "function": dict(call["function"])})
+            else:
+                same["function"]["arguments"] = same["function"].get("arguments", "") + call["function"]["arguments"]
+    return delta
+
+
 def chat_body(rid: str, created: int, model: str, outputs: Sequence[CompletionOutput], want_logprobs: bool,
-              *, tt: TokenText) -> dict[str, Any]:
+              *, tt: TokenText, tool_format: str | None = None,
+              tool_names: frozenset[str] = frozenset()) -> dict[str, Any]:
     choices = []
     for i, out in enumerate(outputs):
-        choice = {"index": i, "message": {"role": "assistant", "content": out.text},
+        message, finish_reason = chat_message(out, tool_format, tool_names)
+        choice = {"index": i, "message": message,
                   "logprobs": tt.chat_logprobs(out.token_ids, out.logprobs or [], ended_on_stop_token(out, out.text, tt))
                   if want_logprobs else None,
-                  "finish_reason": out.finish_reason, "stop_reason": _stop_reason(out)}
+                  "finish_reason": finish_reason, "stop_reason": _stop_reason(out)}
         if len(outputs) > 1:
             choice["timings"] = timings(out)
         choices.append(choice)

@@ -12,6 +12,7 @@ from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
 from phasewise.outputs import CompletionOutput
+from phasewise.tool_calling import ToolCallParser
 from phasewise.server import responses as R
 from phasewise.server.errors import EngineError
 from phasewise.server.protocol import APIError, error_body
@@ -110,20 +111,28 @@ def completion_events(stream: RequestStream, rid: str, created: int, model: str,
 
 
 def chat_events(stream: RequestStream, rid: str, created: int, model: str, n: int, want_lp: bool,
-                include_usage: bool, tt: R.TokenText) -> AsyncIterator[str]:
+                include_usage: bool, tt: R.TokenText, tool_format: str | None = None,
+                tool_names: frozenset[str] = frozenset()) -> AsyncIterator[str]:
+    """With a tool format, each choice's text goes through a ToolCallParser: calls stream as
+    delta.tool_calls (index, id, name, then argument fragments), the rest as content."""
     head = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
             for i in range(len(stream.request_ids))]
+    parsers = [ToolCallParser(tool_format, tool_names) for _ in stream.request_ids] if tool_format else None
 
     def make_choice(i: int, delta: Any) -> dict | None:
-        if not delta.text and not delta.finished and not want_lp:
+        if parsers is None:
+            message = {"content": delta.text} if delta.text else {}
+        else:
+            message = R.merge_delta(parsers[i].feed(delta.text, final=delta.finished))
+        if not message and not delta.finished and not want_lp:
             return None
-        choice = {"index": i, "delta": {"content": delta.text} if delta.text else {}, "logprobs": None,
-                  "finish_reason": None}
+        choice = {"index": i, "delta": message, "logprobs": None, "finish_reason": None}
         if want_lp:
             choice["logprobs"] = tt.chat_logprobs(delta.token_ids, delta.logprobs,
                                                   delta.finished and R.ended_on_stop_token(delta.output, delta.text, tt))
         if delta.finished:
-            choice["finish_reason"], choice["stop_reason"] = delta.output.finish_reason, delta.output.stop_reason
+            choice["finish_reason"] = R.tool_finish_reason(delta.output.finish_reason, parsers and parsers[i])
+            choice["stop_reason"] = delta.output.stop_reason
         return choice
 
     return _events(stream, make_choice, head, rid, "chat.completion.chunk", created, model, n, include_usage)

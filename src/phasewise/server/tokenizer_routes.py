@@ -5,7 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 
 from phasewise.server.guards import Guards
-from phasewise.server.protocol import DetokenizeRequest, TokenizeRequest, bad_request, openapi_body, parse_body
+from phasewise import tool_calling
+from phasewise.server.body_parsing import parse_body
+from phasewise.server.protocol import DetokenizeRequest, TokenizeRequest, bad_request, openapi_body
 
 
 def tokenizer_router(guards: Guards) -> APIRouter:
@@ -20,7 +22,11 @@ def tokenizer_router(guards: Guards) -> APIRouter:
             raise bad_request("give either prompt or messages")
         if body.messages is not None:
             messages = [m.as_dict() for m in body.messages]
-            fn = lambda e: e.tokenizer.apply_chat_template(messages)    # noqa: E731
+            try:
+                tools = None if body.tools is None else tool_calling.check_tools(body.tools)
+            except ValueError as e:
+                raise bad_request(str(e), "tools") from None
+            fn = lambda e: e.tokenizer.apply_chat_template(messages, tools=tools)    # noqa: E731
         else:
             text, special = body.prompt, body.add_special_tokens
             fn = lambda e: e.tokenizer.encode(text, add_special_tokens=special)    # noqa: E731

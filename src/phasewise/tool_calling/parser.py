@@ -1,0 +1,181 @@
+"""ToolCallParser: a model's output → content and tool calls, as the text streams in.
+
+Two output formats. "hermes" (Qwen2.5, Hermes, and phasewise's own prompt for templates without
+tools): calls are `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, possibly several,
+possibly after some text. "llama3_json" (Llama 3.1+): the whole reply is one JSON object
+`{"name": ..., "parameters": {...}}`, optionally after `<|python_tag|>`; several are joined by "; ".
+
+`feed` returns OpenAI delta pieces: {"content": text} or {"tool_calls": [{"index", "id", "type",
+"function": {"name", "arguments"}}]} for a new call, then {"tool_calls": [{"index", "function":
+{"arguments": fragment}}]} for its arguments as they arrive. The fragments of a call add up to its
+`arguments`; text that might still turn out to be part of a call is held back until it is known.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+# the start of a call object whose name comes first: {"name": "f", "arguments": (arguments follow)
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\S)')
+
+
+@dataclass
+class ToolCall:
+    id: str
+    name: str
+    arguments: str            # a JSON object's text
+
+    def as_dict(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def _held(text: str, marker: str) -> int:
+    """Length of the longest suffix of text that is a proper prefix of marker."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def _call_object(text: str) -> tuple[str, str] | None:
+    """(name, arguments JSON) of a call object's text, or None when it is not one."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):          # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    return (obj["name"], json.dumps(args, ensure_ascii=False)) if isinstance(args, dict) else None
+
+
+class ToolCallParser:
+    """tool_names: the request's tools. With them, a hermes reply that is nothing but a call object (no
+    tags, as small models often write it) naming one of them is that call; such a reply (one that starts
+    with "{") is held back until it ends."""
+
+    def __init__(self, fmt: str = "hermes", tool_names: set[str] | frozenset[str] = frozenset()) -> None:
+        if fmt not in ("hermes", "llama3_json"):
+            raise ValueError(f"unknown tool-call format {fmt!r}")
+        self.fmt, self.tool_names = fmt, tool_names
+        self.calls: list[ToolCall] = []
+        self.content = ""             # the content given out so far
+        self._buf = ""                # text not yet given out
+        self._space = ""              # trailing whitespace of the content, held until more content (a call drops it)
+        self._in_call = False
+        self._head: int | None = None   # in a call whose name is out: where its arguments start in _buf
+        self._sent = 0                # characters of the current call's arguments given out
+        self._mode: str | None = None   # "call"/"bare" or "text" once the reply's first character decides
+
+    def feed(self, text: str, final: bool = False) -> list[dict]:
+        self._buf += text
+        out = self._bare(final) if self.fmt == "hermes" and self.tool_names else []
+        if self._mode != "bare":
+            out += self._hermes(final) if self.fmt == "hermes" else self._llama3(final)
+        if final and self._space and not self.calls:
+            out.append(self._content("", flush=True))
+        return [d for d in out if d]
+
+    def _content(self, text: str, flush: bool = False) -> dict:
+        """Give out content, but hold its trailing whitespace until more content follows (a call drops it)."""
+        text = self._space + text
+        body = text if flush else text.rstrip()
+        self._space = text[len(body):]
+        if not body:
+            return {}
+        self.content += body
+        return {"content": body}
+
+    def _new_call(self, name: str, arguments: str = "") -> dict:
+        self.calls.append(ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, arguments))
+        return {"tool_calls": [{"index": len(self.calls) - 1, "id": self.calls[-1].id, "type": "function",
+                                "function": {"name": name, "arguments": arguments}}]}
+
+    def _arguments(self, upto: str) -> dict:
+        """Give out the current call's arguments up to the text `upto` (a prefix of its final text)."""
+        piece, call = upto[self._sent:], self.calls[-1]
+        if not piece:
+            return {}
+        self._sent, call.arguments = len(upto), call.arguments + piece
+        return {"tool_calls": [{"index": len(self.calls) - 1, "function": {"arguments": piece}}]}
+
+    def _hermes(self, final: bool) -> list[dict]:
+        out: list[dict] = []
+        while True:
+            if not self._in_call:
+                at = self._buf.find(OPEN)
+                if at < 0:
+                    keep = 0 if final else _held(self._buf, OPEN)
+                    out.append(self._content(self._buf[:len(self._buf) - keep]))
+                    self._buf = self._buf[len(self._buf) - keep:]
+                    return out
+                out.append(self._content(self._buf[:at]))
+                self._buf, self._in_call, self._head, self._sent = self._buf[at + len(OPEN):], True, None, 0
+            end = self._buf.find(CLOSE)
+            body = self._buf if end < 0 else self._buf[:end]
+            if self._head is None and (m := _HEAD.match(body)):
+                out.append(self._new_call(json.loads(f'"{m.group(1)}"')))
+                self._head = m.end()
+            if end < 0 and not final:
+                if self._head is not None:   # hold back the last "}" (the call's own) and the space before it
+                    args = body[self._head:]
+                    cut = args.rfind("}")
+                    out.append(self._arguments(args[:cut if cut >= 0 else len(args)].rstrip()))
+                return out
+            out.extend(self._end_call(body, closed=end >= 0))
+            self._buf, self._in_call = ("" if end < 0 else self._buf[end + len(CLOSE):]), False
+            if end < 0:
+                return out
+
+    def _end_call(self, body: str, closed: bool) -> list[dict]:
+        """The call's whole text is known (closed: it ended with CLOSE): give out what is left of it."""
+        if self._head is not None:                 # its name is out: the arguments are the text up to its "}"
+            args = body[self._head:].rstrip()
+            return [self._arguments(args[:-1].rstrip() if args.endswith("}") else args)]
+        parsed = _call_object(body.strip())
+        if parsed is None:                         # not a call after all: it was content
+            return [self._content(OPEN + body + (CLOSE if closed else ""))]
+        return [self._new_call(*parsed)]
+
+    def _bare(self, final: bool) -> list[dict]:
+        """hermes with tool names: a reply starting with "{" waits for its end, then is a call if it is one."""
+        if self._mode is None:
+            start = self._buf.lstrip()
+            if not start and not final:
+                return []
+            self._mode = "bare" if start.startswith("{") else "text"
+        if self._mode != "bare" or not final:
+            return []
+        parsed = _call_object(self._buf.strip())
+        if parsed is not None and parsed[0] in self.tool_names:
+            self._buf = ""
+            return [self._new_call(*parsed)]
+        self._mode = "text"                        # not a call: parse it as any other reply
+        return []
+
+    def _llama3(self, final: bool) -> list[dict]:
+        if self._mode is None:
+            start = self._buf.lstrip()
+            if not start or (PYTHON_TAG.startswith(start) and not final):
+                return []
+            self._mode = "call" if start.startswith(("{", PYTHON_TAG)) else "text"
+        if self._mode == "text":
+            text, self._buf = self._buf, ""
+            return [self._content(text, flush=True)]
+        if not final:
+            return []
+        text, self._buf = self._buf.strip().removeprefix(PYTHON_TAG), ""
+        parsed = [_call_object(part) for part in text.split("; ")] if text else [None]
+        if any(p is None for p in parsed):
+            return [self._content(text, flush=True)]
+        return [self._new_call(*p) for p in parsed]

@@ -1,0 +1,135 @@
+"""Tools into the prompt, and the grammar that forces a call: what a chat template with or without
+tool support needs, and which output format (parser.py) the model will answer in."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+# JSON on one line with OpenAI's separators, as structured outputs write it (structured/grammar_compiler.py)
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+GENERIC_TOOLS_PROMPT = """# Tools
+
+You may call one or more functions to help with the request. Each function is described by a JSON schema:
+<tools>
+{tools}
+</tools>
+
+To call a function, reply with one JSON object per call, naming the function and giving its arguments, each \
+inside <tool_call></tool_call> tags:
+<tool_call>
+{{"name": "<function name>", "arguments": <the arguments as a JSON object>}}
+</tool_call>"""
+
+
+def check_tools(tools: Any) -> list[dict]:
+    """OpenAI's `tools` list, checked (ValueError says what is wrong): each {"type": "function",
+    "function": {"name", "description"?, "parameters"?}}."""
+    if not isinstance(tools, list) or not tools:
+        raise ValueError("tools must be a non-empty list")
+    names = set()
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise ValueError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}")
+        name = fn.get("name")
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise ValueError(f"tools[{i}].function.name must be 1-64 letters, digits, _ . or -, got {name!r}")
+        if name in names:
+            raise ValueError(f"tools[{i}].function.name {name!r} appears twice")
+        names.add(name)
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
+    return tools
+
+
+def tool_format(template: str) -> str:
+    """The format a model with this chat template calls tools in: "llama3_json" for Llama 3.1+'s
+    JSON calls, else "hermes" (<tool_call> blocks: Qwen2.5, Hermes, and the generic prompt)."""
+    if "<tool_call>" not in template and ("<|python_tag|>" in template or "ipython" in template):
+        return "llama3_json"
+    return "hermes"
+
+
+def supports_tools(template: str) -> bool:
+    """The template renders a `tools` list itself."""
+    return "tools" in template
+
+
+def _arguments(call: dict) -> tuple[str, Any]:
+    fn = call.get("function", call)
+    args = fn.get("arguments", {})
+    if isinstance(args, str):              # OpenAI sends arguments as JSON text; templates want the object
+        try:
+            args = json.loads(args)
+        except ValueError:
+            pass
+    return fn.get("name", ""), args
+
+
+def native_messages(messages: list[dict]) -> list[dict]:
+    """Messages for a template with tool support: each tool call's arguments as an object."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = []
+            for c in m["tool_calls"]:
+                name, args = _arguments(c)
+                calls.append({**c, "function": {**c.get("function", {}), "name": name, "arguments": args}})
+            m = {**m, "tool_calls": calls}
+        out.append(m)
+    return out
+
+
+def generic_messages(messages: list[dict], tools: list[dict] | None) -> list[dict]:
+    """Messages for a template without tool support: the tools in the system message (GENERIC_TOOLS_PROMPT),
+    an assistant's calls as <tool_call> blocks in its content, tool results as a user message of
+    <tool_response> blocks. Every content is a string."""
+    out: list[dict] = []
+    if tools:
+        block = GENERIC_TOOLS_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+        if messages and messages[0]["role"] == "system":
+            out.append({"role": "system", "content": f"{messages[0].get('content') or ''}\n\n{block}".lstrip()})
+            messages = messages[1:]
+        else:
+            out.append({"role": "system", "content": block})
+    for m in messages:
+        content = m.get("content") or ""
+        if m["role"] == "tool":
+            response = f"<tool_response>\n{content}\n</tool_response>"
+            if out and out[-1].get("_tool"):
+                out[-1]["content"] += "\n" + response
+            else:
+                out.append({"role": "user", "content": response, "_tool": True})
+            continue
+        if m.get("tool_calls"):
+            calls = []
+            for c in m["tool_calls"]:
+                name, args = _arguments(c)
+                calls.append(f"<tool_call>\n{json.dumps({'name': name, 'arguments': args}, ensure_ascii=False)}"
+                             "\n</tool_call>")
+            content = "\n".join(([content] if content else []) + calls)
+        out.append({"role": m["role"], "content": content})
+    return [{k: v for k, v in m.items() if k != "_tool"} for m in out]
+
+
+def call_grammar(tools: list[dict], fmt: str, name: str | None = None, parallel: bool = True) -> str:
+    """A Lark grammar (llguidance's, with inline JSON schemas) whose every sentence is one call (or, with
+    parallel, one or more) of the named tool or of any of them, with arguments of its parameters' schema."""
+    chosen = [t for t in tools if name is None or t["function"]["name"] == name]
+    if not chosen:
+        raise ValueError(f"tool_choice names {name!r}, which is not in tools")
+    key = "parameters" if fmt == "llama3_json" else "arguments"
+    objects = [{"type": "object", "additionalProperties": False, "required": ["name", key],
+                "properties": {"name": {"const": t["function"]["name"]},
+                               key: t["function"].get("parameters") or {"type": "object"}}} for t in chosen]
+    schema = {**(objects[0] if len(objects) == 1 else {"anyOf": objects}), "x-guidance": _JSON_OPTIONS}
+    call = f"%json {json.dumps(schema, ensure_ascii=False)}"
+    if fmt == "llama3_json":
+        return f"start: {call}\n"
+    repeat = ' ("\\n" call)*' if parallel else ""
+    return f'start: call{repeat}\ncall: "<tool_call>\\n" {call} "\\n</tool_call>"\n'

@@ -1,0 +1,109 @@
+"""Tool calling through the server with the official openai client: tools rendered (the default
+model's template has no tool support: the generic prompt), calls forced by tool_choice "required" or a
+named function and parsed into message.tool_calls with finish_reason "tool_calls", streamed as OpenAI
+streams them, tool results sent back; bad tools and tool_choice are 400s naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from live_server import CHAT, MODEL, assert_openai_error
+
+pytestmark = pytest.mark.slow
+
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city"],
+           "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}}}
+ADD = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
+       "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": ADD}}]
+SCHEMAS = {"get_weather": WEATHER, "add": ADD}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def create(server, **kw):
+    return server.client().chat.completions.create(model=MODEL, messages=kw.pop("messages", ASK), tools=TOOLS,
+                                                   temperature=0, max_tokens=80, **kw)
+
+
+def assert_valid_calls(calls):
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_required_forces_calls_with_valid_arguments(server):
+    out = create(server, tool_choice="required", parallel_tool_calls=False)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert len(choice.message.tool_calls) == 1
+    assert_valid_calls(choice.message.tool_calls)
+
+
+def test_a_named_function_is_the_one_called(server):
+    out = create(server, tool_choice={"type": "function", "function": {"name": "add"}}, parallel_tool_calls=False,
+                 messages=[{"role": "user", "content": "What is 2 plus 40?"}])
+    calls = out.choices[0].message.tool_calls
+    assert [c.function.name for c in calls] == ["add"]
+    assert_valid_calls(calls)
+
+
+def test_streamed_calls_add_up_to_the_same_calls(server):
+    whole = create(server, tool_choice="required", parallel_tool_calls=False).choices[0].message.tool_calls
+    chunks = list(create(server, tool_choice="required", parallel_tool_calls=False, stream=True))
+    calls: dict[int, dict] = {}
+    for chunk in chunks:
+        for c in chunk.choices[0].delta.tool_calls or []:
+            call = calls.setdefault(c.index, {"id": None, "name": "", "arguments": ""})
+            if c.id:
+                assert call["id"] is None          # the id and name come once, first
+                call["id"], call["name"] = c.id, c.function.name
+            call["arguments"] += c.function.arguments or ""
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == \
+        [(c.function.name, c.function.arguments) for c in whole]
+
+
+def test_auto_answers_or_calls_and_none_never_calls(server):
+    for choice in (None, "auto"):
+        message = create(server, **({"tool_choice": choice} if choice else {})).choices[0].message
+        if message.tool_calls:
+            assert_valid_calls(message.tool_calls)
+        else:
+            assert message.content
+    out = create(server, tool_choice="none")
+    assert out.choices[0].message.tool_calls is None and out.choices[0].finish_reason in ("stop", "length")
+
+
+def test_tool_results_go_back_through_the_template(server):
+    call = create(server, tool_choice="required", parallel_tool_calls=False).choices[0].message.tool_calls[0]
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+               {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21, "sky": "clear"}'}]
+    out = create(server, messages=history, tool_choice="none")
+    assert out.choices[0].message.content
+    tokens = server.post("/tokenize", {"messages": history}).json()["tokens"]
+    text = server.post("/detokenize", {"tokens": tokens}).json()["prompt"]
+    assert '<tool_response>\n{"temperature": 21, "sky": "clear"}\n</tool_response>' in text
+    assert '<tool_call>\n{"name": "' + call.function.name in text
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"tool_choice": "required"}, "tool_choice"),                                       # no tools
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools"),
+    ({"tools": "get_weather"}, "tools"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}],
+      "tool_choice": "required"}, "tool_choice"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+])
+def test_bad_tools_and_tool_choice_are_400s(server, fields, param):
+    err = assert_openai_error(server.post("/v1/chat/completions", {**CHAT, **fields}), 400)
+    assert err["param"] == param
