@@ -132,3 +132,20 @@ def test_structured_output_on_a_large_vocabulary(qwen_server):
         response_format={"type": "json_schema", "json_schema": {"name": "lang", "schema": schema, "strict": True}})
     value = json.loads(out.choices[0].message.content)
     assert value["language"] in ("Python", "C", "Rust") and isinstance(value["year"], int)
+
+
+def test_the_vocabularys_padding_tokens_are_never_allowed_in_text(path):
+    """The GGUF vocabulary pads with ordinary tokens [PAD151665] ...; inside a JSON string a grammar would
+    allow them (their logits are untrained) unless they are declared special."""
+    from phasewise import StructuredOutputs
+    from phasewise.structured import GrammarCompiler, grammar_bitmask
+    from phasewise.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(path)
+    grammars = GrammarCompiler(tok.backend, 151936, tok.eos_token_ids)
+    matcher = grammars.compile(StructuredOutputs(json={"type": "object", "properties": {"a": {"type": "string"}}}))
+    assert all(matcher.accept(t) for t in tok.encode('{"a": "x', add_special_tokens=False))
+    words = grammar_bitmask([(matcher, ())], 151936)[0]
+    allowed = [t for t in range(151936) if (int(words[t // 32]) >> (t % 32)) & 1]
+    assert len(allowed) > 100_000 and tok.encode("y", add_special_tokens=False)[0] in allowed
+    assert not [t for t in allowed if t >= 151643]        # neither the special tokens nor the padding

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import json
+import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future
@@ -60,7 +62,8 @@ class GrammarCompiler:
             backend.no_padding()
             backend.no_truncation()
             n = max(self.vocab_size, backend.get_vocab_size(with_added_tokens=True))
-            self._tokenizer.set_result(LLTokenizer(backend.to_str(), n_vocab=n, eos_token=self._eos or None))
+            text = _padding_special(backend.to_str())
+            self._tokenizer.set_result(LLTokenizer(text, n_vocab=n, eos_token=self._eos or None))
         except Exception as e:   # surfaces in every compile
             self._tokenizer.set_exception(e)
 
@@ -97,4 +100,20 @@ class GrammarCompiler:
             raise ConstraintError(f"invalid {_NAMES[spec.kind]}: {_one_line(str(e))}") from None
 
 
+def _padding_special(tokenizer_json: str) -> str:
+    """GGUF vocabularies pad the embedding with ordinary tokens "[PAD151665]" ... (Qwen2.5): declared
+    special here, so no grammar lets the model spell text with them (their logits are untrained)."""
+    if "[PAD" not in tokenizer_json:
+        return tokenizer_json
+    data = json.loads(tokenizer_json)
+    known = {t["id"] for t in data.get("added_tokens", [])}
+    pads = [(i, piece) for piece, i in data["model"].get("vocab", {}).items()
+            if _PAD.fullmatch(piece) and i not in known]
+    data.setdefault("added_tokens", []).extend(
+        {"id": i, "content": piece, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+         "special": True} for i, piece in pads)
+    return json.dumps(data)
+
+
+_PAD = re.compile(r"\[PAD\d+\]")
 _NAMES = {"json": "JSON schema", "regex": "regex", "choice": "choice list", "grammar": "grammar"}
