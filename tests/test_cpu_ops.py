@@ -56,6 +56,22 @@ def test_argmax_rows_matches_torch_even_on_ties(ops, V):
         assert torch.equal(ops.argmax_rows(x[r:r + 1]), x[r:r + 1].argmax(-1)), r
 
 
+@pytest.mark.parametrize("V", [1, 31, 32, 33, 49152, 1000])
+def test_mask_rows_is_the_grammar_bitmask_applied(ops, V):
+    """-inf exactly where a bit is clear, the logit itself elsewhere; whole words of 0 and -1 (the common
+    case) and mixed ones; the torch path (the reference) gives the same."""
+    from phasewise.sampling.sampler import apply_grammar, unpack_bitmask
+
+    torch.manual_seed(V)
+    W = (V + 31) // 32
+    x = torch.randn(5, V)
+    words = torch.randint(-2 ** 31, 2 ** 31 - 1, (5, W), dtype=torch.int64).to(torch.int32)
+    words[0], words[1, ::2], words[2] = -1, 0, 0
+    want = torch.where(unpack_bitmask(words, V, x.device), x, float("-inf"))
+    assert torch.equal(ops.mask_rows(x, words), want)
+    assert torch.equal(apply_grammar(x, words), want) and torch.isinf(want[2]).all() and torch.equal(want[0], x[0])
+
+
 def test_rope_and_cache_rotates_and_writes_the_slots(ops):
     torch.manual_seed(1)
     Hq, Hkv, D, T = 6, 2, 32, 5

@@ -50,6 +50,20 @@ void test_elementwise(const pw::KernelTable& k) {
       ok &= got[b] == std::max_element(row, row + V) - row && alone[b] == got[b];
     }
     check("argmax_rows V=" + std::to_string(V), ok);
+
+    const int64_t W = (V + 31) / 32;                      // mask_rows: -inf where the bit is clear
+    std::vector<int32_t> words(4 * W);
+    for (int64_t u = 0; u < 4 * W; ++u) words[u] = u % 3 == 0 ? -1 : u % 3 == 1 ? 0 : int32_t(randn() * 1e9f);
+    std::vector<float> masked(4 * V);
+    k.mask_rows(RT, logits.data(), 4, V, words.data(), masked.data());
+    bool mask_ok = true;
+    for (int64_t b = 0; b < 4; ++b)
+      for (int64_t t = 0; t < V; ++t) {
+        const bool allowed = (static_cast<uint32_t>(words[b * W + t / 32]) >> (t % 32)) & 1u;
+        const float x = logits[b * V + t], m = masked[b * V + t];
+        mask_ok &= allowed ? (m == x || (std::isnan(m) && std::isnan(x))) : m == -INFINITY;
+      }
+    check("mask_rows V=" + std::to_string(V), mask_ok);
   }
 }
 

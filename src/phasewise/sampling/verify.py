@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from phasewise.engine.handoffs import SampledToken, ScheduledChunk, TokenLogprobs
-from phasewise.sampling.sampler import SamplingMetadata, compute_logprobs, distribution
+from phasewise.sampling.sampler import SamplingMetadata, compute_logprobs, distribution, exponential_noise
 from phasewise.sampling.rejection import greedy_verify, rejection_sample
 
 Verified = tuple[list[SampledToken], SampledToken]   # accepted drafts, then the target's own token
@@ -71,14 +71,12 @@ def _draws(generators: list[torch.Generator | None], ks: list[int], vocab_size: 
     """Uniforms [N] and exponential noise [R, V]: a seeded request draws its own (k uniforms, then V
     exponentials, every step, whatever is accepted); the others share one draw from the default."""
     uniform = torch.rand(sum(ks), device=device)
-    noise = torch.empty(len(ks), vocab_size, device=device).exponential_()
     start = 0
-    for r, (g, k) in enumerate(zip(generators, ks)):
+    for g, k in zip(generators, ks):
         if g is not None:
             uniform[start:start + k] = torch.rand(k, generator=g, device=device)
-            noise[r].exponential_(generator=g)
         start += k
-    return uniform, noise
+    return uniform, exponential_noise(generators, vocab_size, device)
 
 
 def _with_logprobs(chunk: ScheduledChunk, raw: Tensor, tokens: list[int]) -> Verified:

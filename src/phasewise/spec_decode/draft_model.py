@@ -28,7 +28,7 @@ from torch import Tensor
 from phasewise.engine.handoffs import ScheduledChunk
 from phasewise.layers.attention import AttentionMetadata
 from phasewise.runner.kv_cache import KVCache
-from phasewise.sampling.sampler import SamplingMetadata, distribution
+from phasewise.sampling.sampler import SamplingMetadata, distribution, exponential_noise
 
 
 @dataclass
@@ -122,9 +122,6 @@ class DraftModelProposer:
         greedy, probs = distribution(logits, meta)
         if probs is None:
             return greedy.tolist(), None
-        noise = torch.empty_like(probs).exponential_()
-        for j, s in enumerate(states):
-            if s.generator is not None:
-                noise[j].exponential_(generator=s.generator)
-        sampled = (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=1)
+        noise = exponential_noise([s.generator for s in states], probs.shape[-1], probs.device)
+        sampled = (probs / noise).argmax(dim=1)
         return torch.where(meta.temperature == 0, greedy, sampled).tolist(), probs

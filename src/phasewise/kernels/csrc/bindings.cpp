@@ -25,6 +25,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("silu_and_mul", &KernelSet::silu_and_mul, "silu(gate) * up (gelu: GELU-tanh(gate) * up)", py::arg("x"),
            py::arg("gelu") = false, nogil())
       .def("argmax_rows", &KernelSet::argmax_rows, "each row's argmax (the first on ties)", nogil())
+      .def("mask_rows", &KernelSet::mask_rows, "-inf where a grammar bitmask refuses the token", nogil())
       .def("quantize_activations", &KernelSet::quantize_activations,
            "per-32 symmetric int8 activations: xq, dx, sx", nogil())
       .def("int8_peak_gops", &KernelSet::int8_peak_gops, "the int8 dot-product peak of all threads, GOP/s",

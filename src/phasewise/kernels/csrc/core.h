@@ -15,6 +15,7 @@ void rms_norm(const Runtime& rt, const float* x, const float* residual, const fl
 void silu_and_mul(const Runtime& rt, const float* x, int64_t T, int64_t I, float* out);
 void gelu_and_mul(const Runtime& rt, const float* x, int64_t T, int64_t I, float* out);
 void argmax_rows(const Runtime& rt, const float* x, int64_t B, int64_t V, int64_t* out);
+void mask_rows(const Runtime& rt, const float* x, int64_t B, int64_t V, const int32_t* words, float* out);
 void quantize_activations(const Runtime& rt, const float* x, int64_t M, int64_t K, int8_t* xq, float* dx,
                           float* sx);
 // quantize_activations, and with sl each block's first-half sum; threads split the M K / 32 blocks

@@ -4,7 +4,8 @@
 //    cache slots (fp32, or int8 with one fp32 scale per (slot, KV head));
 //  - rms_norm: optional residual add, then RMSNorm, in one pass;
 //  - silu_and_mul: silu(gate) * up of a fused gate_up row; gelu_and_mul: the same with GELU-tanh (Gemma);
-//  - argmax_rows: each row's largest value's index (greedy sampling).
+//  - argmax_rows: each row's largest value's index (greedy sampling);
+//  - mask_rows: -inf where a grammar's bitmask refuses the token (structured outputs).
 #include "core.h"
 
 #include "parallel.h"
@@ -184,6 +185,28 @@ void argmax_rows(const Runtime& rt, const float* xp, int64_t B, int64_t V, int64
       if (best[b * S + s].value > r.value) r = best[b * S + s];
     op[b] = r.index;
   }
+}
+
+// One pass over the logits: torch's masked_fill over the unpacked [B, V] bools takes ~10x as long
+// (5 ms a step at batch 32 over 49k tokens). Grammar masks are mostly whole words of 0 or -1.
+void mask_rows(const Runtime& rt, const float* xp, int64_t B, int64_t V, const int32_t* words, float* op) {
+  const int64_t W = (V + 31) / 32;
+  const float neg = -std::numeric_limits<float>::infinity();
+  parallel_for(rt, B * W, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t b = u / W, j = u % W, lo = j * 32, n = std::min<int64_t>(32, V - lo);
+      const uint32_t w = static_cast<uint32_t>(words[u]);
+      const float* x = xp + b * V + lo;
+      float* o = op + b * V + lo;
+      if (w == 0xFFFFFFFFu) {
+        std::copy(x, x + n, o);
+      } else if (w == 0) {
+        std::fill(o, o + n, neg);
+      } else {
+        for (int64_t i = 0; i < n; ++i) o[i] = (w >> i) & 1u ? x[i] : neg;
+      }
+    }
+  });
 }
 
 }  // namespace pw

@@ -180,6 +180,18 @@ torch::Tensor KernelSet::argmax_rows(torch::Tensor x) const {
   return out;
 }
 
+// x: [B, V] fp32, words: [B, ceil(V / 32)] int32 -> [B, V]: x where bit t % 32 of word t / 32 is set, else -inf.
+torch::Tensor KernelSet::mask_rows(torch::Tensor x, torch::Tensor words) const {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: fp32, contiguous [B, V]");
+  TORCH_CHECK(words.dim() == 2 && words.scalar_type() == at::kInt && words.is_contiguous() &&
+                  words.size(0) == x.size(0) && words.size(1) == (x.size(1) + 31) / 32,
+              "words: contiguous int32 [B, ceil(V / 32)]");
+  auto out = torch::empty_like(x);
+  table_->mask_rows(runtime(), x.data_ptr<float>(), x.size(0), x.size(1), words.data_ptr<int32_t>(),
+                    out.data_ptr<float>());
+  return out;
+}
+
 // x: [M, K] fp32 -> (xq [M, K] int8, dx [M, K/32], sx [M, K/32]); K a multiple of 32.
 std::vector<torch::Tensor> KernelSet::quantize_activations(torch::Tensor x) const {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous fp32 [M, K]");

@@ -39,6 +39,7 @@ class KernelSet {
                                       c10::optional<torch::Tensor> residual) const;
   torch::Tensor silu_and_mul(torch::Tensor x, bool gelu) const;
   torch::Tensor argmax_rows(torch::Tensor x) const;
+  torch::Tensor mask_rows(torch::Tensor x, torch::Tensor words) const;
   std::vector<torch::Tensor> quantize_activations(torch::Tensor x) const;
   torch::Tensor quant_linear(torch::Tensor x, int64_t fmt, int64_t N, torch::Tensor blocks,
                              c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> bias,

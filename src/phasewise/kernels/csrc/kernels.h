@@ -7,7 +7,7 @@
 
 namespace pw {
 
-constexpr int ABI_VERSION = 11;
+constexpr int ABI_VERSION = 12;
 
 struct Runtime {            // how a call may run: threads of the caller's pool (torch's, through OpenMP)
   int threads = 1;
@@ -150,6 +150,8 @@ struct KernelTable {
   void (*silu_and_mul)(const Runtime&, const float* x, int64_t T, int64_t I, float* out);
   // x [B, V] -> out [B], the first index of each row's largest value
   void (*argmax_rows)(const Runtime&, const float* x, int64_t B, int64_t V, int64_t* out);
+  // out [B, V] = x where bit t % 32 of words[b, t / 32] is set, else -inf (a grammar's allowed tokens)
+  void (*mask_rows)(const Runtime&, const float* x, int64_t B, int64_t V, const int32_t* words, float* out);
   // x [M, K] -> xq [M, K] int8, dx, sx [M, K / 32]: per block of 32, dx = max|x| / 127, sx = dx sum(xq)
   void (*quantize_activations)(const Runtime&, const float* x, int64_t M, int64_t K, int8_t* xq, float* dx,
                                float* sx);
