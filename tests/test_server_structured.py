@@ -38,6 +38,17 @@ def test_response_format_json_schema_and_json_object(server):
     assert isinstance(json.loads(out.choices[0].message.content), dict)
 
 
+def test_every_choice_of_n_holds_its_own_grammar(server):
+    out = server.client().chat.completions.create(
+        model=MODEL, messages=ASK, temperature=1.0, seed=5, n=4, max_tokens=60,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}})
+    texts = [c.message.content for c in out.choices]
+    assert len(set(texts)) > 1
+    for choice in out.choices:
+        if choice.finish_reason == "stop":
+            jsonschema.validate(json.loads(choice.message.content), CITY)
+
+
 def test_the_openai_clients_parse_with_a_pydantic_model(server):
     out = server.client().chat.completions.parse(model=MODEL, messages=ASK, temperature=0, max_tokens=60,
                                                  response_format=City)

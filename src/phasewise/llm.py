@@ -69,11 +69,13 @@ class LLM:
         return self._run(list(prompts), sampling_params, chat=False)
 
     def chat(self, messages: Messages | Sequence[Messages],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
-             ) -> CompletionOutput | list[CompletionOutput]:
-        """Chat messages through the model's chat template; one conversation → one output."""
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             tools: list[dict] | None = None) -> CompletionOutput | list[CompletionOutput]:
+        """Chat messages through the model's chat template (with OpenAI-style tools: the template's own
+        tool support, or a generic prompt; `phasewise.tool_calling.ToolCallParser(llm.tokenizer.tool_format)`
+        finds the calls in the text); one conversation → one output."""
         single = bool(messages) and isinstance(messages[0], dict)
-        outs = self._run([messages] if single else list(messages), sampling_params, chat=True)
+        outs = self._run([messages] if single else list(messages), sampling_params, chat=True, tools=tools)
         return outs[0] if single else outs
 
     def stream(self, prompt: Prompt | Messages, sampling_params: SamplingParams | None = None,
@@ -90,7 +92,7 @@ class LLM:
         finally:
             self.engine.abort(rid)  # a consumer that stops early frees the request's blocks
 
-    def _run(self, prompts: list, params, chat: bool) -> list[CompletionOutput]:
+    def _run(self, prompts: list, params, chat: bool, tools: list[dict] | None = None) -> list[CompletionOutput]:
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
@@ -98,7 +100,7 @@ class LLM:
         ids = []
         try:
             for prompt, p in zip(prompts, params):
-                ids.append(self.engine.add_request(prompt, p, chat=chat))
+                ids.append(self.engine.add_request(prompt, p, chat=chat, tools=tools))
             return self.engine.run_until_done(ids)
         finally:
             for rid in ids:
