@@ -29,6 +29,7 @@ from phasewise.engine.handoffs import ScheduledChunk
 from phasewise.layers.attention import AttentionMetadata
 from phasewise.runner.kv_cache import KVCache
 from phasewise.sampling.sampler import SamplingMetadata, distribution, exponential_noise
+from phasewise.structured import draft_bitmask
 
 
 @dataclass
@@ -118,7 +119,8 @@ class DraftModelProposer:
         meta = SamplingMetadata.build(
             [r.sampling_params for r in reqs], [r.prompt_token_ids for r in reqs],
             [r.output_token_ids + d for r, d in zip(reqs, drafts)], [s.generator for s in states],
-            self.vocab_size, self.eos_token_ids, self.device, self.kernels)
+            self.vocab_size, self.eos_token_ids, self.device, self.kernels,
+            draft_bitmask([(r.grammar, d) for r, d in zip(reqs, drafts)], self.vocab_size))
         greedy, probs = distribution(logits, meta)
         if probs is None:
             return greedy.tolist(), None

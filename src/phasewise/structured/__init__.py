@@ -2,6 +2,6 @@
 llguidance, and the per-request matchers whose token masks the sampler applies. No torch here."""
 
 from phasewise.structured.grammar_compiler import GrammarCompiler
-from phasewise.structured.grammar_matcher import GrammarMatcher, grammar_bitmask
+from phasewise.structured.grammar_matcher import GrammarMatcher, draft_bitmask, grammar_bitmask
 
-__all__ = ["GrammarCompiler", "GrammarMatcher", "grammar_bitmask"]
+__all__ = ["GrammarCompiler", "GrammarMatcher", "draft_bitmask", "grammar_bitmask"]

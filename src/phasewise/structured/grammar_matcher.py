@@ -52,6 +52,32 @@ class GrammarMatcher:
         if consumed:
             self._m.rollback(consumed)
 
+    def fill_after(self, bitmask: np.ndarray, row: int, drafts: Sequence[int]) -> None:
+        """bitmask[row]: the allowed tokens after these drafts (left as it is if the grammar refuses one,
+        or is complete before the last); the matcher stays where it was."""
+        consumed = 0
+        for t in drafts:
+            if self._m.is_stopped() or not self._m.try_consume_tokens([t]):
+                break
+            consumed += 1
+        if consumed == len(drafts):
+            fill_next_token_bitmask(self._m, bitmask, row)
+        if consumed:
+            self._m.rollback(consumed)
+
+
+def draft_bitmask(rows: Sequence[tuple[GrammarMatcher | None, Sequence[int]]], vocab_size: int) -> np.ndarray | None:
+    """For a draft model: per (matcher or None, drafts so far) entry, one row, the tokens its grammar
+    allows after those drafts (every bit set without a grammar, or when a draft was refused: the
+    engine cuts such drafts anyway). None when no entry has a grammar."""
+    if all(m is None for m, _ in rows):
+        return None
+    bitmask = np.full((len(rows), (vocab_size + 31) // 32), -1, dtype=np.int32)
+    for i, (matcher, drafts) in enumerate(rows):
+        if matcher is not None:
+            matcher.fill_after(bitmask, i, drafts)
+    return bitmask
+
 
 def grammar_bitmask(rows: Sequence[tuple[GrammarMatcher | None, Sequence[int]]], vocab_size: int) -> np.ndarray | None:
     """The masks of a step's sampling rows: per (matcher or None, draft tokens) entry, 1 + len(drafts)
