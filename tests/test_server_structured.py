@@ -49,6 +49,18 @@ def test_every_choice_of_n_holds_its_own_grammar(server):
             jsonschema.validate(json.loads(choice.message.content), CITY)
 
 
+def test_metrics_count_constrained_requests_and_their_grammar_time(server):
+    before = server.metrics()
+    body = {**CHAT, "messages": ASK, "max_tokens": 8, "structured_outputs": {"regex": "[a-z]{20}"}}
+    assert server.post("/v1/chat/completions", body).status_code == 200
+    after = server.metrics()
+    key = 'phasewise:structured_output_requests_total{model_name="%s"}' % MODEL
+    assert after[key] == before.get(key, 0) + 1
+    for name in ("grammar_compile_seconds", "grammar_mask_seconds"):
+        count = 'phasewise:%s_count{model_name="%s"}' % (name, MODEL)
+        assert after[count] > before.get(count, 0), name
+
+
 def test_the_openai_clients_parse_with_a_pydantic_model(server):
     out = server.client().chat.completions.parse(model=MODEL, messages=ASK, temperature=0, max_tokens=60,
                                                  response_format=City)

@@ -194,8 +194,11 @@ class LLMEngine:
         arrival = time.perf_counter()
         prompt_ids = self.encode_prompt(prompt, chat, tools)
         request_id = request_id or f"req-{next(self._ids)}"
+        compiled = time.perf_counter()
         grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
         req = Request(request_id, prompt_ids, params, self.tokenizer.eos_token_ids, arrival=arrival, grammar=grammar)
+        if grammar is not None:
+            req.metrics.grammar_compile_ms = (time.perf_counter() - compiled) * 1e3
         self.core.add_request(req)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens, params.stop)
         out = CompletionOutput(request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,

@@ -123,7 +123,8 @@ class EngineCore:
         self.steps.append(StepRecord(start=started, duration_ms=(time.perf_counter() - started) * 1e3,
                                      num_prefill_tokens=sched.num_prefill_tokens,
                                      num_decode_tokens=sched.num_decode_tokens, batch_size=len(sched.chunks),
-                                     num_draft_tokens=sched.num_draft_tokens, num_accepted_tokens=accepted))
+                                     num_draft_tokens=sched.num_draft_tokens, num_accepted_tokens=accepted,
+                                     grammar_ms=result.grammar_ms))
         return outputs
 
     def _propose(self, sched: SchedulerOutput) -> None:

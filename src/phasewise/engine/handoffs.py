@@ -75,6 +75,7 @@ class RunnerOutput:
     accepted: dict[str, list[SampledToken]] = field(default_factory=dict)  # request id → accepted drafts, in order
     # request id → (first prompt position, its logprobs and the next ones'), for prompt_logprobs
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    grammar_ms: float = 0.0            # the grammar masks' time (structured outputs)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,6 +106,7 @@ class StepRecord:
     batch_size: int
     num_draft_tokens: int = 0          # draft tokens verified
     num_accepted_tokens: int = 0       # of those, accepted
+    grammar_ms: float = 0.0            # computing the grammar masks of the step's constrained rows
 
 
 @dataclass(kw_only=True)

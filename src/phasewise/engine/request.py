@@ -35,6 +35,7 @@ class RequestMetrics:
     spec_steps: int = 0              # steps that verified draft tokens of this request
     spec_draft_tokens: int = 0       # draft tokens proposed and verified
     spec_accepted_tokens: int = 0    # of those, accepted by the target
+    grammar_compile_ms: float | None = None   # structured outputs: compiling (or copying) its grammar
 
     @property
     def preemptions(self) -> int:

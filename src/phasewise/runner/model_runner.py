@@ -8,6 +8,7 @@ whole on rank 0, which samples.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -87,11 +88,13 @@ class ModelRunner:
             return RunnerOutput({}, prompt_logprobs=prompt_lps)
         logits = self.logits(hidden, sample_rows + spec_rows)        # [B + sum(k + 1), V] fp32
         # grammar masks: each sampling row's, then each draft row's (the position after drafts 0..i-1)
+        started = time.perf_counter()
         masks = grammar_bitmask([(r.grammar, ()) for r in sample_reqs]
                                 + [(c.request.grammar, c.draft_token_ids) for c in spec_chunks], self.vocab_size)
+        grammar_ms = 0.0 if masks is None else (time.perf_counter() - started) * 1e3
         b = len(sample_rows)
         out = RunnerOutput(self._sample(logits[:b], sample_reqs, None if masks is None else masks[:b])
-                           if sample_reqs else {}, prompt_logprobs=prompt_lps)
+                           if sample_reqs else {}, prompt_logprobs=prompt_lps, grammar_ms=grammar_ms)
         if spec_chunks:
             generators = [self._generator(c.request) for c in spec_chunks]
             verified = verify(logits[b:], spec_chunks, generators, self.vocab_size,

@@ -82,7 +82,8 @@ def request_summary(request: Any, reason: str | None) -> dict[str, Any]:
             "finished": m.finished, "reason": reason,
             "ttft_ms": m.ttft_ms if m.first_token is not None else None,
             "itl_mean_ms": (times[-1] - times[0]) * 1e3 / (n - 1) if n > 1 else None,
-            "itl_max_ms": longest * 1e3 if longest is not None else None}
+            "itl_max_ms": longest * 1e3 if longest is not None else None,
+            "grammar_compile_ms": m.grammar_compile_ms}
 
 
 class _Samples:
@@ -156,7 +157,8 @@ class DashboardFeed(Observer):
     def on_step(self, record: StepRecord, stats: EngineStats) -> None:
         step = {"t": record.start, "ms": record.duration_ms, "prefill": record.num_prefill_tokens,
                 "decode": record.num_decode_tokens, "batch": record.batch_size, "draft": record.num_draft_tokens,
-                "accepted": record.num_accepted_tokens, "used": stats.num_blocks - stats.num_free_blocks,
+                "accepted": record.num_accepted_tokens, "grammar_ms": record.grammar_ms,
+                "used": stats.num_blocks - stats.num_free_blocks,
                 "cached": stats.num_cached_blocks, "free": stats.num_free_blocks,
                 "running": stats.num_running, "waiting": stats.num_waiting}
         with self._lock:

@@ -14,11 +14,12 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily
 
 from phasewise.outputs import StreamDelta
-from phasewise.engine.handoffs import EngineStats
+from phasewise.engine.handoffs import EngineStats, StepRecord
 from phasewise.server.observer import Observer
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+GRAMMAR_BUCKETS = (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0, 5.0)
 REQUEST_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                    120.0, 240.0, 480.0, 960.0, 1920.0)
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -94,10 +95,25 @@ class ServerMetrics(Observer):
                            "client went away; error: the engine failed).",
                            ["model_name", "finished_reason"], registry=r)
         self.finished = {reason: finished.labels(model_name, reason) for reason in FINISH_REASONS}
+        self.structured = counter("phasewise:structured_output_requests",
+                                  "Requests under a grammar (structured outputs, forced tool calls).")
+        self.grammar_compile = histogram("phasewise:grammar_compile_seconds",
+                                         "Compiling a request's grammar (a cached one: copying it).", GRAMMAR_BUCKETS)
+        self.grammar_mask = histogram("phasewise:grammar_mask_seconds",
+                                      "A step's grammar masks (steps with constrained requests).", GRAMMAR_BUCKETS)
         self.spec = _SpecCollector(model_name)
         r.register(self.spec)
 
     # ---- Observer: called on the engine thread -------------------------------------------------
+
+    def on_add(self, request: Any) -> None:
+        if request.grammar is not None:
+            self.structured.inc()
+            self.grammar_compile.observe((request.metrics.grammar_compile_ms or 0.0) / 1e3)
+
+    def on_step(self, record: StepRecord, stats: EngineStats) -> None:
+        if record.grammar_ms:
+            self.grammar_mask.observe(record.grammar_ms / 1e3)
 
     def on_delta(self, delta: StreamDelta) -> None:
         n = len(delta.token_ids)

@@ -106,6 +106,7 @@ function render() {
   const last = steps[steps.length - 1];
   setText($("steps-caption"), last ? `last step: ${last.prefill} prefill + ${last.decode} decode tokens` +
     `${last.draft ? ` (${last.accepted}/${last.draft} drafts accepted)` : ""}, batch ${last.batch}, ${fmt(last.ms)} ms` +
+    `${last.grammar_ms ? ` (grammar masks ${fmt(last.grammar_ms)} ms)` : ""}` +
     ` · ${steps.length} steps shown` : "no steps yet");
   kv(s, steps, t0, t1, ref, isLive);
   latency(s);
@@ -245,13 +246,16 @@ $("timeline").addEventListener("mousemove", (ev) => {
   tooltip(ev, [`${r.id}  (${r.reason ?? state(r)})`, `prompt ${r.prompt_tokens} tokens` + (r.cached_tokens ? `, ${r.cached_tokens} cached` : ""),
     `${r.chunks.length} prefill chunk(s), ${r.tokens} output tokens`, `TTFT ${fmt(r.ttft_ms)} ms`,
     `ITL mean ${fmt(r.itl_mean_ms)} ms, max ${fmt(r.itl_max_ms)} ms`,
-    ...(r.preempted.length ? [`preempted ${r.preempted.length}×`] : [])].join("\n"));
+    ...(r.preempted.length ? [`preempted ${r.preempted.length}×`] : []),
+    ...(r.grammar_compile_ms != null ? [`structured output: grammar ready in ${fmt(r.grammar_compile_ms)} ms`] : [])
+  ].join("\n"));
 });
 $("steps").addEventListener("mousemove", (ev) => {
   if (!stepBox) return;
   const t = stepBox.t_of(ev.offsetX), s = view.steps.find((x) => t >= x.t && t <= x.t + x.ms / 1e3);
   tooltip(ev, s && `${s.prefill} prefill + ${s.decode} decode tokens, batch ${s.batch}\n${fmt(s.ms)} ms` +
-    (s.draft ? `\ndrafts ${s.accepted}/${s.draft} accepted` : ""));
+    (s.draft ? `\ndrafts ${s.accepted}/${s.draft} accepted` : "") +
+    (s.grammar_ms ? `\ngrammar masks ${fmt(s.grammar_ms)} ms` : ""));
 });
 for (const id of ["timeline", "steps"]) $(id).addEventListener("mouseleave", (ev) => tooltip(ev, null));
 
