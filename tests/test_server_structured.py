@@ -62,10 +62,11 @@ def test_metrics_count_constrained_requests_and_their_grammar_time(server):
 
 
 def test_the_openai_clients_parse_with_a_pydantic_model(server):
-    out = server.client().chat.completions.parse(model=MODEL, messages=ASK, temperature=0, max_tokens=60,
-                                                 response_format=City)
-    parsed = out.choices[0].message.parsed
-    assert isinstance(parsed, City) and parsed.city
+    client = server.client()
+    for parse in (client.chat.completions.parse, client.beta.chat.completions.parse):
+        out = parse(model=MODEL, messages=ASK, temperature=0, max_tokens=60, response_format=City)
+        parsed = out.choices[0].message.parsed
+        assert isinstance(parsed, City) and parsed.city
 
 
 @pytest.mark.parametrize("fields, check", [

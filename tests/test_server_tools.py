@@ -81,16 +81,39 @@ def test_auto_answers_or_calls_and_none_never_calls(server):
     assert out.choices[0].message.tool_calls is None and out.choices[0].finish_reason in ("stop", "length")
 
 
-def test_tool_results_go_back_through_the_template(server):
-    call = create(server, tool_choice="required", parallel_tool_calls=False).choices[0].message.tool_calls[0]
-    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-               {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21, "sky": "clear"}'}]
-    out = create(server, messages=history, tool_choice="none")
-    assert out.choices[0].message.content
-    tokens = server.post("/tokenize", {"messages": history}).json()["tokens"]
+def streamed_calls(chunks) -> list[dict]:
+    """The assistant message's tool_calls as a client rebuilds them from the chunks."""
+    calls: dict[int, dict] = {}
+    for chunk in chunks:
+        for c in chunk.choices[0].delta.tool_calls or []:
+            call = calls.setdefault(c.index, {"id": c.id, "type": "function", "function": {"name": "", "arguments": ""}})
+            call["function"]["name"] += c.function.name or ""
+            call["function"]["arguments"] += c.function.arguments or ""
+    return [calls[i] for i in sorted(calls)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("choice", ["auto", "required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["auto", "required", "named"])
+def test_the_round_trip_call_result_answer(server, choice, stream):
+    """The SDK round trip: a call, its result sent back as a tool message, then the final answer."""
+    if stream:
+        calls = streamed_calls(create(server, tool_choice=choice, parallel_tool_calls=False, stream=True))
+    else:
+        message = create(server, tool_choice=choice, parallel_tool_calls=False).choices[0].message
+        calls = [c.model_dump() for c in message.tool_calls or []]
+    if not calls:                          # auto: the model may answer at once
+        assert choice == "auto"
+        return
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": calls},
+               *({"role": "tool", "tool_call_id": c["id"], "content": '{"temperature": 21, "sky": "clear"}'}
+                 for c in calls)]
+    final = create(server, messages=history, tool_choice="none").choices[0]
+    assert final.message.content and final.message.tool_calls is None
+    tokens = server.post("/tokenize", {"messages": history, "tools": TOOLS}).json()["tokens"]
     text = server.post("/detokenize", {"tokens": tokens}).json()["prompt"]
     assert '<tool_response>\n{"temperature": 21, "sky": "clear"}\n</tool_response>' in text
-    assert '<tool_call>\n{"name": "' + call.function.name in text
+    assert '<tool_call>\n{"name": "' + calls[0]["function"]["name"] in text and "get_weather" in text
 
 
 @pytest.mark.parametrize("fields, param", [
