@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -277,13 +277,15 @@ def exponential_noise(generators: list[torch.Generator | None], V: int, device: 
     return noise.log_().neg_()
 
 
-def random_sample(probs: Tensor, generators: list[torch.Generator | None], kernels: Any = None) -> Tensor:
-    """Exponential race: argmax(probs / E), E ~ Exp(1), picks token i with prob probs[i] / sum.
+def race_scores(probs: Tensor, generators: list[torch.Generator | None]) -> Tensor:
+    """probs / E, E ~ Exp(1) (`exponential_noise`): each row's argmax is token i with prob probs[i] / sum
+    (the exponential race; probs [B, V] need not be normalised)."""
+    return probs / exponential_noise(generators, probs.shape[-1], probs.device).to(probs.dtype)
 
-    probs [B, V] need not be normalised; noise as `exponential_noise` draws it. Returns [B] int64.
-    """
-    noise = exponential_noise(generators, probs.shape[-1], probs.device).to(probs.dtype)   # [B, V]
-    return argmax(probs / noise, kernels)
+
+def random_sample(probs: Tensor, generators: list[torch.Generator | None], kernels: Any = None) -> Tensor:
+    """One draw per row of probs [B, V] by the exponential race. Returns [B] int64."""
+    return argmax(race_scores(probs, generators), kernels)
 
 
 def compute_logprobs(raw_logits: Tensor, token_ids: Tensor, num_top: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -302,31 +304,58 @@ def argmax(logits: Tensor, kernels: Any = None) -> Tensor:
     return logits.argmax(dim=-1)
 
 
-def distribution(raw: Tensor, meta: SamplingMetadata) -> tuple[Tensor, Tensor | None]:
-    """What `sample` draws from, for raw fp32 logits [B, V]: the greedy choice [B] (argmax after
-    bans and penalties) and the probabilities [B, V] after temperature and the filters (None when
-    every row is greedy). Speculative verification uses it as the target distribution p."""
+def _distribution(raw: Tensor, meta: SamplingMetadata) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(the logits after the grammar, bans and penalties [B, V], their argmax [B], the probabilities
+    after temperature and the filters [B, V] or None when every row is greedy)."""
     logits = apply_grammar(raw, meta.grammar_words, meta.kernels)
     logits = logits if meta.banned_mask is None else logits.masked_fill(meta.banned_mask, _NEG_INF)
     logits = apply_penalties(logits, meta)
     greedy_ids = argmax(logits, meta.kernels)                        # [B]
     if meta.all_greedy:  # fast path: no softmax, no sort
-        return greedy_ids, None
-    logits = apply_temperature(logits, meta.temperature)
-    logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
-    logits = apply_min_p(logits, meta.min_p)
-    return greedy_ids, logits.softmax(dim=-1)
+        return logits, greedy_ids, None
+    filtered = apply_temperature(logits, meta.temperature)
+    filtered = apply_top_k_top_p(filtered, meta.top_k, meta.top_p)
+    filtered = apply_min_p(filtered, meta.min_p)
+    return logits, greedy_ids, filtered.softmax(dim=-1)
 
 
-def sample(logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
-    """Pick one token per row of logits [B, V] (any float dtype) according to meta."""
+def distribution(raw: Tensor, meta: SamplingMetadata) -> tuple[Tensor, Tensor | None]:
+    """What `sample` draws from, for raw fp32 logits [B, V]: the greedy choice [B] (argmax after
+    bans and penalties) and the probabilities [B, V] after temperature and the filters (None when
+    every row is greedy). Speculative verification uses it as the target distribution p."""
+    _, greedy_ids, probs = _distribution(raw, meta)
+    return greedy_ids, probs
+
+
+Recheck = Callable[[list[int]], "tuple[list[int], Any] | None"]
+
+
+def sample(logits: Tensor, meta: SamplingMetadata, recheck: Recheck | None = None) -> SamplerOutput:
+    """Pick one token per row of logits [B, V] (any float dtype) according to meta.
+
+    recheck(token ids) → (rows, grammar words [len(rows), ceil(V / 32)]) or None: rows sampled without
+    their grammar's mask whose token it refuses. Those rows take the argmax of the same scores (greedy:
+    the logits; sampled: probs / noise, the same draws) over the allowed tokens only. Exact: the race
+    restricted to a set A with the same exponential draws is a draw from p restricted to A, and the
+    unrestricted winner, when in A, wins it too. For rows without top-k, top-p or min-p (those filter
+    the masked distribution, so their rows take the mask up front)."""
     raw = logits.float()
-    greedy_ids, probs = distribution(raw, meta)
+    penalized, greedy_ids, probs = _distribution(raw, meta)
+    race = None
     if probs is None:
         token_ids = greedy_ids
     else:
-        sampled = random_sample(probs, meta.generators, meta.kernels)
-        token_ids = torch.where(meta.temperature == 0, greedy_ids, sampled)
+        race = race_scores(probs, meta.generators)
+        token_ids = torch.where(meta.temperature == 0, greedy_ids, argmax(race, meta.kernels))
+    refused = recheck(token_ids.tolist()) if recheck else None
+    if refused:
+        rows, words = refused
+        at = torch.tensor(rows, dtype=torch.int64, device=token_ids.device)
+        scores = penalized[at] if race is None else \
+            torch.where((meta.temperature[at] == 0)[:, None], penalized[at], race[at])
+        words = torch.as_tensor(words).to(token_ids.device)
+        token_ids = token_ids.clone()
+        token_ids[at] = argmax(apply_grammar(scores.contiguous(), words, meta.kernels), meta.kernels)
     if meta.max_num_logprobs is None:
         return SamplerOutput(token_ids=token_ids, logprobs=None, top_ids=None, top_logprobs=None)
     chosen, top_ids, top_logprobs = compute_logprobs(raw, token_ids, meta.max_num_logprobs)
