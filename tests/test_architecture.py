@@ -1,18 +1,45 @@
-"""The layering of docs/architecture.md, as import-linter contracts (pyproject.toml): the engine core
-imports no torch and nothing above it; models, layers, kernels and loading know nothing of the
-engine, server or lab; the server and the lab import only the public API; no package cycles."""
+"""The layering of docs/architecture.md, as import-linter contracts (pyproject.toml): every module of
+phasewise in one layer, importing only the layers below it (indirect imports count); the engine core
+free of torch and numpy. The document's list of layers is the contract's, and covers every module."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+try:
+    import tomllib
+except ImportError:                     # Python 3.10
+    import pytest
+
+    tomllib = pytest.importorskip("tomli")
+
 ROOT = Path(__file__).parent.parent
+PACKAGE = ROOT / "src" / "phasewise"
 
 
 def test_import_contracts_are_kept():
     lint = shutil.which("lint-imports", path=str(Path(sys.executable).parent)) or "lint-imports"
     done = subprocess.run([lint, "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+
+
+def contract_layers() -> list[str]:
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    return next(c["layers"] for c in contracts if c["type"] == "layers")
+
+
+def test_the_documents_layers_are_the_contracts_and_cover_every_module():
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    block = re.search(r"## Packages\n.*?```\n(.*?)```", doc, re.S).group(1).strip().splitlines()
+    assert block == contract_layers(), "docs/architecture.md's layers differ from pyproject.toml's contract"
+    named = {m.strip() for layer in contract_layers() for m in layer.split("|")}
+    modules = {p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__"} | \
+        {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    assert modules == named, f"not in a layer: {sorted(modules - named)}; no such module: {sorted(named - modules)}"
+    table = set(re.findall(r"^\| `(\w+)/` \|", doc, re.M))
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    assert table == packages, f"the package table lacks {sorted(packages - table)}, has {sorted(table - packages)}"

@@ -153,7 +153,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.trace:
         from phasewise.lab.trace import write_trace
 
-        steps = [s for s in llm.engine.core.steps if s.start >= final.metrics.arrival]
+        steps = [s for s in llm.engine.steps if s.start >= final.metrics.arrival]
         write_trace(args.trace, steps, [(final.request_id, final.metrics)])
     if args.json:
         print(json.dumps(timings_json(final, llm.load_ms), ensure_ascii=False))
@@ -258,7 +258,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if recorder is not None:
             from phasewise.lab.trace import write_trace
 
-            write_trace(args.trace, list(engine.core.steps), list(recorder.requests))
+            write_trace(args.trace, engine.steps, list(recorder.requests))
             print(f"phasewise: wrote the trace of {len(recorder.requests)} requests to {args.trace}",
                   file=sys.stderr)
     return 0

@@ -289,6 +289,19 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.core.has_unfinished()
 
+    def request(self, request_id: str) -> Request | None:
+        """A live request (its state and metrics), or None once it has ended or if it is unknown."""
+        return self.core.scheduler.requests.get(request_id)
+
+    def live_request_ids(self) -> set[str]:
+        """The requests the engine still holds (waiting or running)."""
+        return set(self.core.scheduler.requests)
+
+    @property
+    def steps(self) -> list[StepRecord]:
+        """The latest steps' records, oldest first (the last MAX_STEP_RECORDS of them)."""
+        return list(self.core.steps)
+
     # ---- stepping -----------------------------------------------------------------
 
     def step(self) -> list[StreamDelta]:

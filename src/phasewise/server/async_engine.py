@@ -290,7 +290,7 @@ class AsyncEngine:
             for rid, ids, params in prepared:
                 engine.add_request(ids, params, request_id=rid)
                 added.append(rid)
-                self._live[rid] = _Live(engine.core.scheduler.requests[rid], loop)
+                self._live[rid] = _Live(engine.request(rid), loop)
             for rid in added:
                 self._observe(self.observer.on_add, self._live[rid].request)
         except Exception:
@@ -333,9 +333,9 @@ class AsyncEngine:
     def _fail_step(self, error: Exception) -> None:
         """The core finished the step's requests with an error; tell their streams. If it failed none
         (the step could not even be scheduled), fail them all so the thread cannot spin."""
-        live_in_core = self.engine.core.scheduler.requests
+        live_in_core = self.engine.live_request_ids()
         failed = [rid for rid in self._live if rid not in live_in_core] or list(self._live)
-        for rid in [r for r in list(live_in_core) if r not in self._live]:
+        for rid in [r for r in live_in_core if r not in self._live]:
             self.engine.abort(rid)             # not ours (cannot happen through this class): no spinning
         self._fail(failed, EngineError(f"the engine failed while running this request: {error}"))
 
