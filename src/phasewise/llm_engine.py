@@ -20,6 +20,7 @@ from phasewise.engine.core import EngineCore
 from phasewise.engine.handoffs import EngineStats, RequestOutput, StepRecord
 from phasewise.engine.request import FinishReason, Request
 from phasewise.kernels import build as kernel_build
+from phasewise.kernels.kernel_api import Kernels
 from phasewise.loading.loader import check_memory, load_config, load_prepared, parse_dtype, resolve_model_path
 from phasewise.loading.sharding import check_tensor_parallel, shard_config
 from phasewise.models.config import ModelConfig
@@ -35,7 +36,7 @@ from phasewise.structured import GrammarCompiler
 from phasewise.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
-def choose_kernels(config: EngineConfig):
+def choose_kernels(config: EngineConfig) -> Kernels | None:
     """The compiled CPU kernels for this engine (the ISA level isa.py picks), or None: another
     device, `kernels="torch"`, or nothing could be built. Chosen once, handed to every model."""
     if config.kernels == "torch" or torch.device(config.device).type != "cpu":

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from phasewise.kernels.kernel_api import Kernels
 
 WEIGHT_DTYPES = ("fp32", "bf16", "fp16", "int8", "q4")
 KV_DTYPES = ("model", "int8")
@@ -62,7 +62,7 @@ def gguf_block_types(path: Path) -> set[str]:
             if name.startswith("blk.") and name.endswith(".weight") and len(t.shape) == 2}
 
 
-def choose(path: Path, dtype: str, kv_dtype: str, kernels: Any) -> Precision:
+def choose(path: Path, dtype: str, kv_dtype: str, kernels: Kernels | None) -> Precision:
     """Resolve "auto" for the weights and the KV cache. An explicit weight dtype keeps the KV cache
     in its float type unless int8 is asked for; "auto" weights take the int8 cache where kernels run."""
     from phasewise.kernels.gguf_blocks import GGUF_BLOCKS

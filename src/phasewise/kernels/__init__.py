@@ -8,17 +8,18 @@ the only way kernels reach layers, the sampler included (through the runner).
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 
+from phasewise.kernels.kernel_api import Kernels
 
-def applies(kernels: Any, x: torch.Tensor) -> bool:
+
+def applies(kernels: Kernels | None, x: torch.Tensor) -> bool:
     """Whether the compiled ops can take x: loaded, on the CPU, fp32."""
     return kernels is not None and x.device.type == "cpu" and x.dtype == torch.float32
 
 
-def use_kernels(model: torch.nn.Module, kernels: Any) -> int:
+def use_kernels(model: torch.nn.Module, kernels: Kernels | None) -> int:
     """Give every module of `model` with a `set_kernels` method the kernels (None: the reference
     path); how many modules took them."""
     n = 0
@@ -33,7 +34,7 @@ def use_kernels(model: torch.nn.Module, kernels: Any) -> int:
 class UsesKernels:
     """A module whose forward calls the compiled ops in `self.ops` where they apply."""
 
-    ops: Any = None
+    ops: Kernels | None = None
 
-    def set_kernels(self, kernels: Any) -> None:
+    def set_kernels(self, kernels: Kernels | None) -> None:
         self.ops = kernels

@@ -30,6 +30,7 @@ from pathlib import Path
 from types import ModuleType
 
 from phasewise.kernels.isa import Level, chosen_level, runnable_levels
+from phasewise.kernels.kernel_api import Kernels
 from phasewise.paths import default_cache_dir
 
 CSRC = Path(__file__).parent / "csrc"
@@ -177,7 +178,7 @@ def _clear_stale_lock(lock: Path) -> None:
         lock.unlink(missing_ok=True)
 
 
-def load(level_name: str | None = None):
+def load(level_name: str | None = None) -> Kernels | None:
     """The KernelSet of `level_name` (default: PHASEWISE_ISA, else the CPU's best level), or None
     where it cannot be had (kernels disabled, another architecture, no compiler). An unknown or
     unsupported PHASEWISE_ISA raises ISAError."""

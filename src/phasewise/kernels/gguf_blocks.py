@@ -15,12 +15,12 @@ compare every type with `gguf.quants.dequantize`); Q4_K's scale unpacking is ggu
 from __future__ import annotations
 
 import warnings
-from typing import Any
 
 import numpy as np
 import torch
 
 from phasewise.kernels import quant
+from phasewise.kernels.kernel_api import Kernels
 
 # GGUF type name → the packed format its blocks run in
 GGUF_BLOCKS = {"Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8", "Q5_0": "q5", "Q4_K": "k4", "Q5_K": "k6", "Q6_K": "q6k"}
@@ -77,7 +77,7 @@ def decode(type_name: str, blocks: np.ndarray) -> tuple[np.ndarray, list[np.ndar
 
 
 def pack_gguf(type_name: str, raw: np.ndarray | torch.Tensor, chunk_rows: int = 2048,
-              kernels: Any = None) -> quant.PackedWeight:
+              kernels: Kernels | None = None) -> quant.PackedWeight:
     """Raw GGUF rows [N, row bytes] uint8 of a type in GGUF_BLOCKS → a PackedWeight, packed
     `chunk_rows` rows (whole tiles) at a time into one buffer, so decoding never holds more than a
     chunk's values (a 150k-row vocabulary's were several GB). With `kernels` (a KernelSet), the

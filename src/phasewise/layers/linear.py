@@ -13,12 +13,12 @@ kernels off) their weights are dequantized once here, not on every call.
 from __future__ import annotations
 
 import warnings
-from typing import Any
 
 import torch
 from torch import nn
 
 from phasewise.layers.quant_linear import QuantLinear
+from phasewise.kernels.kernel_api import Kernels
 
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -46,7 +46,7 @@ class OneDNNLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def use_fast_linears(model: nn.Module, device: torch.device | str, dtype: torch.dtype, kernels: Any = None,
+def use_fast_linears(model: nn.Module, device: torch.device | str, dtype: torch.dtype, kernels: Kernels | None = None,
                      onednn: bool = True) -> int:
     """Choose every linear layer's kernel: quantized layers keep their blocks where `kernels` can
     run them (the CPU) and are dequantized once into `dtype` otherwise; plain layers go to oneDNN

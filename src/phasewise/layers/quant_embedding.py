@@ -7,13 +7,13 @@ when the two are tied, and a lookup returns exactly the rows `quant.dequantize` 
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 from torch import nn
 
 from phasewise.kernels import quant
 from phasewise.kernels.quant import PackedWeight
+from phasewise.kernels.kernel_api import Kernels
 
 
 class QuantEmbedding(nn.Module):
@@ -25,9 +25,9 @@ class QuantEmbedding(nn.Module):
         self.fmt_id = quant.FORMAT_IDS[weight.fmt]
         self.register_buffer("blocks", weight.blocks)
         self.register_buffer("scale", weight.scale)
-        self.kernels: Any = None
+        self.kernels: Kernels | None = None
 
-    def set_kernels(self, kernels: Any) -> None:
+    def set_kernels(self, kernels: Kernels | None) -> None:
         """Use the compiled kernels (None: the reference path); they run only on CPU buffers."""
         self.kernels = kernels
 

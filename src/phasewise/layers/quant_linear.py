@@ -8,7 +8,6 @@ values. Otherwise the reference path runs anywhere: dequantize the exact stored 
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +15,7 @@ from torch import nn
 
 from phasewise.kernels import quant
 from phasewise.kernels.quant import PackedWeight
+from phasewise.kernels.kernel_api import Kernels
 
 
 class QuantLinear(nn.Module):
@@ -30,10 +30,10 @@ class QuantLinear(nn.Module):
             self.register_buffer(f"blocks{i}", p.blocks)
             self.register_buffer(f"scale{i}", p.scale)
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
-        self.kernels: Any = None             # the compiled kernels (set_kernels)
+        self.kernels: Kernels | None = None  # the compiled kernels (set_kernels)
         self._args: tuple | None = None      # the kernel's arguments, gathered once (attribute lookups cost µs)
 
-    def set_kernels(self, kernels: Any) -> None:
+    def set_kernels(self, kernels: Kernels | None) -> None:
         """Use the compiled kernels (None: the reference path); they run only on CPU buffers."""
         self.kernels = kernels
         on_cpu = self.blocks.device.type == "cpu"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -20,6 +19,7 @@ from phasewise.loading.safetensors import hf_tensors, safetensors_files
 from phasewise.loading.sharding import check_tensor_parallel, shard_config, shard_weights
 from phasewise.models.config import ModelConfig
 from phasewise.models.registry import model_class
+from phasewise.kernels.kernel_api import Kernels
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -56,7 +56,7 @@ def load_config(path: Path) -> ModelConfig:
 
 def load_model(path: Path, dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu",
                tp: TensorParallel | None = None, packed_cache: bool = True,
-               kernels: Any = None) -> tuple[nn.Module, ModelConfig]:
+               kernels: Kernels | None = None) -> tuple[nn.Module, ModelConfig]:
     """Build the model for `path` (a .gguf file or an HF folder) with every weight loaded; with `tp`,
     this rank's part of it (loading/sharding.py), and the config of that part.
 
@@ -170,7 +170,7 @@ def _mem_available() -> float | None:
     return None
 
 
-def load_prepared(path: Path, dtype: str, device: str = "cpu", kernels=None, plain: bool = False,
+def load_prepared(path: Path, dtype: str, device: str = "cpu", kernels: Kernels | None = None, plain: bool = False,
                   tp: TensorParallel | None = None, packed_cache: bool = True) -> tuple[nn.Module, ModelConfig]:
     """The model at `path` in `dtype` (with `tp`, this rank's part), its layers given `kernels` (or
     their reference paths); `plain`: no oneDNN either (kernels="torch")."""

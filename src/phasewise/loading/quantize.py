@@ -21,7 +21,6 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
 from torch import nn
 
@@ -34,6 +33,7 @@ from phasewise.loading import packed_cache
 from phasewise.loading.gguf import GGUFFile
 from phasewise.loading.sharding import shard_raw
 from phasewise.models.config import ModelConfig
+from phasewise.kernels.kernel_api import Kernels
 
 # --dtype value → weight format
 WEIGHT_FORMATS = {"int8": "i8", "q4": "q4"}
@@ -52,7 +52,7 @@ class FileWeights:
 
 
 def plan_file_weights(model: nn.Module, cfg: ModelConfig, gguf: GGUFFile, tp: TensorParallel | None = None,
-                      cache: bool = True, kernels: Any = None) -> FileWeights:
+                      cache: bool = True, kernels: Kernels | None = None) -> FileWeights:
     """Pack every linear layer of `model` (meta or not) the file holds in blocks, and the token table
     (without tp); `cfg` is the whole model's. With `cache` (and no tp) the packed layers come from,
     or go to, the packed-weight cache (loading/packed_cache.py). `kernels` (a KernelSet, or None)
@@ -178,7 +178,7 @@ def _parent(model: nn.Module, path: str) -> tuple[nn.Module, str]:
 
 
 def file_blocks(gguf: GGUFFile, cfg: ModelConfig, path: str, tp: TensorParallel | None = None,
-                kernels: Any = None) -> tuple[quant.PackedWeight, list[str]] | None:
+                kernels: Kernels | None = None) -> tuple[quant.PackedWeight, list[str]] | None:
     """The layer `path`'s weight from the file's own blocks and the checkpoint names of its parts
     (None when some part is not in a block format, or with `tp` when this rank's part does not cut
     along whole blocks)."""

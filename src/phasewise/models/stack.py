@@ -17,9 +17,10 @@ from torch import nn
 from phasewise.layers.attention import AttentionMetadata, LayerKV
 from phasewise.layers.quant_linear import QuantLinear
 from phasewise.models.config import ModelConfig
+from phasewise.kernels.kernel_api import Kernels
 
 
-def build_stack(kernels: Any, cfg: ModelConfig, layers: nn.ModuleList, final_norm: torch.Tensor,
+def build_stack(kernels: Kernels | None, cfg: ModelConfig, layers: nn.ModuleList, final_norm: torch.Tensor,
                 sandwich: bool = False) -> Any:
     """The DecoderStack of `layers` (Llama-family layers; `sandwich`: Gemma 3's, with norms after
     attention and after the MLP too), or None where the stack cannot run them."""

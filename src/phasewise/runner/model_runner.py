@@ -20,6 +20,7 @@ from phasewise.runner.kv_cache import KVCache
 from phasewise.sampling.sampler import SamplingMetadata, sample
 from phasewise.sampling.verify import verify
 from phasewise.structured import grammar_bitmask
+from phasewise.kernels.kernel_api import Kernels
 
 
 @dataclass
@@ -36,7 +37,8 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, eos_token_ids: frozenset[int],
-                 device: torch.device | str = "cpu", kernels=None, tp: TensorParallel | None = None) -> None:
+                 device: torch.device | str = "cpu", kernels: Kernels | None = None,
+                 tp: TensorParallel | None = None) -> None:
         self.model, self.tp = model, tp
         self.kv_cache = kv_cache
         self.eos_token_ids = eos_token_ids

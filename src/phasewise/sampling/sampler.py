@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from phasewise.sampling.params import SamplingParams
+from phasewise.kernels.kernel_api import Kernels
 
 _NEG_INF = float("-inf")
 
@@ -55,7 +56,7 @@ class SamplingMetadata:
     generators: list[torch.Generator | None]  # per row; None = default generator
     all_greedy: bool
     max_num_logprobs: int | None        # max over rows of params.logprobs; None when no row wants them
-    kernels: Any = None                 # the engine's compiled CPU kernels (argmax), or None
+    kernels: Kernels | None = None      # the engine's compiled CPU kernels (argmax), or None
 
     @classmethod
     def build(
@@ -67,7 +68,7 @@ class SamplingMetadata:
         vocab_size: int,
         eos_token_ids: set[int] | frozenset[int],
         device: torch.device | str = "cpu",
-        kernels: Any = None,
+        kernels: Kernels | None = None,
         grammar_bitmask: Any = None,
     ) -> SamplingMetadata:
         """Gather the batch's settings into tensors; filters and penalties nobody uses stay None.
@@ -138,7 +139,7 @@ def unpack_bitmask(bitmask: Any, vocab_size: int, device: torch.device) -> Tenso
     return ((words[:, :, None] >> bits) & 1).bool().flatten(1)[:, :vocab_size]
 
 
-def apply_grammar(logits: Tensor, words: Tensor | None, kernels: Any = None) -> Tensor:
+def apply_grammar(logits: Tensor, words: Tensor | None, kernels: Kernels | None = None) -> Tensor:
     """-inf where the rows' grammars refuse the token; logits [B, V], words [B, ceil(V / 32)] int32. The
     engine's compiled kernels do it in one pass (torch's masked_fill over unpacked bools: ~10x slower)."""
     if words is None:
@@ -283,7 +284,7 @@ def race_scores(probs: Tensor, generators: list[torch.Generator | None]) -> Tens
     return probs / exponential_noise(generators, probs.shape[-1], probs.device).to(probs.dtype)
 
 
-def random_sample(probs: Tensor, generators: list[torch.Generator | None], kernels: Any = None) -> Tensor:
+def random_sample(probs: Tensor, generators: list[torch.Generator | None], kernels: Kernels | None = None) -> Tensor:
     """One draw per row of probs [B, V] by the exponential race. Returns [B] int64."""
     return argmax(race_scores(probs, generators), kernels)
 
@@ -296,7 +297,7 @@ def compute_logprobs(raw_logits: Tensor, token_ids: Tensor, num_top: int) -> tup
     return chosen, top_ids, top_logprobs
 
 
-def argmax(logits: Tensor, kernels: Any = None) -> Tensor:
+def argmax(logits: Tensor, kernels: Kernels | None = None) -> Tensor:
     """Each row's argmax [B] (the first on ties). With the engine's compiled CPU kernels, their
     argmax: torch's CPU argmax reads 49k logits in ~85 µs, a millisecond a step at batch 32."""
     if kernels is not None and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2:

@@ -1,8 +1,8 @@
 """Verification of draft tokens: target logits at the k + 1 rows of each chunk → accepted drafts + one token.
 
 The target distribution at draft position i is exactly what `sample` would draw from
-there: the grammar's mask after drafts 0..i-1, bans (min_tokens), penalties with the output so far *including drafts 0..i-1*,
-temperature, top-k/top-p/min-p. Greedy requests are verified by argmax, sampled ones by
+there: the grammar's mask after drafts 0..i-1, bans (min_tokens), penalties with the output so
+far *including drafts 0..i-1*, temperature, top-k/top-p/min-p. Greedy requests are verified by argmax, sampled ones by
 the rejection rule with randomness from the request's own generator when it is seeded
 (so seeded requests stay reproducible) and the default one otherwise. Logprobs of the
 committed tokens come from the raw logits, as without speculation.
@@ -16,12 +16,13 @@ from torch import Tensor
 from phasewise.engine.handoffs import SampledToken, ScheduledChunk, TokenLogprobs
 from phasewise.sampling.sampler import SamplingMetadata, compute_logprobs, distribution, exponential_noise
 from phasewise.sampling.rejection import greedy_verify, rejection_sample
+from phasewise.kernels.kernel_api import Kernels
 
 Verified = tuple[list[SampledToken], SampledToken]   # accepted drafts, then the target's own token
 
 
 def verify(logits: Tensor, chunks: list[ScheduledChunk], generators: list[torch.Generator | None],
-           vocab_size: int, eos_token_ids: frozenset[int], device: torch.device, kernels=None,
+           vocab_size: int, eos_token_ids: frozenset[int], device: torch.device, kernels: Kernels | None = None,
            grammar_bitmask=None) -> dict[str, Verified]:
     """logits [sum(k_c + 1), V]: chunk c's rows are its last own token, then each draft. grammar_bitmask
     (None: no grammar) has the same rows: the tokens each row's grammar allows after drafts 0..i-1."""

@@ -30,6 +30,7 @@ from phasewise.layers.attention import AttentionMetadata
 from phasewise.runner.kv_cache import KVCache
 from phasewise.sampling.sampler import SamplingMetadata, distribution, exponential_noise
 from phasewise.structured import draft_bitmask
+from phasewise.kernels.kernel_api import Kernels
 
 
 @dataclass
@@ -53,7 +54,7 @@ class DraftState:
 
 class DraftModelProposer:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, eos_token_ids: frozenset[int] = frozenset(),
-                 device: torch.device | str = "cpu", kernels=None) -> None:
+                 device: torch.device | str = "cpu", kernels: Kernels | None = None) -> None:
         self.model, self.kv_cache, self.eos_token_ids = model, kv_cache, eos_token_ids
         self.kernels = kernels                   # the engine's compiled CPU kernels (argmax), or None
         self.device = torch.device(device)

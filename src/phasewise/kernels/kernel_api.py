@@ -1,0 +1,56 @@
+"""Kernels: the typed surface of the compiled `KernelSet` (csrc/bindings.cpp), as the Python side uses it.
+
+Every place that takes the engine's kernels takes `Kernels | None` (None: the PyTorch reference
+path). Shapes and formats are documented where each op is declared (csrc/kernels.h).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence
+
+from torch import Tensor
+
+
+class DecoderStack(Protocol):
+    """A Llama-family model's decoder layers on the kernels (csrc/decoder_stack.cpp)."""
+
+    def forward(self, x: Tensor, positions: Tensor, slots: Tensor, kv: Sequence[Any], tables: Sequence[Tensor],
+                row_seq: Tensor, row_len: Tensor, block_size: int, keep: Tensor | None = None) -> Tensor: ...
+
+
+class Kernels(Protocol):
+    """The compiled CPU ops of one ISA level (`build.load()`)."""
+
+    @property
+    def isa(self) -> str: ...
+
+    def paged_attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, row_seq: Tensor,
+                        row_len: Tensor, block_size: int, scale: float, k_scale: Tensor | None = None,
+                        v_scale: Tensor | None = None, window: int = 0) -> Tensor: ...
+
+    def rope_and_cache(self, qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
+                       v_cache: Tensor, slots: Tensor, Hq: int, Hkv: int, k_scale: Tensor | None = None,
+                       v_scale: Tensor | None = None) -> list[Tensor]: ...
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> list[Tensor]: ...
+
+    def silu_and_mul(self, x: Tensor, gelu: bool = False) -> Tensor: ...
+
+    def argmax_rows(self, x: Tensor) -> Tensor: ...
+
+    def mask_rows(self, x: Tensor, words: Tensor) -> Tensor: ...
+
+    def quantize_activations(self, x: Tensor) -> list[Tensor]: ...
+
+    def int8_peak_gops(self, iters: int = 20_000_000) -> float: ...
+
+    def quant_linear(self, x: Tensor, fmt: int, N: int, blocks: Tensor, scale: Tensor | None = None,
+                     bias: Tensor | None = None, u5_tiles: int = 0, rest: Sequence[Any] = ()) -> Tensor: ...
+
+    def repack_gguf(self, type: int, raw: Tensor, N: int, K: int) -> list[Tensor]: ...
+
+    def dequantize_rows(self, ids: Tensor, fmt: int, N: int, blocks: Tensor, scale: Tensor | None = None) -> Tensor: ...
+
+    def decoder_stack(self, layers: Sequence[Any], final_norm: Tensor, cos: Tensor, sin: Tensor, Hq: int, Hkv: int,
+                      D: int, eps: float, extras: Sequence[Any] = (), scale: float = 0.0,
+                      gelu: bool = False) -> DecoderStack: ...
