@@ -134,11 +134,6 @@ class Request:
         if self.grammar is not None:
             self.grammar.accept(token_id)      # a refused token leaves the grammar failed: check_finish ends it
 
-    @property
-    def grammar_error(self) -> str | None:
-        """Why the request's grammar stopped matching its output (None: it matches, or there is none)."""
-        return None if self.grammar is None else self.grammar.error
-
     def check_finish(self) -> FinishReason | None:
         """After a token is appended: eos / stop token, a complete grammar (nothing may follow), max_tokens,
         or the context length. A grammar that refused the token is an error."""
