@@ -80,12 +80,13 @@ def test_unsupported_architecture(tmp_path):
 @pytest.mark.slow
 def test_prompt_longer_than_context():
     assert_one_line_error(run("generate", LONG_PROMPT, "--raw", "--max-model-len", "32"),
-                          "context length is 32")
+                          "maximum context length is 32")
 
 
 @pytest.mark.slow
 def test_max_tokens_past_the_context_is_refused_as_the_server_refuses_it():
-    assert_one_line_error(run("generate", "hi", "--max-tokens", "9000"), "--max-tokens 9000", "context of 8192")
+    assert_one_line_error(run("generate", "hi", "--max-tokens", "9000"), "maximum context length is 8192",
+                          "9000 max_tokens")
 
 
 @pytest.mark.parametrize("device, needle", [("foo", "unknown device 'foo'"), ("cuda", "no CUDA device")])

@@ -139,11 +139,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         prompt = ([{"role": "system", "content": args.system}] if args.system else []) + \
                  [{"role": "user", "content": args.prompt}]
-    tok, context = llm.engine.tokenizer, llm.engine.max_model_len
-    n = len(tok.encode(prompt) if args.raw else tok.apply_chat_template(prompt))
-    if params.max_tokens is not None and n < context < n + params.max_tokens:   # as the server refuses it
-        raise ValueError(f"--max-tokens {params.max_tokens} with a {n}-token prompt is past the context of "
-                         f"{context} tokens: at most {context - n}")
+    tok = llm.engine.tokenizer
+    params = llm.engine.admit(len(tok.encode(prompt) if args.raw else tok.apply_chat_template(prompt)), params)
     final = None
     for delta in llm.stream(prompt, params):
         if not args.json:

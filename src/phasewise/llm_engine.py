@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from phasewise.admission import fit
 from phasewise.config import CacheConfig, EngineConfig, SpeculativeConfig
 from phasewise.distributed import TensorParallel, init_tensor_parallel, launched_rank
 from phasewise.distributed.kv_link import KVLink
@@ -185,6 +186,13 @@ class LLMEngine:
         if chat:
             return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tools=tools)
         return self.tokenizer.encode(prompt)
+
+    def admit(self, num_prompt_tokens: int, params: SamplingParams) -> SamplingParams:
+        """The request checks the server and the CLI share (phasewise.admission.fit): prompt + max_tokens
+        against the context and the KV pool, stop_token_ids against the vocabulary; no max_tokens → as
+        many as fit. RequestError (a ValueError naming the field) when it cannot run."""
+        return fit(num_prompt_tokens, params, self.max_model_len,
+                   self.kv_cache.num_blocks * self.kv_cache.block_size, self.model_config.vocab_size)
 
     def add_request(self, prompt: str | list[int] | list[dict], params: SamplingParams | None = None,
                     chat: bool = False, request_id: str | None = None, tools: list[dict] | None = None) -> str:

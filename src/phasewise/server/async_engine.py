@@ -25,7 +25,7 @@ from typing import Any
 from phasewise.llm_engine import EngineBrokenError, LLMEngine
 from phasewise.outputs import StreamDelta
 from phasewise.sampling.params import SamplingParams
-from phasewise.server.admission import check_token_ids, fit
+from phasewise.admission import check_token_ids
 from phasewise.server.errors import EngineDeadError, EngineError
 from phasewise.server.request_stream import RequestStream
 from phasewise.server.observer import Observer
@@ -104,7 +104,6 @@ class AsyncEngine:
         self.max_model_len = engine.max_model_len
         self.stats = engine.stats()
         self.num_blocks = self.stats.num_blocks
-        self.block_size = engine.config.cache.block_size
         self.max_num_seqs = engine.config.scheduler.max_num_seqs
         self.token_budget = engine.config.scheduler.max_num_batched_tokens
 
@@ -306,8 +305,7 @@ class AsyncEngine:
         return ids
 
     def _fit(self, ids: list[int], params: SamplingParams) -> SamplingParams:
-        return fit(len(ids), params, self.max_model_len, self.num_blocks * self.block_size,
-                   self.model_config.vocab_size)
+        return self.engine.admit(len(ids), params)
 
     def _step(self) -> None:
         try:

@@ -18,7 +18,8 @@ from fastapi.responses import JSONResponse, Response
 from phasewise.sampling.params import ConstraintError
 from phasewise.server import responses as R
 from phasewise.server.async_engine import SubRequest
-from phasewise.server.errors import ContextLengthError, EngineDeadError, RequestError
+from phasewise.admission import ContextLengthError, RequestError
+from phasewise.server.errors import EngineDeadError
 from phasewise.server.guards import Guards
 from phasewise.server.kv_transfers import KVTransfers
 from phasewise.server.protocol import (

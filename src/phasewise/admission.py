@@ -1,13 +1,25 @@
-"""Admission checks of a request before it reaches the engine: its prompt's token ids against
-the vocabulary, and prompt + max_tokens against the context and the KV pool. Each failure is a
-RequestError or ContextLengthError (a 400 with the OpenAI error body, naming the parameter)."""
+"""Admission checks of a request before it reaches the engine core, the same for the server and the
+CLI: its prompt's token ids against the vocabulary, and prompt + max_tokens against the context and
+the KV pool. Each failure is a RequestError (a ValueError naming the request field at fault; the
+server's 400, the CLI's one line)."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from phasewise.sampling.params import SamplingParams
-from phasewise.server.errors import ContextLengthError, RequestError
+
+
+class RequestError(ValueError):
+    """Bad input in a request; `param` names the field at fault ("prompt" is the prompt or the messages)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class ContextLengthError(RequestError):
+    """The prompt (plus max_tokens) does not fit the context."""
 
 
 def check_token_ids(ids: list[int], vocab: int) -> list[int]:
