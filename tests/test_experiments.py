@@ -84,8 +84,8 @@ def test_experiments_on_the_default_model(llm, tmp_path):
 @pytest.mark.slow
 def test_experiment_command_writes_results_plots_and_trace(tmp_path, capsys):
     out, trace = tmp_path / "bs", tmp_path / "trace.json"
-    code = main(["experiment", "batch-sweep", "--concurrency", "1,2", "--prompt-tokens", "8",
-                 "--output-tokens", "3", "--out", str(out), "--trace", str(trace), "--kv-cache-memory", "0.1"])
+    code = main(["experiment", "batch-sweep", "--max-concurrency", "1,2", "--input-len", "8",
+                 "--output-len", "3", "--result-dir", str(out), "--trace", str(trace), "--kv-cache-memory", "0.1"])
     assert code == 0
     doc = json.loads((out / "results.json").read_text())
     assert doc["experiment"] == "batch-sweep" and doc["settings"]["concurrencies"] == [1, 2]
@@ -101,9 +101,9 @@ def test_experiment_command_writes_results_plots_and_trace(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, needle", [
     (["prompt-sweep", "--min-len", "500", "--max-len", "100"], "--min-len"),
-    (["batch-sweep", "--concurrency", "8", "--max-num-seqs", "4"], "--max-num-seqs"),
+    (["batch-sweep", "--max-concurrency", "8", "--max-num-seqs", "4"], "--max-num-seqs"),
     (["repeat", "--runs", "0"], "--runs"),
-    (["output-sweep", "--prompt-tokens", "0"], "--prompt-tokens"),
+    (["output-sweep", "--input-len", "0"], "--input-len"),
 ])
 def test_bad_settings_fail_in_one_line_before_loading(argv, needle, capsys):
     assert main(["experiment", *argv]) == 2
@@ -114,8 +114,8 @@ def test_bad_settings_fail_in_one_line_before_loading(argv, needle, capsys):
 @pytest.mark.slow
 def test_a_sweep_past_the_context_length_fails_in_one_line(capsys, tmp_path):
     out = tmp_path / "sweep"
-    code = main(["experiment", "prompt-sweep", "--lengths", "10,9000", "--output-tokens", "4",
-                 "--max-model-len", "2048", "--no-warmup", "--kv-cache-memory", "0.1", "--out", str(out)])
+    code = main(["experiment", "prompt-sweep", "--lengths", "10,9000", "--output-len", "4",
+                 "--max-model-len", "2048", "--no-warmup", "--kv-cache-memory", "0.1", "--result-dir", str(out)])
     assert code == 2
     err = capsys.readouterr().err
     assert "context length 2048" in err and "Traceback" not in err

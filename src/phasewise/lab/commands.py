@@ -24,9 +24,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     cost = sub.add_parser("cost", help="cost of a workload from per-million-token prices, with and without "
                                        "prompt caching")
     cost.add_argument("--requests", type=int, required=True)
-    cost.add_argument("--input-tokens", type=int, required=True, help="per request, shared prefix included")
-    cost.add_argument("--output-tokens", type=int, required=True, help="per request")
-    cost.add_argument("--shared-prefix-tokens", type=int, default=0, help="input tokens every request shares")
+    cost.add_argument("--input-len", type=int, required=True, help="per request, shared prefix included")
+    cost.add_argument("--output-len", type=int, required=True, help="per request")
+    cost.add_argument("--prefix-len", type=int, default=0, help="input tokens every request shares")
     cost.add_argument("--input-price", type=float, required=True, help="per million input tokens")
     cost.add_argument("--output-price", type=float, required=True, help="per million output tokens")
     cost.add_argument("--cache-write-price", type=float, default=None, help="default: the input price")
@@ -37,8 +37,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 def add_roofline_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     roof = sub.add_parser("roofline", help="measure this machine, run the model, and say which resource "
                                            "binds prefill and decode")
-    roof.add_argument("--prompt-tokens", type=int, default=256)
-    roof.add_argument("--decode-tokens", type=int, default=32)
+    roof.add_argument("--input-len", type=int, default=256, help="prompt tokens")
+    roof.add_argument("--output-len", type=int, default=32, help="generated tokens")
     roof.set_defaults(func=cmd_roofline)
     return roof
 
@@ -50,16 +50,16 @@ def cmd_roofline(args: argparse.Namespace) -> int:
     from phasewise.lab.roofline import analyse, measure_machine, model_weights, report, save_machine
     from phasewise.loading.loader import parse_dtype
 
-    if args.prompt_tokens < 2 or args.decode_tokens < 2:
-        raise ValueError("--prompt-tokens and --decode-tokens must be at least 2")
+    if args.input_len < 2 or args.output_len < 2:
+        raise ValueError("--input-len and --output-len must be at least 2")
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
               kv_dtype=args.kv_dtype, packed_cache=args.packed_cache)
     weights = llm.engine.precision.weights
     dtype = parse_dtype(weights)
     cfg = llm.model_config
     rng = random.Random(0)
-    prompt = [rng.randrange(100, cfg.vocab_size) for _ in range(args.prompt_tokens)]
-    params = SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
+    prompt = [rng.randrange(100, cfg.vocab_size) for _ in range(args.input_len)]
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate([prompt[: min(32, len(prompt))]], params)          # warm-up
     out = llm.generate([prompt], params)[0]
     machine = measure_machine(dtype)
@@ -105,7 +105,7 @@ def cmd_cost(args: argparse.Namespace) -> int:
     prices = Prices(args.input_price, args.output_price, args.cache_write_price, args.cache_read_price)
     if min(prices.input, prices.output, prices.write, prices.read) < 0:
         raise ValueError("prices must be >= 0")
-    w = Workload(args.requests, args.input_tokens, args.output_tokens, args.shared_prefix_tokens)
+    w = Workload(args.requests, args.input_len, args.output_len, args.prefix_len)
     plain, cached = cost_without_caching(w, prices), cost_with_caching(w, prices)
     print(f"{'':22}{'input':>10}{'cache write':>13}{'cache read':>12}{'output':>10}{'total':>11}")
     for name, c in (("without prompt caching", plain), ("with prompt caching", cached)):

@@ -40,24 +40,24 @@ def add_parsers(sub: argparse._SubParsersAction) -> list[argparse.ArgumentParser
     ps.add_argument("--min-len", type=int, default=50)
     ps.add_argument("--max-len", type=int, default=3500)
     ps.add_argument("--steps", type=int, default=10)
-    ps.add_argument("--output-tokens", type=int, default=199)
+    ps.add_argument("--output-len", type=int, default=199)
     ps.add_argument("--runs", type=int, default=1, help="requests per length (the table shows medians)")
     os_ = kinds.add_parser("output-sweep", help="decode time against output length; prefill stays flat")
     os_.add_argument("--lengths", type=int_list, default=[50, 100, 200, 400, 700, 1000, 1500])
-    os_.add_argument("--prompt-tokens", type=int, default=32)
+    os_.add_argument("--input-len", type=int, default=32)
     os_.add_argument("--runs", type=int, default=1, help="requests per length (the table shows medians)")
     rp = kinds.add_parser("repeat", help="the same request N times: median, p5, p95, CV, outliers")
     rp.add_argument("--runs", type=int, default=20)
-    rp.add_argument("--prompt-tokens", type=int, default=128)
-    rp.add_argument("--output-tokens", type=int, default=64)
+    rp.add_argument("--input-len", type=int, default=128)
+    rp.add_argument("--output-len", type=int, default=64)
     bs = kinds.add_parser("batch-sweep", help="concurrency 1..64: aggregate tokens/s against inter-token latency")
-    bs.add_argument("--concurrency", type=int_list, default=[1, 2, 4, 8, 16, 32, 64])
-    bs.add_argument("--prompt-tokens", type=int, default=128)
-    bs.add_argument("--output-tokens", type=int, default=64)
+    bs.add_argument("--max-concurrency", type=int_list, default=[1, 2, 4, 8, 16, 32, 64])
+    bs.add_argument("--input-len", type=int, default=128)
+    bs.add_argument("--output-len", type=int, default=64)
     parsers = [ps, os_, rp, bs]
     for p in parsers:
         g = p.add_argument_group("experiment")
-        g.add_argument("--out", default=None, help="results folder (default: results/<experiment>-<time>)")
+        g.add_argument("--result-dir", default=None, help="results folder (default: results/<experiment>-<time>)")
         g.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
         g.add_argument("--trace", metavar="FILE", default=None, help="also write a Chrome/Perfetto trace")
         g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
@@ -72,7 +72,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> list[argparse.ArgumentParser
 
 
 def _check(args: argparse.Namespace) -> None:
-    for name in ("output_tokens", "prompt_tokens", "runs", "min_len", "max_len", "steps",
+    for name in ("output_len", "input_len", "runs", "min_len", "max_len", "steps",
                  "max_num_batched_tokens", "max_num_seqs"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
@@ -83,28 +83,28 @@ def _check(args: argparse.Namespace) -> None:
         from phasewise.lab.experiments import default_prompt_lengths
 
         args.lengths = default_prompt_lengths(args.min_len, args.max_len, args.steps)
-    if args.experiment == "batch-sweep" and max(args.concurrency) > args.max_num_seqs:
-        raise ValueError(f"concurrency {max(args.concurrency)} is above --max-num-seqs {args.max_num_seqs}")
+    if args.experiment == "batch-sweep" and max(args.max_concurrency) > args.max_num_seqs:
+        raise ValueError(f"concurrency {max(args.max_concurrency)} is above --max-num-seqs {args.max_num_seqs}")
 
 
 def _longest(args: argparse.Namespace) -> int:
     if args.experiment == "prompt-sweep":
-        return max(args.lengths) + args.output_tokens
+        return max(args.lengths) + args.output_len
     if args.experiment == "output-sweep":
-        return args.prompt_tokens + max(args.lengths)
-    return args.prompt_tokens + args.output_tokens
+        return args.input_len + max(args.lengths)
+    return args.input_len + args.output_len
 
 
 def _run(llm, args: argparse.Namespace, advance) -> Experiment:
     from phasewise.lab import experiments as E
 
     if args.experiment == "prompt-sweep":
-        return E.prompt_sweep(llm, args.lengths, args.output_tokens, args.runs, args.seed, advance)
+        return E.prompt_sweep(llm, args.lengths, args.output_len, args.runs, args.seed, advance)
     if args.experiment == "output-sweep":
-        return E.output_sweep(llm, args.lengths, args.prompt_tokens, args.runs, args.seed, advance)
+        return E.output_sweep(llm, args.lengths, args.input_len, args.runs, args.seed, advance)
     if args.experiment == "repeat":
-        return E.repeat(llm, args.runs, args.prompt_tokens, args.output_tokens, args.seed, advance)
-    return E.batch_sweep(llm, args.concurrency, args.prompt_tokens, args.output_tokens, args.seed, advance)
+        return E.repeat(llm, args.runs, args.input_len, args.output_len, args.seed, advance)
+    return E.batch_sweep(llm, args.max_concurrency, args.input_len, args.output_len, args.seed, advance)
 
 
 def _total(args: argparse.Namespace) -> int:
@@ -112,7 +112,7 @@ def _total(args: argparse.Namespace) -> int:
         return len(args.lengths) * args.runs
     if args.experiment == "repeat":
         return args.runs
-    return sum(args.concurrency)
+    return sum(args.max_concurrency)
 
 
 def cmd_experiment(args: argparse.Namespace) -> int:
@@ -120,7 +120,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     console = Console(stderr=True)
-    out = Path(args.out or f"results/{args.experiment}-{time.strftime('%Y%m%d-%H%M%S')}")
+    out = Path(args.result_dir or f"results/{args.experiment}-{time.strftime('%Y%m%d-%H%M%S')}")
     fresh = not out.exists()
     out.mkdir(parents=True, exist_ok=True)          # early: an unwritable place fails before the run
     try:
@@ -141,7 +141,7 @@ def _experiment(args: argparse.Namespace, out: Path, console) -> int:
     warmup = args.warmup if args.warmup is not None else args.experiment != "repeat"
     # The pool holds the longest request (one at a time) or every request of the largest batch.
     per_request = _longest(args)
-    many = max(args.concurrency) if args.experiment == "batch-sweep" else 1
+    many = max(args.max_concurrency) if args.experiment == "batch-sweep" else 1
     with console.status("loading the model"):
         llm = LLM(args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                   kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
