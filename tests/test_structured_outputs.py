@@ -61,10 +61,11 @@ def test_a_constraint_that_does_not_compile_is_a_value_error_naming_it(llm, so, 
     assert not llm.engine.has_unfinished()
 
 
-@pytest.mark.parametrize("kw", [{}, {"json": {}, "regex": "a"}, {"choice": []}, {"json": "{"}, {"json": "[1]"}])
+@pytest.mark.parametrize("kw", [{}, {"json": {}, "regex": "a"}, {"choice": []}, {"json": "{"}, {"json": "[1]"},
+                                {"json": [1]}])
 def test_structured_outputs_needs_exactly_one_valid_constraint(kw):
     with pytest.raises(ValueError, match="structured_outputs"):
-        StructuredOutputs(**kw).text
+        StructuredOutputs(**kw)
 
 
 def test_max_tokens_cuts_a_json_output_with_finish_reason_length(llm):

@@ -89,7 +89,7 @@ class ModelRunner:
         if not sample_reqs and not spec_chunks:
             return RunnerOutput({}, prompt_logprobs=prompt_lps)
         logits = self.logits(hidden, sample_rows + spec_rows)        # [B + sum(k + 1), V] fp32
-        # grammar masks: the sampling rows that need one up front (see _sample_lazily), then each draft row's
+        # grammar masks: the sampling rows that need one up front (see _Recheck), then each draft row's
         # (the position after drafts 0..i-1)
         started = time.perf_counter()
         lazy = [r.grammar is not None and _unfiltered(r.sampling_params, self.vocab_size) for r in sample_reqs]

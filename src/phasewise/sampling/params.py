@@ -37,9 +37,13 @@ class StructuredOutputs:
             raise ValueError("structured_outputs choice must be a non-empty list of strings")
         if isinstance(self.json, str):
             try:
-                json.loads(self.json)
+                schema = json.loads(self.json)
             except ValueError as e:
                 raise ValueError(f"structured_outputs json is not valid JSON: {e}") from None
+        else:
+            schema = self.json
+        if schema is not None and not isinstance(schema, dict):
+            raise ValueError("structured_outputs json must be a JSON schema object")
 
     @property
     def kind(self) -> str:
@@ -56,8 +60,6 @@ class StructuredOutputs:
         value = getattr(self, self.kind)
         if self.kind == "json" and isinstance(value, str):
             value = json.loads(value)
-        if self.kind == "json" and not isinstance(value, dict):
-            raise ValueError("structured_outputs json must be a JSON schema object")
         return value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
 
 

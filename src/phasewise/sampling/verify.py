@@ -1,11 +1,11 @@
 """Verification of draft tokens: target logits at the k + 1 rows of each chunk → accepted drafts + one token.
 
-The target distribution at draft position i is exactly what `sample` would draw from
-there: the grammar's mask after drafts 0..i-1, bans (min_tokens), penalties with the output so
-far *including drafts 0..i-1*, temperature, top-k/top-p/min-p. Greedy requests are verified by argmax, sampled ones by
-the rejection rule with randomness from the request's own generator when it is seeded
-(so seeded requests stay reproducible) and the default one otherwise. Logprobs of the
-committed tokens come from the raw logits, as without speculation.
+The target distribution at draft position i is exactly what `sample` would draw from there: the
+grammar's mask after drafts 0..i-1, bans (min_tokens), penalties with the output so far *including
+drafts 0..i-1*, temperature, top-k/top-p/min-p. Greedy requests are verified by argmax, sampled ones
+by the rejection rule with randomness from the request's own generator when it is seeded (so seeded
+requests stay reproducible) and the default one otherwise. Logprobs of the committed tokens come
+from the raw logits, as without speculation.
 """
 
 from __future__ import annotations
