@@ -49,9 +49,9 @@ def test_a_prompt_computed_by_one_engine_continues_on_another(default_model_path
     a, b = (LLM(kv_cache_memory=0.05, warmup=False) for _ in range(2))
     prompt = a.tokenizer.apply_chat_template([{"role": "user", "content": "Explain in detail how a bicycle works."}])
     a.generate(prompt, SamplingParams(max_tokens=1))              # the prefill side: the prompt, once
-    kv = a.engine.export_kv(prompt)
+    kv = a.engine.kv_transfer.export(prompt)
     assert kv.num_blocks == (len(prompt) - 1) // 16 and kv.num_blocks >= 2
-    assert b.engine.import_kv(kv) == kv.num_blocks * 16
+    assert b.engine.kv_transfer.adopt(kv) == kv.num_blocks * 16
     ours = b.generate(prompt, greedy)[0]
     ref = a.generate(prompt, greedy)[0]                           # A from its own cache
     assert ours.cached_tokens == ref.cached_tokens == kv.num_blocks * 16
@@ -59,7 +59,7 @@ def test_a_prompt_computed_by_one_engine_continues_on_another(default_model_path
     stats = b.engine.stats()
     assert stats.num_free_blocks == stats.num_blocks
     with pytest.raises(ValueError, match="cannot enter a cache of 16"):
-        b.engine.import_kv(type(kv)(kv.token_ids[:8], 8, kv.parts))
+        b.engine.kv_transfer.adopt(type(kv)(kv.token_ids[:8], 8, kv.parts))
 
 
 def test_a_transfer_without_room_waits_for_it_then_gives_up():
@@ -71,20 +71,20 @@ def test_a_transfer_without_room_waits_for_it_then_gives_up():
     from phasewise.server.kv_transfers import KVTransfers
     from phasewise.server.protocol import APIError
 
-    class Engine:                                  # what KVTransfers uses of AsyncEngine and LLMEngine
+    class Engine:                         # what KVTransfers uses of AsyncEngine, LLMEngine and KVTransfer
         def __init__(self, short: int, arrives: bool = True):
-            self.short, self.arrives, self.kv_link = short, arrives, self
+            self.short, self.arrives, self.kv_transfer = short, arrives, self
             self.tries = 0
 
         async def call(self, fn):
             return fn(self)
 
-        def expect_kv(self, transfer_id):
+        def expect(self, transfer_id):
             f = Future()
             f.set_result("blocks") if self.arrives else f.set_exception(ConnectionError("the link is down"))
             return f
 
-        def import_kv(self, kv):
+        def adopt(self, kv):
             self.tries += 1
             if self.tries <= self.short:
                 raise ValueError("no room")

@@ -273,7 +273,7 @@ def test_a_lost_rank_ends_every_request_and_frees_every_block(tiny_folder):
     """A worker killed mid-generation: the next step fails at once (no hang), every request ends and
     its blocks are free, every later step says why, and close() returns with no worker left."""
     from phasewise import LLM
-    from phasewise.llm_engine import EngineBrokenError
+    from phasewise.engine_client import EngineBrokenError
 
     llm = LLM(str(tiny_folder), tensor_parallel_size=2, dtype="fp32", kv_dtype="model", kv_cache_memory=0.01,
               warmup=False)
@@ -283,7 +283,7 @@ def test_a_lost_rank_ends_every_request_and_frees_every_block(tiny_folder):
     for _ in range(3):
         engine.step()
     assert engine.stats().num_free_blocks < engine.stats().num_blocks
-    engine._workers.procs[0].kill()
+    engine._ranks.workers.procs[0].kill()
     with pytest.raises(EngineBrokenError, match="tensor-parallel group failed"):
         for _ in range(200):
             engine.step()
@@ -292,7 +292,7 @@ def test_a_lost_rank_ends_every_request_and_frees_every_block(tiny_folder):
     with pytest.raises(EngineBrokenError):
         engine.step()
     llm.close()
-    assert all(p.poll() is not None for p in engine._workers.procs)
+    assert all(p.poll() is not None for p in engine._ranks.workers.procs)
 
 
 @pytest.mark.slow

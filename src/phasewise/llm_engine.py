@@ -1,63 +1,24 @@
-"""LLMEngine: tokenizer + engine core + detokenization. Text in, text deltas out, synchronously.
-
-The offline API (`LLM`) and the server both drive this one class.
-"""
+"""LLMEngine: the request session over a built engine (tokenize, add, step, detokenize, stop strings).
+Text in, text deltas out, synchronously. The offline API (`LLM`) and the server both drive it."""
 
 from __future__ import annotations
 
 import itertools
 import time
-import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from phasewise.admission import fit
-from phasewise.config import CacheConfig, EngineConfig, SpeculativeConfig
-from phasewise.distributed import TensorParallel, init_tensor_parallel, launched_rank
-from phasewise.distributed.kv_link import KVLink
-from phasewise.engine.core import EngineCore
+from phasewise.config import EngineConfig
 from phasewise.engine.handoffs import EngineStats, RequestOutput, StepRecord
 from phasewise.engine.request import FinishReason, Request
-from phasewise.kernels import build as kernel_build
-from phasewise.kernels.kernel_api import Kernels
-from phasewise.loading.loader import check_memory, load_config, load_prepared, parse_dtype, resolve_model_path
-from phasewise.loading.sharding import check_tensor_parallel, shard_config
-from phasewise.models.config import ModelConfig
+from phasewise.engine_builder import build_engine
+from phasewise.engine_client import EngineBrokenError, Prompt
+from phasewise.kv_transfer import KVTransfer
 from phasewise.outputs import CompletionOutput, StreamDelta
-from phasewise.precision import choose as choose_precision
-from phasewise.runner.kv_cache import KVBlocks, KVCache, kv_bytes_per_block, num_blocks_for_memory
-from phasewise.runner.model_runner import ModelRunner
-from phasewise.runner.tp_worker import Setup, TPWorkers, threads_per_rank
 from phasewise.sampling.params import SamplingParams
-from phasewise.spec_decode.draft_model import DraftModelProposer
-from phasewise.spec_decode.ngram import NgramProposer
-from phasewise.structured import GrammarCompiler
-from phasewise.tokenizer import IncrementalDetokenizer, Tokenizer
-
-
-def choose_kernels(config: EngineConfig) -> Kernels | None:
-    """The compiled CPU kernels for this engine (the ISA level isa.py picks), or None: another
-    device, `kernels="torch"`, or nothing could be built. Chosen once, handed to every model."""
-    if config.kernels == "torch" or torch.device(config.device).type != "cpu":
-        return None
-    return kernel_build.load()
-
-
-class EngineBrokenError(RuntimeError):
-    """The engine cannot run another step: a rank of its tensor-parallel group failed (or a step failed
-    while the ranks ran it, so they are no longer in step). Its requests have ended; close() it."""
-
-
-def check_device(device: str) -> None:
-    """ValueError (one line) for a device torch does not know, or one this torch build cannot reach."""
-    try:
-        kind = torch.device(device).type
-    except (RuntimeError, TypeError):
-        raise ValueError(f"unknown device {device!r} (cpu, cuda or cuda:N)") from None
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r}: this torch build sees no CUDA device (torch {torch.__version__})")
+from phasewise.tokenizer import IncrementalDetokenizer
 
 
 @dataclass
@@ -68,115 +29,32 @@ class _Tracked:
 
 
 class LLMEngine:
+    """The request session over an engine's parts (`engine_builder.build_engine`): add and abort
+    requests, step, detokenize and apply stop strings. KV blocks between engines go through
+    `kv_transfer` (a `KVTransfer`). The server holds it as an `EngineClient`."""
+
     def __init__(self, config: EngineConfig | None = None) -> None:
-        started = time.perf_counter()
-        self._finalizer = None                  # stops a tensor-parallel engine's other ranks
+        parts = build_engine(config or EngineConfig())
+        self.config, self.model_path, self.model_config = parts.config, parts.model_path, parts.model_config
+        self.precision, self.kernels, self.tokenizer = parts.precision, parts.kernels, parts.tokenizer
+        self.model, self.draft_model, self.kv_cache = parts.model, parts.draft_model, parts.kv_cache
+        self.max_model_len, self.grammars, self.core = parts.max_model_len, parts.grammars, parts.core
+        self.load_ms, self._ranks = parts.load_ms, parts.ranks
+        self.tp = parts.ranks.group if parts.ranks else None
         self.broken: str | None = None          # why no step can run any more (EngineBrokenError)
-        self.config = config = config or EngineConfig()
-        check_device(config.device)
-        self.model_path = resolve_model_path(config.model)
-        full = load_config(self.model_path)   # cheap: an unsupported architecture fails before anything slow
-        spec, size, cache = config.speculative, config.tensor_parallel_size, config.cache
-        check_tensor_parallel(full, size)
-        if size > 1 and spec.method == "draft":
-            raise ValueError("a draft model does not run with tensor parallelism yet: use --speculative ngram")
-        self.kernels = choose_kernels(config)
-        self.precision = choose_precision(self.model_path, config.dtype, config.cache.kv_dtype, self.kernels)
-        dtype = parse_dtype(self.precision.weights)
-        kv_dtype = torch.int8 if self.precision.kv == "int8" else dtype
-        with ThreadPoolExecutor(1) as pool:   # the tokenizer reads its files while the weights load
-            tokenizer = pool.submit(Tokenizer.load, self.model_path)
-            self._load(config, full, size, kv_dtype)
-            self.tokenizer = tokenizer.result()
-        self.grammars = GrammarCompiler(self.tokenizer.backend, self.model_config.vocab_size,
-                                        self.tokenizer.eos_token_ids)
-        runner = ModelRunner(self.model, self.kv_cache, self.tokenizer.eos_token_ids, config.device, self.kernels,
-                             self.tp)
-        self.draft_model = None
-        self.core = EngineCore(runner, config.scheduler, self.kv_cache.num_blocks, cache.block_size, self.max_model_len,
-                               cache.enable_prefix_caching, self._proposer(spec, self.kv_cache.num_blocks),
-                               spec.num_speculative_tokens, self.model_config.kv_group_windows)
         self._ids = itertools.count()
         self._tracked: dict[str, _Tracked] = {}
-        self.kv_link = KVLink(config.kv_role, config.kv_peer) if config.kv_role else None
-        self.load_ms = (time.perf_counter() - started) * 1e3
-
-    def _load(self, config: EngineConfig, full: ModelConfig, size: int, kv_dtype: torch.dtype) -> None:
-        """Start the tensor-parallel ranks, size the KV cache, load the model and make its cache."""
-        cache = config.cache
-        self.tp, self._workers = self._start_tensor_parallel(size)
-        part = shard_config(full, self.tp) if self.tp else full     # what this rank holds
-        num_blocks = cache.num_blocks or num_blocks_for_memory(part, cache.block_size, kv_dtype,
-                                                               cache.kv_cache_memory_gib)
-        if self.tp:
-            self.tp.broadcast(Setup(str(self.model_path), self.precision.weights, self.precision.kv, num_blocks,
-                                    cache.block_size, self.kernels is not None,
-                                    config.kernels == "torch"))
-        if self.precision.weights == "q4" and not self.tp and str(config.device).startswith("cpu"):
-            check_memory(self.model_path, num_blocks * kv_bytes_per_block(part, cache.block_size, kv_dtype))
-        self.model, self.model_config = load_prepared(self.model_path, self.precision.weights, config.device,
-                                                      self.kernels, plain=config.kernels == "torch", tp=self.tp,
-                                                      packed_cache=config.packed_cache)
-        if self.tp:
-            self.tp.broadcast("ready")                               # every rank has loaded its part
-        max_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
-        self.max_model_len = min(max_len, self.model_config.max_position_embeddings)
-        self.kv_cache = KVCache(self.model_config, num_blocks, cache.block_size, kv_dtype, config.device)
-
-    def _start_tensor_parallel(self, size: int) -> tuple[TensorParallel | None, TPWorkers | None]:
-        """With size > 1: spawn ranks 1..size-1 on this machine, join their group as rank 0, and share
-        this process's threads among the ranks; under torchrun, join the group its environment names
-        (this must be rank 0; the others run cli's worker path). `close()` (or exit) stops them."""
-        if size == 1:
-            return None, None
-        launched = launched_rank()
-        if launched is not None:
-            rank, world = launched
-            if (rank, world) != (0, size):
-                raise ValueError(f"the engine runs on rank 0 of {size} (torchrun started rank {rank} of {world})")
-            tp = init_tensor_parallel(0, size, "env://", self.config.device)
-            workers = TPWorkers.launched()
-            self._finalizer = weakref.finalize(self, workers.stop, tp)
-            return tp, workers
-        threads = threads_per_rank(size, torch.get_num_threads())
-        workers = TPWorkers.spawn(size, threads, self.config.device)
-        torch.set_num_threads(threads)
-        tp = init_tensor_parallel(0, size, workers.init_method, self.config.device)
-        self._finalizer = weakref.finalize(self, workers.stop, tp)
-        return tp, workers
+        self.kv_transfer = KVTransfer(self.core.kv, self.kv_cache, self.config.kv_role, self.config.kv_peer,
+                                      self.tp is not None)
 
     def close(self) -> None:
         """Stop the other ranks of a tensor-parallel engine (nothing to do otherwise)."""
-        if self._finalizer is not None:
-            self._finalizer()
-
-    def _proposer(self, spec: SpeculativeConfig, num_blocks: int):
-        """The draft-token proposer of `spec`, or None. A draft model gets its own KV cache with the
-        target's block layout (same block count and size, its own dtype)."""
-        if spec.method == "ngram":
-            return NgramProposer(spec.ngram_min, spec.ngram_max)
-        if spec.method != "draft":
-            return None
-        if self.model_config.kv_group_windows[0] is not None:
-            raise ValueError("a draft model needs a target with full-attention layers (every layer of this one "
-                             "has a sliding window): use --speculative ngram")
-        path = resolve_model_path(spec.draft_model) if spec.draft_model else self.model_path
-        draft, cfg = load_prepared(path, spec.draft_dtype, self.config.device, self.kernels,
-                                   plain=self.config.kernels == "torch", packed_cache=self.config.packed_cache)
-        if cfg.vocab_size != self.model_config.vocab_size:
-            raise ValueError(f"the draft model {path} has {cfg.vocab_size} tokens in its vocabulary, the "
-                             f"target {self.model_config.vocab_size}: they must share the tokenizer")
-        if cfg.max_position_embeddings < self.max_model_len:
-            raise ValueError(f"the draft model {path} holds {cfg.max_position_embeddings} positions, fewer "
-                             f"than the context length {self.max_model_len}: lower --max-model-len")
-        kv = KVCache(cfg, num_blocks, self.config.cache.block_size, parse_dtype(spec.draft_dtype),
-                     self.config.device, grouped=False)   # read through the target's first group's table
-        self.draft_model = draft
-        return DraftModelProposer(draft, kv, self.tokenizer.eos_token_ids, self.config.device, self.kernels)
+        if self._ranks is not None:
+            self._ranks.stop()
 
     # ---- requests ---------------------------------------------------------------
 
-    def encode_prompt(self, prompt: str | list[int] | list[dict], chat: bool,
+    def encode_prompt(self, prompt: Prompt, chat: bool,
                       tools: list[dict] | None = None) -> list[int]:
         """Token ids of a prompt: chat messages (with OpenAI-style tools) through the chat template."""
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
@@ -194,7 +72,7 @@ class LLMEngine:
         return fit(num_prompt_tokens, params, self.max_model_len,
                    self.kv_cache.num_blocks * self.kv_cache.block_size, self.model_config.vocab_size)
 
-    def add_request(self, prompt: str | list[int] | list[dict], params: SamplingParams | None = None,
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     chat: bool = False, request_id: str | None = None, tools: list[dict] | None = None) -> str:
         """Queue a prompt (text, token ids, or chat messages, with tools for the template); returns the
         request id. ValueError for a prompt that cannot fit or a structured_outputs constraint that does
@@ -223,68 +101,6 @@ class LLMEngine:
         if tracked is not None and tracked.output.finish_reason is None:
             tracked.output.finish_reason = FinishReason.ABORT.value
         return self.core.abort(request_id)
-
-    # ---- KV blocks between engines (prefill/decode disaggregation) ---------------------------
-
-    def export_kv(self, token_ids: list[int]) -> KVBlocks:
-        """The blocks of this engine's prefix cache that hold the longest computed prefix of token_ids
-        (whole blocks, never the last token's: the receiver computes that one), copied out. Run the
-        prompt first (e.g. max_tokens=1): its blocks stay cached after it ends."""
-        self._no_tp("exporting KV blocks")
-        blocks = self.core.kv.cached_prefix(token_ids)
-        bs = self.kv_cache.block_size
-        return KVBlocks(list(token_ids[:len(blocks) * bs]), bs, self.kv_cache.read_blocks(blocks))
-
-    def import_kv(self, kv: KVBlocks) -> int:
-        """Enter another engine's blocks (same model, block size and KV precision) in this engine's
-        prefix cache: a request with that prefix then computes only the rest. Returns the tokens
-        imported; ValueError when the layouts differ or the pool has no room for them."""
-        self._no_tp("importing KV blocks")
-        if kv.block_size != self.kv_cache.block_size:
-            raise ValueError(f"KV blocks of {kv.block_size} tokens cannot enter a cache of {self.kv_cache.block_size}")
-        n = len(kv.token_ids)
-        for name, t in self.kv_cache.read_blocks([]).items():       # this cache's layout, 0 tokens long
-            want = (*t.shape[:2], n, *t.shape[3:])
-            theirs = kv.parts.get(name)
-            if theirs is None or theirs.dtype != t.dtype or tuple(theirs.shape) != want or n % kv.block_size:
-                got = None if theirs is None else f"{tuple(theirs.shape)} {theirs.dtype}"
-                raise ValueError(f"the KV blocks' {name} ({got}) does not match this engine's cache "
-                                 f"({want} {t.dtype})")
-        placed = self.core.kv.adopt_prefix(kv.token_ids, kv.num_blocks)
-        if placed is None:
-            raise ValueError(f"no room for {kv.num_blocks} KV blocks: {self.core.kv.pool.num_free} are free")
-        fill = [i for i, (_, fresh) in enumerate(placed) if fresh]
-        if fill:
-            self.kv_cache.write_blocks([placed[i][0] for i in fill],
-                                       {name: torch.cat([kv.block(i)[name] for i in fill], dim=2) for name in kv.parts})
-        return kv.num_blocks * kv.block_size
-
-    def send_kv(self, transfer_id: str, token_ids: list[int]) -> Future:
-        """A prefill instance: send the cached blocks of this computed prompt to the decode instance
-        (kv_link); the future resolves once they are sent."""
-        if self.kv_link is None or self.kv_link.role != "prefill":
-            raise ValueError("only a prefill instance (--role prefill) sends KV blocks")
-        kv = self.export_kv(token_ids)
-        return self.kv_link.send(transfer_id, (kv.token_ids, kv.block_size, kv.parts))
-
-    def expect_kv(self, transfer_id: str) -> Future:
-        """A decode instance: the future of the blocks the prefill instance sends under transfer_id
-        (a KVBlocks for import_kv)."""
-        if self.kv_link is None or self.kv_link.role != "decode":
-            raise ValueError("only a decode instance (--role decode) receives KV blocks")
-        out: Future = Future()
-
-        def done(f: Future) -> None:
-            if f.exception() is not None:
-                out.set_exception(f.exception())
-            else:
-                out.set_result(KVBlocks(*f.result()))
-        self.kv_link.expect(transfer_id).add_done_callback(done)
-        return out
-
-    def _no_tp(self, what: str) -> None:
-        if self.tp is not None:
-            raise ValueError(f"{what} is not implemented under tensor parallelism yet")
 
     def stats(self) -> EngineStats:
         """Running and waiting requests, KV blocks used, cached and free, step and speculation counters."""
@@ -326,7 +142,7 @@ class LLMEngine:
             if self.tp is None:
                 raise
             self.broken = f"a rank of the tensor-parallel group failed: {e}"
-            self._workers.broken = True
+            self._ranks.workers.broken = True
             for rid in list(self._tracked):
                 self.abort(rid)
             raise EngineBrokenError(self.broken) from e

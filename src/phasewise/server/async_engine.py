@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from phasewise.llm_engine import EngineBrokenError, LLMEngine
+from phasewise.engine_client import EngineBrokenError, EngineClient, Prompt
 from phasewise.outputs import StreamDelta
 from phasewise.sampling.params import SamplingParams
 from phasewise.admission import check_token_ids
@@ -31,8 +31,6 @@ from phasewise.server.request_stream import RequestStream
 from phasewise.server.observer import Observer
 
 log = logging.getLogger("phasewise.server")
-
-Prompt = str | list[int] | list[dict]
 
 
 @dataclass
@@ -64,19 +62,19 @@ class _Abort:
 
 @dataclass
 class _Call:
-    fn: Callable[[LLMEngine], Any]
+    fn: Callable[[EngineClient], Any]
     future: asyncio.Future
 
 
 class AsyncEngine:
-    """`engine`: an LLMEngine, or a function that builds one, which then runs on the engine thread.
+    """`engine`: an EngineClient (an LLMEngine), or a function that builds one, which then runs on the engine thread.
     Build it there when you can: OpenMP keeps a thread pool per thread that ran parallel work, so
     a model loaded and warmed up on another thread leaves a second pool, and libgomp, seeing more
     threads than cores, stops spinning at barriers: a decode step of 32 rows took 41-43 ms instead
     of 30 here (docs/benchmarks.md). The constructor returns once the engine is built, or raises
     what building it raised."""
 
-    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], observer: Observer | None = None,
+    def __init__(self, engine: EngineClient | Callable[[], EngineClient], observer: Observer | None = None,
                  max_pending: int = 1024) -> None:
         self.observer = observer or Observer()
         self.max_pending = max_pending         # unread chunks a stream may hold before its requests are aborted
@@ -171,7 +169,7 @@ class AsyncEngine:
         finally:
             stream.close()
 
-    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+    async def call(self, fn: Callable[[EngineClient], Any]) -> Any:
         """Run fn(engine) on the engine thread between steps (tokenizer use, inspection)."""
         if not self.is_alive:
             raise EngineDeadError("the engine has stopped")
@@ -212,7 +210,7 @@ class AsyncEngine:
 
     # ---- the engine thread's side ------------------------------------------------------------
 
-    def _run(self, engine: LLMEngine | Callable[[], LLMEngine], built: list[BaseException],
+    def _run(self, engine: EngineClient | Callable[[], EngineClient], built: list[BaseException],
              ready: threading.Event) -> None:
         try:
             self.engine = engine = engine() if callable(engine) else engine

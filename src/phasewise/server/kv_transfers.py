@@ -1,6 +1,6 @@
 """The server's side of a disaggregated pair (`serve --role prefill|decode`): a request that carries
 kv_transfer_params has its prompt's KV blocks sent (prefill) or received and imported (decode)
-through the engine's KV link, on the engine thread between steps.
+through the engine's `KVTransfer`, on the engine thread between steps.
 
 A transfer that fails or does not come within the timeout fails only its request (503 in
 OpenAI's shape, code kv_transfer_failed) and holds no block on either side: the prefill side's
@@ -28,7 +28,7 @@ class KVTransfers:
     async def send(self, transfer_id: str, prompt: Any, chat: bool) -> None:
         """After the prefill instance ran the prompt: its blocks to the decode instance."""
         try:
-            sent = await self.engine.call(lambda e: e.send_kv(transfer_id, e.encode_prompt(prompt, chat)))
+            sent = await self.engine.call(lambda e: e.kv_transfer.send(transfer_id, e.encode_prompt(prompt, chat)))
             await asyncio.wait_for(asyncio.wrap_future(sent), self.timeout_s)
         except (ConnectionError, TimeoutError, asyncio.TimeoutError, ValueError) as e:
             raise _failed(f"sending this prompt's KV blocks failed: {e or 'timed out'}") from None
@@ -37,15 +37,15 @@ class KVTransfers:
         """Before the decode instance runs the request: wait for its blocks and import them (the
         tokens imported; 0 when there was no room and the prompt is computed here)."""
         try:
-            arriving = await self.engine.call(lambda e: e.expect_kv(transfer_id))
+            arriving = await self.engine.call(lambda e: e.kv_transfer.expect(transfer_id))
             kv = await asyncio.wait_for(asyncio.wrap_future(arriving), self.timeout_s)
         except (ConnectionError, TimeoutError, asyncio.TimeoutError, ValueError) as e:
-            await self.engine.call(lambda eng: eng.kv_link.forget(transfer_id))
+            await self.engine.call(lambda eng: eng.kv_transfer.forget(transfer_id))
             raise _failed(f"this prompt's KV blocks did not arrive: {e or 'timed out'}") from None
         deadline = asyncio.get_running_loop().time() + self.room_wait_s
         while True:
             try:
-                return await self.engine.call(lambda e: e.import_kv(kv))
+                return await self.engine.call(lambda e: e.kv_transfer.adopt(kv))
             except ValueError as e:               # no room now: the transfer waits its turn
                 if asyncio.get_running_loop().time() >= deadline:
                     log.warning("computing a prompt here instead of importing its KV blocks: %s", e)

@@ -1,0 +1,178 @@
+"""Building an engine from its config, in one place: the model file and its precision, the kernels,
+the tokenizer, the tensor-parallel ranks, the KV cache and its size, the draft model, and the runner
+and core over them. `build_engine` returns the parts; `LLMEngine` drives them."""
+
+from __future__ import annotations
+
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from phasewise.config import EngineConfig, SpeculativeConfig
+from phasewise.distributed import TensorParallel, init_tensor_parallel, launched_rank
+from phasewise.engine.core import EngineCore
+from phasewise.kernels import build as kernel_build
+from phasewise.kernels.kernel_api import Kernels
+from phasewise.loading.loader import check_memory, load_config, load_prepared, parse_dtype, resolve_model_path
+from phasewise.loading.sharding import check_tensor_parallel, shard_config
+from phasewise.models.config import ModelConfig
+from phasewise.precision import Precision, choose as choose_precision
+from phasewise.runner.kv_cache import KVCache, kv_bytes_per_block, num_blocks_for_memory
+from phasewise.runner.model_runner import ModelRunner
+from phasewise.runner.tp_worker import Setup, TPWorkers, threads_per_rank
+from phasewise.spec_decode.draft_model import DraftModelProposer
+from phasewise.spec_decode.ngram import NgramProposer
+from phasewise.structured import GrammarCompiler
+from phasewise.tokenizer import Tokenizer
+
+
+def check_device(device: str) -> None:
+    """ValueError (one line) for a device torch does not know, or one this torch build cannot reach."""
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {device!r} (cpu, cuda or cuda:N)") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: this torch build sees no CUDA device (torch {torch.__version__})")
+
+
+def choose_kernels(config: EngineConfig) -> Kernels | None:
+    """The compiled CPU kernels for this engine (the ISA level isa.py picks), or None: another
+    device, `kernels="torch"`, or nothing could be built. Chosen once, handed to every model."""
+    if config.kernels == "torch" or torch.device(config.device).type != "cpu":
+        return None
+    return kernel_build.load()
+
+
+@dataclass
+class TensorParallelRanks:
+    """Rank 0's handle on a tensor-parallel engine: its group, the other ranks' processes, and the
+    finalizer that stops them (run by `stop()`, or when the handle is collected)."""
+    group: TensorParallel
+    workers: TPWorkers
+
+    def __post_init__(self) -> None:
+        self._finalizer = weakref.finalize(self, self.workers.stop, self.group)
+
+    def stop(self) -> None:
+        self._finalizer()
+
+
+@dataclass
+class EngineParts:
+    """What an engine is made of, built and ready."""
+    config: EngineConfig
+    model_path: Path
+    model_config: ModelConfig
+    precision: Precision
+    kernels: Kernels | None
+    tokenizer: Tokenizer
+    ranks: TensorParallelRanks | None         # with tensor parallelism (this process is rank 0)
+    model: torch.nn.Module
+    kv_cache: KVCache
+    draft_model: torch.nn.Module | None
+    max_model_len: int
+    grammars: GrammarCompiler
+    core: EngineCore
+    load_ms: float                            # building took this long
+
+
+def build_engine(config: EngineConfig) -> EngineParts:
+    """Check the config against the model (cheap failures first), then load everything it names.
+    ValueError (one line) for what cannot run; a tensor-parallel group started on the way is stopped."""
+    started = time.perf_counter()
+    check_device(config.device)
+    model_path = resolve_model_path(config.model)
+    full = load_config(model_path)   # cheap: an unsupported architecture fails before anything slow
+    spec, size, cache = config.speculative, config.tensor_parallel_size, config.cache
+    check_tensor_parallel(full, size)
+    if size > 1 and spec.method == "draft":
+        raise ValueError("a draft model does not run with tensor parallelism yet: use --speculative ngram")
+    kernels = choose_kernels(config)
+    precision = choose_precision(model_path, config.dtype, cache.kv_dtype, kernels)
+    dtype = parse_dtype(precision.weights)
+    kv_dtype = torch.int8 if precision.kv == "int8" else dtype
+    ranks = _start_tensor_parallel(size, config.device)
+    try:
+        tp = ranks.group if ranks else None
+        part = shard_config(full, tp) if tp else full     # what this rank holds
+        num_blocks = cache.num_blocks or num_blocks_for_memory(part, cache.block_size, kv_dtype,
+                                                               cache.kv_cache_memory_gib)
+        if tp:
+            tp.broadcast(Setup(str(model_path), precision.weights, precision.kv, num_blocks, cache.block_size,
+                               kernels is not None, config.kernels == "torch"))
+        if precision.weights == "q4" and not tp and str(config.device).startswith("cpu"):
+            check_memory(model_path, num_blocks * kv_bytes_per_block(part, cache.block_size, kv_dtype))
+        with ThreadPoolExecutor(1) as pool:   # the tokenizer reads its files while the weights load
+            tokenizer_loading = pool.submit(Tokenizer.load, model_path)
+            model, model_config = load_prepared(model_path, precision.weights, config.device, kernels,
+                                                plain=config.kernels == "torch", tp=tp,
+                                                packed_cache=config.packed_cache)
+            tokenizer = tokenizer_loading.result()
+        if tp:
+            tp.broadcast("ready")                               # every rank has loaded its part
+        max_len = config.scheduler.max_model_len or model_config.max_position_embeddings
+        max_model_len = min(max_len, model_config.max_position_embeddings)
+        kv_cache = KVCache(model_config, num_blocks, cache.block_size, kv_dtype, config.device)
+        draft = _draft_model(config, model_path, model_config, kernels, max_model_len, num_blocks) \
+            if spec.method == "draft" else None
+        proposer = NgramProposer(spec.ngram_min, spec.ngram_max) if spec.method == "ngram" else None
+        if draft is not None:
+            draft_model, draft_kv = draft
+            proposer = DraftModelProposer(draft_model, draft_kv, tokenizer.eos_token_ids, config.device, kernels)
+        runner = ModelRunner(model, kv_cache, tokenizer.eos_token_ids, config.device, kernels, tp)
+        core = EngineCore(runner, config.scheduler, num_blocks, cache.block_size, max_model_len,
+                          cache.enable_prefix_caching, proposer, spec.num_speculative_tokens,
+                          model_config.kv_group_windows)
+    except BaseException:
+        if ranks:
+            ranks.stop()
+        raise
+    grammars = GrammarCompiler(tokenizer.backend, model_config.vocab_size, tokenizer.eos_token_ids)
+    return EngineParts(config, model_path, model_config, precision, kernels, tokenizer, ranks, model, kv_cache,
+                       draft[0] if draft else None, max_model_len, grammars, core,
+                       (time.perf_counter() - started) * 1e3)
+
+
+def _start_tensor_parallel(size: int, device: str) -> TensorParallelRanks | None:
+    """With size > 1: spawn ranks 1..size-1 on this machine, join their group as rank 0, and share
+    this process's threads among the ranks; under torchrun, join the group its environment names
+    (this must be rank 0; the others run cli's worker path)."""
+    if size == 1:
+        return None
+    launched = launched_rank()
+    if launched is not None:
+        rank, world = launched
+        if (rank, world) != (0, size):
+            raise ValueError(f"the engine runs on rank 0 of {size} (torchrun started rank {rank} of {world})")
+        return TensorParallelRanks(init_tensor_parallel(0, size, "env://", device), TPWorkers.launched())
+    threads = threads_per_rank(size, torch.get_num_threads())
+    workers = TPWorkers.spawn(size, threads, device)
+    torch.set_num_threads(threads)
+    return TensorParallelRanks(init_tensor_parallel(0, size, workers.init_method, device), workers)
+
+
+def _draft_model(config: EngineConfig, target_path: Path, target: ModelConfig, kernels: Kernels | None,
+                 max_model_len: int, num_blocks: int) -> tuple[torch.nn.Module, KVCache]:
+    """The draft model of `--speculative draft` (the target itself unless another is named) and its own
+    KV cache in the target's block layout (same block count and size, its own dtype)."""
+    spec: SpeculativeConfig = config.speculative
+    if target.kv_group_windows[0] is not None:
+        raise ValueError("a draft model needs a target with full-attention layers (every layer of this one "
+                         "has a sliding window): use --speculative ngram")
+    path = resolve_model_path(spec.draft_model) if spec.draft_model else target_path
+    draft, cfg = load_prepared(path, spec.draft_dtype, config.device, kernels, plain=config.kernels == "torch",
+                               packed_cache=config.packed_cache)
+    if cfg.vocab_size != target.vocab_size:
+        raise ValueError(f"the draft model {path} has {cfg.vocab_size} tokens in its vocabulary, the "
+                         f"target {target.vocab_size}: they must share the tokenizer")
+    if cfg.max_position_embeddings < max_model_len:
+        raise ValueError(f"the draft model {path} holds {cfg.max_position_embeddings} positions, fewer "
+                         f"than the context length {max_model_len}: lower --max-model-len")
+    kv = KVCache(cfg, num_blocks, config.cache.block_size, parse_dtype(spec.draft_dtype), config.device,
+                 grouped=False)   # read through the target's first group's table
+    return draft, kv

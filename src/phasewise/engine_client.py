@@ -1,0 +1,64 @@
+"""EngineClient: what the server may ask of an engine (`LLMEngine` is one), and nothing more: prompts
+in, steps, deltas out, request state and stats, the tokenizer, and KV transfer for disaggregation."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from phasewise.config import EngineConfig
+from phasewise.engine.handoffs import EngineStats, StepRecord
+from phasewise.engine.request import Request
+from phasewise.kv_transfer import KVTransfer
+from phasewise.models.config import ModelConfig
+from phasewise.outputs import StreamDelta
+from phasewise.sampling.params import SamplingParams
+from phasewise.tokenizer import Tokenizer
+
+Prompt = str | list[int] | list[dict]
+
+
+class EngineBrokenError(RuntimeError):
+    """The engine cannot run another step: a rank of its tensor-parallel group failed (or a step failed
+    while the ranks ran it, so they are no longer in step). Its requests have ended; close() it."""
+
+
+class EngineClient(Protocol):
+    """Not thread-safe: one thread makes every call (the server's engine thread)."""
+    config: EngineConfig
+    model_config: ModelConfig
+    tokenizer: Tokenizer
+    max_model_len: int
+    kv_transfer: KVTransfer
+
+    def encode_prompt(self, prompt: Prompt, chat: bool, tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a prompt: chat messages (with OpenAI-style tools) through the chat template."""
+
+    def admit(self, num_prompt_tokens: int, params: SamplingParams) -> SamplingParams:
+        """params made to fit the context and KV pool; RequestError when the request cannot run."""
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, chat: bool = False,
+                    request_id: str | None = None, tools: list[dict] | None = None) -> str:
+        """Queue a prompt; its request id."""
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now (its KV blocks are freed)."""
+
+    def step(self) -> list[StreamDelta]:
+        """One step; a delta for each request that produced a token or ended (EngineBrokenError when
+        no step can run any more)."""
+
+    def has_unfinished(self) -> bool:
+        """Any request waiting or running."""
+
+    def stats(self) -> EngineStats:
+        """Requests, blocks and counters now."""
+
+    @property
+    def last_step(self) -> StepRecord | None:
+        """The latest step's record."""
+
+    def request(self, request_id: str) -> Request | None:
+        """A live request, None once it has ended."""
+
+    def live_request_ids(self) -> set[str]:
+        """The requests still held (waiting or running)."""
