@@ -2,8 +2,8 @@
 
     .venv/bin/python benchmarks/compare_peers.py [--model gemma-3-270m] [--dtypes auto,fp32,q4/int8]
                                                  [--peers llama.cpp,transformers]
-                                                 [--llama-cpp .peers/native/bin] [--prompt-tokens 512]
-                                                 [--decode-tokens 128] [--concurrent 32]
+                                                 [--llama-cpp .peers/native/bin] [--input-len 512]
+                                                 [--output-len 128] [--concurrent 32]
                                                  [--concurrent-prompt 128] [--concurrent-output 64] [--repeats 3]
     PHASEWISE_ISA=avx2 .venv/bin/python benchmarks/compare_peers.py --llama-cpp .peers/avx2/bin ...
 
@@ -16,12 +16,12 @@ phasewise at each --dtypes precision ("WEIGHTS/KV", e.g. q4/int8; auto = what th
 on the kernels of PHASEWISE_ISA's level (default: the CPU's best); llama.cpp on the file as it is;
 transformers dequantized to fp32. Figures:
 
-- prefill tokens/s at batch 1: --prompt-tokens prompt tokens / time to the first token
-  (llama.cpp: llama-bench's pp<prompt-tokens>);
-- decode tokens/s at batch 1: (--decode-tokens − 1) / time from the first to the last token, at
-  two depths: "decode" from a one-token prompt (llama.cpp: llama-bench's tg<decode-tokens>, which
-  starts from an empty context) and "decode@N" after the --prompt-tokens prompt (llama.cpp:
-  tg<decode-tokens> @ d<prompt-tokens>); every step reads the whole context, so the two differ;
+- prefill tokens/s at batch 1: --input-len prompt tokens / time to the first token
+  (llama.cpp: llama-bench's pp<input-len>);
+- decode tokens/s at batch 1: (--output-len − 1) / time from the first to the last token, at
+  two depths: "decode" from a one-token prompt (llama.cpp: llama-bench's tg<output-len>, which
+  starts from an empty context) and "decode@N" after the --input-len prompt (llama.cpp:
+  tg<output-len> @ d<input-len>); every step reads the whole context, so the two differ;
 - served output tokens/s: --concurrent streamed completions at once through HTTP, measured by
   `phasewise bench serve` against `phasewise serve` and against `llama-server -np <concurrent>`
   (transformers: one padded batch through `generate`, no server);
@@ -89,7 +89,7 @@ def run_phasewise(spec: str, prompt, batch, args) -> Result:
     dtype, _, kv_dtype = spec.partition("/")
     llm = LLM(str(args.path), dtype=dtype, kv_dtype=kv_dtype or "auto", kv_cache_memory=1.0,
               enable_prefix_caching=False)
-    one = SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
+    one = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     prefill, decode, deep = [], [], []
     for i in range(args.repeats + 1):
         out = llm.generate([fresh(prompt, i)], one)[0]
@@ -135,8 +135,8 @@ def fp32_reference(path: Path, ids: list[int]) -> tuple[float, torch.Tensor]:
 
 def run_llama_cpp(path: Path, prompt, batch, args) -> Result:
     """llama-bench for batch 1, llama-server with a slot per concurrent request for serving."""
-    pp, tg, tg_deep = serving.llama_bench(args.llama_cpp, path, args.threads, args.prompt_tokens,
-                                          args.decode_tokens, args.repeats)
+    pp, tg, tg_deep = serving.llama_bench(args.llama_cpp, path, args.threads, args.input_len,
+                                          args.output_len, args.repeats)
     ctx = args.concurrent_prompt + args.concurrent_output + 64
     server = serving.llama_server(args.llama_cpp, path, args.threads, args.concurrent, ctx)
     aggregate = serving.served(server, args.load)["output_token_throughput"]
@@ -157,8 +157,8 @@ def run_transformers(path: Path, prompt, batch, args) -> Result:
     from decode_vs_hf import bench_hf
 
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    prefill, deep = bench_hf(model, prompt, args.decode_tokens, args.repeats)
-    _, decode = bench_hf(model, prompt[:1], args.decode_tokens, args.repeats)
+    prefill, deep = bench_hf(model, prompt, args.output_len, args.repeats)
+    _, decode = bench_hf(model, prompt[:1], args.output_len, args.repeats)
     ids = torch.tensor(batch)                   # equal lengths: no padding needed
     t0 = time.perf_counter()
     out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
@@ -176,7 +176,7 @@ def print_roofline_and_quality(results: list[Result], machine, path: Path, args)
     from phasewise.loading.loader import load_config
 
     cfg = load_config(path)
-    prefill_ops = request_flops(cfg, args.prompt_tokens, 1)          # the prompt and its first token
+    prefill_ops = request_flops(cfg, args.input_len, 1)          # the prompt and its first token
     agg_ops_per_token = request_flops(cfg, args.concurrent_prompt, args.concurrent_output) / args.concurrent_output
     base = None
     if not args.no_quality and any(r.quality for r in results):
@@ -186,7 +186,7 @@ def print_roofline_and_quality(results: list[Result], machine, path: Path, args)
           + (f"{'ppl':>9}{'Δppl':>8}{'top1=fp32':>10}" if base else ""))
     for r in results:
         roof = machine.compute_roof(r.quantized)
-        pre, agg = r.prefill * prefill_ops / args.prompt_tokens / 1e9, r.aggregate * agg_ops_per_token / 1e9
+        pre, agg = r.prefill * prefill_ops / args.input_len / 1e9, r.aggregate * agg_ops_per_token / 1e9
         line = f"{r.name:32}{pre:14.1f}{pre / roof:8.0%}{agg:11.1f}{agg / roof:8.0%}"
         if base and r.quality:
             ppl, top = r.quality
@@ -207,8 +207,8 @@ def main() -> None:
                     help="the folder of llama-bench and llama-server (default: .peers/avx2/bin with "
                          "PHASEWISE_ISA=avx2, else .peers/native/bin)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="threads for every system")
-    ap.add_argument("--prompt-tokens", type=int, default=512)
-    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--concurrent", type=int, default=32)
     ap.add_argument("--concurrent-prompt", type=int, default=128)
     ap.add_argument("--concurrent-output", type=int, default=64)
@@ -229,14 +229,14 @@ def main() -> None:
 
     path = args.path = resolve_model_path(args.model)
     tokenizer = Tokenizer.load(path)
-    prompt = make_prompt(tokenizer, args.prompt_tokens)
+    prompt = make_prompt(tokenizer, args.input_len)
     batch = prompts_for_batch(tokenizer, args.concurrent, args.concurrent_prompt)
     from quality import TEXT
 
     args.text_ids = tokenizer.encode(TEXT.read_text())
     kernels = build.load()
     print(f"model {path.name}, {args.threads} threads, phasewise kernels: {kernels.isa if kernels else 'none'}; "
-          f"prefill and decode: {len(prompt)} prompt tokens, {args.decode_tokens} decoded, median of "
+          f"prefill and decode: {len(prompt)} prompt tokens, {args.output_len} decoded, median of "
           f"{args.repeats}; served: {args.concurrent} streamed requests at once × ({args.concurrent_prompt} "
           f"prompt + {args.concurrent_output} output tokens)", flush=True)
     machine = measure_machine(torch.float32)          # first: the roofs, before any system has run
@@ -255,7 +255,7 @@ def main() -> None:
     print(f"\nmeasured read bandwidth: {machine.dram_gbs:.1f} GB/s from memory, {machine.cache_gbs:.1f} GB/s "
           f"from a buffer that fits the last-level cache; compute peaks: fp32 matmul {machine.matmul_gflops:.0f} "
           f"GFLOP/s" + (f", int8 dot products {machine.int8_gops:.0f} GOP/s" if machine.int8_gops else ""))
-    deep = f"decode@{args.prompt_tokens}"
+    deep = f"decode@{args.input_len}"
     head = f"{'':32}{'prefill tok/s':>14}{'decode tok/s':>14}{deep:>13}{f'served@{args.concurrent}':>15}" \
            f"{'weights MB':>12}{'weight GB/s':>13}{'of DRAM bw':>11}"
     print(head)

@@ -1,11 +1,11 @@
 """Does watching slow the engine? Decode throughput and ITL with /dashboard open and closed, in one run.
 
-    .venv/bin/python benchmarks/dashboard_overhead.py [--rounds 4] [--streams 8] [--tokens 128] [--refresh 5]
+    .venv/bin/python benchmarks/dashboard_overhead.py [--rounds 4] [--streams 8] [--output-len 128] [--refresh 5]
                                                        [--viewer chromium|sse] [--screenshot docs/dashboard.png]
                                                        [--browser-nice N | --browser-idle]
 
 One `phasewise serve` (the default model, its default precision). Each round sends --streams
-concurrent streamed chats of --tokens tokens (ignore_eos) through the openai client, and rounds
+concurrent streamed chats of --output-len tokens (ignore_eos) through the openai client, and rounds
 alternate: page closed (the browser on about:blank), page open (headless chromium showing /dashboard,
 redrawing every --refresh seconds, 5 as the page's default). The browser, the clients and the server share this machine's cores, as
 they would on a user's laptop. Output tokens/s = tokens / the round's wall time; ITL = gaps between
@@ -157,7 +157,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=4, help="rounds of each kind (closed, open), alternating")
     ap.add_argument("--streams", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--screenshot", default=None, help="save the page under load here (PNG)")
     ap.add_argument("--viewer", choices=("chromium", "sse"), default="chromium")
     ap.add_argument("--refresh", choices=("1", "2", "5", "10"), default="5", help="the page's refresh, seconds")
@@ -180,7 +180,7 @@ def main() -> None:
                 kind = "open" if r % 2 else "closed"
                 if kind == "open":
                     viewer.open()
-                results[kind].append(one_round(url, model, args.streams, args.tokens))
+                results[kind].append(one_round(url, model, args.streams, args.output_len))
                 viewer.close()
                 report(r, kind, results[kind][-1])
         else:
@@ -206,7 +206,7 @@ def main() -> None:
                             time.sleep(3.0)
                             page.screenshot(path=args.screenshot, full_page=True)
                     used, start = cpu_seconds("chromium"), time.perf_counter()
-                    results[kind].append(one_round(url, model, args.streams, args.tokens, shot))
+                    results[kind].append(one_round(url, model, args.streams, args.output_len, shot))
                     share = (cpu_seconds("chromium") - used) / (time.perf_counter() - start)
                     report(r, kind, results[kind][-1], f", chromium {share:.1%} of a core")
     finally:

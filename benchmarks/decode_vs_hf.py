@@ -1,6 +1,6 @@
 """Batch-1 prefill and decode speed: phasewise next to Hugging Face transformers, same model, same run.
 
-    .venv/bin/python benchmarks/decode_vs_hf.py [--prompt-tokens 512] [--decode-tokens 128] [--repeats 3]
+    .venv/bin/python benchmarks/decode_vs_hf.py [--input-len 512] [--output-len 128] [--repeats 3]
 
 Both run the default model's GGUF dequantized to fp32 on the CPU, greedy, ignoring eos.
 Prefill tokens/s = prompt tokens / time to the first token; decode tokens/s =
@@ -67,8 +67,8 @@ def bench_hf(model, prompt: list[int], n_decode: int, repeats: int) -> tuple[flo
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompt-tokens", type=int, default=512)
-    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
 
@@ -78,13 +78,13 @@ def main() -> None:
 
     llm = LLM()
     path = llm.engine.model_path
-    prompt = make_prompt(llm.tokenizer, args.prompt_tokens)
+    prompt = make_prompt(llm.tokenizer, args.input_len)
     hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
 
     print(f"model {path.name}, fp32, {torch.get_num_threads()} threads, "
-          f"{len(prompt)} prompt tokens, {args.decode_tokens} decoded, median of {args.repeats}")
-    ours = bench_phasewise(llm, prompt, args.decode_tokens, args.repeats)
-    theirs = bench_hf(hf, prompt, args.decode_tokens, args.repeats)
+          f"{len(prompt)} prompt tokens, {args.output_len} decoded, median of {args.repeats}")
+    ours = bench_phasewise(llm, prompt, args.output_len, args.repeats)
+    theirs = bench_hf(hf, prompt, args.output_len, args.repeats)
     print(f"{'':14}{'prefill tok/s':>15}{'decode tok/s':>15}")
     print(f"{'phasewise':14}{ours[0]:15.1f}{ours[1]:15.1f}")
     print(f"{'transformers':14}{theirs[0]:15.1f}{theirs[1]:15.1f}")

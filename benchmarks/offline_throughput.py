@@ -1,10 +1,10 @@
 """Offline throughput under concurrency, and what prefix caching does to TTFT.
 
-    .venv/bin/python benchmarks/offline_throughput.py [--concurrency 1 8 32 64] [--prompt-tokens 128]
-                                                      [--output-tokens 128] [--shared-requests 8]
+    .venv/bin/python benchmarks/offline_throughput.py [--max-concurrency 1 8 32 64] [--input-len 128]
+                                                      [--output-len 128] [--shared-requests 8]
 
 Part 1: for each concurrency c, c requests of random prompt tokens (distinct, so
-no prefix is shared) arrive together and each generates exactly --output-tokens
+no prefix is shared) arrive together and each generates exactly --output-len
 tokens (ignore_eos); throughput = all output tokens / wall time from submission
 to the last token. Part 2: --shared-requests requests, one after another, share
 a ~400-token system prompt and differ in the question; mean TTFT of all but the
@@ -60,9 +60,9 @@ def shared_prefix_ttft(llm, n: int) -> tuple[float, float, int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
-    ap.add_argument("--prompt-tokens", type=int, default=128)
-    ap.add_argument("--output-tokens", type=int, default=128)
+    ap.add_argument("--max-concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--shared-requests", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -70,13 +70,13 @@ def main() -> None:
     from phasewise import LLM
 
     llm = LLM()
-    print(f"offline throughput: {args.prompt_tokens} prompt tokens, {args.output_tokens} output tokens "
+    print(f"offline throughput: {args.input_len} prompt tokens, {args.output_len} output tokens "
           f"per request (ignore_eos), fp32, max_num_batched_tokens 512, max_num_seqs 64")
     print(f"{'concurrency':>11} {'output tok/s':>13} {'wall s':>8} {'TTFT med ms':>12} {'ITL med ms':>11} "
           f"{'max batch':>10}")
     base = None
-    for c in args.concurrency:
-        r = throughput(llm, c, args.prompt_tokens, args.output_tokens, args.seed + c)
+    for c in args.max_concurrency:
+        r = throughput(llm, c, args.input_len, args.output_len, args.seed + c)
         base = base or r["tok_per_s"]
         print(f"{c:>11} {r['tok_per_s']:>13.1f} {r['wall_s']:>8.1f} {r['ttft_ms_median']:>12.1f} "
               f"{r['itl_ms_median']:>11.1f} {r['max_batch']:>10}   ({r['tok_per_s'] / base:.1f}x c=1)")

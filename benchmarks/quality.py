@@ -2,13 +2,13 @@
 
     .venv/bin/python benchmarks/quality.py [--dtypes fp32,int8,q4,q4/int8] [--kernels auto|torch]
                                            [--text benchmarks/data/lighthouses.txt] [--chunk 512]
-                                           [--decode-tokens 64] [--repeats 3] [--threads N]
+                                           [--output-len 64] [--repeats 3] [--threads N]
 
 For each --dtypes precision of the default model (or --model); "WEIGHTS/KV" also sets the KV-cache
 dtype (q4/int8: 4-bit weights and an int8 KV cache):
 - perplexity of the text, teacher-forced, in prefill chunks of --chunk tokens over the paged KV cache;
 - top-1 agreement: the share of positions whose most likely next token equals fp32's;
-- prefill tokens/s of that pass, and decode tokens/s at batch 1 (--decode-tokens greedy tokens
+- prefill tokens/s of that pass, and decode tokens/s at batch 1 (--output-len greedy tokens
   after a 128-token prompt), the model alone (no engine, no sampling), with the kernels the engine
   uses (--kernels auto: linear kernels and the fused CPU ops); medians of --repeats.
 Speeds are only comparable within one run on a machine nobody else is using.
@@ -81,7 +81,7 @@ def main() -> None:
     ap.add_argument("--kernels", default="auto", choices=["auto", "torch"])
     ap.add_argument("--text", type=Path, default=TEXT)
     ap.add_argument("--chunk", type=int, default=512)
-    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
@@ -103,12 +103,12 @@ def main() -> None:
         kernels = build.load() if args.kernels == "auto" else None
         model, _ = load_prepared(path, dtype, "cpu", kernels, plain=args.kernels == "torch")
         kv_dtype = torch.int8 if kv == "int8" else parse_dtype(dtype)
-        runner = Runner(model, kv_dtype, len(ids) + args.decode_tokens)
+        runner = Runner(model, kv_dtype, len(ids) + args.output_len)
         prefill, decode = [], []
         for _ in range(args.repeats):
             nll, top, seconds = runner.teacher_forced(ids, args.chunk)
             prefill.append((len(ids) - 1) / seconds)
-            decode.append(1 / runner.decode(ids[:128], args.decode_tokens))
+            decode.append(1 / runner.decode(ids[:128], args.output_len))
         ppl = math.exp(nll.mean().item())
         if spec == "fp32":
             base_top, base_ppl = top, ppl

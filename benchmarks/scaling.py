@@ -1,7 +1,7 @@
 """How phasewise's costs grow with model size, next to llama.cpp's on the same GGUF files, in one run.
 
     .venv/bin/python benchmarks/scaling.py --models qwen2.5-coder-0.5b,qwen2.5-coder-1.5b,syn:3b,syn:7b
-        [--arch qwen2] [--llama-cpp .peers/avx512/bin] [--decode-tokens 128] [--prompt-tokens 512]
+        [--arch qwen2] [--llama-cpp .peers/avx512/bin] [--output-len 128] [--input-len 512]
         [--repeats 2] [--threads N] [--tmp /tmp] [--out docs/results/scaling]
 
 A model is a packaged model's name, a .gguf path, or `syn:SIZE` (0.5b … 8b): a random Q4_K_M-style
@@ -12,8 +12,8 @@ its packed-weight cache entry, whatever happens. Each phasewise figure comes fro
   (first_cache_present says), "cached" in a second process that maps what the first one packed;
 - peak GB: ru_maxrss of the measuring process (the first load's is first_peak_rss_gb; VmRSS after
   load is rss_after_load_gb); llama.cpp's: llama-bench's ru_maxrss;
-- decode tok/s: (--decode-tokens − 1) / first-to-last-token time of a greedy run from an 8-token
-  prompt (llama.cpp: llama-bench's tg<decode-tokens>); prefill tok/s: --prompt-tokens distinct ids /
+- decode tok/s: (--output-len − 1) / first-to-last-token time of a greedy run from an 8-token
+  prompt (llama.cpp: llama-bench's tg<output-len>); prefill tok/s: --input-len distinct ids /
   scheduling-to-first-token time (prefill_wall_tps: the whole generate call; llama.cpp: pp<prompt>);
   phasewise's are medians of --repeats, llama-bench's means;
 - bytes/token: what a decode step reads, the file less the token table (kept when tied: it is the
@@ -64,13 +64,13 @@ def child(path: str, phase: str, args: argparse.Namespace) -> None:
                            "rss_after_load_gb": int(status[0]) * 1024 / 1e9, "precision": llm.engine.precision.weights,
                            "isa": llm.engine.kernels.isa if llm.engine.kernels is not None else "torch"}
     if phase == "measure":
-        cfg, n = llm.model_config, args.prompt_tokens
+        cfg, n = llm.model_config, args.input_len
         res["packed_weight_bytes"] = int(linear_params(cfg) * weight_bytes_per_param(llm.engine.model, cfg, 4))
         llm.generate([[900 + i for i in range(8)]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
         decode, prefill, wall = [], [], []
         for r in range(args.repeats):             # fresh prompts: no prefix-cache hits
             out = llm.generate([[1000 + 8 * r + i for i in range(8)]],
-                               SamplingParams(max_tokens=args.decode_tokens, temperature=0, ignore_eos=True))[0]
+                               SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True))[0]
             decode.append((len(out.token_ids) - 1) / (out.metrics.decode_ms / 1e3))
             t = time.perf_counter()
             out = llm.generate([[(2000 + n * r + i) % cfg.vocab_size for i in range(n)]],
@@ -108,13 +108,13 @@ def llama_bench(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     exe = args.llama_cpp / "llama-bench"
     if not exe.exists():
         return {"skipped": f"no llama-bench in {args.llama_cpp} (make peers)"}
-    rc, out, err, peak = run([str(exe), "-m", str(path), "-p", str(args.prompt_tokens), "-n", str(args.decode_tokens),
+    rc, out, err, peak = run([str(exe), "-m", str(path), "-p", str(args.input_len), "-n", str(args.output_len),
                               "-t", str(args.threads), "-r", str(args.repeats), "-o", "json"])
     if rc != 0:
         return {"skipped": f"llama-bench failed (exit {rc}): {err.strip()[-400:]}"}
     rows = json.loads(out)
     ts = {(r["n_prompt"], r["n_gen"]): r["avg_ts"] for r in rows}
-    return {"prefill_tps": ts.get((args.prompt_tokens, 0)), "decode_tps": ts.get((0, args.decode_tokens)),
+    return {"prefill_tps": ts.get((args.input_len, 0)), "decode_tps": ts.get((0, args.output_len)),
             "peak_rss_gb": peak, "build": f"{rows[0].get('build_commit')} {args.llama_cpp.parent.name}",
             "n_params": rows[0].get("model_n_params")}
 
@@ -249,8 +249,8 @@ def main() -> None:
     ap.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"], help="shape of the syn: models")
     ap.add_argument("--llama-cpp", type=Path, help="llama-bench's folder (default: .peers/avx512/bin if it "
                                                    "exists, else .peers/native/bin)")
-    ap.add_argument("--decode-tokens", type=int, default=128)
-    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="threads of both systems")
     ap.add_argument("--tmp", type=Path, default=Path("/tmp"), help="where syn: files are written")

@@ -1,6 +1,6 @@
 """Soak: a bounded mixed load on `phasewise serve` for a given time, then the invariants.
 
-    .venv/bin/python benchmarks/soak.py [--duration 600] [--concurrency 8] [--base-url URL]
+    .venv/bin/python benchmarks/soak.py [--duration 600] [--max-concurrency 8] [--base-url URL]
 
 Without --base-url it starts its own server (and watches its memory), with a 0.5 GB KV pool: the
 pool's pages become resident as blocks are first used (they are mapped lazily), which a small pool
@@ -133,7 +133,7 @@ async def load(soak: Soak, duration: float, concurrency: int, pid: int | None) -
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration", type=float, default=600, help="seconds of load (default 600)")
-    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--max-concurrency", type=int, default=8)
     ap.add_argument("--base-url", default=None, help="a running server (default: start one)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -149,7 +149,7 @@ def main() -> int:
         if proc is not None:
             serving.wait_ready(url, proc)
         soak = Soak(url, args.seed)
-        memory = asyncio.run(load(soak, args.duration, args.concurrency, proc.pid if proc else None))
+        memory = asyncio.run(load(soak, args.duration, args.max_concurrency, proc.pid if proc else None))
         for _ in range(120):                        # hung-up streams are aborted on the next turn
             g = gauges(url)
             if g["phasewise:num_requests_running"] == g["phasewise:num_requests_waiting"] == 0:

@@ -1,11 +1,11 @@
 """What a grammar costs at serving speed: decode tokens/s with and without a JSON schema, in one process.
 
-    .venv/bin/python benchmarks/structured_outputs.py [--model M] [--batch 1 32] [--tokens 128] [--rounds 3]
+    .venv/bin/python benchmarks/structured_outputs.py [--model M] [--batch 1 32] [--output-len 128] [--rounds 3]
                                                       [--json docs/results/structured_outputs.json]
 
 Each round runs, for every batch size, the same prompts plain and constrained (alternating, so the
 machine's drift hits both); each constrained request has its own schema (an array of at least 50
-records whose field names differ per request), which keeps it generating for all --tokens tokens.
+records whose field names differ per request), which keeps it generating for all --output-len tokens.
 Also: the first constrained request's extra time (the tokenizer view and the compile), and the
 compile of a typical schema (10 fields, nested 2 deep), new and cached.
 """
@@ -61,7 +61,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
-    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
@@ -87,8 +87,8 @@ def main() -> None:
     for _ in range(args.rounds):
         for b in args.batch:
             for constrained in (False, True):
-                rate, n, share = run(llm, b, args.tokens, constrained)
-                assert n == b * args.tokens, f"{n} tokens: a constrained request ended early"
+                rate, n, share = run(llm, b, args.output_len, constrained)
+                assert n == b * args.output_len, f"{n} tokens: a constrained request ended early"
                 llm.engine.grammars._cache.clear()        # every round compiles its schemas anew
                 rates.setdefault((b, constrained), []).append(rate)
                 if constrained:
@@ -108,7 +108,7 @@ def main() -> None:
               f"{median:>14.2f} {share:>13.1%}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": llm.engine.model_path.name, "tokens": args.tokens, "first_request_ms": first_ms,
+            json.dump({"model": llm.engine.model_path.name, "tokens": args.output_len, "first_request_ms": first_ms,
                        "compile_ms": compile_ms, "cached_compile_ms": cached_ms, "rows": rows}, f, indent=1)
 
 

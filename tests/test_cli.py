@@ -166,9 +166,13 @@ def test_an_isa_level_the_cpu_cannot_run_is_one_line(monkeypatch):
 
 
 def test_memory_from_numbers():
-    proc = run("memory", "--layers", "80", "--kv-heads", "8", "--head-dim", "128", "--context", "4096")
+    shape = ("--layers", "80", "--kv-heads", "8", "--head-dim", "128", "--context", "4096")
+    proc = run("memory", *shape, "--kv-dtype", "fp16")
     assert proc.returncode == 0, proc.stderr
     assert "0.3125 MiB per token" in proc.stdout and "1,280.0 MiB" in proc.stdout
+    proc = run("memory", *shape)             # the engine's default: int8 with a scale per token and head
+    assert proc.returncode == 0, proc.stderr
+    assert "KV cache (int8): 0.1611 MiB per token" in proc.stdout
 
 
 def test_memory_of_the_default_model():

@@ -115,7 +115,7 @@ def test_bad_settings_fail_in_one_line_before_loading(argv, needle, capsys):
 def test_a_sweep_past_the_context_length_fails_in_one_line(capsys, tmp_path):
     out = tmp_path / "sweep"
     code = main(["experiment", "prompt-sweep", "--lengths", "10,9000", "--output-len", "4",
-                 "--max-model-len", "2048", "--no-warmup", "--kv-cache-memory", "0.1", "--result-dir", str(out)])
+                 "--max-model-len", "2048", "--num-warmup", "0", "--kv-cache-memory", "0.1", "--result-dir", str(out)])
     assert code == 2
     err = capsys.readouterr().err
     assert "context length 2048" in err and "Traceback" not in err

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from phasewise.lab.cost import Prices, Workload, cost_with_caching, cost_without_caching
-from phasewise.lab.memory import BYTES_PER_ELEMENT, MIB, OVERHEAD, ModelShape, report
+from phasewise.lab.memory import KV_DTYPES, MIB, OVERHEAD, ModelShape, report
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -18,7 +18,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     mem.add_argument("--params", type=float, default=None, help="parameter count, e.g. 7e9 (instead of a model)")
     mem.add_argument("--context", type=int, default=4096, help="tokens per sequence")
     mem.add_argument("--memory", type=float, default=24.0, help="memory for the KV cache, GiB")
-    mem.add_argument("--kv-dtype", default="fp16", choices=sorted(BYTES_PER_ELEMENT))
+    mem.add_argument("--kv-dtype", default="auto", choices=list(KV_DTYPES),
+                     help="the engine's KV cache (auto: int8 where its kernels run, model: fp32) or a float width "
+                          "for comparison (bf16, fp16)")
     mem.set_defaults(func=cmd_memory)
 
     cost = sub.add_parser("cost", help="cost of a workload from per-million-token prices, with and without "
@@ -89,7 +91,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
         q4 = q4_weight_bytes(path)
     if args.context < 1 or args.memory <= 0:
         raise ValueError("--context must be at least 1 and --memory positive")
-    print("\n".join(report(shape, args.context, args.memory, args.kv_dtype)))
+    print("\n".join(report(shape, args.context, args.memory, KV_DTYPES[args.kv_dtype])))
     if q4 is not None and q4[1]:
         packed, stored = q4
         params = shape.params or 1

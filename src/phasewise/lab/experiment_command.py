@@ -64,9 +64,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> list[argparse.ArgumentParser
         g.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
         g.add_argument("--prefix-caching", action="store_true",
                        help="keep prefix caching on (off by default so that repeats are not cache hits)")
-        g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
-                       help="a warm-up pass before measuring (default: on; off for repeat, whose first "
-                            "run shows the cold start)")
+        g.add_argument("--num-warmup", type=int, default=None,
+                       help="tiny requests run through the engine before measuring (default: 1; 0 for repeat, "
+                            "whose first run shows the cold start)")
         p.set_defaults(func=cmd_experiment)
     return parsers
 
@@ -77,6 +77,8 @@ def _check(args: argparse.Namespace) -> None:
         value = getattr(args, name, None)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if args.num_warmup is not None and args.num_warmup < 0:
+        raise ValueError(f"--num-warmup must be >= 0, got {args.num_warmup}")
     if args.experiment == "prompt-sweep" and args.lengths is None:
         if args.min_len > args.max_len:
             raise ValueError(f"--min-len {args.min_len} is above --max-len {args.max_len}")
@@ -138,7 +140,7 @@ def _experiment(args: argparse.Namespace, out: Path, console) -> int:
     from phasewise import LLM
     from phasewise.engine_args import speculative_config_from_args
 
-    warmup = args.warmup if args.warmup is not None else args.experiment != "repeat"
+    warmup = args.num_warmup if args.num_warmup is not None else int(args.experiment != "repeat")
     # The pool holds the longest request (one at a time) or every request of the largest batch.
     per_request = _longest(args)
     many = max(args.max_concurrency) if args.experiment == "batch-sweep" else 1
@@ -146,9 +148,11 @@ def _experiment(args: argparse.Namespace, out: Path, console) -> int:
         llm = LLM(args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                   kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
                   enable_prefix_caching=args.prefix_caching, max_num_batched_tokens=args.max_num_batched_tokens,
-                  max_num_seqs=args.max_num_seqs, kv_dtype=args.kv_dtype, warmup=warmup,
+                  max_num_seqs=args.max_num_seqs, kv_dtype=args.kv_dtype, warmup=False,
                   speculative=speculative_config_from_args(args), tensor_parallel_size=args.tensor_parallel_size,
                   packed_cache=args.packed_cache)
+    for _ in range(warmup):
+        llm.engine.warmup()
     limit = llm.engine.max_model_len
     if per_request > limit:
         raise ValueError(f"the longest request has {per_request} tokens, above the context length {limit}")
@@ -166,7 +170,7 @@ def _experiment(args: argparse.Namespace, out: Path, console) -> int:
                      "kv_dtype": llm.engine.precision.kv, "isa": llm.engine.kernels.isa if llm.engine.kernels else None,
                      "device": args.device,
                      "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
-                     "prefix_caching": args.prefix_caching, "warmup": warmup,
+                     "prefix_caching": args.prefix_caching, "num_warmup": warmup,
                      "speculative": args.speculative, "num_speculative_tokens": args.num_speculative_tokens}
     from phasewise.lab.plots import draw
 

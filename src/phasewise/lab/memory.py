@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from phasewise.models.config import ModelConfig
 
 BYTES_PER_ELEMENT = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5}
+# `memory --kv-dtype`: the engine's names (auto: int8 where its kernels run; model: the float cache of
+# fp32 weights) and float widths other engines keep, for comparison
+KV_DTYPES = {"auto": "int8", "model": "fp32", "int8": "int8", "fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}
 MIB, GIB = 2**20, 2**30
 OVERHEAD = 400 * MIB        # what a process holds beside weights and KV cache (torch, tokenizer, buffers)
 
@@ -36,8 +39,10 @@ class ModelShape:
         return per_layer_block * ((self.layers - self.window_layers) * blocks + self.window_layers * local)
 
     def kv_bytes_per_token(self, dtype: str = "fp16") -> float:
-        """2 (K and V) × layers × kv_heads × head_dim × bytes per element."""
-        return 2 * self.layers * self.kv_heads * self.head_dim * BYTES_PER_ELEMENT[dtype]
+        """2 (K and V) × layers × kv_heads × head_dim × bytes per element; int8 adds a 4-byte scale per
+        KV head, as phasewise's int8 cache holds (runner/kv_cache.py)."""
+        scales = 4 if dtype == "int8" else 0
+        return 2 * self.layers * self.kv_heads * (self.head_dim * BYTES_PER_ELEMENT[dtype] + scales)
 
     def kv_bytes_per_sequence(self, context_len: int, dtype: str = "fp16") -> float:
         return self.kv_bytes_per_token(dtype) * context_len
