@@ -5,6 +5,7 @@
                                                  [--llama-cpp .peers/native/bin] [--input-len 512]
                                                  [--output-len 128] [--concurrent 32]
                                                  [--concurrent-prompt 128] [--concurrent-output 64] [--repeats 3]
+                                                 [--json docs/results/compare_peers_<model>_<isa>.json]
     PHASEWISE_ISA=avx2 .venv/bin/python benchmarks/compare_peers.py --llama-cpp .peers/avx2/bin ...
 
 Installs nothing: a peer that is missing is skipped with a note (`make peers` builds llama.cpp's
@@ -40,6 +41,8 @@ Each batch-1 figure of phasewise is the median of --repeats runs after a warm-up
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import statistics
 import sys
@@ -214,6 +217,7 @@ def main() -> None:
     ap.add_argument("--concurrent-output", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-quality", action="store_true", help="skip the perplexity and agreement pass")
+    ap.add_argument("--json", type=Path, default=None, help="also write the results here (docs/results/...)")
     args = ap.parse_args()
     if args.llama_cpp is None:
         level = "avx2" if os.environ.get("PHASEWISE_ISA") == "avx2" else "native"
@@ -239,6 +243,9 @@ def main() -> None:
           f"prefill and decode: {len(prompt)} prompt tokens, {args.output_len} decoded, median of "
           f"{args.repeats}; served: {args.concurrent} streamed requests at once × ({args.concurrent_prompt} "
           f"prompt + {args.concurrent_output} output tokens)", flush=True)
+    from run_record import run_record
+
+    record = run_record("compare_peers", args.threads)     # before anything runs: its load average
     machine = measure_machine(torch.float32)          # first: the roofs, before any system has run
     results: list[Result] = []
     for dtype in [d for d in args.dtypes.split(",") if d]:
@@ -263,6 +270,15 @@ def main() -> None:
         print(f"{r.name:32}{r.prefill:14.1f}{r.decode:14.1f}{r.decode_deep:13.1f}{r.aggregate:15.1f}"
               f"{r.weight_bytes / 1e6:12.0f}{r.weight_gbs:13.1f}{r.weight_gbs / machine.dram_gbs:11.0%}")
     print_roofline_and_quality(results, machine, path, args)
+    if args.json:
+        rows = [{"name": r.name, "prefill_tps": r.prefill, "decode_tps": r.decode, "decode_deep_tps": r.decode_deep,
+                 "served_tps": r.aggregate, "weight_bytes": r.weight_bytes, "weight_gbs": r.weight_gbs}
+                for r in results]
+        args.json.write_text(json.dumps({**record, "model": path.name, "input_len": args.input_len,
+                                         "output_len": args.output_len, "concurrent": args.concurrent,
+                                         "llama_cpp": str(args.llama_cpp), "machine": dataclasses.asdict(machine),
+                                         "rows": rows}, indent=1))
+        print(f"wrote {args.json}")
     ref = next((r for r in results if r.name.startswith("llama.cpp")), None)
     if ref is not None:
         print(f"\nratios to {ref.name}:")

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import math
 import os
@@ -270,7 +269,6 @@ def main() -> None:
 
     import torch
 
-    from phasewise.kernels.isa import chosen_level
     from phasewise.lab.roofline import load_machine, measure_machine, save_machine
 
     torch.set_num_threads(args.threads)                   # the machine figures are kept per thread count
@@ -286,27 +284,22 @@ def main() -> None:
         table(report["rows"])
         print(f"\nDRAM {machine.dram_gbs:.1f} GB/s, int8 {machine.int8_gops or 0:.0f} GOP/s; rewrote {args.render}")
         return
-    cpu = next((x.split(":", 1)[1].strip() for x in Path("/proc/cpuinfo").read_text().splitlines()
-                if x.startswith("model name")), "unknown")
-    if (load := os.getloadavg()[0]) > 0.5:
+    from run_record import run_record
+
+    record = run_record("scaling", args.threads)
+    if (load := record["loadavg_before"]) > 0.5:
         print(f"warning: load average {load:.1f} before starting: other processes slow every figure", flush=True)
     rows = []
     for name in [m for m in args.models.split(",") if m]:
         print(f"{name} ...", flush=True)
         rows.append(measure(name, args, machine))
-    level = chosen_level()
-    report = {"commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                                       text=True).stdout.strip(),
-              "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "cpu": cpu,
-              "isa": level.name if level else None, "threads": args.threads, "loadavg_before": load,
-              "command": " ".join(sys.argv), "llama_cpp": str(args.llama_cpp),
-              "machine": dataclasses.asdict(machine), "rows": rows}
+    report = {**record, "llama_cpp": str(args.llama_cpp), "machine": dataclasses.asdict(machine), "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     json_path, png_path = args.out.with_name(args.out.name + ".json"), args.out.with_name(args.out.name + ".png")
     json_path.write_text(json.dumps(report, indent=1))
     plot(rows, png_path, machine)
     table(rows)
-    print(f"\n{cpu}, ISA {report['isa']}, {args.threads} threads; DRAM {machine.dram_gbs:.1f} GB/s, int8 "
+    print(f"\n{report['cpu']}, ISA {report['isa']}, {args.threads} threads; DRAM {machine.dram_gbs:.1f} GB/s, int8 "
           f"{machine.int8_gops or 0:.0f} GOP/s; pw = phasewise, lc = llama.cpp\nwrote {json_path} and {png_path}")
 
 
