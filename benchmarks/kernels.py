@@ -59,7 +59,7 @@ def clone(w: quant.PackedWeight) -> quant.PackedWeight:
 
 
 def with_kernels(layer: QuantLinear, kernels) -> QuantLinear:
-    layer.set_kernels(kernels)
+    layer.bind_kernels(kernels)
     return layer
 
 

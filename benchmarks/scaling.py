@@ -94,7 +94,7 @@ def run(cmd: list[str]) -> tuple[int, str, str, float]:
 
 
 def phasewise_run(path: Path, phase: str, args: argparse.Namespace) -> dict[str, Any]:
-    keys = ("decode_tokens", "prompt_tokens", "repeats", "threads")
+    keys = ("output_len", "input_len", "repeats", "threads")
     flags = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keys]
     rc, out, err, _ = run([sys.executable, __file__, "--child", str(path), "--phase", phase, *flags])
     line = next((x for x in out.splitlines() if x.startswith(MARK)), None)

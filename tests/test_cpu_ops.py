@@ -8,7 +8,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from phasewise.kernels import use_kernels
 from phasewise.layers.attention import AttentionMetadata, paged_attention, quantize_rows
 from phasewise.layers.norm import RMSNorm
 from phasewise.layers.rotary import RotaryEmbedding
@@ -243,11 +242,11 @@ def test_default_model_logits_and_greedy_tokens_with_and_without_the_ops(llm, ch
     prompts = [list(range(300, 340)), list(range(500, 503)), list(range(700, 790))]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
     fast = llm.generate(prompts, params)
-    use_kernels(model, None)
+    model.bind_kernels(None)
     try:
         slow = llm.generate(prompts, params)
     finally:
-        use_kernels(model, chosen_ops)
+        model.bind_kernels(chosen_ops)
     for a, b in zip(fast, slow):
         assert a.token_ids == b.token_ids
         for la, lb in zip(a.logprobs, b.logprobs):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from phasewise.kernels import use_kernels
 from phasewise.layers.attention import AttentionMetadata
 from phasewise.layers.linear import use_fast_linears
 from phasewise.runner.kv_cache import KVCache
@@ -24,7 +23,7 @@ def q4_model(default_model_path):
 def q4_stack(q4_model, ops):
     """The q4 model with one level's kernels and its decoder stack."""
     use_fast_linears(q4_model, "cpu", torch.float32, ops)
-    use_kernels(q4_model, ops)
+    q4_model.bind_kernels(ops)
     assert q4_model.model.stack is not None, "no decoder stack for the q4 model"
     return q4_model
 
@@ -79,11 +78,11 @@ def test_no_stack_without_kernels_or_for_fp32(q4_model, default_model_path, chos
     from phasewise.loading.loader import load_model
 
     fp32, _ = load_model(default_model_path)
-    use_kernels(fp32, chosen_ops)
+    fp32.bind_kernels(chosen_ops)
     assert fp32.model.stack is None and fp32.model.norm.ops is chosen_ops   # its linears are not quantized
-    use_kernels(q4_model, chosen_ops)
+    q4_model.bind_kernels(chosen_ops)
     assert q4_model.model.stack is not None
-    use_kernels(q4_model, None)
+    q4_model.bind_kernels(None)
     assert q4_model.model.stack is None
 
 
@@ -132,7 +131,7 @@ def run_group_steps(model, kv_dtype: torch.dtype) -> list[torch.Tensor]:
 def test_family_stack_matches_the_python_layers(int8_family_model, ops, kv_dtype):
     model = int8_family_model
     use_fast_linears(model, "cpu", torch.float32, ops)
-    use_kernels(model, ops)
+    model.bind_kernels(ops)
     stack = model.model.stack
     assert stack is not None, "no decoder stack for the model"
     try:

@@ -50,12 +50,12 @@ def test_quant_embedding_gives_the_files_rows(q4_and_fp32, ops):
     table = q4.model.embed_tokens
     try:
         for kernels in (None, ops):
-            table.set_kernels(kernels)
+            table.bind_kernels(kernels)
             assert torch.equal(table(ids), expected)
         with pytest.raises((IndexError, RuntimeError), match="outside"):
             table(torch.tensor([q4.config.vocab_size]))
     finally:
-        table.set_kernels(None)
+        table.bind_kernels(None)
 
 
 def _fake_parts(tmp_path, monkeypatch, pieces: list[bytes]) -> tuple[str, ...]:

@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-from phasewise.kernels import use_kernels
 from phasewise.layers.attention import AttentionMetadata
 from phasewise.runner.kv_cache import KVCache, kv_bytes_per_token
 
@@ -44,12 +43,12 @@ def test_int8_kv_keeps_quality_teacher_forced(llm, chosen_ops, compiled):
     model = llm.engine.model
     ids = llm.tokenizer.encode(TEXT * 3)           # 285 tokens, the first 95 repeated
     saved = model.model.norm.ops
-    use_kernels(model, chosen_ops if compiled else None)
+    model.bind_kernels(chosen_ops if compiled else None)
     try:
         ref = teacher_forced_logits(model, ids, torch.float32)
         q8 = teacher_forced_logits(model, ids, torch.int8)
     finally:
-        use_kernels(model, saved)
+        model.bind_kernels(saved)
     agree = (ref.argmax(-1) == q8.argmax(-1)).float().mean().item()
     ppl_ref, ppl_q8 = perplexity(ref, ids), perplexity(q8, ids)
     assert agree >= 0.97, agree                      # measured: 0.989 (kernel), 0.993 (reference)

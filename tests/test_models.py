@@ -155,7 +155,6 @@ def test_gguf_k_quants_at_their_own_precision(tmp_path, chosen_ops):
     the same file; at the file's own blocks every projection keeps them (k4, q6k, k6 for Q5_K; the qkv
     of two types in two parts), the reference
     path gives the fp32 logits, the kernels (activations in int8) a close copy."""
-    from phasewise.kernels import use_kernels
     from phasewise.layers.quant_linear import QuantLinear
 
     hf_model = build_hf(hf_config("llama", hidden_size=256, intermediate_size=512), seed=3)
@@ -171,7 +170,7 @@ def test_gguf_k_quants_at_their_own_precision(tmp_path, chosen_ops):
                if isinstance(m, QuantLinear)}
     assert formats == {"qkv_proj": "k4+q6k", "o_proj": "k6", "gate_up_proj": "k4", "down_proj": "q6k", "lm_head": "q8"}
     torch.testing.assert_close(PagedRunner(model, block_size=16).forward(ids, 0), want, rtol=1e-4, atol=1e-4)
-    use_kernels(model, chosen_ops)
+    model.bind_kernels(chosen_ops)
     got = PagedRunner(model, block_size=16).forward(ids, 0)
     assert (got - want).norm() < 0.03 * want.norm()
 
@@ -316,3 +315,26 @@ def test_a_gguf_tensor_type_phasewise_cannot_read_is_one_line_naming_it(tmp_path
     with pytest.raises(ModelLoadError, match="cannot read GGUF tensor type F64") as err:
         load_model(path)
     _one_line_naming(err, path)
+
+
+@pytest.mark.parametrize("kind", ["default", "qwen3", "gemma3"])
+def test_bind_kernels_reaches_every_module_that_runs_them(kind, tmp_path, default_model_path, chosen_ops):
+    """`model.bind_kernels` hands the kernels down by name, module to module: every norm, attention,
+    MLP, quantized linear layer and token table gets them (and None takes them all back)."""
+    from phasewise.kernels import UsesKernels
+    from phasewise.layers.quant_embedding import QuantEmbedding
+    from phasewise.layers.quant_linear import QuantLinear
+
+    if kind == "default":
+        model, _ = load_model(default_model_path, "q4")
+    else:
+        over = dict(num_hidden_layers=2, head_dim=16, sliding_window=8) if kind == "gemma3" else {}
+        build_hf(hf_config(kind, **over)).save_pretrained(tmp_path)
+        model, _ = load_model(tmp_path, "int8")
+    users = [m for m in model.modules() if isinstance(m, (UsesKernels, QuantLinear, QuantEmbedding))]
+    assert sum(isinstance(m, QuantLinear) for m in users) >= 4 * len(model.model.layers)
+    assert any(isinstance(m, QuantEmbedding) for m in users) == (kind == "default")
+    for kernels in (chosen_ops, None):
+        model.bind_kernels(kernels)
+        got = [m.ops if isinstance(m, UsesKernels) else m.kernels for m in users]
+        assert all(k is kernels for k in got), [type(m).__name__ for m, k in zip(users, got) if k is not kernels]

@@ -110,7 +110,7 @@ def test_fused_parts_run_in_their_own_formats(ops, m):
     bias = torch.randn(fused.rows)
     layer = QuantLinear(fused, bias)
     assert (layer.out_features, layer.packed.rows) == (152, 152)
-    layer.set_kernels(ops)
+    layer.bind_kernels(ops)
     x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
     y, expected = layer(x), quant.emulate(x, fused, bias)
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
@@ -130,7 +130,7 @@ def test_q5_parts_before_q8_keep_their_products(ops, m):
     assert torch.equal(quant.dequantize(fused), torch.cat([quant.dequantize(p) for p in parts]))
     bias = torch.randn(136)
     layer = QuantLinear(fused, bias)
-    layer.set_kernels(ops)
+    layer.bind_kernels(ops)
     x = torch.randn(m, 96, generator=torch.Generator().manual_seed(m))
     y, expected = layer(x), quant.emulate(x, fused, bias)
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
@@ -224,7 +224,7 @@ def test_quant_linear_bias_padding_and_batch_dims(ops, fmt):
     layer = QuantLinear(w, bias)
     x = torch.randn(2, 3, 64)
     ref = layer(x)                                  # kernels unset: the reference path
-    layer.set_kernels(ops)
+    layer.bind_kernels(ops)
     out = layer(x)
     assert out.shape == (2, 3, 40) and out.is_contiguous()
     torch.testing.assert_close(out, quant.emulate(x.reshape(6, 64), w, bias).reshape(2, 3, 40),
@@ -273,7 +273,6 @@ def fp32_logits(default_model_path, text_ids):
 
 def teacher_forced(default_model_path, dtype: str, ids: list[int], kernels) -> torch.Tensor:
     """Logits of ids through the model at `dtype`, on `kernels` (None: QuantLinear's own reference)."""
-    from phasewise.kernels import use_kernels
     from phasewise.loading.loader import load_model
     from tests.conftest import PagedRunner
 
@@ -281,7 +280,7 @@ def teacher_forced(default_model_path, dtype: str, ids: list[int], kernels) -> t
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     assert len(layers) == 4 * model.config.num_layers + 1      # the tied output head too
     if kernels is not None:
-        use_kernels(model, kernels)
+        model.bind_kernels(kernels)
         assert all(m.kernels is kernels for m in layers) and model.model.stack is not None
     return PagedRunner(model, block_size=16).forward(ids, 0)
 

@@ -5,32 +5,24 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
 
 import torch
 
 from phasewise.admission import fit
 from phasewise.config import EngineConfig
-from phasewise.engine.handoffs import EngineStats, RequestOutput, StepRecord
+from phasewise.engine.handoffs import EngineStats, StepRecord
 from phasewise.engine.request import FinishReason, Request
 from phasewise.engine_builder import build_engine
 from phasewise.engine_client import EngineBrokenError, Prompt
 from phasewise.kv_transfer import KVTransfer
+from phasewise.output_processor import OutputProcessor
 from phasewise.outputs import CompletionOutput, StreamDelta
 from phasewise.sampling.params import SamplingParams
-from phasewise.tokenizer import IncrementalDetokenizer
-
-
-@dataclass
-class _Tracked:
-    output: CompletionOutput
-    detok: IncrementalDetokenizer
-    request: Request
 
 
 class LLMEngine:
     """The request session over an engine's parts (`engine_builder.build_engine`): add and abort
-    requests, step, detokenize and apply stop strings. KV blocks between engines go through
+    requests, step; detokenization and stop strings are its `outputs` (an `OutputProcessor`). KV blocks between engines go through
     `kv_transfer` (a `KVTransfer`). The server holds it as an `EngineClient`."""
 
     def __init__(self, config: EngineConfig | None = None) -> None:
@@ -43,7 +35,7 @@ class LLMEngine:
         self.tp = parts.ranks.group if parts.ranks else None
         self.broken: str | None = None          # why no step can run any more (EngineBrokenError)
         self._ids = itertools.count()
-        self._tracked: dict[str, _Tracked] = {}
+        self.outputs = OutputProcessor(self.tokenizer)
         self.kv_transfer = KVTransfer(self.core.kv, self.kv_cache, self.config.kv_role, self.config.kv_peer,
                                       self.tp is not None)
 
@@ -87,19 +79,12 @@ class LLMEngine:
         if grammar is not None:
             req.metrics.grammar_compile_ms = (time.perf_counter() - compiled) * 1e3
         self.core.add_request(req)
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens, params.stop)
-        out = CompletionOutput(request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
-                               prompt_token_ids=prompt_ids, text="", token_ids=[], finish_reason=None,
-                               stop_reason=None, logprobs=[] if params.logprobs is not None else None,
-                               metrics=req.metrics)
-        self._tracked[request_id] = _Tracked(out, detok, req)
+        self.outputs.add(req, prompt if isinstance(prompt, str) else None)
         return request_id
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now; its KV blocks are freed at once."""
-        tracked = self._tracked.pop(request_id, None)
-        if tracked is not None and tracked.output.finish_reason is None:
-            tracked.output.finish_reason = FinishReason.ABORT.value
+        self.outputs.abort(request_id)
         return self.core.abort(request_id)
 
     def stats(self) -> EngineStats:
@@ -143,52 +128,20 @@ class LLMEngine:
                 raise
             self.broken = f"a rank of the tensor-parallel group failed: {e}"
             self._ranks.workers.broken = True
-            for rid in list(self._tracked):
+            for rid in self.outputs.request_ids():
                 self.abort(rid)
             raise EngineBrokenError(self.broken) from e
-        return [self._process(o) for o in outputs if o.request_id in self._tracked]
-
-    def _process(self, o: RequestOutput) -> StreamDelta:
-        tracked = self._tracked[o.request_id]
-        out, detok = tracked.output, tracked.detok
-        new_ids, new_lps = o.new_token_ids, o.new_logprobs
-        if len(new_ids) > 1 and detok.has_stop_strings:   # accepted drafts: keep none past a stop string
-            text = ""
-            for i, t in enumerate(new_ids):
-                text += detok.add([t])
-                if detok.stopped:
-                    new_ids, new_lps = new_ids[:i + 1], new_lps[:i + 1]
-                    break
-        else:
-            text = detok.add(new_ids)
-        out.token_ids.extend(new_ids)
-        out.cached_tokens = o.request.num_cached_tokens or 0
-        if out.prompt_logprobs is None and o.request.prompt_logprobs is not None:   # the prompt has run
-            out.prompt_logprobs = list(o.request.prompt_logprobs)
-        if out.logprobs is not None:
-            out.logprobs.extend(new_lps)
-        finished, reason = o.finished, o.finish_reason
-        if detok.stopped:  # a stop string: end it in the core too
-            if not finished:
-                self.core.finish(o.request_id, FinishReason.STOP)
-            finished, reason = True, FinishReason.STOP
-        if finished:
-            if detok.stopped:
-                out.stop_reason = detok.stop_reason
-            else:
-                text += detok.finish()
-                last = out.token_ids[-1] if out.token_ids else None
-                if reason is FinishReason.STOP and last in o.request.sampling_params.stop_token_ids:
-                    out.stop_reason = last
-            out.finish_reason = reason.value
-            del self._tracked[o.request_id]
-        out.text += text
-        return StreamDelta(request_id=o.request_id, text=text, token_ids=list(new_ids), logprobs=list(new_lps),
-                           finished=finished, output=out)
+        deltas = []
+        for o in outputs:
+            if o.request_id in self.outputs:
+                deltas.append(delta := self.outputs.process(o))
+                if delta.finished and not o.finished:   # a stop string ended it: end it in the core too
+                    self.core.finish(o.request_id, FinishReason.STOP)
+        return deltas
 
     def run_until_done(self, request_ids: list[str]) -> list[CompletionOutput]:
         """Step until every given request has finished; outputs in the given order."""
-        outputs = {rid: self._tracked[rid].output for rid in request_ids}
+        outputs = {rid: self.outputs.output(rid) for rid in request_ids}
         while any(o.finish_reason is None for o in outputs.values()):
             self.step()
         return [outputs[rid] for rid in request_ids]

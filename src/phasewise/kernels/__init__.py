@@ -1,13 +1,12 @@
 """phasewise's own C++ CPU kernels, each beside a pure-PyTorch reference.
 
 `build.load()` gives the `KernelSet` of the ISA level chosen for this CPU (isa.py), or None.
-The engine loads it once and hands it to the model with `use_kernels`: every module that can
-use kernels has a `set_kernels(kernels)` method (None: its PyTorch reference path), and this is
-the only way kernels reach layers, the sampler included (through the runner).
+The engine builder loads it once; the loader hands it to the model with one call,
+`model.bind_kernels(kernels)`, which each module passes on to the children it knows by name
+(None: the PyTorch reference paths). The runner takes it in its constructor (sampler, verification).
 """
 
 from __future__ import annotations
-
 
 import torch
 
@@ -19,22 +18,11 @@ def applies(kernels: Kernels | None, x: torch.Tensor) -> bool:
     return kernels is not None and x.device.type == "cpu" and x.dtype == torch.float32
 
 
-def use_kernels(model: torch.nn.Module, kernels: Kernels | None) -> int:
-    """Give every module of `model` with a `set_kernels` method the kernels (None: the reference
-    path); how many modules took them."""
-    n = 0
-    for module in model.modules():
-        set_kernels = getattr(module, "set_kernels", None)
-        if callable(set_kernels):
-            set_kernels(kernels)
-            n += 1
-    return n
-
-
 class UsesKernels:
-    """A module whose forward calls the compiled ops in `self.ops` where they apply."""
+    """A module whose forward calls the compiled ops in `self.ops` where they apply; the module that
+    holds it binds them (a subclass with children of its own binds those too)."""
 
     ops: Kernels | None = None
 
-    def set_kernels(self, kernels: Kernels | None) -> None:
+    def bind_kernels(self, kernels: Kernels | None) -> None:
         self.ops = kernels

@@ -6,16 +6,28 @@ path). Shapes and formats are documented where each op is declared (csrc/kernels
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence
+from typing import Protocol, Sequence, Union
 
 from torch import Tensor
+
+# A packed weight as the ops take it: (format id, rows, blocks, scale); a fused projection's further parts
+WeightPart = tuple[int, int, Tensor, Tensor]
+# one linear layer of the decoder stack: (format id, rows, blocks, scale, bias, u5 tiles, further parts)
+StackLinear = tuple[int, int, Tensor, Tensor, Union[Tensor, None], int, Sequence[WeightPart]]
+# one decoder layer: its two norm weights, then qkv, o, gate_up, down
+StackLayer = tuple[Tensor, Tensor, StackLinear, StackLinear, StackLinear, StackLinear]
+# a layer's extras: q/k norm weights, the feed-forward sandwich norms (None where the model has none),
+# RoPE cos and sin, its KV group and window
+StackExtras = tuple[Union[Tensor, None], Union[Tensor, None], Union[Tensor, None], Union[Tensor, None], Tensor,
+                    Tensor, int, int]
 
 
 class DecoderStack(Protocol):
     """A Llama-family model's decoder layers on the kernels (csrc/decoder_stack.cpp)."""
 
-    def forward(self, x: Tensor, positions: Tensor, slots: Tensor, kv: Sequence[Any], tables: Sequence[Tensor],
-                row_seq: Tensor, row_len: Tensor, block_size: int, keep: Tensor | None = None) -> Tensor: ...
+    def forward(self, x: Tensor, positions: Tensor, slots: Sequence[Tensor], kv: Sequence[Sequence[Tensor]],
+                tables: Sequence[Tensor], row_seq: Sequence[Tensor], row_len: Sequence[Tensor], block_size: int,
+                keep: Tensor | None = None) -> Tensor: ...
 
 
 class Kernels(Protocol):
@@ -45,12 +57,12 @@ class Kernels(Protocol):
     def int8_peak_gops(self, iters: int = 20_000_000) -> float: ...
 
     def quant_linear(self, x: Tensor, fmt: int, N: int, blocks: Tensor, scale: Tensor | None = None,
-                     bias: Tensor | None = None, u5_tiles: int = 0, rest: Sequence[Any] = ()) -> Tensor: ...
+                     bias: Tensor | None = None, u5_tiles: int = 0, rest: Sequence[WeightPart] = ()) -> Tensor: ...
 
     def repack_gguf(self, type: int, raw: Tensor, N: int, K: int) -> list[Tensor]: ...
 
     def dequantize_rows(self, ids: Tensor, fmt: int, N: int, blocks: Tensor, scale: Tensor | None = None) -> Tensor: ...
 
-    def decoder_stack(self, layers: Sequence[Any], final_norm: Tensor, cos: Tensor, sin: Tensor, Hq: int, Hkv: int,
-                      D: int, eps: float, extras: Sequence[Any] = (), scale: float = 0.0,
+    def decoder_stack(self, layers: Sequence[StackLayer], final_norm: Tensor, cos: Tensor, sin: Tensor, Hq: int,
+                      Hkv: int, D: int, eps: float, extras: Sequence[StackExtras] = (), scale: float = 0.0,
                       gelu: bool = False) -> DecoderStack: ...

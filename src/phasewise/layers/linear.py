@@ -17,8 +17,16 @@ import warnings
 import torch
 from torch import nn
 
-from phasewise.layers.quant_linear import QuantLinear
 from phasewise.kernels.kernel_api import Kernels
+from phasewise.layers.quant_embedding import QuantEmbedding
+from phasewise.layers.quant_linear import QuantLinear
+
+
+def bind_weights(layer: nn.Module, kernels: Kernels | None) -> None:
+    """A linear layer or token table takes the kernels in its packed form (QuantLinear,
+    QuantEmbedding); as nn.Linear, OneDNNLinear or nn.Embedding it runs torch's own."""
+    if isinstance(layer, (QuantLinear, QuantEmbedding)):
+        layer.bind_kernels(kernels)
 
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:

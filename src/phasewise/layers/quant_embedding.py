@@ -27,7 +27,7 @@ class QuantEmbedding(nn.Module):
         self.register_buffer("scale", weight.scale)
         self.kernels: Kernels | None = None
 
-    def set_kernels(self, kernels: Kernels | None) -> None:
+    def bind_kernels(self, kernels: Kernels | None) -> None:
         """Use the compiled kernels (None: the reference path); they run only on CPU buffers."""
         self.kernels = kernels
 

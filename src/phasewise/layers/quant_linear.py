@@ -15,7 +15,7 @@ from torch import nn
 
 from phasewise.kernels import quant
 from phasewise.kernels.quant import PackedWeight
-from phasewise.kernels.kernel_api import Kernels
+from phasewise.kernels.kernel_api import Kernels, WeightPart
 
 
 class QuantLinear(nn.Module):
@@ -30,17 +30,17 @@ class QuantLinear(nn.Module):
             self.register_buffer(f"blocks{i}", p.blocks)
             self.register_buffer(f"scale{i}", p.scale)
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
-        self.kernels: Kernels | None = None  # the compiled kernels (set_kernels)
+        self.kernels: Kernels | None = None  # the compiled kernels (bind_kernels)
         self._args: tuple | None = None      # the kernel's arguments, gathered once (attribute lookups cost µs)
 
-    def set_kernels(self, kernels: Kernels | None) -> None:
+    def bind_kernels(self, kernels: Kernels | None) -> None:
         """Use the compiled kernels (None: the reference path); they run only on CPU buffers."""
         self.kernels = kernels
         on_cpu = self.blocks.device.type == "cpu"
         self._args = None if kernels is None or not on_cpu else \
             (self.fmt_id, self.out_features, self.blocks, self.scale, self.bias, self.u5_tiles, self.rest_args())
 
-    def rest_args(self) -> list[tuple]:
+    def rest_args(self) -> list[WeightPart]:
         """The kernels' (format id, rows, blocks, scale) of each further part."""
         return [(quant.FORMAT_IDS[fmt], n, getattr(self, f"blocks{i}"), getattr(self, f"scale{i}"))
                 for i, (fmt, n) in enumerate(self.rest, 1)]
@@ -48,7 +48,7 @@ class QuantLinear(nn.Module):
     def _apply(self, fn, recurse=True):
         self._args = None                     # buffers may move: gather the arguments again
         out = super()._apply(fn, recurse)
-        self.set_kernels(self.kernels)
+        self.bind_kernels(self.kernels)
         return out
 
     @classmethod

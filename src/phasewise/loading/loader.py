@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from phasewise.distributed import TensorParallel
-from phasewise.kernels import use_kernels
 from phasewise.layers.linear import use_fast_linears
 from phasewise.layers.rotary import RotaryEmbedding
 from phasewise.loading.gguf import GGUFFile, ModelLoadError
@@ -177,5 +176,5 @@ def load_prepared(path: Path, dtype: str, device: str = "cpu", kernels: Kernels 
     model, cfg = load_model(path, dtype, device, tp, packed_cache, kernels)
     torch_dtype = parse_dtype(dtype)
     use_fast_linears(model, device, torch_dtype, kernels, onednn=not plain)
-    use_kernels(model, kernels if torch_dtype == torch.float32 else None)
+    model.bind_kernels(kernels if torch_dtype == torch.float32 else None)
     return model, cfg

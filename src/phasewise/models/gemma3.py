@@ -17,9 +17,10 @@ from torch import nn
 from phasewise.distributed import TensorParallel
 from phasewise.layers.attention import AttentionMetadata, LayerKV
 from phasewise.layers.norm import RMSNorm
+from phasewise.kernels.kernel_api import DecoderStack, Kernels
 from phasewise.layers.rotary import RotaryEmbedding
 from phasewise.models.config import ModelConfig
-from phasewise.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, embed, vocab_embedding
+from phasewise.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, bind_layers, embed, vocab_embedding
 from phasewise.models.stack import build_stack, run_stack
 
 
@@ -33,6 +34,11 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(h, eps)
         self.mlp = LlamaMLP(cfg, tp)
         self.post_feedforward_layernorm = RMSNorm(h, eps)
+
+    def bind_kernels(self, kernels: Kernels | None) -> None:
+        for part in (self.input_layernorm, self.self_attn, self.post_attention_layernorm,
+                     self.pre_feedforward_layernorm, self.mlp, self.post_feedforward_layernorm):
+            part.bind_kernels(kernels)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv: LayerKV, meta: AttentionMetadata
                 ) -> torch.Tensor:
@@ -53,10 +59,12 @@ class Gemma3Model(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.embedding_scale = cfg.embedding_scale
         self.cfg, self.tp = cfg, tp
-        self.stack = None       # the C++ decoder stack (set_kernels), if it can run
+        self.stack: DecoderStack | None = None   # the C++ decoder stack (bind_kernels), if it can run
 
-    def set_kernels(self, kernels) -> None:
-        """The C++ decoder stack where it can run these layers (models/stack.py); not with tp."""
+    def bind_kernels(self, kernels: Kernels | None) -> None:
+        """Every layer's kernels, then the C++ decoder stack where it can run these layers
+        (models/stack.py); not with tp."""
+        bind_layers(self, kernels)
         if self.tp is None:
             self.stack = build_stack(kernels, self.cfg, self.layers, self.norm.weight, sandwich=True)
 

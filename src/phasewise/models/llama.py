@@ -17,7 +17,9 @@ from torch import nn
 
 from phasewise.distributed import TensorParallel
 from phasewise.kernels import UsesKernels, applies
+from phasewise.kernels.kernel_api import DecoderStack, Kernels
 from phasewise.layers.attention import AttentionMetadata, LayerKV, paged_attention
+from phasewise.layers.linear import bind_weights
 from phasewise.layers.norm import RMSNorm
 from phasewise.layers.rotary import RotaryEmbedding
 from phasewise.models.config import ModelConfig
@@ -43,6 +45,14 @@ class LlamaAttention(UsesKernels, nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def bind_kernels(self, kernels: Kernels | None) -> None:
+        self.ops = kernels
+        bind_weights(self.qkv_proj, kernels)
+        bind_weights(self.o_proj, kernels)
+        if self.cfg.qk_norm:
+            self.q_norm.bind_kernels(kernels)
+            self.k_norm.bind_kernels(kernels)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -81,6 +91,11 @@ class LlamaMLP(UsesKernels, nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.gelu = cfg.hidden_act == "gelu_tanh"
 
+    def bind_kernels(self, kernels: Kernels | None) -> None:
+        self.ops = kernels
+        bind_weights(self.gate_up_proj, kernels)
+        bind_weights(self.down_proj, kernels)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)                    # [T, 2 I]
         if applies(self.ops, gate_up):
@@ -100,6 +115,10 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(cfg, rotary, layer, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg, tp)
+
+    def bind_kernels(self, kernels: Kernels | None) -> None:
+        for part in (self.input_layernorm, self.self_attn, self.post_attention_layernorm, self.mlp):
+            part.bind_kernels(kernels)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
@@ -124,6 +143,14 @@ def embed(table: nn.Embedding, ids: torch.Tensor, cfg: ModelConfig, tp: TensorPa
     return table(ids) if tp is None else tp.embed(table, ids, cfg.vocab_size)
 
 
+def bind_layers(model: nn.Module, kernels: Kernels | None) -> None:
+    """A decoder's (LlamaModel's, Gemma3Model's) token table, layers and final norm take the kernels."""
+    bind_weights(model.embed_tokens, kernels)
+    for layer in model.layers:
+        layer.bind_kernels(kernels)
+    model.norm.bind_kernels(kernels)
+
+
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
@@ -132,11 +159,12 @@ class LlamaModel(nn.Module):
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.stack = None       # the C++ decoder stack (set_kernels), if it can run
+        self.stack: DecoderStack | None = None   # the C++ decoder stack (bind_kernels), if it can run
 
-    def set_kernels(self, kernels) -> None:
-        """The C++ decoder stack where it can run these layers (models/stack.py); not with tp (its
-        layers' all-reduces run between the Python layers' ops)."""
+    def bind_kernels(self, kernels: Kernels | None) -> None:
+        """Every layer's kernels, then the C++ decoder stack where it can run these layers
+        (models/stack.py); not with tp (its layers' all-reduces run between the Python layers' ops)."""
+        bind_layers(self, kernels)
         if self.tp is None:
             self.stack = build_stack(kernels, self.cfg, self.layers, self.norm.weight)
 
@@ -171,6 +199,11 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size if tp is None else tp.padded(cfg.vocab_size),
                                  bias=False)
         self.tie_weights()
+
+    def bind_kernels(self, kernels: Kernels | None) -> None:
+        """The one way kernels reach the model (the loader calls it; None: the reference paths)."""
+        self.model.bind_kernels(kernels)
+        bind_weights(self.lm_head, kernels)
 
     def tie_weights(self) -> None:
         """Share the embedding with the output head (again after `to_empty`, which unties)."""

@@ -9,24 +9,23 @@ the reference the tests compare against.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
 from phasewise.layers.attention import AttentionMetadata, LayerKV
 from phasewise.layers.quant_linear import QuantLinear
 from phasewise.models.config import ModelConfig
-from phasewise.kernels.kernel_api import Kernels
+from phasewise.kernels.kernel_api import DecoderStack, Kernels, StackExtras, StackLayer
 
 
 def build_stack(kernels: Kernels | None, cfg: ModelConfig, layers: nn.ModuleList, final_norm: torch.Tensor,
-                sandwich: bool = False) -> Any:
+                sandwich: bool = False) -> DecoderStack | None:
     """The DecoderStack of `layers` (Llama-family layers; `sandwich`: Gemma 3's, with norms after
     attention and after the MLP too), or None where the stack cannot run them."""
     if kernels is None:
         return None
-    args, extras = [], []
+    args: list[StackLayer] = []
+    extras: list[StackExtras] = []
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
@@ -50,7 +49,7 @@ def build_stack(kernels: Kernels | None, cfg: ModelConfig, layers: nn.ModuleList
                                  cfg.hidden_act == "gelu_tanh")
 
 
-def run_stack(stack: Any, cfg: ModelConfig, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+def run_stack(stack: DecoderStack, cfg: ModelConfig, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
               kv_caches: list[LayerKV], keep: torch.Tensor | None = None) -> torch.Tensor:
     """x: [T, hidden] embedded tokens → the final-normed hidden states [T, hidden] (or of the rows
     `keep` [R], ascending: the last layer computes only those past its keys and values), every layer

@@ -67,11 +67,6 @@ inline Vi dot_q8(Vi acc, Vb u, Vb x) {
   return acc;
 }
 
-using Vs = Vi;
-constexpr int VS_U6 = 8, VS_U5 = 8;
-inline Vi dot_u4s(Vs acc, Vb w, Vb x) { return dot_u4(acc, w, x); }
-inline Vi widen(Vs acc) { return acc; }
-inline Vi pair_factor(Vi sc) { return sc; }
-inline Vi widen_by(Vs acc, Vi by) { return acc * by; }
-
 }  // namespace pw
+
+#include "../vec/int32_sums.h"

@@ -75,11 +75,6 @@ inline Vi dot_bytes(Vi acc, const Vb& a, const Vb& b, bool a_biased) {
 inline Vi dot_u4(Vi acc, Vb w, Vb x) { return dot_bytes(acc, w, x, false); }
 inline Vi dot_q8(Vi acc, Vb u, Vb x) { return dot_bytes(acc, u, x, true); }
 
-using Vs = Vi;
-constexpr int VS_U6 = 8, VS_U5 = 8;
-inline Vi dot_u4s(Vs acc, Vb w, Vb x) { return dot_u4(acc, w, x); }
-inline Vi widen(Vs acc) { return acc; }
-inline Vi pair_factor(Vi sc) { return sc; }
-inline Vi widen_by(Vs acc, Vi by) { return acc * by; }
-
 }  // namespace pw
+
+#include "../vec/int32_sums.h"

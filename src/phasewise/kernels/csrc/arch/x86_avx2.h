@@ -71,14 +71,7 @@ inline Vi dot_q8(Vi acc, Vb u, Vb x) {
   return acc;
 }
 
-#if defined(__AVXVNNI__)
-using Vs = Vi;
-constexpr int VS_U6 = 8, VS_U5 = 8;
-inline Vi dot_u4s(Vs acc, Vb w, Vb x) { return dot_u4(acc, w, x); }
-inline Vi widen(Vs acc) { return acc; }
-inline Vi pair_factor(Vi sc) { return sc; }
-inline Vi widen_by(Vs acc, Vi by) { return acc * by; }
-#else
+#if !defined(__AVXVNNI__)
 constexpr int VS_U6 = 2;   // int16 pairs of 6-bit bytes: 2 calls x 2 x 63 x 127 < 32768
 constexpr int VS_U5 = 4;   // and of 5-bit bytes: 4 calls x 2 x 31 x 127 < 32768
 struct Vs {              // int16 pair sums of vpmaddubsw, widened once per 8 calls
@@ -108,3 +101,7 @@ inline Vi widen_by(Vs acc, Vi by) {   // the pair sums times sc, summed: the wid
 #endif
 
 }  // namespace pw
+
+#if defined(__AVXVNNI__)
+#include "../vec/int32_sums.h"
+#endif

@@ -1,4 +1,5 @@
-// The vector layer on AVX-512 (F, BW, VL, VNNI): one zmm register per vector. See vec.h.
+// The vector layer on AVX-512 (F, BW, VL, VNNI): one zmm register per vector. See vec.h; the int8
+// dot products are arch/x86_avx512.h's.
 #pragma once
 #include <immintrin.h>
 
@@ -8,9 +9,7 @@
 
 namespace pw {
 
-constexpr const char* ISA = "avx512";
 constexpr int W = 16;       // lanes per native vector
-constexpr bool Q8_BIASED = true;   // vpdpbusd takes the biased bytes as they are
 
 struct Mask {
   __mmask16 m;
@@ -125,15 +124,8 @@ inline Vb with_high2(Vb nib, Vb pairs) {
   const __m512i b = J <= 2 ? _mm512_slli_epi16(pairs.v, 4 - 2 * J) : _mm512_srli_epi16(pairs.v, 2 * J - 4);
   return {_mm512_or_si512(nib.v, _mm512_and_si512(b, _mm512_set1_epi8(0x30)))};
 }
-inline Vi dot_u4(Vi acc, Vb w, Vb x) { return {_mm512_dpbusd_epi32(acc.v, w.v, x.v)}; }
-inline Vi dot_q8(Vi acc, Vb u, Vb x) { return {_mm512_dpbusd_epi32(acc.v, u.v, x.v)}; }
-using Vs = Vi;                                   // vpdpbusd sums into int32 directly
-constexpr int VS_U6 = 8, VS_U5 = 8;
-inline Vi dot_u4s(Vs acc, Vb w, Vb x) { return dot_u4(acc, w, x); }
-inline Vi widen(Vs acc) { return acc; }
-inline Vi pair_factor(Vi sc) { return sc; }
-inline Vi widen_by(Vs acc, Vi by) { return acc * by; }
-
 inline void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 
 }  // namespace pw
+
+#include "../arch/x86_avx512.h"

@@ -5,7 +5,8 @@
 //   portable.h  GCC vector extensions, W lanes per native vector: 8 on AVX2 (two ymm per
 //               vector), 4 elsewhere (four 128-bit SSE2 or NEON registers, or what the
 //               compiler makes of them on any other CPU).
-// The int8 dot products, where ISAs differ most, come from arch/ (dot_*.h).
+// The int8 dot products, where ISAs differ most, come from arch/: x86_avx512.h, x86_avx2.h,
+// arm_neon.h, generic.h (with vec/int32_sums.h, the Vs adapter of every level that sums in int32).
 //
 // API (namespace pw):
 //   Vf::load(p) / load_n(p, n) (lanes >= n are 0) / set1(x) / zero() / from_i8(p) / from_f16(p),
