@@ -128,7 +128,7 @@ def teacher_forced(model, kv_dtype: torch.dtype, ids: list[int]) -> tuple[float,
 def fp32_reference(path: Path, ids: list[int]) -> tuple[float, torch.Tensor]:
     """The fp32 model's perplexity and top-1 tokens, with the kernels the engine would use."""
     from phasewise.kernels import build
-    from phasewise.llm_engine import load_prepared
+    from phasewise.loading.loader import load_prepared
 
     model, _ = load_prepared(path, "fp32", "cpu", build.load())
     return teacher_forced(model, torch.float32, ids)
@@ -274,7 +274,7 @@ def main() -> None:
         rows = [{"name": r.name, "prefill_tps": r.prefill, "decode_tps": r.decode, "decode_deep_tps": r.decode_deep,
                  "served_tps": r.aggregate, "weight_bytes": r.weight_bytes, "weight_gbs": r.weight_gbs}
                 for r in results]
-        args.json.write_text(json.dumps({**record, "model": path.name, "input_len": args.input_len,
+        args.json.write_text(json.dumps({**record, "model": args.model or path.name, "input_len": args.input_len,
                                          "output_len": args.output_len, "concurrent": args.concurrent,
                                          "llama_cpp": str(args.llama_cpp), "machine": dataclasses.asdict(machine),
                                          "rows": rows}, indent=1))

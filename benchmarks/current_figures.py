@@ -37,7 +37,7 @@ def _scaling_rows(report: dict, name: str) -> list[dict]:
         if "decode_tps" not in pw:
             continue
         first, cached = pw.get("first_load_s"), pw.get("cached_load_s")
-        rows.append({"model": r["model"], "isa": pw.get("isa") or report["isa"], "peer": "llama-bench",
+        rows.append({"model": r["model"], "isa": report["isa"] or pw.get("isa"), "peer": "llama-bench",
                      "decode": _pair(pw["decode_tps"], lc.get("decode_tps")),
                      "prefill": _pair(pw["prefill_tps"], lc.get("prefill_tps")), "served": "—",
                      "load": "—" if first is None else f"{first:.1f} / {cached:.1f}",

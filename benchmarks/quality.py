@@ -26,7 +26,7 @@ import torch
 
 from phasewise.kernels import build
 from phasewise.layers.attention import AttentionMetadata
-from phasewise.llm_engine import load_prepared
+from phasewise.loading.loader import load_prepared
 from phasewise.loading.loader import default_model_path, parse_dtype
 from phasewise.runner.kv_cache import KVCache
 from phasewise.tokenizer import Tokenizer
