@@ -90,7 +90,8 @@ def run_phasewise(spec: str, prompt, batch, args) -> Result:
     from phasewise import LLM, SamplingParams
 
     dtype, _, kv_dtype = spec.partition("/")
-    llm = LLM(str(args.path), dtype=dtype, kv_dtype=kv_dtype or "auto", kv_cache_memory=1.0,
+    weights = {"quantization": dtype} if dtype in ("int8", "q4") else {"dtype": dtype}
+    llm = LLM(str(args.path), **weights, kv_dtype=kv_dtype or "auto", kv_cache_memory=1.0,
               enable_prefix_caching=False)
     one = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     prefill, decode, deep = [], [], []

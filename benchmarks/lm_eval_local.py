@@ -99,7 +99,8 @@ def main() -> None:
         for name, text in TASKS.items():
             (tasks_dir / f"{name}.yaml").write_text(text)
         port = serving.free_port()
-        cmd = [sys.executable, "-m", "phasewise.cli", "serve", "--port", str(port), "--dtype", args.dtype,
+        cmd = [sys.executable, "-m", "phasewise.cli", "serve", "--port", str(port),
+               *(["--quantization", args.dtype] if args.dtype in ("int8", "q4") else ["--dtype", args.dtype]),
                "--kv-dtype", args.kv_dtype, "--threads", str(args.threads), "--no-access-log"]
         log = Path(tmp) / "server.log"
         with open(log, "w") as f:

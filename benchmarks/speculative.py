@@ -99,7 +99,8 @@ def main() -> None:
         spec = SpeculativeConfig(method=None if proposer == "none" else proposer,
                                  num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,
                                  ngram_max=args.ngram_max, draft_model=args.draft_model, draft_dtype=args.draft_dtype)
-        llm = LLM(args.model, dtype=args.dtype, kv_cache_memory=0.5, speculative=spec)
+        weights = {"quantization": args.dtype} if args.dtype in ("int8", "q4") else {"dtype": args.dtype}
+        llm = LLM(args.model, **weights, kv_cache_memory=0.5, speculative=spec)
         llm.chat(prompts("open", 1)[0], SamplingParams(temperature=0, max_tokens=16))   # warm every path
         for task in args.tasks:
             chats = prompts(task, args.requests)

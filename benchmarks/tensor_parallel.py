@@ -31,7 +31,8 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     for size in args.sizes:
-        with LLM(args.model, dtype=args.dtype, tensor_parallel_size=size, enable_prefix_caching=False,
+        weights = {"quantization": args.dtype} if args.dtype in ("int8", "q4") else {"dtype": args.dtype}
+        with LLM(args.model, **weights, tensor_parallel_size=size, enable_prefix_caching=False,
                  kv_cache_memory=0.25) as llm:
             vocab = llm.model_config.vocab_size
             rng = random.Random(0)

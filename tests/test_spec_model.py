@@ -142,7 +142,7 @@ def test_cli_flags_reach_the_config():
     for cmd in ("generate", "serve"):
         extra = ["hi"] if cmd == "generate" else []
         args = build_parser().parse_args([cmd, *extra, "--speculative", "draft:/x.gguf",
-                                          "--num-speculative-tokens", "3", "--draft-dtype", "int8"])
+                                          "--num-speculative-tokens", "3", "--draft-quantization", "int8"])
         spec = speculative_config_from_args(args)
         assert (spec.method, spec.draft_model, spec.num_speculative_tokens, spec.draft_dtype) == \
             ("draft", "/x.gguf", 3, "int8")

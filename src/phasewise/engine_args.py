@@ -5,7 +5,6 @@ neither imports the other."""
 from __future__ import annotations
 
 import argparse
-import sys
 
 from phasewise.config import SpeculativeConfig
 
@@ -15,9 +14,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and engine")
     g.add_argument("--model", "-m", default=None,
                    help="a .gguf file or a Hugging Face model folder (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16", "int8", "q4"],
-                   help="the float type of the weights and activations (int8 and q4 here are the old spelling of "
-                        "--quantization)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="the float type of the weights and activations")
     g.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "q4"],
                    help="the weight format: int8 per channel, or q4 (the GGUF file's own 4-bit blocks), or none; "
                         "auto: the fastest within 0.5%% perplexity of fp32 on this machine (q4 for GGUF files with "
@@ -40,12 +38,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "CPUs); each gets an equal share of the threads")
     g.add_argument("--speculative", default=None, metavar="ngram|draft[:MODEL]",
                    help="speculative decoding: 'ngram' (prompt lookup) or 'draft:MODEL' (a draft model with "
-                        "the same tokenizer; plain 'draft' = this model at --draft-dtype); outputs are unchanged")
+                        "the same tokenizer; plain 'draft' = this model at --draft-quantization); outputs are unchanged")
     g.add_argument("--num-speculative-tokens", type=int, default=4, help="draft tokens verified per step")
     g.add_argument("--ngram-min", type=int, default=2, help="shortest n-gram matched by --speculative ngram")
     g.add_argument("--ngram-max", type=int, default=4, help="longest n-gram matched by --speculative ngram")
-    g.add_argument("--draft-dtype", default="q4", choices=["fp32", "bf16", "fp16", "int8", "q4"],
-                   help="weight precision of the draft model")
+    g.add_argument("--draft-quantization", default="q4", choices=["none", "int8", "q4"],
+                   help="the draft model's weight format (none: fp32)")
 
 
 def positive_int(text: str) -> int:
@@ -59,16 +57,12 @@ def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig:
     """The SpeculativeConfig the speculative options of add_engine_args ask for."""
     return SpeculativeConfig.parse(args.speculative, num_speculative_tokens=args.num_speculative_tokens,
                                    ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-                                   draft_dtype=args.draft_dtype)
+                                   draft_dtype="fp32" if args.draft_quantization == "none" else args.draft_quantization)
 
 
 def resolve_weights(args: argparse.Namespace) -> None:
     """Fold --dtype (the float type) and --quantization (the weight format) into args.dtype, the one
-    weights setting the engine takes (precision.weights_setting). `--dtype int8|q4`, the old
-    spelling, still works, with a note. ValueError when the two disagree."""
+    weights setting the engine takes (precision.weights_setting). ValueError when the two disagree."""
     from phasewise.precision import weights_setting
 
-    if args.dtype in ("int8", "q4"):
-        print(f"phasewise: note: --dtype {args.dtype} is --quantization {args.dtype} now (the old spelling "
-              "still works)", file=sys.stderr)
     args.dtype = weights_setting(args.dtype, args.quantization)

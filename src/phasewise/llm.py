@@ -27,7 +27,7 @@ class LLM:
                  tensor_parallel_size: int = 1, warmup: bool = True, packed_cache: bool = True) -> None:
         """dtype (the float type) and quantization (the weight format: int8, q4, none) and kv_dtype
         "auto": the fastest precision for this machine within 0.5% perplexity of the file's weights
-        (precision.py; `engine.precision` says which); dtype="int8"/"q4" is the old spelling. speculative: None,
+        (precision.py; `engine.precision` says which). speculative: None,
         "ngram", "draft" (this model's file at q4) or "draft:MODEL", with num_speculative_tokens
         drafts per step; a SpeculativeConfig for the other settings. tensor_parallel_size: split the
         model over that many processes on this machine (close() stops them). packed_cache: map a GGUF's

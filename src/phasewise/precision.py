@@ -34,14 +34,13 @@ class Precision:
 
 def weights_setting(dtype: str, quantization: str = "auto") -> str:
     """The one weights setting an engine takes (auto, fp32, bf16, fp16, int8 or q4) from the float
-    type (`dtype`; int8 and q4 there are the old spelling of the format) and the weight format
-    (`quantization`: auto, none, int8, q4). ValueError when they disagree."""
+    type (`dtype`: auto, fp32, bf16, fp16) and the weight format (`quantization`: auto, none, int8,
+    q4). ValueError when either is unknown or they disagree."""
     if quantization not in ("auto", "none", "int8", "q4"):
         raise ValueError(f"quantization must be auto, none, int8 or q4, got {quantization!r}")
-    if dtype in ("int8", "q4"):
-        if quantization not in ("auto", dtype):
-            raise ValueError(f"dtype {dtype} and quantization {quantization} disagree: give the quantization only")
-        return dtype
+    if dtype not in ("auto", "fp32", "bf16", "fp16"):
+        hint = f": the weight format is quantization={dtype!r}" if dtype in ("int8", "q4") else ""
+        raise ValueError(f"dtype must be auto, fp32, bf16 or fp16, got {dtype!r}{hint}")
     if quantization in ("int8", "q4"):
         if dtype not in ("auto", "fp32"):
             raise ValueError(f"quantization {quantization} runs its activations in fp32: drop dtype {dtype}")

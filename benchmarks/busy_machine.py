@@ -1,0 +1,141 @@
+"""phasewise and llama.cpp on a busy machine: decode, prefill and the ITL of 8 concurrent streams with
+0, 1 and 2 busy-looping processes beside them (issue 44), in one run.
+
+    .venv/bin/python benchmarks/busy_machine.py [--model M] [--busy 0 1 2] [--llama-cpp .peers/avx512/bin]
+        [--input-len 512] [--output-len 128] [--repeats 2] [--json docs/results/busy_machine_<isa>.json]
+
+A busy process is `python -c "while True: pass"` (nice 0, as a browser tab or a compile job is),
+started before and killed after each measurement, whatever happens. phasewise runs in this process
+with its default threads; llama.cpp's `llama-bench` runs on the same file with `-t 2` and `-t 1`
+(the best of the two is what a user who knew the load would pick). Figures:
+
+- decode tok/s: (--output-len − 1) / first-to-last-token time from an 8-token prompt (llama-bench
+  tg<output-len>); prefill tok/s: --input-len distinct ids / time to the first token (pp<input-len>);
+  phasewise's are medians of --repeats, llama-bench's means of -r --repeats;
+- ITL p50 / p99 (ms): 8 streams decoding --output-len tokens together (phasewise offline, the gaps
+  between each request's tokens);
+- "kept": the share of phasewise's idle figure left under load; "vs best": against the better of
+  llama-bench -t 1 and -t 2 under the same load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@contextmanager
+def busy(n: int):
+    """n busy-looping processes for the duration of the block."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        time.sleep(0.5 if n else 0)                    # let them reach the run queue
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
+
+
+def measure_phasewise(llm, args, run: int) -> dict:
+    """run: this measurement's number, so that its prompts share no prefix with an earlier one's
+    (a prefix-cache hit would skip the prefill it measures)."""
+    from phasewise import SamplingParams
+
+    vocab, n, first = llm.model_config.vocab_size, args.input_len, 1000 + 97 * run
+    greedy = dict(temperature=0, ignore_eos=True)
+    decode, prefill = [], []
+    for r in range(args.repeats):                     # fresh prompts: no prefix-cache hits
+        out = llm.generate([[first + r] + [1000 + 8 * r + i for i in range(7)]],
+                           SamplingParams(max_tokens=args.output_len, **greedy))[0]
+        decode.append((len(out.token_ids) - 1) / (out.metrics.decode_ms / 1e3))
+        out = llm.generate([[first + 50 + r] + [(2000 + n * r + i) % vocab for i in range(n - 1)]],
+                           SamplingParams(max_tokens=1, **greedy))[0]
+        prefill.append(n / (out.metrics.prompt_ms / 1e3))
+    outs = llm.generate([[first + 60 + i] + [(3000 + 8 * i + j) % vocab for j in range(7)] for i in range(8)],
+                        SamplingParams(max_tokens=args.output_len, **greedy))
+    gaps = sorted(g for o in outs for g in o.metrics.itl_ms)
+    return {"decode_tps": statistics.median(decode), "prefill_tps": statistics.median(prefill),
+            "itl_p50_ms": gaps[len(gaps) // 2], "itl_p99_ms": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))]}
+
+
+def measure_llama_bench(path: Path, threads: int, args) -> dict:
+    exe = args.llama_cpp / "llama-bench"
+    done = subprocess.run([str(exe), "-m", str(path), "-p", str(args.input_len), "-n", str(args.output_len),
+                           "-t", str(threads), "-r", str(args.repeats), "-o", "json"], capture_output=True, text=True)
+    if done.returncode != 0:
+        return {"skipped": f"llama-bench failed (exit {done.returncode}): {done.stderr.strip()[-300:]}"}
+    ts = {(r["n_prompt"], r["n_gen"]): r["avg_ts"] for r in json.loads(done.stdout)}
+    return {"decode_tps": ts.get((0, args.output_len)), "prefill_tps": ts.get((args.input_len, 0))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="a .gguf file or a packaged model's name (default: the default model)")
+    ap.add_argument("--busy", type=int, nargs="+", default=[0, 1, 2], help="busy-looping processes beside")
+    ap.add_argument("--llama-cpp", type=Path, default=None, help="folder of llama-bench (default: .peers/avx512/bin "
+                                                                  "if built, else .peers/native/bin)")
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    args = ap.parse_args()
+    if args.llama_cpp is None:
+        level = "avx2" if os.environ.get("PHASEWISE_ISA") == "avx2" else \
+            "avx512" if (ROOT / ".peers" / "avx512" / "bin").exists() else "native"
+        args.llama_cpp = ROOT / ".peers" / level / "bin"
+    from run_record import run_record
+
+    import torch
+
+    from phasewise import LLM
+
+    record = run_record("busy_machine", torch.get_num_threads())
+    llm = LLM(args.model)
+    path = llm.engine.model_path
+    peer = (args.llama_cpp / "llama-bench").exists()
+    rows = []
+    for n in args.busy:
+        with busy(n):
+            row = {"busy": n, "phasewise": measure_phasewise(llm, args, len(rows))}
+            for t in (2, 1):
+                if peer:
+                    row[f"llama_bench_t{t}"] = measure_llama_bench(path, t, args)
+        rows.append(row)
+        pw = row["phasewise"]
+        print(f"busy {n}: phasewise decode {pw['decode_tps']:.1f} prefill {pw['prefill_tps']:.1f} tok/s, ITL p50 "
+              f"{pw['itl_p50_ms']:.1f} p99 {pw['itl_p99_ms']:.1f} ms" +
+              "".join(f"; llama-bench -t {t} decode {row[f'llama_bench_t{t}'].get('decode_tps') or 0:.1f} prefill "
+                      f"{row[f'llama_bench_t{t}'].get('prefill_tps') or 0:.1f}" for t in (2, 1) if peer), flush=True)
+    idle = next((r["phasewise"] for r in rows if r["busy"] == 0), None)
+    print(f"\n{'busy':>4} {'decode kept':>12} {'prefill kept':>13} {'decode vs best':>15} {'prefill vs best':>16} "
+          f"{'ITL p99 / idle':>15}")
+    for r in rows:
+        pw = r["phasewise"]
+        best = {k: max((r.get(f"llama_bench_t{t}", {}).get(k) or 0) for t in (1, 2)) for k in ("decode_tps", "prefill_tps")}
+        r["vs_best"] = {k: pw[k] / best[k] if best[k] else None for k in best}
+        r["kept"] = {k: pw[k] / idle[k] for k in ("decode_tps", "prefill_tps")} if idle else None
+        kept = r["kept"] or {}
+        fmt = lambda x, pct=False: "—" if x is None else (f"{x:.0%}" if pct else f"{x:.2f}x")  # noqa: E731
+        print(f"{r['busy']:>4} {fmt(kept.get('decode_tps'), True):>12} {fmt(kept.get('prefill_tps'), True):>13} "
+              f"{fmt(r['vs_best']['decode_tps']):>15} {fmt(r['vs_best']['prefill_tps']):>16} "
+              f"{fmt(pw['itl_p99_ms'] / idle['itl_p99_ms'] if idle else None):>15}")
+    if args.json:
+        args.json.write_text(json.dumps({**record, "model": args.model or path.name, "llama_cpp": str(args.llama_cpp),
+                                         "input_len": args.input_len, "output_len": args.output_len,
+                                         "rows": rows}, indent=1))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
