@@ -72,7 +72,8 @@ def measure_phasewise(llm, args, run: int) -> dict:
 def measure_llama_bench(path: Path, threads: int, args) -> dict:
     exe = args.llama_cpp / "llama-bench"
     done = subprocess.run([str(exe), "-m", str(path), "-p", str(args.input_len), "-n", str(args.output_len),
-                           "-t", str(threads), "-r", str(args.repeats), "-o", "json"], capture_output=True, text=True)
+                           "-t", str(threads), "-r", str(args.repeats), "-o", "json"], capture_output=True, text=True,
+                          timeout=1200)      # -t 2 beside two busy loops decoded 0.3 tok/s here: minutes a run
     if done.returncode != 0:
         return {"skipped": f"llama-bench failed (exit {done.returncode}): {done.stderr.strip()[-300:]}"}
     ts = {(r["n_prompt"], r["n_gen"]): r["avg_ts"] for r in json.loads(done.stdout)}

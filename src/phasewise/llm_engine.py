@@ -1,5 +1,5 @@
-"""LLMEngine: the request session over a built engine (tokenize, add, step, detokenize, stop strings).
-Text in, text deltas out, synchronously. The offline API (`LLM`) and the server both drive it."""
+"""LLMEngine: the request session over a built engine (tokenize, add, abort, step). Text in, text
+deltas out, synchronously. The offline API (`LLM`) and the server both drive it."""
 
 from __future__ import annotations
 
@@ -22,8 +22,9 @@ from phasewise.sampling.params import SamplingParams
 
 class LLMEngine:
     """The request session over an engine's parts (`engine_builder.build_engine`): add and abort
-    requests, step; detokenization and stop strings are its `outputs` (an `OutputProcessor`). KV blocks between engines go through
-    `kv_transfer` (a `KVTransfer`). The server holds it as an `EngineClient`."""
+    requests, step. Detokenization and stop strings are its `outputs` (an `OutputProcessor`), KV
+    blocks between engines its `kv_transfer` (a `KVTransfer`). The server holds it as an
+    `EngineClient`."""
 
     def __init__(self, config: EngineConfig | None = None) -> None:
         parts = build_engine(config or EngineConfig())
