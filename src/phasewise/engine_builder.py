@@ -118,11 +118,11 @@ def build_engine(config: EngineConfig) -> EngineParts:
         max_len = config.scheduler.max_model_len or model_config.max_position_embeddings
         max_model_len = min(max_len, model_config.max_position_embeddings)
         kv_cache = KVCache(model_config, num_blocks, cache.block_size, kv_dtype, config.device)
-        draft = _draft_model(config, model_path, model_config, kernels, max_model_len, num_blocks) \
-            if spec.method == "draft" else None
-        proposer = NgramProposer(spec.ngram_min, spec.ngram_max) if spec.method == "ngram" else None
-        if draft is not None:
-            draft_model, draft_kv = draft
+        draft_model = proposer = None
+        if spec.method == "ngram":
+            proposer = NgramProposer(spec.ngram_min, spec.ngram_max)
+        elif spec.method == "draft":
+            draft_model, draft_kv = _draft_model(config, model_path, model_config, kernels, max_model_len, num_blocks)
             proposer = DraftModelProposer(draft_model, draft_kv, tokenizer.eos_token_ids, config.device, kernels)
         runner = ModelRunner(model, kv_cache, tokenizer.eos_token_ids, config.device, kernels, tp)
         core = EngineCore(runner, config.scheduler, num_blocks, cache.block_size, max_model_len,
@@ -134,7 +134,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         raise
     grammars = GrammarCompiler(tokenizer.backend, model_config.vocab_size, tokenizer.eos_token_ids)
     return EngineParts(config, model_path, model_config, precision, kernels, tokenizer, ranks, model, kv_cache,
-                       draft[0] if draft else None, max_model_len, grammars, core,
+                       draft_model, max_model_len, grammars, core,
                        (time.perf_counter() - started) * 1e3)
 
 
