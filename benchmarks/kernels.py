@@ -19,11 +19,9 @@ import statistics
 import time
 
 import torch
-from torch import nn
 
 from phasewise.kernels import build, quant
-from phasewise.layers.linear import OneDNNLinear, onednn_available
-from phasewise.layers.quant_linear import QuantLinear
+from phasewise.layers.linear import Linear, onednn_available
 
 L3_BYTES = 32 << 20
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
@@ -58,8 +56,17 @@ def clone(w: quant.PackedWeight) -> quant.PackedWeight:
     return quant.PackedWeight(fmt=w.fmt, n=w.n, k=w.k, blocks=c(w.blocks), scale=c(w.scale), u5_tiles=w.u5_tiles)
 
 
-def with_kernels(layer: QuantLinear, kernels) -> QuantLinear:
+def with_kernels(layer: Linear, kernels) -> Linear:
     layer.bind_kernels(kernels)
+    return layer
+
+
+def dense(w: torch.Tensor, onednn: bool) -> Linear:
+    """An fp32 layer holding w, packed for oneDNN where it runs."""
+    layer = Linear(w.shape[1], w.shape[0])
+    layer.weight.data = w
+    if onednn:
+        layer.pack_for_onednn()
     return layer
 
 
@@ -106,14 +113,12 @@ def main() -> None:
         for name in args.shapes.split(","):
             n, k = SHAPES[name]
             w = torch.randn(n, k) * 0.05
-            lin = nn.Linear(k, n, bias=False)
-            lin.weight.data = w
             onednn = onednn_available(torch.device("cpu"), torch.float32)
             packed = {f: quant.quantize_i8(w) if f in ("int8", "i8") else
                       random_packed("q8" if f == "q4" and name == "lm_head" else f, n, k) for f in args.formats.split(",")}
-            factories = {"fp32": (lambda: OneDNNLinear(lin) if onednn else lin, 4 * n * k)}
+            factories = {"fp32": (lambda: dense(w, onednn), 4 * n * k)}
             for fmt, pw in packed.items():
-                factories[fmt] = (lambda pw=pw: with_kernels(QuantLinear(clone(pw)), ext), pw.nbytes())
+                factories[fmt] = (lambda pw=pw: with_kernels(Linear.from_blocks(clone(pw)), ext), pw.nbytes())
             kernels = {}
             for kname, (make, nbytes) in factories.items():
                 copies = -(-L3_BYTES * 3 // nbytes) if args.cold else 1

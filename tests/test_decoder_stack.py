@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from phasewise.layers.attention import AttentionMetadata
-from phasewise.layers.linear import use_fast_linears
+from phasewise.loading.loader import choose_weight_forms
 from phasewise.runner.kv_cache import KVCache
 
 
@@ -22,7 +22,7 @@ def q4_model(default_model_path):
 @pytest.fixture
 def q4_stack(q4_model, ops):
     """The q4 model with one level's kernels and its decoder stack."""
-    use_fast_linears(q4_model, "cpu", torch.float32, ops)
+    choose_weight_forms(q4_model, "cpu", torch.float32, ops)
     q4_model.bind_kernels(ops)
     assert q4_model.model.stack is not None, "no decoder stack for the q4 model"
     return q4_model
@@ -130,7 +130,7 @@ def run_group_steps(model, kv_dtype: torch.dtype) -> list[torch.Tensor]:
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8], ids=["fp32-kv", "int8-kv"])
 def test_family_stack_matches_the_python_layers(int8_family_model, ops, kv_dtype):
     model = int8_family_model
-    use_fast_linears(model, "cpu", torch.float32, ops)
+    choose_weight_forms(model, "cpu", torch.float32, ops)
     model.bind_kernels(ops)
     stack = model.model.stack
     assert stack is not None, "no decoder stack for the model"

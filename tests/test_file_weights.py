@@ -8,10 +8,9 @@ import sys
 
 import pytest
 import torch
-from torch import nn
 
-from phasewise.layers.quant_embedding import QuantEmbedding
-from phasewise.layers.quant_linear import QuantLinear
+from phasewise.layers.embedding import Embedding
+from phasewise.layers.linear import Linear
 from phasewise.loading.gguf import ModelLoadError
 from phasewise.loading.loader import load_model
 from phasewise.loading.packaged import PartedModel, join_parts
@@ -28,15 +27,16 @@ def test_q4_model_holds_no_fp32_copy_of_the_files_blocks(q4_and_fp32, default_mo
     q4, _ = q4_and_fp32
     q4_path = default_model_path
     table = q4.model.embed_tokens
-    assert isinstance(table, QuantEmbedding) and table.fmt == "q8"
+    assert isinstance(table, Embedding) and table.fmt == "q8"
     assert table.blocks is q4.lm_head.blocks                   # tied: one table for the lookup and the head
-    assert not any(isinstance(m, (nn.Linear, nn.Embedding)) for m in q4.modules())
-    assert all(isinstance(m, QuantLinear) for m in (q4.lm_head, q4.model.layers[0].mlp.down_proj))
+    layers = [m for m in q4.modules() if isinstance(m, (Linear, Embedding))]
+    assert len(layers) == 4 * q4.config.num_layers + 2 and all(m.form == "blocks" for m in layers)
+    assert q4.lm_head.weight is None and table.weight is None
     fp32 = sum(t.numel() * t.element_size() for t in q4.parameters())
     assert fp32 < 64 * 1024 * q4.config.num_layers, fp32
     from phasewise.loading.loader import q4_weight_bytes
 
-    held = {t.data_ptr(): t.numel() * t.element_size() for m in q4.modules() if isinstance(m, (QuantLinear, QuantEmbedding))
+    held = {t.data_ptr(): t.numel() * t.element_size() for m in q4.modules() if isinstance(m, (Linear, Embedding))
             for t in (m.blocks, m.scale) if t is not None}
     assert q4_weight_bytes(q4_path)[0] == sum(held.values())   # `phasewise memory`'s figure, without packing
 
@@ -105,7 +105,7 @@ def test_packed_cache_maps_what_the_first_load_packed(default_model_path, tmp_pa
     second, _ = load_model(default_model_path, "q4")
     for a, b in zip(first.buffers(), second.buffers()):
         assert torch.equal(a, b)
-    assert isinstance(second.model.embed_tokens, QuantEmbedding)
+    assert second.model.embed_tokens.form == "blocks"
     assert second.model.embed_tokens.blocks is second.lm_head.blocks       # still one tied table
     monkeypatch.setattr(quantize, "pack_gguf", gguf_blocks.pack_gguf)
     files[0].write_bytes(files[0].read_bytes()[:4096])                     # cut short

@@ -103,12 +103,12 @@ def test_default_precision_is_within_1_percent_perplexity_of_fp32(path, fp32, pr
         out = llm.generate([ids], SamplingParams(max_tokens=0, prompt_logprobs=0))[0]
         return math.exp(-sum(lp.logprob for lp in out.prompt_logprobs[1:]) / (len(ids) - 1))
 
-    from phasewise.layers.quant_linear import QuantLinear
+    from phasewise.layers.linear import Linear
 
     default = LLM(model=str(path), max_num_batched_tokens=256, kv_cache_memory=0.5)
     # every projection in the file's own blocks: Q5_0 as q5 (fused with a Q8_0 v: q8), Q8_0 as q8,
     # Q4_K as k4, Q6_K as q6k
-    formats = {m.fmt for m in default.engine.model.modules() if isinstance(m, QuantLinear)}
+    formats = {m.fmt for m in default.engine.model.modules() if isinstance(m, Linear)}
     assert formats == {"q5", "q8", "k4", "q6k"}, formats
     ratio = perplexity(default) / perplexity(fp32)
     assert abs(ratio - 1) < 0.01, ratio

@@ -118,13 +118,14 @@ def test_default_precision_is_the_fast_path(default_model_path):
     """LLM() on a machine with compiled kernels: the file's own 4-bit blocks and the int8 KV cache,
     every linear layer on the kernels and the decoder stack in use; the text is still right."""
     from phasewise import LLM
-    from phasewise.layers.quant_linear import QuantLinear
+    from phasewise.layers.linear import Linear
 
     llm = LLM(kv_cache_memory=0.05, warmup=False)
     p = llm.engine.precision
     assert (p.weights, p.kv, p.chosen) == ("q4", "int8", True), p
     assert llm.engine.kv_cache.dtype == torch.int8
-    layers = [m for m in llm.engine.model.modules() if isinstance(m, QuantLinear)]
+    layers = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
+    assert {m.form for m in layers} == {"blocks"}
     assert layers and all(m.kernels is llm.engine.kernels for m in layers)
     assert llm.engine.model.model.stack is not None
     out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8))[0]

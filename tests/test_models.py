@@ -155,7 +155,7 @@ def test_gguf_k_quants_at_their_own_precision(tmp_path, chosen_ops):
     the same file; at the file's own blocks every projection keeps them (k4, q6k, k6 for Q5_K; the qkv
     of two types in two parts), the reference
     path gives the fp32 logits, the kernels (activations in int8) a close copy."""
-    from phasewise.layers.quant_linear import QuantLinear
+    from phasewise.layers.linear import Linear
 
     hf_model = build_hf(hf_config("llama", hidden_size=256, intermediate_size=512), seed=3)
     path = tmp_path / "k.gguf"
@@ -167,7 +167,7 @@ def test_gguf_k_quants_at_their_own_precision(tmp_path, chosen_ops):
     want = PagedRunner(fp32, block_size=16).forward(ids, 0)
     model, _ = load_model(path, "q4")
     formats = {name.rsplit(".", 1)[-1]: "+".join(p.fmt for p in m.packed.parts) for name, m in model.named_modules()
-               if isinstance(m, QuantLinear)}
+               if isinstance(m, Linear)}
     assert formats == {"qkv_proj": "k4+q6k", "o_proj": "k6", "gate_up_proj": "k4", "down_proj": "q6k", "lm_head": "q8"}
     torch.testing.assert_close(PagedRunner(model, block_size=16).forward(ids, 0), want, rtol=1e-4, atol=1e-4)
     model.bind_kernels(chosen_ops)
@@ -322,8 +322,8 @@ def test_bind_kernels_reaches_every_module_that_runs_them(kind, tmp_path, defaul
     """`model.bind_kernels` hands the kernels down by name, module to module: every norm, attention,
     MLP, quantized linear layer and token table gets them (and None takes them all back)."""
     from phasewise.kernels import UsesKernels
-    from phasewise.layers.quant_embedding import QuantEmbedding
-    from phasewise.layers.quant_linear import QuantLinear
+    from phasewise.layers.embedding import Embedding
+    from phasewise.layers.linear import Linear
 
     if kind == "default":
         model, _ = load_model(default_model_path, "q4")
@@ -331,9 +331,9 @@ def test_bind_kernels_reaches_every_module_that_runs_them(kind, tmp_path, defaul
         over = dict(num_hidden_layers=2, head_dim=16, sliding_window=8) if kind == "gemma3" else {}
         build_hf(hf_config(kind, **over)).save_pretrained(tmp_path)
         model, _ = load_model(tmp_path, "int8")
-    users = [m for m in model.modules() if isinstance(m, (UsesKernels, QuantLinear, QuantEmbedding))]
-    assert sum(isinstance(m, QuantLinear) for m in users) >= 4 * len(model.model.layers)
-    assert any(isinstance(m, QuantEmbedding) for m in users) == (kind == "default")
+    users = [m for m in model.modules() if isinstance(m, (UsesKernels, Linear, Embedding))]
+    assert sum(isinstance(m, Linear) and m.form == "blocks" for m in users) >= 4 * len(model.model.layers)
+    assert any(isinstance(m, Embedding) and m.form == "blocks" for m in users) == (kind == "default")
     for kernels in (chosen_ops, None):
         model.bind_kernels(kernels)
         got = [m.ops if isinstance(m, UsesKernels) else m.kernels for m in users]

@@ -12,8 +12,8 @@ import torch
 
 from phasewise.kernels import quant
 from phasewise.kernels.gguf_blocks import GGUF_BLOCKS, pack_gguf
-from phasewise.layers.linear import use_fast_linears
-from phasewise.layers.quant_linear import QuantLinear
+from phasewise.layers.linear import Linear
+from phasewise.loading.loader import choose_weight_forms
 from tests.conftest import LEVELS
 from model_builders import gguf_rows
 
@@ -108,7 +108,7 @@ def test_fused_parts_run_in_their_own_formats(ops, m):
     fused = quant.concat([pack_gguf(t, gguf_rows(t, n, 512, seed=i)) for i, (t, n) in enumerate(types)])
     assert [p.fmt for p in fused.parts] == ["k4", "q6k", "q8", "k4"]
     bias = torch.randn(fused.rows)
-    layer = QuantLinear(fused, bias)
+    layer = Linear.from_blocks(fused, bias)
     assert (layer.out_features, layer.packed.rows) == (152, 152)
     layer.bind_kernels(ops)
     x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
@@ -129,7 +129,7 @@ def test_q5_parts_before_q8_keep_their_products(ops, m):
     assert (fused.fmt, fused.u5_tiles, fused.n, fused.blocks.shape) == ("q8", 6, 136, (9, 3, 544))
     assert torch.equal(quant.dequantize(fused), torch.cat([quant.dequantize(p) for p in parts]))
     bias = torch.randn(136)
-    layer = QuantLinear(fused, bias)
+    layer = Linear.from_blocks(fused, bias)
     layer.bind_kernels(ops)
     x = torch.randn(m, 96, generator=torch.Generator().manual_seed(m))
     y, expected = layer(x), quant.emulate(x, fused, bias)
@@ -221,7 +221,7 @@ def test_kernel_matches_its_emulation(ops, fmt, m, n, k):
 def test_quant_linear_bias_padding_and_batch_dims(ops, fmt):
     w = random_weight(fmt, 40, 64)                  # N = 40: padded to 48 inside
     bias = torch.randn(40)
-    layer = QuantLinear(w, bias)
+    layer = Linear.from_blocks(w, bias)
     x = torch.randn(2, 3, 64)
     ref = layer(x)                                  # kernels unset: the reference path
     layer.bind_kernels(ops)
@@ -243,13 +243,13 @@ def test_without_kernels_the_weights_are_dequantized_once():
     a quantized model runs at float speed instead of dequantizing every weight on every call."""
     packed = random_weight("q4", 32, 64)
     bias = torch.randn(32)
-    model = torch.nn.Sequential(QuantLinear(packed, bias))
+    model = torch.nn.Sequential(Linear.from_blocks(packed, bias))
     with pytest.warns(UserWarning, match="dequantized"):
-        use_fast_linears(model, "cpu", torch.float32, kernels=None)
-    assert not isinstance(model[0], QuantLinear)
+        choose_weight_forms(model, "cpu", torch.float32, kernels=None)
+    assert model[0].form in ("dense", "onednn") and model[0].packed is None and not list(model[0].buffers())
     x = torch.randn(3, 64)
     torch.testing.assert_close(model(x), x @ quant.dequantize(packed).T + bias)
-    layer = QuantLinear(packed)                          # the layer's own reference path, any dtype
+    layer = Linear.from_blocks(packed)                   # the layer's own reference path, any dtype
     assert layer(x.bfloat16()).dtype == torch.bfloat16
 
 
@@ -272,12 +272,12 @@ def fp32_logits(default_model_path, text_ids):
 
 
 def teacher_forced(default_model_path, dtype: str, ids: list[int], kernels) -> torch.Tensor:
-    """Logits of ids through the model at `dtype`, on `kernels` (None: QuantLinear's own reference)."""
+    """Logits of ids through the model at `dtype`, on `kernels` (None: the layers' own reference path)."""
     from phasewise.loading.loader import load_model
     from tests.conftest import PagedRunner
 
     model, _ = load_model(default_model_path, dtype)
-    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    layers = [m for m in model.modules() if isinstance(m, Linear) and m.form == "blocks"]
     assert len(layers) == 4 * model.config.num_layers + 1      # the tied output head too
     if kernels is not None:
         model.bind_kernels(kernels)
@@ -330,8 +330,9 @@ def test_bf16_without_onednn_bf16_kernels_falls_back_with_a_warning(monkeypatch)
     """On a CPU whose oneDNN has no bf16 kernels (Zen 3: its weight reorder needs AVX-512), bf16 layers
     stay plain PyTorch linears, with a warning, instead of dying in oneDNN."""
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 32).bfloat16())
+    model = torch.nn.Sequential(Linear(64, 32).bfloat16())
+    torch.nn.init.normal_(model[0].weight)
     with pytest.warns(UserWarning, match="bf16"):
-        assert use_fast_linears(model, "cpu", torch.bfloat16) == 0
-    assert type(model[0]) is torch.nn.Linear
+        assert choose_weight_forms(model, "cpu", torch.bfloat16) == 0
+    assert model[0].form == "dense"
     assert model(torch.randn(3, 64).bfloat16()).dtype == torch.bfloat16

@@ -12,10 +12,11 @@ from torch import Tensor
 
 # A packed weight as the ops take it: (format id, rows, blocks, scale); a fused projection's further parts
 WeightPart = tuple[int, int, Tensor, Tensor]
-# one linear layer of the decoder stack: (format id, rows, blocks, scale, bias, u5 tiles, further parts)
-StackLinear = tuple[int, int, Tensor, Tensor, Union[Tensor, None], int, Sequence[WeightPart]]
+# one linear layer's blocks as quant_linear and the decoder stack take them:
+# (format id, rows, blocks, scale, bias, u5 tiles, further parts)
+PackedLinearArgs = tuple[int, int, Tensor, Tensor, Union[Tensor, None], int, Sequence[WeightPart]]
 # one decoder layer: its two norm weights, then qkv, o, gate_up, down
-StackLayer = tuple[Tensor, Tensor, StackLinear, StackLinear, StackLinear, StackLinear]
+StackLayer = tuple[Tensor, Tensor, PackedLinearArgs, PackedLinearArgs, PackedLinearArgs, PackedLinearArgs]
 # a layer's extras: q/k norm weights, the feed-forward sandwich norms (None where the model has none),
 # RoPE cos and sin, its KV group and window
 StackExtras = tuple[Union[Tensor, None], Union[Tensor, None], Union[Tensor, None], Union[Tensor, None], Tensor,

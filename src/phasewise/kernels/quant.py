@@ -317,7 +317,7 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     m, k = x.shape
     xb = x.float().reshape(m, k // QK, QK)
     amax = xb.abs().amax(dim=-1)
-    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    inv = torch.where(amax > 0, torch.full_like(amax, 127) / amax, torch.zeros_like(amax))   # (127 / t is 1/t * 127)
     xq = torch.round(xb * inv[..., None]).clamp(-127, 127)
     dx = amax / 127
     return xq.to(torch.int8).reshape(m, k), dx, dx * xq.sum(-1)

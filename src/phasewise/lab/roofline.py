@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from phasewise.layers.linear import OneDNNLinear, onednn_available
+from phasewise.layers.linear import Linear, onednn_available
 from phasewise.models.config import ModelConfig
 
 
@@ -55,10 +55,13 @@ def measure_machine(dtype: torch.dtype = torch.float32, dram_mib: int = 1024, ca
         return buf.numel() * 4 * reps / secs / 1e9
 
     x = torch.randn(matmul_n, matmul_n).to(dtype)
-    linear = torch.nn.Linear(matmul_n, matmul_n, bias=False).to(dtype).requires_grad_(False)
-    kernels = [linear]
-    if onednn_available(torch.device("cpu"), dtype):
-        kernels.append(OneDNNLinear(linear))
+    def layer(onednn: bool) -> Linear:
+        linear = Linear(matmul_n, matmul_n).to(dtype)
+        torch.nn.init.normal_(linear.weight, std=matmul_n ** -0.5)
+        if onednn:
+            linear.pack_for_onednn()
+        return linear
+    kernels = [layer(False)] + ([layer(True)] if onednn_available(torch.device("cpu"), dtype) else [])
     secs = min(_best_seconds(lambda k=k: k(x), repeats) for k in kernels)
     return Machine(read_gbs(dram_mib), read_gbs(cache_mib), 2 * matmul_n**3 / secs / 1e9, int8_peak_gops(repeats))
 
@@ -133,9 +136,7 @@ def head_params(cfg: ModelConfig) -> int:
 def weight_bytes_per_param(model: torch.nn.Module, cfg: ModelConfig, element_size: int) -> float:
     """Bytes a decode step reads per linear weight: quantized layers' stored bytes (quants, scales), else
     the element size of the weights' dtype."""
-    from phasewise.layers.quant_linear import QuantLinear
-
-    quant = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    quant = [m for m in model.modules() if isinstance(m, Linear) and m.form == "blocks"]
     if not quant:
         return float(element_size)
     stored = sum(b.numel() * b.element_size() for m in quant for name, b in m.named_buffers() if name != "bias")
@@ -160,10 +161,8 @@ def request_flops(cfg: ModelConfig, prompt_tokens: int, output_tokens: int) -> f
 
 def model_weights(model: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype) -> tuple[float, bool]:
     """Bytes per linear weight as stored, and whether the int8 kernels run them (their roof: the int8 peak)."""
-    from phasewise.layers.quant_linear import QuantLinear
-
     element = torch.empty((), dtype=dtype).element_size()
-    quantized = any(isinstance(m, QuantLinear) and m.kernels is not None for m in model.modules())
+    quantized = any(isinstance(m, Linear) and m.form == "blocks" and m.kernels is not None for m in model.modules())
     return weight_bytes_per_param(model, cfg, element), quantized
 
 

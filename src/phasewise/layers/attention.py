@@ -165,7 +165,7 @@ def quantize_query(q: torch.Tensor, scale: float) -> torch.Tensor:
     scores, x·k, are the int8 dot products times the two steps."""
     x = q.float() * scale
     amax = x.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    inv = torch.where(amax > 0, torch.full_like(amax, 127) / amax, torch.zeros_like(amax))   # as the kernels divide
     return (torch.round(x * inv) * (amax / 127) / scale).to(q.dtype)
 
 

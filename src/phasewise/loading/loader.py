@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from phasewise.distributed import TensorParallel
-from phasewise.layers.linear import use_fast_linears
+from phasewise.layers.linear import Linear, onednn_available
 from phasewise.layers.rotary import RotaryEmbedding
 from phasewise.loading.gguf import GGUFFile, ModelLoadError
 from phasewise.loading.packaged import PACKAGED_MODELS, default_model_path, packaged_model_path
-from phasewise.loading.quantize import (WEIGHT_FORMATS, FileWeights, packed_bytes, plan_file_weights, quantize_model,
-                                       use_file_weights)
+from phasewise.loading.quantize import (WEIGHT_FORMATS, FileWeights, fill_file_weights, packed_bytes, plan_file_weights,
+                                       quantize_rest)
 from phasewise.loading.safetensors import hf_tensors, safetensors_files
 from phasewise.loading.sharding import check_tensor_parallel, shard_config, shard_weights
 from phasewise.models.config import ModelConfig
@@ -59,7 +60,7 @@ def load_model(path: Path, dtype: torch.dtype | str = torch.float32, device: tor
     """Build the model for `path` (a .gguf file or an HF folder) with every weight loaded; with `tp`,
     this rank's part of it (loading/sharding.py), and the config of that part.
 
-    dtype "int8" or "q4" loads in fp32, then swaps the linear layers for quantized ones (loading/quantize.py);
+    dtype "int8" or "q4" loads in fp32, then fills the linear layers with quantized blocks (loading/quantize.py);
     q4 from a GGUF takes the file's blocks for every layer (and the token table) that has them without
     reading those weights in fp32 at all, and with `packed_cache` maps them from the packed-weight
     cache when an earlier load left them there (loading/packed_cache.py).
@@ -99,13 +100,13 @@ def load_model(path: Path, dtype: torch.dtype | str = torch.float32, device: tor
         except (KeyError, ValueError) as e:  # a tensor with no place in the model, or the wrong shape
             msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
             raise ModelLoadError(f"{path}: {msg}") from None
-    use_file_weights(model, plan)             # the planned layers' fp32 weights were never written
+    fill_file_weights(model, plan)            # the planned layers' fp32 weights were never written
     missing = model.expected_weights() - loaded
     if missing:
         raise ModelLoadError(f"{path}: {len(missing)} weights missing from the checkpoint, "
                              f"e.g. {sorted(missing)[0]}")
     if weight_format:
-        quantize_model(model)
+        quantize_rest(model)
     return model.eval(), cfg
 
 
@@ -175,6 +176,32 @@ def load_prepared(path: Path, dtype: str, device: str = "cpu", kernels: Kernels 
     their reference paths); `plain`: no oneDNN either (kernels="torch")."""
     model, cfg = load_model(path, dtype, device, tp, packed_cache, kernels)
     torch_dtype = parse_dtype(dtype)
-    use_fast_linears(model, device, torch_dtype, kernels, onednn=not plain)
+    choose_weight_forms(model, device, torch_dtype, kernels, onednn=not plain)
     model.bind_kernels(kernels if torch_dtype == torch.float32 else None)
     return model, cfg
+
+
+def choose_weight_forms(model: nn.Module, device: torch.device | str, dtype: torch.dtype,
+                        kernels: Kernels | None = None, onednn: bool = True) -> int:
+    """Each linear layer's form for running: blocks stay where `kernels` can run them (the CPU) and
+    are dequantized once into `dtype` otherwise; dense weights are packed for oneDNN where it is
+    available (and `onednn`). Returns how many layers were given a fast kernel."""
+    device = torch.device(device)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    blocks = [m for m in linears if m.form == "blocks"]
+    if blocks and (kernels is None or device.type != "cpu"):
+        warnings.warn(f"phasewise: no compiled kernels for the {blocks[0].fmt} weights here; they are "
+                      f"dequantized to {str(dtype).removeprefix('torch.')} once at load (float speed and memory)",
+                      stacklevel=2)
+        for layer in blocks:
+            layer.dequantize(dtype)
+        blocks = []
+    if not onednn or not onednn_available(device, dtype):
+        if onednn and device.type == "cpu" and dtype == torch.bfloat16:
+            warnings.warn("phasewise: this CPU has no bf16 kernels in oneDNN; bf16 runs PyTorch's generic "
+                          "linears (slow): --dtype fp32 or the default is faster here", stacklevel=2)
+        return len(blocks)
+    dense = [m for m in linears if m.form == "dense"]
+    for layer in dense:
+        layer.pack_for_onednn()
+    return len(dense) + len(blocks)

@@ -1,4 +1,4 @@
-"""Swap a loaded model's nn.Linear layers for QuantLinear: `--quantization int8` and `--quantization q4`.
+"""Fill a model's linear layers with quantized blocks: `--quantization int8` and `--quantization q4`.
 
 - int8: every linear (the tied output head too) quantized per output channel from its fp32
   weight; fused projections (qkv, gate_up) are quantized after fusion, one scale per fused row.
@@ -10,8 +10,8 @@
 
 With q4 the file's blocks are planned before any weight is read (`plan_file_weights`): the
 loader then never reads those weights in fp32, and the token table stays in its blocks too
-(QuantEmbedding, sharing the head's when tied), so memory holds the packed weights and little
-else.
+(its `Embedding` in blocks, sharing the head's when tied), so memory holds the packed weights and
+little else. Every layer is filled in place (layers/linear.py): no module is replaced.
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ from torch import nn
 from phasewise.distributed import TensorParallel
 from phasewise.kernels import quant
 from phasewise.kernels.gguf_blocks import GGUF_BLOCKS, pack_gguf
-from phasewise.layers.quant_embedding import QuantEmbedding
-from phasewise.layers.quant_linear import QuantLinear
+from phasewise.layers.linear import Linear
 from phasewise.loading import packed_cache
 from phasewise.loading.gguf import GGUFFile
 from phasewise.loading.sharding import shard_raw
@@ -44,7 +43,7 @@ FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gat
 @dataclass
 class FileWeights:
     """What a GGUF's own blocks give a model before its weights are read: packed linear layers
-    by module path, the token table (None: it stays an fp32 nn.Embedding), and the checkpoint
+    by module path, the token table (None: it stays dense), and the checkpoint
     names they stand for (the loader skips reading those)."""
     linears: dict[str, quant.PackedWeight] = field(default_factory=dict)
     embedding: quant.PackedWeight | None = None
@@ -125,8 +124,8 @@ def packed_bytes(model: nn.Module, cfg: ModelConfig, gguf: GGUFFile) -> tuple[fl
     return packed, stored
 
 
-def use_file_weights(model: nn.Module, plan: FileWeights) -> None:
-    """Swap the planned layers in (each QuantLinear keeps its nn.Linear's loaded bias)."""
+def fill_file_weights(model: nn.Module, plan: FileWeights) -> None:
+    """Fill the planned layers with their blocks (each keeps its loaded bias), and the token table."""
     moved: dict[int, quant.PackedWeight] = {}      # a tied table moves once: head and embedding share it
     def to(w: quant.PackedWeight, device) -> quant.PackedWeight:  # noqa: E306
         return moved.setdefault(id(w), _to(w, device))
@@ -134,28 +133,21 @@ def use_file_weights(model: nn.Module, plan: FileWeights) -> None:
     for path, linear in _linears(model):
         device = linear.weight.device
         if path in plan.linears:
-            parent, name = _parent(model, path)
-            setattr(parent, name, QuantLinear.from_linear(linear, to(plan.linears[path], device)))
+            linear.fill_blocks(to(plan.linears[path], device))
     if plan.embedding is not None:
-        parent, name = _parent(model, "model.embed_tokens")
-        setattr(parent, name, QuantEmbedding(to(plan.embedding, device)))
+        model.get_submodule("model.embed_tokens").fill_blocks(to(plan.embedding, device))
 
 
-def quantize_model(model: nn.Module) -> dict[str, int]:
-    """Quantize every remaining nn.Linear in place to int8 per channel (with q4, what the file does
-    not hold in blocks: `plan_file_weights` took the rest); returns how many layers ended in each
-    format."""
+def quantize_rest(model: nn.Module) -> dict[str, int]:
+    """Quantize every linear layer still dense to int8 per channel (with q4, what the file does not
+    hold in blocks: `plan_file_weights` took the rest); returns how many layers ended in each format."""
+    for _, linear in _linears(model):
+        if linear.in_features % quant.QK == 0:   # else no int8 blocks for this width: it stays dense
+            linear.quantize()
     counts: dict[str, int] = {}
     for module in model.modules():
-        if isinstance(module, QuantLinear):
-            counts[module.fmt] = counts.get(module.fmt, 0) + 1
-    for path, linear in _linears(model):
-        if linear.in_features % quant.QK:
-            counts["fp32"] = counts.get("fp32", 0) + 1   # no int8 blocks for this width: stays as it is
-            continue
-        parent, name = _parent(model, path)
-        setattr(parent, name, QuantLinear.from_linear(linear))
-        counts["i8"] = counts.get("i8", 0) + 1
+        if isinstance(module, Linear):
+            counts[module.fmt or "float"] = counts.get(module.fmt or "float", 0) + 1
     return counts
 
 
@@ -168,13 +160,9 @@ def part_names(gguf: GGUFFile, cfg: ModelConfig, path: str) -> list[str]:
     return [name]
 
 
-def _linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
-    return [(path, m) for path, m in model.named_modules() if isinstance(m, nn.Linear)]
-
-
-def _parent(model: nn.Module, path: str) -> tuple[nn.Module, str]:
-    head, _, name = path.rpartition(".")
-    return (model.get_submodule(head) if head else model), name
+def _linears(model: nn.Module) -> list[tuple[str, Linear]]:
+    """The linear layers still dense, by module path."""
+    return [(path, m) for path, m in model.named_modules() if isinstance(m, Linear) and m.form == "dense"]
 
 
 def file_blocks(gguf: GGUFFile, cfg: ModelConfig, path: str, tp: TensorParallel | None = None,

@@ -19,7 +19,8 @@ from phasewise.distributed import TensorParallel
 from phasewise.kernels import UsesKernels, applies
 from phasewise.kernels.kernel_api import DecoderStack, Kernels
 from phasewise.layers.attention import AttentionMetadata, LayerKV, paged_attention
-from phasewise.layers.linear import bind_weights
+from phasewise.layers.embedding import Embedding
+from phasewise.layers.linear import Linear
 from phasewise.layers.norm import RMSNorm
 from phasewise.layers.rotary import RotaryEmbedding
 from phasewise.models.config import ModelConfig
@@ -36,8 +37,8 @@ class LlamaAttention(UsesKernels, nn.Module):
                  tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.cfg, self.tp = cfg, tp
-        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=False)
         self.rotary = rotary
         self.window = cfg.window(layer)
         self.kv_group = cfg.kv_place(layer)[0]
@@ -48,11 +49,9 @@ class LlamaAttention(UsesKernels, nn.Module):
 
     def bind_kernels(self, kernels: Kernels | None) -> None:
         self.ops = kernels
-        bind_weights(self.qkv_proj, kernels)
-        bind_weights(self.o_proj, kernels)
-        if self.cfg.qk_norm:
-            self.q_norm.bind_kernels(kernels)
-            self.k_norm.bind_kernels(kernels)
+        parts = [self.qkv_proj, self.o_proj] + ([self.q_norm, self.k_norm] if self.cfg.qk_norm else [])
+        for part in parts:
+            part.bind_kernels(kernels)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -87,14 +86,14 @@ class LlamaMLP(UsesKernels, nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.tp = tp
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.gelu = cfg.hidden_act == "gelu_tanh"
 
     def bind_kernels(self, kernels: Kernels | None) -> None:
         self.ops = kernels
-        bind_weights(self.gate_up_proj, kernels)
-        bind_weights(self.down_proj, kernels)
+        self.gate_up_proj.bind_kernels(kernels)
+        self.down_proj.bind_kernels(kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)                    # [T, 2 I]
@@ -132,20 +131,18 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-def vocab_embedding(cfg: ModelConfig, tp: TensorParallel | None) -> nn.Embedding:
-    """The token table (this rank's part of the vocabulary, with tp). Weights arrive from the
-    checkpoint: no random init (nn.Embedding's normal_ is slow, even on meta)."""
-    rows = cfg.vocab_size if tp is None else tp.padded(cfg.vocab_size)
-    return nn.Embedding(rows, cfg.hidden_size, _weight=torch.empty(rows, cfg.hidden_size))
+def vocab_embedding(cfg: ModelConfig, tp: TensorParallel | None) -> Embedding:
+    """The token table (this rank's part of the vocabulary, with tp)."""
+    return Embedding(cfg.vocab_size if tp is None else tp.padded(cfg.vocab_size), cfg.hidden_size)
 
 
-def embed(table: nn.Embedding, ids: torch.Tensor, cfg: ModelConfig, tp: TensorParallel | None) -> torch.Tensor:
+def embed(table: Embedding, ids: torch.Tensor, cfg: ModelConfig, tp: TensorParallel | None) -> torch.Tensor:
     return table(ids) if tp is None else tp.embed(table, ids, cfg.vocab_size)
 
 
 def bind_layers(model: nn.Module, kernels: Kernels | None) -> None:
     """A decoder's (LlamaModel's, Gemma3Model's) token table, layers and final norm take the kernels."""
-    bind_weights(model.embed_tokens, kernels)
+    model.embed_tokens.bind_kernels(kernels)
     for layer in model.layers:
         layer.bind_kernels(kernels)
     model.norm.bind_kernels(kernels)
@@ -196,14 +193,14 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config, self.tp = cfg, tp
         self.model = self.model_class(cfg, tp)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size if tp is None else tp.padded(cfg.vocab_size),
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size if tp is None else tp.padded(cfg.vocab_size),
                                  bias=False)
         self.tie_weights()
 
     def bind_kernels(self, kernels: Kernels | None) -> None:
         """The one way kernels reach the model (the loader calls it; None: the reference paths)."""
         self.model.bind_kernels(kernels)
-        bind_weights(self.lm_head, kernels)
+        self.lm_head.bind_kernels(kernels)
 
     def tie_weights(self) -> None:
         """Share the embedding with the output head (again after `to_empty`, which unties)."""

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from phasewise.layers.attention import AttentionMetadata, LayerKV
-from phasewise.layers.quant_linear import QuantLinear
+from phasewise.layers.linear import Linear
 from phasewise.models.config import ModelConfig
 from phasewise.kernels.kernel_api import DecoderStack, Kernels, StackExtras, StackLayer
 
@@ -28,16 +28,15 @@ def build_stack(kernels: Kernels | None, cfg: ModelConfig, layers: nn.ModuleList
     extras: list[StackExtras] = []
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
-        linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+        linears: list[Linear] = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
         norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
         ffn = [layer.pre_feedforward_layernorm.weight, layer.post_feedforward_layernorm.weight] if sandwich else []
         qk = [attn.q_norm.weight, attn.k_norm.weight] if cfg.qk_norm else []
         rope = [attn.rotary.cos, attn.rotary.sin]
-        if not all(isinstance(m, QuantLinear) and _on_cpu(m.blocks) for m in linears) \
+        if not all(m.form == "blocks" and _on_cpu(m.blocks) for m in linears) \
                 or not all(map(_fp32_cpu, norms + ffn + qk + rope)):
             return None
-        args.append((*(w.detach() for w in norms), *[(m.fmt_id, m.out_features, m.blocks, m.scale, m.bias, m.u5_tiles,
-                                                       m.rest_args()) for m in linears]))
+        args.append((*(w.detach() for w in norms), *[m.packed_args() for m in linears]))
         qk = [w.detach() for w in qk] or [None, None]
         ffn = [w.detach() for w in ffn] or [None, None]
         extras.append((*qk, *ffn, *rope, attn.kv_group, attn.window or 0))
