@@ -244,8 +244,10 @@ def test_without_kernels_the_weights_are_dequantized_once():
     packed = random_weight("q4", 32, 64)
     bias = torch.randn(32)
     model = torch.nn.Sequential(Linear.from_blocks(packed, bias))
+    layer = model[0]
     with pytest.warns(UserWarning, match="dequantized"):
         choose_weight_forms(model, "cpu", torch.float32, kernels=None)
+    assert model[0] is layer                             # the layer's weight changed form, the layer stayed
     assert model[0].form in ("dense", "onednn") and model[0].packed is None and not list(model[0].buffers())
     x = torch.randn(3, 64)
     torch.testing.assert_close(model(x), x @ quant.dequantize(packed).T + bias)

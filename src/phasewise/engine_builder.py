@@ -5,7 +5,6 @@ and core over them. `build_engine` returns the parts; `LLMEngine` drives them.""
 from __future__ import annotations
 
 import time
-import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +12,6 @@ from pathlib import Path
 import torch
 
 from phasewise.config import EngineConfig, SpeculativeConfig
-from phasewise.distributed import TensorParallel, init_tensor_parallel, launched_rank
 from phasewise.engine.core import EngineCore
 from phasewise.kernels import build as kernel_build
 from phasewise.kernels.kernel_api import Kernels
@@ -23,7 +21,7 @@ from phasewise.models.config import ModelConfig
 from phasewise.precision import Precision, choose as choose_precision
 from phasewise.runner.kv_cache import KVCache, kv_bytes_per_block, num_blocks_for_memory
 from phasewise.runner.model_runner import ModelRunner
-from phasewise.runner.tp_worker import Setup, TPWorkers, threads_per_rank
+from phasewise.runner.tp_worker import Setup, TensorParallelRanks, start_ranks
 from phasewise.spec_decode.draft_model import DraftModelProposer
 from phasewise.spec_decode.ngram import NgramProposer
 from phasewise.structured import GrammarCompiler
@@ -46,20 +44,6 @@ def choose_kernels(config: EngineConfig) -> Kernels | None:
     if config.kernels == "torch" or torch.device(config.device).type != "cpu":
         return None
     return kernel_build.load()
-
-
-@dataclass
-class TensorParallelRanks:
-    """Rank 0's handle on a tensor-parallel engine: its group, the other ranks' processes, and the
-    finalizer that stops them (run by `stop()`, or when the handle is collected)."""
-    group: TensorParallel
-    workers: TPWorkers
-
-    def __post_init__(self) -> None:
-        self._finalizer = weakref.finalize(self, self.workers.stop, self.group)
-
-    def stop(self) -> None:
-        self._finalizer()
 
 
 @dataclass
@@ -96,7 +80,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     precision = choose_precision(model_path, config.dtype, cache.kv_dtype, kernels)
     dtype = parse_dtype(precision.weights)
     kv_dtype = torch.int8 if precision.kv == "int8" else dtype
-    ranks = _start_tensor_parallel(size, config.device)
+    ranks = start_ranks(size, config.device)
     try:
         tp = ranks.group if ranks else None
         part = shard_config(full, tp) if tp else full     # what this rank holds
@@ -136,24 +120,6 @@ def build_engine(config: EngineConfig) -> EngineParts:
     return EngineParts(config, model_path, model_config, precision, kernels, tokenizer, ranks, model, kv_cache,
                        draft_model, max_model_len, grammars, core,
                        (time.perf_counter() - started) * 1e3)
-
-
-def _start_tensor_parallel(size: int, device: str) -> TensorParallelRanks | None:
-    """With size > 1: spawn ranks 1..size-1 on this machine, join their group as rank 0, and share
-    this process's threads among the ranks; under torchrun, join the group its environment names
-    (this must be rank 0; the others run cli's worker path)."""
-    if size == 1:
-        return None
-    launched = launched_rank()
-    if launched is not None:
-        rank, world = launched
-        if (rank, world) != (0, size):
-            raise ValueError(f"the engine runs on rank 0 of {size} (torchrun started rank {rank} of {world})")
-        return TensorParallelRanks(init_tensor_parallel(0, size, "env://", device), TPWorkers.launched())
-    threads = threads_per_rank(size, torch.get_num_threads())
-    workers = TPWorkers.spawn(size, threads, device)
-    torch.set_num_threads(threads)
-    return TensorParallelRanks(init_tensor_parallel(0, size, workers.init_method, device), workers)
 
 
 def _draft_model(config: EngineConfig, target_path: Path, target: ModelConfig, kernels: Kernels | None,

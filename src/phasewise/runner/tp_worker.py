@@ -18,13 +18,14 @@ import os
 import socket
 import subprocess
 import sys
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from phasewise.distributed import TensorParallel, init_tensor_parallel, rank_device
+from phasewise.distributed import TensorParallel, init_tensor_parallel, launched_rank, rank_device
 from phasewise.kernels import build as kernel_build
 from phasewise.loading.loader import load_prepared, parse_dtype
 from phasewise.runner.kv_cache import KVCache
@@ -87,6 +88,38 @@ class TPWorkers:
                 p.wait()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+@dataclass
+class TensorParallelRanks:
+    """Rank 0's handle on a tensor-parallel engine: its group, the other ranks' processes, and the
+    finalizer that stops them (run by `stop()`, or when the handle is collected)."""
+    group: TensorParallel
+    workers: TPWorkers
+
+    def __post_init__(self) -> None:
+        self._finalizer = weakref.finalize(self, self.workers.stop, self.group)
+
+    def stop(self) -> None:
+        self._finalizer()
+
+
+def start_ranks(size: int, device: str) -> TensorParallelRanks | None:
+    """With size > 1: spawn ranks 1..size-1 on this machine, join their group as rank 0, and share
+    this process's threads among the ranks; under torchrun, join the group its environment names
+    (this must be rank 0; the others run cli's worker path)."""
+    if size == 1:
+        return None
+    launched = launched_rank()
+    if launched is not None:
+        rank, world = launched
+        if (rank, world) != (0, size):
+            raise ValueError(f"the engine runs on rank 0 of {size} (torchrun started rank {rank} of {world})")
+        return TensorParallelRanks(init_tensor_parallel(0, size, "env://", device), TPWorkers.launched())
+    threads = threads_per_rank(size, torch.get_num_threads())
+    workers = TPWorkers.spawn(size, threads, device)
+    torch.set_num_threads(threads)
+    return TensorParallelRanks(init_tensor_parallel(0, size, workers.init_method, device), workers)
 
 
 def _worker_main(rank: int, size: int, init_method: str, threads: int, device: str = "cpu") -> None:
