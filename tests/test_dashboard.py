@@ -4,6 +4,7 @@ server with an API key. The page itself is tested in a real browser: tests/brows
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from types import SimpleNamespace
 
 import httpx
@@ -72,13 +73,13 @@ def test_feed_sends_what_is_new_since_the_cursor_and_every_live_request():
     a.metrics.token_times += [9.25, 9.35]          # two more tokens: gaps of 50 and 100 ms
     a.metrics.grammar_compile_ms = 1.5             # a structured output: its grammar's cost shows
     feed.on_step(StepRecord(start=9.3, duration_ms=50.0, num_prefill_tokens=0, num_decode_tokens=2, batch_size=1,
-                            grammar_ms=0.25), _stats(2, 1))
+                            grammar_ms=0.25, threads=1), replace(_stats(2, 1), threads=1, cpus_busy_elsewhere=0.93))
     feed.on_delta(_delta(a, 2, 8, 4))
     a.metrics.finished = 9.35
     feed.on_finish(a, "length")
     clock[0] = 10.5                                # past the half-second cache of the windowed figures
     second = feed.snapshot(first["seq"], _stats(0, 0))
-    assert [(s["decode"], s["grammar_ms"]) for s in second["steps"]] == [(2, 0.25)]
+    assert [(s["decode"], s["grammar_ms"], s["threads"], s["others"]) for s in second["steps"]] == [(2, 0.25, 1, 0.93)]
     assert second["finished"][0]["grammar_compile_ms"] == 1.5
     assert [(r["id"], r["reason"], r["tokens"]) for r in second["finished"]] == [("a", "length", 3)]
     assert second["finished"][0]["itl_mean_ms"] == pytest.approx(75.0)

@@ -240,5 +240,7 @@ def test_metrics_exposition(server):
         assert f"phasewise:{name}" in m, name
     assert m["phasewise:prompt_tokens_total"] > 0 and m["phasewise:generation_tokens_total"] > 0
     assert m['phasewise:requests_finished_total{finished_reason="length",model_name="%s"}' % MODEL] > 0
+    assert m["phasewise:threads"] >= 1                          # the kernels' threads, and what others take
+    assert m["phasewise:cpus_busy_elsewhere"] >= 0 and m["phasewise:cpu_wait_seconds_total"] >= 0
 
 

@@ -132,7 +132,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     llm = LLM(args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
               kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len, kv_dtype=args.kv_dtype,
-              speculative=spec, tensor_parallel_size=args.tensor_parallel_size, packed_cache=args.packed_cache)
+              speculative=spec, tensor_parallel_size=args.tensor_parallel_size, packed_cache=args.packed_cache,
+              threads=args.threads)
     print(f"phasewise: {llm.engine.precision.describe()}", file=sys.stderr)
     if args.raw:
         prompt = args.prompt
@@ -212,7 +213,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           kv_dtype=args.kv_dtype),
         scheduler=SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, args.max_model_len),
         speculative=spec, tensor_parallel_size=args.tensor_parallel_size, kv_role=args.role, kv_peer=args.kv_peer,
-        packed_cache=args.packed_cache)
+        packed_cache=args.packed_cache, threads=args.threads)
     def build() -> LLMEngine:                  # on the engine thread, which then owns the OpenMP pool
         engine = LLMEngine(config)
         engine.warmup()

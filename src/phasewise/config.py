@@ -85,10 +85,14 @@ class EngineConfig:
     kv_role: str | None = None           # "prefill" or "decode": one side of a disaggregated pair
     kv_peer: str | None = None           # the pair's rendezvous (tcp://host:port), both sides the same
     packed_cache: bool = True            # map packed GGUF weights from <cache>/packed (loading/packed_cache.py)
+    threads: int | None = None           # kernel threads: None adapts to the CPUs other programs leave free
+                                         # (runner/thread_governor.py), N pins
 
     def __post_init__(self) -> None:
         if self.kernels not in ("auto", "torch"):
             raise ValueError(f"kernels must be 'auto' or 'torch', got {self.kernels!r}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be at least 1, got {self.threads}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if self.kv_role not in (None, "prefill", "decode"):

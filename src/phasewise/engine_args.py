@@ -30,9 +30,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-packed-cache", dest="packed_cache", action="store_false",
                    help="repack a GGUF's weights at every load instead of mapping them from the packed-weight "
                         "cache (<cache>/packed, written by the first load)")
-    g.add_argument("--threads", type=positive_int, default=None,
-                   help="CPU threads for the model (default: torch's, one per core); on a small machine, "
-                        "`serve --threads <cores - 1>` leaves a core to the HTTP side and its clients")
+    g.add_argument("--threads", type=threads_arg, default=None, metavar="auto|N",
+                   help="CPU threads for the model's kernels. auto (default): one per core while the machine "
+                        "is free, fewer while other programs keep cores busy; N pins the count (on a small "
+                        "machine, `serve --threads <cores - 1>` leaves a core to the HTTP side and its clients)")
     g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
                    help="split the model over this many processes on this machine (torch.distributed, gloo on "
                         "CPUs); each gets an equal share of the threads")
@@ -44,6 +45,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ngram-max", type=int, default=4, help="longest n-gram matched by --speculative ngram")
     g.add_argument("--draft-quantization", default="q4", choices=["none", "int8", "q4"],
                    help="the draft model's weight format (none: fp32)")
+
+
+def threads_arg(text: str) -> int | None:
+    """--threads: "auto" (None) or a positive count."""
+    return None if text == "auto" else positive_int(text)
 
 
 def positive_int(text: str) -> int:

@@ -21,6 +21,7 @@ from phasewise.models.config import ModelConfig
 from phasewise.precision import Precision, choose as choose_precision
 from phasewise.runner.kv_cache import KVCache, kv_bytes_per_block, num_blocks_for_memory
 from phasewise.runner.model_runner import ModelRunner
+from phasewise.runner.thread_governor import ThreadGovernor
 from phasewise.runner.tp_worker import Setup, TensorParallelRanks, start_ranks
 from phasewise.spec_decode.draft_model import DraftModelProposer
 from phasewise.spec_decode.ngram import NgramProposer
@@ -62,6 +63,7 @@ class EngineParts:
     max_model_len: int
     grammars: GrammarCompiler
     core: EngineCore
+    threads: ThreadGovernor                   # the kernels' thread count (pinned, or adapting to the machine)
     load_ms: float                            # building took this long
 
 
@@ -80,6 +82,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
     precision = choose_precision(model_path, config.dtype, cache.kv_dtype, kernels)
     dtype = parse_dtype(precision.weights)
     kv_dtype = torch.int8 if precision.kv == "int8" else dtype
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
     ranks = start_ranks(size, config.device)
     try:
         tp = ranks.group if ranks else None
@@ -117,8 +121,10 @@ def build_engine(config: EngineConfig) -> EngineParts:
             ranks.stop()
         raise
     grammars = GrammarCompiler(tokenizer.backend, model_config.vocab_size, tokenizer.eos_token_ids)
+    adapt = config.threads is None and ranks is None and torch.device(config.device).type == "cpu"
+    threads = ThreadGovernor(torch.get_num_threads(), adapt)
     return EngineParts(config, model_path, model_config, precision, kernels, tokenizer, ranks, model, kv_cache,
-                       draft_model, max_model_len, grammars, core,
+                       draft_model, max_model_len, grammars, core, threads,
                        (time.perf_counter() - started) * 1e3)
 
 

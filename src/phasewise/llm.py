@@ -24,14 +24,17 @@ class LLM:
                  max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
                  max_model_len: int | None = None, kv_dtype: str = "auto",
                  speculative: str | SpeculativeConfig | None = None, num_speculative_tokens: int = 4,
-                 tensor_parallel_size: int = 1, warmup: bool = True, packed_cache: bool = True) -> None:
+                 tensor_parallel_size: int = 1, warmup: bool = True, packed_cache: bool = True,
+                 threads: int | None = None) -> None:
         """dtype (the float type) and quantization (the weight format: int8, q4, none) and kv_dtype
         "auto": the fastest precision for this machine within 0.5% perplexity of the file's weights
         (precision.py; `engine.precision` says which). speculative: None,
         "ngram", "draft" (this model's file at q4) or "draft:MODEL", with num_speculative_tokens
         drafts per step; a SpeculativeConfig for the other settings. tensor_parallel_size: split the
         model over that many processes on this machine (close() stops them). packed_cache: map a GGUF's
-        packed weights from the cache directory after the first load packs them."""
+        packed weights from the cache directory after the first load packs them. threads: the kernels'
+        thread count, pinned (None: one per core while the machine is free, fewer while other programs
+        keep cores busy)."""
         if not isinstance(speculative, SpeculativeConfig):
             speculative = SpeculativeConfig.parse(speculative, num_speculative_tokens=num_speculative_tokens)
         config = EngineConfig(
@@ -39,7 +42,8 @@ class LLM:
             cache=CacheConfig(block_size=block_size, kv_cache_memory_gib=kv_cache_memory, num_blocks=num_blocks,
                               enable_prefix_caching=enable_prefix_caching, kv_dtype=kv_dtype),
             scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs, max_model_len),
-            speculative=speculative, tensor_parallel_size=tensor_parallel_size, packed_cache=packed_cache)
+            speculative=speculative, tensor_parallel_size=tensor_parallel_size, packed_cache=packed_cache,
+            threads=threads)
         self.engine = LLMEngine(config)
         if warmup:
             self.engine.warmup()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import replace
 
 import torch
 
@@ -32,7 +33,7 @@ class LLMEngine:
         self.precision, self.kernels, self.tokenizer = parts.precision, parts.kernels, parts.tokenizer
         self.model, self.draft_model, self.kv_cache = parts.model, parts.draft_model, parts.kv_cache
         self.max_model_len, self.grammars, self.core = parts.max_model_len, parts.grammars, parts.core
-        self.load_ms, self._ranks = parts.load_ms, parts.ranks
+        self.load_ms, self._ranks, self.threads = parts.load_ms, parts.ranks, parts.threads
         self.tp = parts.ranks.group if parts.ranks else None
         self.broken: str | None = None          # why no step can run any more (EngineBrokenError)
         self._ids = itertools.count()
@@ -89,8 +90,10 @@ class LLMEngine:
         return self.core.abort(request_id)
 
     def stats(self) -> EngineStats:
-        """Running and waiting requests, KV blocks used, cached and free, step and speculation counters."""
-        return self.core.stats()
+        """Running and waiting requests, KV blocks used, cached and free, step and speculation counters,
+        the kernel threads and what other programs took of the CPUs."""
+        t = self.threads
+        return replace(self.core.stats(), threads=t.threads, cpus_busy_elsewhere=t.others, cpu_wait_seconds=t.cpu_wait_s)
 
     @property
     def last_step(self) -> StepRecord | None:
@@ -122,6 +125,7 @@ class LLMEngine:
         EngineBrokenError."""
         if self.broken:
             raise EngineBrokenError(self.broken)
+        self.threads.adjust()                   # fewer kernel threads while other programs take CPUs
         try:
             outputs = self.core.step()
         except Exception as e:

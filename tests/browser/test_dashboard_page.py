@@ -149,7 +149,8 @@ def test_saved_runs_open_by_dropping_them(page):
     m = RequestMetrics(arrival=10.0, first_scheduled=10.5, first_token=11.0, token_times=[11.0, 11.1, 11.3],
                        prefill_chunks=[(10.5, 10.7, 8), (10.8, 11.0, 4)], preempted_at=[11.15], finished=11.3)
     steps = [StepRecord(start=10.5, duration_ms=200.0, num_prefill_tokens=8, num_decode_tokens=0, batch_size=1),
-             StepRecord(start=10.8, duration_ms=200.0, num_prefill_tokens=4, num_decode_tokens=2, batch_size=3)]
+             StepRecord(start=10.8, duration_ms=200.0, num_prefill_tokens=4, num_decode_tokens=2, batch_size=3,
+                        threads=1)]
     _drop(page, "trace.json", json.dumps(chrome_trace(steps, [("r1", m)])))
     page.wait_for_function("document.getElementById('status').textContent === 'viewing trace.json'", timeout=WAIT_MS)
     # the status changes at once, the page redraws on the next animation frame
@@ -157,7 +158,8 @@ def test_saved_runs_open_by_dropping_them(page):
     assert page.evaluate("window.phasewise.bars()") == [{"id": "r1", "state": "finished", "reason": None}]
     ttft = page.eval_on_selector("tr[data-metric=ttft_ms]", "tr => tr.cells[1].textContent")
     assert float(ttft) == pytest.approx(1000.0)                 # arrival 10.0 → first token 11.0
-    assert "2 steps shown" in page.text_content("#steps-caption")
+    caption = page.text_content("#steps-caption")
+    assert "2 steps shown" in caption and "batch 3, 200.0 ms, 1 thread ·" in caption   # the last step's threads
 
     results = (ROOT / "docs/results/prompt-sweep/results.json").read_text()
     _drop(page, "results.json", results)

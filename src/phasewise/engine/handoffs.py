@@ -76,6 +76,7 @@ class RunnerOutput:
     # request id → (first prompt position, its logprobs and the next ones'), for prompt_logprobs
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     grammar_ms: float = 0.0            # the grammar masks' time (structured outputs)
+    threads: int = 0                   # threads that ran the step's kernels
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,6 +95,9 @@ class EngineStats:
     spec_num_draft_tokens: int = 0         # draft tokens verified,
     spec_num_accepted_tokens: int = 0      # and accepted (all since the engine started)
     num_received: int = 0                  # AsyncEngine: sub-requests its thread has taken in (added or refused), ever
+    threads: int = 0                       # kernel threads in use (runner/thread_governor.py),
+    cpus_busy_elsewhere: float = 0.0       # CPUs other programs kept busy lately,
+    cpu_wait_seconds: float = 0.0          # and how long the engine's threads waited for a CPU, ever
 
 
 @dataclass(kw_only=True)
@@ -107,6 +111,7 @@ class StepRecord:
     num_draft_tokens: int = 0          # draft tokens verified
     num_accepted_tokens: int = 0       # of those, accepted
     grammar_ms: float = 0.0            # computing the grammar masks of the step's constrained rows
+    threads: int = 0                   # threads that ran its kernels (runner/thread_governor.py)
 
 
 @dataclass(kw_only=True)

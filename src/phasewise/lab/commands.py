@@ -55,7 +55,7 @@ def cmd_roofline(args: argparse.Namespace) -> int:
     if args.input_len < 2 or args.output_len < 2:
         raise ValueError("--input-len and --output-len must be at least 2")
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-              kv_dtype=args.kv_dtype, packed_cache=args.packed_cache)
+              kv_dtype=args.kv_dtype, packed_cache=args.packed_cache, threads=args.threads)
     weights = llm.engine.precision.weights
     dtype = parse_dtype(weights)
     cfg = llm.model_config

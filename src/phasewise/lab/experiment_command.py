@@ -150,7 +150,7 @@ def _experiment(args: argparse.Namespace, out: Path, console) -> int:
                   enable_prefix_caching=args.prefix_caching, max_num_batched_tokens=args.max_num_batched_tokens,
                   max_num_seqs=args.max_num_seqs, kv_dtype=args.kv_dtype, warmup=False,
                   speculative=speculative_config_from_args(args), tensor_parallel_size=args.tensor_parallel_size,
-                  packed_cache=args.packed_cache)
+                  packed_cache=args.packed_cache, threads=args.threads)
     for _ in range(warmup):
         llm.engine.warmup()
     limit = llm.engine.max_model_len

@@ -38,7 +38,7 @@ def chrome_trace(steps: Iterable[StepRecord], requests: Iterable[tuple[str, Requ
         events.append(_span(f"step ({kind})", ENGINE_PID, 0, s.start, s.start + s.duration_ms / 1e3, t0,
                             prefill_tokens=s.num_prefill_tokens, decode_tokens=s.num_decode_tokens,
                             batch_size=s.batch_size, draft_tokens=s.num_draft_tokens,
-                            accepted_tokens=s.num_accepted_tokens, grammar_ms=s.grammar_ms))
+                            accepted_tokens=s.num_accepted_tokens, grammar_ms=s.grammar_ms, threads=s.threads))
     for tid, (rid, m) in enumerate(requests, start=1):
         events.append({"name": "thread_name", "ph": "M", "pid": REQUESTS_PID, "tid": tid, "args": {"name": rid}})
         if m.first_scheduled is not None:

@@ -87,7 +87,7 @@ class ModelRunner:
         hidden = self.forward(inputs)                                  # [len(wanted), hidden]
         prompt_lps = {rid: (first, self._score(hidden, row, t, top)) for rid, row, first, t, top in scored}
         if not sample_reqs and not spec_chunks:
-            return RunnerOutput({}, prompt_logprobs=prompt_lps)
+            return RunnerOutput({}, prompt_logprobs=prompt_lps, threads=torch.get_num_threads())
         logits = self.logits(hidden, sample_rows + spec_rows)        # [B + sum(k + 1), V] fp32
         # grammar masks: the sampling rows that need one up front (see _Recheck), then each draft row's
         # (the position after drafts 0..i-1)
@@ -101,7 +101,7 @@ class ModelRunner:
         sampled = self._sample(logits[:b], sample_reqs, None if masks is None else masks[:b], recheck) \
             if sample_reqs else {}
         grammar_ms += recheck.ms if recheck else 0.0
-        out = RunnerOutput(sampled, prompt_logprobs=prompt_lps, grammar_ms=grammar_ms)
+        out = RunnerOutput(sampled, prompt_logprobs=prompt_lps, grammar_ms=grammar_ms, threads=torch.get_num_threads())
         if spec_chunks:
             generators = [self._generator(c.request) for c in spec_chunks]
             verified = verify(logits[b:], spec_chunks, generators, self.vocab_size,

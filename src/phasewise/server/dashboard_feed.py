@@ -158,6 +158,7 @@ class DashboardFeed(Observer):
         step = {"t": record.start, "ms": record.duration_ms, "prefill": record.num_prefill_tokens,
                 "decode": record.num_decode_tokens, "batch": record.batch_size, "draft": record.num_draft_tokens,
                 "accepted": record.num_accepted_tokens, "grammar_ms": record.grammar_ms,
+                "threads": record.threads, "others": round(stats.cpus_busy_elsewhere, 2),
                 "used": stats.num_blocks - stats.num_free_blocks,
                 "cached": stats.num_cached_blocks, "free": stats.num_free_blocks,
                 "running": stats.num_running, "waiting": stats.num_waiting}

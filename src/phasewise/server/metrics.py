@@ -25,7 +25,7 @@ REQUEST_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
-SPEC_COUNTERS = (   # (name, help, EngineStats field): the engine's own totals, read at each scrape
+ENGINE_COUNTERS = (   # (name, help, EngineStats field): the engine's own totals, read at each scrape
     ("phasewise:spec_decode_num_drafts", "Speculative decoding: request-steps that verified draft tokens.",
      "spec_num_drafts"),
     ("phasewise:spec_decode_num_draft_tokens", "Speculative decoding: draft tokens proposed and verified.",
@@ -33,18 +33,21 @@ SPEC_COUNTERS = (   # (name, help, EngineStats field): the engine's own totals, 
     ("phasewise:spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted by the target "
      "(acceptance rate = accepted / draft tokens; mean accepted length = 1 + accepted / drafts).",
      "spec_num_accepted_tokens"),
+    ("phasewise:cpu_wait_seconds", "Time the engine's threads were runnable but waited for a CPU (other "
+     "programs taking cores; Linux run-queue delay).", "cpu_wait_seconds"),
 )
 
 
-class _SpecCollector:
-    """Counters that mirror the engine core's speculative-decoding totals from the latest snapshot."""
+class _EngineCollector:
+    """Counters that mirror the engine's own totals (speculative decoding, CPU waits) from the latest
+    snapshot."""
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
         self.stats = EngineStats()
 
     def collect(self):
-        for name, doc, field in SPEC_COUNTERS:
+        for name, doc, field in ENGINE_COUNTERS:
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric([self.model_name], getattr(self.stats, field))
             yield c
@@ -101,8 +104,12 @@ class ServerMetrics(Observer):
                                          "Compiling a request's grammar (a cached one: copying it).", GRAMMAR_BUCKETS)
         self.grammar_mask = histogram("phasewise:grammar_mask_seconds",
                                       "A step's grammar masks (steps with constrained requests).", GRAMMAR_BUCKETS)
-        self.spec = _SpecCollector(model_name)
-        r.register(self.spec)
+        self.threads = gauge("phasewise:threads", "Threads running the model's kernels (fewer while other "
+                             "programs keep cores busy, unless --threads pins them).")
+        self.cpus_elsewhere = gauge("phasewise:cpus_busy_elsewhere",
+                                    "CPUs (of those the engine may use) other programs kept busy lately.")
+        self.totals = _EngineCollector(model_name)
+        r.register(self.totals)
 
     # ---- Observer: called on the engine thread -------------------------------------------------
 
@@ -151,5 +158,7 @@ class ServerMetrics(Observer):
         self.free_blocks.set(stats.num_free_blocks)
         self.total_blocks.set(stats.num_blocks)
         self.cached_blocks.set(stats.num_cached_blocks)
-        self.spec.stats = stats
+        self.threads.set(stats.threads)
+        self.cpus_elsewhere.set(stats.cpus_busy_elsewhere)
+        self.totals.stats = stats
         return generate_latest(self.registry)

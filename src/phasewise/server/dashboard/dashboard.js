@@ -106,7 +106,7 @@ function render() {
   const last = steps[steps.length - 1];
   setText($("steps-caption"), last ? `last step: ${last.prefill} prefill + ${last.decode} decode tokens` +
     `${last.draft ? ` (${last.accepted}/${last.draft} drafts accepted)` : ""}, batch ${last.batch}, ${fmt(last.ms)} ms` +
-    `${last.grammar_ms ? ` (grammar masks ${fmt(last.grammar_ms)} ms)` : ""}` +
+    `${last.grammar_ms ? ` (grammar masks ${fmt(last.grammar_ms)} ms)` : ""}${threads(last)}` +
     ` · ${steps.length} steps shown` : "no steps yet");
   kv(s, steps, t0, t1, ref, isLive);
   latency(s);
@@ -168,6 +168,13 @@ function timeline(s, t0, t1, ref, isLive) {
   const live = all.filter((r) => r.reason === null).length;
   setText($("timeline-caption"), s.mode === "live" ? `${live} live, ${all.length - live} finished in the last ${WINDOW_S} s`
     : `${s.name}: ${all.length} requests${s.note ? ` · ${s.note}` : ""}`);
+}
+
+// ", 2 threads (0.9 CPUs busy elsewhere)": how many threads ran a step, and what other programs took.
+function threads(step) {
+  if (!step.threads) return "";
+  const others = step.others >= 0.1 ? ` (${fmt(step.others, 1)} CPUs busy elsewhere)` : "";
+  return `, ${step.threads} thread${step.threads > 1 ? "s" : ""}${others}`;
 }
 
 function kv(s, steps, t0, t1, ref, isLive) {
@@ -255,7 +262,7 @@ $("steps").addEventListener("mousemove", (ev) => {
   const t = stepBox.t_of(ev.offsetX), s = view.steps.find((x) => t >= x.t && t <= x.t + x.ms / 1e3);
   tooltip(ev, s && `${s.prefill} prefill + ${s.decode} decode tokens, batch ${s.batch}\n${fmt(s.ms)} ms` +
     (s.draft ? `\ndrafts ${s.accepted}/${s.draft} accepted` : "") +
-    (s.grammar_ms ? `\ngrammar masks ${fmt(s.grammar_ms)} ms` : ""));
+    (s.grammar_ms ? `\ngrammar masks ${fmt(s.grammar_ms)} ms` : "") + (s.threads ? `\n${threads(s).slice(2)}` : ""));
 });
 for (const id of ["timeline", "steps"]) $(id).addEventListener("mouseleave", (ev) => tooltip(ev, null));
 

@@ -60,7 +60,8 @@ const Files = (() => {
       const t = e.ts / 1e6, end = (e.ts + (e.dur || 0)) / 1e6, a = e.args || {};
       if (e.pid === 1 && e.ph === "X") {
         store.steps.push({ t, ms: e.dur / 1e3, prefill: a.prefill_tokens || 0, decode: a.decode_tokens || 0,
-                           batch: a.batch_size || 0, draft: a.draft_tokens || 0, accepted: a.accepted_tokens || 0 });
+                           batch: a.batch_size || 0, draft: a.draft_tokens || 0, accepted: a.accepted_tokens || 0,
+                           grammar_ms: a.grammar_ms || 0, threads: a.threads || 0 });
       } else if (e.pid === 2 && (e.ph === "X" || e.ph === "i")) {
         const r = byTid[e.tid] ??= { id: names[e.tid] || `request ${e.tid}`, arrival: null, scheduled: null, chunks: [],
           first_token: null, last_token: null, tokens: 0, preempted: [], finished: null, reason: null,
