@@ -2,18 +2,23 @@
 0, 1 and 2 busy-looping processes beside them (issue 44), in one run.
 
     .venv/bin/python benchmarks/busy_machine.py [--model M] [--busy 0 1 2] [--llama-cpp .peers/avx512/bin]
-        [--input-len 512] [--output-len 128] [--repeats 2] [--json docs/results/busy_machine_<isa>.json]
+        [--input-len 512] [--output-len 128] [--repeats 2] [--no-served] [--ab-rounds 3]
+        [--json docs/results/busy_machine_<model>_<isa>.json]
 
 A busy process is `python -c "while True: pass"` (nice 0, as a browser tab or a compile job is),
 started before and killed after each measurement, whatever happens. phasewise runs in this process
-with its default threads; llama.cpp's `llama-bench` runs on the same file with `-t 2` and `-t 1`
-(the best of the two is what a user who knew the load would pick). Figures:
+with its default threads (auto: runner/thread_governor.py); llama.cpp's `llama-bench` runs on the
+same file with `-t 2` and `-t 1` (the best of the two is what a user who knew the load would pick).
+Figures:
 
 - decode tok/s: (--output-len − 1) / first-to-last-token time from an 8-token prompt (llama-bench
   tg<output-len>); prefill tok/s: --input-len distinct ids / time to the first token (pp<input-len>);
   phasewise's are medians of --repeats, llama-bench's means of -r --repeats;
 - ITL p50 / p99 (ms): 8 streams decoding --output-len tokens together (phasewise offline, the gaps
-  between each request's tokens);
+  between each request's tokens); and served: `phasewise serve` (default threads) loaded by
+  `phasewise bench serve` with 16 requests of 128-token prompts, 8 at a time;
+- idle A/B: at each of --ab-rounds, decode and prefill with the thread count adapting and pinned
+  (the same engine, alternating), so that adapting costs nothing on a free machine;
 - "kept": the share of phasewise's idle figure left under load; "vs best": against the better of
   llama-bench -t 1 and -t 2 under the same load.
 """
@@ -47,7 +52,7 @@ def busy(n: int):
             p.wait()
 
 
-def measure_phasewise(llm, args, run: int) -> dict:
+def measure_phasewise(llm, args, run: int, itl: bool = True) -> dict:
     """run: this measurement's number, so that its prompts share no prefix with an earlier one's
     (a prefix-cache hit would skip the prefill it measures)."""
     from phasewise import SamplingParams
@@ -62,11 +67,50 @@ def measure_phasewise(llm, args, run: int) -> dict:
         out = llm.generate([[first + 50 + r] + [(2000 + n * r + i) % vocab for i in range(n - 1)]],
                            SamplingParams(max_tokens=1, **greedy))[0]
         prefill.append(n / (out.metrics.prompt_ms / 1e3))
+    rates = {"decode_tps": statistics.median(decode), "prefill_tps": statistics.median(prefill)}
+    if not itl:
+        return rates
     outs = llm.generate([[first + 60 + i] + [(3000 + 8 * i + j) % vocab for j in range(7)] for i in range(8)],
                         SamplingParams(max_tokens=args.output_len, **greedy))
     gaps = sorted(g for o in outs for g in o.metrics.itl_ms)
-    return {"decode_tps": statistics.median(decode), "prefill_tps": statistics.median(prefill),
-            "itl_p50_ms": gaps[len(gaps) // 2], "itl_p99_ms": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))]}
+    return {**rates, "threads": llm.engine.threads.threads, "itl_p50_ms": gaps[len(gaps) // 2], "itl_p99_ms": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))]}
+
+
+def idle_ab(llm, args) -> dict:
+    """Decode and prefill tok/s on the free machine, the governor adapting and pinned, alternating."""
+    governor, out = llm.engine.threads, {"adapting": [], "pinned": []}
+    for i in range(args.ab_rounds):
+        for mode in ("adapting", "pinned"):
+            governor.adapt = mode == "adapting"
+            out[mode].append(measure_phasewise(llm, args, 100 + 2 * i + (mode == "pinned"), itl=False))
+    governor.adapt = True
+    return out
+
+
+def measure_served(model: str | None, busy_levels: list[int], output_len: int) -> dict:
+    """ITL of 8 concurrent streams through `phasewise serve` (default threads) at each busy level."""
+    import serving
+
+    port = serving.free_port()
+    cmd = [sys.executable, "-m", "phasewise.cli", "serve", "--port", str(port), "--max-num-seqs", "8",
+           "--no-access-log", *(["--model", model] if model else [])]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url, out = f"http://127.0.0.1:{port}", {}
+    try:
+        serving.wait_ready(url, proc)
+        for n in busy_levels:
+            with busy(n):
+                run = serving.bench(url, num_prompts=16, input_len=128, output_len=output_len, concurrency=8)
+            out[n] = {"itl_p50_ms": run["itl_ms"]["median"], "itl_p99_ms": run["itl_ms"]["p99"],
+                      "output_tps": run["output_token_throughput"]}
+            print(f"served, busy {n}: ITL p50 {out[n]['itl_p50_ms']:.1f} p99 {out[n]['itl_p99_ms']:.1f} ms", flush=True)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return out
 
 
 def measure_llama_bench(path: Path, threads: int, args) -> dict:
@@ -89,6 +133,8 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--no-served", dest="served", action="store_false", help="skip the served ITL")
+    ap.add_argument("--ab-rounds", type=int, default=3, help="idle A/B rounds, adapting against pinned (0: none)")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args()
     if args.llama_cpp is None:
@@ -105,6 +151,7 @@ def main() -> None:
     llm = LLM(args.model)
     path = llm.engine.model_path
     peer = (args.llama_cpp / "llama-bench").exists()
+    ab = idle_ab(llm, args) if args.ab_rounds else None      # first: the governor has seen only a free machine
     rows = []
     for n in args.busy:
         with busy(n):
@@ -118,9 +165,19 @@ def main() -> None:
               f"{pw['itl_p50_ms']:.1f} p99 {pw['itl_p99_ms']:.1f} ms" +
               "".join(f"; llama-bench -t {t} decode {row[f'llama_bench_t{t}'].get('decode_tps') or 0:.1f} prefill "
                       f"{row[f'llama_bench_t{t}'].get('prefill_tps') or 0:.1f}" for t in (2, 1) if peer), flush=True)
+    served = measure_served(args.model, args.busy, args.output_len) if args.served else {}
+    for r in rows:
+        if r["busy"] in served:
+            r["served"] = served[r["busy"]]
+    if ab:
+        for k in ("decode_tps", "prefill_tps"):
+            rng = {m: (min(x[k] for x in v), max(x[k] for x in v)) for m, v in ab.items()}
+            print(f"idle A/B {k}: adapting {rng['adapting'][0]:.0f}-{rng['adapting'][1]:.0f}, "
+                  f"pinned {rng['pinned'][0]:.0f}-{rng['pinned'][1]:.0f}")
     idle = next((r["phasewise"] for r in rows if r["busy"] == 0), None)
+    idle_served = served.get(0)
     print(f"\n{'busy':>4} {'decode kept':>12} {'prefill kept':>13} {'decode vs best':>15} {'prefill vs best':>16} "
-          f"{'ITL p99 / idle':>15}")
+          f"{'ITL p99 / idle':>15} {'served p99 / idle':>18}")
     for r in rows:
         pw = r["phasewise"]
         best = {k: max((r.get(f"llama_bench_t{t}", {}).get(k) or 0) for t in (1, 2)) for k in ("decode_tps", "prefill_tps")}
@@ -130,11 +187,12 @@ def main() -> None:
         fmt = lambda x, pct=False: "—" if x is None else (f"{x:.0%}" if pct else f"{x:.2f}x")  # noqa: E731
         print(f"{r['busy']:>4} {fmt(kept.get('decode_tps'), True):>12} {fmt(kept.get('prefill_tps'), True):>13} "
               f"{fmt(r['vs_best']['decode_tps']):>15} {fmt(r['vs_best']['prefill_tps']):>16} "
-              f"{fmt(pw['itl_p99_ms'] / idle['itl_p99_ms'] if idle else None):>15}")
+              f"{fmt(pw['itl_p99_ms'] / idle['itl_p99_ms'] if idle else None):>15} "
+              f"{fmt(r['served']['itl_p99_ms'] / idle_served['itl_p99_ms'] if idle_served and 'served' in r else None):>18}")
     if args.json:
         args.json.write_text(json.dumps({**record, "model": args.model or path.name, "llama_cpp": str(args.llama_cpp),
                                          "input_len": args.input_len, "output_len": args.output_len,
-                                         "rows": rows}, indent=1))
+                                         "rows": rows, "idle_ab": ab}, indent=1))
         print(f"wrote {args.json}")
 
 

@@ -30,7 +30,8 @@ class Machine:
 
 def governor(cpus: int = 2, max_threads: int = 2, adapt: bool = True) -> tuple[ThreadGovernor, Machine, list[int]]:
     machine, calls = Machine(), []
-    return ThreadGovernor(max_threads, adapt, list(range(cpus)), machine, calls.append), machine, calls
+    return ThreadGovernor(max_threads, adapt, list(range(cpus)), machine, calls.append,
+                          lambda: machine.now.wall), machine, calls
 
 
 def test_one_busy_core_drops_a_thread_at_once_and_a_free_one_brings_it_back_after_two_windows():
