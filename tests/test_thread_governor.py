@@ -20,9 +20,10 @@ class Machine:
     def __init__(self) -> None:
         self.now = CpuTimes(0.0, 0.0, 0.0, 0.0)
 
-    def window(self, others: float, own: float = 1.0, seconds: float = 1.05 * WINDOW_S) -> None:
+    def window(self, others: float, own: float = 1.0, seconds: float = 1.05 * WINDOW_S, waited: float = 0.0) -> None:
         n = self.now
-        self.now = CpuTimes(n.wall + seconds, n.busy + (others + own) * seconds, n.own + own * seconds, n.waited)
+        self.now = CpuTimes(n.wall + seconds, n.busy + (others + own) * seconds, n.own + own * seconds,
+                            n.waited + waited)
 
     def __call__(self) -> CpuTimes:
         return self.now
@@ -55,8 +56,9 @@ def test_nothing_changes_within_a_window_pinned_or_without_proc():
     machine.window(others=1.0, seconds=0.55 * WINDOW_S)
     assert g.adjust() == 1
     pinned, machine, calls = governor(adapt=False)
-    machine.window(others=2.0)
+    machine.window(others=2.0, waited=0.3)
     assert pinned.adjust() == 2 and calls == []
+    assert pinned.others == pytest.approx(2.0) and pinned.cpu_wait_s == pytest.approx(0.3)   # still measured
     blind = ThreadGovernor(2, True, [0, 1], lambda: None, calls.append)
     assert not blind.adapt and blind.adjust() == 2 and calls == []
 

@@ -58,8 +58,16 @@ def structured_outputs_from_args(args: argparse.Namespace):
     return None
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with its usage errors as one line (the usage itself is -h's), exit 2; every
+    subcommand's parser is one too."""
+
+    def error(self, message: str):
+        self.exit(2, f"phasewise: error: {message} (see {self.prog} -h)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="phasewise", description=__doc__)
+    parser = Parser(prog="phasewise", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text from a prompt, then print where the time went")
     gen.add_argument("prompt", help="the prompt (sent through the chat template unless --raw)")

@@ -49,7 +49,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def threads_arg(text: str) -> int | None:
     """--threads: "auto" (None) or a positive count."""
-    return None if text == "auto" else positive_int(text)
+    if text == "auto":
+        return None
+    try:
+        return positive_int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"auto or a count of threads, got {text!r}") from None
 
 
 def positive_int(text: str) -> int:

@@ -111,16 +111,22 @@ class ThreadGovernor:
         return self.last.waited if self.last else 0.0
 
     def adjust(self) -> int:
-        """Look at the CPUs once a window has passed and set the thread count; returns it."""
-        if not self.adapt or self.clock() - self.last.wall < WINDOW_S:   # a clock read: ~50 ns a step
+        """Once a window has passed, look at the CPUs (pinned too: the metrics) and, when adapting, set
+        the thread count; returns it."""
+        if self.last is None or self.clock() - self.last.wall < WINDOW_S:   # a clock read: ~50 ns a step
             return self.threads
-        now = self.read()                                                 # /proc: ~0.1 ms a window
+        now = self.read()                                                    # /proc: ~0.1 ms a window
         if now is None:
             return self.threads
         wall = now.wall - self.last.wall
         self.others = max(0.0, (now.busy - self.last.busy) - (now.own - self.last.own)) / wall
         self.last = now
-        free = self.cpus - self.others
+        if self.adapt:
+            self._choose(self.cpus - self.others)
+        return self.threads
+
+    def _choose(self, free: float) -> None:
+        """Down at once when `free` CPUs fall DROP below the threads; up after RISE_WINDOWS with RISE more free."""
         want = self.threads
         if free < self.threads - DROP:
             want, self._rising = max(1, round(free)), 0
@@ -134,7 +140,6 @@ class ThreadGovernor:
             self.threads = want
             self.changes += 1
             self.set_threads(want)
-        return self.threads
 
 
 def _torch_set_threads(n: int) -> None:
