@@ -17,8 +17,9 @@ Figures:
 - ITL p50 / p99 (ms): 8 streams decoding --output-len tokens together (phasewise offline, the gaps
   between each request's tokens); and served: `phasewise serve` (default threads) loaded by
   `phasewise bench serve` with 16 requests of 128-token prompts, 8 at a time;
-- idle A/B: at each of --ab-rounds, decode and prefill with the thread count adapting and pinned
-  (the same engine, alternating), so that adapting costs nothing on a free machine;
+- idle A/B: at each of --ab-rounds, decode and prefill with the thread count adapting, pinned at the
+  maximum and pinned at one thread (the same engine, alternating): adapting should cost nothing on a
+  free machine, and one thread against the maximum is the most "kept" can be with one core busy;
 - "kept": the share of phasewise's idle figure left under load; "vs best": against the better of
   llama-bench -t 1 and -t 2 under the same load.
 """
@@ -77,14 +78,18 @@ def measure_phasewise(llm, args, run: int, itl: bool = True) -> dict:
 
 
 def idle_ab(llm, args) -> dict:
-    """Decode and prefill tok/s on the free machine, the governor adapting and pinned, alternating."""
-    governor, out = llm.engine.threads, {"adapting": [], "pinned": []}
+    """Decode and prefill tok/s on the free machine, alternating: the governor adapting, pinned at its
+    maximum, and pinned at one thread (what one busy core leaves at best: the ceiling of "kept")."""
+    governor = llm.engine.threads
+    modes = {"adapting": None, "pinned": governor.max_threads, "one thread": 1}
+    out = {mode: [] for mode in modes}
     for i in range(args.ab_rounds):
-        for mode in ("adapting", "pinned"):
-            governor.adapt = mode == "adapting"
-            out[mode].append(measure_phasewise(llm, args, 100 + 2 * i + (mode == "pinned"), itl=False))
-    governor.adapt = True
+        for j, (mode, threads) in enumerate(modes.items()):
+            governor.pin(threads)
+            out[mode].append(measure_phasewise(llm, args, 100 + 3 * i + j, itl=False))
+    governor.pin(None)
     return out
+
 
 
 def measure_served(model: str | None, busy_levels: list[int], output_len: int) -> dict:
@@ -172,8 +177,7 @@ def main() -> None:
     if ab:
         for k in ("decode_tps", "prefill_tps"):
             rng = {m: (min(x[k] for x in v), max(x[k] for x in v)) for m, v in ab.items()}
-            print(f"idle A/B {k}: adapting {rng['adapting'][0]:.0f}-{rng['adapting'][1]:.0f}, "
-                  f"pinned {rng['pinned'][0]:.0f}-{rng['pinned'][1]:.0f}")
+            print(f"idle A/B {k}: " + ", ".join(f"{m} {lo:.0f}-{hi:.0f}" for m, (lo, hi) in rng.items()))
     idle = next((r["phasewise"] for r in rows if r["busy"] == 0), None)
     idle_served = served.get(0)
     print(f"\n{'busy':>4} {'decode kept':>12} {'prefill kept':>13} {'decode vs best':>15} {'prefill vs best':>16} "

@@ -63,6 +63,17 @@ def test_nothing_changes_within_a_window_pinned_or_without_proc():
     assert not blind.adapt and blind.adjust() == 2 and calls == []
 
 
+def test_a_pinned_count_holds_until_adapting_again():
+    g, machine, calls = governor()
+    g.pin(1)                                                  # a benchmark pins one thread
+    machine.window(others=0.0)
+    assert g.adjust() == 1 and not g.adapt
+    g.pin(None)                                               # and adapts again, from the maximum
+    assert g.threads == 2 and g.adapt and calls == [1, 2]
+    machine.window(others=1.0)
+    assert g.adjust() == 1 and calls == [1, 2, 1]
+
+
 @settings(max_examples=200, deadline=None)
 @given(cpus=st.integers(1, 16), max_threads=st.integers(1, 16),
        loads=st.lists(st.floats(0, 16, allow_nan=False), min_size=1, max_size=30))

@@ -26,8 +26,6 @@ from phasewise.kernels import quant
 from phasewise.kernels.kernel_api import Kernels, PackedLinearArgs, WeightPart
 from phasewise.kernels.quant import PackedWeight
 
-FORMS = ("dense", "onednn", "blocks")
-
 
 def frozen(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)

@@ -105,6 +105,15 @@ class ThreadGovernor:
         self.changes = 0                       # times the count changed
         self._rising = 0                       # windows in a row with room for one more thread
 
+    def pin(self, threads: int | None) -> None:
+        """Pin the count at `threads` (at most the maximum), or adapt again from the maximum (None)."""
+        self.adapt = threads is None and self.last is not None
+        want = self.max_threads if threads is None else max(1, min(threads, self.max_threads))
+        self._rising = 0
+        if want != self.threads:
+            self.threads = want
+            self.set_threads(want)
+
     @property
     def cpu_wait_s(self) -> float:
         """How long this process's threads waited for a CPU, since the engine started."""
