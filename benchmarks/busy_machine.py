@@ -96,25 +96,16 @@ def measure_served(model: str | None, busy_levels: list[int], output_len: int) -
     """ITL of 8 concurrent streams through `phasewise serve` (default threads) at each busy level."""
     import serving
 
-    port = serving.free_port()
-    cmd = [sys.executable, "-m", "phasewise.cli", "serve", "--port", str(port), "--max-num-seqs", "8",
+    cmd = [sys.executable, "-m", "phasewise.cli", "serve", "--port", "{port}", "--max-num-seqs", "8",
            "--no-access-log", *(["--model", model] if model else [])]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url, out = f"http://127.0.0.1:{port}", {}
-    try:
-        serving.wait_ready(url, proc)
+    out = {}
+    with serving.running(cmd) as url:
         for n in busy_levels:
             with busy(n):
                 run = serving.bench(url, num_prompts=16, input_len=128, output_len=output_len, concurrency=8)
             out[n] = {"itl_p50_ms": run["itl_ms"]["median"], "itl_p99_ms": run["itl_ms"]["p99"],
                       "output_tps": run["output_token_throughput"]}
             print(f"served, busy {n}: ITL p50 {out[n]['itl_p50_ms']:.1f} p99 {out[n]['itl_p99_ms']:.1f} ms", flush=True)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
     return out
 
 

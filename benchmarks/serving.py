@@ -12,6 +12,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -51,8 +53,10 @@ def bench(url: str, num_prompts: int, input_len: int, output_len: int, concurren
         return json.loads((Path(out) / "results.json").read_text())["runs"][0]
 
 
-def served(cmd: list[str], load: dict, env: dict | None = None) -> dict:
-    """Start the server `cmd` (its port given by a {port} placeholder), bench it, stop it."""
+@contextmanager
+def running(cmd: list[str], env: dict | None = None) -> Iterator[str]:
+    """The server `cmd` (its port given by a {port} placeholder) started and ready: its URL; stopped
+    after the block. A RuntimeError inside the block carries the end of the server's log."""
     port = free_port()
     cmd = [c.replace("{port}", str(port)) for c in cmd]
     log = tempfile.TemporaryFile()
@@ -60,7 +64,7 @@ def served(cmd: list[str], load: dict, env: dict | None = None) -> dict:
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, proc)
-        return bench(url, **load)
+        yield url
     except RuntimeError as e:
         log.seek(0)
         raise RuntimeError(f"{e}\n{log.read().decode(errors='replace')[-1500:]}") from None
@@ -70,6 +74,12 @@ def served(cmd: list[str], load: dict, env: dict | None = None) -> dict:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def served(cmd: list[str], load: dict, env: dict | None = None) -> dict:
+    """Start the server `cmd` (its port given by a {port} placeholder), bench it, stop it."""
+    with running(cmd, env) as url:
+        return bench(url, **load)
 
 
 def phasewise_server(dtype: str, kv_dtype: str, threads: int, max_num_seqs: int, model: str | None = None

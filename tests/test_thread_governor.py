@@ -84,7 +84,8 @@ def test_the_count_stays_within_one_and_the_maximum_and_follows_the_free_cpus(cp
         machine.window(others=min(others, cpus))
         threads = g.adjust()
         assert 1 <= threads <= max_threads
-        free = cpus - min(others, cpus)
+        free = cpus - g.others                                # as measured (float sums of the fake /proc)
+        assert g.others == pytest.approx(min(others, cpus), abs=1e-6)
         if threads < before:                                  # dropped: others took more than half a CPU of ours
             assert free < before - 0.5 and threads == max(1, round(free))
         if threads > before:                                  # rose: the CPUs it takes were free
