@@ -73,7 +73,7 @@ def check(texts_and_reasons, schema) -> None:
         jsonschema.validate(json.loads(text), schema)
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                  HealthCheck.too_slow])
 @given(SCHEMAS.filter(lambda schema: longest(schema) <= MAX_BYTES))
 def test_every_output_ends_within_its_schemas_length_and_validates(server, speculative, schema):
