@@ -15,6 +15,7 @@ from torch import nn
 from phasewise.kernels import quant
 from phasewise.kernels.kernel_api import Kernels
 from phasewise.kernels.quant import PackedWeight
+from phasewise.layers.linear import frozen
 
 
 class Embedding(nn.Module):
@@ -22,8 +23,7 @@ class Embedding(nn.Module):
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         # the checkpoint fills it: no random init (nn.Embedding's normal_ is slow, even on meta)
-        self.weight: nn.Parameter | None = nn.Parameter(torch.empty(num_embeddings, embedding_dim),
-                                                        requires_grad=False)
+        self.weight: nn.Parameter | None = frozen(torch.empty(num_embeddings, embedding_dim))
         self.form, self.fmt, self.fmt_id = "dense", None, 0
         self.kernels: Kernels | None = None
 

@@ -28,6 +28,7 @@ from phasewise.kernels.quant import PackedWeight
 
 
 def frozen(t: torch.Tensor) -> nn.Parameter:
+    """A weight that takes no gradients."""
     return nn.Parameter(t, requires_grad=False)
 
 

@@ -138,17 +138,12 @@ def fill_file_weights(model: nn.Module, plan: FileWeights) -> None:
         model.get_submodule("model.embed_tokens").fill_blocks(to(plan.embedding, device))
 
 
-def quantize_rest(model: nn.Module) -> dict[str, int]:
+def quantize_rest(model: nn.Module) -> None:
     """Quantize every linear layer still dense to int8 per channel (with q4, what the file does not
-    hold in blocks: `plan_file_weights` took the rest); returns how many layers ended in each format."""
+    hold in blocks: `plan_file_weights` took the rest)."""
     for _, linear in _linears(model):
         if linear.in_features % quant.QK == 0:   # else no int8 blocks for this width: it stays dense
             linear.quantize()
-    counts: dict[str, int] = {}
-    for module in model.modules():
-        if isinstance(module, Linear):
-            counts[module.fmt or "float"] = counts.get(module.fmt or "float", 0) + 1
-    return counts
 
 
 def part_names(gguf: GGUFFile, cfg: ModelConfig, path: str) -> list[str]:

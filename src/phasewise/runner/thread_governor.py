@@ -108,11 +108,8 @@ class ThreadGovernor:
     def pin(self, threads: int | None) -> None:
         """Pin the count at `threads` (at most the maximum), or adapt again from the maximum (None)."""
         self.adapt = threads is None and self.last is not None
-        want = self.max_threads if threads is None else max(1, min(threads, self.max_threads))
         self._rising = 0
-        if want != self.threads:
-            self.threads = want
-            self.set_threads(want)
+        self._set(self.max_threads if threads is None else max(1, min(threads, self.max_threads)))
 
     @property
     def cpu_wait_s(self) -> float:
@@ -136,19 +133,22 @@ class ThreadGovernor:
 
     def _choose(self, free: float) -> None:
         """Down at once when `free` CPUs fall DROP below the threads; up after RISE_WINDOWS with RISE more free."""
-        want = self.threads
         if free < self.threads - DROP:
-            want, self._rising = max(1, round(free)), 0
+            self._rising = 0
+            self._set(max(1, round(free)))
         elif self.threads < self.max_threads and free >= self.threads + RISE:
             self._rising += 1
-            if self._rising >= RISE_WINDOWS:
-                want, self._rising = min(self.max_threads, self.threads + max(1, int(free - self.threads + 1 - RISE))), 0
+            if self._rising >= RISE_WINDOWS:             # as many more as have RISE of a CPU free each
+                self._rising = 0
+                self._set(min(self.max_threads, int(free + 1 - RISE)))
         else:
             self._rising = 0
-        if want != self.threads:
-            self.threads = want
+
+    def _set(self, threads: int) -> None:
+        if threads != self.threads:
+            self.threads = threads
             self.changes += 1
-            self.set_threads(want)
+            self.set_threads(threads)
 
 
 def _torch_set_threads(n: int) -> None:
