@@ -2,7 +2,7 @@
 0, 1 and 2 busy-looping processes beside them (issue 44), in one run.
 
     .venv/bin/python benchmarks/busy_machine.py [--model M] [--busy 0 1 2] [--llama-cpp .peers/avx512/bin]
-        [--input-len 512] [--output-len 128] [--repeats 2] [--no-served] [--ab-rounds 3]
+        [--input-len 512] [--output-len 128] [--repeats 2] [--no-served] [--ab-rounds 3] [--pairs 4]
         [--json docs/results/busy_machine_<model>_<isa>.json]
 
 A busy process is `python -c "while True: pass"` (nice 0, as a browser tab or a compile job is),
@@ -20,8 +20,14 @@ Figures:
 - idle A/B: at each of --ab-rounds, decode and prefill with the thread count adapting, pinned at the
   maximum and pinned at one thread (the same engine, alternating): adapting should cost nothing on a
   free machine, and one thread against the maximum is the most "kept" can be with one core busy;
-- "kept": the share of phasewise's idle figure left under load; "vs best": against the better of
+- "kept": the share of phasewise's idle figure left under load, from --pairs rounds that each
+  measure the free machine and then the loaded one (a ratio a minute apart: this VM's idle speed
+  drifts by a third between minutes), median and range; "vs best": against the better of
   llama-bench -t 1 and -t 2 under the same load.
+
+Before each loaded measurement the engine decodes for SETTLE_S, so that the governor has seen the
+load (and after it, the free machine again): what is measured is the count it chose, not its first
+look.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+SETTLE_S = 0.6           # three of the governor's windows (runner/thread_governor.py)
 
 
 @contextmanager
@@ -51,6 +58,15 @@ def busy(n: int):
             p.kill()
         for p in procs:
             p.wait()
+
+
+def settle(llm, run: int) -> None:
+    """Decode for SETTLE_S: the thread governor looks at the CPUs only between steps."""
+    from phasewise import SamplingParams
+
+    started = time.monotonic()
+    while time.monotonic() - started < SETTLE_S:
+        llm.generate([[900 + run % 50, 901, 902]], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
 
 
 def measure_phasewise(llm, args, run: int, itl: bool = True) -> dict:
@@ -89,6 +105,23 @@ def idle_ab(llm, args) -> dict:
             out[mode].append(measure_phasewise(llm, args, 100 + 3 * i + j, itl=False))
     governor.pin(None)
     return out
+
+
+def kept_pairs(llm, args, n: int) -> dict:
+    """--pairs rounds of: decode and prefill on the free machine, then beside n busy loops (both after
+    settling); each round's loaded figure over its idle one."""
+    kept = {"decode_tps": [], "prefill_tps": []}
+    for i in range(args.pairs):
+        settle(llm, i)
+        idle = measure_phasewise(llm, args, 300 + 2 * i + 40 * n, itl=False)
+        with busy(n):
+            settle(llm, i)
+            loaded = measure_phasewise(llm, args, 301 + 2 * i + 40 * n, itl=False)
+        for k in kept:
+            kept[k].append(loaded[k] / idle[k])
+        print(f"pair {i}, busy {n}: decode {idle['decode_tps']:.1f} -> {loaded['decode_tps']:.1f}, prefill "
+              f"{idle['prefill_tps']:.1f} -> {loaded['prefill_tps']:.1f} tok/s", flush=True)
+    return kept
 
 
 
@@ -131,6 +164,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--no-served", dest="served", action="store_false", help="skip the served ITL")
     ap.add_argument("--ab-rounds", type=int, default=3, help="idle A/B rounds, adapting against pinned (0: none)")
+    ap.add_argument("--pairs", type=int, default=4, help="idle-then-loaded rounds behind \"kept\"")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args()
     if args.llama_cpp is None:
@@ -151,6 +185,7 @@ def main() -> None:
     rows = []
     for n in args.busy:
         with busy(n):
+            settle(llm, len(rows))
             row = {"busy": n, "phasewise": measure_phasewise(llm, args, len(rows))}
             for t in (2, 1):
                 if peer:
@@ -161,6 +196,9 @@ def main() -> None:
               f"{pw['itl_p50_ms']:.1f} p99 {pw['itl_p99_ms']:.1f} ms" +
               "".join(f"; llama-bench -t {t} decode {row[f'llama_bench_t{t}'].get('decode_tps') or 0:.1f} prefill "
                       f"{row[f'llama_bench_t{t}'].get('prefill_tps') or 0:.1f}" for t in (2, 1) if peer), flush=True)
+    for r in rows:
+        if r["busy"] and args.pairs:
+            r["kept_pairs"] = kept_pairs(llm, args, r["busy"])
     served = measure_served(args.model, args.busy, args.output_len) if args.served else {}
     for r in rows:
         if r["busy"] in served:
@@ -177,13 +215,20 @@ def main() -> None:
         pw = r["phasewise"]
         best = {k: max((r.get(f"llama_bench_t{t}", {}).get(k) or 0) for t in (1, 2)) for k in ("decode_tps", "prefill_tps")}
         r["vs_best"] = {k: pw[k] / best[k] if best[k] else None for k in best}
-        r["kept"] = {k: pw[k] / idle[k] for k in ("decode_tps", "prefill_tps")} if idle else None
+        if "kept_pairs" in r:
+            r["kept"] = {k: statistics.median(v) for k, v in r["kept_pairs"].items()}
+        else:
+            r["kept"] = {k: pw[k] / idle[k] for k in ("decode_tps", "prefill_tps")} if idle else None
         kept = r["kept"] or {}
         fmt = lambda x, pct=False: "—" if x is None else (f"{x:.0%}" if pct else f"{x:.2f}x")  # noqa: E731
         print(f"{r['busy']:>4} {fmt(kept.get('decode_tps'), True):>12} {fmt(kept.get('prefill_tps'), True):>13} "
               f"{fmt(r['vs_best']['decode_tps']):>15} {fmt(r['vs_best']['prefill_tps']):>16} "
               f"{fmt(pw['itl_p99_ms'] / idle['itl_p99_ms'] if idle else None):>15} "
               f"{fmt(r['served']['itl_p99_ms'] / idle_served['itl_p99_ms'] if idle_served and 'served' in r else None):>18}")
+    for r in rows:
+        if "kept_pairs" in r:
+            print(f"busy {r['busy']}, kept over {args.pairs} pairs: " + ", ".join(
+                f"{k.split('_')[0]} {min(v):.0%}-{max(v):.0%}" for k, v in r["kept_pairs"].items()))
     if args.json:
         args.json.write_text(json.dumps({**record, "model": args.model or path.name, "llama_cpp": str(args.llama_cpp),
                                          "input_len": args.input_len, "output_len": args.output_len,
