@@ -237,7 +237,7 @@ def test_a_stream_nobody_reads_is_aborted_and_a_queued_request_that_leaves_never
         def on_finish(self, request, reason: str) -> None:
             finished[request.request_id] = (request, reason)
 
-    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    long = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)    # outlives 30 + 8 steps
     pool = llm.engine.core.kv.pool
 
     async def scenario() -> None:

@@ -16,7 +16,7 @@ SOAK = Path(__file__).parent.parent / "benchmarks" / "soak.py"
 
 
 def test_short_soak_leaves_nothing_behind():
-    done = subprocess.run([sys.executable, str(SOAK), "--duration", "8", "--max-concurrency", "6"],
+    done = subprocess.run([sys.executable, str(SOAK), "--duration", "6", "--max-concurrency", "6"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "ok   every KV block free or evictable" in done.stdout and "FAIL" not in done.stdout
