@@ -124,7 +124,6 @@ def kept_pairs(llm, args, n: int) -> dict:
     return kept
 
 
-
 def measure_served(model: str | None, busy_levels: list[int], output_len: int) -> dict:
     """ITL of 8 concurrent streams through `phasewise serve` (default threads) at each busy level."""
     import serving
