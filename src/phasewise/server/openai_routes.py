@@ -15,17 +15,13 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from phasewise.sampling.params import ConstraintError
 from phasewise.server import responses as R
 from phasewise.server.async_engine import SubRequest
-from phasewise.admission import ContextLengthError, RequestError
-from phasewise.server.errors import EngineDeadError
+from phasewise.server.body_parsing import parse_body
+from phasewise.server.chat_call import Submitter, chat_call
 from phasewise.server.guards import Guards
 from phasewise.server.kv_transfers import KVTransfers
-from phasewise.server.protocol import (
-    APIError, ChatCompletionRequest, CompletionRequest, bad_request, choice_params, openapi_body)
-from phasewise.server.body_parsing import parse_body
-from phasewise.server.request_stream import RequestStream
+from phasewise.server.protocol import CompletionRequest, ChatCompletionRequest, bad_request, choice_params, openapi_body
 from phasewise.server.sse import chat_events, collect, completion_events, sse_response
 
 
@@ -33,23 +29,8 @@ def openai_router(guards: Guards) -> APIRouter:
     engine, config = guards.engine, guards.config
     token_text = R.TokenText(engine.tokenizer)
     kv_transfers = KVTransfers(engine)
+    submitter = Submitter(guards)
     router = APIRouter(dependencies=[Depends(guards.require_key)])
-
-    async def start(items: list[SubRequest], chat: bool, constraint_field: str | None = None) -> RequestStream:
-        guards.admit(len(items))
-        try:
-            return await engine.submit(items, chat)
-        except ConstraintError as e:
-            raise bad_request(str(e), constraint_field) from None
-        except RequestError as e:
-            param = "messages" if e.param == "prompt" and chat else e.param
-            if isinstance(e, ContextLengthError):
-                raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
-            raise bad_request(str(e), param) from None
-        except ValueError as e:
-            raise bad_request(str(e)) from None
-        except EngineDeadError as e:
-            raise APIError(503, str(e), type="server_error", code="engine_dead") from None
 
     async def respond(request: Request, body: Any, rid: str, items: list[SubRequest], chat: bool,
                       events: Callable, final: Callable) -> Response:
@@ -60,7 +41,7 @@ def openai_router(guards: Guards) -> APIRouter:
         transfer = body.kv_transfer_params.transfer_id if body.kv_transfer_params else None
         if transfer and config.role == "decode":
             await kv_transfers.receive(transfer)
-        stream = await start(items, chat, body.constraint_field)
+        stream = await submitter.start(items, chat, body.constraint_field)
         if transfer and config.role == "prefill":
             if body.stream or len(items) != 1:
                 raise bad_request("a prefill instance's request carries one prompt, one choice, no stream",
@@ -111,14 +92,10 @@ def openai_router(guards: Guards) -> APIRouter:
     async def chat_completions(request: Request) -> Response:
         body = parse_body(await request.body(), ChatCompletionRequest)
         guards.check_model(body.model)
-        params, tool_format = body.tool_params(body.sampling_params(), engine.tokenizer.tool_format)
-        messages, tools = body.conversation(), body.checked_tools()
-        names = frozenset(t["function"]["name"] for t in tools or ())
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        items = [SubRequest(_sub_id(rid, j, body.n), messages, choice_params(params, j), tools)
-                 for j in range(body.n)]
-        parsing = {"tool_format": tool_format, "tool_names": names}
-        return await respond(request, body, rid, items, True, partial(chat_events, n=body.n, tt=token_text, **parsing),
+        call = chat_call(body, engine.tokenizer.tool_format, f"chatcmpl-{uuid.uuid4().hex}")
+        parsing = {"tool_format": call.tool_format, "tool_names": call.tool_names}
+        return await respond(request, body, call.rid, call.items, True,
+                             partial(chat_events, n=body.n, tt=token_text, **parsing),
                              partial(R.chat_body, tt=token_text, **parsing))
 
     return router

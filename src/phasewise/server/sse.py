@@ -19,8 +19,20 @@ from phasewise.server.protocol import APIError, error_body
 from phasewise.server.request_stream import RequestStream
 
 
+class GenerationError(EngineError):
+    """A request the engine ended in error (finish_reason "error": its grammar refused a token). No
+    API's clients know that finish reason: the call answers with an error naming the cause instead."""
+
+
+def failure(outputs: list[CompletionOutput]) -> GenerationError | None:
+    """The error of the first output that ended in one, or None."""
+    failed = next((o for o in outputs if o.finish_reason == "error"), None)
+    return None if failed is None else GenerationError(failed.error or "the request ended in error")
+
+
 async def collect(request: Request, stream: RequestStream) -> list[CompletionOutput] | None:
-    """The final outputs in submission order, or None when the client disconnected first (then aborted)."""
+    """The final outputs in submission order, or None when the client disconnected first (then aborted).
+    An engine failure, or an output that ended in error, is an APIError (500)."""
     async def run() -> list[CompletionOutput]:
         finals = {}
         async for delta in stream:
@@ -44,9 +56,17 @@ async def collect(request: Request, stream: RequestStream) -> list[CompletionOut
     if gone:
         return None
     try:
-        return work.result()
+        outputs = work.result()
+        error = failure(outputs)
+        if error is not None:
+            raise error
+        return outputs
     except EngineError as e:
-        raise APIError(500, str(e), type="server_error", code="engine_error") from None
+        raise APIError(500, str(e), type="server_error", code=error_code(e)) from None
+
+
+def error_code(error: EngineError) -> str:
+    return "generation_error" if isinstance(error, GenerationError) else "engine_error"
 
 
 def sse_response(gen: AsyncIterator[str], stream: RequestStream) -> StreamingResponse:
@@ -70,6 +90,9 @@ async def _events(stream: RequestStream, make_choice: Any, head: list[dict], rid
             yield _event(R.chunk(rid, obj, created, model, [choice], include_usage))
         async for delta in stream:
             i = index[delta.request_id]
+            error = failure([delta.output]) if delta.finished else None
+            if error is not None:
+                raise error
             choice = make_choice(i, delta)
             if choice is None:
                 continue
@@ -84,7 +107,7 @@ async def _events(stream: RequestStream, make_choice: Any, head: list[dict], rid
                                  timings=R.timings(outs[0])))
         yield "data: [DONE]\n\n"
     except EngineError as e:
-        yield _event(error_body(str(e), "server_error", code="engine_error"))
+        yield _event(error_body(str(e), "server_error", code=error_code(e)))
         yield "data: [DONE]\n\n"
     finally:
         stream.close()

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import copy
-import json
 import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future
-from typing import Any
+from typing import Protocol
 
 import llguidance
-from llguidance import LLMatcher, LLTokenizer
+import tokenizers
+from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 
 from phasewise.sampling.params import ConstraintError, StructuredOutputs
 from phasewise.structured.grammar_matcher import GrammarMatcher
@@ -27,8 +26,8 @@ def _one_line(message: str) -> str:
 
 
 class GrammarCompiler:
-    """Compiles constraints for one tokenizer (a `tokenizers.Tokenizer`) over a vocabulary of
-    vocab_size logits; eos_token_ids end an output whose grammar is complete.
+    """Compiles constraints for one tokenizer over a vocabulary of vocab_size logits; eos_token_ids end
+    an output whose grammar is complete.
 
     llguidance's view of the tokenizer takes 0.5 s (49k tokens) to 1.6 s (152k) to build: it is built
     on first use, or in the background after `prepare()`. Compiled grammars are kept (the latest
@@ -36,8 +35,8 @@ class GrammarCompiler:
 
     CACHE_SIZE = 256
 
-    def __init__(self, backend_tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
-        self._backend = backend_tokenizer
+    def __init__(self, vocab: Vocabulary, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+        self._vocab = vocab
         self.vocab_size = vocab_size
         self._eos = sorted(eos_token_ids)
         self._tokenizer: Future[LLTokenizer] | None = None
@@ -58,12 +57,9 @@ class GrammarCompiler:
 
     def _build(self) -> None:
         try:
-            backend = copy.copy(self._backend)       # padding and truncation off, as llguidance.hf does
-            backend.no_padding()
-            backend.no_truncation()
-            n = max(self.vocab_size, backend.get_vocab_size(with_added_tokens=True))
-            text = _padding_special(backend.to_str())
-            self._tokenizer.set_result(LLTokenizer(text, n_vocab=n, eos_token=self._eos or None))
+            vocab = _Vocabulary(self._vocab)
+            n = max(self.vocab_size, len(vocab.tokens))
+            self._tokenizer.set_result(LLTokenizer(TokenizerWrapper(vocab), n_vocab=n, eos_token=self._eos or None))
         except Exception as e:   # surfaces in every compile
             self._tokenizer.set_exception(e)
 
@@ -100,19 +96,42 @@ class GrammarCompiler:
             raise ConstraintError(f"invalid {_NAMES[spec.kind]}: {_one_line(str(e))}") from None
 
 
-def _padding_special(tokenizer_json: str) -> str:
-    """GGUF vocabularies pad the embedding with ordinary tokens "[PAD151665]" ... (Qwen2.5): declared
-    special here, so no grammar lets the model spell text with them (their logits are untrained)."""
-    if "[PAD" not in tokenizer_json:
-        return tokenizer_json
-    data = json.loads(tokenizer_json)
-    known = {t["id"] for t in data.get("added_tokens", [])}
-    pads = [(i, piece) for piece, i in data["model"].get("vocab", {}).items()
-            if _PAD.fullmatch(piece) and i not in known]
-    data.setdefault("added_tokens", []).extend(
-        {"id": i, "content": piece, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
-         "special": True} for i, piece in pads)
-    return json.dumps(data)
+class Vocabulary(Protocol):
+    """What the compiler reads of a tokenizer (phasewise.tokenizer.Tokenizer has it)."""
+
+    @property
+    def backend(self) -> tokenizers.Tokenizer: ...
+
+    def token_bytes(self, token_id: int) -> bytes: ...
+
+
+class _Vocabulary:
+    """A tokenizer as llguidance's TokenizerWrapper reads it: every token's bytes, the special ones
+    (by id; llguidance's grammars name them as <|im_end|> or <[id]>), and text → token ids.
+
+    llguidance's own reading of a tokenizer.json takes every added token for special, so a grammar's
+    literal "<tool_call>" could never be Qwen's added token of that text (special: false), which the
+    model writes: the mask allowed it (the literal's own tokenization) and the matcher then refused it.
+    Here an added token is special only when the tokenizer says so, and a non-special one is its text.
+    GGUF vocabularies pad the embedding with ordinary tokens "[PAD151665]" ... (Qwen2.5): special
+    here, so no grammar lets the model spell text with them (their logits are untrained)."""
+
+    bos_token_id = None
+
+    def __init__(self, vocab: Vocabulary) -> None:
+        backend = vocab.backend
+        self._encode = backend.encode
+        n = backend.get_vocab_size(with_added_tokens=True)
+        self.tokens = [vocab.token_bytes(i) for i in range(n)]
+        special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+        special |= {i for i, t in enumerate(self.tokens) if t.startswith(b"[PAD") and _PAD.fullmatch(t.decode(errors="replace"))}
+        self.special_token_ids = sorted(special)
+        self.eos_token_id = self.special_token_ids[0] if self.special_token_ids else 0   # overridden by eos_token
+
+    def __call__(self, text: str) -> list[int]:
+        if not isinstance(text, str):   # llguidance probes with bytes: text only
+            raise TypeError("text only")
+        return self._encode(text, add_special_tokens=False).ids
 
 
 _PAD = re.compile(r"\[PAD\d+\]")

@@ -1,0 +1,71 @@
+"""What the chat-shaped APIs share: a chat request made ready to run, and its submission to the engine.
+
+/v1/chat/completions, /v1/responses and /v1/messages all come down to one `ChatCompletionRequest`
+(the latter two translate their bodies into it), which `chat_call` turns into the engine requests and
+the tool-call parsing of their output; `Submitter.start` admits and submits them, turning the engine's
+refusals into APIErrors (each API renders them in its own shape).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from phasewise.admission import ContextLengthError, RequestError
+from phasewise.sampling.params import ConstraintError
+from phasewise.server.async_engine import SubRequest
+from phasewise.server.errors import EngineDeadError
+from phasewise.server.guards import Guards
+from phasewise.server.protocol import APIError, ChatCompletionRequest, bad_request, choice_params
+from phasewise.server.request_stream import RequestStream
+from phasewise.tool_calling import ToolCallParser
+
+
+@dataclass(frozen=True)
+class ChatCall:
+    """A chat request ready to run: its engine requests (one per choice) and how to read tool calls out
+    of their text (tool_format None: no tools, or tool_choice "none": the text is all content)."""
+    rid: str
+    items: list[SubRequest]
+    tool_format: str | None
+    tool_names: frozenset[str]
+    constraint_field: str | None
+
+    def parser(self) -> ToolCallParser | None:
+        """A fresh parser for one choice's text, or None when nothing is parsed."""
+        return ToolCallParser(self.tool_format, self.tool_names) if self.tool_format else None
+
+
+def chat_call(body: ChatCompletionRequest, template_tool_format: str, rid: str) -> ChatCall:
+    """The request's sub-requests; 400 (APIError) for what is wrong with it. template_tool_format: the
+    format the model's chat template calls tools in (Tokenizer.tool_format)."""
+    params, tool_format = body.tool_params(body.sampling_params(), template_tool_format)
+    messages, tools = body.conversation(), body.checked_tools()
+    names = frozenset(t["function"]["name"] for t in tools or ())
+    items = [SubRequest(rid if body.n == 1 else f"{rid}-{j}", messages, choice_params(params, j), tools)
+             for j in range(body.n)]
+    return ChatCall(rid, items, tool_format, names, body.constraint_field)
+
+
+class Submitter:
+    """Admits and submits an API call's engine requests; the engine's refusals become APIErrors."""
+
+    def __init__(self, guards: Guards) -> None:
+        self.guards, self.engine = guards, guards.engine
+
+    async def start(self, items: list[SubRequest], chat: bool, constraint_field: str | None = None,
+                    prompt_param: str = "messages") -> RequestStream:
+        """prompt_param: the field a chat request's prompt came from, named by a context-length error."""
+        self.guards.admit(len(items))
+        try:
+            return await self.engine.submit(items, chat)
+        except ConstraintError as e:
+            raise bad_request(str(e), constraint_field) from None
+        except RequestError as e:
+            param = prompt_param if e.param == "prompt" and chat else e.param
+            if isinstance(e, ContextLengthError):
+                raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
+            raise bad_request(str(e), param) from None
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+        except EngineDeadError as e:
+            raise APIError(503, str(e), type="server_error", code="engine_dead") from None
