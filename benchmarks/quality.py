@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/quality.py [--dtypes fp32,int8,q4,q4/int8] [--kernels auto|torch]
                                            [--text benchmarks/data/lighthouses.txt] [--chunk 512]
-                                           [--output-len 64] [--repeats 3] [--threads N]
+                                           [--output-len 64] [--repeats 3] [--threads N] [--record]
 
 For each --dtypes precision of the default model (or --model); "WEIGHTS/KV" also sets the KV-cache
 dtype (q4/int8: 4-bit weights and an int8 KV cache):
@@ -11,12 +11,15 @@ dtype (q4/int8: 4-bit weights and an int8 KV cache):
 - prefill tokens/s of that pass, and decode tokens/s at batch 1 (--output-len greedy tokens
   after a 128-token prompt), the model alone (no engine, no sampling), with the kernels the engine
   uses (--kernels auto: linear kernels and the fused CPU ops); medians of --repeats.
-Speeds are only comparable within one run on a machine nobody else is using.
+Speeds are only comparable within one run on a machine nobody else is using. --record keeps each
+precision's perplexity against fp32 in the cache, where the engine's default precision reads it
+(phasewise.precision.measured: the KV cache beside q4 weights is int8 only where that pair holds 0.5%).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import time
@@ -28,6 +31,7 @@ from phasewise.kernels import build
 from phasewise.layers.attention import AttentionMetadata
 from phasewise.loading.loader import load_prepared
 from phasewise.loading.loader import default_model_path, parse_dtype
+from phasewise.precision import measured, record_path
 from phasewise.runner.kv_cache import KVCache
 from phasewise.tokenizer import Tokenizer
 
@@ -84,6 +88,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--record", action="store_true", help="keep the figures for the engine's default precision")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -92,7 +97,7 @@ def main() -> None:
     ids = tok.encode(args.text.read_text())
     print(f"{args.text.name}: {len(ids)} tokens; kernels={args.kernels}; {torch.get_num_threads()} threads")
     print(f"{'dtype':>8} {'ppl':>8} {'Δppl':>7} {'top1=fp32':>9} | {'prefill tok/s':>13} {'decode tok/s':>12}")
-    base_top, base_ppl = None, None
+    base_top, base_ppl, deltas = None, None, {}
     dtypes = args.dtypes.split(",")
     if "fp32" in dtypes:   # the reference for the agreement comes first
         dtypes.remove("fp32")
@@ -114,9 +119,18 @@ def main() -> None:
             base_top, base_ppl = top, ppl
         agree = f"{(top == base_top).float().mean().item():9.2%}" if base_top is not None else f"{'-':>9}"
         delta = f"{ppl / base_ppl - 1:+7.2%}" if base_ppl else f"{'-':>7}"
+        if base_ppl and spec != "fp32":
+            deltas[spec] = round(ppl / base_ppl - 1, 5)
         print(f"{spec:>8} {ppl:8.4f} {delta} {agree} | {statistics.median(prefill):13.1f} "
               f"{statistics.median(decode):12.1f}", flush=True)
         del model, runner
+    if args.record:
+        if not deltas:
+            raise SystemExit("--record needs fp32 and at least one other precision in --dtypes")
+        target = record_path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps({**measured(path), **deltas}, indent=1))
+        print(f"recorded in {target}")
 
 
 if __name__ == "__main__":

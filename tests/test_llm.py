@@ -152,6 +152,29 @@ def test_precision_choices(default_model_path, tmp_path):
         choose(default_model_path, "auto", "fp8", None)
 
 
+def test_the_default_kv_cache_holds_the_measured_perplexity_of_each_file(default_model_path, tmp_path, monkeypatch):
+    """The int8 KV cache beside a GGUF's blocks only where that pair was measured within 0.5% on the file
+    (the shipped figures, or benchmarks/quality.py --record's in the cache); the line says what was measured."""
+    from phasewise.precision import choose, record_path
+
+    class Kernels:
+        isa = "avx512"
+
+    monkeypatch.setenv("PHASEWISE_CACHE", str(tmp_path))
+    shipped = choose(default_model_path, "auto", "auto", Kernels())     # the default model's shipped figures
+    assert shipped.kv == "int8" and "+0.41% perplexity against fp32 as measured on this file" in shipped.why
+    record = record_path(default_model_path)
+    record.parent.mkdir(parents=True)
+    record.write_text('{"q4/int8": 0.0186, "q4": 0.0036}')           # as Qwen2.5-Coder-0.5B measured
+    float_kv = choose(default_model_path, "auto", "auto", Kernels())
+    assert float_kv.kv == "model" and "+0.36%" in float_kv.why and "int8 KV cache measured +1.86%" in float_kv.why
+    assert choose(default_model_path, "auto", "int8", Kernels()).kv == "int8"   # asked for: kept, and over the limit
+    assert "over 0.5%" in choose(default_model_path, "auto", "int8", Kernels()).why
+    record.write_text("{}")                                             # nobody measured this file
+    unknown = choose(default_model_path, "auto", "auto", Kernels())
+    assert unknown.kv == "int8" and "not measured for this file" in unknown.why
+
+
 def _full_forward_logprobs(llm, ids: list[int]) -> torch.Tensor:
     """log_softmax of the logits at every position, the whole prompt in one forward pass."""
     from phasewise.layers.attention import AttentionMetadata

@@ -58,6 +58,21 @@ def test_malformed_bodies_get_a_clean_400(server, raw):
     assert_openai_error(resp, 400)
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/tokenize"])
+@pytest.mark.parametrize("where", ["field", "schema"])
+def test_a_body_nested_thousands_deep_is_a_400(server, path, where):
+    """Refused before anything parses it (the parser's recursion was a 500), and the next request is served."""
+    deep = "[" * 3000 + "]" * 3000
+    extra = f'"stop": {deep}' if where == "field" else \
+        f'"response_format": {{"type": "json_schema", "json_schema": {{"name": "x", "schema": {{"items": {deep}}}}}}}'
+    raw = f'{{"model": "{MODEL}", "prompt": "hi", "messages": [{{"role": "user", "content": "hi"}}], {extra}}}'
+    resp = httpx.post(server.url + path, content=raw.encode(), headers={"content-type": "application/json"})
+    err = assert_openai_error(resp, 400, "128 levels deep")
+    assert err["param"] is None
+    ok = server.post("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/completions", b'{"model": "%s", "prompt": "a\\ud800b"}', "prompt"),
     ("/v1/chat/completions", b'{"model": "%s", "messages": [{"role": "user", "content": "\\udfff"}]}', "messages"),

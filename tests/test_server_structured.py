@@ -76,6 +76,8 @@ def test_the_openai_clients_parse_with_a_pydantic_model(server):
     ({"guided_choice": ["yes", "no"], "guided_decoding_backend": "xgrammar"}, lambda t: t in ("yes", "no")),
     ({"guided_json": CITY}, lambda t: jsonschema.validate(json.loads(t), CITY) is None),
     ({"json_schema": CITY}, lambda t: jsonschema.validate(json.loads(t), CITY) is None),           # llama.cpp
+    ({"response_format": {"type": "json_object", "schema": CITY}},                                  # llama.cpp too
+     lambda t: jsonschema.validate(json.loads(t), CITY) is None),
     ({"grammar": 'root ::= "It is " [0-9] [0-9]? [0-9]? [0-9]? "."'},          # llama.cpp (bounded: a small
      lambda t: re.fullmatch(r"It is [0-9]{1,4}\.", t)),                     # model may write digits forever)
 ])

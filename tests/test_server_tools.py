@@ -123,10 +123,57 @@ def test_the_round_trip_call_result_answer(server, choice, stream):
     ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools"),
     ({"tools": "get_weather"}, "tools"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}],
-      "tool_choice": "required"}, "tool_choice"),
+    *(({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "wat"}}}],
+        **({"tool_choice": choice} if choice else {})}, "tools") for choice in (None, "auto", "none", "required")),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"a": {"minimum": "x"}}}}}]},
+     "tools"),
     ({"functions": [{"name": "f"}]}, "functions"),
 ])
 def test_bad_tools_and_tool_choice_are_400s(server, fields, param):
     err = assert_openai_error(server.post("/v1/chat/completions", {**CHAT, **fields}), 400)
     assert err["param"] == param
+
+
+def test_a_tool_message_needs_the_id_of_its_call(server):
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "content": "21 degrees"}]
+    err = assert_openai_error(server.post("/v1/chat/completions", {**CHAT, "messages": history, "tools": TOOLS}), 400,
+                              "tool_call_id")
+    assert err["param"] == "messages"
+
+
+QWEN_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                                "parameters": WEATHER}},
+              {"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": ADD}}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}], ids=["required", "named"])
+def test_forced_calls_on_a_template_with_tools(qwen_server, choice, stream):
+    """Qwen2.5's own template (Hermes <tool_call> blocks, an added token of that text): required and named
+    calls come back as calls whose arguments validate, with finish_reason tool_calls."""
+    kw = {"model": "qwen", "messages": [{"role": "user", "content": "What is 2 plus 40?"}], "tools": QWEN_TOOLS,
+          "tool_choice": choice, "parallel_tool_calls": False, "temperature": 0, "max_tokens": 60}
+    client = qwen_server.client()
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **kw))
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        calls = [(c["function"]["name"], c["function"]["arguments"]) for c in streamed_calls(chunks)]
+    else:
+        out = client.chat.completions.create(**kw).choices[0]
+        assert out.finish_reason == "tool_calls" and out.message.content is None
+        calls = [(c.function.name, c.function.arguments) for c in out.message.tool_calls]
+    assert len(calls) == 1
+    name, arguments = calls[0]
+    assert name == "add" or choice == "required"
+    jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+def test_a_grammar_literal_is_the_added_token_of_its_text(qwen_server):
+    """No tools: a grammar whose literal is <tool_call> takes Qwen's added token of that text (it refused it
+    once, and the request ended with finish_reason "error")."""
+    out = qwen_server.client().chat.completions.create(
+        model="qwen", messages=[{"role": "user", "content": "Say hi."}], temperature=0, max_tokens=20,
+        extra_body={"structured_outputs": {"grammar": 'start: "<tool_call>" " hi"'}}).choices[0]
+    assert out.finish_reason == "stop" and out.message.content == "<tool_call> hi"

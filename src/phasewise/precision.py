@@ -1,22 +1,36 @@
 """The weight and KV-cache precision an engine runs at: what was asked for, or by default ("auto")
 the fastest pair measured to stay within 0.5% perplexity of the file's weights in fp32.
 
-Measured with benchmarks/quality.py on the default model and the repo's text (docs/benchmarks.md):
-q4 weights (a GGUF's own Q4_0/Q4_1/Q8_0 blocks) with the int8 KV cache +0.41% (+0.19% before its
-readers took the query in int8 steps too), q4 alone +0.23%,
-int8 per-channel weights -0.05%, the int8 KV cache alone about +0.2%. Both int8 paths need the
-compiled kernels to be fast; without them (another device, `kernels="torch"`, no compiler) the
-default is the file's weights in fp32 with a float KV cache.
+Perplexity is a property of each file: benchmarks/quality.py measures it (the repo's text,
+teacher-forced) and `--record` keeps the figures in the cache (`measured`), and MEASURED holds
+those of the files phasewise ships. A GGUF's own blocks (q4) run with the int8 KV cache where that
+pair holds 0.5% on the file, with a float KV cache where only the weights do (Qwen2.5-Coder-0.5B:
+its int8 KV cache costs +1.5%), and with the int8 cache where nothing was measured, saying so.
+int8 per-channel weights measured -0.05% on the default model. Both int8 paths need the compiled
+kernels to be fast; without them (another device, `kernels="torch"`, no compiler) the default is
+the file's weights in fp32 with a float KV cache.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
+
 from phasewise.kernels.kernel_api import Kernels
+from phasewise.paths import default_cache_dir
 
 WEIGHT_DTYPES = ("fp32", "bf16", "fp16", "int8", "q4")
 KV_DTYPES = ("model", "int8")
+LIMIT = 0.005               # the perplexity a default precision may add to the file's weights in fp32
+
+# Perplexity against the file's weights in fp32 (benchmarks/quality.py, lighthouses.txt; docs/benchmarks.md)
+# of the files phasewise ships, by file name and size: "q4/int8" the default pair, "q4" with a float KV cache.
+MEASURED = {
+    ("SmolLM2-135M-Instruct.Q4_1.gguf", 98362432): {"q4/int8": 0.0041, "q4": 0.0023},
+    ("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", 491400064): {"q4/int8": 0.0186, "q4": 0.0036},
+    ("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", None): {"q4/int8": 0.0026},
+}
 
 
 @dataclass(frozen=True)
@@ -81,7 +95,46 @@ def choose(path: Path, dtype: str, kv_dtype: str, kernels: Kernels | None) -> Pr
     if blocks:
         others = sorted(types - set(GGUF_BLOCKS) - {"F32", "F16", "BF16"})
         rest = f", int8 per channel for its {'/'.join(others)} layers" if others else ""
+        kv, quality = _q4_kv(measured(path), kv_dtype)
         return Precision("q4", kv, True, f"the file's own {'/'.join(blocks)} blocks{rest} on the {kernels.isa} "
-                                         "kernels, within 0.5% perplexity of fp32 as measured")
+                                         f"kernels, {quality}")
     return Precision("int8", kv, True, f"int8 per-channel weights on the {kernels.isa} kernels (measured apart: "
                                        "-0.05% perplexity, the int8 KV cache +0.2%)")
+
+
+def _key(path: Path) -> tuple[str, int]:
+    return path.name, path.stat().st_size
+
+
+def record_path(path: Path) -> Path:
+    """Where benchmarks/quality.py --record keeps a file's figures."""
+    name, size = _key(path)
+    return default_cache_dir() / "quality" / f"{name}-{size}.json"
+
+
+def measured(path: Path) -> dict[str, float]:
+    """A file's perplexity per precision ("q4/int8", "q4", ...) relative to its weights in fp32, as recorded
+    in the cache or shipped in MEASURED; empty when nobody measured it."""
+    try:
+        return {k: float(v) for k, v in json.loads(record_path(path).read_text()).items()}
+    except (OSError, ValueError, AttributeError):
+        pass
+    name, size = _key(path)
+    return MEASURED.get((name, size)) or MEASURED.get((name, None)) or {}
+
+
+def _q4_kv(figures: dict[str, float], kv_dtype: str) -> tuple[str, str]:
+    """The KV cache beside q4 weights (int8 unless only a float cache keeps the limit on this file, or one
+    was asked for) and what was measured, for the precision line."""
+    both, alone = figures.get("q4/int8"), figures.get("q4")
+    if kv_dtype != "auto":
+        kv = kv_dtype
+    else:
+        kv = "model" if both is not None and both > LIMIT and alone is not None and alone <= LIMIT else "int8"
+    figure = both if kv == "int8" else alone
+    if figure is None:
+        return kv, ("perplexity not measured for this file (benchmarks/quality.py --model FILE --record; "
+                    "the default model: +0.41%)")
+    within = "within" if figure <= LIMIT else "over"
+    note = f"; the int8 KV cache measured {both:+.2%}" if kv == "model" and both is not None else ""
+    return kv, f"{figure:+.2%} perplexity against fp32 as measured on this file ({within} 0.5%){note}"

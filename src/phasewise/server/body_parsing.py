@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,8 +16,27 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+MAX_DEPTH = 128            # arrays and objects inside each other; a deeper body is refused before parsing
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_BRACKET = re.compile(rb"[\[\]{}]")
+
+
+def nesting_depth(raw: bytes) -> int:
+    """How deep arrays and objects nest in JSON text (strings skipped), without recursing: a body nested
+    thousands deep would overflow the parser's (and every validator's) stack."""
+    if raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:
+        return MAX_DEPTH
+    depth = deepest = 0
+    for bracket in _BRACKET.findall(_STRING.sub(b"", raw)):
+        depth += 1 if bracket in b"[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
 def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
     """JSON bytes → a validated model, or a 400 APIError with a message a person can read."""
+    if nesting_depth(raw) > MAX_DEPTH:
+        raise bad_request(f"the request body nests arrays and objects more than {MAX_DEPTH} levels deep")
     try:
         obj = json.loads(raw, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError) as e:

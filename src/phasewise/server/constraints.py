@@ -71,8 +71,11 @@ def _response_format(value: Any) -> StructuredOutputs:
     if not isinstance(value, dict):
         raise ValueError("must be an object with a type")
     kind = value.get("type")
-    if kind == "json_object":
-        return StructuredOutputs(json_object=True)
+    if kind == "json_object":      # llama.cpp's {"type": "json_object", "schema": S} constrains to S
+        schema = value.get("schema")
+        if schema is None:
+            return StructuredOutputs(json_object=True)
+        return StructuredOutputs(json=schema)
     if kind != "json_schema":
         raise ValueError(f"type must be text, json_object or json_schema, got {kind!r}")
     spec = value.get("json_schema")

@@ -240,7 +240,10 @@ class ChatMessage(BaseModel):
                 raise bad_request("messages: only an assistant message has tool_calls", "messages")
             message["tool_calls"] = self.tool_calls
         if self.role == "tool":
-            message["tool_call_id"] = self.tool_call_id or ""
+            if not self.tool_call_id:
+                raise bad_request("messages: a tool message needs tool_call_id (the id of the call it answers)",
+                                  "messages")
+            message["tool_call_id"] = self.tool_call_id
         if self.name is not None and self.role == "tool":
             message["name"] = self.name
         return message

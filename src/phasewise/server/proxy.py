@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from phasewise.server.body_parsing import MAX_DEPTH, nesting_depth
 from phasewise.server.protocol import error_body
 
 
@@ -50,8 +51,12 @@ def create_proxy(prefill: str, decode: str) -> FastAPI:
         return relay(await client.get(decode + "/v1/models", headers=passed(request)))
 
     async def forward(request: Request, path: str) -> Response:
+        raw = await request.body()
+        if nesting_depth(raw) > MAX_DEPTH:
+            return JSONResponse(error_body(f"the request body nests arrays and objects more than {MAX_DEPTH} levels "
+                                           "deep"), status_code=400)
         try:
-            body = await request.json()
+            body = json.loads(raw)
         except ValueError:
             return JSONResponse(error_body("the body is not valid JSON"), status_code=400)
         if not isinstance(body, dict):

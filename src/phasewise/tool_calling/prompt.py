@@ -7,6 +7,8 @@ import json
 import re
 from typing import Any
 
+import jsonschema
+
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 # JSON on one line with OpenAI's separators, as structured outputs write it (structured/grammar_compiler.py)
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -44,6 +46,13 @@ def check_tools(tools: Any) -> list[dict]:
         params = fn.get("parameters")
         if params is not None and not isinstance(params, dict):
             raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
+        if params:
+            try:
+                jsonschema.validators.validator_for(params).check_schema(params)
+            except jsonschema.SchemaError as e:
+                where = "".join(f"[{p!r}]" for p in e.path)
+                raise ValueError(f"tools[{i}].function.parameters is not a valid JSON schema: "
+                                 f"{where + ' ' if where else ''}{e.message}") from None
     return tools
 
 
