@@ -89,9 +89,25 @@ def test_llama3_json_calls(cuts):
     assert not parser.calls and replay(pieces)[0] == "The weather is fine."
 
 
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(0, 90), max_size=10))
+def test_mistral_calls(cuts):
+    """Both of Mistral's spellings; ids of 9 letters and digits (its templates refuse others)."""
+    for text in ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "add", "arguments": {}}]',
+                 '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]add[ARGS]{}'):
+        parser, pieces = run(text, [c for c in cuts if c <= len(text)], "mistral")
+        assert [(c.name, json.loads(c.arguments)) for c in parser.calls] == [("get_weather", {"city": "Oslo"}),
+                                                                              ("add", {})]
+        assert all(len(c.id) == 9 and c.id.isalnum() for c in parser.calls) and replay(pieces)[0] == ""
+    for text in ("The weather is fine.", "[TOOL_CALLS] not a call"):
+        parser, pieces = run(text, [c for c in cuts if c <= len(text)], "mistral")
+        assert not parser.calls and replay(pieces)[0] == text.strip()
+
+
 def test_format_from_the_template_and_tool_checks():
     assert tool_format("{% for t in tools %}<tool_call>{% endfor %}") == "hermes"
     assert tool_format("<|python_tag|>{{ tools }}") == "llama3_json"
+    assert tool_format("[AVAILABLE_TOOLS]{{ tools }}[/AVAILABLE_TOOLS][TOOL_CALLS]") == "mistral"
     assert tool_format("{{ messages }}") == "hermes"
     for bad in ([], [{"type": "retrieval"}], [{"function": {"name": "a b"}}],
                 [{"function": {"name": "f"}}, {"function": {"name": "f"}}], [{"function": {"name": "f", "parameters": 3}}]):

@@ -1,9 +1,12 @@
 """ToolCallParser: a model's output → content and tool calls, as the text streams in.
 
-Two output formats. "hermes" (Qwen2.5, Hermes, and phasewise's own prompt for templates without
-tools): calls are `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, possibly several,
-possibly after some text. "llama3_json" (Llama 3.1+): the whole reply is one JSON object
+Three output formats. "hermes" (Qwen2.5, Qwen3, Hermes, and phasewise's own prompt for templates
+without tools): calls are `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, possibly
+several, possibly after some text. "llama3_json" (Llama 3.1, 3.2): the whole reply is one JSON object
 `{"name": ..., "parameters": {...}}`, optionally after `<|python_tag|>`; several are joined by "; ".
+"mistral": the whole reply is `[TOOL_CALLS]` and a JSON list of `{"name", "arguments"}` objects (or,
+in Mistral's newer templates, `[TOOL_CALLS]name[ARGS]{...}` per call); its call ids are 9 letters
+and digits, as Mistral's templates demand of the ids sent back.
 
 `feed` returns OpenAI delta pieces: {"content": text} or {"tool_calls": [{"index", "id", "type",
 "function": {"name", "arguments"}}]} for a new call, then {"tool_calls": [{"index", "function":
@@ -15,11 +18,16 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
+import string
 import uuid
 from dataclasses import dataclass
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
+FORMATS = ("hermes", "llama3_json", "mistral")
+_ALNUM = string.ascii_letters + string.digits
 # the start of a call object whose name comes first: {"name": "f", "arguments": (arguments follow)
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\S)')
 
@@ -65,7 +73,7 @@ class ToolCallParser:
     with "{") is held back until it ends."""
 
     def __init__(self, fmt: str = "hermes", tool_names: set[str] | frozenset[str] = frozenset()) -> None:
-        if fmt not in ("hermes", "llama3_json"):
+        if fmt not in FORMATS:
             raise ValueError(f"unknown tool-call format {fmt!r}")
         self.fmt, self.tool_names = fmt, tool_names
         self.calls: list[ToolCall] = []
@@ -81,7 +89,7 @@ class ToolCallParser:
         self._buf += text
         out = self._bare(final) if self.fmt == "hermes" and self.tool_names else []
         if self._mode != "bare":
-            out += self._hermes(final) if self.fmt == "hermes" else self._llama3(final)
+            out += self._hermes(final) if self.fmt == "hermes" else self._whole_reply(final)
         if final and self._space and not self.calls:
             out.append(self._content("", flush=True))
         return [d for d in out if d]
@@ -97,7 +105,9 @@ class ToolCallParser:
         return {"content": body}
 
     def _new_call(self, name: str, arguments: str = "") -> dict:
-        self.calls.append(ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, arguments))
+        call_id = "".join(secrets.choice(_ALNUM) for _ in range(9)) if self.fmt == "mistral" \
+            else f"call_{uuid.uuid4().hex[:24]}"
+        self.calls.append(ToolCall(call_id, name, arguments))
         return {"tool_calls": [{"index": len(self.calls) - 1, "id": self.calls[-1].id, "type": "function",
                                 "function": {"name": name, "arguments": arguments}}]}
 
@@ -163,19 +173,59 @@ class ToolCallParser:
         self._mode = "text"                        # not a call: parse it as any other reply
         return []
 
-    def _llama3(self, final: bool) -> list[dict]:
+    def _whole_reply(self, final: bool) -> list[dict]:
+        """llama3_json and mistral: a reply that starts as a call is held to its end, then read whole."""
+        tag = PYTHON_TAG if self.fmt == "llama3_json" else TOOL_CALLS
         if self._mode is None:
             start = self._buf.lstrip()
-            if not start or (PYTHON_TAG.startswith(start) and not final):
+            if not start or (tag.startswith(start) and not final):
                 return []
-            self._mode = "call" if start.startswith(("{", PYTHON_TAG)) else "text"
+            opens = ("{", tag) if self.fmt == "llama3_json" else (tag,)
+            self._mode = "call" if start.startswith(opens) else "text"
         if self._mode == "text":
             text, self._buf = self._buf, ""
             return [self._content(text, flush=True)]
         if not final:
             return []
-        text, self._buf = self._buf.strip().removeprefix(PYTHON_TAG), ""
-        parsed = [_call_object(part) for part in text.split("; ")] if text else [None]
-        if any(p is None for p in parsed):
+        text, self._buf = self._buf.strip(), ""
+        parsed = _llama3_calls(text) if self.fmt == "llama3_json" else _mistral_calls(text)
+        if parsed is None:
             return [self._content(text, flush=True)]
         return [self._new_call(*p) for p in parsed]
+
+
+def _llama3_calls(text: str) -> list[tuple[str, str]] | None:
+    body = text.removeprefix(PYTHON_TAG)
+    parsed = [_call_object(part) for part in body.split("; ")] if body else [None]
+    return None if any(p is None for p in parsed) else parsed
+
+
+def _mistral_calls(text: str) -> list[tuple[str, str]] | None:
+    """`[TOOL_CALLS][{...}, ...]`, or `[TOOL_CALLS]name[ARGS]{...}` repeated; None when it is neither."""
+    body = text.removeprefix(TOOL_CALLS).strip()
+    if body.startswith("["):
+        try:
+            items = json.loads(body)
+        except ValueError:
+            return None
+        if not isinstance(items, list) or not items:
+            return None
+        parsed = [_call_object(json.dumps(item)) for item in items]
+        return None if any(p is None for p in parsed) else parsed
+    calls = []
+    for part in body.split(TOOL_CALLS):
+        name, sep, args = part.partition(ARGS)
+        call = _call_object(json.dumps({"name": name.strip(), "arguments": json.loads(args)})) \
+            if sep and _is_json(args) else None
+        if call is None:
+            return None
+        calls.append(call)
+    return calls
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True

@@ -57,9 +57,14 @@ def check_tools(tools: Any) -> list[dict]:
 
 
 def tool_format(template: str) -> str:
-    """The format a model with this chat template calls tools in: "llama3_json" for Llama 3.1+'s
-    JSON calls, else "hermes" (<tool_call> blocks: Qwen2.5, Hermes, and the generic prompt)."""
-    if "<tool_call>" not in template and ("<|python_tag|>" in template or "ipython" in template):
+    """The format a model with this chat template calls tools in: "mistral" for [TOOL_CALLS],
+    "llama3_json" for Llama 3.1+'s JSON calls, else "hermes" (<tool_call> blocks: Qwen2.5, Qwen3,
+    Hermes, and the generic prompt)."""
+    if "<tool_call>" in template:
+        return "hermes"
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
+    if "<|python_tag|>" in template or "ipython" in template:
         return "llama3_json"
     return "hermes"
 
@@ -139,6 +144,10 @@ def call_grammar(tools: list[dict], fmt: str, name: str | None = None, parallel:
     schema = {**(objects[0] if len(objects) == 1 else {"anyOf": objects}), "x-guidance": _JSON_OPTIONS}
     call = f"%json {json.dumps(schema, ensure_ascii=False)}"
     if fmt == "llama3_json":
-        return f"start: {call}\n"
+        repeat = ' ("; " call)*' if parallel else ""
+        return f"start: call{repeat}\ncall: {call}\n"
+    if fmt == "mistral":
+        repeat = ' (", " call)*' if parallel else ""
+        return f'start: "[TOOL_CALLS][" call{repeat} "]"\ncall: {call}\n'
     repeat = ' ("\\n" call)*' if parallel else ""
     return f'start: call{repeat}\ncall: "<tool_call>\\n" {call} "\\n</tool_call>"\n'
