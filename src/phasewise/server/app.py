@@ -6,8 +6,12 @@ Streaming responses close their stream when the client goes away (Starlette canc
 body on disconnect), which aborts the requests at once; non-streaming ones race the
 generation against the client's disconnect (sse.py).
 
-    guards.py            413 / 401 / 404 / 503 before a request runs; every error in OpenAI's shape
+    guards.py            413 / 401 / 404 / 503 before a request runs; every error in OpenAI's shape (Anthropic's
+                         on /v1/messages)
     openai_routes.py     /v1/models, /v1/completions, /v1/chat/completions
+    responses_routes.py  /v1/responses (OpenAI's Responses API, on the chat path; kept in a bounded ResponseStore)
+    anthropic_routes.py  /v1/messages, /v1/messages/count_tokens (Anthropic's Messages API, on the chat path;
+                         its bodies and their translation: anthropic_protocol.py)
     tokenizer_routes.py  /tokenize, /detokenize, /tokenizer_info
     dashboard_routes.py  /dashboard (the page) and /dashboard/events (its live feed, dashboard_feed.py)
     here                 /health, /metrics, /openapi.json
@@ -19,6 +23,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from phasewise import __version__
+from phasewise.server.anthropic_routes import anthropic_router
 from phasewise.server.async_engine import AsyncEngine
 from phasewise.server.config import ServerConfig
 from phasewise.server.dashboard_feed import DashboardFeed, Roofline
@@ -28,6 +33,8 @@ from phasewise.server.metrics import ServerMetrics
 from phasewise.server.observer import Observers
 from phasewise.server.openai_routes import openai_router
 from phasewise.server.protocol import openapi_schemas
+from phasewise.server.response_store import ResponseStore
+from phasewise.server.responses_routes import responses_router
 from phasewise.server.tokenizer_routes import tokenizer_router
 
 
@@ -47,6 +54,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig, roofline: Roofline | N
     install_error_handlers(app)
     guards = Guards(engine, config)
     app.include_router(openai_router(guards))
+    app.include_router(responses_router(guards, ResponseStore()))
+    app.include_router(anthropic_router(guards))
     app.include_router(tokenizer_router(guards))
     app.include_router(dashboard_router(guards, feed))
 

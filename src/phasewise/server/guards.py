@@ -3,7 +3,7 @@
 `BodyLimit` answers 413 before the app reads an oversized body; `Guards` checks the API
 key (401), the model name (404) and the waiting room (503 with Retry-After); the error
 handlers turn every exception into OpenAI's error JSON (400 rather than FastAPI's 422,
-500 with one line and no traceback).
+500 with one line and no traceback), or Anthropic's on the Messages API's paths.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from phasewise.server import anthropic_protocol as anthropic
 from phasewise.server.async_engine import AsyncEngine
 from phasewise.server.config import ServerConfig
 from phasewise.server.body_parsing import validation_message
@@ -33,13 +34,16 @@ class Guards:
     config: ServerConfig
 
     def require_key(self, request: Request) -> None:
-        """A FastAPI dependency: with --api-key set, 'Authorization: Bearer <key>' or 401."""
+        """A FastAPI dependency: with --api-key set, 'Authorization: Bearer <key>' (OpenAI's) or
+        'x-api-key: <key>' (Anthropic's), or 401."""
         key = self.config.api_key
         if key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
-            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+        given = [token] if scheme.lower() == "bearer" else []
+        given += request.headers.getlist("x-api-key")
+        if not any(secrets.compare_digest(t.strip().encode(), key.encode()) for t in given):
+            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
                            param=None, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     def check_model(self, name: str | None) -> None:
@@ -72,7 +76,7 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await self._too_large(send)
+            return await self._too_large(scope, send)
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -81,7 +85,7 @@ class BodyLimit:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_bytes:
-                return await self._too_large(send)
+                return await self._too_large(scope, send)
             if not message.get("more_body", False):
                 break
         replayed = False
@@ -95,34 +99,41 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _too_large(self, send: Any) -> None:
-        body = json.dumps(error_body(f"the request body is larger than {self.max_bytes} bytes",
-                                     code="request_too_large")).encode()
+    async def _too_large(self, scope: dict, send: Any) -> None:
+        message = f"the request body is larger than {self.max_bytes} bytes"
+        body = json.dumps(anthropic.error_body(413, message) if anthropic.is_messages_path(scope.get("path", ""))
+                          else error_body(message, code="request_too_large")).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
 
 
+def _error(request: Request, exc: APIError) -> JSONResponse:
+    """exc in OpenAI's shape, or in Anthropic's on the Messages API's paths."""
+    body = (anthropic.error_body(exc.status, exc.message, exc.param) if anthropic.is_messages_path(request.url.path)
+            else exc.body())
+    return JSONResponse(body, status_code=exc.status, headers=exc.headers)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _error(request, exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = f"{request.method} {request.url.path}: {exc.detail}"
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(message, kind), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return _error(request, APIError(exc.status_code, message, kind, headers=getattr(exc, "headers", None)))
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = validation_message(exc.errors())
-        return JSONResponse(error_body(message, param=param), status_code=400)
+        return _error(request, APIError(400, message, param=param))
 
     @app.exception_handler(Exception)
-    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        return JSONResponse(error_body(f"internal server error: {first}", "server_error"), status_code=500)
+        return _error(request, APIError(500, f"internal server error: {first}", "server_error"))

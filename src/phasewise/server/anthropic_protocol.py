@@ -1,0 +1,244 @@
+"""The Anthropic Messages API's request bodies, their translation into one ChatCompletionRequest, and its
+error shape.
+
+A Messages body becomes an OpenAI chat body (system → a system message, tool_use blocks → tool_calls,
+tool_result blocks → tool messages, tools → functions, tool_choice mapped) validated by
+ChatCompletionRequest, so every check is the chat route's; an error that names a chat field is re-raised
+naming the Messages field. Unknown fields pass; one that would change the output and is not implemented
+(`UNSUPPORTED_FIELDS`) is a 400 naming it. Errors on these paths take Anthropic's shape
+{"type": "error", "error": {"type", "message"}}.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from phasewise.server.body_parsing import validation_message
+from phasewise.server.protocol import INT64, APIError, ChatCompletionRequest, bad_request
+
+PATH = "/v1/messages"
+
+# Fields of the Messages API that would change the output and that this server does not implement
+# (thinking {"type": "disabled"} and an output_config of effort alone change nothing here and pass).
+UNSUPPORTED_FIELDS = frozenset({"thinking", "container", "mcp_servers", "context_management", "output_format",
+                                "output_config"})
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+
+# chat fields (an APIError's param) → the Messages fields they came from, where the names differ
+_RENAMES = {"stop": "stop_sequences", "parallel_tool_calls": "tool_choice.disable_parallel_tool_use"}
+
+
+def is_messages_path(path: str) -> bool:
+    """A path of the Messages API, whose errors take Anthropic's shape."""
+    return path == PATH or path.startswith(PATH + "/")
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    """Anthropic's error body for an HTTP status; the message names the field when it does not already."""
+    if param and param not in message:
+        message = f"{param}: {message}"
+    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
+
+
+class InputMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: str | list[dict[str, Any]]
+
+
+class _Body(BaseModel):
+    """What /v1/messages and /v1/messages/count_tokens share: the prompt."""
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    model: str | None = None
+    messages: list[InputMessage]
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> _Body:
+        for name, value in (self.model_extra or {}).items():
+            if name == "thinking" and isinstance(value, dict) and value.get("type") == "disabled":
+                continue
+            if name == "output_config" and isinstance(value, dict) and set(value) <= {"effort"}:
+                continue
+            if name in UNSUPPORTED_FIELDS and value is not None:
+                raise bad_request(f"{name} is not supported by this server", name)
+        return self
+
+    def chat_fields(self) -> dict[str, Any]:
+        """The OpenAI chat body's fields of the prompt: messages, tools, tool_choice, parallel_tool_calls."""
+        fields: dict[str, Any] = {"model": self.model, "messages": _system(self.system) + _messages(self.messages)}
+        if self.tools is not None:
+            fields["tools"] = [_tool(i, t) for i, t in enumerate(self.tools)]
+        choice = self.tool_choice
+        if choice is not None:
+            fields["tool_choice"] = _tool_choice(choice, self.tools is not None)
+            if choice.get("disable_parallel_tool_use"):
+                fields["parallel_tool_calls"] = False
+        return fields
+
+    @property
+    def single_call(self) -> bool:
+        """tool_choice.disable_parallel_tool_use: at most one tool_use block in the reply."""
+        return bool(self.tool_choice and self.tool_choice.get("disable_parallel_tool_use"))
+
+
+class MessagesRequest(_Body):
+    max_tokens: int = Field(ge=1, lt=INT64)            # required, as in Anthropic's API
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = Field(None, ge=-1, lt=INT64)
+    metadata: dict[str, Any] | None = None           # accepted and ignored
+
+    def chat_body(self) -> ChatCompletionRequest:
+        """The ChatCompletionRequest this request runs as (400 naming the Messages field otherwise)."""
+        fields = {**self.chat_fields(), "max_tokens": self.max_tokens, "stop": self.stop_sequences,
+                  "stream": self.stream}
+        for name in ("temperature", "top_p", "top_k"):
+            if getattr(self, name) is not None:
+                fields[name] = getattr(self, name)
+        return validate_chat(fields)
+
+
+class CountTokensRequest(_Body):
+    def chat_body(self) -> ChatCompletionRequest:
+        return validate_chat(self.chat_fields())
+
+
+def validate_chat(fields: dict[str, Any]) -> ChatCompletionRequest:
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValidationError as e:
+        raise renamed(bad_request(*validation_message(e.errors(include_url=False, include_input=False)))) from None
+    except APIError as e:
+        raise renamed(e) from None
+
+
+def renamed(e: APIError) -> APIError:
+    """The chat route's error for a Messages request: fields named as the Messages API names them."""
+    param, message = _RENAMES.get(e.param or "", e.param), e.message
+    if e.param in _RENAMES and message.startswith(e.param):
+        message = param + message[len(e.param):]
+    if e.param == "tools":
+        message = message.replace(".function.parameters", ".input_schema").replace(".function.name", ".name")
+    return APIError(e.status, message, e.type, param, e.code, e.headers)
+
+
+def _text(blocks: str | list[dict[str, Any]], where: str) -> str:
+    """The text of a string or a list of text blocks."""
+    if isinstance(blocks, str):
+        return blocks
+    parts = []
+    for j, block in enumerate(blocks):
+        if block.get("type") != "text" or not isinstance(block.get("text"), str):
+            raise _bad_block(block, f"{where}[{j}]", "text")
+        parts.append(block["text"])
+    return "\n\n".join(parts)
+
+
+def _bad_block(block: dict[str, Any], where: str, allowed: str) -> APIError:
+    kind = block.get("type")
+    if kind in ("text", "tool_use", "tool_result") and kind in allowed:
+        return bad_request(f"{where}: a malformed {kind} block", where.split("[")[0])
+    return bad_request(f"{where}: {kind!r} blocks are not supported here (only {allowed})", where.split("[")[0])
+
+
+def _system(system: str | list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    return [] if system is None else [{"role": "system", "content": _text(system, "system")}]
+
+
+def _messages(messages: list[InputMessage]) -> list[dict[str, Any]]:
+    """Anthropic's turns as OpenAI chat messages. A final assistant turn (a prefill) is refused: the
+    template would start a new turn after it rather than continue it."""
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        if m.role not in ("user", "assistant"):
+            raise bad_request(f"messages[{i}].role must be 'user' or 'assistant', got {m.role!r}", "messages")
+        where = f"messages[{i}].content"
+        if isinstance(m.content, str):
+            out.append({"role": m.role, "content": m.content})
+        elif m.role == "assistant":
+            out.append(_assistant(m.content, where))
+        else:
+            out.extend(_user(m.content, where))
+    if messages and messages[-1].role == "assistant":
+        raise bad_request("messages: a final assistant message (a prefill to continue) is not supported", "messages")
+    return out
+
+
+def _assistant(blocks: list[dict[str, Any]], where: str) -> dict[str, Any]:
+    texts, calls = [], []
+    for j, block in enumerate(blocks):
+        kind = block.get("type")
+        if kind == "text" and isinstance(block.get("text"), str):
+            texts.append(block["text"])
+        elif (kind == "tool_use" and isinstance(block.get("id"), str) and isinstance(block.get("name"), str)
+              and isinstance(block.get("input", {}), dict)):
+            calls.append({"id": block["id"], "type": "function",
+                          "function": {"name": block["name"], "arguments": json.dumps(block.get("input", {}))}})
+        else:
+            raise _bad_block(block, f"{where}[{j}]", "text and tool_use")
+    message: dict[str, Any] = {"role": "assistant", "content": "\n\n".join(texts)}
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def _user(blocks: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
+    """A user turn: each tool_result a tool message, the text blocks between them one user message."""
+    out: list[dict[str, Any]] = []
+    texts: list[str] = []
+    for j, block in enumerate(blocks):
+        kind = block.get("type")
+        if kind == "text" and isinstance(block.get("text"), str):
+            texts.append(block["text"])
+        elif kind == "tool_result" and isinstance(block.get("tool_use_id"), str):
+            if texts:
+                out.append({"role": "user", "content": "\n\n".join(texts)})
+                texts = []
+            content = block.get("content", "")
+            if not isinstance(content, (str, list)):
+                raise _bad_block(block, f"{where}[{j}]", "text and tool_result")
+            text = _text(content, f"{where}[{j}].content")
+            out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text})
+        else:
+            raise _bad_block(block, f"{where}[{j}]", "text and tool_result")
+    if texts or not out:
+        out.append({"role": "user", "content": "\n\n".join(texts)})
+    return out
+
+
+def _tool(i: int, tool: dict[str, Any]) -> dict[str, Any]:
+    """An Anthropic custom tool as an OpenAI function; server tools (a typed one) are refused."""
+    if tool.get("type", "custom") != "custom":
+        raise bad_request(f"tools[{i}].type {tool.get('type')!r} is not supported (only custom tools, "
+                          "with name and input_schema)", "tools")
+    if "input_schema" not in tool:
+        raise bad_request(f"tools[{i}].input_schema: this field is required", "tools")
+    function = {"name": tool.get("name"), "parameters": tool["input_schema"]}
+    if tool.get("description") is not None:
+        function["description"] = tool["description"]
+    return {"type": "function", "function": function}
+
+
+_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+
+
+def _tool_choice(choice: dict[str, Any], has_tools: bool) -> str | dict[str, Any] | None:
+    kind = choice.get("type")
+    if kind in _CHOICES:
+        return _CHOICES[kind] if has_tools or kind != "auto" else None
+    if kind == "tool" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise bad_request('tool_choice must be {"type": "auto"}, {"type": "any"}, {"type": "none"} or '
+                      '{"type": "tool", "name": ...}', "tool_choice")
+

@@ -1,0 +1,235 @@
+"""The Anthropic Messages API: POST /v1/messages (a message, or its SSE events) and
+/v1/messages/count_tokens.
+
+The body is translated into a ChatCompletionRequest (anthropic_protocol.py) and runs as a chat
+completion does (chat_call.py); the reply's text goes through the same ToolCallParser, whose pieces
+become content blocks: text, and tool_use with its input (streamed as input_json_delta fragments).
+A streamed and a collected reply are built by the same `Blocks`, so they hold the same blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from phasewise.outputs import CompletionOutput
+from phasewise.server.anthropic_protocol import CountTokensRequest, MessagesRequest, error_body, renamed
+from phasewise.server.body_parsing import parse_body
+from phasewise.server.chat_call import ChatCall, Submitter, chat_call
+from phasewise.server.errors import EngineError
+from phasewise.server.guards import Guards
+from phasewise.server.protocol import APIError, ChatCompletionRequest
+from phasewise.server.request_stream import RequestStream
+from phasewise.server.sse import collect, sse_response
+from phasewise.tool_calling import ToolCallParser
+
+Event = tuple[str, dict[str, Any]]          # (event name, its data)
+
+
+def anthropic_router(guards: Guards) -> APIRouter:
+    engine = guards.engine
+    submitter = Submitter(guards)
+    router = APIRouter(dependencies=[Depends(guards.require_key)])
+
+    def prepared(body: ChatCompletionRequest, rid: str) -> ChatCall:
+        try:
+            return chat_call(body, engine.tokenizer.tool_format, rid)
+        except APIError as e:
+            raise renamed(e) from None
+
+    # not in /openapi.json: its fuzzing expects OpenAI's error shape of every route it finds
+    @router.post("/v1/messages", include_in_schema=False)
+    async def messages(request: Request) -> Response:
+        body = parse_body(await request.body(), MessagesRequest)
+        guards.check_model(body.model)
+        call = prepared(body.chat_body(), f"msg_{uuid.uuid4().hex[:24]}")
+        try:
+            stream = await submitter.start(call.items, True, call.constraint_field)
+        except APIError as e:
+            raise renamed(e) from None
+        model = body.model or guards.config.served_model_name
+        if body.stream:
+            return sse_response(message_events(stream, call, model, body.single_call), stream)
+        outs = await collect(request, stream)
+        if outs is None:
+            return Response(status_code=499)
+        return JSONResponse(message_body(call, model, outs[0], body.single_call))
+
+    @router.post("/v1/messages/count_tokens", include_in_schema=False)
+    async def count_tokens(request: Request) -> dict:
+        """The prompt's tokens as a /v1/messages request with the same system, messages and tools has them."""
+        body = parse_body(await request.body(), CountTokensRequest)
+        guards.check_model(body.model)
+        item = prepared(body.chat_body(), "count").items[0]
+        try:
+            ids = await engine.call(lambda e: e.encode_prompt(item.prompt, True, item.tools))
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        return {"input_tokens": len(ids)}
+
+    return router
+
+
+class Blocks:
+    """A reply's content blocks, built from a ToolCallParser's pieces (or plain text) as they come:
+    `add` returns the events that open, extend and close blocks; `content` is the blocks so far.
+    single_call: tool calls after the first are dropped (disable_parallel_tool_use)."""
+
+    def __init__(self, parser: ToolCallParser | None, single_call: bool) -> None:
+        self.parser, self.single_call = parser, single_call
+        self.content: list[dict[str, Any]] = []
+        self._open: str | int | None = None         # "text", a call's index, or None
+        self._arguments: list[str] = []             # each call's input JSON text so far
+
+    def add(self, text: str, final: bool) -> list[Event]:
+        pieces = self.parser.feed(text, final) if self.parser else [{"content": text}] if text else []
+        events: list[Event] = []
+        for piece in pieces:
+            if "content" in piece:
+                events += self._text(piece["content"])
+            for call in piece.get("tool_calls", ()):
+                events += self._call(call)
+        if final:
+            events += self._close()
+        return events
+
+    @property
+    def calls(self) -> bool:
+        return any(b["type"] == "tool_use" for b in self.content)
+
+    def _start(self, kind: str | int, block: dict[str, Any]) -> list[Event]:
+        events = self._close()
+        self._open = kind
+        self.content.append(block)
+        shown = {**block, "text": ""} if block["type"] == "text" else {**block, "input": {}}
+        return events + [("content_block_start", {"type": "content_block_start", "index": len(self.content) - 1,
+                                                  "content_block": shown})]
+
+    def _delta(self, delta: dict[str, Any]) -> Event:
+        return "content_block_delta", {"type": "content_block_delta", "index": len(self.content) - 1, "delta": delta}
+
+    def _text(self, text: str) -> list[Event]:
+        events = [] if self._open == "text" else self._start("text", {"type": "text", "text": ""})
+        self.content[-1]["text"] += text
+        return events + [self._delta({"type": "text_delta", "text": text})]
+
+    def _call(self, call: dict[str, Any]) -> list[Event]:
+        index, events = call["index"], []
+        if self.single_call and index > 0:
+            return []
+        if "id" in call:
+            self._arguments.append("")
+            toolu = "toolu_" + call["id"].removeprefix("call_")
+            events = self._start(index, {"type": "tool_use", "id": toolu, "name": call["function"]["name"],
+                                         "input": {}})
+        fragment = call["function"].get("arguments") or ""
+        if not fragment:
+            return events
+        self._arguments[index] += fragment
+        return events + [self._delta({"type": "input_json_delta", "partial_json": fragment})]
+
+    def _close(self) -> list[Event]:
+        if self._open is None:
+            return []
+        if isinstance(self._open, int):
+            self.content[-1]["input"] = _input(self._arguments[self._open])
+        self._open = None
+        return [("content_block_stop", {"type": "content_block_stop", "index": len(self.content) - 1})]
+
+
+def _input(arguments: str) -> dict[str, Any]:
+    """A call's input object; {} for arguments that are not one (a call cut off by max_tokens)."""
+    try:
+        value = json.loads(arguments or "{}")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def stop_reason(out: CompletionOutput, calls: bool) -> str:
+    if out.finish_reason == "length":
+        return "max_tokens"
+    if isinstance(out.stop_reason, str):
+        return "stop_sequence"
+    return "tool_use" if calls else "end_turn"
+
+
+def failure(out: CompletionOutput) -> str | None:
+    """Why an output that did not finish properly (the engine refused it, or it was aborted) has no
+    reply, or None."""
+    if out.finish_reason == "error":
+        return out.error or "the engine stopped the request with an error"
+    if out.finish_reason == "abort":
+        return "the request was aborted before it finished"
+    return None
+
+
+def usage(out: CompletionOutput) -> dict[str, int]:
+    """Anthropic's usage: input_tokens are those not read from the prefix cache (cache_read_input_tokens)."""
+    cached = out.cached_tokens
+    return {"input_tokens": len(out.prompt_token_ids) - cached, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached, "output_tokens": len(out.token_ids)}
+
+
+def _message(rid: str, model: str, content: list[dict[str, Any]], reason: str | None, sequence: str | None,
+             use: dict[str, int]) -> dict[str, Any]:
+    return {"id": rid, "type": "message", "role": "assistant", "model": model, "content": content,
+            "stop_reason": reason, "stop_sequence": sequence, "usage": use}
+
+
+def message_body(call: ChatCall, model: str, out: CompletionOutput, single_call: bool) -> dict[str, Any]:
+    """The message of a finished output; APIError (500) when the engine gave none."""
+    cause = failure(out)
+    if cause is not None:
+        raise APIError(500, cause, type="server_error", code="engine_error")
+    blocks = Blocks(call.parser(), single_call)
+    blocks.add(out.text, final=True)
+    sequence = out.stop_reason if isinstance(out.stop_reason, str) else None
+    return _message(call.rid, model, blocks.content, stop_reason(out, blocks.calls), sequence, usage(out))
+
+
+def _sse(name: str, data: dict[str, Any]) -> str:
+    return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def _error(message: str) -> str:
+    return _sse("error", error_body(500, message))
+
+
+async def message_events(stream: RequestStream, call: ChatCall, model: str, single_call: bool
+                         ) -> AsyncIterator[str]:
+    """message_start (once the prompt has run: its usage is known), a ping, the blocks' events,
+    message_delta with the stop reason and usage, message_stop. An engine failure: an error event."""
+    blocks = Blocks(call.parser(), single_call)
+    started = False
+    try:
+        async for delta in stream:
+            out = delta.output
+            if not started:
+                started = True
+                yield _sse("message_start", {"type": "message_start",
+                                             "message": _message(call.rid, model, [], None, None,
+                                                                 {**usage(out), "output_tokens": 0})})
+                yield _sse("ping", {"type": "ping"})
+            cause = failure(out) if delta.finished else None
+            if cause is not None:
+                yield _error(cause)
+                return
+            for name, data in blocks.add(delta.text, delta.finished):
+                yield _sse(name, data)
+            if delta.finished:
+                sequence = out.stop_reason if isinstance(out.stop_reason, str) else None
+                yield _sse("message_delta", {"type": "message_delta",
+                                             "delta": {"stop_reason": stop_reason(out, blocks.calls),
+                                                       "stop_sequence": sequence},
+                                             "usage": usage(out)})
+                yield _sse("message_stop", {"type": "message_stop"})
+    except EngineError as e:
+        yield _error(str(e))
+    finally:
+        stream.close()

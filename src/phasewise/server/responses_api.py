@@ -1,0 +1,225 @@
+"""The body of POST /v1/responses (OpenAI's Responses API) and its translation into a chat request.
+
+`ResponsesRequest` takes the Responses' own fields; `chat_request` turns it (after the stored
+conversation its previous_response_id continues) into the `ChatCompletionRequest` the chat route
+would get, so every check and the engine path are the chat route's: input items → messages
+(function_call → an assistant's tool_calls, function_call_output → a tool message), instructions →
+a system message first, flat function tools → chat tools, text.format → response_format,
+max_output_tokens → max_tokens. `renamed` puts the chat errors' field names back in Responses terms.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
+from phasewise.server.body_parsing import validation_message
+from phasewise.server.protocol import UNSUPPORTED_FIELDS, APIError, ChatCompletionRequest, bad_request
+
+# Fields that would change the output and are not implemented here: a 400 naming them. The chat
+# route's list, less what the Responses API has too, plus the Responses' own.
+REFUSED = (UNSUPPORTED_FIELDS - {"tools", "tool_choice", "parallel_tool_calls", "max_completion_tokens"}) | {
+    "conversation", "prompt", "max_tool_calls", "top_logprobs", "context_management", "n", "logprobs"}
+# The chat spellings of Responses fields: a 400 that names the field to use.
+CHAT_SPELLINGS = {"messages": "input", "response_format": "text.format", "max_tokens": "max_output_tokens",
+                  "max_completion_tokens": "max_output_tokens"}
+# The chat route's extra sampling and constraint fields, passed through as they are.
+PASSED = ("seed", "stop", "presence_penalty", "frequency_penalty", "top_k", "min_p", "repetition_penalty",
+          "ignore_eos", "min_tokens", "stop_token_ids", "skip_special_tokens", "logit_bias", "structured_outputs",
+          "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+          "json_schema", "grammar")
+# A chat error's field → (the Responses param, the name its message uses)
+RENAMES = {"messages": ("input", "input"), "response_format": ("text", "text.format"),
+           "max_tokens": ("max_output_tokens", "max_output_tokens")}
+_RENAME_RE = re.compile(r"\b(messages|response_format|max_tokens)\b")
+_CHAT_TOOL_RE = re.compile(r"\btools\[(\d+)\]\.function\.")       # a chat tool's field; flat here
+ROLES = ("user", "system", "developer", "assistant")
+TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+class ResponsesRequest(BaseModel):
+    """Types only; unknown fields pass unless refused (REFUSED, CHAT_SPELLINGS) or passed on (PASSED)."""
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    model: str | None = None
+    input: str | list[dict[str, Any]] | None = None
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    store: bool | None = None
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    reasoning: dict[str, Any] | None = None
+    include: list[str] | None = None
+    truncation: str | None = None
+    background: bool | None = None
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> ResponsesRequest:
+        for name, value in (self.model_extra or {}).items():
+            if value is None:
+                continue
+            if name in CHAT_SPELLINGS:
+                raise bad_request(f"{name} is not a /v1/responses field: use {CHAT_SPELLINGS[name]}", name)
+            if name in REFUSED:
+                raise bad_request(f"{name} is not supported by this server", name)
+        reasoning = self.reasoning or {}
+        if reasoning.get("effort") not in (None, "none") or any(
+                reasoning.get(k) is not None for k in ("summary", "generate_summary")):
+            raise bad_request("reasoning is not supported by this server (the model does not reason)", "reasoning")
+        if self.include:
+            raise bad_request(f"include is not supported by this server (got {', '.join(self.include)})", "include")
+        if self.truncation not in (None, "disabled"):
+            raise bad_request('truncation "auto" is not supported: a conversation longer than the context is a 400',
+                              "truncation")
+        if self.background:
+            raise bad_request("background is not supported by this server", "background")
+        if (self.text or {}).get("verbosity") not in (None, "medium"):
+            raise bad_request("text.verbosity is not supported by this server", "text")
+        return self
+
+    @property
+    def stored(self) -> bool:
+        return self.store is not False          # OpenAI's default: stored
+
+    @property
+    def text_format(self) -> dict[str, Any]:
+        fmt = (self.text or {}).get("format")
+        return fmt if isinstance(fmt, dict) else {"type": "text"}
+
+
+def renamed(e: APIError) -> APIError:
+    """The chat route's error with its field names as the Responses API spells them."""
+    param = RENAMES[e.param][0] if e.param in RENAMES else e.param
+    message = _CHAT_TOOL_RE.sub(r"tools[\1].", _RENAME_RE.sub(lambda m: RENAMES[m[1]][1], e.message))
+    return APIError(e.status, message, e.type, param, e.code, e.headers)
+
+
+def input_messages(body: ResponsesRequest, known_calls: dict[str, str]) -> list[dict[str, Any]]:
+    """The request's input as chat messages. known_calls: call_id → function name of the calls so far
+    (the stored conversation's), which a function_call_output's tool message is named by."""
+    if body.input is None:
+        return []
+    if isinstance(body.input, str):
+        return [{"role": "user", "content": body.input}]
+    messages: list[dict[str, Any]] = []
+    calls = dict(known_calls)
+    for i, item in enumerate(body.input):
+        kind = item.get("type", "message")
+        if kind == "message":
+            messages.append(_message(item, i))
+        elif kind == "function_call":
+            call_id, name, arguments = (item.get(k) for k in ("call_id", "name", "arguments"))
+            if not all(isinstance(v, str) for v in (call_id, name, arguments)):
+                raise bad_request(f"input.{i}: a function_call needs call_id, name and arguments (strings)", "input")
+            calls[call_id] = name
+            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            call_id = item.get("call_id")
+            if not isinstance(call_id, str):
+                raise bad_request(f"input.{i}: a function_call_output needs a call_id", "input")
+            output = _text(item.get("output"), f"input.{i}.output")
+            message = {"role": "tool", "tool_call_id": call_id, "content": output}
+            if call_id in calls:
+                message["name"] = calls[call_id]
+            messages.append(message)
+        else:
+            raise bad_request(f"input.{i}: items of type {kind!r} are not supported (message, function_call and "
+                              "function_call_output are)", "input")
+    return messages
+
+
+def _message(item: dict[str, Any], i: int) -> dict[str, Any]:
+    role = item.get("role")
+    if role not in ROLES:
+        raise bad_request(f"input.{i}: a message's role must be one of {', '.join(ROLES)}, got {role!r}", "input")
+    return {"role": role, "content": _text(item.get("content"), f"input.{i}.content")}
+
+
+def _text(content: Any, where: str) -> str:
+    """A string, or a list of text parts joined (input_text, output_text)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in TEXT_PARTS
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise bad_request(f"{where}: must be a string or a list of text parts (input_text, output_text); "
+                      "images, files and audio are not supported", "input")
+
+
+def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Responses' flat function tools as chat tools; other kinds of tool are a 400 naming tools."""
+    if tools is None:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        kind = tool.get("type")
+        if kind != "function":
+            raise bad_request(f"tools.{i}: only function tools are supported, got type {kind!r}", "tools")
+        if "function" in tool and "name" not in tool:        # the chat shape, taken as it is
+            out.append(tool)
+            continue
+        fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    if not isinstance(choice, dict):
+        return choice
+    if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+        raise bad_request('tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}',
+                          "tool_choice")
+    return {"type": "function", "function": {"name": choice["name"]}}
+
+
+def response_format(body: ResponsesRequest) -> dict[str, Any] | None:
+    """text.format as the chat route's response_format (None: plain text)."""
+    fmt = (body.text or {}).get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise bad_request("text.format must be an object with a type", "text")
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
+    raise bad_request(f"text.format.type must be text, json_object or json_schema, got {kind!r}", "text")
+
+
+def chat_request(body: ResponsesRequest, history: list[dict[str, Any]]) -> tuple[ChatCompletionRequest, int]:
+    """The chat request this body makes after `history` (the stored conversation it continues), and how
+    many of its messages come before the conversation (the instructions' system message: not stored)."""
+    known = {c["id"]: c["function"]["name"] for m in history for c in m.get("tool_calls", ())}
+    head = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    chat: dict[str, Any] = {
+        "model": body.model, "messages": head + history + input_messages(body, known),
+        "tools": chat_tools(body.tools), "tool_choice": chat_tool_choice(body.tool_choice),
+        "response_format": response_format(body), "max_tokens": body.max_output_tokens,
+        "temperature": body.temperature, "top_p": body.top_p}
+    if body.parallel_tool_calls is not None:
+        chat["parallel_tool_calls"] = body.parallel_tool_calls
+    extra = body.model_extra or {}
+    chat.update({name: extra[name] for name in PASSED if name in extra})
+    try:
+        return ChatCompletionRequest.model_validate(chat), len(head)
+    except ValidationError as e:
+        message, param = validation_message(e.errors(include_url=False, include_input=False, include_context=False))
+        raise bad_request(message, param) from None

@@ -1,0 +1,168 @@
+"""A /v1/responses call's output: its items (messages, function calls), the stream events that add up
+to them, and the response object around them.
+
+`OutputItems` reads an output's text as it streams (through a ToolCallParser when the request has
+tools): content opens a message item, a call a function_call item; each step gives the Responses
+stream events of what changed. A collected output goes through the same class, so a streamed
+response and a collected one have the same items.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from phasewise.outputs import CompletionOutput
+from phasewise.server.responses_api import ResponsesRequest
+from phasewise.tool_calling import ToolCallParser
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class OutputItems:
+    """The output items of one engine output; `feed` and `finish` return the stream events (dicts with
+    a type, without sequence_number) of what each step added."""
+
+    def __init__(self, parser: ToolCallParser | None) -> None:
+        self.parser = parser
+        self.items: list[dict[str, Any]] = []
+        self._open: dict[str, Any] | None = None          # the item being written, last of items
+
+    def feed(self, text: str, final: bool = False) -> list[dict[str, Any]]:
+        pieces = self.parser.feed(text, final) if self.parser else [{"content": text}] if text else []
+        events: list[dict[str, Any]] = []
+        for piece in pieces:
+            if "content" in piece:
+                events += self._content(piece["content"])
+            for call in piece.get("tool_calls", ()):
+                if "id" in call:
+                    events += self._call(call["id"], call["function"]["name"], call["function"]["arguments"])
+                else:
+                    events += self._arguments(call["function"]["arguments"])
+        return events
+
+    def finish(self, status: str) -> list[dict[str, Any]]:
+        """Close the open item (status "completed" or "incomplete"); no output at all is one empty message."""
+        events = [] if self.items else self._content("")
+        return events + self._close("completed" if status == "completed" else "incomplete")
+
+    def _where(self) -> dict[str, Any]:
+        assert self._open is not None
+        return {"item_id": self._open["id"], "output_index": len(self.items) - 1}
+
+    def _add(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+        events = self._close("completed")
+        self.items.append(item)
+        self._open = item
+        return events + [{"type": "response.output_item.added", "output_index": len(self.items) - 1,
+                          "item": json.loads(json.dumps(item))}]
+
+    def _content(self, text: str) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        if self._open is None or self._open["type"] != "message":
+            events += self._add({"type": "message", "id": new_id("msg"), "status": "in_progress",
+                                 "role": "assistant", "content": []})
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            events.append({"type": "response.content_part.added", **self._where(), "content_index": 0,
+                           "part": dict(part)})
+            self._open["content"].append(part)
+        if text:
+            self._open["content"][0]["text"] += text
+            events.append({"type": "response.output_text.delta", **self._where(), "content_index": 0,
+                           "delta": text, "logprobs": []})
+        return events
+
+    def _call(self, call_id: str, name: str, arguments: str) -> list[dict[str, Any]]:
+        events = self._add({"type": "function_call", "id": new_id("fc"), "call_id": call_id, "name": name,
+                            "arguments": "", "status": "in_progress"})
+        return events + self._arguments(arguments)
+
+    def _arguments(self, fragment: str) -> list[dict[str, Any]]:
+        if not fragment or self._open is None or self._open["type"] != "function_call":
+            return []
+        self._open["arguments"] += fragment
+        return [{"type": "response.function_call_arguments.delta", **self._where(), "delta": fragment}]
+
+    def _close(self, status: str) -> list[dict[str, Any]]:
+        item = self._open
+        if item is None:
+            return []
+        where, self._open = self._where(), None
+        item["status"] = status
+        if item["type"] == "message":
+            part = item["content"][0]
+            events = [{"type": "response.output_text.done", **where, "content_index": 0, "text": part["text"],
+                       "logprobs": []},
+                      {"type": "response.content_part.done", **where, "content_index": 0, "part": dict(part)}]
+        else:
+            events = [{"type": "response.function_call_arguments.done", **where, "name": item["name"],
+                       "arguments": item["arguments"]}]
+        return events + [{"type": "response.output_item.done", "output_index": where["output_index"],
+                          "item": json.loads(json.dumps(item))}]
+
+
+def assistant_message(items: list[dict[str, Any]]) -> dict[str, Any]:
+    """The output items as one chat message, for the stored conversation."""
+    text = "".join(p["text"] for it in items if it["type"] == "message" for p in it["content"])
+    calls = [{"id": it["call_id"], "type": "function", "function": {"name": it["name"], "arguments": it["arguments"]}}
+             for it in items if it["type"] == "function_call"]
+    return {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
+
+
+def usage(out: CompletionOutput) -> dict[str, Any]:
+    prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": out.cached_tokens,
+                                                             "cache_write_tokens": 0},
+            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + completion}
+
+
+def status_of(out: CompletionOutput) -> str:
+    """"completed", "incomplete" (max_output_tokens or the context ran out) or "failed"."""
+    if out.finish_reason == "length":
+        return "incomplete"
+    return "completed" if out.finish_reason == "stop" else "failed"
+
+
+def failure(out: CompletionOutput) -> str:
+    """What to say of an output that ended in error (its cause) or was aborted."""
+    if out.finish_reason == "abort":
+        return "the request was aborted before it finished"
+    return out.error or "the request ended in error"
+
+
+def response_body(body: ResponsesRequest, rid: str, created: int, model: str, status: str,
+                  items: list[dict[str, Any]], out: CompletionOutput | None = None,
+                  error: str | None = None) -> dict[str, Any]:
+    """The response object; `out`: the finished output (its usage), `error`: why it failed."""
+    tool_choice = body.tool_choice if body.tool_choice is not None else "auto"
+    return {
+        "id": rid, "object": "response", "created_at": created, "status": status,
+        "completed_at": created if status == "completed" else None,
+        "error": {"code": "server_error", "message": error} if error else None,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "instructions": body.instructions, "max_output_tokens": body.max_output_tokens, "model": model,
+        "output": items, "parallel_tool_calls": body.parallel_tool_calls is not False,
+        "previous_response_id": body.previous_response_id, "reasoning": {"effort": None, "summary": None},
+        "store": body.stored, "temperature": body.temperature if body.temperature is not None else 1.0,
+        "text": {"format": body.text_format}, "tool_choice": tool_choice,
+        "tools": [_tool(t) for t in body.tools or ()],
+        "top_p": body.top_p if body.top_p is not None else 1.0, "truncation": "disabled",
+        "usage": usage(out) if out is not None else None, "user": body.user, "metadata": body.metadata or {},
+        "background": False,
+    }
+
+
+def _tool(tool: dict[str, Any]) -> dict[str, Any]:
+    fn = tool.get("function", tool)             # a chat-shaped tool is echoed flat
+    return {"type": "function", "name": fn.get("name"), "description": fn.get("description"),
+            "parameters": fn.get("parameters"), "strict": fn.get("strict")}
+
+
+def sse(event: dict[str, Any], sequence_number: int) -> str:
+    """One Responses stream event: its type on the `event:` line, the whole of it as data."""
+    data = json.dumps({**event, "sequence_number": sequence_number}, ensure_ascii=False, separators=(",", ":"))
+    return f"event: {event['type']}\ndata: {data}\n\n"
