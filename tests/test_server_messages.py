@@ -176,6 +176,25 @@ def test_a_forced_call_on_a_template_with_tools(qwen_server, choice):
     assert counted.input_tokens == out.usage.input_tokens + out.usage.cache_read_input_tokens
 
 
+@pytest.mark.parametrize("spelling", ["output_config", "output_format"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_structured_output_validates(server, spelling, stream):
+    """Anthropic's structured outputs (output_config.format; the beta's output_format) as a JSON schema."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["colour"],
+              "properties": {"colour": {"enum": ["red", "green", "blue"]}}}
+    spec = {"type": "json_schema", "schema": schema}
+    extra = {**GREEDY, **({"output_config": {"format": spec}} if spelling == "output_config" else {"output_format": spec})}
+    kw = {"model": MODEL, "max_tokens": 30, "messages": [{"role": "user", "content": "Pick a colour."}],
+          "extra_body": extra}
+    if stream:
+        with client(server).messages.stream(**kw) as s:
+            message = s.get_final_message()
+    else:
+        message = client(server).messages.create(**kw)
+    assert message.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(message.content[0].text), schema)
+
+
 # ---- errors -----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fields, needle", [
@@ -191,6 +210,8 @@ def test_a_forced_call_on_a_template_with_tools(qwen_server, choice):
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type"),
     ({"tools": TOOLS, "tool_choice": {"type": "tool", "name": "nope"}}, "nope"),
     ({"tool_choice": {"type": "any"}}, "tool_choice"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "wat"}}}}, "output_config"),
+    ({"output_config": {"format": {"type": "yaml"}}}, "output_config"),
 ])
 def test_bad_requests_are_400s_naming_the_field(server, fields, needle):
     body = {"model": MODEL, "max_tokens": 8, "messages": HELLO, **fields}

@@ -23,14 +23,14 @@ PATH = "/v1/messages"
 
 # Fields of the Messages API that would change the output and that this server does not implement
 # (thinking {"type": "disabled"} and an output_config of effort alone change nothing here and pass).
-UNSUPPORTED_FIELDS = frozenset({"thinking", "container", "mcp_servers", "context_management", "output_format",
-                                "output_config"})
+UNSUPPORTED_FIELDS = frozenset({"thinking", "container", "mcp_servers", "context_management"})
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 
 # chat fields (an APIError's param) → the Messages fields they came from, where the names differ
-_RENAMES = {"stop": "stop_sequences", "parallel_tool_calls": "tool_choice.disable_parallel_tool_use"}
+_RENAMES = {"stop": "stop_sequences", "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
+            "response_format": "output_config"}
 
 
 def is_messages_path(path: str) -> bool:
@@ -66,8 +66,10 @@ class _Body(BaseModel):
         for name, value in (self.model_extra or {}).items():
             if name == "thinking" and isinstance(value, dict) and value.get("type") == "disabled":
                 continue
-            if name == "output_config" and isinstance(value, dict) and set(value) <= {"effort"}:
-                continue
+            if name == "output_config" and value is not None and not (
+                    isinstance(value, dict) and set(value) <= {"effort", "format"}):
+                raise bad_request("output_config takes only format (and effort, which changes nothing here)",
+                                  "output_config")
             if name in UNSUPPORTED_FIELDS and value is not None:
                 raise bad_request(f"{name} is not supported by this server", name)
         return self
@@ -106,7 +108,23 @@ class MessagesRequest(_Body):
         for name in ("temperature", "top_p", "top_k"):
             if getattr(self, name) is not None:
                 fields[name] = getattr(self, name)
+        output_format = self.output_format()
+        if output_format is not None:
+            fields["response_format"] = output_format
         return validate_chat(fields)
+
+    def output_format(self) -> dict[str, Any] | None:
+        """Structured outputs (`output_config.format`, or the beta's `output_format`): {"type": "json_schema",
+        "schema": S} as the chat route's response_format."""
+        extra = self.model_extra or {}
+        config = extra.get("output_config") or {}
+        spec = config.get("format") if isinstance(config, dict) else None
+        spec = spec if spec is not None else extra.get("output_format")
+        if spec is None:
+            return None
+        if not isinstance(spec, dict) or spec.get("type") != "json_schema" or not isinstance(spec.get("schema"), dict):
+            raise bad_request('output format must be {"type": "json_schema", "schema": {...}}', "output_config")
+        return {"type": "json_schema", "json_schema": {"name": "output", "schema": spec["schema"], "strict": True}}
 
 
 class CountTokensRequest(_Body):
