@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PROMPT := Write a short story about a robot discovering a flower.
 
-.PHONY: setup kernels run test test-arm test-browser bench lab peers peers-avx512 peers-avx2 lm-eval gemma3 \
+.PHONY: setup kernels run test test-ray test-arm test-browser bench lab peers peers-avx512 peers-avx2 lm-eval gemma3 \
 	qwen2.5-coder-0.5b qwen2.5-coder-1.5b clean
 
 setup: $(STAMP)
@@ -55,7 +55,12 @@ run: $(STAMP)
 	$(BIN)/phasewise generate "$(PROMPT)" --max-tokens 200
 
 test: $(STAMP) $(QWEN05_STAMP)
-	$(BIN)/python -m pytest -q --durations=15 -m "not browser"
+	$(BIN)/python -m pytest -q --durations=15 -m "not browser and not ray"
+
+# serve --ray on a local Ray cluster of two 1-CPU nodes (tests/ray): installs the ray extra (Ray Serve, ~80 MB).
+test-ray: $(STAMP)
+	$(BIN)/pip install -q -e '.[ray]'
+	$(BIN)/python -m pytest -q --durations=5 -m ray tests/ray
 
 # The dashboard in a real headless browser: Debian's chromium (installed when missing; needs root) driven
 # by playwright (its Python package only: its own browser download cannot be reached here).

@@ -10,6 +10,7 @@ import socket
 import sys
 from pathlib import Path
 
+from phasewise.deploy.options import RAY_EXTRA, add_ray_args
 from phasewise.engine_args import add_engine_args, resolve_weights, speculative_config_from_args
 
 EXIT_USAGE = 2
@@ -106,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--prefill", metavar="URL", default=None, help="proxy: the prefill instance")
     d.add_argument("--decode", metavar="URL", default=None, help="proxy: the decode instance")
     add_engine_args(serve)
+    add_ray_args(serve)
     serve.set_defaults(func=cmd_serve)
     from phasewise.lab.commands import add_parsers as add_lab_parsers, add_roofline_parser
 
@@ -203,6 +205,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--shutdown-timeout must be at least 0, got {args.shutdown_timeout}")
     if args.trace and not Path(args.trace).resolve().parent.is_dir():
         raise ValueError(f"--trace: the folder of {args.trace} does not exist")
+    if args.ray:
+        return _serve_ray(args)
+    if args.ray_address or args.num_replicas or args.min_replicas or args.max_replicas:
+        raise ValueError("--ray-address and the replica counts are --ray's")
     if args.role == "proxy":
         return _serve_proxy(args)
     if args.prefill or args.decode:
@@ -268,6 +274,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print(f"phasewise: wrote the trace of {len(recorder.requests)} requests to {args.trace}",
                   file=sys.stderr)
     return 0
+
+
+def _serve_ray(args: argparse.Namespace) -> int:
+    """Ray Serve replicas (deploy/ray.py); without Ray installed, how to install it (exit 2)."""
+    try:
+        from phasewise.deploy import ray as ray_deploy
+    except ImportError as e:
+        if not (e.name or "").startswith("ray"):
+            raise
+        raise ValueError(f"--ray needs Ray Serve: {RAY_EXTRA}") from None
+    return ray_deploy.run(args)
 
 
 def _serve_proxy(args: argparse.Namespace) -> int:

@@ -1,0 +1,86 @@
+"""The options of `phasewise serve --ray` and of `phasewise.deploy.ray:build_app`, which takes serve's flag
+names as keys (`serve run phasewise.deploy.ray:build_app num-replicas=2`, or a Serve config file's `args`).
+No Ray import here: the CLI adds these flags whether or not Ray is installed."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from phasewise.engine_args import add_engine_args, positive_int, resolve_weights
+
+RAY_EXTRA = "pip install 'phasewise[ray]'"
+
+
+def add_ray_args(p: argparse.ArgumentParser) -> None:
+    """serve's "Ray Serve replicas" group."""
+    g = p.add_argument_group("Ray Serve replicas")
+    g.add_argument("--ray", action="store_true",
+                   help=f"serve the model as Ray Serve replicas behind Serve's HTTP proxy ({RAY_EXTRA})")
+    g.add_argument("--ray-address", default=None, metavar="auto|ADDR",
+                   help="join this Ray cluster (default: start one on this machine)")
+    g.add_argument("--num-replicas", type=positive_int, default=None, help="a fixed count of replicas (default 1)")
+    g.add_argument("--min-replicas", type=positive_int, default=None,
+                   help="autoscale between --min-replicas and --max-replicas on ongoing requests per replica")
+    g.add_argument("--max-replicas", type=positive_int, default=None)
+    g.add_argument("--num-cpus-per-replica", type=positive_int, default=1,
+                   help="CPUs Ray reserves for each replica; the replica's kernel threads are this many")
+    g.add_argument("--prefix-margin", type=int, default=4,
+                   help="a request goes to the replica holding its prompt's prefix unless that replica's queue is "
+                        "longer than the shortest by more than this many requests")
+
+
+def replica_parser() -> argparse.ArgumentParser:
+    """The flags a replica reads: the engine's, the server's a replica uses (the same names and defaults as
+    `phasewise serve`'s; tests/ray/test_ray_serve.py checks they agree) and the Ray group."""
+    p = _RaisingParser(prog="phasewise.deploy.ray:build_app", add_help=False)
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None)
+    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--max-waiting", type=int, default=1024)
+    s.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    s.add_argument("--max-num-seqs", type=int, default=64)
+    s.add_argument("--max-num-batched-tokens", type=int, default=512)
+    add_engine_args(p)
+    add_ray_args(p)
+    return p
+
+
+def app_options(args: dict[str, Any]) -> argparse.Namespace:
+    """Serve's app-builder arguments (flag names with dashes or underscores, values as strings or typed)
+    → the Namespace `phasewise serve` would have parsed. ValueError names a bad key or value."""
+    argv: list[str] = []
+    for key, value in args.items():
+        flag = "--" + str(key).lstrip("-").replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is not False and value is not None:
+            argv += [flag, str(value)]
+    options = replica_parser().parse_args(argv)
+    resolve_weights(options)
+    check_ray_options(options)
+    return options
+
+
+def check_ray_options(options: argparse.Namespace) -> None:
+    """What a Ray deployment cannot take yet, and replica counts that disagree: ValueError."""
+    if getattr(options, "role", None) or getattr(options, "trace", None):
+        raise ValueError("--ray serves whole replicas: --role and --trace are one process's")
+    if options.tensor_parallel_size > 1:
+        raise ValueError("--ray runs one rank per replica (tensor-parallel replicas are not implemented yet)")
+    auto = options.min_replicas is not None or options.max_replicas is not None
+    if auto and options.num_replicas is not None:
+        raise ValueError("--num-replicas is a fixed count: drop it, or --min-replicas and --max-replicas")
+    if auto and not (options.min_replicas and options.max_replicas and options.min_replicas <= options.max_replicas):
+        raise ValueError("autoscaling needs --min-replicas A --max-replicas B with A <= B")
+    if options.prefix_margin < 0:
+        raise ValueError(f"--prefix-margin must be at least 0, got {options.prefix_margin}")
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    """A bad key or value is a ValueError (one line), not an exit."""
+
+    def error(self, message: str):
+        raise ValueError(f"build_app: {message}")

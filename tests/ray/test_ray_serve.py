@@ -1,0 +1,202 @@
+"""`phasewise serve --ray` on a local Ray cluster of two nodes (Ray's own `cluster_utils.Cluster`, 1 CPU each)
+with two replicas of the default model, through the openai SDK: the same greedy outputs as a plain
+`phasewise serve` at the same thread count, streamed and not; prompts sharing a prefix land on one replica;
+a replica killed mid-stream ends that stream with an error, new requests reach the other replica and Serve
+starts a new one. `make test-ray` installs Ray and runs these (make test leaves them out). Every wait has a
+deadline; a failed start prints what Serve logged."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from live_server import MODEL, free_port, start_server, stop_server
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+ray = pytest.importorskip("ray", reason="Ray is not installed (make test-ray)")
+openai = pytest.importorskip("openai")
+
+DEPLOY_TIMEOUT = 180.0
+QUESTIONS = ["Name three colours.", "What is the capital of France?", "Write a haiku about rain."]
+SYSTEMS = ["You are a patient teacher of geography. Answer in one short sentence, and never use lists. " * 3,
+           "You are a poet who only writes about the sea and its weather, in plain and simple words. " * 3]
+
+
+def _chat(question: str, system: str | None = None) -> list[dict]:
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
+
+
+def test_a_model_that_does_not_load_fails_the_deployment_with_the_loaders_line():
+    """First, before the module's cluster: `serve --ray` starts a Ray instance of its own."""
+    done = subprocess.run([sys.executable, "-m", "phasewise.cli", "serve", "--ray", "--model", "/nonexistent.gguf",
+                           "--port", str(free_port())], capture_output=True, text=True, timeout=DEPLOY_TIMEOUT)
+    assert done.returncode == 2, done.stderr[-5000:]
+    assert done.stderr.strip().splitlines()[-1] == ("phasewise: error: model not found: /nonexistent.gguf "
+                                                    "(give a .gguf file or a Hugging Face model folder)")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[str, str]:
+    """A plain `phasewise serve` at one kernel thread (a replica's): each question's greedy answer."""
+    server = start_server(tmp_path_factory.mktemp("plain"), "--threads", "1")
+    try:
+        client = server.client()
+        return {q: client.chat.completions.create(model=MODEL, messages=_chat(q), max_tokens=24, temperature=0)
+                .choices[0].message.content for q in QUESTIONS}
+    finally:
+        stop_server(server)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """Two Ray nodes of 1 CPU, Serve's proxy on a free port, two engine replicas: the base URL."""
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    from phasewise.deploy.ray import APP_NAME, build_app
+
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    c.add_node(num_cpus=1)
+    ray.init(address=c.address, log_to_driver=False)
+    port = free_port()
+    failure: list[BaseException] = []
+
+    def deploy() -> None:
+        try:
+            serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+            serve.run(build_app({"num-replicas": 2, "kv-cache-memory": 0.25}), name=APP_NAME, route_prefix="/")
+        except BaseException as e:                 # noqa: BLE001 (reported below)
+            failure.append(e)
+
+    started = threading.Thread(target=deploy, daemon=True)
+    started.start()
+    started.join(DEPLOY_TIMEOUT)
+    try:
+        if started.is_alive() or failure:
+            pytest.fail(f"Serve did not deploy within {DEPLOY_TIMEOUT:.0f} s: {failure[:1]}\n{_logs(c)}")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        c.shutdown()
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def _logs(c) -> str:
+    """The tail of each Serve log and each non-empty worker error log of the head node's session."""
+    logs = Path(c.head_node.get_session_dir_path()) / "logs"
+    out = []
+    for path in sorted([*logs.glob("serve/*.log"), *logs.glob("*.err")]):
+        text = path.read_text(errors="replace").strip()
+        if text:
+            out.append(f"--- {path.name}\n" + "\n".join(text.splitlines()[-15:]))
+    return "\n".join(out)[-12000:]
+
+
+def test_replicas_answer_as_plain_serve_streamed_and_not(reference, cluster):
+    client = _client(cluster)
+    for q in QUESTIONS:
+        whole = client.chat.completions.create(model=MODEL, messages=_chat(q), max_tokens=24, temperature=0)
+        assert whole.choices[0].message.content == reference[q]
+        stream = client.chat.completions.create(model=MODEL, messages=_chat(q), max_tokens=24, temperature=0,
+                                                stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == reference[q]
+
+
+def test_prompts_sharing_a_prefix_land_on_one_replica(cluster):
+    client = _client(cluster)
+    served: dict[int, set[str]] = {0: set(), 1: set()}
+    for question in QUESTIONS * 2:
+        for i, system in enumerate(SYSTEMS):
+            raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=_chat(question, system),
+                                                                   max_tokens=4, temperature=0)
+            served[i].add(raw.headers["x-phasewise-replica"])
+            raw.parse()
+    assert all(len(replicas) == 1 for replicas in served.values()), served
+
+
+def test_a_replica_killed_mid_stream_ends_its_stream_and_the_others_serve(cluster):
+    from ray import serve
+
+    client = _client(cluster)
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=_chat("Tell me a very long story about a lighthouse."), max_tokens=2000,
+        temperature=0, stream=True, extra_body={"ignore_eos": True})
+    victim = raw.headers["x-phasewise-replica"]
+    stream = iter(raw.parse())
+    next(stream)
+    outcome: list[object] = []
+
+    def drain() -> None:
+        try:
+            for _ in stream:
+                pass
+            outcome.append("ended without an error")
+        except (openai.APIError, Exception) as e:    # noqa: BLE001 (the error is what is checked)
+            outcome.append(e)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    killed = time.monotonic()
+    ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+    reader.join(30)
+    assert not reader.is_alive(), "the stream hung after its replica was killed"
+    assert outcome and isinstance(outcome[0], Exception), outcome
+    print(f"the stream ended {time.monotonic() - killed:.1f} s after the kill: {outcome[0]!r}")
+
+    answered = None
+    deadline = time.monotonic() + 30
+    while answered is None and time.monotonic() < deadline:
+        try:
+            raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=_chat(QUESTIONS[0]),
+                                                                   max_tokens=4, temperature=0)
+            answered = raw.headers["x-phasewise-replica"]
+        except openai.APIError:
+            time.sleep(0.5)
+    assert answered is not None and answered != victim, "no replica answered within 30 s of the kill"
+    print(f"a new request was answered {time.monotonic() - killed:.1f} s after the kill")
+
+    seen = {victim, answered}                    # a third replica id: the one Serve started in the victim's place
+    deadline = time.monotonic() + 120
+    while len(seen) < 3 and time.monotonic() < deadline:
+        system = f"Request {len(seen)}-{time.monotonic()}: no prefix in common with any other. " * 2
+        try:
+            raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=_chat("Hi.", system),
+                                                                   max_tokens=1, temperature=0)
+            seen.add(raw.headers["x-phasewise-replica"])
+        except openai.APIError:
+            pass
+        time.sleep(0.3)
+    replicas = serve.status().applications["phasewise"].deployments["EngineReplica"].replica_states
+    assert len(seen) == 3, f"Serve did not start a replica in place of the killed one within 120 s: {replicas}"
+    print(f"a new replica answered {time.monotonic() - killed:.1f} s after the kill")
+
+
+def test_build_app_takes_serves_flags_with_serves_defaults():
+    from phasewise.cli import build_parser
+    from phasewise.deploy.options import app_options, replica_parser
+
+    serve = build_parser().parse_args(["serve"])
+    replica = replica_parser().parse_args([])
+    assert {k: getattr(serve, k) for k in vars(replica)} == vars(replica)
+    options = app_options({"num-replicas": "2", "kv_cache_memory": 0.25, "no-packed-cache": True})
+    assert (options.num_replicas, options.kv_cache_memory, options.packed_cache) == (2, 0.25, False)
+    with pytest.raises(ValueError, match="unrecognized"):
+        app_options({"no-such-flag": 1})
+    with pytest.raises(ValueError, match="--num-replicas is a fixed count"):
+        app_options({"num-replicas": 2, "min-replicas": 1, "max-replicas": 3})
+
+
+def test_serve_ray_without_ray_says_how_to_install_it():
+    code = "import sys; sys.modules['ray'] = None; from phasewise.cli import main; sys.exit(main(['serve', '--ray']))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "pip install 'phasewise[ray]'" in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
