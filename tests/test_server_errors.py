@@ -7,6 +7,7 @@ No timed assertions: every wait is bounded, none is measured.
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import openai
@@ -178,3 +179,39 @@ def test_a_burst_admits_the_running_seats_plus_the_waiting_room(guarded):
     later = guarded.post("/v1/chat/completions", {**CHAT, "max_tokens": 2}, headers=headers)
     assert later.status_code == 200, later.text
 
+
+
+def test_an_output_its_grammar_ended_in_error_is_an_error_naming_it():
+    """finish_reason "error" is no finish reason OpenAI's clients know: a stream ends with an error event
+    naming the cause (then [DONE]), a collected answer is a 500 naming it."""
+    from phasewise.engine.request import RequestMetrics
+    from phasewise.outputs import CompletionOutput, StreamDelta
+    from phasewise.server.responses import TokenText
+    from phasewise.server.sse import chat_events, failure
+
+    out = CompletionOutput(request_id="r", prompt=None, prompt_token_ids=[1], text="<", token_ids=[5],
+                           finish_reason="error", stop_reason=None, logprobs=None, metrics=RequestMetrics(arrival=0.0),
+                           error="the output's grammar refused token 5 ('<')")
+
+    class Vocab:
+        def token_bytes(self, token_id):
+            return b"<"
+
+    class Stream:
+        request_ids, closed = ["r"], False
+
+        async def __aiter__(self):
+            yield StreamDelta(request_id="r", text="<", token_ids=[5], logprobs=[], finished=True, output=out)
+
+        def close(self):
+            self.closed = True
+
+    async def events():
+        return [e async for e in chat_events(Stream(), "c", 0, MODEL, n=1, want_lp=False, include_usage=False,
+                                             tt=TokenText(Vocab()))]
+
+    got = asyncio.run(events())
+    assert got[-1] == "data: [DONE]\n\n" and "finish_reason" not in got[-2]
+    error = json.loads(got[-2][len("data: "):])["error"]
+    assert error["code"] == "generation_error" and "refused token 5" in error["message"]
+    assert "refused token 5" in str(failure([out]))
