@@ -177,3 +177,12 @@ def test_a_grammar_literal_is_the_added_token_of_its_text(qwen_server):
         model="qwen", messages=[{"role": "user", "content": "Say hi."}], temperature=0, max_tokens=20,
         extra_body={"structured_outputs": {"grammar": 'start: "<tool_call>" " hi"'}}).choices[0]
     assert out.finish_reason == "stop" and out.message.content == "<tool_call> hi"
+
+
+def test_parallel_forced_calls_end_by_themselves(server):
+    """With parallel_tool_calls (the default) a forced reply holds one to 8 calls, then ends: the default
+    model, which knows no tool format, would otherwise call until max_tokens."""
+    out = server.client().chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, temperature=0,
+                                                  max_tokens=1000, tool_choice="required").choices[0]
+    assert out.finish_reason == "tool_calls" and 1 <= len(out.message.tool_calls) <= 8
+    assert_valid_calls(out.message.tool_calls)

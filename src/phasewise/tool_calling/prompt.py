@@ -10,6 +10,7 @@ from typing import Any
 import jsonschema
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+MAX_CALLS = 8              # calls in one forced reply with parallel_tool_calls
 # JSON on one line with OpenAI's separators, as structured outputs write it (structured/grammar_compiler.py)
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -133,7 +134,7 @@ def generic_messages(messages: list[dict], tools: list[dict] | None) -> list[dic
 
 def call_grammar(tools: list[dict], fmt: str, name: str | None = None, parallel: bool = True) -> str:
     """A Lark grammar (llguidance's, with inline JSON schemas) whose every sentence is one call (or, with
-    parallel, one or more) of the named tool or of any of them, with arguments of its parameters' schema."""
+    parallel, one to MAX_CALLS) of the named tool or of any of them, with arguments of its parameters' schema."""
     chosen = [t for t in tools if name is None or t["function"]["name"] == name]
     if not chosen:
         raise ValueError(f"tool_choice names {name!r}, which is not in tools")
@@ -143,11 +144,12 @@ def call_grammar(tools: list[dict], fmt: str, name: str | None = None, parallel:
                                key: t["function"].get("parameters") or {"type": "object"}}} for t in chosen]
     schema = {**(objects[0] if len(objects) == 1 else {"anyOf": objects}), "x-guidance": _JSON_OPTIONS}
     call = f"%json {json.dumps(schema, ensure_ascii=False)}"
+    more = f"~0..{MAX_CALLS - 1}"           # a small model forced to call may never stop calling
     if fmt == "llama3_json":
-        repeat = ' ("; " call)*' if parallel else ""
+        repeat = f' ("; " call){more}' if parallel else ""
         return f"start: call{repeat}\ncall: {call}\n"
     if fmt == "mistral":
-        repeat = ' (", " call)*' if parallel else ""
+        repeat = f' (", " call){more}' if parallel else ""
         return f'start: "[TOOL_CALLS][" call{repeat} "]"\ncall: {call}\n'
-    repeat = ' ("\\n" call)*' if parallel else ""
+    repeat = f' ("\\n" call){more}' if parallel else ""
     return f'start: call{repeat}\ncall: "<tool_call>\\n" {call} "\\n</tool_call>"\n'
