@@ -91,7 +91,11 @@ def check_against_hf(path: Path, hf_model, prompt: list[int], n: int = N_NEW, ch
 _GGUF_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
                "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-               "mlp.down_proj": "ffn_down"}
+               "mlp.down_proj": "ffn_down",
+               # mixture of experts (the experts' 3-D tensors: _pieces)
+               "mlp.gate": "ffn_gate_inp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+               "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+               "mlp.shared_expert.down_proj": "ffn_down_shexp"}
 _GGUF_LAYER_QK = {**_GGUF_LAYER, "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 _GGUF_LAYER_GEMMA3 = {**_GGUF_LAYER_QK, "post_attention_layernorm": "post_attention_norm",
                       "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
@@ -104,7 +108,8 @@ def gguf_name(hf: str, arch: str = "llama") -> str:
         return _GGUF_TOP[hf]
     _, _, layer, rest = hf.split(".", 3)
     base, suffix = rest.rsplit(".", 1)
-    names = {"gemma3": _GGUF_LAYER_GEMMA3, "qwen3": _GGUF_LAYER_QK}.get(arch, _GGUF_LAYER)
+    names = {"gemma3": _GGUF_LAYER_GEMMA3, "qwen3": _GGUF_LAYER_QK, "qwen3moe": _GGUF_LAYER_QK,
+             "olmoe": _GGUF_LAYER_QK}.get(arch, _GGUF_LAYER)
     return f"blk.{layer}.{names[base]}.{suffix}"
 
 
@@ -139,10 +144,27 @@ def gguf_rows(type_name: str, n: int, k: int, seed: int = 0, scale: float = 1.0)
     return np.concatenate(parts, axis=-1).reshape(n, -1)
 
 
+def _pieces(hf: str, p: torch.Tensor, arch: str) -> list[tuple[str, tuple, tuple[int, ...] | None]]:
+    """(GGUF name, index into p, shape in the file or None: p's) of each tensor an HF parameter is
+    written as: transformers' fused experts [E, 2 I, H] as ffn_gate_exps and ffn_up_exps [E, I, H],
+    the shared expert's gate [1, H] as [H], as llama.cpp's converter writes them."""
+    layer = hf.split(".")[2] if hf.startswith("model.layers.") else None
+    if hf.endswith(".mlp.experts.gate_up_proj"):
+        half = p.shape[1] // 2
+        return [(f"blk.{layer}.ffn_gate_exps.weight", (slice(None), slice(0, half)), None),
+                (f"blk.{layer}.ffn_up_exps.weight", (slice(None), slice(half, None)), None)]
+    if hf.endswith(".mlp.experts.down_proj"):
+        return [(f"blk.{layer}.ffn_down_exps.weight", (), None)]
+    if hf.endswith(".mlp.shared_expert_gate.weight"):
+        return [(gguf_name(hf, arch), (), (p.shape[-1],))]
+    return [(gguf_name(hf, arch), (), None)]
+
+
 def write_gguf(path: Path, hf_model, arch: str, *, permute: bool, vocab_in_tokens: bool = False,
-               types=file_type_for) -> set[QT]:
+               types=file_type_for, experts_norm: bool | None = None) -> set[QT]:
     """Write hf_model as llama.cpp would, then set hf_model to exactly the (dequantized) values in the file.
-    `types(gguf name)` picks each matrix's type; K-quant matrices get random blocks (gguf_rows)."""
+    `types(gguf name)` picks each matrix's type; K-quant matrices get random blocks (gguf_rows).
+    A mixture of experts gets its expert counts and widths (`experts_norm`: `expert_weights_norm`)."""
     c = hf_model.config
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name("tiny-test")
@@ -160,22 +182,34 @@ def write_gguf(path: Path, hf_model, arch: str, *, permute: bool, vocab_in_token
         w.add_value_length(c.head_dim)
     if getattr(c, "sliding_window", None):
         w.add_sliding_window(c.sliding_window)
+    experts = getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        if getattr(c, "moe_intermediate_size", None):
+            w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        if getattr(c, "shared_expert_intermediate_size", None):
+            w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+        if experts_norm is not None:
+            w.add_expert_weights_norm(experts_norm)
+    if getattr(c, "clip_qkv", None):
+        w.add_clamp_kqv(c.clip_qkv)
     if vocab_in_tokens:
         w.add_tokenizer_model("llama")
         w.add_token_list([f"<t{i}>" for i in range(c.vocab_size)])
     else:
         w.add_vocab_size(c.vocab_size)
     used, params = set(), dict(hf_model.named_parameters())  # tied lm_head is not listed
-    for hf, p in params.items():
-        name = gguf_name(hf, arch)
+    for hf, p, name, index, shape in ((hf, p, *piece) for hf, p in params.items() for piece in _pieces(hf, p, arch)):
         offset = 1.0 if arch == "gemma3" and name.endswith("norm.weight") else 0.0   # llama.cpp stores 1 + w
-        array = p.detach().numpy().astype(np.float32) + offset
+        array = p.detach()[index].numpy().astype(np.float32) + offset
+        array = array.reshape(shape) if shape is not None else np.ascontiguousarray(array)
         order = np.arange(array.shape[0])
         if permute and name.endswith((".attn_q.weight", ".attn_k.weight")):
             heads = c.num_attention_heads if ".attn_q." in name else c.num_key_value_heads
             order = llama_cpp_permute(order[:, None], heads)[:, 0]  # file row i = HF row order[i]
             array = array[order]
-        qtype = types(name) if array.ndim == 2 else QT.F32
+        qtype = types(name) if array.ndim >= 2 else QT.F32
         if qtype.name.endswith("_K"):
             data = gguf_rows(qtype.name, *array.shape, seed=len(used) + 7 * array.shape[0], scale=0.1)
         else:
@@ -184,7 +218,7 @@ def write_gguf(path: Path, hf_model, arch: str, *, permute: bool, vocab_in_token
         held = np.empty_like(array)
         held[order] = dequantize(data, qtype).reshape(array.shape)
         with torch.no_grad():
-            p.copy_(torch.from_numpy(held - offset))
+            p[index].copy_(torch.from_numpy(held - offset).reshape(p[index].shape))
         used.add(qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -24,6 +24,15 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # mixture of experts: the router, all experts' weights as one 3-D tensor each, Qwen2-MoE's shared expert
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
 # Qwen3 and Gemma 3: QK-norm; Gemma 3: four norms a layer (ffn_norm is the one before the MLP).
 _LAYER_NAMES_QK = {**_LAYER_NAMES, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
@@ -79,6 +88,7 @@ class GGUFFile:
                 raise ModelLoadError(f"{self.path}: the file has no {name}")
             if t is not None and tuple(t.shape) != shape:
                 raise ModelLoadError(f"{self.path}: {name} is {list(t.shape)}, but the metadata makes it {list(shape)}")
+        self._check_experts(cfg)
         unreadable = sorted({_type_name(t.ggml_type) for t in self.tensors.values() if not _readable(t.ggml_type)})
         if unreadable:
             raise ModelLoadError(f"{self.path}: phasewise cannot read GGUF tensor type {', '.join(unreadable)}")
@@ -86,6 +96,21 @@ class GGUFFile:
         if layers != {str(i) for i in range(cfg.num_layers)}:
             raise ModelLoadError(f"{self.path}: the metadata says {cfg.num_layers} layers, the file has tensors "
                                  f"for {len(layers)}")
+
+    def _check_experts(self, cfg: ModelConfig) -> None:
+        """Each sparse layer's router and experts against the metadata (E experts of width I)."""
+        h, e, i, s = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+        expect = {"ffn_gate_inp": (e, h), "ffn_gate_exps": (e, i, h), "ffn_up_exps": (e, i, h),
+                  "ffn_down_exps": (e, h, i)}
+        if s:
+            expect |= {"ffn_gate_inp_shexp": (h,), "ffn_up_shexp": (s, h), "ffn_down_shexp": (h, s)}
+        for layer in cfg.moe_layers:
+            for base, shape in expect.items():
+                t = self.tensors.get(f"blk.{layer}.{base}.weight")
+                if t is None or tuple(t.shape) != shape:
+                    have = "none" if t is None else list(t.shape)
+                    raise ModelLoadError(f"{self.path}: blk.{layer}.{base}.weight is {have}, but the metadata "
+                                         f"makes it {list(shape)}")
 
     def _tensor(self, name: str, cfg: ModelConfig | None = None) -> GGUFTensor:
         """The stored tensor `name`, to be read in HF's layout (Q/K permutation undone, Gemma 3's
@@ -171,17 +196,17 @@ def _gguf_name(hf_name: str, cfg: ModelConfig) -> str | None:
         return "output.weight"
     if hf_name == "model.embed_tokens.weight":
         return "token_embd.weight"
-    if len(parts) == 6 and parts[:2] == ["model", "layers"]:
-        hf = ".".join(parts[3:5])
+    if len(parts) >= 6 and parts[:2] == ["model", "layers"]:
+        hf = ".".join(parts[3:-1])
         if cfg.architecture == "phi3" and hf == "mlp.gate_up_proj":
-            return f"blk.{parts[2]}.ffn_up.{parts[5]}"
+            return f"blk.{parts[2]}.ffn_up.{parts[-1]}"
         for base, name in _layer_names(cfg).items():
             if name == hf:
-                return f"blk.{parts[2]}.{base}.{parts[5]}"
+                return f"blk.{parts[2]}.{base}.{parts[-1]}"
     return None
 
 
 def _layer_names(cfg: ModelConfig) -> dict[str, str]:
     if cfg.architecture == "gemma3":
         return _LAYER_NAMES_GEMMA3
-    return _LAYER_NAMES_QK if cfg.qk_norm else _LAYER_NAMES
+    return _LAYER_NAMES_QK if cfg.qk_norm or cfg.qk_norm_whole else _LAYER_NAMES

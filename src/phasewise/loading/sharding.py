@@ -54,6 +54,9 @@ def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
         raise ValueError(f"--tensor-parallel-size must be at least 1, got {size}")
     if size == 1:
         return
+    if cfg.num_experts or cfg.qk_norm_whole:
+        raise ValueError(f"tensor parallelism over {size} ranks: {cfg.architecture} (a mixture of experts) is not "
+                         f"split across ranks yet: run it with --tensor-parallel-size 1")
     divisors = [d for d in range(1, cfg.num_heads + 1) if cfg.num_heads % d == 0]
     if cfg.num_heads % size:
         raise ValueError(f"tensor parallelism over {size} ranks: this model's {cfg.num_heads} query heads do not "

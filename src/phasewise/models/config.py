@@ -11,10 +11,15 @@ from typing import Any
 
 # HF model_type / GGUF general.architecture → our architecture family name.
 _HF_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-             "gemma3": "gemma3", "gemma3_text": "gemma3"}
+             "gemma3": "gemma3", "gemma3_text": "gemma3",
+             "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "olmoe": "olmoe"}
 _GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-               "gemma3": "gemma3"}
-_QK_NORM = {"qwen3", "gemma3"}        # RMSNorm over each head of q and k, before RoPE
+               "gemma3": "gemma3", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
+_QK_NORM = {"qwen3", "gemma3", "qwen3_moe"}   # RMSNorm over each head of q and k, before RoPE
+# llama.cpp renormalises the chosen experts' weights by architecture, not by the HF config (unless the
+# file says `expert_weights_norm`); a "llama" file with experts is Mixtral.
+_GGUF_EXPERTS_NORM = {"qwen3moe": True, "llama": True, "qwen2moe": False, "olmoe": False}
+ROUTERS = ("softmax_topk", "topk_softmax")
 GEMMA3_GLOBAL_EVERY = 6               # Gemma 3: five local (sliding-window) layers, then one global
 GEMMA3_LOCAL_THETA = 10000.0          # Gemma 3's RoPE base on local layers (llama.cpp's and transformers' default)
 SUPPORTED = sorted(set(_HF_TYPES.values()))
@@ -29,7 +34,8 @@ class UnsupportedModelError(ValueError):
 # precomputed table: 2^20 positions x head size 128 is 512 MB.
 LIMITS = {"vocab_size": (1, 1 << 22), "hidden_size": (1, 1 << 16), "intermediate_size": (1, 1 << 18),
           "num_layers": (1, 1024), "num_heads": (1, 1024), "num_kv_heads": (1, 1024), "head_dim": (2, 1024),
-          "max_position_embeddings": (1, 1 << 20)}
+          "max_position_embeddings": (1, 1 << 20), "num_experts": (1, 4096), "num_experts_per_tok": (1, 4096),
+          "moe_intermediate_size": (1, 1 << 18), "shared_expert_intermediate_size": (0, 1 << 18)}
 
 
 def checked(name: str, value: Any, source: str) -> int:
@@ -45,7 +51,8 @@ def checked(name: str, value: Any, source: str) -> int:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    architecture: str              # "llama" | "mistral" | "qwen2" | "qwen3" | "phi3" | "gemma3"
+    architecture: str              # "llama" | "mistral" | "qwen2" | "qwen3" | "phi3" | "gemma3"; with experts:
+                                   # "qwen2_moe" | "qwen3_moe" | "mixtral" | "olmoe"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -66,6 +73,17 @@ class ModelConfig:
     rope_local_theta: float | None = None  # RoPE base of the local layers (Gemma 3); None: rope_theta
     query_scale: float | None = None    # attention's score scale; None: head_dim ** -0.5
     embedding_scale: float = 1.0   # Gemma: embeddings are multiplied by sqrt(hidden_size)
+    qk_norm_whole: bool = False    # OLMoE: RMSNorm over all of q and all of k (not per head), before RoPE
+    clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip, clip] after those norms
+    # Mixture of experts (models/moe.py); num_experts 0: a dense model.
+    num_experts: int = 0           # experts of each MoE layer
+    num_experts_per_tok: int = 0   # top-k: experts each row takes
+    moe_intermediate_size: int = 0  # one expert's width (the dense layers' is intermediate_size)
+    moe_layers: tuple[int, ...] = ()  # layers whose MLP is the sparse block; the others are dense
+    norm_topk_prob: bool = False   # the chosen experts' weights renormalised to sum to 1
+    router: str = "softmax_topk"   # "softmax_topk": softmax over all experts, then top-k (the four here);
+                                   # "topk_softmax": top-k of the logits, softmax over those
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a dense expert every row takes, behind a sigmoid gate
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -81,6 +99,13 @@ class ModelConfig:
             raise UnsupportedModelError(f"sliding window must be at least 1 token, got {self.sliding_window}")
         if any(not 0 <= i < self.num_layers for i in self.sliding_layers):
             raise UnsupportedModelError("a sliding-window layer index is out of range")
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise UnsupportedModelError(f"{self.num_experts_per_tok} experts a token out of {self.num_experts}")
+            if self.moe_intermediate_size < 1 or self.router not in ROUTERS:
+                raise UnsupportedModelError(f"an expert width of {self.moe_intermediate_size}, router {self.router!r}")
+        if any(not 0 <= i < self.num_layers for i in self.moe_layers) or (self.moe_layers and not self.num_experts):
+            raise UnsupportedModelError("a mixture-of-experts layer index is out of range, or no experts")
 
     def window(self, layer: int) -> int | None:
         """The sliding window of `layer`, or None when it attends to its whole context."""
@@ -155,6 +180,8 @@ class ModelConfig:
                 if config.get(key):
                     raise UnsupportedModelError(f"Gemma 3 with {key} = {config[key]} is not supported")
         act = config.get("hidden_activation") or config.get("hidden_act") or "silu"
+        if arch == "olmoe" and config.get("attention_bias"):
+            raise UnsupportedModelError("OLMoE with attention_bias (a bias on o_proj too) is not supported")
         return cls(
             architecture=arch,
             vocab_size=config["vocab_size"],
@@ -168,7 +195,8 @@ class ModelConfig:
             rope_theta=float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0),
             max_position_embeddings=config.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", gemma)),
-            attention_bias=bool(config.get("attention_bias", arch == "qwen2")),
+            attention_bias=bool(config.get("qkv_bias", True) if arch == "qwen2_moe"    # transformers 5's name
+                                else config.get("attention_bias", arch == "qwen2")),
             rope_scaling=scaling,
             qk_norm=arch in _QK_NORM,
             hidden_act={"gelu_pytorch_tanh": "gelu_tanh"}.get(act, act),
@@ -177,6 +205,9 @@ class ModelConfig:
             rope_local_theta=local_theta,
             query_scale=float(config.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else None,
             embedding_scale=float(config["hidden_size"]) ** 0.5 if gemma else 1.0,
+            qk_norm_whole=arch == "olmoe",
+            clip_qkv=_clip(config.get("clip_qkv"), "config.json clip_qkv") if arch == "olmoe" else None,
+            **_hf_experts(config, arch),
             name=config.get("_name_or_path", ""),
         )
 
@@ -190,6 +221,8 @@ class ModelConfig:
         """
         gguf_arch = fields.get("general.architecture", "")
         arch = _GGUF_ARCHS.get(gguf_arch) if isinstance(gguf_arch, str) else None
+        if arch == "llama" and fields.get("llama.expert_count"):
+            arch = "mixtral"
         if arch is None:
             raise UnsupportedModelError(
                 f"unsupported architecture {str(gguf_arch)[:40]!r} (supported: {', '.join(SUPPORTED)})")
@@ -242,11 +275,12 @@ class ModelConfig:
             sliding = tuple(range(layers))
         # llama.cpp's Gemma 3 query scale: 1/sqrt(hidden / heads) for the 27B shape, else 1/sqrt(head size)
         query_scale = (hidden // heads if hidden == 5376 else head_dim) ** -0.5 if gemma else None
+        experts = _gguf_experts(gguf_arch, get, count, tensor_names, layers)
         return cls(
             architecture=arch,
             vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=count("intermediate_size", "feed_forward_length"),
+            intermediate_size=count("intermediate_size", "feed_forward_length", experts.get("moe_intermediate_size")),
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
@@ -264,6 +298,10 @@ class ModelConfig:
             rope_local_theta=GEMMA3_LOCAL_THETA if gemma else None,
             query_scale=query_scale,
             embedding_scale=float(hidden) ** 0.5 if gemma else 1.0,
+            qk_norm_whole=arch == "olmoe",
+            clip_qkv=_clip(get("attention.clamp_kqv"), f"GGUF metadata {gguf_arch}.attention.clamp_kqv")
+            if arch == "olmoe" else None,
+            **experts,
             name=str(fields.get("general.name", "")),
         )
 
@@ -273,8 +311,10 @@ def _hf_sliding_window(config: dict[str, Any], arch: str) -> tuple[int | None, t
     Qwen2/3 in transformers 5), else Qwen2/3's `max_window_layers`, else (Mistral) every layer. A
     window no shorter than the context changes nothing and is dropped."""
     window, layers = config.get("sliding_window"), config["num_hidden_layers"]
-    if arch in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
+    if arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not config.get("use_sliding_window", False):
         window = None
+    if arch in ("qwen2_moe", "qwen3_moe", "olmoe") and window:
+        raise UnsupportedModelError(f"{arch} with a sliding window is not supported")
     if not window or window >= config.get("max_position_embeddings", 2048):
         return None, ()
     types = config.get("layer_types")
@@ -288,3 +328,73 @@ def _hf_sliding_window(config: dict[str, Any], arch: str) -> tuple[int | None, t
     else:
         sliding = tuple(range(layers))
     return (int(window), sliding) if sliding else (None, ())
+
+
+def _clip(value: Any, source: str) -> float | None:
+    """OLMoE's clip_qkv: None, or a positive number."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise UnsupportedModelError(f"{source} must be a positive number, got {str(value)[:40]!r}")
+    return float(value)
+
+
+def _hf_experts(config: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of an HF config (none for a dense architecture). Qwen2/3-MoE
+    make layer i sparse unless it is in mlp_only_layers or (i + 1) is not a multiple of
+    decoder_sparse_step (transformers' rule); Mixtral and OLMoE every layer. Mixtral always
+    renormalises the top-k weights."""
+    if arch not in ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe"):
+        return {}
+    experts = config.get("num_experts", config.get("num_local_experts")) or 0
+    if not experts:
+        return {}
+    experts = checked("num_experts", experts, "config.json num_experts")
+    layers = config["num_hidden_layers"]
+    moe = tuple(range(layers))
+    if arch in ("qwen2_moe", "qwen3_moe"):
+        step = checked("num_layers", config.get("decoder_sparse_step", 1), "config.json decoder_sparse_step")
+        only = set(config.get("mlp_only_layers") or ())
+        moe = tuple(i for i in moe if i not in only and (i + 1) % step == 0)
+    shared = config.get("shared_expert_intermediate_size", 0) if arch == "qwen2_moe" else 0
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=checked("num_experts_per_tok", config.get("num_experts_per_tok"),
+                                    "config.json num_experts_per_tok"),
+        moe_intermediate_size=checked("moe_intermediate_size",
+                                      config.get("moe_intermediate_size") or config.get("intermediate_size"),
+                                      "config.json moe_intermediate_size"),
+        moe_layers=moe,
+        norm_topk_prob=arch == "mixtral" or bool(config.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=checked("shared_expert_intermediate_size", shared or 0,
+                                                "config.json shared_expert_intermediate_size"),
+    )
+
+
+def _gguf_experts(gguf_arch: str, get: Any, count: Any, tensor_names: set[str], layers: int) -> dict[str, Any]:
+    """The mixture-of-experts fields of GGUF metadata: `{arch}.expert_count`, `expert_used_count`,
+    `expert_feed_forward_length` (else `feed_forward_length`, as Mixtral's and OLMoE's files),
+    `expert_shared_feed_forward_length` (Qwen2-MoE); a layer is sparse when the file holds its router
+    (`blk.N.ffn_gate_inp`). Renormalising follows `expert_weights_norm`, else llama.cpp's fixed choice
+    per architecture; a sigmoid gate or a weight scale is refused."""
+    if not get("expert_count"):
+        return {}
+    if gguf_arch not in _GGUF_EXPERTS_NORM:
+        raise UnsupportedModelError(f"{gguf_arch} with experts is not supported")
+    if get("expert_gating_func", 1) != 1:
+        raise UnsupportedModelError(f"GGUF metadata {gguf_arch}.expert_gating_func = {get('expert_gating_func')} "
+                                    f"(only softmax routing is supported)")
+    if get("expert_weights_scale", 1.0) != 1.0:
+        raise UnsupportedModelError(f"GGUF metadata {gguf_arch}.expert_weights_scale is not supported")
+    width = get("expert_feed_forward_length")
+    shared = any(".ffn_up_shexp." in n for n in tensor_names)
+    return dict(
+        num_experts=count("num_experts", "expert_count"),
+        num_experts_per_tok=count("num_experts_per_tok", "expert_used_count"),
+        moe_intermediate_size=count("moe_intermediate_size", "expert_feed_forward_length" if width is not None
+                                    else "feed_forward_length"),
+        moe_layers=tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in tensor_names),
+        norm_topk_prob=bool(get("expert_weights_norm", _GGUF_EXPERTS_NORM[gguf_arch])),
+        shared_expert_intermediate_size=count("shared_expert_intermediate_size",
+                                              "expert_shared_feed_forward_length") if shared else 0,
+    )

@@ -1,4 +1,5 @@
-"""Llama family (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3) in plain PyTorch.
+"""Llama family (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3; with experts: Qwen2-MoE, Qwen3-MoE,
+Mixtral, OLMoE, whose sparse MLP is models/moe.py's) in plain PyTorch.
 
 Tokens of all sequences in a step are flattened into one batch [T]; attention
 reads the paged KV cache through `AttentionMetadata`. The KV tensors are passed
@@ -24,6 +25,7 @@ from phasewise.layers.linear import Linear
 from phasewise.layers.norm import RMSNorm
 from phasewise.layers.rotary import RotaryEmbedding
 from phasewise.models.config import ModelConfig
+from phasewise.models.moe import SparseMoeBlock, expert_shard_names, load_moe_weight
 from phasewise.models.stack import build_stack, run_stack
 
 KVCaches = list[LayerKV]  # per layer: k, v as [num_slots, Hkv, D] (int8: and their scales)
@@ -31,7 +33,8 @@ KVCaches = list[LayerKV]  # per layer: k, v as [num_slots, Hkv, D] (int8: and th
 
 class LlamaAttention(UsesKernels, nn.Module):
     """Grouped-query attention over the paged cache; with `cfg.qk_norm` (Qwen3, Gemma 3) each q and k
-    head is RMS-normed before RoPE; a layer in `cfg.sliding_layers` sees only its window."""
+    head is RMS-normed before RoPE, with `cfg.qk_norm_whole` (OLMoE) all of q and all of k, then
+    clamped to `cfg.clip_qkv` with v; a layer in `cfg.sliding_layers` sees only its window."""
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, layer: int = 0,
                  tp: TensorParallel | None = None) -> None:
@@ -43,13 +46,14 @@ class LlamaAttention(UsesKernels, nn.Module):
         self.window = cfg.window(layer)
         self.kv_group = cfg.kv_place(layer)[0]
         self.scale = cfg.query_scale or cfg.head_dim ** -0.5
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        if cfg.qk_norm or cfg.qk_norm_whole:
+            self.q_norm = RMSNorm(cfg.q_size if cfg.qk_norm_whole else cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.kv_size if cfg.qk_norm_whole else cfg.head_dim, cfg.rms_norm_eps)
 
     def bind_kernels(self, kernels: Kernels | None) -> None:
         self.ops = kernels
-        parts = [self.qkv_proj, self.o_proj] + ([self.q_norm, self.k_norm] if self.cfg.qk_norm else [])
+        normed = self.cfg.qk_norm or self.cfg.qk_norm_whole
+        parts = [self.qkv_proj, self.o_proj] + ([self.q_norm, self.k_norm] if normed else [])
         for part in parts:
             part.bind_kernels(kernels)
 
@@ -62,6 +66,12 @@ class LlamaAttention(UsesKernels, nn.Module):
             T, q_size, kv_size, D = qkv.shape[0], cfg.q_size, cfg.kv_size, cfg.head_dim
             qkv[:, :q_size] = self.q_norm(qkv[:, :q_size].reshape(-1, D)).view(T, q_size)
             qkv[:, q_size:q_size + kv_size] = self.k_norm(qkv[:, q_size:q_size + kv_size].reshape(-1, D)).view(T, kv_size)
+        if cfg.qk_norm_whole:                             # OLMoE: all of q, all of k
+            qkv[:, :cfg.q_size] = self.q_norm(qkv[:, :cfg.q_size].contiguous())
+            qkv[:, cfg.q_size:cfg.q_size + cfg.kv_size] = self.k_norm(qkv[:, cfg.q_size:cfg.q_size + cfg.kv_size]
+                                                                      .contiguous())
+        if cfg.clip_qkv is not None:
+            qkv.clamp_(-cfg.clip_qkv, cfg.clip_qkv)
         if applies(self.ops, qkv):                        # split, rotate, write k and v: one op
             q, k = self.ops.rope_and_cache(qkv, positions, self.rotary.cos, self.rotary.sin, kv[0], kv[1],
                                            meta.slot_mapping, cfg.num_heads, cfg.num_kv_heads, *kv[2:])
@@ -83,11 +93,13 @@ class LlamaAttention(UsesKernels, nn.Module):
 
 
 class LlamaMLP(UsesKernels, nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None, width: int | None = None) -> None:
+        """width: the MLP's intermediate size (default cfg.intermediate_size; Qwen2-MoE's shared expert)."""
         super().__init__()
         self.tp = tp
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        width = width or cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * width, bias=False)
+        self.down_proj = Linear(width, cfg.hidden_size, bias=False)
         self.gelu = cfg.hidden_act == "gelu_tanh"
 
     def bind_kernels(self, kernels: Kernels | None) -> None:
@@ -113,7 +125,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = LlamaAttention(cfg, rotary, layer, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg, tp)
+        self.mlp = mlp(cfg, layer, tp)
 
     def bind_kernels(self, kernels: Kernels | None) -> None:
         for part in (self.input_layernorm, self.self_attn, self.post_attention_layernorm, self.mlp):
@@ -129,6 +141,14 @@ class LlamaDecoderLayer(nn.Module):
         x = self.self_attn(positions, x, kv, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
+
+
+def mlp(cfg: ModelConfig, layer: int, tp: TensorParallel | None) -> nn.Module:
+    """Layer `layer`'s MLP: dense, or the sparse mixture of experts (with Qwen2-MoE's shared expert)."""
+    if layer not in cfg.moe_layers:
+        return LlamaMLP(cfg, tp)
+    shared = cfg.shared_expert_intermediate_size
+    return SparseMoeBlock(cfg, LlamaMLP(cfg, None, shared) if shared else None, tp)
 
 
 def vocab_embedding(cfg: ModelConfig, tp: TensorParallel | None) -> Embedding:
@@ -226,6 +246,9 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and cfg.tie_word_embeddings:
                 continue  # some checkpoints store the tied copy anyway
+            if cfg.num_experts and (moe := load_moe_weight(params, name, tensor)) is not None:
+                loaded |= moe
+                continue
             parts = name.split(".")
             target, shard = name, None
             if len(parts) >= 2 and parts[-2] in _PACKED:
@@ -254,7 +277,8 @@ class LlamaForCausalLM(nn.Module):
 
     def expected_weights(self) -> set[str]:
         """What load_weights must fill for the model to be complete."""
-        return set().union(*(_shard_names(name) for name, _ in self.named_parameters()))
+        return set().union(*(expert_shard_names(name, p.shape) or _shard_names(name)
+                             for name, p in self.named_parameters()))
 
 
 def _shard_names(param: str) -> set[str]:

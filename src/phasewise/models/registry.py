@@ -8,7 +8,7 @@ from phasewise.models.config import ModelConfig, UnsupportedModelError
 
 
 def model_class(cfg: ModelConfig) -> type[nn.Module]:
-    if cfg.architecture in ("llama", "mistral", "qwen2", "qwen3", "phi3"):
+    if cfg.architecture in ("llama", "mistral", "qwen2", "qwen3", "phi3", "qwen2_moe", "qwen3_moe", "mixtral", "olmoe"):
         from phasewise.models.llama import LlamaForCausalLM
 
         return LlamaForCausalLM

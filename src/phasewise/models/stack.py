@@ -22,8 +22,8 @@ def build_stack(kernels: Kernels | None, cfg: ModelConfig, layers: nn.ModuleList
                 sandwich: bool = False) -> DecoderStack | None:
     """The DecoderStack of `layers` (Llama-family layers; `sandwich`: Gemma 3's, with norms after
     attention and after the MLP too), or None where the stack cannot run them."""
-    if kernels is None:
-        return None
+    if kernels is None or cfg.num_experts or cfg.qk_norm_whole or cfg.clip_qkv is not None:
+        return None        # the stack runs dense MLPs and per-head QK-norm only: the Python layers run the rest
     args: list[StackLayer] = []
     extras: list[StackExtras] = []
     for layer in layers:
