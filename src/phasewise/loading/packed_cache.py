@@ -3,17 +3,26 @@ loads map them instead of repacking (as OpenVINO's cache_dir keeps compiled blob
 
 One file per model under `<cache>/packed/`, named by the GGUF's identity (resolved path, size,
 mtime, a hash of its first MiB) and `PACK_VERSION` (the packed layouts of kernels/quant.py; the
-layout is the same at every ISA level, so one file serves all). Written to a temporary name and
-renamed; read with `torch.load(mmap=True)`, so a load maps the file (the page cache holds it once
-for every process) and copies nothing. A file that does not read, or whose weights do not match
-the model's layers, is ignored and rewritten. Files under MIN_BYTES (test models) are not cached,
-and writing one removes the entries whose GGUF is gone or has changed (each names its source in
-a `.src` file beside it), so the directory holds one entry per model file that exists.
+layout is the same at every ISA level, so one file serves all). The file: MAGIC, a JSON header's
+length (u64), the header (version, file size, checkpoint names, each weight's fmt, n, k, u5_tiles
+and its tensors as [offset, shape, dtype], parts in "rest"), then every tensor at a page-aligned
+offset. No pickle and no torch.load: a load reads the header and maps the file copy-on-write
+(`torch.from_file`), so the page cache holds it once for every process and nothing is copied.
+
+A first load writes it in place (`Writer`): the layouts are known from the GGUF's shapes before
+anything is packed, so the file is made at its final size under a temporary name (its blocks
+reserved: a full disk fails here, not with a SIGBUS later), mapped shared, and each weight is
+packed into its slice; the model's weights are those slices (one copy). Complete, it is renamed.
+A file that does not read, is cut short, or whose weights do not match the model's layers is
+ignored and rewritten. Files under MIN_BYTES (test models) are not cached, and writing one removes
+the entries whose GGUF is gone or has changed (each names its source in a `.src` file beside it)
+and the partial files of processes that died, so the directory holds one entry per model file.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sys
 from pathlib import Path
@@ -22,12 +31,17 @@ import torch
 
 from phasewise.kernels import quant
 
-PACK_VERSION = 3          # bump when kernels/quant.py's layouts change (2: k4 and q6k at the file's width; 3: parts)
+PACK_VERSION = 4          # bump when kernels/quant.py's layouts or this file's change (2: k4, q6k at the file's
+                          # width; 3: parts; 4: a JSON header and raw tensors, written in place)
 MIN_BYTES = 32 << 20      # smaller GGUFs pack in well under a second: not cached
+MAGIC = b"PWPACK\x00\x01"
+ALIGN = 4096              # each tensor's offset: page-aligned, so any view of it is aligned for every dtype
+SUFFIX = ".pack"
+_DTYPES = {str(t).removeprefix("torch."): t for t in (torch.uint8, torch.int8, torch.float16, torch.float32)}
 
 
-def wanted(gguf_path: Path) -> bool:
-    return gguf_path.stat().st_size >= MIN_BYTES
+def wanted(gguf_path: Path, min_bytes: int = MIN_BYTES) -> bool:
+    return gguf_path.stat().st_size >= min_bytes
 
 
 def cache_path(gguf_path: Path) -> Path:
@@ -38,49 +52,167 @@ def cache_path(gguf_path: Path) -> Path:
     with open(path, "rb") as f:
         head = hashlib.sha256(f.read(1 << 20)).hexdigest()[:16]
     key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}|{head}|{PACK_VERSION}".encode()).hexdigest()[:20]
-    return default_cache_dir() / "packed" / f"{path.stem}-{key}.pt"
+    return default_cache_dir() / "packed" / f"{path.stem}-{key}{SUFFIX}"
 
 
-def _record(w: quant.PackedWeight) -> dict:
-    return {"fmt": w.fmt, "n": w.n, "k": w.k, "blocks": w.blocks, "scale": w.scale, "u5_tiles": w.u5_tiles,
-            "rest": [_record(p) for p in w.rest]}
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
 
 
-def _weight(r: dict) -> quant.PackedWeight:
-    return quant.PackedWeight(fmt=r["fmt"], n=r["n"], k=r["k"], blocks=r["blocks"], scale=r["scale"],
-                              u5_tiles=r["u5_tiles"], rest=tuple(_weight(p) for p in r["rest"]))
+class _Layout:
+    """Offsets (from the data's start) of every tensor of some weights, in order."""
+
+    def __init__(self) -> None:
+        self.size = 0
+
+    def record(self, w: quant.PackedWeight) -> dict:
+        return {"fmt": w.fmt, "n": w.n, "k": w.k, "u5_tiles": w.u5_tiles, "blocks": self._place(w.blocks),
+                "scale": None if w.scale is None else self._place(w.scale), "rest": [self.record(p) for p in w.rest]}
+
+    def _place(self, t: torch.Tensor) -> list:
+        offset, self.size = self.size, _align(self.size + t.numel() * t.element_size())
+        return [offset, list(t.shape), str(t.dtype).removeprefix("torch.")]
 
 
-def save(path: Path, source: Path, linears: dict[str, quant.PackedWeight], embedding: quant.PackedWeight | None,
-         names: set[str]) -> None:
-    """Write the packed layers of the GGUF `source` (a tied table is stored once: "embedding" names
-    its layer)."""
+def _header(linears: dict[str, quant.PackedWeight], embedding: quant.PackedWeight | None,
+            names: set[str]) -> tuple[bytes, int]:
+    """The header's bytes (MAGIC and length included, padded to ALIGN) and the whole file's size."""
+    layout = _Layout()
     tied = next((p for p, w in linears.items() if w is embedding), None)
-    data = {"version": PACK_VERSION, "linears": {p: _record(w) for p, w in linears.items()},
-            "embedding": tied if tied is not None or embedding is None else _record(embedding),
-            "names": sorted(names)}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    try:
+    records = {p: layout.record(w) for p, w in linears.items()}
+    table = tied if tied is not None or embedding is None else layout.record(embedding)
+    body = {"version": PACK_VERSION, "linears": records, "embedding": table, "names": sorted(names)}
+    body["size"] = 0
+    while True:                              # the size holds the header's own length: settle it
+        text = json.dumps(body, separators=(",", ":")).encode()
+        start = _align(16 + len(text))
+        if body["size"] == start + layout.size:
+            break
+        body["size"] = start + layout.size
+    head = MAGIC + len(text).to_bytes(8, "little") + text
+    return head + bytes(start - len(head)), start + layout.size
+
+
+def _weights(header: dict, base: torch.Tensor, start: int
+             ) -> tuple[dict[str, quant.PackedWeight], quant.PackedWeight | None]:
+    """The header's weights as views of the mapped file `base` (uint8), data from `start`."""
+    def view(entry: list) -> torch.Tensor:
+        offset, shape, dtype = entry
+        dt = _DTYPES[dtype]
+        nbytes = dt.itemsize * int(torch.Size(shape).numel())
+        if offset % ALIGN or start + offset + nbytes > base.numel():
+            raise ValueError(f"a tensor at {offset} (+{nbytes}) outside the file")
+        return base[start + offset:start + offset + nbytes].view(dt).view(shape)
+
+    def weight(r: dict) -> quant.PackedWeight:
+        return quant.PackedWeight(fmt=r["fmt"], n=r["n"], k=r["k"], blocks=view(r["blocks"]),
+                                  scale=None if r["scale"] is None else view(r["scale"]), u5_tiles=r["u5_tiles"],
+                                  rest=tuple(weight(p) for p in r["rest"]))
+
+    linears = {p: weight(r) for p, r in header["linears"].items()}
+    table = header["embedding"]
+    return linears, linears[table] if isinstance(table, str) else None if table is None else weight(table)
+
+
+def _read_header(path: Path) -> tuple[dict, int]:
+    with open(path, "rb") as f:
+        head = f.read(16)
+        if len(head) < 16 or head[:8] != MAGIC:
+            raise ValueError("not a packed-weight file")
+        length = int.from_bytes(head[8:], "little")
+        return json.loads(f.read(length)), _align(16 + length)
+
+
+class Writer:
+    """A cache file being filled: `linears` and `embedding` are the weights given (meta tensors
+    are fine: only shapes count) as views of its shared map, to be filled with `fill`; `commit`
+    renames the complete file into place, `abort` removes it."""
+
+    def __init__(self, path: Path, source: Path, linears: dict[str, quant.PackedWeight],
+                 embedding: quant.PackedWeight | None, names: set[str]) -> None:
+        self.path, self.source = path, source
+        self.partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+        head, size = _header(linears, embedding, names)
+        path.parent.mkdir(parents=True, exist_ok=True)
         _prune(path.parent, source)
-        torch.save(data, partial)
-        os.replace(partial, path)
-        path.with_suffix(".src").write_text(str(source))
-    except OSError as e:                     # a full disk costs the next load its speed, nothing else
-        partial.unlink(missing_ok=True)
+        try:
+            with open(self.partial, "wb") as f:
+                f.write(head)
+                if hasattr(os, "posix_fallocate"):              # blocks reserved: writing the map cannot fail
+                    os.posix_fallocate(f.fileno(), 0, size)
+                else:
+                    f.truncate(size)
+            base = torch.from_file(str(self.partial), shared=True, size=size, dtype=torch.uint8)
+            self.linears, self.embedding = _weights(_read_header(self.partial)[0], base, len(head))
+        except BaseException:
+            self.partial.unlink(missing_ok=True)
+            raise
+
+    @staticmethod
+    def fill(slot: quant.PackedWeight, packed: quant.PackedWeight, tile: int = 0) -> None:
+        """Copy `packed` into its `slot` of the map (the same layout, part by part), or a run of rows
+        of a one-part slot into its tiles from `tile`."""
+        for s, p in zip(slot.parts, packed.parts, strict=True):
+            nt = p.blocks.shape[0]
+            whole = tile == 0 and (s.n, s.u5_tiles, s.blocks.shape[0]) == (p.n, p.u5_tiles, nt)
+            rows = len(slot.parts) == 1 and not p.u5_tiles and tile + nt <= s.blocks.shape[0]
+            side = (None, None) if s.scale is None or p.scale is None else (s.scale.shape[1:], p.scale.shape[1:])
+            if (s.fmt, s.k, s.blocks.shape[1:]) != (p.fmt, p.k, p.blocks.shape[1:]) or not (whole or rows) or \
+                    (s.scale is None) != (p.scale is None) or side[0] != side[1]:
+                raise ValueError(f"a packed {p.fmt} [{p.n}, {p.k}] weight does not fit its {s.fmt} [{s.n}, {s.k}] slot")
+            s.blocks[tile:tile + nt].copy_(p.blocks)
+            if s.scale is not None:
+                s.scale[tile:tile + nt].copy_(p.scale)
+
+    def commit(self) -> None:
+        """Put the complete file in place (the weights stay mapped whatever happens to its name)."""
+        try:
+            os.replace(self.partial, self.path)
+            self.path.with_suffix(".src").write_text(str(self.source.resolve()))
+        except OSError as e:
+            print(f"phasewise: warning: cannot write the packed-weight cache {self.path}: {e}", file=sys.stderr)
+
+    def abort(self) -> None:
+        self.partial.unlink(missing_ok=True)
+
+
+def create(path: Path, source: Path, linears: dict[str, quant.PackedWeight], embedding: quant.PackedWeight | None,
+           names: set[str]) -> Writer | None:
+    """A Writer of the cache file `path` for the GGUF `source`; None (with a warning) when it cannot
+    be made (a full disk costs the next load its speed, nothing else)."""
+    try:
+        return Writer(path, source, linears, embedding, names)
+    except (OSError, RuntimeError) as e:          # RuntimeError: torch.from_file could not map it
         print(f"phasewise: warning: cannot write the packed-weight cache {path}: {e}", file=sys.stderr)
+        return None
 
 
 def _prune(folder: Path, source: Path) -> None:
-    """Remove the entries of GGUFs that are gone and the older entries of `source`."""
+    """Remove the entries of GGUFs that are gone, the older entries of `source`, and the partial
+    files of processes no longer running."""
     for src in folder.glob("*.src"):
         try:
             named = Path(src.read_text())
         except OSError:
             continue
-        if named == source.resolve() or not named.is_file():
-            src.with_suffix(".pt").unlink(missing_ok=True)
+        if named.resolve() == source.resolve() or not named.is_file():
+            for suffix in (SUFFIX, ".pt"):
+                src.with_suffix(suffix).unlink(missing_ok=True)
             src.unlink(missing_ok=True)
+    for partial in folder.glob(".*.partial"):
+        pid = partial.name.rsplit(".", 2)[-2]
+        if pid.isdigit() and not _running(int(pid)):
+            partial.unlink(missing_ok=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def load(path: Path) -> tuple[dict[str, quant.PackedWeight], quant.PackedWeight | None, set[str]] | None:
@@ -89,17 +221,19 @@ def load(path: Path) -> tuple[dict[str, quant.PackedWeight], quant.PackedWeight 
     if not path.is_file():
         return None
     try:
-        data = torch.load(path, mmap=True, weights_only=True)
-        if data.get("version") != PACK_VERSION:
+        header, start = _read_header(path)
+        if header.get("version") != PACK_VERSION:
             return None
-        linears = {p: _weight(r) for p, r in data["linears"].items()}
-        table = data["embedding"]
-        embedding = linears[table] if isinstance(table, str) else None if table is None else _weight(table)
+        size = path.stat().st_size
+        if header["size"] != size:
+            raise ValueError(f"{size} bytes, the header says {header['size']}")
+        base = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)   # copy-on-write map
+        linears, embedding = _weights(header, base, start)
         for w in [p for w in [*linears.values(), *([embedding] if embedding is not None else [])] for p in w.parts]:
             if w.fmt not in quant.FORMAT_IDS or w.blocks.shape[-1] != quant.BLOCK_BYTES[w.fmt] or \
                     w.blocks.shape[0] * quant.TILE < w.n or w.blocks.shape[1] * quant.QK != w.k:
                 return None
-        return linears, embedding, set(data["names"])
+        return linears, embedding, set(header["names"])
     except Exception as e:  # noqa: BLE001 - a damaged cache file of any kind is repacked, not fatal
         print(f"phasewise: warning: ignoring the packed-weight cache {path} ({type(e).__name__}: {e})",
               file=sys.stderr)

@@ -16,12 +16,16 @@ little else. Every layer is filled in place (layers/linear.py): no module is rep
 
 from __future__ import annotations
 
+import mmap
 import os
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+import numpy as np
+import torch
 from torch import nn
 
 from phasewise.distributed import TensorParallel
@@ -30,6 +34,7 @@ from phasewise.kernels.gguf_blocks import GGUF_BLOCKS, pack_gguf
 from phasewise.layers.linear import Linear
 from phasewise.loading import packed_cache
 from phasewise.loading.gguf import GGUFFile
+from phasewise.loading.gguf_tensor import GGUFTensor
 from phasewise.loading.sharding import shard_raw
 from phasewise.models.config import ModelConfig
 from phasewise.kernels.kernel_api import Kernels
@@ -51,56 +56,174 @@ class FileWeights:
 
 
 def plan_file_weights(model: nn.Module, cfg: ModelConfig, gguf: GGUFFile, tp: TensorParallel | None = None,
-                      cache: bool = True, kernels: Kernels | None = None) -> FileWeights:
+                      cache: bool = True, kernels: Kernels | None = None,
+                      min_bytes: int = packed_cache.MIN_BYTES) -> FileWeights:
     """Pack every linear layer of `model` (meta or not) the file holds in blocks, and the token table
-    (without tp); `cfg` is the whole model's. With `cache` (and no tp) the packed layers come from,
-    or go to, the packed-weight cache (loading/packed_cache.py). `kernels` (a KernelSet, or None)
-    repacks the types it can (gguf_blocks.pack_gguf)."""
-    where = packed_cache.cache_path(gguf.path) if cache and tp is None and packed_cache.wanted(gguf.path) else None
+    (without tp); `cfg` is the whole model's. With `cache` (and no tp; a GGUF of `min_bytes` or more)
+    the packed layers come from the packed-weight cache (loading/packed_cache.py), or are packed
+    straight into a new cache file, which they then are views of. `kernels` (a KernelSet, or None)
+    repacks the types it can (gguf_blocks.pack_gguf). Each tensor's pages of the file's map are
+    let go once packed, so memory holds the packed weights and a layer or two besides."""
+    where = packed_cache.cache_path(gguf.path) if cache and tp is None and packed_cache.wanted(gguf.path, min_bytes) \
+        else None
     kept = packed_cache.load(where) if where is not None else None
     layers = {path: (linear.out_features, linear.in_features) for path, linear in _linears(model)}
     if kept is not None and all(layers.get(p) == (w.rows, w.k) for p, w in kept[0].items()):
         return FileWeights(*kept)
+    layout = file_layout(model, cfg, gguf) if tp is None else None
+    writer = packed_cache.create(where, gguf.path, layout.linears, layout.embedding, layout.names) \
+        if where is not None and layout is not None else None
     plan = FileWeights()
-    progress = _Progress(len(layers))
-    # two layers at a time: numpy's and torch's element-wise passes let go of the GIL
-    with ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as pool:
-        packed = pool.map(lambda path: file_blocks(gguf, cfg, path, tp, kernels), layers)
-        for (path, shape), found in zip(layers.items(), packed):
-            if found is not None and (found[0].rows, found[0].k) == shape:
-                plan.linears[path], names = found
-                plan.names.update(names)
-            progress.step(path)
+    todo = {p: layers[p] for p in layout.linears} if layout is not None else layers
+    sizes = {p: _file_bytes(gguf, cfg, p) for p in todo}
     table = gguf.weight("model.embed_tokens.weight", cfg)
-    if tp is None and table is not None and table.type_name in GGUF_BLOCKS:
-        head = plan.linears.get("lm_head")
-        tied = cfg.tie_word_embeddings and head is not None and "output.weight" not in gguf.tensors
-        plan.embedding = head if tied else pack_gguf(table.type_name, table.raw(), kernels=kernels)
-        plan.names.add("model.embed_tokens.weight")
-    progress.done()
-    if where is not None:
-        packed_cache.save(where, gguf.path, plan.linears, plan.embedding, plan.names)
+    own_table = layout is not None and layout.embedding is not None and \
+        all(layout.embedding is not w for w in layout.linears.values())
+    progress = _Progress(sum(sizes.values()) + (table.data.nbytes if own_table else 0))
+
+    def pack(path: str) -> tuple[quant.PackedWeight, list[str]] | None:
+        if writer is not None and (rows := _one_part(gguf, cfg, path)) is not None:
+            _pack_into(writer, writer.linears[path], rows, kernels, progress)
+            return writer.linears[path], part_names(gguf, cfg, path)
+        found = file_blocks(gguf, cfg, path, tp, kernels)
+        progress.step(sizes[path])
+        if found is None or (found[0].rows, found[0].k) != todo[path]:
+            return None
+        if writer is None:
+            return found
+        writer.fill(writer.linears[path], found[0])      # the temporary goes: the map holds it
+        return writer.linears[path], found[1]
+
+    try:
+        # two layers at a time: numpy's, torch's and the kernels' passes let go of the GIL
+        with ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as pool:
+            for path, found in zip(todo, pool.map(pack, todo)):
+                if found is not None:
+                    plan.linears[path], names = found
+                    plan.names.update(names)
+        if layout is not None and plan.linears.keys() != layout.linears.keys():
+            raise RuntimeError(f"packed {sorted(plan.linears.keys() ^ layout.linears.keys())[:3]} unlike their layout")
+        if layout is not None and layout.embedding is not None:       # the token table, in blocks
+            if not own_table:                                          # tied: the head's
+                plan.embedding = plan.linears["lm_head"]
+            elif writer is not None and not table.heads:
+                plan.embedding = _pack_into(writer, writer.embedding, table, kernels, progress)
+            else:
+                plan.embedding = pack_gguf(table.type_name, table.raw(), kernels=kernels)
+                _release(table.data)
+                progress.step(table.data.nbytes)
+            plan.names.add("model.embed_tokens.weight")
+        if writer is not None:
+            writer.commit()
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    finally:
+        progress.done()
     return plan
 
 
+def file_layout(model: nn.Module, cfg: ModelConfig, gguf: GGUFFile) -> FileWeights:
+    """What `plan_file_weights` packs (no tp), as weights of meta tensors: every layout follows from
+    the file's tensor shapes, so nothing is read."""
+    plan = FileWeights()
+    for path, linear in _linears(model):
+        found = file_blocks(gguf, cfg, path, meta=True)
+        if found is not None and (found[0].rows, found[0].k) == (linear.out_features, linear.in_features):
+            plan.linears[path], names = found
+            plan.names.update(names)
+    table = gguf.weight("model.embed_tokens.weight", cfg)
+    if table is not None and table.type_name in GGUF_BLOCKS:
+        head = plan.linears.get("lm_head")
+        tied = cfg.tie_word_embeddings and head is not None and "output.weight" not in gguf.tensors
+        plan.embedding = head if tied else _full_width(_stand_in(table.type_name, *table.shape))
+        plan.names.add("model.embed_tokens.weight")
+    return plan
+
+
+def _stand_in(type_name: str, n: int, k: int) -> quant.PackedWeight:
+    """Rows [n, k] of a GGUF type as pack_gguf packs them, but one block wide: what quant.concat
+    needs to lay out a fused projection (its tiles), on the CPU (ops on meta tensors import dynamo)."""
+    fmt, nt = GGUF_BLOCKS[type_name], -(-n // quant.TILE)
+    scale = torch.zeros(nt, 1, quant.TILE * quant.SUPER_SCALES[fmt], dtype=torch.float16) \
+        if fmt in quant.SUPER_SCALES else None
+    return quant.PackedWeight(fmt=fmt, n=n, k=k, blocks=torch.zeros(nt, 1, quant.BLOCK_BYTES[fmt], dtype=torch.uint8),
+                              scale=scale)
+
+
+def _full_width(w: quant.PackedWeight) -> quant.PackedWeight:
+    """A stand-in at its real width, as meta tensors (the shapes packing gives)."""
+    def meta(t: torch.Tensor | None, width: int) -> torch.Tensor | None:
+        return None if t is None else torch.empty(t.shape[0], width, t.shape[2], dtype=t.dtype, device="meta")
+    return replace(w, blocks=meta(w.blocks, w.k // quant.QK), scale=meta(w.scale, w.k // quant.QK // quant.SUPER),
+                   rest=tuple(_full_width(p) for p in w.rest))
+
+
+def _one_part(gguf: GGUFFile, cfg: ModelConfig, path: str) -> GGUFTensor | None:
+    """Layer `path`'s weight when it is one tensor of the file in blocks, stored in HF row order."""
+    names = part_names(gguf, cfg, path)
+    weight = gguf.weight(names[0], cfg) if len(names) == 1 else None
+    return weight if weight is not None and weight.type_name in GGUF_BLOCKS and not weight.heads else None
+
+
+def _pack_into(writer: packed_cache.Writer, slot: quant.PackedWeight, weight: GGUFTensor, kernels: Kernels | None,
+               progress: _Progress | None = None, chunk_rows: int = 4096) -> quant.PackedWeight:
+    """Pack `weight` into its `slot` of the cache's map `chunk_rows` rows at a time (whole tiles),
+    letting go of each run of the file's pages once packed: a 150k-row table costs no more memory
+    than its slot."""
+    for r0 in range(0, weight.shape[0], chunk_rows):
+        rows = weight.data[r0:r0 + chunk_rows]
+        writer.fill(slot, pack_gguf(weight.type_name, rows, kernels=kernels), r0 // quant.TILE)
+        _release(rows)
+        if progress is not None:
+            progress.step(rows.nbytes)
+    return slot
+
+
+def _file_bytes(gguf: GGUFFile, cfg: ModelConfig, path: str) -> int:
+    return sum(w.data.nbytes for n in part_names(gguf, cfg, path) if (w := gguf.weight(n, cfg)) is not None)
+
+
+def _release(data: np.ndarray) -> None:
+    """Let go of this process's pages of `data`, a view of a file's read-only map (the page cache
+    keeps them; a later read maps them again): packing reads each weight once."""
+    base = data
+    while isinstance(base, np.ndarray):
+        base = base.base
+    if not isinstance(base, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED"):
+        return                                                  # not a file's map: nothing to let go
+    page = mmap.PAGESIZE
+    offset = data.ctypes.data - np.frombuffer(base, dtype=np.uint8).ctypes.data
+    lo, hi = -(-offset // page) * page, (offset + data.nbytes) // page * page
+    if 0 <= lo < hi <= len(base):
+        base.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+
 class _Progress:
-    """A line on stderr while a first load packs for more than two seconds."""
+    """A line on stderr while a first load packs for more than two seconds: live on a terminal,
+    else one line at the end."""
 
     def __init__(self, total: int) -> None:
         self.total, self.count, self.started, self.shown = total, 0, time.perf_counter(), False
+        self.lock, self.last = threading.Lock(), 0.0
 
-    def step(self, path: str) -> None:
-        self.count += 1
-        if time.perf_counter() - self.started > 2 and sys.stderr.isatty() or self.shown:
-            self.shown = True
-            print(f"\rphasewise: packing the file's weights {self.count}/{self.total} ({path})\033[K",
-                  end="", file=sys.stderr, flush=True)
+    def step(self, nbytes: int) -> None:
+        """`nbytes` more of the file packed (from any thread)."""
+        with self.lock:
+            self.count += nbytes
+            now = time.perf_counter()
+            if (now - self.started > 2 and sys.stderr.isatty() or self.shown) and now - self.last > 0.1:
+                self.shown, self.last = True, now
+                print(f"\rphasewise: packing the file's weights {100 * self.count // max(self.total, 1)}% "
+                      f"({self.count / 1e9:.2f} of {self.total / 1e9:.2f} GB)\033[K", end="", file=sys.stderr,
+                      flush=True)
 
     def done(self) -> None:
         if self.shown or time.perf_counter() - self.started > 2:
             head, tail = ("\r", "\033[K") if self.shown else ("", "")
-            print(f"{head}phasewise: packed the file's weights in {time.perf_counter() - self.started:.1f} s{tail}",
-                  file=sys.stderr, flush=True)
+            print(f"{head}phasewise: packed the file's weights ({self.total / 1e9:.2f} GB) in "
+                  f"{time.perf_counter() - self.started:.1f} s{tail}", file=sys.stderr, flush=True)
 
 
 def packed_bytes(model: nn.Module, cfg: ModelConfig, gguf: GGUFFile) -> tuple[float, float]:
@@ -161,24 +284,29 @@ def _linears(model: nn.Module) -> list[tuple[str, Linear]]:
 
 
 def file_blocks(gguf: GGUFFile, cfg: ModelConfig, path: str, tp: TensorParallel | None = None,
-                kernels: Kernels | None = None) -> tuple[quant.PackedWeight, list[str]] | None:
+                kernels: Kernels | None = None, meta: bool = False) -> tuple[quant.PackedWeight, list[str]] | None:
     """The layer `path`'s weight from the file's own blocks and the checkpoint names of its parts
     (None when some part is not in a block format, or with `tp` when this rank's part does not cut
-    along whole blocks)."""
+    along whole blocks); `meta` (no tp): only its shapes, as meta tensors, nothing read."""
     names = part_names(gguf, cfg, path)
     parts = []
     for hf_name in names:
         weight = gguf.weight(hf_name, cfg)
         if weight is None or weight.type_name not in GGUF_BLOCKS:
             return None
+        if meta:
+            parts.append(_stand_in(weight.type_name, *weight.shape))
+            continue
         rows = shard_raw(hf_name, weight, cfg, tp)
         if rows is None:
             return None
         parts.append(pack_gguf(weight.type_name, rows, kernels=kernels))
+        _release(weight.data)
     try:
-        return (parts[0] if len(parts) == 1 else quant.concat(parts)), names
+        weight = parts[0] if len(parts) == 1 else quant.concat(parts)
     except ValueError:   # a part that does not fill whole tiles
         return None
+    return (_full_width(weight) if meta else weight), names
 
 
 def _to(w: quant.PackedWeight, device) -> quant.PackedWeight:
