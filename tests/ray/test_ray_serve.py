@@ -2,8 +2,8 @@
 with two replicas of the default model, through the openai SDK: the same greedy outputs as a plain
 `phasewise serve` at the same thread count, streamed and not; prompts sharing a prefix land on one replica;
 a replica killed mid-stream ends that stream with an error, new requests reach the other replica and Serve
-starts a new one. `make test-ray` installs Ray and runs these (make test leaves them out). Every wait has a
-deadline; a failed start prints what Serve logged."""
+starts a new one; /metrics reports each replica and their sums. `make test-ray` installs Ray and runs these
+(make test leaves them out). Every wait has a deadline; a failed start prints what Serve logged."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def reference(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """Two Ray nodes of 1 CPU, Serve's proxy on a free port, two engine replicas: the base URL."""
+    """Two Ray nodes of 1 CPU, Serve's proxy on a free port, two engine replicas: (base URL, cluster)."""
     from ray import serve
     from ray.cluster_utils import Cluster
 
@@ -64,26 +64,36 @@ def cluster(tmp_path_factory):
     c.add_node(num_cpus=1)
     ray.init(address=c.address, log_to_driver=False)
     port = free_port()
+    try:
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+        _deploy(c, build_app({"num-replicas": 2, "kv-cache-memory": 0.25}))
+        yield f"http://127.0.0.1:{port}", c
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        c.shutdown()
+
+
+def _deploy(c, app) -> None:
+    """`app` as the application (replacing the one there), within DEPLOY_TIMEOUT."""
+    from ray import serve
+
+    from phasewise.deploy.ray import APP_NAME
+
     failure: list[BaseException] = []
 
     def deploy() -> None:
         try:
-            serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-            serve.run(build_app({"num-replicas": 2, "kv-cache-memory": 0.25}), name=APP_NAME, route_prefix="/")
+            serve.delete(APP_NAME)
+            serve.run(app, name=APP_NAME, route_prefix="/")
         except BaseException as e:                 # noqa: BLE001 (reported below)
             failure.append(e)
 
     started = threading.Thread(target=deploy, daemon=True)
     started.start()
     started.join(DEPLOY_TIMEOUT)
-    try:
-        if started.is_alive() or failure:
-            pytest.fail(f"Serve did not deploy within {DEPLOY_TIMEOUT:.0f} s: {failure[:1]}\n{_logs(c)}")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        c.shutdown()
+    if started.is_alive() or failure:
+        pytest.fail(f"Serve did not deploy within {DEPLOY_TIMEOUT:.0f} s: {failure[:1]}\n{_logs(c)}")
 
 
 def _client(url: str) -> openai.OpenAI:
@@ -102,7 +112,7 @@ def _logs(c) -> str:
 
 
 def test_replicas_answer_as_plain_serve_streamed_and_not(reference, cluster):
-    client = _client(cluster)
+    client = _client(cluster[0])
     for q in QUESTIONS:
         whole = client.chat.completions.create(model=MODEL, messages=_chat(q), max_tokens=24, temperature=0)
         assert whole.choices[0].message.content == reference[q]
@@ -112,7 +122,7 @@ def test_replicas_answer_as_plain_serve_streamed_and_not(reference, cluster):
 
 
 def test_prompts_sharing_a_prefix_land_on_one_replica(cluster):
-    client = _client(cluster)
+    client = _client(cluster[0])
     served: dict[int, set[str]] = {0: set(), 1: set()}
     for question in QUESTIONS * 2:
         for i, system in enumerate(SYSTEMS):
@@ -123,10 +133,31 @@ def test_prompts_sharing_a_prefix_land_on_one_replica(cluster):
     assert all(len(replicas) == 1 for replicas in served.values()), served
 
 
+def test_metrics_are_each_replicas_and_their_sums(cluster):
+    import re
+
+    import httpx
+
+    client, served = _client(cluster[0]), set()
+    for i in range(40):                              # until both replicas have served a request
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=_chat("Hi.", f"Metrics probe {i}, a prefix of its own. " * 3), max_tokens=1)
+        served.add(raw.headers["x-phasewise-replica"])
+        if len(served) == 2:
+            break
+    text = httpx.get(f"{cluster[0]}/metrics", timeout=30).text
+    prompt_tokens = r'^phasewise:prompt_tokens_total\{(replica="([^"]+)",)?model_name="[^"]+"\} (\S+)$'
+    rows = [(m.group(2), float(m.group(3))) for m in re.finditer(prompt_tokens, text, re.M)]
+    per_replica = {replica: value for replica, value in rows if replica}
+    total = [value for replica, value in rows if not replica]
+    assert len(per_replica) == 2 and all(v > 0 for v in per_replica.values()), text[-3000:]
+    assert total == [sum(per_replica.values())], rows
+
+
 def test_a_replica_killed_mid_stream_ends_its_stream_and_the_others_serve(cluster):
     from ray import serve
 
-    client = _client(cluster)
+    client = _client(cluster[0])
     raw = client.chat.completions.with_raw_response.create(
         model=MODEL, messages=_chat("Tell me a very long story about a lighthouse."), max_tokens=2000,
         temperature=0, stream=True, extra_body={"ignore_eos": True})
@@ -193,6 +224,11 @@ def test_build_app_takes_serves_flags_with_serves_defaults():
         app_options({"no-such-flag": 1})
     with pytest.raises(ValueError, match="--num-replicas is a fixed count"):
         app_options({"num-replicas": 2, "min-replicas": 1, "max-replicas": 3})
+    with pytest.raises(ValueError, match="--prefill-decode runs one pair"):
+        app_options({"prefill-decode": True, "num-replicas": 2})
+    with pytest.raises(ValueError, match="tensor-parallel replicas on CPUs only"):
+        app_options({"tensor-parallel-size": 2, "device": "cuda"})
+    assert app_options({"tensor-parallel-size": 2, "placement-strategy": "SPREAD"}).placement_strategy == "SPREAD"
 
 
 def test_serve_ray_without_ray_says_how_to_install_it():
@@ -200,3 +236,88 @@ def test_serve_ray_without_ray_says_how_to_install_it():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert "pip install 'phasewise[ray]'" in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory, default_model_path):
+    """A tiny random Qwen2 (4 query heads, 1 KV head) with the default model's tokenizer: a model that
+    splits over 2 ranks (the default model's 9 query heads do not)."""
+    from model_builders import build_hf, hf_config
+
+    from phasewise.tokenizer import Tokenizer
+
+    path = tmp_path_factory.mktemp("tiny-tp")
+    tokenizer = Tokenizer.from_gguf(default_model_path)
+    hf = build_hf(hf_config("qwen2", vocab_size=len(tokenizer.hf), num_key_value_heads=1, max_position_embeddings=256))
+    hf.save_pretrained(path, safe_serialization=True)
+    tokenizer.hf.save_pretrained(path)
+    return path
+
+
+def test_a_tensor_parallel_replica_across_the_two_nodes_answers_as_one_process(cluster, tiny_folder, tmp_path):
+    """Late (it replaces the application): one replica of 2 ranks, one on each node (STRICT_SPREAD), at fp32
+    gives one `phasewise serve` process's greedy tokens; a rank killed fails the replica's health check and
+    Serve's new replica (new ranks) answers the same."""
+    from ray import serve
+
+    from phasewise.deploy.ray import APP_NAME, build_app
+
+    url, c = cluster
+    fp32 = {"model": str(tiny_folder), "served-model-name": "tiny", "dtype": "fp32", "kv-dtype": "model",
+            "kv-cache-memory": 0.05}
+    prompts = ["Once upon a time", "The capital of France is"]
+
+    def answers(client: openai.OpenAI) -> list[list[str]]:
+        out = []
+        for p in prompts:
+            r = client.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0, logprobs=1,
+                                          extra_body={"ignore_eos": True})
+            out.append(r.choices[0].logprobs.tokens)
+        return out
+
+    server = start_server(tmp_path, *[a for k, v in fp32.items() for a in (f"--{k}", str(v))], "--threads", "1")
+    try:
+        reference = answers(server.client())
+    finally:
+        stop_server(server)
+    _deploy(c, build_app({**fp32, "tensor-parallel-size": 2, "num-cpus-per-replica": 2,
+                          "placement-strategy": "STRICT_SPREAD"}))
+    nodes = serve.get_deployment_handle("EngineReplica", APP_NAME).rank_nodes.remote().result(timeout_s=60)
+    assert len(set(nodes)) == 2, nodes
+    client = _client(url)
+    assert answers(client) == reference
+
+    replica = client.models.with_raw_response.list().headers["x-phasewise-replica"]
+    ray.kill(ray.get_actor(f"{replica}#rank1", namespace="serve"))       # rank 1 lost: the replica is replaced
+    deadline, now = time.monotonic() + 120, replica
+    while now == replica and time.monotonic() < deadline:
+        time.sleep(1)
+        try:
+            now = client.models.with_raw_response.list().headers["x-phasewise-replica"]
+        except openai.APIError:
+            pass
+    assert now != replica, "Serve did not replace the replica that lost a rank within 120 s"
+    assert answers(client) == reference
+
+
+def test_a_prefill_decode_pair_across_the_two_nodes_answers_as_one_instance(reference, cluster):
+    """Last too: `--prefill-decode`, the prefill replica on one node and the decode replica on the other (1 CPU
+    each), the prompt's KV blocks crossing over the pair's KV link: the plain server's greedy answers,
+    streamed and not, the decode side's prompt tokens mostly from the transferred blocks."""
+    from ray import serve
+
+    from phasewise.deploy.ray import APP_NAME, build_app
+
+    url, c = cluster
+    _deploy(c, build_app({"prefill-decode": True, "kv-cache-memory": 0.25}))
+    nodes = [serve.get_deployment_handle(d, APP_NAME).rank_nodes.remote().result(timeout_s=60)[0]
+             for d in ("PrefillReplica", "DecodeReplica")]
+    assert nodes[0] != nodes[1], nodes
+    client = _client(url)
+    for q in QUESTIONS:
+        whole = client.chat.completions.create(model=MODEL, messages=_chat(q), max_tokens=24, temperature=0)
+        assert whole.choices[0].message.content == reference[q]
+        assert whole.usage.prompt_tokens_details.cached_tokens >= 16, whole.usage
+        stream = client.chat.completions.create(model=MODEL, messages=_chat(q), max_tokens=24, temperature=0,
+                                                stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == reference[q]

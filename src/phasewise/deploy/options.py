@@ -10,6 +10,7 @@ from typing import Any
 from phasewise.engine_args import add_engine_args, positive_int, resolve_weights
 
 RAY_EXTRA = "pip install 'phasewise[ray]'"
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
 def add_ray_args(p: argparse.ArgumentParser) -> None:
@@ -24,7 +25,14 @@ def add_ray_args(p: argparse.ArgumentParser) -> None:
                    help="autoscale between --min-replicas and --max-replicas on ongoing requests per replica")
     g.add_argument("--max-replicas", type=positive_int, default=None)
     g.add_argument("--num-cpus-per-replica", type=positive_int, default=1,
-                   help="CPUs Ray reserves for each replica; the replica's kernel threads are this many")
+                   help="CPUs Ray reserves for each replica; the replica's kernel threads are this many (a "
+                        "tensor-parallel replica's ranks share them evenly, at least one each)")
+    g.add_argument("--placement-strategy", default="PACK", choices=PLACEMENT_STRATEGIES,
+                   help="where a tensor-parallel replica's ranks go (Ray's placement group strategies: PACK "
+                        "puts them in one node when they fit, SPREAD and STRICT_SPREAD across nodes)")
+    g.add_argument("--prefill-decode", action="store_true",
+                   help="a prefill/decode pair instead of whole replicas: a prefill deployment and a decode deployment "
+                        "(one replica each) joined by a KV link, the relay sending each request to one then the other")
     g.add_argument("--prefix-margin", type=int, default=4,
                    help="a request goes to the replica holding its prompt's prefix unless that replica's queue is "
                         "longer than the shortest by more than this many requests")
@@ -68,15 +76,23 @@ def check_ray_options(options: argparse.Namespace) -> None:
     """What a Ray deployment cannot take yet, and replica counts that disagree: ValueError."""
     if getattr(options, "role", None) or getattr(options, "trace", None):
         raise ValueError("--ray serves whole replicas: --role and --trace are one process's")
-    if options.tensor_parallel_size > 1:
-        raise ValueError("--ray runs one rank per replica (tensor-parallel replicas are not implemented yet)")
+    if options.tensor_parallel_size > 1 and options.device != "cpu":
+        raise ValueError("--ray runs tensor-parallel replicas on CPUs only (no GPU bundles yet)")
     auto = options.min_replicas is not None or options.max_replicas is not None
+    if options.prefill_decode and (auto or (options.num_replicas or 1) > 1 or options.tensor_parallel_size > 1):
+        raise ValueError("--prefill-decode runs one pair of single-rank replicas (no --num-replicas above 1, "
+                         "autoscaling or --tensor-parallel-size yet)")
     if auto and options.num_replicas is not None:
         raise ValueError("--num-replicas is a fixed count: drop it, or --min-replicas and --max-replicas")
     if auto and not (options.min_replicas and options.max_replicas and options.min_replicas <= options.max_replicas):
         raise ValueError("autoscaling needs --min-replicas A --max-replicas B with A <= B")
     if options.prefix_margin < 0:
         raise ValueError(f"--prefix-margin must be at least 0, got {options.prefix_margin}")
+
+
+def replica_cpus(options: argparse.Namespace) -> int:
+    """The CPUs of one rank of a replica: --num-cpus-per-replica shared by its ranks, at least one each."""
+    return max(1, options.num_cpus_per_replica // options.tensor_parallel_size)
 
 
 class _RaisingParser(argparse.ArgumentParser):

@@ -11,7 +11,8 @@ that evicted a prefix still attracts it, which costs one recompute there, never 
 
 Rule: the replica that holds the longest run of the request's blocks (at least one) gets it, unless its
 queue is longer than the shortest queue among the others by more than `margin` requests; then, as for a
-request that matches nowhere, the least loaded replica does.
+request that matches nowhere, the least loaded replica does. A request that names replicas to `skip` (the
+relay's visit of every replica for /metrics) goes to one not named, while there is one.
 
 Ray's own PrefixCacheAffinityRouter (ray.serve.llm) runs without vLLM, but it keeps its tree in a detached
 actor reached by blocking `ray.get` calls from the router's event loop, matches characters with a 10% match
@@ -94,6 +95,10 @@ class PrefixAffinityRouter(RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        skip = getattr(pending_request.args[0], "skip", None) if pending_request and pending_request.args else None
+        if skip is not None:                             # a visit of every replica: one not visited yet
+            fresh = [r for r in candidate_replicas if r.replica_id.to_full_id_str() not in skip]
+            return [fresh or candidate_replicas]
         everyone = random.sample(candidate_replicas, len(candidate_replicas))   # ties among idle replicas: any
         depth = self._matched_depth(_hashes(pending_request), {r.replica_id for r in candidate_replicas})
         if not depth:

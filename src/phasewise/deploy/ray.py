@@ -4,66 +4,65 @@ files (`import_path: phasewise.deploy.ray:build_app`, `args` as serve's flags).
 Two deployments. `EngineReplica` (one per replica, `num_cpus` each, its kernel threads that many) builds one
 engine and the FastAPI app of `phasewise serve` (`server.create_app`), and runs that app on the HTTP
 requests handed to it: the whole OpenAI surface, no second implementation. `Ingress` is the application's
-HTTP ingress behind Serve's proxy (`@serve.ingress`, its ASGI app built on the replica): a relay that reads
-each request's body, hashes its prompt's blocks and calls an engine replica through a streaming
-DeploymentHandle whose router is `PrefixAffinityRouter`. The relay exists because Serve's proxy routes
-before it reads a body: a router behind the proxy sees only the URL and headers, not the prompt.
+HTTP ingress behind Serve's proxy (`@serve.ingress`, its ASGI app built on the replica): `relay.py`'s relay,
+which reads each request's body, hashes its prompt's blocks and calls an engine replica through a streaming
+DeploymentHandle whose router is `PrefixAffinityRouter` (Serve's proxy routes before it reads a body: a
+router behind it would see no prompt); it also answers /metrics for all replicas.
 
-A replica that dies mid-stream ends its streams with an error event (`data: {"error": ...}`, then
-`[DONE]`): the relay sees the handle fail, and the client sees an error, not a hang; Serve routes new
-requests to the live replicas and starts a new one. Tensor-parallel replicas (a placement group of ranks
-per replica) and prefill/decode pairs are not here yet: `EngineReplica` is where a replica would gain ranks,
-through `placement_group_bundles` in `_engine_deployment`.
+A tensor-parallel replica (`--tensor-parallel-size N`) is a placement group of N bundles
+(`--placement-strategy`): the replica is rank 0 in bundle 0, its other ranks Ray actors in the others
+(`tp_ranks.py`). With `--prefill-decode` the engine replicas are two deployments, `PrefillReplica` and
+`DecodeReplica`, one replica each: the decode replica asks the prefill one for its KV link's rendezvous
+(`kv_peer`) and joins it (torch.distributed, as `serve --role prefill|decode`), and the relay sends each
+request to one, then the other (as `serve --role proxy` does over HTTP).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import re
 import signal
 import sys
 import threading
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator
 
+import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.deployment import Application
 from ray.serve.handle import DeploymentHandle
 
-from phasewise.deploy.options import app_options, check_ray_options
-from phasewise.deploy.prefix_router import PrefixAffinityRouter, prompt_block_hashes
+from phasewise.deploy.options import app_options, check_ray_options, replica_cpus
+from phasewise.deploy.prefix_router import PrefixAffinityRouter
+from phasewise.deploy.relay import REPLICA_HEADER, Relay, RelayedRequest
+from phasewise.deploy.tp_ranks import rendezvous_address, start_replica_ranks
 
 APP_NAME = "phasewise"
-REPLICA_HEADER = "x-phasewise-replica"       # which replica served a response: its Serve replica id
 TARGET_ONGOING_REQUESTS = 8                  # autoscaling's target of ongoing requests per replica
-SCOPE_KEYS = ("type", "asgi", "http_version", "method", "scheme", "path", "raw_path", "query_string", "headers",
-              "client", "server")
 log = logging.getLogger("ray.serve")
 
 Message = dict[str, Any]
-
-
-@dataclass(frozen=True)
-class RelayedRequest:
-    """One HTTP request, from the ingress to an engine replica: the ASGI scope's plain fields, the whole body,
-    and the prompt's block hashes (the router's key)."""
-    scope: dict[str, Any]
-    body: bytes
-    block_hashes: tuple[bytes, ...]
 
 
 class EngineReplica:
     """One phasewise engine and its FastAPI app; `handle` runs the app on one relayed request and yields
     the ASGI messages it sends, a batch at a time."""
 
-    async def __init__(self, options: argparse.Namespace) -> None:
+    async def __init__(self, options: argparse.Namespace, role: str | None = None,
+                       prefill: DeploymentHandle | None = None) -> None:
+        """`role`: "prefill" (this replica's KV link waits at a free port of its node) or "decode" (it joins
+        the link of the `prefill` deployment's replica); None: a whole engine."""
         self._replica = serve.get_replica_context().replica_id.to_full_id_str()
-        self._engine, self._app = await asyncio.to_thread(build_server, options)
+        size, cpus = options.tensor_parallel_size, replica_cpus(options)
+        self._ranks = (start_replica_ranks(self._replica, size, cpus, options.threads or cpus, options.device)
+                       if size > 1 else None)
+        self._kv_peer = rendezvous_address() if role == "prefill" else None
+        if role == "decode" and prefill is not None:
+            self._kv_peer = await prefill.kv_peer.remote()
+        self._engine, self._app = await asyncio.to_thread(build_server, options, role, self._kv_peer)
 
     async def handle(self, request: RelayedRequest) -> AsyncIterator[list[Message]]:
         out: asyncio.Queue[Message | None] = asyncio.Queue()
@@ -102,16 +101,29 @@ class EngineReplica:
     def check_health(self) -> None:
         if not self._engine.is_alive:
             raise RuntimeError("the engine thread stopped")
+        if self._ranks is not None and self._ranks.ended():
+            raise RuntimeError("a tensor-parallel rank stopped")
+
+    def kv_peer(self) -> str | None:
+        """The rendezvous of this replica's KV link (tcp://host:port), if it is one side of a pair."""
+        return self._kv_peer
+
+    def rank_nodes(self) -> list[str]:
+        """The Ray node of each rank, rank 0 (this replica) first."""
+        return [ray.get_runtime_context().get_node_id(), *(self._ranks.node_ids() if self._ranks else ())]
 
     def __del__(self) -> None:
         engine = getattr(self, "_engine", None)
         if engine is not None:
             engine.shutdown()
+        ranks = getattr(self, "_ranks", None)
+        if ranks is not None:
+            ranks.stop()
 
 
-def build_server(options: argparse.Namespace):
+def build_server(options: argparse.Namespace, kv_role: str | None = None, kv_peer: str | None = None):
     """The engine and app `phasewise serve` builds (cli.cmd_serve), for one replica: (AsyncEngine, FastAPI).
-    Kernel threads: --threads, else the replica's CPUs."""
+    Kernel threads: --threads, else the replica's CPUs (a rank's, when it has several)."""
     from phasewise.config import CacheConfig, EngineConfig, SchedulerConfig
     from phasewise.engine_args import speculative_config_from_args
     from phasewise.llm_engine import LLMEngine
@@ -123,7 +135,8 @@ def build_server(options: argparse.Namespace):
         cache=CacheConfig(block_size=o.block_size, kv_cache_memory_gib=o.kv_cache_memory, kv_dtype=o.kv_dtype),
         scheduler=SchedulerConfig(o.max_num_batched_tokens, o.max_num_seqs, o.max_model_len),
         speculative=speculative_config_from_args(o), packed_cache=o.packed_cache,
-        threads=o.threads or o.num_cpus_per_replica)
+        tensor_parallel_size=o.tensor_parallel_size, kv_role=kv_role, kv_peer=kv_peer,
+        threads=o.threads or replica_cpus(o))
 
     def build() -> LLMEngine:                    # on the engine thread, which then owns the OpenMP pool
         engine = LLMEngine(config)
@@ -137,59 +150,32 @@ def build_server(options: argparse.Namespace):
     aliases = tuple(a for a in (o.model, str(path)) if a)
     app = create_app(async_engine, ServerConfig(served_model_name=name, model_aliases=aliases, api_key=o.api_key,
                                                 max_waiting=o.max_waiting, max_body_bytes=o.max_body_bytes,
-                                                model_root=str(path)))
+                                                model_root=str(path), role=kv_role))
     return async_engine, app
-
-
-class Relay:
-    """The ingress's ASGI app: each HTTP request to an engine replica, its response back as it comes."""
-
-    def __init__(self, engine: DeploymentHandle) -> None:
-        self._engine = engine.options(stream=True)
-
-    async def __call__(self, scope: Message, receive: Callable[[], Awaitable[Message]],
-                       send: Callable[[Message], Awaitable[None]]) -> None:
-        if scope["type"] == "lifespan":
-            await _lifespan(receive, send)
-            return
-        if scope["type"] != "http":
-            return
-        body = await _read_body(receive)
-        request = RelayedRequest({k: scope[k] for k in SCOPE_KEYS if k in scope}, body, prompt_block_hashes(_json(body)))
-        started = event_stream = False
-        try:
-            async for messages in self._engine.handle.remote(request):
-                for m in messages:
-                    if m["type"] == "http.response.start":
-                        started = True
-                        event_stream = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
-                                           for k, v in m.get("headers", ()))
-                    await send(m)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:               # the replica died or failed: an error the client sees, never a hang
-            await _send_failure(send, f"the replica serving this request failed ({type(e).__name__})", started,
-                                event_stream)
 
 
 @serve.ingress()
 class Ingress:
-    """The HTTP ingress: `Relay` over a handle to the engine replicas."""
+    """The HTTP ingress: `Relay` over handles to the engine replicas (and to the prefill replicas)."""
 
-    def __init__(self, engine: DeploymentHandle) -> None:
-        self._engine = engine
+    def __init__(self, engine: DeploymentHandle, prefill: DeploymentHandle | None = None) -> None:
+        self._engine, self._prefill = engine, prefill
 
     def __serve_build_asgi_app__(self) -> Relay:
-        return Relay(self._engine)
+        return Relay(self._engine, self._prefill)
 
 
-def application(options: argparse.Namespace) -> Application:
-    """The Serve application of these options: the ingress bound to the engine replicas."""
+def application(options: argparse.Namespace, request_router: type | str = PrefixAffinityRouter) -> Application:
+    """The Serve application of these options: the ingress bound to the engine replicas, routed by
+    `request_router` (another is for comparisons: benchmarks/ray_serve.py)."""
     check_ray_options(options)
     options = argparse.Namespace(**{k: v for k, v in vars(options).items() if k != "func"})   # the CLI's command
-    engine = _engine_deployment(options).bind(options)
-    return serve.deployment(Ingress, name="Ingress", ray_actor_options={"num_cpus": 0},
-                            max_ongoing_requests=4096).bind(engine)
+    ingress = serve.deployment(Ingress, name="Ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
+    if options.prefill_decode:           # a prefill deployment and a decode one, their replicas paired by KV link
+        prefill = _engine_deployment(options, request_router, "PrefillReplica").bind(options, "prefill")
+        return ingress.bind(_engine_deployment(options, request_router, "DecodeReplica").bind(options, "decode",
+                                                                                              prefill), prefill)
+    return ingress.bind(_engine_deployment(options, request_router).bind(options))
 
 
 def build_app(args: dict[str, Any]) -> Application:
@@ -197,26 +183,32 @@ def build_app(args: dict[str, Any]) -> Application:
     return application(app_options(args))
 
 
-def _engine_deployment(o: argparse.Namespace):
+def _engine_deployment(o: argparse.Namespace, request_router: type | str, name: str = "EngineReplica"):
     if o.min_replicas is not None:
-        scaling: dict[str, Any] = {"autoscaling_config": {"min_replicas": o.min_replicas, "max_replicas": o.max_replicas,
-                                                          "target_ongoing_requests": TARGET_ONGOING_REQUESTS}}
+        scaling: dict[str, Any] = {"autoscaling_config": {
+            "min_replicas": o.min_replicas, "max_replicas": o.max_replicas,
+            "target_ongoing_requests": TARGET_ONGOING_REQUESTS}}
     else:
         scaling = {"num_replicas": o.num_replicas or 1}
+    cpus = replica_cpus(o)
+    if o.tensor_parallel_size > 1:
+        scaling.update(placement_group_bundles=[{"CPU": cpus}] * o.tensor_parallel_size,
+                       placement_group_strategy=o.placement_strategy)
     return serve.deployment(
-        EngineReplica, name="EngineReplica", ray_actor_options={"num_cpus": o.num_cpus_per_replica},
+        EngineReplica, name=name, ray_actor_options={"num_cpus": cpus},
         max_ongoing_requests=2 * o.max_num_seqs, health_check_period_s=5, graceful_shutdown_timeout_s=5,
-        request_router_config=RequestRouterConfig(request_router_class=PrefixAffinityRouter,
-                                                  request_router_kwargs={"margin": o.prefix_margin}),
+        request_router_config=RequestRouterConfig(
+            request_router_class=request_router,
+            request_router_kwargs={"margin": o.prefix_margin} if request_router is PrefixAffinityRouter else {}),
         **scaling)
 
 
 def run(options: argparse.Namespace) -> int:
     """`phasewise serve --ray`: start (or join) Ray, deploy, serve until Ctrl-C or SIGTERM, then tear down."""
-    import ray
-
     app = application(options)
-    ray.init(address=options.ray_address, include_dashboard=False, log_to_driver=True)
+    # "local": a Ray of its own, never whatever local cluster /tmp/ray/ray_current_cluster names (a stale
+    # one, from a run that did not stop cleanly, would hang ray.init)
+    ray.init(address=options.ray_address or "local", include_dashboard=False, log_to_driver=True)
     try:
         serve.start(proxy_location="HeadOnly", http_options={"host": options.host, "port": options.port})
         try:
@@ -237,50 +229,6 @@ def run(options: argparse.Namespace) -> int:
         return 0
     finally:              # a Ray started here stops with its driver, Serve's actors with it (a Ctrl-C in a
         ray.shutdown()    # terminal has already signalled its processes: nothing here waits on them)
-
-
-async def _lifespan(receive: Callable[[], Awaitable[Message]], send: Callable[[Message], Awaitable[None]]) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif message["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return
-
-
-async def _read_body(receive: Callable[[], Awaitable[Message]]) -> bytes:
-    chunks = []
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            break
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body"):
-            break
-    return b"".join(chunks)
-
-
-def _json(body: bytes) -> Any:
-    try:
-        return json.loads(body) if body else None
-    except ValueError:
-        return None
-
-
-async def _send_failure(send: Callable[[Message], Awaitable[None]], message: str, started: bool,
-                        event_stream: bool) -> None:
-    from phasewise.server.protocol import error_body
-
-    error = json.dumps(error_body(message, "server_error", code="replica_failed")).encode()
-    if not started:
-        await send({"type": "http.response.start", "status": 503,
-                    "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1")]})
-        await send({"type": "http.response.body", "body": error})
-    elif event_stream:
-        await send({"type": "http.response.body", "body": b"data: " + error + b"\n\ndata: [DONE]\n\n"})
-    else:                                    # a JSON body cut short: the client's parser fails on it
-        await send({"type": "http.response.body", "body": b""})
 
 
 def _log_failure(task: asyncio.Task) -> None:

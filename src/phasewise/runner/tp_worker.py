@@ -2,13 +2,15 @@
 the KV cache and run whatever step rank 0's runner broadcasts (vLLM's driver and workers).
 
 Started by `torchrun` (ranks on one machine or several), every process runs the same command:
-rank 0 builds the engine, the others call `serve_launched_rank` instead (cli.py). Otherwise, on one
-machine, `TPWorkers` starts ranks 1..N-1 as fresh interpreters running this module (never
-`fork` after OpenMP started, and unlike multiprocessing's spawn, without re-importing the
-caller's script) and rank 0 joins the group with them over loopback; each rank gets its share
-of the cores as torch threads. Rank 0 then sends the setup every rank needs to build the same
-cache (`Setup`), and afterwards one message per forward pass or logits request; a "stop"
-message, or the group failing (a rank died: collectives time out or break), ends a worker.
+rank 0 builds the engine, the others call `serve_launched_rank` instead (cli.py); a Ray Serve replica
+(deploy/tp_ranks.py) gives its rank 0 the same environment and runs `run_rank` in Ray actors placed in
+its placement group's other bundles. Otherwise, on one machine, `TPWorkers` starts ranks 1..N-1
+as fresh interpreters running this module (never `fork` after OpenMP started, and unlike
+multiprocessing's spawn, without re-importing the caller's script) and rank 0 joins the group with
+them over loopback; each rank gets its share of the cores as torch threads. Rank 0 then sends the
+setup every rank needs to build the same cache (`Setup`), and afterwards one message per forward
+pass or logits request; a "stop" message, or the group failing (a rank died: collectives time out
+or break), ends a worker.
 """
 
 from __future__ import annotations
@@ -122,7 +124,9 @@ def start_ranks(size: int, device: str) -> TensorParallelRanks | None:
     return TensorParallelRanks(init_tensor_parallel(0, size, workers.init_method, device), workers)
 
 
-def _worker_main(rank: int, size: int, init_method: str, threads: int, device: str = "cpu") -> None:
+def run_rank(rank: int, size: int, init_method: str, threads: int, device: str = "cpu") -> None:
+    """Rank `rank` of `size`: join the group at `init_method`, load this rank's part as rank 0's setup says,
+    run steps until rank 0 stops (a spawned worker, a torchrun rank, a Ray actor of deploy/tp_ranks.py)."""
     torch.set_num_threads(threads)
     device = rank_device(device)
     if device.startswith("cuda"):
@@ -150,7 +154,7 @@ def serve_launched_rank(size: int, device: str = "cpu") -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != size:
         raise ValueError(f"torchrun started {world} processes but --tensor-parallel-size is {size}")
-    _worker_main(rank, size, "env://", torch.get_num_threads(), device)
+    run_rank(rank, size, "env://", torch.get_num_threads(), device)
 
 
 @torch.inference_mode()
@@ -176,4 +180,4 @@ if __name__ == "__main__":
     ap.add_argument("threads", type=int)
     ap.add_argument("device", nargs="?", default="cpu")
     a = ap.parse_args()
-    _worker_main(a.rank, a.size, a.init_method, a.threads, a.device)
+    run_rank(a.rank, a.size, a.init_method, a.threads, a.device)

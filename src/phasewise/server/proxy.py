@@ -62,18 +62,12 @@ def create_proxy(prefill: str, decode: str) -> FastAPI:
         if not isinstance(body, dict):
             return JSONResponse(error_body("the body must be a JSON object"), status_code=400)
         headers = passed(request)
-        prompt = body.get("prompt")
-        one_prompt = path.endswith("chat/completions") or not (
-            isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) and len(prompt) > 1)
+        first, body = pair_bodies(path, body)
         try:
-            if one_prompt:
-                tag = {"transfer_id": uuid.uuid4().hex}
-                first = {k: v for k, v in body.items() if k not in ("stream_options", "max_completion_tokens")}
-                first.update(max_tokens=1, min_tokens=0, stream=False, n=1, kv_transfer_params=tag)
+            if first is not None:
                 r = await client.post(prefill + path, json=first, headers=headers)
                 if r.status_code != 200:
                     return relay(r)
-                body = {**body, "kv_transfer_params": tag}
             if not body.get("stream"):
                 return relay(await client.post(decode + path, json=body, headers=headers))
             r = await client.send(client.build_request("POST", decode + path, json=body, headers=headers), stream=True)
@@ -96,6 +90,21 @@ def create_proxy(prefill: str, decode: str) -> FastAPI:
         await client.aclose()
 
     return app
+
+
+def pair_bodies(path: str, body: dict) -> tuple[dict | None, dict]:
+    """A completion or chat request as the pair takes it: (the prefill instance's one-token, unstreamed
+    request, tagged with a fresh transfer id, or None when the decode instance computes it all: a list of
+    completion prompts; the decode instance's request, the client's with the same tag). The proxy's and
+    `serve --ray --prefill-decode`'s relay's (deploy/relay.py)."""
+    prompt = body.get("prompt")
+    if not path.endswith("chat/completions") and (
+            isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) and len(prompt) > 1):
+        return None, body
+    tag = {"transfer_id": uuid.uuid4().hex}
+    first = {k: v for k, v in body.items() if k not in ("stream_options", "max_completion_tokens")}
+    first.update(max_tokens=1, min_tokens=0, stream=False, n=1, kv_transfer_params=tag)
+    return first, {**body, "kv_transfer_params": tag}
 
 
 async def _relay_stream(r: httpx.Response) -> AsyncIterator[bytes]:

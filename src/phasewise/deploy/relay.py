@@ -1,0 +1,205 @@
+"""The ingress's ASGI app (`Relay`): each HTTP request to an engine replica through a streaming
+DeploymentHandle, its response back as it comes.
+
+It reads the whole body first (Serve's proxy routes before reading one, so a router behind the proxy would
+see no prompt), hashes the prompt's blocks for `PrefixAffinityRouter`, and relays the replica's ASGI
+messages. A replica that dies mid-stream ends its streams with an error event (`data: {"error": ...}`,
+then `[DONE]`); a request whose replica died before answering anything is sent again (up to `RETRIES`
+times), Serve having forgotten that replica. GET /metrics visits every replica in turn (the router picks one
+not yet asked) and answers with their texts labelled by replica and their sums (`replica_metrics.py`).
+
+With a prefill deployment (`--prefill-decode`), a completion or chat request goes first to a prefill replica
+as the disaggregation proxy sends it (`server.proxy.pair_bodies`: one token, unstreamed, tagged with a
+transfer id), then, once its KV blocks are on their way over the pair's KV link, to a decode replica
+with the same tag; an error from the prefill replica is the answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+from ray.exceptions import RayActorError
+from ray.serve.handle import DeploymentHandle
+
+from phasewise.deploy.prefix_router import prompt_block_hashes
+from phasewise.deploy.replica_metrics import merge_metrics
+
+REPLICA_HEADER = "x-phasewise-replica"       # which replica served a response: its Serve replica id
+RETRIES = 2                                  # a request whose replica died before it answered: sent again
+MAX_REPLICAS = 256                           # /metrics asks at most this many replicas
+METRICS_TIMEOUT_S = 10.0                     # ... each within this
+PAIR_PATHS = ("/v1/completions", "/v1/chat/completions")
+SCOPE_KEYS = ("type", "asgi", "http_version", "method", "scheme", "path", "raw_path", "query_string", "headers",
+              "client", "server")
+log = logging.getLogger("ray.serve")
+
+Message = dict[str, Any]
+Send = Callable[[Message], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class RelayedRequest:
+    """One HTTP request, from the ingress to an engine replica: the ASGI scope's plain fields, the whole body,
+    and the prompt's block hashes (the router's key). `skip` (a visit of every replica, as /metrics makes):
+    the router picks a replica not in it while there is one."""
+    scope: dict[str, Any]
+    body: bytes
+    block_hashes: tuple[bytes, ...]
+    skip: frozenset[str] | None = None
+
+
+class Relay:
+    """See the module's docstring. `prefill`: the prefill replicas of a disaggregated deployment, whose
+    `engine` replicas are then its decode replicas."""
+
+    def __init__(self, engine: DeploymentHandle, prefill: DeploymentHandle | None = None) -> None:
+        self._engine = engine.options(stream=True)
+        self._prefill = prefill.options(stream=True) if prefill is not None else None
+
+    async def __call__(self, scope: Message, receive: Callable[[], Awaitable[Message]], send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        body = await _read_body(receive)
+        fields = {k: scope[k] for k in SCOPE_KEYS if k in scope}
+        if scope["method"] == "GET" and scope["path"] == "/metrics":
+            await self._metrics(fields, send)
+            return
+        parsed = _json(body)
+        hashes = prompt_block_hashes(parsed)
+        if self._prefill is not None and scope["method"] == "POST" and scope["path"] in PAIR_PATHS \
+                and isinstance(parsed, dict):
+            from phasewise.server.proxy import pair_bodies
+
+            first, second = pair_bodies(scope["path"], parsed)
+            if first is not None:
+                prefill = json.dumps(first).encode()
+                try:
+                    _, status, answer = await self._collect(
+                        self._prefill, RelayedRequest(_with_length(fields, len(prefill)), prefill, hashes))
+                except Exception as e:          # noqa: BLE001 (the client gets an error, never a hang)
+                    await _send_failure(send, f"the prefill replica failed ({type(e).__name__})", False, False)
+                    return
+                if status != 200:
+                    await send({"type": "http.response.start", "status": status,
+                                "headers": [(b"content-type", b"application/json")]})
+                    await send({"type": "http.response.body", "body": answer})
+                    return
+                body = json.dumps(second).encode()
+                fields = _with_length(fields, len(body))
+        await self._relay(RelayedRequest(fields, body, hashes), send)
+
+    async def _relay(self, request: RelayedRequest, send: Send) -> None:
+        started = event_stream = False
+        for attempt in range(RETRIES + 1):
+            try:
+                async for messages in self._engine.handle.remote(request):
+                    for m in messages:
+                        if m["type"] == "http.response.start":
+                            started = True
+                            event_stream = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                                               for k, v in m.get("headers", ()))
+                        await send(m)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:           # the replica died or failed: an error the client sees, never a hang
+                if not started and attempt < RETRIES and isinstance(e, RayActorError):
+                    log.warning("a replica died before answering a request: sending it again (%s)", type(e).__name__)
+                    continue
+                await _send_failure(send, f"the replica serving this request failed ({type(e).__name__})", started,
+                                    event_stream)
+                return
+
+    async def _metrics(self, scope: dict[str, Any], send: Send) -> None:
+        """GET /metrics of every replica (each asked in turn, the router choosing one not yet asked) as one
+        text: per replica and in sum."""
+        texts: dict[str, str] = {}
+        for handle in (self._engine, self._prefill):
+            seen: set[str] = set()
+            for _ in range(MAX_REPLICAS if handle is not None else 0):
+                try:
+                    replica, status, body = await asyncio.wait_for(
+                        self._collect(handle, RelayedRequest(scope, b"", (), frozenset(seen))), METRICS_TIMEOUT_S)
+                except RayActorError:            # Serve forgets that replica: ask the next
+                    continue
+                except asyncio.TimeoutError:
+                    log.warning("a replica did not answer /metrics within %.0f s", METRICS_TIMEOUT_S)
+                    break
+                if replica in seen or not replica:
+                    break
+                seen.add(replica)
+                if status == 200:
+                    texts[replica] = body.decode(errors="replace")
+        await send({"type": "http.response.start", "status": 200 if texts else 503,
+                    "headers": [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]})
+        await send({"type": "http.response.body", "body": merge_metrics(texts).encode() if texts else b""})
+
+    @staticmethod
+    async def _collect(handle: DeploymentHandle, request: RelayedRequest) -> tuple[str, int, bytes]:
+        """One whole (unstreamed) response: (the replica that gave it, status, body)."""
+        replica, status, chunks = "", 500, []
+        async for messages in handle.handle.remote(request):
+            for m in messages:
+                if m["type"] == "http.response.start":
+                    status = m["status"]
+                    replica = next((v.decode() for k, v in m.get("headers", ())
+                                    if k.decode().lower() == REPLICA_HEADER), "")
+                elif m["type"] == "http.response.body":
+                    chunks.append(m.get("body", b""))
+        return replica, status, b"".join(chunks)
+
+
+def _with_length(scope: dict[str, Any], length: int) -> dict[str, Any]:
+    """The scope with its content-length header saying `length` (a body the relay rewrote)."""
+    headers = [(k, v) for k, v in scope.get("headers", ()) if k.lower() != b"content-length"]
+    return {**scope, "headers": [*headers, (b"content-length", str(length).encode())]}
+
+
+async def _lifespan(receive: Callable[[], Awaitable[Message]], send: Send) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+async def _read_body(receive: Callable[[], Awaitable[Message]]) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            break
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            break
+    return b"".join(chunks)
+
+
+def _json(body: bytes) -> Any:
+    try:
+        return json.loads(body) if body else None
+    except ValueError:
+        return None
+
+
+async def _send_failure(send: Send, message: str, started: bool, event_stream: bool) -> None:
+    from phasewise.server.protocol import error_body
+
+    error = json.dumps(error_body(message, "server_error", code="replica_failed")).encode()
+    if not started:
+        await send({"type": "http.response.start", "status": 503,
+                    "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1")]})
+        await send({"type": "http.response.body", "body": error})
+    elif event_stream:
+        await send({"type": "http.response.body", "body": b"data: " + error + b"\n\ndata: [DONE]\n\n"})
+    else:                                    # a JSON body cut short: the client's parser fails on it
+        await send({"type": "http.response.body", "body": b""})
