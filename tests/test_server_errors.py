@@ -214,4 +214,4 @@ def test_an_output_its_grammar_ended_in_error_is_an_error_naming_it():
     assert got[-1] == "data: [DONE]\n\n" and "finish_reason" not in got[-2]
     error = json.loads(got[-2][len("data: "):])["error"]
     assert error["code"] == "generation_error" and "refused token 5" in error["message"]
-    assert "refused token 5" in str(failure([out]))
+    assert "refused token 5" in failure(out)

@@ -25,7 +25,7 @@ from phasewise.server.errors import EngineError
 from phasewise.server.guards import Guards
 from phasewise.server.protocol import APIError, ChatCompletionRequest
 from phasewise.server.request_stream import RequestStream
-from phasewise.server.sse import collect, sse_response
+from phasewise.server.sse import collect, failure, sse_response
 from phasewise.tool_calling import ToolCallParser
 
 Event = tuple[str, dict[str, Any]]          # (event name, its data)
@@ -157,16 +157,6 @@ def stop_reason(out: CompletionOutput, calls: bool) -> str:
     if isinstance(out.stop_reason, str):
         return "stop_sequence"
     return "tool_use" if calls else "end_turn"
-
-
-def failure(out: CompletionOutput) -> str | None:
-    """Why an output that did not finish properly (the engine refused it, or it was aborted) has no
-    reply, or None."""
-    if out.finish_reason == "error":
-        return out.error or "the engine stopped the request with an error"
-    if out.finish_reason == "abort":
-        return "the request was aborted before it finished"
-    return None
 
 
 def usage(out: CompletionOutput) -> dict[str, int]:

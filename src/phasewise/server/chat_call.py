@@ -41,9 +41,13 @@ def chat_call(body: ChatCompletionRequest, template_tool_format: str, rid: str) 
     params, tool_format = body.tool_params(body.sampling_params(), template_tool_format)
     messages, tools = body.conversation(), body.checked_tools()
     names = frozenset(t["function"]["name"] for t in tools or ())
-    items = [SubRequest(rid if body.n == 1 else f"{rid}-{j}", messages, choice_params(params, j), tools)
-             for j in range(body.n)]
+    items = [SubRequest(sub_id(rid, j, body.n), messages, choice_params(params, j), tools) for j in range(body.n)]
     return ChatCall(rid, items, tool_format, names, body.constraint_field)
+
+
+def sub_id(rid: str, i: int, total: int) -> str:
+    """The engine request id of an API call's i-th of `total` sub-requests."""
+    return rid if total == 1 else f"{rid}-{i}"
 
 
 class Submitter:

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from phasewise.server import responses as R
 from phasewise.server.async_engine import SubRequest
 from phasewise.server.body_parsing import parse_body
-from phasewise.server.chat_call import Submitter, chat_call
+from phasewise.server.chat_call import Submitter, chat_call, sub_id
 from phasewise.server.guards import Guards
 from phasewise.server.kv_transfers import KVTransfers
 from phasewise.server.protocol import CompletionRequest, ChatCompletionRequest, bad_request, choice_params, openapi_body
@@ -82,7 +82,7 @@ def openai_router(guards: Guards) -> APIRouter:
         params = body.sampling_params()
         prompts, n = body.prompts(), body.n
         rid = f"cmpl-{uuid.uuid4().hex}"
-        items = [SubRequest(_sub_id(rid, p * n + j, len(prompts) * n), prompts[p], choice_params(params, j))
+        items = [SubRequest(sub_id(rid, p * n + j, len(prompts) * n), prompts[p], choice_params(params, j))
                  for p in range(len(prompts)) for j in range(n)]
         return await respond(request, body, rid, items, False,
                              partial(completion_events, n=n, tt=token_text, echo=body.echo),
@@ -100,6 +100,3 @@ def openai_router(guards: Guards) -> APIRouter:
 
     return router
 
-
-def _sub_id(rid: str, i: int, total: int) -> str:
-    return rid if total == 1 else f"{rid}-{i}"

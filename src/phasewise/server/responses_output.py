@@ -127,13 +127,6 @@ def status_of(out: CompletionOutput) -> str:
     return "completed" if out.finish_reason == "stop" else "failed"
 
 
-def failure(out: CompletionOutput) -> str:
-    """What to say of an output that ended in error (its cause) or was aborted."""
-    if out.finish_reason == "abort":
-        return "the request was aborted before it finished"
-    return out.error or "the request ended in error"
-
-
 def response_body(body: ResponsesRequest, rid: str, created: int, model: str, status: str,
                   items: list[dict[str, Any]], out: CompletionOutput | None = None,
                   error: str | None = None) -> dict[str, Any]:

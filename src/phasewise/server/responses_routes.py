@@ -25,9 +25,8 @@ from phasewise.server.protocol import APIError
 from phasewise.server.request_stream import RequestStream
 from phasewise.server.response_store import ResponseStore, StoredResponse
 from phasewise.server.responses_api import ResponsesRequest, chat_request, renamed
-from phasewise.server.responses_output import (OutputItems, assistant_message, failure, new_id, response_body,
-                                               sse, status_of)
-from phasewise.server.sse import collect, sse_response
+from phasewise.server.responses_output import OutputItems, assistant_message, new_id, response_body, sse, status_of
+from phasewise.server.sse import collect, failure, sse_response
 
 
 def responses_router(guards: Guards, store: ResponseStore) -> APIRouter:
@@ -66,7 +65,7 @@ def responses_router(guards: Guards, store: ResponseStore) -> APIRouter:
         items = OutputItems(call.parser())
         items.feed(out.text, final=True)
         status = status_of(out)
-        if status == "failed":                       # aborted (the server stopping)
+        if status == "failed":                       # collect raises first; kept for a caller without it
             raise APIError(500, failure(out), type="server_error", code="engine_error")
         items.finish(status)
         response = run.response(status, items.items, out)
@@ -127,7 +126,7 @@ async def response_events(run: Run, stream: RequestStream) -> AsyncIterator[str]
         stream.close()
     status = "failed" if out is None else status_of(out)
     if status == "failed" and error is None:
-        error = failure(out) if out is not None else "the request ended without an output"
+        error = (failure(out) if out is not None else None) or "the request ended without an output"
     for event in items.finish(status):
         yield sse(event, next(seq))
     response = run.response(status, items.items, out, error)

@@ -20,14 +20,18 @@ from phasewise.server.request_stream import RequestStream
 
 
 class GenerationError(EngineError):
-    """A request the engine ended in error (finish_reason "error": its grammar refused a token). No
-    API's clients know that finish reason: the call answers with an error naming the cause instead."""
+    """A request the engine ended without a reply (finish_reason "error": its grammar refused a token;
+    "abort"). No API's clients know those finish reasons: the call answers with an error naming the cause
+    instead (each API in its own shape)."""
 
 
-def failure(outputs: list[CompletionOutput]) -> GenerationError | None:
-    """The error of the first output that ended in one, or None."""
-    failed = next((o for o in outputs if o.finish_reason == "error"), None)
-    return None if failed is None else GenerationError(failed.error or "the request ended in error")
+def failure(out: CompletionOutput) -> str | None:
+    """Why a finished output has no reply (it ended in error, or was aborted), or None."""
+    if out.finish_reason == "error":
+        return out.error or "the request ended in error"
+    if out.finish_reason == "abort":
+        return "the request was aborted before it finished"
+    return None
 
 
 async def collect(request: Request, stream: RequestStream) -> list[CompletionOutput] | None:
@@ -57,9 +61,9 @@ async def collect(request: Request, stream: RequestStream) -> list[CompletionOut
         return None
     try:
         outputs = work.result()
-        error = failure(outputs)
-        if error is not None:
-            raise error
+        cause = next(filter(None, map(failure, outputs)), None)
+        if cause is not None:
+            raise GenerationError(cause)
         return outputs
     except EngineError as e:
         raise APIError(500, str(e), type="server_error", code=error_code(e)) from None
@@ -90,9 +94,9 @@ async def _events(stream: RequestStream, make_choice: Any, head: list[dict], rid
             yield _event(R.chunk(rid, obj, created, model, [choice], include_usage))
         async for delta in stream:
             i = index[delta.request_id]
-            error = failure([delta.output]) if delta.finished else None
-            if error is not None:
-                raise error
+            cause = failure(delta.output) if delta.finished else None
+            if cause is not None:
+                raise GenerationError(cause)
             choice = make_choice(i, delta)
             if choice is None:
                 continue
