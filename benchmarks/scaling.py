@@ -130,14 +130,14 @@ def describe(path: Path) -> dict[str, Any]:
 
 def forget_packed(path: Path) -> None:
     """Delete phasewise's packed-weight cache entries (and partial writes) made from `path`."""
-    from phasewise.loading.packed_cache import SUFFIX
     from phasewise.paths import default_cache_dir
 
     folder = default_cache_dir() / "packed"
     for src in folder.glob("*.src"):
         try:
             if Path(src.read_text().strip()).resolve() == path.resolve():
-                src.with_suffix(SUFFIX).unlink(missing_ok=True)
+                for suffix in (".pack", ".pt"):          # today's entries, and those before PACK_VERSION 4
+                    src.with_suffix(suffix).unlink(missing_ok=True)
                 src.unlink()
         except OSError:
             continue
