@@ -18,9 +18,10 @@
    replica `ray.kill`ed --kill-after s in): every request must end with tokens or an error (an error
    event, an HTTP error), none hang (120 s); then 8 requests after the load must all complete.
 
-Ray runs in this process (a local head of max(2, --threads) CPUs, Serve's proxy on a free port), the plain
-server as a subprocess (benchmarks/serving.py's `running`); the load is this process's httpx client.
-Parts 2 and 3 run replicas of one CPU each.
+Ray runs in this process (a local head of max(2, --threads) CPUs, Serve's ingress on a free port: its
+HAProxy straight to the replicas, as `serve --ray` starts it, or with `--ray-ingress proxy` Serve's Python
+proxy and the relay), the plain server as a subprocess (benchmarks/serving.py's `running`); the load is
+this process's httpx client. Parts 2 and 3 run replicas of one CPU each.
 """
 
 from __future__ import annotations
@@ -275,12 +276,16 @@ def main() -> None:
     ap.add_argument("--asks", type=int, default=4, help="questions per system prompt")
     ap.add_argument("--kill-after", type=float, default=3.0)
     ap.add_argument("--parts", default="overhead,routing,kill")
+    ap.add_argument("--ray-ingress", default="direct", choices=("direct", "proxy"))
     ap.add_argument("--json", type=Path, default=Path(__file__).resolve().parent.parent / "docs/results/ray_serve.json")
     args = ap.parse_args()
+    if args.ray_ingress == "direct":         # Ray Serve reads its switches when imported and started
+        from phasewise.deploy.options import DIRECT_INGRESS_ENV
+        os.environ.update(DIRECT_INGRESS_ENV)
     import ray
     from ray import serve
 
-    result = {**run_record("ray_serve", args.threads)}
+    result = {**run_record("ray_serve", args.threads), "ray_ingress": args.ray_ingress}
     parts = args.parts.split(",")
     ray.init(address="local", num_cpus=max(2, args.threads), include_dashboard=False, log_to_driver=False)
     try:

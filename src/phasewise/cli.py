@@ -10,7 +10,7 @@ import socket
 import sys
 from pathlib import Path
 
-from phasewise.deploy.options import RAY_EXTRA, add_ray_args
+from phasewise.deploy.options import RAY_EXTRA, add_ray_args, start_direct_ingress
 from phasewise.engine_args import add_engine_args, resolve_weights, speculative_config_from_args
 
 EXIT_USAGE = 2
@@ -278,6 +278,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _serve_ray(args: argparse.Namespace) -> int:
     """Ray Serve replicas (deploy/ray.py); without Ray installed, how to install it (exit 2)."""
+    start_direct_ingress(args)              # before Ray Serve is imported: it reads its switches then
     try:
         from phasewise.deploy import ray as ray_deploy
     except ImportError as e:

@@ -175,3 +175,27 @@ def test_saved_runs_open_by_dropping_them(page):
     page.click("#live")
     page.wait_for_function("document.getElementById('status').dataset.state === 'live'", timeout=WAIT_MS)
     assert page.errors == []
+
+
+def test_replicas_of_a_ray_deployment_show_from_its_metrics(page, keyed):
+    """A single server's page has no replicas panel; behind Ray Serve /metrics carries every replica's
+    samples (replica_metrics.merge_metrics, here over this server's real text as two replicas), and the
+    page shows a row for each."""
+    import httpx
+
+    from phasewise.deploy.replica_metrics import merge_metrics
+
+    _connect(page)
+    assert page.is_hidden("#replicas-panel")
+    text = httpx.get(keyed.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).text
+    ids = ["SERVE_REPLICA::phasewise#EngineReplica#aaaa1111", "SERVE_REPLICA::phasewise#EngineReplica#bbbb2222"]
+    merged = merge_metrics({i: text for i in ids})
+    page.route("**/metrics", lambda route: route.fulfill(status=200, body=merged,
+                                                         headers={"content-type": "text/plain; version=0.0.4"}))
+    page.evaluate("Replicas.poll()")
+    page.wait_for_selector("#replicas-panel:not([hidden]) tr[data-replica=bbbb2222]", timeout=WAIT_MS)
+    rows = page.eval_on_selector_all("#replicas tr[data-replica]", "trs => trs.map(tr => [...tr.cells].map(c => c.textContent))")
+    assert [r[0] for r in rows] == ["aaaa1111", "bbbb2222"]
+    assert all(r[1] == "0" for r in rows)                       # running: the server is idle
+    assert page.text_content("#replicas-caption") == "2 replicas, from /metrics"
+    assert page.errors == []

@@ -231,6 +231,14 @@ def test_build_app_takes_serves_flags_with_serves_defaults():
     assert app_options({"tensor-parallel-size": 2, "placement-strategy": "SPREAD"}).placement_strategy == "SPREAD"
 
 
+def test_make_test_ray_turns_on_the_switches_serve_ray_sets():
+    from phasewise.deploy.options import DIRECT_INGRESS_ENV
+
+    makefile = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
+    line = next(x for x in makefile.splitlines() if x.startswith("RAY_DIRECT_INGRESS ="))
+    assert dict(kv.split("=") for kv in line.split("=", 1)[1].split()) == DIRECT_INGRESS_ENV
+
+
 def test_serve_ray_without_ray_says_how_to_install_it():
     code = "import sys; sys.modules['ray'] = None; from phasewise.cli import main; sys.exit(main(['serve', '--ray']))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

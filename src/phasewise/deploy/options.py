@@ -5,12 +5,17 @@ No Ray import here: the CLI adds these flags whether or not Ray is installed."""
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 from phasewise.engine_args import add_engine_args, positive_int, resolve_weights
 
 RAY_EXTRA = "pip install 'phasewise[ray]'"
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+INGRESSES = ("auto", "direct", "proxy")
+# Ray Serve's switches for HAProxy in front of the ingress replicas, read by Ray's processes at start
+DIRECT_INGRESS_ENV = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1",
+                      "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1"}
 
 
 def add_ray_args(p: argparse.ArgumentParser) -> None:
@@ -33,6 +38,11 @@ def add_ray_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-decode", action="store_true",
                    help="a prefill/decode pair instead of whole replicas: a prefill deployment and a decode deployment "
                         "(one replica each) joined by a KV link, the relay sending each request to one then the other")
+    g.add_argument("--ray-ingress", default="auto", choices=INGRESSES,
+                   help="how HTTP reaches the replicas: direct (Ray Serve's HAProxy ingress, each response straight "
+                        "from its replica), proxy (Serve's Python proxy and a relay: an error event when a replica "
+                        "dies mid-stream), auto (direct on a Ray started here or started with Ray's HAProxy "
+                        "switches, else proxy)")
     g.add_argument("--prefix-margin", type=int, default=4,
                    help="a request goes to the replica holding its prompt's prefix unless that replica's queue is "
                         "longer than the shortest by more than this many requests")
@@ -88,6 +98,24 @@ def check_ray_options(options: argparse.Namespace) -> None:
         raise ValueError("autoscaling needs --min-replicas A --max-replicas B with A <= B")
     if options.prefix_margin < 0:
         raise ValueError(f"--prefix-margin must be at least 0, got {options.prefix_margin}")
+
+
+def start_direct_ingress(options: argparse.Namespace) -> None:
+    """Before Ray (and Ray Serve) is imported and started here: turn on Ray Serve's HAProxy ingress for the
+    Ray about to start, unless the options ask for the proxy or join a running cluster (whose switches
+    were set when it started)."""
+    if options.ray_ingress == "direct" or (options.ray_ingress == "auto" and options.ray_address is None):
+        os.environ.update(DIRECT_INGRESS_ENV)
+
+
+def direct_ingress(options: argparse.Namespace) -> bool:
+    """Whether the application uses Ray Serve's HAProxy ingress: asked for, or `auto` and this process's
+    environment has Ray's switches on. ValueError: asked for without them."""
+    switched_on = all(os.environ.get(k) == v for k, v in DIRECT_INGRESS_ENV.items())
+    if options.ray_ingress == "direct" and not switched_on:
+        raise ValueError("--ray-ingress direct needs Ray started with " +
+                         " ".join(f"{k}={v}" for k, v in DIRECT_INGRESS_ENV.items()))
+    return options.ray_ingress != "proxy" and switched_on
 
 
 def replica_cpus(options: argparse.Namespace) -> int:

@@ -1,20 +1,26 @@
 """`phasewise serve --ray`: the model as Ray Serve replicas, and `build_app` for `serve run` and Serve config
 files (`import_path: phasewise.deploy.ray:build_app`, `args` as serve's flags).
 
-Two deployments. `EngineReplica` (one per replica, `num_cpus` each, its kernel threads that many) builds one
-engine and the FastAPI app of `phasewise serve` (`server.create_app`), and runs that app on the HTTP
-requests handed to it: the whole OpenAI surface, no second implementation. `Ingress` is the application's
-HTTP ingress behind Serve's proxy (`@serve.ingress`, its ASGI app built on the replica): `relay.py`'s relay,
-which reads each request's body, hashes its prompt's blocks and calls an engine replica through a streaming
-DeploymentHandle whose router is `PrefixAffinityRouter` (Serve's proxy routes before it reads a body: a
-router behind it would see no prompt); it also answers /metrics for all replicas.
+`EngineReplica` (one per replica, `num_cpus` each, its kernel threads that many) builds one engine and the
+FastAPI app of `phasewise serve` (`server.create_app`, wrapped by `replica_app.ReplicaApp`): the whole
+OpenAI surface, no second implementation. How HTTP reaches it (`--ray-ingress`):
+- direct (what `serve --ray` starts): Ray Serve's HAProxy ingress. The engine deployment is the
+  application's ingress, each replica listening on a port of its node; HAProxy asks `route.RouteIngress`
+  which replica serves each request (the prompt's blocks, `PrefixAffinityRouter`) and forwards it there,
+  the response streaming back through HAProxy alone. Ray reads the switches from the environment of its
+  processes (`options.DIRECT_INGRESS_ENV`): a cluster joined with --ray-address must have been started
+  with them, else `auto` is `proxy`.
+- proxy: Serve's own HTTP proxy in front of `Ingress`, `relay.py`'s relay, which reads each body, hashes
+  its prompt's blocks and calls an engine replica through a streaming DeploymentHandle routed by
+  `PrefixAffinityRouter` (two Ray calls per streamed event; a replica that dies mid-stream ends it with
+  an error event, where direct ingress cuts the connection).
 
 A tensor-parallel replica (`--tensor-parallel-size N`) is a placement group of N bundles
 (`--placement-strategy`): the replica is rank 0 in bundle 0, its other ranks Ray actors in the others
 (`tp_ranks.py`). With `--prefill-decode` the engine replicas are two deployments, `PrefillReplica` and
-`DecodeReplica`, one replica each: the decode replica asks the prefill one for its KV link's rendezvous
-(`kv_peer`) and joins it (torch.distributed, as `serve --role prefill|decode`), and the relay sends each
-request to one, then the other (as `serve --role proxy` does over HTTP).
+`DecodeReplica`, one replica each, behind the relay whichever the ingress: the decode replica asks the
+prefill one for its KV link's rendezvous (`kv_peer`) and joins it (torch.distributed, as `serve --role
+prefill|decode`), and the relay sends each request to one, then the other (as `serve --role proxy` does).
 """
 
 from __future__ import annotations
@@ -35,9 +41,11 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.deployment import Application
 from ray.serve.handle import DeploymentHandle
 
-from phasewise.deploy.options import app_options, check_ray_options, replica_cpus
+from phasewise.deploy.options import app_options, check_ray_options, direct_ingress, replica_cpus
 from phasewise.deploy.prefix_router import PrefixAffinityRouter
-from phasewise.deploy.relay import REPLICA_HEADER, Relay, RelayedRequest
+from phasewise.deploy.relay import Relay, RelayedRequest
+from phasewise.deploy.replica_app import MetricsVisit, ReplicaApp, gather_metrics, own_metrics
+from phasewise.deploy.route import RouteIngress
 from phasewise.deploy.tp_ranks import rendezvous_address, start_replica_ranks
 
 APP_NAME = "phasewise"
@@ -48,8 +56,9 @@ Message = dict[str, Any]
 
 
 class EngineReplica:
-    """One phasewise engine and its FastAPI app; `handle` runs the app on one relayed request and yields
-    the ASGI messages it sends, a batch at a time."""
+    """One phasewise engine and its FastAPI app. As the ingress (direct), Serve serves the app over HTTP
+    (`__serve_build_asgi_app__`); behind the relay, `handle` runs it on one relayed request and yields the
+    ASGI messages it sends, a batch at a time."""
 
     async def __init__(self, options: argparse.Namespace, role: str | None = None,
                        prefill: DeploymentHandle | None = None) -> None:
@@ -64,6 +73,16 @@ class EngineReplica:
             self._kv_peer = await prefill.kv_peer.remote()
         self._engine, self._app = await asyncio.to_thread(build_server, options, role, self._kv_peer)
 
+    def __serve_build_asgi_app__(self) -> ReplicaApp:
+        """The app Serve runs when this deployment is the ingress: /metrics answers for every replica."""
+        context = serve.get_replica_context()
+        handle = serve.get_deployment_handle(context.deployment, context.app_name)
+        return ReplicaApp(self._app, self._replica, lambda: gather_metrics(handle))
+
+    async def metrics_text(self, visit: MetricsVisit) -> tuple[str, str]:
+        """(this replica's id, its own /metrics text); `visit` is for the router."""
+        return self._replica, await own_metrics(self._app)
+
     async def handle(self, request: RelayedRequest) -> AsyncIterator[list[Message]]:
         out: asyncio.Queue[Message | None] = asyncio.Queue()
         gone = asyncio.Event()
@@ -76,12 +95,10 @@ class EngineReplica:
             return {"type": "http.disconnect"}
 
         async def send(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                headers = [*message.get("headers", ()), (REPLICA_HEADER.encode(), self._replica.encode())]
-                message = {**message, "headers": headers}
             out.put_nowait(message)
 
-        task = asyncio.create_task(self._app({**request.scope, "root_path": ""}, receive, send))
+        app = ReplicaApp(self._app, self._replica)
+        task = asyncio.create_task(app({**request.scope, "root_path": ""}, receive, send))
         task.add_done_callback(lambda t: (out.put_nowait(None), _log_failure(t)))
         try:
             while True:
@@ -166,8 +183,8 @@ class Ingress:
 
 
 def application(options: argparse.Namespace, request_router: type | str = PrefixAffinityRouter) -> Application:
-    """The Serve application of these options: the ingress bound to the engine replicas, routed by
-    `request_router` (another is for comparisons: benchmarks/ray_serve.py)."""
+    """The Serve application of these options (`direct_ingress` picks how HTTP reaches the replicas), the
+    engine replicas routed by `request_router` (another is for comparisons: benchmarks/ray_serve.py)."""
     check_ray_options(options)
     options = argparse.Namespace(**{k: v for k, v in vars(options).items() if k != "func"})   # the CLI's command
     ingress = serve.deployment(Ingress, name="Ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
@@ -175,7 +192,12 @@ def application(options: argparse.Namespace, request_router: type | str = Prefix
         prefill = _engine_deployment(options, request_router, "PrefillReplica").bind(options, "prefill")
         return ingress.bind(_engine_deployment(options, request_router, "DecodeReplica").bind(options, "decode",
                                                                                               prefill), prefill)
-    return ingress.bind(_engine_deployment(options, request_router).bind(options))
+    if not direct_ingress(options):
+        return ingress.bind(_engine_deployment(options, request_router).bind(options))
+    engine = _engine_deployment(options, request_router, as_ingress=True).bind(options)
+    route = serve.deployment(RouteIngress, name="RouteIngress", ray_actor_options={"num_cpus": 0},
+                             max_ongoing_requests=4096)
+    return engine._with_ingress_request_router(route.bind(engine))
 
 
 def build_app(args: dict[str, Any]) -> Application:
@@ -183,7 +205,8 @@ def build_app(args: dict[str, Any]) -> Application:
     return application(app_options(args))
 
 
-def _engine_deployment(o: argparse.Namespace, request_router: type | str, name: str = "EngineReplica"):
+def _engine_deployment(o: argparse.Namespace, request_router: type | str, name: str = "EngineReplica",
+                       as_ingress: bool = False):
     if o.min_replicas is not None:
         scaling: dict[str, Any] = {"autoscaling_config": {
             "min_replicas": o.min_replicas, "max_replicas": o.max_replicas,
@@ -195,7 +218,7 @@ def _engine_deployment(o: argparse.Namespace, request_router: type | str, name: 
         scaling.update(placement_group_bundles=[{"CPU": cpus}] * o.tensor_parallel_size,
                        placement_group_strategy=o.placement_strategy)
     return serve.deployment(
-        EngineReplica, name=name, ray_actor_options={"num_cpus": cpus},
+        serve.ingress()(EngineReplica) if as_ingress else EngineReplica, name=name, ray_actor_options={"num_cpus": cpus},
         max_ongoing_requests=2 * o.max_num_seqs, health_check_period_s=5, graceful_shutdown_timeout_s=5,
         request_router_config=RequestRouterConfig(
             request_router_class=request_router,
@@ -215,8 +238,9 @@ def run(options: argparse.Namespace) -> int:
             serve.run(app, name=APP_NAME, route_prefix="/")
         except RuntimeError as e:            # a replica's constructor failed (Serve tried it three times)
             raise ValueError(failure_line(str(e))) from None
-        print(f"phasewise: serving on http://{options.host}:{options.port}/v1 as Ray Serve replicas "
-              f"(Ray at {ray.get_runtime_context().gcs_address})", file=sys.stderr, flush=True)
+        ingress = "HAProxy" if direct_ingress(options) else "Serve's proxy"
+        print(f"phasewise: serving on http://{options.host}:{options.port}/v1 as Ray Serve replicas behind "
+              f"{ingress} (Ray at {ray.get_runtime_context().gcs_address})", file=sys.stderr, flush=True)
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         try:

@@ -5,8 +5,8 @@ It reads the whole body first (Serve's proxy routes before reading one, so a rou
 see no prompt), hashes the prompt's blocks for `PrefixAffinityRouter`, and relays the replica's ASGI
 messages. A replica that dies mid-stream ends its streams with an error event (`data: {"error": ...}`,
 then `[DONE]`); a request whose replica died before answering anything is sent again (up to `RETRIES`
-times), Serve having forgotten that replica. GET /metrics visits every replica in turn (the router picks one
-not yet asked) and answers with their texts labelled by replica and their sums (`replica_metrics.py`).
+times), Serve having forgotten that replica. GET /metrics answers for every replica, labelled, and in sum
+(`replica_app.gather_metrics`).
 
 With a prefill deployment (`--prefill-decode`), a completion or chat request goes first to a prefill replica
 as the disaggregation proxy sends it (`server.proxy.pair_bodies`: one token, unstreamed, tagged with a
@@ -26,12 +26,9 @@ from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
 
 from phasewise.deploy.prefix_router import prompt_block_hashes
-from phasewise.deploy.replica_metrics import merge_metrics
+from phasewise.deploy.replica_app import PROMETHEUS_TEXT, REPLICA_HEADER, gather_metrics
 
-REPLICA_HEADER = "x-phasewise-replica"       # which replica served a response: its Serve replica id
 RETRIES = 2                                  # a request whose replica died before it answered: sent again
-MAX_REPLICAS = 256                           # /metrics asks at most this many replicas
-METRICS_TIMEOUT_S = 10.0                     # ... each within this
 PAIR_PATHS = ("/v1/completions", "/v1/chat/completions")
 SCOPE_KEYS = ("type", "asgi", "http_version", "method", "scheme", "path", "raw_path", "query_string", "headers",
               "client", "server")
@@ -44,12 +41,10 @@ Send = Callable[[Message], Awaitable[None]]
 @dataclass(frozen=True)
 class RelayedRequest:
     """One HTTP request, from the ingress to an engine replica: the ASGI scope's plain fields, the whole body,
-    and the prompt's block hashes (the router's key). `skip` (a visit of every replica, as /metrics makes):
-    the router picks a replica not in it while there is one."""
+    and the prompt's block hashes (the router's key)."""
     scope: dict[str, Any]
     body: bytes
     block_hashes: tuple[bytes, ...]
-    skip: frozenset[str] | None = None
 
 
 class Relay:
@@ -69,7 +64,10 @@ class Relay:
         body = await _read_body(receive)
         fields = {k: scope[k] for k in SCOPE_KEYS if k in scope}
         if scope["method"] == "GET" and scope["path"] == "/metrics":
-            await self._metrics(fields, send)
+            text = await gather_metrics(self._engine, self._prefill)
+            await send({"type": "http.response.start", "status": 200 if text else 503,
+                        "headers": [(b"content-type", PROMETHEUS_TEXT)]})
+            await send({"type": "http.response.body", "body": text.encode()})
             return
         parsed = _json(body)
         hashes = prompt_block_hashes(parsed)
@@ -116,30 +114,6 @@ class Relay:
                 await _send_failure(send, f"the replica serving this request failed ({type(e).__name__})", started,
                                     event_stream)
                 return
-
-    async def _metrics(self, scope: dict[str, Any], send: Send) -> None:
-        """GET /metrics of every replica (each asked in turn, the router choosing one not yet asked) as one
-        text: per replica and in sum."""
-        texts: dict[str, str] = {}
-        for handle in (self._engine, self._prefill):
-            seen: set[str] = set()
-            for _ in range(MAX_REPLICAS if handle is not None else 0):
-                try:
-                    replica, status, body = await asyncio.wait_for(
-                        self._collect(handle, RelayedRequest(scope, b"", (), frozenset(seen))), METRICS_TIMEOUT_S)
-                except RayActorError:            # Serve forgets that replica: ask the next
-                    continue
-                except asyncio.TimeoutError:
-                    log.warning("a replica did not answer /metrics within %.0f s", METRICS_TIMEOUT_S)
-                    break
-                if replica in seen or not replica:
-                    break
-                seen.add(replica)
-                if status == 200:
-                    texts[replica] = body.decode(errors="replace")
-        await send({"type": "http.response.start", "status": 200 if texts else 503,
-                    "headers": [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]})
-        await send({"type": "http.response.body", "body": merge_metrics(texts).encode() if texts else b""})
 
     @staticmethod
     async def _collect(handle: DeploymentHandle, request: RelayedRequest) -> tuple[str, int, bytes]:

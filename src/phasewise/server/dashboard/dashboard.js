@@ -33,7 +33,9 @@ async function connect() {
   }
   if (!res.ok) return retry(`the server answered ${res.status}`);
   $("keyform").hidden = true;
-  setStatus("live", "live");
+  Replicas.state.serving = res.headers.get("x-phasewise-replica");       // behind Ray Serve: whose feed this is
+  setStatus("live", Replicas.state.serving ? `live · replica ${Replicas.state.serving.split("#").pop()}` : "live");
+  if (!Replicas.state.polled) { Replicas.state.polled = true; Replicas.poll(); }
   const reader = res.body.pipeThrough(new TextDecoderStream()).getReader();
   let buf = "";
   for (;;) {

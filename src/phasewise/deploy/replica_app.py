@@ -1,0 +1,107 @@
+"""What an engine replica serves over HTTP, and /metrics gathered from every replica.
+
+`ReplicaApp` wraps the FastAPI app of `phasewise serve` (the whole OpenAI surface, unchanged): each
+response names the replica that gave it (`x-phasewise-replica`, its Serve replica id), and GET /metrics,
+when the replica is the application's ingress, answers for the whole deployment: each replica's text,
+labelled, and their sums (`replica_metrics.merge_metrics`). `gather_metrics` visits the replicas one by
+one through a DeploymentHandle: each visit names the replicas already asked and `PrefixAffinityRouter`
+picks one not among them, until none is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+from ray.exceptions import RayActorError
+from ray.serve.handle import DeploymentHandle
+
+from phasewise.deploy.replica_metrics import merge_metrics
+
+REPLICA_HEADER = "x-phasewise-replica"       # which replica served a response: its Serve replica id
+MAX_REPLICAS = 256                           # /metrics asks at most this many replicas
+METRICS_TIMEOUT_S = 10.0                     # ... each within this
+PROMETHEUS_TEXT = b"text/plain; version=0.0.4; charset=utf-8"
+log = logging.getLogger("ray.serve")
+
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Message, Receive, Send], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class MetricsVisit:
+    """A call of `EngineReplica.metrics_text` in a visit of every replica: the router picks one not in `skip`
+    while there is one."""
+    skip: frozenset[str]
+    block_hashes: tuple[bytes, ...] = ()
+
+
+class ReplicaApp:
+    """See the module's docstring. `gather`: the whole deployment's /metrics text (None: this replica's own)."""
+
+    def __init__(self, app: ASGIApp, replica_id: str, gather: Callable[[], Awaitable[str]] | None = None) -> None:
+        self._app, self._replica, self._gather = app, replica_id.encode(), gather
+
+    async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        if self._gather is not None and scope["method"] == "GET" and scope["path"] == "/metrics":
+            text = await self._gather()
+            await send({"type": "http.response.start", "status": 200 if text else 503,
+                        "headers": [(b"content-type", PROMETHEUS_TEXT), (REPLICA_HEADER.encode(), self._replica)]})
+            await send({"type": "http.response.body", "body": text.encode()})
+            return
+
+        async def named(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), (REPLICA_HEADER.encode(), self._replica)]}
+            await send(message)
+
+        await self._app(scope, receive, named)
+
+
+async def own_metrics(app: ASGIApp) -> str:
+    """The app's own GET /metrics text."""
+    chunks: list[bytes] = []
+
+    async def receive() -> Message:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: Message) -> None:
+        if message["type"] == "http.response.body":
+            chunks.append(message.get("body", b""))
+
+    await app({"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "scheme": "http",
+               "path": "/metrics", "raw_path": b"/metrics", "root_path": "", "query_string": b"", "headers": [],
+               "client": None, "server": None}, receive, send)
+    return b"".join(chunks).decode(errors="replace")
+
+
+async def gather_metrics(*handles: DeploymentHandle | None) -> str:
+    """Every replica's /metrics (`EngineReplica.metrics_text`) of these deployments, as one text; "" when
+    none answered."""
+    texts: dict[str, str] = {}
+    for handle in handles:
+        if handle is None:
+            continue
+        handle = handle.options(stream=False)
+        seen: set[str] = set()
+        for _ in range(MAX_REPLICAS):
+            try:
+                replica, text = await asyncio.wait_for(handle.metrics_text.remote(MetricsVisit(frozenset(seen))),
+                                                       METRICS_TIMEOUT_S)
+            except RayActorError:               # Serve forgets that replica: ask the next
+                continue
+            except asyncio.TimeoutError:
+                log.warning("a replica did not answer /metrics within %.0f s", METRICS_TIMEOUT_S)
+                break
+            if replica in seen:
+                break
+            seen.add(replica)
+            texts[replica] = text
+    return merge_metrics(texts) if texts else ""
