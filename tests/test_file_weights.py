@@ -93,14 +93,16 @@ def test_parted_model_missing_a_part_names_the_install(tmp_path, monkeypatch):
 
 
 def _mapped_file(t: torch.Tensor) -> str | None:
-    """The file whose map holds `t`'s bytes (/proc/self/maps), None when anonymous memory does."""
+    """The file whose map holds `t`'s bytes (/proc/self/maps), None when anonymous memory does (no name, or
+    the kernel's own: [heap] for small allocations, [anon:...])."""
     ptr = t.data_ptr()
     with open("/proc/self/maps") as f:
         for line in f:
             fields = line.split(maxsplit=5)
             lo, hi = (int(x, 16) for x in fields[0].split("-"))
             if lo <= ptr and ptr + t.numel() * t.element_size() <= hi:
-                return fields[5].strip() if len(fields) > 5 else None
+                name = fields[5].strip() if len(fields) > 5 else ""
+                return None if not name or name.startswith("[") else name
     return None
 
 
