@@ -4,7 +4,7 @@
         [--shapes qkv,o,...] [--formats int8,q4 | any of q4,q8,q5,k4,q6k,k6,k8,i8]
 
 For each weight shape (N, K) of SmolLM2-135M (or Gemma 3 270M: --shapes gemma_qkv,gemma_o,
-gemma_gate_up,gemma_down; Qwen2.5-1.5B's MLP: qwen15_gate_up,qwen15_down) and each number of activation rows M, prints the median time of one
+gemma_gate_up,gemma_down; Qwen2.5-1.5B's: qwen15_qkv,qwen15_o,qwen15_gate_up,qwen15_down) and each number of activation rows M, prints the median time of one
 call, the weight bytes read per second (GB/s, what bounds decode) and the arithmetic rate
 (GFLOP/s, what bounds prefill). q4 is GGUF Q4_1 except the output head, which the default file
 stores as Q8_0; --formats names packed formats (kernels/quant.py) to compare them on one shape.
@@ -27,7 +27,8 @@ L3_BYTES = 32 << 20
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
           "lm_head": (49152, 576),
           "gemma_qkv": (1536, 640), "gemma_o": (640, 1024), "gemma_gate_up": (4096, 640), "gemma_down": (640, 2048),
-          "qwen15_gate_up": (17920, 1536), "qwen15_down": (1536, 8960)}
+          "qwen15_qkv": (2048, 1536), "qwen15_o": (1536, 1536), "qwen15_gate_up": (17920, 1536),
+          "qwen15_down": (1536, 8960)}
 
 
 def random_packed(fmt: str, n: int, k: int) -> quant.PackedWeight:
