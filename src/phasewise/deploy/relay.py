@@ -26,7 +26,7 @@ from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
 
 from phasewise.deploy.prefix_router import prompt_block_hashes
-from phasewise.deploy.replica_app import PROMETHEUS_TEXT, REPLICA_HEADER, gather_metrics
+from phasewise.deploy.replica_app import REPLICA_HEADER, gather_metrics, send_metrics
 
 RETRIES = 2                                  # a request whose replica died before it answered: sent again
 PAIR_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -64,10 +64,7 @@ class Relay:
         body = await _read_body(receive)
         fields = {k: scope[k] for k in SCOPE_KEYS if k in scope}
         if scope["method"] == "GET" and scope["path"] == "/metrics":
-            text = await gather_metrics(self._engine, self._prefill)
-            await send({"type": "http.response.start", "status": 200 if text else 503,
-                        "headers": [(b"content-type", PROMETHEUS_TEXT)]})
-            await send({"type": "http.response.body", "body": text.encode()})
+            await send_metrics(send, await gather_metrics(self._engine, self._prefill))
             return
         parsed = _json(body)
         hashes = prompt_block_hashes(parsed)

@@ -51,10 +51,7 @@ class ReplicaApp:
             await self._app(scope, receive, send)
             return
         if self._gather is not None and scope["method"] == "GET" and scope["path"] == "/metrics":
-            text = await self._gather()
-            await send({"type": "http.response.start", "status": 200 if text else 503,
-                        "headers": [(b"content-type", PROMETHEUS_TEXT), (REPLICA_HEADER.encode(), self._replica)]})
-            await send({"type": "http.response.body", "body": text.encode()})
+            await send_metrics(send, await self._gather(), (REPLICA_HEADER.encode(), self._replica))
             return
 
         async def named(message: Message) -> None:
@@ -63,6 +60,13 @@ class ReplicaApp:
             await send(message)
 
         await self._app(scope, receive, named)
+
+
+async def send_metrics(send: Send, text: str, *headers: tuple[bytes, bytes]) -> None:
+    """A gathered /metrics text as the response (503 when no replica answered)."""
+    await send({"type": "http.response.start", "status": 200 if text else 503,
+                "headers": [(b"content-type", PROMETHEUS_TEXT), *headers]})
+    await send({"type": "http.response.body", "body": text.encode()})
 
 
 async def own_metrics(app: ASGIApp) -> str:

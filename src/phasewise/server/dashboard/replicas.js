@@ -9,7 +9,7 @@
 const Replicas = (() => {
   const SAMPLE = /^(phasewise:[a-z_]+)\{replica="([^"]+)"[^}]*\} (\S+)$/;
   let last = null, timer = null;
-  const state = { serving: null, rows: [] };
+  const state = { serving: null, rows: [], polled: false };   // polled: the first read asked
 
   // Prometheus text -> Map(replica -> {metric name: value summed over the other labels})
   function parse(text) {
