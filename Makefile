@@ -57,13 +57,13 @@ run: $(STAMP)
 test: $(STAMP) $(QWEN05_STAMP)
 	$(BIN)/python -m pytest -q --durations=15 -m "not browser and not ray"
 
-# serve --ray on a local Ray cluster of two 1-CPU nodes (tests/ray): installs the ray extra (Ray Serve, ~80 MB).
+# serve --ray on a local Ray cluster of two 1-CPU nodes (tests/ray_cluster): installs the ray extra (Ray Serve, ~80 MB).
 # Ray Serve's HAProxy ingress switches, as `serve --ray` sets them (deploy/options.py's DIRECT_INGRESS_ENV;
 # without them the tests' cluster uses Serve's Python proxy and the relay)
 RAY_DIRECT_INGRESS = RAY_SERVE_ENABLE_DIRECT_INGRESS=1 RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY=1
 test-ray: $(STAMP)
 	$(BIN)/pip install -q -e '.[ray]'
-	$(RAY_DIRECT_INGRESS) $(BIN)/python -m pytest -q --durations=5 -m ray tests/ray
+	$(RAY_DIRECT_INGRESS) $(BIN)/python -m pytest -q --durations=5 -m ray tests/ray_cluster
 
 # The dashboard in a real headless browser: Debian's chromium (installed when missing; needs root) driven
 # by playwright (its Python package only: its own browser download cannot be reached here).

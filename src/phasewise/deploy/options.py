@@ -50,7 +50,7 @@ def add_ray_args(p: argparse.ArgumentParser) -> None:
 
 def replica_parser() -> argparse.ArgumentParser:
     """The flags a replica reads: the engine's, the server's a replica uses (the same names and defaults as
-    `phasewise serve`'s; tests/ray/test_ray_serve.py checks they agree) and the Ray group."""
+    `phasewise serve`'s; tests/ray_cluster/test_ray_serve.py checks they agree) and the Ray group."""
     p = _RaisingParser(prog="phasewise.deploy.ray:build_app", add_help=False)
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1")

@@ -18,7 +18,8 @@ import pytest
 from live_server import MODEL, free_port, start_server, stop_server
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
-ray = pytest.importorskip("ray", reason="Ray is not installed (make test-ray)")
+pytest.importorskip("ray.serve", reason="Ray is not installed (make test-ray)")
+import ray  # noqa: E402
 openai = pytest.importorskip("openai")
 
 DEPLOY_TIMEOUT = 180.0

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 pytestmark = pytest.mark.ray
-pytest.importorskip("ray", reason="Ray is not installed (make test-ray)")
+pytest.importorskip("ray.serve", reason="Ray is not installed (make test-ray)")
 
 from phasewise.deploy.prefix_router import _home, prompt_block_hashes  # noqa: E402
 
