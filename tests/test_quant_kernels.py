@@ -103,7 +103,8 @@ def test_fused_parts_of_mixed_types_keep_their_values(types, fmts):
 @pytest.mark.parametrize("m", [1, 5, 300])
 def test_fused_parts_run_in_their_own_formats(ops, m):
     """The kernel runs each part of a mixed fused weight into its columns of one output (with the
-    bias across all of them), as its emulation does; the last part may be partly padding."""
+    bias across all of them), each over the activations its format takes (k4, q6k per 256 values,
+    q8 per 32), as its emulation does; the last part may be partly padding."""
     types = [("Q4_K", 64), ("Q6_K", 32), ("Q8_0", 16), ("Q4_K", 40)]
     fused = quant.concat([pack_gguf(t, gguf_rows(t, n, 512, seed=i)) for i, (t, n) in enumerate(types)])
     assert [p.fmt for p in fused.parts] == ["k4", "q6k", "q8", "k4"]

@@ -312,19 +312,31 @@ def dequantize_rows(w: PackedWeight, ids: torch.Tensor, dtype: torch.dtype = tor
     return rows.reshape(*ids.shape, w.k)
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] fp32 → xq [M, K] int8, dx, sx [M, K/32]: per block of 32, dx = max|x| / 127, sx = dx Σ xq."""
+# formats whose activations share one scale per super-block of 256 (llama.cpp's Q8_K): their integer
+# sub-block scales then sum in integers across the super-block (csrc/quant_tile.h)
+SUPER_ACTIVATIONS = ("k4", "q6k")
+
+
+def quantize_activations(x: torch.Tensor, group: int = QK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] fp32 → xq [M, K] int8, dx, sx [M, K/32]: symmetric int8 with one scale dx = max|x| / 127
+    per group of `group` values (32, or 256 for SUPER_ACTIVATIONS), repeated for each block of 32 of
+    the group, and sx = dx Σ xq over the block."""
     m, k = x.shape
-    xb = x.float().reshape(m, k // QK, QK)
-    amax = xb.abs().amax(dim=-1)
+    xg = x.float().reshape(m, k // group, group)
+    amax = xg.abs().amax(dim=-1)
     inv = torch.where(amax > 0, torch.full_like(amax, 127) / amax, torch.zeros_like(amax))   # (127 / t is 1/t * 127)
-    xq = torch.round(xb * inv[..., None]).clamp(-127, 127)
-    dx = amax / 127
+    xq = torch.round(xg * inv[..., None]).clamp(-127, 127).reshape(m, k // QK, QK)
+    dx = (amax / 127).repeat_interleave(group // QK, dim=1)
     return xq.to(torch.int8).reshape(m, k), dx, dx * xq.sum(-1)
 
 
 def emulate(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """What the kernel computes, in PyTorch: x quantized per block of 32, times the exact weights."""
-    xq, dx, _ = quantize_activations(x)
-    xd = (xq.float().reshape(x.shape[0], -1, QK) * dx[..., None]).reshape(x.shape)
-    return torch.nn.functional.linear(xd, dequantize(w), bias)
+    """What the kernel computes, in PyTorch: x quantized per block of 32 (per 256 for SUPER_ACTIVATIONS
+    formats), times the exact weights; each part of a fused weight with its own activations."""
+    outs = []
+    for part in w.parts:
+        xq, dx, _ = quantize_activations(x, 256 if part.fmt in SUPER_ACTIVATIONS else QK)
+        xd = (xq.float().reshape(x.shape[0], -1, QK) * dx[..., None]).reshape(x.shape)
+        outs.append(torch.nn.functional.linear(xd, dequantize(part)))
+    y = torch.cat(outs, dim=-1)
+    return y if bias is None else y + bias

@@ -18,11 +18,11 @@ void argmax_rows(const Runtime& rt, const float* x, int64_t B, int64_t V, int64_
 void mask_rows(const Runtime& rt, const float* x, int64_t B, int64_t V, const int32_t* words, float* out);
 void quantize_activations(const Runtime& rt, const float* x, int64_t M, int64_t K, int8_t* xq, float* dx,
                           float* sx);
-// quantize_activations, and with sl each block's first-half sum; threads split the M K / 32 blocks
-// in shares of at least QUANT_GRAIN
+// quantize_activations, and with sl each block's first-half sum; with super one scale per 256 values
+// (K % 256 == 0); threads split the M K / 32 blocks in shares of at least QUANT_GRAIN
 constexpr int64_t QUANT_GRAIN = 256;
 void quantize_rows(const Runtime& rt, const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* sx,
-                   float* sl);
+                   float* sl, bool super);
 void quant_linear(const Runtime& rt, const float* x, int64_t M, int64_t K, const PackedWeights& w,
                   const float* bias, float* y);
 double int8_peak_gops(const Runtime& rt, int64_t iters);

@@ -158,38 +158,45 @@ void run_part(const Runtime& rt, const Act& a, int64_t M, const PackedWeights& p
 
 }  // namespace
 
+// K4's and Q6K's activations: one scale per super-block of 256 (llama.cpp's Q8_K), so their integer
+// sub-block scales sum in integers across it (quant_tile.h); every other format one per block of 32
+constexpr bool super_activations(Fmt f) { return f == K4 || f == Q6K; }
+
 // y [M, N] = x [M, K] @ W^T + bias, W packed as described at the top (N rows of NT * 16), its rows
-// continued by pw.next's in another format (a fused projection of mixed parts): N the sum.
+// continued by pw.next's in another format (a fused projection of mixed parts): N the sum. The
+// activations are quantized once for the parts of each grouping (per 32, per 256) they need.
 void quant_linear(const Runtime& rt, const float* x, int64_t M, int64_t K, const PackedWeights& pw,
                   const float* bias, float* y) {
   if (M == 0) return;
   const int64_t KB = K / QK;
   int64_t N = 0;
-  bool half_sums = false;                     // biased halves need each half's sum
+  bool need[2] = {false, false}, half_sums[2] = {false, false};   // [super]: quantized that way; biased halves' sums
   for (const PackedWeights* p = &pw; p != nullptr; p = p->next) {
+    const bool sup = super_activations(p->fmt);
     N += p->N;
-    half_sums |= p->fmt == K6 || p->fmt == Q6K || (p->fmt == K8 && Q8_BIASED);
+    need[sup] = true;
+    half_sums[sup] |= p->fmt == K6 || p->fmt == Q6K || (p->fmt == K8 && Q8_BIASED);
   }
-  thread_local Scratch own;
-  auto reserve = [&] {
-    if (static_cast<int64_t>(own.xq.size()) < M * K) own.xq.resize(M * K);
-    if (static_cast<int64_t>(own.dx.size()) < M * KB) own.dx.resize(M * KB), own.sx.resize(M * KB), own.sl.resize(M * KB);
-    return &own;
-  };
-  Scratch* scratch;
-  if (rt.team && M * KB <= QUANT_GRAIN) {     // each thread of a team quantizes a few rows itself: no barrier
-    scratch = reserve();
-    quantize_rows(Runtime{1}, x, M, K, scratch->xq.data(), scratch->dx.data(), scratch->sx.data(),
-                  half_sums ? scratch->sl.data() : nullptr);
-  } else {                                    // a team shares one thread's buffers
-    scratch = team_once<Scratch>(rt, reserve);
-    quantize_rows(rt, x, M, K, scratch->xq.data(), scratch->dx.data(), scratch->sx.data(),
-                  half_sums ? scratch->sl.data() : nullptr);
+  thread_local Scratch own[2];
+  Act acts[2] = {};
+  for (int sup = 0; sup < 2; ++sup) {
+    if (!need[sup]) continue;
+    auto reserve = [&] {
+      Scratch& o = own[sup];
+      if (static_cast<int64_t>(o.xq.size()) < M * K) o.xq.resize(M * K);
+      if (static_cast<int64_t>(o.dx.size()) < M * KB) o.dx.resize(M * KB), o.sx.resize(M * KB), o.sl.resize(M * KB);
+      return &o;
+    };
+    // each thread of a team quantizes a few rows itself (no barrier); otherwise a team shares one thread's buffers
+    const bool alone = rt.team && M * KB <= QUANT_GRAIN;
+    Scratch* scratch = alone ? reserve() : team_once<Scratch>(rt, reserve);
+    quantize_rows(alone ? Runtime{1} : rt, x, M, K, scratch->xq.data(), scratch->dx.data(), scratch->sx.data(),
+                  half_sums[sup] ? scratch->sl.data() : nullptr, sup);
+    acts[sup] = Act{scratch->xq.data(), scratch->dx.data(), scratch->sx.data(), scratch->sl.data(), K, KB};
   }
-  const Act a{scratch->xq.data(), scratch->dx.data(), scratch->sx.data(), scratch->sl.data(), K, KB};
   int64_t n0 = 0;
   for (const PackedWeights* p = &pw; p != nullptr; n0 += p->N, p = p->next)
-    run_part(rt, a, M, *p, bias ? bias + n0 : nullptr, y + n0, N);
+    run_part(rt, acts[super_activations(p->fmt)], M, *p, bias ? bias + n0 : nullptr, y + n0, N);
 }
 
 }  // namespace pw

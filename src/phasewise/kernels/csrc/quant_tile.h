@@ -2,8 +2,9 @@
 // MT activation rows x NV tiles of 16 output rows, one block of 32 k at a time, in int8 dot
 // products of the vector layer and a float epilogue per block.
 //
-// Activations are quantized per block of 32 values (activation_quant.cpp: symmetric int8, own fp32
-// scale dx, and sx = dx * sum(xq), sl = dx * sum of the first 16 xq, for the weight offsets); weight blocks of
+// Activations are quantized per block of 32 values (activation_quant.cpp: symmetric int8, fp32 scale
+// dx, one per block, or per super-block of 256 for K4 and Q6K (quant_linear.cpp), and sx = dx *
+// sum(xq), sl = dx * sum of the first 16 xq, for the weight offsets); weight blocks of
 // 32 along K are unsigned bytes, so VNNI's `vpdpbusd` (u8 x s8 -> s32, 4 products per lane) takes
 // them as they are:
 //   Q4 (GGUF Q4_1, and Q4_0 with m = -8 d):  w = d q + m,        q in 0..15, d, m fp16 per block
@@ -18,7 +19,8 @@
 //   K6 (GGUF Q5_K, Q6_K):                    w = d sc_h (u - 32) + m, u = q + 32, q in -32..31, d and
 //                                            m fp32, an integer sc per half (|sc| <= 128, int16)
 // (the K scales are fp16 x 6- or 8-bit integers in the file: exact in fp32; Q6_K's sub-blocks are
-// 16 wide), so a block contributes d (dx acc) + m sx (Q4, K4) or d (dx acc - o sx) + m sx (the
+// 16 wide), so a block contributes d (dx acc) + m sx (Q4; K4 sums sc acc over the super-block in
+// integers and adds d_K dx sum at its end) or d (dx acc - o sx) + m sx (the
 // bytes, offset o = 128, 32 or 16), with acc = sum(u xq) (K8, K6: per half, with sl and sx - sl,
 // and K6's d sc of each half). On AVX2 (int16 sums) K6 takes acc = sc0 sum_0(u xq) + sc1 sum_1(u xq)
 // in integers instead, vpmaddwd by sc where the other formats widen by ones, and its offsets
@@ -130,11 +132,6 @@ inline void block_epilogue(const Act& a, int64_t m0, const Weights& w, int64_t t
     Vf dv, mv;
     if constexpr (F == Q4 || F == Q8 || five_bits(F)) dv = Vf::from_f16(reinterpret_cast<const uint16_t*>(scales));
     if constexpr (F == Q4) mv = Vf::from_f16(reinterpret_cast<const uint16_t*>(scales + 32));
-    if constexpr (F == K4) {   // d sc and -dmin m, exact in fp32 (an fp16 times a 6-bit integer)
-      const uint16_t* sb = w.super + ((t0 + v) * (w.KB / K4_SUPER) + b / K4_SUPER) * 32;
-      dv = Vf::from_f16(sb) * to_float(Vi::from_u8(scales));
-      mv = Vf::zero() - Vf::from_f16(sb + 16) * to_float(Vi::from_u8(scales + 16));
-    }
     if constexpr (F == K8) dv = Vf::load(reinterpret_cast<const float*>(scales + 64 * h));
     if constexpr (F == Q6K)    // half h's d sc (m = 0)
       dv = Vf::from_f16(w.super + ((t0 + v) * (w.KB / K4_SUPER) + b / K4_SUPER) * 16) *
@@ -178,6 +175,28 @@ inline void block_epilogue(const Act& a, int64_t m0, const Weights& w, int64_t t
   }
 }
 
+// part[i][v] = block b's 8 nibble dot products of activation row i with tile t0 + v (narrow sums)
+template <Fmt F, int MT, int NV>
+inline void nibble_dots(const Act& a, const Weights& w, int64_t t0, int64_t b, const int8_t* xb, Vs (&part)[MT][NV]) {
+  for (int i = 0; i < MT; ++i)
+    for (int v = 0; v < NV; ++v) part[i][v] = Vs::zero();
+  for (int j = 0; j < 4; ++j) {
+    Vb lo[NV], hi[NV];
+    for (int v = 0; v < NV; ++v) {
+      const Vb raw = Vb::load(w.qs + ((t0 + v) * w.KB + b) * block_bytes(F) + j * 64);
+      lo[v] = lo4(raw);
+      hi[v] = hi4(raw);
+    }
+    for (int i = 0; i < MT; ++i) {
+      const Vb xl = Vb::bcast4(xb + i * a.K + 4 * j), xh = Vb::bcast4(xb + i * a.K + 16 + 4 * j);
+      for (int v = 0; v < NV; ++v) {
+        part[i][v] = dot_u4s(part[i][v], lo[v], xl);
+        part[i][v] = dot_u4s(part[i][v], hi[v], xh);
+      }
+    }
+  }
+}
+
 // MT activation rows from m0 x NV tiles of 16 output rows from tile t0: out[m0.., 16 t0..].
 template <Fmt F, int MT, int NV>
 inline void tile_kernel(const Act& a, int64_t m0, const Weights& w, int64_t t0, const float* bias,
@@ -189,6 +208,7 @@ inline void tile_kernel(const Act& a, int64_t m0, const Weights& w, int64_t t0, 
   // of each per step: few rows make this a stream from DRAM, and the next tiles start elsewhere.
   const uint8_t* next = m0 == 0 ? w.qs + (t0 + NV) * w.KB * block_bytes(F) : nullptr;
   const uint8_t* next_end = w.qs + w.NT * w.KB * block_bytes(F);
+  Vi sup[F == K4 ? MT : 1][F == K4 ? NV : 1];   // K4: the super-block's integer sums
   for (int64_t b = 0; b < w.KB; ++b) {
     if (next != nullptr)
       for (int64_t off = b * NV * block_bytes(F); off < (b + 1) * NV * block_bytes(F); off += 64)
@@ -221,25 +241,31 @@ inline void tile_kernel(const Act& a, int64_t m0, const Weights& w, int64_t t0, 
             for (int v = 0; v < NV; ++v) acc[i][v] = acc[i][v] + widen(part[i][v]);
       });
       block_epilogue<F, MT, NV>(a, m0, w, t0, b, 0, acc, r);
-    } else if constexpr (nibbles(F)) {    // 8 nibble dot products per (row, tile): one narrow accumulator
+    } else if constexpr (F == K4) {   // a super-block's sum of sc_b sum_b(q xq) in integers, one scale at its end
+      if (b % K4_SUPER == 0)
+        for (int i = 0; i < MT; ++i)
+          for (int v = 0; v < NV; ++v) sup[i][v] = Vi::zero();
       Vs part[MT][NV];
-      for (int i = 0; i < MT; ++i)
-        for (int v = 0; v < NV; ++v) part[i][v] = Vs::zero();
-      for (int j = 0; j < 4; ++j) {
-        Vb lo[NV], hi[NV];
-        for (int v = 0; v < NV; ++v) {
-          const Vb raw = Vb::load(w.qs + ((t0 + v) * w.KB + b) * block_bytes(F) + j * 64);
-          lo[v] = lo4(raw);
-          hi[v] = hi4(raw);
-        }
+      nibble_dots<F, MT, NV>(a, w, t0, b, xb, part);
+      for (int v = 0; v < NV; ++v) {
+        const uint8_t* scales = w.qs + ((t0 + v) * w.KB + b) * block_bytes(F) + quant_bytes(F);
+        const uint16_t* sb = w.super + ((t0 + v) * (w.KB / K4_SUPER) + b / K4_SUPER) * 32;
+        const Vi by = pair_factor(Vi::from_u8(scales));
+        const Vf mv = Vf::zero() - Vf::from_f16(sb + 16) * to_float(Vi::from_u8(scales + 16));   // -dmin m
         for (int i = 0; i < MT; ++i) {
-          const Vb xl = Vb::bcast4(xb + i * a.K + 4 * j), xh = Vb::bcast4(xb + i * a.K + 16 + 4 * j);
-          for (int v = 0; v < NV; ++v) {
-            part[i][v] = dot_u4s(part[i][v], lo[v], xl);
-            part[i][v] = dot_u4s(part[i][v], hi[v], xh);
-          }
+          sup[i][v] = sup[i][v] + widen_by(part[i][v], by);
+          r[i][v] = fma(mv, Vf::set1(a.sx[(m0 + i) * a.KB + b]), r[i][v]);
         }
       }
+      if (b % K4_SUPER == K4_SUPER - 1)   // r += d dx sum (dx: the super-block's, the same in each block)
+        for (int v = 0; v < NV; ++v) {
+          const Vf d = Vf::from_f16(w.super + ((t0 + v) * (w.KB / K4_SUPER) + b / K4_SUPER) * 32);
+          for (int i = 0; i < MT; ++i)
+            r[i][v] = fma(to_float(sup[i][v]), d * Vf::set1(a.dx[(m0 + i) * a.KB + b]), r[i][v]);
+        }
+    } else if constexpr (nibbles(F)) {    // 8 nibble dot products per (row, tile): one narrow accumulator
+      Vs part[MT][NV];
+      nibble_dots<F, MT, NV>(a, w, t0, b, xb, part);
       for (int i = 0; i < MT; ++i)
         for (int v = 0; v < NV; ++v) acc[i][v] = widen(part[i][v]);
       block_epilogue<F, MT, NV>(a, m0, w, t0, b, 0, acc, r);
