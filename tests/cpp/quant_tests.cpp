@@ -84,6 +84,20 @@ std::vector<uint8_t> random_weight(pw::QuantFormat fmt, int64_t N, int64_t K, st
   return blocks;
 }
 
+// K4's and Q6K's activations: one scale per 256 values (xq, dx [M, K/32]: each block its group's dx)
+void super_activations(const std::vector<float>& x, int64_t M, int64_t K, std::vector<int8_t>& xq,
+                       std::vector<float>& dx) {
+  for (int64_t g = 0; g < M * K / 256; ++g) {
+    float amax = 0.f;
+    for (int j = 0; j < 256; ++j) amax = std::max(amax, std::fabs(x[g * 256 + j]));
+    const float id = amax > 0.f ? 127.f / amax : 0.f;
+    for (int j = 0; j < 256; ++j) xq[g * 256 + j] = static_cast<int8_t>(std::nearbyint(x[g * 256 + j] * id));
+    for (int b = 0; b < 8; ++b) dx[g * 8 + b] = amax / 127.f;
+  }
+}
+
+bool super_format(pw::QuantFormat f) { return f == pw::K4 || f == pw::Q6K; }
+
 void test_quant_linear(const pw::KernelTable& k, pw::QuantFormat fmt, int64_t M, int64_t N, int64_t K,
                        int64_t u5_tiles) {
   std::vector<float> W, scale;
@@ -112,6 +126,7 @@ void test_quant_linear(const pw::KernelTable& k, pw::QuantFormat fmt, int64_t M,
   std::vector<float> y(M * N), want(M * N);
   const pw::PackedWeights w{fmt, blocks.data(), scale.data(), N, NT, KB, u5_tiles, super.data()};
   k.quant_linear(RT, x.data(), M, K, w, bias.data(), y.data());
+  if (super_format(fmt)) super_activations(x, M, K, xq, dx);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t n = 0; n < N; ++n) {
       double acc = bias[n];
@@ -144,14 +159,19 @@ void test_fused_parts(const pw::KernelTable& k, int64_t M, int64_t K) {
   auto x = randn(M * K), bias = randn(N);
   std::vector<int8_t> xq(M * K);
   std::vector<float> dx(M * KB), sx(M * KB), y(M * N), want(M * N);
+  std::vector<int8_t> xs(M * K);
+  std::vector<float> ds(M * KB);
   k.quantize_activations(RT, x.data(), M, K, xq.data(), dx.data(), sx.data());
+  super_activations(x, M, K, xs, ds);
   k.quant_linear(RT, x.data(), M, K, parts[0], bias.data(), y.data());
   float big = 0.f;
   for (int64_t m = 0; m < M; ++m)
     for (int64_t n = 0, i = 0, r = 0; n < N; ++n, ++r) {
       if (r == rows[i]) ++i, r = 0;
       double acc = bias[n];
-      for (int64_t kk = 0; kk < K; ++kk) acc += static_cast<double>(Ws[i][r * K + kk]) * xq[m * K + kk] * dx[m * KB + kk / 32];
+      const bool sup = super_format(fmts[i]);   // each part over its own activations
+      for (int64_t kk = 0; kk < K; ++kk)
+        acc += static_cast<double>(Ws[i][r * K + kk]) * (sup ? xs : xq)[m * K + kk] * (sup ? ds : dx)[m * KB + kk / 32];
       want[m * N + n] = static_cast<float>(acc);
       big = std::max(big, std::fabs(want[m * N + n]));
     }
