@@ -211,7 +211,9 @@ def write_gguf(path: Path, hf_model, arch: str, *, permute: bool, vocab_in_token
             array = array[order]
         qtype = types(name) if array.ndim >= 2 else QT.F32
         if qtype.name.endswith("_K"):
-            data = gguf_rows(qtype.name, *array.shape, seed=len(used) + 7 * array.shape[0], scale=0.1)
+            rows = int(np.prod(array.shape[:-1]))                        # an expert tensor: [E, rows, in]
+            data = gguf_rows(qtype.name, rows, array.shape[-1], seed=len(used) + 7 * rows, scale=0.1)
+            data = data.reshape(*array.shape[:-1], -1)
         else:
             data = quantize(array, qtype)
         w.add_tensor(name, data, raw_dtype=qtype if qtype not in (QT.F32, QT.F16) else None)

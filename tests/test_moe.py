@@ -1,6 +1,6 @@
 """Mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE): tiny random models from transformers'
 own classes, saved as safetensors folders and written as GGUF files (F32, and Q8_0 experts), against
-transformers in fp32: logits at every prompt position and the argmax there (teacher-forced), and
+transformers in fp32 (their experts on the kernels: tests/test_expert_kernels.py): logits at every prompt position and the argmax there (teacher-forced), and
 greedy tokens; the sparse block and its router against transformers' own modules (softmax, top-k
 and its ties, renormalising, the shared expert's gate); the engine's greedy tokens alone, batched
 and in chunks."""
@@ -198,17 +198,20 @@ def test_the_shared_expert_and_its_gate_count():
 
 # ---- configs, precision, refusals ------------------------------------------------------------------
 
-def test_default_precision_is_float(folders, tmp_path):
-    """With kernels, a dense model's default is int8 or q4; a mixture of experts runs in fp32, saying why."""
+def test_default_precision_runs_the_experts_on_the_kernels(folders, tmp_path):
+    """With kernels a mixture of experts takes a dense model's default: the file's blocks where it has
+    them (q4), int8 per channel otherwise."""
     class Kernels:
         isa = "avx2"
 
     folder, hf_model = folders("mixtral")
-    path = tmp_path / "m.gguf"
+    path, blocks = tmp_path / "m.gguf", tmp_path / "q8.gguf"
     write_gguf(path, hf_model, "llama", permute=True, types=lambda n: QT.F32)
-    for where in (folder, path):
+    write_gguf(blocks, hf_model, "llama", permute=True, types=lambda n: QT.Q8_0 if "_exps." in n else QT.F32)
+    for where, weights in ((folder, "int8"), (path, "int8"), (blocks, "q4")):
         p = choose(where, "auto", "auto", Kernels())
-        assert p.weights == "fp32" and p.chosen and "mixture-of-experts" in p.why
+        assert p.weights == weights and p.chosen
+    assert "Q8_0" in choose(blocks, "auto", "auto", Kernels()).why
     assert choose(folder, "fp32", "model", Kernels()).weights == "fp32"
 
 

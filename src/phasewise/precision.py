@@ -8,8 +8,8 @@ pair holds 0.5% on the file, with a float KV cache where only the weights do (Qw
 its int8 KV cache costs +1.5%), and with the int8 cache where nothing was measured, saying so.
 int8 per-channel weights measured -0.05% on the default model. Both int8 paths need the compiled
 kernels to be fast; without them (another device, `kernels="torch"`, no compiler) the default is
-the file's weights in fp32 with a float KV cache. A mixture of experts runs its weights in fp32 by
-default (its experts are float until their kernels land; the KV cache as above).
+the file's weights in fp32 with a float KV cache. A mixture of experts is no different: its experts
+run in the file's blocks (kernels/csrc/expert_mlp.cpp).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def gguf_block_types(path: Path) -> set[str]:
 
     tensors = GGUFFile(path).tensors
     return {GGMLQuantizationType(t.ggml_type).name for name, t in tensors.items()
-            if name.startswith("blk.") and name.endswith(".weight") and len(t.shape) == 2}
+            if name.startswith("blk.") and name.endswith(".weight") and len(t.shape) >= 2}
 
 
 def choose(path: Path, dtype: str, kv_dtype: str, kernels: Kernels | None) -> Precision:
@@ -91,9 +91,6 @@ def choose(path: Path, dtype: str, kv_dtype: str, kernels: Kernels | None) -> Pr
         return Precision(dtype, kv, False, "--dtype/--kv-dtype")
     if kernels is None:
         return Precision("fp32", kv, True, "no compiled kernels here, so the file's weights in fp32")
-    if has_experts(path):
-        return Precision("fp32", kv, True, "mixture-of-experts: float experts until their kernels land, so the "
-                                           "file's weights in fp32")
     types = gguf_block_types(path)
     blocks = sorted(types & set(GGUF_BLOCKS))
     if blocks:
@@ -105,22 +102,6 @@ def choose(path: Path, dtype: str, kv_dtype: str, kernels: Kernels | None) -> Pr
     return Precision("int8", kv, True, f"int8 per-channel weights on the {kernels.isa} kernels (measured apart: "
                                        "-0.05% perplexity, the int8 KV cache +0.2%)")
 
-
-def has_experts(path: Path) -> bool:
-    """Whether the model at `path` (an HF folder or a GGUF file) is a mixture of experts, from its
-    config.json or header alone (False when neither says so or cannot be read)."""
-    try:
-        if path.is_dir():
-            config = json.loads((path / "config.json").read_text())
-            return bool(config.get("num_experts") or config.get("num_local_experts"))
-        if path.suffix != ".gguf":
-            return False
-        from phasewise.loading.gguf import GGUFFile
-
-        fields = GGUFFile(path).fields
-        return bool(fields.get(f"{fields.get('general.architecture')}.expert_count"))
-    except (OSError, ValueError, AttributeError):
-        return False
 
 
 def _key(path: Path) -> tuple[str, int]:

@@ -69,5 +69,9 @@ void test_quant_linear(const pw::KernelTable& k, pw::QuantFormat fmt, int64_t M,
 void test_fused_parts(const pw::KernelTable& k, int64_t M, int64_t K);
 void test_decoder_stack(const pw::KernelTable& k, bool int8, const std::vector<int64_t>& query_lens,
                         const std::vector<int64_t>& context_lens);
+// expert_tests.cpp
+void test_expert_mlp(const pw::KernelTable& k, pw::QuantFormat fmt, pw::QuantFormat down_fmt, int64_t T, int64_t kk);
+void test_expert_mlp_exact(const pw::KernelTable& k, pw::QuantFormat fmt);
+void test_float_linear(const pw::KernelTable& k);
 
 }  // namespace kt

@@ -233,6 +233,11 @@ int main() {
     test_decoder_stack(k, int8, {1}, {1});                                      // the first decode step
     test_decoder_stack(k, int8, {1, 12, 1}, {40, 12, 300});                     // decodes, a prompt chunk
   }
+  for (pw::QuantFormat fmt : {pw::Q4, pw::Q8, pw::I8, pw::K4, pw::K8, pw::Q5, pw::K6, pw::Q6K})
+    test_expert_mlp_exact(k, fmt);
+  for (const auto& f : std::vector<std::vector<pw::QuantFormat>>{{pw::K4, pw::Q6K}, {pw::Q4, pw::Q8}, {pw::Q5, pw::K4}})
+    for (int64_t T : {1, 7, 40}) test_expert_mlp(k, f[0], f[1], T, 3);
+  test_float_linear(k);
   check("int8_peak_gops", k.int8_peak_gops(RT, 2000) > 0.0);
   std::printf("%d passed, %d failed\n", passed, failed);
   return failed == 0 ? 0 : 1;

@@ -37,7 +37,7 @@ CSRC = Path(__file__).parent / "csrc"
 BINDING_SOURCES = ("bindings.cpp", "kernel_set.cpp", "decoder_stack.cpp")
 KERNEL_SOURCES = ("cpu_ops.cpp", "paged_attention.cpp", "tile_attention.cpp", "quant_linear.cpp",
                   "activation_quant.cpp", "dequantize_rows.cpp", "repack_gguf.cpp", "int8_peak.cpp", "decoder.cpp",
-                  "table.cpp")
+                  "expert_mlp.cpp", "table.cpp")
 COMMON_FLAGS = ("-std=c++17", "-O3", "-fPIC", "-fopenmp", "-ffast-math", "-fno-finite-math-only",
                 "-fvisibility=hidden")
 # Attention gives a row the same bits whichever of its kernels reads it (csrc/attention.h): its files

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -130,13 +131,16 @@ class GGUFFile:
 
     def weight(self, hf_name: str, cfg: ModelConfig) -> GGUFTensor | None:
         """The HF-named 2-D weight of a linear layer or the token table (a tied output head: the
-        embedding); None if absent."""
+        embedding), an expert tensor [E, rows, in] as its stacked [E rows, in]; None if absent."""
         name = _gguf_name(hf_name, cfg)
         if name not in self.tensors and hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
             name = "token_embd.weight"
-        if name not in self.tensors or len(self.tensors[name].shape) != 2:
+        if name not in self.tensors:
             return None
-        return self._tensor(name, cfg)
+        shape = tuple(self.tensors[name].shape)
+        if len(shape) == 3 and "_exps." in name:
+            return replace(self._tensor(name, cfg), shape=(shape[0] * shape[1], shape[2]))
+        return self._tensor(name, cfg) if len(shape) == 2 else None
 
     def hf_tensors(self, cfg: ModelConfig) -> Iterator[tuple[str, GGUFTensor]]:
         """(HF name, tensor to read whole or in part) for every weight."""

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from phasewise.distributed import TensorParallel
+from phasewise.layers.expert_linear import ExpertLinear
 from phasewise.layers.linear import Linear, onednn_available
 from phasewise.layers.rotary import RotaryEmbedding
 from phasewise.loading.gguf import GGUFFile, ModelLoadError
@@ -201,7 +202,7 @@ def choose_weight_forms(model: nn.Module, device: torch.device | str, dtype: tor
             warnings.warn("phasewise: this CPU has no bf16 kernels in oneDNN; bf16 runs PyTorch's generic "
                           "linears (slow): --dtype fp32 or the default is faster here", stacklevel=2)
         return len(blocks)
-    dense = [m for m in linears if m.form == "dense"]
+    dense = [m for m in linears if m.form == "dense" and not isinstance(m, ExpertLinear)]   # experts: cut by rows
     for layer in dense:
         layer.pack_for_onednn()
     return len(dense) + len(blocks)

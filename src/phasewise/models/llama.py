@@ -246,7 +246,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and cfg.tie_word_embeddings:
                 continue  # some checkpoints store the tied copy anyway
-            if cfg.num_experts and (moe := load_moe_weight(params, name, tensor)) is not None:
+            if cfg.num_experts and (moe := load_moe_weight(params, name, tensor, cfg.num_experts)) is not None:
                 loaded |= moe
                 continue
             parts = name.split(".")
@@ -277,7 +277,7 @@ class LlamaForCausalLM(nn.Module):
 
     def expected_weights(self) -> set[str]:
         """What load_weights must fill for the model to be complete."""
-        return set().union(*(expert_shard_names(name, p.shape) or _shard_names(name)
+        return set().union(*(expert_shard_names(name, self.config.num_experts) or _shard_names(name)
                              for name, p in self.named_parameters()))
 
 

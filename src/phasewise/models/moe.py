@@ -1,20 +1,21 @@
-"""The mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE) in plain PyTorch, float experts.
+"""The mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE): router, experts, shared expert.
 
 A router (a float linear map, never quantized) scores every expert for each row; each row takes its
 top-k experts, weighted as transformers weights them: softmax over all experts in fp32, then
 `torch.topk` (its order and ties), then, where the config says so, the k weights renormalised to sum
-to 1 (`cfg.router == "topk_softmax"`: top-k of the logits, softmax over those). The experts are two
-3-D weights, gate and up fused as in transformers: `gate_up_proj` [E, 2 I, H] and `down_proj`
-[E, H, I]. Rows are grouped by expert: for each expert chosen by any row, one matmul over all its
-rows, down-projected, scaled by each row's weight and added into the output (`index_add_`), experts
-in ascending order, so a row's k terms are summed in an order that depends on that row alone.
+to 1 (`cfg.router == "topk_softmax"`: top-k of the logits, softmax over those). The experts are
+three stacked weights (layers/expert_linear.py): `gate_proj` and `up_proj` [E I, H], `down_proj` [E H, I], in blocks
+as the file holds them or in float. Rows are grouped by expert: for each expert chosen by any row,
+one pass over its weights for all its rows; each row's k terms are then summed in the router's
+order (j = 0 .. k - 1), an order that depends on that row alone. With the kernels the whole sparse
+MLP is one call (kernels/csrc/expert_mlp.cpp), reading only the chosen experts' blocks.
 Qwen2-MoE adds a shared expert (a dense MLP) behind its own sigmoid gate.
 
 Row independence at fp32: torch's float GEMM rounds a row differently with the number of rows in the
 call (a single row is a GEMV; measured on MKL and oneDNN), so an expert's result for a row can differ
 in the last bits with the rows that share its expert in a step, exactly as the dense float linears
-do; greedy tokens alone and batched are tested equal (tests/test_moe.py). Bit-exactness whatever
-shares the step comes with the packed expert kernels (issue 54's later parts).
+do; greedy tokens alone and batched are tested equal (tests/test_moe.py). On the kernels each row's
+bits do not depend on the rows beside it (tested alone, batched and chunked, per format).
 """
 
 from __future__ import annotations
@@ -25,19 +26,24 @@ from torch import nn
 
 from phasewise.distributed import TensorParallel
 from phasewise.kernels import UsesKernels, applies
-from phasewise.kernels.kernel_api import Kernels
+from phasewise.kernels.kernel_api import Kernels, WeightPart
+from phasewise.layers.expert_linear import ExpertLinear
 from phasewise.layers.linear import frozen
 from phasewise.models.config import ModelConfig
 
 
-class Gate(nn.Module):
-    """A float linear map without bias that no loader quantizes: the router, the shared expert's gate."""
+class Gate(UsesKernels, nn.Module):
+    """A float linear map without bias that no loader quantizes: the router, the shared expert's gate.
+    On the kernels each row's scores are the same bits whatever rows share the step (torch's GEMM
+    rounds a lone row apart), so a row's experts do not depend on its neighbours."""
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
         self.weight = frozen(torch.empty(out_features, in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if applies(self.ops, x) and self.weight.dtype == torch.float32:
+            return self.ops.float_linear(x, self.weight)
         return F.linear(x, self.weight)
 
 
@@ -55,35 +61,57 @@ def route(logits: torch.Tensor, k: int, renorm: bool, order: str = "softmax_topk
 
 
 class Experts(UsesKernels, nn.Module):
-    """E SwiGLU experts as two 3-D weights; each row runs its own k."""
+    """E SwiGLU experts as three stacked weights (layers/expert_linear.py); each row runs its own k.
+
+    On the kernels (the weights in blocks, fp32 rows on the CPU) one call runs them all
+    (`Kernels.expert_mlp`); otherwise the float path below, which the kernel's results match to the
+    activations' int8 rounding."""
 
     def __init__(self, num_experts: int, hidden: int, width: int) -> None:
         super().__init__()
-        self.gate_up_proj = frozen(torch.empty(num_experts, 2 * width, hidden))   # [E, 2 I, H]: gate, then up
-        self.down_proj = frozen(torch.empty(num_experts, hidden, width))          # [E, H, I]
+        self.num_experts = num_experts
+        self.gate_proj = ExpertLinear(num_experts, hidden, width)    # [E I, H]
+        self.up_proj = ExpertLinear(num_experts, hidden, width)      # [E I, H]
+        self.down_proj = ExpertLinear(num_experts, width, hidden)    # [E H, I]
+        self._parts: tuple[WeightPart, WeightPart, WeightPart] | None = None
+
+    def bind_kernels(self, kernels: Kernels | None) -> None:
+        self.ops = kernels
+        projections = (self.gate_proj, self.up_proj, self.down_proj)
+        for p in projections:
+            p.bind_kernels(kernels)
+        parts = [p.kernel_part() for p in projections]
+        self._parts = tuple(parts) if kernels is not None and None not in parts else None
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)      # buffers may move: gather the kernel's arguments again
+        self.bind_kernels(self.ops)
+        return out
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [T, H], ids and weights [T, k] → Σ_j weights[t, j] · expert_{ids[t, j]}(x[t]): [T, H]."""
+        """x [T, H], ids and weights [T, k] → Σ_j weights[t, j] · expert_{ids[t, j]}(x[t]): [T, H],
+        the k terms summed in the router's order."""
+        if self._parts is not None and applies(self.ops, x):
+            return self.ops.expert_mlp(x, ids, weights, *self._parts, self.num_experts)
         T, k = ids.shape
-        out = torch.zeros_like(x)
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)                   # by expert, then row: [T k]
-        rows, scale = order // k, weights.reshape(-1)[order].to(x.dtype)
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        y = x.new_empty(T * k, x.shape[1])
         start = 0
         for e, n in enumerate(counts):
             if not n:
                 continue
-            sel = rows[start:start + n]
-            gate_up = F.linear(x[sel], self.gate_up_proj[e])       # [n, 2 I]
-            if applies(self.ops, gate_up):
-                act = self.ops.silu_and_mul(gate_up, gelu=False)
-            else:
-                gate, up = gate_up.chunk(2, dim=-1)
-                act = F.silu(gate) * up
-            y = F.linear(act, self.down_proj[e]) * scale[start:start + n, None]
-            out.index_add_(0, sel, y)
+            slots = order[start:start + n]
+            rows = x[slots // k]
+            gate = F.linear(rows, self.gate_proj.expert_weight(e, x.dtype))
+            up = F.linear(rows, self.up_proj.expert_weight(e, x.dtype))
+            y[slots] = F.linear(F.silu(gate) * up, self.down_proj.expert_weight(e, x.dtype))
             start += n
+        terms = y.view(T, k, -1) * weights.to(x.dtype)[..., None]
+        out = terms[:, 0]
+        for j in range(1, k):
+            out = out + terms[:, j]
         return out
 
 
@@ -102,9 +130,11 @@ class SparseMoeBlock(UsesKernels, nn.Module):
 
     def bind_kernels(self, kernels: Kernels | None) -> None:
         self.ops = kernels
+        self.gate.bind_kernels(kernels)
         self.experts.bind_kernels(kernels)
         if self.shared_expert is not None:
             self.shared_expert.bind_kernels(kernels)
+            self.shared_expert_gate.bind_kernels(kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] → [T, hidden]."""
@@ -118,18 +148,17 @@ class SparseMoeBlock(UsesKernels, nn.Module):
 
 # ---- checkpoint names ----------------------------------------------------------------------------
 
-# one expert's weight in a checkpoint (HF: mlp.experts.{e}.gate_proj; Mixtral: block_sparse_moe.experts.{e}.w1)
-# → (our 3-D parameter, half of gate_up_proj: 0 gate, 1 up, None the whole of down_proj)
-_EXPERT_PARTS = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", None),
-                 "w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1), "w2": ("down_proj", None)}
+# a checkpoint's name of an expert projection → ours (Mixtral's w1, w3, w2)
+_PROJECTIONS = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj",
+                "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
-def load_moe_weight(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> set[str] | None:
-    """Copy a mixture-of-experts checkpoint tensor into its place; the shard names filled, or None when
-    `name` is no expert weight (the caller loads it). Takes one expert's 2-D weight
-    (`...experts.{e}.gate_proj.weight`, Mixtral's `w1/w3/w2`), all experts' 3-D weight of one
-    projection (a GGUF's `ffn_{gate,up,down}_exps`, named `...experts.gate_proj.weight`), or
-    transformers' fused 3-D parameters (`...experts.gate_up_proj`, `...experts.down_proj`)."""
+def load_moe_weight(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor, experts: int) -> set[str] | None:
+    """Copy a mixture-of-experts checkpoint tensor into its place (a model of `experts` experts); the
+    shard names filled, or None when `name` is no expert weight (the caller loads it). Takes one
+    expert's 2-D weight (`...experts.{e}.gate_proj.weight`, Mixtral's `w1/w3/w2`), all experts' 3-D
+    weight of one projection (a GGUF's `ffn_{gate,up,down}_exps`, named `...experts.gate_proj.weight`),
+    or transformers' fused 3-D parameters (`...experts.gate_up_proj` [E, 2 I, H], `...experts.down_proj`)."""
     name = name.replace(".block_sparse_moe.", ".mlp.")          # Mixtral's module name
     if name.endswith(".mlp.shared_expert_gate.weight") and tensor.dim() == 1:
         tensor = tensor[None]                                    # a GGUF stores it as [H]
@@ -140,28 +169,31 @@ def load_moe_weight(params: dict[str, nn.Parameter], name: str, tensor: torch.Te
             return {name}
         return None
     head = name[:name.index(".mlp.experts.") + len(".mlp.experts")]
-    if parts[-1] in ("gate_up_proj", "down_proj"):                # transformers' own 3-D parameters
-        expert, (target, half) = None, (parts[-1], None)
-    elif parts[-2] in _EXPERT_PARTS and parts[-1] == "weight" and parts[-3].isdigit():
-        expert, (target, half) = int(parts[-3]), _EXPERT_PARTS[parts[-2]]
-    elif parts[-2] in _EXPERT_PARTS and parts[-1] == "weight" and tensor.dim() == 3:
-        expert, (target, half) = None, _EXPERT_PARTS[parts[-2]]
-    else:
+    if parts[-1] == "gate_up_proj" and tensor.dim() == 3:        # transformers' own: gate, then up
+        gate, up = tensor.chunk(2, dim=1)
+        return _fill(params, name, f"{head}.gate_proj.weight", gate, None, experts) | \
+            _fill(params, name, f"{head}.up_proj.weight", up, None, experts)
+    if parts[-1] == "down_proj" and tensor.dim() == 3:
+        return _fill(params, name, f"{head}.down_proj.weight", tensor, None, experts)
+    if parts[-2] in _PROJECTIONS and parts[-1] == "weight" and (parts[-3].isdigit() or tensor.dim() == 3):
+        expert = int(parts[-3]) if parts[-3].isdigit() else None
+        return _fill(params, name, f"{head}.{_PROJECTIONS[parts[-2]]}.weight", tensor, expert, experts)
+    raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
+
+
+def _fill(params: dict[str, nn.Parameter], name: str, target: str, tensor: torch.Tensor, expert: int | None,
+          experts: int) -> set[str]:
+    """`tensor` into expert `expert`'s rows of the stacked weight `target` (None: all experts, [E, rows, in])."""
+    if target not in params:
         raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
-    target = f"{head}.{target}"
-    data = params[target].data if target in params else None
-    if data is not None and expert is not None:
-        if expert >= data.shape[0]:
-            raise KeyError(f"checkpoint tensor {name!r}: expert {expert} of {data.shape[0]}")
+    stacked = params[target].data
+    data = stacked.view(experts, stacked.shape[0] // experts, stacked.shape[1])
+    if expert is not None:
+        if expert >= experts:
+            raise KeyError(f"checkpoint tensor {name!r}: expert {expert} of {experts}")
         data = data[expert]
-    if data is not None and half is not None:
-        width = data.shape[-2] // 2
-        data = data[..., half * width:(half + 1) * width, :]
     _copy(params, name, data, tensor)
-    experts = [expert] if expert is not None else range(params[target].shape[0])
-    halves = [half] if half is not None else (0, 1)
-    return {f"{target}:{e}:{h}" for e in experts for h in halves} if target.endswith("gate_up_proj") \
-        else {f"{target}:{e}" for e in experts}
+    return {f"{target}:{e}" for e in ([expert] if expert is not None else range(experts))}
 
 
 def _copy(params: dict[str, nn.Parameter], name: str, dst: torch.Tensor | None, tensor: torch.Tensor) -> None:
@@ -172,11 +204,9 @@ def _copy(params: dict[str, nn.Parameter], name: str, dst: torch.Tensor | None, 
     dst.copy_(tensor)
 
 
-def expert_shard_names(param: str, shape: torch.Size) -> set[str] | None:
-    """What must be loaded for an experts' 3-D parameter to be complete: each expert's (and half's)
-    part; None for any other parameter."""
-    if param.endswith(".experts.gate_up_proj"):
-        return {f"{param}:{e}:{h}" for e in range(shape[0]) for h in (0, 1)}
-    if param.endswith(".experts.down_proj"):
-        return {f"{param}:{e}" for e in range(shape[0])}
+def expert_shard_names(param: str, experts: int) -> set[str] | None:
+    """What must be loaded for a stacked expert weight to be complete: each expert's rows; None for
+    any other parameter."""
+    if ".mlp.experts." in param and param.endswith(("gate_proj.weight", "up_proj.weight", "down_proj.weight")):
+        return {f"{param}:{e}" for e in range(experts)}
     return None

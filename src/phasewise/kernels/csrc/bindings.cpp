@@ -35,6 +35,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("bias") = py::none(), py::arg("u5_tiles") = 0, py::arg("rest") = std::vector<PartArgs>{}, nogil())
       .def("repack_gguf", &KernelSet::repack_gguf, "GGUF Q4_K / Q6_K rows -> the k4 / q6k layout: blocks, side",
            py::arg("type"), py::arg("raw"), py::arg("N"), py::arg("K"), nogil())
+      .def("expert_mlp", &KernelSet::expert_mlp, "a mixture-of-experts MLP over packed, stacked expert weights",
+           py::arg("x"), py::arg("ids"), py::arg("weights"), py::arg("gate"), py::arg("up"), py::arg("down"),
+           py::arg("experts"), py::arg("gelu") = false, nogil())
+      .def("float_linear", &KernelSet::float_linear, "x W^T in fp32, each row's bits independent of the others",
+           py::arg("x"), py::arg("weight"), nogil())
       .def("dequantize_rows", &KernelSet::dequantize_rows, "rows ids of a packed weight in fp32 (an embedding)",
            py::arg("ids"), py::arg("fmt"), py::arg("N"), py::arg("blocks"), py::arg("scale") = py::none(), nogil())
       .def("decoder_stack",

@@ -16,6 +16,7 @@ void silu_and_mul(const Runtime& rt, const float* x, int64_t T, int64_t I, float
 void gelu_and_mul(const Runtime& rt, const float* x, int64_t T, int64_t I, float* out);
 void argmax_rows(const Runtime& rt, const float* x, int64_t B, int64_t V, int64_t* out);
 void mask_rows(const Runtime& rt, const float* x, int64_t B, int64_t V, const int32_t* words, float* out);
+void float_linear(const Runtime& rt, const float* x, int64_t T, int64_t K, const float* w, int64_t N, float* out);
 void quantize_activations(const Runtime& rt, const float* x, int64_t M, int64_t K, int8_t* xq, float* dx,
                           float* sx);
 // quantize_activations, and with sl each block's first-half sum; with super one scale per 256 values
@@ -25,6 +26,23 @@ void quantize_rows(const Runtime& rt, const float* x, int64_t M, int64_t K, int8
                    float* sl, bool super);
 void quant_linear(const Runtime& rt, const float* x, int64_t M, int64_t K, const PackedWeights& w,
                   const float* bias, float* y);
+
+struct QuantizedRows {      // rows of activations as quantize_rows leaves them (sl always filled)
+  const int8_t* xq;         // [rows, K]
+  const float* dx;          // [rows, K / 32]
+  const float* sx;
+  const float* sl;
+  int64_t K;
+};
+// Tiles of 16 output rows a register tile covers: a weight's tiles go in groups of this many.
+int64_t linear_tile_group();
+// out[r, 16 t0 .. 16 (t0 + nv)) (row stride ldo) = rows 0 .. rows - 1 of x through tiles t0 .. t0 + nv - 1
+// (nv <= linear_tile_group()) of one part `w` (no U5 tiles, no bias), quantized as its format takes them;
+// each output row the same bits whatever the other rows (quant_linear.cpp).
+void linear_tiles(const QuantizedRows& x, int64_t rows, const PackedWeights& w, int64_t t0, int64_t nv, float* out,
+                  int64_t ldo);
+void expert_mlp(const Runtime& rt, const float* x, int64_t T, const int64_t* ids, const float* weights, int64_t k,
+                const ExpertWeights& ex, float* out);
 double int8_peak_gops(const Runtime& rt, int64_t iters);
 void dequantize_rows(const Runtime& rt, const PackedWeights& w, const int64_t* ids, int64_t T, float* out);
 void repack_gguf(const Runtime& rt, int64_t type, const uint8_t* raw, int64_t N, int64_t K, uint8_t* blocks,

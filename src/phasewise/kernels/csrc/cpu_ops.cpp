@@ -5,7 +5,8 @@
 //  - rms_norm: optional residual add, then RMSNorm, in one pass;
 //  - silu_and_mul: silu(gate) * up of a fused gate_up row; gelu_and_mul: the same with GELU-tanh (Gemma);
 //  - argmax_rows: each row's largest value's index (greedy sampling);
-//  - mask_rows: -inf where a grammar's bitmask refuses the token (structured outputs).
+//  - mask_rows: -inf where a grammar's bitmask refuses the token (structured outputs);
+//  - float_linear: x W^T in fp32, a row's bits independent of the other rows (a router's scores).
 #include "core.h"
 
 #include "parallel.h"
@@ -205,6 +206,29 @@ void mask_rows(const Runtime& rt, const float* xp, int64_t B, int64_t V, const i
       } else {
         for (int64_t i = 0; i < n; ++i) o[i] = (w >> i) & 1u ? x[i] : neg;
       }
+    }
+  });
+}
+
+// Each output by one dot product of 16-lane vectors in a fixed order (two accumulators, the tail, then
+// the lanes as one tree at every level), so a row's scores do not depend on how many rows share the
+// call (torch's GEMM rounds a lone row, a GEMV, apart).
+void float_linear(const Runtime& rt, const float* x, int64_t T, int64_t K, const float* w, int64_t N, float* out) {
+  parallel_for(rt, T * N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* xr = x + (i / N) * K;
+      const float* wr = w + (i % N) * K;
+      Vf a0 = Vf::zero(), a1 = Vf::zero();
+      int64_t c = 0;
+      for (; c + 32 <= K; c += 32) {
+        a0 = fma(Vf::load(xr + c), Vf::load(wr + c), a0);
+        a1 = fma(Vf::load(xr + c + 16), Vf::load(wr + c + 16), a1);
+      }
+      for (; c < K; c += 16) {
+        const int64_t n = std::min<int64_t>(16, K - c);
+        a0 = fma(Vf::load_n(xr + c, n), Vf::load_n(wr + c, n), a0);
+      }
+      out[i] = reduce_add_pairs(a0 + a1);
     }
   });
 }

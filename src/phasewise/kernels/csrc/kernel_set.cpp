@@ -256,6 +256,49 @@ torch::Tensor KernelSet::dequantize_rows(torch::Tensor ids, int64_t fmt, int64_t
   return out.view(shape);
 }
 
+// x [T, H] fp32, ids [T, k] int64 (each in 0..experts-1), weights [T, k] fp32 -> [T, H]; gate, up
+// (format, experts x I rows, blocks, scale) and down (experts x H rows) each all experts' rows stacked.
+torch::Tensor KernelSet::expert_mlp(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, const PartArgs& gate,
+                                    const PartArgs& up, const PartArgs& down, int64_t experts, bool gelu) const {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.device().is_cpu(), "x: fp32 [T, H] on the CPU");
+  TORCH_CHECK(ids.scalar_type() == at::kLong && weights.scalar_type() == at::kFloat && ids.dim() == 2 &&
+              ids.sizes() == weights.sizes() && ids.size(0) == x.size(0) && ids.size(1) > 0,
+              "ids int64, weights fp32, both [T, k]");
+  x = x.contiguous(), ids = ids.contiguous(), weights = weights.contiguous();
+  const int64_t T = x.size(0), H = x.size(1), k = ids.size(1);
+  TORCH_CHECK(experts > 0, "experts > 0");
+  auto stacked = [&](const PartArgs& part, const char* name) {
+    const auto& [fmt, n, blocks, scale] = part;
+    const pw::PackedWeights w = packed_weights(fmt, n, blocks, scale, 0);
+    TORCH_CHECK(n % experts == 0 && (n / experts) % 16 == 0, name, ": ", experts, " experts of whole tiles");
+    return w;
+  };
+  pw::ExpertWeights ex{stacked(gate, "gate"), stacked(up, "up"), stacked(down, "down"), experts, 0, H, gelu};
+  ex.I = ex.gate.N / experts;
+  TORCH_CHECK(ex.up.N == ex.gate.N && ex.gate.KB * pw::QK == H && ex.up.KB * pw::QK == H, "gate, up: [E I, H]");
+  TORCH_CHECK(ex.down.N == experts * H && ex.down.KB * pw::QK == ex.I, "down: [E H, I]");
+  for (const pw::PackedWeights* w : {&ex.gate, &ex.up, &ex.down})
+    TORCH_CHECK(!pw::super_activations(w->fmt) || w->KB % pw::K4_SUPER == 0, "a K-quant's width is whole super-blocks");
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < ids.numel(); ++i)
+    TORCH_CHECK(idp[i] >= 0 && idp[i] < experts, "expert id ", idp[i], " outside 0..", experts - 1);
+  auto out = torch::empty({T, H}, x.options());
+  table_->expert_mlp(runtime(), x.data_ptr<float>(), T, idp, weights.data_ptr<float>(), k, ex, out.data_ptr<float>());
+  return out;
+}
+
+// x [T, K] fp32 @ weight [N, K]^T -> [T, N] fp32, a row's bits independent of the other rows.
+torch::Tensor KernelSet::float_linear(torch::Tensor x, torch::Tensor weight) const {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && x.dim() == 2 &&
+              weight.dim() == 2 && x.size(1) == weight.size(1) && x.device().is_cpu() && weight.device().is_cpu(),
+              "x [T, K], weight [N, K]: fp32 on the CPU");
+  x = x.contiguous(), weight = weight.contiguous();
+  auto out = torch::empty({x.size(0), weight.size(0)}, x.options());
+  table_->float_linear(runtime(), x.data_ptr<float>(), x.size(0), x.size(1), weight.data_ptr<float>(), weight.size(0),
+                       out.data_ptr<float>());
+  return out;
+}
+
 double KernelSet::int8_peak_gops(int64_t iters) const {
   TORCH_CHECK(iters > 0, "iters must be positive");
   return table_->int8_peak_gops(runtime(), iters);

@@ -47,6 +47,9 @@ class KernelSet {
   std::vector<torch::Tensor> repack_gguf(int64_t type, torch::Tensor raw, int64_t N, int64_t K) const;
   torch::Tensor dequantize_rows(torch::Tensor ids, int64_t fmt, int64_t N, torch::Tensor blocks,
                                 c10::optional<torch::Tensor> scale) const;
+  torch::Tensor expert_mlp(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, const PartArgs& gate,
+                           const PartArgs& up, const PartArgs& down, int64_t experts, bool gelu) const;
+  torch::Tensor float_linear(torch::Tensor x, torch::Tensor weight) const;
   double int8_peak_gops(int64_t iters) const;
   const pw::KernelTable& table() const { return *table_; }
 

@@ -7,7 +7,7 @@
 
 namespace pw {
 
-constexpr int ABI_VERSION = 12;
+constexpr int ABI_VERSION = 13;
 
 struct Runtime {            // how a call may run: threads of the caller's pool (torch's, through OpenMP)
   int threads = 1;
@@ -67,6 +67,9 @@ constexpr int64_t block_bytes(QuantFormat f) {
 }
 constexpr int64_t K4_SUPER = 8;               // K4's and Q6K's blocks per super-block (GGUF's 256 weights)
 constexpr int64_t super_halves(QuantFormat f) { return f == K4 ? 32 : f == Q6K ? 16 : 0; }  // fp16 per (tile, super)
+// K4's and Q6K's activations: one scale per super-block of 256 (llama.cpp's Q8_K), so their integer
+// sub-block scales sum in integers across it (quant_tile.h); every other format one per block of 32
+constexpr bool super_activations(QuantFormat f) { return f == K4 || f == Q6K; }
 
 struct PackedWeights {      // a quantized linear layer's weight, packed (kernels/quant.py, quant_linear.cpp)
   QuantFormat fmt;
@@ -86,6 +89,13 @@ struct PackedWeights {      // a quantized linear layer's weight, packed (kernel
 struct Linear {             // a quantized linear layer: packed weight and optional bias [N]
   PackedWeights w;
   const float* bias;
+};
+
+struct ExpertWeights {       // E SwiGLU (GELU: Gemma-style) experts, each weight all experts' rows stacked
+  PackedWeights gate, up;   // N = E I: expert e's rows e I .. (e + 1) I - 1, whole tiles (I % 16 == 0)
+  PackedWeights down;       // N = E H
+  int64_t E, I, H;
+  bool gelu = false;
 };
 
 struct DecoderLayer {       // one Llama-family decoder layer (and what Qwen3 and Gemma 3 add)
@@ -174,6 +184,13 @@ struct KernelTable {
   // blocks [ceil(N / 16), K / 32, 288 or 416] bytes, side [ceil(N / 16), K / 256, 32 or 16] fp16 bits
   void (*repack_gguf)(const Runtime&, int64_t type, const uint8_t* raw, int64_t N, int64_t K, uint8_t* blocks,
                       uint16_t* side);
+  // out [T, H] = sum over j of weights[t, j] expert_{ids[t, j]}(x[t]) in the order j = 0 .. k - 1,
+  // x [T, H], ids [T, k] int64 in 0 .. E - 1, weights [T, k]; rows grouped by expert, only the chosen
+  // experts' weights read; each row's bits do not depend on the other rows (expert_mlp.cpp)
+  void (*expert_mlp)(const Runtime&, const float* x, int64_t T, const int64_t* ids, const float* weights, int64_t k,
+                     const ExpertWeights& ex, float* out);
+  // out [T, N] = x [T, K] w [N, K]^T in fp32, each row's bits independent of the other rows
+  void (*float_linear)(const Runtime&, const float* x, int64_t T, int64_t K, const float* w, int64_t N, float* out);
 };
 
 constexpr int64_t GGUF_Q4_K = 12, GGUF_Q6_K = 14;   // ggml's type ids

@@ -94,6 +94,22 @@ inline void run_unpacked(const Act& chunk, int64_t rows, const Weights& w, int64
   if (nv == NVB) rows_kernel<U, NVB>(chunk, rows, u, 0, b, o + 16 * t0, ldo);
   else for (int64_t t = 0; t < nv; ++t) rows_kernel<U, 1>(chunk, rows, u, t, b, o + 16 * t0, ldo);
 }
+// Tiles t0 .. t0 + nv - 1 (nv <= NVB) of w for `rows` rows of activations: Q5 and Q6K unpacked once
+// from UNPACK_ROWS rows, every other case in place.
+template <Fmt F>
+inline void run_group(const Act& chunk, int64_t rows, const Weights& w, int64_t t0, int64_t nv, const float* bias,
+                      float* o, int64_t ldo) {
+  if constexpr (F == Q5 || F == Q6K) {
+    if (rows >= UNPACK_ROWS) {      // the group's tiles unpacked once, then every row over them
+      if constexpr (F == Q5) run_unpacked<U5>(chunk, rows, w, t0, nv, bias, o, ldo, unpack_q5);
+      else run_unpacked<K6>(chunk, rows, w, t0, nv, bias, o, ldo, unpack_q6k);
+      return;
+    }                               // fewer: in place, each chunk put together in registers
+  }
+  if (nv == NVB) rows_kernel<F, NVB>(chunk, rows, w, t0, bias, o, ldo);
+  else for (int64_t t = t0; t < t0 + nv; ++t) rows_kernel<F, 1>(chunk, rows, w, t, bias, o, ldo);
+}
+
 // Rows go in chunks of MCHUNK (activations and outputs of a chunk stay in L2 while every tile
 // pair of the weight passes over them). Threads split the pairs of tiles once and each walks the
 // chunks over its own pairs: chunks write disjoint rows, so no barrier between them (one per
@@ -105,19 +121,8 @@ void run(const Runtime& rt, const Act& a, int64_t M, const Weights& w, const flo
     for (int64_t m0 = 0; m0 < M; m0 += MCHUNK) {
       const int64_t rows = std::min<int64_t>(MCHUNK, M - m0);
       const Act chunk{a.xq + m0 * a.K, a.dx + m0 * a.KB, a.sx + m0 * a.KB, a.sl + m0 * a.KB, a.K, a.KB};
-      float* o = out + m0 * ldo;
-      for (int64_t g = begin; g < end; ++g) {
-        const int64_t t0 = NVB * g, nv = std::min<int64_t>(NVB, NT - t0);
-        if constexpr (F == Q5 || F == Q6K) {
-          if (rows >= UNPACK_ROWS) {      // the group's tiles unpacked once, then every row over them
-            if constexpr (F == Q5) run_unpacked<U5>(chunk, rows, w, t0, nv, bias, o, ldo, unpack_q5);
-            else run_unpacked<K6>(chunk, rows, w, t0, nv, bias, o, ldo, unpack_q6k);
-            continue;
-          }                               // fewer: in place, each chunk put together in registers
-        }
-        if (nv == NVB) rows_kernel<F, NVB>(chunk, rows, w, t0, bias, o, ldo);
-        else for (int64_t t = t0; t < NT; ++t) rows_kernel<F, 1>(chunk, rows, w, t, bias, o, ldo);
-      }
+      for (int64_t g = begin; g < end; ++g)
+        run_group<F>(chunk, rows, w, NVB * g, std::min<int64_t>(NVB, NT - NVB * g), bias, out + m0 * ldo, ldo);
     }
   });
 }
@@ -158,9 +163,29 @@ void run_part(const Runtime& rt, const Act& a, int64_t M, const PackedWeights& p
 
 }  // namespace
 
-// K4's and Q6K's activations: one scale per super-block of 256 (llama.cpp's Q8_K), so their integer
-// sub-block scales sum in integers across it (quant_tile.h); every other format one per block of 32
-constexpr bool super_activations(Fmt f) { return f == K4 || f == Q6K; }
+int64_t linear_tile_group() { return NVB; }
+
+void linear_tiles(const QuantizedRows& x, int64_t rows, const PackedWeights& pw, int64_t t0, int64_t nv, float* out,
+                  int64_t ldo) {
+  const int64_t KB = x.K / QK;
+  const Weights w{pw.blocks, pw.scale, KB, block_bytes(pw.fmt), pw.N, pw.NT, pw.super};
+  for (int64_t m0 = 0; m0 < rows; m0 += MCHUNK) {
+    const Act a{x.xq + m0 * x.K, x.dx + m0 * KB, x.sx + m0 * KB, x.sl + m0 * KB, x.K, KB};
+    const int64_t n = std::min<int64_t>(MCHUNK, rows - m0);
+    float* o = out + m0 * ldo;
+    switch (pw.fmt) {
+      case Q4: run_group<Q4>(a, n, w, t0, nv, nullptr, o, ldo); break;
+      case Q8: run_group<Q8>(a, n, w, t0, nv, nullptr, o, ldo); break;
+      case I8: run_group<I8>(a, n, w, t0, nv, nullptr, o, ldo); break;
+      case K4: run_group<K4>(a, n, w, t0, nv, nullptr, o, ldo); break;
+      case K8: run_group<K8>(a, n, w, t0, nv, nullptr, o, ldo); break;
+      case Q5: run_group<Q5>(a, n, w, t0, nv, nullptr, o, ldo); break;
+      case K6: run_group<K6>(a, n, w, t0, nv, nullptr, o, ldo); break;
+      case Q6K: run_group<Q6K>(a, n, w, t0, nv, nullptr, o, ldo); break;
+      case U5: break;
+    }
+  }
+}
 
 // y [M, N] = x [M, K] @ W^T + bias, W packed as described at the top (N rows of NT * 16), its rows
 // continued by pw.next's in another format (a fused projection of mixed parts): N the sum. The
