@@ -4,8 +4,8 @@
         [--arch qwen2] [--llama-cpp .peers/avx512/bin] [--output-len 128] [--input-len 512]
         [--repeats 2] [--threads N] [--tmp /tmp] [--out docs/results/scaling]
 
-A model is a packaged model's name, a .gguf path, or `syn:SIZE` (0.5b … 8b): a random Q4_K_M-style
-file of that --arch shape that benchmarks/synthetic_gguf.py writes into --tmp, deleted afterwards with
+A model is a packaged model's name, a .gguf path, or `syn:SIZE` (0.5b … 8b; a mixture of experts'
+1b-7b, 30b-a3b, 8x1b): a random Q4_K_M-style file of that --arch shape that benchmarks/synthetic_gguf.py writes into --tmp, deleted afterwards with
 its packed-weight cache entry, whatever happens. Each phasewise figure comes from a fresh process:
 
 - load s: `LLM(model)` until ready (warm-up included); "first" whatever the packed-weight cache held
@@ -17,9 +17,9 @@ its packed-weight cache entry, whatever happens. Each phasewise figure comes fro
   scheduling-to-first-token time (prefill_wall_tps: the whole generate call; llama.cpp: pp<prompt>);
   phasewise's are medians of --repeats, llama-bench's means;
 - bytes/token: what a decode step reads, the file less the token table (kept when tied: it is the
-  head); decode GB/s = bytes/token × decode tok/s, "of DRAM" its share of the DRAM read bandwidth;
+  head), and of a mixture of experts' expert tensors only the share a token uses; decode GB/s = bytes/token × decode tok/s, "of DRAM" its share of the DRAM read bandwidth;
 - roofs (`phasewise roofline`'s cached machine figures, measured if absent): decode ≤ DRAM GB/s /
-  bytes/token, prefill ≤ int8 GOP/s / (2 × parameters).
+  bytes/token, prefill ≤ int8 GOP/s / (2 × parameters; of a mixture of experts the active ones).
 
 Writes <out>.json (machine, roofs, a row per model), <out>.png (both rates against parameters) and
 prints a table (pw = phasewise, lc = llama.cpp, × = pw/lc).
@@ -119,13 +119,25 @@ def llama_bench(path: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def describe(path: Path) -> dict[str, Any]:
-    """File size, parameters and the bytes a decode step reads (all but the token table, unless tied)."""
+    """File size, parameters, and what a token reads and computes: all but the token table (unless
+    tied), of a mixture of experts only the `expert_used_count` of each layer's experts (active)."""
     from phasewise.loading.gguf import GGUFFile
 
-    tensors, size = GGUFFile(path).tensors, path.stat().st_size
+    gguf = GGUFFile(path)
+    tensors, size = gguf.tensors, path.stat().st_size
     tied = "output.weight" not in tensors
-    return {"file_bytes": size, "tied": tied, "params": sum(math.prod(t.shape) for t in tensors.values()),
-            "bytes_per_token": size - (0 if tied else tensors["token_embd.weight"].nbytes)}
+    arch = gguf.fields.get("general.architecture")
+    experts, used = gguf.fields.get(f"{arch}.expert_count", 0), gguf.fields.get(f"{arch}.expert_used_count", 0)
+    idle = 1 - used / experts if experts else 0.0            # the share of expert weights a token skips
+    exps = [t for n, t in tensors.items() if "_exps." in n]
+    params = sum(math.prod(t.shape) for t in tensors.values())
+    row = {"file_bytes": size, "tied": tied, "params": params,
+           "bytes_per_token": size - (0 if tied else tensors["token_embd.weight"].nbytes)
+           - idle * sum(t.nbytes for t in exps)}
+    if experts:
+        row.update(experts=experts, experts_used=used,
+                   active_params=params - idle * sum(math.prod(t.shape) for t in exps))
+    return row
 
 
 def forget_packed(path: Path) -> None:
@@ -183,7 +195,8 @@ def with_roofs(row: dict[str, Any], machine: Any) -> dict[str, Any]:
     """The row's roofs and its decodes' share of the DRAM roof, by the machine's figures."""
     if "bytes_per_token" in row:
         row["decode_roof_tps"] = machine.dram_gbs * 1e9 / row["bytes_per_token"]
-        row["prefill_roof_tps"] = (machine.int8_gops or machine.matmul_gflops) * 1e9 / (2 * row["params"])
+        row["prefill_roof_tps"] = (machine.int8_gops or machine.matmul_gflops) * 1e9 / \
+            (2 * row.get("active_params", row["params"]))
         for d in (row.get("phasewise", {}), row.get("llama_cpp", {})):
             if d.get("decode_tps"):
                 d["decode_gbs"] = row["bytes_per_token"] * d["decode_tps"] / 1e9
@@ -246,7 +259,8 @@ def plot(rows: list[dict[str, Any]], png: Path, machine: Any) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="qwen2.5-coder-0.5b,qwen2.5-coder-1.5b,syn:3b,syn:7b")
-    ap.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"], help="shape of the syn: models")
+    ap.add_argument("--arch", default="qwen2", choices=["qwen2", "llama", "olmoe", "qwen3moe", "mixtral"],
+                    help="shape of the syn: models (benchmarks/synthetic_gguf.py --list)")
     ap.add_argument("--llama-cpp", type=Path, help="llama-bench's folder (default: .peers/avx512/bin if it "
                                                    "exists, else .peers/native/bin)")
     ap.add_argument("--output-len", type=int, default=128)

@@ -1,4 +1,4 @@
-"""Write a Llama- or Qwen2-shaped GGUF file of a chosen size, filled with random but valid
+"""Write a Llama-, Qwen2- or mixture-of-experts-shaped GGUF file of a chosen size, filled with random but valid
 Q4_K_M-style blocks: the text it generates is noise, but its load time, memory and speed are those
 of a real model of that shape. For benchmarking phasewise and llama.cpp at sizes no package ships.
 
@@ -13,6 +13,10 @@ Shapes are the published ones (hidden, layers, heads, kv heads, ffn):
     llama 0.5b/1.5b Llama-3.2-1B  2048, 16, 32, 8,  8192, tied   (the smallest Llama 3)
     llama 3b    Llama-3.2-3B  3072, 28, 24, 8,  8192, tied
     llama 7b/8b Llama-3.1-8B  4096, 32, 32, 8, 14336, untied
+and mixtures of experts (hidden, layers, heads, kv heads, expert width; experts, active):
+    olmoe 1b-7b      OLMoE-1B-7B     2048, 16, 16, 16, 1024; 64, 8 (q, k normed whole)
+    qwen3moe 30b-a3b Qwen3-30B-A3B   2048, 48, 32, 4, 768; 128, 8 (head size 128, per-head q/k norms)
+    mixtral 8x1b     a small Mixtral 2048, 16, 16, 8, 4096; 8, 2 (GGUF architecture llama)
 The vocabulary is that of the tokenizer copied into the file (all tokenizer.* fields of
 --tokenizer-from, by default the Qwen2.5-Coder-0.5B GGUF: 151936 tokens, for Llama too, whose real
 vocabulary is 128256). Types follow llama.cpp's Q4_K_M: Q4_K matrices, Q6_K for the untied output
@@ -48,8 +52,15 @@ class Shape(NamedTuple):
     layers: int
     heads: int
     kv_heads: int
-    ffn: int
+    ffn: int                 # a dense layer's width, or one expert's
     tied: bool
+    experts: int = 0         # a mixture of experts: experts of every layer, and how many a token takes
+    active: int = 0
+    head_dim: int = 0        # 0: hidden / heads
+
+
+def head_dim(s: Shape) -> int:
+    return s.head_dim or s.hidden // s.heads
 
 
 # Published shapes: hidden, layers, heads, kv heads, ffn, tied embeddings.
@@ -60,12 +71,23 @@ QWEN_7 = Shape("Qwen2.5-7B", 3584, 28, 28, 4, 18944, False)
 LLAMA_1 = Shape("Llama-3.2-1B", 2048, 16, 32, 8, 8192, True)
 LLAMA_3 = Shape("Llama-3.2-3B", 3072, 28, 24, 8, 8192, True)
 LLAMA_8 = Shape("Llama-3.1-8B", 4096, 32, 32, 8, 14336, False)
+# Mixtures of experts: hidden, layers, heads, kv heads, expert width, tied, experts, active (head size)
+OLMOE = Shape("OLMoE-1B-7B", 2048, 16, 16, 16, 1024, False, 64, 8)
+QWEN3_30B = Shape("Qwen3-30B-A3B", 2048, 48, 32, 4, 768, False, 128, 8, 128)
+MIXTRAL_SMALL = Shape("Mixtral-8x(1B)", 2048, 16, 16, 8, 4096, False, 8, 2)
 SHAPES: dict[str, dict[str, Shape]] = {
     "qwen2": {"0.5b": QWEN_05, "1.5b": QWEN_15, "3b": QWEN_3, "7b": QWEN_7, "8b": QWEN_7},
     "llama": {"0.5b": LLAMA_1, "1.5b": LLAMA_1, "3b": LLAMA_3, "7b": LLAMA_8, "8b": LLAMA_8},
+    "olmoe": {"1b-7b": OLMOE},
+    "qwen3moe": {"30b-a3b": QWEN3_30B},
+    "mixtral": {"8x1b": MIXTRAL_SMALL},
 }
 # rope theta, context length, RMS norm eps, q/k/v biases
-ARCH = {"qwen2": (1e6, 32768, 1e-6, True), "llama": (500000.0, 131072, 1e-5, False)}
+ARCH = {"qwen2": (1e6, 32768, 1e-6, True), "llama": (500000.0, 131072, 1e-5, False),
+        "olmoe": (10000.0, 4096, 1e-5, False), "qwen3moe": (1e6, 40960, 1e-6, False),
+        "mixtral": (1e6, 32768, 1e-5, False)}
+GGUF_ARCH = {"mixtral": "llama"}            # llama.cpp writes Mixtral as llama with experts
+QK_NORM = {"olmoe": "whole", "qwen3moe": "head"}   # RMSNorm of q and k: over all of them, or per head
 
 # type -> (bytes a block, values a block, [(byte offset of an fp16 scale, low, high)]). The ranges
 # give each type values of std ~0.02: Q8_0 q*d (q int8), Q5_0 (q-16)*d, Q4_K d*sc*q - dmin*m
@@ -88,9 +110,10 @@ def qtype(base: QT, row: int) -> QT:
     return base if row % 256 == 0 else {QT.Q4_K: QT.Q5_0, QT.Q6_K: QT.Q8_0}[base]
 
 
-def plan(s: Shape, vocab: int, bias: bool) -> list[tuple[str, tuple[int, ...], QT]]:
-    """(name, numpy shape [rows, row length], type) of every tensor, in llama.cpp's order."""
-    hd = s.hidden // s.heads
+def plan(s: Shape, vocab: int, bias: bool, qk_norm: str = "") -> list[tuple[str, tuple[int, ...], QT]]:
+    """(name, numpy shape [rows, row length] or [experts, rows, row length], type) of every tensor,
+    in llama.cpp's order."""
+    hd = head_dim(s)
     q, kv, h = s.heads * hd, s.kv_heads * hd, s.hidden
     out: list[tuple[str, tuple[int, ...], QT]] = [("token_embd.weight", (vocab, h), qtype(QT.Q4_K, h))]
     for i in range(s.layers):
@@ -103,9 +126,19 @@ def plan(s: Shape, vocab: int, bias: bool) -> list[tuple[str, tuple[int, ...], Q
         if bias:
             out += [(b + "attn_q.bias", (q,), QT.F32), (b + "attn_k.bias", (kv,), QT.F32),
                     (b + "attn_v.bias", (kv,), QT.F32)]
+        if qk_norm:
+            out += [(b + "attn_q_norm.weight", (q if qk_norm == "whole" else hd,), QT.F32),
+                    (b + "attn_k_norm.weight", (kv if qk_norm == "whole" else hd,), QT.F32)]
         out += [(b + "attn_output.weight", (h, q), qtype(QT.Q4_K, q)),
-                (b + "ffn_norm.weight", (h,), QT.F32),
-                (b + "ffn_gate.weight", (s.ffn, h), qtype(QT.Q4_K, h)),
+                (b + "ffn_norm.weight", (h,), QT.F32)]
+        if s.experts:
+            e = s.experts
+            out += [(b + "ffn_gate_inp.weight", (e, h), QT.F32),
+                    (b + "ffn_gate_exps.weight", (e, s.ffn, h), qtype(QT.Q4_K, h)),
+                    (b + "ffn_up_exps.weight", (e, s.ffn, h), qtype(QT.Q4_K, h)),
+                    (b + "ffn_down_exps.weight", (e, h, s.ffn), qtype(big, s.ffn))]
+            continue
+        out += [(b + "ffn_gate.weight", (s.ffn, h), qtype(QT.Q4_K, h)),
                 (b + "ffn_up.weight", (s.ffn, h), qtype(QT.Q4_K, h)),
                 (b + "ffn_down.weight", (h, s.ffn), qtype(big, s.ffn))]
     out.append(("output_norm.weight", (h,), QT.F32))
@@ -167,12 +200,26 @@ def params_of(tensors: list[tuple[str, tuple[int, ...], QT]]) -> int:
     return sum(int(np.prod(shape)) for _, shape, _ in tensors)
 
 
+def active_bytes(tensors: list[tuple[str, tuple[int, ...], QT]], s: Shape) -> int:
+    """Bytes of weights a token reads: every tensor but the experts, and `active` of each layer's
+    experts (the token table counts one row: a lookup)."""
+    total = 0
+    for name, shape, t in tensors:
+        if name == "token_embd.weight":
+            total += nbytes(shape, t) // shape[0]
+        elif "_exps." in name:
+            total += nbytes(shape, t) * s.active // s.experts
+        else:
+            total += nbytes(shape, t)
+    return total
+
+
 def list_shapes(vocab: int) -> None:
     print(f"{'arch':6} {'size':5} {'shape of':13} {'hidden':>6} {'layers':>6} {'heads':>5} {'kv':>3} "
           f"{'ffn':>6} {'tied':>5} {'params':>7} {'file':>8}   (vocab {vocab})")
     for arch, sizes in SHAPES.items():
         for size, s in sizes.items():
-            t = plan(s, vocab, ARCH[arch][3])
+            t = plan(s, vocab, ARCH[arch][3], QK_NORM.get(arch, ""))
             mb = sum(nbytes(shape, q) for _, shape, q in t) / 1e6
             print(f"{arch:6} {size:5} {s.source:13} {s.hidden:6} {s.layers:6} {s.heads:5} {s.kv_heads:3} "
                   f"{s.ffn:6} {str(s.tied):>5} {params_of(t) / 1e9:6.2f}B {mb:6.0f} MB")
@@ -180,7 +227,7 @@ def list_shapes(vocab: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", choices=["0.5b", "1.5b", "3b", "7b", "8b"])
+    ap.add_argument("--size", choices=sorted({size for sizes in SHAPES.values() for size in sizes}))
     ap.add_argument("--arch", choices=list(SHAPES), default="qwen2")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--tokenizer-from", type=Path, help="GGUF file whose tokenizer.* fields to copy")
@@ -204,8 +251,11 @@ def main() -> None:
     tok_path = args.tokenizer_from or find_tokenizer()
     tok = tokenizer_fields(tok_path)
     vocab = next(len(v) for k, v, _, _ in tok if k == "tokenizer.ggml.tokens")
+    if args.size not in SHAPES[args.arch]:
+        print(f"error: --arch {args.arch} has sizes {', '.join(SHAPES[args.arch])}", file=sys.stderr)
+        sys.exit(2)
     s, (theta, ctx, eps, bias) = SHAPES[args.arch][args.size], ARCH[args.arch]
-    tensors = plan(s, vocab, bias)
+    tensors = plan(s, vocab, bias, QK_NORM.get(args.arch, ""))
     data_bytes = sum(nbytes(shape, t) for _, shape, t in tensors)
     free = shutil.disk_usage(args.out.resolve().parent).free + (args.out.stat().st_size if args.out.exists() else 0)
     if free < data_bytes + (64 << 20):
@@ -213,7 +263,7 @@ def main() -> None:
               f"{data_bytes / 1e9:.1f} GB", file=sys.stderr)
         sys.exit(2)
 
-    w = gguf.GGUFWriter(str(args.out), args.arch)
+    w = gguf.GGUFWriter(str(args.out), GGUF_ARCH.get(args.arch, args.arch))
     w.add_name(f"synthetic-{args.arch}-{args.size}")
     w.add_type("model")
     w.add_file_type(15)                                  # LLAMA_FTYPE_MOSTLY_Q4_K_M
@@ -227,8 +277,15 @@ def main() -> None:
     w.add_rope_freq_base(theta)
     w.add_layer_norm_rms_eps(eps)
     w.add_vocab_size(vocab)
-    if args.arch == "llama":
-        w.add_rope_dimension_count(s.hidden // s.heads)
+    if args.arch in ("llama", "mixtral"):
+        w.add_rope_dimension_count(head_dim(s))
+    if s.head_dim:
+        w.add_key_length(s.head_dim)
+        w.add_value_length(s.head_dim)
+    if s.experts:
+        w.add_expert_count(s.experts)
+        w.add_expert_used_count(s.active)
+        w.add_expert_feed_forward_length(s.ffn)
     for key, val, main, sub in tok:
         w.add_key_value(key, val, main, sub)
     for name, shape, t in tensors:       # numpy shapes [rows, row length]; the writer reverses them
@@ -254,8 +311,9 @@ def main() -> None:
     w.close()
 
     size, n = args.out.stat().st_size, params_of(tensors)
+    active = f", {active_bytes(tensors, s) / 1e6:.0f} MB read a token" if s.experts else ""
     print(f"{args.out}: {size / 1e6:.0f} MB, {n / 1e9:.3f}B parameters, {size / n:.3f} bytes/weight "
-          f"({8 * size / n:.2f} bits), {time.time() - t0:.1f} s")
+          f"({8 * size / n:.2f} bits){active}, {time.time() - t0:.1f} s")
 
 
 if __name__ == "__main__":

@@ -35,6 +35,27 @@ def test_parameter_count_matches_the_default_model_and_transformers():
     assert parameter_count(smollm) == 134_515_008                    # SmolLM2-135M
 
 
+def test_parameter_count_of_the_mixtures_of_experts_matches_transformers():
+    """Every expert, the routers, a shared expert and its gate, OLMoE's whole-q/k norms; the roofline
+    counts the experts a token uses."""
+    import torch
+    import transformers
+    from test_moe import BASE, CASES, TOP2
+
+    from phasewise.lab.roofline import linear_params
+
+    for case, (cls, _, _, kw) in CASES.items():
+        hf_cfg = getattr(transformers, cls)(**{**BASE, **TOP2, **kw})
+        model_cls = getattr(transformers, cls.replace("Config", "ForCausalLM"))
+        with torch.device("meta"):
+            n = sum(p.numel() for p in model_cls(hf_cfg).parameters())
+        cfg = ModelConfig.from_hf(hf_cfg.to_dict())
+        assert parameter_count(cfg) == n, case
+        expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+        idle = len(cfg.moe_layers) * (cfg.num_experts - cfg.num_experts_per_tok) * expert
+        assert linear_params(cfg, active=False) - linear_params(cfg) == idle
+
+
 def test_weight_memory_needs_a_parameter_count():
     shape = ModelShape(2, 2, 64, params=1_000_000)
     assert shape.weight_bytes("int4") == 500_000 and shape.weight_bytes("fp32") == 4_000_000

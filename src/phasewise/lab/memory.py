@@ -59,18 +59,32 @@ class ModelShape:
         return self.params * BYTES_PER_ELEMENT[dtype]
 
 
+def mlp_params(cfg: ModelConfig, layer: int, active: bool = False) -> int:
+    """Layer `layer`'s MLP parameters: dense, or a mixture of experts' router, experts and shared
+    expert (`active`: only the experts one token uses)."""
+    h = cfg.hidden_size
+    if layer not in cfg.moe_layers:
+        return 3 * h * cfg.intermediate_size
+    experts = cfg.num_experts_per_tok if active else cfg.num_experts
+    shared = cfg.shared_expert_intermediate_size
+    return cfg.num_experts * h + experts * 3 * h * cfg.moe_intermediate_size + (3 * h * shared + h if shared else 0)
+
+
 def parameter_count(cfg: ModelConfig) -> int:
-    """Parameters of a Llama-family model (the output head counted once when tied)."""
-    h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    """Parameters of a Llama-family model (the output head counted once when tied), every expert's."""
+    h, v = cfg.hidden_size, cfg.vocab_size
     attn = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h
     if cfg.attention_bias:
         attn += cfg.q_size + 2 * cfg.kv_size
-    per_layer = attn + 3 * h * i + 2 * h
+    per_layer = attn + 2 * h
     if cfg.qk_norm:
         per_layer += 2 * cfg.head_dim
+    if cfg.qk_norm_whole:
+        per_layer += cfg.q_size + cfg.kv_size
     if cfg.architecture == "gemma3":       # norms after attention and after the MLP too
         per_layer += 2 * h
-    return v * h + cfg.num_layers * per_layer + h + (0 if cfg.tie_word_embeddings else v * h)
+    mlps = sum(mlp_params(cfg, layer) for layer in range(cfg.num_layers))
+    return v * h + cfg.num_layers * per_layer + mlps + h + (0 if cfg.tie_word_embeddings else v * h)
 
 
 def report(shape: ModelShape, context_len: int, memory_gib: float, kv_dtype: str = "fp16") -> list[str]:

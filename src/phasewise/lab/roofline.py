@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from phasewise.lab.memory import mlp_params
 from phasewise.layers.linear import Linear, onednn_available
 from phasewise.models.config import ModelConfig
 
@@ -122,10 +123,13 @@ class TokenCosts:
     flops_per_token: float   # 2 per linear weight, plus attention at the given context
 
 
-def linear_params(cfg: ModelConfig) -> int:
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    per_layer = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h + 3 * h * i
-    return cfg.num_layers * per_layer + cfg.vocab_size * h       # + the output head
+def linear_params(cfg: ModelConfig, active: bool = True) -> int:
+    """Weights of the linear layers and the output head; of a mixture of experts those one token
+    uses (`active`), or all of them."""
+    h = cfg.hidden_size
+    attn = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h
+    mlps = sum(mlp_params(cfg, layer, active) for layer in range(cfg.num_layers))
+    return cfg.num_layers * attn + mlps + cfg.vocab_size * h       # + the output head
 
 
 def head_params(cfg: ModelConfig) -> int:
@@ -140,7 +144,7 @@ def weight_bytes_per_param(model: torch.nn.Module, cfg: ModelConfig, element_siz
     if not quant:
         return float(element_size)
     stored = sum(b.numel() * b.element_size() for m in quant for name, b in m.named_buffers() if name != "bias")
-    return stored / linear_params(cfg)
+    return stored / linear_params(cfg, active=False)
 
 
 def token_costs(cfg: ModelConfig, bytes_per_weight: float, context: int, head: bool = True) -> TokenCosts:
