@@ -237,3 +237,22 @@ def test_gguf_metadata_that_disagrees_or_routes_otherwise_is_refused(folders, tm
     f.fields["olmoe.expert_used_count"] = 9
     with pytest.raises(UnsupportedModelError):
         f.model_config()
+
+
+def test_the_tokenizer_of_an_architecture_transformers_cannot_build(tmp_path):
+    """transformers builds no OLMoE from a GGUF; the file's tokenizer fields still make its tokenizer."""
+    import gguf
+
+    from phasewise.tokenizer import Tokenizer
+
+    path = tmp_path / "olmoe.gguf"
+    w = gguf.GGUFWriter(str(path), "olmoe")
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(["a", "b", "ab", "Ġ", "<|end|>"])
+    w.add_token_merges(["a b"])
+    w.add_token_types([1, 1, 1, 1, 3])
+    w.add_eos_token_id(4)
+    for write in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file, w.close):
+        write()
+    tok = Tokenizer.from_gguf(path, cache_dir=tmp_path)
+    assert tok.encode("ab ab") == [2, 3, 2]

@@ -95,12 +95,15 @@ class Tokenizer:
                 return cls(SavedTokenizer(cached), from_cache=True)
             except ValueError:  # unreadable cache: convert again and replace it
                 shutil.rmtree(cached, ignore_errors=True)
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
         try:
             hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         except Exception as e:
-            raise ValueError(f"cannot load the tokenizer of {path}: {_one_line(e)}") from e
+            try:   # an architecture transformers cannot build (OLMoE): its tokenizer fields alone
+                hf = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
+            except Exception:
+                raise ValueError(f"cannot load the tokenizer of {path}: {_one_line(e)}") from e
         if not hf.chat_template:
             vocab = hf.get_vocab()
             hf.chat_template = next((tpl for marker, tpl in FALLBACK_TEMPLATES.items() if marker in vocab), None)
