@@ -31,6 +31,21 @@ struct Stacked {            // E experts' weights stacked along N (rows per expe
   }
 };
 
+// ye [n, H] = rows xe [n, H] through expert e on the dense ops (quant_linear, silu_and_mul, quant_linear)
+std::vector<float> through_expert(const pw::KernelTable& k, const Stacked& gate, const Stacked& up, const Stacked& down,
+                                  int64_t e, const std::vector<float>& xe, int64_t n, int64_t I, int64_t H) {
+  std::vector<float> g(n * I), u(n * I), gu(n * 2 * I), act(n * I), ye(n * H);
+  k.quant_linear(RT, xe.data(), n, H, gate.expert(e), nullptr, g.data());
+  k.quant_linear(RT, xe.data(), n, H, up.expert(e), nullptr, u.data());
+  for (int64_t r = 0; r < n; ++r) {
+    std::copy_n(g.data() + r * I, I, gu.data() + r * 2 * I);
+    std::copy_n(u.data() + r * I, I, gu.data() + r * 2 * I + I);
+  }
+  k.silu_and_mul(RT, gu.data(), n, I, act.data());
+  k.quant_linear(RT, act.data(), n, I, down.expert(e), nullptr, ye.data());
+  return ye;
+}
+
 }  // namespace
 
 void test_expert_mlp(const pw::KernelTable& k, pw::QuantFormat fmt, pw::QuantFormat down_fmt, int64_t T, int64_t kk) {
@@ -56,16 +71,9 @@ void test_expert_mlp(const pw::KernelTable& k, pw::QuantFormat fmt, pw::QuantFor
       if (ids[i] == e) pairs.push_back(i);
     const int64_t n = pairs.size();
     if (!n) continue;
-    std::vector<float> xe(n * H), gu(n * 2 * I), g(n * I), u(n * I), act(n * I), ye(n * H);
+    std::vector<float> xe(n * H);
     for (int64_t r = 0; r < n; ++r) std::copy_n(x.data() + pairs[r] / kk * H, H, xe.data() + r * H);
-    k.quant_linear(RT, xe.data(), n, H, gate.expert(e), nullptr, g.data());
-    k.quant_linear(RT, xe.data(), n, H, up.expert(e), nullptr, u.data());
-    for (int64_t r = 0; r < n; ++r) {
-      std::copy_n(g.data() + r * I, I, gu.data() + r * 2 * I);
-      std::copy_n(u.data() + r * I, I, gu.data() + r * 2 * I + I);
-    }
-    k.silu_and_mul(RT, gu.data(), n, I, act.data());
-    k.quant_linear(RT, act.data(), n, I, down.expert(e), nullptr, ye.data());
+    const auto ye = through_expert(k, gate, up, down, e, xe, n, I, H);
     for (int64_t r = 0; r < n; ++r) std::copy_n(ye.data() + r * H, H, y.data() + pairs[r] * H);
   }
   std::vector<float> want(T * H, 0.f);
@@ -99,16 +107,9 @@ void test_expert_mlp_exact(const pw::KernelTable& k, pw::QuantFormat fmt) {
       if (ids[t] == e) rows.push_back(t);
     const int64_t n = rows.size();
     if (!n) continue;
-    std::vector<float> xe(n * H), g(n * I), u(n * I), gu(n * 2 * I), act(n * I), ye(n * H);
+    std::vector<float> xe(n * H);
     for (int64_t r = 0; r < n; ++r) std::copy_n(x.data() + rows[r] * H, H, xe.data() + r * H);
-    k.quant_linear(RT, xe.data(), n, H, gate.expert(e), nullptr, g.data());
-    k.quant_linear(RT, xe.data(), n, H, up.expert(e), nullptr, u.data());
-    for (int64_t r = 0; r < n; ++r) {
-      std::copy_n(g.data() + r * I, I, gu.data() + r * 2 * I);
-      std::copy_n(u.data() + r * I, I, gu.data() + r * 2 * I + I);
-    }
-    k.silu_and_mul(RT, gu.data(), n, I, act.data());
-    k.quant_linear(RT, act.data(), n, I, down.expert(e), nullptr, ye.data());
+    const auto ye = through_expert(k, gate, up, down, e, xe, n, I, H);
     for (int64_t r = 0; r < n; ++r) std::copy_n(ye.data() + r * H, H, want.data() + rows[r] * H);
   }
   check("expert_mlp exact fmt=" + std::to_string(static_cast<int>(fmt)), out == want);

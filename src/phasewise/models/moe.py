@@ -4,11 +4,12 @@ A router (a float linear map, never quantized) scores every expert for each row;
 top-k experts, weighted as transformers weights them: softmax over all experts in fp32, then
 `torch.topk` (its order and ties), then, where the config says so, the k weights renormalised to sum
 to 1 (`cfg.router == "topk_softmax"`: top-k of the logits, softmax over those). The experts are
-three stacked weights (layers/expert_linear.py): `gate_proj` and `up_proj` [E I, H], `down_proj` [E H, I], in blocks
-as the file holds them or in float. Rows are grouped by expert: for each expert chosen by any row,
-one pass over its weights for all its rows; each row's k terms are then summed in the router's
-order (j = 0 .. k - 1), an order that depends on that row alone. With the kernels the whole sparse
-MLP is one call (kernels/csrc/expert_mlp.cpp), reading only the chosen experts' blocks.
+three stacked weights (layers/expert_linear.py): `gate_proj` and `up_proj` [E I, H], `down_proj`
+[E H, I], in blocks as the file holds them or in float. Rows are grouped by expert: for each expert
+chosen by any row, one pass over its weights for all its rows; each row's k terms are then summed
+in the router's order (j = 0 .. k - 1), an order that depends on that row alone. With the kernels
+the whole sparse MLP is one call (kernels/csrc/expert_mlp.cpp), reading only the chosen experts'
+blocks.
 Qwen2-MoE adds a shared expert (a dense MLP) behind its own sigmoid gate.
 
 Row independence at fp32: torch's float GEMM rounds a row differently with the number of rows in the
