@@ -20,7 +20,7 @@ from phasewise.layers.linear import Linear
 class ExpertLinear(Linear):
     def __init__(self, experts: int, in_features: int, rows: int) -> None:
         super().__init__(in_features, experts * rows, bias=False)
-        self.experts, self.rows = experts, rows
+        self.rows = rows                                  # each expert's
 
     def expert_weight(self, e: int, dtype: torch.dtype) -> torch.Tensor:
         """Expert e's weight [rows, in] in `dtype` (blocks: the exact stored values)."""

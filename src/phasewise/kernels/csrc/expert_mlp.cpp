@@ -107,7 +107,7 @@ void run_jobs(const Runtime& rt, const std::vector<Job>& jobs, const std::vector
 
 struct Scratch {            // the calling thread's buffers, reused from call to call
   Quantized x[2], gathered[2], act;
-  std::vector<int64_t> count, first, slot, row;
+  std::vector<int64_t> count, first, next, slot, row;
   std::vector<float> h, a, y;
   std::vector<Job> jobs;
   std::vector<int64_t> start;
@@ -127,9 +127,9 @@ void expert_mlp(const Runtime& rt, const float* x, int64_t T, const int64_t* ids
   s.first.assign(E + 1, 0);
   for (int64_t e = 0; e < E; ++e) s.first[e + 1] = s.first[e] + s.count[e];
   s.slot.resize(S), s.row.resize(S);
-  std::vector<int64_t> next(s.first.begin(), s.first.end() - 1);
+  s.next.assign(s.first.begin(), s.first.end() - 1);
   for (int64_t i = 0; i < S; ++i) {
-    const int64_t place = next[ids[i]]++;
+    const int64_t place = s.next[ids[i]]++;
     s.slot[i] = place, s.row[place] = i / k;
   }
   const PackedWeights* gate_up[2] = {&ex.gate, &ex.up};
