@@ -142,3 +142,29 @@ def test_family_stack_matches_the_python_layers(int8_family_model, ops, kv_dtype
         model.model.stack = stack
     for a, b in zip(fast, ref):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+# ---- mixtures of experts: routers, experts in their K-quant blocks, a shared expert, a dense layer ---
+
+@pytest.mark.parametrize("case", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"])
+def test_moe_stack_matches_the_python_layers(ops, case, tmp_path):
+    """Each architecture's sparse layers run in the stack (Qwen3-MoE with a dense layer among them,
+    Qwen2-MoE's shared expert, OLMoE's QK-norm over all of q and k) as in the Python layers."""
+    from test_expert_kernels import kquant_moe
+
+    from phasewise.loading.loader import load_prepared
+
+    kquant_moe(case, tmp_path / "m.gguf", **({"clip_qkv": None} if case == "olmoe" else {}))
+    model, cfg = load_prepared(tmp_path / "m.gguf", "q4", kernels=ops)
+    stack = model.model.stack
+    assert stack is not None, "no decoder stack for the model"
+    try:
+        fast = run_group_steps(model, torch.float32)
+        model.model.stack = None
+        ref = run_group_steps(model, torch.float32)
+    finally:
+        model.model.stack = stack
+    for a, b in zip(fast, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        assert (a.argmax(-1) == b.argmax(-1)).all()
+

@@ -131,6 +131,22 @@ def test_the_kernel_matches_the_float_experts(ops):
     assert (got - want).norm() / want.norm() < 0.02
 
 
+@pytest.mark.parametrize("renorm, order", [(False, "softmax_topk"), (True, "softmax_topk"), (False, "topk_softmax")])
+def test_the_kernels_route_as_transformers_does(ops, renorm, order):
+    """moe_route chooses torch.topk's experts with transformers' weights, in each router's order."""
+    from phasewise.models.moe import route
+
+    logits = torch.randn(40, 60, generator=torch.Generator().manual_seed(4))
+    weights, ids = ops.moe_route(logits, 6, renorm, order == "topk_softmax")
+    want_w, want_ids = route(logits, 6, renorm, order)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_w, rtol=1e-6, atol=1e-7)
+    alone = ops.moe_route(logits[7:8], 6, renorm, order == "topk_softmax")
+    assert torch.equal(alone[0], weights[7:8]) and torch.equal(alone[1], ids[7:8])
+    with pytest.raises(RuntimeError, match="k <= experts"):
+        ops.moe_route(logits, 61, renorm)
+
+
 def test_bad_arguments_are_refused(ops):
     gate, up, down = experts_of("q8", ops=ops)
     parts = [p.kernel_part() for p in (gate, up, down)]
@@ -149,9 +165,9 @@ def test_bad_arguments_are_refused(ops):
 KQUANTS = {"ffn_gate_exps": "Q4_K", "ffn_up_exps": "Q4_K", "ffn_down_exps": "Q6_K"}
 
 
-def kquant_moe(case: str, path, seed: int = 30):
-    """A tiny `case` model of hidden size and expert width 256 written as a Q4_K_M-like GGUF at `path`;
-    the transformers model (its values now the file's)."""
+def kquant_moe(case: str, path, seed: int = 30, **over):
+    """A tiny `case` model of hidden size and expert width 256 (and config `over`) written as a
+    Q4_K_M-like GGUF at `path`; the transformers model (its values now the file's)."""
     from gguf import GGMLQuantizationType as QT
     from model_builders import write_gguf
     from test_moe import CASES, hf_moe
@@ -160,7 +176,7 @@ def kquant_moe(case: str, path, seed: int = 30):
     width = {"moe_intermediate_size": 256} if "moe_intermediate_size" in kw else {"intermediate_size": 256}
     if "shared_expert_intermediate_size" in kw:
         width["shared_expert_intermediate_size"] = 64      # int8 blocks (a width of 32s), not float
-    hf_model = hf_moe(case, seed=seed, hidden_size=256, **width)
+    hf_model = hf_moe(case, seed=seed, hidden_size=256, **width, **over)
     types = lambda n: QT[KQUANTS[n.split(".")[-2]]] if "_exps." in n else QT.Q8_0 if n.endswith("attn_q.weight") \
         else QT.F32  # noqa: E731
     write_gguf(path, hf_model, arch, permute=permute, types=types)

@@ -73,5 +73,6 @@ void test_decoder_stack(const pw::KernelTable& k, bool int8, const std::vector<i
 void test_expert_mlp(const pw::KernelTable& k, pw::QuantFormat fmt, pw::QuantFormat down_fmt, int64_t T, int64_t kk);
 void test_expert_mlp_exact(const pw::KernelTable& k, pw::QuantFormat fmt);
 void test_float_linear(const pw::KernelTable& k);
+void test_moe_route(const pw::KernelTable& k);
 
 }  // namespace kt

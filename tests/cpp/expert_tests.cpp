@@ -132,4 +132,34 @@ void test_float_linear(const pw::KernelTable& k) {
   }
 }
 
+// moe_route against a sort by (score descending, id ascending) in double: both orders of softmax and
+// top-k, renormalised or not, ties among the logits.
+void test_moe_route(const pw::KernelTable& k) {
+  const int64_t T = 5, E = 10, kk = 3;
+  auto logits = randn(T * E);
+  logits[3] = logits[7] = logits[1] = 2.5f;        // row 0: a three-way tie at the top: ids 1, 3, 7
+  for (int mode = 0; mode < 3; ++mode) {           // softmax then top-k; renormalised; top-k then softmax
+    const bool renorm = mode == 1, topk_softmax = mode == 2;
+    std::vector<float> w(T * kk);
+    std::vector<int64_t> ids(T * kk);
+    k.moe_route(RT, logits.data(), T, E, kk, renorm, topk_softmax, w.data(), ids.data());
+    bool ok = true;
+    for (int64_t t = 0; t < T; ++t) {
+      const float* l = logits.data() + t * E;
+      std::vector<int64_t> order(E);
+      for (int64_t e = 0; e < E; ++e) order[e] = e;
+      std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return l[a] > l[b]; });
+      double mx = l[order[0]], all = 0, top = 0;
+      for (int64_t e = 0; e < E; ++e) all += std::exp(l[e] - mx);
+      for (int64_t j = 0; j < kk; ++j) top += std::exp(l[order[j]] - mx);
+      for (int64_t j = 0; j < kk; ++j) {
+        const double p = std::exp(l[order[j]] - mx) / (renorm || topk_softmax ? top : all);
+        ok &= ids[t * kk + j] == order[j] && std::fabs(w[t * kk + j] - p) <= 1e-6 * (1 + p);
+      }
+    }
+    ok &= ids[0] == 1 && ids[1] == 3 && ids[2] == 7;
+    check("moe_route mode=" + std::to_string(mode), ok);
+  }
+}
+
 }  // namespace kt

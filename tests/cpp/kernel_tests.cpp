@@ -238,6 +238,7 @@ int main() {
   for (const auto& f : std::vector<std::vector<pw::QuantFormat>>{{pw::K4, pw::Q6K}, {pw::Q4, pw::Q8}, {pw::Q5, pw::K4}})
     for (int64_t T : {1, 7, 40}) test_expert_mlp(k, f[0], f[1], T, 3);
   test_float_linear(k);
+  test_moe_route(k);
   check("int8_peak_gops", k.int8_peak_gops(RT, 2000) > 0.0);
   std::printf("%d passed, %d failed\n", passed, failed);
   return failed == 0 ? 0 : 1;

@@ -193,12 +193,28 @@ void test_decoder_stack(const pw::KernelTable& k, bool int8, const std::vector<i
     biases.push_back(randn(N, 0.1f));
     return pw::Linear{{pw::Q4, blocks.back().data(), nullptr, N, (N + 15) / 16, K / 32}, biases.back().data()};
   };
-  blocks.reserve(4 * L), biases.reserve(4 * L), norms.reserve(2 * L + 1);
-  for (auto& layer : layers) {
+  // Layer 1 and 2 are sparse (E experts of width EI, k a row; layer 2 keeps its dense MLP as a shared expert)
+  const int64_t E = 4, EI = 32, topk = 2;
+  auto stacked = [&](int64_t N, int64_t K) {
+    std::vector<float> W, scale;
+    blocks.push_back(random_weight(pw::Q4, N, K, W, scale, 0, nullptr));
+    return pw::PackedWeights{pw::Q4, blocks.back().data(), nullptr, N, N / 16, K / 32};
+  };
+  std::vector<pw::SparseMlp> sparse(2);
+  blocks.reserve(4 * L + 6), biases.reserve(4 * L), norms.reserve(2 * L + 5);
+  for (int64_t i = 0; i < L; ++i) {
+    pw::DecoderLayer& layer = layers[i];
     norms.push_back(randn(H, 0.5f)), layer.input_norm = norms.back().data();
     norms.push_back(randn(H, 0.5f)), layer.post_norm = norms.back().data();
     layer.qkv = linear((Hq + 2 * Hkv) * D, H), layer.o = linear(H, Hq * D);
-    layer.gate_up = linear(2 * I, H), layer.down = linear(H, I);
+    if (i != 1) layer.gate_up = linear(2 * I, H), layer.down = linear(H, I), layer.width = I;
+    if (i == 0) continue;
+    pw::SparseMlp& sp = sparse[i - 1];
+    norms.push_back(randn(E * H, 0.3f)), sp.router = norms.back().data();
+    sp.experts = {stacked(E * EI, H), stacked(E * EI, H), stacked(E * H, EI), E, EI, H, false};
+    sp.k = topk, sp.renorm = i == 1;
+    if (i == 2) norms.push_back(randn(H, 0.2f)), sp.shared_gate = norms.back().data();
+    layer.sparse = &sp;
   }
   norms.push_back(randn(H, 0.5f));
   std::vector<float> cs(P * half), sn(P * half);
@@ -207,7 +223,8 @@ void test_decoder_stack(const pw::KernelTable& k, bool int8, const std::vector<i
       const float a = p * std::pow(10000.f, -2.f * i / D);
       cs[p * half + i] = std::cos(a), sn[p * half + i] = std::sin(a);
     }
-  const pw::DecoderModel m{layers.data(), L, H, I, Hq, Hkv, D, 1e-5f, norms.back().data(), cs.data(), sn.data()};
+  const pw::DecoderModel m{layers.data(), L, H, I, Hq, Hkv, D, 1e-5f, norms.back().data(), cs.data(), sn.data(),
+                           0.f, false, E, topk};
   // Rows: query_lens[i] positions of sequence i ending at context_lens[i]; blocks in order.
   const int64_t nseq = query_lens.size();
   int64_t max_blocks = 0;
@@ -271,9 +288,24 @@ void test_decoder_stack(const pw::KernelTable& k, bool int8, const std::vector<i
     k.paged_attention(one, qr.data(), T, Hq, caches[1][i], rows, 1.f / std::sqrt(static_cast<float>(D)), attn.data());
     k.quant_linear(one, attn.data(), T, Hq * D, ly.o.w, ly.o.bias, o.data());
     k.rms_norm(one, o.data(), residual.data(), ly.post_norm, T, H, m.eps, normed.data(), residual.data());
-    k.quant_linear(one, normed.data(), T, H, ly.gate_up.w, ly.gate_up.bias, gate_up.data());
-    k.silu_and_mul(one, gate_up.data(), T, I, act.data());
-    k.quant_linear(one, act.data(), T, I, ly.down.w, ly.down.bias, hidden.data());
+    if (ly.sparse == nullptr || ly.sparse->shared_gate != nullptr) {
+      k.quant_linear(one, normed.data(), T, H, ly.gate_up.w, ly.gate_up.bias, gate_up.data());
+      k.silu_and_mul(one, gate_up.data(), T, I, act.data());
+      k.quant_linear(one, act.data(), T, I, ly.down.w, ly.down.bias, hidden.data());
+    }
+    if (ly.sparse != nullptr) {                // the experts, then the shared expert behind its gate
+      const pw::SparseMlp& sp = *ly.sparse;
+      std::vector<float> logits(T * E), w(T * topk), gate(T), shared(hidden);
+      std::vector<int64_t> ids(T * topk);
+      k.float_linear(one, normed.data(), T, H, sp.router, E, logits.data());
+      k.moe_route(one, logits.data(), T, E, topk, sp.renorm, false, w.data(), ids.data());
+      k.expert_mlp(one, normed.data(), T, ids.data(), w.data(), topk, sp.experts, hidden.data());
+      if (sp.shared_gate != nullptr) {
+        k.float_linear(one, normed.data(), T, H, sp.shared_gate, 1, gate.data());
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t c = 0; c < H; ++c) hidden[t * H + c] += shared[t * H + c] / (1.f + std::exp(-gate[t]));
+      }
+    }
   }
   k.rms_norm(one, hidden.data(), residual.data(), m.final_norm, T, H, m.eps, want.data(), residual.data());
   char name[96];

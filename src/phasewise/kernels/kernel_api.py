@@ -15,12 +15,16 @@ WeightPart = tuple[int, int, Tensor, Tensor]
 # one linear layer's blocks as quant_linear and the decoder stack take them:
 # (format id, rows, blocks, scale, bias, u5 tiles, further parts)
 PackedLinearArgs = tuple[int, int, Tensor, Tensor, Union[Tensor, None], int, Sequence[WeightPart]]
-# one decoder layer: its two norm weights, then qkv, o, gate_up, down
-StackLayer = tuple[Tensor, Tensor, PackedLinearArgs, PackedLinearArgs, PackedLinearArgs, PackedLinearArgs]
+# one decoder layer: its two norm weights, then qkv, o, gate_up, down (a sparse layer's shared expert, or None)
+StackLayer = tuple[Tensor, Tensor, PackedLinearArgs, PackedLinearArgs, Union[PackedLinearArgs, None],
+                   Union[PackedLinearArgs, None]]
 # a layer's extras: q/k norm weights, the feed-forward sandwich norms (None where the model has none),
 # RoPE cos and sin, its KV group and window
 StackExtras = tuple[Union[Tensor, None], Union[Tensor, None], Union[Tensor, None], Union[Tensor, None], Tensor,
                     Tensor, int, int]
+# a sparse layer: router [E, H] fp32, the stacked gate, up and down, k, renormalised, top-k before the
+# softmax, the shared expert's gate [1, H] (or None)
+StackSparse = tuple[Tensor, WeightPart, WeightPart, WeightPart, int, bool, bool, Union[Tensor, None]]
 
 
 class DecoderStack(Protocol):
@@ -67,8 +71,10 @@ class Kernels(Protocol):
 
     def float_linear(self, x: Tensor, weight: Tensor) -> Tensor: ...
 
+    def moe_route(self, logits: Tensor, k: int, renorm: bool, topk_softmax: bool = False) -> list[Tensor]: ...
+
     def dequantize_rows(self, ids: Tensor, fmt: int, N: int, blocks: Tensor, scale: Tensor | None = None) -> Tensor: ...
 
     def decoder_stack(self, layers: Sequence[StackLayer], final_norm: Tensor, cos: Tensor, sin: Tensor, Hq: int,
                       Hkv: int, D: int, eps: float, extras: Sequence[StackExtras] = (), scale: float = 0.0,
-                      gelu: bool = False) -> DecoderStack: ...
+                      gelu: bool = False, sparse: Sequence[StackSparse | None] = ()) -> DecoderStack: ...

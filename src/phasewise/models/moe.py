@@ -2,8 +2,10 @@
 
 A router (a float linear map, never quantized) scores every expert for each row; each row takes its
 top-k experts, weighted as transformers weights them: softmax over all experts in fp32, then
-`torch.topk` (its order and ties), then, where the config says so, the k weights renormalised to sum
-to 1 (`cfg.router == "topk_softmax"`: top-k of the logits, softmax over those). The experts are
+`torch.topk`, then, where the config says so, the k weights renormalised to sum to 1
+(`cfg.router == "topk_softmax"`: top-k of the logits, softmax over those). On the kernels the
+routing is the decoder stack's own (`Kernels.moe_route`: ties go to the lower expert id), so the
+Python layers and the stack choose alike. The experts are
 three stacked weights (layers/expert_linear.py): `gate_proj` and `up_proj` [E I, H], `down_proj`
 [E H, I], in blocks as the file holds them or in float. Rows are grouped by expert: for each expert
 chosen by any row, one pass over its weights for all its rows; each row's k terms are then summed
@@ -27,7 +29,7 @@ from torch import nn
 
 from phasewise.distributed import TensorParallel
 from phasewise.kernels import UsesKernels, applies
-from phasewise.kernels.kernel_api import Kernels, WeightPart
+from phasewise.kernels.kernel_api import Kernels, StackSparse, WeightPart
 from phasewise.layers.expert_linear import ExpertLinear
 from phasewise.layers.linear import frozen
 from phasewise.models.config import ModelConfig
@@ -129,6 +131,17 @@ class SparseMoeBlock(UsesKernels, nn.Module):
         self.shared_expert = shared
         self.shared_expert_gate = Gate(cfg.hidden_size, 1) if shared is not None else None
 
+    def stack_args(self) -> StackSparse | None:
+        """The decoder stack's description of this block (kernel_api.StackSparse), or None when its
+        experts or router are not in the kernels' forms (the Python path runs it)."""
+        cfg, parts = self.cfg, self.experts._parts
+        gates = [self.gate.weight] + ([self.shared_expert_gate.weight] if self.shared_expert is not None else [])
+        if parts is None or not all(w.dtype == torch.float32 and w.device.type == "cpu" for w in gates):
+            return None
+        shared_gate = gates[1].detach() if len(gates) > 1 else None
+        return (self.gate.weight.detach(), *parts, cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                cfg.router == "topk_softmax", shared_gate)
+
     def bind_kernels(self, kernels: Kernels | None) -> None:
         self.ops = kernels
         self.gate.bind_kernels(kernels)
@@ -140,7 +153,12 @@ class SparseMoeBlock(UsesKernels, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] → [T, hidden]."""
         cfg = self.cfg
-        weights, ids = route(self.gate(x), cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.router)
+        logits = self.gate(x)
+        if applies(self.ops, logits):        # the decoder stack's own routing (ties: the lower id first)
+            weights, ids = self.ops.moe_route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                                              cfg.router == "topk_softmax")
+        else:
+            weights, ids = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.router)
         out = self.experts(x, ids, weights)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -1,8 +1,8 @@
 """The C++ decoder stack (kernels/csrc/decoder.cpp) built from a model's layers and run for a step.
 
 With compiled kernels, one DecoderStack call runs every decoder layer of a step (prefill chunks
-and decodes alike) where it can: every linear layer quantized, norms and RoPE tables fp32 on the
-CPU. A decode step of a 30-layer model makes about 300 op calls, each costing microseconds from
+and decodes alike) where it can: every linear layer quantized (a sparse layer's experts in their
+blocks, its routers fp32), norms and RoPE tables fp32 on the CPU. A decode step of a 30-layer model makes about 300 op calls, each costing microseconds from
 Python (a third of the step at batch 1). The Python layers stay the path for everything else and
 the reference the tests compare against.
 """
@@ -15,37 +15,46 @@ from torch import nn
 from phasewise.layers.attention import AttentionMetadata, LayerKV
 from phasewise.layers.linear import Linear
 from phasewise.models.config import ModelConfig
-from phasewise.kernels.kernel_api import DecoderStack, Kernels, StackExtras, StackLayer
+from phasewise.kernels.kernel_api import DecoderStack, Kernels, StackExtras, StackLayer, StackSparse
+from phasewise.models.moe import SparseMoeBlock
 
 
 def build_stack(kernels: Kernels | None, cfg: ModelConfig, layers: nn.ModuleList, final_norm: torch.Tensor,
                 sandwich: bool = False) -> DecoderStack | None:
-    """The DecoderStack of `layers` (Llama-family layers; `sandwich`: Gemma 3's, with norms after
-    attention and after the MLP too), or None where the stack cannot run them."""
-    if kernels is None or cfg.num_experts or cfg.qk_norm_whole or cfg.clip_qkv is not None:
-        return None        # the stack runs dense MLPs and per-head QK-norm only: the Python layers run the rest
+    """The DecoderStack of `layers` (Llama-family layers, dense or sparse; `sandwich`: Gemma 3's, with
+    norms after attention and after the MLP too), or None where the stack cannot run them."""
+    if kernels is None or cfg.clip_qkv is not None:
+        return None        # the stack does not clamp qkv: the Python layers run those models
     args: list[StackLayer] = []
     extras: list[StackExtras] = []
+    sparse: list[StackSparse | None] = []
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
-        linears: list[Linear] = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+        moe = mlp.stack_args() if isinstance(mlp, SparseMoeBlock) else None
+        dense = mlp.shared_expert if isinstance(mlp, SparseMoeBlock) else mlp
+        if isinstance(mlp, SparseMoeBlock) and moe is None:
+            return None
+        linears: list[Linear] = [attn.qkv_proj, attn.o_proj]
+        linears += [dense.gate_up_proj, dense.down_proj] if dense is not None else []
         norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
         ffn = [layer.pre_feedforward_layernorm.weight, layer.post_feedforward_layernorm.weight] if sandwich else []
-        qk = [attn.q_norm.weight, attn.k_norm.weight] if cfg.qk_norm else []
+        qk = [attn.q_norm.weight, attn.k_norm.weight] if cfg.qk_norm or cfg.qk_norm_whole else []
         rope = [attn.rotary.cos, attn.rotary.sin]
         if not all(m.form == "blocks" and _on_cpu(m.blocks) for m in linears) \
                 or not all(map(_fp32_cpu, norms + ffn + qk + rope)):
             return None
-        args.append((*(w.detach() for w in norms), *[m.packed_args() for m in linears]))
+        packed = [m.packed_args() for m in linears] + [None, None]
+        args.append((*(w.detach() for w in norms), *packed[:4]))
         qk = [w.detach() for w in qk] or [None, None]
         ffn = [w.detach() for w in ffn] or [None, None]
         extras.append((*qk, *ffn, *rope, attn.kv_group, attn.window or 0))
+        sparse.append(moe)
     if not _fp32_cpu(final_norm):
         return None
     rotary = layers[0].self_attn.rotary
     return kernels.decoder_stack(args, final_norm.detach(), rotary.cos, rotary.sin, cfg.num_heads, cfg.num_kv_heads,
                                  cfg.head_dim, cfg.rms_norm_eps, extras, cfg.query_scale or 0.0,
-                                 cfg.hidden_act == "gelu_tanh")
+                                 cfg.hidden_act == "gelu_tanh", sparse if cfg.num_experts else [])
 
 
 def run_stack(stack: DecoderStack, cfg: ModelConfig, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

@@ -40,18 +40,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("experts"), py::arg("gelu") = false, nogil())
       .def("float_linear", &KernelSet::float_linear, "x W^T in fp32, each row's bits independent of the others",
            py::arg("x"), py::arg("weight"), nogil())
+      .def("moe_route", &KernelSet::moe_route, "each row's top-k experts and their weights from a router's logits",
+           py::arg("logits"), py::arg("k"), py::arg("renorm"), py::arg("topk_softmax") = false, nogil())
       .def("dequantize_rows", &KernelSet::dequantize_rows, "rows ids of a packed weight in fp32 (an embedding)",
            py::arg("ids"), py::arg("fmt"), py::arg("N"), py::arg("blocks"), py::arg("scale") = py::none(), nogil())
       .def("decoder_stack",
            [](std::shared_ptr<KernelSet> self, std::vector<LayerArgs> layers, torch::Tensor final_norm,
               torch::Tensor cos, torch::Tensor sin, int64_t Hq, int64_t Hkv, int64_t D, double eps,
-              std::vector<LayerExtras> extras, double scale, bool gelu) {
+              std::vector<LayerExtras> extras, double scale, bool gelu, std::vector<c10::optional<SparseArgs>> sparse) {
              return DecoderStack(std::move(self), std::move(layers), std::move(final_norm), std::move(cos),
-                                 std::move(sin), Hq, Hkv, D, eps, std::move(extras), scale, gelu);
+                                 std::move(sin), Hq, Hkv, D, eps, std::move(extras), scale, gelu, std::move(sparse));
            },
            "a Llama-family model's decoder layers on these kernels", py::arg("layers"), py::arg("final_norm"),
            py::arg("cos"), py::arg("sin"), py::arg("Hq"), py::arg("Hkv"), py::arg("D"), py::arg("eps"),
-           py::arg("extras") = std::vector<LayerExtras>{}, py::arg("scale") = 0.0, py::arg("gelu") = false);
+           py::arg("extras") = std::vector<LayerExtras>{}, py::arg("scale") = 0.0, py::arg("gelu") = false,
+           py::arg("sparse") = std::vector<c10::optional<SparseArgs>>{});
   py::class_<DecoderStack>(m, "DecoderStack")
       .def("forward", &DecoderStack::forward, py::arg("x"), py::arg("positions"), py::arg("slots"),
            py::arg("kv"), py::arg("tables"), py::arg("row_seq"), py::arg("row_len"), py::arg("block_size"),

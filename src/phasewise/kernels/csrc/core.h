@@ -17,6 +17,8 @@ void gelu_and_mul(const Runtime& rt, const float* x, int64_t T, int64_t I, float
 void argmax_rows(const Runtime& rt, const float* x, int64_t B, int64_t V, int64_t* out);
 void mask_rows(const Runtime& rt, const float* x, int64_t B, int64_t V, const int32_t* words, float* out);
 void float_linear(const Runtime& rt, const float* x, int64_t T, int64_t K, const float* w, int64_t N, float* out);
+void moe_route(const Runtime& rt, const float* logits, int64_t T, int64_t E, int64_t k, bool renorm, bool topk_softmax,
+               float* weights, int64_t* ids);
 void quantize_activations(const Runtime& rt, const float* x, int64_t M, int64_t K, int8_t* xq, float* dx,
                           float* sx);
 // quantize_activations, and with sl each block's first-half sum; with super one scale per 256 values

@@ -4,6 +4,8 @@
 // gate_up, SiLU·mul, down), into a workspace the caller owns: no allocation, no per-op call cost.
 // What Qwen3 and Gemma 3 add: QK-norm on each head of the fused qkv before RoPE; per-layer RoPE
 // tables, KV group and window; Gemma's norms after attention and after the MLP; a GELU-tanh gate.
+// What MoE models add: a sparse MLP (router, top-k, experts, a shared expert) in place of the dense
+// one, and OLMoE's QK-norm over all of q and all of k.
 #include "core.h"
 #include "parallel.h"
 
@@ -14,20 +16,50 @@ namespace pw {
 
 namespace {
 
-// In place: each q and k head of every row of qkv [T, (Hq + 2 Hkv) D] RMS-normed and scaled by qw / kw.
+// In place: each q and k head of every row of qkv [T, (Hq + 2 Hkv) D] RMS-normed and scaled by qw / kw;
+// whole (OLMoE): all of q and all of k, as if one head each.
 void head_norms(const Runtime& rt, float* qkv, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const float* qw,
-                const float* kw, float eps) {
-  const int64_t heads = Hq + Hkv, width = (Hq + 2 * Hkv) * D;
-  parallel_for(rt, T * heads, 64, [&](int64_t begin, int64_t end) {
+                const float* kw, float eps, bool whole) {
+  const int64_t width = (Hq + 2 * Hkv) * D;
+  const int64_t qn = whole ? 1 : Hq, kn = whole ? 1 : Hkv;      // a row's pieces: qn of q, then kn of k
+  const int64_t qd = whole ? Hq * D : D, kd = whole ? Hkv * D : D, pieces = qn + kn;
+  parallel_for(rt, T * pieces, whole ? 4 : 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      float* x = qkv + (r / heads) * width + (r % heads) * D;
-      const float* w = r % heads < Hq ? qw : kw;
+      const int64_t p = r % pieces, n = p < qn ? qd : kd;
+      float* x = qkv + (r / pieces) * width + (p < qn ? p * qd : Hq * D + (p - qn) * kd);
+      const float* w = p < qn ? qw : kw;
       float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
-      for (int64_t d = 0; d < D; ++d) ss += x[d] * x[d];
-      const float inv = 1.f / std::sqrt(ss / D + eps);
+      for (int64_t d = 0; d < n; ++d) ss += x[d] * x[d];
+      const float inv = 1.f / std::sqrt(ss / n + eps);
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) x[d] = x[d] * inv * w[d];
+      for (int64_t d = 0; d < n; ++d) x[d] = x[d] * inv * w[d];
+    }
+  });
+}
+
+// hidden [T, H] = the layer's mixture of experts of normed [T, H] (router, top-k, experts; Qwen2-MoE's
+// shared expert behind its sigmoid gate added), as models/moe.py's SparseMoeBlock computes it.
+void sparse_mlp(const Runtime& rt, const DecoderModel& m, const DecoderLayer& L, const float* normed, int64_t T,
+                float* scratch, float* gate_up, float* act, float* shared, float* hidden) {
+  const SparseMlp& sp = *L.sparse;
+  const int64_t H = m.H, E = sp.experts.E, k = sp.k;
+  int64_t* ids = reinterpret_cast<int64_t*>(scratch);   // [T, k] (scratch: an even offset, 8-byte aligned)
+  float* weights = scratch + 2 * T * k;                  // [T, k]
+  float* logits = weights + T * k;                       // [T, E]
+  float* gate = logits + T * E;                          // [T]
+  float_linear(rt, normed, T, H, sp.router, E, logits);
+  moe_route(rt, logits, T, E, k, sp.renorm, sp.topk_softmax, weights, ids);
+  expert_mlp(rt, normed, T, ids, weights, k, sp.experts, hidden);
+  if (sp.shared_gate == nullptr) return;
+  quant_linear(rt, normed, T, H, L.gate_up.w, L.gate_up.bias, gate_up);
+  (m.gelu ? gelu_and_mul : silu_and_mul)(rt, gate_up, T, L.width, act);
+  quant_linear(rt, act, T, L.width, L.down.w, L.down.bias, shared);
+  float_linear(rt, normed, T, H, sp.shared_gate, 1, gate);
+  parallel_for(rt, T, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float g = 1.f / (1.f + std::exp(-gate[t]));
+      for (int64_t c = 0; c < H; ++c) hidden[t * H + c] += g * shared[t * H + c];
     }
   });
 }
@@ -55,6 +87,7 @@ void layers(const Runtime& rt, const DecoderModel& m, const DecoderStep& s, cons
   float* attn = k + T * Hkv * D;              // [T, Hq, D]
   float* gate_up = attn + T * Hq * D;         // [T, 2I]
   float* act = gate_up + T * 2 * I;           // [T, I]
+  float* moe = act + T * I;                   // [T, 3 k + E + 2]: a sparse layer's routing (sparse_mlp)
   const float scale = m.scale > 0.f ? m.scale : 1.f / std::sqrt(static_cast<float>(D));
   parallel_for(rt, T * H, 4096, [&](int64_t begin, int64_t end) { std::copy(x + begin, x + end, residual + begin); });
   for (int64_t i = 0; i < m.L; ++i) {
@@ -62,7 +95,7 @@ void layers(const Runtime& rt, const DecoderModel& m, const DecoderStep& s, cons
     if (i == 0) rms_norm(rt, residual, nullptr, L.input_norm, T, H, m.eps, normed, nullptr);
     else rms_norm(rt, hidden, residual, L.input_norm, T, H, m.eps, normed, residual);
     quant_linear(rt, normed, T, H, L.qkv.w, L.qkv.bias, qkv);
-    if (L.q_norm != nullptr) head_norms(rt, qkv, T, Hq, Hkv, D, L.q_norm, L.k_norm, m.eps);
+    if (L.q_norm != nullptr) head_norms(rt, qkv, T, Hq, Hkv, D, L.q_norm, L.k_norm, m.eps, L.qk_whole);
     rope_and_cache(rt, qkv, T, s.positions, L.cos ? L.cos : m.cos, L.sin ? L.sin : m.sin, Hq, Hkv, D,
                    s.slots[L.group], s.cache_out[i], q, k);
     AttentionRows rows = s.rows[L.group];
@@ -81,10 +114,13 @@ void layers(const Runtime& rt, const DecoderModel& m, const DecoderStep& s, cons
     } else {
       rms_norm(rt, o, residual, L.post_norm, T, H, m.eps, normed, residual);
     }
-    quant_linear(rt, normed, T, H, L.gate_up.w, L.gate_up.bias, gate_up);
-    if (m.gelu) gelu_and_mul(rt, gate_up, T, I, act);
-    else silu_and_mul(rt, gate_up, T, I, act);
-    quant_linear(rt, act, T, I, L.down.w, L.down.bias, hidden);
+    if (L.sparse != nullptr) {
+      sparse_mlp(rt, m, L, normed, T, moe, gate_up, act, o, hidden);
+    } else {
+      quant_linear(rt, normed, T, H, L.gate_up.w, L.gate_up.bias, gate_up);
+      (m.gelu ? gelu_and_mul : silu_and_mul)(rt, gate_up, T, L.width, act);
+      quant_linear(rt, act, T, L.width, L.down.w, L.down.bias, hidden);
+    }
     if (L.post_ffn_norm != nullptr) rms_norm(rt, hidden, nullptr, L.post_ffn_norm, T, H, m.eps, hidden, nullptr);
   }
   rms_norm(rt, hidden, residual, m.final_norm, T, H, m.eps, out, residual);

@@ -25,25 +25,53 @@ pw::Linear linear_view(const QuantLinearArgs& a, int64_t K, std::vector<pw::Pack
 
 DecoderStack::DecoderStack(std::shared_ptr<KernelSet> kernels, std::vector<LayerArgs> layers,
                            torch::Tensor final_norm, torch::Tensor cos, torch::Tensor sin, int64_t Hq, int64_t Hkv,
-                           int64_t D, double eps, std::vector<LayerExtras> extras, double scale, bool gelu)
+                           int64_t D, double eps, std::vector<LayerExtras> extras, double scale, bool gelu,
+                           std::vector<c10::optional<SparseArgs>> sparse)
     : k_(std::move(kernels)), layers_(std::move(layers)), extras_(std::move(extras)),
-      final_norm_(std::move(final_norm)), cos_(std::move(cos)), sin_(std::move(sin)) {
+      sparse_args_(std::move(sparse)), final_norm_(std::move(final_norm)), cos_(std::move(cos)),
+      sin_(std::move(sin)) {
   TORCH_CHECK(!layers_.empty(), "a decoder stack needs layers");
   const int64_t H = final_norm_.numel();
   TORCH_CHECK(fp32_vector(final_norm_, H) && cos_.scalar_type() == at::kFloat && sin_.scalar_type() == at::kFloat &&
               cos_.is_contiguous() && sin_.is_contiguous() && cos_.size(-1) == D / 2 && sin_.sizes() == cos_.sizes(),
               "final norm fp32 [H], cos and sin fp32 [P, D/2]");
   TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0 && D % 2 == 0, "bad head counts");
-  const int64_t I2 = std::get<1>(std::get<4>(layers_[0]));   // gate_up's output features: 2I
-  for (const LayerArgs& L : layers_) {
-    const auto& [n1, n2, qkv, o, gate_up, down] = L;
+  TORCH_CHECK(sparse_args_.empty() || sparse_args_.size() == layers_.size(), "sparse: none or one per layer");
+  int64_t widest = 0, experts = 0, topk = 0;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const auto& [n1, n2, qkv, o, gate_up, down] = layers_[i];
+    const c10::optional<SparseArgs> none;
+    const c10::optional<SparseArgs>& sp = sparse_args_.empty() ? none : sparse_args_[i];
     TORCH_CHECK(fp32_vector(n1, H) && fp32_vector(n2, H), "norm weights: fp32 [H]");
-    TORCH_CHECK(std::get<1>(qkv) == (Hq + 2 * Hkv) * D && std::get<1>(o) == H && std::get<1>(gate_up) == I2 &&
-                std::get<1>(down) == H, "a layer's linear shapes do not match the model");
+    TORCH_CHECK(gate_up.has_value() == down.has_value() && (sp.has_value() || gate_up.has_value()),
+                "a layer's MLP: gate_up and down (a sparse layer's shared expert: both or neither)");
+    const int64_t I2 = gate_up.has_value() ? std::get<1>(*gate_up) : 0;
+    TORCH_CHECK(std::get<1>(qkv) == (Hq + 2 * Hkv) * D && std::get<1>(o) == H && I2 % 32 == 0 &&
+                (!down.has_value() || std::get<1>(*down) == H), "a layer's linear shapes do not match the model");
     auto& parts = *parts_.emplace_back(std::make_unique<std::vector<pw::PackedWeights>>());
-    parts.reserve(std::get<6>(qkv).size() + std::get<6>(o).size() + std::get<6>(gate_up).size() + std::get<6>(down).size());
-    views_.push_back({n1.data_ptr<float>(), n2.data_ptr<float>(), linear_view(qkv, H, parts),
-                      linear_view(o, Hq * D, parts), linear_view(gate_up, H, parts), linear_view(down, I2 / 2, parts)});
+    size_t rest = std::get<6>(qkv).size() + std::get<6>(o).size();
+    if (gate_up.has_value()) rest += std::get<6>(*gate_up).size() + std::get<6>(*down).size();
+    parts.reserve(rest);
+    pw::DecoderLayer v{n1.data_ptr<float>(), n2.data_ptr<float>(), linear_view(qkv, H, parts),
+                       linear_view(o, Hq * D, parts)};
+    if (gate_up.has_value())
+      v.gate_up = linear_view(*gate_up, H, parts), v.down = linear_view(*down, I2 / 2, parts), v.width = I2 / 2;
+    if (sp.has_value()) {
+      const auto& [router, g, u, d, k, renorm, topk_softmax, shared_gate] = *sp;
+      TORCH_CHECK(router.scalar_type() == at::kFloat && router.dim() == 2 && router.size(1) == H &&
+                  router.is_contiguous() && router.device().is_cpu(), "router: fp32 [E, H]");
+      const int64_t E = router.size(0);
+      TORCH_CHECK(k > 0 && k <= E, "0 < k <= experts");
+      TORCH_CHECK(shared_gate.has_value() == gate_up.has_value(), "a shared expert and its gate go together");
+      TORCH_CHECK(!shared_gate.has_value() || fp32_vector(*shared_gate, H), "shared expert gate: fp32 [1, H]");
+      auto& mlp = *sparse_.emplace_back(std::make_unique<pw::SparseMlp>());
+      mlp = {router.data_ptr<float>(), expert_weights(g, u, d, E, H, gelu), k, renorm, topk_softmax,
+             shared_gate.has_value() ? shared_gate->data_ptr<float>() : nullptr};
+      v.sparse = &mlp;
+      experts = std::max(experts, E), topk = std::max(topk, k);
+    }
+    widest = std::max(widest, I2 / 2);
+    views_.push_back(v);
   }
   TORCH_CHECK(extras_.empty() || extras_.size() == layers_.size(), "extras: none or one per layer");
   auto ptr = [](const Opt& t, int64_t n) -> const float* {
@@ -58,13 +86,15 @@ DecoderStack::DecoderStack(std::shared_ptr<KernelSet> kernels, std::vector<Layer
     TORCH_CHECK(qn.has_value() == kn.has_value() && pre.has_value() == post.has_value() &&
                 c.has_value() == s.has_value() && group >= 0 && window >= 0, "extras: pairs given together");
     TORCH_CHECK(!c.has_value() || (c->sizes() == cos_.sizes() && s->sizes() == cos_.sizes()), "a layer's cos, sin");
-    v.q_norm = ptr(qn, D), v.k_norm = ptr(kn, D), v.pre_ffn_norm = ptr(pre, H), v.post_ffn_norm = ptr(post, H);
+    v.qk_whole = qn.has_value() && qn->numel() == Hq * D && Hq > 1;   // OLMoE's: all of q, all of k
+    v.q_norm = ptr(qn, v.qk_whole ? Hq * D : D), v.k_norm = ptr(kn, v.qk_whole ? Hkv * D : D);
+    v.pre_ffn_norm = ptr(pre, H), v.post_ffn_norm = ptr(post, H);
     v.cos = ptr(c, 0), v.sin = ptr(s, 0), v.group = group, v.window = window;
     groups_ = std::max(groups_, group + 1);
   }
-  model_ = {views_.data(), static_cast<int64_t>(views_.size()), H, I2 / 2, Hq, Hkv, D, static_cast<float>(eps),
+  model_ = {views_.data(), static_cast<int64_t>(views_.size()), H, widest, Hq, Hkv, D, static_cast<float>(eps),
             final_norm_.data_ptr<float>(), cos_.data_ptr<float>(), sin_.data_ptr<float>(), static_cast<float>(scale),
-            gelu};
+            gelu, experts, topk};
 }
 
 torch::Tensor DecoderStack::forward(torch::Tensor x, torch::Tensor positions, const std::vector<torch::Tensor>& slots,

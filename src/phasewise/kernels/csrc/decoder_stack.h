@@ -12,20 +12,26 @@
 // bias, the leading tiles that hold U5 bytes (PackedWeights::u5_tiles), and the further parts.
 using QuantLinearArgs = std::tuple<int64_t, int64_t, torch::Tensor, c10::optional<torch::Tensor>,
                                    c10::optional<torch::Tensor>, int64_t, std::vector<PartArgs>>;
-// One layer: input norm weight, post-attention norm weight, qkv, o, gate_up, down.
-using LayerArgs = std::tuple<torch::Tensor, torch::Tensor, QuantLinearArgs, QuantLinearArgs, QuantLinearArgs,
-                             QuantLinearArgs>;
+// One layer: input norm weight, post-attention norm weight, qkv, o, gate_up, down (the dense MLP; a
+// sparse layer's shared expert, or none).
+using LinearOpt = c10::optional<QuantLinearArgs>;
+using LayerArgs = std::tuple<torch::Tensor, torch::Tensor, QuantLinearArgs, QuantLinearArgs, LinearOpt, LinearOpt>;
 // What Qwen3 and Gemma 3 add to a layer (each optional): q_norm, k_norm [D], pre- and post-MLP norms
 // [H], the layer's cos and sin [P, D/2], its KV group and its window (0: none).
 using Opt = c10::optional<torch::Tensor>;
 using LayerExtras = std::tuple<Opt, Opt, Opt, Opt, Opt, Opt, int64_t, int64_t>;
+// A sparse layer's experts (kernels.h SparseMlp): router fp32 [E, H], the stacked gate, up and down,
+// k, renorm, topk_softmax, and the shared expert's gate [1, H] (Qwen2-MoE) or none.
+using SparseArgs = std::tuple<torch::Tensor, PartArgs, PartArgs, PartArgs, int64_t, bool, bool, Opt>;
 
 class DecoderStack {
  public:
-  // extras: empty, or one per layer; scale: attention's (0: 1/sqrt(D)); gelu: a GELU-tanh gate.
+  // extras: empty, or one per layer; scale: attention's (0: 1/sqrt(D)); gelu: a GELU-tanh gate;
+  // sparse: empty, or one per layer (none: a dense layer). A q_norm of Hq D values norms all of q.
   DecoderStack(std::shared_ptr<KernelSet> kernels, std::vector<LayerArgs> layers, torch::Tensor final_norm,
                torch::Tensor cos, torch::Tensor sin, int64_t Hq, int64_t Hkv, int64_t D, double eps,
-               std::vector<LayerExtras> extras, double scale, bool gelu);
+               std::vector<LayerExtras> extras, double scale, bool gelu,
+               std::vector<c10::optional<SparseArgs>> sparse = {});
 
   // x: [T, hidden] embedded tokens; positions: [T] int64; kv: per layer (k, v[, k_scale, v_scale]);
   // per KV group: slots [T] int64 and the paged-attention kernel's rows (tables, row_seq, row_len).
@@ -40,6 +46,8 @@ class DecoderStack {
   std::shared_ptr<KernelSet> k_;
   std::vector<LayerArgs> layers_;             // keeps the tensors behind model_'s pointers alive
   std::vector<LayerExtras> extras_;
+  std::vector<c10::optional<SparseArgs>> sparse_args_;
+  std::vector<std::unique_ptr<pw::SparseMlp>> sparse_;
   int64_t groups_ = 1;
   torch::Tensor final_norm_, cos_, sin_;
   std::vector<pw::DecoderLayer> views_;

@@ -1,5 +1,5 @@
 // A mixture-of-experts MLP over packed weights (kernels.h ExpertWeights): each row's k chosen experts,
-// SwiGLU each, summed with the router's weights.
+// SwiGLU each, summed with the router's weights; and the router's choice (moe_route, at the end).
 //
 // The step's (row, choice) pairs are sorted by expert (a counting sort: by expert, then row, then
 // choice), so each chosen expert's rows sit together: its weight tiles are read once for all of them
@@ -16,6 +16,7 @@
 #include "parallel.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -27,18 +28,16 @@ struct Quantized {          // rows quantized for one grouping, in buffers reuse
   std::vector<float> dx, sx, sl;
   int64_t K = 0;
 
-  void reserve(int64_t M, int64_t k) {
+  void reserve(int64_t M, int64_t k) {      // serial: before any pass that fills these rows
     K = k;
     if (static_cast<int64_t>(xq.size()) < M * K) xq.resize(M * K);
     if (static_cast<int64_t>(dx.size()) < M * K / QK) dx.resize(M * K / QK), sx.resize(M * K / QK), sl.resize(M * K / QK);
   }
-  void quantize(const Runtime& rt, const float* x, int64_t M, int64_t k, bool super) {
-    reserve(M, k);
+  void quantize(const Runtime& rt, const float* x, int64_t M, bool super) {
     quantize_rows(rt, x, M, K, xq.data(), dx.data(), sx.data(), sl.data(), super);
   }
   // row i of this = row rows[i] of src, i < n
   void gather(const Runtime& rt, const Quantized& src, const int64_t* rows, int64_t n) {
-    reserve(n, src.K);
     const int64_t KB = K / QK;
     parallel_for(rt, n, 64, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
@@ -65,6 +64,15 @@ PackedWeights expert_part(const PackedWeights& w, int64_t e, int64_t rows) {
   if (w.super) p.super = w.super + e * nt * (w.KB / K4_SUPER) * super_halves(w.fmt);
   p.N = rows, p.NT = nt, p.u5_tiles = 0, p.next = nullptr;
   return p;
+}
+
+// out[0..n) = softmax(x[0..n)) in fp32 (out may be x)
+void softmax(const float* x, int64_t n, float* out) {
+  float mx = x[0];
+  for (int64_t i = 1; i < n; ++i) mx = std::max(mx, x[i]);
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) sum += (out[i] = std::exp(x[i] - mx));
+  for (int64_t i = 0; i < n; ++i) out[i] /= sum;
 }
 
 struct Job {                // a group of tiles of one part of one expert, over all that expert's rows
@@ -105,45 +113,58 @@ void run_jobs(const Runtime& rt, const std::vector<Job>& jobs, const std::vector
   });
 }
 
-struct Scratch {            // the calling thread's buffers, reused from call to call
+struct Scratch {            // one call's buffers, reused from call to call
   Quantized x[2], gathered[2], act;
   std::vector<int64_t> count, first, next, slot, row;
   std::vector<float> h, a, y;
   std::vector<Job> jobs;
   std::vector<int64_t> start;
+  bool used[2] = {false, false};   // which activation groupings gate and up take (super-blocks or not)
+
+  // Serial: the (row, choice) pairs by expert (slot[t k + j] is pair (t, j)'s place in that order,
+  // row[place] its row t), every buffer sized, gate and up's jobs.
+  void plan(int64_t T, const int64_t* ids, int64_t k, const ExpertWeights& ex) {
+    const int64_t E = ex.E, I = ex.I, H = ex.H, S = T * k;
+    count.assign(E, 0);
+    for (int64_t i = 0; i < S; ++i) ++count[ids[i]];
+    first.assign(E + 1, 0);
+    for (int64_t e = 0; e < E; ++e) first[e + 1] = first[e] + count[e];
+    slot.resize(S), row.resize(S);
+    next.assign(first.begin(), first.end() - 1);
+    for (int64_t i = 0; i < S; ++i) {
+      const int64_t place = next[ids[i]]++;
+      slot[i] = place, row[place] = i / k;
+    }
+    used[0] = used[1] = false;
+    for (const PackedWeights* p : {&ex.gate, &ex.up}) used[super_activations(p->fmt)] = true;
+    for (int g = 0; g < 2; ++g)
+      if (used[g]) x[g].reserve(T, H), gathered[g].reserve(S, H);
+    act.reserve(S, I);
+    if (static_cast<int64_t>(h.size()) < S * 2 * I) h.resize(S * 2 * I);
+    if (static_cast<int64_t>(a.size()) < S * I) a.resize(S * I);
+    if (static_cast<int64_t>(y.size()) < S * H) y.resize(S * H);
+    make_jobs(count, 2, I / 16, jobs, start);
+  }
 };
 
 }  // namespace
 
+// In a team (the decoder stack's region) every thread makes this call: they share one thread's
+// scratch, the serial steps run on one thread and each pass ends at the team's barrier.
 void expert_mlp(const Runtime& rt, const float* x, int64_t T, const int64_t* ids, const float* weights, int64_t k,
                 const ExpertWeights& ex, float* out) {
   if (T == 0) return;
-  const int64_t E = ex.E, I = ex.I, H = ex.H, S = T * k;
-  thread_local Scratch own;
-  Scratch& s = own;         // the caller's buffers, named so every thread of the passes below sees them
-  // 1. slots by expert: slot[t k + j] is pair (t, j)'s place in that order, row[place] its row t
-  s.count.assign(E, 0);
-  for (int64_t i = 0; i < S; ++i) ++s.count[ids[i]];
-  s.first.assign(E + 1, 0);
-  for (int64_t e = 0; e < E; ++e) s.first[e + 1] = s.first[e] + s.count[e];
-  s.slot.resize(S), s.row.resize(S);
-  s.next.assign(s.first.begin(), s.first.end() - 1);
-  for (int64_t i = 0; i < S; ++i) {
-    const int64_t place = s.next[ids[i]]++;
-    s.slot[i] = place, s.row[place] = i / k;
-  }
-  const PackedWeights* gate_up[2] = {&ex.gate, &ex.up};
-  bool done[2] = {false, false};
-  for (const PackedWeights* p : gate_up) {
-    const bool sup = super_activations(p->fmt);
-    if (done[sup]) continue;
-    done[sup] = true;
-    s.x[sup].quantize(rt, x, T, H, sup);
-    s.gathered[sup].gather(rt, s.x[sup], s.row.data(), S);
-  }
+  const int64_t I = ex.I, H = ex.H, S = T * k;
+  Scratch& s = *team_once<Scratch>(rt, [] {
+    thread_local Scratch own;
+    return &own;
+  });
+  team_serial(rt, [&] { s.plan(T, ids, k, ex); });
+  // 1. x quantized once per grouping, gathered into the pairs' order
+  for (int g = 0; g < 2; ++g)
+    if (s.used[g]) s.x[g].quantize(rt, x, T, g), s.gathered[g].gather(rt, s.x[g], s.row.data(), S);
   // 2. gate | up -> h [S, 2 I]
-  if (static_cast<int64_t>(s.h.size()) < S * 2 * I) s.h.resize(S * 2 * I);
-  make_jobs(s.count, 2, I / 16, s.jobs, s.start);
+  const PackedWeights* gate_up[2] = {&ex.gate, &ex.up};
   run_jobs(rt, s.jobs, s.start, [&](const Job& j) {
     const PackedWeights& w = *gate_up[j.part];
     const QuantizedRows rows = s.gathered[super_activations(w.fmt)].at(s.first[j.e]);
@@ -151,12 +172,10 @@ void expert_mlp(const Runtime& rt, const float* x, int64_t T, const int64_t* ids
                  2 * I);
   });
   // 3. the gated activations, quantized for down
-  if (static_cast<int64_t>(s.a.size()) < S * I) s.a.resize(S * I);
   (ex.gelu ? gelu_and_mul : silu_and_mul)(rt, s.h.data(), S, I, s.a.data());
-  s.act.quantize(rt, s.a.data(), S, I, super_activations(ex.down.fmt));
+  s.act.quantize(rt, s.a.data(), S, super_activations(ex.down.fmt));
   // 4. down -> y [S, H]
-  if (static_cast<int64_t>(s.y.size()) < S * H) s.y.resize(S * H);
-  make_jobs(s.count, 1, H / 16, s.jobs, s.start);
+  team_serial(rt, [&] { make_jobs(s.count, 1, H / 16, s.jobs, s.start); });
   run_jobs(rt, s.jobs, s.start, [&](const Job& j) {
     linear_tiles(s.act.at(s.first[j.e]), s.count[j.e], expert_part(ex.down, j.e, H), j.t0, j.nv,
                  s.y.data() + s.first[j.e] * H, H);
@@ -175,6 +194,36 @@ void expert_mlp(const Runtime& rt, const float* x, int64_t T, const int64_t* ids
 #pragma omp simd
           for (int64_t c = 0; c < H; ++c) o[c] += wj * yj[c];
         }
+      }
+    }
+  });
+}
+
+// Each row alone: a softmax in fp32 (max first, exp, the sum in index order), then the k largest by
+// insertion (a value enters before the first smaller one, so ties keep the lower id first).
+void moe_route(const Runtime& rt, const float* logits, int64_t T, int64_t E, int64_t k, bool renorm, bool topk_softmax,
+               float* weights, int64_t* ids) {
+  parallel_for(rt, T, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> p(E);
+    for (int64_t t = begin; t < end; ++t) {
+      const float* l = logits + t * E;
+      float* w = weights + t * k;
+      int64_t* id = ids + t * k;
+      if (!topk_softmax) softmax(l, E, p.data());
+      const float* score = topk_softmax ? l : p.data();
+      int64_t n = 0;
+      for (int64_t e = 0; e < E; ++e) {
+        if (n == k && !(score[e] > w[k - 1])) continue;
+        int64_t i = n < k ? n++ : k - 1;
+        for (; i > 0 && score[e] > w[i - 1]; --i) w[i] = w[i - 1], id[i] = id[i - 1];
+        w[i] = score[e], id[i] = e;
+      }
+      if (topk_softmax) {
+        softmax(w, k, w);
+      } else if (renorm) {
+        float sum = 0.f;
+        for (int64_t j = 0; j < k; ++j) sum += w[j];
+        for (int64_t j = 0; j < k; ++j) w[j] /= sum;
       }
     }
   });

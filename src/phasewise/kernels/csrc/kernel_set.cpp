@@ -256,16 +256,8 @@ torch::Tensor KernelSet::dequantize_rows(torch::Tensor ids, int64_t fmt, int64_t
   return out.view(shape);
 }
 
-// x [T, H] fp32, ids [T, k] int64 (each in 0..experts-1), weights [T, k] fp32 -> [T, H]; gate, up
-// (format, experts x I rows, blocks, scale) and down (experts x H rows) each all experts' rows stacked.
-torch::Tensor KernelSet::expert_mlp(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, const PartArgs& gate,
-                                    const PartArgs& up, const PartArgs& down, int64_t experts, bool gelu) const {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.device().is_cpu(), "x: fp32 [T, H] on the CPU");
-  TORCH_CHECK(ids.scalar_type() == at::kLong && weights.scalar_type() == at::kFloat && ids.dim() == 2 &&
-              ids.sizes() == weights.sizes() && ids.size(0) == x.size(0) && ids.size(1) > 0,
-              "ids int64, weights fp32, both [T, k]");
-  x = x.contiguous(), ids = ids.contiguous(), weights = weights.contiguous();
-  const int64_t T = x.size(0), H = x.size(1), k = ids.size(1);
+pw::ExpertWeights expert_weights(const PartArgs& gate, const PartArgs& up, const PartArgs& down, int64_t experts,
+                                 int64_t H, bool gelu) {
   TORCH_CHECK(experts > 0, "experts > 0");
   auto stacked = [&](const PartArgs& part, const char* name) {
     const auto& [fmt, n, blocks, scale] = part;
@@ -279,6 +271,20 @@ torch::Tensor KernelSet::expert_mlp(torch::Tensor x, torch::Tensor ids, torch::T
   TORCH_CHECK(ex.down.N == experts * H && ex.down.KB * pw::QK == ex.I, "down: [E H, I]");
   for (const pw::PackedWeights* w : {&ex.gate, &ex.up, &ex.down})
     TORCH_CHECK(!pw::super_activations(w->fmt) || w->KB % pw::K4_SUPER == 0, "a K-quant's width is whole super-blocks");
+  return ex;
+}
+
+// x [T, H] fp32, ids [T, k] int64 (each in 0..experts-1), weights [T, k] fp32 -> [T, H]; gate, up
+// (format, experts x I rows, blocks, scale) and down (experts x H rows) each all experts' rows stacked.
+torch::Tensor KernelSet::expert_mlp(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, const PartArgs& gate,
+                                    const PartArgs& up, const PartArgs& down, int64_t experts, bool gelu) const {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.device().is_cpu(), "x: fp32 [T, H] on the CPU");
+  TORCH_CHECK(ids.scalar_type() == at::kLong && weights.scalar_type() == at::kFloat && ids.dim() == 2 &&
+              ids.sizes() == weights.sizes() && ids.size(0) == x.size(0) && ids.size(1) > 0,
+              "ids int64, weights fp32, both [T, k]");
+  x = x.contiguous(), ids = ids.contiguous(), weights = weights.contiguous();
+  const int64_t T = x.size(0), H = x.size(1), k = ids.size(1);
+  const pw::ExpertWeights ex = expert_weights(gate, up, down, experts, H, gelu);
   const int64_t* idp = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < ids.numel(); ++i)
     TORCH_CHECK(idp[i] >= 0 && idp[i] < experts, "expert id ", idp[i], " outside 0..", experts - 1);
@@ -302,4 +308,18 @@ torch::Tensor KernelSet::float_linear(torch::Tensor x, torch::Tensor weight) con
 double KernelSet::int8_peak_gops(int64_t iters) const {
   TORCH_CHECK(iters > 0, "iters must be positive");
   return table_->int8_peak_gops(runtime(), iters);
+}
+
+// logits [T, E] fp32 -> (weights [T, k] fp32, ids [T, k] int64): each row's experts (kernels.h moe_route).
+std::vector<torch::Tensor> KernelSet::moe_route(torch::Tensor logits, int64_t k, bool renorm, bool topk_softmax) const {
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.device().is_cpu(),
+              "logits: fp32 [T, E] on the CPU");
+  TORCH_CHECK(k > 0 && k <= logits.size(1), "0 < k <= experts");
+  logits = logits.contiguous();
+  const int64_t T = logits.size(0);
+  auto weights = torch::empty({T, k}, logits.options());
+  auto ids = torch::empty({T, k}, logits.options().dtype(at::kLong));
+  table_->moe_route(runtime(), logits.data_ptr<float>(), T, logits.size(1), k, renorm, topk_softmax,
+                    weights.data_ptr<float>(), ids.data_ptr<int64_t>());
+  return {weights, ids};
 }

@@ -21,6 +21,10 @@ using PartArgs = std::tuple<int64_t, int64_t, torch::Tensor, c10::optional<torch
 const pw::PackedWeights* link_parts(const std::vector<PartArgs>& rest, int64_t first, int64_t K,
                                     std::vector<pw::PackedWeights>& parts);
 
+// Stacked expert weights (each all experts' rows: gate, up [E I, H], down [E H, I]) checked and viewed.
+pw::ExpertWeights expert_weights(const PartArgs& gate, const PartArgs& up, const PartArgs& down, int64_t experts,
+                                 int64_t H, bool gelu);
+
 class KernelSet {
  public:
   explicit KernelSet(const std::string& library);
@@ -50,6 +54,7 @@ class KernelSet {
   torch::Tensor expert_mlp(torch::Tensor x, torch::Tensor ids, torch::Tensor weights, const PartArgs& gate,
                            const PartArgs& up, const PartArgs& down, int64_t experts, bool gelu) const;
   torch::Tensor float_linear(torch::Tensor x, torch::Tensor weight) const;
+  std::vector<torch::Tensor> moe_route(torch::Tensor logits, int64_t k, bool renorm, bool topk_softmax) const;
   double int8_peak_gops(int64_t iters) const;
   const pw::KernelTable& table() const { return *table_; }
 

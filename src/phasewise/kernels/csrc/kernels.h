@@ -7,7 +7,7 @@
 
 namespace pw {
 
-constexpr int ABI_VERSION = 13;
+constexpr int ABI_VERSION = 14;
 
 struct Runtime {            // how a call may run: threads of the caller's pool (torch's, through OpenMP)
   int threads = 1;
@@ -98,12 +98,24 @@ struct ExpertWeights {       // E SwiGLU (GELU: Gemma-style) experts, each weigh
   bool gelu = false;
 };
 
-struct DecoderLayer {       // one Llama-family decoder layer (and what Qwen3 and Gemma 3 add)
+struct SparseMlp {          // a decoder layer's mixture of experts (models/moe.py)
+  const float* router;      // [E, H] fp32: the experts' scores, float_linear
+  ExpertWeights experts;
+  int64_t k;                // experts a row takes
+  bool renorm = false;      // the k softmax weights renormalised to sum to 1
+  bool topk_softmax = false;  // top-k of the logits, softmax over those k (else softmax, then top-k)
+  const float* shared_gate = nullptr;  // [H] Qwen2-MoE: the shared expert's (the layer's gate_up, down) sigmoid gate
+};
+
+struct DecoderLayer {       // one Llama-family decoder layer (and what Qwen3, Gemma 3 and MoE models add)
   const float* input_norm;  // [H]
   const float* post_norm;   // [H] before the MLP; with pre_ffn_norm (Gemma 3): after attention
-  Linear qkv, o, gate_up, down;
-  const float* q_norm = nullptr;        // [D] each q head's RMSNorm before RoPE (QK-norm), or none
-  const float* k_norm = nullptr;        // [D]
+  Linear qkv, o, gate_up, down;   // gate_up, down: the dense MLP (with sparse: the shared expert, or none)
+  int64_t width = 0;        // the dense MLP's intermediate size (gate_up's rows / 2; 0: none)
+  const SparseMlp* sparse = nullptr;    // the layer's experts in place of a dense MLP, or none
+  const float* q_norm = nullptr;        // [D] each q head's RMSNorm before RoPE (QK-norm), or none;
+  const float* k_norm = nullptr;        // [D]  with qk_whole (OLMoE) [Hq D] and [Hkv D]: all of q, all of k
+  bool qk_whole = false;
   const float* pre_ffn_norm = nullptr;  // [H] Gemma 3: the norm before the MLP
   const float* post_ffn_norm = nullptr; // [H] Gemma 3: the norm after the MLP
   const float* cos = nullptr;           // [P, D/2] this layer's RoPE tables (none: the model's)
@@ -114,13 +126,14 @@ struct DecoderLayer {       // one Llama-family decoder layer (and what Qwen3 an
 
 struct DecoderModel {       // the decoder layers of a model, and what every layer shares
   const DecoderLayer* layers;
-  int64_t L, H, I, Hq, Hkv, D;
+  int64_t L, H, I, Hq, Hkv, D;   // I: the widest dense MLP
   float eps;
   const float* final_norm;  // [H]
   const float* cos;         // [P, D/2]
   const float* sin;
   float scale = 0.f;        // attention's score scale (0: 1/sqrt(D))
   bool gelu = false;        // the MLP's gate: GELU-tanh (Gemma) instead of SiLU
+  int64_t E = 0, k = 0;     // the most experts and experts a row takes of any sparse layer
 };
 
 struct DecoderStep {        // one step's rows, and the caches of every layer
@@ -140,7 +153,7 @@ struct DecoderStep {        // one step's rows, and the caches of every layer
 // The floats of scratch decoder_stack needs for T rows (the caller owns it; reuse is fine).
 inline int64_t decoder_workspace(const DecoderModel& m, int64_t T) {
   const int64_t qkv = (m.Hq + 2 * m.Hkv) * m.D;
-  return T * (4 * m.H + qkv + (2 * m.Hq + m.Hkv) * m.D + 3 * m.I);
+  return T * (4 * m.H + qkv + (2 * m.Hq + m.Hkv) * m.D + 3 * m.I + (m.E ? m.E + 3 * m.k + 2 : 0));
 }
 
 struct KernelTable {
@@ -191,6 +204,11 @@ struct KernelTable {
                      const ExpertWeights& ex, float* out);
   // out [T, N] = x [T, K] w [N, K]^T in fp32, each row's bits independent of the other rows
   void (*float_linear)(const Runtime&, const float* x, int64_t T, int64_t K, const float* w, int64_t N, float* out);
+  // a router's logits [T, E] -> each row's k experts ids [T, k] and weights [T, k], as transformers
+  // routes: softmax over E, then the k largest (ties: the lower id first), renormalised with renorm;
+  // with topk_softmax the k largest logits, then a softmax over them
+  void (*moe_route)(const Runtime&, const float* logits, int64_t T, int64_t E, int64_t k, bool renorm,
+                    bool topk_softmax, float* weights, int64_t* ids);
 };
 
 constexpr int64_t GGUF_Q4_K = 12, GGUF_Q6_K = 14;   // ggml's type ids
