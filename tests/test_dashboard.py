@@ -97,6 +97,26 @@ def test_feed_sends_what_is_new_since_the_cursor_and_every_live_request():
     assert late["latency"]["itl_ms"]["n"] == 0 and late["throughput"]["output_tok_s"] == 0.0
 
 
+def test_the_experts_spread_is_each_layers_share_over_the_last_seconds():
+    """Two sparse layers of four experts: the recent steps' choices summed per layer into shares, how
+    many experts a step read; older steps and dense models (no choices) leave it out."""
+    clock = [20.0]
+    feed = DashboardFeed(token_budget=64, max_num_seqs=4, num_blocks=100, clock=lambda: clock[0])
+    dense = StepRecord(start=10.0, duration_ms=5.0, num_prefill_tokens=0, num_decode_tokens=1, batch_size=1)
+    feed.on_step(dense, _stats(1, 1))
+    assert feed.snapshot(0, _stats(1, 1))["experts"] is None
+    old = replace(dense, start=12.0, expert_choices=[[0, 0, 0, 9], [9, 0, 0, 0]])   # over 5 s before now
+    feed.on_step(old, _stats(1, 1))
+    feed.on_step(replace(dense, start=18.0, expert_choices=[[2, 0, 0, 0], [1, 1, 0, 0]]), _stats(1, 1))
+    feed.on_step(replace(dense, start=19.0, expert_choices=[[1, 1, 0, 0], [0, 1, 0, 1]]), _stats(1, 1))
+    clock[0] = 21.0
+    snap = feed.snapshot(0, _stats(1, 1))
+    assert [s.get("experts_read") for s in snap["steps"]] == [None, 2, 3, 4]
+    e = snap["experts"]
+    assert (e["layers"], e["experts"], e["steps"], e["read_max"]) == (2, 4, 2, 4)
+    assert e["share"] == [[0.75, 0.25, 0.0, 0.0], [0.25, 0.5, 0.0, 0.25]] and e["read_mean"] == 3.5
+
+
 # ---- on a live server (an API key) ----------------------------------------------------------------
 
 

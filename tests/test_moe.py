@@ -114,19 +114,24 @@ def test_gguf_expert_weights_norm_is_honoured(tmp_path):
     assert cfg.norm_topk_prob
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_alone_batched_and_chunked_greedy_are_the_same(case, folders, tmp_path):
-    """Through the engine at fp32: two prompts together, each alone, and in prefill chunks of 4."""
+def with_tokenizer(folder):
+    """`folder` with a word-level tokenizer of the tiny models' 256 tokens saved beside the weights."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from phasewise import LLM, SamplingParams
-
-    folder, _ = folders(case)
     vocab = {f"t{i}": i for i in range(256)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_alone_batched_and_chunked_greedy_are_the_same(case, folders, tmp_path):
+    """Through the engine at fp32: two prompts together, each alone, and in prefill chunks of 4."""
+    from phasewise import LLM, SamplingParams
+
+    folder = with_tokenizer(folders(case)[0])
     prompts = [prompt_ids(256, 13, seed=7), prompt_ids(256, 9, seed=8)]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     llm = LLM(model=str(folder), dtype="fp32", kv_dtype="model", kv_cache_memory=0.01, warmup=False)
@@ -136,6 +141,49 @@ def test_alone_batched_and_chunked_greedy_are_the_same(case, folders, tmp_path):
                   max_num_batched_tokens=4, enable_prefix_caching=False)
     assert [o.token_ids for o in chunked.generate(prompts, params)] == together
     assert PagedRunner(load_model(folder)[0]).greedy(prompts[0], 10)[1] == together[0]
+
+
+@pytest.mark.parametrize("case", ["qwen3_moe", "mixtral"])
+def test_ngram_speculation_and_prefix_caching_keep_greedy_tokens(case, folders, chosen_ops):
+    """At the default precision (int8 experts, on the decoder stack where kernels are built): greedy
+    tokens with ngram drafts verified k + 1 rows at a time, and over a cached prefix, are those of
+    plain decoding, token for token (each row's bits do not depend on the rows beside it)."""
+    from phasewise import LLM, SamplingParams
+
+    folder = with_tokenizer(folders(case)[0])
+    loop = [5, 6, 7, 8, 9] * 4                                   # a repeating prompt: drafts to accept
+    prompts = [loop, prompt_ids(256, 11, seed=3), loop + prompt_ids(256, 6, seed=4)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    kw = dict(model=str(folder), kv_cache_memory=0.01, warmup=False)
+    plain = LLM(**kw, enable_prefix_caching=False)
+    assert (plain.engine.model.model.stack is not None) == (chosen_ops is not None)
+    want = [plain.generate(p, params)[0].token_ids for p in prompts]
+    spec = LLM(**kw, speculative="ngram", num_speculative_tokens=4)
+    assert [o.token_ids for o in spec.generate(prompts, params)] == want
+    assert spec.engine.core.spec.num_accepted_tokens > 0
+    cached = LLM(**kw)
+    first = cached.generate(prompts[0], params)[0]
+    again = cached.generate(prompts[2], params)[0]                 # shares the first's prompt blocks
+    assert again.cached_tokens > 0 and [first.token_ids, again.token_ids] == [want[0], want[2]]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "auto"])
+def test_each_step_records_what_the_routers_chose(folders, dtype):
+    """A step's record holds each sparse layer's choices per expert: k a row for every row of a decode
+    step, in the Python layers (fp32) and in the decoder stack (default precision) alike; the
+    dashboard's expert spread is built from them."""
+    from phasewise import LLM, SamplingParams
+
+    folder = with_tokenizer(folders("qwen3_moe")[0])          # layers 0 and 2 sparse, 8 experts, k = 2
+    llm = LLM(model=str(folder), dtype=dtype, kv_cache_memory=0.01, warmup=False)
+    llm.generate([prompt_ids(256, 9, seed=1), prompt_ids(256, 5, seed=2)],
+                 SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    steps = list(llm.engine.core.steps)
+    decodes = [s for s in steps if s.num_prefill_tokens == 0]
+    assert decodes and all(len(s.expert_choices) == 2 and len(s.expert_choices[0]) == 8 for s in steps)
+    for s in decodes:
+        assert [sum(layer) for layer in s.expert_choices] == [2 * s.num_decode_tokens] * 2
+        assert all(max(layer) <= s.num_decode_tokens for layer in s.expert_choices)   # k distinct experts a row
 
 
 # ---- the sparse block against transformers' own -----------------------------------------------------

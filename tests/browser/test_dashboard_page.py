@@ -199,3 +199,28 @@ def test_replicas_of_a_ray_deployment_show_from_its_metrics(page, keyed):
     assert all(r[1] == "0" for r in rows)                       # running: the server is idle
     assert page.text_content("#replicas-caption") == "2 replicas, from /metrics"
     assert page.errors == []
+
+
+def test_a_mixture_of_experts_shows_its_routers_spread(page, keyed):
+    """A dense model's page has no experts panel; a feed whose steps carry router choices (a snapshot
+    of the server's own DashboardFeed, served in place of the live events) shows each layer's spread
+    and how many experts a step read."""
+    from dataclasses import replace
+
+    from phasewise.engine.handoffs import EngineStats
+    from phasewise.server.dashboard_feed import DashboardFeed
+
+    _connect(page)
+    assert page.is_hidden("#experts-panel")
+    feed = DashboardFeed(token_budget=64, max_num_seqs=8, num_blocks=100, clock=lambda: 11.0)
+    step = StepRecord(start=10.0, duration_ms=30.0, num_prefill_tokens=0, num_decode_tokens=2, batch_size=2)
+    for t, choices in ((10.0, [[2, 2, 0, 0], [0, 0, 4, 0]]), (10.5, [[4, 0, 0, 0], [1, 1, 1, 1]])):
+        feed.on_step(replace(step, start=t, expert_choices=choices), EngineStats(num_blocks=100, num_free_blocks=100))
+    snap = feed.snapshot(0, EngineStats(num_blocks=100, num_free_blocks=100))
+    body = f"event: hello\ndata: {json.dumps({'model': MODEL, 'version': 'test'})}\n\ndata: {json.dumps(snap)}\n\n"
+    page.route("**/dashboard/events*", lambda route: route.fulfill(status=200, body=body,
+                                                                   headers={"content-type": "text/event-stream"}))
+    page.select_option("#refresh", "2")                        # the page reconnects: to the served events
+    page.wait_for_selector("#experts-panel:not([hidden])", timeout=WAIT_MS)
+    assert page.text_content("#experts-caption").startswith("2 steps in the last 5 s read 4 of 8 experts a step (at most 5)")
+    assert page.errors == []

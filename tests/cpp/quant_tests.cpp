@@ -272,7 +272,9 @@ void test_decoder_stack(const pw::KernelTable& k, bool int8, const std::vector<i
   const auto x = randn(T * H);
   std::vector<float> ws(pw::decoder_workspace(m, T)), out(T * H);
   const int64_t* group_slots[1] = {slot.data()};
-  const pw::DecoderStep step{T, pos.data(), group_slots, caches[0].data(), outs[0].data(), &rows};
+  pw::DecoderStep step{T, pos.data(), group_slots, caches[0].data(), outs[0].data(), &rows};
+  std::vector<int64_t> counts(L * E, 0);
+  step.expert_counts = counts.data();
   k.decoder_stack(RT, m, step, x.data(), ws.data(), out.data());
 
   const pw::Runtime one{1};
@@ -320,6 +322,10 @@ void test_decoder_stack(const pw::KernelTable& k, bool int8, const std::vector<i
         for (size_t e = 0; e < q8[4 * i + j].size(); ++e) same &= std::abs(q8[4 * i + j][e] - q8[4 * i + 2 + j][e]) <= 1;
     }
   check(std::string(name) + " caches", same);
+  int64_t layer_choices[3] = {0, 0, 0};       // the sparse layers' choices: k a row
+  for (int64_t i = 0; i < L * E; ++i) layer_choices[i / E] += counts[i];
+  check(std::string(name) + " expert counts",
+        layer_choices[0] == 0 && layer_choices[1] == T * topk && layer_choices[2] == T * topk);
 }
 
 }  // namespace kt

@@ -124,7 +124,8 @@ class EngineCore:
                                      num_prefill_tokens=sched.num_prefill_tokens,
                                      num_decode_tokens=sched.num_decode_tokens, batch_size=len(sched.chunks),
                                      num_draft_tokens=sched.num_draft_tokens, num_accepted_tokens=accepted,
-                                     grammar_ms=result.grammar_ms, threads=result.threads))
+                                     grammar_ms=result.grammar_ms, threads=result.threads,
+                                     expert_choices=result.expert_choices))
         return outputs
 
     def _propose(self, sched: SchedulerOutput) -> None:

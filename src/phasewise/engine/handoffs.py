@@ -77,6 +77,7 @@ class RunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     grammar_ms: float = 0.0            # the grammar masks' time (structured outputs)
     threads: int = 0                   # threads that ran the step's kernels
+    expert_choices: list[list[int]] | None = None   # a mixture of experts: per sparse layer, choices per expert
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,6 +113,8 @@ class StepRecord:
     num_accepted_tokens: int = 0       # of those, accepted
     grammar_ms: float = 0.0            # computing the grammar masks of the step's constrained rows
     threads: int = 0                   # threads that ran its kernels (runner/thread_governor.py)
+    # a mixture of experts: per sparse layer, the (row, choice) pairs each expert took this step
+    expert_choices: list[list[int]] | None = None
 
 
 @dataclass(kw_only=True)

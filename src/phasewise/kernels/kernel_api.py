@@ -32,7 +32,7 @@ class DecoderStack(Protocol):
 
     def forward(self, x: Tensor, positions: Tensor, slots: Sequence[Tensor], kv: Sequence[Sequence[Tensor]],
                 tables: Sequence[Tensor], row_seq: Sequence[Tensor], row_len: Sequence[Tensor], block_size: int,
-                keep: Tensor | None = None) -> Tensor: ...
+                keep: Tensor | None = None, expert_counts: Tensor | None = None) -> Tensor: ...
 
 
 class Kernels(Protocol):

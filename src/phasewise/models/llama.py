@@ -177,6 +177,9 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.stack: DecoderStack | None = None   # the C++ decoder stack (bind_kernels), if it can run
+        # a mixture of experts: each layer's (row, choice) pairs per expert in the last forward [L, E]
+        self.expert_counts = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.int64, device="cpu") \
+            if cfg.num_experts else None
 
     def bind_kernels(self, kernels: Kernels | None) -> None:
         """Every layer's kernels, then the C++ decoder stack where it can run these layers
@@ -190,9 +193,11 @@ class LlamaModel(nn.Module):
         """input_ids, positions: [T] → hidden states [T, hidden], or of the rows `keep` [R] (ascending)."""
         x, residual = embed(self.embed_tokens, input_ids, self.cfg, self.tp), None
         if self.stack is not None:                              # the whole step in one C++ call
-            return run_stack(self.stack, self.cfg, x, positions, meta, kv_caches, keep)
+            return run_stack(self.stack, self.cfg, x, positions, meta, kv_caches, keep, self.expert_counts)
         for layer, kv in zip(self.layers, kv_caches):
             x, residual = layer(positions, x, residual, kv, meta)
+        for i in self.cfg.moe_layers:                           # what each router chose, as the stack counts
+            self.expert_counts[i] = self.layers[i].mlp.choices
         if keep is not None:
             x, residual = x[keep], residual[keep]
         x, _ = self.norm(x, residual)
@@ -231,6 +236,13 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: KVCaches, keep: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states [T, hidden], or of the rows `keep` [R] (ascending): what compute_logits takes."""
         return self.model(input_ids, positions, meta, kv_caches, keep)
+
+    def expert_choices(self) -> torch.Tensor | None:
+        """A mixture of experts: each sparse layer's (row, choice) pairs per expert in the last forward
+        [len(moe_layers), E] int64 (the stack's last layer: of the kept rows); None for a dense model."""
+        if not self.config.num_experts:
+            return None
+        return self.model.expert_counts[list(self.config.moe_layers)]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden: [N, hidden] → logits [N, vocab] in fp32 (with tp: on rank 0, None on the others)."""

@@ -130,6 +130,7 @@ class SparseMoeBlock(UsesKernels, nn.Module):
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         self.shared_expert = shared
         self.shared_expert_gate = Gate(cfg.hidden_size, 1) if shared is not None else None
+        self.choices: torch.Tensor | None = None     # [E] the last forward's (row, choice) pairs per expert
 
     def stack_args(self) -> StackSparse | None:
         """The decoder stack's description of this block (kernel_api.StackSparse), or None when its
@@ -159,6 +160,7 @@ class SparseMoeBlock(UsesKernels, nn.Module):
                                               cfg.router == "topk_softmax")
         else:
             weights, ids = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.router)
+        self.choices = torch.bincount(ids.reshape(-1), minlength=cfg.num_experts)
         out = self.experts(x, ids, weights)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

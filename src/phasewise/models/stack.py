@@ -58,14 +58,15 @@ def build_stack(kernels: Kernels | None, cfg: ModelConfig, layers: nn.ModuleList
 
 
 def run_stack(stack: DecoderStack, cfg: ModelConfig, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-              kv_caches: list[LayerKV], keep: torch.Tensor | None = None) -> torch.Tensor:
+              kv_caches: list[LayerKV], keep: torch.Tensor | None = None,
+              expert_counts: torch.Tensor | None = None) -> torch.Tensor:
     """x: [T, hidden] embedded tokens → the final-normed hidden states [T, hidden] (or of the rows
     `keep` [R], ascending: the last layer computes only those past its keys and values), every layer
-    in one call."""
+    in one call; `expert_counts` [L, E] int64 (a model with experts): each layer's choices per expert."""
     metas = [meta.for_group(g) for g in range(len(cfg.kv_groups))]
     rows = [m.kernel_rows for m in metas]
     return stack.forward(x, positions, [m.slot_mapping for m in metas], kv_caches, [r.tables for r in rows],
-                         [r.seq for r in rows], [r.length for r in rows], meta.block_size, keep)
+                         [r.seq for r in rows], [r.length for r in rows], meta.block_size, keep, expert_counts)
 
 
 def _on_cpu(t: torch.Tensor) -> bool:

@@ -46,8 +46,16 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         self.kernels = kernels            # the engine's compiled CPU kernels (the sampler's argmax), or None
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """The step (`_run`), with what a mixture of experts' routers chose in it."""
+        out = self._run(sched)
+        choices = self.model.expert_choices()
+        if choices is not None:
+            out.expert_choices = choices.tolist()
+        return out
+
+    @torch.inference_mode()
+    def _run(self, sched: SchedulerOutput) -> RunnerOutput:
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens, context_lens, tables = [], [], []

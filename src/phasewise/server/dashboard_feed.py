@@ -3,8 +3,9 @@
 The engine thread calls the hooks (`Observer`): each one appends a few numbers under a
 lock and returns. The event loop asks for a `snapshot` every second per open page:
 the steps and finished requests since the page's cursors, every live request in brief,
-latency percentiles and throughput over a sliding window, and which resource the recent
-steps bind (from the machine's roofline figures, when `phasewise roofline` measured them).
+latency percentiles and throughput over a sliding window, which resource the recent
+steps bind (from the machine's roofline figures, when `phasewise roofline` measured them), and
+for a mixture of experts how the recent steps' routers spread their rows over the experts.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from phasewise.server.observer import Observer
 
 MAX_LIVE_SHOWN = 200           # live requests sent in a snapshot (the oldest first)
 NEAR_ROOF = 0.25               # below this share of both roofs, a step is bound by neither: by what they leave out
+EXPERTS_WINDOW_S = 5.0         # the experts' spread: over the steps of the last seconds
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,6 +88,20 @@ def request_summary(request: Any, reason: str | None) -> dict[str, Any]:
             "grammar_compile_ms": m.grammar_compile_ms}
 
 
+def expert_spread(choices: list[np.ndarray]) -> dict[str, Any] | None:
+    """Steps' router choices ([sparse layers, E] each) → each layer's share of choices per expert over
+    them, and how many of all layers' experts a step read (mean, largest): the weights a mixture of
+    experts reads grow with the union of its rows' choices."""
+    if not choices:
+        return None
+    total = np.sum(choices, axis=0)
+    per_layer = total.sum(axis=1, keepdims=True)
+    read = [int(np.count_nonzero(c)) for c in choices]
+    share = np.divide(total, per_layer, out=np.zeros(total.shape), where=per_layer > 0)
+    return {"layers": total.shape[0], "experts": total.shape[1], "steps": len(choices),
+            "share": np.round(share, 4).tolist(), "read_mean": float(np.mean(read)), "read_max": max(read)}
+
+
 class _Samples:
     """(time, value) samples of a sliding window, in two columns so that numpy can read the values."""
 
@@ -119,6 +135,7 @@ class DashboardFeed(Observer):
         self._finished: deque[dict[str, Any]] = deque(maxlen=max_finished)
         self._ttft, self._itl, self._e2e = _Samples(), _Samples(), _Samples()     # (when, ms)
         self._prompts, self._cached = _Samples(), _Samples()                       # (when, tokens)
+        self._experts: deque[tuple[float, np.ndarray]] = deque(maxlen=2000)     # (when, a step's router choices)
         self._seq = 0
         self._windowed: dict[str, Any] | None = None
         self._windowed_at = 0.0
@@ -162,10 +179,15 @@ class DashboardFeed(Observer):
                 "used": stats.num_blocks - stats.num_free_blocks,
                 "cached": stats.num_cached_blocks, "free": stats.num_free_blocks,
                 "running": stats.num_running, "waiting": stats.num_waiting}
+        choices = None if record.expert_choices is None else np.asarray(record.expert_choices, dtype=np.int64)
+        if choices is not None:
+            step["experts_read"] = int(np.count_nonzero(choices))
         with self._lock:
             self._seq += 1
             step["seq"] = self._seq
             self._steps.append(step)
+            if choices is not None:
+                self._experts.append((record.start, choices))
 
     # ---- the event loop ------------------------------------------------------------------
 
@@ -199,6 +221,7 @@ class DashboardFeed(Observer):
             ttft, itl, e2e, prompts, cached = (d.prune(since) for d in (self._ttft, self._itl, self._e2e,
                                                                         self._prompts, self._cached))
             window = [s for s in self._steps if s["t"] >= since]
+            choices = [c for t, c in self._experts if t >= now - EXPERTS_WINDOW_S]
         recent = [s for s in window if s["t"] >= now - 5.0]
         span = min(self.window_s, now - window[0]["t"]) if window else 0.0
         prompt_tokens = prompts.sum()
@@ -213,6 +236,7 @@ class DashboardFeed(Observer):
                            "busy": rate(sum(s["ms"] for s in window) / 1e3)},
             "prefix_hit_rate": float(cached.sum() / prompt_tokens) if prompt_tokens else None,
             "binding": binding(recent, self.roofline),
+            "experts": expert_spread(choices),
         }
 
 

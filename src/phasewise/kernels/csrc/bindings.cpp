@@ -58,5 +58,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DecoderStack>(m, "DecoderStack")
       .def("forward", &DecoderStack::forward, py::arg("x"), py::arg("positions"), py::arg("slots"),
            py::arg("kv"), py::arg("tables"), py::arg("row_seq"), py::arg("row_len"), py::arg("block_size"),
-           py::arg("keep") = py::none(), nogil());
+           py::arg("keep") = py::none(), py::arg("expert_counts") = py::none(), nogil());
 }

@@ -41,7 +41,7 @@ void head_norms(const Runtime& rt, float* qkv, int64_t T, int64_t Hq, int64_t Hk
 // hidden [T, H] = the layer's mixture of experts of normed [T, H] (router, top-k, experts; Qwen2-MoE's
 // shared expert behind its sigmoid gate added), as models/moe.py's SparseMoeBlock computes it.
 void sparse_mlp(const Runtime& rt, const DecoderModel& m, const DecoderLayer& L, const float* normed, int64_t T,
-                float* scratch, float* gate_up, float* act, float* shared, float* hidden) {
+                float* scratch, float* gate_up, float* act, float* shared, float* hidden, int64_t* counts) {
   const SparseMlp& sp = *L.sparse;
   const int64_t H = m.H, E = sp.experts.E, k = sp.k;
   int64_t* ids = reinterpret_cast<int64_t*>(scratch);   // [T, k] (scratch: an even offset, 8-byte aligned)
@@ -50,6 +50,9 @@ void sparse_mlp(const Runtime& rt, const DecoderModel& m, const DecoderLayer& L,
   float* gate = logits + T * E;                          // [T]
   float_linear(rt, normed, T, H, sp.router, E, logits);
   moe_route(rt, logits, T, E, k, sp.renorm, sp.topk_softmax, weights, ids);
+  if (counts != nullptr) team_serial(rt, [&] {
+      for (int64_t i = 0; i < T * k; ++i) ++counts[ids[i]];
+    });
   expert_mlp(rt, normed, T, ids, weights, k, sp.experts, hidden);
   if (sp.shared_gate == nullptr) return;
   quant_linear(rt, normed, T, H, L.gate_up.w, L.gate_up.bias, gate_up);
@@ -115,7 +118,8 @@ void layers(const Runtime& rt, const DecoderModel& m, const DecoderStep& s, cons
       rms_norm(rt, o, residual, L.post_norm, T, H, m.eps, normed, residual);
     }
     if (L.sparse != nullptr) {
-      sparse_mlp(rt, m, L, normed, T, moe, gate_up, act, o, hidden);
+      sparse_mlp(rt, m, L, normed, T, moe, gate_up, act, o, hidden,
+                 s.expert_counts != nullptr ? s.expert_counts + i * m.E : nullptr);
     } else {
       quant_linear(rt, normed, T, H, L.gate_up.w, L.gate_up.bias, gate_up);
       (m.gelu ? gelu_and_mul : silu_and_mul)(rt, gate_up, T, L.width, act);

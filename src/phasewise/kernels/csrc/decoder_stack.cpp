@@ -101,7 +101,7 @@ torch::Tensor DecoderStack::forward(torch::Tensor x, torch::Tensor positions, co
                                     const std::vector<std::vector<torch::Tensor>>& kv,
                                     const std::vector<torch::Tensor>& tables, const std::vector<torch::Tensor>& row_seq,
                                     const std::vector<torch::Tensor>& row_len, int64_t block_size,
-                                    const Opt& keep) const {
+                                    const Opt& keep, const Opt& expert_counts) const {
   const pw::DecoderModel& m = model_;
   TORCH_CHECK(kv.size() == static_cast<size_t>(m.L), "one KV cache per layer");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == m.H && x.scalar_type() == at::kFloat, "x: fp32 [T, hidden]");
@@ -162,6 +162,13 @@ torch::Tensor DecoderStack::forward(torch::Tensor x, torch::Tensor positions, co
       kept.back().len = kept_index[2 * g + 1].data_ptr<int64_t>();
     }
     step.R = R, step.keep = k, step.kept = kept.data();
+  }
+  if (expert_counts.has_value()) {
+    TORCH_CHECK(expert_counts->scalar_type() == at::kLong && expert_counts->is_contiguous() &&
+                expert_counts->device().is_cpu() && expert_counts->dim() == 2 && expert_counts->size(0) == m.L &&
+                expert_counts->size(1) == m.E, "expert_counts: int64 [layers, experts]");
+    expert_counts->zero_();
+    step.expert_counts = expert_counts->data_ptr<int64_t>();
   }
   auto out = torch::empty({keep.has_value() ? step.R : T, m.H}, x.options());
   std::lock_guard<std::mutex> lock(*mu_);

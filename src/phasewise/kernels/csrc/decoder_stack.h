@@ -36,11 +36,12 @@ class DecoderStack {
   // x: [T, hidden] embedded tokens; positions: [T] int64; kv: per layer (k, v[, k_scale, v_scale]);
   // per KV group: slots [T] int64 and the paged-attention kernel's rows (tables, row_seq, row_len).
   // Returns the final-normed hidden states [T, hidden], or with keep (int64 [R], ascending) those of
-  // its rows [R, hidden] (the last layer computes only them past its keys and values).
+  // its rows [R, hidden] (the last layer computes only them past its keys and values). expert_counts
+  // (int64 [L, E], a model with experts): each sparse layer's choices per expert, written.
   torch::Tensor forward(torch::Tensor x, torch::Tensor positions, const std::vector<torch::Tensor>& slots,
                         const std::vector<std::vector<torch::Tensor>>& kv, const std::vector<torch::Tensor>& tables,
                         const std::vector<torch::Tensor>& row_seq, const std::vector<torch::Tensor>& row_len,
-                        int64_t block_size, const Opt& keep) const;
+                        int64_t block_size, const Opt& keep, const Opt& expert_counts) const;
 
  private:
   std::shared_ptr<KernelSet> k_;

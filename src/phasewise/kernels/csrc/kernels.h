@@ -148,6 +148,9 @@ struct DecoderStep {        // one step's rows, and the caches of every layer
   int64_t R = -1;
   const int64_t* keep = nullptr;      // [R] ascending
   const AttentionRows* kept = nullptr;  // [groups] rows with seq and len of the kept rows
+  // [L, E] zeroed by the caller, or none: each sparse layer's (row, choice) pairs per expert this step
+  // (the last layer's: of the kept rows, the only ones its experts run for)
+  int64_t* expert_counts = nullptr;
 };
 
 // The floats of scratch decoder_stack needs for T rows (the caller owns it; reuse is fine).

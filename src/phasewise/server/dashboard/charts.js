@@ -140,5 +140,27 @@ const Charts = (() => {
     return box;
   }
 
-  return { css, setup, frame, timeAxis, valueAxis, lines, stepBars };
+  // Rows (layers) of shares (experts): a cell's colour is its expert's load against an even spread
+  // (share x experts: 0 blank, 1 light, 3 and above full), so hot and idle experts stand out.
+  function heatmap(canvas, share) {
+    const { ctx, w, h } = setup(canvas);
+    const rows = share.length, cols = rows ? share[0].length : 0;
+    if (!rows || !cols) return;
+    const left = 44, top = 4, cw = (w - left - 10) / cols, ch = (h - top - 18) / rows;
+    ctx.fillStyle = css("--decode");
+    for (let r = 0; r < rows; r++)
+      for (let c = 0; c < cols; c++) {
+        const load = share[r][c] * cols;
+        if (load <= 0) continue;
+        ctx.globalAlpha = Math.min(1, 0.12 + load / 3);
+        ctx.fillRect(left + c * cw, top + r * ch, Math.max(cw - (cw > 4 ? 1 : 0), 1), Math.max(ch - (ch > 4 ? 1 : 0), 1));
+      }
+    ctx.globalAlpha = 1;
+    ctx.fillStyle = css("--muted");
+    ctx.fillText("layer", 4, top + 10);
+    ctx.fillText(`${rows}`, 4, top + rows * ch);
+    ctx.fillText(`experts 0..${cols - 1}`, left, h - 4);
+  }
+
+  return { css, setup, frame, timeAxis, valueAxis, lines, stepBars, heatmap };
 })();

@@ -75,7 +75,8 @@ function schedule() {
 
 function merge(snap) {
   Object.assign(live, { now: snap.now, seq: snap.seq, engine: snap.engine, latency: snap.latency,
-    throughput: snap.throughput, prefix_hit_rate: snap.prefix_hit_rate, binding: snap.binding, roofline: snap.roofline });
+    throughput: snap.throughput, prefix_hit_rate: snap.prefix_hit_rate, binding: snap.binding, roofline: snap.roofline,
+    experts: snap.experts });
   live.steps.push(...snap.steps);
   if (live.steps.length > MAX_STEPS) live.steps.splice(0, live.steps.length - MAX_STEPS);
   const liveIds = new Set(snap.live.map((r) => r.id));
@@ -109,10 +110,22 @@ function render() {
   setText($("steps-caption"), last ? `last step: ${last.prefill} prefill + ${last.decode} decode tokens` +
     `${last.draft ? ` (${last.accepted}/${last.draft} drafts accepted)` : ""}, batch ${last.batch}, ${fmt(last.ms)} ms` +
     `${last.grammar_ms ? ` (grammar masks ${fmt(last.grammar_ms)} ms)` : ""}${threads(last)}` +
+    `${last.experts_read !== undefined ? `, ${last.experts_read} experts read` : ""}` +
     ` · ${steps.length} steps shown` : "no steps yet");
   kv(s, steps, t0, t1, ref, isLive);
   latency(s);
   binding(s);
+  experts(s);
+}
+
+// A mixture of experts: how the last seconds' steps spread their rows over each layer's experts.
+function experts(s) {
+  const e = s.experts, panel = $("experts-panel");
+  panel.hidden = !e;
+  if (!e) return;
+  Charts.heatmap($("experts"), e.share);
+  setText($("experts-caption"), `${e.steps} steps in the last 5 s read ${fmt(e.read_mean, 0)} of ${e.layers * e.experts} ` +
+    `experts a step (at most ${e.read_max}); darker: more of a layer's choices than an even spread`);
 }
 
 function cards(s) {
