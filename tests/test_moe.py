@@ -175,15 +175,20 @@ def test_each_step_records_what_the_routers_chose(folders, dtype):
     from phasewise import LLM, SamplingParams
 
     folder = with_tokenizer(folders("qwen3_moe")[0])          # layers 0 and 2 sparse, 8 experts, k = 2
-    llm = LLM(model=str(folder), dtype=dtype, kv_cache_memory=0.01, warmup=False)
-    llm.generate([prompt_ids(256, 9, seed=1), prompt_ids(256, 5, seed=2)],
-                 SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    steps = list(llm.engine.core.steps)
-    decodes = [s for s in steps if s.num_prefill_tokens == 0]
-    assert decodes and all(len(s.expert_choices) == 2 and len(s.expert_choices[0]) == 8 for s in steps)
-    for s in decodes:
-        assert [sum(layer) for layer in s.expert_choices] == [2 * s.num_decode_tokens] * 2
-        assert all(max(layer) <= s.num_decode_tokens for layer in s.expert_choices)   # k distinct experts a row
+    engine = LLM(model=str(folder), dtype=dtype, kv_cache_memory=0.01, warmup=False).engine
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for n, seed in ((9, 1), (5, 2)):
+        engine.add_request(prompt_ids(256, n, seed=seed), params)
+    decodes = 0
+    while engine.has_unfinished():
+        engine.step()
+        s = engine.last_step                                   # as the server's observers see each step
+        assert len(s.expert_choices) == 2 and len(s.expert_choices[0]) == 8
+        if s.num_prefill_tokens == 0:
+            decodes += 1
+            assert [sum(layer) for layer in s.expert_choices] == [2 * s.num_decode_tokens] * 2
+            assert all(max(layer) <= s.num_decode_tokens for layer in s.expert_choices)   # k distinct a row
+    assert decodes and all(s.expert_choices is None for s in engine.steps[:-1])   # older records let them go
 
 
 # ---- the sparse block against transformers' own -----------------------------------------------------

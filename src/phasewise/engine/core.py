@@ -120,6 +120,8 @@ class EngineCore:
             self.spec.num_draft_tokens += sched.num_draft_tokens
             self.spec.num_accepted_tokens += accepted
         self.num_steps += 1
+        if self.steps:                 # observers have seen the last step's router choices: let them go
+            self.steps[-1].expert_choices = None
         self.steps.append(StepRecord(start=started, duration_ms=(time.perf_counter() - started) * 1e3,
                                      num_prefill_tokens=sched.num_prefill_tokens,
                                      num_decode_tokens=sched.num_decode_tokens, batch_size=len(sched.chunks),

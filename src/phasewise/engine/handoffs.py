@@ -113,7 +113,8 @@ class StepRecord:
     num_accepted_tokens: int = 0       # of those, accepted
     grammar_ms: float = 0.0            # computing the grammar masks of the step's constrained rows
     threads: int = 0                   # threads that ran its kernels (runner/thread_governor.py)
-    # a mixture of experts: per sparse layer, the (row, choice) pairs each expert took this step
+    # a mixture of experts: per sparse layer, the (row, choice) pairs each expert took this step; only
+    # the newest record keeps it (layers x experts numbers a step: EngineCore.step drops the last one's)
     expert_choices: list[list[int]] | None = None
 
 

@@ -2,8 +2,8 @@
 
 With compiled kernels, one DecoderStack call runs every decoder layer of a step (prefill chunks
 and decodes alike) where it can: every linear layer quantized (a sparse layer's experts in their
-blocks, its routers fp32), norms and RoPE tables fp32 on the CPU. A decode step of a 30-layer model makes about 300 op calls, each costing microseconds from
-Python (a third of the step at batch 1). The Python layers stay the path for everything else and
+blocks, its routers fp32), norms and RoPE tables fp32 on the CPU. A decode step of a 30-layer model
+makes about 300 op calls, each costing microseconds from Python (a third of the step at batch 1). The Python layers stay the path for everything else and
 the reference the tests compare against.
 """
 
