@@ -148,8 +148,10 @@ def run_llama_cpp(path: Path, prompt, batch, args) -> Result:
 
     ftype = {2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 15: "Q4_K_M", 17: "Q5_K_M", 18: "Q6_K"}.get(
         GGUFFile(path).fields.get("general.file_type"), "GGUF")
+    from scaling import describe                 # what a token reads: a mixture of experts' active experts
+
     return Result(f"llama.cpp {ftype} {args.llama_cpp.parent.name}", pp, tg, tg_deep, aggregate,
-                  path.stat().st_size)             # int8 dot products (Q8_1 activations): the int8 roof
+                  int(describe(path)["bytes_per_token"]))   # int8 dot products (Q8_1 activations): the int8 roof
 
 
 # ---- transformers -------------------------------------------------------------------------------

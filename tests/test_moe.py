@@ -144,7 +144,7 @@ def test_alone_batched_and_chunked_greedy_are_the_same(case, folders, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["qwen3_moe", "mixtral"])
-def test_ngram_speculation_and_prefix_caching_keep_greedy_tokens(case, folders, chosen_ops):
+def test_ngram_speculation_and_prefix_caching_keep_greedy_tokens(case, folders):
     """At the default precision (int8 experts, on the decoder stack where kernels are built): greedy
     tokens with ngram drafts verified k + 1 rows at a time, and over a cached prefix, are those of
     plain decoding, token for token (each row's bits do not depend on the rows beside it)."""
@@ -156,7 +156,7 @@ def test_ngram_speculation_and_prefix_caching_keep_greedy_tokens(case, folders, 
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     kw = dict(model=str(folder), kv_cache_memory=0.01, warmup=False)
     plain = LLM(**kw, enable_prefix_caching=False)
-    assert (plain.engine.model.model.stack is not None) == (chosen_ops is not None)
+    assert plain.engine.model.model.stack is not None        # the kernels are built: the sparse layers run there
     want = [plain.generate(p, params)[0].token_ids for p in prompts]
     spec = LLM(**kw, speculative="ngram", num_speculative_tokens=4)
     assert [o.token_ids for o in spec.generate(prompts, params)] == want

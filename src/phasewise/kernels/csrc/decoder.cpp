@@ -38,6 +38,14 @@ void head_norms(const Runtime& rt, float* qkv, int64_t T, int64_t Hq, int64_t Hk
   });
 }
 
+// out [T, H] = the layer's dense MLP (gate_up, SiLU or GELU-tanh gate, down) of normed [T, H]
+void dense_mlp(const Runtime& rt, const DecoderModel& m, const DecoderLayer& L, const float* normed, int64_t T,
+               float* gate_up, float* act, float* out) {
+  quant_linear(rt, normed, T, m.H, L.gate_up.w, L.gate_up.bias, gate_up);
+  (m.gelu ? gelu_and_mul : silu_and_mul)(rt, gate_up, T, L.width, act);
+  quant_linear(rt, act, T, L.width, L.down.w, L.down.bias, out);
+}
+
 // hidden [T, H] = the layer's mixture of experts of normed [T, H] (router, top-k, experts; Qwen2-MoE's
 // shared expert behind its sigmoid gate added), as models/moe.py's SparseMoeBlock computes it.
 void sparse_mlp(const Runtime& rt, const DecoderModel& m, const DecoderLayer& L, const float* normed, int64_t T,
@@ -55,9 +63,7 @@ void sparse_mlp(const Runtime& rt, const DecoderModel& m, const DecoderLayer& L,
     });
   expert_mlp(rt, normed, T, ids, weights, k, sp.experts, hidden);
   if (sp.shared_gate == nullptr) return;
-  quant_linear(rt, normed, T, H, L.gate_up.w, L.gate_up.bias, gate_up);
-  (m.gelu ? gelu_and_mul : silu_and_mul)(rt, gate_up, T, L.width, act);
-  quant_linear(rt, act, T, L.width, L.down.w, L.down.bias, shared);
+  dense_mlp(rt, m, L, normed, T, gate_up, act, shared);
   float_linear(rt, normed, T, H, sp.shared_gate, 1, gate);
   parallel_for(rt, T, 4, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -117,14 +123,11 @@ void layers(const Runtime& rt, const DecoderModel& m, const DecoderStep& s, cons
     } else {
       rms_norm(rt, o, residual, L.post_norm, T, H, m.eps, normed, residual);
     }
-    if (L.sparse != nullptr) {
+    if (L.sparse != nullptr)
       sparse_mlp(rt, m, L, normed, T, moe, gate_up, act, o, hidden,
                  s.expert_counts != nullptr ? s.expert_counts + i * m.E : nullptr);
-    } else {
-      quant_linear(rt, normed, T, H, L.gate_up.w, L.gate_up.bias, gate_up);
-      (m.gelu ? gelu_and_mul : silu_and_mul)(rt, gate_up, T, L.width, act);
-      quant_linear(rt, act, T, L.width, L.down.w, L.down.bias, hidden);
-    }
+    else
+      dense_mlp(rt, m, L, normed, T, gate_up, act, hidden);
     if (L.post_ffn_norm != nullptr) rms_norm(rt, hidden, nullptr, L.post_ffn_norm, T, H, m.eps, hidden, nullptr);
   }
   rms_norm(rt, hidden, residual, m.final_norm, T, H, m.eps, out, residual);
