@@ -139,6 +139,13 @@ void test_quant_linear(const pw::KernelTable& k, pw::QuantFormat fmt, int64_t M,
   std::snprintf(name, sizeof name, "quant_linear fmt=%d M=%lld N=%lld K=%lld u5_tiles=%lld", static_cast<int>(fmt),
                 (long long)M, (long long)N, (long long)K, (long long)u5_tiles);
   check_close(name, y.data(), want.data(), y.size(), 1e-4f, 1e-5f * big);
+  bool alone = true;                           // each row alone: the bits it got among the M
+  std::vector<float> y1(N);
+  for (int64_t m = 0; m < M && M > 1; ++m) {
+    k.quant_linear(RT, x.data() + m * K, 1, K, w, bias.data(), y1.data());
+    alone &= std::memcmp(y1.data(), y.data() + m * N, N * sizeof(float)) == 0;
+  }
+  check(std::string(name) + ": a row alone gets its bits", alone);
 }
 
 // A fused weight of mixed parts (pw.next): K4 (32 rows), Q6K (16), Q8 (20: the last tile partly

@@ -42,8 +42,12 @@ COMMON_FLAGS = ("-std=c++17", "-O3", "-fPIC", "-fopenmp", "-ffast-math", "-fno-f
                 "-fvisibility=hidden")
 # Attention gives a row the same bits whichever of its kernels reads it (csrc/attention.h): its files
 # keep every sum in the order written (no reassociation, no contraction beyond the explicit fmas).
+# The linear layers' epilogues keep their order too, for a row's bits whatever rows share its
+# register tile (the generic level's fma is a * b + c, which -ffast-math regrouped per tile height);
+# contraction stays on there (off, AVX-512's in-place q6k GEMV ran 1.15x slower).
 _IN_ORDER = ("-fno-associative-math", "-ffp-contract=off")
-SOURCE_FLAGS = {"paged_attention.cpp": _IN_ORDER, "tile_attention.cpp": _IN_ORDER}
+SOURCE_FLAGS = {"paged_attention.cpp": _IN_ORDER, "tile_attention.cpp": _IN_ORDER,
+                "quant_linear.cpp": ("-fno-associative-math",)}
 
 
 def source_flags(src: str) -> tuple[str, ...]:

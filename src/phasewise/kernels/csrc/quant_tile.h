@@ -24,7 +24,9 @@
 // bytes, offset o = 128, 32 or 16), with acc = sum(u xq) (K8, K6: per half, with sl and sx - sl,
 // and K6's d sc of each half). On AVX2 (int16 sums) K6 takes acc = sc0 sum_0(u xq) + sc1 sum_1(u xq)
 // in integers instead, vpmaddwd by sc where the other formats widen by ones, and its offsets
-// -32 d (sc0 sl + sc1 (sx - sl)): one epilogue a block, not two (k6 GEMMs 1.13-1.15x).
+// -32 d (sc0 sl + sc1 (sx - sl)): one epilogue a block, not two (k6 GEMMs 1.13-1.15x). Q6K in
+// place does as the K6 it unpacks to, float for float, so a row's bits do not depend on the rows
+// beside it (from UNPACK_ROWS rows Q6K runs unpacked).
 // Where the ISA's dot product unbiases 8-bit bytes itself (Q8_BIASED false: no u8 x s8 product
 // that holds 255 x 127), Q8, I8 and K8 get acc = sum((u - 128) xq) and the -128 sx term goes. Bytes
 // below 64 every ISA multiplies as they are (AVX2's vpmaddubsw without saturating), so U5 and K6
@@ -76,8 +78,10 @@ constexpr bool nibbles(Fmt F) { return F == Q4 || F == K4; }
 constexpr bool narrow(Fmt F) { return F == Q5 || F == U5 || F == K6 || F == Q6K; }   // values below 64, multiplied unbiased
 // K6 in one integer sum a block where the widening multiplies anyway (AVX2's int16 sums); with
 // int32 sums (VNNI, NEON) a multiply by sc costs more than the second epilogue (k6 1.07x slower)
+// (Q6K in place too: the bits of the K6 its tiles unpack to, whatever the rows)
 constexpr bool k6_one_sum = VS_U6 < 4;
-constexpr bool halves(Fmt F) { return F == K8 || (F == K6 && !k6_one_sum) || F == Q6K; }   // an epilogue per 16-wide half
+constexpr bool k6_like(Fmt F) { return F == K6 || F == Q6K; }
+constexpr bool halves(Fmt F) { return F == K8 || (k6_like(F) && !k6_one_sum); }   // an epilogue per 16-wide half
 constexpr bool biased(Fmt F) { return narrow(F) || Q8_BIASED; }     // acc = sum(u xq) of the bytes
 constexpr bool five_bits(Fmt F) { return F == Q5 || F == U5; }
 constexpr float offset(Fmt F) { return five_bits(F) ? 16.f : F == K6 || F == Q6K ? 32.f : 128.f; }
@@ -133,17 +137,25 @@ inline void block_epilogue(const Act& a, int64_t m0, const Weights& w, int64_t t
     if constexpr (F == Q4 || F == Q8 || five_bits(F)) dv = Vf::from_f16(reinterpret_cast<const uint16_t*>(scales));
     if constexpr (F == Q4) mv = Vf::from_f16(reinterpret_cast<const uint16_t*>(scales + 32));
     if constexpr (F == K8) dv = Vf::load(reinterpret_cast<const float*>(scales + 64 * h));
-    if constexpr (F == Q6K)    // half h's d sc (m = 0)
+    if constexpr (F == Q6K && halves(F))    // half h's d sc (m = 0)
       dv = Vf::from_f16(w.super + ((t0 + v) * (w.KB / K4_SUPER) + b / K4_SUPER) * 16) *
            to_float(Vi::from_i8(scales + 16 * h));
     if constexpr (F == K6 && halves(F))   // half h's d sc
       dv = Vf::load(reinterpret_cast<const float*>(scales)) *
            to_float(Vi::from_i16(reinterpret_cast<const int16_t*>(scales + 64 + 32 * h)));
     if constexpr ((halves(F) || F == K6) && F != Q6K) mv = Vf::load(reinterpret_cast<const float*>(scales + 128));
-    if constexpr (F == K6 && k6_one_sum) {   // r += d dx acc + a sl + b sx: a = -32 d (sc0 - sc1), b = m - 32 d sc1
-      dv = Vf::load(reinterpret_cast<const float*>(scales));
-      const Vf s0 = to_float(Vi::from_i16(reinterpret_cast<const int16_t*>(scales + 64)));
-      const Vf s1 = to_float(Vi::from_i16(reinterpret_cast<const int16_t*>(scales + 96)));
+    if constexpr (k6_like(F) && k6_one_sum) {   // r += d dx acc + a sl + b sx: a = -32 d (sc0 - sc1), b = m - 32 d sc1
+      Vf s0, s1;
+      if constexpr (F == K6) {
+        dv = Vf::load(reinterpret_cast<const float*>(scales));
+        s0 = to_float(Vi::from_i16(reinterpret_cast<const int16_t*>(scales + 64)));
+        s1 = to_float(Vi::from_i16(reinterpret_cast<const int16_t*>(scales + 96)));
+      } else {                               // Q6K: the values its K6 tiles hold (m = 0)
+        dv = Vf::from_f16(w.super + ((t0 + v) * (w.KB / K4_SUPER) + b / K4_SUPER) * 16);
+        s0 = to_float(Vi::from_i8(scales));
+        s1 = to_float(Vi::from_i8(scales + 16));
+        mv = Vf::zero();
+      }
       const Vf d32 = dv * Vf::set1(-32.f), av = (s0 - s1) * d32, bv = fma(s1, d32, mv);
       for (int i = 0; i < MT; ++i) {
         const int64_t xi = (m0 + i) * a.KB + b;
@@ -269,15 +281,21 @@ inline void tile_kernel(const Act& a, int64_t m0, const Weights& w, int64_t t0, 
       for (int i = 0; i < MT; ++i)
         for (int v = 0; v < NV; ++v) acc[i][v] = widen(part[i][v]);
       block_epilogue<F, MT, NV>(a, m0, w, t0, b, 0, acc, r);
-    } else if constexpr (F == K6 && k6_one_sum) {   // both halves in one integer sum, each widened by its sc
+    } else if constexpr (k6_like(F) && k6_one_sum) {   // both halves in one integer sum, each widened by its sc
       // (the bytes' loop below with widen_by: its own branch because this one must unroll over both
       // halves; merged into the shared loop, left rolled, k6 ran about 1.08x slower)
       constexpr int span = VS_U6;                     // chunks summed narrow before a widening
       Vi by[2][NV];
       for (int v = 0; v < NV; ++v) {
-        const auto* sc = reinterpret_cast<const int16_t*>(w.qs + ((t0 + v) * w.KB + b) * block_bytes(F) + quant_bytes(F) + 64);
-        by[0][v] = pair_factor(Vi::from_i16(sc));
-        by[1][v] = pair_factor(Vi::from_i16(sc + 16));
+        const uint8_t* scales = w.qs + ((t0 + v) * w.KB + b) * block_bytes(F) + quant_bytes(F);
+        if constexpr (F == K6) {
+          const auto* sc = reinterpret_cast<const int16_t*>(scales + 64);
+          by[0][v] = pair_factor(Vi::from_i16(sc));
+          by[1][v] = pair_factor(Vi::from_i16(sc + 16));
+        } else {
+          by[0][v] = pair_factor(Vi::from_i8(scales));
+          by[1][v] = pair_factor(Vi::from_i8(scales + 16));
+        }
       }
       for (int i = 0; i < MT; ++i)
         for (int v = 0; v < NV; ++v) acc[i][v] = Vi::zero();
@@ -285,7 +303,7 @@ inline void tile_kernel(const Act& a, int64_t m0, const Weights& w, int64_t t0, 
       for (int g0 = 0; g0 < 8; g0 += span) {   // unrolled: by[g0 / 4] and acc stay in registers
         Vb u[span][NV];
         for (int s = 0; s < span; ++s)
-          for (int v = 0; v < NV; ++v) u[s][v] = Vb::load(w.qs + ((t0 + v) * w.KB + b) * block_bytes(F) + (g0 + s) * 64);
+          for (int v = 0; v < NV; ++v) u[s][v] = chunk_bytes<F>(w.qs + ((t0 + v) * w.KB + b) * block_bytes(F), g0 + s);
         for (int i = 0; i < MT; ++i) {
           Vb x[span];
           for (int s = 0; s < span; ++s) x[s] = Vb::bcast4(xb + i * a.K + 4 * (g0 + s));
