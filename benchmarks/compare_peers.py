@@ -232,7 +232,7 @@ def main() -> None:
     from phasewise.kernels import build
     from phasewise.lab.roofline import measure_machine
     from phasewise.loading.loader import resolve_model_path
-    from phasewise.tokenizer import Tokenizer
+    from phasewise.tokenization.tokenizer import Tokenizer
 
     path = args.path = resolve_model_path(args.model)
     tokenizer = Tokenizer.load(path)

@@ -13,7 +13,7 @@ dtype (q4/int8: 4-bit weights and an int8 KV cache):
   uses (--kernels auto: linear kernels and the fused CPU ops); medians of --repeats.
 Speeds are only comparable within one run on a machine nobody else is using. --record keeps each
 precision's perplexity against fp32 in the cache, where the engine's default precision reads it
-(phasewise.precision.measured: the KV cache beside q4 weights is int8 only where that pair holds 0.5%).
+(phasewise.engine.precision.measured: the KV cache beside q4 weights is int8 only where that pair holds 0.5%).
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from phasewise.kernels import build
 from phasewise.layers.attention import AttentionMetadata
 from phasewise.loading.loader import load_prepared
 from phasewise.loading.loader import default_model_path, parse_dtype
-from phasewise.precision import measured, record_path
+from phasewise.engine.precision import measured, record_path
 from phasewise.runner.kv_cache import KVCache
-from phasewise.tokenizer import Tokenizer
+from phasewise.tokenization.tokenizer import Tokenizer
 
 TEXT = Path(__file__).parent / "data" / "lighthouses.txt"
 

@@ -1,4 +1,4 @@
-"""A tokenizer read back from the conversion cache without transformers (saved_tokenizer.py,
+"""A tokenizer read back from the conversion cache without transformers (tokenization/saved_tokenizer.py,
 chat_template.py) gives what transformers gives reading the same folder: the same chat renderings
 (with and without tools), encodings, decodings, token bytes and special ids, on every model at hand.
 (tests/test_tokenizer.py holds the cached copy to a fresh conversion.)"""
@@ -8,11 +8,11 @@ from __future__ import annotations
 import jinja2
 import pytest
 
-from phasewise.chat_template import ChatTemplate
+from phasewise.tokenization.chat_template import ChatTemplate
 from phasewise.loading.gguf import ModelLoadError
 from phasewise.loading.loader import resolve_model_path
-from phasewise.saved_tokenizer import SavedTokenizer
-from phasewise.tokenizer import Tokenizer
+from phasewise.tokenization.saved_tokenizer import SavedTokenizer
+from phasewise.tokenization.tokenizer import Tokenizer
 
 CONVERSATION = [{"role": "system", "content": "You are terse. Ünïcode ok: 🌸"},
                 {"role": "user", "content": "Name a flower."}, {"role": "assistant", "content": "A rose."},

@@ -213,7 +213,7 @@ def test_roofline_runs_and_names_the_binding_resource():
 ])
 def test_quantization_is_its_own_option_and_dtype_keeps_the_float_type(flags, weights):
     from phasewise.cli import build_parser
-    from phasewise.engine_args import resolve_weights
+    from phasewise.engine.args import resolve_weights
 
     args = build_parser().parse_args(["generate", "hi", *flags])
     resolve_weights(args)

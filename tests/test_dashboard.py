@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from live_server import KEY, QUESTION, MODEL, assert_openai_error
-from phasewise.engine.handoffs import EngineStats, StepRecord
-from phasewise.engine.request import Request
+from phasewise.core.handoffs import EngineStats, StepRecord
+from phasewise.core.request import Request
 from phasewise.server.dashboard_feed import DashboardFeed, Roofline, binding
 
 ROOF = Roofline(dram_gbs=20.0, compute_gops=400.0, compute_name="int8 dot products", weight_bytes=1e8,

@@ -30,7 +30,7 @@ def hf(default_model_path):
 
 @pytest.fixture(scope="module")
 def hf_tokenizer(default_model_path):
-    from phasewise.tokenizer import Tokenizer
+    from phasewise.tokenization.tokenizer import Tokenizer
 
     return Tokenizer.load(default_model_path)
 

@@ -9,10 +9,10 @@ from hypothesis import given, settings, strategies as st
 from test_engine_core import add_and_drive, request, run_all, token_for
 
 from phasewise.config import SchedulerConfig
-from phasewise.engine.core import EngineCore
-from phasewise.engine.handoffs import RunnerOutput, SampledToken, SchedulerOutput
-from phasewise.engine.kv_cache_manager import NULL_BLOCK
-from phasewise.engine.request import FinishReason, Request, RequestStatus
+from phasewise.core.engine_core import EngineCore
+from phasewise.core.handoffs import RunnerOutput, SampledToken, SchedulerOutput
+from phasewise.core.kv_cache_manager import NULL_BLOCK
+from phasewise.core.request import FinishReason, Request, RequestStatus
 from phasewise.lab.memory import ModelShape
 from phasewise.models.config import ModelConfig
 from phasewise.sampling.params import SamplingParams

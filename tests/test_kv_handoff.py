@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from phasewise.engine.kv_cache_manager import KVCacheManager
-from phasewise.engine.request import Request
+from phasewise.core.kv_cache_manager import KVCacheManager
+from phasewise.core.request import Request
 from phasewise.sampling.params import SamplingParams
 
 
@@ -68,10 +68,10 @@ def test_a_transfer_without_room_waits_for_it_then_gives_up():
     import asyncio
     from concurrent.futures import Future
 
-    from phasewise.server.kv_transfers import KVTransfers
+    from phasewise.server.disaggregation import DisaggregatedPair
     from phasewise.server.protocol import APIError
 
-    class Engine:                         # what KVTransfers uses of AsyncEngine, LLMEngine and KVTransfer
+    class Engine:                         # what DisaggregatedPair uses of AsyncEngine, LLMEngine and KVTransfer
         def __init__(self, short: int, arrives: bool = True):
             self.short, self.arrives, self.kv_transfer = short, arrives, self
             self.tries = 0
@@ -94,11 +94,11 @@ def test_a_transfer_without_room_waits_for_it_then_gives_up():
             pass
 
     waits = Engine(short=3)
-    assert asyncio.run(KVTransfers(waits, room_wait_s=5).receive("t")) == 32 and waits.tries == 4
+    assert asyncio.run(DisaggregatedPair(waits, room_wait_s=5).receive("t")) == 32 and waits.tries == 4
     gives_up = Engine(short=10**9)
-    assert asyncio.run(KVTransfers(gives_up, room_wait_s=0.2).receive("t")) == 0 and gives_up.tries > 1
+    assert asyncio.run(DisaggregatedPair(gives_up, room_wait_s=0.2).receive("t")) == 0 and gives_up.tries > 1
     with pytest.raises(APIError, match="did not arrive: the link is down"):
-        asyncio.run(KVTransfers(Engine(0, arrives=False)).receive("t"))
+        asyncio.run(DisaggregatedPair(Engine(0, arrives=False)).receive("t"))
 
 
 LINK_ALONE = """

@@ -133,7 +133,7 @@ def test_default_precision_is_the_fast_path(default_model_path):
 
 
 def test_precision_choices(default_model_path, tmp_path):
-    from phasewise.precision import choose
+    from phasewise.engine.precision import choose
 
     class Kernels:
         isa = "avx2"
@@ -155,7 +155,7 @@ def test_precision_choices(default_model_path, tmp_path):
 def test_the_default_kv_cache_holds_the_measured_perplexity_of_each_file(default_model_path, tmp_path, monkeypatch):
     """The int8 KV cache beside a GGUF's blocks only where that pair was measured within 0.5% on the file
     (the shipped figures, or benchmarks/quality.py --record's in the cache); the line says what was measured."""
-    from phasewise.precision import choose, record_path
+    from phasewise.engine.precision import choose, record_path
 
     class Kernels:
         isa = "avx512"

@@ -18,7 +18,7 @@ from phasewise.loading.loader import load_model
 from phasewise.loading.sharding import check_tensor_parallel
 from phasewise.models.config import ModelConfig, UnsupportedModelError
 from phasewise.models.moe import SparseMoeBlock, route
-from phasewise.precision import choose
+from phasewise.engine.precision import choose
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
@@ -296,7 +296,7 @@ def test_the_tokenizer_of_an_architecture_transformers_cannot_build(tmp_path):
     """transformers builds no OLMoE from a GGUF; the file's tokenizer fields still make its tokenizer."""
     import gguf
 
-    from phasewise.tokenizer import Tokenizer
+    from phasewise.tokenization.tokenizer import Tokenizer
 
     path = tmp_path / "olmoe.gguf"
     w = gguf.GGUFWriter(str(path), "olmoe")

@@ -272,7 +272,7 @@ def test_without_kernels_the_weights_are_dequantized_once():
 
 @pytest.fixture(scope="module")
 def text_ids(default_model_path):
-    from phasewise.tokenizer import Tokenizer
+    from phasewise.tokenization.tokenizer import Tokenizer
 
     return Tokenizer.load(default_model_path).encode(TEXT.read_text())[:384]
 

@@ -124,7 +124,7 @@ def test_the_vocabularys_padding_tokens_are_never_allowed_in_text(path):
     allow them (their logits are untrained) unless they are declared special."""
     from phasewise import StructuredOutputs
     from phasewise.structured import GrammarCompiler, grammar_bitmask
-    from phasewise.tokenizer import Tokenizer
+    from phasewise.tokenization.tokenizer import Tokenizer
 
     tok = Tokenizer.load(path)
     grammars = GrammarCompiler(tok, 151936, tok.eos_token_ids)

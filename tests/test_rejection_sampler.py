@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from phasewise.engine.handoffs import ScheduledChunk
-from phasewise.engine.request import Request
+from phasewise.core.handoffs import ScheduledChunk
+from phasewise.core.request import Request
 from phasewise.sampling.params import SamplingParams
 from phasewise.sampling.rejection import greedy_verify, rejection_sample
 from phasewise.sampling.verify import verify

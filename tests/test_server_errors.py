@@ -184,7 +184,7 @@ def test_a_burst_admits_the_running_seats_plus_the_waiting_room(guarded):
 def test_an_output_its_grammar_ended_in_error_is_an_error_naming_it():
     """finish_reason "error" is no finish reason OpenAI's clients know: a stream ends with an error event
     naming the cause (then [DONE]), a collected answer is a 500 naming it."""
-    from phasewise.engine.request import RequestMetrics
+    from phasewise.core.request import RequestMetrics
     from phasewise.outputs import CompletionOutput, StreamDelta
     from phasewise.server.responses import TokenText
     from phasewise.server.sse import chat_events, failure

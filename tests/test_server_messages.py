@@ -15,7 +15,7 @@ import jsonschema
 import pytest
 
 from live_server import KEY, MAX_BODY, MODEL
-from phasewise.engine.request import RequestMetrics
+from phasewise.core.request import RequestMetrics
 from phasewise.outputs import CompletionOutput, StreamDelta
 from phasewise.server.anthropic_routes import Blocks, message_body, message_events
 from phasewise.server.chat_call import ChatCall

@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from phasewise.config import SchedulerConfig, SpeculativeConfig
-from phasewise.engine.core import EngineCore
-from phasewise.engine.handoffs import RunnerOutput, SampledToken, SchedulerOutput
-from phasewise.engine.request import FinishReason, Request, RequestStatus
+from phasewise.core.engine_core import EngineCore
+from phasewise.core.handoffs import RunnerOutput, SampledToken, SchedulerOutput
+from phasewise.core.request import FinishReason, Request, RequestStatus
 from phasewise.sampling.params import SamplingParams
 from phasewise.spec_decode.ngram import NgramIndex, NgramProposer
 

@@ -8,7 +8,7 @@ import pytest
 
 from phasewise import LLM, SamplingParams
 from phasewise.cli import build_parser
-from phasewise.engine_args import speculative_config_from_args
+from phasewise.engine.args import speculative_config_from_args
 from phasewise.report import perf_lines, timings
 
 pytestmark = pytest.mark.slow

@@ -273,7 +273,7 @@ def test_a_lost_rank_ends_every_request_and_frees_every_block(tiny_folder):
     """A worker killed mid-generation: the next step fails at once (no hang), every request ends and
     its blocks are free, every later step says why, and close() returns with no worker left."""
     from phasewise import LLM
-    from phasewise.engine_client import EngineBrokenError
+    from phasewise.engine.client import EngineBrokenError
 
     llm = LLM(str(tiny_folder), tensor_parallel_size=2, dtype="fp32", kv_dtype="model", kv_cache_memory=0.01,
               warmup=False)

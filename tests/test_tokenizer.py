@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from phasewise.paths import default_cache_dir
-from phasewise.tokenizer import IncrementalDetokenizer, Tokenizer, gguf_cache_key
+from phasewise.tokenization.tokenizer import IncrementalDetokenizer, Tokenizer, gguf_cache_key
 
 TEXTS = [
     "Hello, world! How are you today?",
@@ -134,7 +134,7 @@ def test_cache_key_and_location(tmp_path, monkeypatch):
 
 
 def test_cache_write_is_atomic_and_tolerates_a_lost_race(tok, tmp_path):
-    from phasewise.tokenizer import _save_atomically
+    from phasewise.tokenization.tokenizer import _save_atomically
 
     final = tmp_path / "tokenizers" / "key"
     _save_atomically(tok.hf, final)
@@ -328,7 +328,7 @@ def test_token_bytes_of_a_sentencepiece_tokenizer_with_byte_fallback():
 def test_logprob_bodies_carry_each_tokens_own_bytes(tok):
     """A token holding part of a character: its own bytes (joining them rebuilds the text), shown as
     "bytes:\\x.." in the completions format, and text_offset counts the character once."""
-    from phasewise.engine.handoffs import TokenLogprobs
+    from phasewise.core.handoffs import TokenLogprobs
     from phasewise.server.responses import TextOffsets, TokenText
 
     tt = TokenText(tok)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from phasewise.engine.handoffs import StepRecord
-from phasewise.engine.request import RequestMetrics
+from phasewise.core.handoffs import StepRecord
+from phasewise.core.request import RequestMetrics
 from phasewise.lab.trace import REQUESTS_PID, chrome_trace
 
 

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from phasewise.deploy.options import RAY_EXTRA, add_ray_args, start_direct_ingress
-from phasewise.engine_args import add_engine_args, resolve_weights, speculative_config_from_args
+from phasewise.engine.args import add_engine_args, resolve_weights, speculative_config_from_args
 
 EXIT_USAGE = 2
 
@@ -150,8 +150,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         prompt = ([{"role": "system", "content": args.system}] if args.system else []) + \
                  [{"role": "user", "content": args.prompt}]
-    tok = llm.engine.tokenizer
-    params = llm.engine.admit(len(tok.encode(prompt) if args.raw else tok.apply_chat_template(prompt)), params)
     final = None
     for delta in llm.stream(prompt, params):
         if not args.json:
@@ -218,7 +216,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from phasewise.config import CacheConfig, EngineConfig, SchedulerConfig
-    from phasewise.llm_engine import LLMEngine
+    from phasewise.engine.llm_engine import LLMEngine
     from phasewise.server import AsyncEngine, ServerConfig, create_app
 
     config = EngineConfig(

@@ -11,7 +11,7 @@ class CacheConfig:
     kv_cache_memory_gib: float = 2.0     # pool size when num_blocks is not given
     num_blocks: int | None = None        # exact pool size (overrides the memory budget)
     enable_prefix_caching: bool = True   # reuse KV blocks of prompts seen before
-    kv_dtype: str = "auto"               # auto (precision.py) | model (the weights' float type) | int8
+    kv_dtype: str = "auto"               # auto (engine/precision.py) | model (the weights' float type) | int8
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -75,7 +75,7 @@ class SpeculativeConfig:
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     model: str | None = None             # .gguf file or HF folder; None → the default model
-    dtype: str = "auto"                  # weights: auto (precision.py) | fp32 | bf16 | fp16 | int8 | q4
+    dtype: str = "auto"                  # weights: auto (engine/precision.py) | fp32 | bf16 | fp16 | int8 | q4
     device: str = "cpu"
     kernels: str = "auto"                # auto (compiled CPU kernels, oneDNN) | torch (the PyTorch references)
     cache: CacheConfig = field(default_factory=CacheConfig)

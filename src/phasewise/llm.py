@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from phasewise.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
-from phasewise.llm_engine import LLMEngine
+from phasewise.engine.llm_engine import LLMEngine
 from phasewise.outputs import CompletionOutput, StreamDelta
-from phasewise.precision import weights_setting
+from phasewise.engine.precision import weights_setting
 from phasewise.sampling.params import SamplingParams
 
 Prompt = str | list[int]
@@ -28,7 +28,7 @@ class LLM:
                  threads: int | None = None) -> None:
         """dtype (the float type) and quantization (the weight format: int8, q4, none) and kv_dtype
         "auto": the fastest precision for this machine within 0.5% perplexity of the file's weights
-        (precision.py; `engine.precision` says which). speculative: None,
+        (engine/precision.py; `engine.precision` says which). speculative: None,
         "ngram", "draft" (this model's file at q4) or "draft:MODEL", with num_speculative_tokens
         drafts per step; a SpeculativeConfig for the other settings. tensor_parallel_size: split the
         model over that many processes on this machine (close() stops them). packed_cache: map a GGUF's

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from phasewise.engine.handoffs import TokenLogprobs
-from phasewise.engine.request import RequestMetrics
+from phasewise.core.handoffs import TokenLogprobs
+from phasewise.core.request import RequestMetrics
 
 
 @dataclass(kw_only=True)

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from live_server import KEY, MODEL, start_server, stop_server
-from phasewise.engine.handoffs import StepRecord
-from phasewise.engine.request import RequestMetrics
+from phasewise.core.handoffs import StepRecord
+from phasewise.core.request import RequestMetrics
 from phasewise.lab.trace import chrome_trace
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
@@ -207,7 +207,7 @@ def test_a_mixture_of_experts_shows_its_routers_spread(page, keyed):
     and how many experts a step read."""
     from dataclasses import replace
 
-    from phasewise.engine.handoffs import EngineStats
+    from phasewise.core.handoffs import EngineStats
     from phasewise.server.dashboard_feed import DashboardFeed
 
     _connect(page)

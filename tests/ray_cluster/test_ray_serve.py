@@ -253,7 +253,7 @@ def tiny_folder(tmp_path_factory, default_model_path):
     splits over 2 ranks (the default model's 9 query heads do not)."""
     from model_builders import build_hf, hf_config
 
-    from phasewise.tokenizer import Tokenizer
+    from phasewise.tokenization.tokenizer import Tokenizer
 
     path = tmp_path_factory.mktemp("tiny-tp")
     tokenizer = Tokenizer.from_gguf(default_model_path)

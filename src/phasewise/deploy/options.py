@@ -8,7 +8,7 @@ import argparse
 import os
 from typing import Any
 
-from phasewise.engine_args import add_engine_args, positive_int, resolve_weights
+from phasewise.engine.args import add_engine_args, positive_int, resolve_weights
 
 RAY_EXTRA = "pip install 'phasewise[ray]'"
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")

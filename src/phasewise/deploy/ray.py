@@ -142,8 +142,8 @@ def build_server(options: argparse.Namespace, kv_role: str | None = None, kv_pee
     """The engine and app `phasewise serve` builds (cli.cmd_serve), for one replica: (AsyncEngine, FastAPI).
     Kernel threads: --threads, else the replica's CPUs (a rank's, when it has several)."""
     from phasewise.config import CacheConfig, EngineConfig, SchedulerConfig
-    from phasewise.engine_args import speculative_config_from_args
-    from phasewise.llm_engine import LLMEngine
+    from phasewise.engine.args import speculative_config_from_args
+    from phasewise.engine.llm_engine import LLMEngine
     from phasewise.server import AsyncEngine, ServerConfig, create_app
 
     o = options

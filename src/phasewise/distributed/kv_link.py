@@ -1,6 +1,7 @@
-"""KVLink: the channel a prefill instance sends prompts' KV blocks down to a decode instance, on
-torch.distributed point-to-point (gloo on CPUs; one group of two processes: prefill rank 0,
-decode rank 1), never on a transport of phasewise's own.
+"""KVLink, the transport of KV blocks between engines (the engine's side is engine/kv_transfer.py,
+the server's server/disaggregation.py): the channel a prefill instance sends prompts' KV blocks
+down to a decode instance, on torch.distributed point-to-point (gloo on CPUs; one group of two
+processes: prefill rank 0, decode rank 1), never on a transport of phasewise's own.
 
 Either instance may start first: the group is joined by a background thread, and a send or a
 wait blocks (up to its timeout) until the peer is there. Sends run one at a time on the

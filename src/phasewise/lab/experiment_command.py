@@ -138,7 +138,7 @@ def _experiment(args: argparse.Namespace, out: Path, console) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from phasewise import LLM
-    from phasewise.engine_args import speculative_config_from_args
+    from phasewise.engine.args import speculative_config_from_args
 
     warmup = args.num_warmup if args.num_warmup is not None else int(args.experiment != "repeat")
     # The pool holds the longest request (one at a time) or every request of the largest batch.

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from phasewise.engine.request import RequestMetrics
+from phasewise.core.request import RequestMetrics
 from phasewise.percentile import percentile
 from phasewise.outputs import CompletionOutput
 from phasewise.sampling.params import SamplingParams

@@ -32,7 +32,7 @@ class ModelShape:
     def windowed_kv_bytes_per_sequence(self, context_len: int, dtype: str = "fp16", block_size: int = 16) -> float:
         """KV one sequence holds in phasewise's pool once it has computed context_len tokens: whole
         blocks, the full layers all of them, the windowed layers from the block of the oldest key
-        the next token sees (engine/kv_cache_manager.py frees the rest)."""
+        the next token sees (core/kv_cache_manager.py frees the rest)."""
         per_layer_block = self.kv_bytes_per_token(dtype) / self.layers * block_size
         blocks = -(-context_len // block_size)
         local = blocks - max(0, context_len - (self.window or context_len) + 1) // block_size

@@ -12,8 +12,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from phasewise.engine.handoffs import StepRecord
-from phasewise.engine.request import RequestMetrics
+from phasewise.core.handoffs import StepRecord
+from phasewise.core.request import RequestMetrics
 
 ENGINE_PID, REQUESTS_PID = 1, 2
 

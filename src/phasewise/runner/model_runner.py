@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from phasewise.distributed import TensorParallel
-from phasewise.engine.handoffs import RunnerOutput, SampledToken, SchedulerOutput, TokenLogprobs
+from phasewise.core.handoffs import RunnerOutput, SampledToken, SchedulerOutput, TokenLogprobs
 from phasewise.layers.attention import AttentionMetadata
 from phasewise.runner.kv_cache import KVCache
 from phasewise.sampling.sampler import SamplingMetadata, sample

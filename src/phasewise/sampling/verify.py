@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from phasewise.engine.handoffs import SampledToken, ScheduledChunk, TokenLogprobs
+from phasewise.core.handoffs import SampledToken, ScheduledChunk, TokenLogprobs
 from phasewise.sampling.sampler import SamplingMetadata, compute_logprobs, distribution, exponential_noise
 from phasewise.sampling.rejection import greedy_verify, rejection_sample
 from phasewise.kernels.kernel_api import Kernels

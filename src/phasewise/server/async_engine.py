@@ -22,10 +22,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from phasewise.engine_client import EngineBrokenError, EngineClient, Prompt
+from phasewise.engine.client import EngineBrokenError, EngineClient, Prompt
 from phasewise.outputs import StreamDelta
 from phasewise.sampling.params import SamplingParams
-from phasewise.admission import check_token_ids
 from phasewise.server.errors import EngineDeadError, EngineError
 from phasewise.server.request_stream import RequestStream
 from phasewise.server.observer import Observer
@@ -273,7 +272,7 @@ class AsyncEngine:
                 self._resolve(command.future, result=result)
 
     def _add(self, items: list[SubRequest], chat: bool, loop: asyncio.AbstractEventLoop) -> None:
-        """Tokenize, check against the context and the pool, then add all (or none)."""
+        """Tokenize, then add all (or none: a request the engine's admission refuses undoes the others)."""
         engine = self.engine
         encoded: dict[int, list[int]] = {}
         prepared = []
@@ -281,7 +280,7 @@ class AsyncEngine:
             key = id(it.prompt)                # the choices of one prompt share its object: encode once
             if key not in encoded:
                 encoded[key] = self._encode(it.prompt, chat, it.tools)
-            prepared.append((it.request_id, encoded[key], self._fit(encoded[key], it.params)))
+            prepared.append((it.request_id, encoded[key], it.params))
         added = []
         try:
             for rid, ids, params in prepared:
@@ -297,13 +296,7 @@ class AsyncEngine:
             raise
 
     def _encode(self, prompt: Prompt, chat: bool, tools: list[dict] | None = None) -> list[int]:
-        ids = self.engine.encode_prompt(prompt, chat, tools)
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], dict):
-            check_token_ids(ids, self.model_config.vocab_size)
-        return ids
-
-    def _fit(self, ids: list[int], params: SamplingParams) -> SamplingParams:
-        return self.engine.admit(len(ids), params)
+        return self.engine.encode_prompt(prompt, chat, tools)
 
     def _step(self) -> None:
         try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from phasewise.admission import ContextLengthError, RequestError
+from phasewise.engine.admission import ContextLengthError, RequestError
 from phasewise.sampling.params import ConstraintError
 from phasewise.server.async_engine import SubRequest
 from phasewise.server.errors import EngineDeadError

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from phasewise.engine.handoffs import EngineStats, StepRecord
+from phasewise.core.handoffs import EngineStats, StepRecord
 from phasewise.outputs import StreamDelta
 from phasewise.server.observer import Observer
 

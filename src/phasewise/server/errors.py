@@ -1,4 +1,4 @@
-"""The errors a request can meet in the engine, apart from its own bad input (phasewise.admission)."""
+"""The errors a request can meet in the engine, apart from its own bad input (phasewise.engine.admission)."""
 
 from __future__ import annotations
 

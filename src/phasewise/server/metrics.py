@@ -14,7 +14,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily
 
 from phasewise.outputs import StreamDelta
-from phasewise.engine.handoffs import EngineStats, StepRecord
+from phasewise.core.handoffs import EngineStats, StepRecord
 from phasewise.server.observer import Observer
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,

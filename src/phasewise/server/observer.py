@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from phasewise.engine.handoffs import EngineStats, StepRecord
+from phasewise.core.handoffs import EngineStats, StepRecord
 from phasewise.outputs import StreamDelta
 
 

@@ -20,7 +20,7 @@ from phasewise.server.async_engine import SubRequest
 from phasewise.server.body_parsing import parse_body
 from phasewise.server.chat_call import Submitter, chat_call, sub_id
 from phasewise.server.guards import Guards
-from phasewise.server.kv_transfers import KVTransfers
+from phasewise.server.disaggregation import DisaggregatedPair
 from phasewise.server.protocol import CompletionRequest, ChatCompletionRequest, bad_request, choice_params, openapi_body
 from phasewise.server.sse import chat_events, collect, completion_events, sse_response
 
@@ -28,7 +28,7 @@ from phasewise.server.sse import chat_events, collect, completion_events, sse_re
 def openai_router(guards: Guards) -> APIRouter:
     engine, config = guards.engine, guards.config
     token_text = R.TokenText(engine.tokenizer)
-    kv_transfers = KVTransfers(engine)
+    pair = DisaggregatedPair(engine)
     submitter = Submitter(guards)
     router = APIRouter(dependencies=[Depends(guards.require_key)])
 
@@ -40,7 +40,7 @@ def openai_router(guards: Guards) -> APIRouter:
         instance sends them once its (one-token) answer is done."""
         transfer = body.kv_transfer_params.transfer_id if body.kv_transfer_params else None
         if transfer and config.role == "decode":
-            await kv_transfers.receive(transfer)
+            await pair.receive(transfer)
         stream = await submitter.start(items, chat, body.constraint_field)
         if transfer and config.role == "prefill":
             if body.stream or len(items) != 1:
@@ -49,7 +49,7 @@ def openai_router(guards: Guards) -> APIRouter:
             outs = await collect(request, stream)
             if outs is None:
                 return Response(status_code=499)
-            await kv_transfers.send(transfer, items[0].prompt, chat)
+            await pair.send(transfer, items[0].prompt, chat)
             return JSONResponse(final(rid, int(time.time()), body.model or config.served_model_name, outs,
                                       items[0].params.logprobs is not None))
         created, model = int(time.time()), body.model or config.served_model_name

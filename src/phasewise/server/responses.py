@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
-from phasewise.engine.handoffs import TokenLogprobs
+from phasewise.core.handoffs import TokenLogprobs
 from phasewise.percentile import percentile
 from phasewise.outputs import CompletionOutput
 from phasewise.tool_calling import ToolCallParser

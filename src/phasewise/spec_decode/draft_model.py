@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from phasewise.engine.handoffs import ScheduledChunk
+from phasewise.core.handoffs import ScheduledChunk
 from phasewise.layers.attention import AttentionMetadata
 from phasewise.runner.kv_cache import KVCache
 from phasewise.sampling.sampler import SamplingMetadata, distribution, exponential_noise

@@ -9,7 +9,7 @@ last step, so a proposal costs O(max_n - min_n + 1) dictionary lookups.
 
 from __future__ import annotations
 
-from phasewise.engine.handoffs import ScheduledChunk
+from phasewise.core.handoffs import ScheduledChunk
 
 
 class NgramIndex:

@@ -97,7 +97,7 @@ class GrammarCompiler:
 
 
 class Vocabulary(Protocol):
-    """What the compiler reads of a tokenizer (phasewise.tokenizer.Tokenizer has it)."""
+    """What the compiler reads of a tokenizer (phasewise.tokenization.tokenizer.Tokenizer has it)."""
 
     @property
     def backend(self) -> tokenizers.Tokenizer: ...

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from phasewise.engine.request import FinishReason, Request
+from phasewise.core.request import FinishReason, Request
 
 
 @dataclass(kw_only=True)

@@ -6,13 +6,13 @@ from __future__ import annotations
 from typing import Protocol
 
 from phasewise.config import EngineConfig
-from phasewise.engine.handoffs import EngineStats, StepRecord
-from phasewise.engine.request import Request
-from phasewise.kv_transfer import KVTransfer
+from phasewise.core.handoffs import EngineStats, StepRecord
+from phasewise.core.request import Request
+from phasewise.engine.kv_transfer import KVTransfer
 from phasewise.models.config import ModelConfig
 from phasewise.outputs import StreamDelta
 from phasewise.sampling.params import SamplingParams
-from phasewise.tokenizer import Tokenizer
+from phasewise.tokenization.tokenizer import Tokenizer
 
 Prompt = str | list[int] | list[dict]
 
@@ -33,12 +33,9 @@ class EngineClient(Protocol):
     def encode_prompt(self, prompt: Prompt, chat: bool, tools: list[dict] | None = None) -> list[int]:
         """Token ids of a prompt: chat messages (with OpenAI-style tools) through the chat template."""
 
-    def admit(self, num_prompt_tokens: int, params: SamplingParams) -> SamplingParams:
-        """params made to fit the context and KV pool; RequestError when the request cannot run."""
-
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, chat: bool = False,
                     request_id: str | None = None, tools: list[dict] | None = None) -> str:
-        """Queue a prompt; its request id."""
+        """Queue a prompt (admitted by engine/admission.py: RequestError when it cannot run); its id."""
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now (its KV blocks are freed)."""

@@ -13,7 +13,7 @@ from typing import Any, Iterable
 
 from phasewise import tool_calling
 from phasewise.paths import default_cache_dir
-from phasewise.saved_tokenizer import SavedTokenizer
+from phasewise.tokenization.saved_tokenizer import SavedTokenizer
 
 # Turn-ending tokens of common chat formats (ChatML, Llama 3, Phi-3, Gemma, Llama 2 / Mistral).
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "</s>")

@@ -74,6 +74,6 @@ def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig:
 def resolve_weights(args: argparse.Namespace) -> None:
     """Fold --dtype (the float type) and --quantization (the weight format) into args.dtype, the one
     weights setting the engine takes (precision.weights_setting). ValueError when the two disagree."""
-    from phasewise.precision import weights_setting
+    from phasewise.engine.precision import weights_setting
 
     args.dtype = weights_setting(args.dtype, args.quantization)

@@ -12,13 +12,13 @@ from pathlib import Path
 import torch
 
 from phasewise.config import EngineConfig, SpeculativeConfig
-from phasewise.engine.core import EngineCore
+from phasewise.core.engine_core import EngineCore
 from phasewise.kernels import build as kernel_build
 from phasewise.kernels.kernel_api import Kernels
 from phasewise.loading.loader import check_memory, load_config, load_prepared, parse_dtype, resolve_model_path
 from phasewise.loading.sharding import check_tensor_parallel, shard_config
 from phasewise.models.config import ModelConfig
-from phasewise.precision import Precision, choose as choose_precision
+from phasewise.engine.precision import Precision, choose as choose_precision
 from phasewise.runner.kv_cache import KVCache, kv_bytes_per_block, num_blocks_for_memory
 from phasewise.runner.model_runner import ModelRunner
 from phasewise.runner.thread_governor import ThreadGovernor
@@ -26,7 +26,7 @@ from phasewise.runner.tp_worker import Setup, TensorParallelRanks, start_ranks
 from phasewise.spec_decode.draft_model import DraftModelProposer
 from phasewise.spec_decode.ngram import NgramProposer
 from phasewise.structured import GrammarCompiler
-from phasewise.tokenizer import Tokenizer
+from phasewise.tokenization.tokenizer import Tokenizer
 
 
 def check_device(device: str) -> None:

@@ -1,7 +1,7 @@
 """A tokenizer folder that transformers saved (tokenizer.json, tokenizer_config.json, the chat
 template), read back with `tokenizers` and Jinja alone: transformers' import and its tokenizer
 wrapper take about 2 s, this about 0.1-0.4 s. It answers the part of transformers' tokenizer API that
-`phasewise.tokenizer.Tokenizer` uses, with transformers' results (tests/test_tokenizer.py holds a
+`phasewise.tokenization.tokenizer.Tokenizer` uses, with transformers' results (tests/test_tokenizer.py holds a
 saved copy to the converted original: encodings, decodings, chat renderings, special ids).
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as RustTokenizer
 
-from phasewise.chat_template import ChatTemplate
+from phasewise.tokenization.chat_template import ChatTemplate
 
 SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")

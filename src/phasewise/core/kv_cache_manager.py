@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-from phasewise.engine.block_pool import BlockKey, BlockPool
-from phasewise.engine.request import Request
+from phasewise.core.block_pool import BlockKey, BlockPool
+from phasewise.core.request import Request
 
 NULL_BLOCK = -1     # a table entry whose block was freed behind a window (never read)
 

@@ -9,14 +9,14 @@ from dataclasses import replace
 
 import torch
 
-from phasewise.admission import fit
+from phasewise.engine.admission import Admission
 from phasewise.config import EngineConfig
-from phasewise.engine.handoffs import EngineStats, StepRecord
-from phasewise.engine.request import FinishReason, Request
-from phasewise.engine_builder import build_engine
-from phasewise.engine_client import EngineBrokenError, Prompt
-from phasewise.kv_transfer import KVTransfer
-from phasewise.output_processor import OutputProcessor
+from phasewise.core.handoffs import EngineStats, StepRecord
+from phasewise.core.request import FinishReason, Request
+from phasewise.engine.builder import build_engine
+from phasewise.engine.client import EngineBrokenError, Prompt
+from phasewise.engine.kv_transfer import KVTransfer
+from phasewise.engine.output_processor import OutputProcessor
 from phasewise.outputs import CompletionOutput, StreamDelta
 from phasewise.sampling.params import SamplingParams
 
@@ -40,6 +40,8 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self.kv_transfer = KVTransfer(self.core.kv, self.kv_cache, self.config.kv_role, self.config.kv_peer,
                                       self.tp is not None)
+        self.admission = Admission(self.max_model_len, self.model_config.vocab_size, self.core.kv.pool.num_blocks,
+                                   self.core.blocks_needed)
 
     def close(self) -> None:
         """Stop the other ranks of a tensor-parallel engine (nothing to do otherwise)."""
@@ -59,21 +61,15 @@ class LLMEngine:
             return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tools=tools)
         return self.tokenizer.encode(prompt)
 
-    def admit(self, num_prompt_tokens: int, params: SamplingParams) -> SamplingParams:
-        """The request checks the server and the CLI share (phasewise.admission.fit): prompt + max_tokens
-        against the context and the KV pool, stop_token_ids against the vocabulary; no max_tokens → as
-        many as fit. RequestError (a ValueError naming the field) when it cannot run."""
-        return fit(num_prompt_tokens, params, self.max_model_len,
-                   self.kv_cache.num_blocks * self.kv_cache.block_size, self.model_config.vocab_size)
-
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     chat: bool = False, request_id: str | None = None, tools: list[dict] | None = None) -> str:
         """Queue a prompt (text, token ids, or chat messages, with tools for the template); returns the
-        request id. ValueError for a prompt that cannot fit or a structured_outputs constraint that does
-        not compile."""
-        params = params or SamplingParams()
+        request id. RequestError for a request its admission refuses (`admission.check`: no
+        max_tokens → as many as fit), ValueError for a structured_outputs constraint that does not
+        compile."""
         arrival = time.perf_counter()
         prompt_ids = self.encode_prompt(prompt, chat, tools)
+        params = self.admission.check(prompt_ids, params or SamplingParams())
         request_id = request_id or f"req-{next(self._ids)}"
         compiled = time.perf_counter()
         grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None

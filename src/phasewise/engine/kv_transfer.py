@@ -1,5 +1,7 @@
-"""KV blocks between engines (prefill/decode disaggregation): copy a computed prompt's blocks out of
-one engine's prefix cache, enter them in another's, and send or receive them over the KV link."""
+"""The engine's side of KV blocks between engines (prefill/decode disaggregation): copy a computed
+prompt's blocks out of one engine's prefix cache, enter them in another's, and send or receive them
+over the KV link. The server's side is server/disaggregation.py, the transport
+distributed/kv_link.py."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from concurrent.futures import Future
 import torch
 
 from phasewise.distributed.kv_link import KVLink
-from phasewise.engine.kv_cache_manager import KVCacheManager
+from phasewise.core.kv_cache_manager import KVCacheManager
 from phasewise.runner.kv_cache import KVBlocks, KVCache
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from phasewise.engine.handoffs import RequestOutput
-from phasewise.engine.request import FinishReason, Request
+from phasewise.core.handoffs import RequestOutput
+from phasewise.core.request import FinishReason, Request
 from phasewise.outputs import CompletionOutput, StreamDelta
-from phasewise.tokenizer import IncrementalDetokenizer, Tokenizer
+from phasewise.tokenization.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """The server's side of a disaggregated pair (`serve --role prefill|decode`): a request that carries
 kv_transfer_params has its prompt's KV blocks sent (prefill) or received and imported (decode)
-through the engine's `KVTransfer`, on the engine thread between steps.
+through the engine's side (engine/kv_transfer.py `KVTransfer`, over the transport
+distributed/kv_link.py), on the engine thread between steps.
 
 A transfer that fails or does not come within the timeout fails only its request (503 in
 OpenAI's shape, code kv_transfer_failed) and holds no block on either side: the prefill side's
@@ -21,7 +22,7 @@ from phasewise.server.protocol import APIError
 log = logging.getLogger("phasewise.server")
 
 
-class KVTransfers:
+class DisaggregatedPair:
     def __init__(self, engine: AsyncEngine, timeout_s: float = 120.0, room_wait_s: float = 30.0) -> None:
         self.engine, self.timeout_s, self.room_wait_s = engine, timeout_s, room_wait_s
 

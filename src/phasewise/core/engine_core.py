@@ -7,11 +7,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
-from phasewise.engine.kv_cache_manager import KVCacheManager
-from phasewise.engine.handoffs import (EngineStats, RequestOutput, RunnerOutput, ScheduledChunk, SchedulerOutput,
+from phasewise.core.kv_cache_manager import KVCacheManager
+from phasewise.core.handoffs import (EngineStats, RequestOutput, RunnerOutput, ScheduledChunk, SchedulerOutput,
                                       StepRecord)
-from phasewise.engine.request import FinishReason, Request
-from phasewise.engine.scheduler import Scheduler
+from phasewise.core.request import FinishReason, Request
+from phasewise.core.scheduler import Scheduler
 from phasewise.config import SchedulerConfig
 
 
@@ -62,22 +62,15 @@ class EngineCore:
         self.spec = SpecStats()
 
     def add_request(self, request: Request) -> None:
-        """Queue a request; ValueError when it can never fit the context or the KV pool."""
-        n = request.num_prompt_tokens
-        if n == 0:
-            raise ValueError("the prompt is empty")
-        if n >= self.max_model_len:
-            raise ValueError(f"the prompt has {n} tokens, but the context length is {self.max_model_len} "
-                             "(at least one token must be left to generate)")
-        max_tokens = request.sampling_params.max_tokens
-        longest = min(self.max_model_len, n + (self.max_model_len if max_tokens is None else max_tokens))
-        need = self.kv.max_blocks(longest, self.scheduler.config.max_num_batched_tokens)
-        if need > self.kv.pool.num_blocks:
-            raise ValueError(f"{longest} tokens (prompt {n} + up to {longest - n} generated) need "
-                             f"{need} KV blocks, but the pool holds "
-                             f"{self.kv.pool.num_blocks}: raise the KV cache memory")
+        """Queue an admitted request (engine/admission.py: it fits the context and, at its longest,
+        the KV pool, as `blocks_needed` counts)."""
         request.max_model_len = self.max_model_len
         self.scheduler.add(request)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """The most KV blocks one request of num_tokens holds at once (its context in full-attention
+        groups, a window and a chunk in windowed ones)."""
+        return self.kv.max_blocks(num_tokens, self.scheduler.config.max_num_batched_tokens)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request at any point and free everything it holds; False if it is not live."""

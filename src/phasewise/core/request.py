@@ -102,7 +102,7 @@ class Request:
         self.prompt_logprobs: list[Any] | None = \
             [None] * len(prompt_token_ids) if getattr(sampling_params, "prompt_logprobs", None) is not None else None
         self.num_computed_tokens = 0                # tokens whose K/V are in the cache
-        self.block_tables: list[list[int]] = []    # per KV group, its blocks (engine/kv_cache_manager.py)
+        self.block_tables: list[list[int]] = []    # per KV group, its blocks (core/kv_cache_manager.py)
         self.block_hashes: list = []                # (hash, key) per full block, filled by the KV manager
         self.num_cached_blocks = 0                  # leading blocks registered in the prefix cache
         self.num_cached_tokens: int | None = None   # prompt tokens found in the prefix cache at admission

@@ -20,10 +20,10 @@ import time
 from collections import deque
 
 from phasewise.config import SchedulerConfig
-from phasewise.engine.kv_cache_manager import KVCacheManager
-from phasewise.engine.handoffs import (
+from phasewise.core.kv_cache_manager import KVCacheManager
+from phasewise.core.handoffs import (
     RequestOutput, RunnerOutput, ScheduledChunk, SchedulerOutput)
-from phasewise.engine.request import FinishReason, Request, RequestStatus
+from phasewise.core.request import FinishReason, Request, RequestStatus
 
 
 class Scheduler:

@@ -1,0 +1,1 @@
+"""The engine core: requests, KV blocks, scheduling. Plain Python, no torch."""
