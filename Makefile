@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PROMPT := Write a short story about a robot discovering a flower.
 
-.PHONY: setup kernels run test test-ray test-arm test-browser bench lab peers peers-avx512 peers-avx2 lm-eval gemma3 \
+.PHONY: setup kernels run test test-ray test-arm test-clang test-browser bench lab peers peers-avx512 peers-avx2 lm-eval gemma3 \
 	qwen2.5-coder-0.5b qwen2.5-coder-1.5b clean
 
 setup: $(STAMP)
@@ -78,6 +78,18 @@ test-arm: $(STAMP)
 	@command -v aarch64-linux-gnu-g++ >/dev/null && command -v qemu-aarch64 >/dev/null || \
 		{ apt-get update -q && apt-get install -y -q g++-aarch64-linux-gnu qemu-user; }
 	$(BIN)/python tests/cpp/run.py --arch aarch64
+
+# The kernels built with clang and without OpenMP (their own threads, as on a Mac without libomp), in their own
+# cache: the C++ kernel tests and the Python kernel tests against that build, then the C++ tests built with
+# GCC both ways, which must give the same result bits.
+CLANG_CACHE := $(CURDIR)/.cache/clang
+test-clang: $(STAMP)
+	@command -v clang++ >/dev/null || { apt-get update -q && apt-get install -y -q clang; }
+	CXX=clang++ PHASEWISE_OPENMP=0 $(BIN)/python tests/cpp/run.py --arch native
+	CXX=clang++ PHASEWISE_OPENMP=0 PHASEWISE_CACHE=$(CLANG_CACHE) $(BIN)/python -m pytest -q -p no:cacheprovider \
+		tests/test_cpu_ops.py tests/test_decoder_stack.py tests/test_expert_kernels.py tests/test_quant_kernels.py \
+		tests/test_file_weights.py
+	$(BIN)/python tests/cpp/run.py --arch native --openmp-parity
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/decode_vs_hf.py

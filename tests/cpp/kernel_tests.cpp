@@ -240,6 +240,6 @@ int main() {
   test_float_linear(k);
   test_moe_route(k);
   check("int8_peak_gops", k.int8_peak_gops(RT, 2000) > 0.0);
-  std::printf("%d passed, %d failed\n", passed, failed);
+  std::printf("results digest %016llx\n%d passed, %d failed\n", static_cast<unsigned long long>(digest), passed, failed);
   return failed == 0 ? 0 : 1;
 }

@@ -15,8 +15,10 @@ one warning) when nothing can be built; callers then keep their PyTorch referenc
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -37,16 +39,16 @@ CSRC = Path(__file__).parent / "csrc"
 BINDING_SOURCES = ("bindings.cpp", "kernel_set.cpp", "decoder_stack.cpp")
 KERNEL_SOURCES = ("cpu_ops.cpp", "paged_attention.cpp", "tile_attention.cpp", "quant_linear.cpp",
                   "activation_quant.cpp", "dequantize_rows.cpp", "repack_gguf.cpp", "int8_peak.cpp", "decoder.cpp",
-                  "expert_mlp.cpp", "table.cpp")
-COMMON_FLAGS = ("-std=c++17", "-O3", "-fPIC", "-fopenmp", "-ffast-math", "-fno-finite-math-only",
-                "-fvisibility=hidden")
+                  "expert_mlp.cpp", "thread_pool.cpp", "table.cpp")
+COMMON_FLAGS = ("-std=c++17", "-O3", "-fPIC", "-ffast-math", "-fno-finite-math-only", "-fvisibility=hidden")
 # Attention gives a row the same bits whichever of its kernels reads it (csrc/attention.h): its files
 # keep every sum in the order written (no reassociation, no contraction beyond the explicit fmas).
 # The linear layers' epilogues keep their order too, for a row's bits whatever rows share its
 # register tile (the generic level's fma is a * b + c, which -ffast-math regrouped per tile height);
 # contraction stays on there (off, AVX-512's in-place q6k GEMV ran 1.15x slower).
 _IN_ORDER = ("-fno-associative-math", "-ffp-contract=off")
-SOURCE_FLAGS = {"paged_attention.cpp": _IN_ORDER, "tile_attention.cpp": _IN_ORDER,
+# dequantize_rows gives the reference's bits (d q, then + m): no contraction there either (clang fused them).
+SOURCE_FLAGS = {"paged_attention.cpp": _IN_ORDER, "tile_attention.cpp": _IN_ORDER, "dequantize_rows.cpp": _IN_ORDER,
                 "quant_linear.cpp": ("-fno-associative-math",)}
 
 
@@ -66,6 +68,37 @@ def disabled() -> bool:
 
 def compiler() -> str:
     return os.environ.get("CXX") or "c++"
+
+
+@dataclasses.dataclass(frozen=True)
+class Threads:
+    """How the kernels run their threads: OpenMP (`compile` and `link` its flags) or, without it, their
+    own pool (csrc/thread_pool.h: the same splits, so the same results)."""
+    openmp: bool
+    compile: tuple[str, ...]
+    link: tuple[str, ...]
+
+
+OWN_THREADS = Threads(False, ("-fopenmp-simd", "-pthread"), ("-pthread",))
+
+
+def threads_setup() -> Threads:
+    """OpenMP as the platform has it: GCC's and Linux clang's -fopenmp; on macOS Apple clang's
+    `-Xpreprocessor -fopenmp` against torch's bundled libomp, where its omp.h is found too. Otherwise,
+    or with PHASEWISE_OPENMP=0, the kernels' own threads (-fopenmp-simd keeps the simd pragmas)."""
+    own = OWN_THREADS
+    if os.environ.get("PHASEWISE_OPENMP", "") in ("0", "off", "no"):
+        return own
+    if sys.platform != "darwin":
+        return Threads(True, ("-fopenmp",), ("-fopenmp",))
+    spec = importlib.util.find_spec("torch")
+    lib = Path(spec.submodule_search_locations[0]) / "lib" if spec and spec.submodule_search_locations else None
+    headers = [Path(p) for p in ("/opt/homebrew/opt/libomp/include", "/usr/local/opt/libomp/include")]
+    include = next((h for h in ([lib.parent / "include"] if lib else []) + headers if (h / "omp.h").exists()), None)
+    if lib is None or not (lib / "libomp.dylib").exists() or include is None:
+        return own
+    return Threads(True, ("-Xpreprocessor", "-fopenmp", f"-I{include}"),
+                   (f"-L{lib}", "-lomp", f"-Wl,-rpath,{lib}"))
 
 
 def _headers(kernels: bool) -> list[Path]:
@@ -93,7 +126,8 @@ def _say(message: str) -> None:
 
 def library_path(level: Level, cxx: str | None = None) -> Path:
     cxx = cxx or compiler()
-    flags = COMMON_FLAGS + level.flags + tuple(f"{s}:{f}" for s in KERNEL_SOURCES for f in source_flags(s))
+    flags = COMMON_FLAGS + threads_setup().compile + level.flags + \
+        tuple(f"{s}:{f}" for s in KERNEL_SOURCES for f in source_flags(s))
     return default_cache_dir() / "kernels" / f"{level.name}-{_digest(KERNEL_SOURCES, flags, cxx)}" / \
         "libphasewise_kernels.so"
 
@@ -104,7 +138,8 @@ def build_library(level: Level, out: Path | None = None, cxx: str | None = None,
     out = out or library_path(level, cxx)
     if out.exists():
         return out
-    flags = list(COMMON_FLAGS + level.flags)
+    threads = threads_setup()
+    flags = list(COMMON_FLAGS + threads.compile + level.flags)
     started = time.perf_counter()
     _say(f"building the {level.name} kernels (once per machine, about 10 s) ...")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -118,7 +153,7 @@ def build_library(level: Level, out: Path | None = None, cxx: str | None = None,
         staged = Path(tmp) / out.name
         # Linked without -ffast-math: GCC 12 would add crtfastmath.o, whose constructor turns on
         # flush-to-zero for the whole process (torch included) when the library is loaded.
-        _run([cxx, "-shared", "-fopenmp", *map(str, objects), "-o", str(staged)])
+        _run([cxx, "-shared", *threads.link, *map(str, objects), "-o", str(staged)])
         os.replace(staged, out)           # atomic: a concurrent build finds it whole or not at all
     _say(f"built the {level.name} kernels in {time.perf_counter() - started:.1f} s")
     return out

@@ -139,12 +139,11 @@ void layers(const Runtime& rt, const DecoderModel& m, const DecoderStep& s, cons
 // each op (team calls, parallel.h) instead of starting a region per op, ~300 a decode step.
 void decoder_stack(const Runtime& rt, const DecoderModel& m, const DecoderStep& s, const float* x, float* ws,
                    float* out) {
-  if (rt.team || rt.threads <= 1 || omp_in_parallel()) return layers(rt, m, s, x, ws, out);
-#pragma omp parallel num_threads(rt.threads)
-  {
-    const Runtime team{omp_get_num_threads(), true};
+  if (rt.team || rt.threads <= 1 || in_region()) return layers(rt, m, s, x, ws, out);
+  run_region(rt.threads, [&] {
+    const Runtime team{region_threads(), true};
     layers(team, m, s, x, ws, out);
-  }
+  });
 }
 
 }  // namespace pw

@@ -357,9 +357,10 @@ inline void tile_kernel(const Act& a, int64_t m0, const Weights& w, int64_t t0, 
     #pragma GCC unroll 16
     for (int v = 0; v < NV; ++v) {
       const int64_t n0 = (t0 + v) * 16, keep = w.N - n0;   // keep: 16 but in the last tile
-      Vf y = r[i][v];
-      if constexpr (F == I8) y = (y + Vf::set1(off)) * Vf::load(w.scale + n0);
-      if (bias) y = y + Vf::load_n(bias + n0, keep);
+      // one explicit fma for I8's scale and the bias: a compiler that contracts across intrinsics
+      // (clang) would otherwise fuse them in some tile heights and not others
+      const Vf b = bias ? Vf::load_n(bias + n0, keep) : Vf::zero();
+      const Vf y = F == I8 ? fma(r[i][v] + Vf::set1(off), Vf::load(w.scale + n0), b) : r[i][v] + b;
       y.store_n(out + (m0 + i) * ldo + n0, keep);
     }
   }
