@@ -168,11 +168,12 @@ class _Req:
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0), SamplingParams(temperature=1.0),
                                     SamplingParams(temperature=0.7, top_p=0.8)], ids=["greedy", "t=1", "top-p"])
 def test_sampling_first_and_masking_only_refused_tokens_is_exact(params):
-    """The runner samples rows without filters unmasked and masks only those whose token the grammar
+    """The sample stage (StepMasks) samples rows without filters unmasked and masks only those whose token the grammar
     refuses, then takes the argmax of the same draws over the allowed tokens: the tokens are distributed
     as under the mask from the start (greedy: the same argmax)."""
-    from phasewise.runner.model_runner import ModelRunner, _Recheck, _unfiltered
+    from phasewise.runner.model_runner import ModelRunner
     from phasewise.sampling.sampler import SamplingMetadata, sample
+    from phasewise.structured import StepMasks
 
     V, allowed, rows = 40, {1, 3, 6, 33}, 4000
     runner = ModelRunner.__new__(ModelRunner)
@@ -181,9 +182,9 @@ def test_sampling_first_and_masking_only_refused_tokens_is_exact(params):
     logits = torch.randn(V).repeat(rows, 1)
     logits[:, 33] += 1.5
     reqs = [_Req(i, params, _Grammar(allowed)) for i in range(rows)]
-    lazy = [_unfiltered(params, V)] * rows
-    got = runner._sample(logits, reqs, None if lazy[0] else np.stack([grammar_row(allowed, V)] * rows),
-                         _Recheck(reqs, lazy, V) if lazy[0] else None)
+    masks = StepMasks(reqs, [], V)              # top-p: every mask up front; otherwise none until refused
+    assert (masks.sampling is None) == (params.top_p == 1)
+    got = runner._sample(logits, reqs, masks.sampling, masks.check)
     tokens = np.array([got[r.request_id].token_id for r in reqs])
     assert set(tokens) <= allowed
     masked = logits[0].clone()
@@ -195,12 +196,6 @@ def test_sampling_first_and_masking_only_refused_tokens_is_exact(params):
                                                                  [None] * rows, V, frozenset())).token_ids.numpy()
     for t in allowed:                          # frequencies within 3% (4,000 draws: sd <= 0.8%)
         assert abs((tokens == t).mean() - (want == t).mean()) < 0.03, t
-
-
-def grammar_row(allowed: set[int], V: int) -> np.ndarray:
-    row = np.zeros((1, (V + 31) // 32), dtype=np.int32)
-    _Grammar(allowed).fill(row, 0)
-    return row[0]
 
 
 @settings(max_examples=30, deadline=None)

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -69,7 +70,7 @@ class SamplingMetadata:
         eos_token_ids: set[int] | frozenset[int],
         device: torch.device | str = "cpu",
         kernels: Kernels | None = None,
-        grammar_bitmask: Any = None,
+        grammar_bitmask: np.ndarray | Tensor | None = None,
     ) -> SamplingMetadata:
         """Gather the batch's settings into tensors; filters and penalties nobody uses stay None.
 
@@ -132,7 +133,7 @@ class SamplingMetadata:
         )
 
 
-def unpack_bitmask(bitmask: Any, vocab_size: int, device: torch.device) -> Tensor:
+def unpack_bitmask(bitmask: np.ndarray | Tensor, vocab_size: int, device: torch.device) -> Tensor:
     """[B, W] int32 words (numpy or torch) → [B, vocab_size] bool: bit t % 32 of word t // 32."""
     words = torch.as_tensor(bitmask).to(device)                      # [B, W]
     bits = torch.arange(32, dtype=torch.int32, device=device)
@@ -328,14 +329,19 @@ def distribution(raw: Tensor, meta: SamplingMetadata) -> tuple[Tensor, Tensor | 
     return greedy_ids, probs
 
 
-Recheck = Callable[[list[int]], "tuple[list[int], Any] | None"]
+class GrammarCheck(Protocol):
+    """What `sample` asks of the grammars of rows it samples before their mask (structured.StepMasks)."""
+
+    def refused(self, token_ids: list[int]) -> tuple[list[int], np.ndarray] | None:
+        """The rows whose token their grammar refuses and those rows' masks [len(rows), ceil(V / 32)]
+        int32, or None when every token stands."""
 
 
-def sample(logits: Tensor, meta: SamplingMetadata, recheck: Recheck | None = None) -> SamplerOutput:
+def sample(logits: Tensor, meta: SamplingMetadata, check: GrammarCheck | None = None) -> SamplerOutput:
     """Pick one token per row of logits [B, V] (any float dtype) according to meta.
 
-    recheck(token ids) → (rows, grammar words [len(rows), ceil(V / 32)]) or None: rows sampled without
-    their grammar's mask whose token it refuses. Those rows take the argmax of the same scores (greedy:
+    check: the grammars of the rows sampled without their mask (`check.refused`). The rows whose
+    token the grammar refuses take the argmax of the same scores (greedy:
     the logits; sampled: probs / noise, the same draws) over the allowed tokens only. Exact: the race
     restricted to a set A with the same exponential draws is a draw from p restricted to A, and the
     unrestricted winner, when in A, wins it too. For rows without top-k, top-p or min-p (those filter
@@ -348,7 +354,7 @@ def sample(logits: Tensor, meta: SamplingMetadata, recheck: Recheck | None = Non
     else:
         race = race_scores(probs, meta.generators)
         token_ids = torch.where(meta.temperature == 0, greedy_ids, argmax(race, meta.kernels))
-    refused = recheck(token_ids.tolist()) if recheck else None
+    refused = check.refused(token_ids.tolist()) if check else None
     if refused:
         rows, words = refused
         at = torch.tensor(rows, dtype=torch.int64, device=token_ids.device)
