@@ -12,6 +12,7 @@ import numpy as np
 from phasewise.loading.gguf_header import GGUFFormatError, read_header
 from phasewise.loading.gguf_tensor import GGUFTensor
 from phasewise.models.config import ModelConfig
+from phasewise.models.gguf_config import config_from_gguf
 
 # GGUF tensor name (after "blk.N.") → HF name (after "model.layers.N.").
 _LAYER_NAMES = {
@@ -72,7 +73,7 @@ class GGUFFile:
         rope_freqs = None
         if "rope_freqs.weight" in self.tensors:
             rope_freqs = self._tensor("rope_freqs.weight").read().reshape(-1).tolist()
-        cfg = ModelConfig.from_gguf(self.fields, set(self.tensors), rope_freqs)
+        cfg = config_from_gguf(self.fields, set(self.tensors), rope_freqs)
         self._check_shapes(cfg)
         return cfg
 

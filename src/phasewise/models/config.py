@@ -9,16 +9,11 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-# HF model_type / GGUF general.architecture → our architecture family name.
+# HF model_type → our architecture family name (models/gguf_config.py maps GGUF's).
 _HF_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
              "gemma3": "gemma3", "gemma3_text": "gemma3",
              "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "olmoe": "olmoe"}
-_GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-               "gemma3": "gemma3", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
-_QK_NORM = {"qwen3", "gemma3", "qwen3_moe"}   # RMSNorm over each head of q and k, before RoPE
-# llama.cpp renormalises the chosen experts' weights by architecture, not by the HF config (unless the
-# file says `expert_weights_norm`); a "llama" file with experts is Mixtral.
-_GGUF_EXPERTS_NORM = {"qwen3moe": True, "llama": True, "qwen2moe": False, "olmoe": False}
+QK_NORM = {"qwen3", "gemma3", "qwen3_moe"}   # RMSNorm over each head of q and k, before RoPE
 ROUTERS = ("softmax_topk", "topk_softmax")
 GEMMA3_GLOBAL_EVERY = 6               # Gemma 3: five local (sliding-window) layers, then one global
 GEMMA3_LOCAL_THETA = 10000.0          # Gemma 3's RoPE base on local layers (llama.cpp's and transformers' default)
@@ -159,26 +154,12 @@ class ModelConfig:
         if arch is None:
             raise UnsupportedModelError(
                 f"unsupported architecture {model_type!r} (supported: {', '.join(SUPPORTED)})")
-        heads = config["num_attention_heads"]
-        rope = dict(config.get("rope_parameters") or {})  # transformers >= 5 keeps theta here
-        local_theta = None
-        if arch == "gemma3":                              # per layer type: {"full_attention": {...}, ...}
-            local = rope.get("sliding_attention") or {}
-            rope = dict(rope.get("full_attention") or {})
-            local_theta = float(local.get("rope_theta") or config.get("rope_local_base_freq") or GEMMA3_LOCAL_THETA)
-        scaling = config.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        if scaling is not None:
-            scaling = dict(scaling)
-            scaling.setdefault("rope_type", scaling.get("type", "default"))
-        partial = config.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
-        if partial is not None and float(partial) != 1.0:
-            raise UnsupportedModelError(f"partial rotary embeddings are not supported (partial_rotary_factor={partial})")
+        heads, gemma = config["num_attention_heads"], arch == "gemma3"
+        rope, scaling, local_theta = _hf_rope(config, arch)
         window, sliding = _hf_sliding_window(config, arch)
-        gemma = arch == "gemma3"
-        if gemma:
-            for key in ("final_logit_softcapping", "attn_logit_softcapping", "use_bidirectional_attention"):
-                if config.get(key):
-                    raise UnsupportedModelError(f"Gemma 3 with {key} = {config[key]} is not supported")
+        for key in ("final_logit_softcapping", "attn_logit_softcapping", "use_bidirectional_attention"):
+            if gemma and config.get(key):
+                raise UnsupportedModelError(f"Gemma 3 with {key} = {config[key]} is not supported")
         act = config.get("hidden_activation") or config.get("hidden_act") or "silu"
         if arch == "olmoe" and config.get("attention_bias"):
             raise UnsupportedModelError("OLMoE with attention_bias (a bias on o_proj too) is not supported")
@@ -198,7 +179,7 @@ class ModelConfig:
             attention_bias=bool(config.get("qkv_bias", True) if arch == "qwen2_moe"    # transformers 5's name
                                 else config.get("attention_bias", arch == "qwen2")),
             rope_scaling=scaling,
-            qk_norm=arch in _QK_NORM,
+            qk_norm=arch in QK_NORM,
             hidden_act={"gelu_pytorch_tanh": "gelu_tanh"}.get(act, act),
             sliding_window=window,
             sliding_layers=sliding,
@@ -206,104 +187,28 @@ class ModelConfig:
             query_scale=float(config.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else None,
             embedding_scale=float(config["hidden_size"]) ** 0.5 if gemma else 1.0,
             qk_norm_whole=arch == "olmoe",
-            clip_qkv=_clip(config.get("clip_qkv"), "config.json clip_qkv") if arch == "olmoe" else None,
+            clip_qkv=clip_qkv(config.get("clip_qkv"), "config.json clip_qkv") if arch == "olmoe" else None,
             **_hf_experts(config, arch),
             name=config.get("_name_or_path", ""),
         )
 
-    @classmethod
-    def from_gguf(cls, fields: dict[str, Any], tensor_names: set[str],
-                  rope_freqs: list[float] | None = None) -> ModelConfig:
-        """From GGUF metadata (key → python value) and the names of the file's tensors.
-
-        rope_freqs: the file's `rope_freqs.weight` (per-dimension divisors of the
-        RoPE frequencies, how llama.cpp stores Llama 3.1-style scaling), if any.
-        """
-        gguf_arch = fields.get("general.architecture", "")
-        arch = _GGUF_ARCHS.get(gguf_arch) if isinstance(gguf_arch, str) else None
-        if arch == "llama" and fields.get("llama.expert_count"):
-            arch = "mixtral"
-        if arch is None:
-            raise UnsupportedModelError(
-                f"unsupported architecture {str(gguf_arch)[:40]!r} (supported: {', '.join(SUPPORTED)})")
-
-        def get(key: str, default: Any = None) -> Any:
-            return fields.get(f"{gguf_arch}.{key}", default)
-
-        def count(name: str, key: str, default: Any = None) -> int:
-            value = get(key, default)
-            if value is None:
-                raise UnsupportedModelError(f"GGUF metadata lacks {gguf_arch}.{key}")
-            return checked(name, value, f"GGUF metadata {gguf_arch}.{key}")
-
-        heads = count("num_heads", "attention.head_count")
-        hidden = count("hidden_size", "embedding_length")
-        head_dim = count("head_dim", "attention.key_length", hidden // heads)
-        vocab = count("vocab_size", "vocab_size")
-        def real(key: str, default: float, below: float = float("inf")) -> float:
-            value = get(key, default)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < below:
-                raise UnsupportedModelError(f"GGUF metadata {gguf_arch}.{key} must be a number in (0, {below}), "
-                                            f"got {str(value)[:40]!r}")
-            return float(value)
-
-        scaling = None
-        kind = get("rope.scaling.type")
-        if kind and kind != "none":
-            if kind != "linear":
-                raise UnsupportedModelError(f"unsupported RoPE scaling {kind!r} in GGUF (supported: linear)")
-            scaling = {"rope_type": "linear", "factor": real("rope.scaling.factor", 1.0)}
-        if rope_freqs is not None:
-            scaling = {"rope_type": "freq_factors", "factors": tuple(float(f) for f in rope_freqs)}
-        if get("rope.dimension_count", head_dim) != head_dim:
-            raise UnsupportedModelError("partial rotary embeddings are not supported")
-
-        kv_heads = count("num_kv_heads", "attention.head_count_kv", heads)
-        if heads % kv_heads:
-            raise UnsupportedModelError(f"{heads} attention heads do not divide into {kv_heads} KV heads")
-        layers = count("num_layers", "block_count")
-        context = count("max_position_embeddings", "context_length", 2048)
-        window = get("attention.sliding_window")
-        if window is not None:
-            window = checked("max_position_embeddings", window, f"GGUF metadata {gguf_arch}.attention.sliding_window")
-        gemma = arch == "gemma3"
-        if window is None or window >= context:
-            sliding: tuple[int, ...] = ()
-        elif gemma:                     # llama.cpp fixes the pattern: every sixth layer is global
-            sliding = tuple(i for i in range(layers) if (i + 1) % GEMMA3_GLOBAL_EVERY)
-        else:
-            sliding = tuple(range(layers))
-        # llama.cpp's Gemma 3 query scale: 1/sqrt(hidden / heads) for the 27B shape, else 1/sqrt(head size)
-        query_scale = (hidden // heads if hidden == 5376 else head_dim) ** -0.5 if gemma else None
-        experts = _gguf_experts(gguf_arch, get, count, tensor_names, layers)
-        return cls(
-            architecture=arch,
-            vocab_size=vocab,
-            hidden_size=hidden,
-            intermediate_size=count("intermediate_size", "feed_forward_length", experts.get("moe_intermediate_size")),
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            head_dim=head_dim,
-            rms_norm_eps=real("attention.layer_norm_rms_epsilon", 1e-6, 1.0),
-            rope_theta=real("rope.freq_base", 10000.0),
-            max_position_embeddings=context,
-            tie_word_embeddings="output.weight" not in tensor_names,
-            attention_bias="blk.0.attn_q.bias" in tensor_names or "blk.0.attn_qkv.bias" in tensor_names,
-            rope_scaling=scaling,
-            qk_norm=arch in _QK_NORM,
-            hidden_act="gelu_tanh" if gemma else "silu",
-            sliding_window=window if sliding else None,
-            sliding_layers=sliding,
-            rope_local_theta=GEMMA3_LOCAL_THETA if gemma else None,
-            query_scale=query_scale,
-            embedding_scale=float(hidden) ** 0.5 if gemma else 1.0,
-            qk_norm_whole=arch == "olmoe",
-            clip_qkv=_clip(get("attention.clamp_kqv"), f"GGUF metadata {gguf_arch}.attention.clamp_kqv")
-            if arch == "olmoe" else None,
-            **experts,
-            name=str(fields.get("general.name", "")),
-        )
+def _hf_rope(config: dict[str, Any], arch: str) -> tuple[dict[str, Any], dict[str, Any] | None, float | None]:
+    """(the global layers' RoPE parameters, their scaling or None, Gemma 3's local base or None) of an
+    HF config: transformers >= 5 keeps theta in rope_parameters, per layer type for Gemma 3."""
+    rope = dict(config.get("rope_parameters") or {})
+    local_theta = None
+    if arch == "gemma3":                              # per layer type: {"full_attention": {...}, ...}
+        local = rope.get("sliding_attention") or {}
+        rope = dict(rope.get("full_attention") or {})
+        local_theta = float(local.get("rope_theta") or config.get("rope_local_base_freq") or GEMMA3_LOCAL_THETA)
+    scaling = config.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    if scaling is not None:
+        scaling = dict(scaling)
+        scaling.setdefault("rope_type", scaling.get("type", "default"))
+    partial = config.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
+    if partial is not None and float(partial) != 1.0:
+        raise UnsupportedModelError(f"partial rotary embeddings are not supported (partial_rotary_factor={partial})")
+    return rope, scaling, local_theta
 
 
 def _hf_sliding_window(config: dict[str, Any], arch: str) -> tuple[int | None, tuple[int, ...]]:
@@ -330,7 +235,7 @@ def _hf_sliding_window(config: dict[str, Any], arch: str) -> tuple[int | None, t
     return (int(window), sliding) if sliding else (None, ())
 
 
-def _clip(value: Any, source: str) -> float | None:
+def clip_qkv(value: Any, source: str) -> float | None:
     """OLMoE's clip_qkv: None, or a positive number."""
     if value is None:
         return None
@@ -368,33 +273,4 @@ def _hf_experts(config: dict[str, Any], arch: str) -> dict[str, Any]:
         norm_topk_prob=arch == "mixtral" or bool(config.get("norm_topk_prob", False)),
         shared_expert_intermediate_size=checked("shared_expert_intermediate_size", shared or 0,
                                                 "config.json shared_expert_intermediate_size"),
-    )
-
-
-def _gguf_experts(gguf_arch: str, get: Any, count: Any, tensor_names: set[str], layers: int) -> dict[str, Any]:
-    """The mixture-of-experts fields of GGUF metadata: `{arch}.expert_count`, `expert_used_count`,
-    `expert_feed_forward_length` (else `feed_forward_length`, as Mixtral's and OLMoE's files),
-    `expert_shared_feed_forward_length` (Qwen2-MoE); a layer is sparse when the file holds its router
-    (`blk.N.ffn_gate_inp`). Renormalising follows `expert_weights_norm`, else llama.cpp's fixed choice
-    per architecture; a sigmoid gate or a weight scale is refused."""
-    if not get("expert_count"):
-        return {}
-    if gguf_arch not in _GGUF_EXPERTS_NORM:
-        raise UnsupportedModelError(f"{gguf_arch} with experts is not supported")
-    if get("expert_gating_func", 1) != 1:
-        raise UnsupportedModelError(f"GGUF metadata {gguf_arch}.expert_gating_func = {get('expert_gating_func')} "
-                                    f"(only softmax routing is supported)")
-    if get("expert_weights_scale", 1.0) != 1.0:
-        raise UnsupportedModelError(f"GGUF metadata {gguf_arch}.expert_weights_scale is not supported")
-    width = get("expert_feed_forward_length")
-    shared = any(".ffn_up_shexp." in n for n in tensor_names)
-    return dict(
-        num_experts=count("num_experts", "expert_count"),
-        num_experts_per_tok=count("num_experts_per_tok", "expert_used_count"),
-        moe_intermediate_size=count("moe_intermediate_size", "expert_feed_forward_length" if width is not None
-                                    else "feed_forward_length"),
-        moe_layers=tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in tensor_names),
-        norm_topk_prob=bool(get("expert_weights_norm", _GGUF_EXPERTS_NORM[gguf_arch])),
-        shared_expert_intermediate_size=count("shared_expert_intermediate_size",
-                                              "expert_shared_feed_forward_length") if shared else 0,
     )

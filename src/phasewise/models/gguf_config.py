@@ -1,0 +1,149 @@
+"""ModelConfig from a GGUF file's metadata (key → python value) and the names of its tensors, the
+keys read under the file's architecture prefix as llama.cpp writes them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from phasewise.models.config import (GEMMA3_GLOBAL_EVERY, GEMMA3_LOCAL_THETA, QK_NORM, SUPPORTED, ModelConfig,
+                                     UnsupportedModelError, checked, clip_qkv)
+
+# GGUF general.architecture → our architecture family name
+GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+              "gemma3": "gemma3", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
+# llama.cpp renormalises the chosen experts' weights by architecture, not by the HF config (unless the
+# file says `expert_weights_norm`); a "llama" file with experts is Mixtral.
+GGUF_EXPERTS_NORM = {"qwen3moe": True, "llama": True, "qwen2moe": False, "olmoe": False}
+
+
+class GGUFKeys:
+    """One file's metadata under its architecture's prefix (`{arch}.{key}`), read as checked values."""
+
+    def __init__(self, fields: dict[str, Any], arch: str) -> None:
+        self.fields, self.arch = fields, arch
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.fields.get(f"{self.arch}.{key}", default)
+
+    def count(self, name: str, key: str, default: Any = None) -> int:
+        """An integer ModelConfig field `name` (within config.LIMITS); refused when missing."""
+        value = self.get(key, default)
+        if value is None:
+            raise UnsupportedModelError(f"GGUF metadata lacks {self.arch}.{key}")
+        return checked(name, value, f"GGUF metadata {self.arch}.{key}")
+
+    def real(self, key: str, default: float, below: float = float("inf")) -> float:
+        value = self.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < below:
+            raise UnsupportedModelError(f"GGUF metadata {self.arch}.{key} must be a number in (0, {below}), "
+                                        f"got {str(value)[:40]!r}")
+        return float(value)
+
+    def rope_scaling(self, head_dim: int, rope_freqs: list[float] | None) -> dict[str, Any] | None:
+        """Linear scaling, or the file's `rope_freqs.weight` divisors (Llama 3.1's, as llama.cpp stores them)."""
+        scaling, kind = None, self.get("rope.scaling.type")
+        if kind and kind != "none":
+            if kind != "linear":
+                raise UnsupportedModelError(f"unsupported RoPE scaling {kind!r} in GGUF (supported: linear)")
+            scaling = {"rope_type": "linear", "factor": self.real("rope.scaling.factor", 1.0)}
+        if rope_freqs is not None:
+            scaling = {"rope_type": "freq_factors", "factors": tuple(float(f) for f in rope_freqs)}
+        if self.get("rope.dimension_count", head_dim) != head_dim:
+            raise UnsupportedModelError("partial rotary embeddings are not supported")
+        return scaling
+
+    def sliding(self, gemma: bool, layers: int, context: int) -> tuple[int | None, tuple[int, ...]]:
+        """(window, its layers): Gemma 3's fixed pattern (every sixth layer global, as llama.cpp),
+        every layer otherwise; none when the window spans the context."""
+        window = self.get("attention.sliding_window")
+        if window is None:
+            return None, ()
+        window = checked("max_position_embeddings", window, f"GGUF metadata {self.arch}.attention.sliding_window")
+        if window >= context:
+            return None, ()
+        if gemma:
+            return window, tuple(i for i in range(layers) if (i + 1) % GEMMA3_GLOBAL_EVERY)
+        return window, tuple(range(layers))
+
+    def experts(self, tensor_names: set[str], layers: int) -> dict[str, Any]:
+        """The mixture-of-experts fields: `expert_count`, `expert_used_count`,
+        `expert_feed_forward_length` (else `feed_forward_length`, as Mixtral's and OLMoE's files),
+        `expert_shared_feed_forward_length` (Qwen2-MoE); a layer is sparse when the file holds its
+        router (`blk.N.ffn_gate_inp`). Renormalising follows `expert_weights_norm`, else llama.cpp's
+        fixed choice per architecture; a sigmoid gate or a weight scale is refused."""
+        if not self.get("expert_count"):
+            return {}
+        if self.arch not in GGUF_EXPERTS_NORM:
+            raise UnsupportedModelError(f"{self.arch} with experts is not supported")
+        if self.get("expert_gating_func", 1) != 1:
+            raise UnsupportedModelError(f"GGUF metadata {self.arch}.expert_gating_func = "
+                                        f"{self.get('expert_gating_func')} (only softmax routing is supported)")
+        if self.get("expert_weights_scale", 1.0) != 1.0:
+            raise UnsupportedModelError(f"GGUF metadata {self.arch}.expert_weights_scale is not supported")
+        width = "expert_feed_forward_length" if self.get("expert_feed_forward_length") is not None \
+            else "feed_forward_length"
+        shared = any(".ffn_up_shexp." in n for n in tensor_names)
+        return dict(
+            num_experts=self.count("num_experts", "expert_count"),
+            num_experts_per_tok=self.count("num_experts_per_tok", "expert_used_count"),
+            moe_intermediate_size=self.count("moe_intermediate_size", width),
+            moe_layers=tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in tensor_names),
+            norm_topk_prob=bool(self.get("expert_weights_norm", GGUF_EXPERTS_NORM[self.arch])),
+            shared_expert_intermediate_size=self.count("shared_expert_intermediate_size",
+                                                       "expert_shared_feed_forward_length") if shared else 0,
+        )
+
+
+def config_from_gguf(fields: dict[str, Any], tensor_names: set[str],
+                     rope_freqs: list[float] | None = None) -> ModelConfig:
+    """From GGUF metadata and the names of the file's tensors; rope_freqs: the file's
+    `rope_freqs.weight` (per-dimension divisors of the RoPE frequencies), if any."""
+    gguf_arch = fields.get("general.architecture", "")
+    arch = GGUF_ARCHS.get(gguf_arch) if isinstance(gguf_arch, str) else None
+    if arch == "llama" and fields.get("llama.expert_count"):
+        arch = "mixtral"
+    if arch is None:
+        raise UnsupportedModelError(
+            f"unsupported architecture {str(gguf_arch)[:40]!r} (supported: {', '.join(SUPPORTED)})")
+    keys, gemma = GGUFKeys(fields, gguf_arch), arch == "gemma3"
+    heads = keys.count("num_heads", "attention.head_count")
+    hidden = keys.count("hidden_size", "embedding_length")
+    head_dim = keys.count("head_dim", "attention.key_length", hidden // heads)
+    vocab = keys.count("vocab_size", "vocab_size")
+    scaling = keys.rope_scaling(head_dim, rope_freqs)
+    kv_heads = keys.count("num_kv_heads", "attention.head_count_kv", heads)
+    if heads % kv_heads:
+        raise UnsupportedModelError(f"{heads} attention heads do not divide into {kv_heads} KV heads")
+    layers = keys.count("num_layers", "block_count")
+    context = keys.count("max_position_embeddings", "context_length", 2048)
+    window, sliding = keys.sliding(gemma, layers, context)
+    experts = keys.experts(tensor_names, layers)
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=keys.count("intermediate_size", "feed_forward_length", experts.get("moe_intermediate_size")),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=keys.real("attention.layer_norm_rms_epsilon", 1e-6, 1.0),
+        rope_theta=keys.real("rope.freq_base", 10000.0),
+        max_position_embeddings=context,
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names or "blk.0.attn_qkv.bias" in tensor_names,
+        rope_scaling=scaling,
+        qk_norm=arch in QK_NORM,
+        hidden_act="gelu_tanh" if gemma else "silu",
+        sliding_window=window,
+        sliding_layers=sliding,
+        rope_local_theta=GEMMA3_LOCAL_THETA if gemma else None,
+        # llama.cpp's Gemma 3 query scale: 1/sqrt(hidden / heads) for the 27B shape, else 1/sqrt(head size)
+        query_scale=(hidden // heads if hidden == 5376 else head_dim) ** -0.5 if gemma else None,
+        embedding_scale=float(hidden) ** 0.5 if gemma else 1.0,
+        qk_norm_whole=arch == "olmoe",
+        clip_qkv=clip_qkv(keys.get("attention.clamp_kqv"), f"GGUF metadata {gguf_arch}.attention.clamp_kqv")
+        if arch == "olmoe" else None,
+        **experts,
+        name=str(fields.get("general.name", "")),
+    )
