@@ -10,6 +10,7 @@ import socket
 import sys
 from pathlib import Path
 
+from phasewise.config import CacheConfig, EngineConfig, SchedulerConfig
 from phasewise.deploy.options import RAY_EXTRA, add_ray_args, start_direct_ingress
 from phasewise.engine.args import add_engine_args, resolve_weights, speculative_config_from_args
 
@@ -195,7 +196,8 @@ def _dashboard_roofline(engine):
     return Roofline(**serving_roofline(machine, engine.model, engine.model_config, dtype)) if machine else None
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def _check_serve_args(args: argparse.Namespace) -> None:
+    """The serve options' own limits, and options that belong to another way of serving."""
     for name in ("max_waiting", "max_body_bytes", "max_num_seqs", "max_num_batched_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -203,29 +205,35 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--shutdown-timeout must be at least 0, got {args.shutdown_timeout}")
     if args.trace and not Path(args.trace).resolve().parent.is_dir():
         raise ValueError(f"--trace: the folder of {args.trace} does not exist")
-    if args.ray:
-        return _serve_ray(args)
-    if args.ray_address or args.num_replicas or args.min_replicas or args.max_replicas:
+    if not args.ray and (args.ray_address or args.num_replicas or args.min_replicas or args.max_replicas):
         raise ValueError("--ray-address and the replica counts are --ray's")
-    if args.role == "proxy":
-        return _serve_proxy(args)
-    if args.prefill or args.decode:
+    if not args.ray and args.role != "proxy" and (args.prefill or args.decode):
         raise ValueError("--prefill and --decode are the proxy's (--role proxy)")
-    spec = speculative_config_from_args(args)
-    sock = _listen(args.host, args.port)
-    import uvicorn
 
-    from phasewise.config import CacheConfig, EngineConfig, SchedulerConfig
-    from phasewise.engine.llm_engine import LLMEngine
-    from phasewise.server import AsyncEngine, ServerConfig, create_app
 
-    config = EngineConfig(
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_gib=args.kv_cache_memory,
                           kv_dtype=args.kv_dtype),
         scheduler=SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, args.max_model_len),
-        speculative=spec, tensor_parallel_size=args.tensor_parallel_size, kv_role=args.role, kv_peer=args.kv_peer,
-        packed_cache=args.packed_cache, threads=args.threads)
+        speculative=speculative_config_from_args(args), tensor_parallel_size=args.tensor_parallel_size,
+        kv_role=args.role, kv_peer=args.kv_peer, packed_cache=args.packed_cache, threads=args.threads)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    _check_serve_args(args)
+    if args.ray:
+        return _serve_ray(args)
+    if args.role == "proxy":
+        return _serve_proxy(args)
+    config = _engine_config(args)
+    sock = _listen(args.host, args.port)
+    import uvicorn
+
+    from phasewise.engine.llm_engine import LLMEngine
+    from phasewise.server import AsyncEngine, ServerConfig, create_app
+
     def build() -> LLMEngine:                  # on the engine thread, which then owns the OpenMP pool
         engine = LLMEngine(config)
         engine.warmup()

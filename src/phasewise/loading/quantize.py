@@ -59,11 +59,10 @@ def plan_file_weights(model: nn.Module, cfg: ModelConfig, gguf: GGUFFile, tp: Te
                       cache: bool = True, kernels: Kernels | None = None,
                       min_bytes: int = packed_cache.MIN_BYTES) -> FileWeights:
     """Pack every linear layer of `model` (meta or not) the file holds in blocks, and the token table
-    (without tp); `cfg` is the whole model's. With `cache` (and no tp; a GGUF of `min_bytes` or more)
-    the packed layers come from the packed-weight cache (loading/packed_cache.py), or are packed
-    straight into a new cache file, which they then are views of. `kernels` (a KernelSet, or None)
-    repacks the types it can (gguf_blocks.pack_gguf). Each tensor's pages of the file's map are
-    let go once packed, so memory holds the packed weights and a layer or two besides."""
+    (without tp); `cfg` is the whole model's. With `cache` (no tp; a GGUF of `min_bytes` or more) they
+    come from the packed-weight cache (loading/packed_cache.py) or are packed straight into a new cache
+    file, which they then are views of. `kernels` (or None) repacks the types it can (pack_gguf). Each
+    tensor's pages of the file's map are let go once packed: memory holds the packed weights and a layer."""
     where = packed_cache.cache_path(gguf.path) if cache and tp is None and packed_cache.wanted(gguf.path, min_bytes) \
         else None
     kept = packed_cache.load(where) if where is not None else None
@@ -104,14 +103,8 @@ def plan_file_weights(model: nn.Module, cfg: ModelConfig, gguf: GGUFFile, tp: Te
         if layout is not None and plan.linears.keys() != layout.linears.keys():
             raise RuntimeError(f"packed {sorted(plan.linears.keys() ^ layout.linears.keys())[:3]} unlike their layout")
         if layout is not None and layout.embedding is not None:       # the token table, in blocks
-            if not own_table:                                          # tied: the head's
-                plan.embedding = plan.linears["lm_head"]
-            elif writer is not None and not table.heads:
-                plan.embedding = _pack_into(writer, writer.embedding, table, kernels, progress)
-            else:
-                plan.embedding = pack_gguf(table.type_name, table.raw(), kernels=kernels)
-                _release(table.data)
-                progress.step(table.data.nbytes)
+            plan.embedding = plan.linears["lm_head"] if not own_table else \
+                _pack_table(table, writer, kernels, progress)             # tied: the head's
             plan.names.add("model.embed_tokens.weight")
         if writer is not None:
             writer.commit()
@@ -122,6 +115,18 @@ def plan_file_weights(model: nn.Module, cfg: ModelConfig, gguf: GGUFFile, tp: Te
     finally:
         progress.done()
     return plan
+
+
+def _pack_table(table: GGUFTensor, writer: packed_cache.Writer | None, kernels: Kernels | None,
+                progress: _Progress) -> quant.PackedWeight:
+    """The token table in its blocks: straight into the cache file, or packed in memory (its pages
+    of the file's map let go)."""
+    if writer is not None and not table.heads:
+        return _pack_into(writer, writer.embedding, table, kernels, progress)
+    packed = pack_gguf(table.type_name, table.raw(), kernels=kernels)
+    _release(table.data)
+    progress.step(table.data.nbytes)
+    return packed
 
 
 def file_layout(model: nn.Module, cfg: ModelConfig, gguf: GGUFFile) -> FileWeights:

@@ -9,6 +9,7 @@ grammar mask and banned tokens -> penalties -> greedy argmax | temperature -> to
 from __future__ import annotations
 
 import itertools
+from functools import partial
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -29,6 +30,21 @@ def _index_pairs(id_lists: list[list[int]], device: torch.device) -> tuple[Tenso
     cols = torch.tensor(list(itertools.chain.from_iterable(id_lists)), dtype=torch.long)
     rows = torch.repeat_interleave(torch.arange(len(id_lists)), lengths)
     return rows.to(device), cols.to(device)
+
+
+def _column(values: list, off: float, dtype: torch.dtype, device: torch.device) -> Tensor | None:
+    """[B] tensor of a setting, or None when every row has its "off" value."""
+    if all(v == off for v in values):
+        return None
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def _counts(output_ids: list[list[int]], vocab_size: int, device: torch.device) -> Tensor:
+    """[B, V] int32: how often each row's output holds each token."""
+    rows, cols = _index_pairs(output_ids, device)
+    counts = torch.zeros((len(output_ids), vocab_size), dtype=torch.int32, device=device)
+    counts.index_put_((rows, cols), torch.ones_like(cols, dtype=torch.int32), accumulate=True)
+    return counts
 
 
 def _mask(id_lists: list[list[int]], vocab_size: int, device: torch.device) -> Tensor:
@@ -79,40 +95,22 @@ class SamplingMetadata:
         grammar_bitmask ([B, ceil(V / 32)] int32, numpy or torch; None: no grammar): bit t % 32 of word
         t // 32 is set where the row's grammar allows token t.
         """
-        B, V = len(params), vocab_size
-        if not len(prompt_ids) == len(output_ids) == len(generators) == B:
+        V = vocab_size
+        if not len(prompt_ids) == len(output_ids) == len(generators) == len(params):
             raise ValueError("params, prompt_ids, output_ids and generators must have one entry per row")
         device = torch.device(device)
-
-        def column(values: list, off: float, dtype: torch.dtype) -> Tensor | None:
-            # [B] tensor, or None when every row has the "off" value
-            if all(v == off for v in values):
-                return None
-            return torch.tensor(values, dtype=dtype, device=device)
-
+        column = partial(_column, device=device)
         f32 = torch.float32
         rep = column([p.repetition_penalty for p in params], 1.0, f32)
         presence = column([p.presence_penalty for p in params], 0.0, f32)
         frequency = column([p.frequency_penalty for p in params], 0.0, f32)
-
-        prompt_mask = output_counts = banned_mask = None
-        if rep is not None:
-            prompt_mask = _mask(
-                [ids if p.repetition_penalty != 1.0 else [] for p, ids in zip(params, prompt_ids)], V, device
-            )
-        if rep is not None or presence is not None or frequency is not None:
-            rows, cols = _index_pairs(output_ids, device)
-            output_counts = torch.zeros((B, V), dtype=torch.int32, device=device)
-            output_counts.index_put_((rows, cols), torch.ones_like(cols, dtype=torch.int32), accumulate=True)
-
+        prompt_mask = None if rep is None else \
+            _mask([ids if p.repetition_penalty != 1.0 else [] for p, ids in zip(params, prompt_ids)], V, device)
+        penalized = rep is not None or presence is not None or frequency is not None
+        output_counts = _counts(output_ids, V, device) if penalized else None
         eos = sorted(eos_token_ids)
-        banned = [
-            p.stop_token_ids + ([] if p.ignore_eos else eos) if len(out) < p.min_tokens else []
-            for p, out in zip(params, output_ids)
-        ]
-        if any(banned):
-            banned_mask = _mask(banned, V, device)
-
+        banned = [p.stop_token_ids + ([] if p.ignore_eos else eos) if len(out) < p.min_tokens else []
+                  for p, out in zip(params, output_ids)]
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
             temperature=torch.tensor([p.temperature for p in params], dtype=f32, device=device),
@@ -124,7 +122,7 @@ class SamplingMetadata:
             frequency_penalty=frequency,
             prompt_mask=prompt_mask,
             output_counts=output_counts,
-            banned_mask=banned_mask,
+            banned_mask=_mask(banned, V, device) if any(banned) else None,
             grammar_words=None if grammar_bitmask is None else torch.as_tensor(grammar_bitmask).to(device),
             generators=list(generators),
             all_greedy=all(p.temperature == 0 for p in params),

@@ -25,42 +25,45 @@ from phasewise.server.protocol import CompletionRequest, ChatCompletionRequest, 
 from phasewise.server.sse import chat_events, collect, completion_events, sse_response
 
 
-def openai_router(guards: Guards) -> APIRouter:
-    engine, config = guards.engine, guards.config
-    token_text = R.TokenText(engine.tokenizer)
-    pair = DisaggregatedPair(engine)
-    submitter = Submitter(guards)
-    router = APIRouter(dependencies=[Depends(guards.require_key)])
+class Responder:
+    """How an OpenAI route answers once its sub-requests are built: start them, then stream SSE or
+    collect one body, with a disaggregated pair's KV transfer around it."""
 
-    async def respond(request: Request, body: Any, rid: str, items: list[SubRequest], chat: bool,
+    def __init__(self, guards: Guards) -> None:
+        self.config, self.pair, self.submitter = guards.config, DisaggregatedPair(guards.engine), Submitter(guards)
+
+    async def respond(self, request: Request, body: Any, rid: str, items: list[SubRequest], chat: bool,
                       events: Callable, final: Callable) -> Response:
         """Start the sub-requests, then stream `events` (SSE) or collect every output into `final`'s
         body (499 when the client left first). With kv_transfer_params (from `serve --role proxy`):
         a decode instance first imports the prompt's KV blocks the prefill instance sends; a prefill
         instance sends them once its (one-token) answer is done."""
         transfer = body.kv_transfer_params.transfer_id if body.kv_transfer_params else None
-        if transfer and config.role == "decode":
-            await pair.receive(transfer)
-        stream = await submitter.start(items, chat, body.constraint_field)
-        if transfer and config.role == "prefill":
+        if transfer and self.config.role == "decode":
+            await self.pair.receive(transfer)
+        stream = await self.submitter.start(items, chat, body.constraint_field)
+        created, model = int(time.time()), body.model or self.config.served_model_name
+        want_lp = items[0].params.logprobs is not None
+        if transfer and self.config.role == "prefill":
             if body.stream or len(items) != 1:
                 raise bad_request("a prefill instance's request carries one prompt, one choice, no stream",
                                   "kv_transfer_params")
-            outs = await collect(request, stream)
-            if outs is None:
-                return Response(status_code=499)
-            await pair.send(transfer, items[0].prompt, chat)
-            return JSONResponse(final(rid, int(time.time()), body.model or config.served_model_name, outs,
-                                      items[0].params.logprobs is not None))
-        created, model = int(time.time()), body.model or config.served_model_name
-        want_lp = items[0].params.logprobs is not None
-        if body.stream:
+        elif body.stream:
             return sse_response(events(stream, rid, created, model, want_lp=want_lp,
                                        include_usage=body.include_usage), stream)
         outs = await collect(request, stream)
         if outs is None:
             return Response(status_code=499)
+        if transfer and self.config.role == "prefill":
+            await self.pair.send(transfer, items[0].prompt, chat)
         return JSONResponse(final(rid, created, model, outs, want_lp))
+
+
+def openai_router(guards: Guards) -> APIRouter:
+    engine, config = guards.engine, guards.config
+    token_text = R.TokenText(engine.tokenizer)
+    respond = Responder(guards).respond
+    router = APIRouter(dependencies=[Depends(guards.require_key)])
 
     def model_card() -> dict:
         return {"id": config.served_model_name, "object": "model", "created": config.created, "owned_by": "phasewise",

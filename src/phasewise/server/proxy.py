@@ -51,16 +51,9 @@ def create_proxy(prefill: str, decode: str) -> FastAPI:
         return relay(await client.get(decode + "/v1/models", headers=passed(request)))
 
     async def forward(request: Request, path: str) -> Response:
-        raw = await request.body()
-        if nesting_depth(raw) > MAX_DEPTH:
-            return JSONResponse(error_body(f"the request body nests arrays and objects more than {MAX_DEPTH} levels "
-                                           "deep"), status_code=400)
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            return JSONResponse(error_body("the body is not valid JSON"), status_code=400)
-        if not isinstance(body, dict):
-            return JSONResponse(error_body("the body must be a JSON object"), status_code=400)
+        body = _json_object(await request.body())
+        if isinstance(body, Response):
+            return body
         headers = passed(request)
         first, body = pair_bodies(path, body)
         try:
@@ -90,6 +83,20 @@ def create_proxy(prefill: str, decode: str) -> FastAPI:
         await client.aclose()
 
     return app
+
+
+def _json_object(raw: bytes) -> dict | Response:
+    """A request body as a JSON object, or the 400 that says why it is not one."""
+    if nesting_depth(raw) > MAX_DEPTH:
+        return JSONResponse(error_body(f"the request body nests arrays and objects more than {MAX_DEPTH} levels "
+                                       "deep"), status_code=400)
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return JSONResponse(error_body("the body is not valid JSON"), status_code=400)
+    if not isinstance(body, dict):
+        return JSONResponse(error_body("the body must be a JSON object"), status_code=400)
+    return body
 
 
 def pair_bodies(path: str, body: dict) -> tuple[dict | None, dict]:
