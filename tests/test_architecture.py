@@ -43,3 +43,16 @@ def test_the_documents_layers_are_the_contracts_and_cover_every_module():
     table = set(re.findall(r"^\| `(\w+)/` \|", doc, re.M))
     packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
     assert table == packages, f"the package table lacks {sorted(packages - table)}, has {sorted(table - packages)}"
+
+
+def test_no_function_runs_past_60_lines_and_few_modules_sit_at_the_root():
+    """What issue 55 asked of the house: a function a reader can hold (60 lines at most), and at most 8
+    modules loose at the package root (the rest in packages named for their job)."""
+    import ast
+
+    long = [f"{p.relative_to(PACKAGE)}:{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for p in PACKAGE.rglob("*.py") for node in ast.walk(ast.parse(p.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60]
+    assert not long, long
+    loose = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
+    assert len(loose) <= 8, loose
