@@ -29,7 +29,8 @@ from phasewise.kernels import build
 from phasewise.loading.loader import load_prepared
 kernels, path = build.load(), sys.argv[1]
 start = time.perf_counter()
-load_prepared(__import__("pathlib").Path(path), "q4", "cpu", kernels, packed_cache=sys.argv[2] != "no cache")
+model, _ = load_prepared(__import__("pathlib").Path(path), "q4", "cpu", kernels, packed_cache=sys.argv[2] != "no cache")
+model.build_stack(kernels)
 seconds = time.perf_counter() - start
 peak = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")) / 2**20
 print(json.dumps({"load_s": seconds, "peak_gb": peak}))

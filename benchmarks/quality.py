@@ -107,6 +107,7 @@ def main() -> None:
         # as the engine does: the ISA level's kernels (PHASEWISE_ISA), or plain PyTorch with --kernels torch
         kernels = build.load() if args.kernels == "auto" else None
         model, _ = load_prepared(path, dtype, "cpu", kernels, plain=args.kernels == "torch")
+        model.build_stack(kernels)              # the C++ decoder stack, as the engine builds it
         kv_dtype = torch.int8 if kv == "int8" else parse_dtype(dtype)
         runner = Runner(model, kv_dtype, len(ids) + args.output_len)
         prefill, decode = [], []

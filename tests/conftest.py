@@ -166,3 +166,11 @@ def qwen_server(tmp_path_factory):
     yield s
     stop_server(s)
     assert "Traceback" not in s.log.read_text(), s.log.read_text()
+
+
+def bind(model, kernels) -> None:
+    """Kernels into a model and its C++ decoder stack, as the loader and the engine builder do."""
+    from phasewise.kernels import bind_kernels
+
+    bind_kernels(model, kernels)
+    model.build_stack(kernels)

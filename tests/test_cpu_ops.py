@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from phasewise.layers.attention import AttentionMetadata, paged_attention, quantize_rows
 from phasewise.layers.norm import RMSNorm
 from phasewise.layers.rotary import RotaryEmbedding
+from tests.conftest import bind
 
 def test_rms_norm_with_and_without_residual(ops):
     torch.manual_seed(0)
@@ -19,7 +20,7 @@ def test_rms_norm_with_and_without_residual(ops):
     x, r = torch.randn(7, 96), torch.randn(7, 96)
     ref_out, ref_res = norm(x, r)
     ref_plain = norm(x)
-    norm.ops = ops
+    norm.kernels = ops
     out, res = norm(x, r)
     torch.testing.assert_close(out, ref_out)
     torch.testing.assert_close(res, ref_res)
@@ -238,15 +239,15 @@ def test_default_model_logits_and_greedy_tokens_with_and_without_the_ops(llm, ch
     from phasewise import SamplingParams
 
     model = llm.engine.model
-    assert model.model.norm.ops is not None, "the engine did not install the compiled ops"
+    assert model.model.norm.kernels is not None, "the engine did not install the compiled ops"
     prompts = [list(range(300, 340)), list(range(500, 503)), list(range(700, 790))]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
     fast = llm.generate(prompts, params)
-    model.bind_kernels(None)
+    bind(model, None)
     try:
         slow = llm.generate(prompts, params)
     finally:
-        model.bind_kernels(chosen_ops)
+        bind(model, chosen_ops)
     for a, b in zip(fast, slow):
         assert a.token_ids == b.token_ids
         for la, lb in zip(a.logprobs, b.logprobs):

@@ -9,6 +9,7 @@ import torch
 from phasewise.layers.attention import AttentionMetadata
 from phasewise.loading.loader import choose_weight_forms
 from phasewise.runner.kv_cache import KVCache
+from tests.conftest import bind
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +24,7 @@ def q4_model(default_model_path):
 def q4_stack(q4_model, ops):
     """The q4 model with one level's kernels and its decoder stack."""
     choose_weight_forms(q4_model, "cpu", torch.float32, ops)
-    q4_model.bind_kernels(ops)
+    bind(q4_model, ops)
     assert q4_model.model.stack is not None, "no decoder stack for the q4 model"
     return q4_model
 
@@ -78,11 +79,11 @@ def test_no_stack_without_kernels_or_for_fp32(q4_model, default_model_path, chos
     from phasewise.loading.loader import load_model
 
     fp32, _ = load_model(default_model_path)
-    fp32.bind_kernels(chosen_ops)
-    assert fp32.model.stack is None and fp32.model.norm.ops is chosen_ops   # its linears are not quantized
-    q4_model.bind_kernels(chosen_ops)
+    bind(fp32, chosen_ops)
+    assert fp32.model.stack is None and fp32.model.norm.kernels is chosen_ops   # its linears are not quantized
+    bind(q4_model, chosen_ops)
     assert q4_model.model.stack is not None
-    q4_model.bind_kernels(None)
+    bind(q4_model, None)
     assert q4_model.model.stack is None
 
 
@@ -131,7 +132,7 @@ def run_group_steps(model, kv_dtype: torch.dtype) -> list[torch.Tensor]:
 def test_family_stack_matches_the_python_layers(int8_family_model, ops, kv_dtype):
     model = int8_family_model
     choose_weight_forms(model, "cpu", torch.float32, ops)
-    model.bind_kernels(ops)
+    bind(model, ops)
     stack = model.model.stack
     assert stack is not None, "no decoder stack for the model"
     try:
@@ -156,6 +157,7 @@ def test_moe_stack_matches_the_python_layers(ops, case, tmp_path):
 
     kquant_moe(case, tmp_path / "m.gguf", **({"clip_qkv": None} if case == "olmoe" else {}))
     model, cfg = load_prepared(tmp_path / "m.gguf", "q4", kernels=ops)
+    model.build_stack(ops)
     stack = model.model.stack
     assert stack is not None, "no decoder stack for the model"
     try:

@@ -181,6 +181,7 @@ def test_tiny_models_run_their_experts_in_the_files_blocks(ops, case, tmp_path):
     path = tmp_path / "m.gguf"
     kquant_moe(case, path)
     model, cfg = load_prepared(path, "q4", kernels=ops)
+    model.build_stack(ops)
     for layer in cfg.moe_layers:
         experts = model.model.layers[layer].mlp.experts
         assert (experts.gate_proj.fmt, experts.up_proj.fmt, experts.down_proj.fmt) == ("k4", "k4", "q6k")

@@ -9,6 +9,7 @@ import torch
 
 from phasewise.layers.attention import AttentionMetadata
 from phasewise.runner.kv_cache import KVCache, kv_bytes_per_token
+from tests.conftest import bind
 
 TEXT = ("The lighthouse keeper climbed the spiral stairs every evening at dusk. He trimmed the wick, polished "
         "the great lens, and wound the clockwork that turned the light. Ships far out at sea counted the "
@@ -42,13 +43,13 @@ def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
 def test_int8_kv_keeps_quality_teacher_forced(llm, chosen_ops, compiled):
     model = llm.engine.model
     ids = llm.tokenizer.encode(TEXT * 3)           # 285 tokens, the first 95 repeated
-    saved = model.model.norm.ops
-    model.bind_kernels(chosen_ops if compiled else None)
+    saved = model.model.norm.kernels
+    bind(model, chosen_ops if compiled else None)
     try:
         ref = teacher_forced_logits(model, ids, torch.float32)
         q8 = teacher_forced_logits(model, ids, torch.int8)
     finally:
-        model.bind_kernels(saved)
+        bind(model, saved)
     agree = (ref.argmax(-1) == q8.argmax(-1)).float().mean().item()
     ppl_ref, ppl_q8 = perplexity(ref, ids), perplexity(q8, ids)
     assert agree >= 0.97, agree                      # measured: 0.989 (kernel), 0.993 (reference)

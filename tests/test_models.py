@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import PagedRunner
+from conftest import PagedRunner, bind
 from model_builders import (N_NEW, QT, assert_logits_close, build_hf, check_against_hf, gguf, hf_config,
                             hf_reference, prompt_ids, write_gguf)
 
@@ -170,7 +170,7 @@ def test_gguf_k_quants_at_their_own_precision(tmp_path, chosen_ops):
                if isinstance(m, Linear)}
     assert formats == {"qkv_proj": "k4+q6k", "o_proj": "k6", "gate_up_proj": "k4", "down_proj": "q6k", "lm_head": "q8"}
     torch.testing.assert_close(PagedRunner(model, block_size=16).forward(ids, 0), want, rtol=1e-4, atol=1e-4)
-    model.bind_kernels(chosen_ops)
+    bind(model, chosen_ops)
     got = PagedRunner(model, block_size=16).forward(ids, 0)
     assert (got - want).norm() < 0.03 * want.norm()
 
@@ -319,8 +319,8 @@ def test_a_gguf_tensor_type_phasewise_cannot_read_is_one_line_naming_it(tmp_path
 
 @pytest.mark.parametrize("kind", ["default", "qwen3", "gemma3"])
 def test_bind_kernels_reaches_every_module_that_runs_them(kind, tmp_path, default_model_path, chosen_ops):
-    """`model.bind_kernels` hands the kernels down by name, module to module: every norm, attention,
-    MLP, quantized linear layer and token table gets them (and None takes them all back)."""
+    """`bind_kernels(model, kernels)`, one call: every norm, attention, MLP, quantized linear layer and
+    token table (each a UsesKernels) gets them as `kernels` (and None takes them all back)."""
     from phasewise.kernels import UsesKernels
     from phasewise.layers.embedding import Embedding
     from phasewise.layers.linear import Linear
@@ -331,10 +331,11 @@ def test_bind_kernels_reaches_every_module_that_runs_them(kind, tmp_path, defaul
         over = dict(num_hidden_layers=2, head_dim=16, sliding_window=8) if kind == "gemma3" else {}
         build_hf(hf_config(kind, **over)).save_pretrained(tmp_path)
         model, _ = load_model(tmp_path, "int8")
-    users = [m for m in model.modules() if isinstance(m, (UsesKernels, Linear, Embedding))]
+    assert issubclass(Linear, UsesKernels) and issubclass(Embedding, UsesKernels)
+    users = [m for m in model.modules() if isinstance(m, UsesKernels)]
     assert sum(isinstance(m, Linear) and m.form == "blocks" for m in users) >= 4 * len(model.model.layers)
     assert any(isinstance(m, Embedding) and m.form == "blocks" for m in users) == (kind == "default")
     for kernels in (chosen_ops, None):
-        model.bind_kernels(kernels)
-        got = [m.ops if isinstance(m, UsesKernels) else m.kernels for m in users]
+        bind(model, kernels)
+        got = [m.kernels for m in users]
         assert all(k is kernels for k in got), [type(m).__name__ for m, k in zip(users, got) if k is not kernels]

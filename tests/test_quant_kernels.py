@@ -14,7 +14,7 @@ from phasewise.kernels import quant
 from phasewise.kernels.gguf_blocks import GGUF_BLOCKS, pack_gguf
 from phasewise.layers.linear import Linear
 from phasewise.loading.loader import choose_weight_forms
-from tests.conftest import LEVELS
+from tests.conftest import LEVELS, bind
 from model_builders import gguf_rows
 
 TEXT = Path(__file__).parent.parent / "benchmarks" / "data" / "lighthouses.txt"
@@ -295,7 +295,7 @@ def teacher_forced(default_model_path, dtype: str, ids: list[int], kernels) -> t
     layers = [m for m in model.modules() if isinstance(m, Linear) and m.form == "blocks"]
     assert len(layers) == 4 * model.config.num_layers + 1      # the tied output head too
     if kernels is not None:
-        model.bind_kernels(kernels)
+        bind(model, kernels)
         assert all(m.kernels is kernels for m in layers) and model.model.stack is not None
     return PagedRunner(model, block_size=16).forward(ids, 0)
 

@@ -101,6 +101,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
                                                 plain=config.kernels == "torch", tp=tp,
                                                 packed_cache=config.packed_cache)
             tokenizer = tokenizer_loading.result()
+        model.build_stack(_bound(kernels, precision.weights))   # the C++ decoder stack, where it can run
         if tp:
             tp.broadcast("ready")                               # every rank has loaded its part
         max_len = config.scheduler.max_model_len or model_config.max_position_embeddings
@@ -139,6 +140,7 @@ def _draft_model(config: EngineConfig, target_path: Path, target: ModelConfig, k
     path = resolve_model_path(spec.draft_model) if spec.draft_model else target_path
     draft, cfg = load_prepared(path, spec.draft_dtype, config.device, kernels, plain=config.kernels == "torch",
                                packed_cache=config.packed_cache)
+    draft.build_stack(_bound(kernels, spec.draft_dtype))
     if cfg.vocab_size != target.vocab_size:
         raise ValueError(f"the draft model {path} has {cfg.vocab_size} tokens in its vocabulary, the "
                          f"target {target.vocab_size}: they must share the tokenizer")
@@ -148,3 +150,8 @@ def _draft_model(config: EngineConfig, target_path: Path, target: ModelConfig, k
     kv = KVCache(cfg, num_blocks, config.cache.block_size, parse_dtype(spec.draft_dtype), config.device,
                  grouped=False)   # read through the target's first group's table
     return draft, kv
+
+
+def _bound(kernels: Kernels | None, dtype: str) -> Kernels | None:
+    """The kernels load_prepared bound a model of `dtype` to (none for float types but fp32)."""
+    return kernels if parse_dtype(dtype) == torch.float32 else None

@@ -2,8 +2,9 @@
 
 `build.load()` gives the `KernelSet` of the ISA level chosen for this CPU (isa.py), or None.
 The engine builder loads it once; the loader hands it to the model with one call,
-`model.bind_kernels(kernels)`, which each module passes on to the children it knows by name
-(None: the PyTorch reference paths). The runner takes it in its constructor (sampler, verification).
+`bind_kernels(model, kernels)`: every `UsesKernels` module in it gets them as `self.kernels`
+(None: the PyTorch reference paths). The runner takes them in its constructor (sampler,
+verification); the C++ decoder stack is built from a bound model by the builder, explicitly.
 """
 
 from __future__ import annotations
@@ -19,10 +20,18 @@ def applies(kernels: Kernels | None, x: torch.Tensor) -> bool:
 
 
 class UsesKernels:
-    """A module whose forward calls the compiled ops in `self.ops` where they apply; the module that
-    holds it binds them (a subclass with children of its own binds those too)."""
+    """A module whose forward calls the compiled ops in `self.kernels` where they apply. `bind_kernels`
+    gives them; a module that prepares something from its weights for the ops extends it."""
 
-    ops: Kernels | None = None
+    kernels: Kernels | None = None
 
     def bind_kernels(self, kernels: Kernels | None) -> None:
-        self.ops = kernels
+        self.kernels = kernels
+
+
+def bind_kernels(model: torch.nn.Module, kernels: Kernels | None) -> None:
+    """Every UsesKernels module of `model` (itself included) takes `kernels`, children before their
+    parents (a parent may read what its children prepared)."""
+    for module in reversed(list(model.modules())):
+        if isinstance(module, UsesKernels):
+            module.bind_kernels(kernels)

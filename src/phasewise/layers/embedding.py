@@ -12,20 +12,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from phasewise.kernels import quant
+from phasewise.kernels import UsesKernels, quant
 from phasewise.kernels.kernel_api import Kernels
 from phasewise.kernels.quant import PackedWeight
 from phasewise.layers.linear import frozen
 
 
-class Embedding(nn.Module):
+class Embedding(UsesKernels, nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         # the checkpoint fills it: no random init (nn.Embedding's normal_ is slow, even on meta)
         self.weight: nn.Parameter | None = frozen(torch.empty(num_embeddings, embedding_dim))
         self.form, self.fmt, self.fmt_id = "dense", None, 0
-        self.kernels: Kernels | None = None
 
     def fill_blocks(self, weight: PackedWeight) -> None:
         """Hold the table in `weight`'s blocks (one part, this table's shape); the float table goes."""

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from phasewise.kernels import quant
+from phasewise.kernels import UsesKernels, quant
 from phasewise.kernels.kernel_api import Kernels, PackedLinearArgs, WeightPart
 from phasewise.kernels.quant import PackedWeight
 
@@ -32,7 +32,7 @@ def frozen(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
 
 
-class Linear(nn.Module):
+class Linear(UsesKernels, nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -43,7 +43,6 @@ class Linear(nn.Module):
         self.fmt: str | None = None                       # "blocks": the (first part's) block format
         self.fmt_id = self.part_rows = self.u5_tiles = 0
         self.rest: list[tuple[str, int]] = []             # a fused weight's further parts: blocks1, scale1, ...
-        self.kernels: Kernels | None = None
         self._args: PackedLinearArgs | None = None        # the kernel's arguments, gathered once (lookups cost µs)
 
     @classmethod

@@ -22,8 +22,8 @@ class RMSNorm(UsesKernels, nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x: [T, D]. With a residual, adds it first and returns (normed, new residual)."""
-        if applies(self.ops, x) and x.dim() == 2:
-            out = self.ops.rms_norm(x.contiguous(), self.weight, self.eps, residual)
+        if applies(self.kernels, x) and x.dim() == 2:
+            out = self.kernels.rms_norm(x.contiguous(), self.weight, self.eps, residual)
             return out[0] if residual is None else (out[0], out[1])
         if residual is None:
             return self._norm(x)

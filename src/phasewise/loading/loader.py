@@ -20,6 +20,7 @@ from phasewise.loading.safetensors import hf_tensors, safetensors_files
 from phasewise.loading.sharding import check_tensor_parallel, shard_config, shard_weights
 from phasewise.models.config import ModelConfig
 from phasewise.models.registry import model_class
+from phasewise.kernels import bind_kernels
 from phasewise.kernels.kernel_api import Kernels
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
@@ -178,7 +179,7 @@ def load_prepared(path: Path, dtype: str, device: str = "cpu", kernels: Kernels 
     model, cfg = load_model(path, dtype, device, tp, packed_cache, kernels)
     torch_dtype = parse_dtype(dtype)
     choose_weight_forms(model, device, torch_dtype, kernels, onednn=not plain)
-    model.bind_kernels(kernels if torch_dtype == torch.float32 else None)
+    bind_kernels(model, kernels if torch_dtype == torch.float32 else None)
     return model, cfg
 
 

@@ -20,7 +20,7 @@ from phasewise.layers.norm import RMSNorm
 from phasewise.kernels.kernel_api import DecoderStack, Kernels
 from phasewise.layers.rotary import RotaryEmbedding
 from phasewise.models.config import ModelConfig
-from phasewise.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, bind_layers, embed, vocab_embedding
+from phasewise.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, embed, vocab_embedding
 from phasewise.models.stack import build_stack, run_stack
 
 
@@ -34,11 +34,6 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(h, eps)
         self.mlp = LlamaMLP(cfg, tp)
         self.post_feedforward_layernorm = RMSNorm(h, eps)
-
-    def bind_kernels(self, kernels: Kernels | None) -> None:
-        for part in (self.input_layernorm, self.self_attn, self.post_attention_layernorm,
-                     self.pre_feedforward_layernorm, self.mlp, self.post_feedforward_layernorm):
-            part.bind_kernels(kernels)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv: LayerKV, meta: AttentionMetadata
                 ) -> torch.Tensor:
@@ -61,12 +56,10 @@ class Gemma3Model(nn.Module):
         self.cfg, self.tp = cfg, tp
         self.stack: DecoderStack | None = None   # the C++ decoder stack (bind_kernels), if it can run
 
-    def bind_kernels(self, kernels: Kernels | None) -> None:
-        """Every layer's kernels, then the C++ decoder stack where it can run these layers
-        (models/stack.py); not with tp."""
-        bind_layers(self, kernels)
-        if self.tp is None:
-            self.stack = build_stack(kernels, self.cfg, self.layers, self.norm.weight, sandwich=True)
+    def build_stack(self, kernels: Kernels | None) -> None:
+        """The C++ decoder stack of these (bound) layers, with Gemma's sandwich norms; not with tp."""
+        self.stack = build_stack(kernels, self.cfg, self.layers, self.norm.weight, sandwich=True) \
+            if self.tp is None else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[LayerKV], keep: torch.Tensor | None = None) -> torch.Tensor:

@@ -50,13 +50,6 @@ class LlamaAttention(UsesKernels, nn.Module):
             self.q_norm = RMSNorm(cfg.q_size if cfg.qk_norm_whole else cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.kv_size if cfg.qk_norm_whole else cfg.head_dim, cfg.rms_norm_eps)
 
-    def bind_kernels(self, kernels: Kernels | None) -> None:
-        self.ops = kernels
-        normed = self.cfg.qk_norm or self.cfg.qk_norm_whole
-        parts = [self.qkv_proj, self.o_proj] + ([self.q_norm, self.k_norm] if normed else [])
-        for part in parts:
-            part.bind_kernels(kernels)
-
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         """x: [T, hidden] → [T, hidden]."""
@@ -72,18 +65,18 @@ class LlamaAttention(UsesKernels, nn.Module):
                                                                       .contiguous())
         if cfg.clip_qkv is not None:
             qkv.clamp_(-cfg.clip_qkv, cfg.clip_qkv)
-        if applies(self.ops, qkv):                        # split, rotate, write k and v: one op
-            q, k = self.ops.rope_and_cache(qkv, positions, self.rotary.cos, self.rotary.sin, kv[0], kv[1],
+        if applies(self.kernels, qkv):                        # split, rotate, write k and v: one op
+            q, k = self.kernels.rope_and_cache(qkv, positions, self.rotary.cos, self.rotary.sin, kv[0], kv[1],
                                            meta.slot_mapping, cfg.num_heads, cfg.num_kv_heads, *kv[2:])
             v = qkv[:, cfg.q_size + cfg.kv_size:].view(-1, cfg.num_kv_heads, cfg.head_dim)
-            return self._out(paged_attention(q, k, v, kv, meta, self.ops, written=True, window=self.window,
+            return self._out(paged_attention(q, k, v, kv, meta, self.kernels, written=True, window=self.window,
                                              scale=self.scale))
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.reshape(-1, cfg.num_heads, cfg.head_dim)   # [T, Hq, D]
         k = k.reshape(-1, cfg.num_kv_heads, cfg.head_dim)   # [T, Hkv, D]
         v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
         q, k = self.rotary(positions, q, k)
-        return self._out(paged_attention(q, k, v, kv, meta, self.ops if applies(self.ops, q) else None,
+        return self._out(paged_attention(q, k, v, kv, meta, self.kernels if applies(self.kernels, q) else None,
                                          window=self.window, scale=self.scale))
 
     def _out(self, attn: torch.Tensor) -> torch.Tensor:
@@ -102,15 +95,10 @@ class LlamaMLP(UsesKernels, nn.Module):
         self.down_proj = Linear(width, cfg.hidden_size, bias=False)
         self.gelu = cfg.hidden_act == "gelu_tanh"
 
-    def bind_kernels(self, kernels: Kernels | None) -> None:
-        self.ops = kernels
-        self.gate_up_proj.bind_kernels(kernels)
-        self.down_proj.bind_kernels(kernels)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)                    # [T, 2 I]
-        if applies(self.ops, gate_up):
-            act = self.ops.silu_and_mul(gate_up, gelu=self.gelu)
+        if applies(self.kernels, gate_up):
+            act = self.kernels.silu_and_mul(gate_up, gelu=self.gelu)
         else:
             gate, up = gate_up.chunk(2, dim=-1)           # [T, I] each
             act = (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up
@@ -126,10 +114,6 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(cfg, rotary, layer, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = mlp(cfg, layer, tp)
-
-    def bind_kernels(self, kernels: Kernels | None) -> None:
-        for part in (self.input_layernorm, self.self_attn, self.post_attention_layernorm, self.mlp):
-            part.bind_kernels(kernels)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
@@ -160,14 +144,6 @@ def embed(table: Embedding, ids: torch.Tensor, cfg: ModelConfig, tp: TensorParal
     return table(ids) if tp is None else tp.embed(table, ids, cfg.vocab_size)
 
 
-def bind_layers(model: nn.Module, kernels: Kernels | None) -> None:
-    """A decoder's (LlamaModel's, Gemma3Model's) token table, layers and final norm take the kernels."""
-    model.embed_tokens.bind_kernels(kernels)
-    for layer in model.layers:
-        layer.bind_kernels(kernels)
-    model.norm.bind_kernels(kernels)
-
-
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
@@ -176,17 +152,15 @@ class LlamaModel(nn.Module):
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.stack: DecoderStack | None = None   # the C++ decoder stack (bind_kernels), if it can run
+        self.stack: DecoderStack | None = None   # the C++ decoder stack (build_stack), if it can run
         # a mixture of experts: each layer's (row, choice) pairs per expert in the last forward [L, E]
         self.expert_counts = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.int64, device="cpu") \
             if cfg.num_experts else None
 
-    def bind_kernels(self, kernels: Kernels | None) -> None:
-        """Every layer's kernels, then the C++ decoder stack where it can run these layers
-        (models/stack.py); not with tp (its layers' all-reduces run between the Python layers' ops)."""
-        bind_layers(self, kernels)
-        if self.tp is None:
-            self.stack = build_stack(kernels, self.cfg, self.layers, self.norm.weight)
+    def build_stack(self, kernels: Kernels | None) -> None:
+        """The C++ decoder stack of these (bound) layers where it can run them (models/stack.py); not
+        with tp (its layers' all-reduces run between the Python layers' ops). None: the Python layers."""
+        self.stack = build_stack(kernels, self.cfg, self.layers, self.norm.weight) if self.tp is None else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: KVCaches, keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -222,10 +196,9 @@ class LlamaForCausalLM(nn.Module):
                                  bias=False)
         self.tie_weights()
 
-    def bind_kernels(self, kernels: Kernels | None) -> None:
-        """The one way kernels reach the model (the loader calls it; None: the reference paths)."""
-        self.model.bind_kernels(kernels)
-        self.lm_head.bind_kernels(kernels)
+    def build_stack(self, kernels: Kernels | None) -> None:
+        """The decoder's C++ stack (the engine builder's step, after `bind_kernels(model, kernels)`)."""
+        self.model.build_stack(kernels)
 
     def tie_weights(self) -> None:
         """Share the embedding with the output head (again after `to_empty`, which unties)."""

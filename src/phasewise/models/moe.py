@@ -45,8 +45,8 @@ class Gate(UsesKernels, nn.Module):
         self.weight = frozen(torch.empty(out_features, in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if applies(self.ops, x) and self.weight.dtype == torch.float32:
-            return self.ops.float_linear(x, self.weight)
+        if applies(self.kernels, x) and self.weight.dtype == torch.float32:
+            return self.kernels.float_linear(x, self.weight)
         return F.linear(x, self.weight)
 
 
@@ -79,7 +79,7 @@ class Experts(UsesKernels, nn.Module):
         self._parts: tuple[WeightPart, WeightPart, WeightPart] | None = None
 
     def bind_kernels(self, kernels: Kernels | None) -> None:
-        self.ops = kernels
+        self.kernels = kernels
         projections = (self.gate_proj, self.up_proj, self.down_proj)
         for p in projections:
             p.bind_kernels(kernels)
@@ -88,14 +88,14 @@ class Experts(UsesKernels, nn.Module):
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)      # buffers may move: gather the kernel's arguments again
-        self.bind_kernels(self.ops)
+        self.bind_kernels(self.kernels)
         return out
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H], ids and weights [T, k] → Σ_j weights[t, j] · expert_{ids[t, j]}(x[t]): [T, H],
         the k terms summed in the router's order."""
-        if self._parts is not None and applies(self.ops, x):
-            return self.ops.expert_mlp(x, ids, weights, *self._parts, self.num_experts)
+        if self._parts is not None and applies(self.kernels, x):
+            return self.kernels.expert_mlp(x, ids, weights, *self._parts, self.num_experts)
         T, k = ids.shape
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)                   # by expert, then row: [T k]
@@ -143,20 +143,12 @@ class SparseMoeBlock(UsesKernels, nn.Module):
         return (self.gate.weight.detach(), *parts, cfg.num_experts_per_tok, cfg.norm_topk_prob,
                 cfg.router == "topk_softmax", shared_gate)
 
-    def bind_kernels(self, kernels: Kernels | None) -> None:
-        self.ops = kernels
-        self.gate.bind_kernels(kernels)
-        self.experts.bind_kernels(kernels)
-        if self.shared_expert is not None:
-            self.shared_expert.bind_kernels(kernels)
-            self.shared_expert_gate.bind_kernels(kernels)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] → [T, hidden]."""
         cfg = self.cfg
         logits = self.gate(x)
-        if applies(self.ops, logits):        # the decoder stack's own routing (ties: the lower id first)
-            weights, ids = self.ops.moe_route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob,
+        if applies(self.kernels, logits):        # the decoder stack's own routing (ties: the lower id first)
+            weights, ids = self.kernels.moe_route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob,
                                               cfg.router == "topk_softmax")
         else:
             weights, ids = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.router)
