@@ -6,7 +6,7 @@ path). Shapes and formats are documented where each op is declared (csrc/kernels
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence, Union
+from typing import NamedTuple, Protocol, Sequence, Union
 
 from torch import Tensor
 
@@ -15,16 +15,38 @@ WeightPart = tuple[int, int, Tensor, Tensor]
 # one linear layer's blocks as quant_linear and the decoder stack take them:
 # (format id, rows, blocks, scale, bias, u5 tiles, further parts)
 PackedLinearArgs = tuple[int, int, Tensor, Tensor, Union[Tensor, None], int, Sequence[WeightPart]]
-# one decoder layer: its two norm weights, then qkv, o, gate_up, down (a sparse layer's shared expert, or None)
-StackLayer = tuple[Tensor, Tensor, PackedLinearArgs, PackedLinearArgs, Union[PackedLinearArgs, None],
-                   Union[PackedLinearArgs, None]]
-# a layer's extras: q/k norm weights, the feed-forward sandwich norms (None where the model has none),
-# RoPE cos and sin, its KV group and window
-StackExtras = tuple[Union[Tensor, None], Union[Tensor, None], Union[Tensor, None], Union[Tensor, None], Tensor,
-                    Tensor, int, int]
-# a sparse layer: router [E, H] fp32, the stacked gate, up and down, k, renormalised, top-k before the
-# softmax, the shared expert's gate [1, H] (or None)
-StackSparse = tuple[Tensor, WeightPart, WeightPart, WeightPart, int, bool, bool, Union[Tensor, None]]
+
+
+class StackSparse(NamedTuple):
+    """A sparse layer's experts as the decoder stack takes them (csrc/decoder_stack.h SPARSE_FIELDS)."""
+    router: Tensor                         # [E, H] fp32
+    gate: WeightPart                       # the stacked experts' gate, up and down
+    up: WeightPart
+    down: WeightPart
+    k: int
+    renorm: bool                           # the chosen weights renormalised
+    topk_softmax: bool                     # top-k before the softmax
+    shared_gate: Tensor | None             # [1, H]: Qwen2-MoE's shared expert's gate
+
+
+class StackLayer(NamedTuple):
+    """One decoder layer as the C++ stack takes it (csrc/decoder_stack.h LAYER_SPEC_FIELDS: the same
+    fields in the same order, tests/test_decoder_stack.py checks them)."""
+    input_norm: Tensor
+    post_attention_norm: Tensor
+    qkv: PackedLinearArgs
+    o: PackedLinearArgs
+    gate_up: PackedLinearArgs | None       # the dense MLP (a sparse layer's shared expert, or None)
+    down: PackedLinearArgs | None
+    q_norm: Tensor | None                  # [D] per head, or [Hq D] over all of q (OLMoE)
+    k_norm: Tensor | None
+    pre_ffn_norm: Tensor | None            # Gemma 3's norms around the MLP
+    post_ffn_norm: Tensor | None
+    cos: Tensor                            # this layer's RoPE tables [P, D / 2]
+    sin: Tensor
+    kv_group: int
+    window: int                            # 0: none
+    sparse: StackSparse | None             # the layer's experts (None: a dense layer)
 
 
 class DecoderStack(Protocol):
@@ -76,5 +98,6 @@ class Kernels(Protocol):
     def dequantize_rows(self, ids: Tensor, fmt: int, N: int, blocks: Tensor, scale: Tensor | None = None) -> Tensor: ...
 
     def decoder_stack(self, layers: Sequence[StackLayer], final_norm: Tensor, cos: Tensor, sin: Tensor, Hq: int,
-                      Hkv: int, D: int, eps: float, extras: Sequence[StackExtras] = (), scale: float = 0.0,
-                      gelu: bool = False, sparse: Sequence[StackSparse | None] = ()) -> DecoderStack: ...
+                      Hkv: int, D: int, eps: float, scale: float = 0.0, gelu: bool = False) -> DecoderStack: ...
+
+    def stack_fields(self) -> tuple[list[str], list[str]]: ...

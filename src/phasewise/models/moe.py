@@ -140,8 +140,8 @@ class SparseMoeBlock(UsesKernels, nn.Module):
         if parts is None or not all(w.dtype == torch.float32 and w.device.type == "cpu" for w in gates):
             return None
         shared_gate = gates[1].detach() if len(gates) > 1 else None
-        return (self.gate.weight.detach(), *parts, cfg.num_experts_per_tok, cfg.norm_topk_prob,
-                cfg.router == "topk_softmax", shared_gate)
+        return StackSparse(self.gate.weight.detach(), *parts, cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                           cfg.router == "topk_softmax", shared_gate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] → [T, hidden]."""

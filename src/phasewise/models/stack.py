@@ -15,7 +15,7 @@ from torch import nn
 from phasewise.layers.attention import AttentionMetadata, LayerKV
 from phasewise.layers.linear import Linear
 from phasewise.models.config import ModelConfig
-from phasewise.kernels.kernel_api import DecoderStack, Kernels, StackExtras, StackLayer, StackSparse
+from phasewise.kernels.kernel_api import DecoderStack, Kernels, StackLayer
 from phasewise.models.moe import SparseMoeBlock
 
 
@@ -25,9 +25,7 @@ def build_stack(kernels: Kernels | None, cfg: ModelConfig, layers: nn.ModuleList
     norms after attention and after the MLP too), or None where the stack cannot run them."""
     if kernels is None or cfg.clip_qkv is not None:
         return None        # the stack does not clamp qkv: the Python layers run those models
-    args: list[StackLayer] = []
-    extras: list[StackExtras] = []
-    sparse: list[StackSparse | None] = []
+    specs: list[StackLayer] = []
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         moe = mlp.stack_args() if isinstance(mlp, SparseMoeBlock) else None
@@ -44,17 +42,16 @@ def build_stack(kernels: Kernels | None, cfg: ModelConfig, layers: nn.ModuleList
                 or not all(map(_fp32_cpu, norms + ffn + qk + rope)):
             return None
         packed = [m.packed_args() for m in linears] + [None, None]
-        args.append((*(w.detach() for w in norms), *packed[:4]))
-        qk = [w.detach() for w in qk] or [None, None]
-        ffn = [w.detach() for w in ffn] or [None, None]
-        extras.append((*qk, *ffn, *rope, attn.kv_group, attn.window or 0))
-        sparse.append(moe)
+        q_norm, k_norm = [w.detach() for w in qk] or [None, None]
+        pre_ffn, post_ffn = [w.detach() for w in ffn] or [None, None]
+        specs.append(StackLayer(*(w.detach() for w in norms), *packed[:4], q_norm=q_norm, k_norm=k_norm,
+                                pre_ffn_norm=pre_ffn, post_ffn_norm=post_ffn, cos=rope[0], sin=rope[1],
+                                kv_group=attn.kv_group, window=attn.window or 0, sparse=moe))
     if not _fp32_cpu(final_norm):
         return None
     rotary = layers[0].self_attn.rotary
-    return kernels.decoder_stack(args, final_norm.detach(), rotary.cos, rotary.sin, cfg.num_heads, cfg.num_kv_heads,
-                                 cfg.head_dim, cfg.rms_norm_eps, extras, cfg.query_scale or 0.0,
-                                 cfg.hidden_act == "gelu_tanh", sparse if cfg.num_experts else [])
+    return kernels.decoder_stack(specs, final_norm.detach(), rotary.cos, rotary.sin, cfg.num_heads, cfg.num_kv_heads,
+                                 cfg.head_dim, cfg.rms_norm_eps, cfg.query_scale or 0.0, cfg.hidden_act == "gelu_tanh")
 
 
 def run_stack(stack: DecoderStack, cfg: ModelConfig, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

@@ -44,17 +44,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("logits"), py::arg("k"), py::arg("renorm"), py::arg("topk_softmax") = false, nogil())
       .def("dequantize_rows", &KernelSet::dequantize_rows, "rows ids of a packed weight in fp32 (an embedding)",
            py::arg("ids"), py::arg("fmt"), py::arg("N"), py::arg("blocks"), py::arg("scale") = py::none(), nogil())
-      .def("decoder_stack",
-           [](std::shared_ptr<KernelSet> self, std::vector<LayerArgs> layers, torch::Tensor final_norm,
-              torch::Tensor cos, torch::Tensor sin, int64_t Hq, int64_t Hkv, int64_t D, double eps,
-              std::vector<LayerExtras> extras, double scale, bool gelu, std::vector<c10::optional<SparseArgs>> sparse) {
-             return DecoderStack(std::move(self), std::move(layers), std::move(final_norm), std::move(cos),
-                                 std::move(sin), Hq, Hkv, D, eps, std::move(extras), scale, gelu, std::move(sparse));
-           },
-           "a Llama-family model's decoder layers on these kernels", py::arg("layers"), py::arg("final_norm"),
-           py::arg("cos"), py::arg("sin"), py::arg("Hq"), py::arg("Hkv"), py::arg("D"), py::arg("eps"),
-           py::arg("extras") = std::vector<LayerExtras>{}, py::arg("scale") = 0.0, py::arg("gelu") = false,
-           py::arg("sparse") = std::vector<c10::optional<SparseArgs>>{});
+      .def("decoder_stack", &DecoderStack::from_specs, "a Llama-family model's decoder layers on these kernels",
+           py::arg("layers"), py::arg("final_norm"), py::arg("cos"), py::arg("sin"), py::arg("Hq"), py::arg("Hkv"),
+           py::arg("D"), py::arg("eps"), py::arg("scale") = 0.0, py::arg("gelu") = false)
+      .def_static("stack_fields", [] { return std::make_pair(LAYER_SPEC_FIELDS, SPARSE_FIELDS); },
+                  "the field names of a decoder_stack layer and of its sparse MLP, in order");
   py::class_<DecoderStack>(m, "DecoderStack")
       .def("forward", &DecoderStack::forward, py::arg("x"), py::arg("positions"), py::arg("slots"),
            py::arg("kv"), py::arg("tables"), py::arg("row_seq"), py::arg("row_len"), py::arg("block_size"),

@@ -178,3 +178,22 @@ torch::Tensor DecoderStack::forward(torch::Tensor x, torch::Tensor positions, co
                             out.data_ptr<float>());
   return out;
 }
+
+DecoderStack DecoderStack::from_specs(std::shared_ptr<KernelSet> kernels, const std::vector<LayerSpec>& layers,
+                                      torch::Tensor final_norm, torch::Tensor cos, torch::Tensor sin, int64_t Hq,
+                                      int64_t Hkv, int64_t D, double eps, double scale, bool gelu) {
+  std::vector<LayerArgs> args;
+  std::vector<LayerExtras> extras;
+  std::vector<c10::optional<SparseArgs>> sparse;
+  bool any_sparse = false;
+  for (const LayerSpec& l : layers) {
+    const auto& [in_norm, post_norm, qkv, o, gate_up, down, qn, kn, pre, post, c, s, group, window, sp] = l;
+    args.emplace_back(in_norm, post_norm, qkv, o, gate_up, down);
+    extras.emplace_back(qn, kn, pre, post, c, s, group, window);
+    sparse.push_back(sp);
+    any_sparse |= sp.has_value();
+  }
+  if (!any_sparse) sparse.clear();
+  return DecoderStack(std::move(kernels), std::move(args), std::move(final_norm), std::move(cos), std::move(sin), Hq,
+                      Hkv, D, eps, std::move(extras), scale, gelu, std::move(sparse));
+}

@@ -5,6 +5,7 @@
 
 #include <memory>
 #include <mutex>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -24,6 +25,17 @@ using LayerExtras = std::tuple<Opt, Opt, Opt, Opt, Opt, Opt, int64_t, int64_t>;
 // k, renorm, topk_softmax, and the shared expert's gate [1, H] (Qwen2-MoE) or none.
 using SparseArgs = std::tuple<torch::Tensor, PartArgs, PartArgs, PartArgs, int64_t, bool, bool, Opt>;
 
+// One decoder layer as the binding takes it: LayerArgs' fields, LayerExtras', then the sparse MLP or
+// none. Python builds it as kernel_api.StackLayer (StackSparse for SparseArgs): the same fields in the
+// same order, which tests/test_decoder_stack.py checks against these names.
+using LayerSpec = std::tuple<torch::Tensor, torch::Tensor, QuantLinearArgs, QuantLinearArgs, LinearOpt, LinearOpt, Opt,
+                             Opt, Opt, Opt, Opt, Opt, int64_t, int64_t, c10::optional<SparseArgs>>;
+inline const std::vector<std::string> LAYER_SPEC_FIELDS = {
+    "input_norm", "post_attention_norm", "qkv", "o", "gate_up", "down", "q_norm", "k_norm",
+    "pre_ffn_norm", "post_ffn_norm", "cos", "sin", "kv_group", "window", "sparse"};
+inline const std::vector<std::string> SPARSE_FIELDS = {"router", "gate", "up", "down", "k", "renorm",
+                                                       "topk_softmax", "shared_gate"};
+
 class DecoderStack {
  public:
   // extras: empty, or one per layer; scale: attention's (0: 1/sqrt(D)); gelu: a GELU-tanh gate;
@@ -32,6 +44,10 @@ class DecoderStack {
                torch::Tensor cos, torch::Tensor sin, int64_t Hq, int64_t Hkv, int64_t D, double eps,
                std::vector<LayerExtras> extras, double scale, bool gelu,
                std::vector<c10::optional<SparseArgs>> sparse = {});
+  // The same from one LayerSpec per layer.
+  static DecoderStack from_specs(std::shared_ptr<KernelSet> kernels, const std::vector<LayerSpec>& layers,
+                                 torch::Tensor final_norm, torch::Tensor cos, torch::Tensor sin, int64_t Hq,
+                                 int64_t Hkv, int64_t D, double eps, double scale, bool gelu);
 
   // x: [T, hidden] embedded tokens; positions: [T] int64; kv: per layer (k, v[, k_scale, v_scale]);
   // per KV group: slots [T] int64 and the paged-attention kernel's rows (tables, row_seq, row_len).
