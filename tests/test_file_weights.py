@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import PagedRunner
+from conftest import PagedRunner, bind
 
 from phasewise.layers.embedding import Embedding
 from phasewise.layers.linear import Linear
@@ -128,8 +128,8 @@ def test_packed_cache_maps_what_the_first_load_packed(default_model_path, tmp_pa
     assert {_mapped_file(t) for t in _packed_tensors(first)} == {str(files[0].resolve())}
     for a, b in zip(first.buffers(), plain.buffers(), strict=True):
         assert torch.equal(a, b)
-    plain.bind_kernels(chosen_ops)
-    first.bind_kernels(chosen_ops)
+    bind(plain, chosen_ops)
+    bind(first, chosen_ops)
     ids = list(range(5, 25))
     (want, want_ids), (got, got_ids) = PagedRunner(plain).greedy(ids, 3), PagedRunner(first).greedy(ids, 3)
     assert torch.equal(got, want) and got_ids == want_ids
