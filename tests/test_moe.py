@@ -17,7 +17,7 @@ from phasewise.loading.gguf import GGUFFile, ModelLoadError
 from phasewise.loading.loader import load_model
 from phasewise.loading.sharding import check_tensor_parallel
 from phasewise.models.config import ModelConfig, UnsupportedModelError
-from phasewise.models.moe import SparseMoeBlock, route
+from phasewise.models.moe import route
 from phasewise.engine.precision import choose
 
 transformers = pytest.importorskip("transformers")

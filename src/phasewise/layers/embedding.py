@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from phasewise.kernels import UsesKernels, quant
-from phasewise.kernels.kernel_api import Kernels
 from phasewise.kernels.quant import PackedWeight
 from phasewise.layers.linear import frozen
 
@@ -37,10 +36,6 @@ class Embedding(UsesKernels, nn.Module):
         self.form, self.fmt, self.fmt_id = "blocks", weight.fmt, quant.FORMAT_IDS[weight.fmt]
         self.register_buffer("blocks", weight.blocks)
         self.register_buffer("scale", weight.scale)
-
-    def bind_kernels(self, kernels: Kernels | None) -> None:
-        """Use the compiled kernels for blocks (None: the reference path); they run only on CPU buffers."""
-        self.kernels = kernels
 
     @property
     def packed(self) -> PackedWeight | None:

@@ -279,7 +279,7 @@ class AsyncEngine:
         for it in items:
             key = id(it.prompt)                # the choices of one prompt share its object: encode once
             if key not in encoded:
-                encoded[key] = self._encode(it.prompt, chat, it.tools)
+                encoded[key] = engine.encode_prompt(it.prompt, chat, it.tools)
             prepared.append((it.request_id, encoded[key], it.params))
         added = []
         try:
@@ -294,9 +294,6 @@ class AsyncEngine:
                 self._live.pop(rid, None)
                 engine.abort(rid)
             raise
-
-    def _encode(self, prompt: Prompt, chat: bool, tools: list[dict] | None = None) -> list[int]:
-        return self.engine.encode_prompt(prompt, chat, tools)
 
     def _step(self) -> None:
         try:
