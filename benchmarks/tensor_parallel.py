@@ -17,7 +17,7 @@ import random
 import statistics
 
 from phasewise import LLM
-from phasewise.sampling.params import SamplingParams
+from phasewise.core.sampling_params import SamplingParams
 
 
 def main() -> None:

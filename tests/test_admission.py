@@ -7,7 +7,7 @@ import pytest
 from test_engine_core import make_core
 
 from phasewise.engine.admission import Admission, ContextLengthError, RequestError
-from phasewise.sampling.params import SamplingParams
+from phasewise.core.sampling_params import SamplingParams
 
 
 def admission(num_blocks: int = 64, max_len: int = 32, vocab: int = 1000) -> Admission:

@@ -13,6 +13,7 @@ import pytest
 from live_server import KEY, QUESTION, MODEL, assert_openai_error
 from phasewise.core.handoffs import EngineStats, StepRecord
 from phasewise.core.request import Request
+from phasewise.core.sampling_params import SamplingParams
 from phasewise.server.dashboard_feed import DashboardFeed, Roofline, binding
 
 ROOF = Roofline(dram_gbs=20.0, compute_gops=400.0, compute_name="int8 dot products", weight_bytes=1e8,
@@ -52,7 +53,7 @@ def _stats(used: int, running: int) -> EngineStats:
 def test_feed_sends_what_is_new_since_the_cursor_and_every_live_request():
     clock = [10.0]
     feed = DashboardFeed(token_budget=64, max_num_seqs=4, num_blocks=100, roofline=ROOF, clock=lambda: clock[0])
-    a, b = Request("a", [1] * 8, None, arrival=9.0), Request("b", [1] * 8, None, arrival=9.5)
+    a, b = Request("a", [1] * 8, SamplingParams(), arrival=9.0), Request("b", [1] * 8, SamplingParams(), arrival=9.5)
     feed.on_add(a)
     feed.on_add(b)
     a.metrics.first_scheduled, a.num_cached_tokens = 9.1, 4

@@ -70,7 +70,7 @@ def pair(tmp_path_factory):
 
 
 def test_the_pair_answers_as_one_server_does(pair, llm):
-    from phasewise.sampling.params import SamplingParams
+    from phasewise.core.sampling_params import SamplingParams
 
     prefill, decode, proxy = pair
     ref = llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=16)).text

@@ -15,7 +15,7 @@ from phasewise.core.kv_cache_manager import NULL_BLOCK
 from phasewise.core.request import FinishReason, Request, RequestStatus
 from phasewise.lab.memory import ModelShape
 from phasewise.models.config import ModelConfig
-from phasewise.sampling.params import SamplingParams
+from phasewise.core.sampling_params import SamplingParams
 
 
 class GroupRunner:

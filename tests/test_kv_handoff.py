@@ -7,7 +7,7 @@ import pytest
 
 from phasewise.core.kv_cache_manager import KVCacheManager
 from phasewise.core.request import Request
-from phasewise.sampling.params import SamplingParams
+from phasewise.core.sampling_params import SamplingParams
 
 
 def _request(tokens: list[int], rid: str = "r") -> Request:

@@ -10,7 +10,7 @@ import torch
 
 from phasewise.core.handoffs import ScheduledChunk
 from phasewise.core.request import Request
-from phasewise.sampling.params import SamplingParams
+from phasewise.core.sampling_params import SamplingParams
 from phasewise.sampling.rejection import greedy_verify, rejection_sample
 from phasewise.sampling.verify import verify
 

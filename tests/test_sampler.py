@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from phasewise.sampling.params import SamplingParams
+from phasewise.core.sampling_params import SamplingParams
 from phasewise.sampling.sampler import SamplerOutput, SamplingMetadata, sample
 from phasewise.sampling.sampler import (
     apply_min_p,

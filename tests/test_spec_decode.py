@@ -16,7 +16,7 @@ from phasewise.config import SchedulerConfig, SpeculativeConfig
 from phasewise.core.engine_core import EngineCore
 from phasewise.core.handoffs import RunnerOutput, SampledToken, SchedulerOutput
 from phasewise.core.request import FinishReason, Request, RequestStatus
-from phasewise.sampling.params import SamplingParams
+from phasewise.core.sampling_params import SamplingParams
 from phasewise.spec_decode.ngram import NgramIndex, NgramProposer
 
 BS = 4

@@ -13,7 +13,7 @@ from phasewise.distributed import TensorParallel
 from phasewise.loading.gguf_tensor import GGUFTensor
 from phasewise.loading.sharding import check_tensor_parallel, shard_config, shard_raw, shard_weights
 from phasewise.models.config import ModelConfig
-from phasewise.sampling.params import SamplingParams
+from phasewise.core.sampling_params import SamplingParams
 
 CFG = ModelConfig(architecture="llama", vocab_size=250, hidden_size=64, intermediate_size=96, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4,

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from phasewise.sampling.params import SamplingParams, StructuredOutputs
+from phasewise.core.sampling_params import SamplingParams, StructuredOutputs
 
 if TYPE_CHECKING:
     from phasewise.llm import LLM
@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 _LAZY = {"LLM": "phasewise.llm", "CompletionOutput": "phasewise.outputs", "StreamDelta": "phasewise.outputs"}
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> type[LLM | CompletionOutput | StreamDelta]:
     """Import torch-backed parts on first use, so the engine core stays importable without torch."""
     if name in _LAZY:
         import importlib

@@ -49,7 +49,7 @@ def _read(path: str, flag: str) -> str:
 
 def structured_outputs_from_args(args: argparse.Namespace):
     """The constraint the flags ask for, or None."""
-    from phasewise.sampling.params import StructuredOutputs
+    from phasewise.core.sampling_params import StructuredOutputs
 
     if args.json_schema is not None:
         return StructuredOutputs(json=_read(args.json_schema, "--json-schema"))
@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def sampling_params_from_args(args: argparse.Namespace):
-    from phasewise.sampling.params import SamplingParams
+    from phasewise.core.sampling_params import SamplingParams
 
     return SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,

@@ -8,7 +8,7 @@ from phasewise.config import CacheConfig, EngineConfig, SchedulerConfig, Specula
 from phasewise.engine.llm_engine import LLMEngine
 from phasewise.outputs import CompletionOutput, StreamDelta
 from phasewise.engine.precision import weights_setting
-from phasewise.sampling.params import SamplingParams
+from phasewise.core.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 Messages = list[dict]

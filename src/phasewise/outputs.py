@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from phasewise.core.handoffs import TokenLogprobs
+from phasewise.core.request import TokenLogprobs
 from phasewise.core.request import RequestMetrics
 
 

@@ -2,22 +2,53 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import NotRequired, TypedDict
 
 from phasewise.percentile import percentile
 from phasewise.outputs import CompletionOutput
+
+
+class Timings(TypedDict):
+    """One request's timings, llama.cpp's keys (ms, tokens, tokens per second)."""
+    load_ms: NotRequired[float]
+    queue_ms: float
+    prompt_n: int
+    cache_n: int
+    prompt_ms: float
+    prompt_per_second: float
+    predicted_n: int
+    predicted_ms: float
+    predicted_per_second: float
+    ttft_ms: float
+    itl_ms: list[float]
+    total_ms: float
+    preemptions: int
+    spec_draft_n: int
+    spec_accepted_n: int
+    spec_acceptance_rate: float
+    spec_mean_accepted_len: float
+
+
+class GenerateJson(TypedDict):
+    """The `generate --json` object."""
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str | None
+    timings: Timings
 
 
 def _rate(n: int, ms: float) -> float:
     return n / ms * 1e3 if ms > 0 else 0.0
 
 
-def timings(out: CompletionOutput, load_ms: float | None = None) -> dict[str, Any]:
+def timings(out: CompletionOutput, load_ms: float | None = None) -> Timings:
     """prompt_* is the prefill (first scheduled → first token); predicted_* the decode steps after it."""
     m = out.metrics
     n_prompt, n_out = len(out.prompt_token_ids), len(out.token_ids)
     runs = max(n_out - 1, 0)
-    t = {
+    t: Timings = {
         "queue_ms": m.queue_ms,
         "prompt_n": n_prompt,
         "cache_n": out.cached_tokens,
@@ -40,7 +71,7 @@ def timings(out: CompletionOutput, load_ms: float | None = None) -> dict[str, An
     return t
 
 
-def timings_json(out: CompletionOutput, load_ms: float) -> dict[str, Any]:
+def timings_json(out: CompletionOutput, load_ms: float) -> GenerateJson:
     """The `generate --json` object."""
     return {
         "text": out.text,

@@ -1,1 +1,1 @@
-"""The engine core: requests, KV blocks, scheduling. Plain Python, no torch."""
+"""The engine core: requests and their sampling parameters, KV blocks, scheduling. Plain Python, no torch."""

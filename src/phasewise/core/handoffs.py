@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
-from phasewise.core.request import FinishReason, Request
+from phasewise.core.request import FinishReason, Request, TokenLogprobs
+
+
+class DraftProbs(Protocol):
+    """A proposer's q per draft token ([k, V] rows; a torch.Tensor): the core only cuts it to the drafts kept."""
+
+    def __getitem__(self, rows: slice) -> DraftProbs: ...
 
 
 @dataclass(kw_only=True)
@@ -21,7 +27,7 @@ class ScheduledChunk:
     num_tokens: int                       # tokens of the request itself (drafts not included)
     max_draft_tokens: int = 0             # room reserved for drafts; the proposer fills up to this many
     draft_token_ids: list[int] = field(default_factory=list)
-    draft_probs: Any = None               # the proposer's q for each draft (opaque here); None: a point mass
+    draft_probs: DraftProbs | None = None  # the proposer's q for each draft; None: a point mass on each
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -54,13 +60,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.chunks
-
-
-@dataclass
-class TokenLogprobs:
-    """The chosen token's logprob and the top-N alternatives (from the raw model distribution)."""
-    logprob: float
-    top: list[tuple[int, float]]
 
 
 @dataclass

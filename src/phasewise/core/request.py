@@ -5,7 +5,9 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
+
+from phasewise.core.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -84,23 +86,40 @@ def _ms(a: float | None, b: float | None) -> float:
     return (b - a) * 1e3 if a is not None and b is not None else 0.0
 
 
+@dataclass
+class TokenLogprobs:
+    """The chosen token's logprob and the top-N alternatives (from the raw model distribution)."""
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+class Grammar(Protocol):
+    """What the core asks of a request's grammar (structured outputs; a structured.GrammarMatcher)."""
+
+    def accept(self, token_id: int) -> bool: ...
+    @property
+    def finished(self) -> bool: ...
+    @property
+    def error(self) -> str | None: ...
+
+
 class Request:
     """Token ids (prompt then output), how many have KV computed, and the KV blocks that hold them."""
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: Any,
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: frozenset[int] = frozenset(), max_model_len: int | None = None,
-                 arrival: float | None = None, grammar: Any = None) -> None:
+                 arrival: float | None = None, grammar: Grammar | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
-        self.sampling_params = sampling_params      # phasewise.sampling.SamplingParams (duck-typed here)
+        self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.token_ids: list[int] = list(prompt_token_ids)   # prompt + output
         self.output_token_ids: list[int] = []
-        self.output_logprobs: list[Any] = []        # per output token, when logprobs were asked for
+        self.output_logprobs: list[TokenLogprobs] = []   # per output token, when logprobs were asked for
         # per prompt position (the first None), when prompt_logprobs were asked for; filled as chunks run
-        self.prompt_logprobs: list[Any] | None = \
-            [None] * len(prompt_token_ids) if getattr(sampling_params, "prompt_logprobs", None) is not None else None
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = \
+            [None] * len(prompt_token_ids) if sampling_params.prompt_logprobs is not None else None
         self.num_computed_tokens = 0                # tokens whose K/V are in the cache
         self.block_tables: list[list[int]] = []    # per KV group, its blocks (core/kv_cache_manager.py)
         self.block_hashes: list = []                # (hash, key) per full block, filled by the KV manager
@@ -108,10 +127,10 @@ class Request:
         self.num_cached_tokens: int | None = None   # prompt tokens found in the prefix cache at admission
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
-        self.sampler_state: Any = None              # the runner's per-request state (a seeded generator)
-        self.spec_state: Any = None                 # the proposer's per-request state (n-gram index, draft KV progress)
-        # structured outputs: a structured.GrammarMatcher (accept(token) -> bool, finished, error), or None
-        self.grammar: Any = grammar
+        # Kept here for their owners, opaque to the core (each owner checks the type it stored):
+        self.sampler_state: object = None           # the runner's: a seeded torch.Generator
+        self.spec_state: object = None              # the proposer's: an n-gram index, or the draft model's progress
+        self.grammar = grammar                      # structured outputs: a structured.GrammarMatcher, or None
         self.metrics = RequestMetrics(arrival=arrival if arrival is not None else time.perf_counter())
 
     @property
@@ -126,7 +145,7 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    def append_output(self, token_id: int, logprobs: Any = None) -> None:
+    def append_output(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
         if logprobs is not None:

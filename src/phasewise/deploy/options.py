@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any
+from collections.abc import Mapping
 
 from phasewise.engine.args import add_engine_args, positive_int, resolve_weights
 
@@ -66,7 +66,7 @@ def replica_parser() -> argparse.ArgumentParser:
     return p
 
 
-def app_options(args: dict[str, Any]) -> argparse.Namespace:
+def app_options(args: Mapping[str, object]) -> argparse.Namespace:
     """Serve's app-builder arguments (flag names with dashes or underscores, values as strings or typed)
     → the Namespace `phasewise serve` would have parsed. ValueError names a bad key or value."""
     argv: list[str] = []

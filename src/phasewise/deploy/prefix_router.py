@@ -36,9 +36,12 @@ import random
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+if TYPE_CHECKING:
+    from phasewise.json_types import JsonObject, JsonValue
 
 BLOCK_CHARS = 64
 BLOCK_TOKENS = 16
@@ -54,7 +57,7 @@ class RoutePick:
     block_hashes: tuple[bytes, ...]
 
 
-def prompt_block_hashes(body: Any) -> tuple[bytes, ...]:
+def prompt_block_hashes(body: JsonValue) -> tuple[bytes, ...]:
     """The chained hashes of an OpenAI (or Anthropic Messages, or Responses) request body's full blocks."""
     if not isinstance(body, dict):
         return ()
@@ -70,7 +73,7 @@ def prompt_block_hashes(body: Any) -> tuple[bytes, ...]:
                                                          BLOCK_CHARS)])
 
 
-def _prompt_text(body: dict) -> str:
+def _prompt_text(body: JsonObject) -> str:
     parts = [_text(body.get("system")), _text(body.get("instructions"))]
     for field in ("messages", "input"):
         value = body.get(field)
@@ -84,7 +87,7 @@ def _prompt_text(body: dict) -> str:
     return "".join(parts)
 
 
-def _text(value: Any) -> str:
+def _text(value: JsonValue) -> str:
     if isinstance(value, str):
         return value
     if isinstance(value, list):
@@ -152,7 +155,7 @@ class PrefixAffinityRouter(RequestRouter):
             return order
         return [best, *others]
 
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: object) -> None:
         self._remember(_hashes(pending_request), replica_id)
 
     def _remember(self, hashes: tuple[bytes, ...], replica_id: ReplicaID) -> None:

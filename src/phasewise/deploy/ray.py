@@ -33,7 +33,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator, TypedDict
 
 import ray
 from ray import serve
@@ -48,11 +48,12 @@ from phasewise.deploy.replica_app import MetricsVisit, ReplicaApp, gather_metric
 from phasewise.deploy.route import RouteIngress
 from phasewise.deploy.tp_ranks import rendezvous_address, start_replica_ranks
 
+if TYPE_CHECKING:
+    from starlette.types import Message   # ASGI's: a plain dict
+
 APP_NAME = "phasewise"
 TARGET_ONGOING_REQUESTS = 8                  # autoscaling's target of ongoing requests per replica
 log = logging.getLogger("ray.serve")
-
-Message = dict[str, Any]
 
 
 class EngineReplica:
@@ -200,15 +201,23 @@ def application(options: argparse.Namespace, request_router: type | str = Prefix
     return engine._with_ingress_request_router(route.bind(engine))
 
 
-def build_app(args: dict[str, Any]) -> Application:
+def build_app(args: dict[str, object]) -> Application:
     """Serve's app builder: `serve run phasewise.deploy.ray:build_app num-replicas=2 kv-cache-memory=0.25`."""
     return application(app_options(args))
+
+
+class _Scaling(TypedDict, total=False):
+    """How many replicas of a deployment, and each one's placement group (serve.deployment's options)."""
+    num_replicas: int
+    autoscaling_config: dict[str, int]
+    placement_group_bundles: list[dict[str, float]]
+    placement_group_strategy: str
 
 
 def _engine_deployment(o: argparse.Namespace, request_router: type | str, name: str = "EngineReplica",
                        as_ingress: bool = False):
     if o.min_replicas is not None:
-        scaling: dict[str, Any] = {"autoscaling_config": {
+        scaling: _Scaling = {"autoscaling_config": {
             "min_replicas": o.min_replicas, "max_replicas": o.max_replicas,
             "target_ongoing_requests": TARGET_ONGOING_REQUESTS}}
     else:

@@ -20,7 +20,7 @@ import asyncio
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
@@ -28,21 +28,23 @@ from ray.serve.handle import DeploymentHandle
 from phasewise.deploy.prefix_router import prompt_block_hashes
 from phasewise.deploy.replica_app import REPLICA_HEADER, gather_metrics, send_metrics
 
+if TYPE_CHECKING:
+    from starlette.types import Receive, Scope, Send   # ASGI's: a scope and its messages are plain dicts
+
+    from phasewise.json_types import JsonValue
+
 RETRIES = 2                                  # a request whose replica died before it answered: sent again
 PAIR_PATHS = ("/v1/completions", "/v1/chat/completions")
 SCOPE_KEYS = ("type", "asgi", "http_version", "method", "scheme", "path", "raw_path", "query_string", "headers",
               "client", "server")
 log = logging.getLogger("ray.serve")
 
-Message = dict[str, Any]
-Send = Callable[[Message], Awaitable[None]]
-
 
 @dataclass(frozen=True)
 class RelayedRequest:
     """One HTTP request, from the ingress to an engine replica: the ASGI scope's plain fields, the whole body,
     and the prompt's block hashes (the router's key)."""
-    scope: dict[str, Any]
+    scope: Scope
     body: bytes
     block_hashes: tuple[bytes, ...]
 
@@ -55,7 +57,7 @@ class Relay:
         self._engine = engine.options(stream=True)
         self._prefill = prefill.options(stream=True) if prefill is not None else None
 
-    async def __call__(self, scope: Message, receive: Callable[[], Awaitable[Message]], send: Send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             await _lifespan(receive, send)
             return
@@ -127,13 +129,13 @@ class Relay:
         return replica, status, b"".join(chunks)
 
 
-def _with_length(scope: dict[str, Any], length: int) -> dict[str, Any]:
+def _with_length(scope: Scope, length: int) -> Scope:
     """The scope with its content-length header saying `length` (a body the relay rewrote)."""
     headers = [(k, v) for k, v in scope.get("headers", ()) if k.lower() != b"content-length"]
     return {**scope, "headers": [*headers, (b"content-length", str(length).encode())]}
 
 
-async def _lifespan(receive: Callable[[], Awaitable[Message]], send: Send) -> None:
+async def _lifespan(receive: Receive, send: Send) -> None:
     while True:
         message = await receive()
         if message["type"] == "lifespan.startup":
@@ -143,7 +145,7 @@ async def _lifespan(receive: Callable[[], Awaitable[Message]], send: Send) -> No
             return
 
 
-async def _read_body(receive: Callable[[], Awaitable[Message]]) -> bytes:
+async def _read_body(receive: Receive) -> bytes:
     chunks = []
     while True:
         message = await receive()
@@ -155,7 +157,7 @@ async def _read_body(receive: Callable[[], Awaitable[Message]]) -> bytes:
     return b"".join(chunks)
 
 
-def _json(body: bytes) -> Any:
+def _json(body: bytes) -> JsonValue:
     try:
         return json.loads(body) if body else None
     except ValueError:

@@ -14,9 +14,9 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
-from typing import Any
 
 import ray
+from ray.actor import ActorHandle
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -39,8 +39,8 @@ class Rank:
 @dataclass
 class ReplicaRanks:
     """Ranks 1..N-1 of a replica: their actors and the calls that run their loops."""
-    actors: list[Any]
-    loops: list[Any]
+    actors: list[ActorHandle[Rank]]
+    loops: list[ray.ObjectRef[None]]        # each rank's `run`
 
     def node_ids(self) -> list[str]:
         return ray.get([a.node_id.remote() for a in self.actors], timeout=60)

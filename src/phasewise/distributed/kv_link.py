@@ -19,7 +19,6 @@ import logging
 import queue
 import threading
 from concurrent.futures import Future
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -126,7 +125,7 @@ class KVLink:
             key, n, block_size, count = head.tolist()
             tokens = torch.empty(n, dtype=torch.int64)
             dist.recv(tokens, src=0)
-            parts: dict[str, Any] = {}
+            parts: dict[str, torch.Tensor] = {}
             for _ in range(count):
                 desc = torch.empty(11, dtype=torch.int64)
                 dist.recv(desc, src=0)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,7 +27,7 @@ import torch.distributed as dist
 class TensorParallel:
     rank: int
     size: int
-    group: Any = None            # a torch.distributed ProcessGroup; None: the default group
+    group: dist.ProcessGroup | None = None   # None: the default group
 
     @property
     def driver(self) -> bool:
@@ -64,8 +63,9 @@ class TensorParallel:
         dist.gather(local, parts, dst=0, group=self.group)
         return torch.cat(parts, dim=-1)[:, :vocab] if self.driver else None
 
-    def broadcast(self, obj: Any = None) -> Any:
-        """Rank 0's `obj` on every rank (pickled: plain lists and small tensors)."""
+    def broadcast(self, obj: object = None) -> object:
+        """Rank 0's `obj` on every rank (pickled: plain lists and small tensors); the other ranks pass
+        nothing and know by the protocol what they get."""
         box = [obj]
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]

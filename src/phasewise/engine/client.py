@@ -11,7 +11,7 @@ from phasewise.core.request import Request
 from phasewise.engine.kv_transfer import KVTransfer
 from phasewise.models.config import ModelConfig
 from phasewise.outputs import StreamDelta
-from phasewise.sampling.params import SamplingParams
+from phasewise.core.sampling_params import SamplingParams
 from phasewise.tokenization.tokenizer import Tokenizer
 
 Prompt = str | list[int] | list[dict]

@@ -18,7 +18,7 @@ from phasewise.engine.client import EngineBrokenError, Prompt
 from phasewise.engine.kv_transfer import KVTransfer
 from phasewise.engine.output_processor import OutputProcessor
 from phasewise.outputs import CompletionOutput, StreamDelta
-from phasewise.sampling.params import SamplingParams
+from phasewise.core.sampling_params import SamplingParams
 
 
 class LLMEngine:

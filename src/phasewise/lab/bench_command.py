@@ -8,11 +8,10 @@ import csv
 import json
 import time
 from pathlib import Path
-from typing import Any
 
 from phasewise.lab import load_gen as G
 from phasewise.lab.experiment_command import int_list
-from phasewise.lab.load_stats import parse_goodput, summarize
+from phasewise.lab.load_stats import LoadSummary, parse_goodput, summarize
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -122,7 +121,7 @@ def _run_with_progress(target, prompts, args, concurrency):
                                  lambda r: bar.advance(task)))
 
 
-def print_summary(console, target: G.Target, args, summaries: list[dict[str, Any]]) -> None:
+def print_summary(console, target: G.Target, args, summaries: list[LoadSummary]) -> None:
     from rich.table import Table
 
     table = Table(title=f"{target.model} at {target.base_url} ({args.dataset}, {args.num_prompts} requests)")
@@ -169,7 +168,7 @@ def write_results(out: Path, target: G.Target, args, points) -> None:
         plot_sweep([s for s, _ in points], out / "sweep.png", target.model)
 
 
-def plot_sweep(summaries: list[dict[str, Any]], path: Path, model: str) -> None:
+def plot_sweep(summaries: list[LoadSummary], path: Path, model: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")

@@ -14,9 +14,12 @@ import os
 import platform
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from phasewise.lab.experiments import Experiment
+
+if TYPE_CHECKING:
+    from phasewise.json_types import JsonValue
 
 
 def int_list(text: str) -> list[int]:
@@ -186,14 +189,14 @@ def _experiment(args: argparse.Namespace, out: Path, console) -> int:
     return 0
 
 
-def machine() -> dict[str, Any]:
+def machine() -> dict[str, str | int | None]:
     import torch
 
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpus": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
 
 
-def write_results(exp: Experiment, out: Path, **extra: Any) -> None:
+def write_results(exp: Experiment, out: Path, **extra: JsonValue) -> None:
     doc = {"experiment": exp.name, "settings": exp.settings, "machine": machine(), **extra,
            "summary": exp.table, "notes": exp.notes, "rows": exp.rows}
     (out / "results.json").write_text(json.dumps(doc, indent=2))

@@ -13,14 +13,18 @@ import random
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias
 
 from phasewise.core.request import RequestMetrics
 from phasewise.percentile import percentile
 from phasewise.outputs import CompletionOutput
-from phasewise.sampling.params import SamplingParams
+from phasewise.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from phasewise.json_types import JsonObject
 
 Progress = Callable[[int], None]          # advance(n): n requests done
+Row: TypeAlias = dict[str, int | float | str]   # one measurement, or one printed row: column → value
 
 
 @dataclass
@@ -33,10 +37,10 @@ class Column:
 @dataclass(kw_only=True)
 class Experiment:
     name: str
-    settings: dict[str, Any]
-    rows: list[dict[str, Any]]                 # every measurement (results.csv)
+    settings: JsonObject                       # what was asked (results.json)
+    rows: list[Row]                            # every measurement (results.csv)
     columns: list[Column]                      # what the printed table shows
-    table: list[dict[str, Any]]                # the printed rows (medians per point, or stats)
+    table: list[Row]                           # the printed rows (medians per point, or stats)
     notes: list[str] = field(default_factory=list)
     requests: list[tuple[str, RequestMetrics]] = field(default_factory=list)   # for traces
 
@@ -62,7 +66,7 @@ def _rate(n: int, ms: float) -> float:
     return n / ms * 1e3 if ms > 0 else 0.0
 
 
-def request_row(out: CompletionOutput) -> dict[str, Any]:
+def request_row(out: CompletionOutput) -> Row:
     """The timings of one finished request, flat (one CSV row)."""
     m = out.metrics
     n_prompt, n_out = len(out.prompt_token_ids), len(out.token_ids)
@@ -82,9 +86,9 @@ def request_row(out: CompletionOutput) -> dict[str, Any]:
     }
 
 
-def _median_by(rows: list[dict], key: str) -> list[dict]:
+def _median_by(rows: list[Row], key: str) -> list[Row]:
     """One row per distinct `key` value: the median of every numeric field over its runs."""
-    groups: dict[Any, list[dict]] = {}
+    groups: dict[int | float | str, list[Row]] = {}
     for r in rows:
         groups.setdefault(r[key], []).append(r)
     return [{k: statistics.median(g[k] for g in group) if isinstance(group[0][k], (int, float)) else group[0][k]
@@ -100,7 +104,7 @@ def _one(llm, prompt: list[int], max_tokens: int) -> CompletionOutput:
 
 
 def _sweep(llm, key: str, points: Sequence[int], shape: Callable[[int], tuple[int, int]], runs: int, seed: int,
-           progress: Progress) -> tuple[list[dict], list[tuple[str, RequestMetrics]]]:
+           progress: Progress) -> tuple[list[Row], list[tuple[str, RequestMetrics]]]:
     """One request per point and run, one after another; shape(point) = (prompt tokens, output tokens)."""
     make = PromptMaker(llm.model_config.vocab_size, seed)
     rows, reqs = [], []

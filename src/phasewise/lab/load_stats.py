@@ -12,11 +12,38 @@ Definitions (times in seconds inside records, milliseconds in summaries):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import NotRequired, TypedDict
 
 from phasewise.percentile import percentile
 
 SLO_METRICS = ("ttft", "tpot", "e2e")
+
+
+class Goodput(TypedDict):
+    slos_ms: dict[str, float]          # metric → limit (parse_goodput)
+    requests: int                      # completed within every SLO
+    requests_per_s: float
+
+
+class LoadSummary(TypedDict):
+    """One load run (results.json's runs); times in ms, throughputs per second."""
+    completed: int
+    failed: int
+    duration_s: float
+    prompt_tokens: int
+    output_tokens: int
+    request_throughput: float
+    prompt_token_throughput: float
+    output_token_throughput: float
+    total_token_throughput: float
+    ttft_ms: dict[str, float]          # mean, median, p90, p99 (_stats)
+    tpot_ms: dict[str, float]
+    itl_ms: dict[str, float]
+    e2e_ms: dict[str, float]
+    usage_reported: bool
+    errors: list[str]
+    goodput: NotRequired[Goodput]      # with SLOs
+    max_concurrency: NotRequired[int | None]   # bench serve's concurrency of the run (None: all at once)
 
 
 @dataclass(kw_only=True)
@@ -89,12 +116,12 @@ def _stats(values_s: list[float]) -> dict[str, float]:
 
 
 def summarize(records: list[RequestRecord], duration_s: float,
-              slos: dict[str, float] | None = None) -> dict[str, Any]:
+              slos: dict[str, float] | None = None) -> LoadSummary:
     done = [r for r in records if r.ok]
     prompt = sum(r.prompt_tokens for r in done)
     output = sum(r.output_tokens for r in done)
     rate = (lambda n: n / duration_s) if duration_s > 0 else (lambda n: 0.0)
-    out: dict[str, Any] = {
+    out: LoadSummary = {
         "completed": len(done), "failed": len(records) - len(done), "duration_s": duration_s,
         "prompt_tokens": prompt, "output_tokens": output,
         "request_throughput": rate(len(done)), "prompt_token_throughput": rate(prompt),

@@ -14,7 +14,7 @@ import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 import torch
 
@@ -170,7 +170,18 @@ def model_weights(model: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype) 
     return weight_bytes_per_param(model, cfg, element), quantized
 
 
-def serving_roofline(machine: Machine, model: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
+class ServingRoofline(TypedDict):
+    """The fields of the dashboard's Roofline (server/dashboard_feed.py)."""
+    dram_gbs: float
+    compute_gops: float
+    compute_name: str
+    weight_bytes: float
+    flops_per_token: float
+    head_flops: float
+
+
+def serving_roofline(machine: Machine, model: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype
+                     ) -> ServingRoofline:
     """What the server's dashboard needs to say which resource its recent steps bind: the roofs, the
     linear weights one step reads, the FLOPs per token without and with the output head."""
     per_weight, quantized = model_weights(model, cfg, dtype)

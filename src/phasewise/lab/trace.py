@@ -10,26 +10,32 @@ import json
 from collections import deque
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from phasewise.core.handoffs import StepRecord
 from phasewise.core.request import RequestMetrics
 
+if TYPE_CHECKING:
+    from phasewise.core.handoffs import EngineStats
+    from phasewise.core.request import Request
+    from phasewise.json_types import JsonObject
+    from phasewise.outputs import StreamDelta
+
 ENGINE_PID, REQUESTS_PID = 1, 2
 
 
-def _span(name: str, pid: int, tid: int, start: float, end: float, t0: float, **args: Any) -> dict[str, Any]:
+def _span(name: str, pid: int, tid: int, start: float, end: float, t0: float, **args: float) -> JsonObject:
     return {"name": name, "ph": "X", "pid": pid, "tid": tid, "ts": (start - t0) * 1e6,
             "dur": max(end - start, 0.0) * 1e6, "args": args}
 
 
-def chrome_trace(steps: Iterable[StepRecord], requests: Iterable[tuple[str, RequestMetrics]]) -> dict[str, Any]:
+def chrome_trace(steps: Iterable[StepRecord], requests: Iterable[tuple[str, RequestMetrics]]) -> JsonObject:
     """The trace as a dict: engine steps (prefill/decode tokens, batch size) and, per request,
     its queueing, prefill chunks, decode, and preemptions (instant events)."""
     steps, requests = list(steps), list(requests)
     starts = [s.start for s in steps] + [m.arrival for _, m in requests]
     t0 = min(starts, default=0.0)
-    events: list[dict[str, Any]] = [
+    events: list[JsonObject] = [
         {"name": "process_name", "ph": "M", "pid": ENGINE_PID, "args": {"name": "engine steps"}},
         {"name": "process_name", "ph": "M", "pid": REQUESTS_PID, "args": {"name": "requests"}},
     ]
@@ -65,14 +71,14 @@ class RequestRecorder:
     def __init__(self, max_requests: int = 100_000) -> None:
         self.requests: deque[tuple[str, RequestMetrics]] = deque(maxlen=max_requests)
 
-    def on_add(self, request: Any) -> None:
+    def on_add(self, request: Request) -> None:
         pass
 
-    def on_step(self, record: Any, stats: Any) -> None:
+    def on_step(self, record: StepRecord, stats: EngineStats) -> None:
         pass
 
-    def on_delta(self, delta: Any) -> None:
+    def on_delta(self, delta: StreamDelta) -> None:
         pass
 
-    def on_finish(self, request: Any, reason: str) -> None:
+    def on_finish(self, request: Request, reason: str) -> None:
         self.requests.append((request.request_id, request.metrics))

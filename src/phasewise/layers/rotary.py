@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+if TYPE_CHECKING:
+    from phasewise.json_types import JsonObject
 
-def inv_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+
+def inv_frequencies(head_dim: int, theta: float, scaling: JsonObject | None) -> torch.Tensor:
     """[head_dim / 2] inverse frequencies, with the model's RoPE scaling applied."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     kind = (scaling or {}).get("rope_type", "default")
@@ -33,7 +36,7 @@ class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin for every position up to max_positions."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
-                 scaling: dict[str, Any] | None = None) -> None:
+                 scaling: JsonObject | None = None) -> None:
         super().__init__()
         self.head_dim, self.max_positions, self.theta, self.scaling = head_dim, max_positions, theta, scaling
         self.register_buffer("cos", torch.empty(max_positions, head_dim // 2), persistent=False)  # [P, D/2]

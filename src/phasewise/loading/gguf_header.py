@@ -15,7 +15,7 @@ import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TypeAlias
 
 import numpy as np
 
@@ -40,6 +40,12 @@ class SkippedArray:
         return self.count
 
 
+# A metadata value: a number (struct's int, float or bool), a string, an array of values (numbers via
+# numpy's tolist: Python scalars too), or a long string array left unread.
+GGUFScalar: TypeAlias = int | float | bool | str
+GGUFValue: TypeAlias = GGUFScalar | list["GGUFValue"] | SkippedArray
+
+
 @dataclass(frozen=True, kw_only=True)
 class TensorInfo:
     name: str
@@ -53,7 +59,7 @@ class _Cursor:
     def __init__(self, buf: memoryview) -> None:
         self.buf, self.pos = buf, 0
 
-    def unpack(self, fmt: str) -> Any:
+    def unpack(self, fmt: str) -> int | float | bool:
         value = struct.unpack_from(fmt, self.buf, self.pos)[0]
         self.pos += struct.calcsize(fmt)
         return value
@@ -69,7 +75,7 @@ class _Cursor:
     def skip_string(self) -> None:
         self.pos += 8 + struct.unpack_from("<Q", self.buf, self.pos)[0]
 
-    def value(self, vtype: int) -> Any:
+    def value(self, vtype: int) -> GGUFValue:
         if vtype in _SCALARS:
             return self.unpack(_SCALARS[vtype])
         if vtype == STRING:
@@ -89,7 +95,7 @@ class _Cursor:
         raise GGUFFormatError(f"unknown metadata value type {vtype}")
 
 
-def read_header(path: Path) -> tuple[dict[str, Any], dict[str, TensorInfo]]:
+def read_header(path: Path) -> tuple[dict[str, GGUFValue], dict[str, TensorInfo]]:
     """(metadata key → value, tensor name → TensorInfo); GGUFFormatError on anything malformed."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -110,7 +116,7 @@ def read_header(path: Path) -> tuple[dict[str, Any], dict[str, TensorInfo]]:
     return fields, tensors
 
 
-def _parse(c: _Cursor, size: int, quant_sizes, qtypes) -> tuple[dict[str, Any], dict[str, TensorInfo]]:
+def _parse(c: _Cursor, size: int, quant_sizes, qtypes) -> tuple[dict[str, GGUFValue], dict[str, TensorInfo]]:
     if bytes(c.buf[:4]) != MAGIC:
         raise GGUFFormatError("bad magic (not a GGUF file)")
     c.pos = 4
@@ -118,7 +124,7 @@ def _parse(c: _Cursor, size: int, quant_sizes, qtypes) -> tuple[dict[str, Any], 
     if version not in (2, 3):
         raise GGUFFormatError(f"unsupported GGUF version {version}")
     n_tensors, n_kv = c.unpack("<Q"), c.unpack("<Q")
-    fields: dict[str, Any] = {"GGUF.version": version, "GGUF.tensor_count": n_tensors, "GGUF.kv_count": n_kv}
+    fields: dict[str, GGUFValue] = {"GGUF.version": version, "GGUF.tensor_count": n_tensors, "GGUF.kv_count": n_kv}
     for _ in range(n_kv):
         key = c.string()
         fields[key] = c.value(c.unpack("<I"))

@@ -5,11 +5,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from phasewise.loading.gguf import ModelLoadError
+
+if TYPE_CHECKING:
+    from safetensors import safe_open
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -23,7 +26,7 @@ def safetensors_files(folder: Path) -> list[Path]:
 class SafetensorsTensor:
     """One tensor of an open shard, read whole or in part (`get_slice` reads only the part's bytes)."""
     file: Path
-    handle: Any               # safetensors' safe_open handle, open while the shard is being read
+    handle: safe_open         # open while the shard is being read
     name: str
 
     def read(self, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:

@@ -7,7 +7,10 @@ import math
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
+
+if TYPE_CHECKING:
+    from phasewise.json_types import JsonObject
 
 # HF model_type → our architecture family name (models/gguf_config.py maps GGUF's).
 _HF_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
@@ -33,7 +36,7 @@ LIMITS = {"vocab_size": (1, 1 << 22), "hidden_size": (1, 1 << 16), "intermediate
           "moe_intermediate_size": (1, 1 << 18), "shared_expert_intermediate_size": (0, 1 << 18)}
 
 
-def checked(name: str, value: Any, source: str) -> int:
+def checked(name: str, value: object, source: str) -> int:
     """`value` as the integer field `name` of ModelConfig, within LIMITS; UnsupportedModelError
     naming `source` (the file's key) otherwise."""
     lo, hi = LIMITS[name]
@@ -42,6 +45,16 @@ def checked(name: str, value: Any, source: str) -> int:
     if not lo <= value <= hi:
         raise UnsupportedModelError(f"{source} = {value} is out of range [{lo}, {hi}]")
     return value
+
+
+class ExpertFields(TypedDict, total=False):
+    """ModelConfig's mixture-of-experts fields, as a config gives them (none for a dense model)."""
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    moe_layers: tuple[int, ...]
+    norm_topk_prob: bool
+    shared_expert_intermediate_size: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,7 +73,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool = False
     attention_bias: bool = False   # Qwen2: bias on q, k and v
-    rope_scaling: dict[str, Any] | None = field(default=None, hash=False, compare=False)  # global layers'
+    rope_scaling: JsonObject | None = field(default=None, hash=False, compare=False)  # global layers'
     qk_norm: bool = False          # Qwen3, Gemma 3: RMSNorm over each q and k head before RoPE
     hidden_act: str = "silu"       # the MLP's gate: "silu" | "gelu_tanh" (Gemma)
     sliding_window: int | None = None   # local layers attend to the latest this many tokens (themselves included)
@@ -143,7 +156,7 @@ class ModelConfig:
     # ---- constructors -------------------------------------------------------------
 
     @classmethod
-    def from_hf(cls, config: dict[str, Any] | str | Path) -> ModelConfig:
+    def from_hf(cls, config: JsonObject | str | Path) -> ModelConfig:
         """From an HF config dict, a config.json path, or a model folder."""
         if not isinstance(config, dict):
             path = Path(config)
@@ -192,7 +205,7 @@ class ModelConfig:
             name=config.get("_name_or_path", ""),
         )
 
-def _hf_rope(config: dict[str, Any], arch: str) -> tuple[dict[str, Any], dict[str, Any] | None, float | None]:
+def _hf_rope(config: JsonObject, arch: str) -> tuple[JsonObject, JsonObject | None, float | None]:
     """(the global layers' RoPE parameters, their scaling or None, Gemma 3's local base or None) of an
     HF config: transformers >= 5 keeps theta in rope_parameters, per layer type for Gemma 3."""
     rope = dict(config.get("rope_parameters") or {})
@@ -211,7 +224,7 @@ def _hf_rope(config: dict[str, Any], arch: str) -> tuple[dict[str, Any], dict[st
     return rope, scaling, local_theta
 
 
-def _hf_sliding_window(config: dict[str, Any], arch: str) -> tuple[int | None, tuple[int, ...]]:
+def _hf_sliding_window(config: JsonObject, arch: str) -> tuple[int | None, tuple[int, ...]]:
     """(window, the local layers) of an HF config: `layer_types` where the config lists them (Gemma 3,
     Qwen2/3 in transformers 5), else Qwen2/3's `max_window_layers`, else (Mistral) every layer. A
     window no shorter than the context changes nothing and is dropped."""
@@ -235,7 +248,7 @@ def _hf_sliding_window(config: dict[str, Any], arch: str) -> tuple[int | None, t
     return (int(window), sliding) if sliding else (None, ())
 
 
-def clip_qkv(value: Any, source: str) -> float | None:
+def clip_qkv(value: object, source: str) -> float | None:
     """OLMoE's clip_qkv: None, or a positive number."""
     if value is None:
         return None
@@ -244,7 +257,7 @@ def clip_qkv(value: Any, source: str) -> float | None:
     return float(value)
 
 
-def _hf_experts(config: dict[str, Any], arch: str) -> dict[str, Any]:
+def _hf_experts(config: JsonObject, arch: str) -> ExpertFields:
     """The mixture-of-experts fields of an HF config (none for a dense architecture). Qwen2/3-MoE
     make layer i sparse unless it is in mlp_only_layers or (i + 1) is not a multiple of
     decoder_sparse_step (transformers' rule); Mixtral and OLMoE every layer. Mixtral always
@@ -262,7 +275,7 @@ def _hf_experts(config: dict[str, Any], arch: str) -> dict[str, Any]:
         only = set(config.get("mlp_only_layers") or ())
         moe = tuple(i for i in moe if i not in only and (i + 1) % step == 0)
     shared = config.get("shared_expert_intermediate_size", 0) if arch == "qwen2_moe" else 0
-    return dict(
+    return ExpertFields(
         num_experts=experts,
         num_experts_per_tok=checked("num_experts_per_tok", config.get("num_experts_per_tok"),
                                     "config.json num_experts_per_tok"),

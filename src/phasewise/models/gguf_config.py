@@ -1,12 +1,19 @@
 """ModelConfig from a GGUF file's metadata (key → python value) and the names of its tensors, the
-keys read under the file's architecture prefix as llama.cpp writes them."""
+keys read under the file's architecture prefix as llama.cpp writes them.
+
+The metadata is what loading/gguf_header.py read (its GGUFValue: numbers, strings, arrays); this module
+sits below loading, so it takes the values as `object` and checks the type of each one it reads."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-from phasewise.models.config import (GEMMA3_GLOBAL_EVERY, GEMMA3_LOCAL_THETA, QK_NORM, SUPPORTED, ModelConfig,
-                                     UnsupportedModelError, checked, clip_qkv)
+from phasewise.models.config import (GEMMA3_GLOBAL_EVERY, GEMMA3_LOCAL_THETA, QK_NORM, SUPPORTED, ExpertFields,
+                                     ModelConfig, UnsupportedModelError, checked, clip_qkv)
+
+if TYPE_CHECKING:
+    from phasewise.json_types import JsonObject
 
 # GGUF general.architecture → our architecture family name
 GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
@@ -19,13 +26,13 @@ GGUF_EXPERTS_NORM = {"qwen3moe": True, "llama": True, "qwen2moe": False, "olmoe"
 class GGUFKeys:
     """One file's metadata under its architecture's prefix (`{arch}.{key}`), read as checked values."""
 
-    def __init__(self, fields: dict[str, Any], arch: str) -> None:
+    def __init__(self, fields: Mapping[str, object], arch: str) -> None:
         self.fields, self.arch = fields, arch
 
-    def get(self, key: str, default: Any = None) -> Any:
+    def get(self, key: str, default: object = None) -> object:
         return self.fields.get(f"{self.arch}.{key}", default)
 
-    def count(self, name: str, key: str, default: Any = None) -> int:
+    def count(self, name: str, key: str, default: int | None = None) -> int:
         """An integer ModelConfig field `name` (within config.LIMITS); refused when missing."""
         value = self.get(key, default)
         if value is None:
@@ -39,15 +46,16 @@ class GGUFKeys:
                                         f"got {str(value)[:40]!r}")
         return float(value)
 
-    def rope_scaling(self, head_dim: int, rope_freqs: list[float] | None) -> dict[str, Any] | None:
+    def rope_scaling(self, head_dim: int, rope_freqs: list[float] | None) -> JsonObject | None:
         """Linear scaling, or the file's `rope_freqs.weight` divisors (Llama 3.1's, as llama.cpp stores them)."""
-        scaling, kind = None, self.get("rope.scaling.type")
+        scaling: JsonObject | None = None
+        kind = self.get("rope.scaling.type")
         if kind and kind != "none":
             if kind != "linear":
                 raise UnsupportedModelError(f"unsupported RoPE scaling {kind!r} in GGUF (supported: linear)")
             scaling = {"rope_type": "linear", "factor": self.real("rope.scaling.factor", 1.0)}
         if rope_freqs is not None:
-            scaling = {"rope_type": "freq_factors", "factors": tuple(float(f) for f in rope_freqs)}
+            scaling = {"rope_type": "freq_factors", "factors": [float(f) for f in rope_freqs]}
         if self.get("rope.dimension_count", head_dim) != head_dim:
             raise UnsupportedModelError("partial rotary embeddings are not supported")
         return scaling
@@ -65,7 +73,7 @@ class GGUFKeys:
             return window, tuple(i for i in range(layers) if (i + 1) % GEMMA3_GLOBAL_EVERY)
         return window, tuple(range(layers))
 
-    def experts(self, tensor_names: set[str], layers: int) -> dict[str, Any]:
+    def experts(self, tensor_names: set[str], layers: int) -> ExpertFields:
         """The mixture-of-experts fields: `expert_count`, `expert_used_count`,
         `expert_feed_forward_length` (else `feed_forward_length`, as Mixtral's and OLMoE's files),
         `expert_shared_feed_forward_length` (Qwen2-MoE); a layer is sparse when the file holds its
@@ -83,7 +91,7 @@ class GGUFKeys:
         width = "expert_feed_forward_length" if self.get("expert_feed_forward_length") is not None \
             else "feed_forward_length"
         shared = any(".ffn_up_shexp." in n for n in tensor_names)
-        return dict(
+        return ExpertFields(
             num_experts=self.count("num_experts", "expert_count"),
             num_experts_per_tok=self.count("num_experts_per_tok", "expert_used_count"),
             moe_intermediate_size=self.count("moe_intermediate_size", width),
@@ -94,7 +102,7 @@ class GGUFKeys:
         )
 
 
-def config_from_gguf(fields: dict[str, Any], tensor_names: set[str],
+def config_from_gguf(fields: Mapping[str, object], tensor_names: set[str],
                      rope_freqs: list[float] | None = None) -> ModelConfig:
     """From GGUF metadata and the names of the file's tensors; rope_freqs: the file's
     `rope_freqs.weight` (per-dimension divisors of the RoPE frequencies), if any."""

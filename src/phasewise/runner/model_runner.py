@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from phasewise.core.handoffs import RunnerOutput, SampledToken, ScheduledChunk, SchedulerOutput, TokenLogprobs
-from phasewise.core.request import Request
+from phasewise.core.handoffs import RunnerOutput, SampledToken, ScheduledChunk, SchedulerOutput
+from phasewise.core.request import Request, TokenLogprobs
 from phasewise.distributed import TensorParallel
 from phasewise.kernels.kernel_api import Kernels
 from phasewise.layers.attention import AttentionMetadata
@@ -173,9 +173,9 @@ class ModelRunner:
 
     def _generator(self, req: Request) -> torch.Generator | None:
         """A seeded request's generator, created on first use and kept on the request."""
-        if req.sampler_state is None and req.sampling_params.seed is not None:
+        if not isinstance(req.sampler_state, torch.Generator) and req.sampling_params.seed is not None:
             req.sampler_state = torch.Generator(self.device).manual_seed(req.sampling_params.seed)
-        return req.sampler_state
+        return req.sampler_state if isinstance(req.sampler_state, torch.Generator) else None
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request], masks=None,
                 check: GrammarCheck | None = None) -> dict[str, SampledToken]:

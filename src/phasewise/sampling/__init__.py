@@ -1,5 +1,4 @@
-"""Sampling: per-request parameters (plain Python) and the batched sampler (torch, in sampler.py)."""
+"""Sampling: the batched sampler (sampler.py) and speculative verification (rejection.py, verify.py).
 
-from phasewise.sampling.params import ConstraintError, SamplingParams, StructuredOutputs
-
-__all__ = ["ConstraintError", "SamplingParams", "StructuredOutputs"]
+A request's parameters, `SamplingParams`, are plain Python and live with the request in
+`core/sampling_params.py`."""

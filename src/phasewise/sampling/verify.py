@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from phasewise.core.handoffs import SampledToken, ScheduledChunk, TokenLogprobs
+from phasewise.core.handoffs import SampledToken, ScheduledChunk
+from phasewise.core.request import TokenLogprobs
 from phasewise.sampling.sampler import SamplingMetadata, compute_logprobs, distribution, exponential_noise
 from phasewise.sampling.rejection import greedy_verify, rejection_sample
 from phasewise.kernels.kernel_api import Kernels

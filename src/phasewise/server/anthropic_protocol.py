@@ -12,10 +12,11 @@ naming the Messages field. Unknown fields pass; one that would change the output
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from phasewise.json_types import JsonObject, JsonValue
 from phasewise.server.body_parsing import validation_message
 from phasewise.server.protocol import INT64, APIError, ChatCompletionRequest, bad_request
 
@@ -38,7 +39,7 @@ def is_messages_path(path: str) -> bool:
     return path == PATH or path.startswith(PATH + "/")
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+def error_body(status: int, message: str, param: str | None = None) -> JsonObject:
     """Anthropic's error body for an HTTP status; the message names the field when it does not already."""
     if param and param not in message:
         message = f"{param}: {message}"
@@ -48,7 +49,7 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
 class InputMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: str
-    content: str | list[dict[str, Any]]
+    content: str | list[JsonObject]                   # text, or content blocks
 
 
 class _Body(BaseModel):
@@ -57,9 +58,9 @@ class _Body(BaseModel):
 
     model: str | None = None
     messages: list[InputMessage]
-    system: str | list[dict[str, Any]] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: dict[str, Any] | None = None
+    system: str | list[JsonObject] | None = None
+    tools: list[JsonObject] | None = None
+    tool_choice: JsonObject | None = None
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> _Body:
@@ -74,9 +75,9 @@ class _Body(BaseModel):
                 raise bad_request(f"{name} is not supported by this server", name)
         return self
 
-    def chat_fields(self) -> dict[str, Any]:
+    def chat_fields(self) -> JsonObject:
         """The OpenAI chat body's fields of the prompt: messages, tools, tool_choice, parallel_tool_calls."""
-        fields: dict[str, Any] = {"model": self.model, "messages": _system(self.system) + _messages(self.messages)}
+        fields: JsonObject = {"model": self.model, "messages": _system(self.system) + _messages(self.messages)}
         if self.tools is not None:
             fields["tools"] = [_tool(i, t) for i, t in enumerate(self.tools)]
         choice = self.tool_choice
@@ -99,12 +100,12 @@ class MessagesRequest(_Body):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = Field(None, ge=-1, lt=INT64)
-    metadata: dict[str, Any] | None = None           # accepted and ignored
+    metadata: JsonObject | None = None               # accepted and ignored
 
     def chat_body(self) -> ChatCompletionRequest:
         """The ChatCompletionRequest this request runs as (400 naming the Messages field otherwise)."""
-        fields = {**self.chat_fields(), "max_tokens": self.max_tokens, "stop": self.stop_sequences,
-                  "stream": self.stream}
+        fields: JsonObject = {**self.chat_fields(), "max_tokens": self.max_tokens, "stop": self.stop_sequences,
+                              "stream": self.stream}
         for name in ("temperature", "top_p", "top_k"):
             if getattr(self, name) is not None:
                 fields[name] = getattr(self, name)
@@ -113,7 +114,7 @@ class MessagesRequest(_Body):
             fields["response_format"] = output_format
         return validate_chat(fields)
 
-    def output_format(self) -> dict[str, Any] | None:
+    def output_format(self) -> JsonObject | None:
         """Structured outputs (`output_config.format`, or the beta's `output_format`): {"type": "json_schema",
         "schema": S} as the chat route's response_format."""
         extra = self.model_extra or {}
@@ -132,7 +133,7 @@ class CountTokensRequest(_Body):
         return validate_chat(self.chat_fields())
 
 
-def validate_chat(fields: dict[str, Any]) -> ChatCompletionRequest:
+def validate_chat(fields: JsonObject) -> ChatCompletionRequest:
     try:
         return ChatCompletionRequest.model_validate(fields)
     except ValidationError as e:
@@ -151,33 +152,33 @@ def renamed(e: APIError) -> APIError:
     return APIError(e.status, message, e.type, param, e.code, e.headers)
 
 
-def _text(blocks: str | list[dict[str, Any]], where: str) -> str:
+def _text(blocks: str | Sequence[JsonValue], where: str) -> str:
     """The text of a string or a list of text blocks."""
     if isinstance(blocks, str):
         return blocks
     parts = []
     for j, block in enumerate(blocks):
-        if block.get("type") != "text" or not isinstance(block.get("text"), str):
+        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
             raise _bad_block(block, f"{where}[{j}]", "text")
         parts.append(block["text"])
     return "\n\n".join(parts)
 
 
-def _bad_block(block: dict[str, Any], where: str, allowed: str) -> APIError:
-    kind = block.get("type")
+def _bad_block(block: JsonValue, where: str, allowed: str) -> APIError:
+    kind = block.get("type") if isinstance(block, dict) else None
     if kind in ("text", "tool_use", "tool_result") and kind in allowed:
         return bad_request(f"{where}: a malformed {kind} block", where.split("[")[0])
     return bad_request(f"{where}: {kind!r} blocks are not supported here (only {allowed})", where.split("[")[0])
 
 
-def _system(system: str | list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+def _system(system: str | list[JsonObject] | None) -> list[JsonObject]:
     return [] if system is None else [{"role": "system", "content": _text(system, "system")}]
 
 
-def _messages(messages: list[InputMessage]) -> list[dict[str, Any]]:
+def _messages(messages: list[InputMessage]) -> list[JsonObject]:
     """Anthropic's turns as OpenAI chat messages. A final assistant turn (a prefill) is refused: the
     template would start a new turn after it rather than continue it."""
-    out: list[dict[str, Any]] = []
+    out: list[JsonObject] = []
     for i, m in enumerate(messages):
         if m.role not in ("user", "assistant"):
             raise bad_request(f"messages[{i}].role must be 'user' or 'assistant', got {m.role!r}", "messages")
@@ -193,8 +194,9 @@ def _messages(messages: list[InputMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def _assistant(blocks: list[dict[str, Any]], where: str) -> dict[str, Any]:
-    texts, calls = [], []
+def _assistant(blocks: list[JsonObject], where: str) -> JsonObject:
+    texts: list[str] = []
+    calls: list[JsonValue] = []
     for j, block in enumerate(blocks):
         kind = block.get("type")
         if kind == "text" and isinstance(block.get("text"), str):
@@ -205,15 +207,15 @@ def _assistant(blocks: list[dict[str, Any]], where: str) -> dict[str, Any]:
                           "function": {"name": block["name"], "arguments": json.dumps(block.get("input", {}))}})
         else:
             raise _bad_block(block, f"{where}[{j}]", "text and tool_use")
-    message: dict[str, Any] = {"role": "assistant", "content": "\n\n".join(texts)}
+    message: JsonObject = {"role": "assistant", "content": "\n\n".join(texts)}
     if calls:
         message["tool_calls"] = calls
     return message
 
 
-def _user(blocks: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
+def _user(blocks: list[JsonObject], where: str) -> list[JsonObject]:
     """A user turn: each tool_result a tool message, the text blocks between them one user message."""
-    out: list[dict[str, Any]] = []
+    out: list[JsonObject] = []
     texts: list[str] = []
     for j, block in enumerate(blocks):
         kind = block.get("type")
@@ -235,14 +237,14 @@ def _user(blocks: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
     return out
 
 
-def _tool(i: int, tool: dict[str, Any]) -> dict[str, Any]:
+def _tool(i: int, tool: JsonObject) -> JsonObject:
     """An Anthropic custom tool as an OpenAI function; server tools (a typed one) are refused."""
     if tool.get("type", "custom") != "custom":
         raise bad_request(f"tools[{i}].type {tool.get('type')!r} is not supported (only custom tools, "
                           "with name and input_schema)", "tools")
     if "input_schema" not in tool:
         raise bad_request(f"tools[{i}].input_schema: this field is required", "tools")
-    function = {"name": tool.get("name"), "parameters": tool["input_schema"]}
+    function: JsonObject = {"name": tool.get("name"), "parameters": tool["input_schema"]}
     if tool.get("description") is not None:
         function["description"] = tool["description"]
     return {"type": "function", "function": function}
@@ -251,7 +253,7 @@ def _tool(i: int, tool: dict[str, Any]) -> dict[str, Any]:
 _CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 
 
-def _tool_choice(choice: dict[str, Any], has_tools: bool) -> str | dict[str, Any] | None:
+def _tool_choice(choice: JsonObject, has_tools: bool) -> str | JsonObject | None:
     kind = choice.get("type")
     if kind in _CHOICES:
         return _CHOICES[kind] if has_tools or kind != "auto" else None

@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
+from phasewise.json_types import JsonObject
 from phasewise.outputs import CompletionOutput
 from phasewise.server.anthropic_protocol import CountTokensRequest, MessagesRequest, error_body, renamed
 from phasewise.server.body_parsing import parse_body
@@ -28,7 +28,7 @@ from phasewise.server.request_stream import RequestStream
 from phasewise.server.sse import collect, failure, sse_response
 from phasewise.tool_calling import ToolCallParser
 
-Event = tuple[str, dict[str, Any]]          # (event name, its data)
+Event = tuple[str, JsonObject]              # (event name, its data)
 
 
 def anthropic_router(guards: Guards) -> APIRouter:
@@ -82,7 +82,7 @@ class Blocks:
 
     def __init__(self, parser: ToolCallParser | None, single_call: bool) -> None:
         self.parser, self.single_call = parser, single_call
-        self.content: list[dict[str, Any]] = []
+        self.content: list[JsonObject] = []
         self._open: str | int | None = None         # "text", a call's index, or None
         self._arguments: list[str] = []             # each call's input JSON text so far
 
@@ -102,7 +102,7 @@ class Blocks:
     def calls(self) -> bool:
         return any(b["type"] == "tool_use" for b in self.content)
 
-    def _start(self, kind: str | int, block: dict[str, Any]) -> list[Event]:
+    def _start(self, kind: str | int, block: JsonObject) -> list[Event]:
         events = self._close()
         self._open = kind
         self.content.append(block)
@@ -110,7 +110,7 @@ class Blocks:
         return events + [("content_block_start", {"type": "content_block_start", "index": len(self.content) - 1,
                                                   "content_block": shown})]
 
-    def _delta(self, delta: dict[str, Any]) -> Event:
+    def _delta(self, delta: JsonObject) -> Event:
         return "content_block_delta", {"type": "content_block_delta", "index": len(self.content) - 1, "delta": delta}
 
     def _text(self, text: str) -> list[Event]:
@@ -118,7 +118,7 @@ class Blocks:
         self.content[-1]["text"] += text
         return events + [self._delta({"type": "text_delta", "text": text})]
 
-    def _call(self, call: dict[str, Any]) -> list[Event]:
+    def _call(self, call: JsonObject) -> list[Event]:
         index, events = call["index"], []
         if self.single_call and index > 0:
             return []
@@ -142,7 +142,7 @@ class Blocks:
         return [("content_block_stop", {"type": "content_block_stop", "index": len(self.content) - 1})]
 
 
-def _input(arguments: str) -> dict[str, Any]:
+def _input(arguments: str) -> JsonObject:
     """A call's input object; {} for arguments that are not one (a call cut off by max_tokens)."""
     try:
         value = json.loads(arguments or "{}")
@@ -166,13 +166,13 @@ def usage(out: CompletionOutput) -> dict[str, int]:
             "cache_read_input_tokens": cached, "output_tokens": len(out.token_ids)}
 
 
-def _message(rid: str, model: str, content: list[dict[str, Any]], reason: str | None, sequence: str | None,
-             use: dict[str, int]) -> dict[str, Any]:
+def _message(rid: str, model: str, content: list[JsonObject], reason: str | None, sequence: str | None,
+             use: dict[str, int]) -> JsonObject:
     return {"id": rid, "type": "message", "role": "assistant", "model": model, "content": content,
             "stop_reason": reason, "stop_sequence": sequence, "usage": use}
 
 
-def message_body(call: ChatCall, model: str, out: CompletionOutput, single_call: bool) -> dict[str, Any]:
+def message_body(call: ChatCall, model: str, out: CompletionOutput, single_call: bool) -> JsonObject:
     """The message of a finished output; APIError (500) when the engine gave none."""
     cause = failure(out)
     if cause is not None:
@@ -183,7 +183,7 @@ def message_body(call: ChatCall, model: str, out: CompletionOutput, single_call:
     return _message(call.rid, model, blocks.content, stop_reason(out, blocks.calls), sequence, usage(out))
 
 
-def _sse(name: str, data: dict[str, Any]) -> str:
+def _sse(name: str, data: JsonObject) -> str:
     return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 

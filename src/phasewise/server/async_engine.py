@@ -20,16 +20,21 @@ import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import ParamSpec, TypeAlias, TypeVar
 
+from phasewise.core.request import Request
 from phasewise.engine.client import EngineBrokenError, EngineClient, Prompt
 from phasewise.outputs import StreamDelta
-from phasewise.sampling.params import SamplingParams
+from phasewise.core.sampling_params import SamplingParams
 from phasewise.server.errors import EngineDeadError, EngineError
 from phasewise.server.request_stream import RequestStream
 from phasewise.server.observer import Observer
 
 log = logging.getLogger("phasewise.server")
+
+T = TypeVar("T")
+P = ParamSpec("P")
 
 
 @dataclass
@@ -45,12 +50,12 @@ class SubRequest:
 class _Add:
     items: list[SubRequest]
     chat: bool
-    future: asyncio.Future
+    future: asyncio.Future[None]
 
 
 @dataclass
 class _Live:
-    request: Any                               # the engine's Request
+    request: Request
     loop: asyncio.AbstractEventLoop            # where its stream lives
 
 
@@ -61,8 +66,12 @@ class _Abort:
 
 @dataclass
 class _Call:
-    fn: Callable[[EngineClient], Any]
-    future: asyncio.Future
+    fn: Callable[[EngineClient], None]         # runs the caller's function; `call` keeps its result
+    future: asyncio.Future[None]
+
+
+_Command: TypeAlias = _Add | _Abort | _Call
+_Routed: TypeAlias = tuple[str, StreamDelta | Exception]   # (request id, a delta or the error that ends it)
 
 
 class AsyncEngine:
@@ -80,8 +89,8 @@ class AsyncEngine:
         built: list[BaseException] = []          # what building the engine raised, if it did
         ready = threading.Event()
         self._cond = threading.Condition()
-        self._inbox: list = []
-        self._taken: list = []                 # commands the thread took from the inbox and has not yet handled
+        self._inbox: list[_Command] = []
+        self._taken: list[_Command] = []       # commands the thread took from the inbox and has not yet handled
         self._dead = False                     # the thread has stopped taking commands (under _cond)
         self._stopping = False
         self._submitted = 0                    # sub-requests sent to the thread, ever (loop side)
@@ -143,7 +152,7 @@ class AsyncEngine:
         stream = RequestStream(rids, self._close_stream, self.max_pending)
         for rid in rids:
             self._streams[rid] = stream
-        future = loop.create_future()
+        future: asyncio.Future[None] = loop.create_future()
         try:
             self._send(_Add(items, chat, future))
             self._submitted += len(items)
@@ -168,13 +177,15 @@ class AsyncEngine:
         finally:
             stream.close()
 
-    async def call(self, fn: Callable[[EngineClient], Any]) -> Any:
+    async def call(self, fn: Callable[[EngineClient], T]) -> T:
         """Run fn(engine) on the engine thread between steps (tokenizer use, inspection)."""
         if not self.is_alive:
             raise EngineDeadError("the engine has stopped")
-        future = asyncio.get_running_loop().create_future()
-        self._send(_Call(fn, future))
-        return await future
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        results: list[T] = []                  # set on the thread before the future is resolved
+        self._send(_Call(lambda engine: results.append(fn(engine)), future))
+        await future
+        return results[0]
 
     def shutdown(self, timeout: float = 10.0) -> None:
         with self._cond:
@@ -182,7 +193,7 @@ class AsyncEngine:
             self._cond.notify()
         self._thread.join(timeout)
 
-    def _send(self, command: Any) -> None:
+    def _send(self, command: _Command) -> None:
         """Hand a command to the thread; once it has died, an add or call raises EngineDeadError (nothing
         would answer it) and an abort is dropped (nothing is left to abort)."""
         with self._cond:
@@ -200,7 +211,7 @@ class AsyncEngine:
         if abort:
             self._send(_Abort(abort))
 
-    def _dispatch(self, items: list[tuple[str, Any]]) -> None:
+    def _dispatch(self, items: list[_Routed]) -> None:
         """On the loop: route deltas (or errors) to their streams; unknown ids were closed already."""
         for rid, item in items:
             stream = self._streams.get(rid)
@@ -233,9 +244,10 @@ class AsyncEngine:
                 if engine.has_unfinished():
                     self._step()
                 self._publish()
-                if self.stats.num_steps != steps:      # a step ran (a step with nothing scheduled records none)
+                record = engine.last_step if self.stats.num_steps != steps else None
+                if record is not None:         # a step ran (a step with nothing scheduled records none)
                     steps = self.stats.num_steps
-                    self._observe(self.observer.on_step, engine.last_step, self.stats)
+                    self._observe(self.observer.on_step, record, self.stats)
         except EngineBrokenError as e:         # a rank is gone: say so once, fail everyone
             log.error("the engine stopped: %s", e)
         except BaseException:                  # a bug in this loop: make it loud, fail everyone
@@ -247,7 +259,7 @@ class AsyncEngine:
             if close is not None:
                 close()
 
-    def _handle(self, command: Any) -> None:
+    def _handle(self, command: _Command) -> None:
         if isinstance(command, _Add):
             self._received += len(command.items)
             try:
@@ -255,7 +267,7 @@ class AsyncEngine:
             except Exception as e:
                 self._resolve(command.future, error=e if isinstance(e, ValueError) else EngineError(str(e)))
             else:
-                self._resolve(command.future, result=None)
+                self._resolve(command.future)
             self._publish()                    # received and waiting change together, in one snapshot
         elif isinstance(command, _Abort):
             for rid in command.request_ids:
@@ -265,11 +277,11 @@ class AsyncEngine:
                     self._observe(self.observer.on_finish, live.request, "abort")
         elif isinstance(command, _Call):
             try:
-                result = command.fn(self.engine)
+                command.fn(self.engine)
             except Exception as e:
                 self._resolve(command.future, error=e)
             else:
-                self._resolve(command.future, result=result)
+                self._resolve(command.future)
 
     def _add(self, items: list[SubRequest], chat: bool, loop: asyncio.AbstractEventLoop) -> None:
         """Tokenize, then add all (or none: a request the engine's admission refuses undoes the others)."""
@@ -286,7 +298,9 @@ class AsyncEngine:
             for rid, ids, params in prepared:
                 engine.add_request(ids, params, request_id=rid)
                 added.append(rid)
-                self._live[rid] = _Live(engine.request(rid), loop)
+                request = engine.request(rid)
+                assert request is not None             # just added: the engine holds it
+                self._live[rid] = _Live(request, loop)
             for rid in added:
                 self._observe(self.observer.on_add, self._live[rid].request)
         except Exception:
@@ -304,7 +318,7 @@ class AsyncEngine:
             log.exception("engine step failed")
             self._fail_step(e)
             return
-        out: dict[asyncio.AbstractEventLoop, list] = {}
+        out: dict[asyncio.AbstractEventLoop, list[_Routed]] = {}
         for d in deltas:
             live = self._live.get(d.request_id)
             if live is None:
@@ -326,7 +340,7 @@ class AsyncEngine:
         self._fail(failed, EngineError(f"the engine failed while running this request: {error}"))
 
     def _fail(self, request_ids: list[str], error: Exception) -> None:
-        out: dict[asyncio.AbstractEventLoop, list] = {}
+        out: dict[asyncio.AbstractEventLoop, list[_Routed]] = {}
         for rid in request_ids:
             live = self._live.pop(rid)
             try:
@@ -349,34 +363,34 @@ class AsyncEngine:
         self._publish()
 
     @staticmethod
-    def _observe(hook: Callable, *args: Any) -> None:
+    def _observe(hook: Callable[P, None], *args: P.args, **kwargs: P.kwargs) -> None:
         try:
-            hook(*args)
+            hook(*args, **kwargs)
         except Exception:                      # metrics must never take the engine down
             log.exception("metrics observer failed")
 
     def _publish(self) -> None:
         self.stats = dataclasses.replace(self.engine.stats(), num_received=self._received)
 
-    def _deliver(self, out: dict[asyncio.AbstractEventLoop, list]) -> None:
+    def _deliver(self, out: dict[asyncio.AbstractEventLoop, list[_Routed]]) -> None:
         for loop, items in out.items():
-            _post(loop, self._dispatch, items)
+            _post(loop, partial(self._dispatch, items))
 
-    def _resolve(self, future: asyncio.Future, result: Any = None, error: BaseException | None = None) -> None:
+    def _resolve(self, future: asyncio.Future[None], error: BaseException | None = None) -> None:
         def settle() -> None:
             if future.done():                  # the awaiting coroutine was cancelled
                 return
             if error is not None:
                 future.set_exception(error)
             else:
-                future.set_result(result)
+                future.set_result(None)
         _post(future.get_loop(), settle)
 
 
-def _post(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
-    """Run fn(*args) on the loop soon; nothing if the loop has closed (shutdown)."""
+def _post(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> None:
+    """Run fn() on the loop soon; nothing if the loop has closed (shutdown)."""
     if not loop.is_closed():
         try:
-            loop.call_soon_threadsafe(fn, *args)
+            loop.call_soon_threadsafe(fn)
         except RuntimeError:
             pass

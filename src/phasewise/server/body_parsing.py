@@ -5,14 +5,17 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import NoReturn, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from phasewise.json_types import JsonValue
 from phasewise.server.protocol import bad_request
 
+M = TypeVar("M", bound=BaseModel)
 
-def _reject_constant(name: str) -> Any:
+
+def _reject_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not valid JSON")
 
 
@@ -33,7 +36,7 @@ def nesting_depth(raw: bytes) -> int:
     return deepest
 
 
-def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
+def parse_body(raw: bytes, model: type[M]) -> M:
     """JSON bytes → a validated model, or a 400 APIError with a message a person can read."""
     if nesting_depth(raw) > MAX_DEPTH:
         raise bad_request(f"the request body nests arrays and objects more than {MAX_DEPTH} levels deep")
@@ -54,7 +57,7 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
                                                        include_context=False))) from None
 
 
-def _lone_surrogate(obj: Any, path: str = "") -> str | None:
+def _lone_surrogate(obj: JsonValue, path: str = "") -> str | None:
     """The dotted path of the first string (key or value) in obj that UTF-8 cannot encode, else None."""
     if isinstance(obj, str):
         try:
@@ -90,7 +93,7 @@ def validation_message(errors: Sequence[dict]) -> tuple[str, str | None]:
     return (f"{where}: {msg}" if where else msg), (loc[0] if loc else None)
 
 
-def _is_type_tag(part: Any) -> bool:
+def _is_type_tag(part: str | int) -> bool:
     """Union members show up in pydantic locations as 'str', 'list[TextPart]', ...: not field names."""
     return isinstance(part, str) and (part in ("str", "int", "float", "bool", "list", "dict", "none")
                                       or "[" in part)

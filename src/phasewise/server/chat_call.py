@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from phasewise.engine.admission import ContextLengthError, RequestError
-from phasewise.sampling.params import ConstraintError
+from phasewise.core.sampling_params import ConstraintError
 from phasewise.server.async_engine import SubRequest
 from phasewise.server.errors import EngineDeadError
 from phasewise.server.guards import Guards

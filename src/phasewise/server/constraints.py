@@ -8,26 +8,27 @@ llama.cpp: `json_schema` (a schema) and `grammar` (GBNF). At most one may constr
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
 
-from phasewise.sampling.params import StructuredOutputs
+from phasewise.json_types import JsonObject, JsonValue
+from phasewise.core.sampling_params import StructuredOutputs
 
 VLLM_KEYS = ("json", "json_object", "regex", "choice", "grammar")
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 FIELDS = ("response_format", "structured_outputs", *GUIDED, "json_schema", "grammar")
 
 
-def _given(fields: dict[str, Any]) -> list[str]:
+def _given(fields: JsonObject) -> list[str]:
     return [name for name in FIELDS if fields.get(name) is not None
             and not (name == "response_format" and _is_text(fields[name]))]
 
 
-def given_field(fields: dict[str, Any]) -> str | None:
+def given_field(fields: JsonObject) -> str | None:
     """The field that constrains the request (the first, if several), or None."""
     return next(iter(_given(fields)), None)
 
 
-def structured_outputs(fields: dict[str, Any], bad_request: Callable[..., Exception]) -> StructuredOutputs | None:
+def structured_outputs(fields: JsonObject, bad_request: Callable[[str, str], Exception]) -> StructuredOutputs | None:
     """From a request's fields (name → value; absent or None: not set); bad_request(message, param)
     makes the error to raise."""
     given = _given(fields)
@@ -57,17 +58,17 @@ def structured_outputs(fields: dict[str, Any], bad_request: Callable[..., Except
         raise bad_request(f"{name}: {message}", name) from None
 
 
-def _is_text(value: Any) -> bool:
+def _is_text(value: JsonValue) -> bool:
     return isinstance(value, dict) and value.get("type", "text") == "text"
 
 
-def _text(value: Any) -> str:
+def _text(value: JsonValue) -> str:
     if not isinstance(value, str):
         raise ValueError("must be a string")
     return value
 
 
-def _response_format(value: Any) -> StructuredOutputs:
+def _response_format(value: JsonValue) -> StructuredOutputs:
     if not isinstance(value, dict):
         raise ValueError("must be an object with a type")
     kind = value.get("type")

@@ -13,13 +13,16 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from phasewise.core.handoffs import EngineStats, StepRecord
+from phasewise.core.request import Request
 from phasewise.outputs import StreamDelta
+from phasewise.server.dashboard_json import (BindingJson, ExpertsJson, FinishedJson, KindJson, PercentilesJson,
+                                               RequestJson, RooflineJson, SnapshotJson, StepJson, WindowJson)
 from phasewise.server.observer import Observer
 
 MAX_LIVE_SHOWN = 200           # live requests sent in a snapshot (the oldest first)
@@ -37,17 +40,17 @@ class Roofline:
     flops_per_token: float            # 2 per linear weight except the output head
     head_flops: float                 # the output head, once per sampling row
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> RooflineJson:
         return {"dram_gbs": self.dram_gbs, "compute_gops": self.compute_gops, "compute_name": self.compute_name}
 
 
-def binding(steps: list[dict[str, Any]], roof: Roofline | None) -> dict[str, Any]:
+def binding(steps: list[StepJson], roof: Roofline | None) -> BindingJson:
     """Per kind of step (prefill: any prompt tokens; decode: none), its share of the steps' time,
     the bandwidth and compute it achieved (weights read once a step; attention not counted) as
     shares of the roofs, and which is nearer exhaustion ("neither roof" when both shares are under
     NEAR_ROOF: attention, sampling and the Python between kernels take the time). Also which kind
     takes most of the time."""
-    out: dict[str, Any] = {"kinds": {}}
+    out: BindingJson = {"kinds": {}}
     total = sum(s["ms"] for s in steps)
     for kind in ("prefill", "decode"):
         group = [s for s in steps if (s["prefill"] > 0) == (kind == "prefill")]
@@ -55,7 +58,7 @@ def binding(steps: list[dict[str, Any]], roof: Roofline | None) -> dict[str, Any
         if not group or secs <= 0:
             continue
         tokens = sum(s["prefill"] + s["decode"] + s["draft"] for s in group)
-        info: dict[str, Any] = {"steps": len(group), "time_share": secs * 1e3 / total, "tokens_per_s": tokens / secs}
+        info: KindJson = {"steps": len(group), "time_share": secs * 1e3 / total, "tokens_per_s": tokens / secs}
         if roof is not None:
             gbs = roof.weight_bytes * len(group) / secs / 1e9
             gops = (roof.flops_per_token * tokens + roof.head_flops * sum(s["batch"] for s in group)) / secs / 1e9
@@ -69,7 +72,7 @@ def binding(steps: list[dict[str, Any]], roof: Roofline | None) -> dict[str, Any
     return out
 
 
-def request_summary(request: Any, reason: str | None) -> dict[str, Any]:
+def request_summary(request: Request, reason: str | None) -> RequestJson:
     """A request's life in brief, times in perf_counter seconds (the page shifts them). The mean gap
     needs only the ends; the largest gap is looked for once, when the request has ended (a live
     request's summary is rebuilt every second for every open page)."""
@@ -88,7 +91,7 @@ def request_summary(request: Any, reason: str | None) -> dict[str, Any]:
             "grammar_compile_ms": m.grammar_compile_ms}
 
 
-def expert_spread(choices: list[np.ndarray]) -> dict[str, Any] | None:
+def expert_spread(choices: list[np.ndarray]) -> ExpertsJson | None:
     """Steps' router choices ([sparse layers, E] each) → each layer's share of choices per expert over
     them, and how many of all layers' experts a step read (mean, largest): the weights a mixture of
     experts reads grow with the union of its rows' choices."""
@@ -126,23 +129,23 @@ class DashboardFeed(Observer):
 
     def __init__(self, *, token_budget: int, max_num_seqs: int, num_blocks: int, roofline: Roofline | None = None,
                  window_s: float = 60.0, max_steps: int = 4000, max_finished: int = 500,
-                 clock: Any = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.token_budget, self.max_num_seqs, self.num_blocks = token_budget, max_num_seqs, num_blocks
         self.roofline, self.window_s, self.clock = roofline, window_s, clock
         self._lock = threading.Lock()
-        self._live: dict[str, Any] = {}                      # request id → the engine's Request
-        self._steps: deque[dict[str, Any]] = deque(maxlen=max_steps)
-        self._finished: deque[dict[str, Any]] = deque(maxlen=max_finished)
+        self._live: dict[str, Request] = {}                  # request id → the engine's Request
+        self._steps: deque[StepJson] = deque(maxlen=max_steps)
+        self._finished: deque[FinishedJson] = deque(maxlen=max_finished)
         self._ttft, self._itl, self._e2e = _Samples(), _Samples(), _Samples()     # (when, ms)
         self._prompts, self._cached = _Samples(), _Samples()                       # (when, tokens)
         self._experts: deque[tuple[float, np.ndarray]] = deque(maxlen=2000)     # (when, a step's router choices)
         self._seq = 0
-        self._windowed: dict[str, Any] | None = None
+        self._windowed: WindowJson | None = None
         self._windowed_at = 0.0
 
     # ---- the engine thread -------------------------------------------------------------
 
-    def on_add(self, request: Any) -> None:
+    def on_add(self, request: Request) -> None:
         with self._lock:
             self._live[request.request_id] = request
 
@@ -161,37 +164,35 @@ class DashboardFeed(Observer):
             for i in range(max(first, 1), len(times)):
                 self._itl.append(times[i], (times[i] - times[i - 1]) * 1e3)
 
-    def on_finish(self, request: Any, reason: str) -> None:
+    def on_finish(self, request: Request, reason: str) -> None:
         summary = request_summary(request, reason)
         with self._lock:
             self._live.pop(request.request_id, None)
             self._seq += 1
-            summary["seq"] = self._seq
-            self._finished.append(summary)
+            self._finished.append({**summary, "seq": self._seq})
             if request.metrics.finished is not None:
                 self._e2e.append(request.metrics.finished, request.metrics.e2e_ms)
 
     def on_step(self, record: StepRecord, stats: EngineStats) -> None:
-        step = {"t": record.start, "ms": record.duration_ms, "prefill": record.num_prefill_tokens,
+        choices = None if record.expert_choices is None else np.asarray(record.expert_choices, dtype=np.int64)
+        with self._lock:
+            self._seq += 1
+            step: StepJson = {
+                "t": record.start, "ms": record.duration_ms, "prefill": record.num_prefill_tokens,
                 "decode": record.num_decode_tokens, "batch": record.batch_size, "draft": record.num_draft_tokens,
                 "accepted": record.num_accepted_tokens, "grammar_ms": record.grammar_ms,
                 "threads": record.threads, "others": round(stats.cpus_busy_elsewhere, 2),
                 "used": stats.num_blocks - stats.num_free_blocks,
                 "cached": stats.num_cached_blocks, "free": stats.num_free_blocks,
-                "running": stats.num_running, "waiting": stats.num_waiting}
-        choices = None if record.expert_choices is None else np.asarray(record.expert_choices, dtype=np.int64)
-        if choices is not None:
-            step["experts_read"] = int(np.count_nonzero(choices))
-        with self._lock:
-            self._seq += 1
-            step["seq"] = self._seq
-            self._steps.append(step)
+                "running": stats.num_running, "waiting": stats.num_waiting, "seq": self._seq}
             if choices is not None:
+                step["experts_read"] = int(np.count_nonzero(choices))
                 self._experts.append((record.start, choices))
+            self._steps.append(step)
 
     # ---- the event loop ------------------------------------------------------------------
 
-    def snapshot(self, after: int, stats: EngineStats) -> dict[str, Any]:
+    def snapshot(self, after: int, stats: EngineStats) -> SnapshotJson:
         """Everything with a sequence number past `after` (the page's cursor), the live requests, the
         engine's counts now, and the windowed figures (computed at most twice a second, shared by
         every open page: they read a minute of inter-token gaps while holding the GIL the engine
@@ -202,8 +203,10 @@ class DashboardFeed(Observer):
             finished = [r for r in self._finished if r["seq"] > after] if after < self._seq else []
             live = list(self._live.values())[:MAX_LIVE_SHOWN]
             seq = self._seq
-        if self._windowed is None or now - self._windowed_at >= 0.45:
-            self._windowed, self._windowed_at = self._window(now), now
+        windowed = self._windowed
+        if windowed is None or now - self._windowed_at >= 0.45:
+            windowed = self._window(now)
+            self._windowed, self._windowed_at = windowed, now
         return {
             "now": now, "seq": seq, "steps": steps, "finished": finished,
             "live": [request_summary(r, None) for r in live],
@@ -211,11 +214,11 @@ class DashboardFeed(Observer):
                        "used": stats.num_blocks - stats.num_free_blocks, "cached": stats.num_cached_blocks,
                        "free": stats.num_free_blocks, "token_budget": self.token_budget,
                        "max_num_seqs": self.max_num_seqs},
-            "window_s": self.window_s, **self._windowed,
+            "window_s": self.window_s, **windowed,
             "roofline": self.roofline.to_json() if self.roofline else None,
         }
 
-    def _window(self, now: float) -> dict[str, Any]:
+    def _window(self, now: float) -> WindowJson:
         since = now - self.window_s
         with self._lock:
             ttft, itl, e2e, prompts, cached = (d.prune(since) for d in (self._ttft, self._itl, self._e2e,
@@ -240,7 +243,7 @@ class DashboardFeed(Observer):
         }
 
 
-def _stats(values: np.ndarray) -> dict[str, float | int]:
+def _stats(values: np.ndarray) -> PercentilesJson:
     """Percentiles interpolated linearly, as phasewise.percentile does (numpy's default method)."""
     if not len(values):
         return {"n": 0, "p50": 0.0, "p90": 0.0, "p99": 0.0}

@@ -12,12 +12,12 @@ import json
 import logging
 import secrets
 from dataclasses import dataclass
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from phasewise.server import anthropic_protocol as anthropic
 from phasewise.server.async_engine import AsyncEngine
@@ -68,10 +68,10 @@ class Guards:
 class BodyLimit:
     """ASGI middleware: a body over the limit is answered 413 before the app sees the request."""
 
-    def __init__(self, app: Any, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         length = dict(scope.get("headers") or []).get(b"content-length")
@@ -90,7 +90,7 @@ class BodyLimit:
                 break
         replayed = False
 
-        async def replay() -> dict:
+        async def replay() -> Message:
             nonlocal replayed
             if not replayed:
                 replayed = True
@@ -99,7 +99,7 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _too_large(self, scope: dict, send: Any) -> None:
+    async def _too_large(self, scope: Scope, send: Send) -> None:
         message = f"the request body is larger than {self.max_bytes} bytes"
         body = json.dumps(anthropic.error_body(413, message) if anthropic.is_messages_path(scope.get("path", ""))
                           else error_body(message, code="request_too_large")).encode()

@@ -7,7 +7,7 @@ published snapshot when /metrics is scraped.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest)
@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily
 
 from phasewise.outputs import StreamDelta
 from phasewise.core.handoffs import EngineStats, StepRecord
+from phasewise.core.request import Request
 from phasewise.server.observer import Observer
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -46,7 +47,7 @@ class _EngineCollector:
         self.model_name = model_name
         self.stats = EngineStats()
 
-    def collect(self):
+    def collect(self) -> Iterator[CounterMetricFamily]:
         for name, doc, field in ENGINE_COUNTERS:
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric([self.model_name], getattr(self.stats, field))
@@ -61,13 +62,13 @@ class ServerMetrics(Observer):
         self.registry = r = CollectorRegistry()
         labels, values = ["model_name"], [model_name]
 
-        def counter(name: str, doc: str) -> Any:
+        def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, labels, registry=r).labels(*values)
 
-        def gauge(name: str, doc: str) -> Any:
+        def gauge(name: str, doc: str) -> Gauge:
             return Gauge(name, doc, labels, registry=r).labels(*values)
 
-        def histogram(name: str, doc: str, buckets: tuple) -> Any:
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(*values)
 
         self.ttft = histogram("phasewise:time_to_first_token_seconds",
@@ -113,7 +114,7 @@ class ServerMetrics(Observer):
 
     # ---- Observer: called on the engine thread -------------------------------------------------
 
-    def on_add(self, request: Any) -> None:
+    def on_add(self, request: Request) -> None:
         if request.grammar is not None:
             self.structured.inc()
             self.grammar_compile.observe((request.metrics.grammar_compile_ms or 0.0) / 1e3)
@@ -141,7 +142,7 @@ class ServerMetrics(Observer):
         for i in range(max(first, 1), len(times)):   # every gap (accepted drafts share their step's time)
             self.itl.observe(times[i] - times[i - 1])
 
-    def on_finish(self, request: Any, reason: str) -> None:
+    def on_finish(self, request: Request, reason: str) -> None:
         m = request.metrics
         if m.finished is not None:
             self.e2e.observe(m.e2e_ms / 1e3)

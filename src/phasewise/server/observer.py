@@ -2,22 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from phasewise.core.handoffs import EngineStats, StepRecord
+from phasewise.core.request import Request
 from phasewise.outputs import StreamDelta
 
 
 class Observer:
     """Hooks called on the engine thread (metrics). Default: do nothing."""
 
-    def on_add(self, request: Any) -> None: ...
+    def on_add(self, request: Request) -> None: ...
 
     def on_step(self, record: StepRecord, stats: EngineStats) -> None: ...
 
     def on_delta(self, delta: StreamDelta) -> None: ...
 
-    def on_finish(self, request: Any, reason: str) -> None: ...
+    def on_finish(self, request: Request, reason: str) -> None: ...
 
 
 class Observers(Observer):
@@ -26,7 +25,7 @@ class Observers(Observer):
     def __init__(self, *observers: Observer) -> None:
         self.observers = observers
 
-    def on_add(self, request: Any) -> None:
+    def on_add(self, request: Request) -> None:
         for o in self.observers:
             o.on_add(request)
 
@@ -38,6 +37,6 @@ class Observers(Observer):
         for o in self.observers:
             o.on_delta(delta)
 
-    def on_finish(self, request: Any, reason: str) -> None:
+    def on_finish(self, request: Request, reason: str) -> None:
         for o in self.observers:
             o.on_finish(request, reason)

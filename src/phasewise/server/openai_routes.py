@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from functools import partial
-from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
+from phasewise.json_types import JsonObject
 from phasewise.server import responses as R
 from phasewise.server.async_engine import SubRequest
 from phasewise.server.body_parsing import parse_body
@@ -32,8 +32,9 @@ class Responder:
     def __init__(self, guards: Guards) -> None:
         self.config, self.pair, self.submitter = guards.config, DisaggregatedPair(guards.engine), Submitter(guards)
 
-    async def respond(self, request: Request, body: Any, rid: str, items: list[SubRequest], chat: bool,
-                      events: Callable, final: Callable) -> Response:
+    async def respond(self, request: Request, body: CompletionRequest | ChatCompletionRequest, rid: str,
+                      items: list[SubRequest], chat: bool, events: Callable[..., AsyncIterator[str]],
+                      final: Callable[..., JsonObject]) -> Response:
         """Start the sub-requests, then stream `events` (SSE) or collect every output into `final`'s
         body (499 when the client left first). With kv_transfer_params (from `serve --role proxy`):
         a decode instance first imports the prompt's KV blocks the prefill instance sends; a prefill

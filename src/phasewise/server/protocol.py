@@ -8,12 +8,13 @@ rendered in OpenAI's shape {"error": {"message", "type", "param", "code"}}.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Annotated, TypedDict
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
 from phasewise import tool_calling
-from phasewise.sampling.params import SamplingParams, StructuredOutputs
+from phasewise.json_types import JsonObject
+from phasewise.core.sampling_params import SamplingParams, StructuredOutputs
 from phasewise.server import constraints
 
 MAX_CHOICES = 128          # n x prompts of one API call
@@ -82,6 +83,29 @@ UNSUPPORTED_FIELDS = frozenset({
 })
 
 
+# what `stop` takes, as the schema says it (_stop makes it a list)
+_STOP = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}, {"type": "null"}]}
+
+
+class CommonParams(TypedDict, total=False):
+    """The SamplingParams fields that completions and chat requests set alike (the floats when given)."""
+    n: int
+    seed: int | None
+    stop: list[str]
+    ignore_eos: bool
+    min_tokens: int
+    stop_token_ids: list[int]
+    skip_special_tokens: bool
+    structured_outputs: StructuredOutputs | None
+    temperature: float
+    top_p: float
+    presence_penalty: float
+    frequency_penalty: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
@@ -99,7 +123,7 @@ class _Request(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = Field(None, ge=-INT64, lt=INT64)
-    stop: Any = None
+    stop: Annotated[list[str], WithJsonSchema(_STOP)] = Field(default_factory=list)   # checked by _stop
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     # the extra (vLLM-style) sampling fields
@@ -112,22 +136,22 @@ class _Request(BaseModel):
     skip_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None
     # structured outputs (server/constraints.py: OpenAI's, vLLM's and llama.cpp's spellings)
-    response_format: Any = None
-    structured_outputs: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
+    response_format: JsonObject | None = None
+    structured_outputs: JsonObject | None = None
+    guided_json: JsonObject | str | None = None          # a JSON schema, or its text
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     guided_decoding_backend: str | None = None    # accepted and ignored: llguidance is the one backend
-    json_schema: Any = None
-    grammar: Any = None
+    json_schema: JsonObject | str | None = None
+    grammar: str | None = None
     # prefill/decode disaggregation (set by `serve --role proxy`): the transfer carrying this prompt's KV
     kv_transfer_params: KVTransferParams | None = None
     user: str | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
-    def _stop(cls, v: Any) -> list[str]:
+    def _stop(cls, v: object) -> list[str]:
         if v is None:
             return []
         if isinstance(v, str):
@@ -136,10 +160,10 @@ class _Request(BaseModel):
             return v
         raise ValueError("must be a string or a list of strings")
 
-    def _common(self) -> dict[str, Any]:
+    def _common(self) -> CommonParams:
         if self.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias")
-        fields = {
+        fields: CommonParams = {
             "n": self.n, "seed": self.seed, "stop": self.stop, "ignore_eos": self.ignore_eos,
             "min_tokens": self.min_tokens, "stop_token_ids": self.stop_token_ids or [],
             "skip_special_tokens": self.skip_special_tokens,
@@ -168,7 +192,7 @@ _PROMPT = {"anyOf": [{"type": "string"}, _IDS,
 
 
 class CompletionRequest(_Request):
-    prompt: Any = Field(json_schema_extra=_PROMPT)     # checked by _prompt; the schema says what it takes
+    prompt: Annotated[list[str | list[int]], WithJsonSchema(_PROMPT)]     # one prompt or a batch: see _prompt
     max_tokens: int | None = Field(16, ge=-INT64, lt=INT64)   # OpenAI's and vLLM's default here
     logprobs: int | None = Field(None, ge=-INT64, lt=INT64)
     echo: bool = False
@@ -177,9 +201,9 @@ class CompletionRequest(_Request):
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _prompt(cls, v: Any) -> list[str | list[int]]:
+    def _prompt(cls, v: object) -> list[str | list[int]]:
         """One prompt or a batch: text, token ids, a list of texts, or a list of token-id lists."""
-        def ids(x: Any) -> bool:
+        def ids(x: object) -> bool:
             return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
         if isinstance(v, str):
             return [v]
@@ -221,11 +245,11 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: str
     content: str | list[TextPart] | None = None
-    tool_calls: list[dict[str, Any]] | None = None      # an assistant's earlier calls
+    tool_calls: list[JsonObject] | None = None          # an assistant's earlier calls
     tool_call_id: str | None = None                     # a tool result: the call it answers
     name: str | None = None
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> JsonObject:
         if self.role not in ROLES:
             raise bad_request(f"messages: a role must be one of {', '.join(ROLES)}, got {self.role!r}", "messages")
         content = self.content
@@ -233,8 +257,8 @@ class ChatMessage(BaseModel):
             if any(p.type != "text" or p.text is None for p in content):
                 raise bad_request("only text content parts are supported", "messages")
             content = "".join(p.text for p in content)
-        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
-                                   "content": content or ""}
+        message: JsonObject = {"role": "system" if self.role == "developer" else self.role,
+                               "content": content or ""}
         if self.tool_calls:
             if self.role != "assistant":
                 raise bad_request("messages: only an assistant message has tool_calls", "messages")
@@ -255,11 +279,11 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = Field(None, ge=-INT64, lt=INT64)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=-INT64, lt=INT64)
-    tools: Any = None
-    tool_choice: Any = None
+    tools: list[JsonObject] | None = None                # checked by checked_tools
+    tool_choice: str | JsonObject | None = None          # "none", "auto", "required" or a function's: forced_tool
     parallel_tool_calls: bool = True
 
-    def conversation(self) -> list[dict[str, Any]]:
+    def conversation(self) -> list[JsonObject]:
         if not self.messages:
             raise bad_request("messages must not be empty", "messages")
         return [m.as_dict() for m in self.messages]
@@ -285,8 +309,9 @@ class ChatCompletionRequest(_Request):
         choice = self.tool_choice
         if choice is None or choice in TOOL_CHOICES:
             return choice == "required", None
-        name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
-        if not isinstance(name, str) or choice.get("type", "function") != "function":
+        function = choice.get("function") if isinstance(choice, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str) or not isinstance(choice, dict) or choice.get("type", "function") != "function":
             raise bad_request('tool_choice must be "none", "auto", "required" or {"type": "function", '
                               '"function": {"name": ...}}', "tool_choice")
         return True, name
@@ -320,7 +345,7 @@ class ChatCompletionRequest(_Request):
         return params, tool_format
 
 
-def make_params(fields: dict[str, Any], max_tokens: int | None, logprobs: int | None,
+def make_params(fields: CommonParams, max_tokens: int | None, logprobs: int | None,
                 prompt_logprobs: int | None = None) -> SamplingParams:
     try:
         return SamplingParams(**fields, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
@@ -342,7 +367,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    tools: Any = None                      # with messages: rendered by the chat template, as in a chat request
+    tools: list[JsonObject] | None = None  # with messages: rendered by the chat template, as in a chat request
     add_special_tokens: bool = True
 
 
@@ -355,14 +380,14 @@ class DetokenizeRequest(BaseModel):
 BODIES = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
 
 
-def openapi_body(model: type[BaseModel]) -> dict[str, Any]:
+def openapi_body(model: type[BaseModel]) -> JsonObject:
     """A route's `openapi_extra`: its JSON body is `model` (the routes parse bodies themselves, to
     answer 400 in OpenAI's shape rather than FastAPI's 422, so FastAPI cannot see the model)."""
     ref = {"$ref": f"#/components/schemas/{model.__name__}"}
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
-def openapi_schemas() -> dict[str, Any]:
+def openapi_schemas() -> JsonObject:
     """The JSON Schemas of every request body (and what they use), for the OpenAPI components."""
     from pydantic.json_schema import models_json_schema
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
 from phasewise.outputs import StreamDelta
 from phasewise.server.errors import SlowClientError
@@ -24,7 +23,7 @@ class RequestStream:
     def __init__(self, request_ids: list[str], close: Callable[[list[str], list[str]], None],
                  max_pending: int) -> None:
         self.request_ids = request_ids
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._queue: asyncio.Queue[StreamDelta | BaseException] = asyncio.Queue()
         self._unfinished = set(request_ids)
         self._aborted = False
         self._close = close                # (its ids, those to abort): the engine stops routing to it
@@ -46,7 +45,7 @@ class RequestStream:
     def finished(self) -> bool:
         return not self._unfinished
 
-    def _put(self, item: Any) -> None:
+    def _put(self, item: StreamDelta | BaseException) -> None:
         """On the loop: a delta (or an error) for the consumer. Past `max_pending` unread items the
         consumer has stopped reading (a client that no longer reads its socket): the requests are
         aborted, and a consumer that comes back finds the error after what it had not read."""

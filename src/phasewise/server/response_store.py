@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+
+from phasewise.json_types import JsonObject
 
 MAX_RESPONSES = 1000
 MAX_BYTES = 64 * 1024 * 1024
@@ -20,8 +21,8 @@ class StoredResponse:
     """body: the response object as returned; conversation: its chat messages without the instructions
     (the input, after its predecessors', then the output as an assistant message), which a request
     naming it as previous_response_id continues."""
-    body: dict[str, Any]
-    conversation: list[dict[str, Any]]
+    body: JsonObject
+    conversation: list[JsonObject]
     size: int
 
 
@@ -36,7 +37,7 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._items)
 
-    def put(self, body: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+    def put(self, body: JsonObject, conversation: list[JsonObject]) -> None:
         size = len(json.dumps(body, ensure_ascii=False)) + len(json.dumps(conversation, ensure_ascii=False))
         self.delete(body["id"])
         if size > self.max_bytes:

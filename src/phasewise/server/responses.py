@@ -5,9 +5,10 @@ from __future__ import annotations
 import codecs
 from collections.abc import Sequence
 from functools import lru_cache
-from typing import Any
+from typing import Protocol, TypedDict
 
-from phasewise.core.handoffs import TokenLogprobs
+from phasewise.core.request import TokenLogprobs
+from phasewise.json_types import JsonObject, JsonValue
 from phasewise.percentile import percentile
 from phasewise.outputs import CompletionOutput
 from phasewise.tool_calling import ToolCallParser
@@ -17,7 +18,32 @@ TIMING_KEYS = ("queue_ms", "ttft_ms", "prompt_n", "cache_n", "prompt_ms", "promp
                "predicted_ms", "predicted_per_second", "total_ms", "preemptions")
 
 
-def timings(out: CompletionOutput) -> dict[str, Any]:
+class TokenBytes(Protocol):
+    """What TokenText reads of a tokenizer (phasewise.tokenization.tokenizer.Tokenizer has it)."""
+
+    def token_bytes(self, token_id: int) -> bytes: ...
+
+
+class CompletionLogprobs(TypedDict):
+    """The legacy completions format's logprobs: one entry per token in each list."""
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class TopLogprob(TypedDict):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatLogprob(TopLogprob):
+    """One content token's entry of a chat choice's logprobs."""
+    top_logprobs: list[TopLogprob]
+
+
+def timings(out: CompletionOutput) -> dict[str, float]:
     """Where the time of one request went (llama.cpp-style keys, plus ITL percentiles)."""
     t = report_timings(out)
     body = {k: t[k] for k in TIMING_KEYS}
@@ -30,7 +56,8 @@ def timings(out: CompletionOutput) -> dict[str, Any]:
     return body
 
 
-def usage(per_prompt: Sequence[CompletionOutput], outputs: Sequence[CompletionOutput]) -> dict[str, Any]:
+def usage(per_prompt: Sequence[CompletionOutput], outputs: Sequence[CompletionOutput]
+          ) -> dict[str, int | dict[str, int]]:
     """Prompt tokens counted once per prompt (not per choice), completion tokens over all choices."""
     prompt = sum(len(o.prompt_token_ids) for o in per_prompt)
     completion = sum(len(o.token_ids) for o in outputs)
@@ -58,7 +85,7 @@ class TokenText:
     bodies built from them. A token that is not whole UTF-8 on its own (part of a character) is
     shown as OpenAI shows it, "bytes:\\xNN...", and its `bytes` are its own."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: TokenBytes) -> None:
         self.bytes = lru_cache(maxsize=65536)(tokenizer.token_bytes)
         self._text = lru_cache(maxsize=65536)(self._display)
 
@@ -73,7 +100,7 @@ class TokenText:
         return self._text(token_id)
 
     def completion_logprobs(self, token_ids: Sequence[int], lps: Sequence[TokenLogprobs | None],
-                            offsets: TextOffsets | None = None) -> dict[str, Any]:
+                            offsets: TextOffsets | None = None) -> CompletionLogprobs:
         """The legacy completions format; text_offset continues `offsets` (a stream's, chunk to chunk).
         A None entry (an echoed prompt's first token) has null logprobs, as in vLLM."""
         offsets = offsets or TextOffsets()
@@ -88,11 +115,11 @@ class TokenText:
         return b"".join(self.bytes(t) for t in token_ids).decode("utf-8", errors="replace")
 
     def chat_logprobs(self, token_ids: Sequence[int], lps: Sequence[TokenLogprobs], ended: bool = False
-                      ) -> dict[str, Any]:
+                      ) -> dict[str, list[ChatLogprob]]:
         """One entry per token of the message's content; `ended`: the last token is the stop token
         that ended the turn (an end-of-turn or a stop_token_ids token), which the content does not
         hold, so it has no entry (the entries' bytes rebuild the content)."""
-        def entry(i: int, v: float) -> dict[str, Any]:
+        def entry(i: int, v: float) -> TopLogprob:
             return {"token": self(i), "logprob": v, "bytes": list(self.bytes(i))}
         n = len(token_ids) - 1 if ended and token_ids else len(token_ids)
         return {"content": [{**entry(t, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
@@ -119,7 +146,7 @@ def echoed(out: CompletionOutput, tt: TokenText) -> tuple[str, list[int], list[T
 
 
 def completion_body(rid: str, created: int, model: str, outputs: Sequence[CompletionOutput], want_logprobs: bool,
-                    *, n: int, tt: TokenText, echo: bool = False) -> dict[str, Any]:
+                    *, n: int, tt: TokenText, echo: bool = False) -> JsonObject:
     """outputs: n choices per prompt, prompt by prompt."""
     choices = []
     for i, out in enumerate(outputs):
@@ -141,7 +168,7 @@ def tool_finish_reason(reason: str | None, parser: ToolCallParser | None) -> str
 
 
 def chat_message(out: CompletionOutput, tool_format: str | None,
-                 tool_names: frozenset[str] = frozenset()) -> tuple[dict[str, Any], str | None]:
+                 tool_names: frozenset[str] = frozenset()) -> tuple[JsonObject, str | None]:
     """The assistant message of a finished output and its finish reason: with a tool format, the calls
     found in the text as tool_calls (content: the text around them, or null)."""
     if tool_format is None:
@@ -154,9 +181,9 @@ def chat_message(out: CompletionOutput, tool_format: str | None,
              "tool_calls": [c.as_dict() for c in parser.calls]}, tool_finish_reason(out.finish_reason, parser))
 
 
-def merge_delta(pieces: list[dict]) -> dict[str, Any]:
+def merge_delta(pieces: list[JsonObject]) -> JsonObject:
     """A parser's pieces of one step as one chat delta: content joined, each call's pieces in one entry."""
-    delta: dict[str, Any] = {}
+    delta: JsonObject = {}
     for piece in pieces:
         if "content" in piece:
             delta["content"] = delta.get("content", "") + piece["content"]
@@ -172,7 +199,7 @@ def merge_delta(pieces: list[dict]) -> dict[str, Any]:
 
 def chat_body(rid: str, created: int, model: str, outputs: Sequence[CompletionOutput], want_logprobs: bool,
               *, tt: TokenText, tool_format: str | None = None,
-              tool_names: frozenset[str] = frozenset()) -> dict[str, Any]:
+              tool_names: frozenset[str] = frozenset()) -> JsonObject:
     choices = []
     for i, out in enumerate(outputs):
         message, finish_reason = chat_message(out, tool_format, tool_names)
@@ -187,9 +214,9 @@ def chat_body(rid: str, created: int, model: str, outputs: Sequence[CompletionOu
             "usage": usage(outputs[:1], outputs), "timings": timings(outputs[0])}
 
 
-def chunk(rid: str, obj: str, created: int, model: str, choices: list[dict[str, Any]],
-          include_usage: bool, **extra: Any) -> dict[str, Any]:
-    body = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
+def chunk(rid: str, obj: str, created: int, model: str, choices: list[JsonObject],
+          include_usage: bool, **extra: JsonValue) -> JsonObject:
+    body: JsonObject = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
     if include_usage:
         body["usage"] = None
     body.update(extra)

@@ -11,10 +11,10 @@ max_output_tokens → max_tokens. `renamed` puts the chat errors' field names ba
 from __future__ import annotations
 
 import re
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
+from phasewise.json_types import JsonObject, JsonValue
 from phasewise.server.body_parsing import validation_message
 from phasewise.server.protocol import UNSUPPORTED_FIELDS, APIError, ChatCompletionRequest, bad_request
 
@@ -44,12 +44,12 @@ class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str | None = None
-    input: str | list[dict[str, Any]] | None = None
+    input: str | list[JsonObject] | None = None           # text, or items: see input_messages
     instructions: str | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[JsonObject] | None = None
+    tool_choice: str | JsonObject | None = None
     parallel_tool_calls: bool | None = None
-    text: dict[str, Any] | None = None
+    text: JsonObject | None = None                        # {"format": {...}, "verbosity": ...}
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -57,7 +57,7 @@ class ResponsesRequest(BaseModel):
     store: bool | None = None
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
-    reasoning: dict[str, Any] | None = None
+    reasoning: JsonObject | None = None
     include: list[str] | None = None
     truncation: str | None = None
     background: bool | None = None
@@ -92,7 +92,7 @@ class ResponsesRequest(BaseModel):
         return self.store is not False          # OpenAI's default: stored
 
     @property
-    def text_format(self) -> dict[str, Any]:
+    def text_format(self) -> JsonObject:
         fmt = (self.text or {}).get("format")
         return fmt if isinstance(fmt, dict) else {"type": "text"}
 
@@ -104,14 +104,14 @@ def renamed(e: APIError) -> APIError:
     return APIError(e.status, message, e.type, param, e.code, e.headers)
 
 
-def input_messages(body: ResponsesRequest, known_calls: dict[str, str]) -> list[dict[str, Any]]:
+def input_messages(body: ResponsesRequest, known_calls: dict[str, str]) -> list[JsonObject]:
     """The request's input as chat messages. known_calls: call_id → function name of the calls so far
     (the stored conversation's), which a function_call_output's tool message is named by."""
     if body.input is None:
         return []
     if isinstance(body.input, str):
         return [{"role": "user", "content": body.input}]
-    messages: list[dict[str, Any]] = []
+    messages: list[JsonObject] = []
     calls = dict(known_calls)
     for i, item in enumerate(body.input):
         kind = item.get("type", "message")
@@ -143,14 +143,14 @@ def input_messages(body: ResponsesRequest, known_calls: dict[str, str]) -> list[
     return messages
 
 
-def _message(item: dict[str, Any], i: int) -> dict[str, Any]:
+def _message(item: JsonObject, i: int) -> JsonObject:
     role = item.get("role")
     if role not in ROLES:
         raise bad_request(f"input.{i}: a message's role must be one of {', '.join(ROLES)}, got {role!r}", "input")
     return {"role": role, "content": _text(item.get("content"), f"input.{i}.content")}
 
 
-def _text(content: Any, where: str) -> str:
+def _text(content: JsonValue, where: str) -> str:
     """A string, or a list of text parts joined (input_text, output_text)."""
     if isinstance(content, str):
         return content
@@ -161,11 +161,11 @@ def _text(content: Any, where: str) -> str:
                       "images, files and audio are not supported", "input")
 
 
-def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+def chat_tools(tools: list[JsonObject] | None) -> list[JsonObject] | None:
     """Responses' flat function tools as chat tools; other kinds of tool are a 400 naming tools."""
     if tools is None:
         return None
-    out = []
+    out: list[JsonObject] = []
     for i, tool in enumerate(tools):
         kind = tool.get("type")
         if kind != "function":
@@ -178,7 +178,7 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
     return out
 
 
-def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+def chat_tool_choice(choice: str | JsonObject | None) -> str | JsonObject | None:
     if not isinstance(choice, dict):
         return choice
     if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
@@ -187,7 +187,7 @@ def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any
     return {"type": "function", "function": {"name": choice["name"]}}
 
 
-def response_format(body: ResponsesRequest) -> dict[str, Any] | None:
+def response_format(body: ResponsesRequest) -> JsonObject | None:
     """text.format as the chat route's response_format (None: plain text)."""
     fmt = (body.text or {}).get("format")
     if fmt is None:
@@ -204,12 +204,12 @@ def response_format(body: ResponsesRequest) -> dict[str, Any] | None:
     raise bad_request(f"text.format.type must be text, json_object or json_schema, got {kind!r}", "text")
 
 
-def chat_request(body: ResponsesRequest, history: list[dict[str, Any]]) -> tuple[ChatCompletionRequest, int]:
+def chat_request(body: ResponsesRequest, history: list[JsonObject]) -> tuple[ChatCompletionRequest, int]:
     """The chat request this body makes after `history` (the stored conversation it continues), and how
     many of its messages come before the conversation (the instructions' system message: not stored)."""
     known = {c["id"]: c["function"]["name"] for m in history for c in m.get("tool_calls", ())}
     head = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    chat: dict[str, Any] = {
+    chat: JsonObject = {
         "model": body.model, "messages": head + history + input_messages(body, known),
         "tools": chat_tools(body.tools), "tool_choice": chat_tool_choice(body.tool_choice),
         "response_format": response_format(body), "max_tokens": body.max_output_tokens,

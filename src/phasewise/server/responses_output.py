@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any
 
+from phasewise.json_types import JsonObject
 from phasewise.outputs import CompletionOutput
 from phasewise.server.responses_api import ResponsesRequest
 from phasewise.tool_calling import ToolCallParser
@@ -28,12 +28,12 @@ class OutputItems:
 
     def __init__(self, parser: ToolCallParser | None) -> None:
         self.parser = parser
-        self.items: list[dict[str, Any]] = []
-        self._open: dict[str, Any] | None = None          # the item being written, last of items
+        self.items: list[JsonObject] = []
+        self._open: JsonObject | None = None              # the item being written, last of items
 
-    def feed(self, text: str, final: bool = False) -> list[dict[str, Any]]:
+    def feed(self, text: str, final: bool = False) -> list[JsonObject]:
         pieces = self.parser.feed(text, final) if self.parser else [{"content": text}] if text else []
-        events: list[dict[str, Any]] = []
+        events: list[JsonObject] = []
         for piece in pieces:
             if "content" in piece:
                 events += self._content(piece["content"])
@@ -44,24 +44,24 @@ class OutputItems:
                     events += self._arguments(call["function"]["arguments"])
         return events
 
-    def finish(self, status: str) -> list[dict[str, Any]]:
+    def finish(self, status: str) -> list[JsonObject]:
         """Close the open item (status "completed" or "incomplete"); no output at all is one empty message."""
         events = [] if self.items else self._content("")
         return events + self._close("completed" if status == "completed" else "incomplete")
 
-    def _where(self) -> dict[str, Any]:
+    def _where(self) -> JsonObject:
         assert self._open is not None
         return {"item_id": self._open["id"], "output_index": len(self.items) - 1}
 
-    def _add(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+    def _add(self, item: JsonObject) -> list[JsonObject]:
         events = self._close("completed")
         self.items.append(item)
         self._open = item
         return events + [{"type": "response.output_item.added", "output_index": len(self.items) - 1,
                           "item": json.loads(json.dumps(item))}]
 
-    def _content(self, text: str) -> list[dict[str, Any]]:
-        events: list[dict[str, Any]] = []
+    def _content(self, text: str) -> list[JsonObject]:
+        events: list[JsonObject] = []
         if self._open is None or self._open["type"] != "message":
             events += self._add({"type": "message", "id": new_id("msg"), "status": "in_progress",
                                  "role": "assistant", "content": []})
@@ -75,18 +75,18 @@ class OutputItems:
                            "delta": text, "logprobs": []})
         return events
 
-    def _call(self, call_id: str, name: str, arguments: str) -> list[dict[str, Any]]:
+    def _call(self, call_id: str, name: str, arguments: str) -> list[JsonObject]:
         events = self._add({"type": "function_call", "id": new_id("fc"), "call_id": call_id, "name": name,
                             "arguments": "", "status": "in_progress"})
         return events + self._arguments(arguments)
 
-    def _arguments(self, fragment: str) -> list[dict[str, Any]]:
+    def _arguments(self, fragment: str) -> list[JsonObject]:
         if not fragment or self._open is None or self._open["type"] != "function_call":
             return []
         self._open["arguments"] += fragment
         return [{"type": "response.function_call_arguments.delta", **self._where(), "delta": fragment}]
 
-    def _close(self, status: str) -> list[dict[str, Any]]:
+    def _close(self, status: str) -> list[JsonObject]:
         item = self._open
         if item is None:
             return []
@@ -104,7 +104,7 @@ class OutputItems:
                           "item": json.loads(json.dumps(item))}]
 
 
-def assistant_message(items: list[dict[str, Any]]) -> dict[str, Any]:
+def assistant_message(items: list[JsonObject]) -> JsonObject:
     """The output items as one chat message, for the stored conversation."""
     text = "".join(p["text"] for it in items if it["type"] == "message" for p in it["content"])
     calls = [{"id": it["call_id"], "type": "function", "function": {"name": it["name"], "arguments": it["arguments"]}}
@@ -112,7 +112,7 @@ def assistant_message(items: list[dict[str, Any]]) -> dict[str, Any]:
     return {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
 
 
-def usage(out: CompletionOutput) -> dict[str, Any]:
+def usage(out: CompletionOutput) -> dict[str, int | dict[str, int]]:
     prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
     return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": out.cached_tokens,
                                                              "cache_write_tokens": 0},
@@ -128,8 +128,8 @@ def status_of(out: CompletionOutput) -> str:
 
 
 def response_body(body: ResponsesRequest, rid: str, created: int, model: str, status: str,
-                  items: list[dict[str, Any]], out: CompletionOutput | None = None,
-                  error: str | None = None) -> dict[str, Any]:
+                  items: list[JsonObject], out: CompletionOutput | None = None,
+                  error: str | None = None) -> JsonObject:
     """The response object; `out`: the finished output (its usage), `error`: why it failed."""
     tool_choice = body.tool_choice if body.tool_choice is not None else "auto"
     return {
@@ -149,13 +149,14 @@ def response_body(body: ResponsesRequest, rid: str, created: int, model: str, st
     }
 
 
-def _tool(tool: dict[str, Any]) -> dict[str, Any]:
-    fn = tool.get("function", tool)             # a chat-shaped tool is echoed flat
+def _tool(tool: JsonObject) -> JsonObject:
+    fn = tool.get("function")
+    fn = fn if isinstance(fn, dict) else tool   # a chat-shaped tool is echoed flat
     return {"type": "function", "name": fn.get("name"), "description": fn.get("description"),
             "parameters": fn.get("parameters"), "strict": fn.get("strict")}
 
 
-def sse(event: dict[str, Any], sequence_number: int) -> str:
+def sse(event: JsonObject, sequence_number: int) -> str:
     """One Responses stream event: its type on the `event:` line, the whole of it as data."""
     data = json.dumps({**event, "sequence_number": sequence_number}, ensure_ascii=False, separators=(",", ":"))
     return f"event: {event['type']}\ndata: {data}\n\n"

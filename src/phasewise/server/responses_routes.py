@@ -11,11 +11,11 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
+from phasewise.json_types import JsonObject
 from phasewise.outputs import CompletionOutput
 from phasewise.server.body_parsing import parse_body
 from phasewise.server.chat_call import ChatCall, Submitter, chat_call
@@ -73,11 +73,11 @@ def responses_router(guards: Guards, store: ResponseStore) -> APIRouter:
         return JSONResponse(response)
 
     @router.get("/v1/responses/{response_id}")
-    async def get(response_id: str) -> dict[str, Any]:
+    async def get(response_id: str) -> JsonObject:
         return stored(response_id).body
 
     @router.delete("/v1/responses/{response_id}")
-    async def delete(response_id: str) -> dict[str, Any]:
+    async def delete(response_id: str) -> dict[str, str | bool]:
         stored(response_id)
         store.delete(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
@@ -88,16 +88,16 @@ def responses_router(guards: Guards, store: ResponseStore) -> APIRouter:
 class Run:
     """One started call: what its response says, and what is stored of it when it ends."""
 
-    def __init__(self, body: ResponsesRequest, call: ChatCall, conversation: list[dict[str, Any]], model: str,
+    def __init__(self, body: ResponsesRequest, call: ChatCall, conversation: list[JsonObject], model: str,
                  store: ResponseStore) -> None:
         self.body, self.call, self.conversation, self.model, self.store = body, call, conversation, model, store
         self.rid, self.created = call.rid, int(time.time())
 
-    def response(self, status: str, items: list[dict[str, Any]], out: CompletionOutput | None = None,
-                 error: str | None = None) -> dict[str, Any]:
+    def response(self, status: str, items: list[JsonObject], out: CompletionOutput | None = None,
+                 error: str | None = None) -> JsonObject:
         return response_body(self.body, self.rid, self.created, self.model, status, items, out, error)
 
-    def keep(self, response: dict[str, Any]) -> None:
+    def keep(self, response: JsonObject) -> None:
         """Store a response that did not fail (unless the request said store: false)."""
         if self.body.stored and response["status"] != "failed":
             self.store.put(response, self.conversation + [assistant_message(response["output"])])

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
-from phasewise.outputs import CompletionOutput
+from phasewise.json_types import JsonObject
+from phasewise.outputs import CompletionOutput, StreamDelta
 from phasewise.tool_calling import ToolCallParser
 from phasewise.server import responses as R
 from phasewise.server.errors import EngineError
@@ -79,12 +79,13 @@ def sse_response(gen: AsyncIterator[str], stream: RequestStream) -> StreamingRes
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def _event(obj: Any) -> str:
+def _event(obj: JsonObject) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-async def _events(stream: RequestStream, make_choice: Any, head: list[dict], rid: str, obj: str, created: int,
-                  model: str, n: int, include_usage: bool) -> AsyncIterator[str]:
+async def _events(stream: RequestStream, make_choice: Callable[[int, StreamDelta], JsonObject | None],
+                  head: list[JsonObject], rid: str, obj: str, created: int, model: str, n: int,
+                  include_usage: bool) -> AsyncIterator[str]:
     """Shared SSE loop: one chunk per delta with something in it, timings on each choice's last chunk,
     the usage chunk when asked for, then [DONE]. An engine failure becomes an error event."""
     index = {rid_: i for i, rid_ in enumerate(stream.request_ids)}
@@ -100,7 +101,7 @@ async def _events(stream: RequestStream, make_choice: Any, head: list[dict], rid
             choice = make_choice(i, delta)
             if choice is None:
                 continue
-            extra = {}
+            extra: JsonObject = {}
             if delta.finished:
                 finals[i] = delta.output
                 extra["timings"] = R.timings(delta.output)
@@ -122,12 +123,12 @@ def completion_events(stream: RequestStream, rid: str, created: int, model: str,
     offsets = [R.TextOffsets() for _ in stream.request_ids]
     unechoed = set(range(len(stream.request_ids))) if echo else set()   # choices whose prompt is still to send
 
-    def make_choice(i: int, delta: Any) -> dict | None:
+    def make_choice(i: int, delta: StreamDelta) -> JsonObject | None:
         text, ids, lps = R.echoed(delta.output, tt) if i in unechoed else ("", [], [])
         unechoed.discard(i)
         if not text and not delta.text and not delta.finished and not want_lp:
             return None
-        choice = {"index": i, "text": text + delta.text, "logprobs": None, "finish_reason": None}
+        choice: JsonObject = {"index": i, "text": text + delta.text, "logprobs": None, "finish_reason": None}
         if want_lp:
             choice["logprobs"] = tt.completion_logprobs(ids + delta.token_ids, lps + delta.logprobs, offsets[i])
         if delta.finished:
@@ -142,21 +143,21 @@ def chat_events(stream: RequestStream, rid: str, created: int, model: str, n: in
                 tool_names: frozenset[str] = frozenset()) -> AsyncIterator[str]:
     """With a tool format, each choice's text goes through a ToolCallParser: calls stream as
     delta.tool_calls (index, id, name, then argument fragments), the rest as content."""
-    head = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-            for i in range(len(stream.request_ids))]
+    head: list[JsonObject] = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                               "finish_reason": None} for i in range(len(stream.request_ids))]
     parsers = [ToolCallParser(tool_format, tool_names) for _ in stream.request_ids] if tool_format else None
 
-    def make_choice(i: int, delta: Any) -> dict | None:
+    def make_choice(i: int, delta: StreamDelta) -> JsonObject | None:
         if parsers is None:
             message = {"content": delta.text} if delta.text else {}
         else:
             message = R.merge_delta(parsers[i].feed(delta.text, final=delta.finished))
         if not message and not delta.finished and not want_lp:
             return None
-        choice = {"index": i, "delta": message, "logprobs": None, "finish_reason": None}
+        choice: JsonObject = {"index": i, "delta": message, "logprobs": None, "finish_reason": None}
         if want_lp:
-            choice["logprobs"] = tt.chat_logprobs(delta.token_ids, delta.logprobs,
-                                                  delta.finished and R.ended_on_stop_token(delta.output, delta.text, tt))
+            ended = delta.finished and R.ended_on_stop_token(delta.output, delta.text, tt)
+            choice["logprobs"] = tt.chat_logprobs(delta.token_ids, delta.logprobs, ended)
         if delta.finished:
             choice["finish_reason"] = R.tool_finish_reason(delta.output.finish_reason, parsers and parsers[i])
             choice["stop_reason"] = delta.output.stop_reason

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from phasewise.core.handoffs import ScheduledChunk
+from phasewise.core.request import Request
 from phasewise.layers.attention import AttentionMetadata
 from phasewise.runner.kv_cache import KVCache
 from phasewise.sampling.sampler import SamplingMetadata, distribution, exponential_noise
@@ -92,9 +93,9 @@ class DraftModelProposer:
             c.draft_token_ids = d
             c.draft_probs = torch.stack(q) if q else None              # [k, V]
 
-    def _state(self, req) -> DraftState:
+    def _state(self, req: Request) -> DraftState:
         st = req.spec_state
-        if st is None or st.preemptions != req.metrics.preemptions:   # new, or its blocks were lost
+        if not isinstance(st, DraftState) or st.preemptions != req.metrics.preemptions:   # new, or its blocks were lost
             seed = req.sampling_params.seed
             gen = None if seed is None else \
                 torch.Generator(self.device).manual_seed((seed * 0x9E3779B1 + 0x5EC) % 2**63)

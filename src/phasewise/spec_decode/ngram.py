@@ -48,7 +48,8 @@ class NgramProposer:
     def propose(self, chunks: list[ScheduledChunk]) -> None:
         for c in chunks:
             req = c.request
-            if req.spec_state is None:
-                req.spec_state = NgramIndex(self.min_n, self.max_n)
-            c.draft_token_ids = req.spec_state.propose(req.token_ids, c.max_draft_tokens)
+            index = req.spec_state
+            if not isinstance(index, NgramIndex):
+                index = req.spec_state = NgramIndex(self.min_n, self.max_n)
+            c.draft_token_ids = index.propose(req.token_ids, c.max_draft_tokens)
             c.draft_probs = None                # a point mass on each draft

@@ -12,7 +12,7 @@ import llguidance
 import tokenizers
 from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 
-from phasewise.sampling.params import ConstraintError, StructuredOutputs
+from phasewise.core.sampling_params import ConstraintError, StructuredOutputs
 from phasewise.structured.grammar_matcher import GrammarMatcher
 
 # JSON as one line with OpenAI's separators: no free whitespace a small model could loop in

@@ -13,7 +13,7 @@ import numpy as np
 
 from phasewise.core.handoffs import ScheduledChunk
 from phasewise.core.request import Request
-from phasewise.sampling.params import SamplingParams
+from phasewise.core.sampling_params import SamplingParams
 from phasewise.structured.grammar_matcher import grammar_bitmask
 
 

@@ -12,44 +12,49 @@ renderings to transformers' own on every model at hand, with and without tools.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING
 
 import jinja2
 import jinja2.ext
+from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+if TYPE_CHECKING:
+    from phasewise.json_types import JsonValue
 
 
 class _Generation(jinja2.ext.Extension):
     """`{% generation %}...{% endgeneration %}` (transformers marks assistant text with it): the body."""
     tags = {"generation"}
 
-    def parse(self, parser: Any) -> jinja2.nodes.Node:
+    def parse(self, parser: Parser) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno
         body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
         return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
 
-    def _body(self, caller: Any) -> str:
+    def _body(self, caller: Callable[[], str]) -> str:
         return caller()
 
 
 class _Namespace(jinja2.utils.Namespace):
     """Jinja's namespace() without underscore attributes (no way to CPython internals)."""
 
-    def __init__(*args: Any, **kwargs: Any) -> None:   # Jinja's signature trick: namespace(self=...) works
+    def __init__(*args: object, **kwargs: object) -> None:   # Jinja's signature trick: namespace(self=...) works
         self, args = args[0], args[1:]
         attrs = dict(*args, **kwargs)
         for name in attrs:
             _Namespace._check(name)
         jinja2.utils.Namespace.__init__(self, attrs)
 
-    def __setitem__(self, name: str, value: Any) -> None:
+    def __setitem__(self, name: str, value: object) -> None:
         _Namespace._check(name)
         jinja2.utils.Namespace.__setitem__(self, name, value)
 
     @staticmethod
-    def _check(name: Any) -> None:
+    def _check(name: object) -> None:
         if isinstance(name, str) and name.startswith("_"):
             raise jinja2.exceptions.SecurityError(f"a chat template cannot set {name!r} on a namespace")
 
@@ -58,12 +63,12 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
+def _tojson(x: object, ensure_ascii: bool = False, indent: int | str | None = None,
+            separators: Sequence[str] | None = None, sort_keys: bool = False) -> str:
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: object) -> JsonValue:
     """What the template may see: JSON types only (subclasses reduced to their base type)."""
     if value is None or type(value) in (str, int, float, bool):
         return value

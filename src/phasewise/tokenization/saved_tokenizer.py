@@ -10,20 +10,23 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer as RustTokenizer
 
 from phasewise.tokenization.chat_template import ChatTemplate
 
+if TYPE_CHECKING:
+    from phasewise.json_types import JsonValue
+
 SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
-def _token_text(value: Any) -> str | None:
+def _token_text(value: JsonValue) -> str | None:
     """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
     if isinstance(value, dict):
-        return value.get("content")
+        value = value.get("content")
     return value if isinstance(value, str) else None
 
 

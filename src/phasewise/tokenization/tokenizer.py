@@ -8,12 +8,16 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Protocol
 
 from phasewise import tool_calling
 from phasewise.paths import default_cache_dir
 from phasewise.tokenization.saved_tokenizer import SavedTokenizer
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer as RustTokenizer
 
 # Turn-ending tokens of common chat formats (ChatML, Llama 3, Phi-3, Gemma, Llama 2 / Mistral).
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "</s>")
@@ -32,6 +36,30 @@ FALLBACK_TEMPLATES = {"<start_of_turn>": GEMMA_TEMPLATE}
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")   # SentencePiece's byte-fallback tokens
 
 
+class HFTokenizer(Protocol):
+    """What Tokenizer uses of a transformers fast tokenizer (a SavedTokenizer answers the same)."""
+
+    @property
+    def backend_tokenizer(self) -> RustTokenizer: ...
+    @property
+    def added_tokens_decoder(self) -> Mapping[int, object]: ...   # id → AddedToken
+    @property
+    def chat_template(self) -> str | dict[str, str] | None: ...   # a dict: named templates
+    @property
+    def bos_token_id(self) -> int | None: ...
+    @property
+    def eos_token_id(self) -> int | None: ...
+    def __len__(self) -> int: ...
+    def get_added_vocab(self) -> dict[str, int]: ...
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = False,
+               clean_up_tokenization_spaces: bool = False) -> str: ...
+    def convert_ids_to_tokens(self, token_id: int) -> str | None: ...
+    def apply_chat_template(self, messages: list[dict], *, tokenize: bool = False, add_generation_prompt: bool = False,
+                            tools: list[dict] | None = None) -> str: ...
+    def save_pretrained(self, folder: str) -> object: ...
+
+
 def _one_line(err: BaseException) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
@@ -47,7 +75,7 @@ def gguf_cache_key(path: Path) -> str:
     return hashlib.sha256(raw.encode()).hexdigest()[:24]
 
 
-def _save_atomically(hf: Any, final: Path) -> None:
+def _save_atomically(hf: HFTokenizer, final: Path) -> None:
     """save_pretrained into a temp dir beside `final`, then rename it into place (losing a race is fine)."""
     tmp = None
     try:
@@ -65,7 +93,7 @@ def _save_atomically(hf: Any, final: Path) -> None:
 class Tokenizer:
     """Wraps a transformers fast tokenizer: encoding, chat template, decoding, special ids."""
 
-    def __init__(self, hf: Any, extra_eos_ids: Iterable[int] = (), from_cache: bool = False) -> None:
+    def __init__(self, hf: HFTokenizer, extra_eos_ids: Iterable[int] = (), from_cache: bool = False) -> None:
         self.hf = hf
         self.from_cache = from_cache  # True when a GGUF tokenizer came from the conversion cache
         self.vocab_size: int = len(hf)
@@ -140,7 +168,7 @@ class Tokenizer:
         raise ValueError(f"expected a .gguf file or an HF model folder: {path}")
 
     @property
-    def backend(self) -> Any:
+    def backend(self) -> RustTokenizer:
         """The `tokenizers.Tokenizer` underneath (what grammar compilers read the vocabulary from)."""
         return self.hf.backend_tokenizer
 
@@ -208,7 +236,7 @@ class Tokenizer:
         return piece.replace("\u2581", " ").encode()  # SentencePiece: ▁ is a space
 
 
-def _byte_level_decoder(hf: Any) -> dict[str, int] | None:
+def _byte_level_decoder(hf: HFTokenizer) -> dict[str, int] | None:
     """Char → byte of a byte-level BPE tokenizer's alphabet; None for other tokenizers."""
     decoder = hf.backend_tokenizer.decoder
     state = json.loads(decoder.__getstate__()) if decoder is not None else {}

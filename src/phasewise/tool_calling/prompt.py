@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import TYPE_CHECKING
 
 import jsonschema
+
+if TYPE_CHECKING:
+    from phasewise.json_types import JsonValue
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 MAX_CALLS = 8              # calls in one forced reply with parallel_tool_calls
@@ -28,7 +31,7 @@ inside <tool_call></tool_call> tags:
 </tool_call>"""
 
 
-def check_tools(tools: Any) -> list[dict]:
+def check_tools(tools: object) -> list[dict]:
     """OpenAI's `tools` list, checked (ValueError says what is wrong): each {"type": "function",
     "function": {"name", "description"?, "parameters"?}}."""
     if not isinstance(tools, list) or not tools:
@@ -75,7 +78,7 @@ def supports_tools(template: str) -> bool:
     return "tools" in template
 
 
-def _arguments(call: dict) -> tuple[str, Any]:
+def _arguments(call: dict) -> tuple[str, JsonValue]:
     fn = call.get("function", call)
     args = fn.get("arguments", {})
     if isinstance(args, str):              # OpenAI sends arguments as JSON text; templates want the object

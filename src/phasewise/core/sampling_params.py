@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from phasewise.json_types import JsonObject
 
 
 class ConstraintError(ValueError):
@@ -20,7 +23,7 @@ class StructuredOutputs:
     not enforced, as OpenAI's non-strict mode); with strict=True such a schema is refused.
     """
 
-    json: dict[str, Any] | str | None = None
+    json: JsonObject | str | None = None
     json_object: bool = False
     regex: str | None = None
     choice: list[str] | None = None
