@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NotRequired, TypedDict
+from typing_extensions import NotRequired, TypedDict   # typing has NotRequired from Python 3.11
 
 from phasewise.percentile import percentile
 from phasewise.outputs import CompletionOutput

@@ -12,7 +12,7 @@ Definitions (times in seconds inside records, milliseconds in summaries):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NotRequired, TypedDict
+from typing_extensions import NotRequired, TypedDict   # typing has NotRequired from Python 3.11
 
 from phasewise.percentile import percentile
 
