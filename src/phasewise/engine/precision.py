@@ -5,7 +5,7 @@ Perplexity is a property of each file: benchmarks/quality.py measures it (the re
 teacher-forced) and `--record` keeps the figures in the cache (`measured`), and MEASURED holds
 those of the files phasewise ships. A GGUF's own blocks (q4) run with the int8 KV cache where that
 pair holds 0.5% on the file, with a float KV cache where only the weights do (Qwen2.5-Coder-0.5B:
-its int8 KV cache costs +1.5%), and with the int8 cache where nothing was measured, saying so.
+its int8 KV cache costs +1.86%), and with the int8 cache where nothing was measured, saying so.
 int8 per-channel weights measured -0.05% on the default model. Both int8 paths need the compiled
 kernels to be fast; without them (another device, `kernels="torch"`, no compiler) the default is
 the file's weights in fp32 with a float KV cache. A mixture of experts is no different: its experts
