@@ -14,15 +14,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable
 
-BlockKey = tuple[Hashable, tuple[int, ...]]   # (parent block's hash, this block's token ids)
-
 
 class BlockPool:
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
-        self.block_key: list[BlockKey | None] = [None] * num_blocks   # kept to rule out hash collisions
+        self.block_key: list[Hashable | None] = [None] * num_blocks   # kept to rule out hash collisions
         self.cached: dict[int, int] = {}                              # hash → block id
         self.free_stack: list[int] = list(range(num_blocks - 1, -1, -1))   # uncached; pop() is the top
         self.free_cached: OrderedDict[int, None] = OrderedDict()             # least recently freed first
@@ -69,7 +67,7 @@ class BlockPool:
 
     # ---- prefix cache ---------------------------------------------------------------
 
-    def lookup(self, block_hash: int, key: BlockKey) -> int | None:
+    def lookup(self, block_hash: int, key: Hashable) -> int | None:
         """The cached block holding exactly `key`, or None."""
         b = self.cached.get(block_hash)
         return b if b is not None and self.block_key[b] == key else None
@@ -81,7 +79,7 @@ class BlockPool:
                 del self.free_cached[b]
             self.ref_counts[b] += 1
 
-    def cache(self, block_id: int, block_hash: int, key: BlockKey) -> None:
+    def cache(self, block_id: int, block_hash: int, key: Hashable) -> None:
         """Record that a full block holds `key`; the first block cached for a hash keeps it."""
         if self.block_hash[block_id] is not None:
             return

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-from phasewise.core.block_pool import BlockKey, BlockPool
-from phasewise.core.request import Request
+from phasewise.core.block_pool import BlockPool
+from phasewise.core.request import BlockKey, Request
 
 NULL_BLOCK = -1     # a table entry whose block was freed behind a window (never read)
 
@@ -74,7 +74,7 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> list[list[int]]:
         """Per group, the cached blocks that give the request a computed prefix (NULL_BLOCK where a
         window no longer needs one); every table has the same length n (n * block_size tokens)."""
-        empty = [[] for _ in self.windows]
+        empty: list[list[int]] = [[] for _ in self.windows]
         if not self.enable_prefix_caching:
             return empty
         keys = self._block_keys(request, (request.num_tokens - 1) // self.block_size)  # never the last token
@@ -88,7 +88,7 @@ class KVCacheManager:
         for n in range(limit, 0, -1):             # the longest prefix whose windows are there too
             if all(b is not None for g, w in enumerate(self.windows) if w is not None
                    for b in found[g][self._first_needed(g, n * self.block_size):n]):
-                return [[NULL_BLOCK] * (first := self._first_needed(g, n * self.block_size)) + found[g][first:n]
+                return [[NULL_BLOCK] * (first := self._first_needed(g, n * self.block_size)) + _held(found[g][first:n])
                         for g in range(self.num_groups)]
         return empty
 
@@ -113,7 +113,9 @@ class KVCacheManager:
             table = request.block_tables[g]
             table.extend(hits[g])
             if total > len(table):
-                table.extend(pool.allocate(total - len(table)))
+                new = pool.allocate(total - len(table))
+                assert new is not None                # counted above: the pool has them
+                table.extend(new)
         return True
 
     def _free_behind_windows(self, request: Request) -> None:
@@ -194,6 +196,13 @@ class KVCacheManager:
             self.pool.free(b for b in reversed(table) if b != NULL_BLOCK)
         request.block_tables = []
         request.num_cached_blocks = 0
+
+
+def _held(blocks: Sequence[int | None]) -> list[int]:
+    """Cache hits the caller found all present."""
+    held = [b for b in blocks if b is not None]
+    assert len(held) == len(blocks)
+    return held
 
 
 def chain_keys(token_ids: Sequence[int], num_blocks: int, block_size: int,

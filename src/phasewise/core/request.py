@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from phasewise.core.sampling_params import SamplingParams
+
+BlockKey = tuple[Hashable, tuple[int, ...]]   # a full block's (parent block's hash, its token ids)
 
 
 class RequestStatus(enum.Enum):
@@ -97,6 +100,7 @@ class Grammar(Protocol):
     """What the core asks of a request's grammar (structured outputs; a structured.GrammarMatcher)."""
 
     def accept(self, token_id: int) -> bool: ...
+    def valid_prefix(self, token_ids: Sequence[int]) -> int: ...
     @property
     def finished(self) -> bool: ...
     @property
@@ -122,7 +126,7 @@ class Request:
             [None] * len(prompt_token_ids) if sampling_params.prompt_logprobs is not None else None
         self.num_computed_tokens = 0                # tokens whose K/V are in the cache
         self.block_tables: list[list[int]] = []    # per KV group, its blocks (core/kv_cache_manager.py)
-        self.block_hashes: list = []                # (hash, key) per full block, filled by the KV manager
+        self.block_hashes: list[tuple[int, BlockKey]] = []   # (hash, key) per full block, filled by the KV manager
         self.num_cached_blocks = 0                  # leading blocks registered in the prefix cache
         self.num_cached_tokens: int | None = None   # prompt tokens found in the prefix cache at admission
         self.status = RequestStatus.WAITING

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from phasewise.json_types import JsonObject
+
+
+ConstraintKind = Literal["json", "regex", "choice", "grammar"]
+CONSTRAINT_KINDS: tuple[ConstraintKind, ...] = ("json", "regex", "choice", "grammar")
 
 
 class ConstraintError(ValueError):
@@ -49,10 +53,9 @@ class StructuredOutputs:
             raise ValueError("structured_outputs json must be a JSON schema object")
 
     @property
-    def kind(self) -> str:
+    def kind(self) -> ConstraintKind:
         """json, regex, choice or grammar (json_object is a json schema)."""
-        return "json" if self.json_object else next(
-            k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None)
+        return "json" if self.json_object else next(k for k in CONSTRAINT_KINDS if getattr(self, k) is not None)
 
     @property
     def text(self) -> str:

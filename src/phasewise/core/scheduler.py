@@ -127,7 +127,7 @@ class Scheduler:
             if not chunk.is_decode:
                 req.metrics.prefill_chunks.append((started, now, chunk.num_tokens))
             scored = result.prompt_logprobs.get(req.request_id)
-            if scored is not None:              # (first position, logprobs) of this chunk's prompt tokens
+            if scored is not None and req.prompt_logprobs is not None:   # (first position, this chunk's)
                 first, lps = scored
                 req.prompt_logprobs[first:first + len(lps)] = lps
             sampled = result.sampled.get(req.request_id)

@@ -40,19 +40,20 @@ class KVLink:
         if role not in ("prefill", "decode"):
             raise ValueError(f"a KV link's role is prefill or decode, got {role!r}")
         self.role, self.timeout_s = role, timeout_s
-        self.connected, self.error = threading.Event(), None
-        self._sends: queue.Queue = queue.Queue()
+        self.connected = threading.Event()
+        self.error: str | None = None            # why the link failed, once it has
+        self._sends: queue.Queue[tuple[int, Payload, Future[None]]] = queue.Queue()
         self._lock = threading.Lock()
         self._arrived: dict[int, Payload] = {}
-        self._waiting: dict[int, Future] = {}
+        self._waiting: dict[int, Future[Payload]] = {}
         target = self._send_loop if role == "prefill" else self._receive_loop
         threading.Thread(target=self._run, args=(init_method, target), name=f"kv-link-{role}", daemon=True).start()
 
     # ---- the two sides -----------------------------------------------------------------------------
 
-    def send(self, key: str, payload: Payload) -> Future:
+    def send(self, key: str, payload: Payload) -> Future[None]:
         """Queue a transfer to the decode instance; the future resolves once it has been sent."""
-        done: Future = Future()
+        done: Future[None] = Future()
         with self._lock:                         # after a failure nothing sends: fail at once
             if self.error is None:
                 self._sends.put((transfer_key(key), payload, done))
@@ -60,9 +61,9 @@ class KVLink:
         done.set_exception(ConnectionError(self.error))
         return done
 
-    def expect(self, key: str) -> Future:
+    def expect(self, key: str) -> Future[Payload]:
         """The future of the transfer filed under `key` (resolved at once if it already arrived)."""
-        k, done = transfer_key(key), Future()
+        k, done = transfer_key(key), Future[Payload]()
         with self._lock:
             if k in self._arrived:
                 done.set_result(self._arrived.pop(k))
@@ -95,7 +96,8 @@ class KVLink:
         log.error("%s", why)
         with self._lock:
             self.error = why
-            waiting, self._waiting = list(self._waiting.values()), {}
+            waiting: list[Future[Payload] | Future[None]] = list(self._waiting.values())
+            self._waiting = {}
             while not self._sends.empty():
                 waiting.append(self._sends.get_nowait()[2])
         for f in waiting:

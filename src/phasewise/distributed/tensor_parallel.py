@@ -59,9 +59,12 @@ class TensorParallel:
     def gather_vocab(self, local: torch.Tensor, vocab: int) -> torch.Tensor | None:
         """Each rank's logits [N, padded(vocab)] → [N, vocab] on rank 0 (None elsewhere)."""
         local = local.contiguous()
-        parts = [torch.empty_like(local) for _ in range(self.size)] if self.driver else None
+        if not self.driver:
+            dist.gather(local, None, dst=0, group=self.group)
+            return None
+        parts = [torch.empty_like(local) for _ in range(self.size)]
         dist.gather(local, parts, dst=0, group=self.group)
-        return torch.cat(parts, dim=-1)[:, :vocab] if self.driver else None
+        return torch.cat(parts, dim=-1)[:, :vocab]
 
     def broadcast(self, obj: object = None) -> object:
         """Rank 0's `obj` on every rank (pickled: plain lists and small tensors); the other ranks pass

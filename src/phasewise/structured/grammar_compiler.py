@@ -6,7 +6,8 @@ import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future
-from typing import Protocol
+from functools import partial
+from typing import TYPE_CHECKING, Protocol
 
 import llguidance
 import tokenizers
@@ -15,8 +16,11 @@ from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 from phasewise.core.sampling_params import ConstraintError, StructuredOutputs
 from phasewise.structured.grammar_matcher import GrammarMatcher
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions   # a TypedDict of llguidance's stubs only
+
 # JSON as one line with OpenAI's separators: no free whitespace a small model could loop in
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def _one_line(message: str) -> str:
@@ -51,17 +55,18 @@ class GrammarCompiler:
         with self._lock:
             if self._tokenizer is None:
                 self._tokenizer = Future()
-                run = threading.Thread(target=self._build, daemon=True).start if background else self._build
+                build = partial(self._build, self._tokenizer)
+                run = threading.Thread(target=build, daemon=True).start if background else build
                 run()
             return self._tokenizer
 
-    def _build(self) -> None:
+    def _build(self, future: Future[LLTokenizer]) -> None:
         try:
             vocab = _Vocabulary(self._vocab)
             n = max(self.vocab_size, len(vocab.tokens))
-            self._tokenizer.set_result(LLTokenizer(TokenizerWrapper(vocab), n_vocab=n, eos_token=self._eos or None))
+            future.set_result(LLTokenizer(TokenizerWrapper(vocab), n_vocab=n, eos_token=self._eos or None))
         except Exception as e:   # surfaces in every compile
-            self._tokenizer.set_exception(e)
+            future.set_exception(e)
 
     def compile(self, spec: StructuredOutputs) -> GrammarMatcher:
         """A fresh matcher for the constraint; ConstraintError (a ValueError) naming the problem when it is
@@ -83,17 +88,18 @@ class GrammarCompiler:
     @staticmethod
     def _grammar(spec: StructuredOutputs) -> str:
         """llguidance's grammar text for the constraint."""
-        text = spec.text
+        text, kind = spec.text, spec.kind
         try:
-            if spec.kind == "json":
-                return LLMatcher.grammar_from_json_schema(text, defaults={**JSON_OPTIONS, "lenient": not spec.strict})
-            if spec.kind == "grammar":   # Lark as it is; GBNF converted to Lark
+            if kind == "json":
+                options: JsonCompileOptions = {**JSON_OPTIONS, "lenient": not spec.strict}
+                return LLMatcher.grammar_from_json_schema(text, defaults=options)
+            if kind == "grammar":        # Lark as it is; GBNF converted to Lark
                 return llguidance.grammar_from("grammar", text)
-            if spec.kind == "regex":     # \d and \w mean ASCII digits and word characters, as in JSON schema
+            if kind == "regex":          # \d and \w mean ASCII digits and word characters, as in JSON schema
                 return LLMatcher.grammar_from_lark(f"start: /{llguidance.regex_to_lark(text, 'dw')}/")
-            return llguidance.grammar_from(spec.kind, text)
+            return llguidance.grammar_from(kind, text)
         except ValueError as e:
-            raise ConstraintError(f"invalid {_NAMES[spec.kind]}: {_one_line(str(e))}") from None
+            raise ConstraintError(f"invalid {_NAMES[kind]}: {_one_line(str(e))}") from None
 
 
 class Vocabulary(Protocol):
@@ -124,7 +130,8 @@ class _Vocabulary:
         n = backend.get_vocab_size(with_added_tokens=True)
         self.tokens = [vocab.token_bytes(i) for i in range(n)]
         special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
-        special |= {i for i, t in enumerate(self.tokens) if t.startswith(b"[PAD") and _PAD.fullmatch(t.decode(errors="replace"))}
+        special |= {i for i, t in enumerate(self.tokens)
+                    if t.startswith(b"[PAD") and _PAD.fullmatch(t.decode(errors="replace"))}
         self.special_token_ids = sorted(special)
         self.eos_token_id = self.special_token_ids[0] if self.special_token_ids else 0   # overridden by eos_token
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 from llguidance import LLMatcher
 from llguidance.numpy import fill_next_token_bitmask
+
+from phasewise.core.request import Grammar
 
 
 class GrammarMatcher:
@@ -66,28 +69,34 @@ class GrammarMatcher:
             self._m.rollback(consumed)
 
 
-def draft_bitmask(rows: Sequence[tuple[GrammarMatcher | None, Sequence[int]]], vocab_size: int) -> np.ndarray | None:
+def matcher(grammar: Grammar | None) -> GrammarMatcher | None:
+    """A request's grammar as structured outputs made it: the core holds it by its Grammar protocol,
+    which leaves out the masks (numpy is not the core's)."""
+    return cast("GrammarMatcher | None", grammar)
+
+
+def draft_bitmask(rows: Sequence[tuple[Grammar | None, Sequence[int]]], vocab_size: int) -> np.ndarray | None:
     """For a draft model: per (matcher or None, drafts so far) entry, one row, the tokens its grammar
     allows after those drafts (every bit set without a grammar, or when a draft was refused: the
     engine cuts such drafts anyway). None when no entry has a grammar."""
     if all(m is None for m, _ in rows):
         return None
     bitmask = np.full((len(rows), (vocab_size + 31) // 32), -1, dtype=np.int32)
-    for i, (matcher, drafts) in enumerate(rows):
-        if matcher is not None:
-            matcher.fill_after(bitmask, i, drafts)
+    for i, (grammar, drafts) in enumerate(rows):
+        if (m := matcher(grammar)) is not None:
+            m.fill_after(bitmask, i, drafts)
     return bitmask
 
 
-def grammar_bitmask(rows: Sequence[tuple[GrammarMatcher | None, Sequence[int]]], vocab_size: int) -> np.ndarray | None:
+def grammar_bitmask(rows: Sequence[tuple[Grammar | None, Sequence[int]]], vocab_size: int) -> np.ndarray | None:
     """The masks of a step's sampling rows: per (matcher or None, draft tokens) entry, 1 + len(drafts)
     rows; [R, ceil(V / 32)] int32 with every bit set in rows without a grammar. None when no entry has one."""
     if all(m is None for m, _ in rows):
         return None
     bitmask = np.full((sum(1 + len(d) for _, d in rows), (vocab_size + 31) // 32), -1, dtype=np.int32)
     row = 0
-    for matcher, drafts in rows:
-        if matcher is not None:
-            matcher.fill(bitmask, row, drafts)
+    for grammar, drafts in rows:
+        if (m := matcher(grammar)) is not None:
+            m.fill(bitmask, row, drafts)
         row += 1 + len(drafts)
     return bitmask

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from phasewise.core.handoffs import ScheduledChunk
-from phasewise.core.request import Request
+from phasewise.core.request import Grammar, Request
 from phasewise.core.sampling_params import SamplingParams
 from phasewise.structured.grammar_matcher import grammar_bitmask
 
@@ -31,8 +31,9 @@ class StepMasks:
         started = time.perf_counter()
         self.reqs, self.vocab_size = reqs, vocab_size
         self.lazy = [r.grammar is not None and unfiltered(r.sampling_params, vocab_size) for r in reqs]
-        self.up_front = grammar_bitmask([(None if z else r.grammar, ()) for r, z in zip(reqs, self.lazy)]
-                                        + [(c.request.grammar, c.draft_token_ids) for c in drafted], vocab_size)
+        rows: list[tuple[Grammar | None, Sequence[int]]] = [(None if z else r.grammar, ())
+                                                           for r, z in zip(reqs, self.lazy)]
+        self.up_front = grammar_bitmask(rows + [(c.request.grammar, c.draft_token_ids) for c in drafted], vocab_size)
         self.ms = 0.0 if self.up_front is None else (time.perf_counter() - started) * 1e3
 
     @property
@@ -54,7 +55,7 @@ class StepMasks:
         """The lazy rows whose sampled token their grammar refuses, and those rows' masks; None if none."""
         started = time.perf_counter()
         rows = [i for i, (r, z, t) in enumerate(zip(self.reqs, self.lazy, token_ids))
-                if z and not r.grammar.valid_prefix([t])]
+                if z and r.grammar is not None and not r.grammar.valid_prefix([t])]
         words = grammar_bitmask([(self.reqs[i].grammar, ()) for i in rows], self.vocab_size) if rows else None
         self.ms += (time.perf_counter() - started) * 1e3
-        return (rows, words) if rows else None
+        return (rows, words) if rows and words is not None else None

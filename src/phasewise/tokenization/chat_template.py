@@ -65,18 +65,25 @@ def _raise_exception(message: str) -> None:
 
 def _tojson(x: object, ensure_ascii: bool = False, indent: int | str | None = None,
             separators: Sequence[str] | None = None, sort_keys: bool = False) -> str:
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    pair = None
+    if separators is not None:
+        item, key = separators                  # json.dumps' pair (a template may pass a list)
+        pair = (item, key)
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=pair, sort_keys=sort_keys)
 
 
 def _plain(value: object) -> JsonValue:
-    """What the template may see: JSON types only (subclasses reduced to their base type)."""
-    if value is None or type(value) in (str, int, float, bool):
+    """What the template may see: JSON types only (subclasses reduced to their base type, keys strings)."""
+    if value is None or isinstance(value, bool):
         return value
-    for base in (str, int, float):
-        if isinstance(value, base):
-            return base(value)
+    if isinstance(value, str):
+        return str(value)
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value)
     if isinstance(value, dict):
-        return {_plain(k): _plain(v) for k, v in value.items()}
+        return {str(k): _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     return f"<{type(value).__name__}>"

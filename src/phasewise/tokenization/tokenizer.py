@@ -10,7 +10,7 @@ import shutil
 import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 from phasewise import tool_calling
 from phasewise.paths import default_cache_dir
@@ -58,6 +58,13 @@ class HFTokenizer(Protocol):
     def apply_chat_template(self, messages: list[dict], *, tokenize: bool = False, add_generation_prompt: bool = False,
                             tools: list[dict] | None = None) -> str: ...
     def save_pretrained(self, folder: str) -> object: ...
+
+
+def _as_hf(tokenizer: object) -> HFTokenizer:
+    """A transformers tokenizer as the HFTokenizer it is: transformers types the results of
+    apply_chat_template and convert_ids_to_tokens as every form they take, where phasewise's calls get
+    one (tokenize=False: a str; one id: its token)."""
+    return cast(HFTokenizer, tokenizer)
 
 
 def _one_line(err: BaseException) -> str:
@@ -136,8 +143,8 @@ class Tokenizer:
             vocab = hf.get_vocab()
             hf.chat_template = next((tpl for marker, tpl in FALLBACK_TEMPLATES.items() if marker in vocab), None)
         if use_cache:
-            _save_atomically(hf, cached)
-        return cls(hf)
+            _save_atomically(_as_hf(hf), cached)
+        return cls(_as_hf(hf))
 
     @classmethod
     def from_hf(cls, folder: str | Path) -> Tokenizer:
@@ -153,7 +160,7 @@ class Tokenizer:
             hf = AutoTokenizer.from_pretrained(str(folder))
         except Exception as e:
             raise ValueError(f"cannot load the tokenizer in {folder}: {_one_line(e)}") from e
-        return cls(hf, extra_eos_ids=_generation_config_eos(folder))
+        return cls(_as_hf(hf), extra_eos_ids=_generation_config_eos(folder))
 
     @classmethod
     def load(cls, path: str | Path) -> Tokenizer:

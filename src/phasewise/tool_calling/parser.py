@@ -196,8 +196,7 @@ class ToolCallParser:
 
 def _llama3_calls(text: str) -> list[tuple[str, str]] | None:
     body = text.removeprefix(PYTHON_TAG)
-    parsed = [_call_object(part) for part in body.split("; ")] if body else [None]
-    return None if any(p is None for p in parsed) else parsed
+    return _every([_call_object(part) for part in body.split("; ")]) if body else None
 
 
 def _mistral_calls(text: str) -> list[tuple[str, str]] | None:
@@ -210,8 +209,7 @@ def _mistral_calls(text: str) -> list[tuple[str, str]] | None:
             return None
         if not isinstance(items, list) or not items:
             return None
-        parsed = [_call_object(json.dumps(item)) for item in items]
-        return None if any(p is None for p in parsed) else parsed
+        return _every([_call_object(json.dumps(item)) for item in items])
     calls = []
     for part in body.split(TOOL_CALLS):
         name, sep, args = part.partition(ARGS)
@@ -221,6 +219,12 @@ def _mistral_calls(text: str) -> list[tuple[str, str]] | None:
             return None
         calls.append(call)
     return calls
+
+
+def _every(calls: list[tuple[str, str] | None]) -> list[tuple[str, str]] | None:
+    """The calls, when every part was one; else None."""
+    found = [c for c in calls if c is not None]
+    return found if len(found) == len(calls) else None
 
 
 def _is_json(text: str) -> bool:
