@@ -157,6 +157,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.write(delta.text)
             sys.stdout.flush()
         final = delta.output
+    assert final is not None                   # the stream ends with its request's finished delta
     if args.trace:
         from phasewise.lab.trace import write_trace
 
@@ -242,6 +243,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     async_engine = AsyncEngine(build)
     engine = async_engine.engine
+    assert isinstance(engine, LLMEngine)       # build's (AsyncEngine holds it as any EngineClient)
     path = Path(engine.model_path)
     name = args.served_model_name or (path.name if path.is_dir() else path.stem)
     aliases = tuple(a for a in (args.model, str(path)) if a)

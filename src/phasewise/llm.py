@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from phasewise.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from phasewise.engine.llm_engine import LLMEngine
@@ -10,8 +11,21 @@ from phasewise.outputs import CompletionOutput, StreamDelta
 from phasewise.engine.precision import weights_setting
 from phasewise.core.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs     # typing_extensions >= 4.10 (only mypy reads it here)
+
 Prompt = str | list[int]
 Messages = list[dict]
+
+
+def _is_token_ids(prompts: Prompt | Sequence[Prompt]) -> TypeIs[list[int]]:
+    """One prompt of token ids, not several prompts."""
+    return isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int)
+
+
+def _is_conversation(messages: Messages | Sequence[Messages]) -> TypeIs[Messages]:
+    """One conversation's messages, not several conversations."""
+    return isinstance(messages, list) and bool(messages) and isinstance(messages[0], dict)
 
 
 class LLM:
@@ -68,9 +82,8 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
                  ) -> list[CompletionOutput]:
         """Raw text (or token ids) in, one output per prompt, all run together through the engine."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        return self._run(list(prompts), sampling_params, chat=False)
+        batch = [prompts] if isinstance(prompts, str) or _is_token_ids(prompts) else list(prompts)
+        return self._run(batch, sampling_params, chat=False)
 
     def chat(self, messages: Messages | Sequence[Messages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -78,9 +91,9 @@ class LLM:
         """Chat messages through the model's chat template (with OpenAI-style tools: the template's own
         tool support, or a generic prompt; `phasewise.tool_calling.ToolCallParser(llm.tokenizer.tool_format)`
         finds the calls in the text); one conversation → one output."""
-        single = bool(messages) and isinstance(messages[0], dict)
-        outs = self._run([messages] if single else list(messages), sampling_params, chat=True, tools=tools)
-        return outs[0] if single else outs
+        if _is_conversation(messages):
+            return self._run([messages], sampling_params, chat=True, tools=tools)[0]
+        return self._run(list(messages), sampling_params, chat=True, tools=tools)
 
     def stream(self, prompt: Prompt | Messages, sampling_params: SamplingParams | None = None,
                chat: bool = False) -> Iterator[StreamDelta]:
@@ -96,7 +109,8 @@ class LLM:
         finally:
             self.engine.abort(rid)  # a consumer that stops early frees the request's blocks
 
-    def _run(self, prompts: list, params, chat: bool, tools: list[dict] | None = None) -> list[CompletionOutput]:
+    def _run(self, prompts: Sequence[Prompt | Messages], params: SamplingParams | Sequence[SamplingParams] | None,
+             chat: bool, tools: list[dict] | None = None) -> list[CompletionOutput]:
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):

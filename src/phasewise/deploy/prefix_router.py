@@ -111,7 +111,8 @@ class PrefixAffinityRouter(RequestRouter):
 
     queue_len_response_deadline_s = 0.5        # Serve's 0.1 s first probe misses often on a busy 2-core machine
 
-    def initialize_state(self, margin: int = 4, max_blocks: int = 200_000) -> None:
+    # Serve calls it with request_router_kwargs; its stub's `**kwargs: Any` is for subclasses to name their own
+    def initialize_state(self, margin: int = 4, max_blocks: int = 200_000) -> None:  # type: ignore[override]
         self._margin = margin
         self._max_blocks = max_blocks
         self._holders: OrderedDict[bytes, dict[ReplicaID, None]] = OrderedDict()
@@ -149,7 +150,7 @@ class PrefixAffinityRouter(RequestRouter):
             return order
         best = max(replicas, key=lambda r: (depth.get(r.replica_id, 0), -(queue[r.replica_id] or 0)))
         others = [r for r in order if r.replica_id != best.replica_id]
-        known = [queue[r.replica_id] for r in others if queue[r.replica_id] is not None]
+        known = [n for r in others if (n := queue[r.replica_id]) is not None]
         mine = queue[best.replica_id]
         if mine is not None and known and mine - min(known) > self._margin:
             return order
@@ -203,8 +204,9 @@ class PrefixAffinityRouter(RequestRouter):
         while self._picks and now - self._picks[0][0] > PICK_GRACE_S:
             self._picks.popleft()
         for _, replica_id in self._picks:
-            if queue.get(replica_id) is not None:
-                queue[replica_id] += 1
+            n = queue.get(replica_id)
+            if n is not None:
+                queue[replica_id] = n + 1
         return queue
 
 

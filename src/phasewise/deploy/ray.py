@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, AsyncIterator, TypedDict
 import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
-from ray.serve.deployment import Application
+from ray.serve.deployment import Application, Deployment
 from ray.serve.handle import DeploymentHandle
 
 from phasewise.deploy.options import app_options, check_ray_options, direct_ingress, replica_cpus
@@ -61,7 +61,8 @@ class EngineReplica:
     (`__serve_build_asgi_app__`); behind the relay, `handle` runs it on one relayed request and yields the
     ASGI messages it sends, a batch at a time."""
 
-    async def __init__(self, options: argparse.Namespace, role: str | None = None,
+    # Serve awaits an async constructor (mypy knows only sync ones)
+    async def __init__(self, options: argparse.Namespace, role: str | None = None,  # type: ignore[misc]
                        prefill: DeploymentHandle | None = None) -> None:
         """`role`: "prefill" (this replica's KV link waits at a free port of its node) or "decode" (it joins
         the link of the `prefill` deployment's replica); None: a whole engine."""
@@ -99,8 +100,13 @@ class EngineReplica:
             out.put_nowait(message)
 
         app = ReplicaApp(self._app, self._replica)
+
+        def ended(t: asyncio.Task[None]) -> None:         # the app is done: the last batch, and its failure if any
+            out.put_nowait(None)
+            _log_failure(t)
+
         task = asyncio.create_task(app({**request.scope, "root_path": ""}, receive, send))
-        task.add_done_callback(lambda t: (out.put_nowait(None), _log_failure(t)))
+        task.add_done_callback(ended)
         try:
             while True:
                 batch = [await out.get()]
@@ -163,7 +169,9 @@ def build_server(options: argparse.Namespace, kv_role: str | None = None, kv_pee
         return engine
 
     async_engine = AsyncEngine(build)
-    path = Path(async_engine.engine.model_path)
+    engine = async_engine.engine
+    assert isinstance(engine, LLMEngine)         # build's (AsyncEngine holds it as any EngineClient)
+    path = Path(engine.model_path)
     name = o.served_model_name or (path.name if path.is_dir() else path.stem)
     aliases = tuple(a for a in (o.model, str(path)) if a)
     app = create_app(async_engine, ServerConfig(served_model_name=name, model_aliases=aliases, api_key=o.api_key,
@@ -188,7 +196,7 @@ def application(options: argparse.Namespace, request_router: type | str = Prefix
     engine replicas routed by `request_router` (another is for comparisons: benchmarks/ray_serve.py)."""
     check_ray_options(options)
     options = argparse.Namespace(**{k: v for k, v in vars(options).items() if k != "func"})   # the CLI's command
-    ingress = serve.deployment(Ingress, name="Ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
+    ingress = serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)(Ingress)
     if options.prefill_decode:           # a prefill deployment and a decode one, their replicas paired by KV link
         prefill = _engine_deployment(options, request_router, "PrefillReplica").bind(options, "prefill")
         return ingress.bind(_engine_deployment(options, request_router, "DecodeReplica").bind(options, "decode",
@@ -196,8 +204,8 @@ def application(options: argparse.Namespace, request_router: type | str = Prefix
     if not direct_ingress(options):
         return ingress.bind(_engine_deployment(options, request_router).bind(options))
     engine = _engine_deployment(options, request_router, as_ingress=True).bind(options)
-    route = serve.deployment(RouteIngress, name="RouteIngress", ray_actor_options={"num_cpus": 0},
-                             max_ongoing_requests=4096)
+    route = serve.deployment(name="RouteIngress", ray_actor_options={"num_cpus": 0},
+                             max_ongoing_requests=4096)(RouteIngress)
     return engine._with_ingress_request_router(route.bind(engine))
 
 
@@ -215,7 +223,7 @@ class _Scaling(TypedDict, total=False):
 
 
 def _engine_deployment(o: argparse.Namespace, request_router: type | str, name: str = "EngineReplica",
-                       as_ingress: bool = False):
+                       as_ingress: bool = False) -> Deployment:
     if o.min_replicas is not None:
         scaling: _Scaling = {"autoscaling_config": {
             "min_replicas": o.min_replicas, "max_replicas": o.max_replicas,
@@ -224,15 +232,15 @@ def _engine_deployment(o: argparse.Namespace, request_router: type | str, name: 
         scaling = {"num_replicas": o.num_replicas or 1}
     cpus = replica_cpus(o)
     if o.tensor_parallel_size > 1:
-        scaling.update(placement_group_bundles=[{"CPU": cpus}] * o.tensor_parallel_size,
-                       placement_group_strategy=o.placement_strategy)
+        scaling["placement_group_bundles"] = [{"CPU": cpus}] * o.tensor_parallel_size
+        scaling["placement_group_strategy"] = o.placement_strategy
     return serve.deployment(
-        serve.ingress()(EngineReplica) if as_ingress else EngineReplica, name=name, ray_actor_options={"num_cpus": cpus},
+        name=name, ray_actor_options={"num_cpus": cpus},
         max_ongoing_requests=2 * o.max_num_seqs, health_check_period_s=5, graceful_shutdown_timeout_s=5,
         request_router_config=RequestRouterConfig(
-            request_router_class=request_router,
+            request_router_class=request_router,  # type: ignore[arg-type]  # Ray's stub: **kwargs: dict[str, Any]
             request_router_kwargs={"margin": o.prefix_margin} if request_router is PrefixAffinityRouter else {}),
-        **scaling)
+        **scaling)(serve.ingress()(EngineReplica) if as_ingress else EngineReplica)
 
 
 def run(options: argparse.Namespace) -> int:

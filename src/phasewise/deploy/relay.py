@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ray.exceptions import RayActorError
-from ray.serve.handle import DeploymentHandle
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from phasewise.deploy.prefix_router import prompt_block_hashes
 from phasewise.deploy.replica_app import REPLICA_HEADER, gather_metrics, send_metrics
@@ -64,7 +64,7 @@ class Relay:
         if scope["type"] != "http":
             return
         body = await _read_body(receive)
-        fields = {k: scope[k] for k in SCOPE_KEYS if k in scope}
+        fields: Scope = {k: scope[k] for k in SCOPE_KEYS if k in scope}
         if scope["method"] == "GET" and scope["path"] == "/metrics":
             await send_metrics(send, await gather_metrics(self._engine, self._prefill))
             return
@@ -96,7 +96,7 @@ class Relay:
         started = event_stream = False
         for attempt in range(RETRIES + 1):
             try:
-                async for messages in self._engine.handle.remote(request):
+                async for messages in _stream(self._engine, request):
                     for m in messages:
                         if m["type"] == "http.response.start":
                             started = True
@@ -118,7 +118,7 @@ class Relay:
     async def _collect(handle: DeploymentHandle, request: RelayedRequest) -> tuple[str, int, bytes]:
         """One whole (unstreamed) response: (the replica that gave it, status, body)."""
         replica, status, chunks = "", 500, []
-        async for messages in handle.handle.remote(request):
+        async for messages in _stream(handle, request):
             for m in messages:
                 if m["type"] == "http.response.start":
                     status = m["status"]
@@ -127,6 +127,14 @@ class Relay:
                 elif m["type"] == "http.response.body":
                     chunks.append(m.get("body", b""))
         return replica, status, b"".join(chunks)
+
+
+def _stream(handle: DeploymentHandle, request: RelayedRequest) -> DeploymentResponseGenerator:
+    """A replica's `handle` on `request`: its ASGI messages, a batch at a time (the relay's handles stream)."""
+    response = handle.handle.remote(request)
+    if not isinstance(response, DeploymentResponseGenerator):
+        raise TypeError("the relay calls replicas through streaming handles (options(stream=True))")
+    return response
 
 
 def _with_length(scope: Scope, length: int) -> Scope:

@@ -13,23 +13,21 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
 
 from phasewise.deploy.replica_metrics import merge_metrics
 
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send   # ASGI's: scopes and messages are dicts
+
 REPLICA_HEADER = "x-phasewise-replica"       # which replica served a response: its Serve replica id
 MAX_REPLICAS = 256                           # /metrics asks at most this many replicas
 METRICS_TIMEOUT_S = 10.0                     # ... each within this
 PROMETHEUS_TEXT = b"text/plain; version=0.0.4; charset=utf-8"
 log = logging.getLogger("ray.serve")
-
-Message = dict[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Message, Receive, Send], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -46,7 +44,7 @@ class ReplicaApp:
     def __init__(self, app: ASGIApp, replica_id: str, gather: Callable[[], Awaitable[str]] | None = None) -> None:
         self._app, self._replica, self._gather = app, replica_id.encode(), gather
 
-    async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self._app(scope, receive, send)
             return

@@ -16,7 +16,7 @@ import socket
 from dataclasses import dataclass
 
 import ray
-from ray.actor import ActorHandle
+from ray.actor import ActorProxy
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -24,14 +24,17 @@ SERVE_NAMESPACE = "serve"                    # where Serve names its replicas' a
 
 
 class Rank:
-    """Rank r > 0 of one replica's tensor-parallel group (a Ray actor with two threads: `run` blocks in one)."""
+    """Rank r > 0 of one replica's tensor-parallel group (a Ray actor with two threads: `run` blocks in one).
+    Its methods are `ray.method`s (unchanged) so that calls through a handle type-check."""
 
+    @ray.method
     def run(self, rank: int, size: int, init_method: str, threads: int, device: str) -> None:
         """tp_worker's worker loop: returns when rank 0 stops or the group breaks."""
         from phasewise.runner.tp_worker import run_rank
 
         run_rank(rank, size, init_method, threads, device)
 
+    @ray.method
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
@@ -39,7 +42,7 @@ class Rank:
 @dataclass
 class ReplicaRanks:
     """Ranks 1..N-1 of a replica: their actors and the calls that run their loops."""
-    actors: list[ActorHandle[Rank]]
+    actors: list[ActorProxy[Rank]]          # Ray's type of a handle (ActorHandle, or the class for method types)
     loops: list[ray.ObjectRef[None]]        # each rank's `run`
 
     def node_ids(self) -> list[str]:
@@ -51,7 +54,7 @@ class ReplicaRanks:
 
     def stop(self) -> None:
         for a in self.actors:
-            ray.kill(a)
+            ray.kill(a)  # type: ignore[arg-type]  # Ray types a handle as ActorProxy; kill's stub wants ActorHandle
 
 
 def start_replica_ranks(replica: str, size: int, cpus: int, threads: int, device: str) -> ReplicaRanks:

@@ -8,11 +8,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from phasewise.config import EngineConfig, SpeculativeConfig
-from phasewise.core.engine_core import EngineCore
+from phasewise.core.engine_core import EngineCore, Proposer
 from phasewise.kernels import build as kernel_build
 from phasewise.kernels.kernel_api import Kernels
 from phasewise.loading.loader import check_memory, load_config, load_prepared, parse_dtype, resolve_model_path
@@ -27,6 +28,9 @@ from phasewise.spec_decode.draft_model import DraftModelProposer
 from phasewise.spec_decode.ngram import NgramProposer
 from phasewise.structured import GrammarCompiler
 from phasewise.tokenization.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from phasewise.models.llama import LlamaForCausalLM     # what the loader builds (the registry's classes)
 
 
 def check_device(device: str) -> None:
@@ -57,9 +61,9 @@ class EngineParts:
     kernels: Kernels | None
     tokenizer: Tokenizer
     ranks: TensorParallelRanks | None         # with tensor parallelism (this process is rank 0)
-    model: torch.nn.Module
+    model: LlamaForCausalLM
     kv_cache: KVCache
-    draft_model: torch.nn.Module | None
+    draft_model: LlamaForCausalLM | None
     max_model_len: int
     grammars: GrammarCompiler
     core: EngineCore
@@ -107,10 +111,9 @@ def build_engine(config: EngineConfig) -> EngineParts:
         max_len = config.scheduler.max_model_len or model_config.max_position_embeddings
         max_model_len = min(max_len, model_config.max_position_embeddings)
         kv_cache = KVCache(model_config, num_blocks, cache.block_size, kv_dtype, config.device)
-        draft_model = proposer = None
-        if spec.method == "ngram":
-            proposer = NgramProposer(spec.ngram_min, spec.ngram_max)
-        elif spec.method == "draft":
+        draft_model = None
+        proposer: Proposer | None = NgramProposer(spec.ngram_min, spec.ngram_max) if spec.method == "ngram" else None
+        if spec.method == "draft":
             draft_model, draft_kv = _draft_model(config, model_path, model_config, kernels, max_model_len, num_blocks)
             proposer = DraftModelProposer(draft_model, draft_kv, tokenizer.eos_token_ids, config.device, kernels)
         runner = ModelRunner(model, kv_cache, tokenizer.eos_token_ids, config.device, kernels, tp)
@@ -130,7 +133,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
 
 
 def _draft_model(config: EngineConfig, target_path: Path, target: ModelConfig, kernels: Kernels | None,
-                 max_model_len: int, num_blocks: int) -> tuple[torch.nn.Module, KVCache]:
+                 max_model_len: int, num_blocks: int) -> tuple[LlamaForCausalLM, KVCache]:
     """The draft model of `--speculative draft` (the target itself unless another is named) and its own
     KV cache in the target's block layout (same block count and size, its own dtype)."""
     spec: SpeculativeConfig = config.speculative

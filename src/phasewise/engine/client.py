@@ -3,7 +3,7 @@ in, steps, deltas out, request state and stats, the tokenizer, and KV transfer f
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from phasewise.config import EngineConfig
 from phasewise.core.handoffs import EngineStats, StepRecord
@@ -14,7 +14,15 @@ from phasewise.outputs import StreamDelta
 from phasewise.core.sampling_params import SamplingParams
 from phasewise.tokenization.tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs     # typing_extensions >= 4.10 (only mypy reads it here)
+
 Prompt = str | list[int] | list[dict]
+
+
+def is_chat(prompt: Prompt) -> TypeIs[list[dict]]:
+    """The prompt is chat messages (a list of dicts), not text or token ids."""
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
 
 
 class EngineBrokenError(RuntimeError):

@@ -23,7 +23,11 @@ class KVTransfer:
     def __init__(self, blocks: KVCacheManager, cache: KVCache, role: str | None, peer: str | None,
                  tensor_parallel: bool) -> None:
         self.blocks, self.cache, self.tensor_parallel = blocks, cache, tensor_parallel
-        self.link = KVLink(role, peer) if role else None
+        self.link: KVLink | None = None
+        if role:
+            if peer is None:
+                raise ValueError("a prefill or decode role needs a KV peer (tcp://HOST:PORT, the same on both sides)")
+            self.link = KVLink(role, peer)
 
     def export(self, token_ids: list[int]) -> KVBlocks:
         """The blocks of the prefix cache that hold the longest computed prefix of token_ids (whole

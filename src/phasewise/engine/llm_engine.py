@@ -14,7 +14,7 @@ from phasewise.config import EngineConfig
 from phasewise.core.handoffs import EngineStats, StepRecord
 from phasewise.core.request import FinishReason, Request
 from phasewise.engine.builder import build_engine
-from phasewise.engine.client import EngineBrokenError, Prompt
+from phasewise.engine.client import EngineBrokenError, Prompt, is_chat
 from phasewise.engine.kv_transfer import KVTransfer
 from phasewise.engine.output_processor import OutputProcessor
 from phasewise.outputs import CompletionOutput, StreamDelta
@@ -53,13 +53,13 @@ class LLMEngine:
     def encode_prompt(self, prompt: Prompt, chat: bool,
                       tools: list[dict] | None = None) -> list[int]:
         """Token ids of a prompt: chat messages (with OpenAI-style tools) through the chat template."""
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+        if isinstance(prompt, str):
+            if chat:
+                return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tools=tools)
+            return self.tokenizer.encode(prompt)
+        if is_chat(prompt):
             return self.tokenizer.apply_chat_template(prompt, tools=tools)
-        if isinstance(prompt, list):
-            return list(prompt)
-        if chat:
-            return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tools=tools)
-        return self.tokenizer.encode(prompt)
+        return list(prompt)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     chat: bool = False, request_id: str | None = None, tools: list[dict] | None = None) -> str:
@@ -125,7 +125,7 @@ class LLMEngine:
         try:
             outputs = self.core.step()
         except Exception as e:
-            if self.tp is None:
+            if self._ranks is None:             # no tensor parallelism
                 raise
             self.broken = f"a rank of the tensor-parallel group failed: {e}"
             self._ranks.workers.broken = True

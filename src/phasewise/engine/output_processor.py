@@ -84,6 +84,7 @@ class OutputProcessor:
                     out.stop_reason = last
                 if reason is FinishReason.ERROR:
                     out.error = _refusal(o.request, last, self.tokenizer)
+            assert reason is not None                     # a finished output has its reason
             out.finish_reason = reason.value
             del self._tracked[o.request_id]
         out.text += text

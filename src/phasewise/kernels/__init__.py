@@ -9,12 +9,14 @@ verification); the C++ decoder stack is built from a bound model by the builder,
 
 from __future__ import annotations
 
+from typing import TypeGuard
+
 import torch
 
 from phasewise.kernels.kernel_api import Kernels
 
 
-def applies(kernels: Kernels | None, x: torch.Tensor) -> bool:
+def applies(kernels: Kernels | None, x: torch.Tensor) -> TypeGuard[Kernels]:
     """Whether the compiled ops can take x: loaded, on the CPU, fp32."""
     return kernels is not None and x.device.type == "cpu" and x.dtype == torch.float32
 

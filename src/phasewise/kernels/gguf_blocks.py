@@ -54,8 +54,8 @@ def decode(type_name: str, blocks: np.ndarray) -> tuple[np.ndarray, list[np.ndar
             return _nibbles(blocks[:, 4:20], 16).reshape(n, 1, 32).astype(np.int16), [d, _f16(blocks[:, 2:4])[:, None]], None
         if type_name == "Q4_0":
             return _nibbles(blocks[:, 2:18], 16).reshape(n, 1, 32).astype(np.int16), [d, d * -8], None
-        qh = np.ascontiguousarray(blocks[:, 2:6]).view(np.uint32)                         # Q5_0: bit j is value j's
-        high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16) << 4       # fifth bit
+        qh32 = np.ascontiguousarray(blocks[:, 2:6]).view(np.uint32)                       # Q5_0: bit j is value j's
+        high = ((qh32 >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16) << 4       # fifth bit
         low = _nibbles(blocks[:, 6:22], 16).reshape(n, 32).astype(np.int16)
         return ((low | high) - 16)[:, None], [d], None
     if type_name in ("Q4_K", "Q5_K"):
@@ -87,6 +87,8 @@ def pack_gguf(type_name: str, raw: np.ndarray | torch.Tensor, chunk_rows: int = 
     raw = raw.numpy() if isinstance(raw, torch.Tensor) else np.asarray(raw, dtype=np.uint8)
     size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][1]
     rows, fmt = raw.shape[0], GGUF_BLOCKS[type_name]
+    blocks: torch.Tensor | None = None
+    side: torch.Tensor | None = None
     if kernels is not None and type_name in REPACKED and rows:
         k = raw.shape[1] // size * 256
         with warnings.catch_warnings():     # a read-only map of the file: the kernel only reads it
@@ -95,7 +97,6 @@ def pack_gguf(type_name: str, raw: np.ndarray | torch.Tensor, chunk_rows: int = 
         blocks, side = kernels.repack_gguf(REPACKED[type_name], data, rows, k)
         return quant.PackedWeight(fmt=fmt, n=rows, k=k, blocks=blocks, scale=side)
     step = max(quant.TILE, chunk_rows // quant.TILE * quant.TILE)
-    blocks = None
     for r0 in range(0, rows, step):
         part = raw[r0:r0 + step]
         q, scales, sb = decode(type_name, part.reshape(-1, size))
@@ -111,6 +112,8 @@ def pack_gguf(type_name: str, raw: np.ndarray | torch.Tensor, chunk_rows: int = 
                                                                  dtype=packed.scale.dtype)
         t0 = r0 // quant.TILE
         blocks[t0:t0 + packed.blocks.shape[0]] = packed.blocks
-        if side is not None:
+        if side is not None and packed.scale is not None:
             side[t0:t0 + packed.blocks.shape[0]] = packed.scale
+    if blocks is None:
+        raise ValueError("pack_gguf takes at least one row")
     return quant.PackedWeight(fmt=fmt, n=rows, k=blocks.shape[1] * quant.QK, blocks=blocks, scale=side)

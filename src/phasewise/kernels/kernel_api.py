@@ -10,11 +10,12 @@ from typing import NamedTuple, Protocol, Sequence, Union
 
 from torch import Tensor
 
-# A packed weight as the ops take it: (format id, rows, blocks, scale); a fused projection's further parts
-WeightPart = tuple[int, int, Tensor, Tensor]
-# one linear layer's blocks as quant_linear and the decoder stack take them:
+# A packed weight as the ops take it: (format id, rows, blocks, scale or None); a fused projection's
+# further parts (csrc/kernel_set.h PartArgs)
+WeightPart = tuple[int, int, Tensor, Union[Tensor, None]]
+# one linear layer's blocks as quant_linear and the decoder stack take them (decoder_stack.h QuantLinearArgs):
 # (format id, rows, blocks, scale, bias, u5 tiles, further parts)
-PackedLinearArgs = tuple[int, int, Tensor, Tensor, Union[Tensor, None], int, Sequence[WeightPart]]
+PackedLinearArgs = tuple[int, int, Tensor, Union[Tensor, None], Union[Tensor, None], int, Sequence[WeightPart]]
 
 
 class StackSparse(NamedTuple):
@@ -42,8 +43,8 @@ class StackLayer(NamedTuple):
     k_norm: Tensor | None
     pre_ffn_norm: Tensor | None            # Gemma 3's norms around the MLP
     post_ffn_norm: Tensor | None
-    cos: Tensor                            # this layer's RoPE tables [P, D / 2]
-    sin: Tensor
+    cos: Tensor | None                     # this layer's RoPE tables [P, D / 2] (None: the stack's)
+    sin: Tensor | None
     kv_group: int
     window: int                            # 0: none
     sparse: StackSparse | None             # the layer's experts (None: a dense layer)
@@ -58,7 +59,8 @@ class DecoderStack(Protocol):
 
 
 class Kernels(Protocol):
-    """The compiled CPU ops of one ISA level (`build.load()`)."""
+    """The compiled CPU ops of one ISA level (`build.load()`); those bindings.cpp declares without
+    argument names take theirs by position only."""
 
     @property
     def isa(self) -> str: ...
@@ -75,11 +77,11 @@ class Kernels(Protocol):
 
     def silu_and_mul(self, x: Tensor, gelu: bool = False) -> Tensor: ...
 
-    def argmax_rows(self, x: Tensor) -> Tensor: ...
+    def argmax_rows(self, x: Tensor, /) -> Tensor: ...
 
-    def mask_rows(self, x: Tensor, words: Tensor) -> Tensor: ...
+    def mask_rows(self, x: Tensor, words: Tensor, /) -> Tensor: ...
 
-    def quantize_activations(self, x: Tensor) -> list[Tensor]: ...
+    def quantize_activations(self, x: Tensor, /) -> list[Tensor]: ...
 
     def int8_peak_gops(self, iters: int = 20_000_000) -> float: ...
 

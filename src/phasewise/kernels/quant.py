@@ -33,6 +33,7 @@ the device-agnostic reference; `emulate` computes in PyTorch what the kernel com
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -99,6 +100,7 @@ class PackedWeight:
 
     def super_scales(self) -> list[torch.Tensor]:
         """k4: [Np, KB] fp32 d and dmin of every block's super-block; q6k: its d."""
+        assert self.scale is not None               # k4's, q6k's super-block scales
         nt, ks, _ = self.scale.shape
         n = SUPER_SCALES[self.fmt]
         each = self.scale.float().reshape(nt, ks, n, TILE).permute(2, 0, 3, 1).reshape(n, nt * TILE, ks)
@@ -171,10 +173,10 @@ def _tile_bytes(u: torch.Tensor) -> torch.Tensor:
 
 
 def pack(fmt: str, q: torch.Tensor, scales: list[torch.Tensor],
-         sb: tuple[torch.Tensor, torch.Tensor] | None = None) -> PackedWeight:
+         sb: Sequence[torch.Tensor] | None = None) -> PackedWeight:
     """q [N, KB, 32] integers (q4, k4: 0..15; q8, k8: -128..127; q5: -16..15; k6: -32..31) and the format's
     scales, each [N, KB] (cast to the format's dtype: pass values it holds exactly); k4 also takes `sb`,
-    its d and dmin [N, KB / 8] (fp16 values) → a PackedWeight."""
+    its d and dmin [N, KB / 8] (fp16 values), q6k its d → a PackedWeight."""
     n, kb, _ = q.shape
     dtypes = SCALES[fmt]
     if fmt == "i8":
@@ -213,7 +215,7 @@ def pack(fmt: str, q: torch.Tensor, scales: list[torch.Tensor],
             quants = torch.cat([nib.reshape(np_ // TILE, kb, 256), pairs.reshape(np_ // TILE, kb, 128)], dim=-1)
     tiles = [_tile_scales(_pad_rows(s.to(dtype), np_)) for s, dtype in zip(scales, dtypes)]
     side = None
-    if fmt in SUPER_SCALES:    # [NT, KB / 8, 16 or 32]: each (tile, super-block)'s 16 d (then 16 dmin)
+    if fmt in SUPER_SCALES and sb is not None:  # [NT, KB / 8, 16 or 32]: each (tile, super-block)'s 16 d (16 dmin)
         side = torch.cat([_tile_scales(_pad_rows(s.to(_F16), np_)).view(_F16) for s in sb], dim=-1)
     return PackedWeight(fmt=fmt, n=n, k=kb * QK, blocks=torch.cat([quants, *tiles], dim=-1), scale=side)
 
@@ -274,9 +276,9 @@ def concat(parts: list[PackedWeight]) -> PackedWeight:
             (runs[-1].append(p) if p.fmt == runs[-1][0].fmt else runs.append([p]))
         first, *rest = [concat(r) for r in runs]
         return replace(first, rest=tuple(rest))
-    cat = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
+    scales = [p.scale for p in parts if p.scale is not None]     # one format: every part has one, or none
     return PackedWeight(fmt=parts[0].fmt, n=sum(p.n for p in parts), k=parts[0].k,
-                        blocks=cat([p.blocks for p in parts]), scale=cat([p.scale for p in parts]))
+                        blocks=torch.cat([p.blocks for p in parts]), scale=torch.cat(scales) if scales else None)
 
 
 def dequantize(w: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -285,6 +287,7 @@ def dequantize(w: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Ten
         return torch.cat([dequantize(p, dtype) for p in w.parts])
     q = w.values().float()                                                      # [Np, KB, 32]
     if w.fmt == "i8":
+        assert w.scale is not None                                              # i8's row scales
         out = q * w.scale.reshape(-1, 1, 1)
     else:
         s = [t[..., None] for t in w.block_scales()]                            # each [Np, KB, 1]

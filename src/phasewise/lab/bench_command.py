@@ -7,11 +7,12 @@ import asyncio
 import csv
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from phasewise.lab import load_gen as G
 from phasewise.lab.experiment_command import int_list
-from phasewise.lab.load_stats import LoadSummary, parse_goodput, summarize
+from phasewise.lab.load_stats import LATENCIES, Latency, LoadSummary, parse_goodput, summarize
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -128,14 +129,15 @@ def print_summary(console, target: G.Target, args, summaries: list[LoadSummary])
     table.add_column("")
     for s in summaries:
         table.add_column(f"c={s['max_concurrency'] or 'all'}", justify="right")
-    rows = [("completed / failed", lambda s: f"{s['completed']} / {s['failed']}"),
-            ("duration s", lambda s: f"{s['duration_s']:.1f}"),
-            ("requests/s", lambda s: f"{s['request_throughput']:.2f}"),
-            ("output tok/s", lambda s: f"{s['output_token_throughput']:.1f}"),
-            ("total tok/s", lambda s: f"{s['total_token_throughput']:.1f}")]
-    for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+    rows: list[tuple[str, Callable[[LoadSummary], str]]] = [
+        ("completed / failed", lambda s: f"{s['completed']} / {s['failed']}"),
+        ("duration s", lambda s: f"{s['duration_s']:.1f}"),
+        ("requests/s", lambda s: f"{s['request_throughput']:.2f}"),
+        ("output tok/s", lambda s: f"{s['output_token_throughput']:.1f}"),
+        ("total tok/s", lambda s: f"{s['total_token_throughput']:.1f}")]
+    for metric in LATENCIES:
         for stat in ("mean", "median", "p90", "p99"):
-            rows.append((f"{metric[:-3].upper()} {stat} ms", lambda s, m=metric, k=stat: f"{s[m][k]:.1f}"))
+            rows.append((f"{metric[:-3].upper()} {stat} ms", _latency_cell(metric, stat)))
     if "goodput" in summaries[0]:
         rows.append(("goodput req/s", lambda s: f"{s['goodput']['requests_per_s']:.2f}"))
     for name, fmt in rows:
@@ -146,6 +148,10 @@ def print_summary(console, target: G.Target, args, summaries: list[LoadSummary])
             console.print("[yellow]the server sent no usage: output tokens counted as content chunks[/]")
         for e in s["errors"][:3]:
             console.print(f"[red]error:[/] {e}")
+
+
+def _latency_cell(metric: Latency, stat: str) -> Callable[[LoadSummary], str]:
+    return lambda s: f"{s[metric][stat]:.1f}"
 
 
 def write_results(out: Path, target: G.Target, args, points) -> None:
@@ -175,8 +181,9 @@ def plot_sweep(summaries: list[LoadSummary], path: Path, model: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, metric, label in ((left, "tpot_ms", "median time per output token, ms"),
-                              (right, "ttft_ms", "median time to first token, ms")):
+    panels: tuple[tuple[Latency, str], ...] = (("tpot_ms", "median time per output token, ms"),
+                                               ("ttft_ms", "median time to first token, ms"))
+    for ax, (metric, label) in zip((left, right), panels):
         x = [s[metric]["median"] for s in summaries]
         y = [s["output_token_throughput"] for s in summaries]
         ax.plot(x, y, "o-")

@@ -22,6 +22,7 @@ from phasewise.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from phasewise.json_types import JsonObject
+    from phasewise.llm import LLM
 
 Progress = Callable[[int], None]          # advance(n): n requests done
 Row: TypeAlias = dict[str, int | float | str]   # one measurement, or one printed row: column → value
@@ -86,24 +87,38 @@ def request_row(out: CompletionOutput) -> Row:
     }
 
 
+def numbers(rows: Sequence[Row], key: str) -> list[float]:
+    """The values of a numeric column (TypeError for a text one)."""
+    values = [v for r in rows if not isinstance(v := r[key], str)]
+    if len(values) < len(rows):
+        raise TypeError(f"the column {key!r} holds text")
+    return values
+
+
 def _median_by(rows: list[Row], key: str) -> list[Row]:
     """One row per distinct `key` value: the median of every numeric field over its runs."""
     groups: dict[int | float | str, list[Row]] = {}
     for r in rows:
         groups.setdefault(r[key], []).append(r)
-    return [{k: statistics.median(g[k] for g in group) if isinstance(group[0][k], (int, float)) else group[0][k]
+    return [{k: statistics.median(numbers(group, k)) if isinstance(group[0][k], (int, float)) else group[0][k]
              for k in group[0]} | {"runs": len(group)} for group in groups.values()]
+
+
+def _ended(out: CompletionOutput) -> float:
+    """When a request that `generate` returned (finished) ended."""
+    assert out.metrics.finished is not None
+    return out.metrics.finished
 
 
 def _params(max_tokens: int, seed: int | None = None) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, seed=seed)
 
 
-def _one(llm, prompt: list[int], max_tokens: int) -> CompletionOutput:
+def _one(llm: LLM, prompt: list[int], max_tokens: int) -> CompletionOutput:
     return llm.generate([prompt], _params(max_tokens))[0]
 
 
-def _sweep(llm, key: str, points: Sequence[int], shape: Callable[[int], tuple[int, int]], runs: int, seed: int,
+def _sweep(llm: LLM, key: str, points: Sequence[int], shape: Callable[[int], tuple[int, int]], runs: int, seed: int,
            progress: Progress) -> tuple[list[Row], list[tuple[str, RequestMetrics]]]:
     """One request per point and run, one after another; shape(point) = (prompt tokens, output tokens)."""
     make = PromptMaker(llm.model_config.vocab_size, seed)
@@ -118,7 +133,7 @@ def _sweep(llm, key: str, points: Sequence[int], shape: Callable[[int], tuple[in
     return rows, reqs
 
 
-def prompt_sweep(llm, lengths: Sequence[int], output_tokens: int = 199, runs: int = 1, seed: int = 0,
+def prompt_sweep(llm: LLM, lengths: Sequence[int], output_tokens: int = 199, runs: int = 1, seed: int = 0,
                  progress: Progress = lambda n: None) -> Experiment:
     """Prefill cost per prompt token as the prompt grows, and decode speed as its context grows."""
     rows, reqs = _sweep(llm, "prompt_len", lengths, lambda n: (n, output_tokens), runs, seed, progress)
@@ -131,12 +146,12 @@ def prompt_sweep(llm, lengths: Sequence[int], output_tokens: int = 199, runs: in
              f"({best['ms_per_prompt_token']:.3f} ms, {best['prompt_tok_s']:.0f} tok/s)",
              f"decode: {table[0]['ms_per_output_token']:.2f} ms/token after {table[0]['prompt_len']} prompt tokens, "
              f"{table[-1]['ms_per_output_token']:.2f} after {table[-1]['prompt_len']}"]
-    settings = {"lengths": list(lengths), "output_tokens": output_tokens, "runs": runs, "seed": seed}
+    settings: JsonObject = {"lengths": list(lengths), "output_tokens": output_tokens, "runs": runs, "seed": seed}
     return Experiment(name="prompt-sweep", settings=settings, rows=rows, columns=cols, table=table, notes=notes,
                       requests=reqs)
 
 
-def output_sweep(llm, lengths: Sequence[int], prompt_tokens: int = 32, runs: int = 1, seed: int = 0,
+def output_sweep(llm: LLM, lengths: Sequence[int], prompt_tokens: int = 32, runs: int = 1, seed: int = 0,
                  progress: Progress = lambda n: None) -> Experiment:
     """Total decode time against output length, with the (flat) prefill beside it."""
     rows, reqs = _sweep(llm, "output_len", lengths, lambda n: (prompt_tokens, n), runs, seed, progress)
@@ -147,7 +162,7 @@ def output_sweep(llm, lengths: Sequence[int], prompt_tokens: int = 32, runs: int
     pre = [r["prefill_ms"] for r in table]
     notes = [f"prefill stays {min(pre):.1f}–{max(pre):.1f} ms across output lengths; decode grows "
              f"from {table[0]['decode_ms']:.0f} ms to {table[-1]['decode_ms']:.0f} ms"]
-    settings = {"lengths": list(lengths), "prompt_tokens": prompt_tokens, "runs": runs, "seed": seed}
+    settings: JsonObject = {"lengths": list(lengths), "prompt_tokens": prompt_tokens, "runs": runs, "seed": seed}
     return Experiment(name="output-sweep", settings=settings, rows=rows, columns=cols, table=table, notes=notes,
                       requests=reqs)
 
@@ -172,19 +187,21 @@ def outliers(values: list[float], k: float = 3.5, min_rel: float = 0.1) -> list[
             if abs(v - med) > max(k * mad, min_rel * abs(med)) and abs(v - med) > 0]
 
 
-def repeat(llm, runs: int = 20, prompt_tokens: int = 128, output_tokens: int = 64, seed: int = 0,
+def repeat(llm: LLM, runs: int = 20, prompt_tokens: int = 128, output_tokens: int = 64, seed: int = 0,
            progress: Progress = lambda n: None) -> Experiment:
     """The same request `runs` times, one after another: how much one measurement can mislead."""
     prompt = PromptMaker(llm.model_config.vocab_size, seed)(prompt_tokens)
-    rows, reqs = [], []
+    rows: list[Row] = []
+    reqs: list[tuple[str, RequestMetrics]] = []
     for run in range(runs):
         out = _one(llm, prompt, output_tokens)
         rows.append({"run": run + 1, **request_row(out)})
         reqs.append((f"run {run + 1}", out.metrics))
         progress(1)
-    table, notes = [], []
+    table: list[Row] = []
+    notes: list[str] = []
     for key in REPEAT_TIMINGS:
-        values = [r[key] for r in rows]
+        values = numbers(rows, key)
         table.append({"timing": key, **spread(values)})
         for i in outliers(values):
             first = " (the first run)" if i == 0 else ""
@@ -193,20 +210,21 @@ def repeat(llm, runs: int = 20, prompt_tokens: int = 128, output_tokens: int = 6
     cols = [Column("timing", "timing", "s"), Column("median", "median", ".2f"), Column("p5", "p5", ".2f"),
             Column("p95", "p95", ".2f"), Column("cv", "CV", ".1%"), Column("min", "min", ".2f"),
             Column("max", "max", ".2f")]
-    settings = {"runs": runs, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens, "seed": seed}
+    settings: JsonObject = {"runs": runs, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens, "seed": seed}
     return Experiment(name="repeat", settings=settings, rows=rows, columns=cols, table=table,
                       notes=notes or ["no outliers"], requests=reqs)
 
 
-def batch_sweep(llm, concurrencies: Sequence[int], prompt_tokens: int = 128, output_tokens: int = 64,
+def batch_sweep(llm: LLM, concurrencies: Sequence[int], prompt_tokens: int = 128, output_tokens: int = 64,
                 seed: int = 0, progress: Progress = lambda n: None) -> Experiment:
     """c requests at once, for each c: aggregate output tokens/s against each request's inter-token latency."""
     make = PromptMaker(llm.model_config.vocab_size, seed)
-    rows, reqs = [], []
+    rows: list[Row] = []
+    reqs: list[tuple[str, RequestMetrics]] = []
     for c in concurrencies:
         outs = llm.generate([make(prompt_tokens) for _ in range(c)], _params(output_tokens))
         start = min(o.metrics.arrival for o in outs)
-        wall_s = max(o.metrics.finished for o in outs) - start
+        wall_s = max(_ended(o) for o in outs) - start
         itl = [x for o in outs for x in o.metrics.itl_ms]
         ttft = [o.metrics.ttft_ms for o in outs]
         tokens = sum(len(o.token_ids) for o in outs)
@@ -222,11 +240,12 @@ def batch_sweep(llm, concurrencies: Sequence[int], prompt_tokens: int = 128, out
     cols = [Column("concurrency", "concurrent", "d"), Column("output_tok_s", "output tok/s"),
             Column("per_request_tok_s", "tok/s per request"), Column("itl_median_ms", "ITL median ms"),
             Column("itl_p90_ms", "ITL p90 ms"), Column("ttft_median_ms", "TTFT median ms", ".0f")]
-    base, top = rows[0], max(rows, key=lambda r: r["output_tok_s"])
-    notes = [f"{top['output_tok_s'] / base['output_tok_s']:.1f}x the aggregate throughput of concurrency "
-             f"{base['concurrency']} at concurrency {top['concurrency']}, for "
-             f"{top['itl_median_ms'] / base['itl_median_ms']:.1f}x the median inter-token latency"]
-    settings = {"concurrencies": list(concurrencies), "prompt_tokens": prompt_tokens,
-                "output_tokens": output_tokens, "seed": seed}
+    tok_s, itl_ms = numbers(rows, "output_tok_s"), numbers(rows, "itl_median_ms")
+    top = tok_s.index(max(tok_s))
+    notes = [f"{tok_s[top] / tok_s[0]:.1f}x the aggregate throughput of concurrency "
+             f"{rows[0]['concurrency']} at concurrency {rows[top]['concurrency']}, for "
+             f"{itl_ms[top] / itl_ms[0]:.1f}x the median inter-token latency"]
+    settings: JsonObject = {"concurrencies": list(concurrencies), "prompt_tokens": prompt_tokens,
+                            "output_tokens": output_tokens, "seed": seed}
     return Experiment(name="batch-sweep", settings=settings, rows=rows, columns=cols, table=rows, notes=notes,
                       requests=reqs)

@@ -12,11 +12,15 @@ Definitions (times in seconds inside records, milliseconds in summaries):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
+
 from typing_extensions import NotRequired, TypedDict   # typing has NotRequired from Python 3.11
 
 from phasewise.percentile import percentile
 
 SLO_METRICS = ("ttft", "tpot", "e2e")
+Latency = Literal["ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"]      # a summary's latency keys (`_stats` each)
+LATENCIES: tuple[Latency, ...] = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 
 
 class Goodput(TypedDict):

@@ -9,7 +9,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from phasewise.lab.experiments import REPEAT_TIMINGS, Experiment  # noqa: E402
+from phasewise.lab.experiments import REPEAT_TIMINGS, Experiment, numbers  # noqa: E402
 
 
 def _save(fig, path: Path) -> Path:
@@ -58,8 +58,8 @@ def output_sweep(exp: Experiment, out: Path) -> list[Path]:
     t = exp.table
     x = [r["output_len"] for r in t]
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(x, [r["decode_ms"] / 1e3 for r in t], "o-", label="decode (all output tokens)")
-    ax.plot(x, [r["prefill_ms"] / 1e3 for r in t], "s--", label="prefill")
+    ax.plot(x, [ms / 1e3 for ms in numbers(t, "decode_ms")], "o-", label="decode (all output tokens)")
+    ax.plot(x, [ms / 1e3 for ms in numbers(t, "prefill_ms")], "s--", label="prefill")
     ax.set_xlabel("output tokens")
     ax.set_ylabel("seconds")
     ax.set_title(f"Decode grows with output, prefill does not ({exp.settings['prompt_tokens']}-token prompt)")
@@ -79,7 +79,7 @@ def repeat(exp: Experiment, out: Path) -> list[Path]:
     runs = [r["run"] for r in exp.rows]
     fig, axes = plt.subplots(len(REPEAT_TIMINGS), 1, figsize=(7, 2.2 * len(REPEAT_TIMINGS)), sharex=True)
     for ax, stat in zip(axes, exp.table):
-        key = stat["timing"]
+        key = str(stat["timing"])
         ax.plot(runs, [r[key] for r in exp.rows], "o-", ms=4)
         ax.axhline(stat["median"], color="gray", lw=1)
         ax.axhspan(stat["p5"], stat["p95"], color="gray", alpha=0.15)

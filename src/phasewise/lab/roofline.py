@@ -58,6 +58,7 @@ def measure_machine(dtype: torch.dtype = torch.float32, dram_mib: int = 1024, ca
     x = torch.randn(matmul_n, matmul_n).to(dtype)
     def layer(onednn: bool) -> Linear:
         linear = Linear(matmul_n, matmul_n).to(dtype)
+        assert linear.weight is not None          # as built: dense
         torch.nn.init.normal_(linear.weight, std=matmul_n ** -0.5)
         if onednn:
             linear.pack_for_onednn()

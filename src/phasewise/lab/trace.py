@@ -18,13 +18,13 @@ from phasewise.core.request import RequestMetrics
 if TYPE_CHECKING:
     from phasewise.core.handoffs import EngineStats
     from phasewise.core.request import Request
-    from phasewise.json_types import JsonObject
+    from phasewise.json_types import JsonObject, JsonValue
     from phasewise.outputs import StreamDelta
 
 ENGINE_PID, REQUESTS_PID = 1, 2
 
 
-def _span(name: str, pid: int, tid: int, start: float, end: float, t0: float, **args: float) -> JsonObject:
+def _span(name: str, pid: int, tid: int, start: float, end: float, t0: float, **args: JsonValue) -> JsonObject:
     return {"name": name, "ph": "X", "pid": pid, "tid": tid, "ts": (start - t0) * 1e6,
             "dur": max(end - start, 0.0) * 1e6, "args": args}
 
@@ -35,7 +35,7 @@ def chrome_trace(steps: Iterable[StepRecord], requests: Iterable[tuple[str, Requ
     steps, requests = list(steps), list(requests)
     starts = [s.start for s in steps] + [m.arrival for _, m in requests]
     t0 = min(starts, default=0.0)
-    events: list[JsonObject] = [
+    events: list[JsonValue] = [
         {"name": "process_name", "ph": "M", "pid": ENGINE_PID, "args": {"name": "engine steps"}},
         {"name": "process_name", "ph": "M", "pid": REQUESTS_PID, "args": {"name": "requests"}},
     ]

@@ -12,9 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from phasewise.kernels.kernel_api import Kernels
 
 
 @dataclass(kw_only=True)
@@ -76,7 +80,8 @@ class AttentionMetadata:
     def row_tensors(query_lens: list[int], context_lens: list[int],
                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's sequence and how many tokens it attends to ([T] int64 each, KernelRows')."""
-        seq, length = [], []
+        seq: list[int] = []
+        length: list[int] = []
         for i, (n, ctx) in enumerate(zip(query_lens, context_lens)):
             seq.extend([i] * n)
             length.extend(range(ctx - n + 1, ctx + 1))
@@ -89,7 +94,8 @@ class AttentionMetadata:
               rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> AttentionMetadata:
         """query_lens[i] new tokens of sequence i, which then has context_lens[i] tokens in all
         (`rows`: row_tensors of these lengths, when the caller has them already)."""
-        slots, tables = [], []
+        slots: list[int] = []
+        tables: list[list[int]] = []
         for n, ctx, table in zip(query_lens, context_lens, block_tables):
             slots.extend(table[pos // block_size] * block_size + pos % block_size for pos in range(ctx - n, ctx))
             tables.append(table[: -(-ctx // block_size)])
@@ -190,7 +196,7 @@ def _read(kv: LayerKV, which: int, blocks: torch.Tensor, block_size: int, dtype:
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, meta: AttentionMetadata,
-                    ops=None, written: bool = False, window: int | None = None,
+                    ops: Kernels | None = None, written: bool = False, window: int | None = None,
                     scale: float | None = None) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D]; kv: the layer's cache (k, v [num_slots, Hkv, D], and for an
     int8 cache their scales [num_slots, Hkv]) → out [T, Hq * D].
@@ -205,9 +211,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
     Hkv, bs = k.shape[1], meta.block_size
     scale = D ** -0.5 if scale is None else scale
     if ops is not None:                             # one kernel call
-        rows, scales = meta.kernel_rows, ((kv[2], kv[3]) if len(kv) == 4 else (None, None))
+        rows = meta.kernel_rows
+        k_scale, v_scale = (kv[2], kv[3]) if len(kv) == 4 else (None, None)
         return ops.paged_attention(q.contiguous(), kv[0], kv[1], rows.tables, rows.seq, rows.length,
-                                   bs, scale, *scales, window=window or 0).view(T, Hq * D)
+                                   bs, scale, k_scale, v_scale, window=window or 0).view(T, Hq * D)
     if len(kv) == 4:                                # an int8 cache: the query in int8 steps too
         q = quantize_query(q, scale)
     if meta.decode_only:

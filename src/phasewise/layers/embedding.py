@@ -18,12 +18,16 @@ from phasewise.layers.linear import frozen
 
 
 class Embedding(UsesKernels, nn.Module):
+    blocks: torch.Tensor                  # "blocks": buffers (quant.PackedWeight's)
+    scale: torch.Tensor | None
+
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         # the checkpoint fills it: no random init (nn.Embedding's normal_ is slow, even on meta)
         self.weight: nn.Parameter | None = frozen(torch.empty(num_embeddings, embedding_dim))
-        self.form, self.fmt, self.fmt_id = "dense", None, 0
+        self.form, self.fmt_id = "dense", 0
+        self.fmt: str | None = None
 
     def fill_blocks(self, weight: PackedWeight) -> None:
         """Hold the table in `weight`'s blocks (one part, this table's shape); the float table goes."""
@@ -40,7 +44,7 @@ class Embedding(UsesKernels, nn.Module):
     @property
     def packed(self) -> PackedWeight | None:
         """The blocks as a PackedWeight (None when dense)."""
-        if self.form != "blocks":
+        if self.form != "blocks" or self.fmt is None:
             return None
         return PackedWeight(fmt=self.fmt, n=self.num_embeddings, k=self.embedding_dim, blocks=self.blocks,
                             scale=self.scale)
@@ -51,9 +55,13 @@ class Embedding(UsesKernels, nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [...] → [..., dim] (fp32 from blocks)."""
         if self.form == "dense":
-            return F.embedding(ids, self.weight)
+            weight = self.weight
+            assert weight is not None                          # "dense" holds it
+            return F.embedding(ids, weight)
         if self.kernels is not None and self.blocks.device.type == "cpu":
             return self.kernels.dequantize_rows(ids, self.fmt_id, self.num_embeddings, self.blocks, self.scale)
         if ids.numel() and (ids.min() < 0 or ids.max() >= self.num_embeddings):
             raise IndexError(f"token id outside 0..{self.num_embeddings - 1}")
-        return quant.dequantize_rows(self.packed, ids)
+        packed = self.packed
+        assert packed is not None                              # "blocks"
+        return quant.dequantize_rows(packed, ids)

@@ -25,10 +25,10 @@ class ExpertLinear(Linear):
     def expert_weight(self, e: int, dtype: torch.dtype) -> torch.Tensor:
         """Expert e's weight [rows, in] in `dtype` (blocks: the exact stored values)."""
         if self.form == "dense":
-            return self.weight[e * self.rows:(e + 1) * self.rows].to(dtype)
+            return self.dense_weight()[e * self.rows:(e + 1) * self.rows].to(dtype)
         if self.form != "blocks":
             raise RuntimeError(f"an expert weight in form {self.form!r}")
-        packed = self.packed
+        packed = self.packed_weight()
         if self.rest or self.rows % quant.TILE:                 # tiles shared between experts: all, then cut
             return quant.dequantize(packed, dtype)[e * self.rows:(e + 1) * self.rows]
         nt = self.rows // quant.TILE

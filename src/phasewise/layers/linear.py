@@ -18,6 +18,8 @@ its parent. Weights and bias never take gradients (an inference engine).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -33,6 +35,9 @@ def frozen(t: torch.Tensor) -> nn.Parameter:
 
 
 class Linear(UsesKernels, nn.Module):
+    blocks: torch.Tensor                  # "blocks": buffers [NT, KB, block bytes] uint8 and its scales,
+    scale: torch.Tensor | None            # then a fused weight's further parts' (blocks1, scale1, ...)
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -76,13 +81,11 @@ class Linear(UsesKernels, nn.Module):
 
     def quantize(self) -> None:
         """The dense weight to int8 per output channel (its width a multiple of 32)."""
-        self._check("dense")
-        self.fill_blocks(quant.quantize_i8(self.weight.detach()))
+        self.fill_blocks(quant.quantize_i8(self.dense_weight().detach()))
 
     def dequantize(self, dtype: torch.dtype) -> None:
         """Blocks to a dense weight in `dtype` holding the exact stored values (where no kernels run them)."""
-        self._check("blocks")
-        w = quant.dequantize(self.packed, dtype)
+        w = quant.dequantize(self.packed_weight(), dtype)
         self._drop_weight()
         self.form, self.fmt, self.rest = "dense", None, []
         self.weight = frozen(w)
@@ -91,14 +94,18 @@ class Linear(UsesKernels, nn.Module):
 
     def pack_for_onednn(self) -> None:
         """The dense weight packed once for oneDNN's kernels (check `onednn_available` first)."""
-        self._check("dense")
-        packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
+        packed = torch.ops.mkldnn._reorder_linear_weight(self.dense_weight().detach(), 1)
         self._drop_weight()
         self.form, self.onednn_weight = "onednn", packed
 
-    def _check(self, form: str) -> None:
-        if self.form != form:
-            raise RuntimeError(f"a linear layer in form {self.form!r}, not {form!r}")
+    def _wrong_form(self, form: str) -> RuntimeError:
+        return RuntimeError(f"a linear layer in form {self.form!r}, not {form!r}")
+
+    def dense_weight(self) -> nn.Parameter:
+        """The float weight [out, in] (form "dense")."""
+        if self.form != "dense" or self.weight is None:
+            raise self._wrong_form("dense")
+        return self.weight
 
     def _drop_weight(self) -> None:
         """Let go of the weight in its present form."""
@@ -122,7 +129,7 @@ class Linear(UsesKernels, nn.Module):
         bias = None if self.bias is None else self.bias.detach()
         return self.fmt_id, self.out_features, self.blocks, self.scale, bias, self.u5_tiles, rest
 
-    def _apply(self, fn, recurse=True):
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Linear:
         self._args = None                     # buffers may move: gather the arguments again
         out = super()._apply(fn, recurse)
         self.bind_kernels(self.kernels)
@@ -131,8 +138,12 @@ class Linear(UsesKernels, nn.Module):
     @property
     def packed(self) -> PackedWeight | None:
         """The blocks as a PackedWeight (None in the float forms)."""
-        if self.form != "blocks":
-            return None
+        return self.packed_weight() if self.form == "blocks" else None
+
+    def packed_weight(self) -> PackedWeight:
+        """The blocks as a PackedWeight (form "blocks")."""
+        if self.form != "blocks" or self.fmt is None:
+            raise self._wrong_form("blocks")
         rest = tuple(PackedWeight(fmt=fmt, n=n, k=self.in_features, blocks=getattr(self, f"blocks{i}"),
                                   scale=getattr(self, f"scale{i}")) for i, (fmt, n) in enumerate(self.rest, 1))
         return PackedWeight(fmt=self.fmt, n=self.part_rows, k=self.in_features, blocks=self.blocks,
@@ -140,7 +151,7 @@ class Linear(UsesKernels, nn.Module):
 
     def extra_repr(self) -> str:
         text = f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
-        if self.form != "blocks":
+        if self.form != "blocks" or self.fmt is None:
             return f"{text}, form={self.form}"
         u5 = f" ({self.u5_tiles} tiles of q5 values)" if self.u5_tiles else ""
         return f"{text}, fmt={'+'.join([self.fmt, *(f for f, _ in self.rest)])}{u5}"
@@ -150,19 +161,21 @@ class Linear(UsesKernels, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., in] → [..., out]."""
         if self.form == "dense":
-            return F.linear(x, self.weight, self.bias)
+            weight = self.weight
+            assert weight is not None                              # "dense" holds it
+            return F.linear(x, weight, self.bias)
         if self.form == "onednn":                                  # x: [T, in]
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn_weight, self.bias, "none", [], "")
-        args = self._args
-        if args is None or x.dtype is not torch.float32 or x.device.type != "cpu":
+        args, kernels = self._args, self.kernels               # args: kernels bound (bind_kernels)
+        if args is None or kernels is None or x.dtype is not torch.float32 or x.device.type != "cpu":
             return self.reference(x)
         if x.dim() == 2:
-            return self.kernels.quant_linear(x, *args)
-        return self.kernels.quant_linear(x.reshape(-1, self.in_features), *args).reshape(*x.shape[:-1], -1)
+            return kernels.quant_linear(x, *args)
+        return kernels.quant_linear(x.reshape(-1, self.in_features), *args).reshape(*x.shape[:-1], -1)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """Blocks: dequantize the stored weight (exact) and multiply in x's dtype."""
-        w = quant.dequantize(self.packed, x.dtype)
+        w = quant.dequantize(self.packed_weight(), x.dtype)
         return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
 
 

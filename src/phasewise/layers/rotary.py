@@ -15,15 +15,16 @@ if TYPE_CHECKING:
 def inv_frequencies(head_dim: int, theta: float, scaling: JsonObject | None) -> torch.Tensor:
     """[head_dim / 2] inverse frequencies, with the model's RoPE scaling applied."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    kind = (scaling or {}).get("rope_type", "default")
+    scaling = scaling or {}
+    kind = scaling.get("rope_type", "default")
     if kind == "linear":
-        inv_freq = inv_freq / scaling["factor"]
+        inv_freq = inv_freq / _number(scaling, "factor")
     elif kind == "freq_factors":  # GGUF rope_freqs tensor
         inv_freq = inv_freq / torch.tensor(scaling["factors"], dtype=torch.float64)
     elif kind == "llama3":
-        factor = scaling["factor"]
-        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
-        old_len = scaling.get("original_max_position_embeddings", 8192)
+        factor = _number(scaling, "factor")
+        low, high = _number(scaling, "low_freq_factor", 1.0), _number(scaling, "high_freq_factor", 4.0)
+        old_len = _number(scaling, "original_max_position_embeddings", 8192)
         wavelen = 2 * math.pi / inv_freq
         smooth = (old_len / wavelen - low) / (high - low)
         scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
@@ -32,8 +33,19 @@ def inv_frequencies(head_dim: int, theta: float, scaling: JsonObject | None) -> 
     return inv_freq.float()
 
 
+def _number(scaling: JsonObject, key: str, default: float | None = None) -> float:
+    """rope_scaling[key] (or `default` where it has none), a number."""
+    value = scaling[key] if default is None else scaling.get(key, default)
+    if not isinstance(value, (int, float)):
+        raise TypeError(f"rope_scaling's {key} is {value!r}, not a number")
+    return value
+
+
 class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin for every position up to max_positions."""
+
+    cos: torch.Tensor                     # buffers [P, D/2] fp32
+    sin: torch.Tensor
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  scaling: JsonObject | None = None) -> None:

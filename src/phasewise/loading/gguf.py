@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sized
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
-from phasewise.loading.gguf_header import GGUFFormatError, read_header
+from phasewise.loading.gguf_header import GGUFFormatError, GGUFValue, TensorInfo, read_header
 from phasewise.loading.gguf_tensor import GGUFTensor
 from phasewise.models.config import ModelConfig
 from phasewise.models.gguf_config import config_from_gguf
@@ -65,7 +65,7 @@ class GGUFFile:
             raise ModelLoadError(f"not a valid GGUF file: {self.path} ({e})") from None
         arch = self.fields.get("general.architecture", "")
         tokens = self.fields.get("tokenizer.ggml.tokens")
-        if f"{arch}.vocab_size" not in self.fields and tokens is not None:
+        if f"{arch}.vocab_size" not in self.fields and isinstance(tokens, Sized):
             self.fields[f"{arch}.vocab_size"] = len(tokens)
         self._data = np.memmap(self.path, dtype=np.uint8, mode="r")
 
@@ -136,7 +136,7 @@ class GGUFFile:
         name = _gguf_name(hf_name, cfg)
         if name not in self.tensors and hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
             name = "token_embd.weight"
-        if name not in self.tensors:
+        if name is None or name not in self.tensors:
             return None
         shape = tuple(self.tensors[name].shape)
         if len(shape) == 3 and "_exps." in name:
@@ -151,7 +151,7 @@ class GGUFFile:
 
 
 @functools.lru_cache(maxsize=4)
-def _header(path: str, size: int, mtime_ns: int) -> tuple[dict, dict]:
+def _header(path: str, size: int, mtime_ns: int) -> tuple[dict[str, GGUFValue], dict[str, TensorInfo]]:
     """read_header, once per file version: an engine opens its file three times (config, precision,
     weights), and a 150k-token vocabulary takes ~0.4 s to walk."""
     return read_header(Path(path))

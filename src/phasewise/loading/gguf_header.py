@@ -13,11 +13,15 @@ from __future__ import annotations
 import math
 import mmap
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeAlias
+from typing import TYPE_CHECKING, TypeAlias
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from gguf.constants import GGMLQuantizationType
 
 MAGIC = b"GGUF"
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -64,8 +68,14 @@ class _Cursor:
         self.pos += struct.calcsize(fmt)
         return value
 
+    def uint(self, fmt: str = "<Q") -> int:
+        """An unsigned integer ("<I" or "<Q"): a length, count, type or offset."""
+        value: int = struct.unpack_from(fmt, self.buf, self.pos)[0]
+        self.pos += struct.calcsize(fmt)
+        return value
+
     def string(self) -> str:
-        n = self.unpack("<Q")
+        n = self.uint()
         if self.pos + n > len(self.buf):
             raise GGUFFormatError("string runs past the end of the file")
         s = bytes(self.buf[self.pos:self.pos + n]).decode("utf-8", errors="replace")
@@ -81,7 +91,7 @@ class _Cursor:
         if vtype == STRING:
             return self.string()
         if vtype == ARRAY:
-            etype, count = self.unpack("<I"), self.unpack("<Q")
+            etype, count = self.uint("<I"), self.uint()
             if etype in _NUMPY:
                 dtype = np.dtype(_NUMPY[etype])
                 arr = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos).tolist()
@@ -116,32 +126,33 @@ def read_header(path: Path) -> tuple[dict[str, GGUFValue], dict[str, TensorInfo]
     return fields, tensors
 
 
-def _parse(c: _Cursor, size: int, quant_sizes, qtypes) -> tuple[dict[str, GGUFValue], dict[str, TensorInfo]]:
+def _parse(c: _Cursor, size: int, quant_sizes: Mapping[GGMLQuantizationType, tuple[int, int]],
+           qtypes: type[GGMLQuantizationType]) -> tuple[dict[str, GGUFValue], dict[str, TensorInfo]]:
     if bytes(c.buf[:4]) != MAGIC:
         raise GGUFFormatError("bad magic (not a GGUF file)")
     c.pos = 4
-    version = c.unpack("<I")
+    version = c.uint("<I")
     if version not in (2, 3):
         raise GGUFFormatError(f"unsupported GGUF version {version}")
-    n_tensors, n_kv = c.unpack("<Q"), c.unpack("<Q")
+    n_tensors, n_kv = c.uint(), c.uint()
     fields: dict[str, GGUFValue] = {"GGUF.version": version, "GGUF.tensor_count": n_tensors, "GGUF.kv_count": n_kv}
     for _ in range(n_kv):
         key = c.string()
-        fields[key] = c.value(c.unpack("<I"))
-    infos = []
+        fields[key] = c.value(c.uint("<I"))
+    infos: list[tuple[str, list[int], int, int]] = []
     for _ in range(n_tensors):
         name = c.string()
-        n_dims = c.unpack("<I")
+        n_dims = c.uint("<I")
         if not 1 <= n_dims <= 4:                # GGML_MAX_DIMS
             raise GGUFFormatError(f"tensor {name!r} has {n_dims} dimensions")
-        dims = [c.unpack("<Q") for _ in range(n_dims)]
-        ggml_type, offset = c.unpack("<I"), c.unpack("<Q")
+        dims = [c.uint() for _ in range(n_dims)]
+        ggml_type, offset = c.uint("<I"), c.uint()
         infos.append((name, dims, ggml_type, offset))
     alignment = fields.get("general.alignment", 32)
     if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 1 or alignment & (alignment - 1):
         raise GGUFFormatError(f"general.alignment must be a power of two, got {str(alignment)[:40]!r}")
     data_start = -(-c.pos // alignment) * alignment
-    tensors = {}
+    tensors: dict[str, TensorInfo] = {}
     for name, dims, ggml_type, offset in infos:
         try:
             block, type_size = quant_sizes[qtypes(ggml_type)]

@@ -5,6 +5,7 @@ bytes before anything is dequantized, so a tensor-parallel rank touches only its
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import overload
 
 import numpy as np
 import torch
@@ -17,6 +18,12 @@ class GGUFTensor:
     shape: tuple[int, ...]    # numpy/HF order: [out, in] for a matrix
     heads: int = 0            # llama.cpp permuted the rows within each of `heads` heads (Q, K); 0: not
     offset: float = 0.0       # added after dequantizing (Gemma 3's norms are stored as 1 + w)
+
+    @overload
+    def raw(self, rows: slice | None = None, cols: None = None) -> np.ndarray: ...
+
+    @overload
+    def raw(self, rows: slice | None, cols: slice | None) -> np.ndarray | None: ...
 
     def raw(self, rows: slice | None = None, cols: slice | None = None) -> np.ndarray | None:
         """The stored bytes of [rows, cols] in HF row order, [rows, row bytes]; None when `cols` does

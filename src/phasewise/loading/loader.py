@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -17,8 +18,9 @@ from phasewise.loading.packaged import PACKAGED_MODELS, default_model_path, pack
 from phasewise.loading.quantize import (WEIGHT_FORMATS, FileWeights, fill_file_weights, packed_bytes, plan_file_weights,
                                        quantize_rest)
 from phasewise.loading.safetensors import hf_tensors, safetensors_files
-from phasewise.loading.sharding import check_tensor_parallel, shard_config, shard_weights
+from phasewise.loading.sharding import Readable, check_tensor_parallel, shard_config, shard_weights
 from phasewise.models.config import ModelConfig
+from phasewise.models.llama import LlamaForCausalLM
 from phasewise.models.registry import model_class
 from phasewise.kernels import bind_kernels
 from phasewise.kernels.kernel_api import Kernels
@@ -58,7 +60,7 @@ def load_config(path: Path) -> ModelConfig:
 
 def load_model(path: Path, dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu",
                tp: TensorParallel | None = None, packed_cache: bool = True,
-               kernels: Kernels | None = None) -> tuple[nn.Module, ModelConfig]:
+               kernels: Kernels | None = None) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model for `path` (a .gguf file or an HF folder) with every weight loaded; with `tp`,
     this rank's part of it (loading/sharding.py), and the config of that part.
 
@@ -70,23 +72,26 @@ def load_model(path: Path, dtype: torch.dtype | str = torch.float32, device: tor
     weight_format = dtype if isinstance(dtype, str) and dtype in WEIGHT_FORMATS else None
     dtype = parse_dtype(dtype)
     gguf = None
+    checkpoint: Iterator[tuple[str, Readable]]
     if path.is_dir():
         cfg = ModelConfig.from_hf(path)
         safetensors_files(path)  # fail early and clearly when there are no weights
-        weights = hf_tensors(path)
+        checkpoint = hf_tensors(path)
     else:
         gguf = GGUFFile(path)
         cfg = gguf.model_config()
-        weights = gguf.hf_tensors(cfg)
+        checkpoint = gguf.hf_tensors(cfg)
     full = cfg
     if tp is not None:
         check_tensor_parallel(cfg, tp.size)
         cfg = shard_config(cfg, tp)
     with torch.device("meta"):
         model = model_class(cfg)(cfg, tp=tp) if tp is not None else model_class(cfg)(cfg)
-    plan = plan_file_weights(model, full, gguf, tp, packed_cache, kernels) if weight_format == "q4" and gguf is not None \
-        else FileWeights()
-    weights = shard_weights(((n, t) for n, t in weights if n not in plan.names), full, tp)   # each read whole, or as this rank's part
+    plan = FileWeights()
+    if weight_format == "q4" and gguf is not None:
+        plan = plan_file_weights(model, full, gguf, tp, packed_cache, kernels)
+    # each read whole, or as this rank's part
+    weights = shard_weights(((n, t) for n, t in checkpoint if n not in plan.names), full, tp)
     materialize(model, device)
     model.tie_weights()
     for p in model.parameters():
@@ -173,7 +178,7 @@ def _mem_available() -> float | None:
 
 
 def load_prepared(path: Path, dtype: str, device: str = "cpu", kernels: Kernels | None = None, plain: bool = False,
-                  tp: TensorParallel | None = None, packed_cache: bool = True) -> tuple[nn.Module, ModelConfig]:
+                  tp: TensorParallel | None = None, packed_cache: bool = True) -> tuple[LlamaForCausalLM, ModelConfig]:
     """The model at `path` in `dtype` (with `tp`, this rank's part), its layers given `kernels` (or
     their reference paths); `plain`: no oneDNN either (kernels="torch")."""
     model, cfg = load_model(path, dtype, device, tp, packed_cache, kernels)

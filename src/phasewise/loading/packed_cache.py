@@ -161,7 +161,7 @@ class Writer:
                     (s.scale is None) != (p.scale is None) or side[0] != side[1]:
                 raise ValueError(f"a packed {p.fmt} [{p.n}, {p.k}] weight does not fit its {s.fmt} [{s.n}, {s.k}] slot")
             s.blocks[tile:tile + nt].copy_(p.blocks)
-            if s.scale is not None:
+            if s.scale is not None and p.scale is not None:     # both or neither (checked above)
                 s.scale[tile:tile + nt].copy_(p.scale)
 
     def commit(self) -> None:

@@ -31,6 +31,7 @@ from torch import nn
 from phasewise.distributed import TensorParallel
 from phasewise.kernels import quant
 from phasewise.kernels.gguf_blocks import GGUF_BLOCKS, pack_gguf
+from phasewise.layers.embedding import Embedding
 from phasewise.layers.linear import Linear
 from phasewise.loading import packed_cache
 from phasewise.loading.gguf import GGUFFile
@@ -76,9 +77,9 @@ def plan_file_weights(model: nn.Module, cfg: ModelConfig, gguf: GGUFFile, tp: Te
     todo = {p: layers[p] for p in layout.linears} if layout is not None else layers
     sizes = {p: _file_bytes(gguf, cfg, p) for p in todo}
     table = gguf.weight("model.embed_tokens.weight", cfg)
-    own_table = layout is not None and layout.embedding is not None and \
-        all(layout.embedding is not w for w in layout.linears.values())
-    progress = _Progress(sum(sizes.values()) + (table.data.nbytes if own_table else 0))
+    own_table = table if layout is not None and layout.embedding is not None and \
+        all(layout.embedding is not w for w in layout.linears.values()) else None   # packed on its own (untied)
+    progress = _Progress(sum(sizes.values()) + (own_table.data.nbytes if own_table is not None else 0))
 
     def pack(path: str) -> tuple[quant.PackedWeight, list[str]] | None:
         if writer is not None and (rows := _one_part(gguf, cfg, path)) is not None:
@@ -103,8 +104,8 @@ def plan_file_weights(model: nn.Module, cfg: ModelConfig, gguf: GGUFFile, tp: Te
         if layout is not None and plan.linears.keys() != layout.linears.keys():
             raise RuntimeError(f"packed {sorted(plan.linears.keys() ^ layout.linears.keys())[:3]} unlike their layout")
         if layout is not None and layout.embedding is not None:       # the token table, in blocks
-            plan.embedding = plan.linears["lm_head"] if not own_table else \
-                _pack_table(table, writer, kernels, progress)             # tied: the head's
+            plan.embedding = plan.linears["lm_head"] if own_table is None else \
+                _pack_table(own_table, writer, kernels, progress)         # tied: the head's
             plan.names.add("model.embed_tokens.weight")
         if writer is not None:
             writer.commit()
@@ -121,7 +122,7 @@ def _pack_table(table: GGUFTensor, writer: packed_cache.Writer | None, kernels: 
                 progress: _Progress) -> quant.PackedWeight:
     """The token table in its blocks: straight into the cache file, or packed in memory (its pages
     of the file's map let go)."""
-    if writer is not None and not table.heads:
+    if writer is not None and writer.embedding is not None and not table.heads:
         return _pack_into(writer, writer.embedding, table, kernels, progress)
     packed = pack_gguf(table.type_name, table.raw(), kernels=kernels)
     _release(table.data)
@@ -159,10 +160,10 @@ def _stand_in(type_name: str, n: int, k: int) -> quant.PackedWeight:
 
 def _full_width(w: quant.PackedWeight) -> quant.PackedWeight:
     """A stand-in at its real width, as meta tensors (the shapes packing gives)."""
-    def meta(t: torch.Tensor | None, width: int) -> torch.Tensor | None:
-        return None if t is None else torch.empty(t.shape[0], width, t.shape[2], dtype=t.dtype, device="meta")
-    return replace(w, blocks=meta(w.blocks, w.k // quant.QK), scale=meta(w.scale, w.k // quant.QK // quant.SUPER),
-                   rest=tuple(_full_width(p) for p in w.rest))
+    def meta(t: torch.Tensor, width: int) -> torch.Tensor:
+        return torch.empty(t.shape[0], width, t.shape[2], dtype=t.dtype, device="meta")
+    scale = None if w.scale is None else meta(w.scale, w.k // quant.QK // quant.SUPER)
+    return replace(w, blocks=meta(w.blocks, w.k // quant.QK), scale=scale, rest=tuple(_full_width(p) for p in w.rest))
 
 
 def _one_part(gguf: GGUFFile, cfg: ModelConfig, path: str) -> GGUFTensor | None:
@@ -193,7 +194,7 @@ def _file_bytes(gguf: GGUFFile, cfg: ModelConfig, path: str) -> int:
 def _release(data: np.ndarray) -> None:
     """Let go of this process's pages of `data`, a view of a file's read-only map (the page cache
     keeps them; a later read maps them again): packing reads each weight once."""
-    base = data
+    base: object = data
     while isinstance(base, np.ndarray):
         base = base.base
     if not isinstance(base, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED"):
@@ -237,8 +238,9 @@ def packed_bytes(model: nn.Module, cfg: ModelConfig, gguf: GGUFFile) -> tuple[fl
     in its own."""
     packed = stored = 0.0
     for path, linear in _linears(model):
-        parts = [gguf.weight(n, cfg) for n in part_names(gguf, cfg, path)]
-        if any(p is None for p in parts):
+        found = [gguf.weight(n, cfg) for n in part_names(gguf, cfg, path)]
+        parts = [p for p in found if p is not None]
+        if len(parts) < len(found):
             continue
         fmts = [GGUF_BLOCKS.get(p.type_name, "i8") for p in parts]
         if "i8" in fmts or (set(fmts) == {"q5", "q8"} and fmts == sorted(fmts, key=lambda f: f == "q8")):
@@ -255,15 +257,18 @@ def packed_bytes(model: nn.Module, cfg: ModelConfig, gguf: GGUFFile) -> tuple[fl
 def fill_file_weights(model: nn.Module, plan: FileWeights) -> None:
     """Fill the planned layers with their blocks (each keeps its loaded bias), and the token table."""
     moved: dict[int, quant.PackedWeight] = {}      # a tied table moves once: head and embedding share it
-    def to(w: quant.PackedWeight, device) -> quant.PackedWeight:  # noqa: E306
+    def to(w: quant.PackedWeight, device: torch.device | None) -> quant.PackedWeight:  # noqa: E306
         return moved.setdefault(id(w), _to(w, device))
     device = None
     for path, linear in _linears(model):
-        device = linear.weight.device
+        device = linear.dense_weight().device
         if path in plan.linears:
             linear.fill_blocks(to(plan.linears[path], device))
     if plan.embedding is not None:
-        model.get_submodule("model.embed_tokens").fill_blocks(to(plan.embedding, device))
+        table = model.get_submodule("model.embed_tokens")
+        if not isinstance(table, Embedding):
+            raise TypeError(f"model.embed_tokens is a {type(table).__name__}, not an Embedding")
+        table.fill_blocks(to(plan.embedding, device))
 
 
 def quantize_rest(model: nn.Module) -> None:
@@ -308,13 +313,13 @@ def file_blocks(gguf: GGUFFile, cfg: ModelConfig, path: str, tp: TensorParallel 
         parts.append(pack_gguf(weight.type_name, rows, kernels=kernels))
         _release(weight.data)
     try:
-        weight = parts[0] if len(parts) == 1 else quant.concat(parts)
+        packed = parts[0] if len(parts) == 1 else quant.concat(parts)
     except ValueError:   # a part that does not fill whole tiles
         return None
-    return (_full_width(weight) if meta else weight), names
+    return (_full_width(packed) if meta else packed), names
 
 
-def _to(w: quant.PackedWeight, device) -> quant.PackedWeight:
-    move = lambda t: None if t is None else t.to(device)  # noqa: E731
-    return quant.PackedWeight(fmt=w.fmt, n=w.n, k=w.k, blocks=move(w.blocks), scale=move(w.scale),
+def _to(w: quant.PackedWeight, device: torch.device | None) -> quant.PackedWeight:
+    scale = None if w.scale is None else w.scale.to(device)
+    return quant.PackedWeight(fmt=w.fmt, n=w.n, k=w.k, blocks=w.blocks.to(device), scale=scale,
                               u5_tiles=w.u5_tiles, rest=tuple(_to(p, device) for p in w.rest))

@@ -166,7 +166,7 @@ def shard_raw(name: str, weight: GGUFTensor, cfg: ModelConfig, tp: TensorParalle
     inside a block."""
     if tp is None or tp.size == 1:
         return weight.raw()
-    out = []
+    out: list[np.ndarray] = []
     for part_name, skip in _pieces(name, cfg):
         part = part_of(part_name, cfg, tp).shifted(skip)
         raw = weight.raw(part.rows, part.cols)

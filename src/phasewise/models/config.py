@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
 
 if TYPE_CHECKING:
-    from phasewise.json_types import JsonObject
+    from phasewise.json_types import JsonObject, JsonValue
 
 # HF model_type → our architecture family name (models/gguf_config.py maps GGUF's).
 _HF_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
@@ -55,6 +55,50 @@ class ExpertFields(TypedDict, total=False):
     moe_layers: tuple[int, ...]
     norm_topk_prob: bool
     shared_expert_intermediate_size: int
+
+
+class HFConfig(TypedDict, total=False):
+    """An HF config.json: the keys read here, typed as transformers writes them. The file is not checked
+    against these types (a value of another type fails where it is used)."""
+    model_type: str
+    _name_or_path: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int | None
+    head_dim: int | None
+    hidden_act: str | None
+    hidden_activation: str | None
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qkv_bias: bool
+    rope_theta: float | None
+    rope_parameters: JsonObject | None     # transformers >= 5 (Gemma 3: an object per layer type)
+    rope_scaling: JsonObject | None
+    rope_local_base_freq: float | None
+    partial_rotary_factor: float | None
+    sliding_window: int | None
+    use_sliding_window: bool
+    max_window_layers: int
+    layer_types: list[str] | None
+    sliding_window_pattern: int
+    query_pre_attn_scalar: float
+    final_logit_softcapping: float | None
+    attn_logit_softcapping: float | None
+    use_bidirectional_attention: bool | None
+    clip_qkv: float | None
+    num_experts: int | None
+    num_local_experts: int | None
+    num_experts_per_tok: int
+    moe_intermediate_size: int | None
+    decoder_sparse_step: int
+    mlp_only_layers: list[int] | None
+    norm_topk_prob: bool
+    shared_expert_intermediate_size: int | None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -156,12 +200,11 @@ class ModelConfig:
     # ---- constructors -------------------------------------------------------------
 
     @classmethod
-    def from_hf(cls, config: JsonObject | str | Path) -> ModelConfig:
+    def from_hf(cls, config: HFConfig | str | Path) -> ModelConfig:
         """From an HF config dict, a config.json path, or a model folder."""
         if not isinstance(config, dict):
             path = Path(config)
-            path = path / "config.json" if path.is_dir() else path
-            config = json.loads(path.read_text())
+            config = _read_json(path / "config.json" if path.is_dir() else path)
         model_type = config.get("model_type", "")
         arch = _HF_TYPES.get(model_type)
         if arch is None:
@@ -186,7 +229,7 @@ class ModelConfig:
             num_kv_heads=config.get("num_key_value_heads") or heads,
             head_dim=config.get("head_dim") or config["hidden_size"] // heads,
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-            rope_theta=float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+            rope_theta=_number(config.get("rope_theta") or rope.get("rope_theta") or 10000.0, "rope_theta"),
             max_position_embeddings=config.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", gemma)),
             attention_bias=bool(config.get("qkv_bias", True) if arch == "qwen2_moe"    # transformers 5's name
@@ -205,26 +248,46 @@ class ModelConfig:
             name=config.get("_name_or_path", ""),
         )
 
-def _hf_rope(config: JsonObject, arch: str) -> tuple[JsonObject, JsonObject | None, float | None]:
+def _read_json(path: Path) -> HFConfig:
+    return json.loads(path.read_text())      # as HF writes it (HFConfig: not checked here)
+
+
+def _hf_rope(config: HFConfig, arch: str) -> tuple[JsonObject, JsonObject | None, float | None]:
     """(the global layers' RoPE parameters, their scaling or None, Gemma 3's local base or None) of an
     HF config: transformers >= 5 keeps theta in rope_parameters, per layer type for Gemma 3."""
     rope = dict(config.get("rope_parameters") or {})
     local_theta = None
     if arch == "gemma3":                              # per layer type: {"full_attention": {...}, ...}
-        local = rope.get("sliding_attention") or {}
-        rope = dict(rope.get("full_attention") or {})
-        local_theta = float(local.get("rope_theta") or config.get("rope_local_base_freq") or GEMMA3_LOCAL_THETA)
+        local = _object(rope, "sliding_attention")
+        rope = dict(_object(rope, "full_attention"))
+        local_theta = _number(local.get("rope_theta") or config.get("rope_local_base_freq") or GEMMA3_LOCAL_THETA,
+                              "rope_local_base_freq")
     scaling = config.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
     if scaling is not None:
         scaling = dict(scaling)
         scaling.setdefault("rope_type", scaling.get("type", "default"))
     partial = config.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
-    if partial is not None and float(partial) != 1.0:
+    if partial is not None and _number(partial, "partial_rotary_factor") != 1.0:
         raise UnsupportedModelError(f"partial rotary embeddings are not supported (partial_rotary_factor={partial})")
     return rope, scaling, local_theta
 
 
-def _hf_sliding_window(config: JsonObject, arch: str) -> tuple[int | None, tuple[int, ...]]:
+def _object(parent: JsonObject, key: str) -> JsonObject:
+    """parent[key], an object of config.json's rope_parameters ({} when absent or empty)."""
+    value = parent.get(key) or {}
+    if not isinstance(value, dict):
+        raise TypeError(f"config.json rope_parameters.{key} must be an object, got {str(value)[:40]!r}")
+    return value
+
+
+def _number(value: JsonValue, key: str) -> float:
+    """float(value) of a config.json value (a number, or a string float() reads, as before)."""
+    if value is None or isinstance(value, (list, dict)):
+        raise TypeError(f"config.json {key} must be a number, got {str(value)[:40]!r}")
+    return float(value)
+
+
+def _hf_sliding_window(config: HFConfig, arch: str) -> tuple[int | None, tuple[int, ...]]:
     """(window, the local layers) of an HF config: `layer_types` where the config lists them (Gemma 3,
     Qwen2/3 in transformers 5), else Qwen2/3's `max_window_layers`, else (Mistral) every layer. A
     window no shorter than the context changes nothing and is dropped."""
@@ -257,7 +320,7 @@ def clip_qkv(value: object, source: str) -> float | None:
     return float(value)
 
 
-def _hf_experts(config: JsonObject, arch: str) -> ExpertFields:
+def _hf_experts(config: HFConfig, arch: str) -> ExpertFields:
     """The mixture-of-experts fields of an HF config (none for a dense architecture). Qwen2/3-MoE
     make layer i sparse unless it is in mlp_only_layers or (i + 1) is not a multiple of
     decoder_sparse_step (transformers' rule); Mixtral and OLMoE every layer. Mixtral always

@@ -20,6 +20,7 @@ from phasewise.layers.norm import RMSNorm
 from phasewise.kernels.kernel_api import DecoderStack, Kernels
 from phasewise.layers.rotary import RotaryEmbedding
 from phasewise.models.config import ModelConfig
+from phasewise.models.layer_list import LayerList
 from phasewise.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, embed, vocab_embedding
 from phasewise.models.stack import build_stack, run_stack
 
@@ -49,16 +50,19 @@ class Gemma3Model(nn.Module):
         P = cfg.max_position_embeddings
         glob = RotaryEmbedding(cfg.head_dim, P, cfg.rope_theta, cfg.rope_scaling)
         local = RotaryEmbedding(cfg.head_dim, P, cfg.rope_local_theta or cfg.rope_theta)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, local if i in cfg.sliding_layers else glob, i, tp)
-                                    for i in range(cfg.num_layers))
+        self.layers: LayerList[Gemma3DecoderLayer] = LayerList(
+            Gemma3DecoderLayer(cfg, local if i in cfg.sliding_layers else glob, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.embedding_scale = cfg.embedding_scale
         self.cfg, self.tp = cfg, tp
         self.stack: DecoderStack | None = None   # the C++ decoder stack (bind_kernels), if it can run
+        self.expert_counts: torch.Tensor | None = None   # no experts
 
     def build_stack(self, kernels: Kernels | None) -> None:
         """The C++ decoder stack of these (bound) layers, with Gemma's sandwich norms; not with tp."""
-        self.stack = build_stack(kernels, self.cfg, self.layers, self.norm.weight, sandwich=True) \
+        sandwich = [(layer.pre_feedforward_layernorm.weight, layer.post_feedforward_layernorm.weight)
+                    for layer in self.layers]
+        self.stack = build_stack(kernels, self.cfg, list(self.layers), self.norm.weight, sandwich) \
             if self.tp is None else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

@@ -107,12 +107,11 @@ def config_from_gguf(fields: Mapping[str, object], tensor_names: set[str],
     """From GGUF metadata and the names of the file's tensors; rope_freqs: the file's
     `rope_freqs.weight` (per-dimension divisors of the RoPE frequencies), if any."""
     gguf_arch = fields.get("general.architecture", "")
-    arch = GGUF_ARCHS.get(gguf_arch) if isinstance(gguf_arch, str) else None
-    if arch == "llama" and fields.get("llama.expert_count"):
-        arch = "mixtral"
-    if arch is None:
+    if not isinstance(gguf_arch, str) or (arch := GGUF_ARCHS.get(gguf_arch)) is None:
         raise UnsupportedModelError(
             f"unsupported architecture {str(gguf_arch)[:40]!r} (supported: {', '.join(SUPPORTED)})")
+    if arch == "llama" and fields.get("llama.expert_count"):
+        arch = "mixtral"
     keys, gemma = GGUFKeys(fields, gguf_arch), arch == "gemma3"
     heads = keys.count("num_heads", "attention.head_count")
     hidden = keys.count("hidden_size", "embedding_length")

@@ -10,7 +10,8 @@ end in an all-reduce, the embedding and output head hold a part of the vocabular
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,7 @@ from phasewise.layers.linear import Linear
 from phasewise.layers.norm import RMSNorm
 from phasewise.layers.rotary import RotaryEmbedding
 from phasewise.models.config import ModelConfig
+from phasewise.models.layer_list import LayerList
 from phasewise.models.moe import SparseMoeBlock, expert_shard_names, load_moe_weight
 from phasewise.models.stack import build_stack, run_stack
 
@@ -127,7 +129,7 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-def mlp(cfg: ModelConfig, layer: int, tp: TensorParallel | None) -> nn.Module:
+def mlp(cfg: ModelConfig, layer: int, tp: TensorParallel | None) -> LlamaMLP | SparseMoeBlock:
     """Layer `layer`'s MLP: dense, or the sparse mixture of experts (with Qwen2-MoE's shared expert)."""
     if layer not in cfg.moe_layers:
         return LlamaMLP(cfg, tp)
@@ -150,7 +152,8 @@ class LlamaModel(nn.Module):
         self.cfg, self.tp = cfg, tp
         self.embed_tokens = vocab_embedding(cfg, tp)
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, i, tp) for i in range(cfg.num_layers))
+        self.layers: LayerList[LlamaDecoderLayer] = LayerList(LlamaDecoderLayer(cfg, rotary, i, tp)
+                                                              for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.stack: DecoderStack | None = None   # the C++ decoder stack (build_stack), if it can run
         # a mixture of experts: each layer's (row, choice) pairs per expert in the last forward [L, E]
@@ -160,7 +163,7 @@ class LlamaModel(nn.Module):
     def build_stack(self, kernels: Kernels | None) -> None:
         """The C++ decoder stack of these (bound) layers where it can run them (models/stack.py); not
         with tp (its layers' all-reduces run between the Python layers' ops). None: the Python layers."""
-        self.stack = build_stack(kernels, self.cfg, self.layers, self.norm.weight) if self.tp is None else None
+        self.stack = build_stack(kernels, self.cfg, list(self.layers), self.norm.weight) if self.tp is None else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: KVCaches, keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -170,23 +173,39 @@ class LlamaModel(nn.Module):
             return run_stack(self.stack, self.cfg, x, positions, meta, kv_caches, keep, self.expert_counts)
         for layer, kv in zip(self.layers, kv_caches):
             x, residual = layer(positions, x, residual, kv, meta)
-        for i in self.cfg.moe_layers:                           # what each router chose, as the stack counts
-            self.expert_counts[i] = self.layers[i].mlp.choices
+        if self.expert_counts is not None:                      # what each router chose, as the stack counts
+            for i in self.cfg.moe_layers:
+                block = self.layers[i].mlp
+                assert isinstance(block, SparseMoeBlock) and block.choices is not None   # ran just now
+                self.expert_counts[i] = block.choices
+        assert residual is not None                             # a model has layers
         if keep is not None:
             x, residual = x[keep], residual[keep]
         x, _ = self.norm(x, residual)
         return x
 
 
-# checkpoint name part → (our fused parameter, shard). Shards: "q"/"k"/"v" of qkv_proj, 0/1 of gate_up_proj.
-_PACKED = {
+Shard = Literal["q", "k", "v", 0, 1]   # a part of a fused parameter: "q"/"k"/"v" of qkv_proj, 0/1 of gate_up_proj
+# checkpoint name part → (our fused parameter, shard)
+_PACKED: dict[str, tuple[str, Shard]] = {
     "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
 }
 
 
+class DecoderModel(Protocol):
+    """The decoder LlamaForCausalLM holds (its model_class: LlamaModel, gemma3.py's Gemma3Model)."""
+    embed_tokens: Embedding
+    expert_counts: torch.Tensor | None      # [L, E] with experts (build_stack's and forward's counts)
+
+    def build_stack(self, kernels: Kernels | None) -> None: ...
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 kv_caches: KVCaches, keep: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
 class LlamaForCausalLM(nn.Module):
-    model_class: type[nn.Module] = LlamaModel
+    model_class: Callable[[ModelConfig, TensorParallel | None], DecoderModel] = LlamaModel
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
@@ -213,9 +232,8 @@ class LlamaForCausalLM(nn.Module):
     def expert_choices(self) -> torch.Tensor | None:
         """A mixture of experts: each sparse layer's (row, choice) pairs per expert in the last forward
         [len(moe_layers), E] int64 (the stack's last layer: of the kept rows); None for a dense model."""
-        if not self.config.num_experts:
-            return None
-        return self.model.expert_counts[list(self.config.moe_layers)]
+        counts = self.model.expert_counts       # None without experts
+        return None if counts is None else counts[list(self.config.moe_layers)]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden: [N, hidden] → logits [N, vocab] in fp32 (with tp: on rank 0, None on the others)."""
@@ -226,6 +244,7 @@ class LlamaForCausalLM(nn.Module):
         """Copy HF-named tensors into our (fused) parameters; returns the parameter names filled."""
         params = dict(self.named_parameters(remove_duplicate=False))
         cfg, loaded = self.config, set()
+        shard: Shard | None
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
@@ -249,7 +268,7 @@ class LlamaForCausalLM(nn.Module):
             loaded |= _shard_names(target) if shard is None else {f"{target}:{shard}"}
         return loaded
 
-    def _shard(self, data: torch.Tensor, shard: str | int) -> torch.Tensor:
+    def _shard(self, data: torch.Tensor, shard: Shard) -> torch.Tensor:
         cfg = self.config
         if shard == "q":
             return data[: cfg.q_size]

@@ -23,6 +23,8 @@ bits do not depend on the rows beside it (tested alone, batched and chunked, per
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,8 +33,20 @@ from phasewise.distributed import TensorParallel
 from phasewise.kernels import UsesKernels, applies
 from phasewise.kernels.kernel_api import Kernels, StackSparse, WeightPart
 from phasewise.layers.expert_linear import ExpertLinear
-from phasewise.layers.linear import frozen
+from phasewise.layers.linear import Linear, frozen
 from phasewise.models.config import ModelConfig
+
+
+class DenseMLP(Protocol):
+    """A dense SwiGLU MLP (llama.py's LlamaMLP): a dense layer's, or Qwen2-MoE's shared expert."""
+
+    @property
+    def gate_up_proj(self) -> Linear: ...
+
+    @property
+    def down_proj(self) -> Linear: ...
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 class Gate(UsesKernels, nn.Module):
@@ -83,8 +97,10 @@ class Experts(UsesKernels, nn.Module):
         projections = (self.gate_proj, self.up_proj, self.down_proj)
         for p in projections:
             p.bind_kernels(kernels)
-        parts = [p.kernel_part() for p in projections]
-        self._parts = tuple(parts) if kernels is not None and None not in parts else None
+        gate, up, down = (p.kernel_part() for p in projections)
+        self._parts = None
+        if kernels is not None and gate is not None and up is not None and down is not None:
+            self._parts = (gate, up, down)
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)      # buffers may move: gather the kernel's arguments again
@@ -121,7 +137,7 @@ class Experts(UsesKernels, nn.Module):
 class SparseMoeBlock(UsesKernels, nn.Module):
     """Router, experts and (Qwen2-MoE) a shared expert `shared` (a dense MLP module) behind a sigmoid gate."""
 
-    def __init__(self, cfg: ModelConfig, shared: nn.Module | None = None, tp: TensorParallel | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, shared: DenseMLP | None = None, tp: TensorParallel | None = None) -> None:
         super().__init__()
         if tp is not None and tp.size > 1:
             raise ValueError("tensor parallelism does not split experts yet")
@@ -136,7 +152,8 @@ class SparseMoeBlock(UsesKernels, nn.Module):
         """The decoder stack's description of this block (kernel_api.StackSparse), or None when its
         experts or router are not in the kernels' forms (the Python path runs it)."""
         cfg, parts = self.cfg, self.experts._parts
-        gates = [self.gate.weight] + ([self.shared_expert_gate.weight] if self.shared_expert is not None else [])
+        shared = self.shared_expert_gate        # with a shared expert (and only then)
+        gates = [self.gate.weight] + ([shared.weight] if shared is not None else [])
         if parts is None or not all(w.dtype == torch.float32 and w.device.type == "cpu" for w in gates):
             return None
         shared_gate = gates[1].detach() if len(gates) > 1 else None
@@ -154,7 +171,7 @@ class SparseMoeBlock(UsesKernels, nn.Module):
             weights, ids = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.router)
         self.choices = torch.bincount(ids.reshape(-1), minlength=cfg.num_experts)
         out = self.experts(x, ids, weights)
-        if self.shared_expert is not None:
+        if self.shared_expert is not None and self.shared_expert_gate is not None:     # (both or neither)
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from torch import nn
+from typing import TYPE_CHECKING
 
 from phasewise.models.config import ModelConfig, UnsupportedModelError
 
+if TYPE_CHECKING:
+    from phasewise.models.llama import LlamaForCausalLM
 
-def model_class(cfg: ModelConfig) -> type[nn.Module]:
+
+def model_class(cfg: ModelConfig) -> type[LlamaForCausalLM]:
     if cfg.architecture in ("llama", "mistral", "qwen2", "qwen3", "phi3", "qwen2_moe", "qwen3_moe", "mixtral", "olmoe"):
         from phasewise.models.llama import LlamaForCausalLM
 

@@ -9,24 +9,54 @@ the reference the tests compare against.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Protocol, TypeVar
+
 import torch
-from torch import nn
 
 from phasewise.layers.attention import AttentionMetadata, LayerKV
 from phasewise.layers.linear import Linear
+from phasewise.layers.norm import RMSNorm
+from phasewise.layers.rotary import RotaryEmbedding
 from phasewise.models.config import ModelConfig
 from phasewise.kernels.kernel_api import DecoderStack, Kernels, StackLayer
-from phasewise.models.moe import SparseMoeBlock
+from phasewise.models.moe import DenseMLP, SparseMoeBlock
+
+T = TypeVar("T")
 
 
-def build_stack(kernels: Kernels | None, cfg: ModelConfig, layers: nn.ModuleList, final_norm: torch.Tensor,
-                sandwich: bool = False) -> DecoderStack | None:
-    """The DecoderStack of `layers` (Llama-family layers, dense or sparse; `sandwich`: Gemma 3's, with
-    norms after attention and after the MLP too), or None where the stack cannot run them."""
+class StackAttention(Protocol):
+    """What the stack reads of a layer's attention (llama.py's LlamaAttention; the norms with QK-norm)."""
+    qkv_proj: Linear
+    o_proj: Linear
+    q_norm: RMSNorm
+    k_norm: RMSNorm
+    rotary: RotaryEmbedding
+    kv_group: int
+    window: int | None
+
+
+class StackDecoderLayer(Protocol):
+    """What the stack reads of a decoder layer (llama.py's, gemma3.py's)."""
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
+
+    @property
+    def self_attn(self) -> StackAttention: ...
+
+    @property
+    def mlp(self) -> DenseMLP | SparseMoeBlock: ...
+
+
+def build_stack(kernels: Kernels | None, cfg: ModelConfig, layers: Sequence[StackDecoderLayer],
+                final_norm: torch.Tensor, ffn_norms: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()
+                ) -> DecoderStack | None:
+    """The DecoderStack of `layers` (Llama-family layers, dense or sparse; `ffn_norms`: Gemma 3's
+    sandwich, each layer's norms before and after the MLP too), or None where the stack cannot run them."""
     if kernels is None or cfg.clip_qkv is not None:
         return None        # the stack does not clamp qkv: the Python layers run those models
     specs: list[StackLayer] = []
-    for layer in layers:
+    for i, layer in enumerate(layers):
         attn, mlp = layer.self_attn, layer.mlp
         moe = mlp.stack_args() if isinstance(mlp, SparseMoeBlock) else None
         dense = mlp.shared_expert if isinstance(mlp, SparseMoeBlock) else mlp
@@ -35,17 +65,18 @@ def build_stack(kernels: Kernels | None, cfg: ModelConfig, layers: nn.ModuleList
         linears: list[Linear] = [attn.qkv_proj, attn.o_proj]
         linears += [dense.gate_up_proj, dense.down_proj] if dense is not None else []
         norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-        ffn = [layer.pre_feedforward_layernorm.weight, layer.post_feedforward_layernorm.weight] if sandwich else []
+        ffn = list(ffn_norms[i]) if ffn_norms else []
         qk = [attn.q_norm.weight, attn.k_norm.weight] if cfg.qk_norm or cfg.qk_norm_whole else []
         rope = [attn.rotary.cos, attn.rotary.sin]
         if not all(m.form == "blocks" and _on_cpu(m.blocks) for m in linears) \
                 or not all(map(_fp32_cpu, norms + ffn + qk + rope)):
             return None
-        packed = [m.packed_args() for m in linears] + [None, None]
-        q_norm, k_norm = [w.detach() for w in qk] or [None, None]
-        pre_ffn, post_ffn = [w.detach() for w in ffn] or [None, None]
-        specs.append(StackLayer(*(w.detach() for w in norms), *packed[:4], q_norm=q_norm, k_norm=k_norm,
-                                pre_ffn_norm=pre_ffn, post_ffn_norm=post_ffn, cos=rope[0], sin=rope[1],
+        qkv, o, *dense_args = [m.packed_args() for m in linears]
+        gate_up, down = _pair(dense_args)
+        q_norm, k_norm = _pair([w.detach() for w in qk])
+        pre_ffn, post_ffn = _pair([w.detach() for w in ffn])
+        specs.append(StackLayer(norms[0].detach(), norms[1].detach(), qkv, o, gate_up, down, q_norm=q_norm,
+                                k_norm=k_norm, pre_ffn_norm=pre_ffn, post_ffn_norm=post_ffn, cos=rope[0], sin=rope[1],
                                 kv_group=attn.kv_group, window=attn.window or 0, sparse=moe))
     if not _fp32_cpu(final_norm):
         return None
@@ -64,6 +95,11 @@ def run_stack(stack: DecoderStack, cfg: ModelConfig, x: torch.Tensor, positions:
     rows = [m.kernel_rows for m in metas]
     return stack.forward(x, positions, [m.slot_mapping for m in metas], kv_caches, [r.tables for r in rows],
                          [r.seq for r in rows], [r.length for r in rows], meta.block_size, keep, expert_counts)
+
+
+def _pair(items: Sequence[T]) -> tuple[T, T] | tuple[None, None]:
+    """The two items of a list of two; (None, None) for an empty one."""
+    return (items[0], items[1]) if items else (None, None)
 
 
 def _on_cpu(t: torch.Tensor) -> bool:

@@ -11,7 +11,9 @@ whole on rank 0, which samples.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
+import numpy as np
 import torch
 
 from phasewise.core.handoffs import RunnerOutput, SampledToken, ScheduledChunk, SchedulerOutput
@@ -20,6 +22,7 @@ from phasewise.distributed import TensorParallel
 from phasewise.kernels.kernel_api import Kernels
 from phasewise.layers.attention import AttentionMetadata
 from phasewise.runner.kv_cache import KVCache
+from phasewise.runner.model_api import CausalLM
 from phasewise.sampling.sampler import GrammarCheck, SamplingMetadata, sample
 from phasewise.sampling.verify import verify
 from phasewise.structured import StepMasks
@@ -35,6 +38,11 @@ class StepInputs:
     context_lens: list[int]
     tables: list[list[list[int]]]          # [group][sequence] → block ids
     keep: list[int] | None = None          # the rows whose hidden states are wanted, ascending (None: all)
+
+
+# What rank 0 broadcasts to the other ranks after the setup: a step's forward, the logits of some of its rows
+# (their part of the vocabulary), or the end (runner/tp_worker.py's `serve_steps` runs them).
+RankStep = tuple[Literal["forward"], StepInputs] | tuple[Literal["logits"], list[int]] | tuple[Literal["stop"], None]
 
 
 @dataclass
@@ -60,7 +68,7 @@ class StepPlan:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, eos_token_ids: frozenset[int],
+    def __init__(self, model: CausalLM, kv_cache: KVCache, eos_token_ids: frozenset[int],
                  device: torch.device | str = "cpu", kernels: Kernels | None = None,
                  tp: TensorParallel | None = None) -> None:
         self.model, self.tp = model, tp
@@ -76,7 +84,8 @@ class ModelRunner:
         routers chose in it."""
         plan = self.prepare(sched)
         if self.tp is not None:
-            self.tp.broadcast(("forward", plan.inputs))
+            step: RankStep = ("forward", plan.inputs)
+            self.tp.broadcast(step)
         out = self.sample(plan, self.forward(plan.inputs))
         choices = self.model.expert_choices()
         if choices is not None:
@@ -90,11 +99,11 @@ class ModelRunner:
         plan, tables = StepPlan(inputs), []
         for chunk in sched.chunks:
             req, start, n = chunk.request, chunk.request.num_computed_tokens, chunk.num_scheduled_tokens
-            if req.prompt_logprobs is not None and start + 1 < req.num_prompt_tokens:
+            top = req.sampling_params.prompt_logprobs              # None: the prompt is not scored
+            if top is not None and start + 1 < req.num_prompt_tokens:
                 # rows of positions p = start.. score prompt token p + 1 (the last prompt token's row samples)
                 targets = req.prompt_token_ids[start + 1:min(start + n, req.num_prompt_tokens - 1) + 1]
-                plan.scored.append(ScoredRows(req.request_id, len(inputs.input_ids), start + 1, targets,
-                                              req.sampling_params.prompt_logprobs))
+                plan.scored.append(ScoredRows(req.request_id, len(inputs.input_ids), start + 1, targets, top))
             inputs.input_ids.extend(chunk.input_token_ids)
             inputs.positions.extend(range(start, start + n))
             inputs.query_lens.append(n)
@@ -150,8 +159,11 @@ class ModelRunner:
         """fp32 logits [len(rows), V] of these rows of the step's (kept) hidden states (the driver asks
         the other ranks for their part of the vocabulary first)."""
         if self.tp is not None:
-            self.tp.broadcast(("logits", rows))
-        return self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.int64, device=self.device)])
+            step: RankStep = ("logits", rows)
+            self.tp.broadcast(step)
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.int64, device=self.device)])
+        assert logits is not None                     # rank 0 (the driver) gets the whole logits
+        return logits
 
     def _score(self, hidden: torch.Tensor, first: int, targets: list[int], top: int,
                rows: int = 128) -> list[TokenLogprobs]:
@@ -177,7 +189,7 @@ class ModelRunner:
             req.sampler_state = torch.Generator(self.device).manual_seed(req.sampling_params.seed)
         return req.sampler_state if isinstance(req.sampler_state, torch.Generator) else None
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request], masks=None,
+    def _sample(self, logits: torch.Tensor, reqs: list[Request], masks: np.ndarray | None = None,
                 check: GrammarCheck | None = None) -> dict[str, SampledToken]:
         params = [r.sampling_params for r in reqs]
         meta = SamplingMetadata.build(
@@ -188,6 +200,7 @@ class ModelRunner:
         token_ids = out.token_ids.tolist()
         if out.logprobs is None:
             return {r.request_id: SampledToken(t) for r, t in zip(reqs, token_ids)}
+        assert out.top_ids is not None and out.top_logprobs is not None      # set with logprobs
         chosen = out.logprobs.tolist()
         top_ids, top_lps = out.top_ids.tolist(), out.top_logprobs.tolist()
         result = {}

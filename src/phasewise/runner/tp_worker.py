@@ -23,6 +23,7 @@ import sys
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,7 @@ from phasewise.distributed import TensorParallel, init_tensor_parallel, launched
 from phasewise.kernels import build as kernel_build
 from phasewise.loading.loader import load_prepared, parse_dtype
 from phasewise.runner.kv_cache import KVCache
-from phasewise.runner.model_runner import ModelRunner
+from phasewise.runner.model_runner import ModelRunner, RankStep
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,8 @@ class TPWorkers:
         """Tell the workers to end, wait for them, leave the group."""
         if tp is not None and not self.broken and all(p.poll() is None for p in self.procs):
             try:
-                tp.broadcast(("stop", None))
+                stop: RankStep = ("stop", None)
+                tp.broadcast(stop)
             except RuntimeError:
                 pass
         else:                                  # a rank died or the ranks are out of step: kill the rest
@@ -133,7 +135,7 @@ def run_rank(rank: int, size: int, init_method: str, threads: int, device: str =
         torch.cuda.set_device(device)
     tp = init_tensor_parallel(rank, size, init_method, device)
     try:
-        setup: Setup = tp.broadcast()
+        setup = cast(Setup, tp.broadcast())        # unpickled from rank 0, whose build_engine sends its Setup first
         kernels = kernel_build.load() if setup.kernels else None
         model, cfg = load_prepared(Path(setup.model_path), setup.weights, device, kernels, setup.plain, tp)
         kv_dtype = torch.int8 if setup.kv_dtype == "int8" else parse_dtype(setup.weights)
@@ -161,13 +163,17 @@ def serve_launched_rank(size: int, device: str = "cpu") -> None:
 def serve_steps(runner: ModelRunner) -> None:
     """Run what rank 0 sends until it says stop: a step's forward pass, or the logits of some of its
     rows (this rank's part of the vocabulary, gathered on rank 0)."""
-    tp, hidden = runner.tp, None
+    tp = runner.tp
+    if tp is None:
+        raise ValueError("serve_steps runs a rank > 0 of a tensor-parallel group: the runner has none")
+    hidden: torch.Tensor | None = None
     while True:
-        kind, payload = tp.broadcast()
-        if kind == "forward":
-            hidden = runner.forward(payload)
-        elif kind == "logits":
-            runner.model.compute_logits(hidden[torch.tensor(payload, dtype=torch.int64, device=hidden.device)])
+        step = cast(RankStep, tp.broadcast())       # unpickled from rank 0: what its runner sends
+        if step[0] == "forward":
+            hidden = runner.forward(step[1])
+        elif step[0] == "logits":
+            assert hidden is not None               # rank 0 asks for logits of the step it ran
+            runner.model.compute_logits(hidden[torch.tensor(step[1], dtype=torch.int64, device=hidden.device)])
         else:
             return
 

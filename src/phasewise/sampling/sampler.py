@@ -158,7 +158,9 @@ class SamplerOutput:
 
 def apply_penalties(logits: Tensor, meta: SamplingMetadata) -> Tensor:
     """Repetition (HF/vLLM: prompt or output tokens), then frequency and presence (output only)."""
-    counts = meta.output_counts                                      # [B, V] or None
+    counts = meta.output_counts                                      # [B, V]
+    if counts is None:                                               # no penalty (build counts with any)
+        return logits
     if meta.repetition_penalty is not None:
         seen = counts > 0                                            # [B, V]
         if meta.prompt_mask is not None:
@@ -358,9 +360,9 @@ def sample(logits: Tensor, meta: SamplingMetadata, check: GrammarCheck | None = 
         at = torch.tensor(rows, dtype=torch.int64, device=token_ids.device)
         scores = penalized[at] if race is None else \
             torch.where((meta.temperature[at] == 0)[:, None], penalized[at], race[at])
-        words = torch.as_tensor(words).to(token_ids.device)
+        allowed = torch.as_tensor(words).to(token_ids.device)
         token_ids = token_ids.clone()
-        token_ids[at] = argmax(apply_grammar(scores.contiguous(), words, meta.kernels), meta.kernels)
+        token_ids[at] = argmax(apply_grammar(scores.contiguous(), allowed, meta.kernels), meta.kernels)
     if meta.max_num_logprobs is None:
         return SamplerOutput(token_ids=token_ids, logprobs=None, top_ids=None, top_logprobs=None)
     chosen, top_ids, top_logprobs = compute_logprobs(raw, token_ids, meta.max_num_logprobs)

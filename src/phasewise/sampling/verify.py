@@ -10,6 +10,9 @@ from the raw logits, as without speculation.
 
 from __future__ import annotations
 
+from typing import cast
+
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -24,7 +27,7 @@ Verified = tuple[list[SampledToken], SampledToken]   # accepted drafts, then the
 
 def verify(logits: Tensor, chunks: list[ScheduledChunk], generators: list[torch.Generator | None],
            vocab_size: int, eos_token_ids: frozenset[int], device: torch.device, kernels: Kernels | None = None,
-           grammar_bitmask=None) -> dict[str, Verified]:
+           grammar_bitmask: np.ndarray | Tensor | None = None) -> dict[str, Verified]:
     """logits [sum(k_c + 1), V]: chunk c's rows are its last own token, then each draft. grammar_bitmask
     (None: no grammar) has the same rows: the tokens each row's grammar allows after drafts 0..i-1."""
     params, prompts, outputs = [], [], []
@@ -59,7 +62,9 @@ def verify(logits: Tensor, chunks: list[ScheduledChunk], generators: list[torch.
         if kind == "greedy":
             counts, final = greedy_verify(greedy_ids[rows], drafts, ks)
         else:
-            q = None if kind == "point" else torch.cat([chunks[j].draft_probs for j in idx]).to(device)
+            assert probs is not None                                 # some row samples: not all greedy
+            # a "q" chunk's draft_probs: the draft-model proposer's [k, V] Tensor (core types it without torch)
+            q = None if kind == "point" else torch.cat([cast(Tensor, chunks[j].draft_probs) for j in idx]).to(device)
             uniform, noise = _draws([generators[j] for j in idx], ks, vocab_size, device)
             counts, final = rejection_sample(probs[rows], drafts, q, ks, uniform, noise)
         for j, a, t in zip(idx, counts, final.tolist()):

@@ -77,7 +77,7 @@ class _Body(BaseModel):
 
     def chat_fields(self) -> JsonObject:
         """The OpenAI chat body's fields of the prompt: messages, tools, tool_choice, parallel_tool_calls."""
-        fields: JsonObject = {"model": self.model, "messages": _system(self.system) + _messages(self.messages)}
+        fields: JsonObject = {"model": self.model, "messages": [*_system(self.system), *_messages(self.messages)]}
         if self.tools is not None:
             fields["tools"] = [_tool(i, t) for i, t in enumerate(self.tools)]
         choice = self.tool_choice
@@ -104,8 +104,8 @@ class MessagesRequest(_Body):
 
     def chat_body(self) -> ChatCompletionRequest:
         """The ChatCompletionRequest this request runs as (400 naming the Messages field otherwise)."""
-        fields: JsonObject = {**self.chat_fields(), "max_tokens": self.max_tokens, "stop": self.stop_sequences,
-                              "stream": self.stream}
+        stop: list[JsonValue] | None = None if self.stop_sequences is None else [*self.stop_sequences]
+        fields: JsonObject = {**self.chat_fields(), "max_tokens": self.max_tokens, "stop": stop, "stream": self.stream}
         for name in ("temperature", "top_p", "top_k"):
             if getattr(self, name) is not None:
                 fields[name] = getattr(self, name)
@@ -145,8 +145,8 @@ def validate_chat(fields: JsonObject) -> ChatCompletionRequest:
 def renamed(e: APIError) -> APIError:
     """The chat route's error for a Messages request: fields named as the Messages API names them."""
     param, message = _RENAMES.get(e.param or "", e.param), e.message
-    if e.param in _RENAMES and message.startswith(e.param):
-        message = param + message[len(e.param):]
+    if e.param is not None and e.param in _RENAMES and message.startswith(e.param):
+        message = _RENAMES[e.param] + message[len(e.param):]
     if e.param == "tools":
         message = message.replace(".function.parameters", ".input_schema").replace(".function.name", ".name")
     return APIError(e.status, message, e.type, param, e.code, e.headers)
@@ -156,11 +156,12 @@ def _text(blocks: str | Sequence[JsonValue], where: str) -> str:
     """The text of a string or a list of text blocks."""
     if isinstance(blocks, str):
         return blocks
-    parts = []
+    parts: list[str] = []
     for j, block in enumerate(blocks):
-        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+        text = block.get("text") if isinstance(block, dict) and block.get("type") == "text" else None
+        if not isinstance(text, str):
             raise _bad_block(block, f"{where}[{j}]", "text")
-        parts.append(block["text"])
+        parts.append(text)
     return "\n\n".join(parts)
 
 
@@ -198,9 +199,9 @@ def _assistant(blocks: list[JsonObject], where: str) -> JsonObject:
     texts: list[str] = []
     calls: list[JsonValue] = []
     for j, block in enumerate(blocks):
-        kind = block.get("type")
-        if kind == "text" and isinstance(block.get("text"), str):
-            texts.append(block["text"])
+        kind, text = block.get("type"), block.get("text")
+        if kind == "text" and isinstance(text, str):
+            texts.append(text)
         elif (kind == "tool_use" and isinstance(block.get("id"), str) and isinstance(block.get("name"), str)
               and isinstance(block.get("input", {}), dict)):
             calls.append({"id": block["id"], "type": "function",
@@ -218,9 +219,9 @@ def _user(blocks: list[JsonObject], where: str) -> list[JsonObject]:
     out: list[JsonObject] = []
     texts: list[str] = []
     for j, block in enumerate(blocks):
-        kind = block.get("type")
-        if kind == "text" and isinstance(block.get("text"), str):
-            texts.append(block["text"])
+        kind, text = block.get("type"), block.get("text")
+        if kind == "text" and isinstance(text, str):
+            texts.append(text)
         elif kind == "tool_result" and isinstance(block.get("tool_use_id"), str):
             if texts:
                 out.append({"role": "user", "content": "\n\n".join(texts)})

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from phasewise.json_types import JsonObject
 from phasewise.outputs import CompletionOutput
+from phasewise.server import json_read
 from phasewise.server.anthropic_protocol import CountTokensRequest, MessagesRequest, error_body, renamed
 from phasewise.server.body_parsing import parse_body
 from phasewise.server.chat_call import ChatCall, Submitter, chat_call
@@ -87,12 +88,13 @@ class Blocks:
         self._arguments: list[str] = []             # each call's input JSON text so far
 
     def add(self, text: str, final: bool) -> list[Event]:
-        pieces = self.parser.feed(text, final) if self.parser else [{"content": text}] if text else []
+        pieces: list[JsonObject] = self.parser.feed(text, final) if self.parser else \
+            [{"content": text}] if text else []
         events: list[Event] = []
         for piece in pieces:
             if "content" in piece:
-                events += self._text(piece["content"])
-            for call in piece.get("tool_calls", ()):
+                events += self._text(json_read.text(piece["content"]))
+            for call in json_read.objects(piece.get("tool_calls")):
                 events += self._call(call)
         if final:
             events += self._close()
@@ -115,19 +117,21 @@ class Blocks:
 
     def _text(self, text: str) -> list[Event]:
         events = [] if self._open == "text" else self._start("text", {"type": "text", "text": ""})
-        self.content[-1]["text"] += text
+        block = self.content[-1]
+        block["text"] = json_read.text(block["text"]) + text
         return events + [self._delta({"type": "text_delta", "text": text})]
 
     def _call(self, call: JsonObject) -> list[Event]:
-        index, events = call["index"], []
+        """`call`: a ToolCallParser piece's tool_calls entry (a new call, or a fragment of its arguments)."""
+        index, events = json_read.integer(call["index"]), []
         if self.single_call and index > 0:
             return []
+        function = json_read.obj(call["function"])
         if "id" in call:
             self._arguments.append("")
-            toolu = "toolu_" + call["id"].removeprefix("call_")
-            events = self._start(index, {"type": "tool_use", "id": toolu, "name": call["function"]["name"],
-                                         "input": {}})
-        fragment = call["function"].get("arguments") or ""
+            toolu = "toolu_" + json_read.text(call["id"]).removeprefix("call_")
+            events = self._start(index, {"type": "tool_use", "id": toolu, "name": function["name"], "input": {}})
+        fragment = json_read.text(function.get("arguments") or "")
         if not fragment:
             return events
         self._arguments[index] += fragment
@@ -159,7 +163,7 @@ def stop_reason(out: CompletionOutput, calls: bool) -> str:
     return "tool_use" if calls else "end_turn"
 
 
-def usage(out: CompletionOutput) -> dict[str, int]:
+def usage(out: CompletionOutput) -> JsonObject:
     """Anthropic's usage: input_tokens are those not read from the prefix cache (cache_read_input_tokens)."""
     cached = out.cached_tokens
     return {"input_tokens": len(out.prompt_token_ids) - cached, "cache_creation_input_tokens": 0,
@@ -167,8 +171,8 @@ def usage(out: CompletionOutput) -> dict[str, int]:
 
 
 def _message(rid: str, model: str, content: list[JsonObject], reason: str | None, sequence: str | None,
-             use: dict[str, int]) -> JsonObject:
-    return {"id": rid, "type": "message", "role": "assistant", "model": model, "content": content,
+             use: JsonObject) -> JsonObject:
+    return {"id": rid, "type": "message", "role": "assistant", "model": model, "content": [*content],
             "stop_reason": reason, "stop_sequence": sequence, "usage": use}
 
 

@@ -23,6 +23,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from phasewise import __version__
+from phasewise.json_types import JsonObject
 from phasewise.server.anthropic_routes import anthropic_router
 from phasewise.server.async_engine import AsyncEngine
 from phasewise.server.config import ServerConfig
@@ -42,8 +43,7 @@ from phasewise.server.tokenizer_routes import tokenizer_router
 def create_app(engine: AsyncEngine, config: ServerConfig, roofline: Roofline | None = None) -> FastAPI:
     """`roofline`: the machine's roofs and the model's costs, for the dashboard's 'what binds now'.
     `app.state.stopping` (a function, set by whoever runs the server) ends the dashboard's streams."""
-    app = FastAPI(title="phasewise", version=__version__, docs_url=None, redoc_url=None)   # /openapi.json
-    app.openapi = lambda: _openapi(app)
+    app = _App(title="phasewise", version=__version__, docs_url=None, redoc_url=None)   # /openapi.json
     app.state.engine, app.state.config = engine, config
     app.state.stopping = lambda: False
     app.state.metrics = metrics = ServerMetrics(config.served_model_name)
@@ -72,12 +72,15 @@ def create_app(engine: AsyncEngine, config: ServerConfig, roofline: Roofline | N
     return app
 
 
-def _openapi(app: FastAPI) -> dict:
-    """FastAPI's schema of the routes, with the request bodies' schemas as components (built once)."""
-    if app.openapi_schema is None:
-        from fastapi.openapi.utils import get_openapi
+class _App(FastAPI):
+    """FastAPI with the request bodies in /openapi.json (the routes parse their bodies themselves)."""
 
-        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-        schema.setdefault("components", {}).setdefault("schemas", {}).update(openapi_schemas())
-        app.openapi_schema = schema
-    return app.openapi_schema
+    def openapi(self) -> JsonObject:
+        """FastAPI's schema of the routes, with the request bodies' schemas as components (built once)."""
+        if self.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+
+            schema = get_openapi(title=self.title, version=self.version, routes=self.routes)
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(openapi_schemas())
+            self.openapi_schema = schema
+        return self.openapi_schema

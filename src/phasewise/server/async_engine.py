@@ -29,7 +29,7 @@ from phasewise.outputs import StreamDelta
 from phasewise.core.sampling_params import SamplingParams
 from phasewise.server.errors import EngineDeadError, EngineError
 from phasewise.server.request_stream import RequestStream
-from phasewise.server.observer import Observer
+from phasewise.server.observer import Observer, Observers
 
 log = logging.getLogger("phasewise.server")
 
@@ -84,7 +84,7 @@ class AsyncEngine:
 
     def __init__(self, engine: EngineClient | Callable[[], EngineClient], observer: Observer | None = None,
                  max_pending: int = 1024) -> None:
-        self.observer = observer or Observer()
+        self.observer = observer or Observers()
         self.max_pending = max_pending         # unread chunks a stream may hold before its requests are aborted
         built: list[BaseException] = []          # what building the engine raised, if it did
         ready = threading.Event()

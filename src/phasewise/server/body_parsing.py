@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import NoReturn, TypeVar
 
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 
 from phasewise.json_types import JsonValue
 from phasewise.server.protocol import bad_request
@@ -76,7 +77,7 @@ def _lone_surrogate(obj: JsonValue, path: str = "") -> str | None:
     return None
 
 
-def validation_message(errors: Sequence[dict]) -> tuple[str, str | None]:
+def validation_message(errors: Sequence[ErrorDetails]) -> tuple[str, str | None]:
     """The first error as 'field.sub: message', without pydantic's types, inputs or links."""
     if not errors:
         return "invalid request", None

@@ -8,7 +8,7 @@ llama.cpp: `json_schema` (a schema) and `grammar` (GBNF). At most one may constr
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from phasewise.json_types import JsonObject, JsonValue
 from phasewise.core.sampling_params import StructuredOutputs
@@ -18,17 +18,18 @@ GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choi
 FIELDS = ("response_format", "structured_outputs", *GUIDED, "json_schema", "grammar")
 
 
-def _given(fields: JsonObject) -> list[str]:
+def _given(fields: Mapping[str, JsonValue]) -> list[str]:
     return [name for name in FIELDS if fields.get(name) is not None
             and not (name == "response_format" and _is_text(fields[name]))]
 
 
-def given_field(fields: JsonObject) -> str | None:
+def given_field(fields: Mapping[str, JsonValue]) -> str | None:
     """The field that constrains the request (the first, if several), or None."""
     return next(iter(_given(fields)), None)
 
 
-def structured_outputs(fields: JsonObject, bad_request: Callable[[str, str], Exception]) -> StructuredOutputs | None:
+def structured_outputs(fields: Mapping[str, JsonValue], bad_request: Callable[[str, str], Exception]
+                       ) -> StructuredOutputs | None:
     """From a request's fields (name → value; absent or None: not set); bad_request(message, param)
     makes the error to raise."""
     given = _given(fields)
@@ -47,15 +48,51 @@ def structured_outputs(fields: JsonObject, bad_request: Callable[[str, str], Exc
             unknown = sorted(set(value) - set(VLLM_KEYS) - {"strict"})
             if unknown:
                 raise ValueError(f"{', '.join(unknown)} not supported (it takes one of {', '.join(VLLM_KEYS)})")
-            return StructuredOutputs(**{k: v for k, v in value.items() if v is not None})
+            return _vllm(value)
         if name in GUIDED:
-            return StructuredOutputs(**{GUIDED[name]: value})
+            return _vllm({GUIDED[name]: value})
         if name == "json_schema":
-            return StructuredOutputs(json=value)
+            return StructuredOutputs(json=_schema(value))
         return StructuredOutputs(grammar=_text(value))
     except (TypeError, ValueError) as e:
         message = str(e).removeprefix("structured_outputs ")
         raise bad_request(f"{name}: {message}", name) from None
+
+
+def _vllm(value: JsonObject) -> StructuredOutputs:
+    """vLLM's {"json" | "json_object" | "regex" | "choice" | "grammar", "strict"?}; a null is not set."""
+    given = {k: v for k, v in value.items() if v is not None}
+    return StructuredOutputs(json=_schema(given["json"]) if "json" in given else None,
+                             json_object=_flag(given, "json_object", False), regex=_string(given, "regex"),
+                             choice=_choices(given["choice"]) if "choice" in given else None,
+                             grammar=_string(given, "grammar"), strict=_flag(given, "strict", True))
+
+
+def _flag(given: Mapping[str, JsonValue], key: str, default: bool) -> bool:
+    value = given.get(key, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"{key} must be true or false")
+    return value
+
+
+def _string(given: Mapping[str, JsonValue], key: str) -> str | None:
+    value = given.get(key)
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{key} must be a string")
+    return value
+
+
+def _choices(value: JsonValue) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+        raise ValueError("choice must be a non-empty list of strings")
+    return [c for c in value if isinstance(c, str)]
+
+
+def _schema(value: JsonValue) -> JsonObject | str:
+    """A JSON schema: an object, or its JSON text."""
+    if not isinstance(value, (dict, str)):
+        raise ValueError("json must be a JSON schema object")
+    return value
 
 
 def _is_text(value: JsonValue) -> bool:
@@ -76,7 +113,7 @@ def _response_format(value: JsonValue) -> StructuredOutputs:
         schema = value.get("schema")
         if schema is None:
             return StructuredOutputs(json_object=True)
-        return StructuredOutputs(json=schema)
+        return StructuredOutputs(json=_schema(schema))
     if kind != "json_schema":
         raise ValueError(f"type must be text, json_object or json_schema, got {kind!r}")
     spec = value.get("json_schema")
@@ -86,4 +123,4 @@ def _response_format(value: JsonValue) -> StructuredOutputs:
     if schema is None:                      # OpenAI's schema is optional: any JSON object then
         return StructuredOutputs(json_object=True)
     # OpenAI's default is strict=false: keywords the compiler does not implement are then not enforced
-    return StructuredOutputs(json=schema, strict=bool(spec.get("strict")))
+    return StructuredOutputs(json=_schema(schema), strict=bool(spec.get("strict")))

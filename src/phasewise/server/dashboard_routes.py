@@ -25,8 +25,8 @@ from phasewise.server.guards import Guards
 from phasewise.server.protocol import APIError
 
 STATIC = resources.files("phasewise.server") / "dashboard"
-TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8", ".css": "text/css; charset=utf-8",
-         ".svg": "image/svg+xml"}
+TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
+         ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml"}
 
 
 def _static(name: str) -> Response:

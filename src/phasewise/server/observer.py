@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from phasewise.core.handoffs import EngineStats, StepRecord
 from phasewise.core.request import Request
 from phasewise.outputs import StreamDelta
 
 
-class Observer:
-    """Hooks called on the engine thread (metrics). Default: do nothing."""
+class Observer(Protocol):
+    """Hooks called on the engine thread. A class that names Observer as its base does nothing in the
+    hooks it leaves out (metrics, the dashboard); one with all four hooks is one too (lab.trace's recorder)."""
 
     def on_add(self, request: Request) -> None: ...
 
@@ -20,7 +23,7 @@ class Observer:
 
 
 class Observers(Observer):
-    """Several observers called in turn (metrics and a trace recorder)."""
+    """Several observers called in turn (metrics and a trace recorder); none: an observer that does nothing."""
 
     def __init__(self, *observers: Observer) -> None:
         self.observers = observers

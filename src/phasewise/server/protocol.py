@@ -8,7 +8,7 @@ rendered in OpenAI's shape {"error": {"message", "type", "param", "code"}}.
 from __future__ import annotations
 
 import dataclasses
-from typing import Annotated, TypedDict
+from typing import Annotated, TypedDict, TypeGuard
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
@@ -29,12 +29,12 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers
 
-    def body(self) -> dict:
+    def body(self) -> JsonObject:
         return error_body(self.message, self.type, self.param, self.code)
 
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
+               code: str | None = None) -> JsonObject:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
@@ -203,7 +203,7 @@ class CompletionRequest(_Request):
     @classmethod
     def _prompt(cls, v: object) -> list[str | list[int]]:
         """One prompt or a batch: text, token ids, a list of texts, or a list of token-id lists."""
-        def ids(x: object) -> bool:
+        def ids(x: object) -> TypeGuard[list[int]]:
             return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
         if isinstance(v, str):
             return [v]
@@ -254,15 +254,16 @@ class ChatMessage(BaseModel):
             raise bad_request(f"messages: a role must be one of {', '.join(ROLES)}, got {self.role!r}", "messages")
         content = self.content
         if isinstance(content, list):
-            if any(p.type != "text" or p.text is None for p in content):
+            texts = [p.text for p in content if p.type == "text" and p.text is not None]
+            if len(texts) != len(content):
                 raise bad_request("only text content parts are supported", "messages")
-            content = "".join(p.text for p in content)
+            content = "".join(texts)
         message: JsonObject = {"role": "system" if self.role == "developer" else self.role,
                                "content": content or ""}
         if self.tool_calls:
             if self.role != "assistant":
                 raise bad_request("messages: only an assistant message has tool_calls", "messages")
-            message["tool_calls"] = self.tool_calls
+            message["tool_calls"] = [*self.tool_calls]
         if self.role == "tool":
             if not self.tool_call_id:
                 raise bad_request("messages: a tool message needs tool_call_id (the id of the call it answers)",
@@ -293,7 +294,7 @@ class ChatCompletionRequest(_Request):
         own = super().constraint_field
         return own or ("tool_choice" if self.tools is not None and self.forced_tool()[0] else None)
 
-    def checked_tools(self) -> list[dict] | None:
+    def checked_tools(self) -> list[JsonObject] | None:
         """The tools (None without), checked."""
         if self.tools is None:
             if self.tool_choice not in (None, "none"):
@@ -383,7 +384,7 @@ BODIES = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeR
 def openapi_body(model: type[BaseModel]) -> JsonObject:
     """A route's `openapi_extra`: its JSON body is `model` (the routes parse bodies themselves, to
     answer 400 in OpenAI's shape rather than FastAPI's 422, so FastAPI cannot see the model)."""
-    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    ref: JsonObject = {"$ref": f"#/components/schemas/{model.__name__}"}
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 

@@ -38,11 +38,14 @@ class ResponseStore:
         return len(self._items)
 
     def put(self, body: JsonObject, conversation: list[JsonObject]) -> None:
+        rid = body["id"]
+        if not isinstance(rid, str):
+            raise TypeError("a stored response needs a string id")
         size = len(json.dumps(body, ensure_ascii=False)) + len(json.dumps(conversation, ensure_ascii=False))
-        self.delete(body["id"])
+        self.delete(rid)
         if size > self.max_bytes:
             return
-        self._items[body["id"]] = StoredResponse(body, conversation, size)
+        self._items[rid] = StoredResponse(body, conversation, size)
         self.bytes += size
         while len(self._items) > self.max_responses or self.bytes > self.max_bytes:
             _, old = self._items.popitem(last=False)

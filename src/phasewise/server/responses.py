@@ -5,17 +5,21 @@ from __future__ import annotations
 import codecs
 from collections.abc import Sequence
 from functools import lru_cache
-from typing import Protocol, TypedDict
+from typing import Literal, Protocol, get_args
 
 from phasewise.core.request import TokenLogprobs
 from phasewise.json_types import JsonObject, JsonValue
 from phasewise.percentile import percentile
 from phasewise.outputs import CompletionOutput
+from phasewise.server import json_read
 from phasewise.tool_calling import ToolCallParser
 from phasewise.report import timings as report_timings
 
-TIMING_KEYS = ("queue_ms", "ttft_ms", "prompt_n", "cache_n", "prompt_ms", "prompt_per_second", "predicted_n",
-               "predicted_ms", "predicted_per_second", "total_ms", "preemptions")
+TimingKey = Literal["queue_ms", "ttft_ms", "prompt_n", "cache_n", "prompt_ms", "prompt_per_second", "predicted_n",
+                    "predicted_ms", "predicted_per_second", "total_ms", "preemptions"]
+SpecKey = Literal["spec_draft_n", "spec_accepted_n", "spec_acceptance_rate", "spec_mean_accepted_len"]
+TIMING_KEYS: tuple[TimingKey, ...] = get_args(TimingKey)
+SPEC_KEYS: tuple[SpecKey, ...] = get_args(SpecKey)
 
 
 class TokenBytes(Protocol):
@@ -24,40 +28,20 @@ class TokenBytes(Protocol):
     def token_bytes(self, token_id: int) -> bytes: ...
 
 
-class CompletionLogprobs(TypedDict):
-    """The legacy completions format's logprobs: one entry per token in each list."""
-    tokens: list[str]
-    token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float] | None]
-    text_offset: list[int]
-
-
-class TopLogprob(TypedDict):
-    token: str
-    logprob: float
-    bytes: list[int]
-
-
-class ChatLogprob(TopLogprob):
-    """One content token's entry of a chat choice's logprobs."""
-    top_logprobs: list[TopLogprob]
-
-
-def timings(out: CompletionOutput) -> dict[str, float]:
+def timings(out: CompletionOutput) -> JsonObject:
     """Where the time of one request went (llama.cpp-style keys, plus ITL percentiles)."""
     t = report_timings(out)
-    body = {k: t[k] for k in TIMING_KEYS}
+    body: JsonObject = {k: t[k] for k in TIMING_KEYS}
     itl = t["itl_ms"]
     body["itl_ms_p50"] = percentile(itl, 50)
     body["itl_ms_p99"] = percentile(itl, 99)
     if t["spec_draft_n"]:                      # speculative decoding ran on this request
-        for k in ("spec_draft_n", "spec_accepted_n", "spec_acceptance_rate", "spec_mean_accepted_len"):
+        for k in SPEC_KEYS:
             body[k] = t[k]
     return body
 
 
-def usage(per_prompt: Sequence[CompletionOutput], outputs: Sequence[CompletionOutput]
-          ) -> dict[str, int | dict[str, int]]:
+def usage(per_prompt: Sequence[CompletionOutput], outputs: Sequence[CompletionOutput]) -> JsonObject:
     """Prompt tokens counted once per prompt (not per choice), completion tokens over all choices."""
     prompt = sum(len(o.prompt_token_ids) for o in per_prompt)
     completion = sum(len(o.token_ids) for o in outputs)
@@ -100,9 +84,10 @@ class TokenText:
         return self._text(token_id)
 
     def completion_logprobs(self, token_ids: Sequence[int], lps: Sequence[TokenLogprobs | None],
-                            offsets: TextOffsets | None = None) -> CompletionLogprobs:
-        """The legacy completions format; text_offset continues `offsets` (a stream's, chunk to chunk).
-        A None entry (an echoed prompt's first token) has null logprobs, as in vLLM."""
+                            offsets: TextOffsets | None = None) -> JsonObject:
+        """The legacy completions format (tokens, token_logprobs, top_logprobs, text_offset: one entry per
+        token in each list); text_offset continues `offsets` (a stream's, chunk to chunk). A None entry (an
+        echoed prompt's first token) has null logprobs, as in vLLM."""
         offsets = offsets or TextOffsets()
         return {
             "tokens": [self(t) for t in token_ids],
@@ -115,11 +100,12 @@ class TokenText:
         return b"".join(self.bytes(t) for t in token_ids).decode("utf-8", errors="replace")
 
     def chat_logprobs(self, token_ids: Sequence[int], lps: Sequence[TokenLogprobs], ended: bool = False
-                      ) -> dict[str, list[ChatLogprob]]:
-        """One entry per token of the message's content; `ended`: the last token is the stop token
-        that ended the turn (an end-of-turn or a stop_token_ids token), which the content does not
-        hold, so it has no entry (the entries' bytes rebuild the content)."""
-        def entry(i: int, v: float) -> TopLogprob:
+                      ) -> JsonObject:
+        """{"content": one entry per token of the message's content: token, logprob, bytes and its
+        top_logprobs (each token, logprob, bytes)}. `ended`: the last token is the stop token that ended
+        the turn (an end-of-turn or a stop_token_ids token), which the content does not hold, so it has
+        no entry (the entries' bytes rebuild the content)."""
+        def entry(i: int, v: float) -> JsonObject:
             return {"token": self(i), "logprob": v, "bytes": list(self.bytes(i))}
         n = len(token_ids) - 1 if ended and token_ids else len(token_ids)
         return {"content": [{**entry(t, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
@@ -148,13 +134,13 @@ def echoed(out: CompletionOutput, tt: TokenText) -> tuple[str, list[int], list[T
 def completion_body(rid: str, created: int, model: str, outputs: Sequence[CompletionOutput], want_logprobs: bool,
                     *, n: int, tt: TokenText, echo: bool = False) -> JsonObject:
     """outputs: n choices per prompt, prompt by prompt."""
-    choices = []
+    choices: list[JsonValue] = []
     for i, out in enumerate(outputs):
         text, ids, lps = echoed(out, tt) if echo else ("", [], [])
         lps += out.logprobs or []
-        choice = {"index": i, "text": text + out.text,
-                  "logprobs": tt.completion_logprobs(ids + out.token_ids, lps) if want_logprobs else None,
-                  "finish_reason": out.finish_reason, "stop_reason": _stop_reason(out)}
+        choice: JsonObject = {"index": i, "text": text + out.text,
+                              "logprobs": tt.completion_logprobs(ids + out.token_ids, lps) if want_logprobs else None,
+                              "finish_reason": out.finish_reason, "stop_reason": _stop_reason(out)}
         if len(outputs) > 1:
             choice["timings"] = timings(out)
         choices.append(choice)
@@ -181,32 +167,36 @@ def chat_message(out: CompletionOutput, tool_format: str | None,
              "tool_calls": [c.as_dict() for c in parser.calls]}, tool_finish_reason(out.finish_reason, parser))
 
 
-def merge_delta(pieces: list[JsonObject]) -> JsonObject:
+def merge_delta(pieces: Sequence[JsonObject]) -> JsonObject:
     """A parser's pieces of one step as one chat delta: content joined, each call's pieces in one entry."""
     delta: JsonObject = {}
+    calls: list[JsonValue] = []
+    functions: dict[int, JsonObject] = {}           # each call's function entry, by the call's index
     for piece in pieces:
         if "content" in piece:
-            delta["content"] = delta.get("content", "") + piece["content"]
-        for call in piece.get("tool_calls", ()):
-            calls = delta.setdefault("tool_calls", [])
-            same = next((c for c in calls if c["index"] == call["index"]), None)
+            delta["content"] = json_read.text(delta.get("content", "")) + json_read.text(piece["content"])
+        for call in json_read.objects(piece.get("tool_calls")):
+            index, function = json_read.integer(call["index"]), json_read.obj(call["function"])
+            same = functions.get(index)
             if same is None:
-                calls.append({**call, "function": dict(call["function"])})
+                functions[index] = dict(function)
+                calls.append({**call, "function": functions[index]})
+                delta["tool_calls"] = calls
             else:
-                same["function"]["arguments"] = same["function"].get("arguments", "") + call["function"]["arguments"]
+                same["arguments"] = json_read.text(same.get("arguments", "")) + json_read.text(function["arguments"])
     return delta
 
 
 def chat_body(rid: str, created: int, model: str, outputs: Sequence[CompletionOutput], want_logprobs: bool,
               *, tt: TokenText, tool_format: str | None = None,
               tool_names: frozenset[str] = frozenset()) -> JsonObject:
-    choices = []
+    choices: list[JsonValue] = []
     for i, out in enumerate(outputs):
         message, finish_reason = chat_message(out, tool_format, tool_names)
-        choice = {"index": i, "message": message,
-                  "logprobs": tt.chat_logprobs(out.token_ids, out.logprobs or [], ended_on_stop_token(out, out.text, tt))
-                  if want_logprobs else None,
-                  "finish_reason": finish_reason, "stop_reason": _stop_reason(out)}
+        logprobs = tt.chat_logprobs(out.token_ids, out.logprobs or [], ended_on_stop_token(out, out.text, tt)) \
+            if want_logprobs else None
+        choice: JsonObject = {"index": i, "message": message, "logprobs": logprobs,
+                              "finish_reason": finish_reason, "stop_reason": _stop_reason(out)}
         if len(outputs) > 1:
             choice["timings"] = timings(out)
         choices.append(choice)
@@ -214,7 +204,7 @@ def chat_body(rid: str, created: int, model: str, outputs: Sequence[CompletionOu
             "usage": usage(outputs[:1], outputs), "timings": timings(outputs[0])}
 
 
-def chunk(rid: str, obj: str, created: int, model: str, choices: list[JsonObject],
+def chunk(rid: str, obj: str, created: int, model: str, choices: list[JsonValue],
           include_usage: bool, **extra: JsonValue) -> JsonObject:
     body: JsonObject = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
     if include_usage:

@@ -15,6 +15,7 @@ import re
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from phasewise.json_types import JsonObject, JsonValue
+from phasewise.server import json_read
 from phasewise.server.body_parsing import validation_message
 from phasewise.server.protocol import UNSUPPORTED_FIELDS, APIError, ChatCompletionRequest, bad_request
 
@@ -119,13 +120,13 @@ def input_messages(body: ResponsesRequest, known_calls: dict[str, str]) -> list[
             messages.append(_message(item, i))
         elif kind == "function_call":
             call_id, name, arguments = (item.get(k) for k in ("call_id", "name", "arguments"))
-            if not all(isinstance(v, str) for v in (call_id, name, arguments)):
+            if not isinstance(call_id, str) or not isinstance(name, str) or not isinstance(arguments, str):
                 raise bad_request(f"input.{i}: a function_call needs call_id, name and arguments (strings)", "input")
             calls[call_id] = name
-            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+            call: JsonObject = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
-                last.setdefault("tool_calls", []).append(call)
+                json_read.array(last.setdefault("tool_calls", [])).append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
@@ -133,7 +134,7 @@ def input_messages(body: ResponsesRequest, known_calls: dict[str, str]) -> list[
             if not isinstance(call_id, str):
                 raise bad_request(f"input.{i}: a function_call_output needs a call_id", "input")
             output = _text(item.get("output"), f"input.{i}.output")
-            message = {"role": "tool", "tool_call_id": call_id, "content": output}
+            message: JsonObject = {"role": "tool", "tool_call_id": call_id, "content": output}
             if call_id in calls:
                 message["name"] = calls[call_id]
             messages.append(message)
@@ -154,18 +155,20 @@ def _text(content: JsonValue, where: str) -> str:
     """A string, or a list of text parts joined (input_text, output_text)."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in TEXT_PARTS
-                                         and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
+    if isinstance(content, list):
+        texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") in TEXT_PARTS]
+        strings = [t for t in texts if isinstance(t, str)]
+        if len(strings) == len(content):
+            return "".join(strings)
     raise bad_request(f"{where}: must be a string or a list of text parts (input_text, output_text); "
                       "images, files and audio are not supported", "input")
 
 
-def chat_tools(tools: list[JsonObject] | None) -> list[JsonObject] | None:
+def chat_tools(tools: list[JsonObject] | None) -> list[JsonValue] | None:
     """Responses' flat function tools as chat tools; other kinds of tool are a 400 naming tools."""
     if tools is None:
         return None
-    out: list[JsonObject] = []
+    out: list[JsonValue] = []
     for i, tool in enumerate(tools):
         kind = tool.get("type")
         if kind != "function":
@@ -173,7 +176,8 @@ def chat_tools(tools: list[JsonObject] | None) -> list[JsonObject] | None:
         if "function" in tool and "name" not in tool:        # the chat shape, taken as it is
             out.append(tool)
             continue
-        fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+        fn: JsonObject = {k: tool[k] for k in ("name", "description", "parameters", "strict")
+                          if tool.get(k) is not None}
         out.append({"type": "function", "function": fn})
     return out
 
@@ -207,10 +211,11 @@ def response_format(body: ResponsesRequest) -> JsonObject | None:
 def chat_request(body: ResponsesRequest, history: list[JsonObject]) -> tuple[ChatCompletionRequest, int]:
     """The chat request this body makes after `history` (the stored conversation it continues), and how
     many of its messages come before the conversation (the instructions' system message: not stored)."""
-    known = {c["id"]: c["function"]["name"] for m in history for c in m.get("tool_calls", ())}
-    head = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    known = {json_read.text(c["id"]): json_read.text(json_read.obj(c["function"])["name"])
+             for m in history for c in json_read.objects(m.get("tool_calls"))}      # the stored calls
+    head: list[JsonObject] = [{"role": "system", "content": body.instructions}] if body.instructions else []
     chat: JsonObject = {
-        "model": body.model, "messages": head + history + input_messages(body, known),
+        "model": body.model, "messages": [*head, *history, *input_messages(body, known)],
         "tools": chat_tools(body.tools), "tool_choice": chat_tool_choice(body.tool_choice),
         "response_format": response_format(body), "max_tokens": body.max_output_tokens,
         "temperature": body.temperature, "top_p": body.top_p}

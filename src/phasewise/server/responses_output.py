@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Sequence
 
-from phasewise.json_types import JsonObject
+from phasewise.json_types import JsonObject, JsonValue
 from phasewise.outputs import CompletionOutput
+from phasewise.server import json_read
 from phasewise.server.responses_api import ResponsesRequest
 from phasewise.tool_calling import ToolCallParser
 
@@ -32,16 +34,19 @@ class OutputItems:
         self._open: JsonObject | None = None              # the item being written, last of items
 
     def feed(self, text: str, final: bool = False) -> list[JsonObject]:
-        pieces = self.parser.feed(text, final) if self.parser else [{"content": text}] if text else []
+        pieces: list[JsonObject] = self.parser.feed(text, final) if self.parser else \
+            [{"content": text}] if text else []
         events: list[JsonObject] = []
         for piece in pieces:
             if "content" in piece:
-                events += self._content(piece["content"])
-            for call in piece.get("tool_calls", ()):
+                events += self._content(json_read.text(piece["content"]))
+            for call in json_read.objects(piece.get("tool_calls")):
+                function = json_read.obj(call["function"])
+                arguments = json_read.text(function["arguments"])
                 if "id" in call:
-                    events += self._call(call["id"], call["function"]["name"], call["function"]["arguments"])
+                    events += self._call(json_read.text(call["id"]), json_read.text(function["name"]), arguments)
                 else:
-                    events += self._arguments(call["function"]["arguments"])
+                    events += self._arguments(arguments)
         return events
 
     def finish(self, status: str) -> list[JsonObject]:
@@ -63,14 +68,16 @@ class OutputItems:
     def _content(self, text: str) -> list[JsonObject]:
         events: list[JsonObject] = []
         if self._open is None or self._open["type"] != "message":
+            content: list[JsonValue] = []
             events += self._add({"type": "message", "id": new_id("msg"), "status": "in_progress",
-                                 "role": "assistant", "content": []})
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+                                 "role": "assistant", "content": content})
+            part: JsonObject = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
             events.append({"type": "response.content_part.added", **self._where(), "content_index": 0,
                            "part": dict(part)})
-            self._open["content"].append(part)
+            content.append(part)
         if text:
-            self._open["content"][0]["text"] += text
+            part = _text_part(self._open)
+            part["text"] = json_read.text(part["text"]) + text
             events.append({"type": "response.output_text.delta", **self._where(), "content_index": 0,
                            "delta": text, "logprobs": []})
         return events
@@ -83,7 +90,7 @@ class OutputItems:
     def _arguments(self, fragment: str) -> list[JsonObject]:
         if not fragment or self._open is None or self._open["type"] != "function_call":
             return []
-        self._open["arguments"] += fragment
+        self._open["arguments"] = json_read.text(self._open["arguments"]) + fragment
         return [{"type": "response.function_call_arguments.delta", **self._where(), "delta": fragment}]
 
     def _close(self, status: str) -> list[JsonObject]:
@@ -92,8 +99,9 @@ class OutputItems:
             return []
         where, self._open = self._where(), None
         item["status"] = status
+        events: list[JsonObject]
         if item["type"] == "message":
-            part = item["content"][0]
+            part = _text_part(item)
             events = [{"type": "response.output_text.done", **where, "content_index": 0, "text": part["text"],
                        "logprobs": []},
                       {"type": "response.content_part.done", **where, "content_index": 0, "part": dict(part)}]
@@ -104,15 +112,26 @@ class OutputItems:
                           "item": json.loads(json.dumps(item))}]
 
 
-def assistant_message(items: list[JsonObject]) -> JsonObject:
+def _text_part(message: JsonObject | None) -> JsonObject:
+    """A message item's output_text part (its one content part)."""
+    assert message is not None
+    return json_read.obj(json_read.array(message["content"])[0])
+
+
+def assistant_message(items: Sequence[JsonObject]) -> JsonObject:
     """The output items as one chat message, for the stored conversation."""
-    text = "".join(p["text"] for it in items if it["type"] == "message" for p in it["content"])
-    calls = [{"id": it["call_id"], "type": "function", "function": {"name": it["name"], "arguments": it["arguments"]}}
-             for it in items if it["type"] == "function_call"]
-    return {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
+    text = "".join(json_read.text(p["text"]) for it in items if it["type"] == "message"
+                   for p in json_read.objects(it["content"]))
+    calls: list[JsonValue] = [
+        {"id": it["call_id"], "type": "function", "function": {"name": it["name"], "arguments": it["arguments"]}}
+        for it in items if it["type"] == "function_call"]
+    message: JsonObject = {"role": "assistant", "content": text}
+    if calls:
+        message["tool_calls"] = calls
+    return message
 
 
-def usage(out: CompletionOutput) -> dict[str, int | dict[str, int]]:
+def usage(out: CompletionOutput) -> JsonObject:
     prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
     return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": out.cached_tokens,
                                                              "cache_write_tokens": 0},
@@ -138,13 +157,13 @@ def response_body(body: ResponsesRequest, rid: str, created: int, model: str, st
         "error": {"code": "server_error", "message": error} if error else None,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "instructions": body.instructions, "max_output_tokens": body.max_output_tokens, "model": model,
-        "output": items, "parallel_tool_calls": body.parallel_tool_calls is not False,
+        "output": [*items], "parallel_tool_calls": body.parallel_tool_calls is not False,
         "previous_response_id": body.previous_response_id, "reasoning": {"effort": None, "summary": None},
         "store": body.stored, "temperature": body.temperature if body.temperature is not None else 1.0,
         "text": {"format": body.text_format}, "tool_choice": tool_choice,
         "tools": [_tool(t) for t in body.tools or ()],
         "top_p": body.top_p if body.top_p is not None else 1.0, "truncation": "disabled",
-        "usage": usage(out) if out is not None else None, "user": body.user, "metadata": body.metadata or {},
+        "usage": usage(out) if out is not None else None, "user": body.user, "metadata": {**(body.metadata or {})},
         "background": False,
     }
 

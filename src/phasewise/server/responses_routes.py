@@ -66,10 +66,11 @@ def responses_router(guards: Guards, store: ResponseStore) -> APIRouter:
         items.feed(out.text, final=True)
         status = status_of(out)
         if status == "failed":                       # collect raises first; kept for a caller without it
-            raise APIError(500, failure(out), type="server_error", code="engine_error")
+            raise APIError(500, failure(out) or "the request ended without an output", type="server_error",
+                           code="engine_error")
         items.finish(status)
         response = run.response(status, items.items, out)
-        run.keep(response)
+        run.keep(response, items.items)
         return JSONResponse(response)
 
     @router.get("/v1/responses/{response_id}")
@@ -97,10 +98,10 @@ class Run:
                  error: str | None = None) -> JsonObject:
         return response_body(self.body, self.rid, self.created, self.model, status, items, out, error)
 
-    def keep(self, response: JsonObject) -> None:
-        """Store a response that did not fail (unless the request said store: false)."""
+    def keep(self, response: JsonObject, items: list[JsonObject]) -> None:
+        """Store a response (its output: `items`) that did not fail (unless the request said store: false)."""
         if self.body.stored and response["status"] != "failed":
-            self.store.put(response, self.conversation + [assistant_message(response["output"])])
+            self.store.put(response, self.conversation + [assistant_message(items)])
 
 
 async def response_events(run: Run, stream: RequestStream) -> AsyncIterator[str]:
@@ -130,5 +131,5 @@ async def response_events(run: Run, stream: RequestStream) -> AsyncIterator[str]
     for event in items.finish(status):
         yield sse(event, next(seq))
     response = run.response(status, items.items, out, error)
-    run.keep(response)
+    run.keep(response, items.items)
     yield sse({"type": f"response.{status}", "response": response}, next(seq))

@@ -98,14 +98,14 @@ async def _events(stream: RequestStream, make_choice: Callable[[int, StreamDelta
             cause = failure(delta.output) if delta.finished else None
             if cause is not None:
                 raise GenerationError(cause)
-            choice = make_choice(i, delta)
-            if choice is None:
+            made = make_choice(i, delta)
+            if made is None:
                 continue
             extra: JsonObject = {}
             if delta.finished:
                 finals[i] = delta.output
                 extra["timings"] = R.timings(delta.output)
-            yield _event(R.chunk(rid, obj, created, model, [choice], include_usage, **extra))
+            yield _event(R.chunk(rid, obj, created, model, [made], include_usage, **extra))
         if include_usage:
             outs = [finals[i] for i in sorted(finals)]
             yield _event(R.chunk(rid, obj, created, model, [], False, usage=R.usage(outs[::n], outs),
@@ -130,7 +130,7 @@ def completion_events(stream: RequestStream, rid: str, created: int, model: str,
             return None
         choice: JsonObject = {"index": i, "text": text + delta.text, "logprobs": None, "finish_reason": None}
         if want_lp:
-            choice["logprobs"] = tt.completion_logprobs(ids + delta.token_ids, lps + delta.logprobs, offsets[i])
+            choice["logprobs"] = tt.completion_logprobs(ids + delta.token_ids, [*lps, *delta.logprobs], offsets[i])
         if delta.finished:
             choice["finish_reason"], choice["stop_reason"] = delta.output.finish_reason, delta.output.stop_reason
         return choice
@@ -148,6 +148,7 @@ def chat_events(stream: RequestStream, rid: str, created: int, model: str, n: in
     parsers = [ToolCallParser(tool_format, tool_names) for _ in stream.request_ids] if tool_format else None
 
     def make_choice(i: int, delta: StreamDelta) -> JsonObject | None:
+        message: JsonObject
         if parsers is None:
             message = {"content": delta.text} if delta.text else {}
         else:
@@ -159,7 +160,8 @@ def chat_events(stream: RequestStream, rid: str, created: int, model: str, n: in
             ended = delta.finished and R.ended_on_stop_token(delta.output, delta.text, tt)
             choice["logprobs"] = tt.chat_logprobs(delta.token_ids, delta.logprobs, ended)
         if delta.finished:
-            choice["finish_reason"] = R.tool_finish_reason(delta.output.finish_reason, parsers and parsers[i])
+            parser = parsers[i] if parsers else None
+            choice["finish_reason"] = R.tool_finish_reason(delta.output.finish_reason, parser)
             choice["stop_reason"] = delta.output.stop_reason
         return choice
 

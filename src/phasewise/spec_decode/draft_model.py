@@ -29,6 +29,7 @@ from phasewise.core.handoffs import ScheduledChunk
 from phasewise.core.request import Request
 from phasewise.layers.attention import AttentionMetadata
 from phasewise.runner.kv_cache import KVCache
+from phasewise.runner.model_api import CausalLM
 from phasewise.sampling.sampler import SamplingMetadata, distribution, exponential_noise
 from phasewise.structured import draft_bitmask
 from phasewise.kernels.kernel_api import Kernels
@@ -54,7 +55,7 @@ class DraftState:
 
 
 class DraftModelProposer:
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, eos_token_ids: frozenset[int] = frozenset(),
+    def __init__(self, model: CausalLM, kv_cache: KVCache, eos_token_ids: frozenset[int] = frozenset(),
                  device: torch.device | str = "cpu", kernels: Kernels | None = None) -> None:
         self.model, self.kv_cache, self.eos_token_ids = model, kv_cache, eos_token_ids
         self.kernels = kernels                   # the engine's compiled CPU kernels (argmax), or None
@@ -102,7 +103,7 @@ class DraftModelProposer:
             st = req.spec_state = DraftState(preemptions=req.metrics.preemptions, generator=gen)
         return st
 
-    def _forward(self, token_lists: list[list[int]], starts: list[int], reqs: list) -> Tensor:
+    def _forward(self, token_lists: list[list[int]], starts: list[int], reqs: list[Request]) -> Tensor:
         """Run the draft on each request's tokens placed at starts[i]..; logits at each last row [B, V]."""
         ids = [t for ts in token_lists for t in ts]
         positions = [p for ts, s in zip(token_lists, starts) for p in range(s, s + len(ts))]
@@ -113,9 +114,11 @@ class DraftModelProposer:
         hidden = self.model(torch.tensor(ids, dtype=torch.long, device=self.device),
                             torch.tensor(positions, dtype=torch.long, device=self.device),
                             meta, self.kv_cache.layers, last)                   # [B, hidden]
-        return self.model.compute_logits(hidden).float()                       # [B, V]
+        logits = self.model.compute_logits(hidden)
+        assert logits is not None                      # a draft model runs whole (no tensor parallelism)
+        return logits.float()                                                  # [B, V]
 
-    def _pick(self, logits: Tensor, reqs: list, drafts: list[list[int]], states: list[DraftState]
+    def _pick(self, logits: Tensor, reqs: list[Request], drafts: list[list[int]], states: list[DraftState]
               ) -> tuple[list[int], Tensor | None]:
         """One draft token per row: argmax (greedy requests) or a draw from q; q [B, V] or None."""
         meta = SamplingMetadata.build(
