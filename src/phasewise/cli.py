@@ -9,10 +9,16 @@ import signal
 import socket
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
 
 from phasewise.config import CacheConfig, EngineConfig, SchedulerConfig
 from phasewise.deploy.options import RAY_EXTRA, add_ray_args, start_direct_ingress
 from phasewise.engine.args import add_engine_args, resolve_weights, speculative_config_from_args
+
+if TYPE_CHECKING:
+    from phasewise.core.sampling_params import SamplingParams, StructuredOutputs
+    from phasewise.engine.llm_engine import LLMEngine
+    from phasewise.server.dashboard_feed import Roofline
 
 EXIT_USAGE = 2
 
@@ -47,7 +53,7 @@ def _read(path: str, flag: str) -> str:
         raise ValueError(f"{flag} {path}: {e.strerror or e}") from None
 
 
-def structured_outputs_from_args(args: argparse.Namespace):
+def structured_outputs_from_args(args: argparse.Namespace) -> StructuredOutputs | None:
     """The constraint the flags ask for, or None."""
     from phasewise.core.sampling_params import StructuredOutputs
 
@@ -64,7 +70,7 @@ class Parser(argparse.ArgumentParser):
     """argparse with its usage errors as one line (the usage itself is -h's), exit 2; every
     subcommand's parser is one too."""
 
-    def error(self, message: str):
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"phasewise: error: {message} (see {self.prog} -h)\n")
 
 
@@ -124,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def sampling_params_from_args(args: argparse.Namespace):
+def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
     from phasewise.core.sampling_params import SamplingParams
 
     return SamplingParams(
@@ -186,7 +192,7 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _dashboard_roofline(engine):
+def _dashboard_roofline(engine: LLMEngine) -> Roofline | None:
     """The dashboard's roofs from the figures `phasewise roofline` kept for this machine, or None."""
     from phasewise.lab.roofline import load_machine, serving_roofline
     from phasewise.loading.loader import parse_dtype
@@ -325,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "tensor_parallel_size", 1) > 1 and int(os.environ.get("RANK", "0")) > 0:
             from phasewise.runner.tp_worker import serve_launched_rank
 
-            serve_launched_rank(args.tensor_parallel_size, args.device)    # torchrun's other ranks: steps until rank 0 stops
+            # torchrun's other ranks: steps until rank 0 stops
+            serve_launched_rank(args.tensor_parallel_size, args.device)
             return 0
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:  # bad input (ModelLoadError is one): one line, no traceback

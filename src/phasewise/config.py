@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from typing_extensions import TypedDict, Unpack   # typing has Unpack from Python 3.11
+
 
 @dataclass(frozen=True, kw_only=True)
 class CacheConfig:
@@ -35,6 +37,14 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be at least 1")
 
 
+class SpeculativeSettings(TypedDict, total=False):
+    """SpeculativeConfig's fields besides the method and the draft model (what `parse` passes on)."""
+    num_speculative_tokens: int
+    ngram_min: int
+    ngram_max: int
+    draft_dtype: str
+
+
 @dataclass(frozen=True, kw_only=True)
 class SpeculativeConfig:
     """Speculative decoding: who proposes draft tokens, and how many per step."""
@@ -56,7 +66,7 @@ class SpeculativeConfig:
             raise ValueError(f"draft dtype must be fp32, bf16, fp16, int8 or q4, got {self.draft_dtype!r}")
 
     @classmethod
-    def parse(cls, spec: str | None, **settings) -> SpeculativeConfig:
+    def parse(cls, spec: str | None, **settings: Unpack[SpeculativeSettings]) -> SpeculativeConfig:
         """'ngram', 'draft' (the target's file), 'draft:MODEL', or None/'' (off)."""
         if not spec:
             return cls(method=None, **settings)

@@ -71,7 +71,7 @@ class LLM:
     def __enter__(self) -> LLM:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     @property

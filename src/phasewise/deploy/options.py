@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Mapping
+from typing import NoReturn
 
 from phasewise.engine.args import add_engine_args, positive_int, resolve_weights
 
@@ -126,5 +127,5 @@ def replica_cpus(options: argparse.Namespace) -> int:
 class _RaisingParser(argparse.ArgumentParser):
     """A bad key or value is a ValueError (one line), not an exit."""
 
-    def error(self, message: str):
+    def error(self, message: str) -> NoReturn:
         raise ValueError(f"build_app: {message}")

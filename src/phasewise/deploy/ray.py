@@ -49,7 +49,10 @@ from phasewise.deploy.route import RouteIngress
 from phasewise.deploy.tp_ranks import rendezvous_address, start_replica_ranks
 
 if TYPE_CHECKING:
+    from fastapi import FastAPI
     from starlette.types import Message   # ASGI's: a plain dict
+
+    from phasewise.server import AsyncEngine
 
 APP_NAME = "phasewise"
 TARGET_ONGOING_REQUESTS = 8                  # autoscaling's target of ongoing requests per replica
@@ -145,7 +148,8 @@ class EngineReplica:
             ranks.stop()
 
 
-def build_server(options: argparse.Namespace, kv_role: str | None = None, kv_peer: str | None = None):
+def build_server(options: argparse.Namespace, kv_role: str | None = None,
+                 kv_peer: str | None = None) -> tuple[AsyncEngine, FastAPI]:
     """The engine and app `phasewise serve` builds (cli.cmd_serve), for one replica: (AsyncEngine, FastAPI).
     Kernel threads: --threads, else the replica's CPUs (a rank's, when it has several)."""
     from phasewise.config import CacheConfig, EngineConfig, SchedulerConfig

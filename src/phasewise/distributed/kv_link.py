@@ -18,6 +18,7 @@ import hashlib
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import torch
@@ -82,7 +83,7 @@ class KVLink:
 
     # ---- threads -----------------------------------------------------------------------------------
 
-    def _run(self, init_method: str, loop) -> None:
+    def _run(self, init_method: str, loop: Callable[[], None]) -> None:
         try:
             dist.init_process_group("gloo", init_method=init_method, rank=0 if self.role == "prefill" else 1,
                                     world_size=2, timeout=datetime.timedelta(seconds=self.timeout_s))

@@ -231,7 +231,7 @@ def load(level_name: str | None = None) -> Kernels | None:
 
 
 @functools.cache
-def _load_level(level: Level):
+def _load_level(level: Level) -> Kernels | None:
     """One KernelSet per level and process (None after one warning when it cannot be built)."""
     try:
         return bindings().KernelSet(str(build_library(level)))

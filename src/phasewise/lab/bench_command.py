@@ -9,10 +9,14 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from phasewise.lab import load_gen as G
 from phasewise.lab.experiment_command import int_list
-from phasewise.lab.load_stats import LATENCIES, Latency, LoadSummary, parse_goodput, summarize
+from phasewise.lab.load_stats import LATENCIES, Latency, LoadSummary, RequestRecord, parse_goodput, summarize
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -110,7 +114,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return 0 if any(s["completed"] for s, _ in points) else 1
 
 
-def _run_with_progress(target, prompts, args, concurrency):
+def _run_with_progress(target: G.Target, prompts: list[G.Prompt], args: argparse.Namespace,
+                       concurrency: int | None) -> tuple[list[RequestRecord], float]:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -122,7 +127,7 @@ def _run_with_progress(target, prompts, args, concurrency):
                                  lambda r: bar.advance(task)))
 
 
-def print_summary(console, target: G.Target, args, summaries: list[LoadSummary]) -> None:
+def print_summary(console: Console, target: G.Target, args: argparse.Namespace, summaries: list[LoadSummary]) -> None:
     from rich.table import Table
 
     table = Table(title=f"{target.model} at {target.base_url} ({args.dataset}, {args.num_prompts} requests)")
@@ -154,7 +159,8 @@ def _latency_cell(metric: Latency, stat: str) -> Callable[[LoadSummary], str]:
     return lambda s: f"{s[metric][stat]:.1f}"
 
 
-def write_results(out: Path, target: G.Target, args, points) -> None:
+def write_results(out: Path, target: G.Target, args: argparse.Namespace,
+                  points: list[tuple[LoadSummary, list[RequestRecord]]]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     settings = {k: v for k, v in vars(args).items() if k != "func" and k != "api_key"}
     settings["request_rate"] = str(settings["request_rate"])

@@ -19,7 +19,11 @@ from typing import TYPE_CHECKING
 from phasewise.lab.experiments import Experiment
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from phasewise.json_types import JsonValue
+    from phasewise.lab.experiments import Progress
+    from phasewise.llm import LLM
 
 
 def int_list(text: str) -> list[int]:
@@ -100,7 +104,7 @@ def _longest(args: argparse.Namespace) -> int:
     return args.input_len + args.output_len
 
 
-def _run(llm, args: argparse.Namespace, advance) -> Experiment:
+def _run(llm: LLM, args: argparse.Namespace, advance: Progress) -> Experiment:
     from phasewise.lab import experiments as E
 
     if args.experiment == "prompt-sweep":
@@ -136,7 +140,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
         raise
 
 
-def _experiment(args: argparse.Namespace, out: Path, console) -> int:
+def _experiment(args: argparse.Namespace, out: Path, console: Console) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -206,7 +210,7 @@ def write_results(exp: Experiment, out: Path, **extra: JsonValue) -> None:
         writer.writerows(exp.rows)
 
 
-def print_table(exp: Experiment, console) -> None:
+def print_table(exp: Experiment, console: Console) -> None:
     from rich.table import Table
 
     table = Table(title=exp.name)

@@ -56,12 +56,20 @@ def shared_prefix_prompts(num_prefixes: int, per_prefix: int, prefix_len: int, s
     """num_prefixes × per_prefix prompts: each a shared prefix plus its own suffix, in shuffled order."""
     rng = random.Random(seed)
 
-    def part(k: int):
-        return [rng.randrange(100, vocab) for _ in range(k)] if token_ids else \
-            " ".join(rng.choice(WORDS) for _ in range(k)) + " "
+    def ids(k: int) -> list[int]:
+        return [rng.randrange(100, vocab) for _ in range(k)]
 
-    prefixes = [part(prefix_len) for _ in range(num_prefixes)]
-    out = [Prompt(p + part(suffix_len), output_len) for p in prefixes for _ in range(per_prefix)]
+    def text(k: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(k)) + " "
+
+    prompts: list[str | list[int]]               # drawn in one order either way: prefixes, then suffixes
+    if token_ids:
+        id_prefixes = [ids(prefix_len) for _ in range(num_prefixes)]
+        prompts = [p + ids(suffix_len) for p in id_prefixes for _ in range(per_prefix)]
+    else:
+        text_prefixes = [text(prefix_len) for _ in range(num_prefixes)]
+        prompts = [p + text(suffix_len) for p in text_prefixes for _ in range(per_prefix)]
+    out = [Prompt(p, output_len) for p in prompts]
     rng.shuffle(out)
     return out
 

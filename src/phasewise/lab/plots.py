@@ -2,31 +2,35 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.axes import Axes  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
 
 from phasewise.lab.experiments import REPEAT_TIMINGS, Experiment, numbers  # noqa: E402
 
 
-def _save(fig, path: Path) -> Path:
+def _save(fig: Figure, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
 
 
-def _log_ticks(ax, x, base: float = 10) -> None:
+def _log_ticks(ax: Axes, x: Sequence[float], base: float = 10) -> None:
     """A log x axis labelled with the measured points themselves."""
     ax.set_xscale("log", base=base)
     ax.set_xticks(x, [str(v) for v in x], fontsize=8)
     ax.minorticks_off()
 
 
-def _twin(ax, x, y1, label1, y2, label2, color2="tab:orange"):
+def _twin(ax: Axes, x: Sequence[float], y1: Sequence[float], label1: str, y2: Sequence[float], label2: str,
+          color2: str = "tab:orange") -> Axes:
     ax.plot(x, y1, "o-", color="tab:blue")
     ax.set_ylabel(label1, color="tab:blue")
     right = ax.twinx()
@@ -37,17 +41,17 @@ def _twin(ax, x, y1, label1, y2, label2, color2="tab:orange"):
 
 def prompt_sweep(exp: Experiment, out: Path) -> list[Path]:
     t = exp.table
-    x = [r["prompt_len"] for r in t]
+    x = numbers(t, "prompt_len")
     fig, ax = plt.subplots(figsize=(7, 4))
-    _twin(ax, x, [r["ms_per_prompt_token"] for r in t], "prefill ms per prompt token",
-          [r["prompt_tok_s"] for r in t], "prompt tokens / s")
+    _twin(ax, x, numbers(t, "ms_per_prompt_token"), "prefill ms per prompt token",
+          numbers(t, "prompt_tok_s"), "prompt tokens / s")
     _log_ticks(ax, x)
     ax.set_xlabel("prompt tokens")
     ax.set_title("Prefill: cost per prompt token")
     paths = [_save(fig, out / "prefill_per_token.png")]
     fig, ax = plt.subplots(figsize=(7, 4))
-    _twin(ax, x, [r["ms_per_output_token"] for r in t], "decode ms per output token",
-          [r["decode_tok_s"] for r in t], "decode tokens / s")
+    _twin(ax, x, numbers(t, "ms_per_output_token"), "decode ms per output token",
+          numbers(t, "decode_tok_s"), "decode tokens / s")
     ax.set_xlabel("prompt tokens (the context decode attends to)")
     ax.set_title(f"Decode speed against context ({exp.settings['output_tokens']} output tokens)")
     paths.append(_save(fig, out / "decode_vs_context.png"))
@@ -56,7 +60,7 @@ def prompt_sweep(exp: Experiment, out: Path) -> list[Path]:
 
 def output_sweep(exp: Experiment, out: Path) -> list[Path]:
     t = exp.table
-    x = [r["output_len"] for r in t]
+    x = numbers(t, "output_len")
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(x, [ms / 1e3 for ms in numbers(t, "decode_ms")], "o-", label="decode (all output tokens)")
     ax.plot(x, [ms / 1e3 for ms in numbers(t, "prefill_ms")], "s--", label="prefill")
@@ -66,7 +70,7 @@ def output_sweep(exp: Experiment, out: Path) -> list[Path]:
     ax.legend()
     paths = [_save(fig, out / "decode_time.png")]
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(x, [r["ms_per_output_token"] for r in t], "o-")
+    ax.plot(x, numbers(t, "ms_per_output_token"), "o-")
     ax.set_xlabel("output tokens")
     ax.set_ylabel("ms per output token")
     ax.set_ylim(bottom=0)
@@ -91,16 +95,16 @@ def repeat(exp: Experiment, out: Path) -> list[Path]:
 
 def batch_sweep(exp: Experiment, out: Path) -> list[Path]:
     t = exp.rows
-    x = [r["concurrency"] for r in t]
+    x = numbers(t, "concurrency")
     fig, ax = plt.subplots(figsize=(7, 4))
-    _twin(ax, x, [r["output_tok_s"] for r in t], "aggregate output tokens / s",
-          [r["itl_median_ms"] for r in t], "median inter-token latency, ms")
+    _twin(ax, x, numbers(t, "output_tok_s"), "aggregate output tokens / s",
+          numbers(t, "itl_median_ms"), "median inter-token latency, ms")
     _log_ticks(ax, x, base=2)
     ax.set_xlabel("concurrent requests")
     ax.set_title("Batching: throughput and latency")
     paths = [_save(fig, out / "throughput_vs_concurrency.png")]
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r["itl_median_ms"] for r in t], [r["output_tok_s"] for r in t], "o-")
+    ax.plot(numbers(t, "itl_median_ms"), numbers(t, "output_tok_s"), "o-")
     for r in t:
         ax.annotate(str(r["concurrency"]), (r["itl_median_ms"], r["output_tok_s"]),
                     textcoords="offset points", xytext=(5, -10), fontsize=8)

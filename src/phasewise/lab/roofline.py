@@ -12,7 +12,9 @@ import dataclasses
 import json
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TypedDict
 
@@ -36,7 +38,7 @@ class Machine:
         return self.int8_gops if quantized and self.int8_gops else self.matmul_gflops
 
 
-def _best_seconds(fn, repeats: int) -> float:
+def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
     fn()
     best = float("inf")
     for _ in range(repeats):
@@ -64,7 +66,7 @@ def measure_machine(dtype: torch.dtype = torch.float32, dram_mib: int = 1024, ca
             linear.pack_for_onednn()
         return linear
     kernels = [layer(False)] + ([layer(True)] if onednn_available(torch.device("cpu"), dtype) else [])
-    secs = min(_best_seconds(lambda k=k: k(x), repeats) for k in kernels)
+    secs = min(_best_seconds(partial(k, x), repeats) for k in kernels)
     return Machine(read_gbs(dram_mib), read_gbs(cache_mib), 2 * matmul_n**3 / secs / 1e9, int8_peak_gops(repeats))
 
 

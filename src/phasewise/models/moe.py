@@ -23,6 +23,7 @@ bits do not depend on the rows beside it (tested alone, batched and chunked, per
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -102,7 +103,7 @@ class Experts(UsesKernels, nn.Module):
         if kernels is not None and gate is not None and up is not None and down is not None:
             self._parts = (gate, up, down)
 
-    def _apply(self, fn, recurse=True):
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Experts:
         out = super()._apply(fn, recurse)      # buffers may move: gather the kernel's arguments again
         self.bind_kernels(self.kernels)
         return out
