@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from phasewise.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from phasewise.engine.llm_engine import LLMEngine
+from phasewise.json_types import JsonObject, JsonValue
 from phasewise.outputs import CompletionOutput, StreamDelta
 from phasewise.engine.precision import weights_setting
 from phasewise.core.sampling_params import SamplingParams
@@ -15,7 +16,7 @@ if TYPE_CHECKING:
     from typing_extensions import TypeIs     # typing_extensions >= 4.10 (only mypy reads it here)
 
 Prompt = str | list[int]
-Messages = list[dict]
+Messages = list[JsonObject]
 
 
 def _is_token_ids(prompts: Prompt | Sequence[Prompt]) -> TypeIs[list[int]]:
@@ -87,7 +88,7 @@ class LLM:
 
     def chat(self, messages: Messages | Sequence[Messages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             tools: list[dict] | None = None) -> CompletionOutput | list[CompletionOutput]:
+             tools: Sequence[Mapping[str, JsonValue]] | None = None) -> CompletionOutput | list[CompletionOutput]:
         """Chat messages through the model's chat template (with OpenAI-style tools: the template's own
         tool support, or a generic prompt; `phasewise.tool_calling.ToolCallParser(llm.tokenizer.tool_format)`
         finds the calls in the text); one conversation → one output."""
@@ -110,7 +111,7 @@ class LLM:
             self.engine.abort(rid)  # a consumer that stops early frees the request's blocks
 
     def _run(self, prompts: Sequence[Prompt | Messages], params: SamplingParams | Sequence[SamplingParams] | None,
-             chat: bool, tools: list[dict] | None = None) -> list[CompletionOutput]:
+             chat: bool, tools: Sequence[Mapping[str, JsonValue]] | None = None) -> list[CompletionOutput]:
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):

@@ -66,7 +66,7 @@ class EngineReplica:
 
     # Serve awaits an async constructor (mypy knows only sync ones)
     async def __init__(self, options: argparse.Namespace, role: str | None = None,  # type: ignore[misc]
-                       prefill: DeploymentHandle | None = None) -> None:
+                       prefill: DeploymentHandle[EngineReplica] | None = None) -> None:
         """`role`: "prefill" (this replica's KV link waits at a free port of its node) or "decode" (it joins
         the link of the `prefill` deployment's replica); None: a whole engine."""
         self._replica = serve.get_replica_context().replica_id.to_full_id_str()
@@ -188,7 +188,8 @@ def build_server(options: argparse.Namespace, kv_role: str | None = None,
 class Ingress:
     """The HTTP ingress: `Relay` over handles to the engine replicas (and to the prefill replicas)."""
 
-    def __init__(self, engine: DeploymentHandle, prefill: DeploymentHandle | None = None) -> None:
+    def __init__(self, engine: DeploymentHandle[EngineReplica],
+                 prefill: DeploymentHandle[EngineReplica] | None = None) -> None:
         self._engine, self._prefill = engine, prefill
 
     def __serve_build_asgi_app__(self) -> Relay:
@@ -276,7 +277,7 @@ def run(options: argparse.Namespace) -> int:
         ray.shutdown()    # terminal has already signalled its processes: nothing here waits on them)
 
 
-def _log_failure(task: asyncio.Task) -> None:
+def _log_failure(task: asyncio.Task[None]) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.error("phasewise app failed on a request: %r", task.exception())
 

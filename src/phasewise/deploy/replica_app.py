@@ -23,6 +23,8 @@ from phasewise.deploy.replica_metrics import merge_metrics
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send   # ASGI's: scopes and messages are dicts
 
+    from phasewise.deploy.ray import EngineReplica
+
 REPLICA_HEADER = "x-phasewise-replica"       # which replica served a response: its Serve replica id
 MAX_REPLICAS = 256                           # /metrics asks at most this many replicas
 METRICS_TIMEOUT_S = 10.0                     # ... each within this
@@ -84,7 +86,7 @@ async def own_metrics(app: ASGIApp) -> str:
     return b"".join(chunks).decode(errors="replace")
 
 
-async def gather_metrics(*handles: DeploymentHandle | None) -> str:
+async def gather_metrics(*handles: DeploymentHandle[EngineReplica] | None) -> str:
     """Every replica's /metrics (`EngineReplica.metrics_text`) of these deployments, as one text; "" when
     none answered."""
     texts: dict[str, str] = {}

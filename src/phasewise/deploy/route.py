@@ -11,6 +11,7 @@ same hook, `Application._with_ingress_request_router`, which Ray marks internal:
 """
 
 import json             # no `from __future__ import annotations`: FastAPI reads the handlers' annotations
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, HTTPException, Request
 from ray import serve
@@ -18,6 +19,10 @@ from ray.serve.exceptions import DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
 from phasewise.deploy.prefix_router import RoutePick, prompt_block_hashes
+from phasewise.json_types import JsonObject
+
+if TYPE_CHECKING:
+    from phasewise.deploy.ray import EngineReplica
 
 route_app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
 
@@ -26,12 +31,12 @@ route_app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
 class RouteIngress:
     """See the module's docstring. `engine`: the engine deployment, which must be the application's ingress."""
 
-    def __init__(self, engine: DeploymentHandle) -> None:
+    def __init__(self, engine: "DeploymentHandle[EngineReplica]") -> None:
         self._engine = engine
         self._engine._init()
 
     @route_app.post("/internal/route")
-    async def route(self, request: Request) -> dict:
+    async def route(self, request: Request) -> JsonObject:
         body = await request.body()
         try:
             parsed = json.loads(body) if body else None
@@ -48,5 +53,5 @@ class RouteIngress:
             raise HTTPException(status_code=503, detail=str(e)) from None
 
     @route_app.get("/health")
-    async def health(self) -> dict:
+    async def health(self) -> dict[str, str]:
         return {"status": "ok"}

@@ -3,11 +3,13 @@ in, steps, deltas out, request state and stats, the tokenizer, and KV transfer f
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from phasewise.config import EngineConfig
 from phasewise.core.handoffs import EngineStats, StepRecord
 from phasewise.core.request import Request
+from phasewise.json_types import JsonObject, JsonValue
 from phasewise.engine.kv_transfer import KVTransfer
 from phasewise.models.config import ModelConfig
 from phasewise.outputs import StreamDelta
@@ -17,10 +19,10 @@ from phasewise.tokenization.tokenizer import Tokenizer
 if TYPE_CHECKING:
     from typing_extensions import TypeIs     # typing_extensions >= 4.10 (only mypy reads it here)
 
-Prompt = str | list[int] | list[dict]
+Prompt = str | list[int] | list[JsonObject]
 
 
-def is_chat(prompt: Prompt) -> TypeIs[list[dict]]:
+def is_chat(prompt: Prompt) -> TypeIs[list[JsonObject]]:
     """The prompt is chat messages (a list of dicts), not text or token ids."""
     return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
 
@@ -38,11 +40,13 @@ class EngineClient(Protocol):
     max_model_len: int
     kv_transfer: KVTransfer
 
-    def encode_prompt(self, prompt: Prompt, chat: bool, tools: list[dict] | None = None) -> list[int]:
+    def encode_prompt(self, prompt: Prompt, chat: bool,
+                      tools: Sequence[Mapping[str, JsonValue]] | None = None) -> list[int]:
         """Token ids of a prompt: chat messages (with OpenAI-style tools) through the chat template."""
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, chat: bool = False,
-                    request_id: str | None = None, tools: list[dict] | None = None) -> str:
+                    request_id: str | None = None,
+                    tools: Sequence[Mapping[str, JsonValue]] | None = None) -> str:
         """Queue a prompt (admitted by engine/admission.py: RequestError when it cannot run); its id."""
 
     def abort(self, request_id: str) -> bool:

@@ -9,7 +9,7 @@ from concurrent.futures import Future
 
 import torch
 
-from phasewise.distributed.kv_link import KVLink
+from phasewise.distributed.kv_link import KVLink, Payload
 from phasewise.core.kv_cache_manager import KVCacheManager
 from phasewise.runner.kv_cache import KVBlocks, KVCache
 
@@ -62,7 +62,7 @@ class KVTransfer:
                                     {name: torch.cat([kv.block(i)[name] for i in fill], dim=2) for name in kv.parts})
         return kv.num_blocks * kv.block_size
 
-    def send(self, transfer_id: str, token_ids: list[int]) -> Future:
+    def send(self, transfer_id: str, token_ids: list[int]) -> Future[None]:
         """A prefill instance: send the cached blocks of this computed prompt to the decode instance;
         the future resolves once they are sent."""
         if self.link is None or self.link.role != "prefill":
@@ -70,14 +70,14 @@ class KVTransfer:
         kv = self.export(token_ids)
         return self.link.send(transfer_id, (kv.token_ids, kv.block_size, kv.parts))
 
-    def expect(self, transfer_id: str) -> Future:
+    def expect(self, transfer_id: str) -> Future[KVBlocks]:
         """A decode instance: the future of the blocks the prefill instance sends under transfer_id
         (a KVBlocks for `adopt`)."""
         if self.link is None or self.link.role != "decode":
             raise ValueError("only a decode instance (--role decode) receives KV blocks")
-        out: Future = Future()
+        out: Future[KVBlocks] = Future()
 
-        def done(f: Future) -> None:
+        def done(f: Future[Payload]) -> None:
             if f.exception() is not None:
                 out.set_exception(f.exception())
             else:

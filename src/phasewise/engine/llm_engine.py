@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 import torch
 
 from phasewise.engine.admission import Admission
+from phasewise.json_types import JsonValue
 from phasewise.config import EngineConfig
 from phasewise.core.handoffs import EngineStats, StepRecord
 from phasewise.core.request import FinishReason, Request
@@ -51,7 +53,7 @@ class LLMEngine:
     # ---- requests ---------------------------------------------------------------
 
     def encode_prompt(self, prompt: Prompt, chat: bool,
-                      tools: list[dict] | None = None) -> list[int]:
+                      tools: Sequence[Mapping[str, JsonValue]] | None = None) -> list[int]:
         """Token ids of a prompt: chat messages (with OpenAI-style tools) through the chat template."""
         if isinstance(prompt, str):
             if chat:
@@ -62,7 +64,8 @@ class LLMEngine:
         return list(prompt)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    chat: bool = False, request_id: str | None = None, tools: list[dict] | None = None) -> str:
+                    chat: bool = False, request_id: str | None = None,
+                    tools: Sequence[Mapping[str, JsonValue]] | None = None) -> str:
         """Queue a prompt (text, token ids, or chat messages, with tools for the template); returns the
         request id. RequestError for a request its admission refuses (`admission.check`: no
         max_tokens → as many as fit), ValueError for a structured_outputs constraint that does not

@@ -9,7 +9,7 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from phasewise.lab import load_gen as G
 from phasewise.lab.experiment_command import int_list
@@ -18,8 +18,10 @@ from phasewise.lab.load_stats import LATENCIES, Latency, LoadSummary, RequestRec
 if TYPE_CHECKING:
     from rich.console import Console
 
+ParserT = TypeVar("ParserT", bound=argparse.ArgumentParser)   # the parser class of the CLI's subcommands
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+
+def add_parser(sub: argparse._SubParsersAction[ParserT]) -> None:
     bench = sub.add_parser("bench", help="load generators")
     kinds = bench.add_subparsers(dest="bench", required=True)
     s = kinds.add_parser("serve", help="load an OpenAI-compatible server: TTFT, TPOT, ITL, latency, "

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+from typing import TypeVar
 
 from phasewise.lab.cost import Prices, Workload, cost_with_caching, cost_without_caching
 from phasewise.lab.memory import KV_DTYPES, MIB, OVERHEAD, ModelShape, report
 
+ParserT = TypeVar("ParserT", bound=argparse.ArgumentParser)   # the parser class of the CLI's subcommands
 
-def add_parsers(sub: argparse._SubParsersAction) -> None:
+
+def add_parsers(sub: argparse._SubParsersAction[ParserT]) -> None:
     mem = sub.add_parser("memory", help="KV-cache and weight memory of a model, from its file or from numbers")
     mem.add_argument("--model", "-m", default=None,
                      help="a .gguf file or HF folder (default: the default model unless --layers is given)")
@@ -36,7 +39,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     cost.set_defaults(func=cmd_cost)
 
 
-def add_roofline_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def add_roofline_parser(sub: argparse._SubParsersAction[ParserT]) -> ParserT:
     roof = sub.add_parser("roofline", help="measure this machine, run the model, and say which resource "
                                            "binds prefill and decode")
     roof.add_argument("--input-len", type=int, default=256, help="prompt tokens")

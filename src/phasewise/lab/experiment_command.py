@@ -14,7 +14,7 @@ import os
 import platform
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from phasewise.lab.experiments import Experiment
 
@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from phasewise.json_types import JsonValue
     from phasewise.lab.experiments import Progress
     from phasewise.llm import LLM
+
+ParserT = TypeVar("ParserT", bound=argparse.ArgumentParser)   # the parser class of the CLI's subcommands
 
 
 def int_list(text: str) -> list[int]:
@@ -36,7 +38,7 @@ def int_list(text: str) -> list[int]:
     return values
 
 
-def add_parsers(sub: argparse._SubParsersAction) -> list[argparse.ArgumentParser]:
+def add_parsers(sub: argparse._SubParsersAction[ParserT]) -> list[ParserT]:
     """The `experiment` command and its four experiments; returns the parsers that need model args."""
     exp = sub.add_parser("experiment", help="the classic experiments: prompt/output-length sweeps, repeated "
                                             "runs, batch sweep (results.json/csv and plots)")

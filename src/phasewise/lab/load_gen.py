@@ -10,12 +10,13 @@ import asyncio
 import json
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
+from phasewise.json_types import JsonObject, JsonValue
 from phasewise.lab.load_stats import RequestRecord
 
 # ~1 token each in common BPE vocabularies: random text of about n tokens for the chat endpoint.
@@ -100,16 +101,16 @@ class Target:
     ignore_eos: bool = True
     timeout: float = 600.0
 
-    def body(self, p: Prompt) -> dict:
-        body = {"model": self.model, "max_tokens": p.output_len, "stream": True, "temperature": 0.0,
-                "stream_options": {"include_usage": True}}
+    def body(self, p: Prompt) -> JsonObject:
+        body: JsonObject = {"model": self.model, "max_tokens": p.output_len, "stream": True, "temperature": 0.0,
+                            "stream_options": {"include_usage": True}}
         if self.ignore_eos:
             body["ignore_eos"] = True
         if self.endpoint == "chat":
             body["messages"] = [{"role": "user", "content": p.prompt if isinstance(p.prompt, str)
                                  else " ".join(map(str, p.prompt))}]
         else:
-            body["prompt"] = p.prompt
+            body["prompt"] = p.prompt if isinstance(p.prompt, str) else list(p.prompt)
         return body
 
     @property
@@ -117,17 +118,17 @@ class Target:
         return f"{self.base_url}/{'chat/completions' if self.endpoint == 'chat' else 'completions'}"
 
     @property
-    def headers(self) -> dict:
+    def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
 
-def _content(event: dict, chat: bool) -> str:
-    choices = event.get("choices") or []
-    if not choices:
+def _content(event: Mapping[str, JsonValue], chat: bool) -> str:
+    choices = event.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         return ""
-    if chat:
-        return (choices[0].get("delta") or {}).get("content") or ""
-    return choices[0].get("text") or ""
+    part = choices[0].get("delta") if chat else choices[0]
+    text = part.get("content" if chat else "text") if isinstance(part, dict) else None
+    return text if isinstance(text, str) else ""
 
 
 async def send(client: httpx.AsyncClient, target: Target, p: Prompt) -> RequestRecord:

@@ -26,6 +26,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TypedDict
 
 import torch
 
@@ -38,6 +39,29 @@ MAGIC = b"PWPACK\x00\x01"
 ALIGN = 4096              # each tensor's offset: page-aligned, so any view of it is aligned for every dtype
 SUFFIX = ".pack"
 _DTYPES = {str(t).removeprefix("torch."): t for t in (torch.uint8, torch.int8, torch.float16, torch.float32)}
+
+
+_Entry = tuple[int, list[int], str]   # a tensor's [offset, shape, dtype] (a JSON array: read back as a list)
+
+
+class _Record(TypedDict):
+    """One weight in the header."""
+    fmt: str
+    n: int
+    k: int
+    u5_tiles: int
+    blocks: _Entry
+    scale: _Entry | None
+    rest: list[_Record]
+
+
+class _Header(TypedDict):
+    """The file's header, as written; read back unchecked (what a damaged one lacks fails in `load`)."""
+    version: int
+    linears: dict[str, _Record]
+    embedding: _Record | str | None       # the tied linear's path, or a table of its own
+    names: list[str]
+    size: int
 
 
 def wanted(gguf_path: Path, min_bytes: int = MIN_BYTES) -> bool:
@@ -65,13 +89,13 @@ class _Layout:
     def __init__(self) -> None:
         self.size = 0
 
-    def record(self, w: quant.PackedWeight) -> dict:
+    def record(self, w: quant.PackedWeight) -> _Record:
         return {"fmt": w.fmt, "n": w.n, "k": w.k, "u5_tiles": w.u5_tiles, "blocks": self._place(w.blocks),
                 "scale": None if w.scale is None else self._place(w.scale), "rest": [self.record(p) for p in w.rest]}
 
-    def _place(self, t: torch.Tensor) -> list:
+    def _place(self, t: torch.Tensor) -> _Entry:
         offset, self.size = self.size, _align(self.size + t.numel() * t.element_size())
-        return [offset, list(t.shape), str(t.dtype).removeprefix("torch.")]
+        return offset, list(t.shape), str(t.dtype).removeprefix("torch.")
 
 
 def _header(linears: dict[str, quant.PackedWeight], embedding: quant.PackedWeight | None,
@@ -81,8 +105,8 @@ def _header(linears: dict[str, quant.PackedWeight], embedding: quant.PackedWeigh
     tied = next((p for p, w in linears.items() if w is embedding), None)
     records = {p: layout.record(w) for p, w in linears.items()}
     table = tied if tied is not None or embedding is None else layout.record(embedding)
-    body = {"version": PACK_VERSION, "linears": records, "embedding": table, "names": sorted(names)}
-    body["size"] = 0
+    body: _Header = {"version": PACK_VERSION, "linears": records, "embedding": table, "names": sorted(names),
+                     "size": 0}
     while True:                              # the size holds the header's own length: settle it
         text = json.dumps(body, separators=(",", ":")).encode()
         start = _align(16 + len(text))
@@ -93,10 +117,10 @@ def _header(linears: dict[str, quant.PackedWeight], embedding: quant.PackedWeigh
     return head + bytes(start - len(head)), start + layout.size
 
 
-def _weights(header: dict, base: torch.Tensor, start: int
+def _weights(header: _Header, base: torch.Tensor, start: int
              ) -> tuple[dict[str, quant.PackedWeight], quant.PackedWeight | None]:
     """The header's weights as views of the mapped file `base` (uint8), data from `start`."""
-    def view(entry: list) -> torch.Tensor:
+    def view(entry: _Entry) -> torch.Tensor:
         offset, shape, dtype = entry
         dt = _DTYPES[dtype]
         nbytes = dt.itemsize * int(torch.Size(shape).numel())
@@ -104,7 +128,7 @@ def _weights(header: dict, base: torch.Tensor, start: int
             raise ValueError(f"a tensor at {offset} (+{nbytes}) outside the file")
         return base[start + offset:start + offset + nbytes].view(dt).view(shape)
 
-    def weight(r: dict) -> quant.PackedWeight:
+    def weight(r: _Record) -> quant.PackedWeight:
         return quant.PackedWeight(fmt=r["fmt"], n=r["n"], k=r["k"], blocks=view(r["blocks"]),
                                   scale=None if r["scale"] is None else view(r["scale"]), u5_tiles=r["u5_tiles"],
                                   rest=tuple(weight(p) for p in r["rest"]))
@@ -114,7 +138,7 @@ def _weights(header: dict, base: torch.Tensor, start: int
     return linears, linears[table] if isinstance(table, str) else None if table is None else weight(table)
 
 
-def _read_header(path: Path) -> tuple[dict, int]:
+def _read_header(path: Path) -> tuple[_Header, int]:
     with open(path, "rb") as f:
         head = f.read(16)
         if len(head) < 16 or head[:8] != MAGIC:

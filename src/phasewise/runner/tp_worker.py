@@ -56,7 +56,7 @@ class TPWorkers:
     """Ranks 1..size-1: child processes of this one (rank 0), or torchrun's (not ours to wait for or
     kill, only to tell)."""
 
-    def __init__(self, init_method: str, procs: list[subprocess.Popen]) -> None:
+    def __init__(self, init_method: str, procs: list[subprocess.Popen[bytes]]) -> None:
         self.init_method, self.procs = init_method, procs
         self.broken = False                              # the ranks are out of step: kill, do not ask
 

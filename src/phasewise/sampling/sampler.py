@@ -9,6 +9,7 @@ grammar mask and banned tokens -> penalties -> greedy argmax | temperature -> to
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from functools import partial
 from dataclasses import dataclass
 from typing import Protocol
@@ -32,7 +33,7 @@ def _index_pairs(id_lists: list[list[int]], device: torch.device) -> tuple[Tenso
     return rows.to(device), cols.to(device)
 
 
-def _column(values: list, off: float, dtype: torch.dtype, device: torch.device) -> Tensor | None:
+def _column(values: Sequence[float], off: float, dtype: torch.dtype, device: torch.device) -> Tensor | None:
     """[B] tensor of a setting, or None when every row has its "off" value."""
     if all(v == off for v in values):
         return None

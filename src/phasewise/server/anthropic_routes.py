@@ -62,7 +62,7 @@ def anthropic_router(guards: Guards) -> APIRouter:
         return JSONResponse(message_body(call, model, outs[0], body.single_call))
 
     @router.post("/v1/messages/count_tokens", include_in_schema=False)
-    async def count_tokens(request: Request) -> dict:
+    async def count_tokens(request: Request) -> JsonObject:
         """The prompt's tokens as a /v1/messages request with the same system, messages and tools has them."""
         body = parse_body(await request.body(), CountTokensRequest)
         guards.check_model(body.model)

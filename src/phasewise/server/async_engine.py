@@ -25,6 +25,7 @@ from typing import ParamSpec, TypeAlias, TypeVar
 
 from phasewise.core.request import Request
 from phasewise.engine.client import EngineBrokenError, EngineClient, Prompt
+from phasewise.json_types import JsonObject
 from phasewise.outputs import StreamDelta
 from phasewise.core.sampling_params import SamplingParams
 from phasewise.server.errors import EngineDeadError, EngineError
@@ -43,7 +44,7 @@ class SubRequest:
     request_id: str
     prompt: Prompt
     params: SamplingParams
-    tools: list[dict] | None = None            # chat: the tools the template renders
+    tools: list[JsonObject] | None = None      # chat: the tools the template renders
 
 
 @dataclass

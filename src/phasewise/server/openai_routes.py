@@ -66,16 +66,16 @@ def openai_router(guards: Guards) -> APIRouter:
     respond = Responder(guards).respond
     router = APIRouter(dependencies=[Depends(guards.require_key)])
 
-    def model_card() -> dict:
+    def model_card() -> JsonObject:
         return {"id": config.served_model_name, "object": "model", "created": config.created, "owned_by": "phasewise",
                 "root": config.model_root, "parent": None, "max_model_len": engine.max_model_len}
 
     @router.get("/v1/models")
-    async def models() -> dict:
+    async def models() -> JsonObject:
         return {"object": "list", "data": [model_card()]}
 
     @router.get("/v1/models/{model_id:path}")
-    async def model(model_id: str) -> dict:
+    async def model(model_id: str) -> JsonObject:
         guards.check_model(model_id)                   # 404 in OpenAI's shape for another name
         return model_card()
 

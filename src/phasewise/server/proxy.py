@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from phasewise.json_types import JsonObject
 from phasewise.server.body_parsing import MAX_DEPTH, nesting_depth
 from phasewise.server.protocol import error_body
 
@@ -85,7 +86,7 @@ def create_proxy(prefill: str, decode: str) -> FastAPI:
     return app
 
 
-def _json_object(raw: bytes) -> dict | Response:
+def _json_object(raw: bytes) -> JsonObject | Response:
     """A request body as a JSON object, or the 400 that says why it is not one."""
     if nesting_depth(raw) > MAX_DEPTH:
         return JSONResponse(error_body(f"the request body nests arrays and objects more than {MAX_DEPTH} levels "
@@ -99,7 +100,7 @@ def _json_object(raw: bytes) -> dict | Response:
     return body
 
 
-def pair_bodies(path: str, body: dict) -> tuple[dict | None, dict]:
+def pair_bodies(path: str, body: JsonObject) -> tuple[JsonObject | None, JsonObject]:
     """A completion or chat request as the pair takes it: (the prefill instance's one-token, unstreamed
     request, tagged with a fresh transfer id, or None when the decode instance computes it all: a list of
     completion prompts; the decode instance's request, the client's with the same tag). The proxy's and
@@ -108,7 +109,7 @@ def pair_bodies(path: str, body: dict) -> tuple[dict | None, dict]:
     if not path.endswith("chat/completions") and (
             isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) and len(prompt) > 1):
         return None, body
-    tag = {"transfer_id": uuid.uuid4().hex}
+    tag: JsonObject = {"transfer_id": uuid.uuid4().hex}
     first = {k: v for k, v in body.items() if k not in ("stream_options", "max_completion_tokens")}
     first.update(max_tokens=1, min_tokens=0, stream=False, n=1, kv_transfer_params=tag)
     return first, {**body, "kv_transfer_params": tag}

@@ -6,6 +6,7 @@ from fastapi import APIRouter, Depends, Request
 
 from phasewise.server.guards import Guards
 from phasewise import tool_calling
+from phasewise.json_types import JsonObject
 from phasewise.server.body_parsing import parse_body
 from phasewise.server.protocol import DetokenizeRequest, TokenizeRequest, bad_request, openapi_body
 
@@ -15,7 +16,7 @@ def tokenizer_router(guards: Guards) -> APIRouter:
     router = APIRouter(dependencies=[Depends(guards.require_key)])
 
     @router.post("/tokenize", openapi_extra=openapi_body(TokenizeRequest))
-    async def tokenize(request: Request) -> dict:
+    async def tokenize(request: Request) -> JsonObject:
         body = parse_body(await request.body(), TokenizeRequest)
         guards.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
@@ -37,16 +38,18 @@ def tokenizer_router(guards: Guards) -> APIRouter:
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
     @router.get("/tokenizer_info")
-    async def tokenizer_info() -> dict:
+    async def tokenizer_info() -> JsonObject:
         """What a client needs to tokenize as the server does (vLLM's route; lm-evaluation-harness's
         `tokenizer_backend=remote` reads it, then uses /tokenize and /detokenize)."""
         hf = engine.tokenizer.hf
+        template = hf.chat_template                    # a dict: templates by name
         return {"tokenizer_class": type(hf).__name__, "eos_token": hf.eos_token, "bos_token": hf.bos_token,
-                "pad_token": hf.pad_token, "unk_token": hf.unk_token, "chat_template": hf.chat_template,
+                "pad_token": hf.pad_token, "unk_token": hf.unk_token,
+                "chat_template": {**template} if isinstance(template, dict) else template,
                 "model_max_length": engine.max_model_len, "vocab_size": engine.model_config.vocab_size}
 
     @router.post("/detokenize", openapi_extra=openapi_body(DetokenizeRequest))
-    async def detokenize(request: Request) -> dict:
+    async def detokenize(request: Request) -> JsonObject:
         body = parse_body(await request.body(), DetokenizeRequest)
         guards.check_model(body.model)
         vocab = engine.model_config.vocab_size

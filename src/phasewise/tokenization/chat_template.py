@@ -12,7 +12,7 @@ renderings to transformers' own on every model at hand, with and without tools.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
 from typing import TYPE_CHECKING
@@ -106,7 +106,8 @@ class ChatTemplate:
         self.source = source
         self.special_tokens = dict(special_tokens)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
-               documents: list[dict] | None = None) -> str:
+    def render(self, messages: Sequence[Mapping[str, JsonValue]], add_generation_prompt: bool = True,
+               tools: Sequence[Mapping[str, JsonValue]] | None = None,
+               documents: Sequence[Mapping[str, JsonValue]] | None = None) -> str:
         return _compile(self.source).render(messages=_plain(messages), tools=_plain(tools), documents=_plain(documents),
                                             add_generation_prompt=add_generation_prompt, **self.special_tokens)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -86,8 +87,9 @@ class SavedTokenizer:
             raise ValueError("clean_up_tokenization_spaces is not kept: decoding stays concatenative")
         return self.backend_tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], tokenize: bool = False, add_generation_prompt: bool = False,
-                            tools: list[dict] | None = None) -> str:
+    def apply_chat_template(self, messages: Sequence[Mapping[str, JsonValue]], tokenize: bool = False,
+                            add_generation_prompt: bool = False,
+                            tools: Sequence[Mapping[str, JsonValue]] | None = None) -> str:
         if tokenize:
             raise ValueError("apply_chat_template gives text here; encode it")
         if not self.chat_template:

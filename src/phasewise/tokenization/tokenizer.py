@@ -8,7 +8,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, cast
 
@@ -18,6 +18,8 @@ from phasewise.tokenization.saved_tokenizer import SavedTokenizer
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer as RustTokenizer
+
+    from phasewise.json_types import JsonValue
 
 # Turn-ending tokens of common chat formats (ChatML, Llama 3, Phi-3, Gemma, Llama 2 / Mistral).
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "</s>")
@@ -63,8 +65,9 @@ class HFTokenizer(Protocol):
     def decode(self, ids: list[int], *, skip_special_tokens: bool = False,
                clean_up_tokenization_spaces: bool = False) -> str: ...
     def convert_ids_to_tokens(self, token_id: int) -> str | None: ...
-    def apply_chat_template(self, messages: list[dict], *, tokenize: bool = False, add_generation_prompt: bool = False,
-                            tools: list[dict] | None = None) -> str: ...
+    def apply_chat_template(self, messages: Sequence[Mapping[str, JsonValue]], *, tokenize: bool = False,
+                            add_generation_prompt: bool = False,
+                            tools: Sequence[Mapping[str, JsonValue]] | None = None) -> str: ...
     def save_pretrained(self, folder: str) -> object: ...
 
 
@@ -191,8 +194,8 @@ class Tokenizer:
         """Tokenize raw text; add_special_tokens adds BOS etc. only if the model is configured to."""
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> str:
+    def render_chat(self, messages: Sequence[Mapping[str, JsonValue]], add_generation_prompt: bool = True,
+                    tools: Sequence[Mapping[str, JsonValue]] | None = None) -> str:
         """The chat template applied to messages (and OpenAI-style tools), as text. A template without
         tool support gets the tools, tool calls and tool results in a generic form (tool_calling/prompt.py)."""
         if not self.has_chat_template():
@@ -211,8 +214,8 @@ class Tokenizer:
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template failed: {_one_line(e)}") from e
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> list[int]:
+    def apply_chat_template(self, messages: Sequence[Mapping[str, JsonValue]], add_generation_prompt: bool = True,
+                            tools: Sequence[Mapping[str, JsonValue]] | None = None) -> list[int]:
         """Token ids of the rendered chat (the template supplies any BOS, as in transformers)."""
         return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
 

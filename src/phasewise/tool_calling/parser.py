@@ -22,6 +22,10 @@ import secrets
 import string
 import uuid
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from phasewise.json_types import JsonObject
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
@@ -38,7 +42,7 @@ class ToolCall:
     name: str
     arguments: str            # a JSON object's text
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> JsonObject:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
@@ -85,7 +89,7 @@ class ToolCallParser:
         self._sent = 0                # characters of the current call's arguments given out
         self._mode: str | None = None   # "call"/"bare" or "text" once the reply's first character decides
 
-    def feed(self, text: str, final: bool = False) -> list[dict]:
+    def feed(self, text: str, final: bool = False) -> list[JsonObject]:
         self._buf += text
         out = self._bare(final) if self.fmt == "hermes" and self.tool_names else []
         if self._mode != "bare":
@@ -94,7 +98,7 @@ class ToolCallParser:
             out.append(self._content("", flush=True))
         return [d for d in out if d]
 
-    def _content(self, text: str, flush: bool = False) -> dict:
+    def _content(self, text: str, flush: bool = False) -> JsonObject:
         """Give out content, but hold its trailing whitespace until more content follows (a call drops it)."""
         text = self._space + text
         body = text if flush else text.rstrip()
@@ -104,14 +108,14 @@ class ToolCallParser:
         self.content += body
         return {"content": body}
 
-    def _new_call(self, name: str, arguments: str = "") -> dict:
+    def _new_call(self, name: str, arguments: str = "") -> JsonObject:
         call_id = "".join(secrets.choice(_ALNUM) for _ in range(9)) if self.fmt == "mistral" \
             else f"call_{uuid.uuid4().hex[:24]}"
         self.calls.append(ToolCall(call_id, name, arguments))
         return {"tool_calls": [{"index": len(self.calls) - 1, "id": self.calls[-1].id, "type": "function",
                                 "function": {"name": name, "arguments": arguments}}]}
 
-    def _arguments(self, upto: str) -> dict:
+    def _arguments(self, upto: str) -> JsonObject:
         """Give out the current call's arguments up to the text `upto` (a prefix of its final text)."""
         piece, call = upto[self._sent:], self.calls[-1]
         if not piece:
@@ -119,8 +123,8 @@ class ToolCallParser:
         self._sent, call.arguments = len(upto), call.arguments + piece
         return {"tool_calls": [{"index": len(self.calls) - 1, "function": {"arguments": piece}}]}
 
-    def _hermes(self, final: bool) -> list[dict]:
-        out: list[dict] = []
+    def _hermes(self, final: bool) -> list[JsonObject]:
+        out: list[JsonObject] = []
         while True:
             if not self._in_call:
                 at = self._buf.find(OPEN)
@@ -147,7 +151,7 @@ class ToolCallParser:
             if end < 0:
                 return out
 
-    def _end_call(self, body: str, closed: bool) -> list[dict]:
+    def _end_call(self, body: str, closed: bool) -> list[JsonObject]:
         """The call's whole text is known (closed: it ended with CLOSE): give out what is left of it."""
         if self._head is not None:                 # its name is out: the arguments are the text up to its "}"
             args = body[self._head:].rstrip()
@@ -157,7 +161,7 @@ class ToolCallParser:
             return [self._content(OPEN + body + (CLOSE if closed else ""))]
         return [self._new_call(*parsed)]
 
-    def _bare(self, final: bool) -> list[dict]:
+    def _bare(self, final: bool) -> list[JsonObject]:
         """hermes with tool names: a reply starting with "{" waits for its end, then is a call if it is one."""
         if self._mode is None:
             start = self._buf.lstrip()
@@ -173,7 +177,7 @@ class ToolCallParser:
         self._mode = "text"                        # not a call: parse it as any other reply
         return []
 
-    def _whole_reply(self, final: bool) -> list[dict]:
+    def _whole_reply(self, final: bool) -> list[JsonObject]:
         """llama3_json and mistral: a reply that starts as a call is held to its end, then read whole."""
         tag = PYTHON_TAG if self.fmt == "llama3_json" else TOOL_CALLS
         if self._mode is None:

@@ -5,17 +5,18 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import jsonschema
 
 if TYPE_CHECKING:
-    from phasewise.json_types import JsonValue
+    from phasewise.json_types import JsonObject, JsonValue
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 MAX_CALLS = 8              # calls in one forced reply with parallel_tool_calls
 # JSON on one line with OpenAI's separators, as structured outputs write it (structured/grammar_compiler.py)
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_JSON_OPTIONS: JsonObject = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 GENERIC_TOOLS_PROMPT = """# Tools
 
@@ -31,7 +32,7 @@ inside <tool_call></tool_call> tags:
 </tool_call>"""
 
 
-def check_tools(tools: object) -> list[dict]:
+def check_tools(tools: object) -> list[JsonObject]:
     """OpenAI's `tools` list, checked (ValueError says what is wrong): each {"type": "function",
     "function": {"name", "description"?, "parameters"?}}."""
     if not isinstance(tools, list) or not tools:
@@ -78,8 +79,30 @@ def supports_tools(template: str) -> bool:
     return "tools" in template
 
 
-def _arguments(call: dict) -> tuple[str, JsonValue]:
-    fn = call.get("function", call)
+def _object(value: JsonValue | Mapping[str, JsonValue]) -> Mapping[str, JsonValue]:
+    """A value the code reads as a JSON object: a TypeError for any other, as reading it as one would fail."""
+    if not isinstance(value, Mapping):
+        raise TypeError(f"expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _array(value: JsonValue) -> list[JsonValue]:
+    """A value the code reads as a JSON array (a message's tool_calls): a TypeError for any other."""
+    if not isinstance(value, list):
+        raise TypeError(f"expected a JSON array, got {type(value).__name__}")
+    return value
+
+
+def _text(value: JsonValue) -> str:
+    """A value the code joins as text (a content beside tool calls): a TypeError for any other."""
+    if not isinstance(value, str):
+        raise TypeError(f"expected a JSON string, got {type(value).__name__}")
+    return value
+
+
+def _arguments(call: Mapping[str, JsonValue]) -> tuple[JsonValue, JsonValue]:
+    """A tool call's (name, arguments), the arguments as an object when they are JSON text."""
+    fn = _object(call.get("function", call))
     args = fn.get("arguments", {})
     if isinstance(args, str):              # OpenAI sends arguments as JSON text; templates want the object
         try:
@@ -89,25 +112,26 @@ def _arguments(call: dict) -> tuple[str, JsonValue]:
     return fn.get("name", ""), args
 
 
-def native_messages(messages: list[dict]) -> list[dict]:
+def native_messages(messages: Sequence[Mapping[str, JsonValue]]) -> list[Mapping[str, JsonValue]]:
     """Messages for a template with tool support: each tool call's arguments as an object."""
-    out = []
+    out: list[Mapping[str, JsonValue]] = []
     for m in messages:
         if m.get("tool_calls"):
-            calls = []
-            for c in m["tool_calls"]:
+            calls: list[JsonValue] = []
+            for c in map(_object, _array(m["tool_calls"])):
                 name, args = _arguments(c)
-                calls.append({**c, "function": {**c.get("function", {}), "name": name, "arguments": args}})
+                calls.append({**c, "function": {**_object(c.get("function", {})), "name": name, "arguments": args}})
             m = {**m, "tool_calls": calls}
         out.append(m)
     return out
 
 
-def generic_messages(messages: list[dict], tools: list[dict] | None) -> list[dict]:
+def generic_messages(messages: Sequence[Mapping[str, JsonValue]],
+                     tools: Sequence[Mapping[str, JsonValue]] | None) -> list[JsonObject]:
     """Messages for a template without tool support: the tools in the system message (GENERIC_TOOLS_PROMPT),
     an assistant's calls as <tool_call> blocks in its content, tool results as a user message of
     <tool_response> blocks. Every content is a string."""
-    out: list[dict] = []
+    out: list[JsonObject] = []
     if tools:
         block = GENERIC_TOOLS_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
         if messages and messages[0]["role"] == "system":
@@ -120,32 +144,34 @@ def generic_messages(messages: list[dict], tools: list[dict] | None) -> list[dic
         if m["role"] == "tool":
             response = f"<tool_response>\n{content}\n</tool_response>"
             if out and out[-1].get("_tool"):
-                out[-1]["content"] += "\n" + response
+                out[-1]["content"] = f"{out[-1]['content']}\n{response}"
             else:
                 out.append({"role": "user", "content": response, "_tool": True})
             continue
         if m.get("tool_calls"):
             calls = []
-            for c in m["tool_calls"]:
+            for c in map(_object, _array(m["tool_calls"])):
                 name, args = _arguments(c)
                 calls.append(f"<tool_call>\n{json.dumps({'name': name, 'arguments': args}, ensure_ascii=False)}"
                              "\n</tool_call>")
-            content = "\n".join(([content] if content else []) + calls)
+            content = "\n".join(([_text(content)] if content else []) + calls)
         out.append({"role": m["role"], "content": content})
     return [{k: v for k, v in m.items() if k != "_tool"} for m in out]
 
 
-def call_grammar(tools: list[dict], fmt: str, name: str | None = None, parallel: bool = True) -> str:
+def call_grammar(tools: Sequence[Mapping[str, JsonValue]], fmt: str, name: str | None = None,
+                 parallel: bool = True) -> str:
     """A Lark grammar (llguidance's, with inline JSON schemas) whose every sentence is one call (or, with
     parallel, one to MAX_CALLS) of the named tool or of any of them, with arguments of its parameters' schema."""
-    chosen = [t for t in tools if name is None or t["function"]["name"] == name]
+    functions = [_object(t["function"]) for t in tools]
+    chosen = [f for f in functions if name is None or f["name"] == name]
     if not chosen:
         raise ValueError(f"tool_choice names {name!r}, which is not in tools")
     key = "parameters" if fmt == "llama3_json" else "arguments"
-    objects = [{"type": "object", "additionalProperties": False, "required": ["name", key],
-                "properties": {"name": {"const": t["function"]["name"]},
-                               key: t["function"].get("parameters") or {"type": "object"}}} for t in chosen]
-    schema = {**(objects[0] if len(objects) == 1 else {"anyOf": objects}), "x-guidance": _JSON_OPTIONS}
+    objects: list[JsonObject] = [{"type": "object", "additionalProperties": False, "required": ["name", key],
+                                  "properties": {"name": {"const": f["name"]},
+                                                 key: f.get("parameters") or {"type": "object"}}} for f in chosen]
+    schema: JsonObject = {**(objects[0] if len(objects) == 1 else {"anyOf": [*objects]}), "x-guidance": _JSON_OPTIONS}
     call = f"%json {json.dumps(schema, ensure_ascii=False)}"
     more = f"~0..{MAX_CALLS - 1}"           # a small model forced to call may never stop calling
     if fmt == "llama3_json":
