@@ -39,12 +39,11 @@ import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.deployment import Application, Deployment
-from ray.serve.handle import DeploymentHandle
 
 from phasewise.deploy.options import app_options, check_ray_options, direct_ingress, replica_cpus
 from phasewise.deploy.prefix_router import PrefixAffinityRouter
 from phasewise.deploy.relay import Relay, RelayedRequest
-from phasewise.deploy.replica_app import MetricsVisit, ReplicaApp, gather_metrics, own_metrics
+from phasewise.deploy.replica_app import MetricsVisit, ReplicaApp, ReplicaHandle, gather_metrics, own_metrics
 from phasewise.deploy.route import RouteIngress
 from phasewise.deploy.tp_ranks import rendezvous_address, start_replica_ranks
 
@@ -66,7 +65,7 @@ class EngineReplica:
 
     # Serve awaits an async constructor (mypy knows only sync ones)
     async def __init__(self, options: argparse.Namespace, role: str | None = None,  # type: ignore[misc]
-                       prefill: DeploymentHandle[EngineReplica] | None = None) -> None:
+                       prefill: ReplicaHandle | None = None) -> None:
         """`role`: "prefill" (this replica's KV link waits at a free port of its node) or "decode" (it joins
         the link of the `prefill` deployment's replica); None: a whole engine."""
         self._replica = serve.get_replica_context().replica_id.to_full_id_str()
@@ -188,8 +187,8 @@ def build_server(options: argparse.Namespace, kv_role: str | None = None,
 class Ingress:
     """The HTTP ingress: `Relay` over handles to the engine replicas (and to the prefill replicas)."""
 
-    def __init__(self, engine: DeploymentHandle[EngineReplica],
-                 prefill: DeploymentHandle[EngineReplica] | None = None) -> None:
+    def __init__(self, engine: ReplicaHandle,
+                 prefill: ReplicaHandle | None = None) -> None:
         self._engine, self._prefill = engine, prefill
 
     def __serve_build_asgi_app__(self) -> Relay:

@@ -23,15 +23,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ray.exceptions import RayActorError
-from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from ray.serve.handle import DeploymentResponseGenerator
 
 from phasewise.deploy.prefix_router import prompt_block_hashes
-from phasewise.deploy.replica_app import REPLICA_HEADER, gather_metrics, send_metrics
+from phasewise.deploy.replica_app import REPLICA_HEADER, ReplicaHandle, gather_metrics, send_metrics
 
 if TYPE_CHECKING:
     from starlette.types import Message, Receive, Scope, Send   # ASGI's: a scope and its messages are plain dicts
 
-    from phasewise.deploy.ray import EngineReplica
     from phasewise.json_types import JsonValue
 
 RETRIES = 2                                  # a request whose replica died before it answered: sent again
@@ -54,8 +53,8 @@ class Relay:
     """See the module's docstring. `prefill`: the prefill replicas of a disaggregated deployment, whose
     `engine` replicas are then its decode replicas."""
 
-    def __init__(self, engine: DeploymentHandle[EngineReplica],
-                 prefill: DeploymentHandle[EngineReplica] | None = None) -> None:
+    def __init__(self, engine: ReplicaHandle,
+                 prefill: ReplicaHandle | None = None) -> None:
         self._engine = engine.options(stream=True)
         self._prefill = prefill.options(stream=True) if prefill is not None else None
 
@@ -117,7 +116,7 @@ class Relay:
                 return
 
     @staticmethod
-    async def _collect(handle: DeploymentHandle[EngineReplica], request: RelayedRequest) -> tuple[str, int, bytes]:
+    async def _collect(handle: ReplicaHandle, request: RelayedRequest) -> tuple[str, int, bytes]:
         """One whole (unstreamed) response: (the replica that gave it, status, body)."""
         replica, status, chunks = "", 500, []
         async for messages in _stream(handle, request):
@@ -131,7 +130,7 @@ class Relay:
         return replica, status, b"".join(chunks)
 
 
-def _stream(handle: DeploymentHandle[EngineReplica], request: RelayedRequest
+def _stream(handle: ReplicaHandle, request: RelayedRequest
             ) -> DeploymentResponseGenerator[list[Message]]:
     """A replica's `handle` on `request`: its ASGI messages, a batch at a time (the relay's handles stream)."""
     response = handle.handle.remote(request)

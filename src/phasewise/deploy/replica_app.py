@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Awaitable, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable, TypeAlias
 
 from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
@@ -23,7 +23,8 @@ from phasewise.deploy.replica_metrics import merge_metrics
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send   # ASGI's: scopes and messages are dicts
 
-    from phasewise.deploy.ray import EngineReplica
+# A handle to the engine replicas' deployment: ray.py's EngineReplica, not named here (ray.py imports this module)
+ReplicaHandle: TypeAlias = DeploymentHandle[object]
 
 REPLICA_HEADER = "x-phasewise-replica"       # which replica served a response: its Serve replica id
 MAX_REPLICAS = 256                           # /metrics asks at most this many replicas
@@ -86,7 +87,7 @@ async def own_metrics(app: ASGIApp) -> str:
     return b"".join(chunks).decode(errors="replace")
 
 
-async def gather_metrics(*handles: DeploymentHandle[EngineReplica] | None) -> str:
+async def gather_metrics(*handles: ReplicaHandle | None) -> str:
     """Every replica's /metrics (`EngineReplica.metrics_text`) of these deployments, as one text; "" when
     none answered."""
     texts: dict[str, str] = {}

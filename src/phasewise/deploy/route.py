@@ -11,18 +11,14 @@ same hook, `Application._with_ingress_request_router`, which Ray marks internal:
 """
 
 import json             # no `from __future__ import annotations`: FastAPI reads the handlers' annotations
-from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, HTTPException, Request
 from ray import serve
 from ray.serve.exceptions import DeploymentUnavailableError
-from ray.serve.handle import DeploymentHandle
 
 from phasewise.deploy.prefix_router import RoutePick, prompt_block_hashes
+from phasewise.deploy.replica_app import ReplicaHandle
 from phasewise.json_types import JsonObject
-
-if TYPE_CHECKING:
-    from phasewise.deploy.ray import EngineReplica
 
 route_app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
 
@@ -31,7 +27,7 @@ route_app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
 class RouteIngress:
     """See the module's docstring. `engine`: the engine deployment, which must be the application's ingress."""
 
-    def __init__(self, engine: "DeploymentHandle[EngineReplica]") -> None:
+    def __init__(self, engine: ReplicaHandle) -> None:
         self._engine = engine
         self._engine._init()
 
