@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from phasewise.json_types import JsonObject
 from phasewise.outputs import CompletionOutput
-from phasewise.server import json_read
+from phasewise import json_types
 from phasewise.server.anthropic_protocol import CountTokensRequest, MessagesRequest, error_body, renamed
 from phasewise.server.body_parsing import parse_body
 from phasewise.server.chat_call import ChatCall, Submitter, chat_call
@@ -93,8 +93,8 @@ class Blocks:
         events: list[Event] = []
         for piece in pieces:
             if "content" in piece:
-                events += self._text(json_read.text(piece["content"]))
-            for call in json_read.objects(piece.get("tool_calls")):
+                events += self._text(json_types.text(piece["content"]))
+            for call in json_types.objects(piece.get("tool_calls")):
                 events += self._call(call)
         if final:
             events += self._close()
@@ -118,20 +118,20 @@ class Blocks:
     def _text(self, text: str) -> list[Event]:
         events = [] if self._open == "text" else self._start("text", {"type": "text", "text": ""})
         block = self.content[-1]
-        block["text"] = json_read.text(block["text"]) + text
+        block["text"] = json_types.text(block["text"]) + text
         return events + [self._delta({"type": "text_delta", "text": text})]
 
     def _call(self, call: JsonObject) -> list[Event]:
         """`call`: a ToolCallParser piece's tool_calls entry (a new call, or a fragment of its arguments)."""
-        index, events = json_read.integer(call["index"]), []
+        index, events = json_types.integer(call["index"]), []
         if self.single_call and index > 0:
             return []
-        function = json_read.obj(call["function"])
+        function = json_types.obj(call["function"])
         if "id" in call:
             self._arguments.append("")
-            toolu = "toolu_" + json_read.text(call["id"]).removeprefix("call_")
+            toolu = "toolu_" + json_types.text(call["id"]).removeprefix("call_")
             events = self._start(index, {"type": "tool_use", "id": toolu, "name": function["name"], "input": {}})
-        fragment = json_read.text(function.get("arguments") or "")
+        fragment = json_types.text(function.get("arguments") or "")
         if not fragment:
             return events
         self._arguments[index] += fragment

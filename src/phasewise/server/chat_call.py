@@ -14,7 +14,7 @@ from phasewise.engine.admission import ContextLengthError, RequestError
 from phasewise.core.sampling_params import ConstraintError
 from phasewise.server.async_engine import SubRequest
 from phasewise.server.errors import EngineDeadError
-from phasewise.server import json_read
+from phasewise import json_types
 from phasewise.server.guards import Guards
 from phasewise.server.protocol import APIError, ChatCompletionRequest, bad_request, choice_params
 from phasewise.server.request_stream import RequestStream
@@ -41,7 +41,7 @@ def chat_call(body: ChatCompletionRequest, template_tool_format: str, rid: str) 
     format the model's chat template calls tools in (Tokenizer.tool_format)."""
     params, tool_format = body.tool_params(body.sampling_params(), template_tool_format)
     messages, tools = body.conversation(), body.checked_tools()
-    names = frozenset(json_read.text(json_read.obj(t["function"])["name"]) for t in tools or ())   # checked tools
+    names = frozenset(json_types.text(json_types.obj(t["function"])["name"]) for t in tools or ())   # checked tools
     items = [SubRequest(sub_id(rid, j, body.n), messages, choice_params(params, j), tools) for j in range(body.n)]
     return ChatCall(rid, items, tool_format, names, body.constraint_field)
 

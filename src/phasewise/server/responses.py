@@ -11,7 +11,7 @@ from phasewise.core.request import TokenLogprobs
 from phasewise.json_types import JsonObject, JsonValue
 from phasewise.percentile import percentile
 from phasewise.outputs import CompletionOutput
-from phasewise.server import json_read
+from phasewise import json_types
 from phasewise.tool_calling import ToolCallParser
 from phasewise.report import timings as report_timings
 
@@ -174,16 +174,16 @@ def merge_delta(pieces: Sequence[JsonObject]) -> JsonObject:
     functions: dict[int, JsonObject] = {}           # each call's function entry, by the call's index
     for piece in pieces:
         if "content" in piece:
-            delta["content"] = json_read.text(delta.get("content", "")) + json_read.text(piece["content"])
-        for call in json_read.objects(piece.get("tool_calls")):
-            index, function = json_read.integer(call["index"]), json_read.obj(call["function"])
+            delta["content"] = json_types.text(delta.get("content", "")) + json_types.text(piece["content"])
+        for call in json_types.objects(piece.get("tool_calls")):
+            index, function = json_types.integer(call["index"]), json_types.obj(call["function"])
             same = functions.get(index)
             if same is None:
                 functions[index] = dict(function)
                 calls.append({**call, "function": functions[index]})
                 delta["tool_calls"] = calls
             else:
-                same["arguments"] = json_read.text(same.get("arguments", "")) + json_read.text(function["arguments"])
+                same["arguments"] = json_types.text(same.get("arguments", "")) + json_types.text(function["arguments"])
     return delta
 
 

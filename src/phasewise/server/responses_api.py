@@ -15,7 +15,7 @@ import re
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from phasewise.json_types import JsonObject, JsonValue
-from phasewise.server import json_read
+from phasewise import json_types
 from phasewise.server.body_parsing import validation_message
 from phasewise.server.protocol import UNSUPPORTED_FIELDS, APIError, ChatCompletionRequest, bad_request
 
@@ -126,7 +126,7 @@ def input_messages(body: ResponsesRequest, known_calls: dict[str, str]) -> list[
             call: JsonObject = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
-                json_read.array(last.setdefault("tool_calls", [])).append(call)
+                json_types.array(last.setdefault("tool_calls", [])).append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
@@ -211,8 +211,8 @@ def response_format(body: ResponsesRequest) -> JsonObject | None:
 def chat_request(body: ResponsesRequest, history: list[JsonObject]) -> tuple[ChatCompletionRequest, int]:
     """The chat request this body makes after `history` (the stored conversation it continues), and how
     many of its messages come before the conversation (the instructions' system message: not stored)."""
-    known = {json_read.text(c["id"]): json_read.text(json_read.obj(c["function"])["name"])
-             for m in history for c in json_read.objects(m.get("tool_calls"))}      # the stored calls
+    known = {json_types.text(c["id"]): json_types.text(json_types.obj(c["function"])["name"])
+             for m in history for c in json_types.objects(m.get("tool_calls"))}      # the stored calls
     head: list[JsonObject] = [{"role": "system", "content": body.instructions}] if body.instructions else []
     chat: JsonObject = {
         "model": body.model, "messages": [*head, *history, *input_messages(body, known)],

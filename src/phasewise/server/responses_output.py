@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from phasewise.json_types import JsonObject, JsonValue
 from phasewise.outputs import CompletionOutput
-from phasewise.server import json_read
+from phasewise import json_types
 from phasewise.server.responses_api import ResponsesRequest
 from phasewise.tool_calling import ToolCallParser
 
@@ -39,12 +39,12 @@ class OutputItems:
         events: list[JsonObject] = []
         for piece in pieces:
             if "content" in piece:
-                events += self._content(json_read.text(piece["content"]))
-            for call in json_read.objects(piece.get("tool_calls")):
-                function = json_read.obj(call["function"])
-                arguments = json_read.text(function["arguments"])
+                events += self._content(json_types.text(piece["content"]))
+            for call in json_types.objects(piece.get("tool_calls")):
+                function = json_types.obj(call["function"])
+                arguments = json_types.text(function["arguments"])
                 if "id" in call:
-                    events += self._call(json_read.text(call["id"]), json_read.text(function["name"]), arguments)
+                    events += self._call(json_types.text(call["id"]), json_types.text(function["name"]), arguments)
                 else:
                     events += self._arguments(arguments)
         return events
@@ -77,7 +77,7 @@ class OutputItems:
             content.append(part)
         if text:
             part = _text_part(self._open)
-            part["text"] = json_read.text(part["text"]) + text
+            part["text"] = json_types.text(part["text"]) + text
             events.append({"type": "response.output_text.delta", **self._where(), "content_index": 0,
                            "delta": text, "logprobs": []})
         return events
@@ -90,7 +90,7 @@ class OutputItems:
     def _arguments(self, fragment: str) -> list[JsonObject]:
         if not fragment or self._open is None or self._open["type"] != "function_call":
             return []
-        self._open["arguments"] = json_read.text(self._open["arguments"]) + fragment
+        self._open["arguments"] = json_types.text(self._open["arguments"]) + fragment
         return [{"type": "response.function_call_arguments.delta", **self._where(), "delta": fragment}]
 
     def _close(self, status: str) -> list[JsonObject]:
@@ -115,13 +115,13 @@ class OutputItems:
 def _text_part(message: JsonObject | None) -> JsonObject:
     """A message item's output_text part (its one content part)."""
     assert message is not None
-    return json_read.obj(json_read.array(message["content"])[0])
+    return json_types.obj(json_types.array(message["content"])[0])
 
 
 def assistant_message(items: Sequence[JsonObject]) -> JsonObject:
     """The output items as one chat message, for the stored conversation."""
-    text = "".join(json_read.text(p["text"]) for it in items if it["type"] == "message"
-                   for p in json_read.objects(it["content"]))
+    text = "".join(json_types.text(p["text"]) for it in items if it["type"] == "message"
+                   for p in json_types.objects(it["content"]))
     calls: list[JsonValue] = [
         {"id": it["call_id"], "type": "function", "function": {"name": it["name"], "arguments": it["arguments"]}}
         for it in items if it["type"] == "function_call"]

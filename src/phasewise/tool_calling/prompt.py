@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 
 import jsonschema
 
+from phasewise.json_types import obj, objects, text
+
 if TYPE_CHECKING:
     from phasewise.json_types import JsonObject, JsonValue
 
@@ -79,30 +81,9 @@ def supports_tools(template: str) -> bool:
     return "tools" in template
 
 
-def _object(value: JsonValue | Mapping[str, JsonValue]) -> Mapping[str, JsonValue]:
-    """A value the code reads as a JSON object: a TypeError for any other, as reading it as one would fail."""
-    if not isinstance(value, Mapping):
-        raise TypeError(f"expected a JSON object, got {type(value).__name__}")
-    return value
-
-
-def _array(value: JsonValue) -> list[JsonValue]:
-    """A value the code reads as a JSON array (a message's tool_calls): a TypeError for any other."""
-    if not isinstance(value, list):
-        raise TypeError(f"expected a JSON array, got {type(value).__name__}")
-    return value
-
-
-def _text(value: JsonValue) -> str:
-    """A value the code joins as text (a content beside tool calls): a TypeError for any other."""
-    if not isinstance(value, str):
-        raise TypeError(f"expected a JSON string, got {type(value).__name__}")
-    return value
-
-
 def _arguments(call: Mapping[str, JsonValue]) -> tuple[JsonValue, JsonValue]:
     """A tool call's (name, arguments), the arguments as an object when they are JSON text."""
-    fn = _object(call.get("function", call))
+    fn: Mapping[str, JsonValue] = obj(call["function"]) if "function" in call else call
     args = fn.get("arguments", {})
     if isinstance(args, str):              # OpenAI sends arguments as JSON text; templates want the object
         try:
@@ -118,9 +99,9 @@ def native_messages(messages: Sequence[Mapping[str, JsonValue]]) -> list[Mapping
     for m in messages:
         if m.get("tool_calls"):
             calls: list[JsonValue] = []
-            for c in map(_object, _array(m["tool_calls"])):
+            for c in objects(m["tool_calls"]):
                 name, args = _arguments(c)
-                calls.append({**c, "function": {**_object(c.get("function", {})), "name": name, "arguments": args}})
+                calls.append({**c, "function": {**obj(c.get("function", {})), "name": name, "arguments": args}})
             m = {**m, "tool_calls": calls}
         out.append(m)
     return out
@@ -150,11 +131,11 @@ def generic_messages(messages: Sequence[Mapping[str, JsonValue]],
             continue
         if m.get("tool_calls"):
             calls = []
-            for c in map(_object, _array(m["tool_calls"])):
+            for c in objects(m["tool_calls"]):
                 name, args = _arguments(c)
                 calls.append(f"<tool_call>\n{json.dumps({'name': name, 'arguments': args}, ensure_ascii=False)}"
                              "\n</tool_call>")
-            content = "\n".join(([_text(content)] if content else []) + calls)
+            content = "\n".join(([text(content)] if content else []) + calls)
         out.append({"role": m["role"], "content": content})
     return [{k: v for k, v in m.items() if k != "_tool"} for m in out]
 
@@ -163,7 +144,7 @@ def call_grammar(tools: Sequence[Mapping[str, JsonValue]], fmt: str, name: str |
                  parallel: bool = True) -> str:
     """A Lark grammar (llguidance's, with inline JSON schemas) whose every sentence is one call (or, with
     parallel, one to MAX_CALLS) of the named tool or of any of them, with arguments of its parameters' schema."""
-    functions = [_object(t["function"]) for t in tools]
+    functions = [obj(t["function"]) for t in tools]
     chosen = [f for f in functions if name is None or f["name"] == name]
     if not chosen:
         raise ValueError(f"tool_choice names {name!r}, which is not in tools")
