@@ -106,6 +106,33 @@ def test_the_model_calls_a_tool_on_its_own_and_the_result_goes_back(qwen_server)
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
 
 
+TIME_TOOL = {"type": "function", "function": {
+    "name": "get_time", "description": "The local time in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_a_call_the_model_writes_in_a_json_fence_is_a_call(qwen_server):
+    """Asked for two tools' results, the 0.5B writes its call as a ```json block without <tool_call>
+    tags (at both x86 levels; whatever form it takes, it must come back as a call, streamed or not)."""
+    import json
+
+    client = qwen_server.client()
+    ask = [{"role": "user", "content": "What's the weather and the time in Paris and in Tokyo? Use the tools."}]
+    kw = {"model": "qwen", "tools": [WEATHER_TOOL, TIME_TOOL], "temperature": 0, "max_tokens": 80}
+    out = client.chat.completions.create(messages=ask, **kw).choices[0]
+    assert out.finish_reason == "tool_calls" and out.message.content is None
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in out.message.tool_calls]
+    assert calls and all(name in ("get_weather", "get_time") and set(args) == {"city"} for name, args in calls)
+    chunks = list(client.chat.completions.create(messages=ask, stream=True, **kw))
+    streamed: dict[int, list[str]] = {}          # index -> [name, arguments], as a client adds up the deltas
+    for c in (c for ch in chunks for c in ch.choices[0].delta.tool_calls or []):
+        parts = streamed.setdefault(c.index, ["", ""])
+        parts[0] += c.function.name or ""
+        parts[1] += c.function.arguments or ""
+    assert [(name, json.loads(args)) for name, args in streamed.values()] == calls
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
 def test_structured_output_on_a_large_vocabulary(qwen_server):
     import json
 

@@ -78,6 +78,46 @@ def test_a_bare_call_object_naming_a_tool_is_a_call(cuts):
         assert not parser.calls and replay(pieces)[0] == text
 
 
+UNTAGGED = [   # (reply, its calls): how small models write calls without tags (Qwen2.5-Coder-0.5B the first)
+    ('```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```',
+     [("get_weather", {"city": "Paris"})]),
+    ('```\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n{"name": "add", "arguments": {"a": 1}}\n```',
+     [("get_weather", {"city": "Paris"}), ("add", {"a": 1})]),
+    ('[{"name": "add", "arguments": {"a": 1}}, {"name": "add", "arguments": "{\\"a\\": 2}"}]',
+     [("add", {"a": 1}), ("add", {"a": 2})]),
+    ('```xml\n<tool_call>\n{"name": "add", "arguments": {}}\n</tool_call>\n```', [("add", {})]),
+    ('\n<function_call>{"name": "add", "parameters": {"a": 1}}</function_call>', [("add", {"a": 1})]),
+]
+NOT_CALLS = ['```json\n{"a": 1}\n```',                                          # JSON, not a call
+             '```json\n{"name": "get_weather", "arguments": {}}\n```\nand more',  # a call and text
+             '```json\n{"name": "search", "arguments": {}}\n```',                  # not one of the tools
+             '```json\n{"name": "get_weather", "argu',                            # cut by max_tokens
+             '<tools>[1, 2]</tools>']
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(0, 120), max_size=10))
+def test_untagged_calls_in_fences_lists_and_wrappers_are_calls(cuts):
+    names = {"get_weather", "add"}
+    for text, calls in UNTAGGED:
+        parser, pieces = run(text, [c for c in cuts if c <= len(text)], names=names)
+        assert [(c.name, json.loads(c.arguments)) for c in parser.calls] == calls
+        assert replay(pieces) == ("", [{"name": n, "arguments": json.dumps(a), "id": c.id}
+                                       for (n, a), c in zip(calls, parser.calls)])
+    for text in NOT_CALLS:
+        parser, pieces = run(text, [c for c in cuts if c <= len(text)], names=names)
+        assert not parser.calls and replay(pieces)[0] == text
+
+
+def test_a_code_answer_streams_at_once_and_only_a_calls_opening_is_held():
+    parser = ToolCallParser("hermes", {"add"})
+    assert parser.feed("```") == []                          # could still open a fenced call
+    assert parser.feed("python\nprint(1)") == [{"content": "```python\nprint(1)"}]
+    parser = ToolCallParser("hermes", {"add"})
+    assert parser.feed('```json\n{"name": "add", "arguments": {}}\n```') == []
+    assert parser.feed("", final=True)[0]["tool_calls"][0]["function"] == {"name": "add", "arguments": "{}"}
+
+
 @settings(max_examples=50, deadline=None)
 @given(st.lists(st.integers(0, 80), max_size=10))
 def test_llama3_json_calls(cuts):

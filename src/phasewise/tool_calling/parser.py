@@ -2,7 +2,8 @@
 
 Three output formats. "hermes" (Qwen2.5, Qwen3, Hermes, and phasewise's own prompt for templates
 without tools): calls are `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, possibly
-several, possibly after some text. "llama3_json" (Llama 3.1, 3.2): the whole reply is one JSON object
+several, possibly after some text; with the request's tool names, also a reply that is nothing but
+untagged call objects, bare or in a ```json fence (as small models write them). "llama3_json" (Llama 3.1, 3.2): the whole reply is one JSON object
 `{"name": ..., "parameters": {...}}`, optionally after `<|python_tag|>`; several are joined by "; ".
 "mistral": the whole reply is `[TOOL_CALLS]` and a JSON list of `{"name", "arguments"}` objects (or,
 in Mistral's newer templates, `[TOOL_CALLS]name[ARGS]{...}` per call); its call ids are 9 letters
@@ -24,6 +25,8 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import regex
+
 if TYPE_CHECKING:
     from phasewise.json_types import JsonObject
 
@@ -34,6 +37,14 @@ FORMATS = ("hermes", "llama3_json", "mistral")
 _ALNUM = string.ascii_letters + string.digits
 # the start of a call object whose name comes first: {"name": "f", "arguments": (arguments follow)
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\S)')
+# Untagged calls as small models write them (Qwen2.5-Coder among them; llama.cpp reads the same): a call
+# object, several, or a list of them, bare or in a ```json / ```xml fence, maybe inside a wrapper tag. A
+# reply that opens so is held to its end (regex's partial match tells while the opening is still unsure).
+_WRAPPERS = "function_call|tools|response"
+_BARE_OPEN = regex.compile(r"\s*(?:```(?:json|xml)?[ \t]*\n\s*(?:<(?:tool_call|%s)>\s*)?|<(?:%s)>\s*)?[\[{]"
+                           % (_WRAPPERS, _WRAPPERS))
+_FENCE = re.compile(r"```(?:json|xml)?[ \t]*\n(?P<body>.*?)\s*```", re.S)
+_WRAPPED = re.compile(r"<(?P<tag>tool_call|%s)>(?P<body>.*?)(?:</(?P=tag)>)?" % _WRAPPERS, re.S)
 
 
 @dataclass
@@ -60,6 +71,11 @@ def _call_object(text: str) -> tuple[str, str] | None:
         obj = json.loads(text)
     except ValueError:
         return None
+    return _call_value(obj)
+
+
+def _call_value(obj: object) -> tuple[str, str] | None:
+    """(name, arguments JSON) of a parsed call object, or None when it is not one."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
@@ -91,8 +107,9 @@ class ToolCallParser:
 
     def feed(self, text: str, final: bool = False) -> list[JsonObject]:
         self._buf += text
-        out = self._bare(final) if self.fmt == "hermes" and self.tool_names else []
-        if self._mode != "bare":
+        bare = self.fmt == "hermes" and bool(self.tool_names)
+        out = self._bare(final) if bare else []
+        if not bare or self._mode == "text":
             out += self._hermes(final) if self.fmt == "hermes" else self._whole_reply(final)
         if final and self._space and not self.calls:
             out.append(self._content("", flush=True))
@@ -162,18 +179,19 @@ class ToolCallParser:
         return [self._new_call(*parsed)]
 
     def _bare(self, final: bool) -> list[JsonObject]:
-        """hermes with tool names: a reply starting with "{" waits for its end, then is a call if it is one."""
+        """hermes with tool names: a reply opening as an untagged call (_BARE_OPEN) waits for its end, then
+        is calls if it is nothing but calls of the request's tools."""
         if self._mode is None:
-            start = self._buf.lstrip()
-            if not start and not final:
-                return []
-            self._mode = "bare" if start.startswith("{") else "text"
+            opening = _BARE_OPEN.match(self._buf, partial=not final)
+            if opening is not None and opening.partial:
+                return []                          # too short to tell
+            self._mode = "bare" if opening is not None else "text"
         if self._mode != "bare" or not final:
             return []
-        parsed = _call_object(self._buf.strip())
-        if parsed is not None and parsed[0] in self.tool_names:
+        parsed = _bare_calls(self._buf)
+        if parsed and all(name in self.tool_names for name, _ in parsed):
             self._buf = ""
-            return [self._new_call(*parsed)]
+            return [self._new_call(*p) for p in parsed]
         self._mode = "text"                        # not a call: parse it as any other reply
         return []
 
@@ -196,6 +214,24 @@ class ToolCallParser:
         if parsed is None:
             return [self._content(text, flush=True)]
         return [self._new_call(*p) for p in parsed]
+
+
+def _bare_calls(text: str) -> list[tuple[str, str]] | None:
+    """The calls of a whole untagged reply: call objects or lists of them one after another, maybe in a
+    fence and a wrapper tag; None when anything else is in it."""
+    body = text.strip()
+    for wrapper in (_FENCE, _WRAPPED):
+        if m := wrapper.fullmatch(body):
+            body = m["body"].strip()
+    decoder, values, at = json.JSONDecoder(), [], 0
+    while at < len(body):
+        try:
+            value, end = decoder.raw_decode(body, at)
+        except ValueError:
+            return None
+        values.extend(value if isinstance(value, list) else [value])
+        at = end + len(body[end:]) - len(body[end:].lstrip())
+    return _every([_call_value(v) for v in values]) if values else None
 
 
 def _llama3_calls(text: str) -> list[tuple[str, str]] | None:
