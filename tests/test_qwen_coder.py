@@ -133,6 +133,38 @@ def test_a_call_the_model_writes_in_a_json_fence_is_a_call(qwen_server):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def test_parallel_tool_calls_false_gives_the_first_call_alone(qwen_server):
+    """After one result of four, the 0.5B calls the tools several times in one reply; with
+    parallel_tool_calls false the reply holds its first call alone (the rest dropped, as vLLM does),
+    in the chat API, streamed or not, and in the Messages API (disable_parallel_tool_use)."""
+    import json
+
+    client = qwen_server.client()
+    ask = [{"role": "user", "content": "What's the weather and the time in Paris and in Tokyo? Use the tools."},
+           {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+               "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+           {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 20C"}]
+    kw = {"model": "qwen", "messages": ask, "tools": [WEATHER_TOOL, TIME_TOOL], "temperature": 0, "max_tokens": 100}
+    every = [(c.function.name, json.loads(c.function.arguments))
+             for c in client.chat.completions.create(**kw).choices[0].message.tool_calls or []]
+    assert len(every) > 1
+    one = client.chat.completions.create(parallel_tool_calls=False, **kw).choices[0].message.tool_calls
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in one] == every[:1]
+    chunks = list(client.chat.completions.create(parallel_tool_calls=False, stream=True, **kw))
+    deltas = [c for ch in chunks for c in ch.choices[0].delta.tool_calls or []]
+    assert {c.index for c in deltas} == {0} and json.loads("".join(c.function.arguments or "" for c in deltas)) \
+        == every[0][1]
+    messages = qwen_server.post("/v1/messages", {
+        "model": "qwen", "max_tokens": 100, "temperature": 0, "tool_choice": {"type": "auto", "disable_parallel_tool_use": True},
+        "tools": [{"name": t["function"]["name"], "description": t["function"]["description"],
+                   "input_schema": t["function"]["parameters"]} for t in (WEATHER_TOOL, TIME_TOOL)],
+        "messages": [ask[0], {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                                                 "input": {"city": "Paris"}}]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                                   "content": "sunny, 20C"}]}]}).json()
+    assert [(b["name"], b["input"]) for b in messages["content"] if b["type"] == "tool_use"] == every[:1]
+
+
 def test_structured_output_on_a_large_vocabulary(qwen_server):
     import json
 

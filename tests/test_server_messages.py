@@ -276,7 +276,7 @@ class FakeStream:
 
 def events(deltas: list[StreamDelta], fail: bool = False, tool_format: str | None = None) -> list[tuple[str, dict]]:
     stream = FakeStream(deltas, fail)
-    call = ChatCall("msg_1", [], tool_format, frozenset({"add"}), None)
+    call = ChatCall("msg_1", [], tool_format, frozenset({"add"}), None, None)
 
     async def run() -> list[str]:
         return [e async for e in message_events(stream, call, MODEL, False)]
@@ -300,7 +300,7 @@ def test_an_engine_failure_mid_stream_is_an_error_event():
     refused = events([delta("Hi", running), delta("", output("Hi", "error", "the grammar failed"), True)])
     assert refused[-1][0] == "error" and "the grammar failed" in refused[-1][1]["error"]["message"]
     with pytest.raises(APIError) as e:
-        message_body(ChatCall("msg_1", [], None, frozenset(), None), MODEL, output("", "error"), False)
+        message_body(ChatCall("msg_1", [], None, frozenset(), None, None), MODEL, output("", "error"), False)
     assert e.value.status == 500
 
 

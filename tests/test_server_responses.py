@@ -263,7 +263,7 @@ def run_events(deltas, fail: Exception | None = None, tool_format: str | None = 
         return [chunk async for chunk in gen]
 
     store, stream = ResponseStore(), Stream()
-    call = ChatCall("resp_1", [], tool_format, frozenset({"add"}), None)
+    call = ChatCall("resp_1", [], tool_format, frozenset({"add"}), None, None)
     run = Run(ResponsesRequest(input="Hi"), call, [{"role": "user", "content": "Hi"}], MODEL, store)
     chunks = asyncio.run(read(response_events(run, stream)))
     assert stream.closed

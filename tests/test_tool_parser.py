@@ -109,6 +109,22 @@ def test_untagged_calls_in_fences_lists_and_wrappers_are_calls(cuts):
         assert not parser.calls and replay(pieces)[0] == text
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, len(CALLS)), max_size=40))
+def test_max_calls_drops_the_later_calls_whole(cuts):
+    parser, pieces = run(CALLS, cuts)
+    one, one_pieces = ToolCallParser("hermes", max_calls=1), []
+    last = 0
+    for cut in sorted(cuts):
+        one_pieces += one.feed(CALLS[last:cut])
+        last = cut
+    one_pieces += one.feed(CALLS[last:], final=True)
+    assert [c.name for c in parser.calls] == ["get_weather", "add"] and [c.name for c in one.calls] == ["get_weather"]
+    content, calls = replay(one_pieces)
+    first = {**replay(pieces)[1][0], "id": one.calls[0].id}   # (ids are random)
+    assert content == "Let me check." and calls == [first]
+
+
 def test_a_code_answer_streams_at_once_and_only_a_calls_opening_is_held():
     parser = ToolCallParser("hermes", {"add"})
     assert parser.feed("```") == []                          # could still open a fenced call

@@ -24,16 +24,18 @@ from phasewise.tool_calling import ToolCallParser
 @dataclass(frozen=True)
 class ChatCall:
     """A chat request ready to run: its engine requests (one per choice) and how to read tool calls out
-    of their text (tool_format None: no tools, or tool_choice "none": the text is all content)."""
+    of their text (tool_format None: no tools, or tool_choice "none": the text is all content; max_calls
+    1 with parallel_tool_calls false)."""
     rid: str
     items: list[SubRequest]
     tool_format: str | None
     tool_names: frozenset[str]
+    max_calls: int | None
     constraint_field: str | None
 
     def parser(self) -> ToolCallParser | None:
         """A fresh parser for one choice's text, or None when nothing is parsed."""
-        return ToolCallParser(self.tool_format, self.tool_names) if self.tool_format else None
+        return ToolCallParser(self.tool_format, self.tool_names, self.max_calls) if self.tool_format else None
 
 
 def chat_call(body: ChatCompletionRequest, template_tool_format: str, rid: str) -> ChatCall:
@@ -43,7 +45,7 @@ def chat_call(body: ChatCompletionRequest, template_tool_format: str, rid: str) 
     messages, tools = body.conversation(), body.checked_tools()
     names = frozenset(json_types.text(json_types.obj(t["function"])["name"]) for t in tools or ())   # checked tools
     items = [SubRequest(sub_id(rid, j, body.n), messages, choice_params(params, j), tools) for j in range(body.n)]
-    return ChatCall(rid, items, tool_format, names, body.constraint_field)
+    return ChatCall(rid, items, tool_format, names, None if body.parallel_tool_calls else 1, body.constraint_field)
 
 
 def sub_id(rid: str, i: int, total: int) -> str:

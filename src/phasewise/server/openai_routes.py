@@ -97,11 +97,9 @@ def openai_router(guards: Guards) -> APIRouter:
         body = parse_body(await request.body(), ChatCompletionRequest)
         guards.check_model(body.model)
         call = chat_call(body, engine.tokenizer.tool_format, f"chatcmpl-{uuid.uuid4().hex}")
-        tool_format, tool_names = call.tool_format, call.tool_names
         return await respond(request, body, call.rid, call.items, True,
-                             partial(chat_events, n=body.n, tt=token_text, tool_format=tool_format,
-                                     tool_names=tool_names),
-                             partial(R.chat_body, tt=token_text, tool_format=tool_format, tool_names=tool_names))
+                             partial(chat_events, n=body.n, tt=token_text, parser=call.parser),
+                             partial(R.chat_body, tt=token_text, parser=call.parser))
 
     return router
 

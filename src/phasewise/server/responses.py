@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import codecs
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import Literal, Protocol, get_args
 
@@ -153,13 +153,19 @@ def tool_finish_reason(reason: str | None, parser: ToolCallParser | None) -> str
     return "tool_calls" if parser is not None and parser.calls and reason == "stop" else reason
 
 
-def chat_message(out: CompletionOutput, tool_format: str | None,
-                 tool_names: frozenset[str] = frozenset()) -> tuple[JsonObject, str | None]:
-    """The assistant message of a finished output and its finish reason: with a tool format, the calls
+ParserFactory = Callable[[], ToolCallParser | None]   # a fresh parser for a choice (ChatCall.parser)
+
+
+def no_parser() -> None:
+    """The ParserFactory of a request without tools: its text is all content."""
+    return None
+
+
+def chat_message(out: CompletionOutput, parser: ToolCallParser | None) -> tuple[JsonObject, str | None]:
+    """The assistant message of a finished output and its finish reason: with a parser, the calls
     found in the text as tool_calls (content: the text around them, or null)."""
-    if tool_format is None:
+    if parser is None:
         return {"role": "assistant", "content": out.text}, out.finish_reason
-    parser = ToolCallParser(tool_format, tool_names)
     parser.feed(out.text, final=True)
     if not parser.calls:
         return {"role": "assistant", "content": out.text}, out.finish_reason
@@ -188,11 +194,10 @@ def merge_delta(pieces: Sequence[JsonObject]) -> JsonObject:
 
 
 def chat_body(rid: str, created: int, model: str, outputs: Sequence[CompletionOutput], want_logprobs: bool,
-              *, tt: TokenText, tool_format: str | None = None,
-              tool_names: frozenset[str] = frozenset()) -> JsonObject:
+              *, tt: TokenText, parser: ParserFactory = no_parser) -> JsonObject:
     choices: list[JsonValue] = []
     for i, out in enumerate(outputs):
-        message, finish_reason = chat_message(out, tool_format, tool_names)
+        message, finish_reason = chat_message(out, parser())
         logprobs = tt.chat_logprobs(out.token_ids, out.logprobs or [], ended_on_stop_token(out, out.text, tt)) \
             if want_logprobs else None
         choice: JsonObject = {"index": i, "message": message, "logprobs": logprobs,

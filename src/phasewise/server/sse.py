@@ -12,7 +12,6 @@ from starlette.background import BackgroundTask
 
 from phasewise.json_types import JsonObject
 from phasewise.outputs import CompletionOutput, StreamDelta
-from phasewise.tool_calling import ToolCallParser
 from phasewise.server import responses as R
 from phasewise.server.errors import EngineError
 from phasewise.server.protocol import APIError, error_body
@@ -139,20 +138,20 @@ def completion_events(stream: RequestStream, rid: str, created: int, model: str,
 
 
 def chat_events(stream: RequestStream, rid: str, created: int, model: str, n: int, want_lp: bool,
-                include_usage: bool, tt: R.TokenText, tool_format: str | None = None,
-                tool_names: frozenset[str] = frozenset()) -> AsyncIterator[str]:
-    """With a tool format, each choice's text goes through a ToolCallParser: calls stream as
-    delta.tool_calls (index, id, name, then argument fragments), the rest as content."""
+                include_usage: bool, tt: R.TokenText, parser: R.ParserFactory = R.no_parser) -> AsyncIterator[str]:
+    """With a parser (ChatCall.parser: the request has tools), each choice's text goes through its own:
+    calls stream as delta.tool_calls (index, id, name, then argument fragments), the rest as content."""
     head: list[JsonObject] = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                "finish_reason": None} for i in range(len(stream.request_ids))]
-    parsers = [ToolCallParser(tool_format, tool_names) for _ in stream.request_ids] if tool_format else None
+    parsers = [parser() for _ in stream.request_ids]
 
     def make_choice(i: int, delta: StreamDelta) -> JsonObject | None:
         message: JsonObject
-        if parsers is None:
+        choice_parser = parsers[i]
+        if choice_parser is None:
             message = {"content": delta.text} if delta.text else {}
         else:
-            message = R.merge_delta(parsers[i].feed(delta.text, final=delta.finished))
+            message = R.merge_delta(choice_parser.feed(delta.text, final=delta.finished))
         if not message and not delta.finished and not want_lp:
             return None
         choice: JsonObject = {"index": i, "delta": message, "logprobs": None, "finish_reason": None}
@@ -160,8 +159,7 @@ def chat_events(stream: RequestStream, rid: str, created: int, model: str, n: in
             ended = delta.finished and R.ended_on_stop_token(delta.output, delta.text, tt)
             choice["logprobs"] = tt.chat_logprobs(delta.token_ids, delta.logprobs, ended)
         if delta.finished:
-            parser = parsers[i] if parsers else None
-            choice["finish_reason"] = R.tool_finish_reason(delta.output.finish_reason, parser)
+            choice["finish_reason"] = R.tool_finish_reason(delta.output.finish_reason, choice_parser)
             choice["stop_reason"] = delta.output.stop_reason
         return choice
 

@@ -88,15 +88,16 @@ def _call_value(obj: object) -> tuple[str, str] | None:
 
 
 class ToolCallParser:
-    """tool_names: the request's tools. With them, a hermes reply that is nothing but a call object (no
-    tags, as small models often write it) naming one of them is that call; such a reply (one that starts
-    with "{") is held back until it ends."""
+    """tool_names: the request's tools. With them, a hermes reply that is nothing but untagged call objects
+    (as small models often write them) naming them is those calls; such a reply is held back until it
+    ends. max_calls: calls past it are dropped, text and all (parallel_tool_calls false, as vLLM does)."""
 
-    def __init__(self, fmt: str = "hermes", tool_names: set[str] | frozenset[str] = frozenset()) -> None:
+    def __init__(self, fmt: str = "hermes", tool_names: set[str] | frozenset[str] = frozenset(),
+                 max_calls: int | None = None) -> None:
         if fmt not in FORMATS:
             raise ValueError(f"unknown tool-call format {fmt!r}")
-        self.fmt, self.tool_names = fmt, tool_names
-        self.calls: list[ToolCall] = []
+        self.fmt, self.tool_names, self.max_calls = fmt, tool_names, max_calls
+        self._calls: list[ToolCall] = []   # every call found; `calls` the ones given out
         self.content = ""             # the content given out so far
         self._buf = ""                # text not yet given out
         self._space = ""              # trailing whitespace of the content, held until more content (a call drops it)
@@ -111,9 +112,17 @@ class ToolCallParser:
         out = self._bare(final) if bare else []
         if not bare or self._mode == "text":
             out += self._hermes(final) if self.fmt == "hermes" else self._whole_reply(final)
-        if final and self._space and not self.calls:
+        if final and self._space and not self._calls:
             out.append(self._content("", flush=True))
         return [d for d in out if d]
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        return self._calls[:self.max_calls]
+
+    def _dropping(self) -> bool:
+        """The current call is past max_calls: none of it is given out."""
+        return self.max_calls is not None and len(self._calls) > self.max_calls
 
     def _content(self, text: str, flush: bool = False) -> JsonObject:
         """Give out content, but hold its trailing whitespace until more content follows (a call drops it)."""
@@ -128,17 +137,21 @@ class ToolCallParser:
     def _new_call(self, name: str, arguments: str = "") -> JsonObject:
         call_id = "".join(secrets.choice(_ALNUM) for _ in range(9)) if self.fmt == "mistral" \
             else f"call_{uuid.uuid4().hex[:24]}"
-        self.calls.append(ToolCall(call_id, name, arguments))
-        return {"tool_calls": [{"index": len(self.calls) - 1, "id": self.calls[-1].id, "type": "function",
+        self._calls.append(ToolCall(call_id, name, arguments))
+        if self._dropping():
+            return {}
+        return {"tool_calls": [{"index": len(self._calls) - 1, "id": self._calls[-1].id, "type": "function",
                                 "function": {"name": name, "arguments": arguments}}]}
 
     def _arguments(self, upto: str) -> JsonObject:
         """Give out the current call's arguments up to the text `upto` (a prefix of its final text)."""
-        piece, call = upto[self._sent:], self.calls[-1]
+        piece, call = upto[self._sent:], self._calls[-1]
         if not piece:
             return {}
         self._sent, call.arguments = len(upto), call.arguments + piece
-        return {"tool_calls": [{"index": len(self.calls) - 1, "function": {"arguments": piece}}]}
+        if self._dropping():
+            return {}
+        return {"tool_calls": [{"index": len(self._calls) - 1, "function": {"arguments": piece}}]}
 
     def _hermes(self, final: bool) -> list[JsonObject]:
         out: list[JsonObject] = []
