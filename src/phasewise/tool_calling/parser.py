@@ -3,8 +3,9 @@
 Three output formats. "hermes" (Qwen2.5, Qwen3, Hermes, and phasewise's own prompt for templates
 without tools): calls are `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, possibly
 several, possibly after some text; with the request's tool names, also a reply that is nothing but
-untagged call objects, bare or in a ```json fence (as small models write them). "llama3_json" (Llama 3.1, 3.2): the whole reply is one JSON object
-`{"name": ..., "parameters": {...}}`, optionally after `<|python_tag|>`; several are joined by "; ".
+untagged call objects, bare or in a ```json fence (as small models write them). "llama3_json" (Llama
+3.1, 3.2): the whole reply is one JSON object `{"name": ..., "parameters": {...}}`, optionally after
+`<|python_tag|>`; several are joined by "; ".
 "mistral": the whole reply is `[TOOL_CALLS]` and a JSON list of `{"name", "arguments"}` objects (or,
 in Mistral's newer templates, `[TOOL_CALLS]name[ARGS]{...}` per call); its call ids are 9 letters
 and digits, as Mistral's templates demand of the ids sent back.
