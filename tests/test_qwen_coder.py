@@ -154,15 +154,17 @@ def test_parallel_tool_calls_false_gives_the_first_call_alone(qwen_server):
     deltas = [c for ch in chunks for c in ch.choices[0].delta.tool_calls or []]
     assert {c.index for c in deltas} == {0} and json.loads("".join(c.function.arguments or "" for c in deltas)) \
         == every[0][1]
-    messages = qwen_server.post("/v1/messages", {
-        "model": "qwen", "max_tokens": 100, "temperature": 0, "tool_choice": {"type": "auto", "disable_parallel_tool_use": True},
-        "tools": [{"name": t["function"]["name"], "description": t["function"]["description"],
-                   "input_schema": t["function"]["parameters"]} for t in (WEATHER_TOOL, TIME_TOOL)],
-        "messages": [ask[0], {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
-                                                                 "input": {"city": "Paris"}}]},
-                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
-                                                   "content": "sunny, 20C"}]}]}).json()
-    assert [(b["name"], b["input"]) for b in messages["content"] if b["type"] == "tool_use"] == every[:1]
+    import anthropic
+
+    message = anthropic.Anthropic(base_url=qwen_server.url, api_key="none", max_retries=0, timeout=120).messages.create(
+        model="qwen", max_tokens=100, extra_body={"temperature": 0},
+        tool_choice={"type": "auto", "disable_parallel_tool_use": True},
+        tools=[{"name": t["function"]["name"], "description": t["function"]["description"],
+                "input_schema": t["function"]["parameters"]} for t in (WEATHER_TOOL, TIME_TOOL)],
+        messages=[ask[0], {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                                             "input": {"city": "Paris"}}]},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny, 20C"}]}])
+    assert [(b.name, b.input) for b in message.content if b.type == "tool_use"] == every[:1]
 
 
 def test_structured_output_on_a_large_vocabulary(qwen_server):

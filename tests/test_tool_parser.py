@@ -13,8 +13,9 @@ CALLS = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"cit
          '</tool_call>\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": {"c": [2, "}"]}}}\n</tool_call>')
 
 
-def run(text: str, cuts: list[int], fmt: str = "hermes", names=frozenset()) -> tuple[ToolCallParser, list[dict]]:
-    parser, pieces, last = ToolCallParser(fmt, names), [], 0
+def run(text: str, cuts: list[int], fmt: str = "hermes", names=frozenset(),
+        max_calls: int | None = None) -> tuple[ToolCallParser, list[dict]]:
+    parser, pieces, last = ToolCallParser(fmt, names, max_calls), [], 0
     for cut in sorted(cuts):
         pieces += parser.feed(text[last:cut])
         last = cut
@@ -113,12 +114,7 @@ def test_untagged_calls_in_fences_lists_and_wrappers_are_calls(cuts):
 @given(st.lists(st.integers(0, len(CALLS)), max_size=40))
 def test_max_calls_drops_the_later_calls_whole(cuts):
     parser, pieces = run(CALLS, cuts)
-    one, one_pieces = ToolCallParser("hermes", max_calls=1), []
-    last = 0
-    for cut in sorted(cuts):
-        one_pieces += one.feed(CALLS[last:cut])
-        last = cut
-    one_pieces += one.feed(CALLS[last:], final=True)
+    one, one_pieces = run(CALLS, cuts, max_calls=1)
     assert [c.name for c in parser.calls] == ["get_weather", "add"] and [c.name for c in one.calls] == ["get_weather"]
     content, calls = replay(one_pieces)
     first = {**replay(pieces)[1][0], "id": one.calls[0].id}   # (ids are random)

@@ -45,6 +45,7 @@ _WRAPPERS = "function_call|tools|response"
 _BARE_OPEN = regex.compile(r"\s*(?:```(?:json|xml)?[ \t]*\n\s*(?:<(?:tool_call|%s)>\s*)?|<(?:%s)>\s*)?[\[{]"
                            % (_WRAPPERS, _WRAPPERS))
 _FENCE = re.compile(r"```(?:json|xml)?[ \t]*\n(?P<body>.*?)\s*```", re.S)
+_NEXT = re.compile(r"\S")
 _WRAPPED = re.compile(r"<(?P<tag>tool_call|%s)>(?P<body>.*?)(?:</(?P=tag)>)?" % _WRAPPERS, re.S)
 
 
@@ -244,7 +245,8 @@ def _bare_calls(text: str) -> list[tuple[str, str]] | None:
         except ValueError:
             return None
         values.extend(value if isinstance(value, list) else [value])
-        at = end + len(body[end:]) - len(body[end:].lstrip())
+        after = _NEXT.search(body, end)      # the next value's start, past whitespace
+        at = after.start() if after else len(body)
     return _every([_call_value(v) for v in values]) if values else None
 
 
