@@ -262,10 +262,10 @@ def test_default_precision_runs_the_experts_on_the_kernels(folders, tmp_path):
     write_gguf(path, hf_model, "llama", permute=True, types=lambda n: QT.F32)
     write_gguf(blocks, hf_model, "llama", permute=True, types=lambda n: QT.Q8_0 if "_exps." in n else QT.F32)
     for where, weights in ((folder, "int8"), (path, "int8"), (blocks, "q4")):
-        p = choose(where, "auto", "auto", Kernels())
+        p = choose(where, "auto", "auto", Kernels(), "mixtral")
         assert p.weights == weights and p.chosen
-    assert "Q8_0" in choose(blocks, "auto", "auto", Kernels()).why
-    assert choose(folder, "fp32", "model", Kernels()).weights == "fp32"
+    assert "Q8_0" in choose(blocks, "auto", "auto", Kernels(), "mixtral").why
+    assert choose(folder, "fp32", "model", Kernels(), "mixtral").weights == "fp32"
 
 
 def test_tensor_parallelism_is_refused(folders):

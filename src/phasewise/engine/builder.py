@@ -83,7 +83,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     if size > 1 and spec.method == "draft":
         raise ValueError("a draft model does not run with tensor parallelism yet: use --speculative ngram")
     kernels = choose_kernels(config)
-    precision = choose_precision(model_path, config.dtype, cache.kv_dtype, kernels)
+    precision = choose_precision(model_path, config.dtype, cache.kv_dtype, kernels, full.architecture)
     dtype = parse_dtype(precision.weights)
     kv_dtype = torch.int8 if precision.kv == "int8" else dtype
     if config.threads is not None:
