@@ -21,7 +21,9 @@ class PagedRunner:
         self.model, self.block_size = model, block_size
         dtype = next(model.parameters()).dtype
         groups = len(model.config.kv_groups)
-        self.cache = KVCache(model.config, num_blocks * groups, block_size, dtype, "cpu")
+        hybrid = bool(model.config.linear_layers)            # its recurrent state: one slot, 0
+        self.cache = KVCache(model.config, num_blocks * groups, block_size, dtype, "cpu", num_state_slots=int(hybrid))
+        self.state_slots = [0] if hybrid else None
         perm = torch.randperm(num_blocks * groups, generator=torch.Generator().manual_seed(seed)).tolist()
         self.tables = [perm[g::groups] for g in range(groups)]
 
@@ -31,6 +33,7 @@ class PagedRunner:
         n = len(ids)
         meta = AttentionMetadata.build_groups([n], [start + n], [[t] for t in self.tables], self.block_size,
                                               torch.device("cpu"))
+        meta.state_slots = self.state_slots
         hidden = self.model(torch.tensor(ids), torch.arange(start, start + n), meta, self.cache.layers)
         return self.model.compute_logits(hidden)
 

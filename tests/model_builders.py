@@ -86,6 +86,18 @@ def check_against_hf(path: Path, hf_model, prompt: list[int], n: int = N_NEW, ch
 
 # ---- HF folders ------------------------------------------------------------------------------
 
+def with_tokenizer(folder):
+    """`folder` with a word-level tokenizer of the tiny models' 256 tokens saved beside the weights."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(256)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(folder)
+    return folder
+
+
 # ---- GGUF --------------------------------------------------------------------------------------
 
 _GGUF_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",

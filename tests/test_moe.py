@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors import safe_open
 from conftest import PagedRunner
-from model_builders import QT, assert_logits_close, build_hf, check_against_hf, prompt_ids, write_gguf
+from model_builders import (QT, assert_logits_close, build_hf, check_against_hf, prompt_ids, with_tokenizer,
+                            write_gguf)
 
 from phasewise.loading.gguf import GGUFFile, ModelLoadError
 from phasewise.loading.loader import load_model
@@ -112,18 +113,6 @@ def test_gguf_expert_weights_norm_is_honoured(tmp_path):
     write_gguf(path, hf_model, "qwen2moe", permute=False, types=lambda n: QT.F32, experts_norm=True)
     _, cfg = check_teacher_forced(path, hf_model)
     assert cfg.norm_topk_prob
-
-
-def with_tokenizer(folder):
-    """`folder` with a word-level tokenizer of the tiny models' 256 tokens saved beside the weights."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"t{i}": i for i in range(256)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(folder)
-    return folder
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -13,6 +13,11 @@ block's hash, so equal hashes mean equal prefixes (per group: each group caches 
 blocks). A new request takes the longest cached prefix whose blocks every group still has
 (a windowed group only those its window needs), but never the block holding its last prompt
 token: that token's logits must be computed.
+
+State slots: a hybrid model's linear layers keep a fixed recurrent state per sequence, not KV. The
+manager hands each running request one of `num_state_slots` slots (`request.state_slot`) with its
+first blocks, and takes it back with them; the runner's state tensors are indexed by it. Until the
+state is checkpointed at block boundaries, such a model has no prefix-cache hits.
 """
 
 from __future__ import annotations
@@ -27,14 +32,17 @@ NULL_BLOCK = -1     # a table entry whose block was freed behind a window (never
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 windows: Sequence[int | None] = (None,)) -> None:
-        """windows: one entry per KV group, its sliding window in tokens (None: full attention)."""
+                 windows: Sequence[int | None] = (None,), num_state_slots: int = 0) -> None:
+        """windows: one entry per KV group, its sliding window in tokens (None: full attention).
+        num_state_slots: a hybrid's recurrent-state slots (0: the model keeps none)."""
         if not windows:
             raise ValueError("at least one KV group")
         self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
+        self.enable_prefix_caching = enable_prefix_caching and not num_state_slots
         self.windows = tuple(windows)
         self.pool = BlockPool(num_blocks)
+        self.num_state_slots = num_state_slots
+        self.free_state_slots = list(range(num_state_slots - 1, -1, -1))   # a stack: slot 0 first
 
     @property
     def num_groups(self) -> int:
@@ -98,6 +106,9 @@ class KVCacheManager:
         admitted request, the cache hits `computed_blocks`, per group, which it then holds). False,
         with nothing changed, when the pool is short."""
         pool, groups = self.pool, range(self.num_groups)
+        needs_slot = self.num_state_slots > 0 and request.state_slot is None
+        if needs_slot and not self.free_state_slots:
+            return False
         if not request.block_tables:
             request.block_tables = [[] for _ in groups]
         hits = [list(computed_blocks[g]) if computed_blocks else [] for g in groups]
@@ -109,6 +120,8 @@ class KVCacheManager:
         if needed > pool.num_free - hits_now_free:
             return False
         pool.touch(taken)
+        if needs_slot:
+            request.state_slot = self.free_state_slots.pop()
         for g in groups:
             table = request.block_tables[g]
             table.extend(hits[g])
@@ -187,8 +200,8 @@ class KVCacheManager:
         return blocks
 
     def _only_full(self, what: str) -> None:
-        if len(self.windows) != 1 or self.windows[0] is not None:
-            raise ValueError(f"{what} is not implemented for models with sliding-window layers yet")
+        if len(self.windows) != 1 or self.windows[0] is not None or self.num_state_slots:
+            raise ValueError(f"{what} is not implemented for models with sliding-window or recurrent layers yet")
 
     def free(self, request: Request) -> None:
         """Return every block of the request, tail first (so tails are evicted first)."""
@@ -196,6 +209,9 @@ class KVCacheManager:
             self.pool.free(b for b in reversed(table) if b != NULL_BLOCK)
         request.block_tables = []
         request.num_cached_blocks = 0
+        if request.state_slot is not None:
+            self.free_state_slots.append(request.state_slot)
+            request.state_slot = None
 
 
 def _held(blocks: Sequence[int | None]) -> list[int]:

@@ -129,6 +129,7 @@ class Request:
         self.block_hashes: list[tuple[int, BlockKey]] = []   # (hash, key) per full block, filled by the KV manager
         self.num_cached_blocks = 0                  # leading blocks registered in the prefix cache
         self.num_cached_tokens: int | None = None   # prompt tokens found in the prefix cache at admission
+        self.state_slot: int | None = None          # a hybrid's recurrent-state slot while it holds blocks
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         # Kept here for their owners, opaque to the core (each owner checks the type it stored):

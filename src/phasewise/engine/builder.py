@@ -20,7 +20,7 @@ from phasewise.loading.loader import check_memory, load_config, load_prepared, p
 from phasewise.loading.sharding import check_tensor_parallel, shard_config
 from phasewise.models.config import ModelConfig
 from phasewise.engine.precision import Precision, choose as choose_precision
-from phasewise.runner.kv_cache import KVCache, kv_bytes_per_block, num_blocks_for_memory
+from phasewise.runner.kv_cache import KVCache, kv_bytes_per_block, num_blocks_for_memory, state_slots_for_memory
 from phasewise.runner.model_runner import ModelRunner
 from phasewise.runner.thread_governor import ThreadGovernor
 from phasewise.runner.tp_worker import Setup, TensorParallelRanks, start_ranks
@@ -80,8 +80,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     full = load_config(model_path)   # cheap: an unsupported architecture fails before anything slow
     spec, size, cache = config.speculative, config.tensor_parallel_size, config.cache
     check_tensor_parallel(full, size)
-    if size > 1 and spec.method == "draft":
-        raise ValueError("a draft model does not run with tensor parallelism yet: use --speculative ngram")
+    _check_speculation(full, spec, size)
     kernels = choose_kernels(config)
     precision = choose_precision(model_path, config.dtype, cache.kv_dtype, kernels, full.architecture)
     dtype = parse_dtype(precision.weights)
@@ -92,13 +91,13 @@ def build_engine(config: EngineConfig) -> EngineParts:
     try:
         tp = ranks.group if ranks else None
         part = shard_config(full, tp) if tp else full     # what this rank holds
-        num_blocks = cache.num_blocks or num_blocks_for_memory(part, cache.block_size, kv_dtype,
-                                                               cache.kv_cache_memory_gib)
+        slots, num_blocks = _cache_size(part, config, kv_dtype)
         if tp:
             tp.broadcast(Setup(str(model_path), precision.weights, precision.kv, num_blocks, cache.block_size,
                                kernels is not None, config.kernels == "torch"))
         if precision.weights == "q4" and not tp and str(config.device).startswith("cpu"):
-            check_memory(model_path, num_blocks * kv_bytes_per_block(part, cache.block_size, kv_dtype))
+            check_memory(model_path, num_blocks * kv_bytes_per_block(part, cache.block_size, kv_dtype)
+                         + slots * part.state_bytes_per_seq)
         with ThreadPoolExecutor(1) as pool:   # the tokenizer reads its files while the weights load
             tokenizer_loading = pool.submit(Tokenizer.load, model_path)
             model, model_config = load_prepared(model_path, precision.weights, config.device, kernels,
@@ -110,7 +109,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
             tp.broadcast("ready")                               # every rank has loaded its part
         max_len = config.scheduler.max_model_len or model_config.max_position_embeddings
         max_model_len = min(max_len, model_config.max_position_embeddings)
-        kv_cache = KVCache(model_config, num_blocks, cache.block_size, kv_dtype, config.device)
+        kv_cache = KVCache(model_config, num_blocks, cache.block_size, kv_dtype, config.device, num_state_slots=slots)
         draft_model = None
         proposer: Proposer | None = NgramProposer(spec.ngram_min, spec.ngram_max) if spec.method == "ngram" else None
         if spec.method == "draft":
@@ -119,7 +118,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         runner = ModelRunner(model, kv_cache, tokenizer.eos_token_ids, config.device, kernels, tp)
         core = EngineCore(runner, config.scheduler, num_blocks, cache.block_size, max_model_len,
                           cache.enable_prefix_caching, proposer, spec.num_speculative_tokens,
-                          model_config.kv_group_windows)
+                          model_config.kv_group_windows, slots)
     except BaseException:
         if ranks:
             ranks.stop()
@@ -130,6 +129,24 @@ def build_engine(config: EngineConfig) -> EngineParts:
     return EngineParts(config, model_path, model_config, precision, kernels, tokenizer, ranks, model, kv_cache,
                        draft_model, max_model_len, grammars, core, threads,
                        (time.perf_counter() - started) * 1e3)
+
+
+def _check_speculation(cfg: ModelConfig, spec: SpeculativeConfig, tp_size: int) -> None:
+    """What speculative decoding cannot run with yet: a ValueError saying so."""
+    if cfg.linear_layers and spec.method:
+        raise ValueError(f"speculative decoding on {cfg.architecture} (a hybrid with recurrent layers) needs "
+                         "their state rolled back to the last accepted token: not supported yet")
+    if tp_size > 1 and spec.method == "draft":
+        raise ValueError("a draft model does not run with tensor parallelism yet: use --speculative ngram")
+
+
+def _cache_size(cfg: ModelConfig, config: EngineConfig, kv_dtype: torch.dtype) -> tuple[int, int]:
+    """(recurrent-state slots, KV blocks) within the cache's memory budget: a hybrid's states first,
+    one per sequence that may run (at most half the budget), then blocks in the rest."""
+    cache = config.cache
+    slots = state_slots_for_memory(cfg, config.scheduler.max_num_seqs, cache.kv_cache_memory_gib)
+    kv_gib = cache.kv_cache_memory_gib - slots * cfg.state_bytes_per_seq / 2**30
+    return slots, cache.num_blocks or num_blocks_for_memory(cfg, cache.block_size, kv_dtype, kv_gib)
 
 
 def _draft_model(config: EngineConfig, target_path: Path, target: ModelConfig, kernels: Kernels | None,

@@ -9,14 +9,19 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
 
+from phasewise.models.recurrent import GatedDeltaNetShape, hf_hybrid
+
 if TYPE_CHECKING:
     from phasewise.json_types import JsonObject, JsonValue
 
 # HF model_type → our architecture family name (models/gguf_config.py maps GGUF's).
 _HF_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
              "gemma3": "gemma3", "gemma3_text": "gemma3",
-             "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "olmoe": "olmoe"}
-QK_NORM = {"qwen3", "gemma3", "qwen3_moe"}   # RMSNorm over each head of q and k, before RoPE
+             "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "olmoe": "olmoe",
+             "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe",
+             "qwen3_5_moe_text": "qwen3_5_moe"}
+HYBRID = {"qwen3_5", "qwen3_5_moe"}   # Gated DeltaNet layers beside gated attention (models/hybrid.py)
+QK_NORM = {"qwen3", "gemma3", "qwen3_moe"} | HYBRID   # RMSNorm over each head of q and k, before RoPE
 ROUTERS = ("softmax_topk", "topk_softmax")
 GEMMA3_GLOBAL_EVERY = 6               # Gemma 3: five local (sliding-window) layers, then one global
 GEMMA3_LOCAL_THETA = 10000.0          # Gemma 3's RoPE base on local layers (llama.cpp's and transformers' default)
@@ -99,6 +104,13 @@ class HFConfig(TypedDict, total=False):
     mlp_only_layers: list[int] | None
     norm_topk_prob: bool
     shared_expert_intermediate_size: int | None
+    text_config: HFConfig                  # Qwen3.5's multimodal folders: the language model's config
+    full_attention_interval: int           # hybrids: every n-th layer is full attention
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,6 +148,11 @@ class ModelConfig:
     router: str = "softmax_topk"   # "softmax_topk": softmax over all experts, then top-k (the four here);
                                    # "topk_softmax": top-k of the logits, softmax over those
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a dense expert every row takes, behind a sigmoid gate
+    # Hybrids (models/hybrid.py): layers whose memory is a fixed recurrent state, not KV
+    linear_attention: GatedDeltaNetShape | None = None   # the shape of those layers
+    linear_layers: tuple[int, ...] = ()  # which layers they are; the others attend over the KV cache
+    attn_output_gate: bool = False # Qwen3.5: attention's output times sigmoid(a gate q_proj also gives)
+    rotary_dim: int | None = None  # RoPE on the first rotary_dim of each head (Qwen3.5: a quarter); None: all
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -158,18 +175,36 @@ class ModelConfig:
                 raise UnsupportedModelError(f"an expert width of {self.moe_intermediate_size}, router {self.router!r}")
         if any(not 0 <= i < self.num_layers for i in self.moe_layers) or (self.moe_layers and not self.num_experts):
             raise UnsupportedModelError("a mixture-of-experts layer index is out of range, or no experts")
+        if any(not 0 <= i < self.num_layers for i in self.linear_layers) or \
+                bool(self.linear_layers) != (self.linear_attention is not None):
+            raise UnsupportedModelError("a linear-attention layer index is out of range, or no shape for them")
+        if len(self.linear_layers) == self.num_layers:
+            raise UnsupportedModelError("a hybrid model without attention layers is not supported")
+        if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            raise UnsupportedModelError(f"a rotary dimension of {self.rotary_dim} in heads of {self.head_dim}")
 
     def window(self, layer: int) -> int | None:
         """The sliding window of `layer`, or None when it attends to its whole context."""
         return self.sliding_window if layer in self.sliding_layers else None
 
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers that keep K and V (all but a hybrid's linear layers)."""
+        return tuple(i for i in range(self.num_layers) if i not in self.linear_layers)
+
+    @property
+    def state_bytes_per_seq(self) -> int:
+        """The fixed recurrent state one sequence holds across a hybrid's linear layers (0 otherwise)."""
+        return 0 if self.linear_attention is None else len(self.linear_layers) * self.linear_attention.state_bytes
+
     @cached_property
     def kv_groups(self) -> tuple[tuple[int, ...], ...]:
         """The layers of each KV group: the full-attention layers, then the windowed ones, in groups
-        of one size (the gcd of their counts), so that one block of the pool can hold any group."""
+        of one size (the gcd of their counts), so that one block of the pool can hold any group.
+        A hybrid's linear layers are in none."""
         local = set(self.sliding_layers)
-        full = [i for i in range(self.num_layers) if i not in local]
-        windowed = [i for i in range(self.num_layers) if i in local]
+        full = [i for i in self.attention_layers if i not in local]
+        windowed = [i for i in self.attention_layers if i in local]
         size = math.gcd(len(full), len(windowed))
         return tuple(tuple(layers[i:i + size]) for layers in (full, windowed) for i in range(0, len(layers), size))
 
@@ -194,8 +229,8 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     def kv_bytes_per_token(self, element_size: int) -> int:
-        """Bytes of K and V one token occupies across all layers."""
-        return 2 * self.num_layers * self.kv_size * element_size
+        """Bytes of K and V one token occupies across all (attention) layers."""
+        return 2 * len(self.attention_layers) * self.kv_size * element_size
 
     # ---- constructors -------------------------------------------------------------
 
@@ -210,6 +245,8 @@ class ModelConfig:
         if arch is None:
             raise UnsupportedModelError(
                 f"unsupported architecture {model_type!r} (supported: {', '.join(SUPPORTED)})")
+        if "text_config" in config and arch in HYBRID:   # a multimodal folder: its language model, text only
+            config = config["text_config"]
         heads, gemma = config["num_attention_heads"], arch == "gemma3"
         rope, scaling, local_theta = _hf_rope(config, arch)
         window, sliding = _hf_sliding_window(config, arch)
@@ -223,7 +260,7 @@ class ModelConfig:
             architecture=arch,
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"],
+            intermediate_size=config.get("intermediate_size") or config.get("moe_intermediate_size") or 0,
             num_layers=config["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=config.get("num_key_value_heads") or heads,
@@ -245,6 +282,7 @@ class ModelConfig:
             qk_norm_whole=arch == "olmoe",
             clip_qkv=clip_qkv(config.get("clip_qkv"), "config.json clip_qkv") if arch == "olmoe" else None,
             **_hf_experts(config, arch),
+            **(hf_hybrid(config, rope) if arch in HYBRID else {}),
             name=config.get("_name_or_path", ""),
         )
 
@@ -267,7 +305,7 @@ def _hf_rope(config: HFConfig, arch: str) -> tuple[JsonObject, JsonObject | None
         scaling = dict(scaling)
         scaling.setdefault("rope_type", scaling.get("type", "default"))
     partial = config.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
-    if partial is not None and _number(partial, "partial_rotary_factor") != 1.0:
+    if partial is not None and _number(partial, "partial_rotary_factor") != 1.0 and arch not in HYBRID:
         raise UnsupportedModelError(f"partial rotary embeddings are not supported (partial_rotary_factor={partial})")
     return rope, scaling, local_theta
 
@@ -325,7 +363,7 @@ def _hf_experts(config: HFConfig, arch: str) -> ExpertFields:
     make layer i sparse unless it is in mlp_only_layers or (i + 1) is not a multiple of
     decoder_sparse_step (transformers' rule); Mixtral and OLMoE every layer. Mixtral always
     renormalises the top-k weights."""
-    if arch not in ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe"):
+    if arch not in ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "qwen3_5_moe"):
         return {}
     experts = config.get("num_experts", config.get("num_local_experts")) or 0
     if not experts:
@@ -337,7 +375,7 @@ def _hf_experts(config: HFConfig, arch: str) -> ExpertFields:
         step = checked("num_layers", config.get("decoder_sparse_step", 1), "config.json decoder_sparse_step")
         only = set(config.get("mlp_only_layers") or ())
         moe = tuple(i for i in moe if i not in only and (i + 1) % step == 0)
-    shared = config.get("shared_expert_intermediate_size", 0) if arch == "qwen2_moe" else 0
+    shared = config.get("shared_expert_intermediate_size", 0) if arch in ("qwen2_moe", "qwen3_5_moe") else 0
     return ExpertFields(
         num_experts=experts,
         num_experts_per_tok=checked("num_experts_per_tok", config.get("num_experts_per_tok"),
@@ -346,7 +384,8 @@ def _hf_experts(config: HFConfig, arch: str) -> ExpertFields:
                                       config.get("moe_intermediate_size") or config.get("intermediate_size"),
                                       "config.json moe_intermediate_size"),
         moe_layers=moe,
-        norm_topk_prob=arch == "mixtral" or bool(config.get("norm_topk_prob", False)),
+        norm_topk_prob=arch in ("mixtral", "qwen3_5_moe") or bool(config.get("norm_topk_prob", False)),
         shared_expert_intermediate_size=checked("shared_expert_intermediate_size", shared or 0,
                                                 "config.json shared_expert_intermediate_size"),
     )
+

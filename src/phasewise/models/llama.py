@@ -137,6 +137,14 @@ def mlp(cfg: ModelConfig, layer: int, tp: TensorParallel | None) -> LlamaMLP | S
     return SparseMoeBlock(cfg, LlamaMLP(cfg, None, shared) if shared else None, tp)
 
 
+def count_experts(cfg: ModelConfig, mlps: list[LlamaMLP | SparseMoeBlock], counts: torch.Tensor) -> None:
+    """Each sparse layer's (row, choice) pairs per expert in the last forward, into counts [L, E]."""
+    for i in cfg.moe_layers:
+        block = mlps[i]
+        assert isinstance(block, SparseMoeBlock) and block.choices is not None   # ran just now
+        counts[i] = block.choices
+
+
 def vocab_embedding(cfg: ModelConfig, tp: TensorParallel | None) -> Embedding:
     """The token table (this rank's part of the vocabulary, with tp)."""
     return Embedding(cfg.vocab_size if tp is None else tp.padded(cfg.vocab_size), cfg.hidden_size)
@@ -174,10 +182,7 @@ class LlamaModel(nn.Module):
         for layer, kv in zip(self.layers, kv_caches):
             x, residual = layer(positions, x, residual, kv, meta)
         if self.expert_counts is not None:                      # what each router chose, as the stack counts
-            for i in self.cfg.moe_layers:
-                block = self.layers[i].mlp
-                assert isinstance(block, SparseMoeBlock) and block.choices is not None   # ran just now
-                self.expert_counts[i] = block.choices
+            count_experts(self.cfg, [layer.mlp for layer in self.layers], self.expert_counts)
         assert residual is not None                             # a model has layers
         if keep is not None:
             x, residual = x[keep], residual[keep]

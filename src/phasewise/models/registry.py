@@ -15,6 +15,10 @@ def model_class(cfg: ModelConfig) -> type[LlamaForCausalLM]:
         from phasewise.models.llama import LlamaForCausalLM
 
         return LlamaForCausalLM
+    if cfg.architecture in ("qwen3_5", "qwen3_5_moe"):
+        from phasewise.models.hybrid import Qwen3_5ForCausalLM
+
+        return Qwen3_5ForCausalLM
     if cfg.architecture == "gemma3":
         from phasewise.models.gemma3 import Gemma3ForCausalLM
 

@@ -5,6 +5,10 @@ block holds one group's P layers, and layer l reads and writes index `kv_place(l
 its group's block table, so layers of different groups share a tensor but never a block. A
 model without windows is one group of all its layers. An int8 cache also holds one fp32 scale
 per slot and KV head: (k, v, k_scale, v_scale).
+
+A hybrid's linear layers keep no K and V: their entry in `layers` is their recurrent state,
+(conv [S, K - 1, C], delta rule [S, Hv, dk, dv]) in fp32 for S state slots, one per running sequence
+(`KVCacheManager` hands them out; a layer zeroes a slot when its sequence starts at position 0).
 """
 
 from __future__ import annotations
@@ -20,13 +24,13 @@ from phasewise.models.config import ModelConfig
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
     """K and V of one token in every layer; int8 adds a 4-byte scale per KV head."""
     if dtype == torch.int8:
-        return 2 * cfg.num_layers * cfg.num_kv_heads * (cfg.head_dim + 4)
+        return 2 * len(cfg.attention_layers) * cfg.num_kv_heads * (cfg.head_dim + 4)
     return cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """K and V of `block_size` tokens in the layers of one KV group."""
-    return kv_bytes_per_token(cfg, dtype) * len(cfg.kv_groups[0]) // cfg.num_layers * block_size
+    return kv_bytes_per_token(cfg, dtype) * len(cfg.kv_groups[0]) // len(cfg.attention_layers) * block_size
 
 
 def num_blocks_for_memory(cfg: ModelConfig, block_size: int, dtype: torch.dtype, gib: float) -> int:
@@ -34,18 +38,28 @@ def num_blocks_for_memory(cfg: ModelConfig, block_size: int, dtype: torch.dtype,
     return max(1, int(gib * 2**30) // kv_bytes_per_block(cfg, block_size, dtype))
 
 
+def state_slots_for_memory(cfg: ModelConfig, max_seqs: int, gib: float) -> int:
+    """A hybrid's recurrent-state slots: one per sequence that may run (max_seqs), within half of the
+    `gib` budget (at least one); 0 for a model without recurrent layers."""
+    per_seq = cfg.state_bytes_per_seq
+    return 0 if not per_seq else max(1, min(max_seqs, int(gib * 2**30 / 2) // per_seq))
+
+
 class KVCache:
     """dtype: the model's dtype, or torch.int8 (per-token, per-head scales, quantized on write)."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str, grouped: bool = True) -> None:
+                 device: torch.device | str, grouped: bool = True, num_state_slots: int = 0) -> None:
         """grouped=False: every layer its own tensor, all read through one table (a draft model
-        that follows the target's first KV group)."""
+        that follows the target's first KV group). num_state_slots: a hybrid's sequences at once."""
         self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
         self.bytes_per_token = kv_bytes_per_token(cfg, dtype)    # K and V of one token, every layer
         self.bytes_per_block = kv_bytes_per_block(cfg, block_size, dtype)
-        slots, P = num_blocks * block_size, len(cfg.kv_groups[0]) if grouped else cfg.num_layers
-        index = [cfg.kv_place(i)[1] if grouped else i for i in range(cfg.num_layers)]
+        self.num_state_slots = num_state_slots
+        self.state_bytes = num_state_slots * cfg.state_bytes_per_seq
+        attention = cfg.attention_layers
+        slots, P = num_blocks * block_size, len(cfg.kv_groups[0]) if grouped else len(attention)
+        index = [cfg.kv_place(i)[1] if grouped else n for n, i in enumerate(attention)]
         # Never-written slots are read under a mask (padding of a decode batch) and must hold no NaN
         # (softmax weight 0 * NaN = NaN), so the pool starts zeroed. On the CPU a large fresh
         # allocation is mapped from the OS as zero pages: `empty` gives zeros without touching
@@ -58,6 +72,13 @@ class KVCache:
         if dtype == torch.int8:   # unwritten slots: int8 zeros times scale 1 → 0, never NaN
             self.scales = torch.ones(P, 2, slots, cfg.num_kv_heads, device=device)
             self.layers = [(k, v, self.scales[p, 0], self.scales[p, 1]) for p, (k, v) in zip(index, self.layers)]
+        if cfg.linear_attention is not None:     # every layer in order: KV or recurrent state
+            kv, linear = iter(self.layers), cfg.linear_attention
+            state = [(torch.empty(num_state_slots, *linear.conv_state_shape, device=device),
+                      torch.empty(num_state_slots, *linear.recurrent_state_shape, device=device))
+                     for _ in cfg.linear_layers]
+            states = iter(state)
+            self.layers = [next(states) if i in cfg.linear_layers else next(kv) for i in range(cfg.num_layers)]
 
     def _slots(self, block_ids: list[int]) -> torch.Tensor:
         ids = torch.tensor(block_ids, dtype=torch.int64, device=self.data.device)

@@ -38,6 +38,7 @@ class StepInputs:
     context_lens: list[int]
     tables: list[list[list[int]]]          # [group][sequence] → block ids
     keep: list[int] | None = None          # the rows whose hidden states are wanted, ascending (None: all)
+    state_slots: list[int] = field(default_factory=list)   # a hybrid's: each sequence's recurrent-state slot
 
 
 # What rank 0 broadcasts to the other ranks after the setup: a step's forward, the logits of some of its rows
@@ -109,6 +110,8 @@ class ModelRunner:
             inputs.query_lens.append(n)
             inputs.context_lens.append(start + n)
             tables.append(req.block_tables)
+            if req.state_slot is not None:
+                inputs.state_slots.append(req.state_slot)
             end = len(inputs.input_ids)
             if chunk.samples and chunk.draft_token_ids:   # rows: the last own token, then each draft
                 plan.draft_rows.extend(range(end - len(chunk.draft_token_ids) - 1, end))
@@ -132,6 +135,7 @@ class ModelRunner:
         (all: [T, hidden]); every rank runs it."""
         meta = AttentionMetadata.build_groups(inputs.query_lens, inputs.context_lens, inputs.tables,
                                               self.kv_cache.block_size, self.device)
+        meta.state_slots = inputs.state_slots
         ids = torch.tensor(inputs.input_ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(inputs.positions, dtype=torch.int64, device=self.device)
         keep = None if inputs.keep is None else torch.tensor(inputs.keep, dtype=torch.int64, device=self.device)

@@ -1,0 +1,211 @@
+"""Qwen3.5 (dense and mixture of experts): Gated DeltaNet layers beside gated full attention.
+
+Three of every four layers mix tokens with a Gated DeltaNet (`GatedDeltaNet`): q, k and v through a
+short causal convolution, then the gated delta rule over a [Hv, dk, dv] state per sequence, a
+gated RMSNorm and out_proj. Their memory is the sequence's state slot in the runner's cache
+(`runner/kv_cache.py`), not KV blocks. The fourth is full attention over the paged KV cache with
+an output gate (q_proj gives q and a sigmoid gate per head), RoPE on a quarter of each head, and
+per-head q/k norms. Every norm but the DeltaNet's is (1 + w) in the checkpoint: we keep 1 + w.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from phasewise.distributed import TensorParallel
+from phasewise.kernels import UsesKernels, applies
+from phasewise.kernels.kernel_api import Kernels
+from phasewise.layers.attention import AttentionMetadata, LayerKV, paged_attention
+from phasewise.layers.gated_delta import causal_conv, gated_delta_rule, gated_rms_norm, l2norm
+from phasewise.layers.linear import Linear
+from phasewise.layers.norm import RMSNorm
+from phasewise.layers.rotary import RotaryEmbedding
+from phasewise.models.config import ModelConfig
+from phasewise.models.layer_list import LayerList
+from phasewise.models.llama import KVCaches, LlamaForCausalLM, Shard, count_experts, embed, mlp, vocab_embedding
+
+# checkpoint norms stored as an offset from 1 (the DeltaNet's gated norm, `linear_attn.norm`, is not)
+_OFFSET_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight", "model.norm.weight",
+                 "q_norm.weight", "k_norm.weight")
+
+
+class GatedAttention(UsesKernels, nn.Module):
+    """Full attention whose output is gated per head by sigmoid(gate), q_proj giving [q | gate] for
+    each head; RoPE on the first rotary_dim of each head, after per-head RMSNorms of q and k."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, layer: int) -> None:
+        super().__init__()
+        self.cfg, self.rotary = cfg, rotary
+        self.qkv_proj = Linear(cfg.hidden_size, 2 * cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.kv_group = cfg.kv_place(layer)[0]
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
+        """x: [T, hidden] → [T, hidden]."""
+        cfg, meta = self.cfg, meta.for_group(self.kv_group)
+        T, D, qs, kvs = x.shape[0], cfg.head_dim, cfg.q_size, cfg.kv_size
+        qkv = self.qkv_proj(x)                                        # [T, 2 q_size + 2 kv_size]
+        q_gate = qkv[:, :2 * qs].view(T, cfg.num_heads, 2 * D)        # per head: q, then its gate
+        gate = q_gate[..., D:].reshape(T, qs)
+        q = self.q_norm(q_gate[..., :D].reshape(-1, D)).view(T, cfg.num_heads, D)
+        k = self.k_norm(qkv[:, 2 * qs:2 * qs + kvs].reshape(-1, D)).view(T, cfg.num_kv_heads, D)
+        v = qkv[:, 2 * qs + kvs:].reshape(T, cfg.num_kv_heads, D)
+        r = self.rotary.head_dim
+        q_rot, k_rot = self.rotary(positions, q[..., :r], k[..., :r])
+        q, k = torch.cat([q_rot, q[..., r:]], -1), torch.cat([k_rot, k[..., r:]], -1)
+        attn = paged_attention(q, k, v, kv, meta, self.kernels if applies(self.kernels, q) else None,
+                               scale=D ** -0.5)                        # [T, q_size]
+        return self.o_proj(attn * torch.sigmoid(gate))
+
+
+class Conv1d(nn.Module):
+    """The depthwise causal convolution's taps, [C, 1, K] as the checkpoint stores them."""
+
+    def __init__(self, channels: int, taps: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, taps), requires_grad=False)
+
+
+class GatedNorm(nn.Module):
+    """The DeltaNet output's per-head RMSNorm weight [dv] (times silu of the z gate: gated_rms_norm)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear attention with the gated delta rule, over each sequence's state slot."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        shape = cfg.linear_attention
+        assert shape is not None                       # a hybrid config has one
+        self.shape, self.eps, h = shape, cfg.rms_norm_eps, cfg.hidden_size
+        self.in_proj_qkv = Linear(h, shape.conv_dim)
+        self.in_proj_z = Linear(h, shape.value_dim)
+        self.in_proj_b = Linear(h, shape.num_v_heads)
+        self.in_proj_a = Linear(h, shape.num_v_heads)
+        self.conv1d = Conv1d(shape.conv_dim, shape.conv_kernel)
+        self.dt_bias = nn.Parameter(torch.empty(shape.num_v_heads), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(shape.num_v_heads), requires_grad=False)
+        self.norm = GatedNorm(shape.head_v_dim)
+        self.out_proj = Linear(shape.value_dim, h)
+
+    def forward(self, x: torch.Tensor, state: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
+        """x: [T, hidden] → [T, hidden]; state: (conv [S, K-1, C], delta rule [S, Hv, dk, dv]), each
+        sequence's slot (`meta.state_slots`) advanced past its tokens."""
+        s, T = self.shape, x.shape[0]
+        qkv = self.in_proj_qkv(x)                                          # [T, C]
+        z = self.in_proj_z(x).view(T, s.num_v_heads, s.head_v_dim)
+        beta = self.in_proj_b(x).float().sigmoid()                         # [T, Hv]
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        conv_states, states = state[0], state[1]
+        weight = self.conv1d.weight[:, 0].float()                         # [C, K]
+        out = torch.empty(T, s.num_v_heads, s.head_v_dim)
+        assert meta.state_slots is not None and len(meta.state_slots) == len(meta.query_lens)
+        row = 0
+        for n, ctx, slot in zip(meta.query_lens, meta.context_lens, meta.state_slots):
+            if ctx == n:                                   # the sequence starts here: no state before it
+                conv_states[slot].zero_()
+                states[slot].zero_()
+            mixed = causal_conv(qkv[row:row + n], conv_states[slot], weight)      # [n, C]
+            q, k, v = mixed.split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
+            q = l2norm(q.reshape(n, s.num_k_heads, s.head_k_dim)) / s.head_k_dim ** 0.5
+            k = l2norm(k.reshape(n, s.num_k_heads, s.head_k_dim))
+            out[row:row + n] = gated_delta_rule(q, k, v.reshape(n, s.num_v_heads, s.head_v_dim),
+                                                g[row:row + n], beta[row:row + n], states[slot])
+            row += n
+        y = gated_rms_norm(out, z, self.norm.weight.float(), self.eps)     # [T, Hv, dv]
+        return self.out_proj(y.reshape(T, s.value_dim).to(x.dtype))
+
+
+class HybridDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, layer: int) -> None:
+        super().__init__()
+        linear = layer in cfg.linear_layers
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.linear_attn = GatedDeltaNet(cfg) if linear else None
+        self.self_attn = None if linear else GatedAttention(cfg, rotary, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = mlp(cfg, layer, None)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                memory: LayerKV, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        if self.linear_attn is not None:
+            x = self.linear_attn(x, memory, meta)
+        else:
+            assert self.self_attn is not None
+            x = self.self_attn(positions, x, memory, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class HybridModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
+        super().__init__()
+        if tp is not None:
+            raise ValueError("hybrid models do not run with tensor parallelism yet")
+        self.cfg = cfg
+        self.embed_tokens = vocab_embedding(cfg, None)
+        rotary = RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                 cfg.rope_scaling)
+        self.layers: LayerList[HybridDecoderLayer] = LayerList(HybridDecoderLayer(cfg, rotary, i)
+                                                               for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.expert_counts = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.int64, device="cpu") \
+            if cfg.num_experts else None
+
+    def build_stack(self, kernels: Kernels | None) -> None:
+        """Hybrid layers run as Python layers (their C++ stack is to come)."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: KVCaches, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] → hidden states [T, hidden], or of the rows `keep` [R] (ascending).
+        kv_caches: per layer, its KV (attention) or its state (linear)."""
+        x, residual = embed(self.embed_tokens, input_ids, self.cfg, None), None
+        for layer, memory in zip(self.layers, kv_caches):
+            x, residual = layer(positions, x, residual, memory, meta)
+        if self.expert_counts is not None:
+            count_experts(self.cfg, [layer.mlp for layer in self.layers], self.expert_counts)
+        assert residual is not None
+        if keep is not None:
+            x, residual = x[keep], residual[keep]
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class Qwen3_5ForCausalLM(LlamaForCausalLM):
+    """Qwen3.5's language model (a multimodal folder's vision tower and MTP layer are skipped)."""
+    model_class = HybridModel
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """HF names (`model.language_model.` as `model.`), (1 + w) norms kept as 1 + w."""
+        def renamed() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                if name.startswith(("model.visual.", "mtp.", "model.mtp.")):
+                    continue
+                name = name.replace("model.language_model.", "model.", 1)
+                yield name, tensor + 1 if name.endswith(_OFFSET_NORMS) else tensor
+        return super().load_weights(renamed())
+
+    def _shard(self, data: torch.Tensor, shard: Shard) -> torch.Tensor:
+        """q_proj gives q and its gate: twice q_size rows."""
+        qs, kvs = 2 * self.config.q_size, self.config.kv_size
+        if shard == "q":
+            return data[:qs]
+        if shard == "k":
+            return data[qs:qs + kvs]
+        if shard == "v":
+            return data[qs + kvs:]
+        return super()._shard(data, shard)

@@ -1,0 +1,138 @@
+"""Hybrid models (Qwen3.5 dense and MoE): Gated DeltaNet layers with a recurrent state per sequence
+beside gated attention. Tiny random models built with transformers' own classes give transformers'
+logits and greedy tokens in fp32, alone, batched, chunked, preempted and with few state slots."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import PagedRunner
+from model_builders import assert_logits_close, build_hf, check_against_hf, prompt_ids, with_tokenizer
+
+from phasewise.core.kv_cache_manager import KVCacheManager
+from phasewise.core.request import Request
+from phasewise.core.sampling_params import SamplingParams
+from phasewise.layers.gated_delta import causal_conv, gated_delta_rule, l2norm
+from phasewise.loading.loader import load_model
+from phasewise.loading.sharding import check_tensor_parallel
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow
+
+SHAPE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+             linear_value_head_dim=8, max_position_embeddings=128, bos_token_id=None, eos_token_id=None)
+CASES = {
+    "qwen3_5": lambda: transformers.Qwen3_5TextConfig(**SHAPE, intermediate_size=128),
+    "qwen3_5_moe": lambda: transformers.Qwen3_5MoeTextConfig(**SHAPE, num_experts=4, num_experts_per_tok=2,
+                                                             moe_intermediate_size=32,
+                                                             shared_expert_intermediate_size=48),
+}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    cache: dict[str, tuple] = {}
+
+    def get(case: str):
+        if case not in cache:
+            hf_model = build_hf(CASES[case](), seed=3)
+            folder = tmp_path_factory.mktemp(case)
+            hf_model.save_pretrained(folder)
+            cache[case] = with_tokenizer(folder), hf_model
+        return cache[case]
+
+    return get
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("chunk", [None, 5, 1])
+def test_hf_folder_matches_transformers_teacher_forced_and_greedy(case, chunk, folders):
+    folder, hf_model = folders(case)
+    prompt = prompt_ids(256, 19, seed=2)
+    model, cfg = load_model(folder)
+    assert cfg.linear_layers == (0, 1, 2) and cfg.kv_groups == ((3,),) and cfg.rotary_dim == 4
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([prompt])).logits[0]
+    logits, _ = PagedRunner(model).greedy(prompt, 1, chunk=chunk)
+    assert_logits_close(logits, ref)
+    assert logits.argmax(-1).tolist() == ref.argmax(-1).tolist()
+    check_against_hf(folder, hf_model, prompt, n=12, chunk=chunk)
+
+
+def test_the_recurrent_functions_match_transformers():
+    """The delta rule from a state, token by token, against transformers' recurrent function; the conv
+    against torch's conv1d with the state as its left padding."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+    g = torch.Generator().manual_seed(0)
+    n, hk, hv, dk, dv = 7, 2, 4, 8, 6
+    q, k = torch.randn(n, hk, dk, generator=g), torch.randn(n, hk, dk, generator=g)
+    v, beta = torch.randn(n, hv, dv, generator=g), torch.rand(n, hv, generator=g)
+    decay, state = -torch.rand(n, hv, generator=g), torch.randn(hv, dk, dv, generator=g)
+    ref, ref_state = hf.torch_recurrent_gated_delta_rule(q[None], k[None], v[None], decay[None], beta[None],
+                                                         initial_state=state[None].clone(), output_final_state=True,
+                                                         use_qk_l2norm_in_kernel=True)
+    ours_state = state.clone()
+    ours = gated_delta_rule(l2norm(q) / dk ** 0.5, l2norm(k), v, decay, beta, ours_state)
+    torch.testing.assert_close(ours, ref[0])
+    torch.testing.assert_close(ours_state, ref_state[0])
+    x, conv_state, w = torch.randn(n, 5, generator=g), torch.randn(3, 5, generator=g), torch.randn(5, 4, generator=g)
+    want = torch.nn.functional.silu(torch.nn.functional.conv1d(torch.cat([conv_state, x]).T[None], w[:, None],
+                                                               groups=5))[0].T
+    kept = conv_state.clone()
+    torch.testing.assert_close(causal_conv(x, kept, w), want)
+    assert torch.equal(kept, x[-3:])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_engine_gives_the_same_tokens_alone_batched_chunked_and_preempted(case, folders):
+    """Every request holds a state slot while it runs: alone, batched, in chunks of 3, with one state slot
+    for three requests, and preempted for blocks, it gives transformers' greedy tokens."""
+    from phasewise import LLM
+
+    folder, hf_model = folders(case)
+    prompts = [prompt_ids(256, 13, seed=7), prompt_ids(256, 9, seed=8), prompt_ids(256, 21, seed=9)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    with torch.no_grad():
+        want = [hf_model.generate(torch.tensor([p]), max_new_tokens=10, min_new_tokens=10, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    kw = dict(model=str(folder), dtype="fp32", kv_dtype="model", warmup=False)
+    llm = LLM(**kw, kv_cache_memory=0.01)
+    assert llm.engine.core.kv.num_state_slots > 3 and not llm.engine.core.kv.enable_prefix_caching
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    assert [llm.generate(p, params)[0].token_ids for p in prompts] == want
+    chunked = LLM(**kw, kv_cache_memory=0.01, max_num_batched_tokens=3)
+    assert [o.token_ids for o in chunked.generate(prompts, params)] == want
+    one_slot = LLM(**kw, kv_cache_memory=0.01, max_num_seqs=1)
+    assert one_slot.engine.core.kv.num_state_slots == 1
+    assert [o.token_ids for o in one_slot.generate(prompts, params)] == want
+    tight = LLM(**kw, num_blocks=9, block_size=4)    # two requests outgrow 9 blocks of 4 tokens: preemptions
+    outs = tight.generate(prompts, params)
+    assert [o.token_ids for o in outs] == want
+    assert sum(o.metrics.preemptions for o in outs) > 0
+    assert tight.engine.core.kv.free_state_slots and len(tight.engine.core.kv.free_state_slots) == \
+        tight.engine.core.kv.num_state_slots                      # every slot back
+
+
+def test_state_slots_are_taken_with_the_first_blocks_and_given_back():
+    kv = KVCacheManager(num_blocks=8, block_size=4, num_state_slots=2)
+    reqs = [Request(str(i), list(range(6)), SamplingParams()) for i in range(3)]
+    assert kv.allocate_slots(reqs[0], 6) and kv.allocate_slots(reqs[1], 6)
+    assert {reqs[0].state_slot, reqs[1].state_slot} == {0, 1}
+    assert not kv.allocate_slots(reqs[2], 6) and reqs[2].state_slot is None and kv.pool.num_free == 4
+    assert kv.allocate_slots(reqs[0], 1)                        # a request keeps its slot as it grows
+    kv.free(reqs[1])
+    assert reqs[1].state_slot is None and kv.allocate_slots(reqs[2], 6) and reqs[2].state_slot == 1
+    assert kv.get_computed_blocks(reqs[2]) == [[]]             # no prefix hits without state checkpoints
+
+
+def test_what_does_not_run_on_hybrids_yet_says_so(folders):
+    from phasewise import LLM
+
+    folder, _ = folders("qwen3_5")
+    _, cfg = load_model(folder)
+    with pytest.raises(ValueError, match="hybrid with recurrent layers"):
+        check_tensor_parallel(cfg, 2)
+    with pytest.raises(ValueError, match="rolled back"):
+        LLM(model=str(folder), dtype="fp32", speculative="ngram", warmup=False)
