@@ -126,3 +126,26 @@ def test_the_windowed_kv_figure_counts_global_layers_whole_and_local_ones_to_the
     assert gemma.windowed_kv_bytes_per_sequence(8192) == per_layer_token * (3 * 8192 + 15 * 512)
     assert gemma.windowed_kv_bytes_per_sequence(320) == gemma.kv_bytes_per_sequence(320)   # inside the window
     assert gemma.windowed_kv_bytes_per_sequence(8192) / gemma.kv_bytes_per_sequence(8192) < 0.25
+
+
+def test_a_hybrid_counts_its_parameters_as_transformers_and_its_state_beside_its_kv():
+    """Qwen3.5 (dense and MoE) parameters as transformers counts them; at 32k tokens a Qwen3.5-9B shape
+    (transformers' default config: 8 attention layers of 32, a 50 MiB state) holds at most a third of
+    the KV of an attention-only model of its size (Qwen3-8B's shape), and its state does not grow."""
+    import torch
+    import transformers
+    from test_hybrid import CASES
+
+    for case, make in CASES.items():
+        hf_cfg = make()
+        with torch.device("meta"):
+            n = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(hf_cfg).parameters())
+        assert parameter_count(ModelConfig.from_hf(hf_cfg.to_dict())) == n, case
+    hybrid = ModelShape.from_config(ModelConfig.from_hf(transformers.Qwen3_5TextConfig().to_dict()))
+    dense = ModelShape.from_config(ModelConfig.from_hf(transformers.Qwen3Config(
+        hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=151936).to_dict()))
+    assert hybrid.layers == 8 and round(hybrid.state_bytes / MIB) == 50
+    assert hybrid.kv_bytes_per_sequence(32768, "bf16") <= dense.kv_bytes_per_sequence(32768, "bf16") / 3
+    grown = hybrid.kv_bytes_per_sequence(8192, "bf16") - hybrid.kv_bytes_per_sequence(4096, "bf16")
+    assert grown == 4096 * hybrid.kv_bytes_per_token("bf16")

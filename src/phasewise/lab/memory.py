@@ -1,4 +1,8 @@
-"""Memory arithmetic: KV-cache bytes per token and per sequence, sequences that fit, weight sizes."""
+"""Memory arithmetic: KV-cache bytes per token and per sequence, sequences that fit, weight sizes.
+
+A hybrid (Qwen3.5) keeps K and V only in its attention layers; its linear layers hold a fixed
+recurrent state per sequence (`state_bytes`), the same at any context length: a sequence's memory
+is KV per token x context + state."""
 
 from __future__ import annotations
 
@@ -23,11 +27,13 @@ class ModelShape:
     params: int | None = None
     window: int | None = None       # sliding window of the local layers (Gemma 3, Mistral)
     window_layers: int = 0          # how many layers have it
+    state_bytes: int = 0            # a hybrid's recurrent state per sequence (fp32, constant in context)
 
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> ModelShape:
-        return cls(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, parameter_count(cfg), cfg.sliding_window,
-                   len(cfg.sliding_layers))
+        """layers: those with K and V (a hybrid's attention layers)."""
+        return cls(len(cfg.attention_layers), cfg.num_kv_heads, cfg.head_dim, parameter_count(cfg),
+                   cfg.sliding_window, len(cfg.sliding_layers), cfg.state_bytes_per_seq)
 
     def windowed_kv_bytes_per_sequence(self, context_len: int, dtype: str = "fp16", block_size: int = 16) -> float:
         """KV one sequence holds in phasewise's pool once it has computed context_len tokens: whole
@@ -36,7 +42,8 @@ class ModelShape:
         per_layer_block = self.kv_bytes_per_token(dtype) / self.layers * block_size
         blocks = -(-context_len // block_size)
         local = blocks - max(0, context_len - (self.window or context_len) + 1) // block_size
-        return per_layer_block * ((self.layers - self.window_layers) * blocks + self.window_layers * local)
+        return per_layer_block * ((self.layers - self.window_layers) * blocks + self.window_layers * local) + \
+            self.state_bytes
 
     def kv_bytes_per_token(self, dtype: str = "fp16") -> float:
         """2 (K and V) × layers × kv_heads × head_dim × bytes per element; int8 adds a 4-byte scale per
@@ -45,7 +52,8 @@ class ModelShape:
         return 2 * self.layers * self.kv_heads * (self.head_dim * BYTES_PER_ELEMENT[dtype] + scales)
 
     def kv_bytes_per_sequence(self, context_len: int, dtype: str = "fp16") -> float:
-        return self.kv_bytes_per_token(dtype) * context_len
+        """K and V of context_len tokens, plus a hybrid's recurrent state."""
+        return self.kv_bytes_per_token(dtype) * context_len + self.state_bytes
 
     def sequences_that_fit(self, memory_bytes: float, context_len: int, dtype: str = "fp16",
                            weights_dtype: str | None = None) -> int:
@@ -70,10 +78,22 @@ def mlp_params(cfg: ModelConfig, layer: int, active: bool = False) -> int:
     return cfg.num_experts * h + experts * 3 * h * cfg.moe_intermediate_size + (3 * h * shared + h if shared else 0)
 
 
+def delta_net_params(cfg: ModelConfig) -> int:
+    """One Gated DeltaNet layer's parameters: in_proj (q, k, v, z, b, a), conv taps, dt_bias, A_log,
+    the gated norm and out_proj."""
+    s, h = cfg.linear_attention, cfg.hidden_size
+    if s is None:
+        return 0
+    return h * (s.conv_dim + s.value_dim + 2 * s.num_v_heads) + s.conv_dim * s.conv_kernel + \
+        2 * s.num_v_heads + s.head_v_dim + s.value_dim * h
+
+
 def parameter_count(cfg: ModelConfig) -> int:
-    """Parameters of a Llama-family model (the output head counted once when tied), every expert's."""
+    """Parameters of a Llama-family model (the output head counted once when tied), every expert's;
+    a hybrid's linear layers in place of attention."""
     h, v = cfg.hidden_size, cfg.vocab_size
-    attn = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h
+    q_out = cfg.q_size * (2 if cfg.attn_output_gate else 1)     # Qwen3.5's q_proj gives its gate too
+    attn = h * (q_out + 2 * cfg.kv_size) + cfg.q_size * h
     if cfg.attention_bias:
         attn += cfg.q_size + 2 * cfg.kv_size
     per_layer = attn + 2 * h
@@ -84,7 +104,8 @@ def parameter_count(cfg: ModelConfig) -> int:
     if cfg.architecture == "gemma3":       # norms after attention and after the MLP too
         per_layer += 2 * h
     mlps = sum(mlp_params(cfg, layer) for layer in range(cfg.num_layers))
-    return v * h + cfg.num_layers * per_layer + mlps + h + (0 if cfg.tie_word_embeddings else v * h)
+    mixers = len(cfg.attention_layers) * per_layer + len(cfg.linear_layers) * (delta_net_params(cfg) + 2 * h)
+    return v * h + mixers + mlps + h + (0 if cfg.tie_word_embeddings else v * h)
 
 
 def report(shape: ModelShape, context_len: int, memory_gib: float, kv_dtype: str = "fp16") -> list[str]:
@@ -94,7 +115,9 @@ def report(shape: ModelShape, context_len: int, memory_gib: float, kv_dtype: str
         f"KV cache ({kv_dtype}): {per_token / MIB:.4g} MiB per token "
         f"(2 x {shape.layers} layers x {shape.kv_heads} kv heads x {shape.head_dim} head dim x "
         f"{BYTES_PER_ELEMENT[kv_dtype]:g} bytes)",
-        f"one sequence of {context_len} tokens: {shape.kv_bytes_per_sequence(context_len, kv_dtype) / MIB:,.1f} MiB",
+        f"one sequence of {context_len} tokens: {shape.kv_bytes_per_sequence(context_len, kv_dtype) / MIB:,.1f} MiB"
+        + (f" (with {shape.state_bytes / MIB:,.1f} MiB of recurrent state, the same at any length)"
+           if shape.state_bytes else ""),
         f"sequences of {context_len} tokens in {memory_gib:g} GiB: "
         f"{shape.sequences_that_fit(memory_gib * GIB, context_len, kv_dtype)} (KV only)",
     ]

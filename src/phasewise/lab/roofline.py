@@ -20,7 +20,7 @@ from typing import TypedDict
 
 import torch
 
-from phasewise.lab.memory import mlp_params
+from phasewise.lab.memory import delta_net_params, mlp_params
 from phasewise.layers.linear import Linear, onednn_available
 from phasewise.models.config import ModelConfig
 
@@ -128,11 +128,12 @@ class TokenCosts:
 
 def linear_params(cfg: ModelConfig, active: bool = True) -> int:
     """Weights of the linear layers and the output head; of a mixture of experts those one token
-    uses (`active`), or all of them."""
+    uses (`active`), or all of them; a hybrid's Gated DeltaNet layers in place of attention."""
     h = cfg.hidden_size
-    attn = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h
+    attn = h * ((2 if cfg.attn_output_gate else 1) * cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h
     mlps = sum(mlp_params(cfg, layer, active) for layer in range(cfg.num_layers))
-    return cfg.num_layers * attn + mlps + cfg.vocab_size * h       # + the output head
+    mixers = len(cfg.attention_layers) * attn + len(cfg.linear_layers) * delta_net_params(cfg)
+    return mixers + mlps + cfg.vocab_size * h       # + the output head
 
 
 def head_params(cfg: ModelConfig) -> int:
@@ -153,7 +154,7 @@ def weight_bytes_per_param(model: torch.nn.Module, cfg: ModelConfig, element_siz
 def token_costs(cfg: ModelConfig, bytes_per_weight: float, context: int, head: bool = True) -> TokenCosts:
     """Per token at `context` tokens of context: attention does QK^T and PV, 2 FLOPs each per element.
     `head`: the token's logits are computed (every decoded token; of a prompt, only the last)."""
-    attention = 4 * cfg.num_layers * context * cfg.q_size
+    attention = 4 * len(cfg.attention_layers) * context * cfg.q_size
     params = linear_params(cfg) - (0 if head else head_params(cfg))
     return TokenCosts(linear_params(cfg) * bytes_per_weight, 2 * params + attention)
 
