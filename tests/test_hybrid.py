@@ -99,7 +99,7 @@ def test_the_engine_gives_the_same_tokens_alone_batched_chunked_and_preempted(ca
                                   eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
     kw = dict(model=str(folder), dtype="fp32", kv_dtype="model", warmup=False)
     llm = LLM(**kw, kv_cache_memory=0.01)
-    assert llm.engine.core.kv.num_state_slots > 3 and not llm.engine.core.kv.enable_prefix_caching
+    assert llm.engine.core.kv.num_state_slots > 3 and llm.engine.core.kv.checkpoints is not None
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
     assert [llm.generate(p, params)[0].token_ids for p in prompts] == want
     chunked = LLM(**kw, kv_cache_memory=0.01, max_num_batched_tokens=3)
@@ -125,6 +125,55 @@ def test_state_slots_are_taken_with_the_first_blocks_and_given_back():
     kv.free(reqs[1])
     assert reqs[1].state_slot is None and kv.allocate_slots(reqs[2], 6) and reqs[2].state_slot == 1
     assert kv.get_computed_blocks(reqs[2]) == [[]]             # no prefix hits without state checkpoints
+
+
+def test_a_prefix_hit_resumes_from_the_state_checkpoint_where_it_ends():
+    """A hybrid's state is saved where its computed tokens reach a block boundary; a later request with
+    that prefix takes the blocks up to the last boundary with a checkpoint and restores it; saves are
+    copied before restores, and the oldest checkpoint gives way."""
+    kv = KVCacheManager(num_blocks=16, block_size=4, num_state_slots=2, num_state_checkpoints=2)
+    a = Request("a", list(range(11)), SamplingParams())
+    assert kv.prompt_boundary(a) == 8
+    assert kv.allocate_slots(a, 8)
+    a.num_computed_tokens = 8
+    kv.commit(a)                                                # at a boundary: saved to checkpoint slot 2
+    assert kv.take_state_copies() == [(a.state_slot, 2)]
+    b = Request("b", list(range(10)) + [99, 98], SamplingParams())
+    hits = kv.get_computed_blocks(b)
+    assert hits == [a.block_tables[0][:2]]                     # 8 tokens: the checkpointed prefix
+    assert kv.allocate_slots(b, 4, hits) and b.state_slot == 1
+    assert kv.take_state_copies() == [(2, 1)]                  # restored into b's slot
+    for n, start in ((12, 3), (16, 4)):                        # two more prefixes: the oldest gives way
+        c = Request(f"c{n}", [start] * n, SamplingParams())
+        kv.free(b) if b.state_slot is not None else None
+        assert kv.allocate_slots(c, n)
+        c.num_computed_tokens = n
+        kv.commit(c)
+        kv.free(c)
+    assert kv.get_computed_blocks(Request("a2", list(range(11)), SamplingParams())) == [[]]
+    assert len(kv.checkpoints.entries) == 2 and sorted(s for _, s in kv.checkpoints.entries.values()) == [2, 3]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_prefix_hits_and_later_turns_give_the_tokens_of_a_cold_run(case, folders):
+    """The same prompt again, and a second turn (the first turn's prompt and reply, then more), hit the
+    prefix cache through a state checkpoint and give the tokens of an engine without prefix caching,
+    whatever the chunk budget."""
+    from phasewise import LLM
+
+    folder, _ = folders(case)
+    first = prompt_ids(256, 22, seed=11)
+    params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    kw = dict(model=str(folder), dtype="fp32", kv_dtype="model", warmup=False, kv_cache_memory=0.01, block_size=4)
+    cold = LLM(**kw, enable_prefix_caching=False)
+    reply = cold.generate(first, params)[0].token_ids
+    second = first + reply + prompt_ids(256, 6, seed=12)
+    want = [reply, cold.generate(second, params)[0].token_ids]
+    for budget in (512, 5):
+        llm = LLM(**kw, max_num_batched_tokens=budget)
+        outs = [llm.generate(first, params)[0], llm.generate(first, params)[0], llm.generate(second, params)[0]]
+        assert [o.token_ids for o in outs] == [want[0], want[0], want[1]], budget
+        assert [o.cached_tokens for o in outs] == [0, 20, 28], budget
 
 
 def test_what_does_not_run_on_hybrids_yet_says_so(folders):

@@ -49,12 +49,15 @@ class EngineCore:
     def __init__(self, runner: Runner, scheduler_config: SchedulerConfig, num_blocks: int,
                  block_size: int, max_model_len: int, enable_prefix_caching: bool = True,
                  proposer: Proposer | None = None, num_speculative_tokens: int = 0,
-                 kv_windows: tuple[int | None, ...] = (None,), num_state_slots: int = 0) -> None:
+                 kv_windows: tuple[int | None, ...] = (None,), num_state_slots: int = 0,
+                 num_state_checkpoints: int = 0) -> None:
         """kv_windows: the sliding window of each KV group (None: full attention); one group by default.
-        num_state_slots: a hybrid model's recurrent-state slots, one per running request."""
+        num_state_slots: a hybrid model's recurrent-state slots, one per running request, then its
+        num_state_checkpoints slots of checkpoints for prefix hits."""
         self.runner = runner
         self.proposer = proposer
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, kv_windows, num_state_slots)
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, kv_windows, num_state_slots,
+                                 num_state_checkpoints)
         k = num_speculative_tokens if proposer is not None else 0
         self.scheduler = Scheduler(scheduler_config, self.kv, k)
         self.max_model_len = max_model_len

@@ -56,6 +56,9 @@ class SchedulerOutput:
     num_prefill_tokens: int = 0        # tokens of chunks that are not the one-token decode of a running request
     num_decode_tokens: int = 0
     num_draft_tokens: int = 0          # draft tokens to verify (known once the proposer has run)
+    # a hybrid's recurrent-state copies (from slot, to slot) to make before the forward: checkpoints
+    # saved, then restored (core/state_checkpoints.py)
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

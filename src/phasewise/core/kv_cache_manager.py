@@ -16,8 +16,9 @@ token: that token's logits must be computed.
 
 State slots: a hybrid model's linear layers keep a fixed recurrent state per sequence, not KV. The
 manager hands each running request one of `num_state_slots` slots (`request.state_slot`) with its
-first blocks, and takes it back with them; the runner's state tensors are indexed by it. Until the
-state is checkpointed at block boundaries, such a model has no prefix-cache hits.
+first blocks, and takes it back with them; the runner's state tensors are indexed by it. A prefix
+hit on such a model also needs the state where the hit ends: `StateCheckpoints` keeps copies at
+block boundaries (core/state_checkpoints.py), and a hit is cut back to the last boundary with one.
 """
 
 from __future__ import annotations
@@ -26,19 +27,24 @@ from collections.abc import Hashable, Sequence
 
 from phasewise.core.block_pool import BlockPool
 from phasewise.core.request import BlockKey, Request
+from phasewise.core.state_checkpoints import StateCheckpoints
 
 NULL_BLOCK = -1     # a table entry whose block was freed behind a window (never read)
 
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 windows: Sequence[int | None] = (None,), num_state_slots: int = 0) -> None:
+                 windows: Sequence[int | None] = (None,), num_state_slots: int = 0,
+                 num_state_checkpoints: int = 0) -> None:
         """windows: one entry per KV group, its sliding window in tokens (None: full attention).
-        num_state_slots: a hybrid's recurrent-state slots (0: the model keeps none)."""
+        num_state_slots: a hybrid's recurrent-state slots (0: the model keeps none), then its
+        num_state_checkpoints slots for checkpoints (0: no prefix hits for it)."""
         if not windows:
             raise ValueError("at least one KV group")
         self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching and not num_state_slots
+        self.checkpoints = StateCheckpoints(num_state_slots, num_state_checkpoints) \
+            if num_state_slots and num_state_checkpoints and enable_prefix_caching else None
+        self.enable_prefix_caching = enable_prefix_caching and (not num_state_slots or self.checkpoints is not None)
         self.windows = tuple(windows)
         self.pool = BlockPool(num_blocks)
         self.num_state_slots = num_state_slots
@@ -93,6 +99,8 @@ class KVCacheManager:
             if w is None:
                 limit = next((i for i, b in enumerate(hits) if b is None), limit)
             found.append(hits)
+        if self.checkpoints is not None:          # a hybrid resumes from a state checkpoint: the last one
+            limit = next((n for n in range(limit, 0, -1) if self.checkpoints.lookup(*keys[n - 1]) is not None), 0)
         for n in range(limit, 0, -1):             # the longest prefix whose windows are there too
             if all(b is not None for g, w in enumerate(self.windows) if w is not None
                    for b in found[g][self._first_needed(g, n * self.block_size):n]):
@@ -122,6 +130,8 @@ class KVCacheManager:
         pool.touch(taken)
         if needs_slot:
             request.state_slot = self.free_state_slots.pop()
+        if hits[0] and self.checkpoints is not None and request.state_slot is not None:
+            self.checkpoints.restore(*request.block_hashes[len(hits[0]) - 1], request.state_slot)
         for g in groups:
             table = request.block_tables[g]
             table.extend(hits[g])
@@ -149,6 +159,20 @@ class KVCacheManager:
         what the windows left behind (so the pool holds no more than the next step needs)."""
         self._cache_full_blocks(request)
         self._free_behind_windows(request)
+        n, bs = request.num_computed_tokens, self.block_size
+        if self.checkpoints is not None and n and n % bs == 0 and request.state_slot is not None:
+            self.checkpoints.save(*self._block_keys(request, n // bs)[-1], request.state_slot)
+
+    def take_state_copies(self) -> list[tuple[int, int]]:
+        """The recurrent-state copies (from slot, to slot) the runner makes before the next forward."""
+        return [] if self.checkpoints is None else self.checkpoints.take_copies()
+
+    def prompt_boundary(self, request: Request) -> int | None:
+        """Where a hybrid's prompt chunk should end so that its state is checkpointed there: the last
+        block boundary before its last prompt token (the longest prefix a later request can hit)."""
+        if self.checkpoints is None:
+            return None
+        return (request.num_prompt_tokens - 1) // self.block_size * self.block_size
 
     def _cache_full_blocks(self, request: Request) -> None:
         if not self.enable_prefix_caching:

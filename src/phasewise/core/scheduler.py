@@ -51,7 +51,7 @@ class Scheduler:
         i, preempted = 0, False
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._to_boundary(req, req.num_computed_tokens, min(req.num_tokens - req.num_computed_tokens, budget))
             drafts = self._draft_room(req, n, budget)
             while not self.kv.allocate_slots(req, n + drafts):
                 if drafts:                      # drop the drafts before preempting anyone for them
@@ -74,7 +74,7 @@ class Scheduler:
             req = self.waiting[0]
             hits = self.kv.get_computed_blocks(req) if req.prompt_logprobs is None else []   # no logits in a hit
             cached = len(hits[0]) * self.kv.block_size if hits else 0
-            n = min(req.num_tokens - cached, budget)
+            n = self._to_boundary(req, cached, min(req.num_tokens - cached, budget))
             if not self.kv.allocate_slots(req, n, hits):
                 break
             self.waiting.popleft()
@@ -86,13 +86,19 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             chunks.append(ScheduledChunk(request=req, num_tokens=n))
             budget -= n
-        out = SchedulerOutput(chunks)
+        out = SchedulerOutput(chunks, state_copies=self.kv.take_state_copies())
         for c in chunks:
             if c.is_decode:
                 out.num_decode_tokens += 1
             else:
                 out.num_prefill_tokens += c.num_tokens
         return out
+
+    def _to_boundary(self, req: Request, start: int, n: int) -> int:
+        """A chunk of n tokens from `start`, cut at the block boundary where a hybrid checkpoints its
+        prompt's state (KVCacheManager.prompt_boundary), if the chunk crosses it."""
+        boundary = self.kv.prompt_boundary(req)
+        return boundary - start if boundary is not None and start < boundary < start + n else n
 
     def _draft_room(self, req: Request, n: int, budget: int) -> int:
         """How many draft tokens may follow a one-token decode: k, within the budget, max_tokens

@@ -118,7 +118,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         runner = ModelRunner(model, kv_cache, tokenizer.eos_token_ids, config.device, kernels, tp)
         core = EngineCore(runner, config.scheduler, num_blocks, cache.block_size, max_model_len,
                           cache.enable_prefix_caching, proposer, spec.num_speculative_tokens,
-                          model_config.kv_group_windows, slots)
+                          model_config.kv_group_windows, *_split_states(slots, cache.enable_prefix_caching))
     except BaseException:
         if ranks:
             ranks.stop()
@@ -142,11 +142,19 @@ def _check_speculation(cfg: ModelConfig, spec: SpeculativeConfig, tp_size: int) 
 
 def _cache_size(cfg: ModelConfig, config: EngineConfig, kv_dtype: torch.dtype) -> tuple[int, int]:
     """(recurrent-state slots, KV blocks) within the cache's memory budget: a hybrid's states first,
-    one per sequence that may run (at most half the budget), then blocks in the rest."""
+    one per sequence that may run and, with prefix caching, as many checkpoints (at most half the
+    budget), then blocks in the rest."""
     cache = config.cache
-    slots = state_slots_for_memory(cfg, config.scheduler.max_num_seqs, cache.kv_cache_memory_gib)
-    kv_gib = cache.kv_cache_memory_gib - slots * cfg.state_bytes_per_seq / 2**30
-    return slots, cache.num_blocks or num_blocks_for_memory(cfg, cache.block_size, kv_dtype, kv_gib)
+    slots = state_slots_for_memory(cfg, config.scheduler.max_num_seqs, cache.kv_cache_memory_gib,
+                                   cache.enable_prefix_caching)
+    states = 2 * slots if cache.enable_prefix_caching else slots     # checkpoints: as many again
+    kv_gib = cache.kv_cache_memory_gib - states * cfg.state_bytes_per_seq / 2**30
+    return states, cache.num_blocks or num_blocks_for_memory(cfg, cache.block_size, kv_dtype, kv_gib)
+
+
+def _split_states(slots: int, checkpoints: bool) -> tuple[int, int]:
+    """(slots for running sequences, slots for checkpoints) of a hybrid's state slots."""
+    return (slots // 2, slots - slots // 2) if checkpoints else (slots, 0)
 
 
 def _draft_model(config: EngineConfig, target_path: Path, target: ModelConfig, kernels: Kernels | None,

@@ -38,10 +38,11 @@ def num_blocks_for_memory(cfg: ModelConfig, block_size: int, dtype: torch.dtype,
     return max(1, int(gib * 2**30) // kv_bytes_per_block(cfg, block_size, dtype))
 
 
-def state_slots_for_memory(cfg: ModelConfig, max_seqs: int, gib: float) -> int:
-    """A hybrid's recurrent-state slots: one per sequence that may run (max_seqs), within half of the
-    `gib` budget (at least one); 0 for a model without recurrent layers."""
-    per_seq = cfg.state_bytes_per_seq
+def state_slots_for_memory(cfg: ModelConfig, max_seqs: int, gib: float, checkpoints: bool) -> int:
+    """A hybrid's recurrent-state slots for running sequences: one per sequence that may run (max_seqs),
+    as many again for checkpoints if `checkpoints`, all within half of the `gib` budget (at least one
+    of each); 0 for a model without recurrent layers."""
+    per_seq = cfg.state_bytes_per_seq * (2 if checkpoints else 1)
     return 0 if not per_seq else max(1, min(max_seqs, int(gib * 2**30 / 2) // per_seq))
 
 
@@ -72,13 +73,21 @@ class KVCache:
         if dtype == torch.int8:   # unwritten slots: int8 zeros times scale 1 → 0, never NaN
             self.scales = torch.ones(P, 2, slots, cfg.num_kv_heads, device=device)
             self.layers = [(k, v, self.scales[p, 0], self.scales[p, 1]) for p, (k, v) in zip(index, self.layers)]
+        self.states: list[tuple[torch.Tensor, ...]] = []   # a hybrid's recurrent state, per linear layer
         if cfg.linear_attention is not None:     # every layer in order: KV or recurrent state
-            kv, linear = iter(self.layers), cfg.linear_attention
-            state = [(torch.empty(num_state_slots, *linear.conv_state_shape, device=device),
-                      torch.empty(num_state_slots, *linear.recurrent_state_shape, device=device))
-                     for _ in cfg.linear_layers]
-            states = iter(state)
+            linear = cfg.linear_attention
+            self.states = [(torch.empty(num_state_slots, *linear.conv_state_shape, device=device),
+                            torch.empty(num_state_slots, *linear.recurrent_state_shape, device=device))
+                           for _ in cfg.linear_layers]
+            kv, states = iter(self.layers), iter(self.states)
             self.layers = [next(states) if i in cfg.linear_layers else next(kv) for i in range(cfg.num_layers)]
+
+    def copy_states(self, copies: list[tuple[int, int]]) -> None:
+        """A hybrid's recurrent-state copies (from slot, to slot), in order, in every linear layer."""
+        for src, dst in copies:
+            for layer in self.states:
+                for t in layer:
+                    t[dst] = t[src]
 
     def _slots(self, block_ids: list[int]) -> torch.Tensor:
         ids = torch.tensor(block_ids, dtype=torch.int64, device=self.data.device)

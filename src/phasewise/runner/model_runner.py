@@ -84,6 +84,7 @@ class ModelRunner:
         """One step: prepare, forward (every rank), sample and verify; with what a mixture of experts'
         routers chose in it."""
         plan = self.prepare(sched)
+        self.kv_cache.copy_states(sched.state_copies)     # a hybrid's state checkpoints, saved then restored
         if self.tp is not None:
             step: RankStep = ("forward", plan.inputs)
             self.tp.broadcast(step)
