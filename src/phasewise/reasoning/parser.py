@@ -46,10 +46,11 @@ def choose_parser(template: str, generation_prompt: str) -> str | None:
 
 
 class ReasoningParser:
-    """One reply's text split as it streams. name: a PARSERS entry; prompt_open: the prompt ends inside
-    an open `<think>` (prompt_opens_thinking), so the output starts as reasoning."""
+    """One reply's text split as it streams. name: a PARSERS entry; prompt_open: the output starts as
+    reasoning, the prompt having opened the block (prompt_opens_thinking); None: the parser's own
+    assumption (deepseek_r1's prompt opens it, qwen3's may not)."""
 
-    def __init__(self, name: str = "qwen3", prompt_open: bool = False) -> None:
+    def __init__(self, name: str = "qwen3", prompt_open: bool | None = None) -> None:
         if name not in PARSERS:
             raise ValueError(f"unknown reasoning parser {name!r} (one of {', '.join(PARSERS)})")
         self.name = name
@@ -60,7 +61,7 @@ class ReasoningParser:
         # "lead": the output's start, where a `<think>` may open the block; then "reasoning", "after" (the
         # answer's leading whitespace, dropped) and "content"
         self._state = "lead"
-        self._thinking = name == "deepseek_r1" or prompt_open   # what the start is without a `<think>`
+        self._thinking = name == "deepseek_r1" if prompt_open is None else prompt_open   # the start, with no <think>
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
         """(reasoning, content) given out for this delta; final: the output ended, nothing is held."""

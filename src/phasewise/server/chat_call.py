@@ -28,8 +28,7 @@ from phasewise.tool_calling import ToolCallParser
 class ChatCall:
     """A chat request ready to run: its engine requests (one per choice) and how to read thinking and
     tool calls out of their text (tool_format None: no tools, or tool_choice "none"; max_calls 1 with
-    parallel_tool_calls false; thinking None: no reasoning parser, or a constrained output, whose
-    grammar starts at the reply's first token)."""
+    parallel_tool_calls false; thinking None: no reasoning parser)."""
     rid: str
     items: list[SubRequest]
     tool_format: str | None
@@ -42,7 +41,8 @@ class ChatCall:
     def parser(self) -> ReplyParser | None:
         """A fresh parser for one choice's text, or None when nothing is parsed."""
         tools = ToolCallParser(self.tool_format, self.tool_names, self.max_calls) if self.tool_format else None
-        reasoning = self.thinking.parser(self.template_kwargs) if self.thinking else None
+        reasoning = self.thinking.parser(self.template_kwargs, self.constraint_field is not None) \
+            if self.thinking else None
         return ReplyParser(reasoning, tools) if tools or reasoning else None
 
 
@@ -55,9 +55,8 @@ def chat_call(body: ChatCompletionRequest, template_tool_format: str, rid: str,
     names = frozenset(json_types.text(json_types.obj(t["function"])["name"]) for t in tools or ())   # checked tools
     items = [SubRequest(sub_id(rid, j, body.n), messages, choice_params(params, j), tools, kwargs or None)
              for j in range(body.n)]
-    constraint = body.constraint_field
-    return ChatCall(rid, items, tool_format, names, None if body.parallel_tool_calls else 1, constraint,
-                    None if constraint else thinking, kwargs)
+    return ChatCall(rid, items, tool_format, names, None if body.parallel_tool_calls else 1, body.constraint_field,
+                    thinking, kwargs)
 
 
 def sub_id(rid: str, i: int, total: int) -> str:

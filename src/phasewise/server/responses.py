@@ -168,7 +168,7 @@ def chat_message(out: CompletionOutput, parser: ReplyParser | None) -> tuple[Jso
     if parser is None:
         return {"role": "assistant", "content": out.text}, out.finish_reason
     parser.feed(out.text, final=True)
-    message: JsonObject = {"role": "assistant", "content": parser.content}
+    message: JsonObject = {"role": "assistant", "content": parser.content or (None if parser.reasoning else "")}
     if parser.thinks:
         message["reasoning_content"] = message["reasoning"] = parser.reasoning or None
     if not parser.calls:

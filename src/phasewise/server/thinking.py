@@ -39,11 +39,15 @@ class Thinking:
             template = tokenizer.chat_template if tokenizer.has_chat_template() else ""
             self.name = choose_parser(template, self._render("{}")) if template else None
 
-    def parser(self, template_kwargs: JsonObject | None) -> ReasoningParser | None:
-        """A fresh parser for one reply of a request with these template variables (None: no thinking)."""
+    def parser(self, template_kwargs: JsonObject | None, constrained: bool = False) -> ReasoningParser | None:
+        """A fresh parser for one reply of a request with these template variables (None: no thinking).
+        constrained: the reply has a grammar, which starts at its first token (not after the block, yet):
+        it is reasoning only where it opens `<think>` itself."""
         if self.name is None:
             return None
-        return ReasoningParser(self.name, self._opens(json.dumps(template_kwargs or {}, sort_keys=True)))
+        opened = not constrained and (self.name == "deepseek_r1" or
+                                      self._opens(json.dumps(template_kwargs or {}, sort_keys=True)))
+        return ReasoningParser(self.name, opened)
 
     def _probe(self, kwargs_json: str) -> bool:
         """Whether the generation prompt, with these variables, ends inside an open `<think>`."""
