@@ -80,6 +80,7 @@ UNSUPPORTED_FIELDS = frozenset({
     "return_tokens", "return_progress", "response_fields", "post_sampling_probs", "timings_per_token", "n_cmpl",
     # a chat request's fields sent to /v1/completions, and chat's own echo (only completions echo here)
     "echo", "top_logprobs", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls",
+    "chat_template_kwargs", "reasoning_effort",
 })
 
 
