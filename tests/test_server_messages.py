@@ -198,7 +198,7 @@ def test_structured_output_validates(server, spelling, stream):
 # ---- errors -----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fields, needle", [
-    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 100}}, "budget_tokens"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "x"}}]}]},
      "'image'"),
     ({"messages": [{"role": "user", "content": [{"type": "mystery"}]}]}, "messages[0].content[0]"),

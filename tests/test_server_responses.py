@@ -196,7 +196,7 @@ def test_previous_response_id_continues_a_stored_conversation(server):
 
 @pytest.mark.parametrize("fields, param", [
     ({"background": True}, "background"),
-    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"reasoning": {"effort": "extreme"}}, "reasoning"),
     ({"include": ["reasoning.encrypted_content"]}, "include"),
     ({"truncation": "auto"}, "truncation"),
     ({"conversation": "conv_123"}, "conversation"),

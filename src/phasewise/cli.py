@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from phasewise.config import CacheConfig, EngineConfig, SchedulerConfig
 from phasewise.deploy.options import RAY_EXTRA, add_ray_args, start_direct_ingress
-from phasewise.engine.args import add_engine_args, resolve_weights, speculative_config_from_args
+from phasewise.engine.args import add_chat_args, add_engine_args, resolve_weights, speculative_config_from_args
 
 if TYPE_CHECKING:
     from phasewise.core.sampling_params import SamplingParams, StructuredOutputs
@@ -100,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
     s.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one engine step")
     s.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
+    add_chat_args(s)
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM or Ctrl-C: stop accepting, let running requests finish for up to this many "
                         "seconds (then cut them), exit 0")
@@ -225,7 +226,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
                           kv_dtype=args.kv_dtype),
         scheduler=SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, args.max_model_len),
         speculative=speculative_config_from_args(args), tensor_parallel_size=args.tensor_parallel_size,
-        kv_role=args.role, kv_peer=args.kv_peer, packed_cache=args.packed_cache, threads=args.threads)
+        kv_role=args.role, kv_peer=args.kv_peer, packed_cache=args.packed_cache, threads=args.threads,
+        chat_template=_read(args.chat_template, "--chat-template") if args.chat_template else None)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -256,7 +258,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     roofline = _dashboard_roofline(engine)
     app = create_app(async_engine, ServerConfig(served_model_name=name, model_aliases=aliases, api_key=args.api_key,
                                                 max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
-                                                model_root=str(path), role=args.role), roofline)
+                                                model_root=str(path), role=args.role,
+                                                reasoning_parser=args.reasoning_parser), roofline)
     recorder = None
     if args.trace:
         from phasewise.lab.trace import RequestRecorder

@@ -97,6 +97,7 @@ class EngineConfig:
     packed_cache: bool = True            # map packed GGUF weights from <cache>/packed (loading/packed_cache.py)
     threads: int | None = None           # kernel threads: None adapts to the CPUs other programs leave free
                                          # (runner/thread_governor.py), N pins
+    chat_template: str | None = None     # a chat template's text in place of the model's (serve --chat-template)
 
     def __post_init__(self) -> None:
         if self.kernels not in ("auto", "torch"):

@@ -9,7 +9,7 @@ import os
 from collections.abc import Mapping
 from typing import NoReturn
 
-from phasewise.engine.args import add_engine_args, positive_int, resolve_weights
+from phasewise.engine.args import add_chat_args, add_engine_args, positive_int, resolve_weights
 
 RAY_EXTRA = "pip install 'phasewise[ray]'"
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -62,6 +62,7 @@ def replica_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     s.add_argument("--max-num-seqs", type=int, default=64)
     s.add_argument("--max-num-batched-tokens", type=int, default=512)
+    add_chat_args(s)
     add_engine_args(p)
     add_ray_args(p)
     return p

@@ -163,7 +163,8 @@ def build_server(options: argparse.Namespace, kv_role: str | None = None,
         scheduler=SchedulerConfig(o.max_num_batched_tokens, o.max_num_seqs, o.max_model_len),
         speculative=speculative_config_from_args(o), packed_cache=o.packed_cache,
         tensor_parallel_size=o.tensor_parallel_size, kv_role=kv_role, kv_peer=kv_peer,
-        threads=o.threads or replica_cpus(o))
+        threads=o.threads or replica_cpus(o),
+        chat_template=Path(o.chat_template).expanduser().read_text() if o.chat_template else None)
 
     def build() -> LLMEngine:                    # on the engine thread, which then owns the OpenMP pool
         engine = LLMEngine(config)
@@ -179,7 +180,8 @@ def build_server(options: argparse.Namespace, kv_role: str | None = None,
     aliases = tuple(a for a in (o.model, str(path)) if a)
     app = create_app(async_engine, ServerConfig(served_model_name=name, model_aliases=aliases, api_key=o.api_key,
                                                 max_waiting=o.max_waiting, max_body_bytes=o.max_body_bytes,
-                                                model_root=str(path), role=kv_role))
+                                                model_root=str(path), role=kv_role,
+                                                reasoning_parser=o.reasoning_parser))
     return async_engine, app
 
 

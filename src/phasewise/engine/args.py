@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from phasewise.config import SpeculativeConfig
+from phasewise.reasoning import PARSERS
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -45,6 +46,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ngram-max", type=int, default=4, help="longest n-gram matched by --speculative ngram")
     g.add_argument("--draft-quantization", default="q4", choices=["none", "int8", "q4"],
                    help="the draft model's weight format (none: fp32)")
+
+
+def add_chat_args(g: argparse._ArgumentGroup) -> None:
+    """serve's chat options (a server's, and each Ray replica's): the template and how thinking is read."""
+    g.add_argument("--chat-template", metavar="FILE", default=None,
+                   help="a Jinja chat template to use in place of the model's own")
+    g.add_argument("--reasoning-parser", default="auto", choices=["auto", "none", *PARSERS],
+                   help="how replies' thinking (<think>...</think>) is split from the answer: qwen3 (Qwen3, "
+                        "Qwen3.5), deepseek_r1 (the R1 distills, whose prompt opens the block), none; auto "
+                        "(default): the chat template's own, none when it writes no thinking")
 
 
 def threads_arg(text: str) -> int | None:

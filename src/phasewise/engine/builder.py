@@ -104,6 +104,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
                                                 plain=config.kernels == "torch", tp=tp,
                                                 packed_cache=config.packed_cache)
             tokenizer = tokenizer_loading.result()
+        if config.chat_template is not None:
+            tokenizer = tokenizer.with_chat_template(config.chat_template)
         model.build_stack(_bound(kernels, precision.weights))   # the C++ decoder stack, where it can run
         if tp:
             tp.broadcast("ready")                               # every rank has loaded its part

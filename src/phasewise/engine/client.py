@@ -40,9 +40,10 @@ class EngineClient(Protocol):
     max_model_len: int
     kv_transfer: KVTransfer
 
-    def encode_prompt(self, prompt: Prompt, chat: bool,
-                      tools: Sequence[Mapping[str, JsonValue]] | None = None) -> list[int]:
-        """Token ids of a prompt: chat messages (with OpenAI-style tools) through the chat template."""
+    def encode_prompt(self, prompt: Prompt, chat: bool, tools: Sequence[Mapping[str, JsonValue]] | None = None,
+                      template_kwargs: Mapping[str, JsonValue] | None = None) -> list[int]:
+        """Token ids of a prompt: chat messages (with OpenAI-style tools and template_kwargs, the
+        template's own variables) through the chat template."""
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, chat: bool = False,
                     request_id: str | None = None,

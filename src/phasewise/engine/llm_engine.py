@@ -52,15 +52,17 @@ class LLMEngine:
 
     # ---- requests ---------------------------------------------------------------
 
-    def encode_prompt(self, prompt: Prompt, chat: bool,
-                      tools: Sequence[Mapping[str, JsonValue]] | None = None) -> list[int]:
-        """Token ids of a prompt: chat messages (with OpenAI-style tools) through the chat template."""
+    def encode_prompt(self, prompt: Prompt, chat: bool, tools: Sequence[Mapping[str, JsonValue]] | None = None,
+                      template_kwargs: Mapping[str, JsonValue] | None = None) -> list[int]:
+        """Token ids of a prompt: chat messages (with OpenAI-style tools and the template's own variables,
+        template_kwargs) through the chat template."""
         if isinstance(prompt, str):
             if chat:
-                return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tools=tools)
+                return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tools=tools,
+                                                          template_kwargs=template_kwargs)
             return self.tokenizer.encode(prompt)
         if is_chat(prompt):
-            return self.tokenizer.apply_chat_template(prompt, tools=tools)
+            return self.tokenizer.apply_chat_template(prompt, tools=tools, template_kwargs=template_kwargs)
         return list(prompt)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from phasewise import json_types
 from phasewise.json_types import JsonObject, JsonValue
 from phasewise.server.body_parsing import validation_message
 from phasewise.server.protocol import INT64, APIError, ChatCompletionRequest, bad_request
@@ -23,8 +24,10 @@ from phasewise.server.protocol import INT64, APIError, ChatCompletionRequest, ba
 PATH = "/v1/messages"
 
 # Fields of the Messages API that would change the output and that this server does not implement
-# (thinking {"type": "disabled"} and an output_config of effort alone change nothing here and pass).
-UNSUPPORTED_FIELDS = frozenset({"thinking", "container", "mcp_servers", "context_management"})
+# (an output_config of effort alone changes nothing here and passes).
+UNSUPPORTED_FIELDS = frozenset({"container", "mcp_servers", "context_management"})
+THINKING_TYPES = ("enabled", "disabled", "adaptive")
+MIN_BUDGET = 1024                          # Anthropic's least thinking.budget_tokens
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
@@ -61,12 +64,13 @@ class _Body(BaseModel):
     system: str | list[JsonObject] | None = None
     tools: list[JsonObject] | None = None
     tool_choice: JsonObject | None = None
+    thinking: JsonObject | None = None                # {"type": "enabled", "budget_tokens": N}, disabled, adaptive
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> _Body:
+        if self.thinking is not None and self.thinking.get("type") not in THINKING_TYPES:
+            raise bad_request(f"thinking.type: Input should be {', '.join(map(repr, THINKING_TYPES))}", "thinking")
         for name, value in (self.model_extra or {}).items():
-            if name == "thinking" and isinstance(value, dict) and value.get("type") == "disabled":
-                continue
             if name == "output_config" and value is not None and not (
                     isinstance(value, dict) and set(value) <= {"effort", "format"}):
                 raise bad_request("output_config takes only format (and effort, which changes nothing here)",
@@ -85,7 +89,15 @@ class _Body(BaseModel):
             fields["tool_choice"] = _tool_choice(choice, self.tools is not None)
             if choice.get("disable_parallel_tool_use"):
                 fields["parallel_tool_calls"] = False
+        if self.thinking is not None:      # the template's switch (the budget is the engine's to keep)
+            fields["chat_template_kwargs"] = {"enable_thinking": self.thinking["type"] != "disabled"}
         return fields
+
+    def thinking_blocks(self) -> list[tuple[str, str, str]]:
+        """(thinking, signature, where) of every thinking block in the assistant turns, to verify."""
+        return [(json_types.text(b["thinking"]), json_types.text(b["signature"]), f"messages[{i}].content[{j}]")
+                for i, m in enumerate(self.messages) if m.role == "assistant" and isinstance(m.content, list)
+                for j, b in enumerate(m.content) if b.get("type") == "thinking" and _is_thinking(b)]
 
     @property
     def single_call(self) -> bool:
@@ -104,6 +116,7 @@ class MessagesRequest(_Body):
 
     def chat_body(self) -> ChatCompletionRequest:
         """The ChatCompletionRequest this request runs as (400 naming the Messages field otherwise)."""
+        self._check_budget()
         stop: list[JsonValue] | None = None if self.stop_sequences is None else [*self.stop_sequences]
         fields: JsonObject = {**self.chat_fields(), "max_tokens": self.max_tokens, "stop": stop, "stream": self.stream}
         for name in ("temperature", "top_p", "top_k"):
@@ -113,6 +126,19 @@ class MessagesRequest(_Body):
         if output_format is not None:
             fields["response_format"] = output_format
         return validate_chat(fields)
+
+    def _check_budget(self) -> None:
+        """Anthropic's rules of thinking.budget_tokens, in its words."""
+        if self.thinking is None or self.thinking["type"] != "enabled":
+            return
+        budget = self.thinking.get("budget_tokens")
+        if not isinstance(budget, int) or isinstance(budget, bool):
+            raise bad_request("thinking.enabled.budget_tokens: Field required", "thinking")
+        if budget < MIN_BUDGET:
+            raise bad_request(f"thinking.enabled.budget_tokens: Input should be greater than or equal to {MIN_BUDGET}",
+                              "thinking")
+        if self.max_tokens <= budget:
+            raise bad_request("`max_tokens` must be greater than `thinking.budget_tokens`", "max_tokens")
 
     def output_format(self) -> JsonObject | None:
         """Structured outputs (`output_config.format`, or the beta's `output_format`): {"type": "json_schema",
@@ -167,7 +193,7 @@ def _text(blocks: str | Sequence[JsonValue], where: str) -> str:
 
 def _bad_block(block: JsonValue, where: str, allowed: str) -> APIError:
     kind = block.get("type") if isinstance(block, dict) else None
-    if kind in ("text", "tool_use", "tool_result") and kind in allowed:
+    if kind in ("text", "thinking", "tool_use", "tool_result") and kind in allowed:
         return bad_request(f"{where}: a malformed {kind} block", where.split("[")[0])
     return bad_request(f"{where}: {kind!r} blocks are not supported here (only {allowed})", where.split("[")[0])
 
@@ -197,21 +223,30 @@ def _messages(messages: list[InputMessage]) -> list[JsonObject]:
 
 def _assistant(blocks: list[JsonObject], where: str) -> JsonObject:
     texts: list[str] = []
+    thoughts: list[str] = []
     calls: list[JsonValue] = []
     for j, block in enumerate(blocks):
         kind, text = block.get("type"), block.get("text")
         if kind == "text" and isinstance(text, str):
             texts.append(text)
+        elif kind == "thinking" and _is_thinking(block):     # its signature: checked by the route
+            thoughts.append(json_types.text(block["thinking"]))
         elif (kind == "tool_use" and isinstance(block.get("id"), str) and isinstance(block.get("name"), str)
               and isinstance(block.get("input", {}), dict)):
             calls.append({"id": block["id"], "type": "function",
                           "function": {"name": block["name"], "arguments": json.dumps(block.get("input", {}))}})
         else:
-            raise _bad_block(block, f"{where}[{j}]", "text and tool_use")
+            raise _bad_block(block, f"{where}[{j}]", "text, thinking and tool_use")
     message: JsonObject = {"role": "assistant", "content": "\n\n".join(texts)}
     if calls:
         message["tool_calls"] = calls
+    if thoughts:
+        message["reasoning_content"] = "\n\n".join(thoughts)
     return message
+
+
+def _is_thinking(block: JsonObject) -> bool:
+    return isinstance(block.get("thinking"), str) and isinstance(block.get("signature"), str)
 
 
 def _user(blocks: list[JsonObject], where: str) -> list[JsonObject]:

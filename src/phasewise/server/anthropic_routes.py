@@ -2,9 +2,10 @@
 /v1/messages/count_tokens.
 
 The body is translated into a ChatCompletionRequest (anthropic_protocol.py) and runs as a chat
-completion does (chat_call.py); the reply's text goes through the same ToolCallParser, whose pieces
-become content blocks: text, and tool_use with its input (streamed as input_json_delta fragments).
-A streamed and a collected reply are built by the same `Blocks`, so they hold the same blocks.
+completion does (chat_call.py); the reply's text goes through the same ReplyParser, whose pieces
+become content blocks: thinking (signed: thinking_signature.py), text, and tool_use with its input
+(streamed as input_json_delta fragments). A streamed and a collected reply are built by the same
+`Blocks`, so they hold the same blocks. Thinking blocks sent back must carry the signature given.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from phasewise.server.guards import Guards
 from phasewise.server.protocol import APIError, ChatCompletionRequest
 from phasewise.server.request_stream import RequestStream
 from phasewise.server.sse import collect, failure, sse_response
-from phasewise.tool_calling import ToolCallParser
+from phasewise.server.reply_parser import ReplyParser
+from phasewise.server.thinking import Thinking
+from phasewise.server.thinking_signature import ThinkingSignature
 
 Event = tuple[str, JsonObject]              # (event name, its data)
 
@@ -35,19 +38,26 @@ Event = tuple[str, JsonObject]              # (event name, its data)
 def anthropic_router(guards: Guards) -> APIRouter:
     engine = guards.engine
     submitter = Submitter(guards)
+    thinking, signature = Thinking(guards.config.reasoning_parser, engine.tokenizer), ThinkingSignature()
     router = APIRouter(dependencies=[Depends(guards.require_key)])
 
     def prepared(body: ChatCompletionRequest, rid: str) -> ChatCall:
         try:
-            return chat_call(body, engine.tokenizer.tool_format, rid)
+            return chat_call(body, engine.tokenizer.tool_format, rid, thinking)
         except APIError as e:
             raise renamed(e) from None
+
+    def check_signatures(body: MessagesRequest | CountTokensRequest) -> None:
+        for text, signed, where in body.thinking_blocks():
+            if not signature.verify(text, signed):
+                raise APIError(400, f"{where}: Invalid `signature` in `thinking` block", param="messages")
 
     # not in /openapi.json: its fuzzing expects OpenAI's error shape of every route it finds
     @router.post("/v1/messages", include_in_schema=False)
     async def messages(request: Request) -> Response:
         body = parse_body(await request.body(), MessagesRequest)
         guards.check_model(body.model)
+        check_signatures(body)
         call = prepared(body.chat_body(), f"msg_{uuid.uuid4().hex[:24]}")
         try:
             stream = await submitter.start(call.items, True, call.constraint_field)
@@ -55,11 +65,11 @@ def anthropic_router(guards: Guards) -> APIRouter:
             raise renamed(e) from None
         model = body.model or guards.config.served_model_name
         if body.stream:
-            return sse_response(message_events(stream, call, model, body.single_call), stream)
+            return sse_response(message_events(stream, call, model, body.single_call, signature), stream)
         outs = await collect(request, stream)
         if outs is None:
             return Response(status_code=499)
-        return JSONResponse(message_body(call, model, outs[0], body.single_call))
+        return JSONResponse(message_body(call, model, outs[0], body.single_call, signature))
 
     @router.post("/v1/messages/count_tokens", include_in_schema=False)
     async def count_tokens(request: Request) -> JsonObject:
@@ -68,7 +78,7 @@ def anthropic_router(guards: Guards) -> APIRouter:
         guards.check_model(body.model)
         item = prepared(body.chat_body(), "count").items[0]
         try:
-            ids = await engine.call(lambda e: e.encode_prompt(item.prompt, True, item.tools))
+            ids = await engine.call(lambda e: e.encode_prompt(item.prompt, True, item.tools, item.template_kwargs))
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         return {"input_tokens": len(ids)}
@@ -77,12 +87,14 @@ def anthropic_router(guards: Guards) -> APIRouter:
 
 
 class Blocks:
-    """A reply's content blocks, built from a ToolCallParser's pieces (or plain text) as they come:
+    """A reply's content blocks, built from a ReplyParser's pieces (or plain text) as they come:
     `add` returns the events that open, extend and close blocks; `content` is the blocks so far.
-    single_call: tool calls after the first are dropped (disable_parallel_tool_use)."""
+    single_call: tool calls after the first are dropped (disable_parallel_tool_use); signature: what
+    signs a thinking block as it closes (a signature_delta before its content_block_stop)."""
 
-    def __init__(self, parser: ToolCallParser | None, single_call: bool) -> None:
-        self.parser, self.single_call = parser, single_call
+    def __init__(self, parser: ReplyParser | None, single_call: bool, signature: ThinkingSignature | None = None
+                 ) -> None:
+        self.parser, self.single_call, self.signature = parser, single_call, signature or ThinkingSignature()
         self.content: list[JsonObject] = []
         self._open: str | int | None = None         # "text", a call's index, or None
         self._arguments: list[str] = []             # each call's input JSON text so far
@@ -92,6 +104,8 @@ class Blocks:
             [{"content": text}] if text else []
         events: list[Event] = []
         for piece in pieces:
+            if "reasoning" in piece:
+                events += self._thinking(json_types.text(piece["reasoning"]))
             if "content" in piece:
                 events += self._text(json_types.text(piece["content"]))
             for call in json_types.objects(piece.get("tool_calls")):
@@ -108,7 +122,7 @@ class Blocks:
         events = self._close()
         self._open = kind
         self.content.append(block)
-        shown = {**block, "text": ""} if block["type"] == "text" else {**block, "input": {}}
+        shown = {**block, "input": {}} if block["type"] == "tool_use" else dict(block)
         return events + [("content_block_start", {"type": "content_block_start", "index": len(self.content) - 1,
                                                   "content_block": shown})]
 
@@ -120,6 +134,13 @@ class Blocks:
         block = self.content[-1]
         block["text"] = json_types.text(block["text"]) + text
         return events + [self._delta({"type": "text_delta", "text": text})]
+
+    def _thinking(self, text: str) -> list[Event]:
+        events = [] if self._open == "thinking" else \
+            self._start("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+        block = self.content[-1]
+        block["thinking"] = json_types.text(block["thinking"]) + text
+        return events + [self._delta({"type": "thinking_delta", "thinking": text})]
 
     def _call(self, call: JsonObject) -> list[Event]:
         """`call`: a ToolCallParser piece's tool_calls entry (a new call, or a fragment of its arguments)."""
@@ -140,10 +161,15 @@ class Blocks:
     def _close(self) -> list[Event]:
         if self._open is None:
             return []
+        events: list[Event] = []
         if isinstance(self._open, int):
             self.content[-1]["input"] = _input(self._arguments[self._open])
+        if self._open == "thinking":
+            block = self.content[-1]
+            block["signature"] = self.signature.sign(json_types.text(block["thinking"]))
+            events.append(self._delta({"type": "signature_delta", "signature": block["signature"]}))
         self._open = None
-        return [("content_block_stop", {"type": "content_block_stop", "index": len(self.content) - 1})]
+        return events + [("content_block_stop", {"type": "content_block_stop", "index": len(self.content) - 1})]
 
 
 def _input(arguments: str) -> JsonObject:
@@ -176,12 +202,13 @@ def _message(rid: str, model: str, content: list[JsonObject], reason: str | None
             "stop_reason": reason, "stop_sequence": sequence, "usage": use}
 
 
-def message_body(call: ChatCall, model: str, out: CompletionOutput, single_call: bool) -> JsonObject:
+def message_body(call: ChatCall, model: str, out: CompletionOutput, single_call: bool,
+                 signature: ThinkingSignature | None = None) -> JsonObject:
     """The message of a finished output; APIError (500) when the engine gave none."""
     cause = failure(out)
     if cause is not None:
         raise APIError(500, cause, type="server_error", code="engine_error")
-    blocks = Blocks(call.parser(), single_call)
+    blocks = Blocks(call.parser(), single_call, signature)
     blocks.add(out.text, final=True)
     sequence = out.stop_reason if isinstance(out.stop_reason, str) else None
     return _message(call.rid, model, blocks.content, stop_reason(out, blocks.calls), sequence, usage(out))
@@ -195,11 +222,11 @@ def _error(message: str) -> str:
     return _sse("error", error_body(500, message))
 
 
-async def message_events(stream: RequestStream, call: ChatCall, model: str, single_call: bool
-                         ) -> AsyncIterator[str]:
+async def message_events(stream: RequestStream, call: ChatCall, model: str, single_call: bool,
+                         signature: ThinkingSignature | None = None) -> AsyncIterator[str]:
     """message_start (once the prompt has run: its usage is known), a ping, the blocks' events,
     message_delta with the stop reason and usage, message_stop. An engine failure: an error event."""
-    blocks = Blocks(call.parser(), single_call)
+    blocks = Blocks(call.parser(), single_call, signature)
     started = False
     try:
         async for delta in stream:

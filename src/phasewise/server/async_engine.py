@@ -45,6 +45,7 @@ class SubRequest:
     prompt: Prompt
     params: SamplingParams
     tools: list[JsonObject] | None = None      # chat: the tools the template renders
+    template_kwargs: JsonObject | None = None  # chat: the template's own variables (chat_template_kwargs)
 
 
 @dataclass
@@ -292,7 +293,7 @@ class AsyncEngine:
         for it in items:
             key = id(it.prompt)                # the choices of one prompt share its object: encode once
             if key not in encoded:
-                encoded[key] = engine.encode_prompt(it.prompt, chat, it.tools)
+                encoded[key] = engine.encode_prompt(it.prompt, chat, it.tools, it.template_kwargs)
             prepared.append((it.request_id, encoded[key], it.params))
         added = []
         try:

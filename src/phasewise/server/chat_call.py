@@ -15,37 +15,48 @@ from phasewise.core.sampling_params import ConstraintError
 from phasewise.server.async_engine import SubRequest
 from phasewise.server.errors import EngineDeadError
 from phasewise import json_types
+from phasewise.json_types import JsonObject
 from phasewise.server.guards import Guards
 from phasewise.server.protocol import APIError, ChatCompletionRequest, bad_request, choice_params
+from phasewise.server.reply_parser import ReplyParser
 from phasewise.server.request_stream import RequestStream
+from phasewise.server.thinking import Thinking
 from phasewise.tool_calling import ToolCallParser
 
 
 @dataclass(frozen=True)
 class ChatCall:
-    """A chat request ready to run: its engine requests (one per choice) and how to read tool calls out
-    of their text (tool_format None: no tools, or tool_choice "none": the text is all content; max_calls
-    1 with parallel_tool_calls false)."""
+    """A chat request ready to run: its engine requests (one per choice) and how to read thinking and
+    tool calls out of their text (tool_format None: no tools, or tool_choice "none"; max_calls 1 with
+    parallel_tool_calls false; thinking None: no reasoning parser)."""
     rid: str
     items: list[SubRequest]
     tool_format: str | None
     tool_names: frozenset[str]
     max_calls: int | None
     constraint_field: str | None
+    thinking: Thinking | None = None
+    template_kwargs: JsonObject | None = None
 
-    def parser(self) -> ToolCallParser | None:
+    def parser(self) -> ReplyParser | None:
         """A fresh parser for one choice's text, or None when nothing is parsed."""
-        return ToolCallParser(self.tool_format, self.tool_names, self.max_calls) if self.tool_format else None
+        tools = ToolCallParser(self.tool_format, self.tool_names, self.max_calls) if self.tool_format else None
+        reasoning = self.thinking.parser(self.template_kwargs, self.constraint_field is not None) \
+            if self.thinking else None
+        return ReplyParser(reasoning, tools) if tools or reasoning else None
 
 
-def chat_call(body: ChatCompletionRequest, template_tool_format: str, rid: str) -> ChatCall:
+def chat_call(body: ChatCompletionRequest, template_tool_format: str, rid: str,
+              thinking: Thinking | None = None) -> ChatCall:
     """The request's sub-requests; 400 (APIError) for what is wrong with it. template_tool_format: the
-    format the model's chat template calls tools in (Tokenizer.tool_format)."""
+    format the model's chat template calls tools in (Tokenizer.tool_format); thinking: the server's."""
     params, tool_format = body.tool_params(body.sampling_params(), template_tool_format)
-    messages, tools = body.conversation(), body.checked_tools()
+    messages, tools, kwargs = body.conversation(), body.checked_tools(), body.template_kwargs()
     names = frozenset(json_types.text(json_types.obj(t["function"])["name"]) for t in tools or ())   # checked tools
-    items = [SubRequest(sub_id(rid, j, body.n), messages, choice_params(params, j), tools) for j in range(body.n)]
-    return ChatCall(rid, items, tool_format, names, None if body.parallel_tool_calls else 1, body.constraint_field)
+    items = [SubRequest(sub_id(rid, j, body.n), messages, choice_params(params, j), tools, kwargs or None)
+             for j in range(body.n)]
+    return ChatCall(rid, items, tool_format, names, None if body.parallel_tool_calls else 1, body.constraint_field,
+                    thinking, kwargs)
 
 
 def sub_id(rid: str, i: int, total: int) -> str:

@@ -15,4 +15,5 @@ class ServerConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     model_root: str = ""
     role: str | None = None                   # "prefill" | "decode": one side of a disaggregated pair
+    reasoning_parser: str = "auto"            # thinking.CHOICES: the template's own, none, or a parser's name
     created: int = field(default_factory=lambda: int(time.time()))

@@ -23,6 +23,7 @@ from phasewise.server.guards import Guards
 from phasewise.server.disaggregation import DisaggregatedPair
 from phasewise.server.protocol import CompletionRequest, ChatCompletionRequest, bad_request, choice_params, openapi_body
 from phasewise.server.sse import chat_events, collect, completion_events, sse_response
+from phasewise.server.thinking import Thinking
 
 
 class Responder:
@@ -64,6 +65,7 @@ def openai_router(guards: Guards) -> APIRouter:
     engine, config = guards.engine, guards.config
     token_text = R.TokenText(engine.tokenizer)
     respond = Responder(guards).respond
+    thinking = Thinking(config.reasoning_parser, engine.tokenizer)
     router = APIRouter(dependencies=[Depends(guards.require_key)])
 
     def model_card() -> JsonObject:
@@ -96,7 +98,7 @@ def openai_router(guards: Guards) -> APIRouter:
     async def chat_completions(request: Request) -> Response:
         body = parse_body(await request.body(), ChatCompletionRequest)
         guards.check_model(body.model)
-        call = chat_call(body, engine.tokenizer.tool_format, f"chatcmpl-{uuid.uuid4().hex}")
+        call = chat_call(body, engine.tokenizer.tool_format, f"chatcmpl-{uuid.uuid4().hex}", thinking)
         return await respond(request, body, call.rid, call.items, True,
                              partial(chat_events, n=body.n, tt=token_text, parser=call.parser),
                              partial(R.chat_body, tt=token_text, parser=call.parser))

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validat
 from phasewise import tool_calling
 from phasewise.json_types import JsonObject
 from phasewise.core.sampling_params import SamplingParams, StructuredOutputs
-from phasewise.server import constraints
+from phasewise.server import constraints, thinking
 
 MAX_CHOICES = 128          # n x prompts of one API call
 INT64 = 2 ** 63
@@ -59,7 +59,7 @@ UNSUPPORTED_FIELDS = frozenset({
     # constrained output (vLLM): free whitespace inside JSON, structural tags
     "guided_whitespace_pattern", "structural_tag",
     # formats (OpenAI): the legacy functions, predicted outputs, audio, ...
-    "functions", "function_call", "prediction", "audio", "modalities", "reasoning_effort",
+    "functions", "function_call", "prediction", "audio", "modalities",
     "web_search_options", "verbosity",
     # sampling and penalties (vLLM, llama.cpp)
     "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words", "logits_processors", "typical_p",
@@ -69,7 +69,7 @@ UNSUPPORTED_FIELDS = frozenset({
     "top_n_sigma", "samplers", "n_predict", "n_probs", "truncate_prompt_tokens", "include_stop_str_in_output",
     "adaptive_target", "adaptive_decay", "min_keep", "backend_sampling", "t_max_predict_ms", "lora", "vllm_xargs",
     # the prompt: templates and their arguments, tokenization, context shifting (vLLM, llama.cpp)
-    "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs", "documents",
+    "add_generation_prompt", "continue_final_message", "chat_template", "documents",
     "add_special_tokens", "prompt_embeds", "chat_format", "chat_parser", "parse_tool_calls", "grammar_lazy",
     "grammar_triggers", "preserved_tokens", "thinking_forced_open", "n_keep", "n_discard", "n_indent",
     # reasoning budgets and formats (llama.cpp)
@@ -80,6 +80,7 @@ UNSUPPORTED_FIELDS = frozenset({
     "return_tokens", "return_progress", "response_fields", "post_sampling_probs", "timings_per_token", "n_cmpl",
     # a chat request's fields sent to /v1/completions, and chat's own echo (only completions echo here)
     "echo", "top_logprobs", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls",
+    "chat_template_kwargs", "reasoning_effort",
 })
 
 
@@ -248,6 +249,8 @@ class ChatMessage(BaseModel):
     tool_calls: list[JsonObject] | None = None          # an assistant's earlier calls
     tool_call_id: str | None = None                     # a tool result: the call it answers
     name: str | None = None
+    reasoning_content: str | None = None                # an assistant's earlier thinking (vLLM's name)
+    reasoning: str | None = None                        # the same, vLLM's newer name
 
     def as_dict(self) -> JsonObject:
         if self.role not in ROLES:
@@ -271,6 +274,9 @@ class ChatMessage(BaseModel):
             message["tool_call_id"] = self.tool_call_id
         if self.name is not None and self.role == "tool":
             message["name"] = self.name
+        thought = self.reasoning_content or self.reasoning
+        if thought and self.role == "assistant":
+            message["reasoning_content"] = thought          # what Qwen3's templates read
         return message
 
 
@@ -283,6 +289,12 @@ class ChatCompletionRequest(_Request):
     tools: list[JsonObject] | None = None                # checked by checked_tools
     tool_choice: str | JsonObject | None = None          # "none", "auto", "required" or a function's: forced_tool
     parallel_tool_calls: bool = True
+    chat_template_kwargs: JsonObject | None = None       # the template's own variables (enable_thinking)
+    reasoning_effort: str | None = None                  # "none", "minimal": thinking off; the others on
+
+    def template_kwargs(self) -> JsonObject:
+        """The variables the chat template gets (server/thinking.py)."""
+        return thinking.template_kwargs(self.chat_template_kwargs, self.reasoning_effort, bad_request)
 
     def conversation(self) -> list[JsonObject]:
         if not self.messages:

@@ -12,7 +12,7 @@ from phasewise.json_types import JsonObject, JsonValue
 from phasewise.percentile import percentile
 from phasewise.outputs import CompletionOutput
 from phasewise import json_types
-from phasewise.tool_calling import ToolCallParser
+from phasewise.server.reply_parser import ReplyParser
 from phasewise.report import timings as report_timings
 
 TimingKey = Literal["queue_ms", "ttft_ms", "prompt_n", "cache_n", "prompt_ms", "prompt_per_second", "predicted_n",
@@ -148,12 +148,12 @@ def completion_body(rid: str, created: int, model: str, outputs: Sequence[Comple
             "usage": usage(outputs[::n], outputs), "timings": timings(outputs[0])}
 
 
-def tool_finish_reason(reason: str | None, parser: ToolCallParser | None) -> str | None:
+def tool_finish_reason(reason: str | None, parser: ReplyParser | None) -> str | None:
     """"tool_calls" for an output that ended on its own after calling tools (OpenAI's finish reason)."""
     return "tool_calls" if parser is not None and parser.calls and reason == "stop" else reason
 
 
-ParserFactory = Callable[[], ToolCallParser | None]   # a fresh parser for a choice (ChatCall.parser)
+ParserFactory = Callable[[], ReplyParser | None]   # a fresh parser for a choice (ChatCall.parser)
 
 
 def no_parser() -> None:
@@ -161,24 +161,32 @@ def no_parser() -> None:
     return None
 
 
-def chat_message(out: CompletionOutput, parser: ToolCallParser | None) -> tuple[JsonObject, str | None]:
-    """The assistant message of a finished output and its finish reason: with a parser, the calls
-    found in the text as tool_calls (content: the text around them, or null)."""
+def chat_message(out: CompletionOutput, parser: ReplyParser | None) -> tuple[JsonObject, str | None]:
+    """The assistant message of a finished output and its finish reason: with a parser, the thinking as
+    reasoning_content (and vLLM's newer `reasoning`; null when none), the calls found in the answer as
+    tool_calls (content: the text around them, or null)."""
     if parser is None:
         return {"role": "assistant", "content": out.text}, out.finish_reason
     parser.feed(out.text, final=True)
+    message: JsonObject = {"role": "assistant", "content": parser.content or (None if parser.reasoning else "")}
+    if parser.thinks:
+        message["reasoning_content"] = message["reasoning"] = parser.reasoning or None
     if not parser.calls:
-        return {"role": "assistant", "content": out.text}, out.finish_reason
-    return ({"role": "assistant", "content": parser.content or None,
-             "tool_calls": [c.as_dict() for c in parser.calls]}, tool_finish_reason(out.finish_reason, parser))
+        return message, out.finish_reason
+    message.update(content=parser.content or None, tool_calls=[c.as_dict() for c in parser.calls])
+    return message, tool_finish_reason(out.finish_reason, parser)
 
 
 def merge_delta(pieces: Sequence[JsonObject]) -> JsonObject:
-    """A parser's pieces of one step as one chat delta: content joined, each call's pieces in one entry."""
+    """A parser's pieces of one step as one chat delta: reasoning (as reasoning_content and reasoning) and
+    content joined, each call's pieces in one entry."""
     delta: JsonObject = {}
     calls: list[JsonValue] = []
     functions: dict[int, JsonObject] = {}           # each call's function entry, by the call's index
     for piece in pieces:
+        if "reasoning" in piece:
+            thought = json_types.text(delta.get("reasoning", "")) + json_types.text(piece["reasoning"])
+            delta["reasoning_content"] = delta["reasoning"] = thought
         if "content" in piece:
             delta["content"] = json_types.text(delta.get("content", "")) + json_types.text(piece["content"])
         for call in json_types.objects(piece.get("tool_calls")):

@@ -18,6 +18,7 @@ from phasewise.json_types import JsonObject, JsonValue
 from phasewise import json_types
 from phasewise.server.body_parsing import validation_message
 from phasewise.server.protocol import UNSUPPORTED_FIELDS, APIError, ChatCompletionRequest, bad_request
+from phasewise.server.thinking import EFFORTS
 
 # Fields that would change the output and are not implemented here: a 400 naming them. The chat
 # route's list, less what the Responses API has too, plus the Responses' own.
@@ -33,8 +34,9 @@ PASSED = ("seed", "stop", "presence_penalty", "frequency_penalty", "top_k", "min
           "json_schema", "grammar")
 # A chat error's field → (the Responses param, the name its message uses)
 RENAMES = {"messages": ("input", "input"), "response_format": ("text", "text.format"),
-           "max_tokens": ("max_output_tokens", "max_output_tokens")}
-_RENAME_RE = re.compile(r"\b(messages|response_format|max_tokens)\b")
+           "max_tokens": ("max_output_tokens", "max_output_tokens"),
+           "reasoning_effort": ("reasoning", "reasoning.effort")}
+_RENAME_RE = re.compile(r"\b(messages|response_format|max_tokens|reasoning_effort)\b")
 _CHAT_TOOL_RE = re.compile(r"\btools\[(\d+)\]\.function\.")       # a chat tool's field; flat here
 ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -73,10 +75,9 @@ class ResponsesRequest(BaseModel):
                 raise bad_request(f"{name} is not a /v1/responses field: use {CHAT_SPELLINGS[name]}", name)
             if name in REFUSED:
                 raise bad_request(f"{name} is not supported by this server", name)
-        reasoning = self.reasoning or {}
-        if reasoning.get("effort") not in (None, "none") or any(
-                reasoning.get(k) is not None for k in ("summary", "generate_summary")):
-            raise bad_request("reasoning is not supported by this server (the model does not reason)", "reasoning")
+        effort = (self.reasoning or {}).get("effort")
+        if effort is not None and effort not in EFFORTS:
+            raise bad_request(f"reasoning.effort must be one of {', '.join(EFFORTS)}, got {effort!r}", "reasoning")
         if self.include:
             raise bad_request(f"include is not supported by this server (got {', '.join(self.include)})", "include")
         if self.truncation not in (None, "disabled"):
@@ -118,6 +119,8 @@ def input_messages(body: ResponsesRequest, known_calls: dict[str, str]) -> list[
         kind = item.get("type", "message")
         if kind == "message":
             messages.append(_message(item, i))
+        elif kind == "reasoning":
+            messages.append({"role": "assistant", "content": "", "reasoning_content": _reasoning(item, i)})
         elif kind == "function_call":
             call_id, name, arguments = (item.get(k) for k in ("call_id", "name", "arguments"))
             if not isinstance(call_id, str) or not isinstance(name, str) or not isinstance(arguments, str):
@@ -139,9 +142,34 @@ def input_messages(body: ResponsesRequest, known_calls: dict[str, str]) -> list[
                 message["name"] = calls[call_id]
             messages.append(message)
         else:
-            raise bad_request(f"input.{i}: items of type {kind!r} are not supported (message, function_call and "
-                              "function_call_output are)", "input")
-    return messages
+            raise bad_request(f"input.{i}: items of type {kind!r} are not supported (message, reasoning, "
+                              "function_call and function_call_output are)", "input")
+    return _join_reasoning(messages)
+
+
+def _reasoning(item: JsonObject, i: int) -> str:
+    """A reasoning item's text: its reasoning_text parts (else its summary's), joined."""
+    parts = item.get("content") or item.get("summary") or []
+    texts = [p.get("text") for p in parts if isinstance(p, dict)] if isinstance(parts, list) else [None]
+    if not all(isinstance(t, str) for t in texts):
+        raise bad_request(f"input.{i}: a reasoning item's content and summary are lists of text parts", "input")
+    return "\n\n".join(t for t in texts if isinstance(t, str))
+
+
+def _join_reasoning(messages: list[JsonObject]) -> list[JsonObject]:
+    """Each reasoning item's thinking on the assistant turn that follows it (its message or calls); one
+    that no assistant turn follows is dropped."""
+    out: list[JsonObject] = []
+    for m in messages:
+        last = out[-1] if out else None
+        if last is not None and last["role"] == "assistant" and not last["content"] and "tool_calls" not in last \
+                and "reasoning_content" in last and m["role"] == "assistant":
+            thought = "\n\n".join(json_types.text(x["reasoning_content"]) for x in (last, m) if "reasoning_content" in x)
+            out[-1] = {**m, "reasoning_content": thought}
+        else:
+            out.append(m)
+    return [m for m in out if not (m["role"] == "assistant" and not m["content"] and "tool_calls" not in m
+                                   and "reasoning_content" in m)]
 
 
 def _message(item: JsonObject, i: int) -> JsonObject:
@@ -221,6 +249,8 @@ def chat_request(body: ResponsesRequest, history: list[JsonObject]) -> tuple[Cha
         "temperature": body.temperature, "top_p": body.top_p}
     if body.parallel_tool_calls is not None:
         chat["parallel_tool_calls"] = body.parallel_tool_calls
+    if (body.reasoning or {}).get("effort") is not None:
+        chat["reasoning_effort"] = json_types.obj(body.reasoning)["effort"]
     extra = body.model_extra or {}
     chat.update({name: extra[name] for name in PASSED if name in extra})
     try:

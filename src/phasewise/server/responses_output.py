@@ -1,9 +1,9 @@
 """A /v1/responses call's output: its items (messages, function calls), the stream events that add up
 to them, and the response object around them.
 
-`OutputItems` reads an output's text as it streams (through a ToolCallParser when the request has
-tools): content opens a message item, a call a function_call item; each step gives the Responses
-stream events of what changed. A collected output goes through the same class, so a streamed
+`OutputItems` reads an output's text as it streams (through a ReplyParser when the request has tools
+or the server reads thinking): thinking opens a reasoning item, content a message item, a call a
+function_call item; each step gives the Responses stream events of what changed. A collected output goes through the same class, so a streamed
 response and a collected one have the same items.
 """
 
@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from phasewise.json_types import JsonObject, JsonValue
 from phasewise.outputs import CompletionOutput
 from phasewise import json_types
+from phasewise.server.reply_parser import ReplyParser
 from phasewise.server.responses_api import ResponsesRequest
-from phasewise.tool_calling import ToolCallParser
 
 
 def new_id(prefix: str) -> str:
@@ -28,7 +28,7 @@ class OutputItems:
     """The output items of one engine output; `feed` and `finish` return the stream events (dicts with
     a type, without sequence_number) of what each step added."""
 
-    def __init__(self, parser: ToolCallParser | None) -> None:
+    def __init__(self, parser: ReplyParser | None) -> None:
         self.parser = parser
         self.items: list[JsonObject] = []
         self._open: JsonObject | None = None              # the item being written, last of items
@@ -38,6 +38,8 @@ class OutputItems:
             [{"content": text}] if text else []
         events: list[JsonObject] = []
         for piece in pieces:
+            if "reasoning" in piece:
+                events += self._reasoning(json_types.text(piece["reasoning"]))
             if "content" in piece:
                 events += self._content(json_types.text(piece["content"]))
             for call in json_types.objects(piece.get("tool_calls")):
@@ -82,6 +84,20 @@ class OutputItems:
                            "delta": text, "logprobs": []})
         return events
 
+    def _reasoning(self, text: str) -> list[JsonObject]:
+        """Thinking: a reasoning item (its text in one reasoning_text part), opened by the first."""
+        events: list[JsonObject] = []
+        if self._open is None or self._open["type"] != "reasoning":
+            part: JsonObject = {"type": "reasoning_text", "text": ""}
+            events += self._add({"type": "reasoning", "id": new_id("rs"), "summary": [], "content": [part],
+                                 "status": "in_progress"})
+            events.append({"type": "response.content_part.added", **self._where(), "content_index": 0,
+                           "part": dict(part)})
+        part = _text_part(self._open)
+        part["text"] = json_types.text(part["text"]) + text
+        return events + [{"type": "response.reasoning_text.delta", **self._where(), "content_index": 0,
+                          "delta": text}]
+
     def _call(self, call_id: str, name: str, arguments: str) -> list[JsonObject]:
         events = self._add({"type": "function_call", "id": new_id("fc"), "call_id": call_id, "name": name,
                             "arguments": "", "status": "in_progress"})
@@ -105,6 +121,10 @@ class OutputItems:
             events = [{"type": "response.output_text.done", **where, "content_index": 0, "text": part["text"],
                        "logprobs": []},
                       {"type": "response.content_part.done", **where, "content_index": 0, "part": dict(part)}]
+        elif item["type"] == "reasoning":
+            part = _text_part(item)
+            events = [{"type": "response.reasoning_text.done", **where, "content_index": 0, "text": part["text"]},
+                      {"type": "response.content_part.done", **where, "content_index": 0, "part": dict(part)}]
         else:
             events = [{"type": "response.function_call_arguments.done", **where, "name": item["name"],
                        "arguments": item["arguments"]}]
@@ -113,7 +133,7 @@ class OutputItems:
 
 
 def _text_part(message: JsonObject | None) -> JsonObject:
-    """A message item's output_text part (its one content part)."""
+    """A message item's output_text part, or a reasoning item's reasoning_text part (its one content part)."""
     assert message is not None
     return json_types.obj(json_types.array(message["content"])[0])
 
@@ -128,6 +148,10 @@ def assistant_message(items: Sequence[JsonObject]) -> JsonObject:
     message: JsonObject = {"role": "assistant", "content": text}
     if calls:
         message["tool_calls"] = calls
+    thought = "".join(json_types.text(p["text"]) for it in items if it["type"] == "reasoning"
+                      for p in json_types.objects(it["content"]))
+    if thought:
+        message["reasoning_content"] = thought
     return message
 
 
@@ -158,7 +182,7 @@ def response_body(body: ResponsesRequest, rid: str, created: int, model: str, st
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "instructions": body.instructions, "max_output_tokens": body.max_output_tokens, "model": model,
         "output": [*items], "parallel_tool_calls": body.parallel_tool_calls is not False,
-        "previous_response_id": body.previous_response_id, "reasoning": {"effort": None, "summary": None},
+        "previous_response_id": body.previous_response_id, "reasoning": {"effort": (body.reasoning or {}).get("effort"), "summary": None},
         "store": body.stored, "temperature": body.temperature if body.temperature is not None else 1.0,
         "text": {"format": body.text_format}, "tool_choice": tool_choice,
         "tools": [_tool(t) for t in body.tools or ()],

@@ -27,11 +27,13 @@ from phasewise.server.response_store import ResponseStore, StoredResponse
 from phasewise.server.responses_api import ResponsesRequest, chat_request, renamed
 from phasewise.server.responses_output import OutputItems, assistant_message, new_id, response_body, sse, status_of
 from phasewise.server.sse import collect, failure, sse_response
+from phasewise.server.thinking import Thinking
 
 
 def responses_router(guards: Guards, store: ResponseStore) -> APIRouter:
     engine, config = guards.engine, guards.config
     submitter = Submitter(guards)
+    thinking = Thinking(config.reasoning_parser, engine.tokenizer)
     router = APIRouter(dependencies=[Depends(guards.require_key)])
 
     def stored(rid: str, param: str | None = None) -> StoredResponse:
@@ -51,7 +53,7 @@ def responses_router(guards: Guards, store: ResponseStore) -> APIRouter:
             if body.previous_response_id else []
         try:
             chat, head = chat_request(body, history)
-            call = chat_call(chat, engine.tokenizer.tool_format, new_id("resp"))
+            call = chat_call(chat, engine.tokenizer.tool_format, new_id("resp"), thinking)
             stream = await submitter.start(call.items, True, chat.constraint_field, prompt_param="input")
         except APIError as e:
             raise renamed(e) from None

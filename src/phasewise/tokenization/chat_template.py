@@ -4,8 +4,8 @@ importing transformers (1-2 s at start).
 The same environment: Jinja's immutable sandbox with trim_blocks and lstrip_blocks, loop controls,
 `{% generation %}` blocks (rendered as their body), a `tojson` that keeps non-ASCII text and takes
 indent / separators / sort_keys, `raise_exception`, `strftime_now`, and namespaces that refuse
-underscore names. The template sees `messages`, `tools`, `documents`, `add_generation_prompt` and the
-tokenizer's special tokens (`bos_token`, `eos_token`, ...). tests/test_chat_template.py holds the
+underscore names. The template sees `messages`, `tools`, `documents`, `add_generation_prompt`, the
+tokenizer's special tokens (`bos_token`, `eos_token`, ...) and a request's chat_template_kwargs. tests/test_chat_template.py holds the
 renderings to transformers' own on every model at hand, with and without tools.
 """
 
@@ -108,6 +108,9 @@ class ChatTemplate:
 
     def render(self, messages: Sequence[Mapping[str, JsonValue]], add_generation_prompt: bool = True,
                tools: Sequence[Mapping[str, JsonValue]] | None = None,
-               documents: Sequence[Mapping[str, JsonValue]] | None = None) -> str:
-        return _compile(self.source).render(messages=_plain(messages), tools=_plain(tools), documents=_plain(documents),
-                                            add_generation_prompt=add_generation_prompt, **self.special_tokens)
+               documents: Sequence[Mapping[str, JsonValue]] | None = None,
+               template_kwargs: Mapping[str, JsonValue] | None = None) -> str:
+        """template_kwargs: more variables (a request's chat_template_kwargs, such as enable_thinking)."""
+        context = {**{k: _plain(v) for k, v in (template_kwargs or {}).items()}, **self.special_tokens, "messages": _plain(messages),
+                   "tools": _plain(tools), "documents": _plain(documents), "add_generation_prompt": add_generation_prompt}
+        return _compile(self.source).render(context)

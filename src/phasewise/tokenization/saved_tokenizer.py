@@ -89,13 +89,13 @@ class SavedTokenizer:
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, JsonValue]], tokenize: bool = False,
                             add_generation_prompt: bool = False,
-                            tools: Sequence[Mapping[str, JsonValue]] | None = None) -> str:
+                            tools: Sequence[Mapping[str, JsonValue]] | None = None, **kwargs: JsonValue) -> str:
         if tokenize:
             raise ValueError("apply_chat_template gives text here; encode it")
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
         return ChatTemplate(self.chat_template, self.special_tokens_map).render(
-            messages, add_generation_prompt=add_generation_prompt, tools=tools)
+            messages, add_generation_prompt=add_generation_prompt, tools=tools, template_kwargs=kwargs)
 
     def save_pretrained(self, folder: str | Path) -> None:
         folder = Path(folder)

@@ -67,7 +67,7 @@ class HFTokenizer(Protocol):
     def convert_ids_to_tokens(self, token_id: int) -> str | None: ...
     def apply_chat_template(self, messages: Sequence[Mapping[str, JsonValue]], *, tokenize: bool = False,
                             add_generation_prompt: bool = False,
-                            tools: Sequence[Mapping[str, JsonValue]] | None = None) -> str: ...
+                            tools: Sequence[Mapping[str, JsonValue]] | None = None, **kwargs: JsonValue) -> str: ...
     def save_pretrained(self, folder: str) -> object: ...
 
 
@@ -185,6 +185,12 @@ class Tokenizer:
             raise ValueError(f"no such file or directory: {path}")
         raise ValueError(f"expected a .gguf file or an HF model folder: {path}")
 
+    def with_chat_template(self, source: str) -> Tokenizer:
+        """This tokenizer with another chat template (serve --chat-template), whose end-of-turn token is
+        an end of sequence too."""
+        setattr(self.hf, "chat_template", source)     # a plain attribute of both kinds of HFTokenizer
+        return Tokenizer(self.hf, self.eos_token_ids, self.from_cache)
+
     @property
     def backend(self) -> RustTokenizer:
         """The `tokenizers.Tokenizer` underneath (what grammar compilers read the vocabulary from)."""
@@ -195,29 +201,33 @@ class Tokenizer:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def render_chat(self, messages: Sequence[Mapping[str, JsonValue]], add_generation_prompt: bool = True,
-                    tools: Sequence[Mapping[str, JsonValue]] | None = None) -> str:
+                    tools: Sequence[Mapping[str, JsonValue]] | None = None,
+                    template_kwargs: Mapping[str, JsonValue] | None = None) -> str:
         """The chat template applied to messages (and OpenAI-style tools), as text. A template without
-        tool support gets the tools, tool calls and tool results in a generic form (tool_calling/prompt.py)."""
+        tool support gets the tools, tool calls and tool results in a generic form (tool_calling/prompt.py).
+        template_kwargs: more variables for the template (a request's chat_template_kwargs: enable_thinking)."""
         if not self.has_chat_template():
             raise ValueError("this tokenizer has no chat template; pass a raw prompt instead")
         import jinja2
 
-        extra = {}
+        native_tools = None
         if tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
             if tool_calling.supports_tools(self.chat_template):
-                messages, extra = tool_calling.native_messages(messages), {"tools": tools} if tools else {}
+                messages, native_tools = tool_calling.native_messages(messages), tools or None
             else:
                 messages = tool_calling.generic_messages(messages, tools)
         try:
             return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                               **extra)
+                                               tools=native_tools, **(template_kwargs or {}))
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template failed: {_one_line(e)}") from e
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, JsonValue]], add_generation_prompt: bool = True,
-                            tools: Sequence[Mapping[str, JsonValue]] | None = None) -> list[int]:
+                            tools: Sequence[Mapping[str, JsonValue]] | None = None,
+                            template_kwargs: Mapping[str, JsonValue] | None = None) -> list[int]:
         """Token ids of the rendered chat (the template supplies any BOS, as in transformers)."""
-        return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools, template_kwargs),
+                           add_special_tokens=False)
 
     @property
     def chat_template(self) -> str:

@@ -1,0 +1,47 @@
+"""ReplyParser: a reply's text → reasoning, content and tool calls, as it streams.
+
+Reasoning is split off first (reasoning.ReasoningParser); tool calls are read from the answer only
+(tool_calling.ToolCallParser), so a `<tool_call>` written while thinking stays reasoning. `feed`
+returns the tool parser's delta pieces ({"content"}, {"tool_calls"}) after a {"reasoning": text}
+piece when the step added thinking.
+"""
+
+from __future__ import annotations
+
+from phasewise.json_types import JsonObject
+from phasewise.reasoning import ReasoningParser
+from phasewise.tool_calling import ToolCall, ToolCallParser
+
+
+class ReplyParser:
+    """reasoning None: no thinking is read (the text is all answer); tools None: no calls are read."""
+
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolCallParser | None) -> None:
+        self.reasoning_parser, self.tools = reasoning, tools
+        self.answer = ""              # the answer's text so far (calls and all)
+
+    def feed(self, text: str, final: bool = False) -> list[JsonObject]:
+        thought, answer = self.reasoning_parser.feed(text, final) if self.reasoning_parser else ("", text)
+        self.answer += answer
+        pieces: list[JsonObject] = [{"reasoning": thought}] if thought else []
+        if self.tools is not None:
+            return pieces + self.tools.feed(answer, final)
+        return pieces + ([{"content": answer}] if answer else [])
+
+    @property
+    def thinks(self) -> bool:
+        """Replies are read for thinking (the chat message then has reasoning fields, null or not)."""
+        return self.reasoning_parser is not None
+
+    @property
+    def reasoning(self) -> str:
+        return self.reasoning_parser.reasoning if self.reasoning_parser else ""
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        return self.tools.calls if self.tools else []
+
+    @property
+    def content(self) -> str:
+        """The answer without its calls (all of it when it made none)."""
+        return self.tools.content if self.tools and self.tools.calls else self.answer
