@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError, model_validator
 
 from phasewise.json_types import JsonObject, JsonValue
 from phasewise import json_types
@@ -49,19 +49,19 @@ class ResponsesRequest(BaseModel):
     instructions: str | None = None
     tools: list[JsonObject] | None = None
     tool_choice: str | JsonObject | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     text: JsonObject | None = None                        # {"format": {...}, "verbosity": ...}
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    stream: bool = False
-    store: bool | None = None
+    stream: StrictBool = False
+    store: StrictBool | None = None
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     reasoning: JsonObject | None = None
     include: list[str] | None = None
     truncation: str | None = None
-    background: bool | None = None
+    background: StrictBool | None = None
     user: str | None = None
 
     @model_validator(mode="after")
@@ -204,6 +204,9 @@ def response_format(body: ResponsesRequest) -> JsonObject | None:
     if kind == "json_object":
         return {"type": "json_object"}
     if kind == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise bad_request("text.format.schema: a json_schema format needs its schema (a JSON schema object)",
+                              "text")
         return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
     raise bad_request(f"text.format.type must be text, json_object or json_schema, got {kind!r}", "text")
 
