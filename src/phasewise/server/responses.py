@@ -166,9 +166,10 @@ def chat_message(out: CompletionOutput, parser: ToolCallParser | None) -> tuple[
     found in the text as tool_calls (content: the text around them, or null)."""
     if parser is None:
         return {"role": "assistant", "content": out.text}, out.finish_reason
-    parser.feed(out.text, final=True)
+    cut = out.finish_reason == "length"          # a call cut off by max_tokens is dropped, not given as text
+    parser.feed(out.text, final=True, cut=cut)
     if not parser.calls:
-        return {"role": "assistant", "content": out.text}, out.finish_reason
+        return {"role": "assistant", "content": parser.content if cut else out.text}, out.finish_reason
     return ({"role": "assistant", "content": parser.content or None,
              "tool_calls": [c.as_dict() for c in parser.calls]}, tool_finish_reason(out.finish_reason, parser))
 

@@ -33,8 +33,9 @@ class OutputItems:
         self.items: list[JsonObject] = []
         self._open: JsonObject | None = None              # the item being written, last of items
 
-    def feed(self, text: str, final: bool = False) -> list[JsonObject]:
-        pieces: list[JsonObject] = self.parser.feed(text, final) if self.parser else \
+    def feed(self, text: str, final: bool = False, cut: bool = False) -> list[JsonObject]:
+        """cut: the output ended at max_output_tokens (a call it was writing is dropped, not half given)."""
+        pieces: list[JsonObject] = self.parser.feed(text, final, cut) if self.parser else \
             [{"content": text}] if text else []
         events: list[JsonObject] = []
         for piece in pieces:

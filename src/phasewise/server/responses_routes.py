@@ -63,7 +63,7 @@ def responses_router(guards: Guards, store: ResponseStore) -> APIRouter:
             return Response(status_code=499)
         out = outs[0]
         items = OutputItems(call.parser())
-        items.feed(out.text, final=True)
+        items.feed(out.text, final=True, cut=out.finish_reason == "length")
         status = status_of(out)
         if status == "failed":                       # collect raises first; kept for a caller without it
             raise APIError(500, failure(out) or "the request ended without an output", type="server_error",
@@ -117,7 +117,8 @@ async def response_events(run: Run, stream: RequestStream) -> AsyncIterator[str]
     error = None
     try:
         async for delta in stream:
-            for event in items.feed(delta.text, final=delta.finished):
+            cut = delta.finished and delta.output.finish_reason == "length"
+            for event in items.feed(delta.text, final=delta.finished, cut=cut):
                 yield sse(event, next(seq))
             if delta.finished:
                 out = delta.output
