@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import anthropic
 import openai
@@ -245,3 +246,45 @@ def test_a_control_character_the_vocabulary_has_is_written(server):
     out = server.post("/v1/completions", {"prompt": "0", "guided_regex": "\u007f"}).json()
     assert out["choices"][0]["text"] == "\u007f" and out["choices"][0]["finish_reason"] == "stop"
 
+
+
+# ---- GET /v1/responses/{id}/input_items, POST /v1/responses/{id}/cancel ----------------------------------
+
+def test_input_items_list_a_responses_input(server):
+    client = server.client()
+    response = client.responses.create(model=MODEL, max_output_tokens=2, input=[
+        {"role": "user", "content": "first"}, {"role": "assistant", "content": "second"},
+        {"role": "user", "content": [{"type": "input_text", "text": "third"}]}])
+    newest_first = client.responses.input_items.list(response.id)
+    assert [i.content[0].text for i in newest_first.data] == ["third", "second", "first"]
+    assert all(i.id for i in newest_first.data) and not newest_first.has_more
+    page = client.responses.input_items.list(response.id, order="asc", limit=2)
+    assert [i.content[0].text for i in page.data] == ["first", "second"] and page.has_more
+    rest = client.responses.input_items.list(response.id, order="asc", after=page.data[-1].id)
+    assert [i.content[0].text for i in rest.data] == ["third"]
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_nope")
+
+
+def test_a_background_response_runs_and_can_be_cancelled(server):
+    client = server.client()
+    done = client.responses.create(model=MODEL, input="Hi", max_output_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="background"):
+        client.responses.cancel(done.id)              # not a background response
+    long = client.responses.create(model=MODEL, input="Tell a long story.", max_output_tokens=1000,
+                                   background=True, extra_body={"ignore_eos": True})
+    assert long.status == "queued" and long.background
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled"
+    assert client.responses.retrieve(long.id).status == "cancelled"
+    assert client.responses.cancel(long.id).status == "cancelled"     # a finished one comes back as it is
+    short = client.responses.create(model=MODEL, input="Hi", max_output_tokens=4, background=True)
+    for _ in range(600):
+        polled = client.responses.retrieve(short.id)
+        if polled.status not in ("queued", "in_progress"):
+            break
+        time.sleep(0.1)
+    assert polled.status in ("completed", "incomplete") and polled.usage.output_tokens > 0
+    assert client.responses.cancel(short.id).status == polled.status
+    with pytest.raises(openai.BadRequestError, match="background"):
+        client.responses.create(model=MODEL, input="Hi", background=True, store=False)

@@ -11,6 +11,7 @@ max_output_tokens → max_tokens. `renamed` puts the chat errors' field names ba
 from __future__ import annotations
 
 import re
+import uuid
 
 from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError, model_validator
 
@@ -82,8 +83,8 @@ class ResponsesRequest(BaseModel):
         if self.truncation not in (None, "disabled"):
             raise bad_request('truncation "auto" is not supported: a conversation longer than the context is a 400',
                               "truncation")
-        if self.background:
-            raise bad_request("background is not supported by this server", "background")
+        if self.background and (self.stream or self.store is False):
+            raise bad_request("background needs store (not false) and cannot be streamed here", "background")
         if (self.text or {}).get("verbosity") not in (None, "medium"):
             raise bad_request("text.verbosity is not supported by this server", "text")
         return self
@@ -142,6 +143,29 @@ def input_messages(body: ResponsesRequest, known_calls: dict[str, str]) -> list[
             raise bad_request(f"input.{i}: items of type {kind!r} are not supported (message, function_call and "
                               "function_call_output are)", "input")
     return messages
+
+
+def input_items(body: ResponsesRequest) -> list[JsonObject]:
+    """The request's input as the items GET /v1/responses/{id}/input_items lists: each with an id, a
+    message's content as parts (text: input_text)."""
+    given: list[JsonObject] = [{"role": "user", "content": body.input}] if isinstance(body.input, str) \
+        else [*(body.input or [])]
+    items: list[JsonObject] = []
+    for item in given:
+        kind = item.get("type", "message")
+        out: JsonObject = {"type": kind, **item}
+        if kind == "message" and isinstance(item.get("content"), str):
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            out["content"] = [{"type": part, "text": item["content"]}]
+        out.setdefault("id", new_item_id(kind))
+        out.setdefault("status", "completed")
+        items.append(out)
+    return items
+
+
+def new_item_id(kind: str) -> str:
+    prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}.get(kind, "item")
+    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 def _message(item: JsonObject, i: int) -> JsonObject:

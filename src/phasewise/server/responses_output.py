@@ -165,7 +165,7 @@ def response_body(body: ResponsesRequest, rid: str, created: int, model: str, st
         "tools": [_tool(t) for t in body.tools or ()],
         "top_p": body.top_p if body.top_p is not None else 1.0, "truncation": "disabled",
         "usage": usage(out) if out is not None else None, "user": body.user, "metadata": {**(body.metadata or {})},
-        "background": False,
+        "background": bool(body.background),
     }
 
 
