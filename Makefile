@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PROMPT := Write a short story about a robot discovering a flower.
 
-.PHONY: setup kernels run test test-ray test-arm test-clang test-browser bench lab peers peers-avx512 peers-avx2 lm-eval gemma3 \
+.PHONY: setup kernels run test fuzz test-ray test-arm test-clang test-browser bench lab peers peers-avx512 peers-avx2 lm-eval gemma3 \
 	qwen2.5-coder-0.5b qwen2.5-coder-1.5b clean
 
 setup: $(STAMP)
@@ -56,6 +56,13 @@ run: $(STAMP)
 
 test: $(STAMP) $(QWEN05_STAMP)
 	$(BIN)/python -m pytest -q --durations=15 -m "not browser and not ray"
+
+# The API fuzz test with a fresh seed and 5x the examples (make test runs it with a fixed seed, so CI
+# repeats itself); a failure names its seed: rerun with PHASEWISE_FUZZ_SEED=..., then make the case a test.
+FUZZ_SEED ?= $(shell od -An -N4 -tu4 /dev/urandom | tr -d ' ')
+fuzz: $(STAMP)
+	@echo "PHASEWISE_FUZZ_SEED=$(FUZZ_SEED)"
+	PHASEWISE_FUZZ_SEED=$(FUZZ_SEED) PHASEWISE_FUZZ_SCALE=5 $(BIN)/python -m pytest -q tests/test_api_fuzz.py
 
 # serve --ray on a local Ray cluster of two 1-CPU nodes (tests/ray_cluster): installs the ray extra (Ray Serve, ~80 MB).
 # Ray Serve's HAProxy ingress switches, as `serve --ray` sets them (deploy/options.py's DIRECT_INGRESS_ENV;

@@ -93,7 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 and the tokenizer routes")
-    s.add_argument("--served-model-name", default=None, help="the model's name in the API (default: the file's stem)")
+    s.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the model's name in the API (default: the file's stem); more names are aliases a request "
+                        "may use (e.g. a claude-... name for Claude Code)")
     s.add_argument("--max-waiting", type=int, default=1024,
                    help="queued requests past which new ones get 503 with Retry-After")
     s.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger request bodies get 413")
@@ -242,6 +244,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from phasewise.engine.llm_engine import LLMEngine
     from phasewise.server import AsyncEngine, ServerConfig, create_app
+    from phasewise.server.config import model_names
 
     def build() -> LLMEngine:                  # on the engine thread, which then owns the OpenMP pool
         engine = LLMEngine(config)
@@ -253,8 +256,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = async_engine.engine
     assert isinstance(engine, LLMEngine)       # build's (AsyncEngine holds it as any EngineClient)
     path = Path(engine.model_path)
-    name = args.served_model_name or (path.name if path.is_dir() else path.stem)
-    aliases = tuple(a for a in (args.model, str(path)) if a)
+    name, aliases = model_names(args.served_model_name, args.model, path)
     roofline = _dashboard_roofline(engine)
     app = create_app(async_engine, ServerConfig(served_model_name=name, model_aliases=aliases, api_key=args.api_key,
                                                 max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,

@@ -57,7 +57,7 @@ def replica_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None)
-    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--served-model-name", nargs="+", default=None)
     s.add_argument("--max-waiting", type=int, default=1024)
     s.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     s.add_argument("--max-num-seqs", type=int, default=64)
@@ -76,6 +76,8 @@ def app_options(args: Mapping[str, object]) -> argparse.Namespace:
         flag = "--" + str(key).lstrip("-").replace("_", "-")
         if value is True:
             argv.append(flag)
+        elif isinstance(value, (list, tuple)):
+            argv += [flag, *map(str, value)]
         elif value is not False and value is not None:
             argv += [flag, str(value)]
     options = replica_parser().parse_args(argv)

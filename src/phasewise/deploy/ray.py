@@ -155,6 +155,7 @@ def build_server(options: argparse.Namespace, kv_role: str | None = None,
     from phasewise.engine.args import speculative_config_from_args
     from phasewise.engine.llm_engine import LLMEngine
     from phasewise.server import AsyncEngine, ServerConfig, create_app
+    from phasewise.server.config import model_names
 
     o = options
     config = EngineConfig(
@@ -176,8 +177,7 @@ def build_server(options: argparse.Namespace, kv_role: str | None = None,
     engine = async_engine.engine
     assert isinstance(engine, LLMEngine)         # build's (AsyncEngine holds it as any EngineClient)
     path = Path(engine.model_path)
-    name = o.served_model_name or (path.name if path.is_dir() else path.stem)
-    aliases = tuple(a for a in (o.model, str(path)) if a)
+    name, aliases = model_names(o.served_model_name, o.model, path)
     app = create_app(async_engine, ServerConfig(served_model_name=name, model_aliases=aliases, api_key=o.api_key,
                                                 max_waiting=o.max_waiting, max_body_bytes=o.max_body_bytes,
                                                 model_root=str(path), role=kv_role,

@@ -98,4 +98,10 @@ def _refusal(request: Request, token_id: int | None, tokenizer: Tokenizer) -> st
     cause = (grammar.error or "").splitlines()[0] if grammar is not None else ""
     token = f"token {token_id} ({tokenizer.decode([token_id], skip_special_tokens=False)!r})" if token_id is not None \
         else "a token"
+    if cause == "NoExtensionBias":      # llguidance: no token of the vocabulary continues the output
+        return f"{DEAD_END}: no token of this model's vocabulary continues the output, and it is not complete"
     return f"the output's grammar refused {token}" + (f": {cause}" if cause else "")
+
+
+# how an output's error starts when its constraint cannot be completed (the request's fault, not the engine's)
+DEAD_END = "the output's constraint cannot be completed"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, model_validator
 
 from phasewise import json_types
 from phasewise.json_types import JsonObject, JsonValue
@@ -108,7 +108,7 @@ class _Body(BaseModel):
 class MessagesRequest(_Body):
     max_tokens: int = Field(ge=1, lt=INT64)            # required, as in Anthropic's API
     stop_sequences: list[str] | None = None
-    stream: bool = False
+    stream: StrictBool = False
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = Field(None, ge=-1, lt=INT64)
@@ -116,6 +116,8 @@ class MessagesRequest(_Body):
 
     def chat_body(self) -> ChatCompletionRequest:
         """The ChatCompletionRequest this request runs as (400 naming the Messages field otherwise)."""
+        if self.temperature is not None and not 0 <= self.temperature <= 1:
+            raise bad_request(f"temperature must be in [0, 1], got {self.temperature}", "temperature")
         self._check_budget()
         stop: list[JsonValue] | None = None if self.stop_sequences is None else [*self.stop_sequences]
         fields: JsonObject = {**self.chat_fields(), "max_tokens": self.max_tokens, "stop": stop, "stream": self.stream}

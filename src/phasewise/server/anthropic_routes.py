@@ -99,8 +99,9 @@ class Blocks:
         self._open: str | int | None = None         # "text", a call's index, or None
         self._arguments: list[str] = []             # each call's input JSON text so far
 
-    def add(self, text: str, final: bool) -> list[Event]:
-        pieces: list[JsonObject] = self.parser.feed(text, final) if self.parser else \
+    def add(self, text: str, final: bool, cut: bool = False) -> list[Event]:
+        """cut: the output ended at max_tokens (a call it was writing is dropped, not half given)."""
+        pieces: list[JsonObject] = self.parser.feed(text, final, cut) if self.parser else \
             [{"content": text}] if text else []
         events: list[Event] = []
         for piece in pieces:
@@ -209,7 +210,7 @@ def message_body(call: ChatCall, model: str, out: CompletionOutput, single_call:
     if cause is not None:
         raise APIError(500, cause, type="server_error", code="engine_error")
     blocks = Blocks(call.parser(), single_call, signature)
-    blocks.add(out.text, final=True)
+    blocks.add(out.text, final=True, cut=out.finish_reason == "length")
     sequence = out.stop_reason if isinstance(out.stop_reason, str) else None
     return _message(call.rid, model, blocks.content, stop_reason(out, blocks.calls), sequence, usage(out))
 
@@ -241,7 +242,7 @@ async def message_events(stream: RequestStream, call: ChatCall, model: str, sing
             if cause is not None:
                 yield _error(cause)
                 return
-            for name, data in blocks.add(delta.text, delta.finished):
+            for name, data in blocks.add(delta.text, delta.finished, out.finish_reason == "length"):
                 yield _sse(name, data)
             if delta.finished:
                 sequence = out.stop_reason if isinstance(out.stop_reason, str) else None

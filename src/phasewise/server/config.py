@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -17,3 +19,11 @@ class ServerConfig:
     role: str | None = None                   # "prefill" | "decode": one side of a disaggregated pair
     reasoning_parser: str = "auto"            # thinking.CHOICES: the template's own, none, or a parser's name
     created: int = field(default_factory=lambda: int(time.time()))
+
+
+def model_names(served: Sequence[str] | None, model: str | None, path: Path) -> tuple[str, tuple[str, ...]]:
+    """(the name reported, the other names a request may use): --served-model-name's first name and the
+    rest (as vLLM takes them: Claude Code asks for claude-... names), else the model file's stem; the
+    model as given (--model) and its path are accepted too."""
+    names = [*served] if served else [path.name if path.is_dir() else path.stem]
+    return names[0], tuple(a for a in (*names[1:], model, str(path)) if a)

@@ -10,14 +10,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated, TypedDict, TypeGuard
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, WithJsonSchema, field_validator, model_validator
 
-from phasewise import tool_calling
+from phasewise import json_types, tool_calling
 from phasewise.json_types import JsonObject
 from phasewise.core.sampling_params import SamplingParams, StructuredOutputs
 from phasewise.server import constraints, thinking
 
 MAX_CHOICES = 128          # n x prompts of one API call
+MAX_TEMPERATURE = 2        # OpenAI's range of temperature: [0, 2]
 INT64 = 2 ** 63
 
 
@@ -44,7 +45,7 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class KVTransferParams(BaseModel):
@@ -119,7 +120,7 @@ class _Request(BaseModel):
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_CHOICES)
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -131,10 +132,10 @@ class _Request(BaseModel):
     top_k: int | None = Field(None, ge=-1, lt=INT64)
     min_p: float | None = None
     repetition_penalty: float | None = None
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     min_tokens: int = Field(0, ge=0, lt=INT64)
     stop_token_ids: list[int] | None = None
-    skip_special_tokens: bool = True
+    skip_special_tokens: StrictBool = True
     logit_bias: dict[str, float] | None = None
     # structured outputs (server/constraints.py: OpenAI's, vLLM's and llama.cpp's spellings)
     response_format: JsonObject | None = None
@@ -164,6 +165,8 @@ class _Request(BaseModel):
     def _common(self) -> CommonParams:
         if self.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias")
+        if self.temperature is not None and not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise bad_request(f"temperature must be in [0, {MAX_TEMPERATURE}], got {self.temperature}", "temperature")
         fields: CommonParams = {
             "n": self.n, "seed": self.seed, "stop": self.stop, "ignore_eos": self.ignore_eos,
             "min_tokens": self.min_tokens, "stop_token_ids": self.stop_token_ids or [],
@@ -196,7 +199,7 @@ class CompletionRequest(_Request):
     prompt: Annotated[list[str | list[int]], WithJsonSchema(_PROMPT)]     # one prompt or a batch: see _prompt
     max_tokens: int | None = Field(16, ge=-INT64, lt=INT64)   # OpenAI's and vLLM's default here
     logprobs: int | None = Field(None, ge=-INT64, lt=INT64)
-    echo: bool = False
+    echo: StrictBool = False
     best_of: int | None = None
     suffix: str | None = None
 
@@ -280,15 +283,27 @@ class ChatMessage(BaseModel):
         return message
 
 
+def _check_call_ids(messages: list[JsonObject]) -> None:
+    """Every tool result answers a call of an earlier assistant message (its id), else a 400."""
+    calls: set[str] = set()
+    for m in messages:
+        calls.update(json_types.text(call["id"]) for call in json_types.objects(m.get("tool_calls", []))
+                     if isinstance(call.get("id"), str))
+        answered = m.get("tool_call_id")
+        if m["role"] == "tool" and answered not in calls:
+            raise bad_request(f"messages: the tool result for call id {answered!r} answers no tool call of an "
+                              "earlier assistant message", "messages")
+
+
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage]
     max_tokens: int | None = Field(None, ge=-INT64, lt=INT64)   # None: as many as the context allows
     max_completion_tokens: int | None = Field(None, ge=-INT64, lt=INT64)
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: int | None = Field(None, ge=-INT64, lt=INT64)
     tools: list[JsonObject] | None = None                # checked by checked_tools
     tool_choice: str | JsonObject | None = None          # "none", "auto", "required" or a function's: forced_tool
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: StrictBool = True
     chat_template_kwargs: JsonObject | None = None       # the template's own variables (enable_thinking)
     reasoning_effort: str | None = None                  # "none", "minimal": thinking off; the others on
 
@@ -299,17 +314,20 @@ class ChatCompletionRequest(_Request):
     def conversation(self) -> list[JsonObject]:
         if not self.messages:
             raise bad_request("messages must not be empty", "messages")
-        return [m.as_dict() for m in self.messages]
+        messages = [m.as_dict() for m in self.messages]
+        _check_call_ids(messages)
+        return messages
 
     @property
     def constraint_field(self) -> str | None:
         own = super().constraint_field
-        return own or ("tool_choice" if self.tools is not None and self.forced_tool()[0] else None)
+        return own or ("tool_choice" if self.tools and self.forced_tool()[0] else None)
 
     def checked_tools(self) -> list[JsonObject] | None:
-        """The tools (None without), checked."""
-        if self.tools is None:
-            if self.tool_choice not in (None, "none"):
+        """The tools (None without, or for an empty list: openai-agents sends one for an agent without
+        tools), checked."""
+        if not self.tools:
+            if self.tool_choice not in (None, "none", "auto"):
                 raise bad_request("tool_choice needs tools", "tool_choice")
             return None
         try:
@@ -381,7 +399,7 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     tools: list[JsonObject] | None = None  # with messages: rendered by the chat template, as in a chat request
-    add_special_tokens: bool = True
+    add_special_tokens: StrictBool = True
 
 
 class DetokenizeRequest(BaseModel):

@@ -19,13 +19,16 @@ class ReplyParser:
     def __init__(self, reasoning: ReasoningParser | None, tools: ToolCallParser | None) -> None:
         self.reasoning_parser, self.tools = reasoning, tools
         self.answer = ""              # the answer's text so far (calls and all)
+        self.cut = False              # the output was cut off by the token limit
 
-    def feed(self, text: str, final: bool = False) -> list[JsonObject]:
+    def feed(self, text: str, final: bool = False, cut: bool = False) -> list[JsonObject]:
+        """cut (with final): the output was cut off by the token limit (an unfinished call is dropped)."""
         thought, answer = self.reasoning_parser.feed(text, final) if self.reasoning_parser else ("", text)
         self.answer += answer
+        self.cut = cut
         pieces: list[JsonObject] = [{"reasoning": thought}] if thought else []
         if self.tools is not None:
-            return pieces + self.tools.feed(answer, final)
+            return pieces + self.tools.feed(answer, final, cut)
         return pieces + ([{"content": answer}] if answer else [])
 
     @property
@@ -43,5 +46,5 @@ class ReplyParser:
 
     @property
     def content(self) -> str:
-        """The answer without its calls (all of it when it made none)."""
-        return self.tools.content if self.tools and self.tools.calls else self.answer
+        """The answer without its calls (all of it when it made none; a call cut off is dropped)."""
+        return self.tools.content if self.tools and (self.tools.calls or self.cut) else self.answer

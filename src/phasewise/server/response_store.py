@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from phasewise.json_types import JsonObject
@@ -24,6 +25,7 @@ class StoredResponse:
     body: JsonObject
     conversation: list[JsonObject]
     size: int
+    input_items: tuple[JsonObject, ...] = ()      # the request's input as items with ids (GET .../input_items)
 
 
 class ResponseStore:
@@ -37,15 +39,16 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._items)
 
-    def put(self, body: JsonObject, conversation: list[JsonObject]) -> None:
+    def put(self, body: JsonObject, conversation: list[JsonObject], input_items: Sequence[JsonObject] = ()) -> None:
         rid = body["id"]
         if not isinstance(rid, str):
             raise TypeError("a stored response needs a string id")
         size = len(json.dumps(body, ensure_ascii=False)) + len(json.dumps(conversation, ensure_ascii=False))
+        size += len(json.dumps(input_items, ensure_ascii=False)) if input_items else 0
         self.delete(rid)
         if size > self.max_bytes:
             return
-        self._items[rid] = StoredResponse(body, conversation, size)
+        self._items[rid] = StoredResponse(body, conversation, size, tuple(input_items))
         self.bytes += size
         while len(self._items) > self.max_responses or self.bytes > self.max_bytes:
             _, old = self._items.popitem(last=False)

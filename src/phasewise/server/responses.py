@@ -167,7 +167,8 @@ def chat_message(out: CompletionOutput, parser: ReplyParser | None) -> tuple[Jso
     tool_calls (content: the text around them, or null)."""
     if parser is None:
         return {"role": "assistant", "content": out.text}, out.finish_reason
-    parser.feed(out.text, final=True)
+    cut = out.finish_reason == "length"          # a call cut off by max_tokens is dropped, not given as text
+    parser.feed(out.text, final=True, cut=cut)
     message: JsonObject = {"role": "assistant", "content": parser.content or (None if parser.reasoning else "")}
     if parser.thinks:
         message["reasoning_content"] = message["reasoning"] = parser.reasoning or None

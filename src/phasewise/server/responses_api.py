@@ -11,8 +11,9 @@ max_output_tokens → max_tokens. `renamed` puts the chat errors' field names ba
 from __future__ import annotations
 
 import re
+import uuid
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError, model_validator
 
 from phasewise.json_types import JsonObject, JsonValue
 from phasewise import json_types
@@ -51,19 +52,19 @@ class ResponsesRequest(BaseModel):
     instructions: str | None = None
     tools: list[JsonObject] | None = None
     tool_choice: str | JsonObject | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     text: JsonObject | None = None                        # {"format": {...}, "verbosity": ...}
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    stream: bool = False
-    store: bool | None = None
+    stream: StrictBool = False
+    store: StrictBool | None = None
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     reasoning: JsonObject | None = None
     include: list[str] | None = None
     truncation: str | None = None
-    background: bool | None = None
+    background: StrictBool | None = None
     user: str | None = None
 
     @model_validator(mode="after")
@@ -83,8 +84,8 @@ class ResponsesRequest(BaseModel):
         if self.truncation not in (None, "disabled"):
             raise bad_request('truncation "auto" is not supported: a conversation longer than the context is a 400',
                               "truncation")
-        if self.background:
-            raise bad_request("background is not supported by this server", "background")
+        if self.background and (self.stream or self.store is False):
+            raise bad_request("background needs store (not false) and cannot be streamed here", "background")
         if (self.text or {}).get("verbosity") not in (None, "medium"):
             raise bad_request("text.verbosity is not supported by this server", "text")
         return self
@@ -116,7 +117,7 @@ def input_messages(body: ResponsesRequest, known_calls: dict[str, str]) -> list[
     messages: list[JsonObject] = []
     calls = dict(known_calls)
     for i, item in enumerate(body.input):
-        kind = item.get("type", "message")
+        kind = str(item.get("type", "message"))
         if kind == "message":
             messages.append(_message(item, i))
         elif kind == "reasoning":
@@ -170,6 +171,29 @@ def _join_reasoning(messages: list[JsonObject]) -> list[JsonObject]:
             out.append(m)
     return [m for m in out if not (m["role"] == "assistant" and not m["content"] and "tool_calls" not in m
                                    and "reasoning_content" in m)]
+
+
+def input_items(body: ResponsesRequest) -> list[JsonObject]:
+    """The request's input as the items GET /v1/responses/{id}/input_items lists: each with an id, a
+    message's content as parts (text: input_text)."""
+    given: list[JsonObject] = [{"role": "user", "content": body.input}] if isinstance(body.input, str) \
+        else [*(body.input or [])]
+    items: list[JsonObject] = []
+    for item in given:
+        kind = str(item.get("type", "message"))
+        out: JsonObject = {"type": kind, **item}
+        if kind == "message" and isinstance(item.get("content"), str):
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            out["content"] = [{"type": part, "text": item["content"]}]
+        out.setdefault("id", new_item_id(kind))
+        out.setdefault("status", "completed")
+        items.append(out)
+    return items
+
+
+def new_item_id(kind: str) -> str:
+    prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}.get(kind, "item")
+    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 def _message(item: JsonObject, i: int) -> JsonObject:
@@ -232,6 +256,9 @@ def response_format(body: ResponsesRequest) -> JsonObject | None:
     if kind == "json_object":
         return {"type": "json_object"}
     if kind == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise bad_request("text.format.schema: a json_schema format needs its schema (a JSON schema object)",
+                              "text")
         return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
     raise bad_request(f"text.format.type must be text, json_object or json_schema, got {kind!r}", "text")
 

@@ -33,8 +33,9 @@ class OutputItems:
         self.items: list[JsonObject] = []
         self._open: JsonObject | None = None              # the item being written, last of items
 
-    def feed(self, text: str, final: bool = False) -> list[JsonObject]:
-        pieces: list[JsonObject] = self.parser.feed(text, final) if self.parser else \
+    def feed(self, text: str, final: bool = False, cut: bool = False) -> list[JsonObject]:
+        """cut: the output ended at max_output_tokens (a call it was writing is dropped, not half given)."""
+        pieces: list[JsonObject] = self.parser.feed(text, final, cut) if self.parser else \
             [{"content": text}] if text else []
         events: list[JsonObject] = []
         for piece in pieces:
@@ -188,7 +189,7 @@ def response_body(body: ResponsesRequest, rid: str, created: int, model: str, st
         "tools": [_tool(t) for t in body.tools or ()],
         "top_p": body.top_p if body.top_p is not None else 1.0, "truncation": "disabled",
         "usage": usage(out) if out is not None else None, "user": body.user, "metadata": {**(body.metadata or {})},
-        "background": False,
+        "background": bool(body.background),
     }
 
 

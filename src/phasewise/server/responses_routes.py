@@ -1,13 +1,17 @@
-"""OpenAI's Responses API: POST /v1/responses, GET and DELETE /v1/responses/{id}.
+"""OpenAI's Responses API: POST /v1/responses, GET and DELETE /v1/responses/{id}, GET
+/v1/responses/{id}/input_items and POST /v1/responses/{id}/cancel.
 
 A request becomes the chat request it stands for (responses_api.py) and runs on the chat route's
 path (chat_call.py); its output becomes Responses items (responses_output.py), streamed as the
 Responses' own SSE events or returned in one response object. Responses are kept (unless `store`
 is false) in a bounded ResponseStore, which `previous_response_id` continues and GET/DELETE read.
+A `background` response is answered at once ("queued") and runs as a task (`BackgroundRuns`), which
+GET polls and cancel stops.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 from collections.abc import AsyncIterator
@@ -24,7 +28,7 @@ from phasewise.server.guards import Guards
 from phasewise.server.protocol import APIError
 from phasewise.server.request_stream import RequestStream
 from phasewise.server.response_store import ResponseStore, StoredResponse
-from phasewise.server.responses_api import ResponsesRequest, chat_request, renamed
+from phasewise.server.responses_api import ResponsesRequest, chat_request, input_items, renamed
 from phasewise.server.responses_output import OutputItems, assistant_message, new_id, response_body, sse, status_of
 from phasewise.server.sse import collect, failure, sse_response
 from phasewise.server.thinking import Thinking
@@ -34,6 +38,7 @@ def responses_router(guards: Guards, store: ResponseStore) -> APIRouter:
     engine, config = guards.engine, guards.config
     submitter = Submitter(guards)
     thinking = Thinking(config.reasoning_parser, engine.tokenizer)
+    background = BackgroundRuns()
     router = APIRouter(dependencies=[Depends(guards.require_key)])
 
     def stored(rid: str, param: str | None = None) -> StoredResponse:
@@ -58,22 +63,18 @@ def responses_router(guards: Guards, store: ResponseStore) -> APIRouter:
         except APIError as e:
             raise renamed(e) from None
         run = Run(body, call, chat.conversation()[head:], body.model or config.served_model_name, store)
+        if body.background:
+            return JSONResponse(background.start(run, stream))
         if body.stream:
             return sse_response(response_events(run, stream), stream)
         outs = await collect(request, stream)        # an output that ended in error: a 500 naming it
         if outs is None:
             return Response(status_code=499)
         out = outs[0]
-        items = OutputItems(call.parser())
-        items.feed(out.text, final=True)
-        status = status_of(out)
-        if status == "failed":                       # collect raises first; kept for a caller without it
+        if status_of(out) == "failed":               # collect raises first; kept for a caller without it
             raise APIError(500, failure(out) or "the request ended without an output", type="server_error",
                            code="engine_error")
-        items.finish(status)
-        response = run.response(status, items.items, out)
-        run.keep(response, items.items)
-        return JSONResponse(response)
+        return JSONResponse(run.finish(out))
 
     @router.get("/v1/responses/{response_id}")
     async def get(response_id: str) -> JsonObject:
@@ -82,8 +83,38 @@ def responses_router(guards: Guards, store: ResponseStore) -> APIRouter:
     @router.delete("/v1/responses/{response_id}")
     async def delete(response_id: str) -> dict[str, str | bool]:
         stored(response_id)
+        await background.cancel(response_id)
         store.delete(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
+
+    @router.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(response_id: str, limit: int = 20, order: str = "desc",
+                               after: str | None = None) -> JsonObject:
+        """The response's input items, a page at a time (OpenAI's list: newest first unless order=asc)."""
+        if not 1 <= limit <= 100:
+            raise APIError(400, f"limit must be in [1, 100], got {limit}", param="limit")
+        if order not in ("asc", "desc"):
+            raise APIError(400, f"order must be asc or desc, got {order!r}", param="order")
+        items = [*stored(response_id).input_items]
+        items = items if order == "asc" else items[::-1]
+        ids = [item.get("id") for item in items]
+        if after is not None:
+            if after not in ids:
+                raise APIError(400, f"after: no input item {after!r} in this response", param="after")
+            items = items[ids.index(after) + 1:]
+        page = items[:limit]
+        return {"object": "list", "data": [*page], "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+
+    @router.post("/v1/responses/{response_id}/cancel")
+    async def cancel(response_id: str) -> JsonObject:
+        """Stop a background response (its output so far kept, status "cancelled"); one that has finished
+        is returned as it is. A response not created with background: true cannot be cancelled (400)."""
+        body = stored(response_id).body
+        if body.get("background") is not True:
+            raise APIError(400, "only a response created with background: true can be cancelled",
+                           param="response_id")
+        return await background.cancel(response_id) or stored(response_id).body
 
     return router
 
@@ -103,7 +134,76 @@ class Run:
     def keep(self, response: JsonObject, items: list[JsonObject]) -> None:
         """Store a response (its output: `items`) that did not fail (unless the request said store: false)."""
         if self.body.stored and response["status"] != "failed":
-            self.store.put(response, self.conversation + [assistant_message(items)])
+            self.store.put(response, self.conversation + [assistant_message(items)], input_items(self.body))
+
+    def finish(self, out: CompletionOutput, cancelled: bool = False) -> JsonObject:
+        """The response of a finished output (stored as `keep` says)."""
+        items = OutputItems(self.call.parser())
+        items.feed(out.text, final=True, cut=out.finish_reason == "length" or cancelled)
+        status = "cancelled" if cancelled else status_of(out)
+        items.finish(status)
+        response = self.response(status, items.items, out)
+        self.keep(response, items.items)
+        return response
+
+
+class BackgroundRuns:
+    """Responses created with background: true: each runs as a task on the event loop until its output
+    is done (then stored as any response is) or it is cancelled (its output so far kept)."""
+
+    def __init__(self) -> None:
+        self._runs: dict[str, tuple[asyncio.Task[JsonObject], Run, RequestStream]] = {}
+
+    def start(self, run: Run, stream: RequestStream) -> JsonObject:
+        """Start the run; its response as it stands ("queued"), stored so that GET can poll it."""
+        queued = run.response("queued", [])
+        run.store.put(queued, run.conversation, input_items(run.body))
+        task = asyncio.ensure_future(self._collect(run, stream))
+        self._runs[run.rid] = task, run, stream
+        task.add_done_callback(lambda _: self._runs.pop(run.rid, None))
+        return queued
+
+    async def _collect(self, run: Run, stream: RequestStream) -> JsonObject:
+        last: CompletionOutput | None = None
+        error = None
+        try:
+            async for delta in stream:
+                if last is None:
+                    run.store.put(run.response("in_progress", []), run.conversation, input_items(run.body))
+                last = delta.output
+        except EngineError as e:
+            error = str(e)
+        except asyncio.CancelledError:            # cancel: the output so far is the response's
+            return self._cancelled(run, stream, last)
+        finally:
+            stream.close()
+        if last is None or status_of(last) == "failed":
+            cause = error or (failure(last) if last is not None else None) or "the request ended without an output"
+            response = run.response("failed", [], last, cause)
+            run.store.put(response, run.conversation, input_items(run.body))   # kept: GET polls it
+            return response
+        return run.finish(last)
+
+    @staticmethod
+    def _cancelled(run: Run, stream: RequestStream, last: CompletionOutput | None) -> JsonObject:
+        stream.close()                            # aborts the engine request
+        if last is not None:
+            return run.finish(last, cancelled=True)
+        response = run.response("cancelled", [])
+        run.store.put(response, run.conversation, input_items(run.body))
+        return response
+
+    async def cancel(self, rid: str) -> JsonObject | None:
+        """Stop a running response: its final response, or None when it is not running."""
+        entry = self._runs.pop(rid, None)
+        if entry is None or entry[0].done():
+            return None
+        task, run, stream = entry
+        task.cancel()
+        try:
+            return await task
+        except asyncio.CancelledError:            # cancelled before it started
+            return self._cancelled(run, stream, None)
 
 
 async def response_events(run: Run, stream: RequestStream) -> AsyncIterator[str]:
@@ -119,7 +219,8 @@ async def response_events(run: Run, stream: RequestStream) -> AsyncIterator[str]
     error = None
     try:
         async for delta in stream:
-            for event in items.feed(delta.text, final=delta.finished):
+            cut = delta.finished and delta.output.finish_reason == "length"
+            for event in items.feed(delta.text, final=delta.finished, cut=cut):
                 yield sse(event, next(seq))
             if delta.finished:
                 out = delta.output

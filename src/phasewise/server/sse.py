@@ -12,6 +12,7 @@ from starlette.background import BackgroundTask
 
 from phasewise.json_types import JsonObject
 from phasewise.outputs import CompletionOutput, StreamDelta
+from phasewise.engine.output_processor import DEAD_END
 from phasewise.server import responses as R
 from phasewise.server.errors import EngineError
 from phasewise.server.protocol import APIError, error_body
@@ -61,6 +62,8 @@ async def collect(request: Request, stream: RequestStream) -> list[CompletionOut
     try:
         outputs = work.result()
         cause = next(filter(None, map(failure, outputs)), None)
+        if cause is not None and cause.startswith(DEAD_END):     # a constraint the vocabulary cannot satisfy
+            raise APIError(400, cause, code="constraint_unsatisfiable")
         if cause is not None:
             raise GenerationError(cause)
         return outputs
@@ -151,7 +154,8 @@ def chat_events(stream: RequestStream, rid: str, created: int, model: str, n: in
         if choice_parser is None:
             message = {"content": delta.text} if delta.text else {}
         else:
-            message = R.merge_delta(choice_parser.feed(delta.text, final=delta.finished))
+            cut = delta.finished and delta.output.finish_reason == "length"
+            message = R.merge_delta(choice_parser.feed(delta.text, final=delta.finished, cut=cut))
         if not message and not delta.finished and not want_lp:
             return None
         choice: JsonObject = {"index": i, "delta": message, "logprobs": None, "finish_reason": None}

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 import llguidance
 import tokenizers
 from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 from phasewise.core.sampling_params import ConstraintError, StructuredOutputs
 from phasewise.structured.grammar_matcher import GrammarMatcher
@@ -78,6 +79,9 @@ class GrammarCompiler:
             template = LLMatcher(tokenizer, self._grammar(spec), log_level=0)
             if template.is_error():
                 raise ConstraintError(f"invalid {_NAMES[spec.kind]}: {_one_line(template.get_error())}")
+            if _dead_end(template.deep_copy(), self.vocab_size):
+                raise ConstraintError(f"no output this model's vocabulary can write satisfies the {_NAMES[spec.kind]} "
+                                      "(it needs text no token spells, such as a control character)")
             self._cache[key] = template
             if len(self._cache) > self.CACHE_SIZE:
                 self._cache.popitem(last=False)
@@ -100,6 +104,17 @@ class GrammarCompiler:
             return llguidance.grammar_from(kind, text)
         except ValueError as e:
             raise ConstraintError(f"invalid {_NAMES[kind]}: {_one_line(str(e))}") from None
+
+
+def _dead_end(matcher: LLMatcher, vocab_size: int) -> bool:
+    """After the text the grammar forces from its start, no token may follow and the grammar is not
+    complete: no output can satisfy it (a regex of a byte the vocabulary lacks). Only the forced start is
+    looked at: a dead end after a choice is found while generating."""
+    forced = matcher.compute_ff_tokens()
+    if forced and not matcher.consume_tokens(forced):
+        return True
+    fill_next_token_bitmask(matcher, allocate_token_bitmask(1, vocab_size), 0)
+    return matcher.is_stopped() and not matcher.is_accepting()
 
 
 class Vocabulary(Protocol):

@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING
 
 import regex
 
+from phasewise import json_types
+
 if TYPE_CHECKING:
     from phasewise.json_types import JsonObject
 
@@ -46,6 +48,7 @@ _BARE_OPEN = regex.compile(r"\s*(?:```(?:json|xml)?[ \t]*\n\s*(?:<(?:tool_call|%
                            % (_WRAPPERS, _WRAPPERS))
 _FENCE = re.compile(r"```(?:json|xml)?[ \t]*\n(?P<body>.*?)\s*```", re.S)
 _NEXT = re.compile(r"\S")
+_NAME_KEY = re.compile(r'\{\s*"name"\s*:')
 _WRAPPED = re.compile(r"<(?P<tag>tool_call|%s)>(?P<body>.*?)(?:</(?P=tag)>)?" % _WRAPPERS, re.S)
 
 
@@ -108,7 +111,14 @@ class ToolCallParser:
         self._sent = 0                # characters of the current call's arguments given out
         self._mode: str | None = None   # "call"/"bare" or "text" once the reply's first character decides
 
-    def feed(self, text: str, final: bool = False) -> list[JsonObject]:
+    def feed(self, text: str, final: bool = False, cut: bool = False) -> list[JsonObject]:
+        """cut (with final): the output was cut off by the token limit, so an unfinished call is dropped
+        (its text, and from `calls` the call itself if its name was out) rather than given out as text."""
+        if final and cut:
+            out = self.feed(text)                  # what is whole, then the unfinished call is dropped
+            dropped = self._drop_unfinished()
+            out = [d for d in out if not any(c.get("index") == dropped for c in json_types.objects(d.get("tool_calls")))]
+            return out + self.feed("", final=True)
         self._buf += text
         bare = self.fmt == "hermes" and bool(self.tool_names)
         out = self._bare(final) if bare else []
@@ -117,6 +127,22 @@ class ToolCallParser:
         if final and self._space and not self._calls:
             out.append(self._content("", flush=True))
         return [d for d in out if d]
+
+    def _drop_unfinished(self) -> int | None:
+        """The output was cut off: the call being written (or the start of its tag, or a held reply that
+        opens as a call) is dropped, and so is a call whose name was given out before its end (its index
+        returned)."""
+        held = _held(self._buf, OPEN) if self.fmt == "hermes" and self._mode != "bare" else 0
+        if self.fmt == "hermes" and self._in_call:
+            self._buf, self._in_call, self._space = "", False, ""
+            if self._head is not None:
+                self._calls.pop()
+                return len(self._calls)
+        elif held:
+            self._buf, self._space = self._buf[:len(self._buf) - held], ""
+        elif self._mode in ("bare", "call") and _unfinished_call(self._buf):
+            self._buf = ""
+        return None
 
     @property
     def calls(self) -> list[ToolCall]:
@@ -248,6 +274,12 @@ def _bare_calls(text: str) -> list[tuple[str, str]] | None:
         after = _NEXT.search(body, end)      # the next value's start, past whitespace
         at = after.start() if after else len(body)
     return _every([_call_value(v) for v in values]) if values else None
+
+
+def _unfinished_call(text: str) -> bool:
+    """A held reply (a bare call, llama3_json's or mistral's) that is not whole: it was cut off mid-call."""
+    whole = _bare_calls(text) or _llama3_calls(text.strip()) or _mistral_calls(text.strip())
+    return whole is None and (text.lstrip().startswith(TOOL_CALLS) or _NAME_KEY.search(text) is not None)
 
 
 def _llama3_calls(text: str) -> list[tuple[str, str]] | None:

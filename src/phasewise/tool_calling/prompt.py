@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import jsonschema
 
-from phasewise.json_types import obj, objects, text
+from phasewise.json_types import array, obj, objects, text
 
 if TYPE_CHECKING:
     from phasewise.json_types import JsonObject, JsonValue
@@ -151,7 +151,8 @@ def call_grammar(tools: Sequence[Mapping[str, JsonValue]], fmt: str, name: str |
     key = "parameters" if fmt == "llama3_json" else "arguments"
     objects: list[JsonObject] = [{"type": "object", "additionalProperties": False, "required": ["name", key],
                                   "properties": {"name": {"const": f["name"]},
-                                                 key: f.get("parameters") or {"type": "object"}}} for f in chosen]
+                                                 key: closed(f.get("parameters") or {"type": "object"})}}
+                                 for f in chosen]
     schema: JsonObject = {**(objects[0] if len(objects) == 1 else {"anyOf": [*objects]}), "x-guidance": _JSON_OPTIONS}
     call = f"%json {json.dumps(schema, ensure_ascii=False)}"
     more = f"~0..{MAX_CALLS - 1}"           # a small model forced to call may never stop calling
@@ -163,3 +164,34 @@ def call_grammar(tools: Sequence[Mapping[str, JsonValue]], fmt: str, name: str |
         return f'start: "[TOOL_CALLS][" call{repeat} "]"\ncall: {call}\n'
     repeat = f' ("\\n" call){more}' if parallel else ""
     return f'start: call{repeat}\ncall: "<tool_call>\\n" {call} "\\n</tool_call>"\n'
+
+
+# the keywords whose values are one schema, a list of schemas, or a map of names to schemas
+_ONE = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames", "unevaluatedItems")
+_LIST = ("anyOf", "oneOf", "prefixItems")       # not allOf: its branches' properties add up
+_MAP = ("properties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed(schema: JsonValue) -> JsonValue:
+    """A call's arguments schema with every object that lists its `properties` closed to other keys
+    (additionalProperties false) unless it says what they may be (additionalProperties or
+    patternProperties): a JSON schema leaves them open, and a forced call would then carry keys the
+    tool does not take."""
+    if not isinstance(schema, dict):
+        return schema
+    out: JsonObject = dict(schema)
+    for k in _ONE:
+        if k in out:
+            out[k] = closed(out[k])
+    for k in _LIST:
+        if isinstance(out.get(k), list):
+            out[k] = [closed(v) for v in array(out[k])]
+    for k in _MAP:
+        if isinstance(out.get(k), dict):
+            out[k] = {name: closed(v) for name, v in obj(out[k]).items()}
+    if isinstance(out.get("additionalProperties"), dict):
+        out["additionalProperties"] = closed(out["additionalProperties"])
+    if "properties" in out and not {"additionalProperties", "patternProperties", "unevaluatedProperties",
+                                    "allOf"} & set(out):
+        out["additionalProperties"] = False
+    return out
