@@ -18,6 +18,7 @@ from phasewise.engine.args import add_chat_args, add_engine_args, resolve_weight
 if TYPE_CHECKING:
     from phasewise.core.sampling_params import SamplingParams, StructuredOutputs
     from phasewise.engine.llm_engine import LLMEngine
+    from phasewise.server import ServerConfig
     from phasewise.server.dashboard_feed import Roofline
 
 EXIT_USAGE = 2
@@ -195,6 +196,18 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _server_config(args: argparse.Namespace, engine: LLMEngine) -> ServerConfig:
+    """The server's settings from `serve`'s options and the engine it serves."""
+    from phasewise.server import ServerConfig
+    from phasewise.server.config import model_names
+
+    path = Path(engine.model_path)
+    name, aliases = model_names(args.served_model_name, args.model, path)
+    return ServerConfig(served_model_name=name, model_aliases=aliases, api_key=args.api_key,
+                        max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes, model_root=str(path),
+                        role=args.role, reasoning_parser=args.reasoning_parser)
+
+
 def _dashboard_roofline(engine: LLMEngine) -> Roofline | None:
     """The dashboard's roofs from the figures `phasewise roofline` kept for this machine, or None."""
     from phasewise.lab.roofline import load_machine, serving_roofline
@@ -243,8 +256,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from phasewise.engine.llm_engine import LLMEngine
-    from phasewise.server import AsyncEngine, ServerConfig, create_app
-    from phasewise.server.config import model_names
+    from phasewise.server import AsyncEngine, create_app
 
     def build() -> LLMEngine:                  # on the engine thread, which then owns the OpenMP pool
         engine = LLMEngine(config)
@@ -255,13 +267,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     async_engine = AsyncEngine(build)
     engine = async_engine.engine
     assert isinstance(engine, LLMEngine)       # build's (AsyncEngine holds it as any EngineClient)
-    path = Path(engine.model_path)
-    name, aliases = model_names(args.served_model_name, args.model, path)
-    roofline = _dashboard_roofline(engine)
-    app = create_app(async_engine, ServerConfig(served_model_name=name, model_aliases=aliases, api_key=args.api_key,
-                                                max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
-                                                model_root=str(path), role=args.role,
-                                                reasoning_parser=args.reasoning_parser), roofline)
+    server_config, roofline = _server_config(args, engine), _dashboard_roofline(engine)
+    name = server_config.served_model_name
+    app = create_app(async_engine, server_config, roofline)
     recorder = None
     if args.trace:
         from phasewise.lab.trace import RequestRecorder

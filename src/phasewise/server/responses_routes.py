@@ -42,13 +42,7 @@ def responses_router(guards: Guards, store: ResponseStore) -> APIRouter:
     router = APIRouter(dependencies=[Depends(guards.require_key)])
 
     def stored(rid: str, param: str | None = None) -> StoredResponse:
-        item = store.get(rid)
-        if item is None:
-            what = "previous response" if param else "response"
-            raise APIError(404, f"the {what} '{rid}' is not stored here (never stored, deleted, or evicted: "
-                                f"the server keeps the last {store.max_responses})", param=param or "response_id",
-                           code="previous_response_not_found" if param else "not_found")
-        return item
+        return stored_response(store, rid, param)
 
     @router.post("/v1/responses")
     async def create(request: Request) -> Response:
@@ -67,14 +61,7 @@ def responses_router(guards: Guards, store: ResponseStore) -> APIRouter:
             return JSONResponse(background.start(run, stream))
         if body.stream:
             return sse_response(response_events(run, stream), stream)
-        outs = await collect(request, stream)        # an output that ended in error: a 500 naming it
-        if outs is None:
-            return Response(status_code=499)
-        out = outs[0]
-        if status_of(out) == "failed":               # collect raises first; kept for a caller without it
-            raise APIError(500, failure(out) or "the request ended without an output", type="server_error",
-                           code="engine_error")
-        return JSONResponse(run.finish(out))
+        return await finished_response(request, run, stream)
 
     @router.get("/v1/responses/{response_id}")
     async def get(response_id: str) -> JsonObject:
@@ -91,20 +78,7 @@ def responses_router(guards: Guards, store: ResponseStore) -> APIRouter:
     async def list_input_items(response_id: str, limit: int = 20, order: str = "desc",
                                after: str | None = None) -> JsonObject:
         """The response's input items, a page at a time (OpenAI's list: newest first unless order=asc)."""
-        if not 1 <= limit <= 100:
-            raise APIError(400, f"limit must be in [1, 100], got {limit}", param="limit")
-        if order not in ("asc", "desc"):
-            raise APIError(400, f"order must be asc or desc, got {order!r}", param="order")
-        items = [*stored(response_id).input_items]
-        items = items if order == "asc" else items[::-1]
-        ids = [item.get("id") for item in items]
-        if after is not None:
-            if after not in ids:
-                raise APIError(400, f"after: no input item {after!r} in this response", param="after")
-            items = items[ids.index(after) + 1:]
-        page = items[:limit]
-        return {"object": "list", "data": [*page], "first_id": page[0]["id"] if page else None,
-                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+        return items_page([*stored(response_id).input_items], limit, order, after)
 
     @router.post("/v1/responses/{response_id}/cancel")
     async def cancel(response_id: str) -> JsonObject:
@@ -117,6 +91,46 @@ def responses_router(guards: Guards, store: ResponseStore) -> APIRouter:
         return await background.cancel(response_id) or stored(response_id).body
 
     return router
+
+
+def stored_response(store: ResponseStore, rid: str, param: str | None = None) -> StoredResponse:
+    """A stored response, or a 404 saying why it may not be there (`param`: the field that named it)."""
+    item = store.get(rid)
+    if item is None:
+        what = "previous response" if param else "response"
+        raise APIError(404, f"the {what} '{rid}' is not stored here (never stored, deleted, or evicted: "
+                            f"the server keeps the last {store.max_responses})", param=param or "response_id",
+                       code="previous_response_not_found" if param else "not_found")
+    return item
+
+
+async def finished_response(request: Request, run: Run, stream: RequestStream) -> Response:
+    """A response not streamed: the whole output, stored as `Run.keep` says (499 if the client left)."""
+    outs = await collect(request, stream)        # an output that ended in error: a 500 naming it
+    if outs is None:
+        return Response(status_code=499)
+    out = outs[0]
+    if status_of(out) == "failed":               # collect raises first; kept for a caller without it
+        raise APIError(500, failure(out) or "the request ended without an output", type="server_error",
+                       code="engine_error")
+    return JSONResponse(run.finish(out))
+
+
+def items_page(items: list[JsonObject], limit: int, order: str, after: str | None) -> JsonObject:
+    """A page of OpenAI's list shape: `limit` items (1-100) after the item `after`, in `order`."""
+    if not 1 <= limit <= 100:
+        raise APIError(400, f"limit must be in [1, 100], got {limit}", param="limit")
+    if order not in ("asc", "desc"):
+        raise APIError(400, f"order must be asc or desc, got {order!r}", param="order")
+    items = items if order == "asc" else items[::-1]
+    ids = [item.get("id") for item in items]
+    if after is not None:
+        if after not in ids:
+            raise APIError(400, f"after: no input item {after!r} in this response", param="after")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return {"object": "list", "data": [*page], "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
 
 
 class Run:
