@@ -18,6 +18,7 @@ from phasewise.engine.args import add_chat_args, add_engine_args, resolve_weight
 if TYPE_CHECKING:
     from phasewise.core.sampling_params import SamplingParams, StructuredOutputs
     from phasewise.engine.llm_engine import LLMEngine
+    from phasewise.server.config import ServerConfig
     from phasewise.server.dashboard_feed import Roofline
 
 EXIT_USAGE = 2
@@ -230,6 +231,17 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         chat_template=_read(args.chat_template, "--chat-template") if args.chat_template else None)
 
 
+def _server_config(args: argparse.Namespace, path: Path) -> ServerConfig:
+    """What the server is told: the model's names (the file's stem by default), the key, the limits."""
+    from phasewise.server import ServerConfig
+
+    name = args.served_model_name or (path.name if path.is_dir() else path.stem)
+    aliases = tuple(a for a in (args.model, str(path)) if a)
+    return ServerConfig(served_model_name=name, model_aliases=aliases, api_key=args.api_key,
+                        max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes, model_root=str(path),
+                        role=args.role, reasoning_parser=args.reasoning_parser)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     _check_serve_args(args)
     if args.ray:
@@ -241,7 +253,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from phasewise.engine.llm_engine import LLMEngine
-    from phasewise.server import AsyncEngine, ServerConfig, create_app
+    from phasewise.server import AsyncEngine, create_app
 
     def build() -> LLMEngine:                  # on the engine thread, which then owns the OpenMP pool
         engine = LLMEngine(config)
@@ -252,14 +264,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     async_engine = AsyncEngine(build)
     engine = async_engine.engine
     assert isinstance(engine, LLMEngine)       # build's (AsyncEngine holds it as any EngineClient)
-    path = Path(engine.model_path)
-    name = args.served_model_name or (path.name if path.is_dir() else path.stem)
-    aliases = tuple(a for a in (args.model, str(path)) if a)
     roofline = _dashboard_roofline(engine)
-    app = create_app(async_engine, ServerConfig(served_model_name=name, model_aliases=aliases, api_key=args.api_key,
-                                                max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
-                                                model_root=str(path), role=args.role,
-                                                reasoning_parser=args.reasoning_parser), roofline)
+    server_config = _server_config(args, Path(engine.model_path))
+    app = create_app(async_engine, server_config, roofline)
     recorder = None
     if args.trace:
         from phasewise.lab.trace import RequestRecorder
@@ -272,7 +279,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     base = f"http://{host}:{sock.getsockname()[1]}"
     print(f"phasewise: dashboard at {base}/dashboard" + ("" if roofline else " (to see which resource binds, "
           "measure this machine once: phasewise roofline --model ...)"), file=sys.stderr)
-    print(f"phasewise: serving {name} on {base}/v1 (loaded in {engine.load_ms:.0f} ms)", file=sys.stderr, flush=True)
+    print(f"phasewise: serving {server_config.served_model_name} on {base}/v1 (loaded in {engine.load_ms:.0f} ms)", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level="info", access_log=not args.no_access_log,
                                            timeout_graceful_shutdown=args.shutdown_timeout))
     app.state.stopping = lambda: server.should_exit          # ends the dashboard's event streams
