@@ -148,6 +148,8 @@ def test_a_template_without_thinking_takes_the_fields_and_has_no_reasoning(serve
                    reasoning_effort="low").choices[0].message
     assert message.content == "<think>I think.</think>The answer."
     assert "reasoning_content" not in (message.model_extra or {})
+    reply = message(server, max_tokens=8, thinking={"type": "adaptive"}, extra_body={"temperature": 0})
+    assert [b.type for b in reply.content] == ["text"]
 
 
 # ---- Responses -----------------------------------------------------------------------------------------------
