@@ -144,10 +144,10 @@ def test_r1_thinks_until_the_end_tag_and_a_reply_without_one_is_all_thinking(r1)
 
 
 def test_a_template_without_thinking_takes_the_fields_and_has_no_reasoning(server):
-    message = chat(server, regex=THOUGHT, extra_body={"chat_template_kwargs": {"enable_thinking": True}},
-                   reasoning_effort="low").choices[0].message
-    assert message.content == "<think>I think.</think>The answer."
-    assert "reasoning_content" not in (message.model_extra or {})
+    said = chat(server, regex=THOUGHT, extra_body={"chat_template_kwargs": {"enable_thinking": True}},
+                reasoning_effort="low").choices[0].message
+    assert said.content == "<think>I think.</think>The answer."
+    assert "reasoning_content" not in (said.model_extra or {})
     reply = message(server, max_tokens=8, thinking={"type": "adaptive"}, extra_body={"temperature": 0})
     assert [b.type for b in reply.content] == ["text"]
 
