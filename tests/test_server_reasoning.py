@@ -93,6 +93,9 @@ def test_chat_returns_the_thinking_apart(qwen3):
     assert message.reasoning_content == "I think." and message.reasoning == "I think."
     reasoning, content, calls, order = streamed(chat(qwen3, stream=True))
     assert (reasoning, content, calls, order) == ("I think.", "The answer.", {}, ["reasoning", "content"])
+    hidden = chat(qwen3, extra_body={"include_reasoning": False}).choices[0].message
+    assert hidden.content == "The answer." and "reasoning_content" not in (hidden.model_extra or {})
+    assert streamed(chat(qwen3, stream=True, extra_body={"include_reasoning": False}))[:2] == ("", "The answer.")
 
 
 def test_thinking_off_is_the_templates_empty_block(qwen3):
@@ -175,6 +178,7 @@ def test_responses_have_a_reasoning_item_first(qwen3):
                                   out.output[0].model_dump(exclude_none=True), out.output[1].model_dump(),
                                   {"type": "message", "role": "user", "content": "And 2 plus 2?"}])
     assert again.output_text == "The answer."
+    assert respond(qwen3, previous_response_id=out.id, input="And 2 plus 2?").output_text == "The answer."
     with pytest.raises(openai.BadRequestError) as e:
         respond(qwen3, reasoning={"effort": "extreme"})
     assert e.value.body["param"] == "reasoning"
