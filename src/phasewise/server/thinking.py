@@ -11,10 +11,13 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 from phasewise.json_types import JsonObject
 from phasewise.reasoning import PARSERS, ReasoningParser, choose_parser, prompt_opens_thinking
-from phasewise.tokenization.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from phasewise.tokenization.tokenizer import Tokenizer
 
 CHOICES = ("auto", "none", *PARSERS)           # --reasoning-parser (engine/args.py)
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")   # OpenAI's reasoning efforts
