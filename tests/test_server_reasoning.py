@@ -250,3 +250,49 @@ def test_the_server_reads_the_template_for_its_parser_and_start(default_model_pa
     off = thinking.parser({"enable_thinking": False})
     assert off.feed("abc", final=True) == (("abc", "") if name == "deepseek_r1" else ("", "abc"))
     assert Thinking("none", Tokenizer.load(default_model_path).with_chat_template(source)).parser({}) is None
+
+
+# ---- without a server: the blocks and items a reply with thinking and a call makes -----------------------------
+
+REPLY = '<think>I will add.</think>\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+
+
+def reply_parser():
+    from phasewise.reasoning import ReasoningParser
+    from phasewise.server.reply_parser import ReplyParser
+    from phasewise.tool_calling import ToolCallParser
+
+    return ReplyParser(ReasoningParser("qwen3", False), ToolCallParser("hermes", frozenset({"add"})))
+
+
+@pytest.mark.parametrize("cut", range(0, len(REPLY) + 1, 7))
+def test_messages_blocks_thinking_signed_then_the_call(cut):
+    from phasewise.server.anthropic_routes import Blocks
+    from phasewise.server.thinking_signature import ThinkingSignature
+
+    signature = ThinkingSignature(b"k" * 32)
+    blocks = Blocks(reply_parser(), single_call=False, signature=signature)
+    events = blocks.add(REPLY[:cut], final=False) + blocks.add(REPLY[cut:], final=True)
+    assert [b["type"] for b in blocks.content] == ["thinking", "tool_use"]
+    assert blocks.content[0]["thinking"] == "I will add."
+    assert signature.verify("I will add.", blocks.content[0]["signature"])
+    assert not signature.verify("I will add!", blocks.content[0]["signature"])
+    assert blocks.content[1]["input"] == {"a": 1, "b": 2}
+    kinds = [data["delta"]["type"] if name == "content_block_delta" else name for name, data in events]
+    assert kinds[kinds.index("signature_delta") + 1] == "content_block_stop"
+    assert kinds.index("signature_delta") < kinds.index("input_json_delta")
+
+
+@pytest.mark.parametrize("cut", range(0, len(REPLY) + 1, 7))
+def test_responses_items_reasoning_then_the_call(cut):
+    from phasewise.server.responses_output import OutputItems, assistant_message
+
+    items = OutputItems(reply_parser())
+    events = items.feed(REPLY[:cut]) + items.feed(REPLY[cut:], final=True) + items.finish("completed")
+    assert [i["type"] for i in items.items] == ["reasoning", "function_call"]
+    assert items.items[0]["content"] == [{"type": "reasoning_text", "text": "I will add."}]
+    assert items.items[0]["summary"] == [] and items.items[0]["status"] == "completed"
+    assert items.items[1]["name"] == "add" and items.items[1]["arguments"] == '{"a": 1, "b": 2}'
+    kinds = [e["type"] for e in events]
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.function_call_arguments.delta")
+    assert assistant_message(items.items)["reasoning_content"] == "I will add."
