@@ -131,7 +131,8 @@ def test_earlier_thinking_is_sent_back_to_the_template(qwen3):
 
 
 @pytest.mark.parametrize("fields, param", [({"reasoning_effort": "extreme"}, "reasoning_effort"),
-                                           ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs")])
+                                           ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+                                           ({"chat_template_kwargs": {"raise_exception": 1}}, "chat_template_kwargs")])
 def test_bad_thinking_fields_are_400s(qwen3, fields, param):
     err = assert_openai_error(qwen3.post("/v1/chat/completions", {"model": MODEL, "messages": ASK, **fields}), 400)
     assert err["param"] == param
@@ -250,6 +251,15 @@ def test_the_server_reads_the_template_for_its_parser_and_start(default_model_pa
     off = thinking.parser({"enable_thinking": False})
     assert off.feed("abc", final=True) == (("abc", "") if name == "deepseek_r1" else ("", "abc"))
     assert Thinking("none", Tokenizer.load(default_model_path).with_chat_template(source)).parser({}) is None
+
+
+def test_a_variable_the_template_cannot_use_is_a_value_error(default_model_path):
+    from phasewise.tokenization.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.load(default_model_path).with_chat_template("{{ date_string + '!' }}")
+    assert tokenizer.render_chat(ASK, template_kwargs={"date_string": "today"}) == "today!"
+    with pytest.raises(ValueError, match="chat_template_kwargs"):
+        tokenizer.render_chat(ASK, template_kwargs={"date_string": 3})
 
 
 # ---- without a server: the blocks and items a reply with thinking and a call makes -----------------------------
