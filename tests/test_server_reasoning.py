@@ -1,6 +1,7 @@
 """Thinking through the server with the official openai and anthropic SDKs, on minimal chat templates of
 each family written here (--chat-template): Qwen3's (an `enable_thinking` switch that writes an empty
-block when off), R1's (the generation prompt opens `<think>`), and the default model's own (no thinking).
+block when off), Qwen3.5's (the generation prompt opens `<think>` unless thinking is off), R1's (it
+always opens it), and the default model's own (no thinking).
 The default model's replies are forced with a regex where a test needs exact text: reasoning_content
 and reasoning in chat (streamed or not), a reasoning item in Responses, signed thinking blocks in
 Messages; a call after the thinking is a call, one inside it stays reasoning; earlier thinking is taken
@@ -54,6 +55,14 @@ def qwen3(tmp_path_factory):
 @pytest.fixture(scope="module")
 def r1(tmp_path_factory):
     s = template_server(tmp_path_factory, "r1", R1)
+    yield s
+    stop_server(s)
+    assert "Traceback" not in s.log.read_text(), s.log.read_text()
+
+
+@pytest.fixture(scope="module")
+def qwen35(tmp_path_factory):
+    s = template_server(tmp_path_factory, "qwen35", QWEN35)
     yield s
     stop_server(s)
     assert "Traceback" not in s.log.read_text(), s.log.read_text()
@@ -145,6 +154,15 @@ def test_r1_thinks_until_the_end_tag_and_a_reply_without_one_is_all_thinking(r1)
     assert content == "" and reasoning == out.message.reasoning_content
     constrained = chat(r1, regex="The answer").choices[0].message    # a grammar starts at the reply's start
     assert constrained.content == "The answer" and constrained.reasoning_content is None
+
+
+def test_a_prompt_that_opens_the_block_starts_the_reply_in_it_unless_thinking_is_off(qwen35):
+    on = chat(qwen35, regex=None, max_tokens=6).choices[0].message      # the default model never closes it
+    assert on.content is None and on.reasoning_content
+    off = chat(qwen35, regex=None, max_tokens=6, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert off.choices[0].message.content and off.choices[0].message.reasoning_content is None
+    low = chat(qwen35, regex=None, max_tokens=6, reasoning_effort="minimal").choices[0].message
+    assert low.content == off.choices[0].message.content and low.reasoning_content is None
 
 
 def test_a_template_without_thinking_takes_the_fields_and_has_no_reasoning(server):
