@@ -62,13 +62,13 @@ COMMON = {
 HONOURED = {
     "chat": {**COMMON, "logprobs": True, "top_logprobs": 2, "max_completion_tokens": 4, "tools": TOOLS,
              "tool_choice": "auto", "parallel_tool_calls": False, "chat_template_kwargs": {"enable_thinking": False},
-             "reasoning_effort": "low"},
+             "reasoning_effort": "low", "include_reasoning": False},
     "completion": {**COMMON, "logprobs": 2, "echo": True, "best_of": 1},
 }
 # accepted, changing nothing in the output: caching, scheduling, request ids, speculation (which keeps the
-# output), settings for inputs this server does not take (images), a reasoning switch for models without it
+# output), settings for inputs this server does not take (images)
 INERT = {"cache_salt": "s", "priority": 1, "request_id": "r1", "cache_prompt": True, "id_slot": 0,
-         "n_cache_reuse": 0, "include_reasoning": True, "mm_processor_kwargs": {}, "guided_decoding_backend": "guidance",
+         "n_cache_reuse": 0, "mm_processor_kwargs": {}, "guided_decoding_backend": "guidance",
          "speculative.n_max": 8, "speculative.n_min": 0, "speculative.ngram_m_hits": 1, "speculative.ngram_size_m": 2,
          "speculative.ngram_size_n": 3, "speculative.p_min": 0.5, "speculative.type": "ngram"}
 SKIP = {"messages", "prompt", "kv_transfer_params"}    # the body itself; the disaggregation pair's own field

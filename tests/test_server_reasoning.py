@@ -1,6 +1,7 @@
 """Thinking through the server with the official openai and anthropic SDKs, on minimal chat templates of
 each family written here (--chat-template): Qwen3's (an `enable_thinking` switch that writes an empty
-block when off), R1's (the generation prompt opens `<think>`), and the default model's own (no thinking).
+block when off), Qwen3.5's (the generation prompt opens `<think>` unless thinking is off), R1's (it
+always opens it), and the default model's own (no thinking).
 The default model's replies are forced with a regex where a test needs exact text: reasoning_content
 and reasoning in chat (streamed or not), a reasoning item in Responses, signed thinking blocks in
 Messages; a call after the thinking is a call, one inside it stays reasoning; earlier thinking is taken
@@ -59,6 +60,14 @@ def r1(tmp_path_factory):
     assert "Traceback" not in s.log.read_text(), s.log.read_text()
 
 
+@pytest.fixture(scope="module")
+def qwen35(tmp_path_factory):
+    s = template_server(tmp_path_factory, "qwen35", QWEN35)
+    yield s
+    stop_server(s)
+    assert "Traceback" not in s.log.read_text(), s.log.read_text()
+
+
 def chat(server, regex: str | None = THOUGHT, **kw):
     extra = {**kw.pop("extra_body", {}), **({"guided_regex": regex} if regex else {})}
     return server.client().chat.completions.create(model=MODEL, messages=kw.pop("messages", ASK), temperature=0,
@@ -93,6 +102,9 @@ def test_chat_returns_the_thinking_apart(qwen3):
     assert message.reasoning_content == "I think." and message.reasoning == "I think."
     reasoning, content, calls, order = streamed(chat(qwen3, stream=True))
     assert (reasoning, content, calls, order) == ("I think.", "The answer.", {}, ["reasoning", "content"])
+    hidden = chat(qwen3, extra_body={"include_reasoning": False}).choices[0].message
+    assert hidden.content == "The answer." and "reasoning_content" not in (hidden.model_extra or {})
+    assert streamed(chat(qwen3, stream=True, extra_body={"include_reasoning": False}))[:2] == ("", "The answer.")
 
 
 def test_thinking_off_is_the_templates_empty_block(qwen3):
@@ -128,7 +140,8 @@ def test_earlier_thinking_is_sent_back_to_the_template(qwen3):
 
 
 @pytest.mark.parametrize("fields, param", [({"reasoning_effort": "extreme"}, "reasoning_effort"),
-                                           ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs")])
+                                           ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+                                           ({"chat_template_kwargs": {"raise_exception": 1}}, "chat_template_kwargs")])
 def test_bad_thinking_fields_are_400s(qwen3, fields, param):
     err = assert_openai_error(qwen3.post("/v1/chat/completions", {"model": MODEL, "messages": ASK, **fields}), 400)
     assert err["param"] == param
@@ -143,11 +156,22 @@ def test_r1_thinks_until_the_end_tag_and_a_reply_without_one_is_all_thinking(r1)
     assert constrained.content == "The answer" and constrained.reasoning_content is None
 
 
+def test_a_prompt_that_opens_the_block_starts_the_reply_in_it_unless_thinking_is_off(qwen35):
+    on = chat(qwen35, regex=None, max_tokens=6).choices[0].message      # the default model never closes it
+    assert on.content is None and on.reasoning_content
+    off = chat(qwen35, regex=None, max_tokens=6, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert off.choices[0].message.content and off.choices[0].message.reasoning_content is None
+    low = chat(qwen35, regex=None, max_tokens=6, reasoning_effort="minimal").choices[0].message
+    assert low.content == off.choices[0].message.content and low.reasoning_content is None
+
+
 def test_a_template_without_thinking_takes_the_fields_and_has_no_reasoning(server):
-    message = chat(server, regex=THOUGHT, extra_body={"chat_template_kwargs": {"enable_thinking": True}},
-                   reasoning_effort="low").choices[0].message
-    assert message.content == "<think>I think.</think>The answer."
-    assert "reasoning_content" not in (message.model_extra or {})
+    said = chat(server, regex=THOUGHT, extra_body={"chat_template_kwargs": {"enable_thinking": True}},
+                reasoning_effort="low").choices[0].message
+    assert said.content == "<think>I think.</think>The answer."
+    assert "reasoning_content" not in (said.model_extra or {})
+    reply = message(server, max_tokens=8, thinking={"type": "adaptive"}, extra_body={"temperature": 0})
+    assert [b.type for b in reply.content] == ["text"]
 
 
 # ---- Responses -----------------------------------------------------------------------------------------------
@@ -173,6 +197,7 @@ def test_responses_have_a_reasoning_item_first(qwen3):
                                   out.output[0].model_dump(exclude_none=True), out.output[1].model_dump(),
                                   {"type": "message", "role": "user", "content": "And 2 plus 2?"}])
     assert again.output_text == "The answer."
+    assert respond(qwen3, previous_response_id=out.id, input="And 2 plus 2?").output_text == "The answer."
     with pytest.raises(openai.BadRequestError) as e:
         respond(qwen3, reasoning={"effort": "extreme"})
     assert e.value.body["param"] == "reasoning"
@@ -244,3 +269,58 @@ def test_the_server_reads_the_template_for_its_parser_and_start(default_model_pa
     off = thinking.parser({"enable_thinking": False})
     assert off.feed("abc", final=True) == (("abc", "") if name == "deepseek_r1" else ("", "abc"))
     assert Thinking("none", Tokenizer.load(default_model_path).with_chat_template(source)).parser({}) is None
+
+
+def test_a_variable_the_template_cannot_use_is_a_value_error(default_model_path):
+    from phasewise.tokenization.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.load(default_model_path).with_chat_template("{{ date_string + '!' }}")
+    assert tokenizer.render_chat(ASK, template_kwargs={"date_string": "today"}) == "today!"
+    with pytest.raises(ValueError, match="chat_template_kwargs"):
+        tokenizer.render_chat(ASK, template_kwargs={"date_string": 3})
+
+
+# ---- without a server: the blocks and items a reply with thinking and a call makes -----------------------------
+
+REPLY = '<think>I will add.</think>\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+
+
+def reply_parser():
+    from phasewise.reasoning import ReasoningParser
+    from phasewise.server.reply_parser import ReplyParser
+    from phasewise.tool_calling import ToolCallParser
+
+    return ReplyParser(ReasoningParser("qwen3", False), ToolCallParser("hermes", frozenset({"add"})))
+
+
+@pytest.mark.parametrize("cut", range(0, len(REPLY) + 1, 7))
+def test_messages_blocks_thinking_signed_then_the_call(cut):
+    from phasewise.server.anthropic_routes import Blocks
+    from phasewise.server.thinking_signature import ThinkingSignature
+
+    signature = ThinkingSignature(b"k" * 32)
+    blocks = Blocks(reply_parser(), single_call=False, signature=signature)
+    events = blocks.add(REPLY[:cut], final=False) + blocks.add(REPLY[cut:], final=True)
+    assert [b["type"] for b in blocks.content] == ["thinking", "tool_use"]
+    assert blocks.content[0]["thinking"] == "I will add."
+    assert signature.verify("I will add.", blocks.content[0]["signature"])
+    assert not signature.verify("I will add!", blocks.content[0]["signature"])
+    assert blocks.content[1]["input"] == {"a": 1, "b": 2}
+    kinds = [data["delta"]["type"] if name == "content_block_delta" else name for name, data in events]
+    assert kinds[kinds.index("signature_delta") + 1] == "content_block_stop"
+    assert kinds.index("signature_delta") < kinds.index("input_json_delta")
+
+
+@pytest.mark.parametrize("cut", range(0, len(REPLY) + 1, 7))
+def test_responses_items_reasoning_then_the_call(cut):
+    from phasewise.server.responses_output import OutputItems, assistant_message
+
+    items = OutputItems(reply_parser())
+    events = items.feed(REPLY[:cut]) + items.feed(REPLY[cut:], final=True) + items.finish("completed")
+    assert [i["type"] for i in items.items] == ["reasoning", "function_call"]
+    assert items.items[0]["content"] == [{"type": "reasoning_text", "text": "I will add."}]
+    assert items.items[0]["summary"] == [] and items.items[0]["status"] == "completed"
+    assert items.items[1]["name"] == "add" and items.items[1]["arguments"] == '{"a": 1, "b": 2}'
+    kinds = [e["type"] for e in events]
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.function_call_arguments.delta")
+    assert assistant_message(items.items)["reasoning_content"] == "I will add."

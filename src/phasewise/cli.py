@@ -282,7 +282,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     base = f"http://{host}:{sock.getsockname()[1]}"
     print(f"phasewise: dashboard at {base}/dashboard" + ("" if roofline else " (to see which resource binds, "
           "measure this machine once: phasewise roofline --model ...)"), file=sys.stderr)
-    print(f"phasewise: serving {name} on {base}/v1 (loaded in {engine.load_ms:.0f} ms)", file=sys.stderr, flush=True)
+    print(f"phasewise: serving {server_config.served_model_name} on {base}/v1 (loaded in {engine.load_ms:.0f} ms)",
+          file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level="info", access_log=not args.no_access_log,
                                            timeout_graceful_shutdown=args.shutdown_timeout))
     app.state.stopping = lambda: server.should_exit          # ends the dashboard's event streams

@@ -86,7 +86,8 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             chunks.append(ScheduledChunk(request=req, num_tokens=n))
             budget -= n
-        out = SchedulerOutput(chunks, state_copies=self.kv.take_state_copies())
+        # a hybrid's state copies go with the next step that runs (no forward writes a slot before it)
+        out = SchedulerOutput(chunks, state_copies=self.kv.take_state_copies() if chunks else [])
         for c in chunks:
             if c.is_decode:
                 out.num_decode_tokens += 1

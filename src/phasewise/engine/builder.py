@@ -99,13 +99,11 @@ def build_engine(config: EngineConfig) -> EngineParts:
             check_memory(model_path, num_blocks * kv_bytes_per_block(part, cache.block_size, kv_dtype)
                          + slots * part.state_bytes_per_seq)
         with ThreadPoolExecutor(1) as pool:   # the tokenizer reads its files while the weights load
-            tokenizer_loading = pool.submit(Tokenizer.load, model_path)
+            tokenizer_loading = pool.submit(_tokenizer, model_path, config.chat_template)
             model, model_config = load_prepared(model_path, precision.weights, config.device, kernels,
                                                 plain=config.kernels == "torch", tp=tp,
                                                 packed_cache=config.packed_cache)
             tokenizer = tokenizer_loading.result()
-        if config.chat_template is not None:
-            tokenizer = tokenizer.with_chat_template(config.chat_template)
         model.build_stack(_bound(kernels, precision.weights))   # the C++ decoder stack, where it can run
         if tp:
             tp.broadcast("ready")                               # every rank has loaded its part
@@ -180,6 +178,12 @@ def _draft_model(config: EngineConfig, target_path: Path, target: ModelConfig, k
     kv = KVCache(cfg, num_blocks, config.cache.block_size, parse_dtype(spec.draft_dtype), config.device,
                  grouped=False)   # read through the target's first group's table
     return draft, kv
+
+
+def _tokenizer(model_path: Path, chat_template: str | None) -> Tokenizer:
+    """The model's tokenizer; with a chat template given (serve --chat-template), that one in place of its own."""
+    tokenizer = Tokenizer.load(model_path)
+    return tokenizer.with_chat_template(chat_template) if chat_template is not None else tokenizer
 
 
 def _bound(kernels: Kernels | None, dtype: str) -> Kernels | None:

@@ -37,13 +37,14 @@ class ChatCall:
     constraint_field: str | None
     thinking: Thinking | None = None
     template_kwargs: JsonObject | None = None
+    include_reasoning: bool = True
 
     def parser(self) -> ReplyParser | None:
         """A fresh parser for one choice's text, or None when nothing is parsed."""
         tools = ToolCallParser(self.tool_format, self.tool_names, self.max_calls) if self.tool_format else None
         reasoning = self.thinking.parser(self.template_kwargs, self.constraint_field is not None) \
             if self.thinking else None
-        return ReplyParser(reasoning, tools) if tools or reasoning else None
+        return ReplyParser(reasoning, tools, self.include_reasoning) if tools or reasoning else None
 
 
 def chat_call(body: ChatCompletionRequest, template_tool_format: str, rid: str,
@@ -56,7 +57,7 @@ def chat_call(body: ChatCompletionRequest, template_tool_format: str, rid: str,
     items = [SubRequest(sub_id(rid, j, body.n), messages, choice_params(params, j), tools, kwargs or None)
              for j in range(body.n)]
     return ChatCall(rid, items, tool_format, names, None if body.parallel_tool_calls else 1, body.constraint_field,
-                    thinking, kwargs)
+                    thinking, kwargs, body.include_reasoning)
 
 
 def sub_id(rid: str, i: int, total: int) -> str:

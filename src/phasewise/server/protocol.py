@@ -306,6 +306,7 @@ class ChatCompletionRequest(_Request):
     parallel_tool_calls: StrictBool = True
     chat_template_kwargs: JsonObject | None = None       # the template's own variables (enable_thinking)
     reasoning_effort: str | None = None                  # "none", "minimal": thinking off; the others on
+    include_reasoning: bool = True                       # false: the thinking is dropped from the reply (vLLM)
 
     def template_kwargs(self) -> JsonObject:
         """The variables the chat template gets (server/thinking.py)."""

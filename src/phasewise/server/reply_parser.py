@@ -14,10 +14,11 @@ from phasewise.tool_calling import ToolCall, ToolCallParser
 
 
 class ReplyParser:
-    """reasoning None: no thinking is read (the text is all answer); tools None: no calls are read."""
+    """reasoning None: no thinking is read (the text is all answer); tools None: no calls are read;
+    shown false: the thinking is read and dropped (include_reasoning false)."""
 
-    def __init__(self, reasoning: ReasoningParser | None, tools: ToolCallParser | None) -> None:
-        self.reasoning_parser, self.tools = reasoning, tools
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolCallParser | None, shown: bool = True) -> None:
+        self.reasoning_parser, self.tools, self.shown = reasoning, tools, shown
         self.answer = ""              # the answer's text so far (calls and all)
         self.cut = False              # the output was cut off by the token limit
 
@@ -26,7 +27,7 @@ class ReplyParser:
         thought, answer = self.reasoning_parser.feed(text, final) if self.reasoning_parser else ("", text)
         self.answer += answer
         self.cut = cut
-        pieces: list[JsonObject] = [{"reasoning": thought}] if thought else []
+        pieces: list[JsonObject] = [{"reasoning": thought}] if thought and self.shown else []
         if self.tools is not None:
             return pieces + self.tools.feed(answer, final, cut)
         return pieces + ([{"content": answer}] if answer else [])
@@ -34,11 +35,11 @@ class ReplyParser:
     @property
     def thinks(self) -> bool:
         """Replies are read for thinking (the chat message then has reasoning fields, null or not)."""
-        return self.reasoning_parser is not None
+        return self.reasoning_parser is not None and self.shown
 
     @property
     def reasoning(self) -> str:
-        return self.reasoning_parser.reasoning if self.reasoning_parser else ""
+        return self.reasoning_parser.reasoning if self.reasoning_parser and self.shown else ""
 
     @property
     def calls(self) -> list[ToolCall]:

@@ -3,8 +3,8 @@ to them, and the response object around them.
 
 `OutputItems` reads an output's text as it streams (through a ReplyParser when the request has tools
 or the server reads thinking): thinking opens a reasoning item, content a message item, a call a
-function_call item; each step gives the Responses stream events of what changed. A collected output goes through the same class, so a streamed
-response and a collected one have the same items.
+function_call item; each step gives the Responses stream events of what changed. A collected output
+goes through the same class, so a streamed response and a collected one have the same items.
 """
 
 from __future__ import annotations

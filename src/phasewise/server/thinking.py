@@ -11,18 +11,22 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 from phasewise.json_types import JsonObject
 from phasewise.reasoning import PARSERS, ReasoningParser, choose_parser, prompt_opens_thinking
-from phasewise.tokenization.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from phasewise.tokenization.tokenizer import Tokenizer
 
 CHOICES = ("auto", "none", *PARSERS)           # --reasoning-parser (engine/args.py)
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")   # OpenAI's reasoning efforts
 OFF_EFFORTS = ("none", "minimal")              # these turn thinking off where the template has the switch
-# variables the renderer sets itself: a request's chat_template_kwargs cannot
+# variables and functions the renderer gives the template itself: a request's chat_template_kwargs cannot set them
 RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt", "tokenize", "chat_template",
                       "continue_final_message", "return_dict", "tokenizer_kwargs", "bos_token", "eos_token",
-                      "pad_token", "unk_token"})
+                      "pad_token", "unk_token", "raise_exception", "strftime_now", "namespace", "dict", "range",
+                      "lipsum", "cycler", "joiner"})
 
 
 class Thinking:

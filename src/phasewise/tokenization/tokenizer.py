@@ -221,6 +221,10 @@ class Tokenizer:
                                                tools=native_tools, **(template_kwargs or {}))
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template failed: {_one_line(e)}") from e
+        except (TypeError, AttributeError) as e:       # a request's variable of a type the template cannot use
+            if not template_kwargs:
+                raise
+            raise ValueError(f"chat template failed with chat_template_kwargs: {_one_line(e)}") from e
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, JsonValue]], add_generation_prompt: bool = True,
                             tools: Sequence[Mapping[str, JsonValue]] | None = None,
