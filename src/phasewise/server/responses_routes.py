@@ -202,3 +202,35 @@ class BackgroundRuns:
             return await task
         except asyncio.CancelledError:            # cancelled before it started
             return self._cancelled(run, stream, None)
+
+
+async def response_events(run: Run, stream: RequestStream) -> AsyncIterator[str]:
+    """response.created and .in_progress, the items' events as the text comes, then .completed or
+    .incomplete; an engine failure (or an output that ended in error) ends it with response.failed
+    naming the cause."""
+    seq = itertools.count()
+    items = OutputItems(run.call.parser())
+    head = run.response("in_progress", [])
+    yield sse({"type": "response.created", "response": head}, next(seq))
+    yield sse({"type": "response.in_progress", "response": head}, next(seq))
+    out: CompletionOutput | None = None
+    error = None
+    try:
+        async for delta in stream:
+            cut = delta.finished and delta.output.finish_reason == "length"
+            for event in items.feed(delta.text, final=delta.finished, cut=cut):
+                yield sse(event, next(seq))
+            if delta.finished:
+                out = delta.output
+    except EngineError as e:
+        error = str(e)
+    finally:
+        stream.close()
+    status = "failed" if out is None else status_of(out)
+    if status == "failed" and error is None:
+        error = (failure(out) if out is not None else None) or "the request ended without an output"
+    for event in items.finish(status):
+        yield sse(event, next(seq))
+    response = run.response(status, items.items, out, error)
+    run.keep(response, items.items)
+    yield sse({"type": f"response.{status}", "response": response}, next(seq))
