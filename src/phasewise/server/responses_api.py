@@ -157,7 +157,7 @@ def input_items(body: ResponsesRequest) -> list[JsonObject]:
         if kind == "message" and isinstance(item.get("content"), str):
             part = "output_text" if item.get("role") == "assistant" else "input_text"
             out["content"] = [{"type": part, "text": item["content"]}]
-        out.setdefault("id", new_item_id(kind))
+        out.setdefault("id", new_item_id(str(kind)))
         out.setdefault("status", "completed")
         items.append(out)
     return items

@@ -15,6 +15,7 @@ import asyncio
 import itertools
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
@@ -38,15 +39,7 @@ def responses_router(guards: Guards, store: ResponseStore) -> APIRouter:
     submitter = Submitter(guards)
     background = BackgroundRuns()
     router = APIRouter(dependencies=[Depends(guards.require_key)])
-
-    def stored(rid: str, param: str | None = None) -> StoredResponse:
-        item = store.get(rid)
-        if item is None:
-            what = "previous response" if param else "response"
-            raise APIError(404, f"the {what} '{rid}' is not stored here (never stored, deleted, or evicted: "
-                                f"the server keeps the last {store.max_responses})", param=param or "response_id",
-                           code="previous_response_not_found" if param else "not_found")
-        return item
+    stored = partial(stored_response, store)
 
     @router.post("/v1/responses")
     async def create(request: Request) -> Response:
@@ -88,33 +81,46 @@ def responses_router(guards: Guards, store: ResponseStore) -> APIRouter:
     @router.get("/v1/responses/{response_id}/input_items")
     async def list_input_items(response_id: str, limit: int = 20, order: str = "desc",
                                after: str | None = None) -> JsonObject:
-        """The response's input items, a page at a time (OpenAI's list: newest first unless order=asc)."""
-        if not 1 <= limit <= 100:
-            raise APIError(400, f"limit must be in [1, 100], got {limit}", param="limit")
-        if order not in ("asc", "desc"):
-            raise APIError(400, f"order must be asc or desc, got {order!r}", param="order")
-        items = [*stored(response_id).input_items]
-        items = items if order == "asc" else items[::-1]
-        ids = [item.get("id") for item in items]
-        if after is not None:
-            if after not in ids:
-                raise APIError(400, f"after: no input item {after!r} in this response", param="after")
-            items = items[ids.index(after) + 1:]
-        page = items[:limit]
-        return {"object": "list", "data": [*page], "first_id": page[0]["id"] if page else None,
-                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+        return items_page([*stored(response_id).input_items], limit, order, after)
 
     @router.post("/v1/responses/{response_id}/cancel")
     async def cancel(response_id: str) -> JsonObject:
         """Stop a background response (its output so far kept, status "cancelled"); one that has finished
         is returned as it is. A response not created with background: true cannot be cancelled (400)."""
-        body = stored(response_id).body
-        if body.get("background") is not True:
+        if stored(response_id).body.get("background") is not True:
             raise APIError(400, "only a response created with background: true can be cancelled",
                            param="response_id")
         return await background.cancel(response_id) or stored(response_id).body
 
     return router
+
+
+def stored_response(store: ResponseStore, rid: str, param: str | None = None) -> StoredResponse:
+    """The stored response `rid`; 404 naming `param` (previous_response_id) or the path's response_id."""
+    item = store.get(rid)
+    if item is None:
+        what = "previous response" if param else "response"
+        raise APIError(404, f"the {what} '{rid}' is not stored here (never stored, deleted, or evicted: "
+                            f"the server keeps the last {store.max_responses})", param=param or "response_id",
+                       code="previous_response_not_found" if param else "not_found")
+    return item
+
+
+def items_page(items: list[JsonObject], limit: int, order: str, after: str | None) -> JsonObject:
+    """One page of a response's input items as OpenAI lists them (newest first unless order=asc)."""
+    if not 1 <= limit <= 100:
+        raise APIError(400, f"limit must be in [1, 100], got {limit}", param="limit")
+    if order not in ("asc", "desc"):
+        raise APIError(400, f"order must be asc or desc, got {order!r}", param="order")
+    items = items if order == "asc" else items[::-1]
+    ids = [item.get("id") for item in items]
+    if after is not None:
+        if after not in ids:
+            raise APIError(400, f"after: no input item {after!r} in this response", param="after")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return {"object": "list", "data": [*page], "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
 
 
 class Run:
