@@ -195,7 +195,7 @@ def test_previous_response_id_continues_a_stored_conversation(server):
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"background": True}, "background"),
+    ({"background": True, "store": False}, "background"),          # background needs store
     ({"reasoning": {"effort": "extreme"}}, "reasoning"),
     ({"include": ["reasoning.encrypted_content"]}, "include"),
     ({"truncation": "auto"}, "truncation"),

@@ -84,8 +84,7 @@ def responses_router(guards: Guards, store: ResponseStore) -> APIRouter:
     async def cancel(response_id: str) -> JsonObject:
         """Stop a background response (its output so far kept, status "cancelled"); one that has finished
         is returned as it is. A response not created with background: true cannot be cancelled (400)."""
-        body = stored(response_id).body
-        if body.get("background") is not True:
+        if stored(response_id).body.get("background") is not True:
             raise APIError(400, "only a response created with background: true can be cancelled",
                            param="response_id")
         return await background.cancel(response_id) or stored(response_id).body
