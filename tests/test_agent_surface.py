@@ -288,3 +288,34 @@ def test_a_background_response_runs_and_can_be_cancelled(server):
     assert client.responses.cancel(short.id).status == polled.status
     with pytest.raises(openai.BadRequestError, match="background"):
         client.responses.create(model=MODEL, input="Hi", background=True, store=False)
+
+
+# ---- item 9: fields accepted where they can be honoured, else a 400 saying so ------------------------------
+
+def test_an_assistant_prefill_is_continued(server):
+    """Anthropic: a final assistant message is a prefill the reply continues (its text not repeated);
+    chat: vLLM's continue_final_message."""
+    ask = [{"role": "user", "content": "Name three colours."}, {"role": "assistant", "content": "The colours are red,"}]
+    message = claude(server).messages.create(model=MODEL, max_tokens=12, messages=ask, extra_body={"temperature": 0})
+    text = message.content[0].text
+    chat = server.post("/v1/chat/completions", {"messages": ask, "continue_final_message": True,
+                                                "add_generation_prompt": False, "max_tokens": 12, "temperature": 0})
+    assert chat.json()["choices"][0]["message"]["content"] == text
+    assert not text.startswith("The colours are")
+    with pytest.raises(anthropic.BadRequestError, match="trailing whitespace"):
+        claude(server).messages.create(model=MODEL, max_tokens=4, messages=[
+            ask[0], {"role": "assistant", "content": "Sure "}])
+    assert_openai_error(server.post("/v1/chat/completions", {"messages": ask[:1], "continue_final_message": True}),
+                        400, "final assistant message")
+    assert_openai_error(server.post("/v1/completions", {"prompt": "Hi", "continue_final_message": True}), 400,
+                        "continue_final_message")
+
+
+def test_the_continued_prompt_ends_inside_the_final_message():
+    from phasewise.tokenization.tokenizer import _continued
+
+    text = "<|im_start|>assistant\nThe colours are red,<|im_end|>\n"
+    assert _continued(text, {"role": "assistant", "content": "The colours are red,"}) == \
+        "<|im_start|>assistant\nThe colours are red,"
+    with pytest.raises(ValueError):
+        _continued(text, {"role": "assistant", "content": ""})

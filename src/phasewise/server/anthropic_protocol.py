@@ -78,6 +78,8 @@ class _Body(BaseModel):
     def chat_fields(self) -> JsonObject:
         """The OpenAI chat body's fields of the prompt: messages, tools, tool_choice, parallel_tool_calls."""
         fields: JsonObject = {"model": self.model, "messages": [*_system(self.system), *_messages(self.messages)]}
+        if self.messages and self.messages[-1].role == "assistant":
+            fields["continue_final_message"] = True              # a prefill: the reply continues it
         if self.tools is not None:
             fields["tools"] = [_tool(i, t) for i, t in enumerate(self.tools)]
         choice = self.tool_choice
@@ -179,8 +181,8 @@ def _system(system: str | list[JsonObject] | None) -> list[JsonObject]:
 
 
 def _messages(messages: list[InputMessage]) -> list[JsonObject]:
-    """Anthropic's turns as OpenAI chat messages. A final assistant turn (a prefill) is refused: the
-    template would start a new turn after it rather than continue it."""
+    """Anthropic's turns as OpenAI chat messages. A final assistant turn is a prefill the reply continues
+    (`continue_final_message`; as Anthropic, its text may not end in whitespace)."""
     out: list[JsonObject] = []
     for i, m in enumerate(messages):
         if m.role not in ("user", "assistant"):
@@ -192,9 +194,14 @@ def _messages(messages: list[InputMessage]) -> list[JsonObject]:
             out.append(_assistant(m.content, where))
         else:
             out.extend(_user(m.content, where))
-    if messages and messages[-1].role == "assistant":
-        raise bad_request("messages: a final assistant message (a prefill to continue) is not supported", "messages")
+    if messages and messages[-1].role == "assistant" and _text_of(out[-1]) != _text_of(out[-1]).rstrip():
+        raise bad_request("messages: final assistant content cannot end with trailing whitespace", "messages")
     return out
+
+
+def _text_of(message: JsonObject) -> str:
+    content = message.get("content")
+    return content if isinstance(content, str) else ""
 
 
 def _assistant(blocks: list[JsonObject], where: str) -> JsonObject:

@@ -68,7 +68,7 @@ def anthropic_router(guards: Guards) -> APIRouter:
         guards.check_model(body.model)
         item = prepared(body.chat_body(), "count").items[0]
         try:
-            ids = await engine.call(lambda e: e.encode_prompt(item.prompt, True, item.tools))
+            ids = await engine.call(lambda e: e.encode_prompt(item.prompt, True, item.tools, item.ending))
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         return {"input_tokens": len(ids)}

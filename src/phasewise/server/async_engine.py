@@ -24,7 +24,7 @@ from functools import partial
 from typing import ParamSpec, TypeAlias, TypeVar
 
 from phasewise.core.request import Request
-from phasewise.engine.client import EngineBrokenError, EngineClient, Prompt
+from phasewise.engine.client import ChatEnding, EngineBrokenError, EngineClient, Prompt
 from phasewise.json_types import JsonObject
 from phasewise.outputs import StreamDelta
 from phasewise.core.sampling_params import SamplingParams
@@ -45,6 +45,7 @@ class SubRequest:
     prompt: Prompt
     params: SamplingParams
     tools: list[JsonObject] | None = None      # chat: the tools the template renders
+    ending: ChatEnding = ChatEnding()          # chat: how the prompt ends (a prefill continued, ...)
 
 
 @dataclass
@@ -292,7 +293,7 @@ class AsyncEngine:
         for it in items:
             key = id(it.prompt)                # the choices of one prompt share its object: encode once
             if key not in encoded:
-                encoded[key] = engine.encode_prompt(it.prompt, chat, it.tools)
+                encoded[key] = engine.encode_prompt(it.prompt, chat, it.tools, it.ending)
             prepared.append((it.request_id, encoded[key], it.params))
         added = []
         try:

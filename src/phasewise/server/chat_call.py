@@ -44,7 +44,9 @@ def chat_call(body: ChatCompletionRequest, template_tool_format: str, rid: str) 
     params, tool_format = body.tool_params(body.sampling_params(), template_tool_format)
     messages, tools = body.conversation(), body.checked_tools()
     names = frozenset(json_types.text(json_types.obj(t["function"])["name"]) for t in tools or ())   # checked tools
-    items = [SubRequest(sub_id(rid, j, body.n), messages, choice_params(params, j), tools) for j in range(body.n)]
+    ending = body.ending()
+    items = [SubRequest(sub_id(rid, j, body.n), messages, choice_params(params, j), tools, ending)
+             for j in range(body.n)]
     return ChatCall(rid, items, tool_format, names, None if body.parallel_tool_calls else 1, body.constraint_field)
 
 

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, WithJsonSchema, f
 from phasewise import json_types, tool_calling
 from phasewise.json_types import JsonObject
 from phasewise.core.sampling_params import SamplingParams, StructuredOutputs
+from phasewise.engine.client import ChatEnding
 from phasewise.server import constraints
 
 MAX_CHOICES = 128          # n x prompts of one API call
@@ -69,7 +70,8 @@ UNSUPPORTED_FIELDS = frozenset({
     "dry_penalty_last_n", "dry_sequence_breakers", "repeat_last_n", "penalty_last_n", "repeat_penalty",
     "top_n_sigma", "samplers", "n_predict", "n_probs", "truncate_prompt_tokens", "include_stop_str_in_output",
     "adaptive_target", "adaptive_decay", "min_keep", "backend_sampling", "t_max_predict_ms", "lora", "vllm_xargs",
-    # the prompt: templates and their arguments, tokenization, context shifting (vLLM, llama.cpp)
+    # the prompt: templates and their arguments, tokenization, context shifting (vLLM, llama.cpp; chat
+    # requests take add_generation_prompt and continue_final_message, declared there)
     "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs", "documents",
     "add_special_tokens", "prompt_embeds", "chat_format", "chat_parser", "parse_tool_calls", "grammar_lazy",
     "grammar_triggers", "preserved_tokens", "thinking_forced_open", "n_keep", "n_discard", "n_indent",
@@ -298,6 +300,9 @@ class ChatCompletionRequest(_Request):
     tools: list[JsonObject] | None = None                # checked by checked_tools
     tool_choice: str | JsonObject | None = None          # "none", "auto", "required" or a function's: forced_tool
     parallel_tool_calls: StrictBool = True
+    # vLLM's: how the prompt ends (an assistant turn opened; or nothing; or the final assistant message, continued)
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
 
     def conversation(self) -> list[JsonObject]:
         if not self.messages:
@@ -305,6 +310,18 @@ class ChatCompletionRequest(_Request):
         messages = [m.as_dict() for m in self.messages]
         _check_call_ids(messages)
         return messages
+
+    def ending(self) -> ChatEnding:
+        """How the rendered prompt ends; continue_final_message needs a final assistant message to continue."""
+        if self.continue_final_message:
+            if self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
+                raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
+                                  "continue_final_message")
+            if not self.messages or self.messages[-1].role != "assistant":
+                raise bad_request("continue_final_message needs a final assistant message to continue",
+                                  "continue_final_message")
+            return ChatEnding(add_generation_prompt=False, continue_final=True)
+        return ChatEnding(add_generation_prompt=self.add_generation_prompt)
 
     @property
     def constraint_field(self) -> str | None:

@@ -195,9 +195,10 @@ class Tokenizer:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def render_chat(self, messages: Sequence[Mapping[str, JsonValue]], add_generation_prompt: bool = True,
-                    tools: Sequence[Mapping[str, JsonValue]] | None = None) -> str:
+                    tools: Sequence[Mapping[str, JsonValue]] | None = None, continue_final: bool = False) -> str:
         """The chat template applied to messages (and OpenAI-style tools), as text. A template without
-        tool support gets the tools, tool calls and tool results in a generic form (tool_calling/prompt.py)."""
+        tool support gets the tools, tool calls and tool results in a generic form (tool_calling/prompt.py).
+        continue_final: the text ends inside the final (assistant) message, which the model continues."""
         if not self.has_chat_template():
             raise ValueError("this tokenizer has no chat template; pass a raw prompt instead")
         import jinja2
@@ -209,15 +210,19 @@ class Tokenizer:
             else:
                 messages = tool_calling.generic_messages(messages, tools)
         try:
-            return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+            text = self.hf.apply_chat_template(messages, tokenize=False,
+                                               add_generation_prompt=add_generation_prompt and not continue_final,
                                                **extra)
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template failed: {_one_line(e)}") from e
+        return _continued(text, messages[-1]) if continue_final and messages else text
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, JsonValue]], add_generation_prompt: bool = True,
-                            tools: Sequence[Mapping[str, JsonValue]] | None = None) -> list[int]:
+                            tools: Sequence[Mapping[str, JsonValue]] | None = None,
+                            continue_final: bool = False) -> list[int]:
         """Token ids of the rendered chat (the template supplies any BOS, as in transformers)."""
-        return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools, continue_final),
+                           add_special_tokens=False)
 
     @property
     def chat_template(self) -> str:
@@ -280,6 +285,17 @@ def _generation_config_eos(folder: Path) -> list[int]:
     except (OSError, ValueError, AttributeError):
         return []
     return [i for i in (eos if isinstance(eos, list) else [eos]) if isinstance(i, int)]
+
+
+def _continued(text: str, final: Mapping[str, JsonValue]) -> str:
+    """The rendered chat cut right after the final message's text (what comes after it closes the turn),
+    as transformers' continue_final_message cuts it."""
+    content = final.get("content")
+    body = content.strip() if isinstance(content, str) else ""
+    at = text.rfind(body) if body else -1
+    if at < 0:
+        raise ValueError("the final message has no text to continue in the rendered chat")
+    return text[:at + len(body)]
 
 
 class IncrementalDetokenizer:
