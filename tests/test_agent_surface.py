@@ -319,3 +319,30 @@ def test_the_continued_prompt_ends_inside_the_final_message():
         "<|im_start|>assistant\nThe colours are red,"
     with pytest.raises(ValueError):
         _continued(text, {"role": "assistant", "content": ""})
+
+
+def test_what_agent_clients_send_to_the_responses_api_is_honoured(server):
+    """Codex and openai-agents send include, text.verbosity and max_tool_calls."""
+    client = server.client()
+    response = client.responses.create(model=MODEL, input="Hi", max_output_tokens=4, text={"verbosity": "low"},
+                                       include=["reasoning.encrypted_content"], max_tool_calls=1)
+    assert response.text.verbosity == "low" and response.max_tool_calls == 1
+    tools = FLAT_TOOLS + [{"type": "function", "name": "get_time", "parameters": WEATHER}]
+    capped = client.responses.create(model=MODEL, input="Weather and time in Paris and Rome?", tools=tools,
+                                     tool_choice="required", max_tool_calls=1, max_output_tokens=120, temperature=0)
+    assert len([item for item in capped.output if item.type == "function_call"]) == 1
+    with pytest.raises(openai.BadRequestError, match="include"):
+        client.responses.create(model=MODEL, input="Hi", include=["message.output_text.logprobs"])
+
+
+def test_what_the_anthropic_sdk_sends_is_accepted(server):
+    """The anthropic SDK's 2.x fields that change nothing here (caching is the prefix cache's, tiers and
+    regions are this one machine), context_management's no-op edit, and output_config's effort."""
+    message = claude(server).messages.create(
+        model=MODEL, max_tokens=4, messages=ASK, cache_control={"type": "ephemeral"}, service_tier="auto",
+        speed="standard", inference_geo="us", metadata={"user_id": "u1"}, output_config={"effort": "low"},
+        extra_body={"context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}})
+    assert message.usage.output_tokens > 0
+    with pytest.raises(anthropic.BadRequestError, match="clear_tool_uses"):
+        claude(server).messages.create(model=MODEL, max_tokens=4, messages=ASK, extra_body={
+            "context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}})

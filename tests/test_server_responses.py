@@ -197,7 +197,9 @@ def test_previous_response_id_continues_a_stored_conversation(server):
 @pytest.mark.parametrize("fields, param", [
     ({"background": True, "store": False}, "background"),          # background needs store
     ({"reasoning": {"effort": "high"}}, "reasoning"),
-    ({"include": ["reasoning.encrypted_content"]}, "include"),
+    ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"text": {"verbosity": "extreme"}}, "text"),
+    ({"max_tool_calls": -1}, "max_tool_calls"),
     ({"truncation": "auto"}, "truncation"),
     ({"conversation": "conv_123"}, "conversation"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),

@@ -24,7 +24,7 @@ PATH = "/v1/messages"
 
 # Fields of the Messages API that would change the output and that this server does not implement
 # (thinking {"type": "disabled"} and an output_config of effort alone change nothing here and pass).
-UNSUPPORTED_FIELDS = frozenset({"thinking", "container", "mcp_servers", "context_management"})
+UNSUPPORTED_FIELDS = frozenset({"thinking", "container", "mcp_servers"})
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
@@ -71,6 +71,8 @@ class _Body(BaseModel):
                     isinstance(value, dict) and set(value) <= {"effort", "format"}):
                 raise bad_request("output_config takes only format (and effort, which changes nothing here)",
                                   "output_config")
+            if name == "context_management" and value is not None:
+                _check_context_management(value)
             if name in UNSUPPORTED_FIELDS and value is not None:
                 raise bad_request(f"{name} is not supported by this server", name)
         return self
@@ -93,6 +95,20 @@ class _Body(BaseModel):
     def single_call(self) -> bool:
         """tool_choice.disable_parallel_tool_use: at most one tool_use block in the reply."""
         return bool(self.tool_choice and self.tool_choice.get("disable_parallel_tool_use"))
+
+
+def _check_context_management(value: JsonValue) -> None:
+    """context_management's edits: clearing thinking while keeping all of it changes nothing (what Claude
+    Code sends); any other edit (clearing tool uses, thinking turns) is not implemented: a 400 naming it."""
+    edits = value.get("edits") if isinstance(value, dict) else None
+    if not isinstance(edits, list):
+        raise bad_request("context_management must be {\"edits\": [...]}", "context_management")
+    for i, edit in enumerate(edits):
+        kind = edit.get("type") if isinstance(edit, dict) else None
+        keep = edit.get("keep", "all") if isinstance(edit, dict) else None
+        if not (isinstance(kind, str) and kind.startswith("clear_thinking") and keep == "all"):
+            raise bad_request(f"context_management.edits[{i}]: only clear_thinking with keep \"all\" (which changes "
+                              f"nothing) is supported here, got {kind!r}", "context_management")
 
 
 class MessagesRequest(_Body):

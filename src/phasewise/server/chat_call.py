@@ -38,16 +38,19 @@ class ChatCall:
         return ToolCallParser(self.tool_format, self.tool_names, self.max_calls) if self.tool_format else None
 
 
-def chat_call(body: ChatCompletionRequest, template_tool_format: str, rid: str) -> ChatCall:
+def chat_call(body: ChatCompletionRequest, template_tool_format: str, rid: str,
+              max_tool_calls: int | None = None) -> ChatCall:
     """The request's sub-requests; 400 (APIError) for what is wrong with it. template_tool_format: the
-    format the model's chat template calls tools in (Tokenizer.tool_format)."""
+    format the model's chat template calls tools in (Tokenizer.tool_format); max_tool_calls: calls past
+    it are dropped (the Responses field; parallel_tool_calls false is one)."""
     params, tool_format = body.tool_params(body.sampling_params(), template_tool_format)
     messages, tools = body.conversation(), body.checked_tools()
     names = frozenset(json_types.text(json_types.obj(t["function"])["name"]) for t in tools or ())   # checked tools
     ending = body.ending()
     items = [SubRequest(sub_id(rid, j, body.n), messages, choice_params(params, j), tools, ending)
              for j in range(body.n)]
-    return ChatCall(rid, items, tool_format, names, None if body.parallel_tool_calls else 1, body.constraint_field)
+    limits = [n for n in (max_tool_calls, None if body.parallel_tool_calls else 1) if n is not None]
+    return ChatCall(rid, items, tool_format, names, min(limits, default=None), body.constraint_field)
 
 
 def sub_id(rid: str, i: int, total: int) -> str:

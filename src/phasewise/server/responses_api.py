@@ -13,17 +13,25 @@ from __future__ import annotations
 import re
 import uuid
 
-from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, model_validator
 
 from phasewise.json_types import JsonObject, JsonValue
 from phasewise import json_types
 from phasewise.server.body_parsing import validation_message
-from phasewise.server.protocol import UNSUPPORTED_FIELDS, APIError, ChatCompletionRequest, bad_request
+from phasewise.server.protocol import INT64, UNSUPPORTED_FIELDS, APIError, ChatCompletionRequest, bad_request
 
 # Fields that would change the output and are not implemented here: a 400 naming them. The chat
 # route's list, less what the Responses API has too, plus the Responses' own.
 REFUSED = (UNSUPPORTED_FIELDS - {"tools", "tool_choice", "parallel_tool_calls", "max_completion_tokens"}) | {
-    "conversation", "prompt", "max_tool_calls", "top_logprobs", "context_management", "n", "logprobs"}
+    "conversation", "prompt", "top_logprobs", "context_management", "n", "logprobs"}
+# include: what needs output this server gives (none of these tools runs here, and reasoning is the
+# model's own); message.output_text.logprobs is not given (chat completions have logprobs)
+INCLUDABLE = frozenset({"reasoning.encrypted_content", "file_search_call.results", "web_search_call.results",
+                        "web_search_call.action.sources", "code_interpreter_call.outputs",
+                        "computer_call_output.output.image_url", "message.input_image.image_url"})
+# text.verbosity as a line of the system message (medium: the model's own length)
+VERBOSITY = {"low": "Answer as briefly as the question allows.", "medium": None,
+             "high": "Answer thoroughly, with detail and examples."}
 # The chat spellings of Responses fields: a 400 that names the field to use.
 CHAT_SPELLINGS = {"messages": "input", "response_format": "text.format", "max_tokens": "max_output_tokens",
                   "max_completion_tokens": "max_output_tokens"}
@@ -63,6 +71,7 @@ class ResponsesRequest(BaseModel):
     include: list[str] | None = None
     truncation: str | None = None
     background: StrictBool | None = None
+    max_tool_calls: int | None = Field(None, ge=0, lt=INT64)      # honoured: calls past it are dropped
     user: str | None = None
 
     @model_validator(mode="after")
@@ -78,15 +87,17 @@ class ResponsesRequest(BaseModel):
         if reasoning.get("effort") not in (None, "none") or any(
                 reasoning.get(k) is not None for k in ("summary", "generate_summary")):
             raise bad_request("reasoning is not supported by this server (the model does not reason)", "reasoning")
-        if self.include:
-            raise bad_request(f"include is not supported by this server (got {', '.join(self.include)})", "include")
+        refused = [name for name in self.include or () if name not in INCLUDABLE]
+        if refused:
+            raise bad_request(f"include: {', '.join(refused)} is not supported by this server (logprobs: use "
+                              "/v1/chat/completions)", "include")
         if self.truncation not in (None, "disabled"):
             raise bad_request('truncation "auto" is not supported: a conversation longer than the context is a 400',
                               "truncation")
         if self.background and (self.stream or self.store is False):
             raise bad_request("background needs store (not false) and cannot be streamed here", "background")
-        if (self.text or {}).get("verbosity") not in (None, "medium"):
-            raise bad_request("text.verbosity is not supported by this server", "text")
+        if (self.text or {}).get("verbosity", "medium") not in VERBOSITY:
+            raise bad_request("text.verbosity must be low, medium or high", "text")
         return self
 
     @property
@@ -240,7 +251,9 @@ def chat_request(body: ResponsesRequest, history: list[JsonObject]) -> tuple[Cha
     many of its messages come before the conversation (the instructions' system message: not stored)."""
     known = {json_types.text(c["id"]): json_types.text(json_types.obj(c["function"])["name"])
              for m in history for c in json_types.objects(m.get("tool_calls"))}      # the stored calls
-    head: list[JsonObject] = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    verbosity = VERBOSITY.get(json_types.text((body.text or {}).get("verbosity") or "medium"))
+    system = "\n\n".join(s for s in (body.instructions, verbosity) if s)
+    head: list[JsonObject] = [{"role": "system", "content": system}] if system else []
     chat: JsonObject = {
         "model": body.model, "messages": [*head, *history, *input_messages(body, known)],
         "tools": chat_tools(body.tools), "tool_choice": chat_tool_choice(body.tool_choice),

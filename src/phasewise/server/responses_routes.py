@@ -49,7 +49,7 @@ def responses_router(guards: Guards, store: ResponseStore) -> APIRouter:
             if body.previous_response_id else []
         try:
             chat, head = chat_request(body, history)
-            call = chat_call(chat, engine.tokenizer.tool_format, new_id("resp"))
+            call = chat_call(chat, engine.tokenizer.tool_format, new_id("resp"), body.max_tool_calls)
             stream = await submitter.start(call.items, True, chat.constraint_field, prompt_param="input")
         except APIError as e:
             raise renamed(e) from None
