@@ -346,3 +346,61 @@ def test_what_the_anthropic_sdk_sends_is_accepted(server):
     with pytest.raises(anthropic.BadRequestError, match="clear_tool_uses"):
         claude(server).messages.create(model=MODEL, max_tokens=4, messages=ASK, extra_body={
             "context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}})
+
+
+# ---- Codex's custom tools -------------------------------------------------------------------------
+
+PATCH = 'start: "*** Begin Patch\\n" LINE+ "*** End Patch"\nLINE: /[a-z ]{1,20}\\n/'
+
+
+def test_a_forced_custom_tool_writes_its_input_in_its_grammar(server):
+    """Codex's apply_patch shape: a custom tool with a Lark grammar, forced; the whole output is the
+    call's input, held to the grammar (streamed as custom_tool_call_input events)."""
+    import regex
+
+    tools = [{"type": "custom", "name": "apply_patch", "description": "Apply a patch",
+              "format": {"type": "grammar", "syntax": "lark", "definition": PATCH}}]
+    kw = dict(model=MODEL, input="Patch the file.", tools=tools, max_output_tokens=200, temperature=0,
+              tool_choice={"type": "custom", "name": "apply_patch"})
+    response = server.client().responses.create(**kw)
+    [call] = response.output
+    assert call.type == "custom_tool_call" and call.name == "apply_patch"
+    whole = regex.compile(r"\*\*\* Begin Patch\n(?:[a-z ]{1,20}\n)+\*\*\* End Patch")
+    assert whole.fullmatch(call.input, partial=response.status == "incomplete"), call.input
+    events = list(server.client().responses.create(stream=True, **kw))
+    deltas = "".join(e.delta for e in events if e.type == "response.custom_tool_call_input.delta")
+    done = [e for e in events if e.type == "response.custom_tool_call_input.done"]
+    assert done and done[0].input == deltas == call.input
+
+
+def test_custom_tools_with_a_regex_and_their_results_round_trip(server):
+    client = server.client()
+    tools = [{"type": "custom", "name": "code", "format": {"type": "grammar", "syntax": "regex",
+                                                            "definition": "[0-9]{3}"}}]
+    response = client.responses.create(model=MODEL, input="Give a number.", tools=tools, tool_choice="required",
+                                       max_output_tokens=10)
+    [call] = response.output
+    assert call.type == "custom_tool_call" and len(call.input) == 3 and call.input.isdigit()
+    answer = client.responses.create(model=MODEL, tools=tools, max_output_tokens=4, input=[
+        {"role": "user", "content": "Give a number."},
+        {"type": "custom_tool_call", "call_id": call.call_id, "name": "code", "input": call.input},
+        {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "accepted"}])
+    assert answer.status in ("completed", "incomplete")
+    free = client.responses.create(model=MODEL, input="Hi", tools=[{"type": "custom", "name": "free"}],
+                                   max_output_tokens=4)
+    assert free.tools[0].type == "custom"
+    with pytest.raises(openai.BadRequestError, match="grammar"):
+        client.responses.create(model=MODEL, input="Hi", tools=[{"type": "custom", "name": "x", "format": {
+            "type": "grammar", "syntax": "ebnf", "definition": "x"}}])
+
+
+def test_custom_calls_parsed_from_text_become_custom_tool_call_items():
+    from phasewise.server.responses_output import OutputItems
+    from phasewise.tool_calling import ToolCallParser
+
+    items = OutputItems(ToolCallParser("hermes", frozenset({"apply_patch"})), frozenset({"apply_patch"}))
+    text = '<tool_call>\n{"name": "apply_patch", "arguments": {"input": "*** Begin Patch\\nx\\n"}}\n</tool_call>'
+    events = [e for ch in text for e in items.feed(ch)] + items.feed("", final=True) + items.finish("completed")
+    [item] = items.items
+    assert item["type"] == "custom_tool_call" and item["input"] == "*** Begin Patch\nx\n"
+    assert [e["input"] for e in events if e["type"] == "response.custom_tool_call_input.done"] == [item["input"]]

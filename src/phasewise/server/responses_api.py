@@ -10,6 +10,7 @@ max_output_tokens → max_tokens. `renamed` puts the chat errors' field names ba
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 
@@ -130,7 +131,10 @@ def input_messages(body: ResponsesRequest, known_calls: dict[str, str]) -> list[
         kind = item.get("type", "message")
         if kind == "message":
             messages.append(_message(item, i))
-        elif kind == "function_call":
+        elif kind in ("function_call", "custom_tool_call"):
+            if kind == "custom_tool_call":       # its input as the one argument of its function (chat_tools)
+                item = {**item, "arguments": json.dumps({"input": item.get("input")}, ensure_ascii=False)
+                        if isinstance(item.get("input"), str) else None}
             call_id, name, arguments = (item.get(k) for k in ("call_id", "name", "arguments"))
             if not isinstance(call_id, str) or not isinstance(name, str) or not isinstance(arguments, str):
                 raise bad_request(f"input.{i}: a function_call needs call_id, name and arguments (strings)", "input")
@@ -141,7 +145,7 @@ def input_messages(body: ResponsesRequest, known_calls: dict[str, str]) -> list[
                 json_types.array(last.setdefault("tool_calls", [])).append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             call_id = item.get("call_id")
             if not isinstance(call_id, str):
                 raise bad_request(f"input.{i}: a function_call_output needs a call_id", "input")
@@ -151,8 +155,8 @@ def input_messages(body: ResponsesRequest, known_calls: dict[str, str]) -> list[
                 message["name"] = calls[call_id]
             messages.append(message)
         else:
-            raise bad_request(f"input.{i}: items of type {kind!r} are not supported (message, function_call and "
-                              "function_call_output are)", "input")
+            raise bad_request(f"input.{i}: items of type {kind!r} are not supported (message, function_call, "
+                              "function_call_output, custom_tool_call and custom_tool_call_output are)", "input")
     return messages
 
 
@@ -175,7 +179,8 @@ def input_items(body: ResponsesRequest) -> list[JsonObject]:
 
 
 def new_item_id(kind: str) -> str:
-    prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}.get(kind, "item")
+    prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "custom_tool_call": "ctc",
+              "custom_tool_call_output": "ctco"}.get(kind, "item")
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
@@ -199,15 +204,60 @@ def _text(content: JsonValue, where: str) -> str:
                       "images, files and audio are not supported", "input")
 
 
+def custom_names(tools: list[JsonObject] | None) -> frozenset[str]:
+    """The names of the request's custom tools (free-form input: their calls are custom_tool_call items)."""
+    return frozenset(json_types.text(t["name"]) for t in tools or ()
+                     if t.get("type") == "custom" and isinstance(t.get("name"), str))
+
+
+def _custom_function(i: int, tool: JsonObject) -> JsonObject:
+    """A custom tool (Codex's: free-form text input) as a function of one string, `input`, for the prompt
+    and for calls under tool_choice auto (their input not held to a grammar, as no auto call is). A call
+    forced to it writes its input bare, held to its grammar (`forced_custom`)."""
+    fmt = tool.get("format") or {"type": "text"}
+    string: JsonObject = {"type": "string", "description": "the tool's input, free-form text"}
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "grammar"):
+        raise bad_request(f"tools.{i}.format must be {{\"type\": \"text\"}} or a grammar", "tools")
+    if fmt.get("type") == "grammar":
+        syntax, definition = fmt.get("syntax"), fmt.get("definition")
+        if syntax not in ("lark", "regex") or not isinstance(definition, str):
+            raise bad_request(f"tools.{i}.format: a grammar needs syntax lark or regex and its definition", "tools")
+        string["description"] = f"the tool's input: text in this {syntax} grammar: {definition}"
+    fn: JsonObject = {"name": tool.get("name"), "parameters": {
+        "type": "object", "properties": {"input": string}, "required": ["input"], "additionalProperties": False}}
+    if tool.get("description") is not None:
+        fn["description"] = tool["description"]
+    return {"type": "function", "function": fn}
+
+
+def forced_custom(body: ResponsesRequest) -> JsonObject | None:
+    """The custom tool the call is forced to, when it has a grammar (tool_choice names it, or "required" and
+    it is the only tool): the whole output is then its input, held to the grammar (vLLM's structured
+    outputs: {"grammar": Lark} or {"regex": ...}). None otherwise."""
+    tools, choice = body.tools or [], body.tool_choice
+    named = choice.get("name") if isinstance(choice, dict) else None
+    chosen = [t for t in tools if t.get("name") == named] if named else tools if choice == "required" else []
+    if len(chosen) != 1 or chosen[0].get("type") != "custom":
+        return None
+    fmt = chosen[0].get("format")
+    if not isinstance(fmt, dict) or fmt.get("type") != "grammar" or not isinstance(fmt.get("definition"), str):
+        return None
+    return chosen[0]
+
+
 def chat_tools(tools: list[JsonObject] | None) -> list[JsonValue] | None:
-    """Responses' flat function tools as chat tools; other kinds of tool are a 400 naming tools."""
+    """Responses' flat function tools (and custom tools, as functions of their input) as chat tools;
+    other kinds of tool are a 400 naming tools."""
     if tools is None:
         return None
     out: list[JsonValue] = []
     for i, tool in enumerate(tools):
         kind = tool.get("type")
+        if kind == "custom":
+            out.append(_custom_function(i, tool))
+            continue
         if kind != "function":
-            raise bad_request(f"tools.{i}: only function tools are supported, got type {kind!r}", "tools")
+            raise bad_request(f"tools.{i}: only function and custom tools are supported, got type {kind!r}", "tools")
         if "function" in tool and "name" not in tool:        # the chat shape, taken as it is
             out.append(tool)
             continue
@@ -220,9 +270,9 @@ def chat_tools(tools: list[JsonObject] | None) -> list[JsonValue] | None:
 def chat_tool_choice(choice: str | JsonObject | None) -> str | JsonObject | None:
     if not isinstance(choice, dict):
         return choice
-    if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
-        raise bad_request('tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}',
-                          "tool_choice")
+    if choice.get("type") not in ("function", "custom") or not isinstance(choice.get("name"), str):
+        raise bad_request('tool_choice must be "none", "auto", "required" or {"type": "function" (or "custom"), '
+                          '"name": ...}', "tool_choice")
     return {"type": "function", "function": {"name": choice["name"]}}
 
 
@@ -263,6 +313,11 @@ def chat_request(body: ResponsesRequest, history: list[JsonObject]) -> tuple[Cha
         chat["parallel_tool_calls"] = body.parallel_tool_calls
     extra = body.model_extra or {}
     chat.update({name: extra[name] for name in PASSED if name in extra})
+    custom = forced_custom(body)
+    if custom is not None:                 # the output is the tool's input, in its grammar: no call to parse
+        fmt = json_types.obj(custom["format"])
+        chat["tool_choice"] = "none"
+        chat["structured_outputs"] = {"grammar" if fmt.get("syntax") == "lark" else "regex": fmt["definition"]}
     try:
         return ChatCompletionRequest.model_validate(chat), len(head)
     except ValidationError as e:

@@ -26,15 +26,21 @@ def new_id(prefix: str) -> str:
 
 class OutputItems:
     """The output items of one engine output; `feed` and `finish` return the stream events (dicts with
-    a type, without sequence_number) of what each step added."""
+    a type, without sequence_number) of what each step added. custom: the request's custom tools, whose
+    calls become custom_tool_call items (their input: the `input` argument); bare_call: the custom tool
+    a call is forced to, whose input is the whole output."""
 
-    def __init__(self, parser: ToolCallParser | None) -> None:
-        self.parser = parser
+    def __init__(self, parser: ToolCallParser | None, custom: frozenset[str] = frozenset(),
+                 bare_call: str | None = None) -> None:
+        self.parser, self.custom, self.bare_call = parser, custom, bare_call
         self.items: list[JsonObject] = []
         self._open: JsonObject | None = None              # the item being written, last of items
+        self._custom_args = ""                            # a custom call's arguments (JSON) so far
 
     def feed(self, text: str, final: bool = False, cut: bool = False) -> list[JsonObject]:
         """cut: the output ended at max_output_tokens (a call it was writing is dropped, not half given)."""
+        if self.bare_call is not None:
+            return self._bare_input(text)
         pieces: list[JsonObject] = self.parser.feed(text, final, cut) if self.parser else \
             [{"content": text}] if text else []
         events: list[JsonObject] = []
@@ -52,7 +58,7 @@ class OutputItems:
 
     def finish(self, status: str) -> list[JsonObject]:
         """Close the open item (status "completed" or "incomplete"); no output at all is one empty message."""
-        events = [] if self.items else self._content("")
+        events = [] if self.items else self._bare_input("") if self.bare_call is not None else self._content("")
         return events + self._close("completed" if status == "completed" else "incomplete")
 
     def _where(self) -> JsonObject:
@@ -84,11 +90,29 @@ class OutputItems:
         return events
 
     def _call(self, call_id: str, name: str, arguments: str) -> list[JsonObject]:
+        if name in self.custom:
+            self._custom_args = arguments
+            return self._add({"type": "custom_tool_call", "id": new_id("ctc"), "call_id": call_id, "name": name,
+                              "input": "", "status": "in_progress"})
         events = self._add({"type": "function_call", "id": new_id("fc"), "call_id": call_id, "name": name,
                             "arguments": "", "status": "in_progress"})
         return events + self._arguments(arguments)
 
+    def _bare_input(self, text: str) -> list[JsonObject]:
+        """A forced custom call's input, the output's text as it comes."""
+        events: list[JsonObject] = []
+        if self._open is None:
+            events = self._add({"type": "custom_tool_call", "id": new_id("ctc"), "call_id": new_id("call"),
+                                "name": self.bare_call, "input": "", "status": "in_progress"})
+        if text and self._open is not None:
+            self._open["input"] = json_types.text(self._open["input"]) + text
+            events.append({"type": "response.custom_tool_call_input.delta", **self._where(), "delta": text})
+        return events
+
     def _arguments(self, fragment: str) -> list[JsonObject]:
+        if self._open is not None and self._open["type"] == "custom_tool_call":
+            self._custom_args += fragment        # given whole when the call ends (_close)
+            return []
         if not fragment or self._open is None or self._open["type"] != "function_call":
             return []
         self._open["arguments"] = json_types.text(self._open["arguments"]) + fragment
@@ -106,11 +130,28 @@ class OutputItems:
             events = [{"type": "response.output_text.done", **where, "content_index": 0, "text": part["text"],
                        "logprobs": []},
                       {"type": "response.content_part.done", **where, "content_index": 0, "part": dict(part)}]
+        elif item["type"] == "custom_tool_call":
+            events = self._custom_done(item, where)
         else:
             events = [{"type": "response.function_call_arguments.done", **where, "name": item["name"],
                        "arguments": item["arguments"]}]
         return events + [{"type": "response.output_item.done", "output_index": where["output_index"],
                           "item": json.loads(json.dumps(item))}]
+
+
+    def _custom_done(self, item: JsonObject, where: JsonObject) -> list[JsonObject]:
+        """A custom call's input events: a parsed call's input (its `input` argument) whole, then done."""
+        events: list[JsonObject] = []
+        if self.bare_call is None:
+            try:
+                given = json.loads(self._custom_args or "{}")
+            except ValueError:
+                given = None
+            value = given.get("input") if isinstance(given, dict) else None
+            item["input"] = value if isinstance(value, str) else self._custom_args
+            if item["input"]:
+                events.append({"type": "response.custom_tool_call_input.delta", **where, "delta": item["input"]})
+        return events + [{"type": "response.custom_tool_call_input.done", **where, "input": item["input"]}]
 
 
 def _text_part(message: JsonObject | None) -> JsonObject:
@@ -124,8 +165,10 @@ def assistant_message(items: Sequence[JsonObject]) -> JsonObject:
     text = "".join(json_types.text(p["text"]) for it in items if it["type"] == "message"
                    for p in json_types.objects(it["content"]))
     calls: list[JsonValue] = [
-        {"id": it["call_id"], "type": "function", "function": {"name": it["name"], "arguments": it["arguments"]}}
-        for it in items if it["type"] == "function_call"]
+        {"id": it["call_id"], "type": "function", "function": {"name": it["name"], "arguments": it["arguments"]
+                                                                if it["type"] == "function_call" else
+                                                                json.dumps({"input": it["input"]}, ensure_ascii=False)}}
+        for it in items if it["type"] in ("function_call", "custom_tool_call")]
     message: JsonObject = {"role": "assistant", "content": text}
     if calls:
         message["tool_calls"] = calls
@@ -171,6 +214,8 @@ def response_body(body: ResponsesRequest, rid: str, created: int, model: str, st
 
 
 def _tool(tool: JsonObject) -> JsonObject:
+    if tool.get("type") == "custom":
+        return {**tool}
     fn = tool.get("function")
     fn = fn if isinstance(fn, dict) else tool   # a chat-shaped tool is echoed flat
     return {"type": "function", "name": fn.get("name"), "description": fn.get("description"),

@@ -20,6 +20,7 @@ from functools import partial
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
+from phasewise import json_types
 from phasewise.json_types import JsonObject
 from phasewise.outputs import CompletionOutput
 from phasewise.server.body_parsing import parse_body
@@ -29,7 +30,8 @@ from phasewise.server.guards import Guards
 from phasewise.server.protocol import APIError
 from phasewise.server.request_stream import RequestStream
 from phasewise.server.response_store import ResponseStore, StoredResponse
-from phasewise.server.responses_api import ResponsesRequest, chat_request, input_items, renamed
+from phasewise.server.responses_api import (ResponsesRequest, chat_request, custom_names, forced_custom, input_items,
+                                            renamed)
 from phasewise.server.responses_output import OutputItems, assistant_message, new_id, response_body, sse, status_of
 from phasewise.server.sse import collect, failure, sse_response
 
@@ -140,9 +142,15 @@ class Run:
         if self.body.stored and response["status"] != "failed":
             self.store.put(response, self.conversation + [assistant_message(items)], input_items(self.body))
 
+    def output_items(self) -> OutputItems:
+        """A fresh reading of the output into items (custom tools' calls as custom_tool_call items)."""
+        bare = forced_custom(self.body)
+        return OutputItems(self.call.parser(), custom_names(self.body.tools),
+                           json_types.text(bare["name"]) if bare is not None else None)
+
     def finish(self, out: CompletionOutput, cancelled: bool = False) -> JsonObject:
         """The response of a finished output (stored as `keep` says)."""
-        items = OutputItems(self.call.parser())
+        items = self.output_items()
         items.feed(out.text, final=True, cut=out.finish_reason == "length" or cancelled)
         status = "cancelled" if cancelled else status_of(out)
         items.finish(status)
@@ -215,7 +223,7 @@ async def response_events(run: Run, stream: RequestStream) -> AsyncIterator[str]
     .incomplete; an engine failure (or an output that ended in error) ends it with response.failed
     naming the cause."""
     seq = itertools.count()
-    items = OutputItems(run.call.parser())
+    items = run.output_items()
     head = run.response("in_progress", [])
     yield sse({"type": "response.created", "response": head}, next(seq))
     yield sse({"type": "response.in_progress", "response": head}, next(seq))
