@@ -19,7 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, 
 from phasewise.json_types import JsonObject, JsonValue
 from phasewise import json_types
 from phasewise.server.body_parsing import validation_message
-from phasewise.server.protocol import INT64, UNSUPPORTED_FIELDS, APIError, ChatCompletionRequest, bad_request
+from phasewise.server.protocol import INT64, APIError, ChatCompletionRequest, bad_request
+from phasewise.server.refused_fields import UNSUPPORTED_FIELDS
 
 # Fields that would change the output and are not implemented here: a 400 naming them. The chat
 # route's list, less what the Responses API has too, plus the Responses' own.
