@@ -404,3 +404,12 @@ def test_custom_calls_parsed_from_text_become_custom_tool_call_items():
     [item] = items.items
     assert item["type"] == "custom_tool_call" and item["input"] == "*** Begin Patch\nx\n"
     assert [e["input"] for e in events if e["type"] == "response.custom_tool_call_input.done"] == [item["input"]]
+
+
+def test_nested_booleans_are_strict_too(server):
+    schema = {"name": "x", "schema": {"type": "object"}, "strict": "yes"}
+    assert_openai_error(server.post("/v1/chat/completions", {"messages": ASK, "response_format": {
+        "type": "json_schema", "json_schema": schema}}), 400, "strict")
+    resp = server.post("/v1/messages", {"messages": ASK, "max_tokens": 2, "tools": MESSAGES_TOOLS,
+                                        "tool_choice": {"type": "auto", "disable_parallel_tool_use": "yes"}})
+    assert resp.status_code == 400 and "disable_parallel_tool_use" in resp.text, resp.text

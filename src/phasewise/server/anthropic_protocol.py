@@ -87,6 +87,8 @@ class _Body(BaseModel):
         choice = self.tool_choice
         if choice is not None:
             fields["tool_choice"] = _tool_choice(choice, self.tools is not None)
+            if choice.get("disable_parallel_tool_use", False) not in (True, False):
+                raise bad_request("tool_choice.disable_parallel_tool_use must be true or false", "tool_choice")
             if choice.get("disable_parallel_tool_use"):
                 fields["parallel_tool_calls"] = False
         return fields
