@@ -413,3 +413,15 @@ def test_nested_booleans_are_strict_too(server):
     resp = server.post("/v1/messages", {"messages": ASK, "max_tokens": 2, "tools": MESSAGES_TOOLS,
                                         "tool_choice": {"type": "auto", "disable_parallel_tool_use": "yes"}})
     assert resp.status_code == 400 and "disable_parallel_tool_use" in resp.text, resp.text
+
+
+def test_truncation_auto_drops_the_oldest_turns_to_fit(server):
+    long = [{"role": "user", "content": "word " * 12000}, {"role": "assistant", "content": "Noted."},
+            {"role": "user", "content": "Say hi."}]
+    client = server.client()
+    with pytest.raises(openai.BadRequestError, match="context"):
+        client.responses.create(model=MODEL, input=long, max_output_tokens=4)
+    response = client.responses.create(model=MODEL, input=long, max_output_tokens=4, truncation="auto")
+    assert response.truncation == "auto" and response.usage.input_tokens < 100
+    with pytest.raises(openai.BadRequestError, match="context"):      # the last turn alone does not fit
+        client.responses.create(model=MODEL, input=long[:1], max_output_tokens=4, truncation="auto")

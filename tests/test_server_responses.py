@@ -200,7 +200,7 @@ def test_previous_response_id_continues_a_stored_conversation(server):
     ({"include": ["message.output_text.logprobs"]}, "include"),
     ({"text": {"verbosity": "extreme"}}, "text"),
     ({"max_tool_calls": -1}, "max_tool_calls"),
-    ({"truncation": "auto"}, "truncation"),
+    ({"truncation": "middle"}, "truncation"),
     ({"conversation": "conv_123"}, "conversation"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"top_logprobs": 2}, "top_logprobs"),

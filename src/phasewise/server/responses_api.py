@@ -93,9 +93,9 @@ class ResponsesRequest(BaseModel):
         if refused:
             raise bad_request(f"include: {', '.join(refused)} is not supported by this server (logprobs: use "
                               "/v1/chat/completions)", "include")
-        if self.truncation not in (None, "disabled"):
-            raise bad_request('truncation "auto" is not supported: a conversation longer than the context is a 400',
-                              "truncation")
+        if self.truncation not in (None, "disabled", "auto"):
+            raise bad_request('truncation must be "auto" (the oldest turns dropped to fit the context) or '
+                              '"disabled" (a conversation longer than the context is a 400)', "truncation")
         if self.background and (self.stream or self.store is False):
             raise bad_request("background needs store (not false) and cannot be streamed here", "background")
         if (self.text or {}).get("verbosity", "medium") not in VERBOSITY:

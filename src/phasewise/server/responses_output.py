@@ -207,7 +207,7 @@ def response_body(body: ResponsesRequest, rid: str, created: int, model: str, st
         "text": {"format": body.text_format, "verbosity": (body.text or {}).get("verbosity") or "medium"},
         "tool_choice": tool_choice, "max_tool_calls": body.max_tool_calls,
         "tools": [_tool(t) for t in body.tools or ()],
-        "top_p": body.top_p if body.top_p is not None else 1.0, "truncation": "disabled",
+        "top_p": body.top_p if body.top_p is not None else 1.0, "truncation": body.truncation or "disabled",
         "usage": usage(out) if out is not None else None, "user": body.user, "metadata": {**(body.metadata or {})},
         "background": bool(body.background),
     }

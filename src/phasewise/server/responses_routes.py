@@ -27,7 +27,7 @@ from phasewise.server.body_parsing import parse_body
 from phasewise.server.chat_call import ChatCall, Submitter, chat_call
 from phasewise.server.errors import EngineError
 from phasewise.server.guards import Guards
-from phasewise.server.protocol import APIError
+from phasewise.server.protocol import APIError, ChatCompletionRequest
 from phasewise.server.request_stream import RequestStream
 from phasewise.server.response_store import ResponseStore, StoredResponse
 from phasewise.server.responses_api import (ResponsesRequest, chat_request, custom_names, forced_custom, input_items,
@@ -51,8 +51,7 @@ def responses_router(guards: Guards, store: ResponseStore) -> APIRouter:
             if body.previous_response_id else []
         try:
             chat, head = chat_request(body, history)
-            call = chat_call(chat, engine.tokenizer.tool_format, new_id("resp"), body.max_tool_calls)
-            stream = await submitter.start(call.items, True, chat.constraint_field, prompt_param="input")
+            chat, call, stream = await start(submitter, body, chat, head, engine.tokenizer.tool_format)
         except APIError as e:
             raise renamed(e) from None
         run = Run(body, call, chat.conversation()[head:], body.model or config.served_model_name, store)
@@ -95,6 +94,32 @@ def responses_router(guards: Guards, store: ResponseStore) -> APIRouter:
         return await background.cancel(response_id) or stored(response_id).body
 
     return router
+
+
+async def start(submitter: Submitter, body: ResponsesRequest, chat: ChatCompletionRequest, head: int,
+                tool_format: str) -> tuple[ChatCompletionRequest, ChatCall, RequestStream]:
+    """Submit the call (with truncation "auto", dropping the oldest turn until it fits the context):
+    the chat request that ran, its ChatCall and its stream."""
+    rid = new_id("resp")
+    while True:
+        call = chat_call(chat, tool_format, rid, body.max_tool_calls)
+        try:
+            return chat, call, await submitter.start(call.items, True, chat.constraint_field, prompt_param="input")
+        except APIError as e:
+            shorter = truncated(chat, head) if body.truncation == "auto" else None
+            if e.code != "context_length_exceeded" or shorter is None:
+                raise
+            chat = shorter
+
+
+def truncated(chat: ChatCompletionRequest, head: int) -> ChatCompletionRequest | None:
+    """truncation "auto": the request without its oldest turn (the messages after the instructions up to
+    the next user message, so no tool result loses its call); None when only the last turn is left."""
+    rest = chat.messages[head:]
+    starts = [i for i, m in enumerate(rest) if m.role == "user" and i > 0]
+    if not starts:
+        return None
+    return chat.model_copy(update={"messages": [*chat.messages[:head], *rest[starts[0]:]]})
 
 
 def stored_response(store: ResponseStore, rid: str, param: str | None = None) -> StoredResponse:
