@@ -425,3 +425,20 @@ def test_truncation_auto_drops_the_oldest_turns_to_fit(server):
     assert response.truncation == "auto" and response.usage.input_tokens < 100
     with pytest.raises(openai.BadRequestError, match="context"):      # the last turn alone does not fit
         client.responses.create(model=MODEL, input=long[:1], max_output_tokens=4, truncation="auto")
+
+
+def test_a_streamed_reply_shows_no_tool_use_cut_off_by_max_tokens(server):
+    """A tool_use block's events wait for its end: one the token limit cuts off never starts."""
+    with claude(server).messages.stream(model=MODEL, messages=ASK, tools=MESSAGES_TOOLS, max_tokens=8,
+                                        tool_choice={"type": "any"}, extra_body={"temperature": 0}) as stream:
+        events = list(stream)
+        message = stream.get_final_message()
+    assert message.stop_reason == "max_tokens" and not [b for b in message.content if b.type == "tool_use"]
+    assert not [e for e in events if e.type == "content_block_start" and e.content_block.type == "tool_use"]
+    whole = claude(server).messages.create(model=MODEL, messages=ASK, tools=MESSAGES_TOOLS, max_tokens=60,
+                                           tool_choice={"type": "any"}, extra_body={"temperature": 0})
+    with claude(server).messages.stream(model=MODEL, messages=ASK, tools=MESSAGES_TOOLS, max_tokens=60,
+                                        tool_choice={"type": "any"}, extra_body={"temperature": 0}) as stream:
+        streamed = stream.get_final_message()
+    assert [(b.type, getattr(b, "input", None)) for b in streamed.content] == \
+        [(b.type, getattr(b, "input", None)) for b in whole.content]

@@ -79,13 +79,16 @@ def anthropic_router(guards: Guards) -> APIRouter:
 class Blocks:
     """A reply's content blocks, built from a ToolCallParser's pieces (or plain text) as they come:
     `add` returns the events that open, extend and close blocks; `content` is the blocks so far.
-    single_call: tool calls after the first are dropped (disable_parallel_tool_use)."""
+    single_call: tool calls after the first are dropped (disable_parallel_tool_use). A tool_use block's
+    events are held until it closes, so a call cut off by max_tokens (which the parser drops) never
+    shows as a half tool_use."""
 
     def __init__(self, parser: ToolCallParser | None, single_call: bool) -> None:
         self.parser, self.single_call = parser, single_call
         self.content: list[JsonObject] = []
         self._open: str | int | None = None         # "text", a call's index, or None
         self._arguments: list[str] = []             # each call's input JSON text so far
+        self._held: list[Event] = []                # the open tool_use block's events
 
     def add(self, text: str, final: bool, cut: bool = False) -> list[Event]:
         """cut: the output ended at max_tokens (a call it was writing is dropped, not half given)."""
@@ -99,7 +102,18 @@ class Blocks:
                 events += self._call(call)
         if final:
             events += self._close()
+        self._held += events
+        start = self._open_call_start()
+        events, self._held = (self._held, []) if start is None else (self._held[:start], self._held[start:])
         return events
+
+    def _open_call_start(self) -> int | None:
+        """Where the open tool_use block's events start among those held (None: no tool_use is open)."""
+        if not isinstance(self._open, int):
+            return None
+        index = len(self.content) - 1
+        return next((i for i, (name, data) in enumerate(self._held)
+                     if name == "content_block_start" and data["index"] == index), len(self._held))
 
     @property
     def calls(self) -> bool:
@@ -142,6 +156,11 @@ class Blocks:
         if self._open is None:
             return []
         if isinstance(self._open, int):
+            if self.parser is not None and self._open >= len(self.parser.calls):   # cut off: dropped
+                start = self._open_call_start()
+                self._held, self._open = self._held[:start], None
+                self.content.pop()
+                return []
             self.content[-1]["input"] = _input(self._arguments[self._open])
         self._open = None
         return [("content_block_stop", {"type": "content_block_stop", "index": len(self.content) - 1})]
