@@ -442,3 +442,16 @@ def test_a_streamed_reply_shows_no_tool_use_cut_off_by_max_tokens(server):
         streamed = stream.get_final_message()
     assert [(b.type, getattr(b, "input", None)) for b in streamed.content] == \
         [(b.type, getattr(b, "input", None)) for b in whole.content]
+
+
+def test_a_streamed_response_shows_no_call_cut_off_by_max_output_tokens(server):
+    kw = dict(model=MODEL, input="What is the weather in Paris?", tools=FLAT_TOOLS, tool_choice="required",
+              temperature=0)
+    events = list(server.client().responses.create(stream=True, max_output_tokens=8, **kw))
+    assert events[-1].type == "response.incomplete" and not events[-1].response.output_text.count("<tool_call>")
+    assert not [e for e in events if e.type == "response.output_item.added" and e.item.type == "function_call"]
+    assert not [item for item in events[-1].response.output if item.type == "function_call"]
+    whole = server.client().responses.create(max_output_tokens=60, **kw)
+    streamed = list(server.client().responses.create(stream=True, max_output_tokens=60, **kw))[-1].response
+    assert [(i.type, i.name, i.arguments) for i in streamed.output if i.type == "function_call"] == \
+        [(i.type, i.name, i.arguments) for i in whole.output if i.type == "function_call"]

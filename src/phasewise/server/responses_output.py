@@ -28,7 +28,8 @@ class OutputItems:
     """The output items of one engine output; `feed` and `finish` return the stream events (dicts with
     a type, without sequence_number) of what each step added. custom: the request's custom tools, whose
     calls become custom_tool_call items (their input: the `input` argument); bare_call: the custom tool
-    a call is forced to, whose input is the whole output."""
+    a call is forced to, whose input is the whole output. A call item's events are held until it closes,
+    so a call cut off by max_output_tokens (which the parser drops) never shows."""
 
     def __init__(self, parser: ToolCallParser | None, custom: frozenset[str] = frozenset(),
                  bare_call: str | None = None) -> None:
@@ -36,6 +37,7 @@ class OutputItems:
         self.items: list[JsonObject] = []
         self._open: JsonObject | None = None              # the item being written, last of items
         self._custom_args = ""                            # a custom call's arguments (JSON) so far
+        self._held: list[JsonObject] = []                 # the open call item's events
 
     def feed(self, text: str, final: bool = False, cut: bool = False) -> list[JsonObject]:
         """cut: the output ended at max_output_tokens (a call it was writing is dropped, not half given)."""
@@ -54,12 +56,32 @@ class OutputItems:
                     events += self._call(json_types.text(call["id"]), json_types.text(function["name"]), arguments)
                 else:
                     events += self._arguments(arguments)
-        return events
+        return self._release(events)
 
     def finish(self, status: str) -> list[JsonObject]:
         """Close the open item (status "completed" or "incomplete"); no output at all is one empty message."""
+        if self._open is not None and self.parser is not None and self._open["type"] != "message" \
+                and self._open["call_id"] not in {c.id for c in self.parser.calls}:     # cut off: dropped
+            self._held = self._held[:self._open_call_start()]
+            self.items.pop()
+            self._open = None
         events = [] if self.items else self._bare_input("") if self.bare_call is not None else self._content("")
-        return events + self._close("completed" if status == "completed" else "incomplete")
+        return self._release(events + self._close("completed" if status == "completed" else "incomplete"))
+
+    def _release(self, events: list[JsonObject]) -> list[JsonObject]:
+        """The events that may go out: all but those of an open call item."""
+        self._held += events
+        start = self._open_call_start()
+        out, self._held = (self._held, []) if start is None else (self._held[:start], self._held[start:])
+        return out
+
+    def _open_call_start(self) -> int | None:
+        """Where the open call item's events start among those held (None: no call item is open)."""
+        if self._open is None or self._open["type"] == "message" or self.bare_call is not None:
+            return None
+        index = len(self.items) - 1
+        return next((i for i, e in enumerate(self._held)
+                     if e["type"] == "response.output_item.added" and e["output_index"] == index), len(self._held))
 
     def _where(self) -> JsonObject:
         assert self._open is not None
