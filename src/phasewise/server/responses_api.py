@@ -42,6 +42,9 @@ PASSED = ("seed", "stop", "presence_penalty", "frequency_penalty", "top_k", "min
           "ignore_eos", "min_tokens", "stop_token_ids", "skip_special_tokens", "logit_bias", "structured_outputs",
           "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
           "json_schema", "grammar")
+# why, where a refusal can say more
+WHY = {"top_logprobs": " (output_text logprobs are not given here; /v1/chat/completions has logprobs)",
+       "context_management": " (no compaction: with truncation \"auto\" the oldest turns are dropped to fit)"}
 # A chat error's field → (the Responses param, the name its message uses)
 RENAMES = {"messages": ("input", "input"), "response_format": ("text", "text.format"),
            "max_tokens": ("max_output_tokens", "max_output_tokens")}
@@ -84,7 +87,7 @@ class ResponsesRequest(BaseModel):
             if name in CHAT_SPELLINGS:
                 raise bad_request(f"{name} is not a /v1/responses field: use {CHAT_SPELLINGS[name]}", name)
             if name in REFUSED:
-                raise bad_request(f"{name} is not supported by this server", name)
+                raise bad_request(f"{name} is not supported by this server{WHY.get(name, '')}", name)
         reasoning = self.reasoning or {}
         if reasoning.get("effort") not in (None, "none") or any(
                 reasoning.get(k) is not None for k in ("summary", "generate_summary")):
