@@ -288,3 +288,170 @@ def test_a_background_response_runs_and_can_be_cancelled(server):
     assert client.responses.cancel(short.id).status == polled.status
     with pytest.raises(openai.BadRequestError, match="background"):
         client.responses.create(model=MODEL, input="Hi", background=True, store=False)
+
+
+# ---- item 9: fields accepted where they can be honoured, else a 400 saying so ------------------------------
+
+def test_an_assistant_prefill_is_continued(server):
+    """Anthropic: a final assistant message is a prefill the reply continues (its text not repeated);
+    chat: vLLM's continue_final_message."""
+    ask = [{"role": "user", "content": "Name three colours."}, {"role": "assistant", "content": "The colours are red,"}]
+    message = claude(server).messages.create(model=MODEL, max_tokens=12, messages=ask, extra_body={"temperature": 0})
+    text = message.content[0].text
+    chat = server.post("/v1/chat/completions", {"messages": ask, "continue_final_message": True,
+                                                "add_generation_prompt": False, "max_tokens": 12, "temperature": 0})
+    assert chat.json()["choices"][0]["message"]["content"] == text
+    assert not text.startswith("The colours are")
+    with pytest.raises(anthropic.BadRequestError, match="trailing whitespace"):
+        claude(server).messages.create(model=MODEL, max_tokens=4, messages=[
+            ask[0], {"role": "assistant", "content": "Sure "}])
+    assert_openai_error(server.post("/v1/chat/completions", {"messages": ask[:1], "continue_final_message": True}),
+                        400, "final assistant message")
+    assert_openai_error(server.post("/v1/completions", {"prompt": "Hi", "continue_final_message": True}), 400,
+                        "continue_final_message")
+
+
+def test_the_continued_prompt_ends_inside_the_final_message():
+    from phasewise.tokenization.tokenizer import _continued
+
+    text = "<|im_start|>assistant\nThe colours are red,<|im_end|>\n"
+    assert _continued(text, {"role": "assistant", "content": "The colours are red,"}) == \
+        "<|im_start|>assistant\nThe colours are red,"
+    with pytest.raises(ValueError):
+        _continued(text, {"role": "assistant", "content": ""})
+
+
+def test_what_agent_clients_send_to_the_responses_api_is_honoured(server):
+    """Codex and openai-agents send include, text.verbosity and max_tool_calls."""
+    client = server.client()
+    response = client.responses.create(model=MODEL, input="Hi", max_output_tokens=4, text={"verbosity": "low"},
+                                       include=["reasoning.encrypted_content"], max_tool_calls=1)
+    assert response.text.verbosity == "low" and response.max_tool_calls == 1
+    tools = FLAT_TOOLS + [{"type": "function", "name": "get_time", "parameters": WEATHER}]
+    capped = client.responses.create(model=MODEL, input="Weather and time in Paris and Rome?", tools=tools,
+                                     tool_choice="required", max_tool_calls=1, max_output_tokens=120, temperature=0)
+    assert len([item for item in capped.output if item.type == "function_call"]) == 1
+    with pytest.raises(openai.BadRequestError, match="include"):
+        client.responses.create(model=MODEL, input="Hi", include=["message.output_text.logprobs"])
+
+
+def test_what_the_anthropic_sdk_sends_is_accepted(server):
+    """The anthropic SDK's 2.x fields that change nothing here (caching is the prefix cache's, tiers and
+    regions are this one machine), context_management's no-op edit, and output_config's effort."""
+    message = claude(server).messages.create(
+        model=MODEL, max_tokens=4, messages=ASK, cache_control={"type": "ephemeral"}, service_tier="auto",
+        speed="standard", inference_geo="us", metadata={"user_id": "u1"}, output_config={"effort": "low"},
+        extra_body={"context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}})
+    assert message.usage.output_tokens > 0
+    with pytest.raises(anthropic.BadRequestError, match="clear_tool_uses"):
+        claude(server).messages.create(model=MODEL, max_tokens=4, messages=ASK, extra_body={
+            "context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}})
+
+
+# ---- Codex's custom tools -------------------------------------------------------------------------
+
+PATCH = 'start: "*** Begin Patch\\n" LINE+ "*** End Patch"\nLINE: /[a-z ]{1,20}\\n/'
+
+
+def test_a_forced_custom_tool_writes_its_input_in_its_grammar(server):
+    """Codex's apply_patch shape: a custom tool with a Lark grammar, forced; the whole output is the
+    call's input, held to the grammar (streamed as custom_tool_call_input events)."""
+    import regex
+
+    tools = [{"type": "custom", "name": "apply_patch", "description": "Apply a patch",
+              "format": {"type": "grammar", "syntax": "lark", "definition": PATCH}}]
+    kw = dict(model=MODEL, input="Patch the file.", tools=tools, max_output_tokens=200, temperature=0,
+              tool_choice={"type": "custom", "name": "apply_patch"})
+    response = server.client().responses.create(**kw)
+    [call] = response.output
+    assert call.type == "custom_tool_call" and call.name == "apply_patch"
+    whole = regex.compile(r"\*\*\* Begin Patch\n(?:[a-z ]{1,20}\n)+\*\*\* End Patch")
+    assert whole.fullmatch(call.input, partial=response.status == "incomplete"), call.input
+    events = list(server.client().responses.create(stream=True, **kw))
+    deltas = "".join(e.delta for e in events if e.type == "response.custom_tool_call_input.delta")
+    done = [e for e in events if e.type == "response.custom_tool_call_input.done"]
+    assert done and done[0].input == deltas == call.input
+
+
+def test_custom_tools_with_a_regex_and_their_results_round_trip(server):
+    client = server.client()
+    tools = [{"type": "custom", "name": "code", "format": {"type": "grammar", "syntax": "regex",
+                                                            "definition": "[0-9]{3}"}}]
+    response = client.responses.create(model=MODEL, input="Give a number.", tools=tools, tool_choice="required",
+                                       max_output_tokens=10)
+    [call] = response.output
+    assert call.type == "custom_tool_call" and len(call.input) == 3 and call.input.isdigit()
+    answer = client.responses.create(model=MODEL, tools=tools, max_output_tokens=4, input=[
+        {"role": "user", "content": "Give a number."},
+        {"type": "custom_tool_call", "call_id": call.call_id, "name": "code", "input": call.input},
+        {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "accepted"}])
+    assert answer.status in ("completed", "incomplete")
+    free = client.responses.create(model=MODEL, input="Hi", tools=[{"type": "custom", "name": "free"}],
+                                   max_output_tokens=4)
+    assert free.tools[0].type == "custom"
+    with pytest.raises(openai.BadRequestError, match="grammar"):
+        client.responses.create(model=MODEL, input="Hi", tools=[{"type": "custom", "name": "x", "format": {
+            "type": "grammar", "syntax": "ebnf", "definition": "x"}}])
+
+
+def test_custom_calls_parsed_from_text_become_custom_tool_call_items():
+    from phasewise.server.responses_output import OutputItems
+    from phasewise.tool_calling import ToolCallParser
+
+    items = OutputItems(ToolCallParser("hermes", frozenset({"apply_patch"})), frozenset({"apply_patch"}))
+    text = '<tool_call>\n{"name": "apply_patch", "arguments": {"input": "*** Begin Patch\\nx\\n"}}\n</tool_call>'
+    events = [e for ch in text for e in items.feed(ch)] + items.feed("", final=True) + items.finish("completed")
+    [item] = items.items
+    assert item["type"] == "custom_tool_call" and item["input"] == "*** Begin Patch\nx\n"
+    assert [e["input"] for e in events if e["type"] == "response.custom_tool_call_input.done"] == [item["input"]]
+
+
+def test_nested_booleans_are_strict_too(server):
+    schema = {"name": "x", "schema": {"type": "object"}, "strict": "yes"}
+    assert_openai_error(server.post("/v1/chat/completions", {"messages": ASK, "response_format": {
+        "type": "json_schema", "json_schema": schema}}), 400, "strict")
+    resp = server.post("/v1/messages", {"messages": ASK, "max_tokens": 2, "tools": MESSAGES_TOOLS,
+                                        "tool_choice": {"type": "auto", "disable_parallel_tool_use": "yes"}})
+    assert resp.status_code == 400 and "disable_parallel_tool_use" in resp.text, resp.text
+
+
+def test_truncation_auto_drops_the_oldest_turns_to_fit(server):
+    long = [{"role": "user", "content": "word " * 12000}, {"role": "assistant", "content": "Noted."},
+            {"role": "user", "content": "Say hi."}]
+    client = server.client()
+    with pytest.raises(openai.BadRequestError, match="context"):
+        client.responses.create(model=MODEL, input=long, max_output_tokens=4)
+    response = client.responses.create(model=MODEL, input=long, max_output_tokens=4, truncation="auto")
+    assert response.truncation == "auto" and response.usage.input_tokens < 100
+    with pytest.raises(openai.BadRequestError, match="context"):      # the last turn alone does not fit
+        client.responses.create(model=MODEL, input=long[:1], max_output_tokens=4, truncation="auto")
+
+
+def test_a_streamed_reply_shows_no_tool_use_cut_off_by_max_tokens(server):
+    """A tool_use block's events wait for its end: one the token limit cuts off never starts."""
+    with claude(server).messages.stream(model=MODEL, messages=ASK, tools=MESSAGES_TOOLS, max_tokens=8,
+                                        tool_choice={"type": "any"}, extra_body={"temperature": 0}) as stream:
+        events = list(stream)
+        message = stream.get_final_message()
+    assert message.stop_reason == "max_tokens" and not [b for b in message.content if b.type == "tool_use"]
+    assert not [e for e in events if e.type == "content_block_start" and e.content_block.type == "tool_use"]
+    whole = claude(server).messages.create(model=MODEL, messages=ASK, tools=MESSAGES_TOOLS, max_tokens=60,
+                                           tool_choice={"type": "any"}, extra_body={"temperature": 0})
+    with claude(server).messages.stream(model=MODEL, messages=ASK, tools=MESSAGES_TOOLS, max_tokens=60,
+                                        tool_choice={"type": "any"}, extra_body={"temperature": 0}) as stream:
+        streamed = stream.get_final_message()
+    assert [(b.type, getattr(b, "input", None)) for b in streamed.content] == \
+        [(b.type, getattr(b, "input", None)) for b in whole.content]
+
+
+def test_a_streamed_response_shows_no_call_cut_off_by_max_output_tokens(server):
+    kw = dict(model=MODEL, input="What is the weather in Paris?", tools=FLAT_TOOLS, tool_choice="required",
+              temperature=0)
+    events = list(server.client().responses.create(stream=True, max_output_tokens=8, **kw))
+    assert events[-1].type == "response.incomplete" and not events[-1].response.output_text.count("<tool_call>")
+    assert not [e for e in events if e.type == "response.output_item.added" and e.item.type == "function_call"]
+    assert not [item for item in events[-1].response.output if item.type == "function_call"]
+    whole = server.client().responses.create(max_output_tokens=60, **kw)
+    streamed = list(server.client().responses.create(stream=True, max_output_tokens=60, **kw))[-1].response
+    assert [(i.type, i.name, i.arguments) for i in streamed.output if i.type == "function_call"] == \
+        [(i.type, i.name, i.arguments) for i in whole.output if i.type == "function_call"]

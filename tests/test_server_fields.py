@@ -62,7 +62,8 @@ COMMON = {
 HONOURED = {
     "chat": {**COMMON, "logprobs": True, "top_logprobs": 2, "max_completion_tokens": 4, "tools": TOOLS,
              "tool_choice": "auto", "parallel_tool_calls": False, "chat_template_kwargs": {"enable_thinking": False},
-             "reasoning_effort": "low", "include_reasoning": False},
+             "reasoning_effort": "low", "include_reasoning": False, "add_generation_prompt": True,
+             "continue_final_message": False},
     "completion": {**COMMON, "logprobs": 2, "echo": True, "best_of": 1},
 }
 # accepted, changing nothing in the output: caching, scheduling, request ids, speculation (which keeps the

@@ -204,7 +204,9 @@ def test_structured_output_validates(server, spelling, stream):
     ({"messages": [{"role": "user", "content": [{"type": "mystery"}]}]}, "messages[0].content[0]"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
         {"type": "document", "source": {}}]}]}]}, "messages[0].content[0].content[0]"),
-    ({"messages": [*HELLO, {"role": "assistant", "content": "Red,"}]}, "final assistant"),
+    ({"messages": [*HELLO, {"role": "assistant", "content": "Red, "}]}, "trailing whitespace"),   # a prefill
+    ({"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}}, "clear_tool_uses"),
+    ({"container": "container_1"}, "container"),
     ({"temperature": -1}, "temperature"),
     ({"tools": [{"name": "has space", "input_schema": ADD}]}, "tools[0].name"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type"),

@@ -197,8 +197,10 @@ def test_previous_response_id_continues_a_stored_conversation(server):
 @pytest.mark.parametrize("fields, param", [
     ({"background": True, "store": False}, "background"),          # background needs store
     ({"reasoning": {"effort": "extreme"}}, "reasoning"),
-    ({"include": ["reasoning.encrypted_content"]}, "include"),
-    ({"truncation": "auto"}, "truncation"),
+    ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"text": {"verbosity": "extreme"}}, "text"),
+    ({"max_tool_calls": -1}, "max_tool_calls"),
+    ({"truncation": "middle"}, "truncation"),
     ({"conversation": "conv_123"}, "conversation"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"top_logprobs": 2}, "top_logprobs"),

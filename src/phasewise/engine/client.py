@@ -4,6 +4,7 @@ in, steps, deltas out, request state and stats, the tokenizer, and KV transfer f
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from phasewise.config import EngineConfig
@@ -27,6 +28,15 @@ def is_chat(prompt: Prompt) -> TypeIs[list[JsonObject]]:
     return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
 
 
+@dataclass(frozen=True)
+class ChatEnding:
+    """How a chat prompt ends: an assistant turn opened (add_generation_prompt, the default), nothing
+    after the last message, or inside the final assistant message, which the model continues
+    (continue_final: a prefill; vLLM's continue_final_message)."""
+    add_generation_prompt: bool = True
+    continue_final: bool = False
+
+
 class EngineBrokenError(RuntimeError):
     """The engine cannot run another step: a rank of its tensor-parallel group failed (or a step failed
     while the ranks ran it, so they are no longer in step). Its requests have ended; close() it."""
@@ -41,9 +51,10 @@ class EngineClient(Protocol):
     kv_transfer: KVTransfer
 
     def encode_prompt(self, prompt: Prompt, chat: bool, tools: Sequence[Mapping[str, JsonValue]] | None = None,
-                      template_kwargs: Mapping[str, JsonValue] | None = None) -> list[int]:
+                      template_kwargs: Mapping[str, JsonValue] | None = None,
+                      ending: ChatEnding = ChatEnding()) -> list[int]:
         """Token ids of a prompt: chat messages (with OpenAI-style tools and template_kwargs, the
-        template's own variables) through the chat template."""
+        template's own variables) through the chat template, which ends as `ending` says."""
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, chat: bool = False,
                     request_id: str | None = None,

@@ -24,8 +24,8 @@ from phasewise.server.protocol import INT64, APIError, ChatCompletionRequest, ba
 PATH = "/v1/messages"
 
 # Fields of the Messages API that would change the output and that this server does not implement
-# (an output_config of effort alone changes nothing here and passes).
-UNSUPPORTED_FIELDS = frozenset({"container", "mcp_servers", "context_management"})
+# (an output_config of effort alone changes nothing here and passes; context_management: see below).
+UNSUPPORTED_FIELDS = frozenset({"container", "mcp_servers"})
 THINKING_TYPES = ("enabled", "disabled", "adaptive")
 MIN_BUDGET = 1024                          # Anthropic's least thinking.budget_tokens
 
@@ -75,6 +75,8 @@ class _Body(BaseModel):
                     isinstance(value, dict) and set(value) <= {"effort", "format"}):
                 raise bad_request("output_config takes only format (and effort, which changes nothing here)",
                                   "output_config")
+            if name == "context_management" and value is not None:
+                _check_context_management(value)
             if name in UNSUPPORTED_FIELDS and value is not None:
                 raise bad_request(f"{name} is not supported by this server", name)
         return self
@@ -82,11 +84,15 @@ class _Body(BaseModel):
     def chat_fields(self) -> JsonObject:
         """The OpenAI chat body's fields of the prompt: messages, tools, tool_choice, parallel_tool_calls."""
         fields: JsonObject = {"model": self.model, "messages": [*_system(self.system), *_messages(self.messages)]}
+        if self.messages and self.messages[-1].role == "assistant":
+            fields["continue_final_message"] = True              # a prefill: the reply continues it
         if self.tools is not None:
             fields["tools"] = [_tool(i, t) for i, t in enumerate(self.tools)]
         choice = self.tool_choice
         if choice is not None:
             fields["tool_choice"] = _tool_choice(choice, self.tools is not None)
+            if choice.get("disable_parallel_tool_use", False) not in (True, False):
+                raise bad_request("tool_choice.disable_parallel_tool_use must be true or false", "tool_choice")
             if choice.get("disable_parallel_tool_use"):
                 fields["parallel_tool_calls"] = False
         if self.thinking is not None:      # the template's switch (the budget is the engine's to keep)
@@ -103,6 +109,20 @@ class _Body(BaseModel):
     def single_call(self) -> bool:
         """tool_choice.disable_parallel_tool_use: at most one tool_use block in the reply."""
         return bool(self.tool_choice and self.tool_choice.get("disable_parallel_tool_use"))
+
+
+def _check_context_management(value: JsonValue) -> None:
+    """context_management's edits: clearing thinking while keeping all of it changes nothing (what Claude
+    Code sends); any other edit (clearing tool uses, thinking turns) is not implemented: a 400 naming it."""
+    edits = value.get("edits") if isinstance(value, dict) else None
+    if not isinstance(edits, list):
+        raise bad_request("context_management must be {\"edits\": [...]}", "context_management")
+    for i, edit in enumerate(edits):
+        kind = edit.get("type") if isinstance(edit, dict) else None
+        keep = edit.get("keep", "all") if isinstance(edit, dict) else None
+        if not (isinstance(kind, str) and kind.startswith("clear_thinking") and keep == "all"):
+            raise bad_request(f"context_management.edits[{i}]: only clear_thinking with keep \"all\" (which changes "
+                              f"nothing) is supported here, got {kind!r}", "context_management")
 
 
 class MessagesRequest(_Body):
@@ -205,8 +225,8 @@ def _system(system: str | list[JsonObject] | None) -> list[JsonObject]:
 
 
 def _messages(messages: list[InputMessage]) -> list[JsonObject]:
-    """Anthropic's turns as OpenAI chat messages. A final assistant turn (a prefill) is refused: the
-    template would start a new turn after it rather than continue it."""
+    """Anthropic's turns as OpenAI chat messages. A final assistant turn is a prefill the reply continues
+    (`continue_final_message`; as Anthropic, its text may not end in whitespace)."""
     out: list[JsonObject] = []
     for i, m in enumerate(messages):
         if m.role not in ("user", "assistant"):
@@ -218,9 +238,14 @@ def _messages(messages: list[InputMessage]) -> list[JsonObject]:
             out.append(_assistant(m.content, where))
         else:
             out.extend(_user(m.content, where))
-    if messages and messages[-1].role == "assistant":
-        raise bad_request("messages: a final assistant message (a prefill to continue) is not supported", "messages")
+    if messages and messages[-1].role == "assistant" and _text_of(out[-1]) != _text_of(out[-1]).rstrip():
+        raise bad_request("messages: final assistant content cannot end with trailing whitespace", "messages")
     return out
+
+
+def _text_of(message: JsonObject) -> str:
+    content = message.get("content")
+    return content if isinstance(content, str) else ""
 
 
 def _assistant(blocks: list[JsonObject], where: str) -> JsonObject:

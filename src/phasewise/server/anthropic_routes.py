@@ -78,7 +78,8 @@ def anthropic_router(guards: Guards) -> APIRouter:
         guards.check_model(body.model)
         item = prepared(body.chat_body(), "count").items[0]
         try:
-            ids = await engine.call(lambda e: e.encode_prompt(item.prompt, True, item.tools, item.template_kwargs))
+            ids = await engine.call(lambda e: e.encode_prompt(item.prompt, True, item.tools, item.template_kwargs,
+                                                              item.ending))
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         return {"input_tokens": len(ids)}
@@ -90,7 +91,9 @@ class Blocks:
     """A reply's content blocks, built from a ReplyParser's pieces (or plain text) as they come:
     `add` returns the events that open, extend and close blocks; `content` is the blocks so far.
     single_call: tool calls after the first are dropped (disable_parallel_tool_use); signature: what
-    signs a thinking block as it closes (a signature_delta before its content_block_stop)."""
+    signs a thinking block as it closes (a signature_delta before its content_block_stop). A tool_use
+    block's events are held until it closes, so a call cut off by max_tokens (which the parser drops)
+    never shows as a half tool_use."""
 
     def __init__(self, parser: ReplyParser | None, single_call: bool, signature: ThinkingSignature | None = None
                  ) -> None:
@@ -98,6 +101,7 @@ class Blocks:
         self.content: list[JsonObject] = []
         self._open: str | int | None = None         # "text", a call's index, or None
         self._arguments: list[str] = []             # each call's input JSON text so far
+        self._held: list[Event] = []                # the open tool_use block's events
 
     def add(self, text: str, final: bool, cut: bool = False) -> list[Event]:
         """cut: the output ended at max_tokens (a call it was writing is dropped, not half given)."""
@@ -113,7 +117,18 @@ class Blocks:
                 events += self._call(call)
         if final:
             events += self._close()
+        self._held += events
+        start = self._open_call_start()
+        events, self._held = (self._held, []) if start is None else (self._held[:start], self._held[start:])
         return events
+
+    def _open_call_start(self) -> int | None:
+        """Where the open tool_use block's events start among those held (None: no tool_use is open)."""
+        if not isinstance(self._open, int):
+            return None
+        index = len(self.content) - 1
+        return next((i for i, (name, data) in enumerate(self._held)
+                     if name == "content_block_start" and data["index"] == index), len(self._held))
 
     @property
     def calls(self) -> bool:
@@ -164,6 +179,11 @@ class Blocks:
             return []
         events: list[Event] = []
         if isinstance(self._open, int):
+            if self.parser is not None and self._open >= len(self.parser.calls):   # cut off: dropped
+                start = self._open_call_start()
+                self._held, self._open = self._held[:start], None
+                self.content.pop()
+                return []
             self.content[-1]["input"] = _input(self._arguments[self._open])
         if self._open == "thinking":
             block = self.content[-1]

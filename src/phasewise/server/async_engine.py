@@ -24,7 +24,7 @@ from functools import partial
 from typing import ParamSpec, TypeAlias, TypeVar
 
 from phasewise.core.request import Request
-from phasewise.engine.client import EngineBrokenError, EngineClient, Prompt
+from phasewise.engine.client import ChatEnding, EngineBrokenError, EngineClient, Prompt
 from phasewise.json_types import JsonObject
 from phasewise.outputs import StreamDelta
 from phasewise.core.sampling_params import SamplingParams
@@ -46,6 +46,7 @@ class SubRequest:
     params: SamplingParams
     tools: list[JsonObject] | None = None      # chat: the tools the template renders
     template_kwargs: JsonObject | None = None  # chat: the template's own variables (chat_template_kwargs)
+    ending: ChatEnding = ChatEnding()          # chat: how the prompt ends (a prefill continued, ...)
 
 
 @dataclass
@@ -293,7 +294,7 @@ class AsyncEngine:
         for it in items:
             key = id(it.prompt)                # the choices of one prompt share its object: encode once
             if key not in encoded:
-                encoded[key] = engine.encode_prompt(it.prompt, chat, it.tools, it.template_kwargs)
+                encoded[key] = engine.encode_prompt(it.prompt, chat, it.tools, it.template_kwargs, it.ending)
             prepared.append((it.request_id, encoded[key], it.params))
         added = []
         try:

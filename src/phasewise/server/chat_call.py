@@ -48,15 +48,18 @@ class ChatCall:
 
 
 def chat_call(body: ChatCompletionRequest, template_tool_format: str, rid: str,
-              thinking: Thinking | None = None) -> ChatCall:
+              thinking: Thinking | None = None, max_tool_calls: int | None = None) -> ChatCall:
     """The request's sub-requests; 400 (APIError) for what is wrong with it. template_tool_format: the
-    format the model's chat template calls tools in (Tokenizer.tool_format); thinking: the server's."""
+    format the model's chat template calls tools in (Tokenizer.tool_format); thinking: the server's;
+    max_tool_calls: calls past it are dropped (the Responses field; parallel_tool_calls false is one)."""
     params, tool_format = body.tool_params(body.sampling_params(), template_tool_format)
     messages, tools, kwargs = body.conversation(), body.checked_tools(), body.template_kwargs()
     names = frozenset(json_types.text(json_types.obj(t["function"])["name"]) for t in tools or ())   # checked tools
-    items = [SubRequest(sub_id(rid, j, body.n), messages, choice_params(params, j), tools, kwargs or None)
+    ending = body.ending()
+    items = [SubRequest(sub_id(rid, j, body.n), messages, choice_params(params, j), tools, kwargs or None, ending)
              for j in range(body.n)]
-    return ChatCall(rid, items, tool_format, names, None if body.parallel_tool_calls else 1, body.constraint_field,
+    limits = [n for n in (max_tool_calls, None if body.parallel_tool_calls else 1) if n is not None]
+    return ChatCall(rid, items, tool_format, names, min(limits, default=None), body.constraint_field,
                     thinking, kwargs, body.include_reasoning)
 
 

@@ -123,4 +123,5 @@ def _response_format(value: JsonValue) -> StructuredOutputs:
     if schema is None:                      # OpenAI's schema is optional: any JSON object then
         return StructuredOutputs(json_object=True)
     # OpenAI's default is strict=false: keywords the compiler does not implement are then not enforced
-    return StructuredOutputs(json=_schema(schema), strict=bool(spec.get("strict")))
+    return StructuredOutputs(json=_schema(schema), strict=_flag({k: v for k, v in spec.items() if v is not None},
+                                                                "strict", False))

@@ -10,21 +10,31 @@ max_output_tokens → max_tokens. `renamed` puts the chat errors' field names ba
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 
-from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, model_validator
 
 from phasewise.json_types import JsonObject, JsonValue
 from phasewise import json_types
 from phasewise.server.body_parsing import validation_message
-from phasewise.server.protocol import UNSUPPORTED_FIELDS, APIError, ChatCompletionRequest, bad_request
+from phasewise.server.protocol import INT64, APIError, ChatCompletionRequest, bad_request
+from phasewise.server.refused_fields import UNSUPPORTED_FIELDS
 from phasewise.server.thinking import EFFORTS
 
 # Fields that would change the output and are not implemented here: a 400 naming them. The chat
 # route's list, less what the Responses API has too, plus the Responses' own.
 REFUSED = (UNSUPPORTED_FIELDS - {"tools", "tool_choice", "parallel_tool_calls", "max_completion_tokens"}) | {
-    "conversation", "prompt", "max_tool_calls", "top_logprobs", "context_management", "n", "logprobs"}
+    "conversation", "prompt", "top_logprobs", "context_management", "n", "logprobs"}
+# include: what needs output this server gives (none of these tools runs here, and reasoning is the
+# model's own); message.output_text.logprobs is not given (chat completions have logprobs)
+INCLUDABLE = frozenset({"reasoning.encrypted_content", "file_search_call.results", "web_search_call.results",
+                        "web_search_call.action.sources", "code_interpreter_call.outputs",
+                        "computer_call_output.output.image_url", "message.input_image.image_url"})
+# text.verbosity as a line of the system message (medium: the model's own length)
+VERBOSITY = {"low": "Answer as briefly as the question allows.", "medium": None,
+             "high": "Answer thoroughly, with detail and examples."}
 # The chat spellings of Responses fields: a 400 that names the field to use.
 CHAT_SPELLINGS = {"messages": "input", "response_format": "text.format", "max_tokens": "max_output_tokens",
                   "max_completion_tokens": "max_output_tokens"}
@@ -33,6 +43,9 @@ PASSED = ("seed", "stop", "presence_penalty", "frequency_penalty", "top_k", "min
           "ignore_eos", "min_tokens", "stop_token_ids", "skip_special_tokens", "logit_bias", "structured_outputs",
           "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
           "json_schema", "grammar")
+# why, where a refusal can say more
+WHY = {"top_logprobs": " (output_text logprobs are not given here; /v1/chat/completions has logprobs)",
+       "context_management": " (no compaction: with truncation \"auto\" the oldest turns are dropped to fit)"}
 # A chat error's field → (the Responses param, the name its message uses)
 RENAMES = {"messages": ("input", "input"), "response_format": ("text", "text.format"),
            "max_tokens": ("max_output_tokens", "max_output_tokens"),
@@ -65,6 +78,7 @@ class ResponsesRequest(BaseModel):
     include: list[str] | None = None
     truncation: str | None = None
     background: StrictBool | None = None
+    max_tool_calls: int | None = Field(None, ge=0, lt=INT64)      # honoured: calls past it are dropped
     user: str | None = None
 
     @model_validator(mode="after")
@@ -75,19 +89,21 @@ class ResponsesRequest(BaseModel):
             if name in CHAT_SPELLINGS:
                 raise bad_request(f"{name} is not a /v1/responses field: use {CHAT_SPELLINGS[name]}", name)
             if name in REFUSED:
-                raise bad_request(f"{name} is not supported by this server", name)
+                raise bad_request(f"{name} is not supported by this server{WHY.get(name, '')}", name)
         effort = (self.reasoning or {}).get("effort")
         if effort is not None and effort not in EFFORTS:
             raise bad_request(f"reasoning.effort must be one of {', '.join(EFFORTS)}, got {effort!r}", "reasoning")
-        if self.include:
-            raise bad_request(f"include is not supported by this server (got {', '.join(self.include)})", "include")
-        if self.truncation not in (None, "disabled"):
-            raise bad_request('truncation "auto" is not supported: a conversation longer than the context is a 400',
-                              "truncation")
+        refused = [name for name in self.include or () if name not in INCLUDABLE]
+        if refused:
+            raise bad_request(f"include: {', '.join(refused)} is not supported by this server (logprobs: use "
+                              "/v1/chat/completions)", "include")
+        if self.truncation not in (None, "disabled", "auto"):
+            raise bad_request('truncation must be "auto" (the oldest turns dropped to fit the context) or '
+                              '"disabled" (a conversation longer than the context is a 400)', "truncation")
         if self.background and (self.stream or self.store is False):
             raise bad_request("background needs store (not false) and cannot be streamed here", "background")
-        if (self.text or {}).get("verbosity") not in (None, "medium"):
-            raise bad_request("text.verbosity is not supported by this server", "text")
+        if (self.text or {}).get("verbosity", "medium") not in VERBOSITY:
+            raise bad_request("text.verbosity must be low, medium or high", "text")
         return self
 
     @property
@@ -122,7 +138,10 @@ def input_messages(body: ResponsesRequest, known_calls: dict[str, str]) -> list[
             messages.append(_message(item, i))
         elif kind == "reasoning":
             messages.append({"role": "assistant", "content": "", "reasoning_content": _reasoning(item, i)})
-        elif kind == "function_call":
+        elif kind in ("function_call", "custom_tool_call"):
+            if kind == "custom_tool_call":       # its input as the one argument of its function (chat_tools)
+                item = {**item, "arguments": json.dumps({"input": item.get("input")}, ensure_ascii=False)
+                        if isinstance(item.get("input"), str) else None}
             call_id, name, arguments = (item.get(k) for k in ("call_id", "name", "arguments"))
             if not isinstance(call_id, str) or not isinstance(name, str) or not isinstance(arguments, str):
                 raise bad_request(f"input.{i}: a function_call needs call_id, name and arguments (strings)", "input")
@@ -133,7 +152,7 @@ def input_messages(body: ResponsesRequest, known_calls: dict[str, str]) -> list[
                 json_types.array(last.setdefault("tool_calls", [])).append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             call_id = item.get("call_id")
             if not isinstance(call_id, str):
                 raise bad_request(f"input.{i}: a function_call_output needs a call_id", "input")
@@ -144,7 +163,8 @@ def input_messages(body: ResponsesRequest, known_calls: dict[str, str]) -> list[
             messages.append(message)
         else:
             raise bad_request(f"input.{i}: items of type {kind!r} are not supported (message, reasoning, "
-                              "function_call and function_call_output are)", "input")
+                              "function_call, function_call_output, custom_tool_call and custom_tool_call_output "
+                              "are)", "input")
     return _join_reasoning(messages)
 
 
@@ -192,7 +212,8 @@ def input_items(body: ResponsesRequest) -> list[JsonObject]:
 
 
 def new_item_id(kind: str) -> str:
-    prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}.get(kind, "item")
+    prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "custom_tool_call": "ctc",
+              "custom_tool_call_output": "ctco"}.get(kind, "item")
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
@@ -216,15 +237,60 @@ def _text(content: JsonValue, where: str) -> str:
                       "images, files and audio are not supported", "input")
 
 
+def custom_names(tools: list[JsonObject] | None) -> frozenset[str]:
+    """The names of the request's custom tools (free-form input: their calls are custom_tool_call items)."""
+    return frozenset(json_types.text(t["name"]) for t in tools or ()
+                     if t.get("type") == "custom" and isinstance(t.get("name"), str))
+
+
+def _custom_function(i: int, tool: JsonObject) -> JsonObject:
+    """A custom tool (Codex's: free-form text input) as a function of one string, `input`, for the prompt
+    and for calls under tool_choice auto (their input not held to a grammar, as no auto call is). A call
+    forced to it writes its input bare, held to its grammar (`forced_custom`)."""
+    fmt = tool.get("format") or {"type": "text"}
+    string: JsonObject = {"type": "string", "description": "the tool's input, free-form text"}
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "grammar"):
+        raise bad_request(f"tools.{i}.format must be {{\"type\": \"text\"}} or a grammar", "tools")
+    if fmt.get("type") == "grammar":
+        syntax, definition = fmt.get("syntax"), fmt.get("definition")
+        if syntax not in ("lark", "regex") or not isinstance(definition, str):
+            raise bad_request(f"tools.{i}.format: a grammar needs syntax lark or regex and its definition", "tools")
+        string["description"] = f"the tool's input: text in this {syntax} grammar: {definition}"
+    fn: JsonObject = {"name": tool.get("name"), "parameters": {
+        "type": "object", "properties": {"input": string}, "required": ["input"], "additionalProperties": False}}
+    if tool.get("description") is not None:
+        fn["description"] = tool["description"]
+    return {"type": "function", "function": fn}
+
+
+def forced_custom(body: ResponsesRequest) -> JsonObject | None:
+    """The custom tool the call is forced to, when it has a grammar (tool_choice names it, or "required" and
+    it is the only tool): the whole output is then its input, held to the grammar (vLLM's structured
+    outputs: {"grammar": Lark} or {"regex": ...}). None otherwise."""
+    tools, choice = body.tools or [], body.tool_choice
+    named = choice.get("name") if isinstance(choice, dict) else None
+    chosen = [t for t in tools if t.get("name") == named] if named else tools if choice == "required" else []
+    if len(chosen) != 1 or chosen[0].get("type") != "custom":
+        return None
+    fmt = chosen[0].get("format")
+    if not isinstance(fmt, dict) or fmt.get("type") != "grammar" or not isinstance(fmt.get("definition"), str):
+        return None
+    return chosen[0]
+
+
 def chat_tools(tools: list[JsonObject] | None) -> list[JsonValue] | None:
-    """Responses' flat function tools as chat tools; other kinds of tool are a 400 naming tools."""
+    """Responses' flat function tools (and custom tools, as functions of their input) as chat tools;
+    other kinds of tool are a 400 naming tools."""
     if tools is None:
         return None
     out: list[JsonValue] = []
     for i, tool in enumerate(tools):
         kind = tool.get("type")
+        if kind == "custom":
+            out.append(_custom_function(i, tool))
+            continue
         if kind != "function":
-            raise bad_request(f"tools.{i}: only function tools are supported, got type {kind!r}", "tools")
+            raise bad_request(f"tools.{i}: only function and custom tools are supported, got type {kind!r}", "tools")
         if "function" in tool and "name" not in tool:        # the chat shape, taken as it is
             out.append(tool)
             continue
@@ -237,9 +303,9 @@ def chat_tools(tools: list[JsonObject] | None) -> list[JsonValue] | None:
 def chat_tool_choice(choice: str | JsonObject | None) -> str | JsonObject | None:
     if not isinstance(choice, dict):
         return choice
-    if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
-        raise bad_request('tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}',
-                          "tool_choice")
+    if choice.get("type") not in ("function", "custom") or not isinstance(choice.get("name"), str):
+        raise bad_request('tool_choice must be "none", "auto", "required" or {"type": "function" (or "custom"), '
+                          '"name": ...}', "tool_choice")
     return {"type": "function", "function": {"name": choice["name"]}}
 
 
@@ -268,7 +334,9 @@ def chat_request(body: ResponsesRequest, history: list[JsonObject]) -> tuple[Cha
     many of its messages come before the conversation (the instructions' system message: not stored)."""
     known = {json_types.text(c["id"]): json_types.text(json_types.obj(c["function"])["name"])
              for m in history for c in json_types.objects(m.get("tool_calls"))}      # the stored calls
-    head: list[JsonObject] = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    verbosity = VERBOSITY.get(json_types.text((body.text or {}).get("verbosity") or "medium"))
+    system = "\n\n".join(s for s in (body.instructions, verbosity) if s)
+    head: list[JsonObject] = [{"role": "system", "content": system}] if system else []
     chat: JsonObject = {
         "model": body.model, "messages": [*head, *history, *input_messages(body, known)],
         "tools": chat_tools(body.tools), "tool_choice": chat_tool_choice(body.tool_choice),
@@ -280,6 +348,11 @@ def chat_request(body: ResponsesRequest, history: list[JsonObject]) -> tuple[Cha
         chat["reasoning_effort"] = json_types.obj(body.reasoning)["effort"]
     extra = body.model_extra or {}
     chat.update({name: extra[name] for name in PASSED if name in extra})
+    custom = forced_custom(body)
+    if custom is not None:                 # the output is the tool's input, in its grammar: no call to parse
+        fmt = json_types.obj(custom["format"])
+        chat["tool_choice"] = "none"
+        chat["structured_outputs"] = {"grammar" if fmt.get("syntax") == "lark" else "regex": fmt["definition"]}
     try:
         return ChatCompletionRequest.model_validate(chat), len(head)
     except ValidationError as e:

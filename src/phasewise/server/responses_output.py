@@ -26,15 +26,23 @@ def new_id(prefix: str) -> str:
 
 class OutputItems:
     """The output items of one engine output; `feed` and `finish` return the stream events (dicts with
-    a type, without sequence_number) of what each step added."""
+    a type, without sequence_number) of what each step added. custom: the request's custom tools, whose
+    calls become custom_tool_call items (their input: the `input` argument); bare_call: the custom tool
+    a call is forced to, whose input is the whole output. A call item's events are held until it closes,
+    so a call cut off by max_output_tokens (which the parser drops) never shows."""
 
-    def __init__(self, parser: ReplyParser | None) -> None:
-        self.parser = parser
+    def __init__(self, parser: ReplyParser | None, custom: frozenset[str] = frozenset(),
+                 bare_call: str | None = None) -> None:
+        self.parser, self.custom, self.bare_call = parser, custom, bare_call
         self.items: list[JsonObject] = []
         self._open: JsonObject | None = None              # the item being written, last of items
+        self._custom_args = ""                            # a custom call's arguments (JSON) so far
+        self._held: list[JsonObject] = []                 # the open call item's events
 
     def feed(self, text: str, final: bool = False, cut: bool = False) -> list[JsonObject]:
         """cut: the output ended at max_output_tokens (a call it was writing is dropped, not half given)."""
+        if self.bare_call is not None:
+            return self._bare_input(text)
         pieces: list[JsonObject] = self.parser.feed(text, final, cut) if self.parser else \
             [{"content": text}] if text else []
         events: list[JsonObject] = []
@@ -50,12 +58,32 @@ class OutputItems:
                     events += self._call(json_types.text(call["id"]), json_types.text(function["name"]), arguments)
                 else:
                     events += self._arguments(arguments)
-        return events
+        return self._release(events)
 
     def finish(self, status: str) -> list[JsonObject]:
         """Close the open item (status "completed" or "incomplete"); no output at all is one empty message."""
-        events = [] if self.items else self._content("")
-        return events + self._close("completed" if status == "completed" else "incomplete")
+        if self._open is not None and self.parser is not None and self._open["type"] != "message" \
+                and self._open["call_id"] not in {c.id for c in self.parser.calls}:     # cut off: dropped
+            self._held = self._held[:self._open_call_start()]
+            self.items.pop()
+            self._open = None
+        events = [] if self.items else self._bare_input("") if self.bare_call is not None else self._content("")
+        return self._release(events + self._close("completed" if status == "completed" else "incomplete"))
+
+    def _release(self, events: list[JsonObject]) -> list[JsonObject]:
+        """The events that may go out: all but those of an open call item."""
+        self._held += events
+        start = self._open_call_start()
+        out, self._held = (self._held, []) if start is None else (self._held[:start], self._held[start:])
+        return out
+
+    def _open_call_start(self) -> int | None:
+        """Where the open call item's events start among those held (None: no call item is open)."""
+        if self._open is None or self._open["type"] == "message" or self.bare_call is not None:
+            return None
+        index = len(self.items) - 1
+        return next((i for i, e in enumerate(self._held)
+                     if e["type"] == "response.output_item.added" and e["output_index"] == index), len(self._held))
 
     def _where(self) -> JsonObject:
         assert self._open is not None
@@ -100,11 +128,29 @@ class OutputItems:
                           "delta": text}]
 
     def _call(self, call_id: str, name: str, arguments: str) -> list[JsonObject]:
+        if name in self.custom:
+            self._custom_args = arguments
+            return self._add({"type": "custom_tool_call", "id": new_id("ctc"), "call_id": call_id, "name": name,
+                              "input": "", "status": "in_progress"})
         events = self._add({"type": "function_call", "id": new_id("fc"), "call_id": call_id, "name": name,
                             "arguments": "", "status": "in_progress"})
         return events + self._arguments(arguments)
 
+    def _bare_input(self, text: str) -> list[JsonObject]:
+        """A forced custom call's input, the output's text as it comes."""
+        events: list[JsonObject] = []
+        if self._open is None:
+            events = self._add({"type": "custom_tool_call", "id": new_id("ctc"), "call_id": new_id("call"),
+                                "name": self.bare_call, "input": "", "status": "in_progress"})
+        if text and self._open is not None:
+            self._open["input"] = json_types.text(self._open["input"]) + text
+            events.append({"type": "response.custom_tool_call_input.delta", **self._where(), "delta": text})
+        return events
+
     def _arguments(self, fragment: str) -> list[JsonObject]:
+        if self._open is not None and self._open["type"] == "custom_tool_call":
+            self._custom_args += fragment        # given whole when the call ends (_close)
+            return []
         if not fragment or self._open is None or self._open["type"] != "function_call":
             return []
         self._open["arguments"] = json_types.text(self._open["arguments"]) + fragment
@@ -126,11 +172,28 @@ class OutputItems:
             part = _text_part(item)
             events = [{"type": "response.reasoning_text.done", **where, "content_index": 0, "text": part["text"]},
                       {"type": "response.content_part.done", **where, "content_index": 0, "part": dict(part)}]
+        elif item["type"] == "custom_tool_call":
+            events = self._custom_done(item, where)
         else:
             events = [{"type": "response.function_call_arguments.done", **where, "name": item["name"],
                        "arguments": item["arguments"]}]
         return events + [{"type": "response.output_item.done", "output_index": where["output_index"],
                           "item": json.loads(json.dumps(item))}]
+
+
+    def _custom_done(self, item: JsonObject, where: JsonObject) -> list[JsonObject]:
+        """A custom call's input events: a parsed call's input (its `input` argument) whole, then done."""
+        events: list[JsonObject] = []
+        if self.bare_call is None:
+            try:
+                given = json.loads(self._custom_args or "{}")
+            except ValueError:
+                given = None
+            value = given.get("input") if isinstance(given, dict) else None
+            item["input"] = value if isinstance(value, str) else self._custom_args
+            if item["input"]:
+                events.append({"type": "response.custom_tool_call_input.delta", **where, "delta": item["input"]})
+        return events + [{"type": "response.custom_tool_call_input.done", **where, "input": item["input"]}]
 
 
 def _text_part(message: JsonObject | None) -> JsonObject:
@@ -144,8 +207,10 @@ def assistant_message(items: Sequence[JsonObject]) -> JsonObject:
     text = "".join(json_types.text(p["text"]) for it in items if it["type"] == "message"
                    for p in json_types.objects(it["content"]))
     calls: list[JsonValue] = [
-        {"id": it["call_id"], "type": "function", "function": {"name": it["name"], "arguments": it["arguments"]}}
-        for it in items if it["type"] == "function_call"]
+        {"id": it["call_id"], "type": "function", "function": {"name": it["name"], "arguments": it["arguments"]
+                                                                if it["type"] == "function_call" else
+                                                                json.dumps({"input": it["input"]}, ensure_ascii=False)}}
+        for it in items if it["type"] in ("function_call", "custom_tool_call")]
     message: JsonObject = {"role": "assistant", "content": text}
     if calls:
         message["tool_calls"] = calls
@@ -185,15 +250,18 @@ def response_body(body: ResponsesRequest, rid: str, created: int, model: str, st
         "output": [*items], "parallel_tool_calls": body.parallel_tool_calls is not False,
         "previous_response_id": body.previous_response_id, "reasoning": {"effort": (body.reasoning or {}).get("effort"), "summary": None},
         "store": body.stored, "temperature": body.temperature if body.temperature is not None else 1.0,
-        "text": {"format": body.text_format}, "tool_choice": tool_choice,
+        "text": {"format": body.text_format, "verbosity": (body.text or {}).get("verbosity") or "medium"},
+        "tool_choice": tool_choice, "max_tool_calls": body.max_tool_calls,
         "tools": [_tool(t) for t in body.tools or ()],
-        "top_p": body.top_p if body.top_p is not None else 1.0, "truncation": "disabled",
+        "top_p": body.top_p if body.top_p is not None else 1.0, "truncation": body.truncation or "disabled",
         "usage": usage(out) if out is not None else None, "user": body.user, "metadata": {**(body.metadata or {})},
         "background": bool(body.background),
     }
 
 
 def _tool(tool: JsonObject) -> JsonObject:
+    if tool.get("type") == "custom":
+        return {**tool}
     fn = tool.get("function")
     fn = fn if isinstance(fn, dict) else tool   # a chat-shaped tool is echoed flat
     return {"type": "function", "name": fn.get("name"), "description": fn.get("description"),

@@ -19,16 +19,18 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
+from phasewise import json_types
 from phasewise.json_types import JsonObject
 from phasewise.outputs import CompletionOutput
 from phasewise.server.body_parsing import parse_body
 from phasewise.server.chat_call import ChatCall, Submitter, chat_call
 from phasewise.server.errors import EngineError
 from phasewise.server.guards import Guards
-from phasewise.server.protocol import APIError
+from phasewise.server.protocol import APIError, ChatCompletionRequest
 from phasewise.server.request_stream import RequestStream
 from phasewise.server.response_store import ResponseStore, StoredResponse
-from phasewise.server.responses_api import ResponsesRequest, chat_request, input_items, renamed
+from phasewise.server.responses_api import (ResponsesRequest, chat_request, custom_names, forced_custom, input_items,
+                                            renamed)
 from phasewise.server.responses_output import OutputItems, assistant_message, new_id, response_body, sse, status_of
 from phasewise.server.sse import collect, failure, sse_response
 from phasewise.server.thinking import Thinking
@@ -52,8 +54,7 @@ def responses_router(guards: Guards, store: ResponseStore) -> APIRouter:
             if body.previous_response_id else []
         try:
             chat, head = chat_request(body, history)
-            call = chat_call(chat, engine.tokenizer.tool_format, new_id("resp"), thinking)
-            stream = await submitter.start(call.items, True, chat.constraint_field, prompt_param="input")
+            chat, call, stream = await start(submitter, body, chat, head, engine.tokenizer.tool_format, thinking)
         except APIError as e:
             raise renamed(e) from None
         run = Run(body, call, chat.conversation()[head:], body.model or config.served_model_name, store)
@@ -90,6 +91,32 @@ def responses_router(guards: Guards, store: ResponseStore) -> APIRouter:
         return await background.cancel(response_id) or stored(response_id).body
 
     return router
+
+
+async def start(submitter: Submitter, body: ResponsesRequest, chat: ChatCompletionRequest, head: int,
+                tool_format: str, thinking: Thinking) -> tuple[ChatCompletionRequest, ChatCall, RequestStream]:
+    """Submit the call (with truncation "auto", dropping the oldest turn until it fits the context):
+    the chat request that ran, its ChatCall and its stream."""
+    rid = new_id("resp")
+    while True:
+        call = chat_call(chat, tool_format, rid, thinking, body.max_tool_calls)
+        try:
+            return chat, call, await submitter.start(call.items, True, chat.constraint_field, prompt_param="input")
+        except APIError as e:
+            shorter = truncated(chat, head) if body.truncation == "auto" else None
+            if e.code != "context_length_exceeded" or shorter is None:
+                raise
+            chat = shorter
+
+
+def truncated(chat: ChatCompletionRequest, head: int) -> ChatCompletionRequest | None:
+    """truncation "auto": the request without its oldest turn (the messages after the instructions up to
+    the next user message, so no tool result loses its call); None when only the last turn is left."""
+    rest = chat.messages[head:]
+    starts = [i for i, m in enumerate(rest) if m.role == "user" and i > 0]
+    if not starts:
+        return None
+    return chat.model_copy(update={"messages": [*chat.messages[:head], *rest[starts[0]:]]})
 
 
 def stored_response(store: ResponseStore, rid: str, param: str | None = None) -> StoredResponse:
@@ -149,9 +176,15 @@ class Run:
         if self.body.stored and response["status"] != "failed":
             self.store.put(response, self.conversation + [assistant_message(items)], input_items(self.body))
 
+    def output_items(self) -> OutputItems:
+        """A fresh reading of the output into items (custom tools' calls as custom_tool_call items)."""
+        bare = forced_custom(self.body)
+        return OutputItems(self.call.parser(), custom_names(self.body.tools),
+                           json_types.text(bare["name"]) if bare is not None else None)
+
     def finish(self, out: CompletionOutput, cancelled: bool = False) -> JsonObject:
         """The response of a finished output (stored as `keep` says)."""
-        items = OutputItems(self.call.parser())
+        items = self.output_items()
         items.feed(out.text, final=True, cut=out.finish_reason == "length" or cancelled)
         status = "cancelled" if cancelled else status_of(out)
         items.finish(status)
@@ -224,7 +257,7 @@ async def response_events(run: Run, stream: RequestStream) -> AsyncIterator[str]
     .incomplete; an engine failure (or an output that ended in error) ends it with response.failed
     naming the cause."""
     seq = itertools.count()
-    items = OutputItems(run.call.parser())
+    items = run.output_items()
     head = run.response("in_progress", [])
     yield sse({"type": "response.created", "response": head}, next(seq))
     yield sse({"type": "response.in_progress", "response": head}, next(seq))

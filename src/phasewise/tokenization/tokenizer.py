@@ -202,10 +202,11 @@ class Tokenizer:
 
     def render_chat(self, messages: Sequence[Mapping[str, JsonValue]], add_generation_prompt: bool = True,
                     tools: Sequence[Mapping[str, JsonValue]] | None = None,
-                    template_kwargs: Mapping[str, JsonValue] | None = None) -> str:
+                    template_kwargs: Mapping[str, JsonValue] | None = None, continue_final: bool = False) -> str:
         """The chat template applied to messages (and OpenAI-style tools), as text. A template without
         tool support gets the tools, tool calls and tool results in a generic form (tool_calling/prompt.py).
-        template_kwargs: more variables for the template (a request's chat_template_kwargs: enable_thinking)."""
+        template_kwargs: more variables for the template (a request's chat_template_kwargs: enable_thinking).
+        continue_final: the text ends inside the final (assistant) message, which the model continues."""
         if not self.has_chat_template():
             raise ValueError("this tokenizer has no chat template; pass a raw prompt instead")
         import jinja2
@@ -217,7 +218,8 @@ class Tokenizer:
             else:
                 messages = tool_calling.generic_messages(messages, tools)
         try:
-            return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+            text = self.hf.apply_chat_template(messages, tokenize=False,
+                                               add_generation_prompt=add_generation_prompt and not continue_final,
                                                tools=native_tools, **(template_kwargs or {}))
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template failed: {_one_line(e)}") from e
@@ -225,12 +227,14 @@ class Tokenizer:
             if not template_kwargs:
                 raise
             raise ValueError(f"chat template failed with chat_template_kwargs: {_one_line(e)}") from e
+        return _continued(text, messages[-1]) if continue_final and messages else text
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, JsonValue]], add_generation_prompt: bool = True,
                             tools: Sequence[Mapping[str, JsonValue]] | None = None,
-                            template_kwargs: Mapping[str, JsonValue] | None = None) -> list[int]:
+                            template_kwargs: Mapping[str, JsonValue] | None = None,
+                            continue_final: bool = False) -> list[int]:
         """Token ids of the rendered chat (the template supplies any BOS, as in transformers)."""
-        return self.encode(self.render_chat(messages, add_generation_prompt, tools, template_kwargs),
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools, template_kwargs, continue_final),
                            add_special_tokens=False)
 
     @property
@@ -294,6 +298,17 @@ def _generation_config_eos(folder: Path) -> list[int]:
     except (OSError, ValueError, AttributeError):
         return []
     return [i for i in (eos if isinstance(eos, list) else [eos]) if isinstance(i, int)]
+
+
+def _continued(text: str, final: Mapping[str, JsonValue]) -> str:
+    """The rendered chat cut right after the final message's text (what comes after it closes the turn),
+    as transformers' continue_final_message cuts it."""
+    content = final.get("content")
+    body = content.strip() if isinstance(content, str) else ""
+    at = text.rfind(body) if body else -1
+    if at < 0:
+        raise ValueError("the final message has no text to continue in the rendered chat")
+    return text[:at + len(body)]
 
 
 class IncrementalDetokenizer:
