@@ -59,12 +59,9 @@ test: $(STAMP) $(QWEN05_STAMP)
 
 # The API fuzz test with a fresh seed and 5x the examples (make test runs it with a fixed seed, so CI
 # repeats itself); a failure names its seed: rerun with PHASEWISE_FUZZ_SEED=..., then make the case a test.
-ifndef FUZZ_SEED
-FUZZ_SEED := $(shell od -An -N4 -tu4 /dev/urandom | tr -d ' ')
-endif
 fuzz: $(STAMP)
-	@echo "PHASEWISE_FUZZ_SEED=$(FUZZ_SEED)"
-	PHASEWISE_FUZZ_SEED=$(FUZZ_SEED) PHASEWISE_FUZZ_SCALE=5 $(BIN)/python -m pytest -q tests/test_api_fuzz.py
+	seed=$${FUZZ_SEED:-$$(od -An -N4 -tu4 /dev/urandom | tr -d ' ')}; echo "PHASEWISE_FUZZ_SEED=$$seed"; \
+	PHASEWISE_FUZZ_SEED=$$seed PHASEWISE_FUZZ_SCALE=5 $(BIN)/python -m pytest -q tests/test_api_fuzz.py
 
 # serve --ray on a local Ray cluster of two 1-CPU nodes (tests/ray_cluster): installs the ray extra (Ray Serve, ~80 MB).
 # Ray Serve's HAProxy ingress switches, as `serve --ray` sets them (deploy/options.py's DIRECT_INGRESS_ENV;

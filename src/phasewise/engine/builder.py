@@ -91,13 +91,13 @@ def build_engine(config: EngineConfig) -> EngineParts:
     try:
         tp = ranks.group if ranks else None
         part = shard_config(full, tp) if tp else full     # what this rank holds
-        slots, num_blocks = _cache_size(part, config, kv_dtype)
+        slots, checkpoints, num_blocks = _cache_size(part, config, kv_dtype)
         if tp:
             tp.broadcast(Setup(str(model_path), precision.weights, precision.kv, num_blocks, cache.block_size,
                                kernels is not None, config.kernels == "torch"))
         if precision.weights == "q4" and not tp and str(config.device).startswith("cpu"):
             check_memory(model_path, num_blocks * kv_bytes_per_block(part, cache.block_size, kv_dtype)
-                         + slots * part.state_bytes_per_seq)
+                         + (slots + checkpoints) * part.state_bytes_per_seq)
         with ThreadPoolExecutor(1) as pool:   # the tokenizer reads its files while the weights load
             tokenizer_loading = pool.submit(_tokenizer, model_path, config.chat_template)
             model, model_config = load_prepared(model_path, precision.weights, config.device, kernels,
@@ -109,7 +109,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
             tp.broadcast("ready")                               # every rank has loaded its part
         max_len = config.scheduler.max_model_len or model_config.max_position_embeddings
         max_model_len = min(max_len, model_config.max_position_embeddings)
-        kv_cache = KVCache(model_config, num_blocks, cache.block_size, kv_dtype, config.device, num_state_slots=slots)
+        kv_cache = KVCache(model_config, num_blocks, cache.block_size, kv_dtype, config.device,
+                           num_state_slots=slots + checkpoints)
         draft_model = None
         proposer: Proposer | None = NgramProposer(spec.ngram_min, spec.ngram_max) if spec.method == "ngram" else None
         if spec.method == "draft":
@@ -118,7 +119,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         runner = ModelRunner(model, kv_cache, tokenizer.eos_token_ids, config.device, kernels, tp)
         core = EngineCore(runner, config.scheduler, num_blocks, cache.block_size, max_model_len,
                           cache.enable_prefix_caching, proposer, spec.num_speculative_tokens,
-                          model_config.kv_group_windows, *_split_states(slots, cache.enable_prefix_caching))
+                          model_config.kv_group_windows, slots, checkpoints)
     except BaseException:
         if ranks:
             ranks.stop()
@@ -140,21 +141,16 @@ def _check_speculation(cfg: ModelConfig, spec: SpeculativeConfig, tp_size: int) 
         raise ValueError("a draft model does not run with tensor parallelism yet: use --speculative ngram")
 
 
-def _cache_size(cfg: ModelConfig, config: EngineConfig, kv_dtype: torch.dtype) -> tuple[int, int]:
-    """(recurrent-state slots, KV blocks) within the cache's memory budget: a hybrid's states first,
-    one per sequence that may run and, with prefix caching, as many checkpoints (at most half the
-    budget), then blocks in the rest."""
+def _cache_size(cfg: ModelConfig, config: EngineConfig, kv_dtype: torch.dtype) -> tuple[int, int, int]:
+    """(recurrent-state slots, checkpoint slots, KV blocks) within the cache's memory budget: a hybrid's
+    states first, one per sequence that may run and, with prefix caching, as many checkpoints (at most
+    half the budget), then blocks in the rest."""
     cache = config.cache
     slots = state_slots_for_memory(cfg, config.scheduler.max_num_seqs, cache.kv_cache_memory_gib,
                                    cache.enable_prefix_caching)
-    states = 2 * slots if cache.enable_prefix_caching else slots     # checkpoints: as many again
-    kv_gib = cache.kv_cache_memory_gib - states * cfg.state_bytes_per_seq / 2**30
-    return states, cache.num_blocks or num_blocks_for_memory(cfg, cache.block_size, kv_dtype, kv_gib)
-
-
-def _split_states(slots: int, checkpoints: bool) -> tuple[int, int]:
-    """(slots for running sequences, slots for checkpoints) of a hybrid's state slots."""
-    return (slots // 2, slots - slots // 2) if checkpoints else (slots, 0)
+    checkpoints = slots if cache.enable_prefix_caching else 0
+    kv_gib = cache.kv_cache_memory_gib - (slots + checkpoints) * cfg.state_bytes_per_seq / 2**30
+    return slots, checkpoints, cache.num_blocks or num_blocks_for_memory(cfg, cache.block_size, kv_dtype, kv_gib)
 
 
 def _draft_model(config: EngineConfig, target_path: Path, target: ModelConfig, kernels: Kernels | None,

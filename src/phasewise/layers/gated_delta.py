@@ -5,7 +5,8 @@ Both run token by token from the sequence's state and leave the state after its 
 place. The delta rule's recurrent form is the only form used, for prompt chunks as for decode
 steps: a token's output then depends on nothing but the state before it and its own inputs, so a
 row's bits are the same whatever chunk it is computed in (the chunked WY form regroups its sums
-by chunk), and on a CPU its 4 dk dv multiply-adds a head and token are ~1% of a layer's weights'.
+by chunk), and its 4·dk·dv multiply-adds a head and token are few beside the layer's weights'
+(by arithmetic: ~1% of a Qwen3.5-9B DeltaNet layer with its MLP, ~5% of a 0.8B one).
 """
 
 from __future__ import annotations

@@ -108,7 +108,7 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
         conv_states, states = state[0], state[1]
         weight = self.conv1d.weight[:, 0].float()                         # [C, K]
-        out = torch.empty(T, s.num_v_heads, s.head_v_dim)
+        out = torch.empty(T, s.num_v_heads, s.head_v_dim, device=x.device)
         assert meta.state_slots is not None and len(meta.state_slots) == len(meta.query_lens)
         row = 0
         for n, ctx, slot in zip(meta.query_lens, meta.context_lens, meta.state_slots):
