@@ -17,6 +17,12 @@ and mixtures of experts (hidden, layers, heads, kv heads, expert width; experts,
     olmoe 1b-7b      OLMoE-1B-7B     2048, 16, 16, 16, 1024; 64, 8 (q, k normed whole)
     qwen3moe 30b-a3b Qwen3-30B-A3B   2048, 48, 32, 4, 768; 128, 8 (head size 128, per-head q/k norms)
     mixtral 8x1b     a small Mixtral 2048, 16, 16, 8, 4096; 8, 2 (GGUF architecture llama)
+and Qwen3.5's hybrids (three Gated DeltaNet layers to one gated attention layer; head size 256, RoPE on 64
+of it; DeltaNet k heads, v heads of 128, conv of 4 taps; a vocabulary of 248,320, the tokenizer's padded):
+    qwen35 0.8b      Qwen3.5-0.8B    1024, 24,  8, 2,  3584, tied; DeltaNet 16 k, 16 v heads
+    qwen35 2b        Qwen3.5-2B      2048, 24,  8, 2,  6144, tied; 16, 16
+    qwen35 9b        Qwen3.5-9B      4096, 32, 16, 4, 12288, untied; 16, 32
+    qwen35moe 35b-a3b Qwen3.5-35B-A3B 2048, 40, 16, 2,  512; 256, 8, a shared expert of 512; 16, 32
 The vocabulary is that of the tokenizer copied into the file (all tokenizer.* fields of
 --tokenizer-from, by default the Qwen2.5-Coder-0.5B GGUF: 151936 tokens, for Llama too, whose real
 vocabulary is 128256). Types follow llama.cpp's Q4_K_M: Q4_K matrices, Q6_K for the untied output
@@ -57,6 +63,8 @@ class Shape(NamedTuple):
     experts: int = 0         # a mixture of experts: experts of every layer, and how many a token takes
     active: int = 0
     head_dim: int = 0        # 0: hidden / heads
+    delta_net: tuple[int, int] = ()   # a Qwen3.5 hybrid: its DeltaNet's k and v heads (of DELTA_HEAD each)
+    shared: int = 0          # the shared expert's width
 
 
 def head_dim(s: Shape) -> int:
@@ -75,19 +83,28 @@ LLAMA_8 = Shape("Llama-3.1-8B", 4096, 32, 32, 8, 14336, False)
 OLMOE = Shape("OLMoE-1B-7B", 2048, 16, 16, 16, 1024, False, 64, 8)
 QWEN3_30B = Shape("Qwen3-30B-A3B", 2048, 48, 32, 4, 768, False, 128, 8, 128)
 MIXTRAL_SMALL = Shape("Mixtral-8x(1B)", 2048, 16, 16, 8, 4096, False, 8, 2)
+# Qwen3.5 (the 2B's count, 1.88B without its MTP layer, is llama.cpp's for the published file)
+QWEN35_08 = Shape("Qwen3.5-0.8B", 1024, 24, 8, 2, 3584, True, head_dim=256, delta_net=(16, 16))
+QWEN35_2 = Shape("Qwen3.5-2B", 2048, 24, 8, 2, 6144, True, head_dim=256, delta_net=(16, 16))
+QWEN35_9 = Shape("Qwen3.5-9B", 4096, 32, 16, 4, 12288, False, head_dim=256, delta_net=(16, 32))
+QWEN35_35B = Shape("Qwen3.5-35B-A3B", 2048, 40, 16, 2, 512, False, 256, 8, 256, (16, 32), 512)
+DELTA_HEAD, DELTA_CONV, ROTARY, FULL_EVERY, QWEN35_VOCAB = 128, 4, 64, 4, 248320
 SHAPES: dict[str, dict[str, Shape]] = {
     "qwen2": {"0.5b": QWEN_05, "1.5b": QWEN_15, "3b": QWEN_3, "7b": QWEN_7, "8b": QWEN_7},
     "llama": {"0.5b": LLAMA_1, "1.5b": LLAMA_1, "3b": LLAMA_3, "7b": LLAMA_8, "8b": LLAMA_8},
     "olmoe": {"1b-7b": OLMOE},
     "qwen3moe": {"30b-a3b": QWEN3_30B},
     "mixtral": {"8x1b": MIXTRAL_SMALL},
+    "qwen35": {"0.8b": QWEN35_08, "2b": QWEN35_2, "9b": QWEN35_9},
+    "qwen35moe": {"35b-a3b": QWEN35_35B},
 }
 # rope theta, context length, RMS norm eps, q/k/v biases
 ARCH = {"qwen2": (1e6, 32768, 1e-6, True), "llama": (500000.0, 131072, 1e-5, False),
         "olmoe": (10000.0, 4096, 1e-5, False), "qwen3moe": (1e6, 40960, 1e-6, False),
-        "mixtral": (1e6, 32768, 1e-5, False)}
+        "mixtral": (1e6, 32768, 1e-5, False), "qwen35": (1e7, 262144, 1e-6, False),
+        "qwen35moe": (1e7, 262144, 1e-6, False)}
 GGUF_ARCH = {"mixtral": "llama"}            # llama.cpp writes Mixtral as llama with experts
-QK_NORM = {"olmoe": "whole", "qwen3moe": "head"}   # RMSNorm of q and k: over all of them, or per head
+QK_NORM = {"olmoe": "whole", "qwen3moe": "head", "qwen35": "head", "qwen35moe": "head"}   # RMSNorm of q and k: over all of them, or per head
 
 # type -> (bytes a block, values a block, [(byte offset of an fp16 scale, low, high)]). The ranges
 # give each type values of std ~0.02: Q8_0 q*d (q int8), Q5_0 (q-16)*d, Q4_K d*sc*q - dmin*m
@@ -119,6 +136,9 @@ def plan(s: Shape, vocab: int, bias: bool, qk_norm: str = "") -> list[tuple[str,
     for i in range(s.layers):
         big = QT.Q6_K if more_bits(i, s.layers) else QT.Q4_K
         b = f"blk.{i}."
+        if s.delta_net:
+            out += hybrid_layer(s, i, big)
+            continue
         out += [(b + "attn_norm.weight", (h,), QT.F32),
                 (b + "attn_q.weight", (q, h), qtype(QT.Q4_K, h)),
                 (b + "attn_k.weight", (kv, h), qtype(QT.Q4_K, h)),
@@ -147,6 +167,42 @@ def plan(s: Shape, vocab: int, bias: bool, qk_norm: str = "") -> list[tuple[str,
     return out
 
 
+def hybrid_layer(s: Shape, i: int, big: QT) -> list[tuple[str, tuple[int, ...], QT]]:
+    """A Qwen3.5 layer as llama.cpp names it: a Gated DeltaNet (three of four layers) or gated attention
+    (q_proj twice as wide: each head's q and its gate), then the dense or sparse MLP."""
+    b, h, hd = f"blk.{i}.", s.hidden, head_dim(s)
+    out: list[tuple[str, tuple[int, ...], QT]] = [(b + "attn_norm.weight", (h,), QT.F32)]
+    if (i + 1) % FULL_EVERY:
+        k_heads, v_heads = s.delta_net
+        key, value = k_heads * DELTA_HEAD, v_heads * DELTA_HEAD
+        out += [(b + "attn_qkv.weight", (2 * key + value, h), qtype(QT.Q4_K, h)),
+                (b + "attn_gate.weight", (value, h), qtype(QT.Q4_K, h)),
+                (b + "ssm_conv1d.weight", (2 * key + value, DELTA_CONV), QT.F32),
+                (b + "ssm_dt.bias", (v_heads,), QT.F32), (b + "ssm_a", (v_heads,), QT.F32),
+                (b + "ssm_beta.weight", (v_heads, h), QT.Q8_0), (b + "ssm_alpha.weight", (v_heads, h), QT.Q8_0),
+                (b + "ssm_norm.weight", (DELTA_HEAD,), QT.F32),
+                (b + "ssm_out.weight", (h, value), qtype(QT.Q4_K, value))]
+    else:
+        q, kv = s.heads * hd, s.kv_heads * hd
+        out += [(b + "attn_q.weight", (2 * q, h), qtype(QT.Q4_K, h)), (b + "attn_k.weight", (kv, h), qtype(QT.Q4_K, h)),
+                (b + "attn_v.weight", (kv, h), qtype(big, h)), (b + "attn_q_norm.weight", (hd,), QT.F32),
+                (b + "attn_k_norm.weight", (hd,), QT.F32), (b + "attn_output.weight", (h, q), qtype(QT.Q4_K, q))]
+    out.append((b + "post_attention_norm.weight", (h,), QT.F32))
+    if not s.experts:
+        return out + [(b + "ffn_gate.weight", (s.ffn, h), qtype(QT.Q4_K, h)),
+                      (b + "ffn_up.weight", (s.ffn, h), qtype(QT.Q4_K, h)),
+                      (b + "ffn_down.weight", (h, s.ffn), qtype(big, s.ffn))]
+    e = s.experts
+    return out + [(b + "ffn_gate_inp.weight", (e, h), QT.F32),
+                  (b + "ffn_gate_exps.weight", (e, s.ffn, h), qtype(QT.Q4_K, h)),
+                  (b + "ffn_up_exps.weight", (e, s.ffn, h), qtype(QT.Q4_K, h)),
+                  (b + "ffn_down_exps.weight", (e, h, s.ffn), qtype(big, s.ffn)),
+                  (b + "ffn_gate_inp_shexp.weight", (h,), QT.F32),
+                  (b + "ffn_gate_shexp.weight", (s.shared, h), qtype(QT.Q4_K, h)),
+                  (b + "ffn_up_shexp.weight", (s.shared, h), qtype(QT.Q4_K, h)),
+                  (b + "ffn_down_shexp.weight", (h, s.shared), qtype(big, s.shared))]
+
+
 def nbytes(shape: tuple[int, ...], t: QT) -> int:
     n = int(np.prod(shape))
     if t == QT.F32:
@@ -159,6 +215,9 @@ def chunks(rng: np.random.Generator, name: str, shape: tuple[int, ...], t: QT) -
     """The tensor's bytes, CHUNK at a time: random blocks with their fp16 scales set in range."""
     if t == QT.F32:
         norm = name.endswith("norm.weight")
+        if name.endswith(".ssm_a"):              # a decay rate, -exp(A_log): negative, as trained ones are
+            yield -rng.uniform(0.5, 8.0, shape).astype(np.float32)
+            return
         yield (rng.uniform(0.95, 1.05, shape) if norm else rng.normal(0.0, 0.02, shape)).astype(np.float32)
         return
     block_bytes, block_values, scales = LAYOUT[t]
@@ -187,6 +246,34 @@ def tokenizer_fields(path: Path) -> list[tuple[str, Any, VT, VT | None]]:
         else:
             out.append((key, f.contents(), main, sub))
     return out
+
+
+def padded(tok: list[tuple[str, Any, VT, VT | None]], vocab: int) -> list[tuple[str, Any, VT, VT | None]]:
+    """The tokenizer's fields with its token list padded to `vocab` by control tokens no text reaches
+    (Qwen3.5's table is 248,320 rows; the tokenizer copied has fewer)."""
+    out = []
+    for key, val, main, sub in tok:
+        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type") and len(val) < vocab:
+            extra = range(len(val), vocab)
+            val = list(val) + ([f"<|pad_{i}|>".encode() for i in extra] if key.endswith("tokens") else [3] * len(extra))
+        out.append((key, val, main, sub))
+    return out
+
+
+def hybrid_metadata(w: gguf.GGUFWriter, s: Shape) -> None:
+    """Qwen3.5's keys: the DeltaNet's shape, which layers attend, partial RoPE, no MTP layer."""
+    k_heads, v_heads = s.delta_net
+    w.add_rope_dimension_count(ROTARY)
+    w.add_rope_dimension_sections([11, 11, 10, 0])
+    w.add_ssm_conv_kernel(DELTA_CONV)
+    w.add_ssm_state_size(DELTA_HEAD)
+    w.add_ssm_group_count(k_heads)
+    w.add_ssm_time_step_rank(v_heads)
+    w.add_ssm_inner_size(v_heads * DELTA_HEAD)
+    w.add_uint32(f"{w.arch}.full_attention_interval", FULL_EVERY)
+    w.add_uint32(f"{w.arch}.nextn_predict_layers", 0)
+    if s.shared:
+        w.add_expert_shared_feed_forward_length(s.shared)
 
 
 def find_tokenizer() -> Path:
@@ -219,7 +306,7 @@ def list_shapes(vocab: int) -> None:
           f"{'ffn':>6} {'tied':>5} {'params':>7} {'file':>8}   (vocab {vocab})")
     for arch, sizes in SHAPES.items():
         for size, s in sizes.items():
-            t = plan(s, vocab, ARCH[arch][3], QK_NORM.get(arch, ""))
+            t = plan(s, QWEN35_VOCAB if s.delta_net else vocab, ARCH[arch][3], QK_NORM.get(arch, ""))
             mb = sum(nbytes(shape, q) for _, shape, q in t) / 1e6
             print(f"{arch:6} {size:5} {s.source:13} {s.hidden:6} {s.layers:6} {s.heads:5} {s.kv_heads:3} "
                   f"{s.ffn:6} {str(s.tied):>5} {params_of(t) / 1e9:6.2f}B {mb:6.0f} MB")
@@ -250,6 +337,8 @@ def main() -> None:
     t0 = time.time()
     tok_path = args.tokenizer_from or find_tokenizer()
     tok = tokenizer_fields(tok_path)
+    if args.arch in ("qwen35", "qwen35moe"):
+        tok = padded(tok, QWEN35_VOCAB)
     vocab = next(len(v) for k, v, _, _ in tok if k == "tokenizer.ggml.tokens")
     if args.size not in SHAPES[args.arch]:
         print(f"error: --arch {args.arch} has sizes {', '.join(SHAPES[args.arch])}", file=sys.stderr)
@@ -286,6 +375,8 @@ def main() -> None:
         w.add_expert_count(s.experts)
         w.add_expert_used_count(s.active)
         w.add_expert_feed_forward_length(s.ffn)
+    if s.delta_net:
+        hybrid_metadata(w, s)
     for key, val, main, sub in tok:
         w.add_key_value(key, val, main, sub)
     for name, shape, t in tensors:       # numpy shapes [rows, row length]; the writer reverses them

@@ -185,3 +185,31 @@ def test_what_does_not_run_on_hybrids_yet_says_so(folders):
         check_tensor_parallel(cfg, 2)
     with pytest.raises(ValueError, match="rolled back"):
         LLM(model=str(folder), dtype="fp32", speculative="ngram", warmup=False)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("q8_rows", [False, True])
+def test_a_qwen35_gguf_as_llama_cpp_writes_it_gives_transformers_tokens(case, q8_rows, tmp_path):
+    """A `qwen35`/`qwen35moe` file (norms + 1, -exp(A_log), v heads tiled, an MTP layer after the model's)
+    gives transformers' logits and greedy tokens, chunked or not; with Q8_0 rows, also as q4 (the file's
+    blocks) within quantization's error of fp32."""
+    from hybrid_gguf import write_qwen35_gguf
+
+    hf_model = build_hf(CASES[case](), seed=5)
+    path = tmp_path / f"{case}.gguf"
+    write_qwen35_gguf(path, hf_model, q8_rows=q8_rows)
+    model, cfg = load_model(path)
+    assert cfg.architecture == case and cfg.num_layers == 4 and cfg.linear_layers == (0, 1, 2)
+    assert cfg.linear_attention.tiled_v_heads and cfg.rotary_dim == 4 and bool(cfg.num_experts) == (case != "qwen3_5")
+    prompt = prompt_ids(256, 17, seed=4)
+    for chunk in (None, 4):
+        check_against_hf(path, hf_model, prompt, n=8, chunk=chunk)
+    if q8_rows:                      # q4 keeps the file's Q8_0 rows, in the file's (tiled) order
+        from phasewise.layers.linear import Linear
+
+        q4, _ = load_model(path, dtype="q4", packed_cache=False)
+        formats = {n.split(".", 3)[-1]: "+".join(p.fmt for p in m.packed.parts)
+                   for n, m in q4.named_modules() if isinstance(m, Linear) and ".0." in n and m.packed}
+        assert formats["linear_attn.in_proj_qkv"] == formats["linear_attn.in_proj_z"] == "q8"
+        want, got = PagedRunner(model).forward(prompt, 0), PagedRunner(q4).forward(prompt, 0)
+        assert (got - want).norm() < 0.1 * want.norm()

@@ -33,14 +33,16 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     state: torch.Tensor) -> torch.Tensor:
+                     state: torch.Tensor, tiled: bool = False) -> torch.Tensor:
     """One sequence's n tokens: q, k [n, Hk, dk] (already L2-normed, q scaled), v [n, Hv, dv], the log
     decay g and the write strength beta [n, Hv], state [Hv, dk, dv] (updated in place) → [n, Hv, dv].
 
     Per token and v head: S = S * exp(g); S += k ⊗ beta (v - Sᵀk); out = Sᵀq. Each q/k head serves
-    Hv / Hk consecutive v heads."""
+    Hv / Hk consecutive v heads, or (`tiled`) every Hk-th one."""
     rep = v.shape[1] // k.shape[1]
-    if rep > 1:
+    if rep > 1 and tiled:
+        q, k = q.repeat(1, rep, 1), k.repeat(1, rep, 1)
+    elif rep > 1:
         q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
     out = torch.empty_like(v)
     decay = g.exp()

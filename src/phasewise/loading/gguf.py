@@ -40,6 +40,15 @@ _LAYER_NAMES = {
 _LAYER_NAMES_QK = {**_LAYER_NAMES, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 _LAYER_NAMES_GEMMA3 = {**_LAYER_NAMES_QK, "post_attention_norm": "post_attention_layernorm",
                        "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+# Qwen3.5: gated attention (post_attention_norm before the MLP) and the Gated DeltaNet's tensors
+_LAYER_NAMES_HYBRID = {**_LAYER_NAMES_QK, "post_attention_norm": "post_attention_layernorm",
+                       "attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z",
+                       "ssm_beta": "linear_attn.in_proj_b", "ssm_alpha": "linear_attn.in_proj_a",
+                       "ssm_conv1d": "linear_attn.conv1d", "ssm_norm": "linear_attn.norm",
+                       "ssm_out": "linear_attn.out_proj"}
+# whole names after "blk.N." with no HF twin of that shape: the decay rate -exp(A_log) (named for what it
+# holds; the model takes its log), and the time-step bias
+_LAYER_WHOLE_HYBRID = {"ssm_a": "linear_attn.neg_A", "ssm_dt.bias": "linear_attn.dt_bias"}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _SKIP = {"rope_freqs.weight"}  # read into the config instead
 # llama.cpp's converter permutes Q/K rows of these architectures for its interleaved RoPE.
@@ -94,7 +103,7 @@ class GGUFFile:
         unreadable = sorted({_type_name(t.ggml_type) for t in self.tensors.values() if not _readable(t.ggml_type)})
         if unreadable:
             raise ModelLoadError(f"{self.path}: phasewise cannot read GGUF tensor type {', '.join(unreadable)}")
-        layers = {n.split(".")[1] for n in self.tensors if n.startswith("blk.")}   # "blk.<i>...": at least two parts
+        layers = {n.split(".")[1] for n in self.tensors if n.startswith("blk.") and not self._mtp(n, cfg)}
         if layers != {str(i) for i in range(cfg.num_layers)}:
             raise ModelLoadError(f"{self.path}: the metadata says {cfg.num_layers} layers, the file has tensors "
                                  f"for {len(layers)}")
@@ -126,8 +135,9 @@ class GGUFFile:
         if cfg is not None and self.fields.get("general.architecture") in _PERMUTED_ARCHS and (
                 ".attn_q." in name or ".attn_k." in name):
             heads = cfg.num_heads if ".attn_q." in name else cfg.num_kv_heads
-        if cfg is not None and cfg.architecture == "gemma3" and name.endswith("norm.weight"):
-            offset = -1.0        # llama.cpp stores Gemma's norms as 1 + w; HF's convention is w
+        if cfg is not None and (cfg.architecture == "gemma3" or cfg.linear_layers) and name.endswith("norm.weight") \
+                and not name.endswith(".ssm_norm.weight"):
+            offset = -1.0        # llama.cpp stores Gemma's and Qwen3.5's norms as 1 + w; HF's convention is w
         return GGUFTensor(GGMLQuantizationType(t.ggml_type).name, data, tuple(t.shape), heads, offset)
 
     def weight(self, hf_name: str, cfg: ModelConfig) -> GGUFTensor | None:
@@ -146,8 +156,13 @@ class GGUFFile:
     def hf_tensors(self, cfg: ModelConfig) -> Iterator[tuple[str, GGUFTensor]]:
         """(HF name, tensor to read whole or in part) for every weight."""
         for name in self.tensors:
-            if name not in _SKIP:
+            if name not in _SKIP and not self._mtp(name, cfg):
                 yield _hf_name(name, cfg), self._tensor(name, cfg)
+
+    def _mtp(self, name: str, cfg: ModelConfig) -> bool:
+        """A tensor of Qwen3.5's multi-token-prediction layers, which follow the model's own layers."""
+        parts = name.split(".")
+        return parts[0] == "blk" and len(parts) > 2 and parts[1].isdigit() and int(parts[1]) >= cfg.num_layers
 
 
 @functools.lru_cache(maxsize=4)
@@ -180,6 +195,8 @@ def _type_name(ggml_type: int) -> str:
 
 def _hf_name(name: str, cfg: ModelConfig) -> str:
     parts = name.split(".")
+    if parts[0] == "blk" and cfg.linear_layers and ".".join(parts[2:]) in _LAYER_WHOLE_HYBRID:
+        return f"model.layers.{parts[1]}.{_LAYER_WHOLE_HYBRID['.'.join(parts[2:])]}"
     if parts[0] == "blk" and len(parts) == 4:
         layer, base, suffix = parts[1], parts[2], parts[3]
         names = _layer_names(cfg)
@@ -212,6 +229,8 @@ def _gguf_name(hf_name: str, cfg: ModelConfig) -> str | None:
 
 
 def _layer_names(cfg: ModelConfig) -> dict[str, str]:
+    if cfg.linear_layers:
+        return _LAYER_NAMES_HYBRID
     if cfg.architecture == "gemma3":
         return _LAYER_NAMES_GEMMA3
     return _LAYER_NAMES_QK if cfg.qk_norm or cfg.qk_norm_whole else _LAYER_NAMES

@@ -9,18 +9,22 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from phasewise.models.config import (GEMMA3_GLOBAL_EVERY, GEMMA3_LOCAL_THETA, QK_NORM, SUPPORTED, ExpertFields,
-                                     ModelConfig, UnsupportedModelError, checked, clip_qkv)
+from phasewise.models.config import (GEMMA3_GLOBAL_EVERY, GEMMA3_LOCAL_THETA, HYBRID, QK_NORM, SUPPORTED,
+                                     ExpertFields, ModelConfig, UnsupportedModelError, checked, clip_qkv)
+from phasewise.models.recurrent import GatedDeltaNetShape, HybridFields
 
 if TYPE_CHECKING:
     from phasewise.json_types import JsonObject
 
 # GGUF general.architecture → our architecture family name
 GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-              "gemma3": "gemma3", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
+              "gemma3": "gemma3", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe",
+              "qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe"}
+# Gated DeltaNet hybrids whose v heads llama.cpp's converter stores tiled (models/recurrent.py)
+GGUF_TILED_V_HEADS = {"qwen35", "qwen35moe"}
 # llama.cpp renormalises the chosen experts' weights by architecture, not by the HF config (unless the
 # file says `expert_weights_norm`); a "llama" file with experts is Mixtral.
-GGUF_EXPERTS_NORM = {"qwen3moe": True, "llama": True, "qwen2moe": False, "olmoe": False}
+GGUF_EXPERTS_NORM = {"qwen3moe": True, "llama": True, "qwen2moe": False, "olmoe": False, "qwen35moe": True}
 
 
 class GGUFKeys:
@@ -46,7 +50,37 @@ class GGUFKeys:
                                         f"got {str(value)[:40]!r}")
         return float(value)
 
-    def rope_scaling(self, head_dim: int, rope_freqs: list[float] | None) -> JsonObject | None:
+    def size(self, key: str, default: int | None = None) -> int:
+        """A positive size of a layer's part (a head count or dimension), within ModelConfig's head limits."""
+        value = self.get(key, default)
+        if value is None:
+            raise UnsupportedModelError(f"GGUF metadata lacks {self.arch}.{key}")
+        return checked("num_heads", value, f"GGUF metadata {self.arch}.{key}")
+
+    def hybrid(self, layers: int, head_dim: int) -> HybridFields:
+        """A Gated DeltaNet hybrid's fields (Qwen3.5): the `ssm.*` shape, every `full_attention_interval`-th
+        layer full attention (4 by default), the rest linear; RoPE on `rope.dimension_count` of each head."""
+        v_heads = self.size("ssm.time_step_rank")
+        inner = self.count("intermediate_size", "ssm.inner_size")         # all v heads' width
+        if inner % v_heads:
+            raise UnsupportedModelError(f"GGUF metadata {self.arch}.ssm.inner_size = {inner} is not a multiple of "
+                                        f"{v_heads} value heads")
+        try:
+            shape = GatedDeltaNetShape(num_k_heads=self.size("ssm.group_count"), num_v_heads=v_heads,
+                                       head_k_dim=self.size("ssm.state_size"), head_v_dim=inner // v_heads,
+                                       conv_kernel=self.size("ssm.conv_kernel"),
+                                       tiled_v_heads=self.arch in GGUF_TILED_V_HEADS)
+        except ValueError as e:
+            raise UnsupportedModelError(f"GGUF metadata {self.arch}.ssm.*: {e}") from None
+        every = self.size("full_attention_interval", 4)
+        rotary = self.size("rope.dimension_count", head_dim)
+        if rotary > head_dim or rotary % 2:
+            raise UnsupportedModelError(f"GGUF metadata {self.arch}.rope.dimension_count = {rotary} does not fit "
+                                        f"heads of {head_dim}")
+        return HybridFields(linear_attention=shape, linear_layers=tuple(i for i in range(layers) if (i + 1) % every),
+                            attn_output_gate=True, rotary_dim=rotary)
+
+    def rope_scaling(self, head_dim: int, rope_freqs: list[float] | None, partial: bool = False) -> JsonObject | None:
         """Linear scaling, or the file's `rope_freqs.weight` divisors (Llama 3.1's, as llama.cpp stores them)."""
         scaling: JsonObject | None = None
         kind = self.get("rope.scaling.type")
@@ -56,7 +90,7 @@ class GGUFKeys:
             scaling = {"rope_type": "linear", "factor": self.real("rope.scaling.factor", 1.0)}
         if rope_freqs is not None:
             scaling = {"rope_type": "freq_factors", "factors": [float(f) for f in rope_freqs]}
-        if self.get("rope.dimension_count", head_dim) != head_dim:
+        if not partial and self.get("rope.dimension_count", head_dim) != head_dim:
             raise UnsupportedModelError("partial rotary embeddings are not supported")
         return scaling
 
@@ -112,16 +146,16 @@ def config_from_gguf(fields: Mapping[str, object], tensor_names: set[str],
             f"unsupported architecture {str(gguf_arch)[:40]!r} (supported: {', '.join(SUPPORTED)})")
     if arch == "llama" and fields.get("llama.expert_count"):
         arch = "mixtral"
-    keys, gemma = GGUFKeys(fields, gguf_arch), arch == "gemma3"
+    keys, gemma, hybrid = GGUFKeys(fields, gguf_arch), arch == "gemma3", arch in HYBRID
     heads = keys.count("num_heads", "attention.head_count")
     hidden = keys.count("hidden_size", "embedding_length")
     head_dim = keys.count("head_dim", "attention.key_length", hidden // heads)
     vocab = keys.count("vocab_size", "vocab_size")
-    scaling = keys.rope_scaling(head_dim, rope_freqs)
+    scaling = keys.rope_scaling(head_dim, rope_freqs, partial=hybrid)
     kv_heads = keys.count("num_kv_heads", "attention.head_count_kv", heads)
     if heads % kv_heads:
         raise UnsupportedModelError(f"{heads} attention heads do not divide into {kv_heads} KV heads")
-    layers = keys.count("num_layers", "block_count")
+    layers = keys.count("num_layers", "block_count") - mtp_layers(keys)
     context = keys.count("max_position_embeddings", "context_length", 2048)
     window, sliding = keys.sliding(gemma, layers, context)
     experts = keys.experts(tensor_names, layers)
@@ -152,5 +186,15 @@ def config_from_gguf(fields: Mapping[str, object], tensor_names: set[str],
         clip_qkv=clip_qkv(keys.get("attention.clamp_kqv"), f"GGUF metadata {gguf_arch}.attention.clamp_kqv")
         if arch == "olmoe" else None,
         **experts,
+        **(keys.hybrid(layers, head_dim) if hybrid else {}),
         name=str(fields.get("general.name", "")),
     )
+
+
+def mtp_layers(keys: GGUFKeys) -> int:
+    """Qwen3.5's multi-token-prediction layers, counted in `block_count` after the model's own (not loaded)."""
+    value = keys.get("nextn_predict_layers", 0)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 16:
+        raise UnsupportedModelError(f"GGUF metadata {keys.arch}.nextn_predict_layers must be a small count, "
+                                    f"got {str(value)[:40]!r}")
+    return value

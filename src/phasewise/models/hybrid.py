@@ -120,7 +120,7 @@ class GatedDeltaNet(nn.Module):
             q = l2norm(q.reshape(n, s.num_k_heads, s.head_k_dim)) / s.head_k_dim ** 0.5
             k = l2norm(k.reshape(n, s.num_k_heads, s.head_k_dim))
             out[row:row + n] = gated_delta_rule(q, k, v.reshape(n, s.num_v_heads, s.head_v_dim),
-                                                g[row:row + n], beta[row:row + n], states[slot])
+                                                g[row:row + n], beta[row:row + n], states[slot], s.tiled_v_heads)
             row += n
         y = gated_rms_norm(out, z, self.norm.weight.float(), self.eps)     # [T, Hv, dv]
         return self.out_proj(y.reshape(T, s.value_dim).to(x.dtype))
@@ -190,12 +190,17 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
     model_class = HybridModel
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """HF names (`model.language_model.` as `model.`), (1 + w) norms kept as 1 + w."""
+        """HF names (`model.language_model.` as `model.`), (1 + w) norms kept as 1 + w; from a GGUF
+        (loading/gguf.py) also the decay rate `neg_A` = -exp(A_log) and the conv's taps as [C, K]."""
         def renamed() -> Iterable[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
                 if name.startswith(("model.visual.", "mtp.", "model.mtp.")):
                     continue
                 name = name.replace("model.language_model.", "model.", 1)
+                if name.endswith(".neg_A"):
+                    name, tensor = name[:-len("neg_A")] + "A_log", torch.log(-tensor)
+                if name.endswith(".conv1d.weight") and tensor.dim() == 2:
+                    tensor = tensor[:, None, :]
                 yield name, tensor + 1 if name.endswith(_OFFSET_NORMS) else tensor
         return super().load_weights(renamed())
 

@@ -22,12 +22,17 @@ STATE_BYTES = 4                    # recurrent state is kept in fp32 whatever th
 @dataclass(frozen=True, kw_only=True)
 class GatedDeltaNetShape:
     """One Gated DeltaNet layer: q and k heads of head_k_dim, v heads of head_v_dim (each q/k head
-    serves num_v_heads / num_k_heads v heads), a depthwise causal conv of conv_kernel taps over q, k, v."""
+    serves num_v_heads / num_k_heads v heads), a depthwise causal conv of conv_kernel taps over q, k, v.
+
+    V head h reads q/k head h // (Hv / Hk) as Hugging Face orders them, or h % Hk when `tiled_v_heads`:
+    llama.cpp's converter reorders Qwen3.5's v heads (their rows, gates, decays, conv channels and
+    out_proj's columns) that way, and the file is used in its own order."""
     num_k_heads: int
     num_v_heads: int
     head_k_dim: int
     head_v_dim: int
     conv_kernel: int
+    tiled_v_heads: bool = False
 
     def __post_init__(self) -> None:
         if min(self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim) < 1 or self.conv_kernel < 2:
