@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from phasewise.lab.cost import Prices, Workload, cost_with_caching, cost_without_caching
-from phasewise.lab.memory import MIB, GIB, ModelShape, parameter_count
+from phasewise.lab.memory import GIB, MIB, ModelShape, hybrid_comparison, parameter_count
 from phasewise.models.config import ModelConfig
 
 
@@ -149,3 +149,6 @@ def test_a_hybrid_counts_its_parameters_as_transformers_and_its_state_beside_its
     assert hybrid.kv_bytes_per_sequence(32768, "bf16") <= dense.kv_bytes_per_sequence(32768, "bf16") / 3
     grown = hybrid.kv_bytes_per_sequence(8192, "bf16") - hybrid.kv_bytes_per_sequence(4096, "bf16")
     assert grown == 4096 * hybrid.kv_bytes_per_token("bf16")
+    lines = hybrid_comparison(hybrid, 32, "bf16")          # what `phasewise memory` prints for it
+    assert [line.split()[0] for line in lines[1:]] == ["4k", "32k", "128k"]
+    assert lines[2].endswith("(26%)") and "8 of 32 layers" in lines[0]

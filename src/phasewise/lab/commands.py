@@ -6,7 +6,7 @@ import argparse
 from typing import TypeVar
 
 from phasewise.lab.cost import Prices, Workload, cost_with_caching, cost_without_caching
-from phasewise.lab.memory import KV_DTYPES, MIB, OVERHEAD, ModelShape, report
+from phasewise.lab.memory import KV_DTYPES, MIB, OVERHEAD, ModelShape, hybrid_comparison, report
 
 ParserT = TypeVar("ParserT", bound=argparse.ArgumentParser)   # the parser class of the CLI's subcommands
 
@@ -81,7 +81,7 @@ def cmd_roofline(args: argparse.Namespace) -> int:
 
 def cmd_memory(args: argparse.Namespace) -> int:
     numbers = (args.layers, args.kv_heads, args.head_dim)
-    q4 = None
+    q4, all_layers = None, 0
     if any(n is not None for n in numbers):
         if any(n is None or n < 1 for n in numbers):
             raise ValueError("give --layers, --kv-heads and --head-dim together, each at least 1")
@@ -90,11 +90,14 @@ def cmd_memory(args: argparse.Namespace) -> int:
         from phasewise.loading.loader import load_config, q4_weight_bytes, resolve_model_path
 
         path = resolve_model_path(args.model)
-        shape = ModelShape.from_config(load_config(path))
+        cfg = load_config(path)
+        shape, all_layers = ModelShape.from_config(cfg), cfg.num_layers
         q4 = q4_weight_bytes(path)
     if args.context < 1 or args.memory <= 0:
         raise ValueError("--context must be at least 1 and --memory positive")
     print("\n".join(report(shape, args.context, args.memory, KV_DTYPES[args.kv_dtype])))
+    if shape.state_bytes:
+        print("\n".join(hybrid_comparison(shape, all_layers, KV_DTYPES[args.kv_dtype])))
     if q4 is not None and q4[1]:
         packed, stored = q4
         params = shape.params or 1

@@ -132,3 +132,19 @@ def report(shape: ModelShape, context_len: int, memory_gib: float, kv_dtype: str
         lines.append(f"weights ({shape.params / 1e6:,.1f} M parameters): " + ", ".join(
             f"{d} {shape.weight_bytes(d) / MIB:,.0f} MiB" for d in ("fp32", "bf16", "int8", "int4")))
     return lines
+
+
+HYBRID_CONTEXTS = (4096, 32768, 131072)
+
+
+def hybrid_comparison(shape: ModelShape, all_layers: int, kv_dtype: str = "fp16") -> list[str]:
+    """A hybrid's memory per sequence at 4k, 32k and 128k tokens against an attention-only model of the
+    same size (K and V in all `all_layers` layers, no recurrent state)."""
+    dense = ModelShape(all_layers, shape.kv_heads, shape.head_dim)
+    lines = [f"a hybrid: K and V in {shape.layers} of {all_layers} layers, {shape.state_bytes / MIB:,.1f} MiB of "
+             f"recurrent state in the rest; one sequence against an attention-only model of the same size:"]
+    for n in HYBRID_CONTEXTS:
+        ours, theirs = shape.kv_bytes_per_sequence(n, kv_dtype), dense.kv_bytes_per_sequence(n, kv_dtype)
+        lines.append(f"  {n // 1024:>4}k tokens: {ours / MIB:>10,.1f} MiB against {theirs / MIB:>10,.1f} MiB "
+                     f"({ours / theirs:.0%})")
+    return lines
