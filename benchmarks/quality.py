@@ -1,12 +1,13 @@
 """Quality and speed of each weight precision on a text the repo ships, in one process.
 
     .venv/bin/python benchmarks/quality.py [--dtypes fp32,int8,q4,q4/int8] [--kernels auto|torch]
-                                           [--text benchmarks/data/lighthouses.txt] [--chunk 512]
+                                           [--text benchmarks/data/lighthouses.txt] [--chunk 512] [--window N]
                                            [--output-len 64] [--repeats 3] [--threads N] [--record]
 
 For each --dtypes precision of the default model (or --model); "WEIGHTS/KV" also sets the KV-cache
 dtype (q4/int8: 4-bit weights and an int8 KV cache):
-- perplexity of the text, teacher-forced, in prefill chunks of --chunk tokens over the paged KV cache;
+- perplexity of the text, teacher-forced, in prefill chunks of --chunk tokens over the paged KV cache
+  (one sequence, or independent --window-token sequences);
 - top-1 agreement: the share of positions whose most likely next token equals fp32's;
 - prefill tokens/s of that pass, and decode tokens/s at batch 1 (--output-len greedy tokens
   after a 128-token prompt), the model alone (no engine, no sampling), with the kernels the engine
@@ -54,16 +55,19 @@ class Runner:
         return self.model(torch.tensor(ids), torch.arange(start, start + n), meta, self.cache.layers)
 
     @torch.inference_mode()
-    def teacher_forced(self, ids: list[int], chunk: int) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """Per position t < len-1: -log p(ids[t+1]) and the argmax; and the seconds it took."""
+    def teacher_forced(self, ids: list[int], chunk: int, window: int = 0) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """Per position t < len-1: -log p(ids[t+1]) and the argmax; and the seconds it took. With a
+        `window`, the text is cut into independent sequences of that many tokens, each from position 0."""
         nll, top = [], []
         t0 = time.perf_counter()
-        for s in range(0, len(ids) - 1, chunk):
-            part = ids[s: min(s + chunk, len(ids) - 1)]
-            logits = self.model.compute_logits(self.hidden(part, s)).float()
-            target = torch.tensor(ids[s + 1: s + 1 + len(part)])
-            nll.append(torch.nn.functional.cross_entropy(logits, target, reduction="none"))
-            top.append(logits.argmax(-1))
+        for w in range(0, len(ids) - 1, window or len(ids)):
+            seq = ids[w:w + window + 1] if window else ids
+            for s in range(0, len(seq) - 1, chunk):
+                part = seq[s: min(s + chunk, len(seq) - 1)]
+                logits = self.model.compute_logits(self.hidden(part, s)).float()
+                target = torch.tensor(seq[s + 1: s + 1 + len(part)])
+                nll.append(torch.nn.functional.cross_entropy(logits, target, reduction="none"))
+                top.append(logits.argmax(-1))
         return torch.cat(nll), torch.cat(top), time.perf_counter() - t0
 
     @torch.inference_mode()
@@ -85,6 +89,8 @@ def main() -> None:
     ap.add_argument("--kernels", default="auto", choices=["auto", "torch"])
     ap.add_argument("--text", type=Path, default=TEXT)
     ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--window", type=int, default=0,
+                    help="score independent windows of this many tokens (0: the whole text as one sequence)")
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
@@ -112,7 +118,7 @@ def main() -> None:
         runner = Runner(model, kv_dtype, len(ids) + args.output_len)
         prefill, decode = [], []
         for _ in range(args.repeats):
-            nll, top, seconds = runner.teacher_forced(ids, args.chunk)
+            nll, top, seconds = runner.teacher_forced(ids, args.chunk, args.window)
             prefill.append((len(ids) - 1) / seconds)
             decode.append(1 / runner.decode(ids[:128], args.output_len))
         ppl = math.exp(nll.mean().item())
