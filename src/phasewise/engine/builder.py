@@ -91,13 +91,13 @@ def build_engine(config: EngineConfig) -> EngineParts:
     try:
         tp = ranks.group if ranks else None
         part = shard_config(full, tp) if tp else full     # what this rank holds
-        slots, checkpoints, num_blocks = _cache_size(part, config, kv_dtype)
+        slots, checkpoints, snapshots, num_blocks = _cache_size(part, config, kv_dtype)
         if tp:
             tp.broadcast(Setup(str(model_path), precision.weights, precision.kv, num_blocks, cache.block_size,
                                kernels is not None, config.kernels == "torch"))
         if precision.weights == "q4" and not tp and str(config.device).startswith("cpu"):
             check_memory(model_path, num_blocks * kv_bytes_per_block(part, cache.block_size, kv_dtype)
-                         + (slots + checkpoints) * part.state_bytes_per_seq)
+                         + (slots + checkpoints + snapshots) * part.state_bytes_per_seq)
         with ThreadPoolExecutor(1) as pool:   # the tokenizer reads its files while the weights load
             tokenizer_loading = pool.submit(_tokenizer, model_path, config.chat_template)
             model, model_config = load_prepared(model_path, precision.weights, config.device, kernels,
@@ -110,13 +110,14 @@ def build_engine(config: EngineConfig) -> EngineParts:
         max_len = config.scheduler.max_model_len or model_config.max_position_embeddings
         max_model_len = min(max_len, model_config.max_position_embeddings)
         kv_cache = KVCache(model_config, num_blocks, cache.block_size, kv_dtype, config.device,
-                           num_state_slots=slots + checkpoints)
+                           num_state_slots=slots + checkpoints + snapshots)
         draft_model = None
         proposer: Proposer | None = NgramProposer(spec.ngram_min, spec.ngram_max) if spec.method == "ngram" else None
         if spec.method == "draft":
             draft_model, draft_kv = _draft_model(config, model_path, model_config, kernels, max_model_len, num_blocks)
             proposer = DraftModelProposer(draft_model, draft_kv, tokenizer.eos_token_ids, config.device, kernels)
-        runner = ModelRunner(model, kv_cache, tokenizer.eos_token_ids, config.device, kernels, tp)
+        runner = ModelRunner(model, kv_cache, tokenizer.eos_token_ids, config.device, kernels, tp,
+                             snapshot_slots=range(slots + checkpoints, slots + checkpoints + snapshots))
         core = EngineCore(runner, config.scheduler, num_blocks, cache.block_size, max_model_len,
                           cache.enable_prefix_caching, proposer, spec.num_speculative_tokens,
                           model_config.kv_group_windows, slots, checkpoints)
@@ -134,23 +135,26 @@ def build_engine(config: EngineConfig) -> EngineParts:
 
 def _check_speculation(cfg: ModelConfig, spec: SpeculativeConfig, tp_size: int) -> None:
     """What speculative decoding cannot run with yet: a ValueError saying so."""
-    if cfg.linear_layers and spec.method:
-        raise ValueError(f"speculative decoding on {cfg.architecture} (a hybrid with recurrent layers) needs "
-                         "their state rolled back to the last accepted token: not supported yet")
+    if cfg.linear_layers and spec.method == "draft":
+        raise ValueError(f"a draft model on {cfg.architecture} (a hybrid with recurrent layers) is not supported "
+                         "yet: use --speculative ngram")
     if tp_size > 1 and spec.method == "draft":
         raise ValueError("a draft model does not run with tensor parallelism yet: use --speculative ngram")
 
 
-def _cache_size(cfg: ModelConfig, config: EngineConfig, kv_dtype: torch.dtype) -> tuple[int, int, int]:
-    """(recurrent-state slots, checkpoint slots, KV blocks) within the cache's memory budget: a hybrid's
-    states first, one per sequence that may run and, with prefix caching, as many checkpoints (at most
-    half the budget), then blocks in the rest."""
-    cache = config.cache
+def _cache_size(cfg: ModelConfig, config: EngineConfig, kv_dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(recurrent-state slots, checkpoint slots, snapshot slots, KV blocks) within the cache's memory
+    budget: a hybrid's states first, one per sequence that may run and, with prefix caching, as many
+    checkpoints, with speculation k snapshots each (the states a verify step may roll back to), all in at
+    most half the budget; then blocks in the rest."""
+    cache, k = config.cache, config.speculative.num_speculative_tokens if config.speculative.method else 0
     slots = state_slots_for_memory(cfg, config.scheduler.max_num_seqs, cache.kv_cache_memory_gib,
-                                   cache.enable_prefix_caching)
+                                   cache.enable_prefix_caching, k)
     checkpoints = slots if cache.enable_prefix_caching else 0
-    kv_gib = cache.kv_cache_memory_gib - (slots + checkpoints) * cfg.state_bytes_per_seq / 2**30
-    return slots, checkpoints, cache.num_blocks or num_blocks_for_memory(cfg, cache.block_size, kv_dtype, kv_gib)
+    snapshots = slots * k if cfg.linear_layers else 0
+    kv_gib = cache.kv_cache_memory_gib - (slots + checkpoints + snapshots) * cfg.state_bytes_per_seq / 2**30
+    return slots, checkpoints, snapshots, cache.num_blocks or num_blocks_for_memory(cfg, cache.block_size, kv_dtype,
+                                                                                    kv_gib)
 
 
 def _draft_model(config: EngineConfig, target_path: Path, target: ModelConfig, kernels: Kernels | None,

@@ -59,6 +59,8 @@ class AttentionMetadata:
     device: torch.device
     groups: list[AttentionMetadata] | None = None   # per KV group (the first is this one); None: one group
     state_slots: list[int] | None = None  # a hybrid's linear layers: each sequence's recurrent-state slot
+    # and the slots its state is copied to after each of its rows but the last ([]: none), for a verify step
+    state_snapshots: list[list[int]] | None = None
 
     def for_group(self, group: int) -> AttentionMetadata:
         """The metadata of a KV group's layers (their own block tables and slots)."""

@@ -110,20 +110,33 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight[:, 0].float()                         # [C, K]
         out = torch.empty(T, s.num_v_heads, s.head_v_dim, device=x.device)
         assert meta.state_slots is not None and len(meta.state_slots) == len(meta.query_lens)
+        snapshots = meta.state_snapshots or [[] for _ in meta.state_slots]
         row = 0
-        for n, ctx, slot in zip(meta.query_lens, meta.context_lens, meta.state_slots):
+        for n, ctx, slot, snaps in zip(meta.query_lens, meta.context_lens, meta.state_slots, snapshots):
             if ctx == n:                                   # the sequence starts here: no state before it
                 conv_states[slot].zero_()
                 states[slot].zero_()
-            mixed = causal_conv(qkv[row:row + n], conv_states[slot], weight)      # [n, C]
-            q, k, v = mixed.split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
-            q = l2norm(q.reshape(n, s.num_k_heads, s.head_k_dim)) / s.head_k_dim ** 0.5
-            k = l2norm(k.reshape(n, s.num_k_heads, s.head_k_dim))
-            out[row:row + n] = gated_delta_rule(q, k, v.reshape(n, s.num_v_heads, s.head_v_dim),
-                                                g[row:row + n], beta[row:row + n], states[slot], s.tiled_v_heads)
+            # a verify step's rows one at a time, the state kept after each but the last (same bits: the
+            # recurrent form does not depend on how rows are grouped)
+            for part in ([(row + i, 1) for i in range(n)] if snaps else [(row, n)]):
+                self._mix(qkv, g, beta, part, conv_states[slot], states[slot], weight, out)
+                if part[0] - row < len(snaps):
+                    conv_states[snaps[part[0] - row]] = conv_states[slot]
+                    states[snaps[part[0] - row]] = states[slot]
             row += n
         y = gated_rms_norm(out, z, self.norm.weight.float(), self.eps)     # [T, Hv, dv]
         return self.out_proj(y.reshape(T, s.value_dim).to(x.dtype))
+
+    def _mix(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, rows: tuple[int, int],
+             conv_state: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
+        """n rows from `start` of one sequence: conv, L2-normed q and k, the delta rule; states advanced."""
+        (start, n), s = rows, self.shape
+        mixed = causal_conv(qkv[start:start + n], conv_state, weight)                  # [n, C]
+        q, k, v = mixed.split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
+        q = l2norm(q.reshape(n, s.num_k_heads, s.head_k_dim)) / s.head_k_dim ** 0.5
+        k = l2norm(k.reshape(n, s.num_k_heads, s.head_k_dim))
+        out[start:start + n] = gated_delta_rule(q, k, v.reshape(n, s.num_v_heads, s.head_v_dim), g[start:start + n],
+                                                beta[start:start + n], state, s.tiled_v_heads)
 
 
 class HybridDecoderLayer(nn.Module):

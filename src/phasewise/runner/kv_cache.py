@@ -38,11 +38,12 @@ def num_blocks_for_memory(cfg: ModelConfig, block_size: int, dtype: torch.dtype,
     return max(1, int(gib * 2**30) // kv_bytes_per_block(cfg, block_size, dtype))
 
 
-def state_slots_for_memory(cfg: ModelConfig, max_seqs: int, gib: float, checkpoints: bool) -> int:
+def state_slots_for_memory(cfg: ModelConfig, max_seqs: int, gib: float, checkpoints: bool, snapshots: int = 0) -> int:
     """A hybrid's recurrent-state slots for running sequences: one per sequence that may run (max_seqs),
-    as many again for checkpoints if `checkpoints`, all within half of the `gib` budget (at least one
-    of each); 0 for a model without recurrent layers."""
-    per_seq = cfg.state_bytes_per_seq * (2 if checkpoints else 1)
+    as many again for checkpoints if `checkpoints` and `snapshots` times as many for speculation's
+    snapshots, all within half of the `gib` budget (at least one of each); 0 for a model without
+    recurrent layers."""
+    per_seq = cfg.state_bytes_per_seq * (1 + int(checkpoints) + snapshots)
     return 0 if not per_seq else max(1, min(max_seqs, int(gib * 2**30 / 2) // per_seq))
 
 

@@ -39,6 +39,9 @@ class StepInputs:
     tables: list[list[list[int]]]          # [group][sequence] → block ids
     keep: list[int] | None = None          # the rows whose hidden states are wanted, ascending (None: all)
     state_slots: list[int] = field(default_factory=list)   # a hybrid's: each sequence's recurrent-state slot
+    # a hybrid's, per sequence: the slots its state is copied to after each of its rows but the last (the
+    # states a verify step may roll back to; [] for a sequence without drafts)
+    state_snapshots: list[list[int]] = field(default_factory=list)
 
 
 # What rank 0 broadcasts to the other ranks after the setup: a step's forward, the logits of some of its rows
@@ -66,13 +69,16 @@ class StepPlan:
     draft_rows: list[int] = field(default_factory=list)         # k + 1 rows per chunk with drafts
     drafted: list[ScheduledChunk] = field(default_factory=list)
     scored: list[ScoredRows] = field(default_factory=list)
+    snapshotted: list[tuple[str, int, list[int]]] = field(default_factory=list)   # (request, state slot, snapshots)
 
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache: KVCache, eos_token_ids: frozenset[int],
                  device: torch.device | str = "cpu", kernels: Kernels | None = None,
-                 tp: TensorParallel | None = None) -> None:
+                 tp: TensorParallel | None = None, snapshot_slots: range = range(0)) -> None:
+        """snapshot_slots: a hybrid's state slots for the states of draft rows, k for each running sequence."""
         self.model, self.tp = model, tp
+        self.snapshot_slots = snapshot_slots
         self.kv_cache = kv_cache
         self.eos_token_ids = eos_token_ids
         self.device = torch.device(device)
@@ -89,6 +95,7 @@ class ModelRunner:
             step: RankStep = ("forward", plan.inputs)
             self.tp.broadcast(step)
         out = self.sample(plan, self.forward(plan.inputs))
+        self._roll_back(plan, out)
         choices = self.model.expert_choices()
         if choices is not None:
             out.expert_choices = choices.tolist()
@@ -113,6 +120,10 @@ class ModelRunner:
             tables.append(req.block_tables)
             if req.state_slot is not None:
                 inputs.state_slots.append(req.state_slot)
+                inputs.state_snapshots.append(self._snapshots(inputs.state_snapshots, len(chunk.draft_token_ids)
+                                                              if chunk.samples else 0))
+                if inputs.state_snapshots[-1]:
+                    plan.snapshotted.append((req.request_id, req.state_slot, inputs.state_snapshots[-1]))
             end = len(inputs.input_ids)
             if chunk.samples and chunk.draft_token_ids:   # rows: the last own token, then each draft
                 plan.draft_rows.extend(range(end - len(chunk.draft_token_ids) - 1, end))
@@ -131,12 +142,19 @@ class ModelRunner:
                 s.row = index[s.row]
         return plan
 
+    def _snapshots(self, taken: list[list[int]], drafts: int) -> list[int]:
+        """The next `drafts` snapshot slots after those `taken` by earlier sequences of the step."""
+        start = self.snapshot_slots.start + sum(len(t) for t in taken)
+        assert start + drafts <= self.snapshot_slots.stop, "more drafts than snapshot slots"
+        return list(range(start, start + drafts))
+
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """One forward pass over the step's tokens → hidden states of its rows inputs.keep [R, hidden]
         (all: [T, hidden]); every rank runs it."""
         meta = AttentionMetadata.build_groups(inputs.query_lens, inputs.context_lens, inputs.tables,
                                               self.kv_cache.block_size, self.device)
         meta.state_slots = inputs.state_slots
+        meta.state_snapshots = inputs.state_snapshots
         ids = torch.tensor(inputs.input_ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(inputs.positions, dtype=torch.int64, device=self.device)
         keep = None if inputs.keep is None else torch.tensor(inputs.keep, dtype=torch.int64, device=self.device)
@@ -159,6 +177,16 @@ class ModelRunner:
                 out.sampled[rid] = final
                 out.accepted[rid] = accepted
         return out
+
+    def _roll_back(self, plan: StepPlan, out: RunnerOutput) -> None:
+        """A hybrid's states back to where each sequence's accepted drafts end: the snapshot after its
+        row of the last accepted draft (all accepted: the state is already there)."""
+        copies = []
+        for request_id, slot, snapshots in plan.snapshotted:
+            accepted = len(out.accepted.get(request_id, ()))
+            if accepted < len(snapshots):
+                copies.append((snapshots[accepted], slot))
+        self.kv_cache.copy_states(copies)
 
     def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """fp32 logits [len(rows), V] of these rows of the step's (kept) hidden states (the driver asks
