@@ -113,6 +113,13 @@ def test_the_engine_gives_the_same_tokens_alone_batched_chunked_and_preempted(ca
     assert sum(o.metrics.preemptions for o in outs) > 0
     assert tight.engine.core.kv.free_state_slots and len(tight.engine.core.kv.free_state_slots) == \
         tight.engine.core.kv.num_state_slots                      # every slot back
+    from phasewise.server.metrics import ServerMetrics
+
+    stats = llm.engine.core.stats()                               # what /metrics and the dashboard show
+    assert stats.num_state_slots == stats.num_free_state_slots > 3 and stats.num_state_checkpoints > 0
+    scraped = ServerMetrics("m").render(stats).decode()
+    assert f'phasewise:recurrent_state_slots{{model_name="m"}} {float(stats.num_state_slots)}' in scraped
+    assert 'phasewise:recurrent_state_slots_used{model_name="m"} 0.0' in scraped
 
 
 def test_state_slots_are_taken_with_the_first_blocks_and_given_back():

@@ -92,6 +92,8 @@ class EngineCore:
         sched, pool, spec = self.scheduler, self.kv.pool, self.spec
         return EngineStats(num_waiting=len(sched.waiting), num_running=len(sched.running), num_blocks=pool.num_blocks,
                            num_free_blocks=pool.num_free, num_cached_blocks=pool.num_cached, kv_usage=pool.usage,
+                           num_state_slots=self.kv.num_state_slots, num_free_state_slots=len(self.kv.free_state_slots),
+                           num_state_checkpoints=len(self.kv.checkpoints.entries) if self.kv.checkpoints else 0,
                            num_steps=self.num_steps, spec_num_drafts=spec.num_steps,
                            spec_num_draft_tokens=spec.num_draft_tokens, spec_num_accepted_tokens=spec.num_accepted_tokens)
 

@@ -93,6 +93,9 @@ class EngineStats:
     num_free_blocks: int = 0
     num_cached_blocks: int = 0
     kv_usage: float = 0.0
+    num_state_slots: int = 0               # a hybrid's recurrent-state slots for running requests,
+    num_free_state_slots: int = 0          # those free,
+    num_state_checkpoints: int = 0         # and the state checkpoints kept for prefix hits
     num_steps: int = 0
     spec_num_drafts: int = 0               # speculative decoding: request-steps that verified drafts,
     spec_num_draft_tokens: int = 0         # draft tokens verified,

@@ -213,7 +213,9 @@ class DashboardFeed(Observer):
             "engine": {"running": stats.num_running, "waiting": stats.num_waiting, "blocks": stats.num_blocks,
                        "used": stats.num_blocks - stats.num_free_blocks, "cached": stats.num_cached_blocks,
                        "free": stats.num_free_blocks, "token_budget": self.token_budget,
-                       "max_num_seqs": self.max_num_seqs},
+                       "max_num_seqs": self.max_num_seqs, "state_slots": stats.num_state_slots,
+                       "state_used": stats.num_state_slots - stats.num_free_state_slots,
+                       "checkpoints": stats.num_state_checkpoints},
             "window_s": self.window_s, **windowed,
             "roofline": self.roofline.to_json() if self.roofline else None,
         }

@@ -113,6 +113,9 @@ class EngineJson(TypedDict):
     free: int
     token_budget: int
     max_num_seqs: int
+    state_slots: int                        # a hybrid's recurrent-state slots (0: none), those in use,
+    state_used: int
+    checkpoints: int                        # and its state checkpoints
 
 
 class SnapshotJson(WindowJson):

@@ -88,6 +88,12 @@ class ServerMetrics(Observer):
         self.total_blocks = gauge("phasewise:kv_cache_total_blocks", "KV blocks in the pool.")
         self.cached_blocks = gauge("phasewise:kv_cache_cached_blocks",
                                    "KV blocks registered in the prefix cache (referenced or not).")
+        self.state_slots = gauge("phasewise:recurrent_state_slots", "A hybrid's recurrent-state slots for "
+                                 "running requests (fixed bytes each, whatever the context).")
+        self.state_slots_used = gauge("phasewise:recurrent_state_slots_used", "Recurrent-state slots held by "
+                                      "running requests.")
+        self.state_checkpoints = gauge("phasewise:recurrent_state_checkpoints", "Recurrent-state checkpoints "
+                                       "kept for prefix-cache hits.")
         self.prompt_tokens = counter("phasewise:prompt_tokens", "Prompt tokens of requests that reached "
                                      "their first token (cache hits included).")
         self.generation_tokens = counter("phasewise:generation_tokens", "Output tokens generated.")
@@ -159,6 +165,9 @@ class ServerMetrics(Observer):
         self.free_blocks.set(stats.num_free_blocks)
         self.total_blocks.set(stats.num_blocks)
         self.cached_blocks.set(stats.num_cached_blocks)
+        self.state_slots.set(stats.num_state_slots)
+        self.state_slots_used.set(stats.num_state_slots - stats.num_free_state_slots)
+        self.state_checkpoints.set(stats.num_state_checkpoints)
         self.threads.set(stats.threads)
         self.cpus_elsewhere.set(stats.cpus_busy_elsewhere)
         self.totals.stats = stats

@@ -204,7 +204,8 @@ function kv(s, steps, t0, t1, ref, isLive) {
   Charts.lines($("kv"), { t0, t1, ref, live: isLive, ymax: e ? e.blocks : 1, series, sqrt: true });
   setHTML($("kv-caption"), e ? `<b style="color:var(--decode)">in use ${e.used}</b> · <b style="color:var(--cached)">` +
     `cached ${e.cached}</b> · <b style="color:var(--stop)">free ${e.free}</b> of ${e.blocks} blocks` +
-    ` · prefix hit rate ${pct(s.prefix_hit_rate)}` : "this file holds no KV-cache figures");
+    ` · prefix hit rate ${pct(s.prefix_hit_rate)}` + (e.state_slots ? ` · recurrent state: ${e.state_used} of ` +
+    `${e.state_slots} slots in use, ${e.checkpoints} checkpoints` : "") : "this file holds no KV-cache figures");
 }
 
 function latency(s) {
