@@ -134,7 +134,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
 
 def _check_speculation(cfg: ModelConfig, spec: SpeculativeConfig, tp_size: int) -> None:
     """What speculative decoding cannot run with yet: a ValueError saying so."""
-    if cfg.linear_layers and spec.method:
+    if cfg.recurrent_layers and spec.method:
         raise ValueError(f"speculative decoding on {cfg.architecture} (a hybrid with recurrent layers) needs "
                          "their state rolled back to the last accepted token: not supported yet")
     if tp_size > 1 and spec.method == "draft":
