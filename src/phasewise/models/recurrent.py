@@ -74,9 +74,19 @@ class GatedDeltaNetShape(RecurrentShape):
         return 2 * self.key_dim + self.value_dim
 
     @property
+    def conv_state_shape(self) -> tuple[int, int]:
+        """A sequence's convolution state: its last kernel - 1 inputs [K - 1, C]."""
+        return self.conv_kernel - 1, self.conv_dim
+
+    @property
+    def recurrent_state_shape(self) -> tuple[int, int, int]:
+        """A sequence's delta-rule state [Hv, dk, dv]."""
+        return self.num_v_heads, self.head_k_dim, self.head_v_dim
+
+    @property
     def state_shapes(self) -> tuple[tuple[int, ...], ...]:
-        """The convolution's last kernel - 1 inputs [K - 1, C], then the delta rule's state [Hv, dk, dv]."""
-        return (self.conv_kernel - 1, self.conv_dim), (self.num_v_heads, self.head_k_dim, self.head_v_dim)
+        """The convolution's state, then the delta rule's (as `GatedDeltaNet.forward` takes them)."""
+        return self.conv_state_shape, self.recurrent_state_shape
 
     def mixer_params(self, hidden: int) -> int:
         """in_proj (q, k, v, z, b, a), conv taps, dt_bias, A_log, the gated norm and out_proj."""
