@@ -21,7 +21,7 @@ class PagedRunner:
         self.model, self.block_size = model, block_size
         dtype = next(model.parameters()).dtype
         groups = len(model.config.kv_groups)
-        hybrid = bool(model.config.linear_layers)            # its recurrent state: one slot, 0
+        hybrid = bool(model.config.recurrent_layers)            # its recurrent state: one slot, 0
         self.cache = KVCache(model.config, num_blocks * groups, block_size, dtype, "cpu", num_state_slots=int(hybrid))
         self.state_slots = [0] if hybrid else None
         perm = torch.randperm(num_blocks * groups, generator=torch.Generator().manual_seed(seed)).tolist()

@@ -1,6 +1,7 @@
-"""Hybrid models (Qwen3.5 dense and MoE): Gated DeltaNet layers with a recurrent state per sequence
-beside gated attention. Tiny random models built with transformers' own classes give transformers'
-logits and greedy tokens in fp32, alone, batched, chunked, preempted and with few state slots."""
+"""Hybrid models: Qwen3.5 (dense and MoE) and Qwen3-Next, Gated DeltaNet layers beside gated attention,
+and LFM2, short convolutions beside attention, each recurrent layer with a state per sequence. Tiny
+random models built with transformers' own classes give transformers' logits and greedy tokens in
+fp32, alone, batched, chunked, preempted and with few state slots."""
 
 from __future__ import annotations
 
@@ -19,14 +20,20 @@ from phasewise.loading.sharding import check_tensor_parallel
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 
-SHAPE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-             head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-             linear_value_head_dim=8, max_position_embeddings=128, bos_token_id=None, eos_token_id=None)
+BASE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=128, bos_token_id=None, eos_token_id=None)
+SHAPE = dict(BASE, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+             linear_value_head_dim=8)
+EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
 CASES = {
     "qwen3_5": lambda: transformers.Qwen3_5TextConfig(**SHAPE, intermediate_size=128),
-    "qwen3_5_moe": lambda: transformers.Qwen3_5MoeTextConfig(**SHAPE, num_experts=4, num_experts_per_tok=2,
-                                                             moe_intermediate_size=32,
-                                                             shared_expert_intermediate_size=48),
+    "qwen3_5_moe": lambda: transformers.Qwen3_5MoeTextConfig(**SHAPE, **EXPERTS),
+    # layer 1's MLP dense (mlp_only_layers), the others experts with a shared expert; top-k weights as they are
+    "qwen3_next": lambda: transformers.Qwen3NextConfig(**SHAPE, **EXPERTS, intermediate_size=96, mlp_only_layers=[1],
+                                                       norm_topk_prob=False),
+    # an MLP of 2/3 x 168 = 112, rounded up to 16: 112
+    "lfm2": lambda: transformers.Lfm2Config(**BASE, intermediate_size=168, block_multiple_of=16, pad_token_id=None,
+                                            layer_types=["conv", "conv", "conv", "full_attention"]),
 }
 
 
@@ -51,7 +58,8 @@ def test_hf_folder_matches_transformers_teacher_forced_and_greedy(case, chunk, f
     folder, hf_model = folders(case)
     prompt = prompt_ids(256, 19, seed=2)
     model, cfg = load_model(folder)
-    assert cfg.linear_layers == (0, 1, 2) and cfg.kv_groups == ((3,),) and cfg.rotary_dim == 4
+    assert cfg.recurrent_layers == (0, 1, 2) and cfg.kv_groups == ((3,),)
+    assert cfg.rotary_dim == (None if case == "lfm2" else 4)
     with torch.no_grad():
         ref = hf_model(torch.tensor([prompt])).logits[0]
     logits, _ = PagedRunner(model).greedy(prompt, 1, chunk=chunk)
@@ -83,6 +91,32 @@ def test_the_recurrent_functions_match_transformers():
     kept = conv_state.clone()
     torch.testing.assert_close(causal_conv(x, kept, w), want)
     assert torch.equal(kept, x[-3:])
+    from transformers.models.lfm2 import modeling_lfm2 as lfm2          # LFM2's conv: no activation
+    hf_state = torch.cat([torch.zeros(5, 1), conv_state.T], 1)[None]     # transformers keeps K inputs, we K - 1
+    want = lfm2.causal_conv1d_update(x.T[None].contiguous(), hf_state, w)[0].T
+    kept = conv_state.clone()
+    torch.testing.assert_close(causal_conv(x, kept, w, silu=False), want)
+    assert torch.equal(kept, hf_state[0, :, 1:].T)
+
+
+def test_an_lfm2_config_reads_as_transformers_reads_it():
+    """LFM2's published config.json keys (block_ff_dim, tie_embedding, full_attn_idxs, rope_theta): the
+    MLP width by transformers' rule, tied embeddings, its attention layers and RoPE base."""
+    from transformers.models.lfm2 import modeling_lfm2 as lfm2
+
+    from phasewise.models.config import ModelConfig
+
+    published = dict(model_type="lfm2", vocab_size=65536, hidden_size=2048, block_ff_dim=12288,
+                     block_auto_adjust_ff_dim=True, block_ffn_dim_multiplier=1.0, block_multiple_of=256,
+                     num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, norm_eps=1e-5,
+                     conv_L_cache=3, full_attn_idxs=[2, 5, 8, 10, 12, 14], tie_embedding=True,
+                     rope_theta=1000000.0, max_position_embeddings=128000)
+    cfg = ModelConfig.from_hf(published)
+    with torch.device("meta"):
+        width = lfm2.Lfm2MLP(transformers.Lfm2Config(**published)).w1.out_features
+    assert cfg.intermediate_size == width == 8192 and cfg.tie_word_embeddings and cfg.rms_norm_eps == 1e-5
+    assert cfg.attention_layers == (2, 5, 8, 10, 12, 14) and cfg.rope_theta == 1e6 and cfg.head_dim == 64
+    assert cfg.state_bytes_per_seq == 10 * 2 * 2048 * 4                 # 10 conv layers x [L - 1, H] fp32
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -209,7 +243,7 @@ def test_ngram_speculation_rolls_the_state_back_to_the_last_accepted_draft(tmp_p
         with torch.no_grad():
             hf_model.lm_head.weight.copy_(hf_model.model.embed_tokens.weight * 0.5)
             for name, p in hf_model.named_parameters():
-                if name.endswith(("out_proj.weight", "o_proj.weight", "down_proj.weight")):
+                if name.endswith(("out_proj.weight", "o_proj.weight", "down_proj.weight", "w2.weight")):
                     p.mul_(0.3)
             want = [hf_model.generate(torch.tensor([p]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
                                       eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
@@ -223,3 +257,31 @@ def test_ngram_speculation_rolls_the_state_back_to_the_last_accepted_draft(tmp_p
         assert [o.token_ids for o in LLM(**kw, max_num_batched_tokens=7).generate(prompts, params)] == want, case
         drafted, accepted = drafted + llm.engine.core.spec.num_draft_tokens, accepted + llm.engine.core.spec.num_accepted_tokens
     assert 0 < accepted < drafted                                   # drafts taken and drafts refused
+
+
+@pytest.mark.parametrize("case", ["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("q8_rows", [False, True])
+def test_a_qwen35_gguf_as_llama_cpp_writes_it_gives_transformers_tokens(case, q8_rows, tmp_path):
+    """A `qwen35`/`qwen35moe` file (norms + 1, -exp(A_log), v heads tiled, an MTP layer after the model's)
+    gives transformers' logits and greedy tokens, chunked or not; with Q8_0 rows, also as q4 (the file's
+    blocks) within quantization's error of fp32."""
+    from hybrid_gguf import write_qwen35_gguf
+
+    hf_model = build_hf(CASES[case](), seed=5)
+    path = tmp_path / f"{case}.gguf"
+    write_qwen35_gguf(path, hf_model, q8_rows=q8_rows)
+    model, cfg = load_model(path)
+    assert cfg.architecture == case and cfg.num_layers == 4 and cfg.recurrent_layers == (0, 1, 2)
+    assert cfg.recurrent.tiled_v_heads and cfg.rotary_dim == 4 and bool(cfg.num_experts) == (case != "qwen3_5")
+    prompt = prompt_ids(256, 17, seed=4)
+    for chunk in (None, 4):
+        check_against_hf(path, hf_model, prompt, n=8, chunk=chunk)
+    if q8_rows:                      # q4 keeps the file's Q8_0 rows, in the file's (tiled) order
+        from phasewise.layers.linear import Linear
+
+        q4, _ = load_model(path, dtype="q4", packed_cache=False)
+        formats = {n.split(".", 3)[-1]: "+".join(p.fmt for p in m.packed.parts)
+                   for n, m in q4.named_modules() if isinstance(m, Linear) and ".0." in n and m.packed}
+        assert formats["linear_attn.in_proj_qkv"] == formats["linear_attn.in_proj_z"] == "q8"
+        want, got = PagedRunner(model).forward(prompt, 0), PagedRunner(q4).forward(prompt, 0)
+        assert (got - want).norm() < 0.1 * want.norm()

@@ -129,18 +129,32 @@ def test_the_windowed_kv_figure_counts_global_layers_whole_and_local_ones_to_the
 
 
 def test_a_hybrid_counts_its_parameters_as_transformers_and_its_state_beside_its_kv():
-    """Qwen3.5 (dense and MoE) parameters as transformers counts them; at 32k tokens a Qwen3.5-9B shape
-    (transformers' default config: 8 attention layers of 32, a 50 MiB state) holds at most a third of
-    the KV of an attention-only model of its size (Qwen3-8B's shape), and its state does not grow."""
+    """Qwen3.5 (dense and MoE), Qwen3-Next and LFM2 parameters as transformers counts them, and their
+    state per sequence as the runner allocates it and as transformers' cache holds it (which keeps
+    one more convolution input than we need); at 32k tokens a Qwen3.5-9B shape (transformers' default
+    config: 8 attention layers of 32, a 50 MiB state) holds at most a third of the KV of an
+    attention-only model of its size (Qwen3-8B's shape), and its state does not grow."""
     import torch
     import transformers
     from test_hybrid import CASES
+
+    from phasewise.runner.kv_cache import KVCache
 
     for case, make in CASES.items():
         hf_cfg = make()
         with torch.device("meta"):
             n = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(hf_cfg).parameters())
-        assert parameter_count(ModelConfig.from_hf(hf_cfg.to_dict())) == n, case
+        cfg = ModelConfig.from_hf(hf_cfg.to_dict())
+        assert parameter_count(cfg) == n, case
+        cache = KVCache(cfg, 4, 4, torch.float32, "cpu", num_state_slots=1)
+        allocated = sum(t.numel() * t.element_size() for layer in cache.states for t in layer)
+        with torch.no_grad():
+            hf = transformers.AutoModelForCausalLM.from_config(hf_cfg)(torch.tensor([[1, 2, 3]]), use_cache=True)
+        layers = [layer for layer in hf.past_key_values.layers if hasattr(layer, "conv_states")]
+        conv = [layer.conv_states[0][0] for layer in layers]                                  # [C, K] each
+        rec = [layer.recurrent_states[0][0] for layer in layers if layer.recurrent_states[0] is not None]
+        held = sum(c.shape[0] * (c.shape[1] - 1) for c in conv) * 4 + sum(r.numel() for r in rec) * 4
+        assert ModelShape.from_config(cfg).state_bytes == cache.state_bytes == allocated == held, case
     hybrid = ModelShape.from_config(ModelConfig.from_hf(transformers.Qwen3_5TextConfig().to_dict()))
     dense = ModelShape.from_config(ModelConfig.from_hf(transformers.Qwen3Config(
         hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,

@@ -14,7 +14,7 @@ blocks). A new request takes the longest cached prefix whose blocks every group 
 (a windowed group only those its window needs), but never the block holding its last prompt
 token: that token's logits must be computed.
 
-State slots: a hybrid model's linear layers keep a fixed recurrent state per sequence, not KV. The
+State slots: a hybrid model's recurrent layers keep a fixed state per sequence, not KV. The
 manager hands each running request one of `num_state_slots` slots (`request.state_slot`) with its
 first blocks, and takes it back with them; the runner's state tensors are indexed by it. A prefix
 hit on such a model also needs the state where the hit ends: `StateCheckpoints` keeps copies at

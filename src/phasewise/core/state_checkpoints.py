@@ -1,12 +1,12 @@
 """Checkpoints of a hybrid's recurrent state at block boundaries: what a prefix-cache hit resumes from.
 
-A Gated DeltaNet layer's state after token t summarises every token up to t, so a prefix hit on a
-hybrid needs, beside the attention layers' KV blocks, the state as it was where the hit ends. When a
-request's computed tokens reach a block boundary, its state is copied into a checkpoint slot, keyed
-by the chained hash of the block ending there; a later request whose cached blocks reach that
-boundary copies it into its own slot. Checkpoint slots follow the running requests' slots in the
-runner's state tensors and are reused least recently used first, so their memory is fixed:
-`capacity` x the model's state per sequence.
+A recurrent layer's state (a Gated DeltaNet's, a short convolution's) after token t summarises every
+token up to t, so a prefix hit on a hybrid needs, beside the attention layers' KV blocks, the state
+as it was where the hit ends. When a request's computed tokens reach a block boundary, its state is
+copied into a checkpoint slot, keyed by the chained hash of the block ending there; a later request
+whose cached blocks reach that boundary copies it into its own slot. Checkpoint slots follow the
+running requests' slots in the runner's state tensors and are reused least recently used first, so
+their memory is fixed: `capacity` x the model's state per sequence.
 
 The copies are plain (from slot, to slot) pairs that the runner makes before the next forward:
 saves first (a slot freed since keeps its contents until a forward writes it), then restores.

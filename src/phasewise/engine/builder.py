@@ -135,7 +135,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
 
 def _check_speculation(cfg: ModelConfig, spec: SpeculativeConfig, tp_size: int) -> None:
     """What speculative decoding cannot run with yet: a ValueError saying so."""
-    if cfg.linear_layers and spec.method == "draft":
+    if cfg.recurrent_layers and spec.method == "draft":
         raise ValueError(f"a draft model on {cfg.architecture} (a hybrid with recurrent layers) is not supported "
                          "yet: use --speculative ngram")
     if tp_size > 1 and spec.method == "draft":
@@ -151,7 +151,7 @@ def _cache_size(cfg: ModelConfig, config: EngineConfig, kv_dtype: torch.dtype) -
     slots = state_slots_for_memory(cfg, config.scheduler.max_num_seqs, cache.kv_cache_memory_gib,
                                    cache.enable_prefix_caching, k)
     checkpoints = slots if cache.enable_prefix_caching else 0
-    snapshots = slots * k if cfg.linear_layers else 0
+    snapshots = slots * k if cfg.recurrent_layers else 0
     kv_gib = cache.kv_cache_memory_gib - (slots + checkpoints + snapshots) * cfg.state_bytes_per_seq / 2**30
     return slots, checkpoints, snapshots, cache.num_blocks or num_blocks_for_memory(cfg, cache.block_size, kv_dtype,
                                                                                     kv_gib)

@@ -1,8 +1,8 @@
 """Memory arithmetic: KV-cache bytes per token and per sequence, sequences that fit, weight sizes.
 
-A hybrid (Qwen3.5) keeps K and V only in its attention layers; its linear layers hold a fixed
-recurrent state per sequence (`state_bytes`), the same at any context length: a sequence's memory
-is KV per token x context + state."""
+A hybrid (Qwen3.5, Qwen3-Next, LFM2) keeps K and V only in its attention layers; its recurrent
+layers hold a fixed state per sequence (`state_bytes`), the same at any context length: a sequence's
+memory is KV per token x context + state."""
 
 from __future__ import annotations
 
@@ -78,19 +78,15 @@ def mlp_params(cfg: ModelConfig, layer: int, active: bool = False) -> int:
     return cfg.num_experts * h + experts * 3 * h * cfg.moe_intermediate_size + (3 * h * shared + h if shared else 0)
 
 
-def delta_net_params(cfg: ModelConfig) -> int:
-    """One Gated DeltaNet layer's parameters: in_proj (q, k, v, z, b, a), conv taps, dt_bias, A_log,
-    the gated norm and out_proj."""
-    s, h = cfg.linear_attention, cfg.hidden_size
-    if s is None:
-        return 0
-    return h * (s.conv_dim + s.value_dim + 2 * s.num_v_heads) + s.conv_dim * s.conv_kernel + \
-        2 * s.num_v_heads + s.head_v_dim + s.value_dim * h
+def recurrent_params(cfg: ModelConfig) -> int:
+    """One recurrent layer's token mixer's parameters (a Gated DeltaNet's, LFM2's short conv's), 0
+    without them."""
+    return 0 if cfg.recurrent is None else cfg.recurrent.mixer_params(cfg.hidden_size)
 
 
 def parameter_count(cfg: ModelConfig) -> int:
     """Parameters of a Llama-family model (the output head counted once when tied), every expert's;
-    a hybrid's linear layers in place of attention."""
+    a hybrid's recurrent layers in place of attention."""
     h, v = cfg.hidden_size, cfg.vocab_size
     q_out = cfg.q_size * (2 if cfg.attn_output_gate else 1)     # Qwen3.5's q_proj gives its gate too
     attn = h * (q_out + 2 * cfg.kv_size) + cfg.q_size * h
@@ -104,7 +100,7 @@ def parameter_count(cfg: ModelConfig) -> int:
     if cfg.architecture == "gemma3":       # norms after attention and after the MLP too
         per_layer += 2 * h
     mlps = sum(mlp_params(cfg, layer) for layer in range(cfg.num_layers))
-    mixers = len(cfg.attention_layers) * per_layer + len(cfg.linear_layers) * (delta_net_params(cfg) + 2 * h)
+    mixers = len(cfg.attention_layers) * per_layer + len(cfg.recurrent_layers) * (recurrent_params(cfg) + 2 * h)
     return v * h + mixers + mlps + h + (0 if cfg.tie_word_embeddings else v * h)
 
 

@@ -20,7 +20,7 @@ from typing import TypedDict
 
 import torch
 
-from phasewise.lab.memory import delta_net_params, mlp_params
+from phasewise.lab.memory import mlp_params, recurrent_params
 from phasewise.layers.linear import Linear, onednn_available
 from phasewise.models.config import ModelConfig
 
@@ -128,11 +128,11 @@ class TokenCosts:
 
 def linear_params(cfg: ModelConfig, active: bool = True) -> int:
     """Weights of the linear layers and the output head; of a mixture of experts those one token
-    uses (`active`), or all of them; a hybrid's Gated DeltaNet layers in place of attention."""
+    uses (`active`), or all of them; a hybrid's recurrent layers in place of attention."""
     h = cfg.hidden_size
     attn = h * ((2 if cfg.attn_output_gate else 1) * cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h
     mlps = sum(mlp_params(cfg, layer, active) for layer in range(cfg.num_layers))
-    mixers = len(cfg.attention_layers) * attn + len(cfg.linear_layers) * delta_net_params(cfg)
+    mixers = len(cfg.attention_layers) * attn + len(cfg.recurrent_layers) * recurrent_params(cfg)
     return mixers + mlps + cfg.vocab_size * h       # + the output head
 
 

@@ -58,7 +58,7 @@ class AttentionMetadata:
     block_tables: list[list[int]]   # each sequence's blocks for its context (copies)
     device: torch.device
     groups: list[AttentionMetadata] | None = None   # per KV group (the first is this one); None: one group
-    state_slots: list[int] | None = None  # a hybrid's linear layers: each sequence's recurrent-state slot
+    state_slots: list[int] | None = None  # a hybrid's recurrent layers: each sequence's state slot
     # and the slots its state is copied to after each of its rows but the last ([]: none), for a verify step
     state_snapshots: list[list[int]] | None = None
 

@@ -13,18 +13,37 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 
-def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+class Conv1d(nn.Module):
+    """A depthwise causal convolution's taps, [C, 1, K] as the checkpoint stores them."""
+
+    def __init__(self, channels: int, taps: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, taps), requires_grad=False)
+
+
+def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, silu: bool = True) -> torch.Tensor:
     """x [n, C] new inputs, state [K - 1, C] the inputs before them (updated in place), weight [C, K]
-    → silu(depthwise causal convolution) [n, C] in fp32."""
+    → silu(depthwise causal convolution) [n, C] in fp32 (without the silu: LFM2's short conv)."""
     n, taps = x.shape[0], weight.shape[1]
     window = torch.cat([state, x.float()])                      # [K - 1 + n, C]
     out = window[0:n] * weight[:, 0]
     for j in range(1, taps):
         out = out + window[j:j + n] * weight[:, j]
     state.copy_(window[n:])
-    return F.silu(out)
+    return F.silu(out) if silu else out
+
+
+def sequence_parts(row: int, n: int, snapshots: list[int]) -> list[tuple[int, int, int | None]]:
+    """A sequence's n rows from `row` as a recurrent layer computes them: (start, rows, snapshot slot).
+    All at once, or, when its states are snapshotted (a verify step's draft rows), one row at a time,
+    the state after each row but the last copied into that row's snapshot slot. The recurrent forms
+    give a row the same bits however its sequence's rows are grouped."""
+    if not snapshots:
+        return [(row, n, None)]
+    return [(row + i, 1, snapshots[i] if i < len(snapshots) else None) for i in range(n)]
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

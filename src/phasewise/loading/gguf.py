@@ -135,7 +135,7 @@ class GGUFFile:
         if cfg is not None and self.fields.get("general.architecture") in _PERMUTED_ARCHS and (
                 ".attn_q." in name or ".attn_k." in name):
             heads = cfg.num_heads if ".attn_q." in name else cfg.num_kv_heads
-        if cfg is not None and (cfg.architecture == "gemma3" or cfg.linear_layers) and name.endswith("norm.weight") \
+        if cfg is not None and (cfg.architecture == "gemma3" or cfg.recurrent_layers) and name.endswith("norm.weight") \
                 and not name.endswith(".ssm_norm.weight"):
             offset = -1.0        # llama.cpp stores Gemma's and Qwen3.5's norms as 1 + w; HF's convention is w
         return GGUFTensor(GGMLQuantizationType(t.ggml_type).name, data, tuple(t.shape), heads, offset)
@@ -195,7 +195,7 @@ def _type_name(ggml_type: int) -> str:
 
 def _hf_name(name: str, cfg: ModelConfig) -> str:
     parts = name.split(".")
-    if parts[0] == "blk" and cfg.linear_layers and ".".join(parts[2:]) in _LAYER_WHOLE_HYBRID:
+    if parts[0] == "blk" and cfg.recurrent_layers and ".".join(parts[2:]) in _LAYER_WHOLE_HYBRID:
         return f"model.layers.{parts[1]}.{_LAYER_WHOLE_HYBRID['.'.join(parts[2:])]}"
     if parts[0] == "blk" and len(parts) == 4:
         layer, base, suffix = parts[1], parts[2], parts[3]
@@ -229,7 +229,7 @@ def _gguf_name(hf_name: str, cfg: ModelConfig) -> str | None:
 
 
 def _layer_names(cfg: ModelConfig) -> dict[str, str]:
-    if cfg.linear_layers:
+    if cfg.recurrent_layers:
         return _LAYER_NAMES_HYBRID
     if cfg.architecture == "gemma3":
         return _LAYER_NAMES_GEMMA3

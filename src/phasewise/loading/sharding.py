@@ -54,7 +54,7 @@ def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
         raise ValueError(f"--tensor-parallel-size must be at least 1, got {size}")
     if size == 1:
         return
-    if cfg.linear_layers:
+    if cfg.recurrent_layers:
         raise ValueError(f"tensor parallelism over {size} ranks: {cfg.architecture} (a hybrid with recurrent "
                          f"layers) is not split across ranks yet: run it with --tensor-parallel-size 1")
     if cfg.num_experts or cfg.qk_norm_whole:

@@ -9,7 +9,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
 
-from phasewise.models.recurrent import GatedDeltaNetShape, hf_hybrid
+from phasewise.models.hf_config import HFConfig
+from phasewise.models.recurrent import RecurrentShape, hf_hybrid, hf_lfm2, hf_lfm2_config
 
 if TYPE_CHECKING:
     from phasewise.json_types import JsonObject, JsonValue
@@ -19,9 +20,9 @@ _HF_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": 
              "gemma3": "gemma3", "gemma3_text": "gemma3",
              "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "olmoe": "olmoe",
              "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe",
-             "qwen3_5_moe_text": "qwen3_5_moe"}
-HYBRID = {"qwen3_5", "qwen3_5_moe"}   # Gated DeltaNet layers beside gated attention (models/hybrid.py)
-QK_NORM = {"qwen3", "gemma3", "qwen3_moe"} | HYBRID   # RMSNorm over each head of q and k, before RoPE
+             "qwen3_5_moe_text": "qwen3_5_moe", "qwen3_next": "qwen3_next", "lfm2": "lfm2"}
+HYBRID = {"qwen3_5", "qwen3_5_moe", "qwen3_next"}   # Gated DeltaNet layers beside gated attention (models/hybrid.py)
+QK_NORM = {"qwen3", "gemma3", "qwen3_moe", "lfm2"} | HYBRID   # RMSNorm over each head of q and k, before RoPE
 ROUTERS = ("softmax_topk", "topk_softmax")
 GEMMA3_GLOBAL_EVERY = 6               # Gemma 3: five local (sliding-window) layers, then one global
 GEMMA3_LOCAL_THETA = 10000.0          # Gemma 3's RoPE base on local layers (llama.cpp's and transformers' default)
@@ -62,61 +63,11 @@ class ExpertFields(TypedDict, total=False):
     shared_expert_intermediate_size: int
 
 
-class HFConfig(TypedDict, total=False):
-    """An HF config.json: the keys read here, typed as transformers writes them. The file is not checked
-    against these types (a value of another type fails where it is used)."""
-    model_type: str
-    _name_or_path: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int | None
-    head_dim: int | None
-    hidden_act: str | None
-    hidden_activation: str | None
-    rms_norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool
-    qkv_bias: bool
-    rope_theta: float | None
-    rope_parameters: JsonObject | None     # transformers >= 5 (Gemma 3: an object per layer type)
-    rope_scaling: JsonObject | None
-    rope_local_base_freq: float | None
-    partial_rotary_factor: float | None
-    sliding_window: int | None
-    use_sliding_window: bool
-    max_window_layers: int
-    layer_types: list[str] | None
-    sliding_window_pattern: int
-    query_pre_attn_scalar: float
-    final_logit_softcapping: float | None
-    attn_logit_softcapping: float | None
-    use_bidirectional_attention: bool | None
-    clip_qkv: float | None
-    num_experts: int | None
-    num_local_experts: int | None
-    num_experts_per_tok: int
-    moe_intermediate_size: int | None
-    decoder_sparse_step: int
-    mlp_only_layers: list[int] | None
-    norm_topk_prob: bool
-    shared_expert_intermediate_size: int | None
-    text_config: HFConfig                  # Qwen3.5's multimodal folders: the language model's config
-    full_attention_interval: int           # hybrids: every n-th layer is full attention
-    linear_num_key_heads: int
-    linear_num_value_heads: int
-    linear_key_head_dim: int
-    linear_value_head_dim: int
-    linear_conv_kernel_dim: int
-
-
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     architecture: str              # "llama" | "mistral" | "qwen2" | "qwen3" | "phi3" | "gemma3"; with experts:
-                                   # "qwen2_moe" | "qwen3_moe" | "mixtral" | "olmoe"
+                                   # "qwen2_moe" | "qwen3_moe" | "mixtral" | "olmoe"; hybrids: "qwen3_5" |
+                                   # "qwen3_5_moe" | "qwen3_next" | "lfm2"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -148,9 +99,9 @@ class ModelConfig:
     router: str = "softmax_topk"   # "softmax_topk": softmax over all experts, then top-k (the four here);
                                    # "topk_softmax": top-k of the logits, softmax over those
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a dense expert every row takes, behind a sigmoid gate
-    # Hybrids (models/hybrid.py): layers whose memory is a fixed recurrent state, not KV
-    linear_attention: GatedDeltaNetShape | None = None   # the shape of those layers
-    linear_layers: tuple[int, ...] = ()  # which layers they are; the others attend over the KV cache
+    # Hybrids (models/hybrid.py, models/lfm2.py): layers whose memory is a fixed recurrent state, not KV
+    recurrent: RecurrentShape | None = None   # the shape of those layers (Gated DeltaNet, LFM2's short conv)
+    recurrent_layers: tuple[int, ...] = ()  # which layers they are; the others attend over the KV cache
     attn_output_gate: bool = False # Qwen3.5: attention's output times sigmoid(a gate q_proj also gives)
     rotary_dim: int | None = None  # RoPE on the first rotary_dim of each head (Qwen3.5: a quarter); None: all
     name: str = ""
@@ -175,10 +126,10 @@ class ModelConfig:
                 raise UnsupportedModelError(f"an expert width of {self.moe_intermediate_size}, router {self.router!r}")
         if any(not 0 <= i < self.num_layers for i in self.moe_layers) or (self.moe_layers and not self.num_experts):
             raise UnsupportedModelError("a mixture-of-experts layer index is out of range, or no experts")
-        if any(not 0 <= i < self.num_layers for i in self.linear_layers) or \
-                bool(self.linear_layers) != (self.linear_attention is not None):
-            raise UnsupportedModelError("a linear-attention layer index is out of range, or no shape for them")
-        if len(self.linear_layers) == self.num_layers:
+        if any(not 0 <= i < self.num_layers for i in self.recurrent_layers) or \
+                bool(self.recurrent_layers) != (self.recurrent is not None):
+            raise UnsupportedModelError("a recurrent layer index is out of range, or no shape for them")
+        if len(self.recurrent_layers) == self.num_layers:
             raise UnsupportedModelError("a hybrid model without attention layers is not supported")
         if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
             raise UnsupportedModelError(f"a rotary dimension of {self.rotary_dim} in heads of {self.head_dim}")
@@ -189,19 +140,19 @@ class ModelConfig:
 
     @property
     def attention_layers(self) -> tuple[int, ...]:
-        """The layers that keep K and V (all but a hybrid's linear layers)."""
-        return tuple(i for i in range(self.num_layers) if i not in self.linear_layers)
+        """The layers that keep K and V (all but a hybrid's recurrent layers)."""
+        return tuple(i for i in range(self.num_layers) if i not in self.recurrent_layers)
 
     @property
     def state_bytes_per_seq(self) -> int:
-        """The fixed recurrent state one sequence holds across a hybrid's linear layers (0 otherwise)."""
-        return 0 if self.linear_attention is None else len(self.linear_layers) * self.linear_attention.state_bytes
+        """The fixed recurrent state one sequence holds across a hybrid's recurrent layers (0 otherwise)."""
+        return 0 if self.recurrent is None else len(self.recurrent_layers) * self.recurrent.state_bytes
 
     @cached_property
     def kv_groups(self) -> tuple[tuple[int, ...], ...]:
         """The layers of each KV group: the full-attention layers, then the windowed ones, in groups
         of one size (the gcd of their counts), so that one block of the pool can hold any group.
-        A hybrid's linear layers are in none."""
+        A hybrid's recurrent layers are in none."""
         local = set(self.sliding_layers)
         full = [i for i in self.attention_layers if i not in local]
         windowed = [i for i in self.attention_layers if i in local]
@@ -247,6 +198,8 @@ class ModelConfig:
                 f"unsupported architecture {model_type!r} (supported: {', '.join(SUPPORTED)})")
         if "text_config" in config and arch in HYBRID:   # a multimodal folder: its language model, text only
             config = config["text_config"]
+        if arch == "lfm2":                               # its own names for the common keys
+            config = hf_lfm2_config(config)
         heads, gemma = config["num_attention_heads"], arch == "gemma3"
         rope, scaling, local_theta = _hf_rope(config, arch)
         window, sliding = _hf_sliding_window(config, arch)
@@ -282,7 +235,7 @@ class ModelConfig:
             qk_norm_whole=arch == "olmoe",
             clip_qkv=clip_qkv(config.get("clip_qkv"), "config.json clip_qkv") if arch == "olmoe" else None,
             **_hf_experts(config, arch),
-            **(hf_hybrid(config, rope) if arch in HYBRID else {}),
+            **(hf_hybrid(config, rope) if arch in HYBRID else hf_lfm2(config) if arch == "lfm2" else {}),
             name=config.get("_name_or_path", ""),
         )
 
@@ -360,10 +313,10 @@ def clip_qkv(value: object, source: str) -> float | None:
 
 def _hf_experts(config: HFConfig, arch: str) -> ExpertFields:
     """The mixture-of-experts fields of an HF config (none for a dense architecture). Qwen2/3-MoE
-    make layer i sparse unless it is in mlp_only_layers or (i + 1) is not a multiple of
+    and Qwen3-Next make layer i sparse unless it is in mlp_only_layers or (i + 1) is not a multiple of
     decoder_sparse_step (transformers' rule); Mixtral and OLMoE every layer. Mixtral always
     renormalises the top-k weights."""
-    if arch not in ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "qwen3_5_moe"):
+    if arch not in ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "qwen3_5_moe", "qwen3_next"):
         return {}
     experts = config.get("num_experts", config.get("num_local_experts")) or 0
     if not experts:
@@ -371,11 +324,12 @@ def _hf_experts(config: HFConfig, arch: str) -> ExpertFields:
     experts = checked("num_experts", experts, "config.json num_experts")
     layers = config["num_hidden_layers"]
     moe = tuple(range(layers))
-    if arch in ("qwen2_moe", "qwen3_moe"):
+    if arch in ("qwen2_moe", "qwen3_moe", "qwen3_next"):
         step = checked("num_layers", config.get("decoder_sparse_step", 1), "config.json decoder_sparse_step")
         only = set(config.get("mlp_only_layers") or ())
         moe = tuple(i for i in moe if i not in only and (i + 1) % step == 0)
-    shared = config.get("shared_expert_intermediate_size", 0) if arch in ("qwen2_moe", "qwen3_5_moe") else 0
+    shared = config.get("shared_expert_intermediate_size", 0) if arch in ("qwen2_moe", "qwen3_5_moe", "qwen3_next") \
+        else 0
     return ExpertFields(
         num_experts=experts,
         num_experts_per_tok=checked("num_experts_per_tok", config.get("num_experts_per_tok"),
@@ -384,7 +338,7 @@ def _hf_experts(config: HFConfig, arch: str) -> ExpertFields:
                                       config.get("moe_intermediate_size") or config.get("intermediate_size"),
                                       "config.json moe_intermediate_size"),
         moe_layers=moe,
-        norm_topk_prob=arch in ("mixtral", "qwen3_5_moe") or bool(config.get("norm_topk_prob", False)),
+        norm_topk_prob=arch in ("mixtral", "qwen3_5_moe") or bool(config.get("norm_topk_prob", arch == "qwen3_next")),
         shared_expert_intermediate_size=checked("shared_expert_intermediate_size", shared or 0,
                                                 "config.json shared_expert_intermediate_size"),
     )

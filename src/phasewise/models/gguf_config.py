@@ -77,7 +77,7 @@ class GGUFKeys:
         if rotary > head_dim or rotary % 2:
             raise UnsupportedModelError(f"GGUF metadata {self.arch}.rope.dimension_count = {rotary} does not fit "
                                         f"heads of {head_dim}")
-        return HybridFields(linear_attention=shape, linear_layers=tuple(i for i in range(layers) if (i + 1) % every),
+        return HybridFields(recurrent=shape, recurrent_layers=tuple(i for i in range(layers) if (i + 1) % every),
                             attn_output_gate=True, rotary_dim=rotary)
 
     def rope_scaling(self, head_dim: int, rope_freqs: list[float] | None, partial: bool = False) -> JsonObject | None:

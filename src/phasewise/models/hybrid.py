@@ -1,4 +1,5 @@
-"""Qwen3.5 (dense and mixture of experts): Gated DeltaNet layers beside gated full attention.
+"""Qwen3.5 (dense and mixture of experts; Qwen3-Next loads into it, models/qwen3_next.py): Gated
+DeltaNet layers beside gated full attention; `HybridLayer` and `HybridModel` serve LFM2 too.
 
 Three of every four layers mix tokens with a Gated DeltaNet (`GatedDeltaNet`): q, k and v through a
 short causal convolution, then the gated delta rule over a [Hv, dk, dv] state per sequence, a
@@ -10,7 +11,7 @@ per-head q/k norms. Every norm but the DeltaNet's is (1 + w) in the checkpoint: 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -20,13 +21,15 @@ from phasewise.distributed import TensorParallel
 from phasewise.kernels import UsesKernels, applies
 from phasewise.kernels.kernel_api import Kernels
 from phasewise.layers.attention import AttentionMetadata, LayerKV, paged_attention
-from phasewise.layers.gated_delta import causal_conv, gated_delta_rule, gated_rms_norm, l2norm
+from phasewise.layers.gated_delta import (Conv1d, causal_conv, gated_delta_rule, gated_rms_norm, l2norm,
+                                          sequence_parts)
 from phasewise.layers.linear import Linear
 from phasewise.layers.norm import RMSNorm
 from phasewise.layers.rotary import RotaryEmbedding
 from phasewise.models.config import ModelConfig
 from phasewise.models.layer_list import LayerList
 from phasewise.models.llama import KVCaches, LlamaForCausalLM, Shard, count_experts, embed, mlp, vocab_embedding
+from phasewise.models.recurrent import GatedDeltaNetShape
 
 # checkpoint norms stored as an offset from 1 (the DeltaNet's gated norm, `linear_attn.norm`, is not)
 _OFFSET_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight", "model.norm.weight",
@@ -64,14 +67,6 @@ class GatedAttention(UsesKernels, nn.Module):
         return self.o_proj(attn * torch.sigmoid(gate))
 
 
-class Conv1d(nn.Module):
-    """The depthwise causal convolution's taps, [C, 1, K] as the checkpoint stores them."""
-
-    def __init__(self, channels: int, taps: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(channels, 1, taps), requires_grad=False)
-
-
 class GatedNorm(nn.Module):
     """The DeltaNet output's per-head RMSNorm weight [dv] (times silu of the z gate: gated_rms_norm)."""
 
@@ -85,8 +80,8 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        shape = cfg.linear_attention
-        assert shape is not None                       # a hybrid config has one
+        shape = cfg.recurrent
+        assert isinstance(shape, GatedDeltaNetShape)   # a Qwen3.5/Qwen3-Next config's
         self.shape, self.eps, h = shape, cfg.rms_norm_eps, cfg.hidden_size
         self.in_proj_qkv = Linear(h, shape.conv_dim)
         self.in_proj_z = Linear(h, shape.value_dim)
@@ -116,13 +111,10 @@ class GatedDeltaNet(nn.Module):
             if ctx == n:                                   # the sequence starts here: no state before it
                 conv_states[slot].zero_()
                 states[slot].zero_()
-            # a verify step's rows one at a time, the state kept after each but the last (same bits: the
-            # recurrent form does not depend on how rows are grouped)
-            for part in ([(row + i, 1) for i in range(n)] if snaps else [(row, n)]):
-                self._mix(qkv, g, beta, part, conv_states[slot], states[slot], weight, out)
-                if part[0] - row < len(snaps):
-                    conv_states[snaps[part[0] - row]] = conv_states[slot]
-                    states[snaps[part[0] - row]] = states[slot]
+            for start, m, snapshot in sequence_parts(row, n, snaps):
+                self._mix(qkv, g, beta, (start, m), conv_states[slot], states[slot], weight, out)
+                if snapshot is not None:
+                    conv_states[snapshot], states[snapshot] = conv_states[slot], states[slot]
             row += n
         y = gated_rms_norm(out, z, self.norm.weight.float(), self.eps)     # [T, Hv, dv]
         return self.out_proj(y.reshape(T, s.value_dim).to(x.dtype))
@@ -139,15 +131,19 @@ class GatedDeltaNet(nn.Module):
                                                 beta[start:start + n], state, s.tiled_v_heads)
 
 
-class HybridDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, layer: int) -> None:
+class HybridLayer(nn.Module):
+    """A hybrid's decoder layer: norm, token mixer (`mix`: a recurrent layer over its state slots, or
+    attention over its KV), norm, MLP, the residual stream fused into the norms."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
-        linear = layer in cfg.linear_layers
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.linear_attn = GatedDeltaNet(cfg) if linear else None
-        self.self_attn = None if linear else GatedAttention(cfg, rotary, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = mlp(cfg, layer, None)
+
+    def mix(self, positions: torch.Tensor, x: torch.Tensor, memory: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
+        """The token mixer: x [T, hidden] → [T, hidden]."""
+        raise NotImplementedError
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 memory: LayerKV, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,16 +151,30 @@ class HybridDecoderLayer(nn.Module):
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        if self.linear_attn is not None:
-            x = self.linear_attn(x, memory, meta)
-        else:
-            assert self.self_attn is not None
-            x = self.self_attn(positions, x, memory, meta)
+        x = self.mix(positions, x, memory, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
 
+class HybridDecoderLayer(HybridLayer):
+    """Qwen3.5's and Qwen3-Next's: a Gated DeltaNet or gated attention."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, layer: int) -> None:
+        super().__init__(cfg, layer)
+        linear = layer in cfg.recurrent_layers
+        self.linear_attn = GatedDeltaNet(cfg) if linear else None
+        self.self_attn = None if linear else GatedAttention(cfg, rotary, layer)
+
+    def mix(self, positions: torch.Tensor, x: torch.Tensor, memory: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
+        if self.linear_attn is not None:
+            return self.linear_attn(x, memory, meta)
+        assert self.self_attn is not None
+        return self.self_attn(positions, x, memory, meta)
+
+
 class HybridModel(nn.Module):
+    layer_class: Callable[[ModelConfig, RotaryEmbedding, int], HybridLayer] = HybridDecoderLayer
+
     def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         if tp is not None:
@@ -173,8 +183,8 @@ class HybridModel(nn.Module):
         self.embed_tokens = vocab_embedding(cfg, None)
         rotary = RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                  cfg.rope_scaling)
-        self.layers: LayerList[HybridDecoderLayer] = LayerList(HybridDecoderLayer(cfg, rotary, i)
-                                                               for i in range(cfg.num_layers))
+        self.layers: LayerList[HybridLayer] = LayerList(self.layer_class(cfg, rotary, i)
+                                                        for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.expert_counts = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.int64, device="cpu") \
             if cfg.num_experts else None
@@ -185,7 +195,7 @@ class HybridModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: KVCaches, keep: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions: [T] → hidden states [T, hidden], or of the rows `keep` [R] (ascending).
-        kv_caches: per layer, its KV (attention) or its state (linear)."""
+        kv_caches: per layer, its KV (attention) or its state (recurrent)."""
         x, residual = embed(self.embed_tokens, input_ids, self.cfg, None), None
         for layer, memory in zip(self.layers, kv_caches):
             x, residual = layer(positions, x, residual, memory, meta)

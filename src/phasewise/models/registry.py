@@ -19,6 +19,14 @@ def model_class(cfg: ModelConfig) -> type[LlamaForCausalLM]:
         from phasewise.models.hybrid import Qwen3_5ForCausalLM
 
         return Qwen3_5ForCausalLM
+    if cfg.architecture == "qwen3_next":
+        from phasewise.models.qwen3_next import Qwen3NextForCausalLM
+
+        return Qwen3NextForCausalLM
+    if cfg.architecture == "lfm2":
+        from phasewise.models.lfm2 import Lfm2ForCausalLM
+
+        return Lfm2ForCausalLM
     if cfg.architecture == "gemma3":
         from phasewise.models.gemma3 import Gemma3ForCausalLM
 

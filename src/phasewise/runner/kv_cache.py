@@ -6,9 +6,11 @@ its group's block table, so layers of different groups share a tensor but never 
 model without windows is one group of all its layers. An int8 cache also holds one fp32 scale
 per slot and KV head: (k, v, k_scale, v_scale).
 
-A hybrid's linear layers keep no K and V: their entry in `layers` is their recurrent state,
-(conv [S, K - 1, C], delta rule [S, Hv, dk, dv]) in fp32 for S state slots, one per running sequence
-(`KVCacheManager` hands them out; a layer zeroes a slot when its sequence starts at position 0).
+A hybrid's recurrent layers keep no K and V: their entry in `layers` is their state, one fp32 tensor
+[S, *shape] per shape the layer kind declares (`cfg.recurrent.state_shapes`: a Gated DeltaNet's conv
+[K - 1, C] and delta rule [Hv, dk, dv], LFM2's short conv [L - 1, H]) for S state slots, one per running
+sequence and checkpoint (`KVCacheManager` hands them out; a layer zeroes a slot when its sequence starts
+at position 0).
 """
 
 from __future__ import annotations
@@ -74,17 +76,16 @@ class KVCache:
         if dtype == torch.int8:   # unwritten slots: int8 zeros times scale 1 → 0, never NaN
             self.scales = torch.ones(P, 2, slots, cfg.num_kv_heads, device=device)
             self.layers = [(k, v, self.scales[p, 0], self.scales[p, 1]) for p, (k, v) in zip(index, self.layers)]
-        self.states: list[tuple[torch.Tensor, ...]] = []   # a hybrid's recurrent state, per linear layer
-        if cfg.linear_attention is not None:     # every layer in order: KV or recurrent state
-            linear = cfg.linear_attention
-            self.states = [(torch.empty(num_state_slots, *linear.conv_state_shape, device=device),
-                            torch.empty(num_state_slots, *linear.recurrent_state_shape, device=device))
-                           for _ in cfg.linear_layers]
+        self.states: list[tuple[torch.Tensor, ...]] = []   # a hybrid's recurrent state, per recurrent layer
+        if cfg.recurrent is not None:     # every layer in order: KV or recurrent state
+            shapes = cfg.recurrent.state_shapes
+            self.states = [tuple(torch.empty(num_state_slots, *shape, device=device) for shape in shapes)
+                           for _ in cfg.recurrent_layers]
             kv, states = iter(self.layers), iter(self.states)
-            self.layers = [next(states) if i in cfg.linear_layers else next(kv) for i in range(cfg.num_layers)]
+            self.layers = [next(states) if i in cfg.recurrent_layers else next(kv) for i in range(cfg.num_layers)]
 
     def copy_states(self, copies: list[tuple[int, int]]) -> None:
-        """A hybrid's recurrent-state copies (from slot, to slot), in order, in every linear layer."""
+        """A hybrid's recurrent-state copies (from slot, to slot), in order, in every recurrent layer."""
         for src, dst in copies:
             for layer in self.states:
                 for t in layer:

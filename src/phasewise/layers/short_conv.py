@@ -1,0 +1,45 @@
+"""LFM2's gated short convolution, over each sequence's state slot.
+
+in_proj gives three gates per channel, B, C and x; y = C * conv(B * x), where conv is a depthwise
+causal convolution of L (`conv_L_cache`) taps with no activation; out_proj maps y back. A
+sequence's memory is the last L - 1 inputs of the convolution (B * x) [L - 1, H], in fp32 in its
+state slot (runner/kv_cache.py). Each token's output depends only on its own inputs and the L - 1
+before it, computed elementwise: a row's bits are the same alone, batched or in any chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from phasewise.layers.attention import AttentionMetadata, LayerKV
+from phasewise.layers.gated_delta import Conv1d, causal_conv, sequence_parts
+from phasewise.layers.linear import Linear
+
+
+class ShortConv(nn.Module):
+    def __init__(self, hidden: int, taps: int) -> None:
+        super().__init__()
+        self.in_proj = Linear(hidden, 3 * hidden)
+        self.conv = Conv1d(hidden, taps)
+        self.out_proj = Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor, state: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
+        """x: [T, hidden] → [T, hidden]; state: (conv [S, L - 1, H],), each sequence's slot
+        (`meta.state_slots`) advanced past its tokens."""
+        b, c, v = self.in_proj(x).float().chunk(3, dim=-1)          # [T, H] each
+        bx = b * v
+        weight = self.conv.weight[:, 0].float()                     # [H, L]
+        conv_states, out = state[0], torch.empty_like(bx)
+        assert meta.state_slots is not None and len(meta.state_slots) == len(meta.query_lens)
+        snapshots = meta.state_snapshots or [[] for _ in meta.state_slots]
+        row = 0
+        for n, ctx, slot, snaps in zip(meta.query_lens, meta.context_lens, meta.state_slots, snapshots):
+            if ctx == n:                                   # the sequence starts here: no inputs before it
+                conv_states[slot].zero_()
+            for start, m, snapshot in sequence_parts(row, n, snaps):
+                out[start:start + m] = causal_conv(bx[start:start + m], conv_states[slot], weight, silu=False)
+                if snapshot is not None:
+                    conv_states[snapshot] = conv_states[slot]
+            row += n
+        return self.out_proj((c * out).to(x.dtype))
