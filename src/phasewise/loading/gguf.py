@@ -46,11 +46,18 @@ _LAYER_NAMES_HYBRID = {**_LAYER_NAMES_QK, "post_attention_norm": "post_attention
                        "ssm_beta": "linear_attn.in_proj_b", "ssm_alpha": "linear_attn.in_proj_a",
                        "ssm_conv1d": "linear_attn.conv1d", "ssm_norm": "linear_attn.norm",
                        "ssm_out": "linear_attn.out_proj"}
+# Qwen3-Next: b and a in one weight, grouped per key head as its checkpoints hold them (models/qwen3_next.py)
+_LAYER_NAMES_QWEN3_NEXT = {**_LAYER_NAMES_HYBRID, "ssm_ba": "linear_attn.in_proj_ba"}
+# LFM2: straight to our module names (models/lfm2.py), its short convolutions beside Llama attention
+_LAYER_NAMES_LFM2 = {**_LAYER_NAMES_QK, "shortconv.conv": "conv.conv", "shortconv.in_proj": "conv.in_proj",
+                     "shortconv.out_proj": "conv.out_proj"}
 # whole names after "blk.N." with no HF twin of that shape: the decay rate -exp(A_log) (named for what it
 # holds; the model takes its log), and the time-step bias
 _LAYER_WHOLE_HYBRID = {"ssm_a": "linear_attn.neg_A", "ssm_dt.bias": "linear_attn.dt_bias"}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_SKIP = {"rope_freqs.weight"}  # read into the config instead
+_SKIP = {"rope_freqs.weight"}
+# llama.cpp stores these families' norms as 1 + w (the DeltaNet's gated norm, ssm_norm, excepted)
+_OFFSET_NORM_ARCHS = {"gemma3", "qwen3_5", "qwen3_5_moe", "qwen3_next"}  # read into the config instead
 # llama.cpp's converter permutes Q/K rows of these architectures for its interleaved RoPE.
 _PERMUTED_ARCHS = {"llama", "mistral"}
 
@@ -90,12 +97,13 @@ class GGUFFile:
         """The metadata against the tensors the file holds, before anything is built from it: a
         corrupt count would otherwise size the model (and its allocation) by the metadata alone."""
         h, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
+        final_norm = "token_embd_norm.weight" if cfg.architecture == "lfm2" else "output_norm.weight"
         expect = {"token_embd.weight": (cfg.vocab_size, h), "blk.0.attn_q.weight": (cfg.num_heads * cfg.head_dim, h),
                   "blk.0.attn_k.weight": (kv, h), "blk.0.attn_v.weight": (kv, h),
-                  "blk.0.ffn_down.weight": (h, cfg.intermediate_size), "output_norm.weight": (h,)}
+                  "blk.0.ffn_down.weight": (h, cfg.intermediate_size), final_norm: (h,)}
         for name, shape in expect.items():
             t = self.tensors.get(name)
-            if t is None and name in ("token_embd.weight", "output_norm.weight"):
+            if t is None and name in ("token_embd.weight", final_norm):
                 raise ModelLoadError(f"{self.path}: the file has no {name}")
             if t is not None and tuple(t.shape) != shape:
                 raise ModelLoadError(f"{self.path}: {name} is {list(t.shape)}, but the metadata makes it {list(shape)}")
@@ -135,7 +143,7 @@ class GGUFFile:
         if cfg is not None and self.fields.get("general.architecture") in _PERMUTED_ARCHS and (
                 ".attn_q." in name or ".attn_k." in name):
             heads = cfg.num_heads if ".attn_q." in name else cfg.num_kv_heads
-        if cfg is not None and (cfg.architecture == "gemma3" or cfg.recurrent_layers) and name.endswith("norm.weight") \
+        if cfg is not None and cfg.architecture in _OFFSET_NORM_ARCHS and name.endswith("norm.weight") \
                 and not name.endswith(".ssm_norm.weight"):
             offset = -1.0        # llama.cpp stores Gemma's and Qwen3.5's norms as 1 + w; HF's convention is w
         return GGUFTensor(GGMLQuantizationType(t.ggml_type).name, data, tuple(t.shape), heads, offset)
@@ -197,6 +205,8 @@ def _hf_name(name: str, cfg: ModelConfig) -> str:
     parts = name.split(".")
     if parts[0] == "blk" and cfg.recurrent_layers and ".".join(parts[2:]) in _LAYER_WHOLE_HYBRID:
         return f"model.layers.{parts[1]}.{_LAYER_WHOLE_HYBRID['.'.join(parts[2:])]}"
+    if parts[0] == "blk" and len(parts) == 5 and cfg.architecture == "lfm2":     # blk.N.shortconv.X.weight
+        parts = [*parts[:2], f"{parts[2]}.{parts[3]}", parts[4]]
     if parts[0] == "blk" and len(parts) == 4:
         layer, base, suffix = parts[1], parts[2], parts[3]
         names = _layer_names(cfg)
@@ -206,6 +216,8 @@ def _hf_name(name: str, cfg: ModelConfig) -> str:
         if cfg.architecture == "phi3" and base == "ffn_up":
             hf = "mlp.gate_up_proj"  # Phi-3 keeps gate and up fused
         return f"model.layers.{layer}.{hf}.{suffix}"
+    if name == "token_embd_norm.weight" and cfg.architecture == "lfm2":   # LFM2's norm after the last layer
+        return "model.norm.weight"
     if parts[0] in _TOP_NAMES and len(parts) == 2:
         return f"{_TOP_NAMES[parts[0]]}.{parts[1]}"
     raise ModelLoadError(f"unexpected tensor {name!r} in GGUF file")
@@ -229,6 +241,10 @@ def _gguf_name(hf_name: str, cfg: ModelConfig) -> str | None:
 
 
 def _layer_names(cfg: ModelConfig) -> dict[str, str]:
+    if cfg.architecture == "lfm2":
+        return _LAYER_NAMES_LFM2
+    if cfg.architecture == "qwen3_next":
+        return _LAYER_NAMES_QWEN3_NEXT
     if cfg.recurrent_layers:
         return _LAYER_NAMES_HYBRID
     if cfg.architecture == "gemma3":

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from phasewise.models.config import (GEMMA3_GLOBAL_EVERY, GEMMA3_LOCAL_THETA, HYBRID, QK_NORM, SUPPORTED,
                                      ExpertFields, ModelConfig, UnsupportedModelError, checked, clip_qkv)
-from phasewise.models.recurrent import GatedDeltaNetShape, HybridFields
+from phasewise.models.recurrent import LFM2_THETA, GatedDeltaNetShape, HybridFields, ShortConvShape
 
 if TYPE_CHECKING:
     from phasewise.json_types import JsonObject
@@ -19,12 +19,13 @@ if TYPE_CHECKING:
 # GGUF general.architecture → our architecture family name
 GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
               "gemma3": "gemma3", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe",
-              "qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe"}
+              "qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe", "qwen3next": "qwen3_next", "lfm2": "lfm2"}
 # Gated DeltaNet hybrids whose v heads llama.cpp's converter stores tiled (models/recurrent.py)
 GGUF_TILED_V_HEADS = {"qwen35", "qwen35moe"}
 # llama.cpp renormalises the chosen experts' weights by architecture, not by the HF config (unless the
 # file says `expert_weights_norm`); a "llama" file with experts is Mixtral.
-GGUF_EXPERTS_NORM = {"qwen3moe": True, "llama": True, "qwen2moe": False, "olmoe": False, "qwen35moe": True}
+GGUF_EXPERTS_NORM = {"qwen3moe": True, "llama": True, "qwen2moe": False, "olmoe": False, "qwen35moe": True,
+                     "qwen3next": True}
 
 
 class GGUFKeys:
@@ -79,6 +80,23 @@ class GGUFKeys:
                                         f"heads of {head_dim}")
         return HybridFields(recurrent=shape, recurrent_layers=tuple(i for i in range(layers) if (i + 1) % every),
                             attn_output_gate=True, rotary_dim=rotary)
+
+    def kv_heads(self, heads: int) -> tuple[int, tuple[int, ...]]:
+        """(KV heads, the layers without any): LFM2 writes `attention.head_count_kv` per layer, 0 for its
+        short-conv layers; the others one number for every layer."""
+        value = self.get("attention.head_count_kv", heads)
+        if not isinstance(value, list):
+            return checked("num_kv_heads", value, f"GGUF metadata {self.arch}.attention.head_count_kv"), ()
+        counts = [n if isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= 1024 else -1 for n in value]
+        if min(counts, default=-1) < 0 or not any(counts) or len({n for n in counts if n}) > 1:
+            raise UnsupportedModelError(f"GGUF metadata {self.arch}.attention.head_count_kv = {str(value)[:60]}: "
+                                        "one KV head count for the attention layers is supported")
+        return max(counts), tuple(i for i, n in enumerate(counts) if not n)
+
+    def short_conv(self, hidden: int, conv_layers: tuple[int, ...]) -> HybridFields:
+        """LFM2's short-conv layers (those without KV heads) of `shortconv.l_cache` taps."""
+        return HybridFields(recurrent=ShortConvShape(channels=hidden, taps=self.size("shortconv.l_cache")),
+                            recurrent_layers=conv_layers) if conv_layers else HybridFields()
 
     def rope_scaling(self, head_dim: int, rope_freqs: list[float] | None, partial: bool = False) -> JsonObject | None:
         """Linear scaling, or the file's `rope_freqs.weight` divisors (Llama 3.1's, as llama.cpp stores them)."""
@@ -146,13 +164,13 @@ def config_from_gguf(fields: Mapping[str, object], tensor_names: set[str],
             f"unsupported architecture {str(gguf_arch)[:40]!r} (supported: {', '.join(SUPPORTED)})")
     if arch == "llama" and fields.get("llama.expert_count"):
         arch = "mixtral"
-    keys, gemma, hybrid = GGUFKeys(fields, gguf_arch), arch == "gemma3", arch in HYBRID
+    keys, gemma, hybrid, lfm2 = GGUFKeys(fields, gguf_arch), arch == "gemma3", arch in HYBRID, arch == "lfm2"
     heads = keys.count("num_heads", "attention.head_count")
     hidden = keys.count("hidden_size", "embedding_length")
     head_dim = keys.count("head_dim", "attention.key_length", hidden // heads)
     vocab = keys.count("vocab_size", "vocab_size")
     scaling = keys.rope_scaling(head_dim, rope_freqs, partial=hybrid)
-    kv_heads = keys.count("num_kv_heads", "attention.head_count_kv", heads)
+    kv_heads, conv_layers = keys.kv_heads(heads)
     if heads % kv_heads:
         raise UnsupportedModelError(f"{heads} attention heads do not divide into {kv_heads} KV heads")
     layers = keys.count("num_layers", "block_count") - mtp_layers(keys)
@@ -169,7 +187,7 @@ def config_from_gguf(fields: Mapping[str, object], tensor_names: set[str],
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         rms_norm_eps=keys.real("attention.layer_norm_rms_epsilon", 1e-6, 1.0),
-        rope_theta=keys.real("rope.freq_base", 10000.0),
+        rope_theta=keys.real("rope.freq_base", LFM2_THETA if lfm2 else 10000.0),
         max_position_embeddings=context,
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names or "blk.0.attn_qkv.bias" in tensor_names,
@@ -186,7 +204,7 @@ def config_from_gguf(fields: Mapping[str, object], tensor_names: set[str],
         clip_qkv=clip_qkv(keys.get("attention.clamp_kqv"), f"GGUF metadata {gguf_arch}.attention.clamp_kqv")
         if arch == "olmoe" else None,
         **experts,
-        **(keys.hybrid(layers, head_dim) if hybrid else {}),
+        **(keys.hybrid(layers, head_dim) if hybrid else keys.short_conv(hidden, conv_layers) if lfm2 else {}),
         name=str(fields.get("general.name", "")),
     )
 

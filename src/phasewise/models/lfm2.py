@@ -69,5 +69,7 @@ class Lfm2ForCausalLM(LlamaForCausalLM):
     model_class = Lfm2Model
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """HF-named LFM2 tensors (hf_name: ours), the plain norms as they are."""
-        return super().load_weights((hf_name(name), tensor) for name, tensor in weights)
+        """HF-named LFM2 tensors (hf_name: ours), the plain norms as they are; a GGUF's conv taps [H, L]
+        as the checkpoint's [H, 1, L]."""
+        return super().load_weights((hf_name(name), tensor[:, None] if name.endswith(".conv.conv.weight") and
+                                     tensor.dim() == 2 else tensor) for name, tensor in weights)
