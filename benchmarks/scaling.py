@@ -259,7 +259,7 @@ def plot(rows: list[dict[str, Any]], png: Path, machine: Any) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="qwen2.5-coder-0.5b,qwen2.5-coder-1.5b,syn:3b,syn:7b")
-    ap.add_argument("--arch", default="qwen2", choices=["qwen2", "llama", "olmoe", "qwen3moe", "mixtral", "qwen35", "qwen35moe"],
+    ap.add_argument("--arch", default="qwen2", choices=["qwen2", "llama", "olmoe", "qwen3moe", "mixtral", "qwen35", "qwen35moe", "lfm2"],
                     help="shape of the syn: models (benchmarks/synthetic_gguf.py --list)")
     ap.add_argument("--llama-cpp", type=Path, help="llama-bench's folder (default: .peers/avx512/bin if it "
                                                    "exists, else .peers/native/bin)")

@@ -23,6 +23,9 @@ of it; DeltaNet k heads, v heads of 128, conv of 4 taps; a vocabulary of 248,320
     qwen35 2b        Qwen3.5-2B      2048, 24,  8, 2,  6144, tied; 16, 16
     qwen35 9b        Qwen3.5-9B      4096, 32, 16, 4, 12288, untied; 16, 32
     qwen35moe 35b-a3b Qwen3.5-35B-A3B 2048, 40, 16, 2,  512; 256, 8, a shared expert of 512; 16, 32
+and LFM2's short convolutions (3 taps) beside attention in layers 2, 5, 8, 10, 12, 14 (its vocabulary of
+65,536 is the copied tokenizer's here):
+    lfm2 1.2b        LFM2-1.2B       2048, 16, 32, 8,  8192, tied
 The vocabulary is that of the tokenizer copied into the file (all tokenizer.* fields of
 --tokenizer-from, by default the Qwen2.5-Coder-0.5B GGUF: 151936 tokens, for Llama too, whose real
 vocabulary is 128256). Types follow llama.cpp's Q4_K_M: Q4_K matrices, Q6_K for the untied output
@@ -65,6 +68,7 @@ class Shape(NamedTuple):
     head_dim: int = 0        # 0: hidden / heads
     delta_net: tuple[int, int] = ()   # a Qwen3.5 hybrid: its DeltaNet's k and v heads (of DELTA_HEAD each)
     shared: int = 0          # the shared expert's width
+    attention: tuple[int, ...] = ()   # LFM2: the layers that attend (the others: short convolutions)
 
 
 def head_dim(s: Shape) -> int:
@@ -89,6 +93,8 @@ QWEN35_2 = Shape("Qwen3.5-2B", 2048, 24, 8, 2, 6144, True, head_dim=256, delta_n
 QWEN35_9 = Shape("Qwen3.5-9B", 4096, 32, 16, 4, 12288, False, head_dim=256, delta_net=(16, 32))
 QWEN35_35B = Shape("Qwen3.5-35B-A3B", 2048, 40, 16, 2, 512, False, 256, 8, 256, (16, 32), 512)
 DELTA_HEAD, DELTA_CONV, ROTARY, FULL_EVERY, QWEN35_VOCAB = 128, 4, 64, 4, 248320
+LFM2_12 = Shape("LFM2-1.2B", 2048, 16, 32, 8, 8192, True, attention=(2, 5, 8, 10, 12, 14))
+LFM2_TAPS = 3
 SHAPES: dict[str, dict[str, Shape]] = {
     "qwen2": {"0.5b": QWEN_05, "1.5b": QWEN_15, "3b": QWEN_3, "7b": QWEN_7, "8b": QWEN_7},
     "llama": {"0.5b": LLAMA_1, "1.5b": LLAMA_1, "3b": LLAMA_3, "7b": LLAMA_8, "8b": LLAMA_8},
@@ -97,14 +103,15 @@ SHAPES: dict[str, dict[str, Shape]] = {
     "mixtral": {"8x1b": MIXTRAL_SMALL},
     "qwen35": {"0.8b": QWEN35_08, "2b": QWEN35_2, "9b": QWEN35_9},
     "qwen35moe": {"35b-a3b": QWEN35_35B},
+    "lfm2": {"1.2b": LFM2_12},
 }
 # rope theta, context length, RMS norm eps, q/k/v biases
 ARCH = {"qwen2": (1e6, 32768, 1e-6, True), "llama": (500000.0, 131072, 1e-5, False),
         "olmoe": (10000.0, 4096, 1e-5, False), "qwen3moe": (1e6, 40960, 1e-6, False),
         "mixtral": (1e6, 32768, 1e-5, False), "qwen35": (1e7, 262144, 1e-6, False),
-        "qwen35moe": (1e7, 262144, 1e-6, False)}
+        "qwen35moe": (1e7, 262144, 1e-6, False), "lfm2": (1e6, 128000, 1e-5, False)}
 GGUF_ARCH = {"mixtral": "llama"}            # llama.cpp writes Mixtral as llama with experts
-QK_NORM = {"olmoe": "whole", "qwen3moe": "head", "qwen35": "head", "qwen35moe": "head"}   # RMSNorm of q and k: over all of them, or per head
+QK_NORM = {"olmoe": "whole", "qwen3moe": "head", "qwen35": "head", "qwen35moe": "head", "lfm2": "head"}   # RMSNorm of q and k: over all of them, or per head
 
 # type -> (bytes a block, values a block, [(byte offset of an fp16 scale, low, high)]). The ranges
 # give each type values of std ~0.02: Q8_0 q*d (q int8), Q5_0 (q-16)*d, Q4_K d*sc*q - dmin*m
@@ -139,6 +146,14 @@ def plan(s: Shape, vocab: int, bias: bool, qk_norm: str = "") -> list[tuple[str,
         if s.delta_net:
             out += hybrid_layer(s, i, big)
             continue
+        if s.attention and i not in s.attention:       # LFM2's short convolution, then its MLP
+            out += [(b + "attn_norm.weight", (h,), QT.F32), (b + "shortconv.conv.weight", (h, LFM2_TAPS), QT.F32),
+                    (b + "shortconv.in_proj.weight", (3 * h, h), qtype(QT.Q4_K, h)),
+                    (b + "shortconv.out_proj.weight", (h, h), qtype(QT.Q4_K, h)), (b + "ffn_norm.weight", (h,), QT.F32),
+                    (b + "ffn_gate.weight", (s.ffn, h), qtype(QT.Q4_K, h)),
+                    (b + "ffn_up.weight", (s.ffn, h), qtype(QT.Q4_K, h)),
+                    (b + "ffn_down.weight", (h, s.ffn), qtype(big, s.ffn))]
+            continue
         out += [(b + "attn_norm.weight", (h,), QT.F32),
                 (b + "attn_q.weight", (q, h), qtype(QT.Q4_K, h)),
                 (b + "attn_k.weight", (kv, h), qtype(QT.Q4_K, h)),
@@ -161,7 +176,7 @@ def plan(s: Shape, vocab: int, bias: bool, qk_norm: str = "") -> list[tuple[str,
         out += [(b + "ffn_gate.weight", (s.ffn, h), qtype(QT.Q4_K, h)),
                 (b + "ffn_up.weight", (s.ffn, h), qtype(QT.Q4_K, h)),
                 (b + "ffn_down.weight", (h, s.ffn), qtype(big, s.ffn))]
-    out.append(("output_norm.weight", (h,), QT.F32))
+    out.append(("token_embd_norm.weight" if s.attention else "output_norm.weight", (h,), QT.F32))
     if not s.tied:
         out.append(("output.weight", (vocab, h), qtype(QT.Q6_K, h)))
     return out
@@ -362,7 +377,11 @@ def main() -> None:
     w.add_block_count(s.layers)
     w.add_feed_forward_length(s.ffn)
     w.add_head_count(s.heads)
-    w.add_head_count_kv(s.kv_heads)
+    if s.attention:                                     # LFM2: KV heads per layer, 0 for a short convolution
+        w.add_head_count_kv([s.kv_heads if i in s.attention else 0 for i in range(s.layers)])
+        w.add_uint32("lfm2.shortconv.l_cache", LFM2_TAPS)
+    else:
+        w.add_head_count_kv(s.kv_heads)
     w.add_rope_freq_base(theta)
     w.add_layer_norm_rms_eps(eps)
     w.add_vocab_size(vocab)
