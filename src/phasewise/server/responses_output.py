@@ -17,6 +17,7 @@ from phasewise.json_types import JsonObject, JsonValue
 from phasewise.outputs import CompletionOutput
 from phasewise import json_types
 from phasewise.server.reply_parser import ReplyParser
+from phasewise.server.responses import timings
 from phasewise.server.responses_api import ResponsesRequest
 
 
@@ -225,7 +226,7 @@ def usage(out: CompletionOutput) -> JsonObject:
     prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
     return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": out.cached_tokens,
                                                              "cache_write_tokens": 0},
-            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": out.metrics.thinking_tokens},
             "total_tokens": prompt + completion}
 
 
@@ -256,6 +257,7 @@ def response_body(body: ResponsesRequest, rid: str, created: int, model: str, st
         "top_p": body.top_p if body.top_p is not None else 1.0, "truncation": body.truncation or "disabled",
         "usage": usage(out) if out is not None else None, "user": body.user, "metadata": {**(body.metadata or {})},
         "background": bool(body.background),
+        **({"timings": timings(out)} if out is not None else {}),      # phasewise's: where the time went
     }
 
 
