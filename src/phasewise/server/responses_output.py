@@ -63,7 +63,7 @@ class OutputItems:
 
     def finish(self, status: str) -> list[JsonObject]:
         """Close the open item (status "completed" or "incomplete"); no output at all is one empty message."""
-        if self._open is not None and self.parser is not None and self._open["type"] != "message" \
+        if self._open is not None and self.parser is not None and "call_id" in self._open \
                 and self._open["call_id"] not in {c.id for c in self.parser.calls}:     # cut off: dropped
             self._held = self._held[:self._open_call_start()]
             self.items.pop()
@@ -80,8 +80,8 @@ class OutputItems:
 
     def _open_call_start(self) -> int | None:
         """Where the open call item's events start among those held (None: no call item is open)."""
-        if self._open is None or self._open["type"] == "message" or self.bare_call is not None:
-            return None
+        if self._open is None or "call_id" not in self._open or self.bare_call is not None:
+            return None                                    # a message or reasoning item streams as it comes
         index = len(self.items) - 1
         return next((i for i, e in enumerate(self._held)
                      if e["type"] == "response.output_item.added" and e["output_index"] == index), len(self._held))
