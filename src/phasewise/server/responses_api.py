@@ -25,7 +25,8 @@ from phasewise.server.thinking import BUDGET_FIELDS, EFFORTS
 
 # Fields that would change the output and are not implemented here: a 400 naming them. The chat
 # route's list, less what the Responses API has too, plus the Responses' own.
-REFUSED = (UNSUPPORTED_FIELDS - {"tools", "tool_choice", "parallel_tool_calls", "max_completion_tokens"}) | {
+REFUSED = (UNSUPPORTED_FIELDS - {"tools", "tool_choice", "parallel_tool_calls", "max_completion_tokens",
+                                  *BUDGET_FIELDS}) | {
     "conversation", "prompt", "top_logprobs", "context_management", "n", "logprobs"}
 # include: what needs output this server gives (none of these tools runs here, and reasoning is the
 # model's own); message.output_text.logprobs is not given (chat completions have logprobs)
