@@ -144,13 +144,26 @@ def allowed(gate, vocab: int, drafts=()) -> list[np.ndarray]:
     return [np.flatnonzero(np.unpackbits(w.view(np.uint8), bitorder="little")[:vocab]) for w in words]
 
 
+def test_a_block_the_prompt_closed_leaves_the_reply_to_answer(gates):
+    """A template that turns thinking off writes an empty block: the reply is all answer, held to its grammar
+    from the first token (no block to open)."""
+    factory, compiler, tokenizer = gates
+    prompt = tokenizer.encode(CLOSED + "<think>\n\n</think>\n\n", add_special_tokens=False)
+    metrics = RequestMetrics(arrival=0.0)
+    gate = factory.gate(ThinkingBlock(budget=3), prompt, compiler.compile(StructuredOutputs(json=SCHEMA)), metrics)
+    assert gate.phase == "answer" and metrics.answer_start == 0
+    assert gate.valid_prefix(tokenizer.encode("<think>", add_special_tokens=False)) == 0
+    free = factory.gate(ThinkingBlock(budget=3), prompt, None, RequestMetrics(arrival=0.0))
+    assert free.phase == "answer" and not free.constrains
+
+
 @pytest.mark.parametrize("opened, so", [(True, None), (True, StructuredOutputs(json=SCHEMA)),
                                         (False, StructuredOutputs(json=SCHEMA)), (False, None)])
 def test_gate_masks_after_drafts_equal_masks_after_accepting(gates, opened, so):
     factory, compiler, tokenizer = gates
     prompt = tokenizer.encode(OPENED if opened else CLOSED, add_special_tokens=False)
-    text = ("" if opened else "<think>") + "one two" + CLOSE + '{"sum": 3}'
-    reply = tokenizer.encode(text, add_special_tokens=False)
+    reply = [t for text in ("" if opened else "<think>", "one two", CLOSE, '{"sum": 3}')
+             for t in tokenizer.encode(text, add_special_tokens=False)]       # the tags as the gate writes them
     vocab = compiler.vocab_size
 
     def gate():

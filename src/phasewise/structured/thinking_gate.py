@@ -5,7 +5,8 @@ It stands where a request's grammar stands (`Request.grammar`), so the engine's 
 serves it: continuous batching (a row's mask), speculation (drafts cut at the first refused token,
 masks after drafts: `valid_prefix`, `fill`), preemption (only committed tokens advance it). Phases:
 
-  lead      the output's start, when the prompt left no block open: the reply may open one with the
+  lead      the output's start, when the prompt left no block open (nor closed one just before the
+            reply, as a template that turns thinking off does): the reply may open one with the
             start tag (with a grammar: its tokens as the tokenizer writes them, or the grammar's first
             token); anything else makes it all answer
   thinking  counted; the end tag (found in the text, however it is split) ends it; no end of sequence
@@ -59,20 +60,23 @@ class _State:
 
 class ThinkingGate:
     """tags: the block's (Tags); budget: thinking tokens at most (None: unlimited); inner: the grammar of
-    the answer (None: free); opened: the prompt left the block open; metrics: stamped with the thinking
-    tokens and the answer's start as tokens are committed."""
+    the answer (None: free); start: where the prompt leaves the reply (`ThinkingGates.start`); metrics:
+    stamped with the thinking tokens and the answer's start as tokens are committed."""
 
     def __init__(self, tags: Tags, budget: int | None, inner: GrammarMatcher | None,
-                 token_bytes: Callable[[int], bytes], eos_token_ids: frozenset[int], opened: bool,
+                 token_bytes: Callable[[int], bytes], eos_token_ids: frozenset[int], start: Phase,
                  metrics: RequestMetrics) -> None:
         self.tags, self.budget, self._inner, self._bytes = tags, budget, inner, token_bytes
         self._eos, self._metrics = sorted(eos_token_ids), metrics
         metrics.thinking_tracked = True
         self._error: str | None = None
         # the grammar writes the start tag itself: it spells the block, and holds from the first token
-        self.whole = not opened and inner is not None and \
+        self.whole = start == "lead" and inner is not None and \
             inner.valid_prefix(tags.start_ids) == len(tags.start_ids)
-        self._s = self._enter_thinking(_State("lead")) if opened else _State("lead")
+        self._s = self._enter_thinking(_State("lead")) if start == "thinking" else \
+            _State("answer", answer_start=0) if start == "answer" else _State("lead")
+        if start == "answer":
+            metrics.answer_start = 0
 
     # ---- the Grammar protocol (core/request.py) and the masks (structured/grammar_matcher.py) ----------
 
@@ -287,14 +291,17 @@ class ThinkingGates:
         return Tags(block.start.encode(), block.end.encode(), ids(block.start), ids(block.end + block.after_end),
                     ids(block.after_end))
 
-    def opened(self, block: ThinkingBlock, prompt_ids: Sequence[int]) -> bool:
-        """The prompt ends inside a block it opened (the template opened it for the reply)."""
+    def start(self, block: ThinkingBlock, prompt_ids: Sequence[int]) -> Phase:
+        """Where the prompt leaves the reply: inside a block it opened ("thinking"), just after one it
+        closed ("answer": a template that turns thinking off writes an empty block), or neither ("lead")."""
         text = self._tokenizer.decode(list(prompt_ids[-self.TAIL:]), skip_special_tokens=False)
         if block.start not in text and block.end not in text and len(prompt_ids) > self.TAIL:
             text = self._tokenizer.decode(list(prompt_ids), skip_special_tokens=False)
-        return text.rfind(block.start) > text.rfind(block.end)
+        if text.rfind(block.start) > text.rfind(block.end):
+            return "thinking"
+        return "answer" if text.rstrip().endswith(block.end) else "lead"
 
     def gate(self, block: ThinkingBlock, prompt_ids: Sequence[int], inner: GrammarMatcher | None,
              metrics: RequestMetrics) -> ThinkingGate:
         return ThinkingGate(self._tags(block), block.budget, inner, self._bytes, self._eos,
-                            self.opened(block, prompt_ids), metrics)
+                            self.start(block, prompt_ids), metrics)
