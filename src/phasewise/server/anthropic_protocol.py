@@ -101,8 +101,9 @@ class _Body(BaseModel):
         if self.thinking is not None:      # the template's switch, and the budget the engine keeps
             kind = self.thinking["type"]
             fields["chat_template_kwargs"] = {"enable_thinking": kind != "disabled"}
-            if kind != "adaptive" and not any(name in extra for name in BUDGET_FIELDS):
-                fields["thinking_token_budget"] = self.thinking.get("budget_tokens") if kind == "enabled" else 0
+            budget = self.thinking.get("budget_tokens") if kind == "enabled" else 0   # checked: _check_budget
+            if kind != "adaptive" and type(budget) is int and not any(name in extra for name in BUDGET_FIELDS):
+                fields["thinking_token_budget"] = budget
         return fields
 
     def thinking_blocks(self) -> list[tuple[str, str, str]]:
