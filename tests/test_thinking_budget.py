@@ -171,16 +171,18 @@ def test_gate_masks_after_drafts_equal_masks_after_accepting(gates, opened, so):
                             RequestMetrics(arrival=0.0))
     g = gate()
     assert g.valid_prefix(reply) == len(reply)
-    drafted = allowed(g, vocab, reply[:6])
+    drafted = allowed(g, vocab, reply[:10])               # drafts across every phase
     stepped = gate()
-    for i, t in enumerate(reply[:6]):
+    for i, t in enumerate(reply[:10]):
         assert np.array_equal(drafted[i], allowed(stepped, vocab)[0]), i
         assert stepped.accept(t), (i, t)
     assert g.valid_prefix(reply) == len(reply)                          # the drafts left it where it was
-    for t in reply[6:]:
+    for t in reply[10:]:
         assert stepped.accept(t)
     assert stepped.error is None and stepped.phase == "answer"
-    bad = gate()
     eos = next(iter(tokenizer.eos_token_ids))
+    assert g.valid_prefix([*reply, eos]) == len(reply) + 1                  # a draft that ends it, checked
+    assert g.valid_prefix(reply) == len(reply)                              # without consuming it
+    bad = gate()
     if opened:                                                          # no end of sequence while thinking
         assert bad.valid_prefix([eos]) == 0 and not bad.accept(eos) and bad.finished

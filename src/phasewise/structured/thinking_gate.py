@@ -119,7 +119,10 @@ class ThinkingGate:
     def valid_prefix(self, token_ids: Sequence[int]) -> int:
         """How many of these tokens, in order, are allowed from here (draft tokens)."""
         saved, n = self._s, 0
-        for t in token_ids:
+        for i, t in enumerate(token_ids):
+            if self._inner is not None and self._inner_holds:     # the grammar's own check, which consumes
+                n += self._inner.valid_prefix(token_ids[i:])      # nothing (an end of sequence cannot roll back)
+                break
             if self.finished or not self._allows(t):
                 break
             self._advance(t)
@@ -132,6 +135,9 @@ class ThinkingGate:
         saved = self._s
         try:
             for i in range(len(drafts) + 1):
+                if self._inner is not None and self._inner_holds:
+                    self._inner.fill(bitmask, row + i, drafts[i:])
+                    break
                 self._fill_row(bitmask, row + i)
                 if i == len(drafts) or self.finished:
                     break
@@ -145,9 +151,14 @@ class ThinkingGate:
     def fill_after(self, bitmask: np.ndarray, row: int, drafts: Sequence[int]) -> None:
         """bitmask[row]: the tokens allowed after these drafts (left as it is if one is refused)."""
         saved = self._s
-        if self.valid_prefix(drafts) == len(drafts):
-            for t in drafts:
-                self._advance(t)
+        for i, t in enumerate(drafts):
+            if self._inner is not None and self._inner_holds:
+                self._inner.fill_after(bitmask, row, drafts[i:])
+                break
+            if self.finished or not self._allows(t):
+                break
+            self._advance(t)
+        else:
             self._fill_row(bitmask, row)
         self._restore(saved)
 
