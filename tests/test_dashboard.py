@@ -98,6 +98,22 @@ def test_feed_sends_what_is_new_since_the_cursor_and_every_live_request():
     assert late["latency"]["itl_ms"]["n"] == 0 and late["throughput"]["output_tok_s"] == 0.0
 
 
+def test_a_request_that_thinks_shows_its_thinking_phase():
+    from phasewise.server.dashboard_feed import request_summary
+
+    r = Request("t", [1] * 8, SamplingParams(), arrival=9.0)
+    m = r.metrics
+    m.first_scheduled, m.first_token, m.token_times = 9.1, 9.2, [9.2, 9.3, 9.4, 9.5]
+    m.thinking_tracked, m.thinking_tokens = True, 2
+    live = request_summary(r, None)
+    assert (live["thinking_tokens"], live["answer_at"], live["ttfa_ms"]) == (2, None, None)   # still thinking
+    m.answer_start = 3                                       # two thinking tokens, a closing one, the answer
+    done = request_summary(r, "stop")
+    assert done["answer_at"] == 9.5 and done["ttfa_ms"] == pytest.approx(500.0)
+    plain = request_summary(Request("p", [1] * 8, SamplingParams(), arrival=9.0), None)
+    assert (plain["thinking_tokens"], plain["answer_at"], plain["ttfa_ms"]) == (0, None, None)
+
+
 def test_the_experts_spread_is_each_layers_share_over_the_last_seconds():
     """Two sparse layers of four experts: the recent steps' choices summed per layer into shares, how
     many experts a step read; older steps and dense models (no choices) leave it out."""

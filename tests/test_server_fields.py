@@ -21,6 +21,7 @@ VLLM_CHAT = [
     "return_tokens_as_token_ids", "seed", "skip_special_tokens", "spaces_between_special_tokens", "stop",
     "stop_token_ids", "stream", "stream_options", "structured_outputs", "temperature", "tool_choice", "tools",
     "top_k", "top_logprobs", "top_p", "truncate_prompt_tokens", "use_beam_search", "user", "vllm_xargs",
+    "thinking_token_budget",
     # older vLLM releases
     "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
     "guided_whitespace_pattern", "structural_tag"]
@@ -63,7 +64,8 @@ HONOURED = {
     "chat": {**COMMON, "logprobs": True, "top_logprobs": 2, "max_completion_tokens": 4, "tools": TOOLS,
              "tool_choice": "auto", "parallel_tool_calls": False, "chat_template_kwargs": {"enable_thinking": False},
              "reasoning_effort": "low", "include_reasoning": False, "add_generation_prompt": True,
-             "continue_final_message": False},
+             "continue_final_message": False, "thinking_token_budget": 8, "thinking_budget_tokens": 8,
+             "reasoning_budget_tokens": -1},
     "completion": {**COMMON, "logprobs": 2, "echo": True, "best_of": 1},
 }
 # accepted, changing nothing in the output: caching, scheduling, request ids, speculation (which keeps the

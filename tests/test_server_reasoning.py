@@ -5,7 +5,9 @@ always opens it), and the default model's own (no thinking).
 The default model's replies are forced with a regex where a test needs exact text: reasoning_content
 and reasoning in chat (streamed or not), a reasoning item in Responses, signed thinking blocks in
 Messages; a call after the thinking is a call, one inside it stays reasoning; earlier thinking is taken
-back in each API (a thinking block's signature checked)."""
+back in each API (a thinking block's signature checked). A regex that writes `<think>` itself spells the
+block (it holds from the reply's start); any other grammar holds after the block (budgets:
+tests/test_server_thinking_budget.py)."""
 
 from __future__ import annotations
 
@@ -152,8 +154,8 @@ def test_r1_thinks_until_the_end_tag_and_a_reply_without_one_is_all_thinking(r1)
     assert out.message.content is None and out.message.reasoning_content
     reasoning, content, _, _ = streamed(chat(r1, regex=None, max_tokens=6, stream=True))
     assert content == "" and reasoning == out.message.reasoning_content
-    constrained = chat(r1, regex="The answer").choices[0].message    # a grammar starts at the reply's start
-    assert constrained.content == "The answer" and constrained.reasoning_content is None
+    constrained = chat(r1, regex="The answer", extra_body={"thinking_token_budget": 4}).choices[0].message
+    assert constrained.content == "The answer" and constrained.reasoning_content    # the grammar holds after it
 
 
 def test_a_prompt_that_opens_the_block_starts_the_reply_in_it_unless_thinking_is_off(qwen35):
@@ -218,11 +220,12 @@ def test_messages_have_signed_thinking_blocks_that_come_back(r1):
     thinking = {"type": "enabled", "budget_tokens": 1024}
     out = message(r1, thinking=thinking, max_tokens=1030, extra_body={"temperature": 0, "max_tokens": 1030})
     assert out.content[0].type == "thinking" and out.content[0].thinking and out.content[0].signature
+    assert out.model_extra["timings"]["thinking_n"] == 1024 and out.content[1].type == "text"   # the budget kept
     with anthropic_client(r1).messages.stream(model=MODEL, max_tokens=1030, messages=ASK, thinking=thinking,
                                               extra_body={"temperature": 0}) as stream:
         kinds = [e.delta.type for e in stream if e.type == "content_block_delta"]
         final = stream.get_final_message()
-    assert kinds[0] == "thinking_delta" and kinds[-1] == "signature_delta"
+    assert kinds[0] == "thinking_delta" and kinds[kinds.index("text_delta") - 1] == "signature_delta"
     assert final.content[0].thinking == out.content[0].thinking
     assert final.content[0].signature == out.content[0].signature
     block = out.content[0].model_dump()

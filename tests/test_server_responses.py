@@ -242,6 +242,7 @@ def run_events(deltas, fail: Exception | None = None, tool_format: str | None = 
     import asyncio
     from types import SimpleNamespace
 
+    from phasewise.core.request import RequestMetrics
     from phasewise.server.chat_call import ChatCall
     from phasewise.server.response_store import ResponseStore
     from phasewise.server.responses_api import ResponsesRequest
@@ -253,7 +254,8 @@ def run_events(deltas, fail: Exception | None = None, tool_format: str | None = 
         async def __aiter__(self):
             for text, reason in deltas:
                 out = SimpleNamespace(finish_reason=reason, stop_reason=None, prompt_token_ids=[1, 2], token_ids=[3],
-                                      cached_tokens=0, error="the grammar refused ' no'" if reason == "error" else None)
+                                      cached_tokens=0, error="the grammar refused ' no'" if reason == "error" else None,
+                                      metrics=RequestMetrics(arrival=0.0))
                 yield SimpleNamespace(text=text, finished=reason is not None, output=out)
             if fail is not None:
                 raise fail

@@ -147,6 +147,8 @@ def test_the_offline_api_renders_tools_and_a_grammar_forces_the_call(llm):
 class _Grammar:
     """A grammar that allows a fixed set of tokens (what the runner asks of one)."""
 
+    constrains = True
+
     def __init__(self, allowed: set[int]) -> None:
         self.allowed = allowed
 

@@ -20,6 +20,9 @@ class Timings(TypedDict):
     predicted_ms: float
     predicted_per_second: float
     ttft_ms: float
+    thinking_n: int                 # output tokens inside the thinking block (0 when nothing was thought)
+    thinking_ms: float              # first token → the end of the thinking
+    ttfa_ms: float | None           # arrival → the first answer token (None: no answer token yet)
     itl_ms: list[float]
     total_ms: float
     preemptions: int
@@ -58,6 +61,9 @@ def timings(out: CompletionOutput, load_ms: float | None = None) -> Timings:
         "predicted_ms": m.decode_ms,
         "predicted_per_second": _rate(runs, m.decode_ms),
         "ttft_ms": m.ttft_ms,
+        "thinking_n": m.thinking_tokens,
+        "thinking_ms": m.thinking_ms,
+        "ttfa_ms": m.ttfa_ms,
         "itl_ms": m.itl_ms,
         "total_ms": m.e2e_ms,
         "preemptions": m.preemptions,
@@ -97,6 +103,8 @@ def perf_lines(out: CompletionOutput, load_ms: float) -> list[str]:
         f"({per_run:.2f} ms per token, {t['predicted_per_second']:.1f} tokens per second)",
         f"time to first token = {t['ttft_ms']:.1f} ms, inter-token latency median "
         f"{percentile(itl, 50):.1f} ms, p90 {percentile(itl, 90):.1f} ms",
+    ] + ([f"thinking         = {t['thinking_ms']:9.1f} ms / {t['thinking_n']:5d} tokens, first answer token at "
+          + (f"{t['ttfa_ms']:.1f} ms" if t["ttfa_ms"] is not None else "none")] if t["thinking_n"] else []) + [
         f"total time       = {t['total_ms']:9.1f} ms / {n_prompt + len(out.token_ids):5d} tokens"
         + (f" ({t['preemptions']} preemptions)" if t["preemptions"] else ""),
     ] + ([f"speculative      = {t['spec_accepted_n']} of {t['spec_draft_n']} draft tokens accepted "

@@ -41,6 +41,10 @@ class RequestMetrics:
     spec_draft_tokens: int = 0       # draft tokens proposed and verified
     spec_accepted_tokens: int = 0    # of those, accepted by the target
     grammar_compile_ms: float | None = None   # structured outputs: compiling (or copying) its grammar
+    # a reply that may think (SamplingParams.thinking), as its ThinkingGate counts it:
+    thinking_tracked: bool = False            # the reply's thinking is tracked (otherwise it is all answer)
+    thinking_tokens: int = 0                  # output tokens inside the thinking block
+    answer_start: int | None = None           # output index of the answer's first token, once the block has ended
 
     @property
     def preemptions(self) -> int:
@@ -69,6 +73,25 @@ class RequestMetrics:
         """Gaps between consecutive output tokens."""
         t = self.token_times
         return [(b - a) * 1e3 for a, b in zip(t, t[1:])]
+
+    @property
+    def thinking_ms(self) -> float:
+        """First token → the token that ended the thinking (or the last token, while it goes on); 0 when
+        nothing was thought."""
+        t = self.token_times
+        if not self.thinking_tokens or not t:
+            return 0.0
+        end = self.answer_start - 1 if self.answer_start else len(t) - 1
+        return _ms(self.first_token, t[min(end, len(t) - 1)])
+
+    @property
+    def ttfa_ms(self) -> float | None:
+        """Time to the first answer token: arrival → the answer's first token, after any thinking (the
+        first token when the thinking is not tracked); None before an answer token came."""
+        if not self.thinking_tracked:
+            return self.ttft_ms if self.first_token is not None else None
+        a, t = self.answer_start, self.token_times
+        return _ms(self.arrival, t[a]) if a is not None and a < len(t) else None
 
     @property
     def e2e_ms(self) -> float:
@@ -135,7 +158,7 @@ class Request:
         # Kept here for their owners, opaque to the core (each owner checks the type it stored):
         self.sampler_state: object = None           # the runner's: a seeded torch.Generator
         self.spec_state: object = None              # the proposer's: an n-gram index, or the draft model's progress
-        self.grammar = grammar                      # structured outputs: a structured.GrammarMatcher, or None
+        self.grammar = grammar                      # structured outputs or thinking: a structured.GrammarMatcher or ThinkingGate
         self.metrics = RequestMetrics(arrival=arrival if arrival is not None else time.perf_counter())
 
     @property

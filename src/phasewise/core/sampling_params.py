@@ -69,6 +69,30 @@ class StructuredOutputs:
         return value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
 
 
+@dataclass(frozen=True, kw_only=True)
+class ThinkingBlock:
+    """A reply that may think in a block (`start` ... `end`) before it answers, as the chat template has the
+    model write it. The engine tracks the block (RequestMetrics.thinking_tokens, answer_start) and keeps
+    its budget: after `budget` thinking tokens it forces `end` and `after_end` (what the template writes
+    after the block), then the model answers; 0 closes the block at once, None lets the model think as
+    long as it likes. While a budget or a structured output holds, the block cannot end the reply (no
+    end-of-sequence inside it). A structured output applies to the answer only (the thinking is free),
+    unless its own text opens with `start` (it then spells the block itself, and the budget gives way).
+    Whether the reply starts inside the block is read from the prompt (a template may open it there);
+    otherwise the reply may open it with `start` first."""
+
+    budget: int | None = None
+    start: str = "<think>"
+    end: str = "</think>"
+    after_end: str = "\n\n"
+
+    def __post_init__(self) -> None:
+        if self.budget is not None and self.budget < 0:
+            raise ValueError(f"thinking budget must be >= 0 (or None: unlimited), got {self.budget}")
+        if not self.start or not self.end:
+            raise ValueError("thinking start and end tags must not be empty")
+
+
 @dataclass(kw_only=True)
 class SamplingParams:
     """Per-request sampling settings, validated on construction (ValueError names the field).
@@ -86,6 +110,7 @@ class SamplingParams:
     nothing is generated.
     structured_outputs constrains every token to a grammar (a JSON schema, regex, choice list or
     grammar); the request ends ("stop") as soon as the grammar is complete and nothing may follow.
+    thinking (a ThinkingBlock): the reply may think first; its budget, and a grammar on the answer only.
     """
 
     n: int = 1
@@ -106,6 +131,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None
+    thinking: ThinkingBlock | None = None
 
     MAX_LOGPROBS = 20
 

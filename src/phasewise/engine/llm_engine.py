@@ -21,6 +21,7 @@ from phasewise.engine.kv_transfer import KVTransfer
 from phasewise.engine.output_processor import OutputProcessor
 from phasewise.outputs import CompletionOutput, StreamDelta
 from phasewise.core.sampling_params import SamplingParams
+from phasewise.structured import ThinkingGates
 
 
 class LLMEngine:
@@ -40,6 +41,7 @@ class LLMEngine:
         self.broken: str | None = None          # why no step can run any more (EngineBrokenError)
         self._ids = itertools.count()
         self.outputs = OutputProcessor(self.tokenizer)
+        self.thinking = ThinkingGates(self.tokenizer, self.tokenizer.eos_token_ids)
         self.kv_transfer = KVTransfer(self.core.kv, self.kv_cache, self.config.kv_role, self.config.kv_peer,
                                       self.tp is not None)
         self.admission = Admission(self.max_model_len, self.model_config.vocab_size, self.core.kv.pool.num_blocks,
@@ -84,6 +86,8 @@ class LLMEngine:
         req = Request(request_id, prompt_ids, params, self.tokenizer.eos_token_ids, arrival=arrival, grammar=grammar)
         if grammar is not None:
             req.metrics.grammar_compile_ms = (time.perf_counter() - compiled) * 1e3
+        if params.thinking is not None:        # the block tracked and kept in its budget; the grammar after it
+            req.grammar = self.thinking.gate(params.thinking, prompt_ids, grammar, req.metrics)
         self.core.add_request(req)
         self.outputs.add(req, prompt if isinstance(prompt, str) else None)
         return request_id

@@ -20,6 +20,7 @@ from phasewise import json_types
 from phasewise.json_types import JsonObject, JsonValue
 from phasewise.server.body_parsing import validation_message
 from phasewise.server.protocol import INT64, APIError, ChatCompletionRequest, bad_request
+from phasewise.server.thinking import BUDGET_FIELDS
 
 PATH = "/v1/messages"
 
@@ -95,8 +96,14 @@ class _Body(BaseModel):
                 raise bad_request("tool_choice.disable_parallel_tool_use must be true or false", "tool_choice")
             if choice.get("disable_parallel_tool_use"):
                 fields["parallel_tool_calls"] = False
-        if self.thinking is not None:      # the template's switch (the budget is the engine's to keep)
-            fields["chat_template_kwargs"] = {"enable_thinking": self.thinking["type"] != "disabled"}
+        extra = self.model_extra or {}
+        fields.update({name: extra[name] for name in BUDGET_FIELDS if name in extra})   # vLLM's, llama-server's
+        if self.thinking is not None:      # the template's switch, and the budget the engine keeps
+            kind = self.thinking["type"]
+            fields["chat_template_kwargs"] = {"enable_thinking": kind != "disabled"}
+            budget = self.thinking.get("budget_tokens") if kind == "enabled" else 0   # checked: _check_budget
+            if kind != "adaptive" and type(budget) is int and not any(name in extra for name in BUDGET_FIELDS):
+                fields["thinking_token_budget"] = budget
         return fields
 
     def thinking_blocks(self) -> list[tuple[str, str, str]]:

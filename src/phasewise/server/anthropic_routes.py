@@ -29,6 +29,7 @@ from phasewise.server.protocol import APIError, ChatCompletionRequest
 from phasewise.server.request_stream import RequestStream
 from phasewise.server.sse import collect, failure, sse_response
 from phasewise.server.reply_parser import ReplyParser
+from phasewise.server.responses import timings
 from phasewise.server.thinking import Thinking
 from phasewise.server.thinking_signature import ThinkingSignature
 
@@ -232,7 +233,8 @@ def message_body(call: ChatCall, model: str, out: CompletionOutput, single_call:
     blocks = Blocks(call.parser(), single_call, signature)
     blocks.add(out.text, final=True, cut=out.finish_reason == "length")
     sequence = out.stop_reason if isinstance(out.stop_reason, str) else None
-    return _message(call.rid, model, blocks.content, stop_reason(out, blocks.calls), sequence, usage(out))
+    return {**_message(call.rid, model, blocks.content, stop_reason(out, blocks.calls), sequence, usage(out)),
+            "timings": timings(out)}                 # phasewise's: where the time went (thinking apart)
 
 
 def _sse(name: str, data: JsonObject) -> str:
@@ -269,7 +271,7 @@ async def message_events(stream: RequestStream, call: ChatCall, model: str, sing
                 yield _sse("message_delta", {"type": "message_delta",
                                              "delta": {"stop_reason": stop_reason(out, blocks.calls),
                                                        "stop_sequence": sequence},
-                                             "usage": usage(out)})
+                                             "usage": usage(out), "timings": timings(out)})
                 yield _sse("message_stop", {"type": "message_stop"})
     except EngineError as e:
         yield _error(str(e))

@@ -8,7 +8,7 @@ refusals into APIErrors (each API renders them in its own shape).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from phasewise.engine.admission import ContextLengthError, RequestError
 from phasewise.core.sampling_params import ConstraintError
@@ -42,8 +42,7 @@ class ChatCall:
     def parser(self) -> ReplyParser | None:
         """A fresh parser for one choice's text, or None when nothing is parsed."""
         tools = ToolCallParser(self.tool_format, self.tool_names, self.max_calls) if self.tool_format else None
-        reasoning = self.thinking.parser(self.template_kwargs, self.constraint_field is not None) \
-            if self.thinking else None
+        reasoning = self.thinking.parser(self.template_kwargs) if self.thinking else None
         return ReplyParser(reasoning, tools, self.include_reasoning) if tools or reasoning else None
 
 
@@ -53,6 +52,9 @@ def chat_call(body: ChatCompletionRequest, template_tool_format: str, rid: str,
     format the model's chat template calls tools in (Tokenizer.tool_format); thinking: the server's;
     max_tool_calls: calls past it are dropped (the Responses field; parallel_tool_calls false is one)."""
     params, tool_format = body.tool_params(body.sampling_params(), template_tool_format)
+    block = thinking.block(body.thinking_budget()) if thinking else None
+    if block is not None:                  # the engine tracks the thinking, keeps its budget, grammars after it
+        params = replace(params, thinking=block)
     messages, tools, kwargs = body.conversation(), body.checked_tools(), body.template_kwargs()
     names = frozenset(json_types.text(json_types.obj(t["function"])["name"]) for t in tools or ())   # checked tools
     ending = body.ending()

@@ -88,7 +88,9 @@ def request_summary(request: Request, reason: str | None) -> RequestJson:
             "ttft_ms": m.ttft_ms if m.first_token is not None else None,
             "itl_mean_ms": (times[-1] - times[0]) * 1e3 / (n - 1) if n > 1 else None,
             "itl_max_ms": longest * 1e3 if longest is not None else None,
-            "grammar_compile_ms": m.grammar_compile_ms}
+            "grammar_compile_ms": m.grammar_compile_ms, "thinking_tokens": m.thinking_tokens,
+            "answer_at": times[m.answer_start] if m.answer_start is not None and m.answer_start < n else None,
+            "ttfa_ms": m.ttfa_ms}
 
 
 def expert_spread(choices: list[np.ndarray]) -> ExpertsJson | None:

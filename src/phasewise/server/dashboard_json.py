@@ -52,6 +52,9 @@ class RequestJson(TypedDict):
     itl_mean_ms: float | None
     itl_max_ms: float | None
     grammar_compile_ms: float | None
+    thinking_tokens: int           # output tokens inside a thinking block (the timeline's thinking phase)
+    answer_at: float | None        # when the answer's first token came, after any thinking
+    ttfa_ms: float | None          # arrival → that token
 
 
 class FinishedJson(RequestJson):

@@ -73,6 +73,12 @@ class ServerMetrics(Observer):
 
         self.ttft = histogram("phasewise:time_to_first_token_seconds",
                               "Time to first token: arrival to the first output token.", LATENCY_BUCKETS)
+        self.ttfa = histogram("phasewise:time_to_first_answer_token_seconds",
+                              "Time to the first answer token: arrival to the first output token after the "
+                              "thinking (the first token of a reply that does not think).", REQUEST_BUCKETS)
+        self.thinking = histogram("phasewise:thinking_time_seconds",
+                                  "Thinking time of replies that thought: first token to the end of the thinking "
+                                  "block (or the reply's end).", REQUEST_BUCKETS)
         self.itl = histogram("phasewise:inter_token_latency_seconds",
                              "Gap between consecutive output tokens of a request.", LATENCY_BUCKETS)
         self.e2e = histogram("phasewise:e2e_request_latency_seconds",
@@ -121,7 +127,7 @@ class ServerMetrics(Observer):
     # ---- Observer: called on the engine thread -------------------------------------------------
 
     def on_add(self, request: Request) -> None:
-        if request.grammar is not None:
+        if request.sampling_params.structured_outputs is not None:
             self.structured.inc()
             self.grammar_compile.observe((request.metrics.grammar_compile_ms or 0.0) / 1e3)
 
@@ -147,6 +153,9 @@ class ServerMetrics(Observer):
             self.prefix_cache_hits.inc(delta.output.cached_tokens)
         for i in range(max(first, 1), len(times)):   # every gap (accepted drafts share their step's time)
             self.itl.observe(times[i] - times[i - 1])
+        answer = m.answer_start if m.thinking_tracked else 0
+        if answer is not None and first <= answer < len(times):   # the answer's first token came
+            self.ttfa.observe(_seconds(m.ttfa_ms))
 
     def on_finish(self, request: Request, reason: str) -> None:
         m = request.metrics
@@ -154,6 +163,8 @@ class ServerMetrics(Observer):
             self.e2e.observe(m.e2e_ms / 1e3)
         if m.preemptions:
             self.preemptions.inc(m.preemptions)
+        if m.thinking_tokens:
+            self.thinking.observe(m.thinking_ms / 1e3)
         self.finished.get(reason, self.finished["error"]).inc()
 
     # ---- the scrape -------------------------------------------------------------------
@@ -172,3 +183,7 @@ class ServerMetrics(Observer):
         self.cpus_elsewhere.set(stats.cpus_busy_elsewhere)
         self.totals.stats = stats
         return generate_latest(self.registry)
+
+
+def _seconds(ms: float | None) -> float:
+    return (ms or 0.0) / 1e3

@@ -279,10 +279,20 @@ class ChatCompletionRequest(_Request):
     chat_template_kwargs: JsonObject | None = None       # the template's own variables (enable_thinking)
     reasoning_effort: str | None = None                  # "none", "minimal": thinking off; the others on
     include_reasoning: bool = True                       # false: the thinking is dropped from the reply (vLLM)
+    # thinking budgets (server/thinking.py): vLLM's, llama-server's and its other spelling (-1: unrestricted)
+    thinking_token_budget: int | None = Field(None, ge=-1, lt=INT64)
+    thinking_budget_tokens: int | None = Field(None, ge=-1, lt=INT64)
+    reasoning_budget_tokens: int | None = Field(None, ge=-1, lt=INT64)
+
+    def thinking_budget(self) -> int | None:
+        """Thinking tokens at most (None: unlimited), from the budget fields or the reasoning effort."""
+        return thinking.thinking_budget({name: getattr(self, name) for name in thinking.BUDGET_FIELDS},
+                                        self.reasoning_effort)
 
     def template_kwargs(self) -> JsonObject:
         """The variables the chat template gets (server/thinking.py)."""
-        return thinking.template_kwargs(self.chat_template_kwargs, self.reasoning_effort, bad_request)
+        return thinking.template_kwargs(self.chat_template_kwargs, self.reasoning_effort, bad_request,
+                                        budget=self.thinking_budget())
     # vLLM's: how the prompt ends (an assistant turn opened; or nothing; or the final assistant message, continued)
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False

@@ -24,12 +24,13 @@ UNSUPPORTED_FIELDS = frozenset({
     "add_special_tokens", "prompt_embeds", "chat_format", "chat_parser", "parse_tool_calls", "grammar_lazy",
     "grammar_triggers", "preserved_tokens", "thinking_forced_open", "n_keep", "n_discard", "n_indent",
     # reasoning budgets and formats (llama.cpp)
-    "reasoning_format", "reasoning_budget_tokens", "reasoning_budget_message", "reasoning_budget_start_tag",
-    "reasoning_budget_end_tag", "reasoning_budget_arm_immediately", "thinking_budget_tokens",
+    "reasoning_format", "reasoning_budget_message", "reasoning_budget_start_tag", "reasoning_budget_end_tag",
+    "reasoning_budget_arm_immediately",
     # more in the response, or in another shape (vLLM, llama.cpp)
     "prompt_logprobs", "return_token_ids", "return_tokens_as_token_ids", "spaces_between_special_tokens",
     "return_tokens", "return_progress", "response_fields", "post_sampling_probs", "timings_per_token", "n_cmpl",
     # a chat request's fields sent to /v1/completions, and chat's own echo (only completions echo here)
     "echo", "top_logprobs", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls",
-    "chat_template_kwargs", "reasoning_effort",
+    "chat_template_kwargs", "reasoning_effort", "thinking_token_budget", "thinking_budget_tokens",
+    "reasoning_budget_tokens",
 })

@@ -16,7 +16,8 @@ from phasewise.server.reply_parser import ReplyParser
 from phasewise.report import timings as report_timings
 
 TimingKey = Literal["queue_ms", "ttft_ms", "prompt_n", "cache_n", "prompt_ms", "prompt_per_second", "predicted_n",
-                    "predicted_ms", "predicted_per_second", "total_ms", "preemptions"]
+                    "predicted_ms", "predicted_per_second", "total_ms", "preemptions", "thinking_n", "thinking_ms",
+                    "ttfa_ms"]
 SpecKey = Literal["spec_draft_n", "spec_accepted_n", "spec_acceptance_rate", "spec_mean_accepted_len"]
 TIMING_KEYS: tuple[TimingKey, ...] = get_args(TimingKey)
 SPEC_KEYS: tuple[SpecKey, ...] = get_args(SpecKey)
@@ -29,7 +30,8 @@ class TokenBytes(Protocol):
 
 
 def timings(out: CompletionOutput) -> JsonObject:
-    """Where the time of one request went (llama.cpp-style keys, plus ITL percentiles)."""
+    """Where the time of one request went (llama.cpp-style keys, plus ITL percentiles); the output split
+    into thinking (thinking_n tokens, thinking_ms) and answer (ttfa_ms: its first token, beside ttft_ms)."""
     t = report_timings(out)
     body: JsonObject = {k: t[k] for k in TIMING_KEYS}
     itl = t["itl_ms"]
@@ -42,11 +44,18 @@ def timings(out: CompletionOutput) -> JsonObject:
 
 
 def usage(per_prompt: Sequence[CompletionOutput], outputs: Sequence[CompletionOutput]) -> JsonObject:
-    """Prompt tokens counted once per prompt (not per choice), completion tokens over all choices."""
+    """Prompt tokens counted once per prompt (not per choice), completion tokens over all choices, of them
+    the thinking's (reasoning_tokens)."""
     prompt = sum(len(o.prompt_token_ids) for o in per_prompt)
     completion = sum(len(o.token_ids) for o in outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in per_prompt)}}
+            "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in per_prompt)},
+            "completion_tokens_details": {"reasoning_tokens": reasoning_tokens(outputs)}}
+
+
+def reasoning_tokens(outputs: Sequence[CompletionOutput]) -> int:
+    """The outputs' tokens inside thinking blocks, as the engine counted them."""
+    return sum(o.metrics.thinking_tokens for o in outputs)
 
 
 class TextOffsets:

@@ -21,11 +21,12 @@ from phasewise import json_types
 from phasewise.server.body_parsing import validation_message
 from phasewise.server.protocol import INT64, APIError, ChatCompletionRequest, bad_request
 from phasewise.server.refused_fields import UNSUPPORTED_FIELDS
-from phasewise.server.thinking import EFFORTS
+from phasewise.server.thinking import BUDGET_FIELDS, EFFORTS
 
 # Fields that would change the output and are not implemented here: a 400 naming them. The chat
 # route's list, less what the Responses API has too, plus the Responses' own.
-REFUSED = (UNSUPPORTED_FIELDS - {"tools", "tool_choice", "parallel_tool_calls", "max_completion_tokens"}) | {
+REFUSED = (UNSUPPORTED_FIELDS - {"tools", "tool_choice", "parallel_tool_calls", "max_completion_tokens",
+                                  *BUDGET_FIELDS}) | {
     "conversation", "prompt", "top_logprobs", "context_management", "n", "logprobs"}
 # include: what needs output this server gives (none of these tools runs here, and reasoning is the
 # model's own); message.output_text.logprobs is not given (chat completions have logprobs)
@@ -42,7 +43,7 @@ CHAT_SPELLINGS = {"messages": "input", "response_format": "text.format", "max_to
 PASSED = ("seed", "stop", "presence_penalty", "frequency_penalty", "top_k", "min_p", "repetition_penalty",
           "ignore_eos", "min_tokens", "stop_token_ids", "skip_special_tokens", "logit_bias", "structured_outputs",
           "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-          "json_schema", "grammar")
+          "json_schema", "grammar", *BUDGET_FIELDS)
 # why, where a refusal can say more
 WHY = {"top_logprobs": " (output_text logprobs are not given here; /v1/chat/completions has logprobs)",
        "context_management": " (no compaction: with truncation \"auto\" the oldest turns are dropped to fit)"}

@@ -17,6 +17,7 @@ from phasewise.json_types import JsonObject, JsonValue
 from phasewise.outputs import CompletionOutput
 from phasewise import json_types
 from phasewise.server.reply_parser import ReplyParser
+from phasewise.server.responses import timings
 from phasewise.server.responses_api import ResponsesRequest
 
 
@@ -62,7 +63,7 @@ class OutputItems:
 
     def finish(self, status: str) -> list[JsonObject]:
         """Close the open item (status "completed" or "incomplete"); no output at all is one empty message."""
-        if self._open is not None and self.parser is not None and self._open["type"] != "message" \
+        if self._open is not None and self.parser is not None and "call_id" in self._open \
                 and self._open["call_id"] not in {c.id for c in self.parser.calls}:     # cut off: dropped
             self._held = self._held[:self._open_call_start()]
             self.items.pop()
@@ -79,8 +80,8 @@ class OutputItems:
 
     def _open_call_start(self) -> int | None:
         """Where the open call item's events start among those held (None: no call item is open)."""
-        if self._open is None or self._open["type"] == "message" or self.bare_call is not None:
-            return None
+        if self._open is None or "call_id" not in self._open or self.bare_call is not None:
+            return None                                    # a message or reasoning item streams as it comes
         index = len(self.items) - 1
         return next((i for i, e in enumerate(self._held)
                      if e["type"] == "response.output_item.added" and e["output_index"] == index), len(self._held))
@@ -225,7 +226,7 @@ def usage(out: CompletionOutput) -> JsonObject:
     prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
     return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": out.cached_tokens,
                                                              "cache_write_tokens": 0},
-            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": out.metrics.thinking_tokens},
             "total_tokens": prompt + completion}
 
 
@@ -256,6 +257,7 @@ def response_body(body: ResponsesRequest, rid: str, created: int, model: str, st
         "top_p": body.top_p if body.top_p is not None else 1.0, "truncation": body.truncation or "disabled",
         "usage": usage(out) if out is not None else None, "user": body.user, "metadata": {**(body.metadata or {})},
         "background": bool(body.background),
+        **({"timings": timings(out)} if out is not None else {}),      # phasewise's: where the time went
     }
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import cast
+from typing import Protocol, cast
 
 import numpy as np
 from llguidance import LLMatcher
@@ -20,9 +20,15 @@ class GrammarMatcher:
     def __init__(self, matcher: LLMatcher) -> None:
         self._m = matcher
 
+    constrains = True          # every token goes through the grammar (TokenMatcher)
+
     def accept(self, token_id: int) -> bool:
         """Advance past a committed token; False (and `error` set) if the grammar refuses it."""
         return self._m.consume_token(token_id)
+
+    def rollback(self, n: int) -> None:
+        """Undo the last n tokens accepted."""
+        self._m.rollback(n)
 
     @property
     def finished(self) -> bool:
@@ -69,10 +75,21 @@ class GrammarMatcher:
             self._m.rollback(consumed)
 
 
-def matcher(grammar: Grammar | None) -> GrammarMatcher | None:
-    """A request's grammar as structured outputs made it: the core holds it by its Grammar protocol,
-    which leaves out the masks (numpy is not the core's)."""
-    return cast("GrammarMatcher | None", grammar)
+class TokenMatcher(Grammar, Protocol):
+    """A request's grammar with its masks: a GrammarMatcher, or a ThinkingGate (thinking_gate.py), which
+    refuses nothing in some phases (`constrains` false: the step needs no mask for it)."""
+
+    @property
+    def constrains(self) -> bool: ...
+    def fill(self, bitmask: np.ndarray, row: int, drafts: Sequence[int] = ()) -> None: ...
+    def fill_after(self, bitmask: np.ndarray, row: int, drafts: Sequence[int]) -> None: ...
+
+
+def matcher(grammar: Grammar | None) -> TokenMatcher | None:
+    """A request's grammar as the engine made it (the core holds it by its Grammar protocol, which leaves
+    out the masks: numpy is not the core's); None when it has none or refuses nothing now."""
+    m = cast("TokenMatcher | None", grammar)
+    return m if m is not None and m.constrains else None
 
 
 def draft_bitmask(rows: Sequence[tuple[Grammar | None, Sequence[int]]], vocab_size: int) -> np.ndarray | None:

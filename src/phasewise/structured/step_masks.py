@@ -14,7 +14,7 @@ import numpy as np
 from phasewise.core.handoffs import ScheduledChunk
 from phasewise.core.request import Grammar, Request
 from phasewise.core.sampling_params import SamplingParams
-from phasewise.structured.grammar_matcher import grammar_bitmask
+from phasewise.structured.grammar_matcher import grammar_bitmask, matcher
 
 
 def unfiltered(params: SamplingParams, vocab_size: int) -> bool:
@@ -30,7 +30,7 @@ class StepMasks:
     def __init__(self, reqs: Sequence[Request], drafted: Sequence[ScheduledChunk], vocab_size: int) -> None:
         started = time.perf_counter()
         self.reqs, self.vocab_size = reqs, vocab_size
-        self.lazy = [r.grammar is not None and unfiltered(r.sampling_params, vocab_size) for r in reqs]
+        self.lazy = [matcher(r.grammar) is not None and unfiltered(r.sampling_params, vocab_size) for r in reqs]
         rows: list[tuple[Grammar | None, Sequence[int]]] = [(None if z else r.grammar, ())
                                                            for r, z in zip(reqs, self.lazy)]
         self.up_front = grammar_bitmask(rows + [(c.request.grammar, c.draft_token_ids) for c in drafted], vocab_size)

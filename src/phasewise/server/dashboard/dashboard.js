@@ -174,7 +174,12 @@ function timeline(s, t0, t1, ref, isLive) {
     bar(r.arrival, firstWork ?? (r.reason === null && !r.done ? now : r.finished ?? now), y, c("--queued"));
     for (const [a, b] of r.chunks) bar(a, b, y, c("--prefill"));
     const ended = r.reason !== null || r.done;
-    if (r.first_token !== null) bar(r.first_token, ended ? r.last_token ?? r.first_token : now, y, c("--decode"));
+    if (r.first_token !== null) {             // a reply that thought: the thinking phase, then the answer
+      const end = ended ? r.last_token ?? r.first_token : now;
+      const answer = r.thinking_tokens ? r.answer_at ?? end : r.first_token;
+      if (answer > r.first_token) bar(r.first_token, answer, y, c("--thinking"));
+      if (!r.thinking_tokens || r.answer_at != null) bar(answer, end, y, c("--decode"));
+    }
     for (const p of r.preempted) bar(p, p + (t1 - t0) / box.w * 2, y, c("--preempt"));
     if (r.reason) { ctx.fillStyle = c(`--${r.reason}`) || c("--ink"); ctx.fillRect(x(r.finished ?? now) - 1, y - 1, 3, rowH); }
     drawn.push({ id: r.id, state: state(r), reason: r.reason });
@@ -268,6 +273,8 @@ $("timeline").addEventListener("mousemove", (ev) => {
   const r = row.r;
   tooltip(ev, [`${r.id}  (${r.reason ?? state(r)})`, `prompt ${r.prompt_tokens} tokens` + (r.cached_tokens ? `, ${r.cached_tokens} cached` : ""),
     `${r.chunks.length} prefill chunk(s), ${r.tokens} output tokens`, `TTFT ${fmt(r.ttft_ms)} ms`,
+    ...(r.thinking_tokens ? [`thinking: ${r.thinking_tokens} tokens, first answer token at ` +
+      (r.ttfa_ms != null ? `${fmt(r.ttfa_ms)} ms` : "none yet")] : []),
     `ITL mean ${fmt(r.itl_mean_ms)} ms, max ${fmt(r.itl_max_ms)} ms`,
     ...(r.preempted.length ? [`preempted ${r.preempted.length}×`] : []),
     ...(r.grammar_compile_ms != null ? [`structured output: grammar ready in ${fmt(r.grammar_compile_ms)} ms`] : [])
