@@ -7,7 +7,7 @@ published snapshot when /metrics is scraped.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest)
@@ -54,6 +54,30 @@ class _EngineCollector:
             yield c
 
 
+# The engine's state at a scrape: (name, help, its value in EngineStats)
+ENGINE_GAUGES: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
+    ("phasewise:num_requests_waiting", "Requests waiting to be scheduled.", lambda s: s.num_waiting),
+    ("phasewise:num_requests_running", "Requests running (holding KV blocks).", lambda s: s.num_running),
+    ("phasewise:kv_cache_usage_perc", "KV-cache usage: blocks referenced by requests / total blocks (0..1).",
+     lambda s: s.kv_usage),
+    ("phasewise:kv_cache_free_blocks", "KV blocks no request references (free, or cached for prefix reuse).",
+     lambda s: s.num_free_blocks),
+    ("phasewise:kv_cache_total_blocks", "KV blocks in the pool.", lambda s: s.num_blocks),
+    ("phasewise:kv_cache_cached_blocks", "KV blocks registered in the prefix cache (referenced or not).",
+     lambda s: s.num_cached_blocks),
+    ("phasewise:recurrent_state_slots", "A hybrid's recurrent-state slots for running requests (fixed bytes "
+     "each, whatever the context).", lambda s: s.num_state_slots),
+    ("phasewise:recurrent_state_slots_used", "Recurrent-state slots held by running requests.",
+     lambda s: s.num_state_slots - s.num_free_state_slots),
+    ("phasewise:recurrent_state_checkpoints", "Recurrent-state checkpoints kept for prefix-cache hits.",
+     lambda s: s.num_state_checkpoints),
+    ("phasewise:threads", "Threads running the model's kernels (fewer while other programs keep cores busy, "
+     "unless --threads pins them).", lambda s: s.threads),
+    ("phasewise:cpus_busy_elsewhere", "CPUs (of those the engine may use) other programs kept busy lately.",
+     lambda s: s.cpus_busy_elsewhere),
+)
+
+
 class ServerMetrics(Observer):
     content_type = CONTENT_TYPE_LATEST
 
@@ -85,21 +109,7 @@ class ServerMetrics(Observer):
                              "End-to-end request latency: arrival to finish (or abort).", REQUEST_BUCKETS)
         self.queue = histogram("phasewise:request_queue_time_seconds",
                                "Time a request waited before it was first scheduled.", REQUEST_BUCKETS)
-        self.waiting = gauge("phasewise:num_requests_waiting", "Requests waiting to be scheduled.")
-        self.running = gauge("phasewise:num_requests_running", "Requests running (holding KV blocks).")
-        self.kv_usage = gauge("phasewise:kv_cache_usage_perc",
-                              "KV-cache usage: blocks referenced by requests / total blocks (0..1).")
-        self.free_blocks = gauge("phasewise:kv_cache_free_blocks",
-                                 "KV blocks no request references (free, or cached for prefix reuse).")
-        self.total_blocks = gauge("phasewise:kv_cache_total_blocks", "KV blocks in the pool.")
-        self.cached_blocks = gauge("phasewise:kv_cache_cached_blocks",
-                                   "KV blocks registered in the prefix cache (referenced or not).")
-        self.state_slots = gauge("phasewise:recurrent_state_slots", "A hybrid's recurrent-state slots for "
-                                 "running requests (fixed bytes each, whatever the context).")
-        self.state_slots_used = gauge("phasewise:recurrent_state_slots_used", "Recurrent-state slots held by "
-                                      "running requests.")
-        self.state_checkpoints = gauge("phasewise:recurrent_state_checkpoints", "Recurrent-state checkpoints "
-                                       "kept for prefix-cache hits.")
+        self.engine_gauges = [(gauge(name, doc), read) for name, doc, read in ENGINE_GAUGES]
         self.prompt_tokens = counter("phasewise:prompt_tokens", "Prompt tokens of requests that reached "
                                      "their first token (cache hits included).")
         self.generation_tokens = counter("phasewise:generation_tokens", "Output tokens generated.")
@@ -117,10 +127,6 @@ class ServerMetrics(Observer):
                                          "Compiling a request's grammar (a cached one: copying it).", GRAMMAR_BUCKETS)
         self.grammar_mask = histogram("phasewise:grammar_mask_seconds",
                                       "A step's grammar masks (steps with constrained requests).", GRAMMAR_BUCKETS)
-        self.threads = gauge("phasewise:threads", "Threads running the model's kernels (fewer while other "
-                             "programs keep cores busy, unless --threads pins them).")
-        self.cpus_elsewhere = gauge("phasewise:cpus_busy_elsewhere",
-                                    "CPUs (of those the engine may use) other programs kept busy lately.")
         self.totals = _EngineCollector(model_name)
         r.register(self.totals)
 
@@ -170,17 +176,8 @@ class ServerMetrics(Observer):
     # ---- the scrape -------------------------------------------------------------------
 
     def render(self, stats: EngineStats) -> bytes:
-        self.waiting.set(stats.num_waiting)
-        self.running.set(stats.num_running)
-        self.kv_usage.set(stats.kv_usage)
-        self.free_blocks.set(stats.num_free_blocks)
-        self.total_blocks.set(stats.num_blocks)
-        self.cached_blocks.set(stats.num_cached_blocks)
-        self.state_slots.set(stats.num_state_slots)
-        self.state_slots_used.set(stats.num_state_slots - stats.num_free_state_slots)
-        self.state_checkpoints.set(stats.num_state_checkpoints)
-        self.threads.set(stats.threads)
-        self.cpus_elsewhere.set(stats.cpus_busy_elsewhere)
+        for gauge, read in self.engine_gauges:
+            gauge.set(read(stats))
         self.totals.stats = stats
         return generate_latest(self.registry)
 
