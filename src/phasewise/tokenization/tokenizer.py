@@ -7,13 +7,16 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, cast
 
 from phasewise import tool_calling
+from phasewise.loading.file_key import content_key
 from phasewise.paths import default_cache_dir
+from phasewise.tokenization.gguf_vocab import UnsupportedVocab, byte_alphabet, read_vocab
 from phasewise.tokenization.saved_tokenizer import SavedTokenizer
 
 if TYPE_CHECKING:
@@ -24,7 +27,7 @@ if TYPE_CHECKING:
 # Turn-ending tokens of common chat formats (ChatML, Llama 3, Phi-3, Gemma, Llama 2 / Mistral).
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "</s>")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-CACHE_FORMAT = 2  # bump to invalidate every cached tokenizer
+CACHE_FORMAT = 3  # bump to invalidate every cached tokenizer (3: built by gguf_vocab.py, keyed by content)
 # The turn format of a GGUF that ships no chat template, known by a token of its vocabulary (as
 # llama.cpp falls back to its built-in templates). Gemma: system text opens the next user turn.
 GEMMA_TEMPLATE = (
@@ -84,12 +87,11 @@ def _one_line(err: BaseException) -> str:
 
 
 def gguf_cache_key(path: Path) -> str:
-    """Hash of the GGUF's absolute path, size and mtime, and of the converting library versions."""
+    """Hash of the GGUF's content (loading/file_key.py: a copied or moved file hits) and of the
+    tokenizers library's version."""
     from importlib.metadata import version
 
-    st = path.stat()
-    raw = (f"{CACHE_FORMAT}|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{version('transformers')}|"
-           f"{version('tokenizers')}")
+    raw = f"{CACHE_FORMAT}|{content_key(path)}|{version('tokenizers')}"
     return hashlib.sha256(raw.encode()).hexdigest()[:24]
 
 
@@ -108,12 +110,33 @@ def _save_atomically(hf: HFTokenizer, final: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _gguf_tokenizer(path: Path) -> HFTokenizer:
+    """The GGUF's tokenizer built from its metadata; transformers' converter (12-28 s for a vocabulary of
+    150k) only for a `tokenizer.ggml.model` gguf_vocab.py does not build."""
+    try:
+        vocab = read_vocab(path)
+        return SavedTokenizer(vocab.backend, vocab.config, vocab.chat_template)
+    except UnsupportedVocab as e:
+        print(f"phasewise: warning: {e}: converting {path.name}'s tokenizer with transformers (slow)", file=sys.stderr)
+    except Exception as e:   # a malformed header (ValueError) or vocabulary (tokenizers' own Exception type)
+        raise ValueError(f"cannot load the tokenizer of {path}: {_one_line(e)}") from e
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        return _as_hf(AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name))
+    except Exception as e:
+        try:   # an architecture transformers cannot build (OLMoE): its tokenizer fields alone
+            return _as_hf(PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name))
+        except Exception:
+            raise ValueError(f"cannot load the tokenizer of {path}: {_one_line(e)}") from e
+
+
 class Tokenizer:
-    """Wraps a transformers fast tokenizer: encoding, chat template, decoding, special ids."""
+    """Wraps a fast tokenizer (a SavedTokenizer or transformers'): encoding, chat template, decoding, special ids."""
 
     def __init__(self, hf: HFTokenizer, extra_eos_ids: Iterable[int] = (), from_cache: bool = False) -> None:
         self.hf = hf
-        self.from_cache = from_cache  # True when a GGUF tokenizer came from the conversion cache
+        self.from_cache = from_cache  # True when a GGUF tokenizer came from the tokenizer cache
         self.vocab_size: int = len(hf)
         self.bos_token_id: int | None = hf.bos_token_id
         eos = {i for i in extra_eos_ids if 0 <= i < self.vocab_size}
@@ -128,7 +151,8 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | Path, cache_dir: str | Path | None = None, use_cache: bool = True) -> Tokenizer:
-        """Load the tokenizer embedded in a GGUF file, via a converted copy cached under cache_dir/tokenizers."""
+        """The tokenizer a GGUF's metadata describes (gguf_vocab.py), kept under cache_dir/tokenizers by
+        the file's content."""
         path = Path(path).expanduser()
         if not path.is_file():
             raise ValueError(f"GGUF file not found: {path}")
@@ -137,25 +161,18 @@ class Tokenizer:
                 raise ValueError(f"not a GGUF file (bad magic): {path}")
         cached = (Path(cache_dir).expanduser() if cache_dir else default_cache_dir()) / "tokenizers" / gguf_cache_key(path)
         if use_cache and cached.is_dir():
-            try:   # read without transformers (saved_tokenizer.py: 2 s less at start)
-                return cls(SavedTokenizer(cached), from_cache=True)
-            except ValueError:  # unreadable cache: convert again and replace it
+            try:
+                return cls(SavedTokenizer.read(cached), from_cache=True)
+            except ValueError:  # unreadable cache: build again and replace it
                 shutil.rmtree(cached, ignore_errors=True)
-        from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-        try:
-            hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        except Exception as e:
-            try:   # an architecture transformers cannot build (OLMoE): its tokenizer fields alone
-                hf = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
-            except Exception:
-                raise ValueError(f"cannot load the tokenizer of {path}: {_one_line(e)}") from e
+        hf = _gguf_tokenizer(path)
         if not hf.chat_template:
-            vocab = hf.get_vocab()
-            hf.chat_template = next((tpl for marker, tpl in FALLBACK_TEMPLATES.items() if marker in vocab), None)
+            template = next((tpl for marker, tpl in FALLBACK_TEMPLATES.items()
+                             if hf.backend_tokenizer.token_to_id(marker) is not None), None)
+            setattr(hf, "chat_template", template)     # a plain attribute of both kinds of HFTokenizer
         if use_cache:
-            _save_atomically(_as_hf(hf), cached)
-        return cls(_as_hf(hf))
+            _save_atomically(hf, cached)
+        return cls(hf)
 
     @classmethod
     def from_hf(cls, folder: str | Path) -> Tokenizer:
@@ -279,15 +296,7 @@ def _byte_level_decoder(hf: HFTokenizer) -> dict[str, int] | None:
     kinds = {state.get("type")} | {d.get("type") for d in state.get("decoders", [])}
     if "ByteLevel" not in kinds:
         return None
-    return {c: b for b, c in _bytes_to_unicode().items()}
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte-level alphabet: printable bytes stand for themselves, the others for the
-    code points from 256 on, in byte order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    extra = iter(range(256, 512))
-    return {b: chr(b if b in printable else next(extra)) for b in range(256)}
+    return {c: b for b, c in enumerate(byte_alphabet())}
 
 
 def _generation_config_eos(folder: Path) -> list[int]:
