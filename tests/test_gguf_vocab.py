@@ -7,9 +7,10 @@ them) and on small files of each kind it builds (every pre-tokenizer family, Sen
 Phi-3 and Gemma have it, added and re-spelled tokens); and merges derived from scores in the
 converter's order, ties and repeated tokens included.
 
-One reference is adjusted: a "smollm"-family file's digits are split one by one, as in llama.cpp and
-the model's own tokenizer.json (Digits, then GPT-2's byte-level split), where the converter keeps
-GPT-2's split alone (`test_smollm_splits_digits_as_its_own_tokenizer`)."""
+The reference is adjusted where the converter loses what llama.cpp and the model's own tokenizer.json
+have: a "smollm"-family file's digits are split one by one (Digits, then GPT-2's byte-level split;
+`test_smollm_splits_digits_as_its_own_tokenizer`), and Llama 3's family takes a piece that is a token
+whole (ignore_merges)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ CORPUS = [
 MESSAGES = [{"role": "system", "content": "You are terse. Ünïcode: 🌸"}, {"role": "user", "content": "Name 2 trees."},
             {"role": "assistant", "content": "Oak, 1 ash."}, {"role": "user", "content": "  And a 3rd?\n"}]
 DIGITS_APART = ("smollm",)            # files whose reference splits digits (the module's docstring)
+WHOLE_PIECES = ("llama-bpe", "tekken")  # and whose reference takes a piece that is a token whole
 
 
 def _transformers(path: Path, keep: bool) -> object:
@@ -88,6 +90,8 @@ def _reference(path: Path, pre: str | None, keep: bool = False) -> Tokenizer:
         hf.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Digits(individual_digits=True),
             pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)])
+    if pre in WHOLE_PIECES:
+        hf.backend_tokenizer.model.ignore_merges = True
     return Tokenizer(_with_fallback_template(hf))     # a file without a template: phasewise's, on both
 
 
@@ -173,11 +177,19 @@ def test_byte_level_files_tokenize_as_transformers(byte_level_fields, tmp_path, 
     _assert_same(ours, _reference(path, pre))
     assert ours.hf.convert_ids_to_tokens(6000) == "Ġzzq"                 # re-spelled in the byte alphabet
     assert ours.encode("hi <think>", add_special_tokens=False)[-1] == 6001
+    assert (ours.encode("hi zzq", add_special_tokens=False)[-1] == 6000) == (pre in WHOLE_PIECES)  # no merge makes it
     assert (ours.encode("hi")[:1] == [1]) == add_bos
 
 
 GEMMA_SPECIALS = {"<pad>": 3, "<eos>": 3, "<bos>": 3, "<unk>": 2, "<mask>": 3}   # text: token type
 LLAMA_SPECIALS = {"<unk>": 2, "<s>": 3, "</s>": 3}
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "tekken", "qwen2", "gpt-2"])
+def test_bos_where_the_file_does_not_say_follows_llama_cpp(byte_level_fields, tmp_path, pre):
+    """Llama 3's and Tekken's families add BOS unless the file says not, as llama.cpp does; the others not."""
+    ours = Tokenizer.from_gguf(_write(tmp_path / "m.gguf", "llama", {**byte_level_fields, "tokenizer.ggml.pre": pre}))
+    assert (ours.encode("hi")[0] == 1) == (pre in WHOLE_PIECES)
 
 
 def _sentencepiece_fields(specials: dict[str, int]) -> dict[str, object]:

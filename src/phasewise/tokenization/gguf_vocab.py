@@ -12,9 +12,10 @@ a second for any vocabulary, where transformers' converter takes 12-28 s for Qwe
   encoding as `add_bos_token` / `add_eos_token` say (a SentencePiece vocabulary adds BOS unless told not).
 
 Each choice gives what transformers' GGUF converter gives (tests/test_gguf_vocab.py holds the two equal
-on every GGUF at hand), except the "smollm" family (StarCoder's), whose digits are split one by one as
-in llama.cpp and in the model's own tokenizer.json, where transformers' converter keeps GPT-2's split.
-Another `tokenizer.ggml.model` (t5, bert, ...) is an UnsupportedVocab.
+on every GGUF at hand), except where the converter loses what llama.cpp and the model's own
+tokenizer.json have: the "smollm" (StarCoder) family splits every digit apart; Llama 3's and Tekken's
+take a piece that is a token whole before any merge, and add BOS where the file does not say. Another
+`tokenizer.ggml.model` (t5, bert, ...) is an UnsupportedVocab.
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ _SPLITS = {
 }
 # GPT-2's split after every digit on its own (llama.cpp's StarCoder family).
 _DIGITS_APART = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
+# A piece that is a token is taken whole, before any merge (tiktoken's rule); BOS unless the file says not.
+_WHOLE_PIECES = ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+                 "jina-v5-nano", "tekken")
 
 
 class UnsupportedVocab(ValueError):
@@ -103,7 +107,8 @@ def build_vocab(fields: Mapping[str, GGUFValue]) -> GGUFVocab:
     names = {name: tokens[i] for name, key in SPECIAL_IDS.items()
              if isinstance(i := fields.get(f"tokenizer.ggml.{key}"), int) and 0 <= i < len(tokens)}
     _add_tokens(backend, tokens, types, set(spelled), alphabet, names.values())
-    add_bos = bool(fields.get("tokenizer.ggml.add_bos_token", kind == "llama")) and "bos_token" in names
+    bos_default = kind == "llama" or fields.get("tokenizer.ggml.pre") in _WHOLE_PIECES
+    add_bos = bool(fields.get("tokenizer.ggml.add_bos_token", bos_default)) and "bos_token" in names
     add_eos = bool(fields.get("tokenizer.ggml.add_eos_token", False)) and "eos_token" in names
     backend.post_processor = _post_processor(backend, names.get("bos_token") if add_bos else None,
                                              names.get("eos_token") if add_eos else None)
@@ -149,10 +154,11 @@ def _byte_level(fields: Mapping[str, GGUFValue], spelled: list[str]) -> RustToke
     merges = _strings(fields, MERGES)
     if not merges:
         raise UnsupportedVocab("a byte-level vocabulary without tokenizer.ggml.merges")
-    model = models.BPE(dict(zip(spelled, range(len(spelled)))), [_pair(m) for m in merges], dropout=None,
-                       continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False, byte_fallback=False)
-    tok = RustTokenizer(model)
     pre = str(fields.get("tokenizer.ggml.pre", "default"))
+    model = models.BPE(dict(zip(spelled, range(len(spelled)))), [_pair(m) for m in merges], dropout=None,
+                       continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False, byte_fallback=False,
+                       ignore_merges=pre in _WHOLE_PIECES)
+    tok = RustTokenizer(model)
     if pre in _SPLITS:
         tok.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
@@ -161,7 +167,7 @@ def _byte_level(fields: Mapping[str, GGUFValue], spelled: list[str]) -> RustToke
         gpt2 = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
         tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2]) \
             if pre in _DIGITS_APART else gpt2
-    tok.decoder = decoders.ByteLevel(add_prefix_space=True, trim_offsets=True, use_regex=True)
+    tok.decoder = decoders.ByteLevel()            # (its defaults: add_prefix_space, trim_offsets, use_regex)
     return tok
 
 
@@ -200,8 +206,9 @@ def _sentencepiece(fields: Mapping[str, GGUFValue], spelled: list[str], gemma: b
 def _merges_by_score(tokens: list[str], scores: Sequence[float]) -> list[tuple[str, str]]:
     """Every split of a token into two tokens, as the merge making it, best first: by the token's score
     (higher first), then the longer left piece, then the file's order (transformers' converter's order).
-    The splits are found by hashing every prefix and suffix of every token against the tokens' hashes
-    (Gemma's 262,144 tokens split 1.2 million ways: 0.3 s in numpy, 1-2 s as a Python loop)."""
+    The splits are found by hashing every prefix and suffix of every token against the tokens' hashes,
+    in numpy: Gemma's 262,144 tokens split 1.2 million ways, 0.7 s with the sort where a Python loop over
+    them takes 1.5-2 s. (Two strings sharing a 64-bit hash would make a merge of no token: BPE refuses it.)"""
     prefix_hash = _prefix_hashes("".join(tokens))
     lengths = np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))
     ends = np.cumsum(lengths)
