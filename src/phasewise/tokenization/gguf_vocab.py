@@ -72,7 +72,7 @@ _WHOLE_PIECES = ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pix
 
 
 class UnsupportedVocab(ValueError):
-    """A GGUF tokenizer this module does not build (another `tokenizer.ggml.model`, or no vocabulary)."""
+    """A GGUF tokenizer this module does not build (another `tokenizer.ggml.model`)."""
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ class GGUFVocab:
 
 
 def read_vocab(path: Path) -> GGUFVocab:
-    """The tokenizer of the GGUF at `path` (UnsupportedVocab, or ValueError for a malformed one)."""
+    """The tokenizer of the GGUF at `path` (UnsupportedVocab; ValueError for a malformed file or none)."""
     fields, _ = read_header(path, strings=(TOKENS, MERGES))
     return build_vocab(fields)
 
@@ -93,7 +93,7 @@ def build_vocab(fields: Mapping[str, GGUFValue]) -> GGUFVocab:
     """The tokenizer described by a GGUF's metadata."""
     kind, tokens = fields.get("tokenizer.ggml.model"), _strings(fields, TOKENS)
     if not tokens:
-        raise UnsupportedVocab("the file has no tokenizer.ggml.tokens")
+        raise ValueError("the file holds no vocabulary (tokenizer.ggml.tokens)")
     types = _numbers(fields, "tokenizer.ggml.token_type", len(tokens), NORMAL)
     if kind == "gpt2":
         spelled, alphabet = _spelled_in_bytes(tokens), set(byte_alphabet())
