@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 from phasewise import tool_calling
 from phasewise.loading.file_key import content_key
 from phasewise.paths import default_cache_dir
-from phasewise.tokenization.gguf_vocab import UnsupportedVocab, byte_alphabet, read_vocab
+from phasewise.tokenization.gguf_vocab import UnsupportedVocab, byte_alphabet, paused_gc, read_vocab
 from phasewise.tokenization.saved_tokenizer import SavedTokenizer
 
 if TYPE_CHECKING:
@@ -172,16 +172,18 @@ class Tokenizer:
             if f.read(4) != b"GGUF":
                 raise ValueError(f"not a GGUF file (bad magic): {path}")
         try:
-            vocab = read_vocab(path)
+            with paused_gc():
+                vocab = read_vocab(path)
+                hf = SavedTokenizer(vocab.backend, vocab.config, vocab.chat_template)
         except UnsupportedVocab as e:
             print(f"phasewise: warning: {e}: converting the tokenizer of {path.name} with transformers (slow)",
                   file=sys.stderr)
             root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
-            hf, hit = _converted(path, root / "tokenizers" / gguf_cache_key(path) if use_cache else None)
-            return cls(_with_fallback_template(hf), from_cache=hit)
+            converted, hit = _converted(path, root / "tokenizers" / gguf_cache_key(path) if use_cache else None)
+            return cls(_with_fallback_template(converted), from_cache=hit)
         except Exception as e:   # a malformed header (ValueError) or vocabulary (tokenizers' own Exception)
             raise ValueError(f"cannot load the tokenizer of {path}: {_one_line(e)}") from e
-        return cls(_with_fallback_template(SavedTokenizer(vocab.backend, vocab.config, vocab.chat_template)))
+        return cls(_with_fallback_template(hf))
 
     @classmethod
     def from_hf(cls, folder: str | Path) -> Tokenizer:
