@@ -1,7 +1,7 @@
-"""A tokenizer read back from the conversion cache without transformers (tokenization/saved_tokenizer.py,
+"""A tokenizer read back from a saved folder without transformers (tokenization/saved_tokenizer.py,
 chat_template.py) gives what transformers gives reading the same folder: the same chat renderings
 (with and without tools), encodings, decodings, token bytes and special ids, on every model at hand.
-(tests/test_tokenizer.py holds the cached copy to a fresh conversion.)"""
+(tests/test_gguf_vocab.py holds the tokenizer built from a GGUF to transformers' conversion.)"""
 
 from __future__ import annotations
 
@@ -26,19 +26,17 @@ TEXTS = ["Hello, world!", "  two  spaces\tand\ttabs\n\n", "日本語 and 😀 em
 
 
 @pytest.fixture(scope="module", params=["default", "gemma-3-270m", "qwen2.5-coder-0.5b"])
-def pair(request) -> tuple[Tokenizer, Tokenizer]:
-    """(transformers reading a model's cached tokenizer folder, the same folder read without it)."""
+def pair(request, tmp_path_factory) -> tuple[Tokenizer, Tokenizer]:
+    """(transformers reading a model's tokenizer saved in a folder, the same folder read without it)."""
     from transformers import AutoTokenizer
 
     try:
         path = resolve_model_path(None if request.param == "default" else request.param)
     except ModelLoadError as e:
         pytest.skip(str(e))
-    saved = Tokenizer.from_gguf(path)
-    if not saved.from_cache:                    # converted just now: read it back from the cache
-        saved = Tokenizer.from_gguf(path)
-    assert isinstance(saved.hf, SavedTokenizer)
-    return Tokenizer(AutoTokenizer.from_pretrained(str(saved.hf.folder))), saved
+    folder = tmp_path_factory.mktemp(request.param)
+    Tokenizer.from_gguf(path).hf.save_pretrained(str(folder))
+    return Tokenizer(AutoTokenizer.from_pretrained(str(folder))), Tokenizer(SavedTokenizer.read(folder))
 
 
 def test_chat_renderings_are_transformers(pair):

@@ -1,9 +1,10 @@
-"""Tokenizer (SmolLM2 GGUF, cache, HF folder) and IncrementalDetokenizer tests."""
+"""Tokenizer (SmolLM2 GGUF, the cache of converted tokenizers, HF folder) and IncrementalDetokenizer tests."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -38,16 +39,9 @@ def cache_root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tok(cache_root) -> Tokenizer:
-    """Freshly converted from the GGUF (this also writes the cache)."""
+    """Built from the GGUF's metadata (nothing cached)."""
     t = Tokenizer.from_gguf(_gguf_path(), cache_dir=cache_root)
-    assert not t.from_cache
-    return t
-
-
-@pytest.fixture(scope="module")
-def cached_tok(tok, cache_root) -> Tokenizer:
-    t = Tokenizer.from_gguf(_gguf_path(), cache_dir=cache_root)
-    assert t.from_cache
+    assert not t.from_cache and not (cache_root / "tokenizers").exists()
     return t
 
 
@@ -104,27 +98,43 @@ def test_chat_template(tok):
     assert tok.apply_chat_template(MESSAGES)[-4:] == tok.encode("<|im_start|>assistant\n")
 
 
-def test_cache_hit_is_identical(tok, cached_tok, cache_root):
-    assert cached_tok.from_cache and not tok.from_cache
-    assert [p.name for p in (cache_root / "tokenizers").iterdir()] == [gguf_cache_key(_gguf_path())]
+def test_a_converted_tokenizer_is_kept_by_content(tok, tmp_path, monkeypatch):
+    """A tokenizer gguf_vocab.py does not build is transformers' conversion, kept under the file's content:
+    a copy under another name reads it back (encodings, chat renderings, decodings, ids as converted)."""
+    from phasewise.tokenization import tokenizer as module
+    from phasewise.tokenization.gguf_vocab import UnsupportedVocab
+
+    def unsupported(path):
+        raise UnsupportedVocab("not built in this test")
+
+    monkeypatch.setattr(module, "read_vocab", unsupported)
+    converted = Tokenizer.from_gguf(_gguf_path(), cache_dir=tmp_path)
+    (tmp_path / "elsewhere").mkdir()
+    copy = Path(shutil.copy(_gguf_path(), tmp_path / "elsewhere" / "renamed.gguf"))
+    cached = Tokenizer.from_gguf(copy, cache_dir=tmp_path)
+    assert cached.from_cache and not converted.from_cache
+    assert [p.name for p in (tmp_path / "tokenizers").iterdir()] == [gguf_cache_key(_gguf_path())]
     for text in TEXTS + ["<|im_start|>user\nhi<|im_end|>"]:
-        assert cached_tok.encode(text) == tok.encode(text)
+        assert cached.encode(text) == converted.encode(text) == tok.encode(text)   # no digits: as built
     for gen in (True, False):
-        assert cached_tok.apply_chat_template(MESSAGES, gen) == tok.apply_chat_template(MESSAGES, gen)
+        assert cached.apply_chat_template(MESSAGES, gen) == converted.apply_chat_template(MESSAGES, gen)
     ids = list(range(0, 49152, 97)) + [0, 1, 2]
     for skip in (True, False):
-        assert cached_tok.decode(ids, skip) == tok.decode(ids, skip)
-    assert (cached_tok.vocab_size, cached_tok.bos_token_id, cached_tok.eos_token_ids) == (
-        tok.vocab_size, tok.bos_token_id, tok.eos_token_ids)
-    assert cached_tok.hf.chat_template == tok.hf.chat_template
+        assert cached.decode(ids, skip) == converted.decode(ids, skip) == tok.decode(ids, skip)
+    assert (cached.vocab_size, cached.bos_token_id, cached.eos_token_ids) == (
+        converted.vocab_size, converted.bos_token_id, converted.eos_token_ids)
+    assert cached.hf.chat_template == converted.hf.chat_template
 
 
 def test_cache_key_and_location(tmp_path, monkeypatch):
+    """The key follows the content: a copy elsewhere or a touched file keeps it, an edit changes it."""
     f = tmp_path / "m.gguf"
     f.write_bytes(b"GGUF" + bytes(12))
     key = gguf_cache_key(f)
-    assert gguf_cache_key(f) == key
     os.utime(f, ns=(1, 1))
+    (tmp_path / "d").mkdir()
+    assert gguf_cache_key(f) == key == gguf_cache_key(Path(shutil.copy(f, tmp_path / "d" / "n.gguf")))
+    f.write_bytes(b"GGUF" + bytes(11) + b"\x01")
     assert gguf_cache_key(f) != key
     monkeypatch.setenv("PHASEWISE_CACHE", str(tmp_path / "c"))
     assert default_cache_dir() == tmp_path / "c"

@@ -1,12 +1,12 @@
 """The packed-weight cache: a GGUF's layers as `plan_file_weights` packs them, kept on disk so later
 loads map them instead of repacking (as OpenVINO's cache_dir keeps compiled blobs).
 
-One file per model under `<cache>/packed/`, named by the GGUF's identity (resolved path, size,
-mtime, a hash of its first MiB) and `PACK_VERSION` (the packed layouts of kernels/quant.py; the
-layout is the same at every ISA level, so one file serves all). The file: MAGIC, a JSON header's
-length (u64), the header (version, file size, checkpoint names, each weight's fmt, n, k, u5_tiles
-and its tensors as [offset, shape, dtype], parts in "rest"), then every tensor at a page-aligned
-offset. No pickle and no torch.load: a load reads the header and maps the file copy-on-write
+One file per model under `<cache>/packed/`, named by the GGUF's content (size, header and sampled
+blocks: loading/file_key.py, so a copied or moved file hits) and `PACK_VERSION` (the packed layouts
+of kernels/quant.py; the layout is the same at every ISA level, so one file serves all). The file:
+MAGIC, a JSON header's length (u64), the header (version, file size, checkpoint names, each weight's
+fmt, n, k, u5_tiles and its tensors as [offset, shape, dtype], parts in "rest"), then every tensor at
+a page-aligned offset. No pickle and no torch.load: a load reads the header and maps the file copy-on-write
 (`torch.from_file`), so the page cache holds it once for every process and nothing is copied.
 
 A first load writes it in place (`Writer`): the layouts are known from the GGUF's shapes before
@@ -31,6 +31,7 @@ from typing import TypedDict
 import torch
 
 from phasewise.kernels import quant
+from phasewise.loading.file_key import content_key
 
 PACK_VERSION = 4          # bump when kernels/quant.py's layouts or this file's change (2: k4, q6k at the file's
                           # width; 3: parts; 4: a JSON header and raw tensors, written in place)
@@ -69,14 +70,23 @@ def wanted(gguf_path: Path, min_bytes: int = MIN_BYTES) -> bool:
 
 
 def cache_path(gguf_path: Path) -> Path:
+    """Where the packs of `gguf_path` are kept, named by its content (loading/file_key.py): a copied or
+    moved file finds the packs of the original (whose `.src` then names the file at hand if the
+    original is gone, so pruning keeps them)."""
     from phasewise.paths import default_cache_dir
 
-    path = gguf_path.resolve()
-    st = path.stat()
-    with open(path, "rb") as f:
-        head = hashlib.sha256(f.read(1 << 20)).hexdigest()[:16]
-    key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}|{head}|{PACK_VERSION}".encode()).hexdigest()[:20]
-    return default_cache_dir() / "packed" / f"{path.stem}-{key}{SUFFIX}"
+    folder = default_cache_dir() / "packed"
+    key = hashlib.sha256(f"{content_key(gguf_path)}|{PACK_VERSION}".encode()).hexdigest()[:20]
+    found = next(iter(sorted(folder.glob(f"*-{key}{SUFFIX}"))), None)
+    if found is None:
+        return folder / f"{gguf_path.stem}-{key}{SUFFIX}"
+    src = found.with_suffix(".src")
+    try:
+        if not Path(src.read_text()).is_file():
+            src.write_text(str(gguf_path.resolve()))
+    except OSError:
+        pass                                      # no .src (being written) or an unwritable cache: harmless
+    return found
 
 
 def _align(n: int) -> int:

@@ -1,14 +1,15 @@
-"""A tokenizer folder that transformers saved (tokenizer.json, tokenizer_config.json, the chat
-template), read back with `tokenizers` and Jinja alone: transformers' import and its tokenizer
-wrapper take about 2 s, this about 0.1-0.4 s. It answers the part of transformers' tokenizer API that
-`phasewise.tokenization.tokenizer.Tokenizer` uses, with transformers' results (tests/test_tokenizer.py holds a
-saved copy to the converted original: encodings, decodings, chat renderings, special ids).
+"""A `tokenizers` tokenizer with its tokenizer_config.json fields and chat template, as a GGUF's
+metadata builds it (gguf_vocab.py) or as a folder holds it (tokenizer.json, tokenizer_config.json, the
+chat template: what transformers' save_pretrained writes, and the tokenizer cache), used with
+`tokenizers` and Jinja alone: transformers' import and its tokenizer wrapper take about 2 s, reading
+a folder this way about 0.1-0.4 s. It answers the part of transformers' tokenizer API that
+`phasewise.tokenization.tokenizer.Tokenizer` uses, with transformers' results (tests/test_chat_template.py
+holds the two reading the same folder: encodings, decodings, chat renderings, special ids).
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,7 +22,6 @@ if TYPE_CHECKING:
     from phasewise.json_types import JsonValue
 
 SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
 def _token_text(value: JsonValue) -> str | None:
@@ -32,28 +32,36 @@ def _token_text(value: JsonValue) -> str | None:
 
 
 class SavedTokenizer:
-    """The folder's tokenizer. ValueError when the folder is not one transformers' save_pretrained wrote
-    with a tokenizers backend (then transformers itself should read it)."""
+    """A tokenizer, its tokenizer_config.json fields (special tokens' texts, ...) and chat template;
+    `folder`: where it was read from (None: built in memory)."""
 
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        try:
-            config = json.loads((folder / "tokenizer_config.json").read_text())
-            self.backend_tokenizer = RustTokenizer.from_file(str(folder / "tokenizer.json"))
-        except Exception as e:   # OSError, bad JSON, or tokenizers' own Exception type
-            raise ValueError(f"not a saved fast tokenizer: {folder} ({e})") from e
-        if config.get("backend", "tokenizers") != "tokenizers":
-            raise ValueError(f"not a saved fast tokenizer: {folder}")
-        template = folder / "chat_template.jinja"
-        self.chat_template: str | None = template.read_text() if template.is_file() else config.get("chat_template")
-        if isinstance(self.chat_template, list):   # named templates: the default one
-            named = {t["name"]: t["template"] for t in self.chat_template}
-            self.chat_template = named.get("default", next(iter(named.values()), None))
+    def __init__(self, backend: RustTokenizer, config: Mapping[str, JsonValue], chat_template: str | None,
+                 folder: Path | None = None) -> None:
+        self.backend_tokenizer, self.config, self.folder = backend, dict(config), folder
+        self.chat_template = chat_template
         self.special_tokens_map = {name: text for name in SPECIAL_NAMES
                                    if (text := _token_text(config.get(name))) is not None}
         self.bos_token, self.eos_token, self.unk_token, self.pad_token = (
             self.special_tokens_map.get(name) for name in ("bos_token", "eos_token", "unk_token", "pad_token"))
         self.added_tokens_decoder = self.backend_tokenizer.get_added_tokens_decoder()
+
+    @classmethod
+    def read(cls, folder: Path) -> SavedTokenizer:
+        """The tokenizer in `folder`; ValueError when the folder is not one written with a tokenizers
+        backend (then transformers itself should read it)."""
+        try:
+            config = json.loads((folder / "tokenizer_config.json").read_text())
+            backend = RustTokenizer.from_file(str(folder / "tokenizer.json"))
+        except Exception as e:   # OSError, bad JSON, or tokenizers' own Exception type
+            raise ValueError(f"not a saved fast tokenizer: {folder} ({e})") from e
+        if not isinstance(config, dict) or config.get("backend", "tokenizers") != "tokenizers":
+            raise ValueError(f"not a saved fast tokenizer: {folder}")
+        template = folder / "chat_template.jinja"
+        chat_template = template.read_text() if template.is_file() else config.get("chat_template")
+        if isinstance(chat_template, list):   # named templates: the default one
+            named = {t["name"]: t["template"] for t in chat_template}
+            chat_template = named.get("default", next(iter(named.values()), None))
+        return cls(backend, config, chat_template if isinstance(chat_template, str) else None, folder)
 
     def __len__(self) -> int:
         return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
@@ -98,8 +106,11 @@ class SavedTokenizer:
             messages, add_generation_prompt=add_generation_prompt, tools=tools, template_kwargs=kwargs)
 
     def save_pretrained(self, folder: str | Path) -> None:
+        """Write tokenizer.json, tokenizer_config.json and chat_template.jinja (as transformers does)."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        for name in FILES:
-            if (self.folder / name).is_file():
-                shutil.copyfile(self.folder / name, folder / name)
+        self.backend_tokenizer.save(str(folder / "tokenizer.json"))
+        config = {k: v for k, v in self.config.items() if k != "chat_template"}
+        (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
+        if self.chat_template:
+            (folder / "chat_template.jinja").write_text(self.chat_template)

@@ -7,13 +7,16 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, cast
 
 from phasewise import tool_calling
+from phasewise.loading.file_key import content_key
 from phasewise.paths import default_cache_dir
+from phasewise.tokenization.gguf_vocab import UnsupportedVocab, byte_alphabet, paused_gc, read_vocab
 from phasewise.tokenization.saved_tokenizer import SavedTokenizer
 
 if TYPE_CHECKING:
@@ -24,7 +27,7 @@ if TYPE_CHECKING:
 # Turn-ending tokens of common chat formats (ChatML, Llama 3, Phi-3, Gemma, Llama 2 / Mistral).
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "</s>")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-CACHE_FORMAT = 2  # bump to invalidate every cached tokenizer
+CACHE_FORMAT = 3  # bump to invalidate every cached tokenizer (3: keyed by content)
 # The turn format of a GGUF that ships no chat template, known by a token of its vocabulary (as
 # llama.cpp falls back to its built-in templates). Gemma: system text opens the next user turn.
 GEMMA_TEMPLATE = (
@@ -84,12 +87,11 @@ def _one_line(err: BaseException) -> str:
 
 
 def gguf_cache_key(path: Path) -> str:
-    """Hash of the GGUF's absolute path, size and mtime, and of the converting library versions."""
+    """Hash of the GGUF's content (loading/file_key.py: a copied or moved file hits) and of the
+    converting libraries' versions."""
     from importlib.metadata import version
 
-    st = path.stat()
-    raw = (f"{CACHE_FORMAT}|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{version('transformers')}|"
-           f"{version('tokenizers')}")
+    raw = f"{CACHE_FORMAT}|{content_key(path)}|{version('transformers')}|{version('tokenizers')}"
     return hashlib.sha256(raw.encode()).hexdigest()[:24]
 
 
@@ -108,54 +110,80 @@ def _save_atomically(hf: HFTokenizer, final: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _converted(path: Path, cached: Path | None) -> tuple[HFTokenizer, bool]:
+    """(transformers' conversion of the GGUF's tokenizer, whether it came from `cached`), kept in
+    `cached` (None: not kept): 12-28 s for a vocabulary of 150k, so only for a tokenizer gguf_vocab.py
+    does not build."""
+    if cached is not None and cached.is_dir():
+        try:
+            return SavedTokenizer.read(cached), True
+        except ValueError:  # unreadable cache: convert again and replace it
+            shutil.rmtree(cached, ignore_errors=True)
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        hf = _as_hf(AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name))
+    except Exception as e:
+        try:   # an architecture transformers cannot build (OLMoE): its tokenizer fields alone
+            hf = _as_hf(PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name))
+        except Exception:
+            raise ValueError(f"cannot load the tokenizer of {path}: {_one_line(e)}") from e
+    if cached is not None:
+        _save_atomically(_with_fallback_template(hf), cached)
+    return hf, False
+
+
+def _with_fallback_template(hf: HFTokenizer) -> HFTokenizer:
+    """`hf`, given its family's turn format if it has no chat template and a known turn token."""
+    if not hf.chat_template:
+        template = next((tpl for marker, tpl in FALLBACK_TEMPLATES.items()
+                         if hf.backend_tokenizer.token_to_id(marker) is not None), None)
+        setattr(hf, "chat_template", template)     # a plain attribute of both kinds of HFTokenizer
+    return hf
+
+
 class Tokenizer:
-    """Wraps a transformers fast tokenizer: encoding, chat template, decoding, special ids."""
+    """Wraps a fast tokenizer (a SavedTokenizer or transformers'): encoding, chat template, decoding, special ids."""
 
     def __init__(self, hf: HFTokenizer, extra_eos_ids: Iterable[int] = (), from_cache: bool = False) -> None:
         self.hf = hf
-        self.from_cache = from_cache  # True when a GGUF tokenizer came from the conversion cache
+        self.from_cache = from_cache  # True when a GGUF's converted tokenizer came from the cache
         self.vocab_size: int = len(hf)
         self.bos_token_id: int | None = hf.bos_token_id
         eos = {i for i in extra_eos_ids if 0 <= i < self.vocab_size}
         if hf.eos_token_id is not None:
             eos.add(hf.eos_token_id)
         template = self.chat_template
-        added = hf.get_added_vocab()
-        eos.update(added[t] for t in END_OF_TURN_TOKENS if t in template and t in added)
-        self.eos_token_ids: frozenset[int] = frozenset(eos)
         self._added_ids = frozenset(hf.added_tokens_decoder)
+        turn_ends = (hf.backend_tokenizer.token_to_id(t) for t in END_OF_TURN_TOKENS if t in template)
+        eos.update(i for i in turn_ends if i in self._added_ids)
+        self.eos_token_ids: frozenset[int] = frozenset(eos)
         self._byte_decoder = _byte_level_decoder(hf)
 
     @classmethod
     def from_gguf(cls, path: str | Path, cache_dir: str | Path | None = None, use_cache: bool = True) -> Tokenizer:
-        """Load the tokenizer embedded in a GGUF file, via a converted copy cached under cache_dir/tokenizers."""
+        """The tokenizer a GGUF's metadata describes, built from it (gguf_vocab.py: about a second for
+        any vocabulary); one it does not build is transformers' conversion, kept under cache_dir/tokenizers
+        by the file's content."""
         path = Path(path).expanduser()
         if not path.is_file():
             raise ValueError(f"GGUF file not found: {path}")
         with open(path, "rb") as f:
             if f.read(4) != b"GGUF":
                 raise ValueError(f"not a GGUF file (bad magic): {path}")
-        cached = (Path(cache_dir).expanduser() if cache_dir else default_cache_dir()) / "tokenizers" / gguf_cache_key(path)
-        if use_cache and cached.is_dir():
-            try:   # read without transformers (saved_tokenizer.py: 2 s less at start)
-                return cls(SavedTokenizer(cached), from_cache=True)
-            except ValueError:  # unreadable cache: convert again and replace it
-                shutil.rmtree(cached, ignore_errors=True)
-        from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
         try:
-            hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        except Exception as e:
-            try:   # an architecture transformers cannot build (OLMoE): its tokenizer fields alone
-                hf = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
-            except Exception:
-                raise ValueError(f"cannot load the tokenizer of {path}: {_one_line(e)}") from e
-        if not hf.chat_template:
-            vocab = hf.get_vocab()
-            hf.chat_template = next((tpl for marker, tpl in FALLBACK_TEMPLATES.items() if marker in vocab), None)
-        if use_cache:
-            _save_atomically(_as_hf(hf), cached)
-        return cls(_as_hf(hf))
+            with paused_gc():
+                vocab = read_vocab(path)
+                hf = SavedTokenizer(vocab.backend, vocab.config, vocab.chat_template)
+        except UnsupportedVocab as e:
+            print(f"phasewise: warning: {e}: converting the tokenizer of {path.name} with transformers (slow)",
+                  file=sys.stderr)
+            root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+            converted, hit = _converted(path, root / "tokenizers" / gguf_cache_key(path) if use_cache else None)
+            return cls(_with_fallback_template(converted), from_cache=hit)
+        except Exception as e:   # a malformed header (ValueError) or vocabulary (tokenizers' own Exception)
+            raise ValueError(f"cannot load the tokenizer of {path}: {_one_line(e)}") from e
+        return cls(_with_fallback_template(hf))
 
     @classmethod
     def from_hf(cls, folder: str | Path) -> Tokenizer:
@@ -279,15 +307,7 @@ def _byte_level_decoder(hf: HFTokenizer) -> dict[str, int] | None:
     kinds = {state.get("type")} | {d.get("type") for d in state.get("decoders", [])}
     if "ByteLevel" not in kinds:
         return None
-    return {c: b for b, c in _bytes_to_unicode().items()}
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte-level alphabet: printable bytes stand for themselves, the others for the
-    code points from 256 on, in byte order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    extra = iter(range(256, 512))
-    return {b: chr(b if b in printable else next(extra)) for b in range(256)}
+    return {c: b for b, c in enumerate(byte_alphabet())}
 
 
 def _generation_config_eos(folder: Path) -> list[int]:
