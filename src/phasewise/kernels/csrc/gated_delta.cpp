@@ -8,7 +8,8 @@
 //      columns stay in L1 across the whole chunk (a column's update reads no other column); then, with
 //      norm_w, each token's gated RMSNorm times silu(z).
 // Per token and v head, g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b):
-//   S = e^g S;  kv = Sᵀk;  S += k ⊗ beta (v - kv);  out = Sᵀq.
+//   S = e^g S;  kv = Sᵀk;  S += k ⊗ beta (v - kv);  out = Sᵀq
+// (here kv = e^g (Sᵀk) from the state before its decay, and S = e^g S + k ⊗ delta in one pass).
 // A row's result depends only on the state before it and its own inputs, through the same operations
 // wherever it sits (vectors of 16 channels or columns, masked at a head's end; sums in a fixed order,
 // and build.py compiles this file without reassociation or contraction), so its bits are the same
@@ -89,36 +90,40 @@ void conv_unit(const DeltaNetLayer& L, int64_t C, const DeltaNetRows& in, const 
 }
 
 // NB vectors of columns j0 .. j0 + 16 NB of one head's state S [dk, dv] through a sequence's tokens
-// (rows row .. row + n): out [T, Hv dv] gets those columns of the head's outputs.
-template <int NB>
+// (rows row .. row + n): out [T, Hv dv] gets those columns of the head's outputs. FULL: no column past dv.
+// Sums over i run in two chains (even and odd i, added at the end) for the FMA's latency.
+template <int NB, bool FULL>
 void delta_columns(const DeltaNetLayer& L, int64_t C, const DeltaNetRows& in, const float* mixed, const Seq& s,
                    int64_t h, float* S, int64_t j0, float* out) {
   const int64_t dk = L.dk, dv = L.dv, kh = h / (L.Hv / L.Hk);
   int64_t m[NB];
   for (int u = 0; u < NB; ++u) m[u] = std::max<int64_t>(0, std::min<int64_t>(16, dv - j0 - 16 * u));
+  auto load = [&](const float* p, int u) { return FULL ? Vf::load(p) : Vf::load_n(p, m[u]); };
+  auto store = [&](Vf x, float* p, int u) { FULL ? x.store(p) : x.store_n(p, m[u]); };
   for (int64_t r = s.row; r < s.row + s.n; ++r) {
     const float* q = mixed + r * C + kh * dk;
     const float* k = q + L.Hk * dk;
     const float* v = mixed + r * C + 2 * L.Hk * dk + h * dv + j0;
     const Vf decay = Vf::set1(std::exp(L.neg_A[h] * softplus(in.a[r * in.a_ld + h] + L.dt_bias[h])));
     const Vf beta = Vf::set1(1.f / (1.f + std::exp(-in.b[r * in.b_ld + h])));
-    Vf kv[NB], o[NB];
-    for (int u = 0; u < NB; ++u) kv[u] = Vf::zero(), o[u] = Vf::zero();
-    for (int64_t i = 0; i < dk; ++i) {           // kv = (e^g S)ᵀ k
+    Vf kv[2][NB], o[2][NB];
+    for (int u = 0; u < NB; ++u) kv[0][u] = kv[1][u] = o[0][u] = o[1][u] = Vf::zero();
+    for (int64_t i = 0; i < dk; ++i) {           // kv = e^g (Sᵀ k)
       const Vf ki = Vf::set1(k[i]);
-      for (int u = 0; u < NB; ++u) kv[u] = fma(Vf::load_n(S + i * dv + j0 + 16 * u, m[u]) * decay, ki, kv[u]);
+      for (int u = 0; u < NB; ++u) kv[i & 1][u] = fma(load(S + i * dv + j0 + 16 * u, u), ki, kv[i & 1][u]);
     }
-    for (int u = 0; u < NB; ++u) kv[u] = (Vf::load_n(v + 16 * u, m[u]) - kv[u]) * beta;   // the delta
+    Vf delta[NB];                                 // beta (v - kv)
+    for (int u = 0; u < NB; ++u) delta[u] = (load(v + 16 * u, u) - (kv[0][u] + kv[1][u]) * decay) * beta;
     for (int64_t i = 0; i < dk; ++i) {           // S = e^g S + k ⊗ delta; out = Sᵀ q
       const Vf ki = Vf::set1(k[i]), qi = Vf::set1(q[i]);
       for (int u = 0; u < NB; ++u) {
         float* p = S + i * dv + j0 + 16 * u;
-        const Vf sn = fma(ki, kv[u], Vf::load_n(p, m[u]) * decay);
-        sn.store_n(p, m[u]);
-        o[u] = fma(sn, qi, o[u]);
+        const Vf sn = fma(load(p, u), decay, ki * delta[u]);
+        store(sn, p, u);
+        o[i & 1][u] = fma(sn, qi, o[i & 1][u]);
       }
     }
-    for (int u = 0; u < NB; ++u) o[u].store_n(out + r * L.Hv * dv + h * dv + j0 + 16 * u, m[u]);
+    for (int u = 0; u < NB; ++u) store(o[0][u] + o[1][u], out + r * L.Hv * dv + h * dv + j0 + 16 * u, u);
   }
 }
 
@@ -141,11 +146,15 @@ void delta_head(const DeltaNetLayer& L, int64_t C, const DeltaNetRows& in, const
                 const float* mixed, const Seq& s, int64_t h, float* out) {
   float* S = sq.states + (s.slot * L.Hv + h) * L.dk * L.dv;
   if (s.start) std::fill(S, S + L.dk * L.dv, 0.f);
-  for (int64_t j0 = 0; j0 < L.dv; j0 += COLS)
-    if (L.dv - j0 > 16)
-      delta_columns<2>(L, C, in, mixed, s, h, S, j0, out);
+  for (int64_t j0 = 0; j0 < L.dv; j0 += COLS) {
+    const int64_t left = L.dv - j0;
+    if (left >= 32)
+      delta_columns<2, true>(L, C, in, mixed, s, h, S, j0, out);
+    else if (left > 16)
+      delta_columns<2, false>(L, C, in, mixed, s, h, S, j0, out);
     else
-      delta_columns<1>(L, C, in, mixed, s, h, S, j0, out);
+      delta_columns<1, false>(L, C, in, mixed, s, h, S, j0, out);
+  }
   if (L.norm_w == nullptr) return;
   for (int64_t r = s.row; r < s.row + s.n; ++r)
     gated_norm(out + (r * L.Hv + h) * L.dv, in.z + r * in.z_ld + h * L.dv, L.norm_w, L.dv, L.eps);
