@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import PagedRunner
-from model_builders import assert_logits_close, build_hf, check_against_hf, prompt_ids, with_tokenizer
+from conftest import PagedRunner, bind
+from model_builders import assert_logits_close, build_hf, check_against_hf, hf_reference, prompt_ids, with_tokenizer
 
 from phasewise.core.kv_cache_manager import KVCacheManager
 from phasewise.core.request import Request
@@ -54,18 +54,24 @@ def folders(tmp_path_factory):
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("chunk", [None, 5, 1])
-def test_hf_folder_matches_transformers_teacher_forced_and_greedy(case, chunk, folders):
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch", "kernels"])
+def test_hf_folder_matches_transformers_teacher_forced_and_greedy(case, chunk, kernels, folders, request):
+    """The model's Python layers, on the PyTorch reference paths or with the kernels bound (the DeltaNet's
+    delta_net_mix among them), give transformers' prompt logits and greedy tokens, whole or chunked."""
     folder, hf_model = folders(case)
     prompt = prompt_ids(256, 19, seed=2)
     model, cfg = load_model(folder)
     assert cfg.recurrent_layers == (0, 1, 2) and cfg.kv_groups == ((3,),)
     assert cfg.rotary_dim == (None if case == "lfm2" else 4)
+    if kernels:
+        bind(model, request.getfixturevalue("chosen_ops"))
+    mixers = [getattr(layer, "linear_attn", None) or layer.conv for layer in model.model.layers[:3]]
+    assert all((getattr(m, "kernels", None) is not None) == kernels for m in mixers if case != "lfm2")
     with torch.no_grad():
-        ref = hf_model(torch.tensor([prompt])).logits[0]
-    logits, _ = PagedRunner(model).greedy(prompt, 1, chunk=chunk)
-    assert_logits_close(logits, ref)
-    assert logits.argmax(-1).tolist() == ref.argmax(-1).tolist()
-    check_against_hf(folder, hf_model, prompt, n=12, chunk=chunk)
+        ref_logits, ref_tokens = hf_reference(hf_model, prompt, 12)
+    logits, tokens = PagedRunner(model).greedy(prompt, 12, chunk=chunk)
+    assert_logits_close(logits, ref_logits)
+    assert tokens == ref_tokens
 
 
 def test_the_recurrent_functions_match_transformers():

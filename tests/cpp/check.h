@@ -77,5 +77,7 @@ void test_expert_mlp(const pw::KernelTable& k, pw::QuantFormat fmt, pw::QuantFor
 void test_expert_mlp_exact(const pw::KernelTable& k, pw::QuantFormat fmt);
 void test_float_linear(const pw::KernelTable& k);
 void test_moe_route(const pw::KernelTable& k);
+// delta_net_tests.cpp
+void test_delta_net_mix(const pw::KernelTable& k, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int64_t K, bool norm);
 
 }  // namespace kt

@@ -3,7 +3,8 @@
 // they run where torch cannot: ARM builds under qemu-user (make test-arm). The Python tests
 // compare the same kernels with PyTorch's references on this machine's own levels.
 // Here: the elementwise ops, RoPE and the cache writes, attention; quant_tests.cpp: the
-// quantized linear layers and the decoder stack.
+// quantized linear layers and the decoder stack; expert_tests.cpp: the experts; delta_net_tests.cpp:
+// the Gated DeltaNet's mix.
 #include "check.h"
 
 #include <algorithm>
@@ -239,6 +240,12 @@ int main() {
     for (int64_t T : {1, 7, 40}) test_expert_mlp(k, f[0], f[1], T, 3);
   test_float_linear(k);
   test_moe_route(k);
+  for (bool norm : {false, true}) {
+    test_delta_net_mix(k, 2, 2, 16, 16, 4, norm);      // one v head per k head
+    test_delta_net_mix(k, 2, 4, 16, 40, 4, norm);      // two; a partial vector of columns after a pair
+    test_delta_net_mix(k, 1, 2, 8, 8, 3, norm);        // heads narrower than a vector
+    test_delta_net_mix(k, 1, 2, 128, 128, 4, norm);    // Qwen3.5's head sizes
+  }
   check("int8_peak_gops", k.int8_peak_gops(RT, 2000) > 0.0);
   std::printf("results digest %016llx\n%d passed, %d failed\n", static_cast<unsigned long long>(digest), passed, failed);
   return failed == 0 ? 0 : 1;

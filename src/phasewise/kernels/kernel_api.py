@@ -97,6 +97,11 @@ class Kernels(Protocol):
 
     def moe_route(self, logits: Tensor, k: int, renorm: bool, topk_softmax: bool = False) -> list[Tensor]: ...
 
+    def delta_net_mix(self, qkv: Tensor, a: Tensor, b: Tensor, conv_w: Tensor, neg_A: Tensor, dt_bias: Tensor,
+                      conv_states: Tensor, states: Tensor, query_lens: Sequence[int], context_lens: Sequence[int],
+                      slots: Sequence[int], z: Tensor | None = None, norm_w: Tensor | None = None,
+                      eps: float = 1e-6, tiled: bool = False) -> Tensor: ...
+
     def dequantize_rows(self, ids: Tensor, fmt: int, N: int, blocks: Tensor, scale: Tensor | None = None) -> Tensor: ...
 
     def decoder_stack(self, layers: Sequence[StackLayer], final_norm: Tensor, cos: Tensor, sin: Tensor, Hq: int,

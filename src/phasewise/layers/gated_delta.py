@@ -1,5 +1,6 @@
-"""The Gated DeltaNet token mixer's recurrent parts, one sequence at a time, in PyTorch: the causal
-depthwise convolution over q, k and v, and the gated delta rule (Yang et al., 2024).
+"""The Gated DeltaNet token mixer's recurrent parts in PyTorch, the reference of the kernels' `delta_net_mix`
+(csrc/gated_delta.cpp): the causal depthwise convolution over q, k and v, and the gated delta rule (Yang
+et al., 2024), one sequence at a time, and `delta_net_mix`, a whole step's sequences through both.
 
 Both run token by token from the sequence's state and leave the state after its last token in
 place. The delta rule's recurrent form is the only form used, for prompt chunks as for decode
@@ -10,6 +11,8 @@ by chunk), and its 4·dk·dv multiply-adds a head and token are few beside the l
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +75,38 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         state.add_(k[t][:, :, None] * delta[:, None, :])
         out[t] = (state * q[t][:, :, None]).sum(1)
     return out
+
+
+def delta_net_mix(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_w: torch.Tensor, neg_A: torch.Tensor,
+                  dt_bias: torch.Tensor, conv_states: torch.Tensor, states: torch.Tensor, query_lens: Sequence[int],
+                  context_lens: Sequence[int], slots: Sequence[int], z: torch.Tensor | None = None,
+                  norm_w: torch.Tensor | None = None, eps: float = 1e-6, tiled: bool = False) -> torch.Tensor:
+    """A step's sequences (query_lens[i] rows each, in order; context_lens[i] == query_lens[i]: it starts here,
+    its slot zeroed first) through the conv and the delta rule from their state slots (conv_states
+    [S, K - 1, C], states [S, Hv, dk, dv], advanced in place): qkv [T, C], a, b [T, Hv], conv_w [C, K],
+    neg_A = -exp(A_log) and dt_bias [Hv] → [T, Hv, dv] fp32, with norm_w [dv] the gated RMSNorm times
+    silu(z [T, Hv dv]); `tiled`: v head h reads q/k head h mod Hk (GatedDeltaNetShape.tiled_v_heads). As the
+    kernel of that name takes them."""
+    T, (Hv, dk, dv) = qkv.shape[0], states.shape[1:]
+    Hk = (conv_states.shape[2] - Hv * dv) // (2 * dk)
+    g = neg_A * F.softplus(a.float() + dt_bias)                        # [T, Hv] log decay
+    beta = b.float().sigmoid()
+    out = torch.empty(T, Hv, dv, device=qkv.device)
+    row = 0
+    for n, ctx, slot in zip(query_lens, context_lens, slots):
+        if ctx == n:                                   # the sequence starts here: no state before it
+            conv_states[slot].zero_()
+            states[slot].zero_()
+        mixed = causal_conv(qkv[row:row + n], conv_states[slot], conv_w)            # [n, C]
+        q, k, v = mixed.split([Hk * dk, Hk * dk, Hv * dv], dim=-1)
+        q = l2norm(q.reshape(n, Hk, dk)) / dk ** 0.5
+        k = l2norm(k.reshape(n, Hk, dk))
+        out[row:row + n] = gated_delta_rule(q, k, v.reshape(n, Hv, dv), g[row:row + n], beta[row:row + n],
+                                            states[slot], tiled)
+        row += n
+    if norm_w is None or z is None:
+        return out
+    return gated_rms_norm(out, z.reshape(T, Hv, dv), norm_w, eps)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -14,15 +14,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from phasewise.distributed import TensorParallel
 from phasewise.kernels import UsesKernels, applies
 from phasewise.kernels.kernel_api import Kernels
 from phasewise.layers.attention import AttentionMetadata, LayerKV, paged_attention
-from phasewise.layers.gated_delta import (Conv1d, causal_conv, gated_delta_rule, gated_rms_norm, l2norm,
-                                          sequence_parts)
+from phasewise.layers.gated_delta import Conv1d, delta_net_mix, sequence_parts
 from phasewise.layers.linear import Linear
 from phasewise.layers.norm import RMSNorm
 from phasewise.layers.rotary import RotaryEmbedding
@@ -75,8 +73,9 @@ class GatedNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
 
 
-class GatedDeltaNet(nn.Module):
-    """Linear attention with the gated delta rule, over each sequence's state slot."""
+class GatedDeltaNet(UsesKernels, nn.Module):
+    """Linear attention with the gated delta rule, over each sequence's state slot: the kernels'
+    `delta_net_mix` where they are bound (once, at build time), else its PyTorch reference."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -92,43 +91,49 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(shape.num_v_heads), requires_grad=False)
         self.norm = GatedNorm(shape.head_v_dim)
         self.out_proj = Linear(shape.value_dim, h)
+        self._mix_weights: tuple[torch.Tensor, ...] | None = None   # the kernel's (bind_kernels)
+
+    def mix_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """conv [C, K], -exp(A_log), dt_bias [Hv] and the gated norm's weight [dv], in fp32."""
+        return (self.conv1d.weight[:, 0].float().contiguous(), -self.A_log.float().exp(), self.dt_bias.float(),
+                self.norm.weight.float())
+
+    def bind_kernels(self, kernels: Kernels | None) -> None:
+        """Kernels, and the weights their mix takes, made once (none without kernels: the reference runs)."""
+        self.kernels = kernels
+        self._mix_weights = None if kernels is None else tuple(w.detach() for w in self.mix_weights())
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> GatedDeltaNet:
+        out = super()._apply(fn, recurse)
+        self.bind_kernels(self.kernels)                # the weights may have moved: make them again
+        return out
 
     def forward(self, x: torch.Tensor, state: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
         """x: [T, hidden] → [T, hidden]; state: (conv [S, K-1, C], delta rule [S, Hv, dk, dv]), each
         sequence's slot (`meta.state_slots`) advanced past its tokens."""
         s, T = self.shape, x.shape[0]
-        qkv = self.in_proj_qkv(x)                                          # [T, C]
-        z = self.in_proj_z(x).view(T, s.num_v_heads, s.head_v_dim)
-        beta = self.in_proj_b(x).float().sigmoid()                         # [T, Hv]
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
-        conv_states, states = state[0], state[1]
-        weight = self.conv1d.weight[:, 0].float()                         # [C, K]
-        out = torch.empty(T, s.num_v_heads, s.head_v_dim, device=x.device)
         assert meta.state_slots is not None and len(meta.state_slots) == len(meta.query_lens)
-        snapshots = meta.state_snapshots or [[] for _ in meta.state_slots]
-        row = 0
-        for n, ctx, slot, snaps in zip(meta.query_lens, meta.context_lens, meta.state_slots, snapshots):
-            if ctx == n:                                   # the sequence starts here: no state before it
-                conv_states[slot].zero_()
-                states[slot].zero_()
-            for start, m, snapshot in sequence_parts(row, n, snaps):
-                self._mix(qkv, g, beta, (start, m), conv_states[slot], states[slot], weight, out)
-                if snapshot is not None:
-                    conv_states[snapshot], states[snapshot] = conv_states[slot], states[slot]
-            row += n
-        y = gated_rms_norm(out, z, self.norm.weight.float(), self.eps)     # [T, Hv, dv]
-        return self.out_proj(y.reshape(T, s.value_dim).to(x.dtype))
+        qkv, a, b, z = self.in_proj_qkv(x), self.in_proj_a(x), self.in_proj_b(x), self.in_proj_z(x)
+        fast = self._mix_weights is not None and applies(self.kernels, qkv)
+        mix = self.kernels.delta_net_mix if fast and self.kernels is not None else delta_net_mix
+        conv_w, neg_A, dt_bias, norm_w = self._mix_weights if fast and self._mix_weights else self.mix_weights()
 
-    def _mix(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, rows: tuple[int, int],
-             conv_state: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
-        """n rows from `start` of one sequence: conv, L2-normed q and k, the delta rule; states advanced."""
-        (start, n), s = rows, self.shape
-        mixed = causal_conv(qkv[start:start + n], conv_state, weight)                  # [n, C]
-        q, k, v = mixed.split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
-        q = l2norm(q.reshape(n, s.num_k_heads, s.head_k_dim)) / s.head_k_dim ** 0.5
-        k = l2norm(k.reshape(n, s.num_k_heads, s.head_k_dim))
-        out[start:start + n] = gated_delta_rule(q, k, v.reshape(n, s.num_v_heads, s.head_v_dim), g[start:start + n],
-                                                beta[start:start + n], state, s.tiled_v_heads)
+        def run(rows: slice, lens: list[int], contexts: list[int], slots: list[int]) -> torch.Tensor:
+            return mix(qkv[rows], a[rows], b[rows], conv_w, neg_A, dt_bias, state[0], state[1], lens, contexts,
+                       slots, z=z[rows], norm_w=norm_w, eps=self.eps, tiled=s.tiled_v_heads)   # [rows, Hv, dv]
+
+        if not any(meta.state_snapshots or ()):                             # one call for the whole step
+            y = run(slice(None), meta.query_lens, meta.context_lens, meta.state_slots)
+        else:                                   # a verify step: each sequence apart, draft rows one at a time
+            y, row = torch.empty(T, s.num_v_heads, s.head_v_dim, device=x.device), 0
+            for n, ctx, slot, snaps in zip(meta.query_lens, meta.context_lens, meta.state_slots,
+                                           meta.state_snapshots or ()):
+                for start, m, snapshot in sequence_parts(row, n, snaps):
+                    y[start:start + m] = run(slice(start, start + m), [m], [ctx - n + start - row + m], [slot])
+                    if snapshot is not None:
+                        state[0][snapshot], state[1][snapshot] = state[0][slot], state[1][slot]
+                row += n
+        return self.out_proj(y.reshape(T, s.value_dim).to(x.dtype))
 
 
 class HybridLayer(nn.Module):

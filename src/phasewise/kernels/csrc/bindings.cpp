@@ -44,6 +44,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("logits"), py::arg("k"), py::arg("renorm"), py::arg("topk_softmax") = false, nogil())
       .def("dequantize_rows", &KernelSet::dequantize_rows, "rows ids of a packed weight in fp32 (an embedding)",
            py::arg("ids"), py::arg("fmt"), py::arg("N"), py::arg("blocks"), py::arg("scale") = py::none(), nogil())
+      .def("delta_net_mix", &KernelSet::delta_net_mix,
+           "a Gated DeltaNet's conv, delta rule and gated norm over a step's sequences, states advanced in place",
+           py::arg("qkv"), py::arg("a"), py::arg("b"), py::arg("conv_w"), py::arg("neg_A"), py::arg("dt_bias"),
+           py::arg("conv_states"), py::arg("states"), py::arg("query_lens"), py::arg("context_lens"), py::arg("slots"),
+           py::arg("z") = py::none(), py::arg("norm_w") = py::none(), py::arg("eps") = 1e-6, py::arg("tiled") = false,
+           nogil())
       .def("decoder_stack", &DecoderStack::from_specs, "a Llama-family model's decoder layers on these kernels",
            py::arg("layers"), py::arg("final_norm"), py::arg("cos"), py::arg("sin"), py::arg("Hq"), py::arg("Hkv"),
            py::arg("D"), py::arg("eps"), py::arg("scale") = 0.0, py::arg("gelu") = false)

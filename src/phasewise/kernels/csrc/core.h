@@ -49,6 +49,8 @@ double int8_peak_gops(const Runtime& rt, int64_t iters);
 void dequantize_rows(const Runtime& rt, const PackedWeights& w, const int64_t* ids, int64_t T, float* out);
 void repack_gguf(const Runtime& rt, int64_t type, const uint8_t* raw, int64_t N, int64_t K, uint8_t* blocks,
                  uint16_t* side);
+void delta_net_mix(const Runtime& rt, const DeltaNetLayer& L, const DeltaNetRows& in, int64_t T, const DeltaNetSeqs& seqs,
+                   float* mixed, float* out);
 void decoder_stack(const Runtime& rt, const DecoderModel& m, const DecoderStep& s, const float* x, float* workspace,
                    float* out);
 

@@ -305,6 +305,71 @@ torch::Tensor KernelSet::float_linear(torch::Tensor x, torch::Tensor weight) con
   return out;
 }
 
+namespace {
+
+// rows [T, width] of fp32 on the CPU, each contiguous (a column slice of a wider projection is fine): the row stride
+int64_t row_stride(const torch::Tensor& x, int64_t T, int64_t width, const char* name) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu() && x.dim() == 2 && x.size(0) == T &&
+              x.size(1) == width && (x.stride(1) == 1 || width == 1), name, ": fp32 [", T, ", ", width, "] on the CPU, ",
+              "each row contiguous");
+  return x.stride(0);
+}
+
+}  // namespace
+
+// qkv [T, C] (before the conv), a, b [T, Hv], z [T, Hv dv] (with norm_w [dv]); conv_w [C, K], neg_A = -exp(A_log)
+// and dt_bias [Hv]; conv_states [S, K - 1, C], states [S, Hv, dk, dv] advanced in place; per sequence its new
+// tokens, its tokens after the step (equal: it starts here) and its slot; `tiled`: v head h reads q/k head
+// h % Hk. Returns [T, Hv, dv].
+torch::Tensor KernelSet::delta_net_mix(torch::Tensor qkv, torch::Tensor a, torch::Tensor b, torch::Tensor conv_w,
+                                       torch::Tensor neg_A, torch::Tensor dt_bias, torch::Tensor conv_states,
+                                       torch::Tensor states, const std::vector<int64_t>& query_lens,
+                                       const std::vector<int64_t>& context_lens, const std::vector<int64_t>& slots,
+                                       c10::optional<torch::Tensor> z, c10::optional<torch::Tensor> norm_w,
+                                       double eps, bool tiled) const {
+  for (const torch::Tensor* t : {&conv_w, &neg_A, &dt_bias, &conv_states, &states})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu() && t->is_contiguous(),
+                "weights and states: contiguous fp32 on the CPU");
+  TORCH_CHECK(states.dim() == 4 && conv_states.dim() == 3 && conv_w.dim() == 2 &&
+              conv_states.size(0) == states.size(0), "states [S, Hv, dk, dv], conv_states [S, K - 1, C], conv_w [C, K]");
+  const int64_t S = states.size(0), Hv = states.size(1), dk = states.size(2), dv = states.size(3);
+  const int64_t C = conv_states.size(2), K = conv_states.size(1) + 1, qk = C - Hv * dv;
+  TORCH_CHECK(conv_w.size(0) == C && conv_w.size(1) == K && K <= pw::DELTA_NET_MAX_TAPS, "conv_w [C, K], K <= ",
+              pw::DELTA_NET_MAX_TAPS);
+  TORCH_CHECK(qk > 0 && qk % (2 * dk) == 0 && Hv % (qk / (2 * dk)) == 0, "C = 2 Hk dk + Hv dv with Hk dividing Hv");
+  TORCH_CHECK(neg_A.numel() == Hv && dt_bias.numel() == Hv, "neg_A, dt_bias: [Hv]");
+  const int64_t B = query_lens.size(), T = qkv.size(0);
+  TORCH_CHECK(context_lens.size() == static_cast<size_t>(B) && slots.size() == static_cast<size_t>(B),
+              "one query length, context length and slot per sequence");
+  std::vector<bool> taken(S, false);
+  int64_t rows = 0;
+  for (int64_t i = 0; i < B; ++i) {
+    TORCH_CHECK(query_lens[i] > 0 && context_lens[i] >= query_lens[i], "sequence ", i, ": 0 < query length <= context");
+    TORCH_CHECK(slots[i] >= 0 && slots[i] < S && !taken[slots[i]], "slot ", slots[i], " outside 0..", S - 1,
+                " or taken twice");
+    taken[slots[i]] = true;
+    rows += query_lens[i];
+  }
+  TORCH_CHECK(rows == T, "the query lengths sum to ", rows, ", qkv has ", T, " rows");
+  const int64_t qkv_ld = row_stride(qkv, T, C, "qkv"), a_ld = row_stride(a, T, Hv, "a"), b_ld = row_stride(b, T, Hv, "b");
+  pw::DeltaNetRows in{qkv.data_ptr<float>(), a.data_ptr<float>(), b.data_ptr<float>(), nullptr, qkv_ld, a_ld, b_ld};
+  pw::DeltaNetLayer L{qk / (2 * dk), Hv, dk, dv, K, conv_w.data_ptr<float>(), neg_A.data_ptr<float>(),
+                      dt_bias.data_ptr<float>()};
+  L.tiled = tiled;
+  TORCH_CHECK(z.has_value() == norm_w.has_value(), "z and norm_w together");
+  if (z.has_value()) {
+    TORCH_CHECK(norm_w->scalar_type() == at::kFloat && norm_w->is_contiguous() && norm_w->numel() == dv, "norm_w: fp32 [dv]");
+    in.z = z->data_ptr<float>(), in.z_ld = row_stride(*z, T, Hv * dv, "z");
+    L.norm_w = norm_w->data_ptr<float>(), L.eps = static_cast<float>(eps);
+  }
+  const pw::DeltaNetSeqs seqs{B, query_lens.data(), context_lens.data(), slots.data(), conv_states.data_ptr<float>(),
+                              states.data_ptr<float>()};
+  auto mixed = torch::empty({T, C}, qkv.options());
+  auto out = torch::empty({T, Hv, dv}, qkv.options());
+  table_->delta_net_mix(runtime(), L, in, T, seqs, mixed.data_ptr<float>(), out.data_ptr<float>());
+  return out;
+}
+
 double KernelSet::int8_peak_gops(int64_t iters) const {
   TORCH_CHECK(iters > 0, "iters must be positive");
   return table_->int8_peak_gops(runtime(), iters);

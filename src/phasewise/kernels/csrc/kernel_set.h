@@ -55,6 +55,12 @@ class KernelSet {
                            const PartArgs& up, const PartArgs& down, int64_t experts, bool gelu) const;
   torch::Tensor float_linear(torch::Tensor x, torch::Tensor weight) const;
   std::vector<torch::Tensor> moe_route(torch::Tensor logits, int64_t k, bool renorm, bool topk_softmax) const;
+  torch::Tensor delta_net_mix(torch::Tensor qkv, torch::Tensor a, torch::Tensor b, torch::Tensor conv_w,
+                              torch::Tensor neg_A, torch::Tensor dt_bias, torch::Tensor conv_states,
+                              torch::Tensor states, const std::vector<int64_t>& query_lens,
+                              const std::vector<int64_t>& context_lens, const std::vector<int64_t>& slots,
+                              c10::optional<torch::Tensor> z, c10::optional<torch::Tensor> norm_w, double eps,
+                              bool tiled) const;
   double int8_peak_gops(int64_t iters) const;
   const pw::KernelTable& table() const { return *table_; }
 

@@ -7,7 +7,7 @@
 
 namespace pw {
 
-constexpr int ABI_VERSION = 14;
+constexpr int ABI_VERSION = 16;
 
 struct Runtime {            // how a call may run: threads of the caller's pool (torch's, through OpenMP)
   int threads = 1;
@@ -153,6 +153,35 @@ struct DecoderStep {        // one step's rows, and the caches of every layer
   int64_t* expert_counts = nullptr;
 };
 
+struct DeltaNetLayer {      // one Gated DeltaNet layer's token mixer (gated_delta.cpp, layers/gated_delta.py)
+  int64_t Hk, Hv, dk, dv;   // q/k heads and v heads (each q/k head serves Hv / Hk consecutive v heads), their sizes
+  int64_t K;                // the causal conv's taps (at most DELTA_NET_MAX_TAPS); channels C = 2 Hk dk + Hv dv
+  const float* conv_w;      // [C, K]
+  const float* neg_A;       // [Hv] -exp(A_log)
+  const float* dt_bias;     // [Hv]
+  const float* norm_w = nullptr;  // [dv] the gated RMSNorm's weight, or none (out: the delta rule's output)
+  float eps = 0.f;          // that norm's epsilon
+  bool tiled = false;       // v head h reads q/k head h % Hk (llama.cpp's Qwen3.5 files), else h / (Hv / Hk)
+};
+constexpr int64_t DELTA_NET_MAX_TAPS = 8;
+
+struct DeltaNetRows {       // a step's projections, rows of T tokens each with its own row stride (ld)
+  const float* qkv;         // [T, C] (q | k | v, before the conv)
+  const float* a;           // [T, Hv] the decay's input
+  const float* b;           // [T, Hv] the write strength's input
+  const float* z = nullptr; // [T, Hv dv] the output gate (with norm_w)
+  int64_t qkv_ld, a_ld, b_ld, z_ld = 0;
+};
+
+struct DeltaNetSeqs {       // a step's sequences (sequence i's rows follow sequence i - 1's) and their states
+  int64_t B;
+  const int64_t* query_lens;    // [B] new tokens (> 0)
+  const int64_t* context_lens;  // [B] tokens after this step: equal to query_lens where the sequence starts
+  const int64_t* slots;         // [B] distinct state slots (a starting sequence's slot is zeroed first)
+  float* conv_states;           // [S, K - 1, C] each slot's last K - 1 conv inputs
+  float* states;                // [S, Hv, dk, dv] each slot's delta-rule state
+};
+
 // The floats of scratch decoder_stack needs for T rows (the caller owns it; reuse is fine).
 inline int64_t decoder_workspace(const DecoderModel& m, int64_t T) {
   const int64_t qkv = (m.Hq + 2 * m.Hkv) * m.D;
@@ -212,6 +241,11 @@ struct KernelTable {
   // with topk_softmax the k largest logits, then a softmax over them
   void (*moe_route)(const Runtime&, const float* logits, int64_t T, int64_t E, int64_t k, bool renorm,
                     bool topk_softmax, float* weights, int64_t* ids);
+  // out [T, Hv, dv] = the Gated DeltaNet's mix of a step's rows (causal conv from each slot's conv state,
+  // SiLU, L2-normed q and k, the gated delta rule, then with norm_w the gated RMSNorm times silu(z));
+  // both states advanced past the rows; mixed: [T, C] floats of scratch
+  void (*delta_net_mix)(const Runtime&, const DeltaNetLayer&, const DeltaNetRows&, int64_t T, const DeltaNetSeqs&,
+                        float* mixed, float* out);
 };
 
 constexpr int64_t GGUF_Q4_K = 12, GGUF_Q6_K = 14;   // ggml's type ids

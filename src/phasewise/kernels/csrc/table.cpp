@@ -8,6 +8,6 @@ extern "C" __attribute__((visibility("default"))) const pw::KernelTable* pw_kern
       &pw::rms_norm,          &pw::silu_and_mul, &pw::argmax_rows,          &pw::mask_rows,          &pw::quantize_activations,
       &pw::quant_linear,      &pw::int8_peak_gops,      &pw::decoder_stack,       &pw::gelu_and_mul,
       &pw::dequantize_rows,   &pw::repack_gguf,      &pw::expert_mlp,      &pw::float_linear,
-      &pw::moe_route};
+      &pw::moe_route,        &pw::delta_net_mix};
   return &table;
 }
