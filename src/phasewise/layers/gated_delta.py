@@ -12,11 +12,13 @@ by chunk), and its 4·dk·dv multiply-adds a head and token are few beside the l
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from phasewise.layers.attention import AttentionMetadata
 
 
 class Conv1d(nn.Module):
@@ -39,14 +41,24 @@ def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, silu
     return F.silu(out) if silu else out
 
 
-def sequence_parts(row: int, n: int, snapshots: list[int]) -> list[tuple[int, int, int | None]]:
-    """A sequence's n rows from `row` as a recurrent layer computes them: (start, rows, snapshot slot).
-    All at once, or, when its states are snapshotted (a verify step's draft rows), one row at a time,
-    the state after each row but the last copied into that row's snapshot slot. The recurrent forms
-    give a row the same bits however its sequence's rows are grouped."""
-    if not snapshots:
-        return [(row, n, None)]
-    return [(row + i, 1, snapshots[i] if i < len(snapshots) else None) for i in range(n)]
+def each_sequence(meta: AttentionMetadata, states: Sequence[torch.Tensor],
+                  step: Callable[[int, int, int, int], None]) -> None:
+    """A recurrent layer over a step's sequences: `step(start, rows, context after them, slot)` for each
+    sequence's rows at once or, where its states are snapshotted (a verify step's draft rows), one row at
+    a time, every state tensor's slot copied after each row but the last into that row's snapshot slot.
+    The recurrent forms give a row the same bits however its sequence's rows are grouped; a call whose
+    context equals its rows starts its sequence (no state before it)."""
+    assert meta.state_slots is not None and len(meta.state_slots) == len(meta.query_lens)
+    row = 0
+    for i, (n, ctx, slot) in enumerate(zip(meta.query_lens, meta.context_lens, meta.state_slots)):
+        snapshots = meta.state_snapshots[i] if meta.state_snapshots else []
+        parts = [(row + j, 1, snapshots[j] if j < len(snapshots) else None) for j in range(n)] if snapshots \
+            else [(row, n, None)]
+        for start, m, snapshot in parts:
+            step(start, m, ctx - n + start - row + m, slot)
+            for t in states if snapshot is not None else ():
+                t[snapshot] = t[slot]
+        row += n
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

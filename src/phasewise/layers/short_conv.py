@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from phasewise.layers.attention import AttentionMetadata, LayerKV
-from phasewise.layers.gated_delta import Conv1d, causal_conv, sequence_parts
+from phasewise.layers.gated_delta import Conv1d, causal_conv, each_sequence
 from phasewise.layers.linear import Linear
 
 
@@ -31,15 +31,10 @@ class ShortConv(nn.Module):
         bx = b * v
         weight = self.conv.weight[:, 0].float()                     # [H, L]
         conv_states, out = state[0], torch.empty_like(bx)
-        assert meta.state_slots is not None and len(meta.state_slots) == len(meta.query_lens)
-        snapshots = meta.state_snapshots or [[] for _ in meta.state_slots]
-        row = 0
-        for n, ctx, slot, snaps in zip(meta.query_lens, meta.context_lens, meta.state_slots, snapshots):
-            if ctx == n:                                   # the sequence starts here: no inputs before it
+
+        def step(start: int, m: int, context: int, slot: int) -> None:
+            if context == m:                               # the sequence starts here: no inputs before it
                 conv_states[slot].zero_()
-            for start, m, snapshot in sequence_parts(row, n, snaps):
-                out[start:start + m] = causal_conv(bx[start:start + m], conv_states[slot], weight, silu=False)
-                if snapshot is not None:
-                    conv_states[snapshot] = conv_states[slot]
-            row += n
+            out[start:start + m] = causal_conv(bx[start:start + m], conv_states[slot], weight, silu=False)
+        each_sequence(meta, state, step)
         return self.out_proj((c * out).to(x.dtype))

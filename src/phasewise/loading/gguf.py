@@ -168,9 +168,11 @@ class GGUFFile:
                 yield _hf_name(name, cfg), self._tensor(name, cfg)
 
     def _mtp(self, name: str, cfg: ModelConfig) -> bool:
-        """A tensor of Qwen3.5's multi-token-prediction layers, which follow the model's own layers."""
-        parts = name.split(".")
-        return parts[0] == "blk" and len(parts) > 2 and parts[1].isdigit() and int(parts[1]) >= cfg.num_layers
+        """A tensor of Qwen3.5's multi-token-prediction layers, which follow the model's own layers within
+        `block_count` (any other layer past the model's is the file's error, which _check_shapes names)."""
+        parts, blocks = name.split("."), self.fields.get(f"{self.fields.get('general.architecture')}.block_count")
+        return parts[0] == "blk" and len(parts) > 2 and parts[1].isdigit() and isinstance(blocks, int) and \
+            cfg.num_layers <= int(parts[1]) < blocks
 
 
 @functools.lru_cache(maxsize=4)

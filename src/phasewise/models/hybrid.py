@@ -20,7 +20,7 @@ from phasewise.distributed import TensorParallel
 from phasewise.kernels import UsesKernels, applies
 from phasewise.kernels.kernel_api import Kernels
 from phasewise.layers.attention import AttentionMetadata, LayerKV, paged_attention
-from phasewise.layers.gated_delta import Conv1d, delta_net_mix, sequence_parts
+from phasewise.layers.gated_delta import Conv1d, delta_net_mix, each_sequence
 from phasewise.layers.linear import Linear
 from phasewise.layers.norm import RMSNorm
 from phasewise.layers.rotary import RotaryEmbedding
@@ -112,7 +112,7 @@ class GatedDeltaNet(UsesKernels, nn.Module):
         """x: [T, hidden] → [T, hidden]; state: (conv [S, K-1, C], delta rule [S, Hv, dk, dv]), each
         sequence's slot (`meta.state_slots`) advanced past its tokens."""
         s, T = self.shape, x.shape[0]
-        assert meta.state_slots is not None and len(meta.state_slots) == len(meta.query_lens)
+        assert meta.state_slots is not None
         qkv, a, b, z = self.in_proj_qkv(x), self.in_proj_a(x), self.in_proj_b(x), self.in_proj_z(x)
         fast = self._mix_weights is not None and applies(self.kernels, qkv)
         mix = self.kernels.delta_net_mix if fast and self.kernels is not None else delta_net_mix
@@ -125,14 +125,11 @@ class GatedDeltaNet(UsesKernels, nn.Module):
         if not any(meta.state_snapshots or ()):                             # one call for the whole step
             y = run(slice(None), meta.query_lens, meta.context_lens, meta.state_slots)
         else:                                   # a verify step: each sequence apart, draft rows one at a time
-            y, row = torch.empty(T, s.num_v_heads, s.head_v_dim, device=x.device), 0
-            for n, ctx, slot, snaps in zip(meta.query_lens, meta.context_lens, meta.state_slots,
-                                           meta.state_snapshots or ()):
-                for start, m, snapshot in sequence_parts(row, n, snaps):
-                    y[start:start + m] = run(slice(start, start + m), [m], [ctx - n + start - row + m], [slot])
-                    if snapshot is not None:
-                        state[0][snapshot], state[1][snapshot] = state[0][slot], state[1][slot]
-                row += n
+            y = torch.empty(T, s.num_v_heads, s.head_v_dim, device=x.device)
+
+            def step(start: int, m: int, context: int, slot: int) -> None:
+                y[start:start + m] = run(slice(start, start + m), [m], [context], [slot])
+            each_sequence(meta, state, step)
         return self.out_proj(y.reshape(T, s.value_dim).to(x.dtype))
 
 
