@@ -175,8 +175,9 @@ def test_moe_stack_matches_the_python_layers(ops, case, tmp_path):
 def test_python_describes_a_layer_with_the_fields_the_binding_takes(chosen_ops):
     """kernel_api.StackLayer and StackSparse name, in order, the fields of C++'s LayerSpec and SparseArgs
     (decoder_stack.h): a field added on one side and not the other fails here, not in a wrong layer."""
-    from phasewise.kernels.kernel_api import StackLayer, StackSparse
+    from phasewise.kernels.kernel_api import StackLayer, StackMixer, StackSparse
 
-    layer, sparse = chosen_ops.stack_fields()
+    layer, sparse, mixer = chosen_ops.stack_fields()
     assert list(StackLayer._fields) == layer
     assert list(StackSparse._fields) == sparse
+    assert list(StackMixer._fields) == mixer

@@ -39,7 +39,7 @@ CSRC = Path(__file__).parent / "csrc"
 BINDING_SOURCES = ("bindings.cpp", "kernel_set.cpp", "decoder_stack.cpp")
 KERNEL_SOURCES = ("cpu_ops.cpp", "paged_attention.cpp", "tile_attention.cpp", "quant_linear.cpp",
                   "activation_quant.cpp", "dequantize_rows.cpp", "repack_gguf.cpp", "int8_peak.cpp", "decoder.cpp",
-                  "expert_mlp.cpp", "gated_delta.cpp", "thread_pool.cpp", "table.cpp")
+                  "expert_mlp.cpp", "gated_delta.cpp", "short_conv.cpp", "thread_pool.cpp", "table.cpp")
 COMMON_FLAGS = ("-std=c++17", "-O3", "-fPIC", "-ffast-math", "-fno-finite-math-only", "-fvisibility=hidden")
 # Attention gives a row the same bits whichever of its kernels reads it (csrc/attention.h): its files
 # keep every sum in the order written (no reassociation, no contraction beyond the explicit fmas).
@@ -50,7 +50,7 @@ _IN_ORDER = ("-fno-associative-math", "-ffp-contract=off")
 # dequantize_rows gives the reference's bits (d q, then + m): no contraction there either (clang fused them).
 # gated_delta keeps a row's bits whatever chunk or batch it runs in: no code path the compiler regroups.
 SOURCE_FLAGS = {"paged_attention.cpp": _IN_ORDER, "tile_attention.cpp": _IN_ORDER, "dequantize_rows.cpp": _IN_ORDER,
-                "gated_delta.cpp": _IN_ORDER, "quant_linear.cpp": ("-fno-associative-math",)}
+                "gated_delta.cpp": _IN_ORDER, "short_conv.cpp": _IN_ORDER, "quant_linear.cpp": ("-fno-associative-math",)}
 
 
 def source_flags(src: str) -> tuple[str, ...]:

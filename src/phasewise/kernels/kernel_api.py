@@ -30,6 +30,25 @@ class StackSparse(NamedTuple):
     shared_gate: Tensor | None             # [1, H]: Qwen2-MoE's shared expert's gate
 
 
+class StackMixer(NamedTuple):
+    """A recurrent layer's token mixer as the decoder stack takes it (csrc/decoder_stack.h MIXER_FIELDS):
+    a Gated DeltaNet's (the layer's qkv its in_proj_qkv, o its out_proj), or LFM2's short conv (qkv its
+    in_proj, o its out_proj; z, b, a, neg_A, dt_bias, norm None)."""
+    z: PackedLinearArgs | None             # [Hv dv] the output gate's projection
+    b: PackedLinearArgs | None             # [Hv] the write strength's
+    a: PackedLinearArgs | None             # [Hv] the decay's
+    conv: Tensor                           # [C, K] the causal conv's taps (a short conv's [H, K])
+    neg_A: Tensor | None                   # [Hv] -exp(A_log)
+    dt_bias: Tensor | None                 # [Hv]
+    norm: Tensor | None                    # [dv] the gated RMSNorm's weight
+    Hk: int
+    Hv: int
+    dk: int
+    dv: int
+    tiled: bool                            # v head h reads q/k head h % Hk
+    eps: float
+
+
 class StackLayer(NamedTuple):
     """One decoder layer as the C++ stack takes it (csrc/decoder_stack.h LAYER_SPEC_FIELDS: the same
     fields in the same order, tests/test_decoder_stack.py checks them)."""
@@ -48,6 +67,8 @@ class StackLayer(NamedTuple):
     kv_group: int
     window: int                            # 0: none
     sparse: StackSparse | None             # the layer's experts (None: a dense layer)
+    mixer: StackMixer | None = None        # a recurrent layer's mixer in place of attention
+    attn_gate: bool = False                # Qwen3.5's gated attention: qkv gives [q head, its gate]..., k, v
 
 
 class DecoderStack(Protocol):
@@ -55,7 +76,8 @@ class DecoderStack(Protocol):
 
     def forward(self, x: Tensor, positions: Tensor, slots: Sequence[Tensor], kv: Sequence[Sequence[Tensor]],
                 tables: Sequence[Tensor], row_seq: Sequence[Tensor], row_len: Sequence[Tensor], block_size: int,
-                keep: Tensor | None = None, expert_counts: Tensor | None = None) -> Tensor: ...
+                keep: Tensor | None = None, expert_counts: Tensor | None = None, sequences: Tensor | None = None,
+                snapshots: Tensor | None = None) -> Tensor: ...
 
 
 class Kernels(Protocol):
@@ -107,4 +129,4 @@ class Kernels(Protocol):
     def decoder_stack(self, layers: Sequence[StackLayer], final_norm: Tensor, cos: Tensor, sin: Tensor, Hq: int,
                       Hkv: int, D: int, eps: float, scale: float = 0.0, gelu: bool = False) -> DecoderStack: ...
 
-    def stack_fields(self) -> tuple[list[str], list[str]]: ...
+    def stack_fields(self) -> tuple[list[str], list[str], list[str]]: ...

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from phasewise.kernels.kernel_api import StackMixer
 from phasewise.layers.attention import AttentionMetadata, LayerKV
 from phasewise.layers.gated_delta import Conv1d, causal_conv, each_sequence
 from phasewise.layers.linear import Linear
@@ -23,6 +24,15 @@ class ShortConv(nn.Module):
         self.in_proj = Linear(hidden, 3 * hidden)
         self.conv = Conv1d(hidden, taps)
         self.out_proj = Linear(hidden, hidden)
+
+    def stack_projections(self) -> tuple[Linear, Linear, list[Linear]]:
+        """The decoder stack's qkv and o of this layer (in_proj, out_proj); no other linears."""
+        return self.in_proj, self.out_proj, []
+
+    def stack_mixer(self) -> StackMixer:
+        """This mixer as the decoder stack takes it: its taps [H, L] alone."""
+        return StackMixer(None, None, None, self.conv.weight[:, 0].float().contiguous().detach(), None, None, None,
+                          0, 0, 0, 0, False, 0.0)
 
     def forward(self, x: torch.Tensor, state: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
         """x: [T, hidden] → [T, hidden]; state: (conv [S, L - 1, H],), each sequence's slot

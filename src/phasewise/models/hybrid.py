@@ -18,7 +18,7 @@ from torch import nn
 
 from phasewise.distributed import TensorParallel
 from phasewise.kernels import UsesKernels, applies
-from phasewise.kernels.kernel_api import Kernels
+from phasewise.kernels.kernel_api import DecoderStack, Kernels, StackMixer
 from phasewise.layers.attention import AttentionMetadata, LayerKV, paged_attention
 from phasewise.layers.gated_delta import Conv1d, delta_net_mix, each_sequence
 from phasewise.layers.linear import Linear
@@ -28,6 +28,7 @@ from phasewise.models.config import ModelConfig
 from phasewise.models.layer_list import LayerList
 from phasewise.models.llama import KVCaches, LlamaForCausalLM, Shard, count_experts, embed, mlp, vocab_embedding
 from phasewise.models.recurrent import GatedDeltaNetShape
+from phasewise.models.stack import StackAttention, StackRecurrent, build_stack, run_stack
 
 # checkpoint norms stored as an offset from 1 (the DeltaNet's gated norm, `linear_attn.norm`, is not)
 _OFFSET_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight", "model.norm.weight",
@@ -46,6 +47,7 @@ class GatedAttention(UsesKernels, nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.kv_group = cfg.kv_place(layer)[0]
+        self.window: int | None = None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
         """x: [T, hidden] → [T, hidden]."""
@@ -98,6 +100,18 @@ class GatedDeltaNet(UsesKernels, nn.Module):
         return (self.conv1d.weight[:, 0].float().contiguous(), -self.A_log.float().exp(), self.dt_bias.float(),
                 self.norm.weight.float())
 
+    def stack_projections(self) -> tuple[Linear, Linear, list[Linear]]:
+        """The decoder stack's qkv and o of this layer, and its other linears."""
+        return self.in_proj_qkv, self.out_proj, [self.in_proj_z, self.in_proj_b, self.in_proj_a]
+
+    def stack_mixer(self) -> StackMixer:
+        """This mixer as the decoder stack takes it (its projections in blocks)."""
+        s = self.shape
+        conv_w, neg_A, dt_bias, norm_w = (w.detach().contiguous() for w in self.mix_weights())
+        return StackMixer(self.in_proj_z.packed_args(), self.in_proj_b.packed_args(), self.in_proj_a.packed_args(),
+                          conv_w, neg_A, dt_bias, norm_w, s.num_k_heads, s.num_v_heads, s.head_k_dim, s.head_v_dim,
+                          s.tiled_v_heads, self.eps)
+
     def bind_kernels(self, kernels: Kernels | None) -> None:
         """Kernels, and the weights their mix takes, made once (none without kernels: the reference runs)."""
         self.kernels = kernels
@@ -136,6 +150,7 @@ class GatedDeltaNet(UsesKernels, nn.Module):
 class HybridLayer(nn.Module):
     """A hybrid's decoder layer: norm, token mixer (`mix`: a recurrent layer over its state slots, or
     attention over its KV), norm, MLP, the residual stream fused into the norms."""
+    self_attn: StackAttention | None          # its attention (None in a recurrent layer)
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -145,6 +160,11 @@ class HybridLayer(nn.Module):
 
     def mix(self, positions: torch.Tensor, x: torch.Tensor, memory: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
         """The token mixer: x [T, hidden] → [T, hidden]."""
+        raise NotImplementedError
+
+    @property
+    def recurrent(self) -> StackRecurrent | None:
+        """Its recurrent mixer (None in an attention layer)."""
         raise NotImplementedError
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
@@ -165,7 +185,11 @@ class HybridDecoderLayer(HybridLayer):
         super().__init__(cfg, layer)
         linear = layer in cfg.recurrent_layers
         self.linear_attn = GatedDeltaNet(cfg) if linear else None
-        self.self_attn = None if linear else GatedAttention(cfg, rotary, layer)
+        self.self_attn: GatedAttention | None = None if linear else GatedAttention(cfg, rotary, layer)
+
+    @property
+    def recurrent(self) -> GatedDeltaNet | None:
+        return self.linear_attn
 
     def mix(self, positions: torch.Tensor, x: torch.Tensor, memory: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
         if self.linear_attn is not None:
@@ -183,22 +207,29 @@ class HybridModel(nn.Module):
             raise ValueError("hybrid models do not run with tensor parallelism yet")
         self.cfg = cfg
         self.embed_tokens = vocab_embedding(cfg, None)
-        rotary = RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                 cfg.rope_scaling)
-        self.layers: LayerList[HybridLayer] = LayerList(self.layer_class(cfg, rotary, i)
+        self.rotary = RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                      cfg.rope_scaling)
+        self.layers: LayerList[HybridLayer] = LayerList(self.layer_class(cfg, self.rotary, i)
                                                         for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.expert_counts = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.int64, device="cpu") \
             if cfg.num_experts else None
+        self.stack: DecoderStack | None = None   # the C++ decoder stack (build_stack), if it can run
 
     def build_stack(self, kernels: Kernels | None) -> None:
-        """Hybrid layers run as Python layers (their C++ stack is to come)."""
+        """The C++ decoder stack of these (bound) layers where it can run them (models/stack.py), recurrent
+        layers among them; the forward path is chosen here, once."""
+        layers = list(self.layers)
+        self.stack = build_stack(kernels, self.cfg, layers, self.norm.weight,
+                                 mixers=[layer.recurrent for layer in layers], rotary=self.rotary)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: KVCaches, keep: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions: [T] → hidden states [T, hidden], or of the rows `keep` [R] (ascending).
         kv_caches: per layer, its KV (attention) or its state (recurrent)."""
         x, residual = embed(self.embed_tokens, input_ids, self.cfg, None), None
+        if self.stack is not None:                              # the whole step in one C++ call
+            return run_stack(self.stack, self.cfg, x, positions, meta, kv_caches, keep, self.expert_counts)
         for layer, memory in zip(self.layers, kv_caches):
             x, residual = layer(positions, x, residual, memory, meta)
         if self.expert_counts is not None:

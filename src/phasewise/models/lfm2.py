@@ -14,7 +14,6 @@ from collections.abc import Iterable
 
 import torch
 
-from phasewise.kernels.kernel_api import Kernels
 from phasewise.layers.attention import AttentionMetadata, LayerKV
 from phasewise.layers.rotary import RotaryEmbedding
 from phasewise.layers.short_conv import ShortConv
@@ -51,6 +50,10 @@ class Lfm2DecoderLayer(HybridLayer):
         else:
             self.self_attn = LlamaAttention(cfg, rotary, layer)
 
+    @property
+    def recurrent(self) -> ShortConv | None:
+        return self.conv
+
     def mix(self, positions: torch.Tensor, x: torch.Tensor, memory: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
         if self.conv is not None:
             return self.conv(x, memory, meta)
@@ -60,9 +63,6 @@ class Lfm2DecoderLayer(HybridLayer):
 
 class Lfm2Model(HybridModel):
     layer_class = Lfm2DecoderLayer
-
-    def build_stack(self, kernels: Kernels | None) -> None:
-        """LFM2's layers run as Python layers (the C++ stack has no short convolution)."""
 
 
 class Lfm2ForCausalLM(LlamaForCausalLM):

@@ -53,10 +53,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("decoder_stack", &DecoderStack::from_specs, "a Llama-family model's decoder layers on these kernels",
            py::arg("layers"), py::arg("final_norm"), py::arg("cos"), py::arg("sin"), py::arg("Hq"), py::arg("Hkv"),
            py::arg("D"), py::arg("eps"), py::arg("scale") = 0.0, py::arg("gelu") = false)
-      .def_static("stack_fields", [] { return std::make_pair(LAYER_SPEC_FIELDS, SPARSE_FIELDS); },
-                  "the field names of a decoder_stack layer and of its sparse MLP, in order");
+      .def_static("stack_fields", [] { return std::make_tuple(LAYER_SPEC_FIELDS, SPARSE_FIELDS, MIXER_FIELDS); },
+                  "the field names of a decoder_stack layer, of its sparse MLP and of its mixer, in order");
   py::class_<DecoderStack>(m, "DecoderStack")
       .def("forward", &DecoderStack::forward, py::arg("x"), py::arg("positions"), py::arg("slots"),
            py::arg("kv"), py::arg("tables"), py::arg("row_seq"), py::arg("row_len"), py::arg("block_size"),
-           py::arg("keep") = py::none(), py::arg("expert_counts") = py::none(), nogil());
+           py::arg("keep") = py::none(), py::arg("expert_counts") = py::none(), py::arg("sequences") = py::none(),
+           py::arg("snapshots") = py::none(), nogil());
 }

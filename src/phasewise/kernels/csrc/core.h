@@ -51,6 +51,14 @@ void repack_gguf(const Runtime& rt, int64_t type, const uint8_t* raw, int64_t N,
                  uint16_t* side);
 void delta_net_mix(const Runtime& rt, const DeltaNetLayer& L, const DeltaNetRows& in, int64_t T, const DeltaNetSeqs& seqs,
                    float* mixed, float* out);
+// out [T, H] = LFM2's short conv of in [T, 3 H] (B | C | x, row stride ld): C conv(B x) over each sequence's
+// conv state (sq.conv_states [S, K - 1, H], advanced; sq.snapshots as delta_net_mix's), taps [H, K]
+void short_conv_mix(const Runtime& rt, const float* in, int64_t ld, int64_t T, int64_t H, const float* taps,
+                    int64_t K, const DeltaNetSeqs& sq, float* out);
+// rope_and_cache rotating only the first rot dimensions of each head (cos, sin [P, rot / 2])
+void rope_partial_and_cache(const Runtime& rt, const float* qkv, int64_t T, const int64_t* positions, const float* cos,
+                            const float* sin, int64_t Hq, int64_t Hkv, int64_t D, int64_t rot, const int64_t* slots,
+                            const CacheOut& c, float* q, float* k);
 void decoder_stack(const Runtime& rt, const DecoderModel& m, const DecoderStep& s, const float* x, float* workspace,
                    float* out);
 

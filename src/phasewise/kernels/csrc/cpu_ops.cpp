@@ -36,7 +36,13 @@ inline float quant_row(const float* __restrict x, int8_t* __restrict y, int64_t 
 void rope_and_cache(const Runtime& rt, const float* qkv, int64_t T, const int64_t* pos, const float* cos,
                     const float* sin, int64_t Hq, int64_t Hkv, int64_t D, const int64_t* slot, const CacheOut& c,
                     float* qp, float* kp) {
-  const int64_t half = D / 2, row = (Hq + 2 * Hkv) * D;
+  rope_partial_and_cache(rt, qkv, T, pos, cos, sin, Hq, Hkv, D, D, slot, c, qp, kp);
+}
+
+void rope_partial_and_cache(const Runtime& rt, const float* qkv, int64_t T, const int64_t* pos, const float* cos,
+                            const float* sin, int64_t Hq, int64_t Hkv, int64_t D, int64_t rot, const int64_t* slot,
+                            const CacheOut& c, float* qp, float* kp) {
+  const int64_t half = rot / 2, row = (Hq + 2 * Hkv) * D;
   parallel_for(rt, T, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* cs = cos + pos[t] * half;
@@ -52,6 +58,7 @@ void rope_and_cache(const Runtime& rt, const float* qkv, int64_t T, const int64_
             yh[i] = x1 * cs[i] - x2 * sn[i];
             yh[i + half] = x2 * cs[i] + x1 * sn[i];
           }
+          std::copy(xh + rot, xh + D, yh + rot);    // past rot: as they are
         }
       };
       rotate(in, qp + t * Hq * D, Hq);

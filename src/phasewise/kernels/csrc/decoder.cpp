@@ -11,6 +11,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
+#include <utility>
 
 namespace pw {
 
@@ -82,55 +84,137 @@ void keep_rows(const Runtime& rt, float* x, int64_t width, const int64_t* keep, 
   });
 }
 
+struct Scratch {              // the step's workspace (decoder_workspace), T rows each
+  float *residual, *normed, *hidden, *o, *qkv, *q, *k, *attn, *gate_up, *act, *moe, *wide;
+};
+
+Scratch scratch(const DecoderModel& m, int64_t T, float* ws) {
+  Scratch w;
+  w.residual = ws;                                  // [T, H]
+  w.normed = w.residual + T * m.H;                  // [T, H]
+  w.hidden = w.normed + T * m.H;                    // [T, H] a layer's output
+  w.o = w.hidden + T * m.H;                         // [T, H] its token mixer's
+  w.qkv = w.o + T * m.H;                            // [T, (Hq + 2 Hkv) D]
+  w.q = w.qkv + T * (m.Hq + 2 * m.Hkv) * m.D;       // [T, Hq, D]
+  w.k = w.q + T * m.Hq * m.D;                       // [T, Hkv, D]
+  w.attn = w.k + T * m.Hkv * m.D;                   // [T, Hq, D]
+  w.gate_up = w.attn + T * m.Hq * m.D;              // [T, 2I]
+  w.act = w.gate_up + T * 2 * m.I;                  // [T, I]
+  w.moe = w.act + T * m.I;                          // [T, 3 k + E + 2]: a sparse layer's routing (sparse_mlp)
+  w.wide = w.moe + (m.E ? T * (m.E + 3 * m.k + 2) : 0);   // [T, W]: a recurrent or gated attention layer's
+  return w;
+}
+
+// The last layer with keep: rows keep[] of the row-wise buffers given (x [., width] pairs) and of the
+// residual moved up; returns the rows left (R, or T elsewhere).
+int64_t keep_last(const Runtime& rt, const DecoderModel& m, const DecoderStep& s, int64_t i, const Scratch& w,
+                  int64_t T, std::initializer_list<std::pair<float*, int64_t>> rows) {
+  if (s.R < 0 || i != m.L - 1) return T;
+  for (const auto& [x, width] : rows) keep_rows(rt, x, width, s.keep, s.R);
+  keep_rows(rt, w.residual, m.H, s.keep, s.R);
+  return s.R;
+}
+
+// o [T', H] = layer i's attention of normed [T, H] (every row's keys and values written to its cache);
+// with Qwen3.5's gate, qkv gives [q head, its gate]... then k, v and the output is gated. Returns T'.
+int64_t attention(const Runtime& rt, const DecoderModel& m, const DecoderStep& s, int64_t i, const Scratch& w,
+                  int64_t T) {
+  const DecoderLayer& L = m.layers[i];
+  const int64_t H = m.H, D = m.D, Hq = m.Hq, Hkv = m.Hkv, width = (Hq + 2 * Hkv) * D, gated = width + Hq * D;
+  if (L.attn_gate) {       // fused rows [2 Hq D | k | v] into qkv [q | k | v], the gates left in wide
+    quant_linear(rt, w.normed, T, H, L.qkv.w, L.qkv.bias, w.wide);
+    parallel_for(rt, T, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const float* in = w.wide + t * gated;
+        float* out = w.qkv + t * width;
+        for (int64_t h = 0; h < Hq; ++h) std::copy(in + 2 * h * D, in + (2 * h + 1) * D, out + h * D);
+        std::copy(in + 2 * Hq * D, in + gated, out + Hq * D);
+      }
+    });
+  } else {
+    quant_linear(rt, w.normed, T, H, L.qkv.w, L.qkv.bias, w.qkv);
+  }
+  if (L.q_norm != nullptr) head_norms(rt, w.qkv, T, Hq, Hkv, D, L.q_norm, L.k_norm, m.eps, L.qk_whole);
+  rope_partial_and_cache(rt, w.qkv, T, s.positions, L.cos ? L.cos : m.cos, L.sin ? L.sin : m.sin, Hq, Hkv, D,
+                         m.rot > 0 ? m.rot : D, s.slots[L.group], s.cache_out[i], w.q, w.k);
+  AttentionRows rows = s.R >= 0 && i == m.L - 1 ? s.kept[L.group] : s.rows[L.group];
+  if (L.attn_gate) T = keep_last(rt, m, s, i, w, T, {{w.q, Hq * D}, {w.wide, gated}});
+  else T = keep_last(rt, m, s, i, w, T, {{w.q, Hq * D}});
+  rows.window = L.window;
+  const float scale = m.scale > 0.f ? m.scale : 1.f / std::sqrt(static_cast<float>(D));
+  paged_attention(rt, w.q, T, Hq, s.caches[i], rows, scale, w.attn);
+  if (L.attn_gate)
+    parallel_for(rt, T * Hq, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {            // r: (row, head)
+        const float* g = w.wide + (r / Hq) * gated + (2 * (r % Hq) + 1) * D;
+        float* a = w.attn + r * D;
+        for (int64_t d = 0; d < D; ++d) a[d] *= 1.f / (1.f + std::exp(-g[d]));
+      }
+    });
+  quant_linear(rt, w.attn, T, Hq * D, L.o.w, L.o.bias, w.o);
+  return T;
+}
+
+// o [T', H] = layer i's recurrent token mixer of normed [T, H] (its sequences' states advanced): a Gated
+// DeltaNet's or LFM2's short conv. Returns T'.
+int64_t recurrent(const Runtime& rt, const DecoderModel& m, const DecoderStep& s, int64_t i, const Scratch& w,
+                  int64_t T) {
+  const DecoderLayer& L = m.layers[i];
+  const RecurrentMixer& R = *L.recurrent;
+  const int64_t H = m.H;
+  if (R.taps != nullptr) {                   // LFM2: B, C, x = in_proj; y = C conv(B x)
+    float* bcx = w.wide;                     // [T, 3H]
+    float* y = bcx + T * 3 * H;              // [T, H]
+    quant_linear(rt, w.normed, T, H, L.qkv.w, L.qkv.bias, bcx);
+    short_conv_mix(rt, bcx, 3 * H, T, H, R.taps, R.K, s.recurrent[i], y);
+    T = keep_last(rt, m, s, i, w, T, {{y, H}});
+    quant_linear(rt, y, T, H, L.o.w, L.o.bias, w.o);
+    return T;
+  }
+  const DeltaNetLayer& D = R.delta;
+  const int64_t C = 2 * D.Hk * D.dk + D.Hv * D.dv, V = D.Hv * D.dv;
+  float* qkv = w.wide;                       // [T, C]
+  float* z = qkv + T * C;                    // [T, V]
+  float* b = z + T * V;                      // [T, Hv]
+  float* a = b + T * D.Hv;                   // [T, Hv]
+  float* mixed = a + T * D.Hv;               // [T, C]
+  float* y = mixed + T * C;                  // [T, V]
+  quant_linear(rt, w.normed, T, H, L.qkv.w, L.qkv.bias, qkv);
+  quant_linear(rt, w.normed, T, H, R.z.w, R.z.bias, z);
+  quant_linear(rt, w.normed, T, H, R.b.w, R.b.bias, b);
+  quant_linear(rt, w.normed, T, H, R.a.w, R.a.bias, a);
+  const DeltaNetRows in{qkv, a, b, z, C, D.Hv, D.Hv, V};
+  delta_net_mix(rt, D, in, T, s.recurrent[i], mixed, y);
+  T = keep_last(rt, m, s, i, w, T, {{y, V}});
+  quant_linear(rt, y, T, V, L.o.w, L.o.bias, w.o);
+  return T;
+}
+
 void layers(const Runtime& rt, const DecoderModel& m, const DecoderStep& s, const float* x, float* ws, float* out) {
   int64_t T = s.T;                            // the rows still computed (the last layer: R)
-  const int64_t H = m.H, I = m.I, D = m.D, Hq = m.Hq, Hkv = m.Hkv;
+  const int64_t H = m.H;
   if (T == 0) return;
-  float* residual = ws;                       // [T, H]
-  float* normed = residual + T * H;           // [T, H]
-  float* hidden = normed + T * H;             // [T, H] a layer's output
-  float* o = hidden + T * H;                  // [T, H]
-  float* qkv = o + T * H;                     // [T, (Hq + 2 Hkv) D]
-  float* q = qkv + T * (Hq + 2 * Hkv) * D;    // [T, Hq, D]
-  float* k = q + T * Hq * D;                  // [T, Hkv, D]
-  float* attn = k + T * Hkv * D;              // [T, Hq, D]
-  float* gate_up = attn + T * Hq * D;         // [T, 2I]
-  float* act = gate_up + T * 2 * I;           // [T, I]
-  float* moe = act + T * I;                   // [T, 3 k + E + 2]: a sparse layer's routing (sparse_mlp)
-  const float scale = m.scale > 0.f ? m.scale : 1.f / std::sqrt(static_cast<float>(D));
-  parallel_for(rt, T * H, 4096, [&](int64_t begin, int64_t end) { std::copy(x + begin, x + end, residual + begin); });
+  const Scratch w = scratch(m, T, ws);
+  parallel_for(rt, T * H, 4096, [&](int64_t begin, int64_t end) { std::copy(x + begin, x + end, w.residual + begin); });
   for (int64_t i = 0; i < m.L; ++i) {
     const DecoderLayer& L = m.layers[i];
-    if (i == 0) rms_norm(rt, residual, nullptr, L.input_norm, T, H, m.eps, normed, nullptr);
-    else rms_norm(rt, hidden, residual, L.input_norm, T, H, m.eps, normed, residual);
-    quant_linear(rt, normed, T, H, L.qkv.w, L.qkv.bias, qkv);
-    if (L.q_norm != nullptr) head_norms(rt, qkv, T, Hq, Hkv, D, L.q_norm, L.k_norm, m.eps, L.qk_whole);
-    rope_and_cache(rt, qkv, T, s.positions, L.cos ? L.cos : m.cos, L.sin ? L.sin : m.sin, Hq, Hkv, D,
-                   s.slots[L.group], s.cache_out[i], q, k);
-    AttentionRows rows = s.rows[L.group];
-    if (s.R >= 0 && i == m.L - 1) {   // the rest of the last layer: only the kept rows
-      keep_rows(rt, q, Hq * D, s.keep, s.R);
-      keep_rows(rt, residual, H, s.keep, s.R);
-      rows = s.kept[L.group];
-      T = s.R;
-    }
-    rows.window = L.window;
-    paged_attention(rt, q, T, Hq, s.caches[i], rows, scale, attn);
-    quant_linear(rt, attn, T, Hq * D, L.o.w, L.o.bias, o);
+    if (i == 0) rms_norm(rt, w.residual, nullptr, L.input_norm, T, H, m.eps, w.normed, nullptr);
+    else rms_norm(rt, w.hidden, w.residual, L.input_norm, T, H, m.eps, w.normed, w.residual);
+    T = L.recurrent != nullptr ? recurrent(rt, m, s, i, w, T) : attention(rt, m, s, i, w, T);
     if (L.pre_ffn_norm != nullptr) {           // Gemma: norm the attention's output, add, norm again
-      rms_norm(rt, o, nullptr, L.post_norm, T, H, m.eps, o, nullptr);
-      rms_norm(rt, o, residual, L.pre_ffn_norm, T, H, m.eps, normed, residual);
+      rms_norm(rt, w.o, nullptr, L.post_norm, T, H, m.eps, w.o, nullptr);
+      rms_norm(rt, w.o, w.residual, L.pre_ffn_norm, T, H, m.eps, w.normed, w.residual);
     } else {
-      rms_norm(rt, o, residual, L.post_norm, T, H, m.eps, normed, residual);
+      rms_norm(rt, w.o, w.residual, L.post_norm, T, H, m.eps, w.normed, w.residual);
     }
     if (L.sparse != nullptr)
-      sparse_mlp(rt, m, L, normed, T, moe, gate_up, act, o, hidden,
+      sparse_mlp(rt, m, L, w.normed, T, w.moe, w.gate_up, w.act, w.o, w.hidden,
                  s.expert_counts != nullptr ? s.expert_counts + i * m.E : nullptr);
     else
-      dense_mlp(rt, m, L, normed, T, gate_up, act, hidden);
-    if (L.post_ffn_norm != nullptr) rms_norm(rt, hidden, nullptr, L.post_ffn_norm, T, H, m.eps, hidden, nullptr);
+      dense_mlp(rt, m, L, w.normed, T, w.gate_up, w.act, w.hidden);
+    if (L.post_ffn_norm != nullptr) rms_norm(rt, w.hidden, nullptr, L.post_ffn_norm, T, H, m.eps, w.hidden, nullptr);
   }
-  rms_norm(rt, hidden, residual, m.final_norm, T, H, m.eps, out, residual);
+  rms_norm(rt, w.hidden, w.residual, m.final_norm, T, H, m.eps, out, w.residual);
 }
 
 }  // namespace

@@ -21,39 +21,103 @@ pw::Linear linear_view(const QuantLinearArgs& a, int64_t K, std::vector<pw::Pack
   return {w, bias.has_value() ? bias->data_ptr<float>() : nullptr};
 }
 
+// B sequences' new tokens n, tokens after the step ctx and distinct slots of S (0 < n <= ctx), their rows
+// summing to T; snapshots (or none): per row -1 or a slot no sequence runs in
+void check_sequences(int64_t B, const int64_t* n, const int64_t* ctx, const int64_t* slot, int64_t T,
+                     const int64_t* snap, int64_t S) {
+  std::vector<bool> taken(S, false);
+  int64_t rows = 0;
+  for (int64_t i = 0; i < B; ++i) {
+    TORCH_CHECK(n[i] > 0 && ctx[i] >= n[i], "sequence ", i, ": 0 < new tokens <= tokens after the step");
+    TORCH_CHECK(slot[i] >= 0 && slot[i] < S && !taken[slot[i]], "state slot ", slot[i], " outside 0..", S - 1,
+                " or taken twice");
+    taken[slot[i]] = true;
+    rows += n[i];
+  }
+  TORCH_CHECK(rows == T, "the sequences' new tokens sum to ", rows, ", the step has ", T, " rows");
+  for (int64_t r = 0; snap != nullptr && r < T; ++r)
+    TORCH_CHECK(snap[r] < S && (snap[r] < 0 || !taken[snap[r]]), "snapshot slot ", snap[r], " outside 0..", S - 1,
+                " or a running sequence's");
+}
+
+size_t part_count(const LinearOpt& l) { return l.has_value() ? std::get<6>(*l).size() : 0; }
+
+// A recurrent layer's mixer viewed (its z, b, a parts into `parts`): the layer's qkv rows and o's
+// inputs it takes, and the floats a row of its scratch needs (decoder.cpp recurrent)
+pw::RecurrentMixer mixer_view(const MixerArgs& a, int64_t H, std::vector<pw::PackedWeights>& parts, int64_t& qkv_rows,
+                              int64_t& o_in, int64_t& wide) {
+  const auto& [z, b, aa, conv, neg_A, dt_bias, norm, Hk, Hv, dk, dv, tiled, eps] = a;
+  pw::RecurrentMixer m;
+  TORCH_CHECK(conv.scalar_type() == at::kFloat && conv.dim() == 2 && conv.is_contiguous() &&
+              conv.size(1) <= pw::DELTA_NET_MAX_TAPS, "conv taps: fp32 [C, K], K <= ", pw::DELTA_NET_MAX_TAPS);
+  if (!z.has_value()) {                       // LFM2's short conv
+    TORCH_CHECK(!b.has_value() && !aa.has_value() && conv.size(0) == H, "a short conv: taps [H, K] alone");
+    m.taps = conv.data_ptr<float>(), m.K = conv.size(1);
+    qkv_rows = 3 * H, o_in = H, wide = 4 * H;
+    return m;
+  }
+  const int64_t C = 2 * Hk * dk + Hv * dv, V = Hv * dv;
+  TORCH_CHECK(b.has_value() && aa.has_value() && Hk > 0 && Hv % Hk == 0 && conv.size(0) == C &&
+              std::get<1>(*z) == V && std::get<1>(*b) == Hv && std::get<1>(*aa) == Hv,
+              "a Gated DeltaNet: z [Hv dv], b, a [Hv] and taps [C, K] of C = 2 Hk dk + Hv dv");
+  TORCH_CHECK(neg_A.has_value() && dt_bias.has_value() && norm.has_value() && fp32_vector(*neg_A, Hv) &&
+              fp32_vector(*dt_bias, Hv) && fp32_vector(*norm, dv), "neg_A, dt_bias fp32 [Hv], norm fp32 [dv]");
+  m.delta = {Hk, Hv, dk, dv, conv.size(1), conv.data_ptr<float>(), neg_A->data_ptr<float>(),
+             dt_bias->data_ptr<float>(), norm->data_ptr<float>(), static_cast<float>(eps), tiled};
+  m.z = linear_view(*z, H, parts), m.b = linear_view(*b, H, parts), m.a = linear_view(*aa, H, parts);
+  qkv_rows = C, o_in = V, wide = 2 * C + 2 * V + 2 * Hv;
+  return m;
+}
+
 }  // namespace
 
 DecoderStack::DecoderStack(std::shared_ptr<KernelSet> kernels, std::vector<LayerArgs> layers,
                            torch::Tensor final_norm, torch::Tensor cos, torch::Tensor sin, int64_t Hq, int64_t Hkv,
                            int64_t D, double eps, std::vector<LayerExtras> extras, double scale, bool gelu,
-                           std::vector<c10::optional<SparseArgs>> sparse)
+                           std::vector<c10::optional<SparseArgs>> sparse, std::vector<MixerOpt> mixers,
+                           std::vector<bool> gates)
     : k_(std::move(kernels)), layers_(std::move(layers)), extras_(std::move(extras)),
-      sparse_args_(std::move(sparse)), final_norm_(std::move(final_norm)), cos_(std::move(cos)),
-      sin_(std::move(sin)) {
+      sparse_args_(std::move(sparse)), mixer_args_(std::move(mixers)), final_norm_(std::move(final_norm)),
+      cos_(std::move(cos)), sin_(std::move(sin)) {
   TORCH_CHECK(!layers_.empty(), "a decoder stack needs layers");
   const int64_t H = final_norm_.numel();
   TORCH_CHECK(fp32_vector(final_norm_, H) && cos_.scalar_type() == at::kFloat && sin_.scalar_type() == at::kFloat &&
-              cos_.is_contiguous() && sin_.is_contiguous() && cos_.size(-1) == D / 2 && sin_.sizes() == cos_.sizes(),
-              "final norm fp32 [H], cos and sin fp32 [P, D/2]");
+              cos_.is_contiguous() && sin_.is_contiguous() && cos_.size(-1) <= D / 2 && sin_.sizes() == cos_.sizes(),
+              "final norm fp32 [H], cos and sin fp32 [P, rot / 2] (rot <= D)");
   TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0 && D % 2 == 0, "bad head counts");
   TORCH_CHECK(sparse_args_.empty() || sparse_args_.size() == layers_.size(), "sparse: none or one per layer");
-  int64_t widest = 0, experts = 0, topk = 0;
+  TORCH_CHECK((mixer_args_.empty() || mixer_args_.size() == layers_.size()) &&
+              (gates.empty() || gates.size() == layers_.size()), "mixers and gates: none or one per layer");
+  int64_t widest = 0, experts = 0, topk = 0, wide = 0;
   for (size_t i = 0; i < layers_.size(); ++i) {
     const auto& [n1, n2, qkv, o, gate_up, down] = layers_[i];
     const c10::optional<SparseArgs> none;
     const c10::optional<SparseArgs>& sp = sparse_args_.empty() ? none : sparse_args_[i];
+    const MixerOpt no_mixer;
+    const MixerOpt& mx = mixer_args_.empty() ? no_mixer : mixer_args_[i];
+    const bool gated = !gates.empty() && gates[i];
     TORCH_CHECK(fp32_vector(n1, H) && fp32_vector(n2, H), "norm weights: fp32 [H]");
     TORCH_CHECK(gate_up.has_value() == down.has_value() && (sp.has_value() || gate_up.has_value()),
                 "a layer's MLP: gate_up and down (a sparse layer's shared expert: both or neither)");
     const int64_t I2 = gate_up.has_value() ? std::get<1>(*gate_up) : 0;
-    TORCH_CHECK(std::get<1>(qkv) == (Hq + 2 * Hkv) * D && std::get<1>(o) == H && I2 % 32 == 0 &&
-                (!down.has_value() || std::get<1>(*down) == H), "a layer's linear shapes do not match the model");
     auto& parts = *parts_.emplace_back(std::make_unique<std::vector<pw::PackedWeights>>());
-    size_t rest = std::get<6>(qkv).size() + std::get<6>(o).size();
-    if (gate_up.has_value()) rest += std::get<6>(*gate_up).size() + std::get<6>(*down).size();
-    parts.reserve(rest);
+    size_t rest = std::get<6>(qkv).size() + std::get<6>(o).size() + part_count(gate_up) + part_count(down);
+    if (mx.has_value()) rest += part_count(std::get<0>(*mx)) + part_count(std::get<1>(*mx)) + part_count(std::get<2>(*mx));
+    parts.reserve(rest);                      // the parts' addresses must not move
+    int64_t qkv_rows = (Hq + 2 * Hkv) * D + (gated ? Hq * D : 0), o_in = Hq * D;
+    if (gated) wide = std::max(wide, qkv_rows);
+    pw::RecurrentMixer* mixer = nullptr;
+    if (mx.has_value()) {
+      TORCH_CHECK(!gated, "a recurrent layer has no attention gate");
+      int64_t w = 0;
+      mixer = mixers_.emplace_back(std::make_unique<pw::RecurrentMixer>(mixer_view(*mx, H, parts, qkv_rows, o_in, w))).get();
+      wide = std::max(wide, w);
+    }
+    TORCH_CHECK(std::get<1>(qkv) == qkv_rows && std::get<1>(o) == H && I2 % 32 == 0 &&
+                (!down.has_value() || std::get<1>(*down) == H), "a layer's linear shapes do not match the model");
     pw::DecoderLayer v{n1.data_ptr<float>(), n2.data_ptr<float>(), linear_view(qkv, H, parts),
-                       linear_view(o, Hq * D, parts)};
+                       linear_view(o, o_in, parts)};
+    v.recurrent = mixer, v.attn_gate = gated;
     if (gate_up.has_value())
       v.gate_up = linear_view(*gate_up, H, parts), v.down = linear_view(*down, I2 / 2, parts), v.width = I2 / 2;
     if (sp.has_value()) {
@@ -94,14 +158,15 @@ DecoderStack::DecoderStack(std::shared_ptr<KernelSet> kernels, std::vector<Layer
   }
   model_ = {views_.data(), static_cast<int64_t>(views_.size()), H, widest, Hq, Hkv, D, static_cast<float>(eps),
             final_norm_.data_ptr<float>(), cos_.data_ptr<float>(), sin_.data_ptr<float>(), static_cast<float>(scale),
-            gelu, experts, topk};
+            gelu, experts, topk, 2 * cos_.size(-1), wide};
 }
 
 torch::Tensor DecoderStack::forward(torch::Tensor x, torch::Tensor positions, const std::vector<torch::Tensor>& slots,
                                     const std::vector<std::vector<torch::Tensor>>& kv,
                                     const std::vector<torch::Tensor>& tables, const std::vector<torch::Tensor>& row_seq,
                                     const std::vector<torch::Tensor>& row_len, int64_t block_size,
-                                    const Opt& keep, const Opt& expert_counts) const {
+                                    const Opt& keep, const Opt& expert_counts, const Opt& sequences,
+                                    const Opt& snapshots) const {
   const pw::DecoderModel& m = model_;
   TORCH_CHECK(kv.size() == static_cast<size_t>(m.L), "one KV cache per layer");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == m.H && x.scalar_type() == at::kFloat, "x: fp32 [T, hidden]");
@@ -126,8 +191,10 @@ torch::Tensor DecoderStack::forward(torch::Tensor x, torch::Tensor positions, co
   }
   std::vector<pw::Cache> caches(m.L);
   std::vector<pw::CacheOut> outs(m.L);
+  std::vector<pw::DeltaNetSeqs> recurrent = recurrent_states(kv, T, sequences, snapshots);
   for (int64_t i = 0; i < m.L; ++i) {
     const auto& c = kv[i];
+    if (m.layers[i].recurrent != nullptr) continue;
     TORCH_CHECK(c.size() == 2 || c.size() == 4, "a cache is (k, v) or (k, v, k_scale, v_scale)");
     const bool int8 = c[0].scalar_type() == at::kChar;
     TORCH_CHECK(c[1].scalar_type() == c[0].scalar_type() && (int8 || c[0].scalar_type() == at::kFloat) &&
@@ -147,6 +214,7 @@ torch::Tensor DecoderStack::forward(torch::Tensor x, torch::Tensor positions, co
   }
   pw::DecoderStep step{T, positions.data_ptr<int64_t>(), group_slots.data(), caches.data(), outs.data(),
                        rows.data()};
+  step.recurrent = recurrent.empty() ? nullptr : recurrent.data();
   std::vector<torch::Tensor> kept_index;        // the kept rows' seq and len of each group
   std::vector<pw::AttentionRows> kept;
   if (keep.has_value()) {
@@ -179,21 +247,62 @@ torch::Tensor DecoderStack::forward(torch::Tensor x, torch::Tensor positions, co
   return out;
 }
 
+// Each recurrent layer's view of the step (kernels.h DeltaNetSeqs): the sequences [3, B] (new tokens,
+// tokens after the step, state slot) shared, its own states (kv[i]: conv [S, K - 1, C][, delta rule
+// [S, Hv, dk, dv]]); empty for a model without recurrent layers.
+std::vector<pw::DeltaNetSeqs> DecoderStack::recurrent_states(const std::vector<std::vector<torch::Tensor>>& kv,
+                                                             int64_t T, const Opt& sequences,
+                                                             const Opt& snapshots) const {
+  if (mixers_.empty()) return {};
+  TORCH_CHECK(sequences.has_value() && sequences->scalar_type() == at::kLong && sequences->dim() == 2 &&
+              sequences->size(0) == 3 && sequences->is_contiguous(), "sequences: int64 [3, B] with recurrent layers");
+  const int64_t B = sequences->size(1), *n = sequences->data_ptr<int64_t>(), *ctx = n + B, *slot = ctx + B;
+  TORCH_CHECK(!snapshots.has_value() || (snapshots->scalar_type() == at::kLong && snapshots->is_contiguous() &&
+                                         snapshots->numel() == T), "snapshots: int64 [T]");
+  const int64_t* snap = snapshots.has_value() ? snapshots->data_ptr<int64_t>() : nullptr;
+  std::vector<pw::DeltaNetSeqs> out(model_.L);
+  for (int64_t i = 0; i < model_.L; ++i) {
+    const pw::RecurrentMixer* r = model_.layers[i].recurrent;
+    if (r == nullptr) continue;
+    const auto& st = kv[i];
+    const bool delta = r->taps == nullptr;
+    const int64_t H = model_.H, C = delta ? 2 * r->delta.Hk * r->delta.dk + r->delta.Hv * r->delta.dv : H;
+    const int64_t K = delta ? r->delta.K : r->K;
+    TORCH_CHECK(st.size() == (delta ? 2u : 1u), "a recurrent layer's states: (conv, delta rule) or (conv,)");
+    for (const auto& t : st) TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu(),
+                                         "states: contiguous fp32 on the CPU");
+    const int64_t S = st[0].size(0);
+    TORCH_CHECK(st[0].dim() == 3 && st[0].size(1) == K - 1 && st[0].size(2) == C, "conv state: [S, K - 1, C]");
+    TORCH_CHECK(!delta || (st[1].dim() == 4 && st[1].size(0) == S && st[1].size(1) == r->delta.Hv &&
+                           st[1].size(2) == r->delta.dk && st[1].size(3) == r->delta.dv), "state: [S, Hv, dk, dv]");
+    check_sequences(B, n, ctx, slot, T, snap, S);
+    out[i] = {B, n, ctx, slot, st[0].data_ptr<float>(), delta ? st[1].data_ptr<float>() : nullptr, snap};
+  }
+  return out;
+}
+
 DecoderStack DecoderStack::from_specs(std::shared_ptr<KernelSet> kernels, const std::vector<LayerSpec>& layers,
                                       torch::Tensor final_norm, torch::Tensor cos, torch::Tensor sin, int64_t Hq,
                                       int64_t Hkv, int64_t D, double eps, double scale, bool gelu) {
   std::vector<LayerArgs> args;
   std::vector<LayerExtras> extras;
   std::vector<c10::optional<SparseArgs>> sparse;
-  bool any_sparse = false;
+  std::vector<MixerOpt> mixers;
+  std::vector<bool> gates;
+  bool any_sparse = false, any_mixer = false;
   for (const LayerSpec& l : layers) {
-    const auto& [in_norm, post_norm, qkv, o, gate_up, down, qn, kn, pre, post, c, s, group, window, sp] = l;
+    const auto& [in_norm, post_norm, qkv, o, gate_up, down, qn, kn, pre, post, c, s, group, window, sp, mx, gate] = l;
     args.emplace_back(in_norm, post_norm, qkv, o, gate_up, down);
     extras.emplace_back(qn, kn, pre, post, c, s, group, window);
     sparse.push_back(sp);
+    mixers.push_back(mx);
+    gates.push_back(gate);
     any_sparse |= sp.has_value();
+    any_mixer |= mx.has_value();
   }
   if (!any_sparse) sparse.clear();
+  if (!any_mixer) mixers.clear();
   return DecoderStack(std::move(kernels), std::move(args), std::move(final_norm), std::move(cos), std::move(sin), Hq,
-                      Hkv, D, eps, std::move(extras), scale, gelu, std::move(sparse));
+                      Hkv, D, eps, std::move(extras), scale, gelu, std::move(sparse), std::move(mixers),
+                      std::move(gates));
 }

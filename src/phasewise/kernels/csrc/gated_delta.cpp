@@ -62,6 +62,9 @@ void conv_block(const DeltaNetLayer& L, int64_t C, const DeltaNetRows& in, const
       Vf acc = Vf::load_n(window(t), m) * taps[0];
       for (int64_t j = 1; j < K; ++j) acc = fma(Vf::load_n(window(t + j), m), taps[j], acc);
       silu(acc).store_n(mixed + (s.row + t) * C + c, m);
+      const int64_t snap = sq.snapshots != nullptr ? sq.snapshots[s.row + t] : -1;
+      for (int64_t p = 0; p < P && snap >= 0; ++p)   // the conv state after row t: its last K - 1 inputs
+        Vf::load_n(window(t + 1 + p), m).store_n(sq.conv_states + snap * P * C + c + p * C, m);
     }
     for (int64_t p = 0; p < P; ++p)      // the last K - 1 inputs; in place, as row n + p >= p is read first
       Vf::load_n(window(s.n + p), m).store_n(cs + p * C, m);
@@ -93,8 +96,8 @@ void conv_unit(const DeltaNetLayer& L, int64_t C, const DeltaNetRows& in, const 
 // (rows row .. row + n): out [T, Hv dv] gets those columns of the head's outputs. FULL: no column past dv.
 // Sums over i run in two chains (even and odd i, added at the end) for the FMA's latency.
 template <int NB, bool FULL>
-void delta_columns(const DeltaNetLayer& L, int64_t C, const DeltaNetRows& in, const float* mixed, const Seq& s,
-                   int64_t h, float* S, int64_t j0, float* out) {
+void delta_columns(const DeltaNetLayer& L, int64_t C, const DeltaNetRows& in, const DeltaNetSeqs& sq,
+                   const float* mixed, const Seq& s, int64_t h, float* S, int64_t j0, float* out) {
   const int64_t dk = L.dk, dv = L.dv, kh = L.tiled ? h % L.Hk : h / (L.Hv / L.Hk);
   int64_t m[NB];
   for (int u = 0; u < NB; ++u) m[u] = std::max<int64_t>(0, std::min<int64_t>(16, dv - j0 - 16 * u));
@@ -114,12 +117,15 @@ void delta_columns(const DeltaNetLayer& L, int64_t C, const DeltaNetRows& in, co
     }
     Vf delta[NB];                                 // beta (v - kv)
     for (int u = 0; u < NB; ++u) delta[u] = (load(v + 16 * u, u) - (kv[0][u] + kv[1][u]) * decay) * beta;
+    const int64_t snap = sq.snapshots != nullptr ? sq.snapshots[r] : -1;
+    float* copy = snap >= 0 ? sq.states + (snap * L.Hv + h) * dk * dv : nullptr;   // the state after row r, too
     for (int64_t i = 0; i < dk; ++i) {           // S = e^g S + k ⊗ delta; out = Sᵀ q
       const Vf ki = Vf::set1(k[i]), qi = Vf::set1(q[i]);
       for (int u = 0; u < NB; ++u) {
         float* p = S + i * dv + j0 + 16 * u;
         const Vf sn = fma(load(p, u), decay, ki * delta[u]);
         store(sn, p, u);
+        if (copy != nullptr) store(sn, copy + i * dv + j0 + 16 * u, u);
         o[i & 1][u] = fma(sn, qi, o[i & 1][u]);
       }
     }
@@ -149,11 +155,11 @@ void delta_head(const DeltaNetLayer& L, int64_t C, const DeltaNetRows& in, const
   for (int64_t j0 = 0; j0 < L.dv; j0 += COLS) {
     const int64_t left = L.dv - j0;
     if (left >= 32)
-      delta_columns<2, true>(L, C, in, mixed, s, h, S, j0, out);
+      delta_columns<2, true>(L, C, in, sq, mixed, s, h, S, j0, out);
     else if (left > 16)
-      delta_columns<2, false>(L, C, in, mixed, s, h, S, j0, out);
+      delta_columns<2, false>(L, C, in, sq, mixed, s, h, S, j0, out);
     else
-      delta_columns<1, false>(L, C, in, mixed, s, h, S, j0, out);
+      delta_columns<1, false>(L, C, in, sq, mixed, s, h, S, j0, out);
   }
   if (L.norm_w == nullptr) return;
   for (int64_t r = s.row; r < s.row + s.n; ++r)

@@ -7,7 +7,7 @@
 
 namespace pw {
 
-constexpr int ABI_VERSION = 16;
+constexpr int ABI_VERSION = 17;
 
 struct Runtime {            // how a call may run: threads of the caller's pool (torch's, through OpenMP)
   int threads = 1;
@@ -107,6 +107,9 @@ struct SparseMlp {          // a decoder layer's mixture of experts (models/moe.
   const float* shared_gate = nullptr;  // [H] Qwen2-MoE: the shared expert's (the layer's gate_up, down) sigmoid gate
 };
 
+struct RecurrentMixer;
+struct DeltaNetSeqs;
+
 struct DecoderLayer {       // one Llama-family decoder layer (and what Qwen3, Gemma 3 and MoE models add)
   const float* input_norm;  // [H]
   const float* post_norm;   // [H] before the MLP; with pre_ffn_norm (Gemma 3): after attention
@@ -122,6 +125,10 @@ struct DecoderLayer {       // one Llama-family decoder layer (and what Qwen3, G
   const float* sin = nullptr;
   int64_t group = 0;                    // its KV group: the step's slots and rows of that group
   int64_t window = 0;                   // > 0: a sliding-window layer
+  // Qwen3.5's gated attention: qkv gives each q head followed by its gate [2 Hq D | k | v]; the
+  // attention's output is multiplied by sigmoid(gate) before o
+  bool attn_gate = false;
+  const RecurrentMixer* recurrent = nullptr;   // a recurrent layer (no attention, no KV), or none
 };
 
 struct DecoderModel {       // the decoder layers of a model, and what every layer shares
@@ -134,6 +141,8 @@ struct DecoderModel {       // the decoder layers of a model, and what every lay
   float scale = 0.f;        // attention's score scale (0: 1/sqrt(D))
   bool gelu = false;        // the MLP's gate: GELU-tanh (Gemma) instead of SiLU
   int64_t E = 0, k = 0;     // the most experts and experts a row takes of any sparse layer
+  int64_t rot = 0;          // RoPE on the first rot dimensions of each head (cos, sin [P, rot / 2]; 0: D)
+  int64_t W = 0;            // floats a row the widest recurrent or gated-attention layer needs (decoder.cpp)
 };
 
 struct DecoderStep {        // one step's rows, and the caches of every layer
@@ -151,6 +160,9 @@ struct DecoderStep {        // one step's rows, and the caches of every layer
   // [L, E] zeroed by the caller, or none: each sparse layer's (row, choice) pairs per expert this step
   // (the last layer's: of the kept rows, the only ones its experts run for)
   int64_t* expert_counts = nullptr;
+  // [L]: a recurrent layer's sequences and state slots (query_lens, context_lens and slots shared by
+  // every layer, each its own states); attention layers' entries unused; none without recurrent layers
+  const DeltaNetSeqs* recurrent = nullptr;
 };
 
 struct DeltaNetLayer {      // one Gated DeltaNet layer's token mixer (gated_delta.cpp, layers/gated_delta.py)
@@ -179,13 +191,27 @@ struct DeltaNetSeqs {       // a step's sequences (sequence i's rows follow sequ
   const int64_t* context_lens;  // [B] tokens after this step: equal to query_lens where the sequence starts
   const int64_t* slots;         // [B] distinct state slots (a starting sequence's slot is zeroed first)
   float* conv_states;           // [S, K - 1, C] each slot's last K - 1 conv inputs
-  float* states;                // [S, Hv, dk, dv] each slot's delta-rule state
+  float* states;                // [S, Hv, dk, dv] each slot's delta-rule state (a short conv: none)
+  // [T] or none: row r's states (after it) also copied to slot snapshots[r] where >= 0 (a verify step's
+  // drafts: the states after each draft row, for the runner to roll back to)
+  const int64_t* snapshots = nullptr;
+};
+
+struct RecurrentMixer {     // a decoder layer's recurrent token mixer, in place of attention (decoder.cpp)
+  // Gated DeltaNet (Qwen3.5, Qwen3-Next): the layer's qkv is in_proj_qkv [C rows], its o out_proj;
+  // z [Hv dv], b and a [Hv] the other input projections
+  DeltaNetLayer delta;
+  Linear z, b, a;
+  // LFM2's short conv (taps != nullptr): qkv is in_proj [3 H rows: B, C, x], o out_proj;
+  // y = C conv(B x), a depthwise causal conv of K taps [H, K], no activation
+  const float* taps = nullptr;
+  int64_t K = 0;
 };
 
 // The floats of scratch decoder_stack needs for T rows (the caller owns it; reuse is fine).
 inline int64_t decoder_workspace(const DecoderModel& m, int64_t T) {
   const int64_t qkv = (m.Hq + 2 * m.Hkv) * m.D;
-  return T * (4 * m.H + qkv + (2 * m.Hq + m.Hkv) * m.D + 3 * m.I + (m.E ? m.E + 3 * m.k + 2 : 0));
+  return T * (4 * m.H + qkv + (2 * m.Hq + m.Hkv) * m.D + 3 * m.I + (m.E ? m.E + 3 * m.k + 2 : 0) + m.W);
 }
 
 struct KernelTable {
