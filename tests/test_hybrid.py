@@ -223,15 +223,15 @@ def test_prefix_hits_and_later_turns_give_the_tokens_of_a_cold_run(case, folders
         assert [o.cached_tokens for o in outs] == [0, 20, 28], budget
 
 
-def test_what_does_not_run_on_hybrids_yet_says_so(folders):
+def test_what_does_not_run_on_hybrids_yet_says_so(folders, default_model_path):
     from phasewise import LLM
 
     folder, _ = folders("qwen3_5")
     _, cfg = load_model(folder)
     with pytest.raises(ValueError, match="hybrid with recurrent layers"):
         check_tensor_parallel(cfg, 2)
-    with pytest.raises(ValueError, match="draft model on qwen3_5"):
-        LLM(model=str(folder), dtype="fp32", speculative="draft", warmup=False)
+    with pytest.raises(ValueError, match="hybrid draft model .* needs a hybrid target"):
+        LLM(model=str(default_model_path), speculative=f"draft:{folder}", warmup=False)
 
 
 def test_ngram_speculation_rolls_the_state_back_to_the_last_accepted_draft(tmp_path):

@@ -83,8 +83,9 @@ def test_hybrid_stack_matches_the_python_layers(int8_hybrid, ops):
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_engine_on_the_stack_gives_the_python_layers_tokens(case, tmp_path):
     """An int8 hybrid served by the engine runs on the stack (chosen once, at build): alone, batched, in
-    chunks of 3, preempted, after prefix hits and under n-gram speculation (the stack's verify steps
-    snapshot the states) it gives the greedy tokens of its Python layers on the same kernels. The model
+    chunks of 3, preempted, after prefix hits, under n-gram speculation (the stack's verify steps
+    snapshot the states) and drafted by itself in q4 (a hybrid draft) it gives the greedy tokens of its
+    Python layers on the same kernels. The model
     is made to repeat itself (output head = embedding, mixers damped) so drafts are taken and refused."""
     from model_builders import with_tokenizer
 
@@ -126,3 +127,7 @@ def test_the_engine_on_the_stack_gives_the_python_layers_tokens(case, tmp_path):
     assert [o.token_ids for o in spec.generate(prompts, params)] == want
     drafted, accepted = spec.engine.core.spec.num_draft_tokens, spec.engine.core.spec.num_accepted_tokens
     assert 0 < accepted < drafted
+    draft = LLM(**kw, speculative="draft", num_speculative_tokens=3)   # itself in q4: its states roll back too
+    assert [o.token_ids for o in draft.generate(prompts, params)] == want
+    assert [o.token_ids for o in draft.generate(prompts[:1], params)] == want[:1]
+    assert draft.engine.core.spec.num_accepted_tokens > 0

@@ -114,8 +114,10 @@ def build_engine(config: EngineConfig) -> EngineParts:
         draft_model = None
         proposer: Proposer | None = NgramProposer(spec.ngram_min, spec.ngram_max) if spec.method == "ngram" else None
         if spec.method == "draft":
-            draft_model, draft_kv = _draft_model(config, model_path, model_config, kernels, max_model_len, num_blocks)
-            proposer = DraftModelProposer(draft_model, draft_kv, tokenizer.eos_token_ids, config.device, kernels)
+            draft_model, draft_kv = _draft_model(config, model_path, model_config, kernels, max_model_len, num_blocks,
+                                                 slots)
+            proposer = DraftModelProposer(draft_model, draft_kv, tokenizer.eos_token_ids, config.device, kernels,
+                                          slots if draft_model.config.recurrent_layers else 0)
         runner = ModelRunner(model, kv_cache, tokenizer.eos_token_ids, config.device, kernels, tp,
                              snapshot_slots=range(slots + checkpoints, slots + checkpoints + snapshots))
         core = EngineCore(runner, config.scheduler, num_blocks, cache.block_size, max_model_len,
@@ -135,9 +137,6 @@ def build_engine(config: EngineConfig) -> EngineParts:
 
 def _check_speculation(cfg: ModelConfig, spec: SpeculativeConfig, tp_size: int) -> None:
     """What speculative decoding cannot run with yet: a ValueError saying so."""
-    if cfg.recurrent_layers and spec.method == "draft":
-        raise ValueError(f"a draft model on {cfg.architecture} (a hybrid with recurrent layers) is not supported "
-                         "yet: use --speculative ngram")
     if tp_size > 1 and spec.method == "draft":
         raise ValueError("a draft model does not run with tensor parallelism yet: use --speculative ngram")
 
@@ -158,9 +157,10 @@ def _cache_size(cfg: ModelConfig, config: EngineConfig, kv_dtype: torch.dtype) -
 
 
 def _draft_model(config: EngineConfig, target_path: Path, target: ModelConfig, kernels: Kernels | None,
-                 max_model_len: int, num_blocks: int) -> tuple[LlamaForCausalLM, KVCache]:
+                 max_model_len: int, num_blocks: int, state_slots: int) -> tuple[LlamaForCausalLM, KVCache]:
     """The draft model of `--speculative draft` (the target itself unless another is named) and its own
-    KV cache in the target's block layout (same block count and size, its own dtype)."""
+    KV cache in the target's block layout (same block count and size, its own dtype); a hybrid draft's
+    states two per sequence that may run (`state_slots`): its committed tokens' and its drafts'."""
     spec: SpeculativeConfig = config.speculative
     if target.kv_group_windows[0] is not None:
         raise ValueError("a draft model needs a target with full-attention layers (every layer of this one "
@@ -169,6 +169,9 @@ def _draft_model(config: EngineConfig, target_path: Path, target: ModelConfig, k
     draft, cfg = load_prepared(path, spec.draft_dtype, config.device, kernels, plain=config.kernels == "torch",
                                packed_cache=config.packed_cache)
     draft.build_stack(_bound(kernels, spec.draft_dtype))
+    if cfg.recurrent_layers and not target.recurrent_layers:
+        raise ValueError(f"a hybrid draft model ({cfg.architecture}) needs a hybrid target (its states follow "
+                         "the target's state slots): use an attention-only draft, or --speculative ngram")
     if cfg.vocab_size != target.vocab_size:
         raise ValueError(f"the draft model {path} has {cfg.vocab_size} tokens in its vocabulary, the "
                          f"target {target.vocab_size}: they must share the tokenizer")
@@ -176,7 +179,8 @@ def _draft_model(config: EngineConfig, target_path: Path, target: ModelConfig, k
         raise ValueError(f"the draft model {path} holds {cfg.max_position_embeddings} positions, fewer "
                          f"than the context length {max_model_len}: lower --max-model-len")
     kv = KVCache(cfg, num_blocks, config.cache.block_size, parse_dtype(spec.draft_dtype), config.device,
-                 grouped=False)   # read through the target's first group's table
+                 grouped=False,   # read through the target's first group's table
+                 num_state_slots=2 * state_slots if cfg.recurrent_layers else 0)
     return draft, kv
 
 

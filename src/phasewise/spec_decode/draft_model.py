@@ -12,6 +12,11 @@ writes stay inside the slots the scheduler reserved for the chunk and its drafts
 only touch the draft's own cache: whatever the draft computes, the target's outputs
 are decided by verification alone.
 
+A hybrid draft's recurrent state cannot be cut back like its K/V: its slot (the request's state
+slot) holds the state after the committed tokens only. The drafts run on a second slot (slot +
+state_slots), a copy made after the catch-up, so the next proposal catches up from the committed
+tokens, re-feeding the drafts that were accepted with the tokens after them.
+
 Greedy requests get the draft's argmax. Sampled requests get a draw from q, the
 draft's distribution under the request's own settings (bans, penalties over the
 output plus the drafts so far, temperature, filters: the closer q is to p, the more
@@ -56,8 +61,10 @@ class DraftState:
 
 class DraftModelProposer:
     def __init__(self, model: CausalLM, kv_cache: KVCache, eos_token_ids: frozenset[int] = frozenset(),
-                 device: torch.device | str = "cpu", kernels: Kernels | None = None) -> None:
+                 device: torch.device | str = "cpu", kernels: Kernels | None = None, state_slots: int = 0) -> None:
+        """state_slots: a hybrid draft's, the target's sequences at once (its cache holds twice as many)."""
         self.model, self.kv_cache, self.eos_token_ids = model, kv_cache, eos_token_ids
+        self.state_slots = state_slots
         self.kernels = kernels                   # the engine's compiled CPU kernels (argmax), or None
         self.device = torch.device(device)
         self.vocab_size = model.config.vocab_size
@@ -67,10 +74,14 @@ class DraftModelProposer:
         reqs = [c.request for c in chunks]
         states = [self._state(r) for r in reqs]
         # Catch up: feed committed tokens from the first one the draft lacks (at least the last one).
-        starts = [min(st.valid(r.token_ids), r.num_tokens - 1) for st, r in zip(states, reqs)]
-        logits = self._forward([r.token_ids[s:] for s, r in zip(starts, reqs)], starts, reqs)
+        starts = [self._start(st, r) for st, r in zip(states, reqs)]
+        slots = [self._slot(r) for r in reqs] if self.state_slots else None
+        logits = self._forward([r.token_ids[s:] for s, r in zip(starts, reqs)], starts, reqs, slots)
         for st, r in zip(states, reqs):
             st.num_committed, st.fed = r.num_tokens, []
+        if slots is not None:                 # the drafts run on a copy of the committed tokens' state
+            self.kv_cache.copy_states([(s, s + self.state_slots) for s in slots])
+            slots = [s + self.state_slots for s in slots]
         drafts: list[list[int]] = [[] for _ in chunks]
         qs: list[list[Tensor]] = [[] for _ in chunks]
         active = list(range(len(chunks)))
@@ -87,7 +98,8 @@ class DraftModelProposer:
             active = [active[j] for j in still]
             # Feed each active request its newest draft, at the position after the previous one.
             pos = [reqs[i].num_tokens + len(drafts[i]) - 1 for i in active]
-            logits = self._forward([[drafts[i][-1]] for i in active], pos, [reqs[i] for i in active])
+            logits = self._forward([[drafts[i][-1]] for i in active], pos, [reqs[i] for i in active],
+                                   None if slots is None else [slots[i] for i in active])
             for i in active:
                 states[i].fed.append(drafts[i][-1])
         for c, d, q in zip(chunks, drafts, qs):
@@ -103,13 +115,28 @@ class DraftModelProposer:
             st = req.spec_state = DraftState(preemptions=req.metrics.preemptions, generator=gen)
         return st
 
-    def _forward(self, token_lists: list[list[int]], starts: list[int], reqs: list[Request]) -> Tensor:
-        """Run the draft on each request's tokens placed at starts[i]..; logits at each last row [B, V]."""
+    @staticmethod
+    def _slot(req: Request) -> int:
+        assert req.state_slot is not None, "a hybrid draft runs beside a hybrid target (the request's state slot)"
+        return req.state_slot
+
+    def _start(self, st: DraftState, req: Request) -> int:
+        """Where the catch-up starts: the first token whose draft K/V are not right, at most the last
+        (a hybrid draft: the first not in its state, or the start where the state is ahead of that)."""
+        if not self.state_slots:
+            return min(st.valid(req.token_ids), req.num_tokens - 1)
+        return st.num_committed if st.num_committed < req.num_tokens else 0
+
+    def _forward(self, token_lists: list[list[int]], starts: list[int], reqs: list[Request],
+                 state_slots: list[int] | None = None) -> Tensor:
+        """Run the draft on each request's tokens placed at starts[i].. (a hybrid's states in state_slots);
+        logits at each last row [B, V]."""
         ids = [t for ts in token_lists for t in ts]
         positions = [p for ts, s in zip(token_lists, starts) for p in range(s, s + len(ts))]
         lens = [len(ts) for ts in token_lists]
         meta = AttentionMetadata.build(lens, [s + n for s, n in zip(starts, lens)], [r.block_ids for r in reqs],
                                        self.kv_cache.block_size, self.device)
+        meta.state_slots = state_slots
         last = torch.tensor(lens, device=self.device).cumsum(0) - 1
         hidden = self.model(torch.tensor(ids, dtype=torch.long, device=self.device),
                             torch.tensor(positions, dtype=torch.long, device=self.device),
