@@ -79,5 +79,6 @@ void test_float_linear(const pw::KernelTable& k);
 void test_moe_route(const pw::KernelTable& k);
 // delta_net_tests.cpp
 void test_delta_net_mix(const pw::KernelTable& k, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int64_t K, bool norm);
+void test_short_conv(int64_t H, int64_t K);
 
 }  // namespace kt

@@ -3,6 +3,8 @@
 // and each row's bits and the final states the same when the sequences run batched, alone, or in chunks.
 #include "check.h"
 
+#include "core.h"
+
 #include <algorithm>
 #include <cmath>
 
@@ -28,7 +30,8 @@ struct DeltaCase {          // one layer's weights, a pool of S state slots and 
   // rows `rows` of the inputs (in that order) through the kernel as sequences of query_lens, context_lens, slots
   std::vector<float> run(const pw::KernelTable& k, bool norm, const std::vector<int64_t>& rows,
                          const std::vector<int64_t>& ql, const std::vector<int64_t>& cl, const std::vector<int64_t>& sl,
-                         std::vector<float>& conv, std::vector<float>& state) const {
+                         std::vector<float>& conv, std::vector<float>& state,
+                         const std::vector<int64_t>& snapshots = {}) const {
     const int64_t T = rows.size();
     std::vector<float> q(T * C), ra(T * Hv), rb(T * Hv), rz(T * Hv * dv), mixed(T * C), out(T * Hv * dv);
     for (int64_t t = 0; t < T; ++t) {
@@ -38,7 +41,8 @@ struct DeltaCase {          // one layer's weights, a pool of S state slots and 
       std::copy_n(z.data() + rows[t] * Hv * dv, Hv * dv, rz.data() + t * Hv * dv);
     }
     const pw::DeltaNetRows in{q.data(), ra.data(), rb.data(), rz.data(), C, Hv, Hv, Hv * dv};
-    const pw::DeltaNetSeqs seqs{static_cast<int64_t>(ql.size()), ql.data(), cl.data(), sl.data(), conv.data(), state.data()};
+    const pw::DeltaNetSeqs seqs{static_cast<int64_t>(ql.size()), ql.data(), cl.data(), sl.data(), conv.data(), state.data(),
+                                snapshots.empty() ? nullptr : snapshots.data()};
     k.delta_net_mix(RT, layer(norm), in, T, seqs, mixed.data(), out.data());
     return out;
   }
@@ -117,10 +121,15 @@ void test_delta_net_mix(const pw::KernelTable& k, int64_t Hk, int64_t Hv, int64_
   check_close(std::string(name) + " states", state.data(), rstate.data(), state.size(), 1e-4f, 2e-6f);
   check(std::string(name) + " conv states", conv == rconv);
   // the same rows in steps of 1 and 3 tokens per sequence, batched together, and the decode row alone
+  std::vector<float> after_conv, after_state;   // the last sequence's states after each of its first two rows
   for (int64_t chunk : {1, 3}) {
     std::vector<float> cc = c.conv0, cs = c.state0, out(T * D);
     std::vector<int64_t> done(3, 0);
     while (done != ql) {
+      if (chunk == 1 && (done[2] == 1 || done[2] == 2)) {
+        after_conv.insert(after_conv.end(), cc.begin() + 4 * P, cc.begin() + 5 * P);
+        after_state.insert(after_state.end(), cs.begin() + 4 * SS, cs.begin() + 5 * SS);
+      }
       std::vector<int64_t> rows, q, ctx, slots;
       for (int64_t i = 0, r0 = 0; i < 3; r0 += ql[i], ++i) {
         const int64_t n = std::min(chunk, ql[i] - done[i]);
@@ -137,6 +146,71 @@ void test_delta_net_mix(const pw::KernelTable& k, int64_t Hk, int64_t Hv, int64_
   std::vector<float> cc = c.conv0, cs = c.state0;
   const auto alone = c.run(k, norm, {6}, {1}, {10}, {0}, cc, cs);
   check(std::string(name) + " alone", std::equal(alone.begin(), alone.end(), got.begin() + 6 * D));
+  // a verify step: the last sequence's states after its first two rows also copied to slots 1 and 2
+  std::vector<int64_t> snaps(T, -1);
+  snaps[7] = 1, snaps[8] = 2;
+  cc = c.conv0, cs = c.state0;
+  const auto snapped = c.run(k, norm, all, ql, cl, sl, cc, cs, snaps);
+  bool same = snapped == got;
+  for (int64_t j = 0; j < 2; ++j)
+    same = same && std::equal(cc.begin() + (1 + j) * P, cc.begin() + (2 + j) * P, after_conv.begin() + j * P) &&
+           std::equal(cs.begin() + (1 + j) * SS, cs.begin() + (2 + j) * SS, after_state.begin() + j * SS);
+  for (int64_t slot : {0, 3, 4})
+    same = same && std::equal(cs.begin() + slot * SS, cs.begin() + (slot + 1) * SS, state.begin() + slot * SS);
+  check(std::string(name) + " snapshots", same);
+}
+
+// LFM2's short conv (short_conv.cpp, not a table entry: this build's own) against a scalar reference
+// in double: B, C, x rows of a starting and a continuing sequence, y = C conv(B x), the states after,
+// a row's bits the same in chunks of one, and the snapshots of a verify step
+void test_short_conv(int64_t H, int64_t K) {
+  const int64_t T = 7, S = 4, P = K - 1;
+  const std::vector<float> in = randn(T * 3 * H), taps = randn(H * K, 0.5f), conv0 = randn(S * P * H);
+  const std::vector<int64_t> ql{4, 3}, cl{4, 9}, sl{2, 0};
+  auto run = [&](const std::vector<int64_t>& rows, const std::vector<int64_t>& q, const std::vector<int64_t>& ctx,
+                 const std::vector<int64_t>& slots, std::vector<float>& conv, const int64_t* snaps) {
+    std::vector<float> x(rows.size() * 3 * H), out(rows.size() * H);
+    for (size_t t = 0; t < rows.size(); ++t) std::copy_n(in.data() + rows[t] * 3 * H, 3 * H, x.data() + t * 3 * H);
+    const pw::DeltaNetSeqs seqs{static_cast<int64_t>(q.size()), q.data(), ctx.data(), slots.data(), conv.data(), nullptr,
+                                snaps};
+    pw::short_conv_mix(RT, x.data(), 3 * H, static_cast<int64_t>(rows.size()), H, taps.data(), K, seqs, out.data());
+    return out;
+  };
+  std::vector<float> conv = conv0, want(T * H), ref = conv0;
+  const auto got = run({0, 1, 2, 3, 4, 5, 6}, ql, cl, sl, conv, nullptr);
+  std::fill_n(ref.begin() + 2 * P * H, P * H, 0.f);                 // slot 2 starts
+  for (int64_t i = 0, r0 = 0; i < 2; r0 += ql[i], ++i)
+    for (int64_t ch = 0; ch < H; ++ch) {
+      float* st = ref.data() + sl[i] * P * H + ch;
+      std::vector<double> w(P + ql[i]);
+      for (int64_t p = 0; p < P; ++p) w[p] = st[p * H];
+      for (int64_t t = 0; t < ql[i]; ++t)
+        w[P + t] = double(in[(r0 + t) * 3 * H + ch]) * in[(r0 + t) * 3 * H + 2 * H + ch];
+      for (int64_t t = 0; t < ql[i]; ++t) {
+        double acc = 0;
+        for (int64_t j = 0; j < K; ++j) acc += w[t + j] * taps[ch * K + j];
+        want[(r0 + t) * H + ch] = static_cast<float>(in[(r0 + t) * 3 * H + H + ch] * acc);
+      }
+      for (int64_t p = 0; p < P; ++p) st[p * H] = static_cast<float>(w[ql[i] + p]);
+    }
+  const std::string name = "short_conv_mix H=" + std::to_string(H) + " K=" + std::to_string(K);
+  check_close(name, got.data(), want.data(), got.size(), 1e-4f, 1e-5f);
+  check_close(name + " states", conv.data(), ref.data(), conv.size(), 1e-5f, 1e-6f);
+  std::vector<float> one = conv0, out(T * H);                       // row by row, the two sequences batched
+  std::vector<float> after_first;
+  for (int64_t t = 0; t < 4; ++t) {
+    std::vector<int64_t> rows{t}, q{1}, ctx{t + 1}, slots{2};
+    if (t < 3) rows.push_back(4 + t), q.push_back(1), ctx.push_back(7 + t), slots.push_back(0);
+    const auto step = run(rows, q, ctx, slots, one, nullptr);
+    for (size_t r = 0; r < rows.size(); ++r) std::copy_n(step.data() + r * H, H, out.data() + rows[r] * H);
+    if (t == 0) after_first.assign(one.begin(), one.begin() + P * H);   // slot 0 after sequence 1's first row
+  }
+  check(name + " chunks of 1", out == got && one == conv);
+  std::vector<float> snapped = conv0;
+  const std::vector<int64_t> snaps{-1, -1, -1, -1, 3, -1, -1};       // sequence 1's first row's state to slot 3
+  const auto again = run({0, 1, 2, 3, 4, 5, 6}, ql, cl, sl, snapped, snaps.data());
+  check(name + " snapshots", again == got && std::equal(after_first.begin(), after_first.end(),
+                                                          snapped.begin() + 3 * P * H));
 }
 
 }  // namespace kt

@@ -246,6 +246,8 @@ int main() {
     test_delta_net_mix(k, 1, 2, 8, 8, 3, norm);        // heads narrower than a vector
     test_delta_net_mix(k, 1, 2, 128, 128, 4, norm);    // Qwen3.5's head sizes
   }
+  test_short_conv(40, 3);                               // LFM2's taps; a partial vector of channels
+  test_short_conv(64, 4);
   check("int8_peak_gops", k.int8_peak_gops(RT, 2000) > 0.0);
   std::printf("results digest %016llx\n%d passed, %d failed\n", static_cast<unsigned long long>(digest), passed, failed);
   return failed == 0 ? 0 : 1;
