@@ -20,6 +20,8 @@ from phasewise.loading.loader import check_memory, load_config, load_prepared, p
 from phasewise.loading.sharding import check_tensor_parallel, shard_config
 from phasewise.models.config import ModelConfig
 from phasewise.engine.precision import Precision, choose as choose_precision
+from phasewise.engine.prompt_cache import check_supported as check_prompt_cache, open_disk_tier
+from phasewise.core.prompt_store import Clock
 from phasewise.runner.kv_cache import KVCache, kv_bytes_per_block, num_blocks_for_memory, state_slots_for_memory
 from phasewise.runner.model_runner import ModelRunner
 from phasewise.runner.thread_governor import ThreadGovernor
@@ -71,15 +73,17 @@ class EngineParts:
     load_ms: float                            # building took this long
 
 
-def build_engine(config: EngineConfig) -> EngineParts:
+def build_engine(config: EngineConfig, clock: Clock | None = None) -> EngineParts:
     """Check the config against the model (cheap failures first), then load everything it names.
-    ValueError (one line) for what cannot run; a tensor-parallel group started on the way is stopped."""
+    ValueError (one line) for what cannot run; a tensor-parallel group started on the way is stopped.
+    clock: what the prompt cache's TTLs are measured by (the wall clock by default)."""
     started = time.perf_counter()
     check_device(config.device)
     model_path = resolve_model_path(config.model)
     full = load_config(model_path)   # cheap: an unsupported architecture fails before anything slow
     spec, size, cache = config.speculative, config.tensor_parallel_size, config.cache
     check_tensor_parallel(full, size)
+    check_prompt_cache(config, full)
     _check_speculation(full, spec, size)
     kernels = choose_kernels(config)
     precision = choose_precision(model_path, config.dtype, cache.kv_dtype, kernels, full.architecture)
@@ -118,9 +122,10 @@ def build_engine(config: EngineConfig) -> EngineParts:
             proposer = DraftModelProposer(draft_model, draft_kv, tokenizer.eos_token_ids, config.device, kernels)
         runner = ModelRunner(model, kv_cache, tokenizer.eos_token_ids, config.device, kernels, tp,
                              snapshot_slots=range(slots + checkpoints, slots + checkpoints + snapshots))
+        disk = open_disk_tier(config, model_path, precision.weights, kv_cache, kernels is not None, clock)
         core = EngineCore(runner, config.scheduler, num_blocks, cache.block_size, max_model_len,
                           cache.enable_prefix_caching, proposer, spec.num_speculative_tokens,
-                          model_config.kv_group_windows, slots, checkpoints)
+                          model_config.kv_group_windows, slots, checkpoints, disk)
     except BaseException:
         if ranks:
             ranks.stop()

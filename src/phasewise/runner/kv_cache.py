@@ -16,6 +16,7 @@ at position 0).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -110,6 +111,48 @@ class KVCache:
         self.data[:, :, slots] = parts["kv"].to(self.data.device)
         if self.dtype == torch.int8:
             self.scales[:, :, slots] = parts["scales"].to(self.data.device)
+
+
+    # ---- the prompt cache's disk tier (core/disk_tier.py's BlockIO): one block as bytes ---------
+
+    @property
+    def block_layout(self) -> str:
+        """What a block's bytes are: the dtype and per-block shape of each part (the disk fingerprint's)."""
+        P, _, _, H, D = self.data.shape
+        parts = [f"kv:{self.dtype}:{P}x2x{self.block_size}x{H}x{D}"]
+        if self.dtype == torch.int8:
+            parts.append(f"scales:{self.scales.dtype}:{P}x2x{self.block_size}x{H}")
+        return ";".join(parts)
+
+    def _block_parts(self) -> list[torch.Tensor]:
+        """The parts as [P, 2, num_blocks, block_size, ...] views."""
+        P, two, S = self.data.shape[:3]
+        parts = [self.data] + ([self.scales] if self.dtype == torch.int8 else [])
+        return [t.view(P, two, S // self.block_size, self.block_size, *t.shape[3:]) for t in parts]
+
+    def copy_out(self, block_ids: Sequence[int]) -> list[bytes]:
+        """Each block's K and V in every layer (then, int8, their scales) as bytes, [P, 2, block_size, Hkv, D]."""
+        ids = torch.tensor(list(block_ids), dtype=torch.int64, device=self.data.device)
+        parts = [t.index_select(2, ids).movedim(2, 0).contiguous().cpu() for t in self._block_parts()]   # [n, P, 2, bs, ...]
+        return [b"".join(_raw(p[i]) for p in parts) for i in range(len(block_ids))]
+
+    def fill(self, block_ids: Sequence[int], payloads: Sequence[bytes]) -> None:
+        """Write copy_out's bytes into these blocks; ValueError for bytes of another size."""
+        views = self._block_parts()
+        sizes = [v[:, :, 0].numel() * v.element_size() for v in views]
+        for b, payload in zip(block_ids, payloads):
+            if len(payload) != sum(sizes):
+                raise ValueError(f"a KV block of {len(payload)} bytes, this cache's are {sum(sizes)}")
+            at = 0
+            for v, n in zip(views, sizes):
+                raw = torch.frombuffer(bytearray(payload[at:at + n]), dtype=torch.uint8)
+                v[:, :, b] = raw.view(v.dtype).view(v[:, :, b].shape).to(v.device)
+                at += n
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    """A contiguous CPU tensor's bytes, whatever its dtype (numpy has no bfloat16)."""
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 @dataclass
