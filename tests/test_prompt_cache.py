@@ -1,0 +1,98 @@
+"""The prompt cache's disk tier in the engine: a new engine on the same directory (as after a restart)
+reads a prompt seen before from disk and answers exactly as the cold run did; another precision or
+model never reads those blocks; what the disk tier refuses. The files and the core: test_disk_tier.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from phasewise.core.sampling_params import SamplingParams
+from phasewise.report import timings
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+def _restart_reads_from_disk(kw: dict, prompt: list[int]) -> None:
+    """Cold in one engine, then from disk in a fresh one on the same directory: >= 95% of the prompt read
+    from disk, the same greedy tokens; then from RAM in that engine."""
+    from phasewise import LLM
+
+    with LLM(**kw) as cold_llm:
+        cold = cold_llm.generate(prompt, GREEDY)[0]
+        assert cold.cached_tokens == 0
+    with LLM(**kw) as llm:
+        warm = llm.generate(prompt, GREEDY)[0]
+        assert warm.metrics.disk_tokens >= 0.95 * len(prompt) and warm.cached_tokens == warm.metrics.disk_tokens
+        assert warm.token_ids == cold.token_ids
+        t = timings(warm)
+        assert t["disk_n"] == warm.metrics.disk_tokens and t["disk_load_ms"] > 0
+        again = llm.generate(prompt, GREEDY)[0]                 # now in RAM: nothing read from disk
+        assert again.metrics.disk_tokens == 0 and again.cached_tokens >= warm.cached_tokens
+        assert again.token_ids == cold.token_ids
+        stats = llm.engine.stats().disk
+        assert stats is not None and stats.blocks_read == warm.metrics.disk_tokens // 16 and stats.corrupt == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_dtype", ["int8", "model"])
+def test_after_a_restart_the_default_model_reads_a_prompt_from_disk(tmp_path, kv_dtype):
+    from phasewise.tokenization.tokenizer import Tokenizer
+    from phasewise.loading.loader import default_model_path
+
+    text = " ".join(f"Step {i}: check the chain, oil it, and pump the tyres to the pressure on their side."
+                    for i in range(24))
+    prompt = Tokenizer.load(default_model_path()).encode(text)
+    assert len(prompt) >= 400
+    kw = dict(kv_cache_memory=0.1, warmup=False, prompt_cache_dir=str(tmp_path), kv_dtype=kv_dtype,
+              dtype="fp32" if kv_dtype == "model" else "auto")
+    _restart_reads_from_disk(kw, prompt)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from model_builders import build_hf, hf_config, with_tokenizer
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    build_hf(hf_config("llama", max_position_embeddings=1024), seed=5).save_pretrained(folder)
+    return str(with_tokenizer(folder))
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "model"])
+def test_after_a_restart_a_tiny_random_model_reads_a_prompt_from_disk(tmp_path, tiny_model, kv_dtype):
+    from model_builders import prompt_ids
+
+    kw = dict(model=tiny_model, dtype="fp32", kv_dtype=kv_dtype, kv_cache_memory=0.02, warmup=False,
+              prompt_cache_dir=str(tmp_path))
+    _restart_reads_from_disk(kw, prompt_ids(256, 333, seed=9))
+
+
+def test_another_precision_or_salt_never_reads_those_blocks(tmp_path, tiny_model):
+    from model_builders import prompt_ids
+    from phasewise import LLM
+
+    prompt = prompt_ids(256, 100, seed=4)
+    kw = dict(model=tiny_model, dtype="fp32", kv_cache_memory=0.02, warmup=False, prompt_cache_dir=str(tmp_path))
+    salted = SamplingParams(temperature=0, max_tokens=4, cache_salt="tenant-a")
+    with LLM(kv_dtype="int8", **kw) as llm:
+        llm.generate(prompt, GREEDY)
+        llm.generate(prompt, salted)
+        assert llm.generate(prompt, SamplingParams(max_tokens=1, cache_salt="tenant-b"))[0].cached_tokens == 0
+    assert len([p for p in tmp_path.iterdir() if p.is_dir()]) == 1            # one fingerprint's directory
+    with LLM(kv_dtype="model", **kw) as other:                               # fp32 KV: its own directory
+        assert other.generate(prompt, GREEDY)[0].metrics.disk_tokens == 0
+    assert len([p for p in tmp_path.iterdir() if p.is_dir()]) == 2
+    with LLM(kv_dtype="int8", **kw) as again:
+        for salt, expect in ((None, 96), ("tenant-a", 96), ("tenant-c", 0)):
+            out = again.generate(prompt, SamplingParams(max_tokens=1, cache_salt=salt))[0]
+            assert out.metrics.disk_tokens == expect, salt
+
+
+def test_what_the_disk_tier_refuses_is_said_at_start(tmp_path, tiny_model):
+    from phasewise import LLM
+
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ValueError, match="not writable"):
+        LLM(tiny_model, warmup=False, prompt_cache_dir=str(tmp_path / "a-file" / "cache"), kv_cache_memory=0.02)
+    with pytest.raises(ValueError, match="needs prefix caching"):
+        LLM(tiny_model, warmup=False, prompt_cache_dir=str(tmp_path), enable_prefix_caching=False,
+            kv_cache_memory=0.02)
