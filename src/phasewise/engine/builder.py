@@ -74,17 +74,14 @@ class EngineParts:
 
 
 def build_engine(config: EngineConfig, clock: Clock | None = None) -> EngineParts:
-    """Check the config against the model (cheap failures first), then load everything it names.
-    ValueError (one line) for what cannot run; a tensor-parallel group started on the way is stopped.
-    clock: what the prompt cache's TTLs are measured by (the wall clock by default)."""
+    """Check the config against the model (cheap failures first), then load everything it names (TTLs
+    by `clock`). ValueError (one line) for what cannot run; a tensor-parallel group started is stopped."""
     started = time.perf_counter()
     check_device(config.device)
     model_path = resolve_model_path(config.model)
     full = load_config(model_path)   # cheap: an unsupported architecture fails before anything slow
     spec, size, cache = config.speculative, config.tensor_parallel_size, config.cache
-    check_tensor_parallel(full, size)
-    check_prompt_cache(config, full)
-    _check_speculation(full, spec, size)
+    _check_features(config, full)
     kernels = choose_kernels(config)
     precision = choose_precision(model_path, config.dtype, cache.kv_dtype, kernels, full.architecture)
     dtype = parse_dtype(precision.weights)
@@ -136,6 +133,14 @@ def build_engine(config: EngineConfig, clock: Clock | None = None) -> EnginePart
     return EngineParts(config, model_path, model_config, precision, kernels, tokenizer, ranks, model, kv_cache,
                        draft_model, max_model_len, grammars, core, threads,
                        (time.perf_counter() - started) * 1e3)
+
+
+def _check_features(config: EngineConfig, cfg: ModelConfig) -> None:
+    """What the model cannot run with of what the config asks (tensor parallelism, speculation, the
+    prompt cache's disk tier): a ValueError saying so."""
+    check_tensor_parallel(cfg, config.tensor_parallel_size)
+    _check_speculation(cfg, config.speculative, config.tensor_parallel_size)
+    check_prompt_cache(config, cfg)
 
 
 def _check_speculation(cfg: ModelConfig, spec: SpeculativeConfig, tp_size: int) -> None:
