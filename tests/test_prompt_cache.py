@@ -96,3 +96,41 @@ def test_what_the_disk_tier_refuses_is_said_at_start(tmp_path, tiny_model):
     with pytest.raises(ValueError, match="needs prefix caching"):
         LLM(tiny_model, warmup=False, prompt_cache_dir=str(tmp_path), enable_prefix_caching=False,
             kv_cache_memory=0.02)
+
+
+def test_the_flags_reach_the_engine_config(tmp_path):
+    from phasewise.cli import _engine_config, build_parser
+    from phasewise.deploy.options import app_options
+
+    args = build_parser().parse_args(["serve", "--prompt-cache-dir", str(tmp_path), "--prompt-cache-size", "2.5",
+                                      "--prompt-cache-ttl", "300"])
+    cache = _engine_config(args).cache
+    assert (cache.prompt_cache_dir, cache.prompt_cache_size_gib, cache.prompt_cache_ttl) == (str(tmp_path), 2.5, 300)
+    replica = app_options({"prompt_cache_dir": str(tmp_path), "prompt_cache_size": 1})      # a Ray replica's
+    assert (replica.prompt_cache_dir, replica.prompt_cache_size) == (str(tmp_path), 1.0)
+    with pytest.raises(ValueError, match="prompt_cache_size"):
+        type(cache)(prompt_cache_size_gib=0)
+
+
+def test_hybrids_windows_and_tensor_parallelism_are_refused_for_now(tmp_path):
+    from types import SimpleNamespace
+
+    from phasewise.config import CacheConfig, EngineConfig
+    from phasewise.engine.prompt_cache import check_supported
+
+    config = EngineConfig(cache=CacheConfig(prompt_cache_dir=str(tmp_path)))
+    plain = SimpleNamespace(architecture="LlamaForCausalLM", recurrent_layers=[], kv_group_windows=(None,))
+    check_supported(config, plain)
+    with pytest.raises(ValueError, match="hybrid"):
+        check_supported(config, _like(plain, architecture="Lfm2ForCausalLM", recurrent_layers=[0]))
+    with pytest.raises(ValueError, match="sliding-window"):
+        check_supported(config, _like(plain, kv_group_windows=(None, 512)))
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        check_supported(EngineConfig(cache=config.cache, tensor_parallel_size=2), plain)
+    check_supported(EngineConfig(), _like(plain, recurrent_layers=[0]))    # no disk tier: fine
+
+
+def _like(model, **over):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(**{**vars(model), **over})
