@@ -134,3 +134,35 @@ def _like(model, **over):
     from types import SimpleNamespace
 
     return SimpleNamespace(**{**vars(model), **over})
+
+
+def test_a_restart_past_the_ttl_reads_nothing_but_a_longer_request_ttl_holds(tmp_path, tiny_model):
+    from model_builders import prompt_ids
+    from phasewise import LLM
+
+    class Clock:
+        t = 2_000_000.0
+
+        def now(self) -> float:
+            return self.t
+
+    clock = Clock()
+    short, long = prompt_ids(256, 80, seed=1), prompt_ids(256, 80, seed=2)
+    kw = dict(model=tiny_model, dtype="fp32", kv_cache_memory=0.02, warmup=False, prompt_cache_dir=str(tmp_path),
+              prompt_cache_ttl=300, clock=clock)
+    one = SamplingParams(max_tokens=1)
+    with LLM(**kw) as llm:
+        llm.generate([short, long], [one, SamplingParams(max_tokens=1, cache_ttl=3600)])
+    clock.t += 299
+    with LLM(**kw) as llm:
+        assert [o.metrics.disk_tokens for o in llm.generate([short, long], one)] == [64, 64]   # read: refreshed
+    clock.t += 299                                      # 1 s before the refreshed expiry
+    with LLM(**kw) as llm:
+        assert [o.metrics.disk_tokens for o in llm.generate([short, long], one)] == [64, 64]
+        llm.engine.core.disk.sweep()
+        assert llm.engine.stats().disk.evicted_ttl == 0
+    clock.t += 300                                      # refreshed again at the last read: expired now
+    with LLM(**kw) as llm:
+        assert [o.metrics.disk_tokens for o in llm.generate([short, long], one)] == [0, 64]
+        llm.engine.core.disk.sweep()
+        assert llm.engine.stats().disk.evicted_ttl >= 4

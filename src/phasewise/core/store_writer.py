@@ -45,13 +45,14 @@ class StoreWriter:
         self.size = -1                          # the root's bytes as last swept plus what was written since
         self.next_sweep = 0.0
         self.warned = False
+        self.closed = False
         self.thread = threading.Thread(target=self._run, name="prompt-cache-writer", daemon=True)
         self.thread.start()
 
     def write(self, digest: bytes, payload: bytes, ttl: float) -> None:
-        """Queue a block's copy (dropped, and counted, when too much is already waiting)."""
+        """Queue a block's copy (dropped, and counted, when too much is already waiting or after close)."""
         with self.lock:
-            if self.queued_bytes + len(payload) > MAX_QUEUED_BYTES:
+            if self.closed or self.queued_bytes + len(payload) > MAX_QUEUED_BYTES:
                 self.stats.dropped += 1
                 return
             self.queued_bytes += len(payload)
@@ -60,14 +61,17 @@ class StoreWriter:
 
     def refresh(self, digest: bytes, ttl: float) -> None:
         """Queue a use of a block on disk: its expiry pushed to at least now + ttl."""
-        self.jobs.put((digest, None, ttl))
+        if not self.closed:
+            self.jobs.put((digest, None, ttl))
 
     def flush(self) -> None:
         """Wait until everything queued so far is on disk (or has failed)."""
         self.jobs.join()
 
     def close(self) -> None:
-        """Finish what is queued, then stop the thread."""
+        """Finish what is queued, then stop the thread (later writes are dropped)."""
+        with self.lock:
+            self.closed = True
         if self.thread.is_alive():
             self.jobs.put(None)
             self.thread.join()
@@ -79,6 +83,9 @@ class StoreWriter:
                 if job is None:
                     return
                 self._do(*job)
+            except Exception:                   # a bug must not stop the writer (flush would wait forever)
+                self.stats.write_errors += 1
+                log.exception("prompt cache: the writer failed on a block")
             finally:
                 self.jobs.task_done()
 
