@@ -38,10 +38,10 @@ log = logging.getLogger("phasewise.prompt_cache")
 class BlockIO(Protocol):
     """The runner's side: KV blocks as bytes (runner/kv_cache.py's KVCache)."""
 
-    def copy_out(self, block_ids: Sequence[int]) -> list[bytes]:
+    def copy_out(self, block_ids: Sequence[int]) -> list[bytearray]:
         """Each block's contents in every layer, in the cache's own format."""
 
-    def fill(self, block_ids: Sequence[int], payloads: Sequence[bytes]) -> None:
+    def fill(self, block_ids: Sequence[int], payloads: Sequence[bytearray]) -> None:
         """Write copy_out's bytes into these blocks (ValueError for bytes of another layout)."""
 
 
@@ -116,7 +116,7 @@ class DiskTier:
         finally:
             kv.pool.free(hits)
 
-    def _read(self, digests: Sequence[bytes], ttl: float) -> list[bytes]:
+    def _read(self, digests: Sequence[bytes], ttl: float) -> list[bytearray]:
         """The payloads of the leading blocks that read and check out."""
         out = []
         for d in digests:

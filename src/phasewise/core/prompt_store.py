@@ -84,13 +84,14 @@ class PromptStore:
             return False
         return st.st_mtime_ns > _ns(self.clock.now())
 
-    def read(self, digest: bytes, ttl: float) -> bytes | None:
+    def read(self, digest: bytes, ttl: float) -> bytearray | None:
         """The block's payload, its expiry pushed to at least now + ttl; None for a miss. A file that
         does not check out is removed (CorruptEntry is raised for the caller to count it)."""
         path = self.path(digest)
         try:
-            with open(path, "rb") as f:
-                data = f.read()
+            with open(path, "rb", buffering=0) as f:
+                data = bytearray(os.fstat(f.fileno()).st_size)
+                del data[f.readinto(data) or 0:]
         except OSError:
             return None
         payload = self._check(data, digest)
@@ -100,17 +101,15 @@ class PromptStore:
         self.refresh(digest, ttl)
         return payload
 
-    def _check(self, data: bytes, digest: bytes) -> bytes | None:
+    def _check(self, data: bytearray, digest: bytes) -> bytearray | None:
         if len(data) < HEADER.size:
             return None
         magic, version, n, crc, their_digest, fingerprint = HEADER.unpack_from(data)
         if magic != MAGIC or version != VERSION or n != len(data) - HEADER.size or their_digest != digest \
                 or fingerprint != self.fingerprint:
             return None
-        body = memoryview(data)[HEADER.size:]
-        if zlib.crc32(body, zlib.crc32(data[:CRC_COVERS])) != crc:
-            return None
-        return bytes(body)
+        body = data[HEADER.size:]
+        return body if zlib.crc32(body, zlib.crc32(data[:CRC_COVERS])) == crc else None
 
     def refresh(self, digest: bytes, ttl: float) -> None:
         """Mark a use now and keep the entry at least `ttl` seconds more (a longer expiry stays)."""
@@ -124,7 +123,7 @@ class PromptStore:
 
     # ---- the write path (the writer's thread) -------------------------------------------
 
-    def write(self, digest: bytes, payload: bytes, ttl: float) -> int:
+    def write(self, digest: bytes, payload: bytes | bytearray, ttl: float) -> int:
         """Write one block's entry atomically, expiring in `ttl` seconds (or later, if an entry of it
         exists with a later expiry); the bytes written. OSError (a full disk...) leaves nothing behind."""
         path = self.path(digest)

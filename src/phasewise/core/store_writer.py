@@ -32,7 +32,7 @@ class DiskStats:
     dropped: int = 0              # copies dropped because the writer was too far behind
 
 
-Job = tuple[bytes, bytes | None, float]     # (digest, payload or None for a refresh, ttl seconds)
+Job = tuple[bytes, bytes | bytearray | None, float]     # (digest, payload or None for a refresh, ttl seconds)
 
 
 class StoreWriter:
@@ -49,7 +49,7 @@ class StoreWriter:
         self.thread = threading.Thread(target=self._run, name="prompt-cache-writer", daemon=True)
         self.thread.start()
 
-    def write(self, digest: bytes, payload: bytes, ttl: float) -> None:
+    def write(self, digest: bytes, payload: bytes | bytearray, ttl: float) -> None:
         """Queue a block's copy (dropped, and counted, when too much is already waiting or after close)."""
         with self.lock:
             if self.closed or self.queued_bytes + len(payload) > MAX_QUEUED_BYTES:
@@ -89,7 +89,7 @@ class StoreWriter:
             finally:
                 self.jobs.task_done()
 
-    def _do(self, digest: bytes, payload: bytes | None, ttl: float) -> None:
+    def _do(self, digest: bytes, payload: bytes | bytearray | None, ttl: float) -> None:
         if payload is None:
             self.store.refresh(digest, ttl)
         else:

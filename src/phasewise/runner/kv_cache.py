@@ -130,29 +130,32 @@ class KVCache:
         parts = [self.data] + ([self.scales] if self.dtype == torch.int8 else [])
         return [t.view(P, two, S // self.block_size, self.block_size, *t.shape[3:]) for t in parts]
 
-    def copy_out(self, block_ids: Sequence[int]) -> list[bytes]:
-        """Each block's K and V in every layer (then, int8, their scales) as bytes, [P, 2, block_size, Hkv, D]."""
-        ids = torch.tensor(list(block_ids), dtype=torch.int64, device=self.data.device)
-        parts = [t.index_select(2, ids).movedim(2, 0).contiguous().cpu() for t in self._block_parts()]   # [n, P, 2, bs, ...]
-        return [b"".join(_raw(p[i]) for p in parts) for i in range(len(block_ids))]
+    def copy_out(self, block_ids: Sequence[int]) -> list[bytearray]:
+        """Each block's K and V in every layer ([P, 2, block_size, Hkv, D]; then, int8, their scales
+        [P, 2, block_size, Hkv]) as bytes, copied once."""
+        views = self._block_parts()
+        sizes = [v[:, :, 0].numel() * v.element_size() for v in views]
+        out = []
+        for b in block_ids:
+            buf = bytearray(sum(sizes))
+            raw, at = torch.frombuffer(buf, dtype=torch.uint8), 0
+            for v, n in zip(views, sizes):
+                raw[at:at + n].view(v.dtype).view(v[:, :, b].shape).copy_(v[:, :, b])
+                at += n
+            out.append(buf)
+        return out
 
-    def fill(self, block_ids: Sequence[int], payloads: Sequence[bytes]) -> None:
+    def fill(self, block_ids: Sequence[int], payloads: Sequence[bytearray]) -> None:
         """Write copy_out's bytes into these blocks; ValueError for bytes of another size."""
         views = self._block_parts()
         sizes = [v[:, :, 0].numel() * v.element_size() for v in views]
         for b, payload in zip(block_ids, payloads):
             if len(payload) != sum(sizes):
                 raise ValueError(f"a KV block of {len(payload)} bytes, this cache's are {sum(sizes)}")
-            at = 0
+            raw, at = torch.frombuffer(payload, dtype=torch.uint8), 0
             for v, n in zip(views, sizes):
-                raw = torch.frombuffer(bytearray(payload[at:at + n]), dtype=torch.uint8)
-                v[:, :, b] = raw.view(v.dtype).view(v[:, :, b].shape).to(v.device)
+                v[:, :, b] = raw[at:at + n].view(v.dtype).view(v[:, :, b].shape).to(v.device)
                 at += n
-
-
-def _raw(t: torch.Tensor) -> bytes:
-    """A contiguous CPU tensor's bytes, whatever its dtype (numpy has no bfloat16)."""
-    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 @dataclass
