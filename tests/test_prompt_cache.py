@@ -166,3 +166,72 @@ def test_a_restart_past_the_ttl_reads_nothing_but_a_longer_request_ttl_holds(tmp
         assert [o.metrics.disk_tokens for o in llm.generate([short, long], one)] == [0, 64]
         llm.engine.core.disk.sweep()
         assert llm.engine.stats().disk.evicted_ttl >= 4
+
+
+def test_a_full_disk_costs_only_the_cache(tmp_path, tiny_model, monkeypatch):
+    import errno
+    import os
+
+    from model_builders import prompt_ids
+    from phasewise import LLM
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    prompt = prompt_ids(256, 70, seed=6)
+    with LLM(model=tiny_model, dtype="fp32", kv_cache_memory=0.02, warmup=False) as plain:
+        ref = plain.generate(prompt, GREEDY)[0].token_ids
+    kw = dict(model=tiny_model, dtype="fp32", kv_cache_memory=0.02, warmup=False, prompt_cache_dir=str(tmp_path))
+    with LLM(**kw) as llm:
+        monkeypatch.setattr(os, "fsync", full)
+        assert llm.generate(prompt, GREEDY)[0].token_ids == ref
+        llm.engine.core.disk.flush()
+        stats = llm.engine.stats().disk
+        assert stats.write_errors == 4 and stats.blocks_written == 0
+    monkeypatch.undo()
+    with LLM(**kw) as llm:                              # nothing was written: computed again, the same
+        out = llm.generate(prompt, GREEDY)[0]
+        assert out.metrics.disk_tokens == 0 and out.token_ids == ref
+
+
+KILLED_WRITER = """
+import sys
+import time
+from pathlib import Path
+from phasewise import LLM
+from phasewise.core.sampling_params import SamplingParams
+llm = LLM(model=sys.argv[1], dtype="fp32", kv_cache_memory=0.02, warmup=False, prompt_cache_dir=sys.argv[2])
+for seed in range(6):
+    prompt = [(seed * 37 + i * 11) % 256 for i in range(300)]
+    llm.generate(prompt, SamplingParams(max_tokens=1))
+while not any(p.suffix == ".kvb" for p in Path(sys.argv[2]).rglob("*")):   # one block written at least
+    time.sleep(0.01)
+print("ran", flush=True)
+sys.stdin.read()                                     # killed here, the writer still busy or done
+"""
+
+
+def test_kill_9_while_writing_loses_only_the_cache(tmp_path, tiny_model):
+    """A process killed (SIGKILL) while its writer works leaves whole entries or none: a fresh engine on
+    the directory reads what is there and answers as a cold engine does."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from phasewise import LLM
+
+    import phasewise
+
+    env = {**os.environ, "PYTHONPATH": str(Path(phasewise.__file__).parents[1]), "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, tiny_model, str(tmp_path)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout.readline().strip() == "ran"
+    proc.kill()
+    proc.wait()
+    prompts = [[(seed * 37 + i * 11) % 256 for i in range(300)] for seed in range(6)]
+    with LLM(model=tiny_model, dtype="fp32", kv_cache_memory=0.02, warmup=False) as plain:
+        ref = [o.token_ids for o in plain.generate(prompts, GREEDY)]
+    with LLM(model=tiny_model, dtype="fp32", kv_cache_memory=0.02, warmup=False, prompt_cache_dir=str(tmp_path)) as llm:
+        outs = [llm.generate(p, GREEDY)[0] for p in prompts]
+        assert [o.token_ids for o in outs] == ref
+        assert llm.engine.stats().disk.corrupt == 0 and sum(o.metrics.disk_tokens for o in outs) > 0
