@@ -290,3 +290,22 @@ def test_a_crash_mid_write_leaves_a_temporary_that_a_later_sweep_removes(tmp_pat
     clock.t += STALE_TMP_S + 1
     store.sweep()
     assert not tmp.exists()
+
+
+def test_a_block_that_cannot_be_filled_is_computed_and_nothing_is_held(tmp_path, caplog):
+    clock = FakeClock()
+    tokens = list(range(500, 517))
+    kv, io, tier = _engine(tmp_path, clock)
+    _run_prompt(kv, tier, io, _request(tokens))
+    tier.close()
+    kv2, io2, tier2 = _engine(tmp_path, clock)
+
+    def refuse(block_ids, payloads):
+        raise ValueError("a KV block of 3 bytes, this cache's are 4")
+    io2.fill = refuse
+    req = _request(tokens)
+    with caplog.at_level(logging.ERROR, logger="phasewise.prompt_cache"):
+        tier2.prefetch(kv2, [req])
+    assert kv2.get_computed_blocks(req) == [[]] and req.metrics.disk_tokens == 0
+    assert kv2.pool.num_free == 32 and kv2.pool.num_cached == 0 and "computing it" in caplog.text
+    tier2.close()

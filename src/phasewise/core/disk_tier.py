@@ -75,12 +75,17 @@ class DiskTier:
     # ---- reading --------------------------------------------------------------------------
 
     def prefetch(self, kv: KVCacheManager, requests: Iterable[Request]) -> None:
-        """Load from disk the blocks these waiting requests would miss in RAM (each request once)."""
+        """Load from disk the blocks these waiting requests would miss in RAM (each request once). A
+        failure costs the cache only: the request computes those blocks."""
         for req in requests:
             if not req.disk_checked and req.prompt_logprobs is None:
                 req.disk_checked = True
                 started = time.perf_counter()
-                n = self._load(kv, req)
+                try:
+                    n = self._load(kv, req)
+                except Exception:                  # never a failed step for the cache's sake
+                    log.exception("prompt cache: loading %s's prefix failed; computing it", req.request_id)
+                    n = 0
                 if n:
                     req.metrics.disk_tokens += n * kv.block_size
                     req.metrics.disk_load_ms += (time.perf_counter() - started) * 1e3
@@ -96,24 +101,18 @@ class DiskTier:
         if end == len(hits):
             return 0
         kv.pool.touch(hits)                        # the RAM hits stay while fresh blocks are taken
+        fresh = kv.pool.allocate(end - len(hits)) or []
         try:
-            fresh = kv.pool.allocate(end - len(hits))
-            if fresh is None:
-                return 0
-            payloads = self._read(digests[len(hits):end], self._ttl(req))
-            try:
-                self.io.fill(fresh[:len(payloads)], payloads)
-            except ValueError as e:                # bytes of another layout under this fingerprint
-                log.warning("prompt cache: a block did not fit this cache (%s); recomputing it", e)
-                payloads = []
+            payloads = self._read(digests[len(hits):end], self._ttl(req)) if fresh else []
+            self.io.fill(fresh[:len(payloads)], payloads)
             keys = kv.block_keys(req, end)[len(hits):len(hits) + len(payloads)]
             for b, (h, key) in zip(fresh, keys):
                 kv.pool.cache(b, h, key)
-            kv.pool.free(fresh)                    # cached and free (the rest uncached): the scheduler's hits
             self.stats.blocks_read += len(payloads)
             self.stats.bytes_read += sum(map(len, payloads))
             return len(payloads)
         finally:
+            kv.pool.free(fresh)                    # cached and free (the rest uncached): the scheduler's hits
             kv.pool.free(hits)
 
     def _read(self, digests: Sequence[bytes], ttl: float) -> list[bytearray]:
@@ -135,10 +134,18 @@ class DiskTier:
 
     def save(self, kv: KVCacheManager) -> None:
         """Hand the writer copies of the blocks the prefix cache registered since the last call (they
-        are intact: no forward has run since); blocks already on disk are refreshed instead."""
+        are intact: no forward has run since); blocks already on disk are refreshed instead. A failure
+        costs the cache only."""
         new = kv.take_new_cached()
         if not new:
             return
+        try:
+            self._save(new)
+        except Exception:
+            self.stats.write_errors += 1
+            log.exception("prompt cache: copying %d blocks out failed; they stay uncached on disk", len(new))
+
+    def _save(self, new: list[tuple[Request, int, int]]) -> None:
         blocks, jobs, seen = [], [], set()
         for req, i, block in new:
             d = self._digests(req, i + 1)[i]
