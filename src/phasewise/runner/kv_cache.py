@@ -112,7 +112,6 @@ class KVCache:
         if self.dtype == torch.int8:
             self.scales[:, :, slots] = parts["scales"].to(self.data.device)
 
-
     # ---- the prompt cache's disk tier (core/disk_tier.py's BlockIO): one block as bytes ---------
 
     @property
