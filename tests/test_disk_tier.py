@@ -309,3 +309,20 @@ def test_a_block_that_cannot_be_filled_is_computed_and_nothing_is_held(tmp_path,
     assert kv2.get_computed_blocks(req) == [[]] and req.metrics.disk_tokens == 0
     assert kv2.pool.num_free == 32 and kv2.pool.num_cached == 0 and "computing it" in caplog.text
     tier2.close()
+
+
+def test_a_state_read_from_disk_never_takes_a_slot_a_pending_copy_uses():
+    """Before a step is scheduled, the copies pending are the last step's saves (restores are made and taken
+    in one schedule): a state read from disk takes neither their source nor their target slots."""
+    from phasewise.core.state_checkpoints import StateCheckpoints
+
+    ckpt = StateCheckpoints(first_slot=4, capacity=2)            # checkpoint slots 4 and 5
+    ckpt.save(1, "a", from_slot=0)                               # a save into 4, pending
+    assert ckpt.adopt(2, "b") == 5                               # the free slot not pending
+    assert ckpt.adopt(2, "b") is None                            # kept already
+    assert ckpt.adopt(3, "c") == 5 and ckpt.lookup(2, "b") is None   # the LRU entry not pending gives way
+    assert ckpt.lookup(1, "a") == 4 and ckpt.take_copies() == [(0, 4)]
+    assert ckpt.adopt(6, "d") == 4                               # nothing pending now: the LRU entry's slot
+    one = StateCheckpoints(first_slot=1, capacity=1)
+    one.save(1, "a", from_slot=0)
+    assert one.adopt(2, "b") is None and one.lookup(1, "a") == 1   # its only slot awaits a save

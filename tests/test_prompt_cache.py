@@ -112,7 +112,7 @@ def test_the_flags_reach_the_engine_config(tmp_path):
         type(cache)(prompt_cache_size_gib=0)
 
 
-def test_hybrids_windows_and_tensor_parallelism_are_refused_for_now(tmp_path):
+def test_windows_and_tensor_parallelism_are_refused_for_now(tmp_path):
     from types import SimpleNamespace
 
     from phasewise.config import CacheConfig, EngineConfig
@@ -121,13 +121,11 @@ def test_hybrids_windows_and_tensor_parallelism_are_refused_for_now(tmp_path):
     config = EngineConfig(cache=CacheConfig(prompt_cache_dir=str(tmp_path)))
     plain = SimpleNamespace(architecture="LlamaForCausalLM", recurrent_layers=[], kv_group_windows=(None,))
     check_supported(config, plain)
-    with pytest.raises(ValueError, match="hybrid"):
-        check_supported(config, _like(plain, architecture="Lfm2ForCausalLM", recurrent_layers=[0]))
     with pytest.raises(ValueError, match="sliding-window"):
         check_supported(config, _like(plain, kv_group_windows=(None, 512)))
     with pytest.raises(ValueError, match="tensor parallelism"):
         check_supported(EngineConfig(cache=config.cache, tensor_parallel_size=2), plain)
-    check_supported(EngineConfig(), _like(plain, recurrent_layers=[0]))    # no disk tier: fine
+    check_supported(EngineConfig(), _like(plain, kv_group_windows=(None, 512)))    # no disk tier: fine
 
 
 def _like(model, **over):
@@ -235,3 +233,24 @@ def test_kill_9_while_writing_loses_only_the_cache(tmp_path, tiny_model):
         outs = [llm.generate(p, GREEDY)[0] for p in prompts]
         assert [o.token_ids for o in outs] == ref
         assert llm.engine.stats().disk.corrupt == 0 and sum(o.metrics.disk_tokens for o in outs) > 0
+
+
+@pytest.mark.parametrize("case", ["qwen3_5", "lfm2"])
+def test_after_a_restart_a_hybrid_resumes_from_its_state_on_disk(tmp_path, case):
+    """A hybrid's state checkpoints go to disk with its KV blocks: a fresh engine reads both and answers as
+    the cold run did (a Gated DeltaNet's state, LFM2's short convolutions)."""
+    import transformers
+    from model_builders import build_hf, prompt_ids, with_tokenizer
+
+    base = dict(vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=1024, bos_token_id=None, eos_token_id=None)
+    config = transformers.Qwen3_5TextConfig(**base, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                                            linear_key_head_dim=8, linear_value_head_dim=8, intermediate_size=128) \
+        if case == "qwen3_5" else transformers.Lfm2Config(**base, intermediate_size=168, block_multiple_of=16,
+                                                          pad_token_id=None,
+                                                          layer_types=["conv", "conv", "conv", "full_attention"])
+    folder = tmp_path / case
+    build_hf(config, seed=3).save_pretrained(folder)
+    kw = dict(model=str(with_tokenizer(folder)), dtype="fp32", kv_dtype="model", kv_cache_memory=0.02,
+              warmup=False, prompt_cache_dir=str(tmp_path / "cache"))
+    _restart_reads_from_disk(kw, prompt_ids(256, 337, seed=8))

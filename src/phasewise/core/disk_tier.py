@@ -13,9 +13,15 @@ blocks on disk (one stat each), takes free blocks for them, has the runner fill 
 and enters them in the prefix cache, cached and free: the scheduler then takes them as ordinary hits.
 The time spent is the request's `metrics.disk_load_ms`, the tokens its `metrics.disk_tokens`.
 
+A hybrid's recurrent state goes with them: each state checkpoint (core/state_checkpoints.py) is
+written as its own entry (`BlockIO.copy_state`, under the digest of the block it ends, marked), and a
+run read from disk ends at the last block whose state is on disk (or checkpointed in RAM); that state
+is filled into a checkpoint slot (`StateCheckpoints.adopt`, `BlockIO.fill_state`), which the admission
+then restores as for any hit.
+
 TTL: a block written or used by a request is kept at least its `SamplingParams.cache_ttl` seconds
-more (default: the engine's `prompt_cache_ttl`). Full-attention models only (no windows, no recurrent
-state: the engine refuses the disk tier for those).
+more (default: the engine's `prompt_cache_ttl`). Models with sliding windows are refused (their
+windowed groups' blocks are not stored).
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from typing import Protocol
 
 from phasewise.core.kv_cache_manager import KVCacheManager
 from phasewise.core.prompt_store import CorruptEntry, PromptStore
-from phasewise.core.request import Request
+from phasewise.core.request import BlockKey, Request
 from phasewise.core.store_writer import DiskStats, StoreWriter
 
 log = logging.getLogger("phasewise.prompt_cache")
@@ -43,6 +49,17 @@ class BlockIO(Protocol):
 
     def fill(self, block_ids: Sequence[int], payloads: Sequence[bytearray]) -> None:
         """Write copy_out's bytes into these blocks (ValueError for bytes of another layout)."""
+
+    def copy_state(self, slot: int) -> bytearray:
+        """A hybrid's recurrent state in this slot, every recurrent layer, as bytes."""
+
+    def fill_state(self, slot: int, payload: bytearray) -> None:
+        """Write copy_state's bytes into this slot (ValueError for bytes of another layout)."""
+
+
+def state_digest(block: bytes) -> bytes:
+    """The entry of the recurrent state where the block of this digest ends."""
+    return hashlib.blake2b(block + b"state", digest_size=16).digest()
 
 
 def block_digests(token_ids: Sequence[int], num_blocks: int, block_size: int, salt: str | None,
@@ -91,21 +108,36 @@ class DiskTier:
                     req.metrics.disk_load_ms += (time.perf_counter() - started) * 1e3
 
     def _load(self, kv: KVCacheManager, req: Request) -> int:
-        """Blocks of req's prefix loaded after its RAM hits (never its last token's block)."""
+        """Blocks of req's prefix loaded after its RAM hits (never its last token's block; a hybrid's
+        run ends where a state checkpoint is found)."""
         limit = (req.num_tokens - 1) // kv.block_size
         hits = kv.get_computed_blocks(req)[0]
         digests = self._digests(req, limit)
         end = len(hits)
         while end < limit and self.store.lookup(digests[end]):
             end += 1
+        state = None
+        if kv.checkpoints is not None:               # back to the last block with a state to resume from
+            keys = kv.block_keys(req, end)
+            while end > len(hits) and kv.checkpoints.lookup(*keys[end - 1]) is None \
+                    and not self.store.lookup(state_digest(digests[end - 1])):
+                end -= 1
+            if end > len(hits) and kv.checkpoints.lookup(*keys[end - 1]) is None:
+                state = self._read([state_digest(digests[end - 1])], self._ttl(req))
+                if not state:
+                    return 0
         if end == len(hits):
             return 0
         kv.pool.touch(hits)                        # the RAM hits stay while fresh blocks are taken
         fresh = kv.pool.allocate(end - len(hits)) or []
         try:
             payloads = self._read(digests[len(hits):end], self._ttl(req)) if fresh else []
+            if state is not None and len(payloads) < end - len(hits):
+                return 0                           # the state's block did not read: none of the run helps
             self.io.fill(fresh[:len(payloads)], payloads)
             keys = kv.block_keys(req, end)[len(hits):len(hits) + len(payloads)]
+            if state is not None and not self._adopt_state(kv, keys[-1], state[0]):
+                return 0
             for b, (h, key) in zip(fresh, keys):
                 kv.pool.cache(b, h, key)
             self.stats.blocks_read += len(payloads)
@@ -114,6 +146,16 @@ class DiskTier:
         finally:
             kv.pool.free(fresh)                    # cached and free (the rest uncached): the scheduler's hits
             kv.pool.free(hits)
+
+    def _adopt_state(self, kv: KVCacheManager, key: tuple[int, BlockKey], payload: bytearray) -> bool:
+        """A hybrid's state read from disk, entered as the checkpoint of the prefix ending with this block."""
+        assert kv.checkpoints is not None
+        slot = kv.checkpoints.adopt(*key)
+        if slot is None:                           # every checkpoint slot awaits a copy this step
+            return False
+        self.io.fill_state(slot, payload)
+        self.stats.bytes_read += len(payload)
+        return True
 
     def _read(self, digests: Sequence[bytes], ttl: float) -> list[bytearray]:
         """The payloads of the leading blocks that read and check out."""
@@ -136,19 +178,25 @@ class DiskTier:
         """Hand the writer copies of the blocks the prefix cache registered since the last call (they
         are intact: no forward has run since); blocks already on disk are refreshed instead. A failure
         costs the cache only."""
-        new = kv.take_new_cached()
-        if not new:
+        new, states = kv.take_new_cached()
+        if not new and not states:
             return
         try:
-            self._save(new)
+            blocks = self._to_write(new, False)
+            for (d, ttl, _), payload in zip(blocks, self.io.copy_out([b for _, _, b in blocks])):
+                self.writer.write(d, payload, ttl)
+            for d, ttl, slot in self._to_write(states, True):
+                self.writer.write(d, self.io.copy_state(slot), ttl)
         except Exception:
             self.stats.write_errors += 1
             log.exception("prompt cache: copying %d blocks out failed; they stay uncached on disk", len(new))
 
-    def _save(self, new: list[tuple[Request, int, int]]) -> None:
-        blocks, jobs, seen = [], [], set()
-        for req, i, block in new:
+    def _to_write(self, new: list[tuple[Request, int, int]], states: bool) -> list[tuple[bytes, float, int]]:
+        """(digest, ttl, block id or state slot) of the entries not on disk yet; those on disk are refreshed."""
+        out, seen = [], set()
+        for req, i, where in new:
             d = self._digests(req, i + 1)[i]
+            d = state_digest(d) if states else d
             ttl = self._ttl(req)
             if d in seen or d in self.writer.pending:
                 continue
@@ -156,11 +204,8 @@ class DiskTier:
             if self.store.lookup(d):
                 self.writer.refresh(d, ttl)
             else:
-                blocks.append(block)
-                jobs.append((d, ttl))
-        if blocks:
-            for (d, ttl), payload in zip(jobs, self.io.copy_out(blocks)):
-                self.writer.write(d, payload, ttl)
+                out.append((d, ttl, where))
+        return out
 
     def flush(self) -> None:
         """Wait for the queued writes (a test, or before handing the directory to another engine)."""

@@ -56,16 +56,16 @@ class EngineCore:
         """kv_windows: the sliding window of each KV group (None: full attention); one group by default.
         num_state_slots: a hybrid model's recurrent-state slots, one per running request, then its
         num_state_checkpoints slots of checkpoints for prefix hits. disk: the prefix cache's disk tier
-        (full-attention models with prefix caching only)."""
+        (with prefix caching, no sliding windows)."""
         self.runner = runner
         self.proposer = proposer
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, kv_windows, num_state_slots,
                                  num_state_checkpoints)
         self.disk = disk
         if disk is not None:
-            if len(kv_windows) != 1 or kv_windows[0] is not None or num_state_slots or not enable_prefix_caching:
-                raise ValueError("the prompt cache's disk tier needs prefix caching and a model whose layers all "
-                                 "attend to everything (no sliding windows, no recurrent layers) for now")
+            if len(kv_windows) != 1 or kv_windows[0] is not None or not self.kv.enable_prefix_caching:
+                raise ValueError("the prompt cache's disk tier needs prefix caching (with state checkpoints, for "
+                                 "a hybrid) and no sliding windows")
             self.kv.new_cached = []
         k = num_speculative_tokens if proposer is not None else 0
         self.scheduler = Scheduler(scheduler_config, self.kv, k)

@@ -49,9 +49,11 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.num_state_slots = num_state_slots
         self.free_state_slots = list(range(num_state_slots - 1, -1, -1))   # a stack: slot 0 first
-        # (request, block index, block id) of the blocks cached since take_new_cached, while a disk tier
-        # wants them (None: nobody does)
+        # (request, block index, block id) of the blocks cached since take_new_cached, and (request, block
+        # index, state slot) of the states checkpointed where a block ends, while a disk tier wants them
+        # (None: nobody does)
         self.new_cached: list[tuple[Request, int, int]] | None = None
+        self.new_states: list[tuple[Request, int, int]] = []
 
     @property
     def num_groups(self) -> int:
@@ -168,6 +170,8 @@ class KVCacheManager:
         n, bs = request.num_computed_tokens, self.block_size
         if self.checkpoints is not None and n and n % bs == 0 and request.state_slot is not None:
             self.checkpoints.save(*self._block_keys(request, n // bs)[-1], request.state_slot)
+            if self.new_cached is not None:
+                self.new_states.append((request, n // bs - 1, request.state_slot))
 
     def take_state_copies(self) -> list[tuple[int, int]]:
         """The recurrent-state copies (from slot, to slot) the runner makes before the next forward."""
@@ -195,11 +199,13 @@ class KVCacheManager:
                 self.new_cached.append((request, i, request.block_tables[0][i]))
         request.num_cached_blocks = full
 
-    def take_new_cached(self) -> list[tuple[Request, int, int]]:
-        """(request, block index, block id) of each block cached (or found cached) since the last call,
-        in a full-attention model; their contents stay until the next forward. Starts the record."""
-        new, self.new_cached = self.new_cached or [], []
-        return new
+    def take_new_cached(self) -> tuple[list[tuple[Request, int, int]], list[tuple[Request, int, int]]]:
+        """Since the last call: (request, block index, block id) of each block cached (or found cached), and
+        for a hybrid (request, block index, state slot) of each state checkpointed where that block ends;
+        the blocks and slots keep those contents until the next forward. Starts the record."""
+        new, states = self.new_cached or [], self.new_states
+        self.new_cached, self.new_states = [], []
+        return new, states
 
     def block_keys(self, request: Request, num_blocks: int) -> list[tuple[int, BlockKey]]:
         """The RAM cache's (hash, key) of the request's first blocks (what `pool.cache` takes)."""

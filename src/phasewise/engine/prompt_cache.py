@@ -41,9 +41,6 @@ def check_supported(config: EngineConfig, model: ModelConfig) -> None:
         return
     if not config.cache.enable_prefix_caching:
         raise ValueError("--prompt-cache-dir needs prefix caching (the disk tier sits under it)")
-    if model.recurrent_layers:
-        raise ValueError(f"--prompt-cache-dir: {model.architecture} is a hybrid with recurrent layers, whose "
-                         "state checkpoints the disk tier does not store yet")
     if any(w is not None for w in model.kv_group_windows):
         raise ValueError(f"--prompt-cache-dir: {model.architecture} has sliding-window layers, which the disk "
                          "tier does not store yet")

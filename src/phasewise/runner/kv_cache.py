@@ -121,6 +121,7 @@ class KVCache:
         parts = [f"kv:{self.dtype}:{P}x2x{self.block_size}x{H}x{D}"]
         if self.dtype == torch.int8:
             parts.append(f"scales:{self.scales.dtype}:{P}x2x{self.block_size}x{H}")
+        parts += [f"state:{t.dtype}:{'x'.join(map(str, t.shape[1:]))}" for layer in self.states for t in layer]
         return ";".join(parts)
 
     def _block_parts(self) -> list[torch.Tensor]:
@@ -155,6 +156,29 @@ class KVCache:
             for v, n in zip(views, sizes):
                 v[:, :, b] = raw[at:at + n].view(v.dtype).view(v[:, :, b].shape).to(v.device)
                 at += n
+
+    def copy_state(self, slot: int) -> bytearray:
+        """A hybrid's recurrent state in this slot, every recurrent layer's tensors in order, as bytes."""
+        parts = [t[slot] for layer in self.states for t in layer]
+        buf = bytearray(sum(p.numel() * p.element_size() for p in parts))
+        raw, at = torch.frombuffer(buf, dtype=torch.uint8), 0
+        for p in parts:
+            n = p.numel() * p.element_size()
+            raw[at:at + n].view(p.dtype).view(p.shape).copy_(p)
+            at += n
+        return buf
+
+    def fill_state(self, slot: int, payload: bytearray) -> None:
+        """Write copy_state's bytes into this slot; ValueError for bytes of another size."""
+        parts = [t[slot] for layer in self.states for t in layer]
+        size = sum(p.numel() * p.element_size() for p in parts)
+        if len(payload) != size:
+            raise ValueError(f"a recurrent state of {len(payload)} bytes, this cache's are {size}")
+        raw, at = torch.frombuffer(payload, dtype=torch.uint8), 0
+        for p in parts:
+            n = p.numel() * p.element_size()
+            p.copy_(raw[at:at + n].view(p.dtype).view(p.shape))
+            at += n
 
 
 @dataclass
