@@ -13,8 +13,10 @@ blocks on disk (one stat each), takes free blocks for them, has the runner fill 
 and enters them in the prefix cache, cached and free: the scheduler then takes them as ordinary hits.
 The time spent is the request's `metrics.disk_load_ms`, the tokens its `metrics.disk_tokens`.
 
-A hybrid's recurrent state goes with them: each state checkpoint (core/state_checkpoints.py) is
-written as its own entry (`BlockIO.copy_state`, under the digest of the block it ends, marked), and a
+A hybrid's recurrent state goes with them: each state checkpoint (core/state_checkpoints.py) within
+the prompt (at chunk ends and the prompt's last block boundary; not every block of the output, as a
+Gated DeltaNet's state is megabytes) is written as its own entry (`BlockIO.copy_state`, under the
+digest of the block it ends, marked), and a
 run read from disk ends at the last block whose state is on disk (or checkpointed in RAM); that state
 is filled into a checkpoint slot (`StateCheckpoints.adopt`, `BlockIO.fill_state`), which the admission
 then restores as for any hit.
@@ -185,7 +187,8 @@ class DiskTier:
             blocks = self._to_write(new, False)
             for (d, ttl, _), payload in zip(blocks, self.io.copy_out([b for _, _, b in blocks])):
                 self.writer.write(d, payload, ttl)
-            for d, ttl, slot in self._to_write(states, True):
+            prompt_states = [(r, i, slot) for r, i, slot in states if (i + 1) * self.block_size <= r.num_prompt_tokens]
+            for d, ttl, slot in self._to_write(prompt_states, True):
                 self.writer.write(d, self.io.copy_state(slot), ttl)
         except Exception:
             self.stats.write_errors += 1
