@@ -254,3 +254,16 @@ def test_after_a_restart_a_hybrid_resumes_from_its_state_on_disk(tmp_path, case)
     kw = dict(model=str(with_tokenizer(folder)), dtype="fp32", kv_dtype="model", kv_cache_memory=0.02,
               warmup=False, prompt_cache_dir=str(tmp_path / "cache"))
     _restart_reads_from_disk(kw, prompt_ids(256, 337, seed=8))
+
+
+def test_the_metrics_rows_read_the_disk_counters():
+    from phasewise.core.handoffs import EngineStats
+    from phasewise.core.store_writer import DiskStats
+    from phasewise.server.metrics import ENGINE_GAUGES
+
+    rows = {name: read for name, _, read in ENGINE_GAUGES}
+    stats = EngineStats(disk=DiskStats(blocks_read=3, bytes_read=300, bytes_written=700, evicted_ttl=2,
+                                       evicted_lru=5, write_errors=1, corrupt=1))
+    assert [rows[f"phasewise:prompt_cache_disk_{k}"](stats) for k in
+            ("hit_blocks", "read_bytes", "written_bytes", "evicted_ttl", "evicted_lru", "errors")] == [3, 300, 700, 2, 5, 2]
+    assert all(read(EngineStats()) == 0 for name, read in rows.items() if "prompt_cache" in name)
