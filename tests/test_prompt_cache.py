@@ -267,3 +267,21 @@ def test_the_metrics_rows_read_the_disk_counters():
     assert [rows[f"phasewise:prompt_cache_disk_{k}"](stats) for k in
             ("hit_blocks", "read_bytes", "written_bytes", "evicted_ttl", "evicted_lru", "errors")] == [3, 300, 700, 2, 5, 2]
     assert all(read(EngineStats()) == 0 for name, read in rows.items() if "prompt_cache" in name)
+
+
+def test_the_next_turn_after_a_restart_reads_the_last_turn_and_its_reply(tmp_path, tiny_model):
+    """An agent's next turn resends the last prompt and reply: after a restart, every whole block of them
+    that had KV (all but the reply's last token) comes from disk, and the answer is the cold one."""
+    from model_builders import prompt_ids
+    from phasewise import LLM
+
+    kw = dict(model=tiny_model, dtype="fp32", kv_cache_memory=0.02, warmup=False)
+    first = prompt_ids(256, 203, seed=11)
+    with LLM(**kw, prompt_cache_dir=str(tmp_path)) as llm:
+        reply = llm.generate(first, GREEDY)[0].token_ids
+    second = first + reply + prompt_ids(256, 31, seed=12)
+    with LLM(**kw) as cold:
+        want = cold.generate(second, GREEDY)[0].token_ids
+    with LLM(**kw, prompt_cache_dir=str(tmp_path)) as llm:
+        out = llm.generate(second, GREEDY)[0]
+    assert out.metrics.disk_tokens == (len(first) + len(reply) - 1) // 16 * 16 and out.token_ids == want
