@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+import weakref
 from array import array
 from collections.abc import Iterable, Sequence
 from typing import Protocol
@@ -83,6 +84,8 @@ class DiskTier:
         self.store, self.io, self.block_size, self.default_ttl = store, io, block_size, default_ttl
         self.stats = DiskStats()
         self.writer = StoreWriter(store, self.stats)
+        # an engine dropped without close(), or the interpreter's exit: the queued writes finish, the thread ends
+        weakref.finalize(self, self.writer.close)
 
     def _ttl(self, req: Request) -> float:
         ttl = req.sampling_params.cache_ttl
