@@ -154,7 +154,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = LLM(args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
               kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len, kv_dtype=args.kv_dtype,
               speculative=spec, tensor_parallel_size=args.tensor_parallel_size, packed_cache=args.packed_cache,
-              threads=args.threads)
+              threads=args.threads, prompt_cache_dir=args.prompt_cache_dir, prompt_cache_size=args.prompt_cache_size,
+              prompt_cache_ttl=args.prompt_cache_ttl)
     print(f"phasewise: {llm.engine.precision.describe()}", file=sys.stderr)
     if args.raw:
         prompt = args.prompt
@@ -178,6 +179,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write("\n")
         print("\n" + "\n".join(perf_lines(final, llm.load_ms)), file=sys.stderr)
+    llm.close()                                # the prompt cache's disk writes finish
     return 0
 
 
@@ -238,7 +240,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_gib=args.kv_cache_memory,
-                          kv_dtype=args.kv_dtype),
+                          kv_dtype=args.kv_dtype, prompt_cache_dir=args.prompt_cache_dir,
+                          prompt_cache_size_gib=args.prompt_cache_size, prompt_cache_ttl=args.prompt_cache_ttl),
         scheduler=SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, args.max_model_len),
         speculative=speculative_config_from_args(args), tensor_parallel_size=args.tensor_parallel_size,
         kv_role=args.role, kv_peer=args.kv_peer, packed_cache=args.packed_cache, threads=args.threads,
@@ -294,6 +297,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server.run(sockets=[sock])
     finally:
         async_engine.shutdown()
+        engine.close_prompt_cache()            # its queued disk writes finish
         sock.close()
         if recorder is not None:
             from phasewise.lab.trace import write_trace

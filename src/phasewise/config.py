@@ -14,6 +14,9 @@ class CacheConfig:
     num_blocks: int | None = None        # exact pool size (overrides the memory budget)
     enable_prefix_caching: bool = True   # reuse KV blocks of prompts seen before
     kv_dtype: str = "auto"               # auto (engine/precision.py) | model (the weights' float type) | int8
+    prompt_cache_dir: str | None = None  # the prefix cache's disk tier (None: RAM only), shared by processes
+    prompt_cache_size_gib: float = 10.0  # the directory's size limit (LRU eviction past it)
+    prompt_cache_ttl: float = 3600.0     # seconds a block stays after its last use, unless its request says
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -24,6 +27,9 @@ class CacheConfig:
             raise ValueError(f"kv_dtype must be 'auto', 'model' or 'int8', got {self.kv_dtype!r}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {self.num_blocks}")
+        if not self.prompt_cache_size_gib > 0 or not self.prompt_cache_ttl > 0:
+            raise ValueError("prompt_cache_size and prompt_cache_ttl must be positive, got "
+                             f"{self.prompt_cache_size_gib} GiB and {self.prompt_cache_ttl} s")
 
 
 @dataclass(frozen=True)

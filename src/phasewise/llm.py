@@ -6,6 +6,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from phasewise.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from phasewise.core.prompt_store import Clock
 from phasewise.engine.llm_engine import LLMEngine
 from phasewise.json_types import JsonObject, JsonValue
 from phasewise.outputs import CompletionOutput, StreamDelta
@@ -40,7 +41,8 @@ class LLM:
                  max_model_len: int | None = None, kv_dtype: str = "auto",
                  speculative: str | SpeculativeConfig | None = None, num_speculative_tokens: int = 4,
                  tensor_parallel_size: int = 1, warmup: bool = True, packed_cache: bool = True,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, prompt_cache_dir: str | None = None, prompt_cache_size: float = 10.0,
+                 prompt_cache_ttl: float = 3600.0, clock: Clock | None = None) -> None:
         """dtype (the float type) and quantization (the weight format: int8, q4, none) and kv_dtype
         "auto": the fastest precision for this machine within 0.5% perplexity of the file's weights
         (engine/precision.py; `engine.precision` says which). speculative: None,
@@ -49,24 +51,29 @@ class LLM:
         model over that many processes on this machine (close() stops them). packed_cache: map a GGUF's
         packed weights from the cache directory after the first load packs them. threads: the kernels'
         thread count, pinned (None: one per core while the machine is free, fewer while other programs
-        keep cores busy)."""
+        keep cores busy). prompt_cache_dir: the prefix cache's disk tier there (blocks survive a restart and
+        are shared by the processes using the directory), within prompt_cache_size GiB, each block kept
+        prompt_cache_ttl seconds after its last use unless its request's cache_ttl says otherwise (TTLs
+        measured by `clock`, the wall clock by default); close() finishes its writes."""
         if not isinstance(speculative, SpeculativeConfig):
             speculative = SpeculativeConfig.parse(speculative, num_speculative_tokens=num_speculative_tokens)
         config = EngineConfig(
             model=model, dtype=weights_setting(dtype, quantization), device=device, kernels=kernels,
             cache=CacheConfig(block_size=block_size, kv_cache_memory_gib=kv_cache_memory, num_blocks=num_blocks,
-                              enable_prefix_caching=enable_prefix_caching, kv_dtype=kv_dtype),
+                              enable_prefix_caching=enable_prefix_caching, kv_dtype=kv_dtype,
+                              prompt_cache_dir=prompt_cache_dir, prompt_cache_size_gib=prompt_cache_size,
+                              prompt_cache_ttl=prompt_cache_ttl),
             scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs, max_model_len),
             speculative=speculative, tensor_parallel_size=tensor_parallel_size, packed_cache=packed_cache,
             threads=threads)
-        self.engine = LLMEngine(config)
+        self.engine = LLMEngine(config, clock)
         if warmup:
             self.engine.warmup()
         self.tokenizer = self.engine.tokenizer
         self.model_config = self.engine.model_config
 
     def close(self) -> None:
-        """Stop the other ranks of a tensor-parallel model (nothing to do with one)."""
+        """Finish the prompt cache's disk writes; stop the other ranks of a tensor-parallel model."""
         self.engine.close()
 
     def __enter__(self) -> LLM:

@@ -14,6 +14,8 @@ class Timings(TypedDict):
     queue_ms: float
     prompt_n: int
     cache_n: int
+    disk_n: int                     # of cache_n, the tokens loaded from the prompt cache's disk tier,
+    disk_load_ms: float             # and the time that took (before the prefill: part of queue_ms)
     prompt_ms: float
     prompt_per_second: float
     predicted_n: int
@@ -55,6 +57,8 @@ def timings(out: CompletionOutput, load_ms: float | None = None) -> Timings:
         "queue_ms": m.queue_ms,
         "prompt_n": n_prompt,
         "cache_n": out.cached_tokens,
+        "disk_n": m.disk_tokens,
+        "disk_load_ms": m.disk_load_ms,
         "prompt_ms": m.prompt_ms,
         "prompt_per_second": _rate(n_prompt - out.cached_tokens, m.prompt_ms),
         "predicted_n": runs,
@@ -97,6 +101,8 @@ def perf_lines(out: CompletionOutput, load_ms: float) -> list[str]:
     per_run = t["predicted_ms"] / runs if runs else 0.0
     return [
         f"load time        = {load_ms:9.1f} ms",
+    ] + ([f"prompt cache     = {t['disk_load_ms']:9.1f} ms / {t['disk_n']:5d} tokens read from disk"]
+         if t["disk_n"] else []) + [
         f"prompt eval time = {t['prompt_ms']:9.1f} ms / {n_prompt:5d} tokens "
         f"({per_prompt:.2f} ms per token, {t['prompt_per_second']:.1f} tokens per second)",
         f"eval time        = {t['predicted_ms']:9.1f} ms / {runs:5d} runs   "

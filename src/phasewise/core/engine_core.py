@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
+from phasewise.core.disk_tier import DiskTier
 from phasewise.core.kv_cache_manager import KVCacheManager
 from phasewise.core.handoffs import (EngineStats, RequestOutput, RunnerOutput, ScheduledChunk, SchedulerOutput,
                                       StepRecord)
@@ -50,14 +52,21 @@ class EngineCore:
                  block_size: int, max_model_len: int, enable_prefix_caching: bool = True,
                  proposer: Proposer | None = None, num_speculative_tokens: int = 0,
                  kv_windows: tuple[int | None, ...] = (None,), num_state_slots: int = 0,
-                 num_state_checkpoints: int = 0) -> None:
+                 num_state_checkpoints: int = 0, disk: DiskTier | None = None) -> None:
         """kv_windows: the sliding window of each KV group (None: full attention); one group by default.
         num_state_slots: a hybrid model's recurrent-state slots, one per running request, then its
-        num_state_checkpoints slots of checkpoints for prefix hits."""
+        num_state_checkpoints slots of checkpoints for prefix hits. disk: the prefix cache's disk tier
+        (with prefix caching, no sliding windows)."""
         self.runner = runner
         self.proposer = proposer
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, kv_windows, num_state_slots,
                                  num_state_checkpoints)
+        self.disk = disk
+        if disk is not None:
+            if len(kv_windows) != 1 or kv_windows[0] is not None or not self.kv.enable_prefix_caching:
+                raise ValueError("the prompt cache's disk tier needs prefix caching (with state checkpoints, for "
+                                 "a hybrid) and no sliding windows")
+            self.kv.new_cached = []
         k = num_speculative_tokens if proposer is not None else 0
         self.scheduler = Scheduler(scheduler_config, self.kv, k)
         self.max_model_len = max_model_len
@@ -95,11 +104,15 @@ class EngineCore:
                            num_state_slots=self.kv.num_state_slots, num_free_state_slots=len(self.kv.free_state_slots),
                            num_state_checkpoints=len(self.kv.checkpoints.entries) if self.kv.checkpoints else 0,
                            num_steps=self.num_steps, spec_num_drafts=spec.num_steps,
-                           spec_num_draft_tokens=spec.num_draft_tokens, spec_num_accepted_tokens=spec.num_accepted_tokens)
+                           spec_num_draft_tokens=spec.num_draft_tokens, spec_num_accepted_tokens=spec.num_accepted_tokens,
+                           disk=replace(self.disk.stats) if self.disk is not None else None)
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass, update: the outputs of this step."""
         started = time.perf_counter()
+        if self.disk is not None:      # what the next admissions would miss in RAM, from disk
+            free = self.scheduler.config.max_num_seqs - len(self.scheduler.running)
+            self.disk.prefetch(self.kv, itertools.islice(self.scheduler.waiting, max(free, 0)))
         sched = self.scheduler.schedule()
         if sched.is_empty:
             if self.scheduler.has_unfinished():
@@ -113,6 +126,8 @@ class EngineCore:
                 self.scheduler.finish(chunk.request.request_id, FinishReason.ERROR)
             raise
         outputs = self.scheduler.update(sched, result, started)
+        if self.disk is not None:      # the blocks this step filled, copied out before any forward reuses them
+            self.disk.save(self.kv)
         accepted = sum(len(a) for a in result.accepted.values())
         if sched.num_draft_tokens:
             self.spec.num_steps += sum(1 for c in sched.chunks if c.draft_token_ids)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from phasewise.core.request import FinishReason, Request, TokenLogprobs
+from phasewise.core.store_writer import DiskStats
 
 
 class DraftProbs(Protocol):
@@ -104,6 +105,7 @@ class EngineStats:
     threads: int = 0                       # kernel threads in use (runner/thread_governor.py),
     cpus_busy_elsewhere: float = 0.0       # CPUs other programs kept busy lately,
     cpu_wait_seconds: float = 0.0          # and how long the engine's threads waited for a CPU, ever
+    disk: DiskStats | None = None          # the prefix cache's disk tier (None: none), its counters
 
 
 @dataclass(kw_only=True)

@@ -49,6 +49,11 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.num_state_slots = num_state_slots
         self.free_state_slots = list(range(num_state_slots - 1, -1, -1))   # a stack: slot 0 first
+        # (request, block index, block id) of the blocks cached since take_new_cached, and (request, block
+        # index, state slot) of the states checkpointed where a block ends, while a disk tier wants them
+        # (None: nobody does)
+        self.new_cached: list[tuple[Request, int, int]] | None = None
+        self.new_states: list[tuple[Request, int, int]] = []
 
     @property
     def num_groups(self) -> int:
@@ -70,8 +75,11 @@ class KVCacheManager:
     # ---- hashing ----------------------------------------------------------------------
 
     def _block_keys(self, request: Request, num_blocks: int) -> list[tuple[int, BlockKey]]:
-        """(hash, key) of the request's first `num_blocks` full blocks, computed once and kept."""
-        return chain_keys(request.token_ids, num_blocks, self.block_size, request.block_hashes)
+        """(hash, key) of the request's first `num_blocks` full blocks, computed once and kept; a cache
+        salt joins the first block's key, so requests of different salts share none."""
+        salt = request.sampling_params.cache_salt
+        return chain_keys(request.token_ids, num_blocks, self.block_size, request.block_hashes,
+                          None if salt is None else ("salt", salt))
 
     @staticmethod
     def _in_group(group: int, h: int, key: BlockKey) -> tuple[int, Hashable]:
@@ -162,6 +170,8 @@ class KVCacheManager:
         n, bs = request.num_computed_tokens, self.block_size
         if self.checkpoints is not None and n and n % bs == 0 and request.state_slot is not None:
             self.checkpoints.save(*self._block_keys(request, n // bs)[-1], request.state_slot)
+            if self.new_cached is not None:
+                self.new_states.append((request, n // bs - 1, request.state_slot))
 
     def take_state_copies(self) -> list[tuple[int, int]]:
         """The recurrent-state copies (from slot, to slot) the runner makes before the next forward."""
@@ -185,7 +195,21 @@ class KVCacheManager:
             for g, table in enumerate(request.block_tables):
                 if table[i] != NULL_BLOCK:
                     self.pool.cache(table[i], *self._in_group(g, h, key))
+            if self.new_cached is not None:
+                self.new_cached.append((request, i, request.block_tables[0][i]))
         request.num_cached_blocks = full
+
+    def take_new_cached(self) -> tuple[list[tuple[Request, int, int]], list[tuple[Request, int, int]]]:
+        """Since the last call: (request, block index, block id) of each block cached (or found cached), and
+        for a hybrid (request, block index, state slot) of each state checkpointed where that block ends;
+        the blocks and slots keep those contents until the next forward. Starts the record."""
+        new, states = self.new_cached or [], self.new_states
+        self.new_cached, self.new_states = [], []
+        return new, states
+
+    def block_keys(self, request: Request, num_blocks: int) -> list[tuple[int, BlockKey]]:
+        """The RAM cache's (hash, key) of the request's first blocks (what `pool.cache` takes)."""
+        return self._block_keys(request, num_blocks)
 
     # ---- KV handed from one engine to another (prefill/decode disaggregation) -----------
 
@@ -246,13 +270,15 @@ def _held(blocks: Sequence[int | None]) -> list[int]:
 
 
 def chain_keys(token_ids: Sequence[int], num_blocks: int, block_size: int,
-               hashes: list[tuple[int, BlockKey]] | None = None) -> list[tuple[int, BlockKey]]:
+               hashes: list[tuple[int, BlockKey]] | None = None,
+               root: Hashable = None) -> list[tuple[int, BlockKey]]:
     """(hash, key) of the first `num_blocks` full blocks of token_ids, each chained on its parent's
-    hash; `hashes` (a request's, kept across steps) is extended in place."""
+    hash, the first on `root` (a cache salt's); `hashes` (a request's, kept across steps) is extended
+    in place."""
     hashes = [] if hashes is None else hashes
     while len(hashes) < num_blocks:
         i = len(hashes)
-        parent = hashes[-1][0] if hashes else None
+        parent = hashes[-1][0] if hashes else root
         key = (parent, tuple(token_ids[i * block_size:(i + 1) * block_size]))
         hashes.append((hash(key), key))
     return hashes[:num_blocks]

@@ -41,6 +41,8 @@ class RequestMetrics:
     spec_draft_tokens: int = 0       # draft tokens proposed and verified
     spec_accepted_tokens: int = 0    # of those, accepted by the target
     grammar_compile_ms: float | None = None   # structured outputs: compiling (or copying) its grammar
+    disk_tokens: int = 0              # prompt tokens the prompt cache's disk tier loaded for it,
+    disk_load_ms: float = 0.0         # and the time that took (before it was first scheduled)
     # a reply that may think (SamplingParams.thinking), as its ThinkingGate counts it:
     thinking_tracked: bool = False            # the reply's thinking is tracked (otherwise it is all answer)
     thinking_tokens: int = 0                  # output tokens inside the thinking block
@@ -152,6 +154,8 @@ class Request:
         self.block_hashes: list[tuple[int, BlockKey]] = []   # (hash, key) per full block, filled by the KV manager
         self.num_cached_blocks = 0                  # leading blocks registered in the prefix cache
         self.num_cached_tokens: int | None = None   # prompt tokens found in the prefix cache at admission
+        self.disk_digests: list[bytes] = []         # per full block, its digest on disk (core/disk_tier.py)
+        self.disk_checked = False                   # the disk tier has looked for its prefix
         self.state_slot: int | None = None          # a hybrid's recurrent-state slot while it holds blocks
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None

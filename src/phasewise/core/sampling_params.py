@@ -111,6 +111,10 @@ class SamplingParams:
     structured_outputs constrains every token to a grammar (a JSON schema, regex, choice list or
     grammar); the request ends ("stop") as soon as the grammar is complete and nothing may follow.
     thinking (a ThinkingBlock): the reply may think first; its budget, and a grammar on the answer only.
+    cache_salt (vLLM's field): requests of different salts never share a prefix-cache block, in RAM or
+    on disk (one tenant cannot time another's prompts). cache_ttl: seconds the prompt cache's disk tier
+    keeps this request's blocks after their last use (None: the engine's default; the server maps
+    Anthropic's cache_control ttl and OpenAI's prompt_cache_retention to it).
     """
 
     n: int = 1
@@ -132,6 +136,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None
     thinking: ThinkingBlock | None = None
+    cache_salt: str | None = None
+    cache_ttl: float | None = None
 
     MAX_LOGPROBS = 20
 
@@ -164,6 +170,10 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS:
             raise ValueError(f"prompt_logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.prompt_logprobs}")
+        if self.cache_ttl is not None and not self.cache_ttl > 0:
+            raise ValueError(f"cache_ttl must be a positive number of seconds, got {self.cache_ttl}")
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {type(self.cache_salt).__name__}")
 
     @property
     def greedy(self) -> bool:

@@ -44,6 +44,27 @@ class StateCheckpoints:
         self.entries[block_hash] = (key, slot)
         self.saves.append((from_slot, slot))
 
+    def adopt(self, block_hash: int, key: Hashable) -> int | None:
+        """A slot for a checkpoint of this prefix whose state the caller writes now (read from disk),
+        kept from here on: a free slot or the least recently used checkpoint's, never one a pending copy
+        reads or writes. None when it is kept already or every slot is pending."""
+        if self.lookup(block_hash, key) is not None:
+            return None
+        busy = {s for pair in self.saves + self.restores for s in pair}
+        free = [s for s in self.free if s not in busy]
+        if free:
+            slot = free[-1]
+            self.free.remove(slot)
+        else:
+            lru = next((h for h, (_, s) in self.entries.items() if s not in busy), None)
+            if lru is None:
+                return None
+            slot = self.entries.pop(lru)[1]
+        if block_hash in self.entries:                 # a colliding hash: the newer prefix takes it
+            self.free.append(self.entries.pop(block_hash)[1])
+        self.entries[block_hash] = (key, slot)
+        return slot
+
     def restore(self, block_hash: int, key: Hashable, to_slot: int) -> None:
         """Start `to_slot` from the checkpoint of this prefix (which must be kept)."""
         slot = self.lookup(block_hash, key)

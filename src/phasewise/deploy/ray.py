@@ -160,7 +160,9 @@ def build_server(options: argparse.Namespace, kv_role: str | None = None,
     o = options
     config = EngineConfig(
         model=o.model, dtype=o.dtype, device=o.device,
-        cache=CacheConfig(block_size=o.block_size, kv_cache_memory_gib=o.kv_cache_memory, kv_dtype=o.kv_dtype),
+        cache=CacheConfig(block_size=o.block_size, kv_cache_memory_gib=o.kv_cache_memory, kv_dtype=o.kv_dtype,
+                          prompt_cache_dir=o.prompt_cache_dir, prompt_cache_size_gib=o.prompt_cache_size,
+                          prompt_cache_ttl=o.prompt_cache_ttl),
         scheduler=SchedulerConfig(o.max_num_batched_tokens, o.max_num_seqs, o.max_model_len),
         speculative=speculative_config_from_args(o), packed_cache=o.packed_cache,
         tensor_parallel_size=o.tensor_parallel_size, kv_role=kv_role, kv_peer=kv_peer,

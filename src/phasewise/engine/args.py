@@ -28,6 +28,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV-cache precision: int8 with a scale per token and head, or the weights' float type "
                         "(model); auto: int8 where the compiled kernels run and --dtype is auto")
     g.add_argument("--max-model-len", type=int, default=None, help="context length cap")
+    g.add_argument("--prompt-cache-dir", metavar="DIR", default=None,
+                   help="keep the prefix cache's full blocks on disk too, in DIR (they survive restarts; several "
+                        "processes may share DIR); a prompt seen before then loads its KV instead of computing it")
+    g.add_argument("--prompt-cache-size", type=float, default=10.0, metavar="GiB",
+                   help="the size limit of --prompt-cache-dir (expired blocks go first, then the least recently used)")
+    g.add_argument("--prompt-cache-ttl", type=float, default=3600.0, metavar="SECONDS",
+                   help="how long a block stays on disk after its last use, for requests that set no TTL")
     g.add_argument("--no-packed-cache", dest="packed_cache", action="store_false",
                    help="repack a GGUF's weights at every load instead of mapping them from the packed-weight "
                         "cache (<cache>/packed, written by the first load)")

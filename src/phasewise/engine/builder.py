@@ -20,6 +20,8 @@ from phasewise.loading.loader import check_memory, load_config, load_prepared, p
 from phasewise.loading.sharding import check_tensor_parallel, shard_config
 from phasewise.models.config import ModelConfig
 from phasewise.engine.precision import Precision, choose as choose_precision
+from phasewise.engine.prompt_cache import check_supported as check_prompt_cache, open_disk_tier
+from phasewise.core.prompt_store import Clock
 from phasewise.runner.kv_cache import KVCache, kv_bytes_per_block, num_blocks_for_memory, state_slots_for_memory
 from phasewise.runner.model_runner import ModelRunner
 from phasewise.runner.thread_governor import ThreadGovernor
@@ -71,16 +73,15 @@ class EngineParts:
     load_ms: float                            # building took this long
 
 
-def build_engine(config: EngineConfig) -> EngineParts:
-    """Check the config against the model (cheap failures first), then load everything it names.
-    ValueError (one line) for what cannot run; a tensor-parallel group started on the way is stopped."""
+def build_engine(config: EngineConfig, clock: Clock | None = None) -> EngineParts:
+    """Check the config against the model (cheap failures first), then load everything it names (TTLs
+    by `clock`). ValueError (one line) for what cannot run; a tensor-parallel group started is stopped."""
     started = time.perf_counter()
     check_device(config.device)
     model_path = resolve_model_path(config.model)
     full = load_config(model_path)   # cheap: an unsupported architecture fails before anything slow
     spec, size, cache = config.speculative, config.tensor_parallel_size, config.cache
-    check_tensor_parallel(full, size)
-    _check_speculation(full, spec, size)
+    _check_features(config, full)
     kernels = choose_kernels(config)
     precision = choose_precision(model_path, config.dtype, cache.kv_dtype, kernels, full.architecture)
     dtype = parse_dtype(precision.weights)
@@ -120,9 +121,10 @@ def build_engine(config: EngineConfig) -> EngineParts:
                                           slots if draft_model.config.recurrent_layers else 0)
         runner = ModelRunner(model, kv_cache, tokenizer.eos_token_ids, config.device, kernels, tp,
                              snapshot_slots=range(slots + checkpoints, slots + checkpoints + snapshots))
+        disk = open_disk_tier(config, model_path, precision.weights, kv_cache, kernels is not None, clock)
         core = EngineCore(runner, config.scheduler, num_blocks, cache.block_size, max_model_len,
                           cache.enable_prefix_caching, proposer, spec.num_speculative_tokens,
-                          model_config.kv_group_windows, slots, checkpoints)
+                          model_config.kv_group_windows, slots, checkpoints, disk)
     except BaseException:
         if ranks:
             ranks.stop()
@@ -133,6 +135,14 @@ def build_engine(config: EngineConfig) -> EngineParts:
     return EngineParts(config, model_path, model_config, precision, kernels, tokenizer, ranks, model, kv_cache,
                        draft_model, max_model_len, grammars, core, threads,
                        (time.perf_counter() - started) * 1e3)
+
+
+def _check_features(config: EngineConfig, cfg: ModelConfig) -> None:
+    """What the model cannot run with of what the config asks (tensor parallelism, speculation, the
+    prompt cache's disk tier): a ValueError saying so."""
+    check_tensor_parallel(cfg, config.tensor_parallel_size)
+    _check_speculation(cfg, config.speculative, config.tensor_parallel_size)
+    check_prompt_cache(config, cfg)
 
 
 def _check_speculation(cfg: ModelConfig, spec: SpeculativeConfig, tp_size: int) -> None:

@@ -14,6 +14,7 @@ from phasewise.engine.admission import Admission
 from phasewise.json_types import JsonValue
 from phasewise.config import EngineConfig
 from phasewise.core.handoffs import EngineStats, StepRecord
+from phasewise.core.prompt_store import Clock
 from phasewise.core.request import FinishReason, Request
 from phasewise.engine.builder import build_engine
 from phasewise.engine.client import ChatEnding, EngineBrokenError, Prompt, is_chat
@@ -30,8 +31,9 @@ class LLMEngine:
     blocks between engines its `kv_transfer` (a `KVTransfer`). The server holds it as an
     `EngineClient`."""
 
-    def __init__(self, config: EngineConfig | None = None) -> None:
-        parts = build_engine(config or EngineConfig())
+    def __init__(self, config: EngineConfig | None = None, clock: Clock | None = None) -> None:
+        """clock: what the prompt cache's disk tier measures TTLs by (a fake one in tests; wall clock)."""
+        parts = build_engine(config or EngineConfig(), clock)
         self.config, self.model_path, self.model_config = parts.config, parts.model_path, parts.model_config
         self.precision, self.kernels, self.tokenizer = parts.precision, parts.kernels, parts.tokenizer
         self.model, self.draft_model, self.kv_cache = parts.model, parts.draft_model, parts.kv_cache
@@ -48,9 +50,16 @@ class LLMEngine:
                                    self.core.blocks_needed)
 
     def close(self) -> None:
-        """Stop the other ranks of a tensor-parallel engine (nothing to do otherwise)."""
+        """Finish the prompt cache's queued disk writes and stop the other ranks of a tensor-parallel
+        engine."""
+        self.close_prompt_cache()
         if self._ranks is not None:
             self._ranks.stop()
+
+    def close_prompt_cache(self) -> None:
+        """Finish the disk tier's queued writes and stop its thread (no more are written after)."""
+        if self.core.disk is not None:
+            self.core.disk.close()
 
     # ---- requests ---------------------------------------------------------------
 

@@ -16,6 +16,7 @@ at position 0).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -110,6 +111,74 @@ class KVCache:
         self.data[:, :, slots] = parts["kv"].to(self.data.device)
         if self.dtype == torch.int8:
             self.scales[:, :, slots] = parts["scales"].to(self.data.device)
+
+    # ---- the prompt cache's disk tier (core/disk_tier.py's BlockIO): one block as bytes ---------
+
+    @property
+    def block_layout(self) -> str:
+        """What a block's bytes are: the dtype and per-block shape of each part (the disk fingerprint's)."""
+        P, _, _, H, D = self.data.shape
+        parts = [f"kv:{self.dtype}:{P}x2x{self.block_size}x{H}x{D}"]
+        if self.dtype == torch.int8:
+            parts.append(f"scales:{self.scales.dtype}:{P}x2x{self.block_size}x{H}")
+        parts += [f"state:{t.dtype}:{'x'.join(map(str, t.shape[1:]))}" for layer in self.states for t in layer]
+        return ";".join(parts)
+
+    def _block_parts(self) -> list[torch.Tensor]:
+        """The parts as [P, 2, num_blocks, block_size, ...] views."""
+        P, two, S = self.data.shape[:3]
+        parts = [self.data] + ([self.scales] if self.dtype == torch.int8 else [])
+        return [t.view(P, two, S // self.block_size, self.block_size, *t.shape[3:]) for t in parts]
+
+    def copy_out(self, block_ids: Sequence[int]) -> list[bytearray]:
+        """Each block's K and V in every layer ([P, 2, block_size, Hkv, D]; then, int8, their scales
+        [P, 2, block_size, Hkv]) as bytes, copied once."""
+        views = self._block_parts()
+        sizes = [v[:, :, 0].numel() * v.element_size() for v in views]
+        out = []
+        for b in block_ids:
+            buf = bytearray(sum(sizes))
+            raw, at = torch.frombuffer(buf, dtype=torch.uint8), 0
+            for v, n in zip(views, sizes):
+                raw[at:at + n].view(v.dtype).view(v[:, :, b].shape).copy_(v[:, :, b])
+                at += n
+            out.append(buf)
+        return out
+
+    def fill(self, block_ids: Sequence[int], payloads: Sequence[bytearray]) -> None:
+        """Write copy_out's bytes into these blocks; ValueError for bytes of another size."""
+        views = self._block_parts()
+        sizes = [v[:, :, 0].numel() * v.element_size() for v in views]
+        for b, payload in zip(block_ids, payloads):
+            if len(payload) != sum(sizes):
+                raise ValueError(f"a KV block of {len(payload)} bytes, this cache's are {sum(sizes)}")
+            raw, at = torch.frombuffer(payload, dtype=torch.uint8), 0
+            for v, n in zip(views, sizes):
+                v[:, :, b] = raw[at:at + n].view(v.dtype).view(v[:, :, b].shape).to(v.device)
+                at += n
+
+    def copy_state(self, slot: int) -> bytearray:
+        """A hybrid's recurrent state in this slot, every recurrent layer's tensors in order, as bytes."""
+        parts = [t[slot] for layer in self.states for t in layer]
+        buf = bytearray(sum(p.numel() * p.element_size() for p in parts))
+        raw, at = torch.frombuffer(buf, dtype=torch.uint8), 0
+        for p in parts:
+            n = p.numel() * p.element_size()
+            raw[at:at + n].view(p.dtype).view(p.shape).copy_(p)
+            at += n
+        return buf
+
+    def fill_state(self, slot: int, payload: bytearray) -> None:
+        """Write copy_state's bytes into this slot; ValueError for bytes of another size."""
+        parts = [t[slot] for layer in self.states for t in layer]
+        size = sum(p.numel() * p.element_size() for p in parts)
+        if len(payload) != size:
+            raise ValueError(f"a recurrent state of {len(payload)} bytes, this cache's are {size}")
+        raw, at = torch.frombuffer(payload, dtype=torch.uint8), 0
+        for p in parts:
+            n = p.numel() * p.element_size()
+            p.copy_(raw[at:at + n].view(p.dtype).view(p.shape))
+            at += n
 
 
 @dataclass

@@ -75,6 +75,19 @@ ENGINE_GAUGES: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
      "unless --threads pins them).", lambda s: s.threads),
     ("phasewise:cpus_busy_elsewhere", "CPUs (of those the engine may use) other programs kept busy lately.",
      lambda s: s.cpus_busy_elsewhere),
+    # the prefix cache's disk tier (--prompt-cache-dir), counts since the start (0 without it)
+    ("phasewise:prompt_cache_disk_hit_blocks", "KV blocks loaded from the prompt cache's disk tier.",
+     lambda s: s.disk.blocks_read if s.disk else 0),
+    ("phasewise:prompt_cache_disk_read_bytes", "Bytes loaded from the disk tier.",
+     lambda s: s.disk.bytes_read if s.disk else 0),
+    ("phasewise:prompt_cache_disk_written_bytes", "Bytes written to the disk tier.",
+     lambda s: s.disk.bytes_written if s.disk else 0),
+    ("phasewise:prompt_cache_disk_evicted_ttl", "Disk-tier entries removed because their TTL had passed.",
+     lambda s: s.disk.evicted_ttl if s.disk else 0),
+    ("phasewise:prompt_cache_disk_evicted_lru", "Disk-tier entries removed, least recently used first, to fit "
+     "--prompt-cache-size.", lambda s: s.disk.evicted_lru if s.disk else 0),
+    ("phasewise:prompt_cache_disk_errors", "Disk-tier writes that failed (full disk, unwritable directory) and "
+     "files that did not check out (removed).", lambda s: s.disk.write_errors + s.disk.corrupt if s.disk else 0),
 )
 
 
