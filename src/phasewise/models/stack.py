@@ -133,7 +133,7 @@ def run_stack(stack: DecoderStack, cfg: ModelConfig, x: torch.Tensor, positions:
     metas = [meta.for_group(g) for g in range(len(cfg.kv_groups))]
     rows = [m.kernel_rows for m in metas]
     sequences = snapshots = None
-    if meta.state_slots is not None:
+    if meta.state_slots:                                  # a hybrid's step (attention-only: [] or None)
         sequences = torch.tensor([meta.query_lens, meta.context_lens, meta.state_slots], dtype=torch.int64)
         if any(meta.state_snapshots or ()):
             snapshots = torch.tensor(snapshot_rows(meta.query_lens, meta.state_snapshots or []), dtype=torch.int64)
