@@ -164,7 +164,7 @@ def test_messages_budgets_streamed_and_not(qwen35, thinking, extra, budget):
 
 
 def test_anthropics_budget_reaches_the_engine():
-    from phasewise.server.anthropic_protocol import MessagesRequest
+    from phasewise.server.anthropic.protocol import MessagesRequest
 
     def budget(**kw) -> int | None:
         body = {"model": MODEL, "max_tokens": 2000, "messages": ASK, **kw}
@@ -176,7 +176,7 @@ def test_anthropics_budget_reaches_the_engine():
 
 
 def test_each_effort_has_its_budget():
-    from phasewise.server.protocol import ChatCompletionRequest
+    from phasewise.server.openai.protocol import ChatCompletionRequest
     from phasewise.server.thinking import EFFORT_BUDGETS
 
     def budget(**kw) -> int | None:

@@ -13,7 +13,7 @@ import pytest
 
 from phasewise import LLM
 from phasewise.server.chat_call import chat_call
-from phasewise.server.protocol import ChatCompletionRequest
+from phasewise.server.openai.protocol import ChatCompletionRequest
 
 pytestmark = pytest.mark.slow
 

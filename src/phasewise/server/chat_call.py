@@ -17,7 +17,8 @@ from phasewise.server.errors import EngineDeadError
 from phasewise import json_types
 from phasewise.json_types import JsonObject
 from phasewise.server.guards import Guards
-from phasewise.server.protocol import APIError, ChatCompletionRequest, bad_request, choice_params
+from phasewise.server.api_error import APIError, bad_request
+from phasewise.server.openai.protocol import ChatCompletionRequest, choice_params
 from phasewise.server.reply_parser import ReplyParser
 from phasewise.server.request_stream import RequestStream
 from phasewise.server.thinking import Thinking

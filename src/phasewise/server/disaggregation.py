@@ -17,7 +17,7 @@ import logging
 
 from phasewise.engine.client import Prompt
 from phasewise.server.async_engine import AsyncEngine
-from phasewise.server.protocol import APIError
+from phasewise.server.api_error import APIError
 
 log = logging.getLogger("phasewise.server")
 

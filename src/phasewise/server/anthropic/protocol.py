@@ -19,7 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, 
 from phasewise import json_types
 from phasewise.json_types import JsonObject, JsonValue
 from phasewise.server.body_parsing import validation_message
-from phasewise.server.protocol import INT64, APIError, ChatCompletionRequest, bad_request
+from phasewise.server.api_error import APIError, bad_request
+from phasewise.server.openai.protocol import INT64, ChatCompletionRequest
 from phasewise.server.thinking import BUDGET_FIELDS
 
 PATH = "/v1/messages"

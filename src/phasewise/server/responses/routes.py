@@ -1,8 +1,8 @@
 """OpenAI's Responses API: POST /v1/responses, GET and DELETE /v1/responses/{id}, GET
 /v1/responses/{id}/input_items and POST /v1/responses/{id}/cancel.
 
-A request becomes the chat request it stands for (responses_api.py) and runs on the chat route's
-path (chat_call.py); its output becomes Responses items (responses_output.py), streamed as the
+A request becomes the chat request it stands for (protocol.py) and runs on the chat route's
+path (chat_call.py); its output becomes Responses items (output.py), streamed as the
 Responses' own SSE events or returned in one response object. Responses are kept (unless `store`
 is false) in a bounded ResponseStore, which `previous_response_id` continues and GET/DELETE read.
 A `background` response is answered at once ("queued") and runs as a task (`BackgroundRuns`), which
@@ -26,12 +26,13 @@ from phasewise.server.body_parsing import parse_body
 from phasewise.server.chat_call import ChatCall, Submitter, chat_call
 from phasewise.server.errors import EngineError
 from phasewise.server.guards import Guards
-from phasewise.server.protocol import APIError, ChatCompletionRequest
+from phasewise.server.api_error import APIError
+from phasewise.server.openai.protocol import ChatCompletionRequest
 from phasewise.server.request_stream import RequestStream
-from phasewise.server.response_store import ResponseStore, StoredResponse
-from phasewise.server.responses_api import (ResponsesRequest, chat_request, custom_names, forced_custom, input_items,
+from phasewise.server.responses.store import ResponseStore, StoredResponse
+from phasewise.server.responses.protocol import (ResponsesRequest, chat_request, custom_names, forced_custom, input_items,
                                             renamed)
-from phasewise.server.responses_output import OutputItems, assistant_message, new_id, response_body, sse, status_of
+from phasewise.server.responses.output import OutputItems, assistant_message, new_id, response_body, sse, status_of
 from phasewise.server.sse import collect, failure, sse_response
 from phasewise.server.thinking import Thinking
 

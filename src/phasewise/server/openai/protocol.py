@@ -1,8 +1,8 @@
-"""Request bodies of the OpenAI-compatible API, their conversion to SamplingParams, and API errors.
+"""Request bodies of OpenAI's completions and chat completions (and vLLM's tokenizer routes), and their
+conversion to SamplingParams.
 
-Pydantic checks types only (unknown fields are ignored); ranges are checked by
-SamplingParams, whose messages name the field. Every failure becomes an APIError,
-rendered in OpenAI's shape {"error": {"message", "type", "param", "code"}}.
+Pydantic checks types only (unknown fields are ignored); ranges are checked by SamplingParams, whose
+messages name the field. Every failure becomes an APIError (server/api_error.py).
 """
 
 from __future__ import annotations
@@ -17,32 +17,12 @@ from phasewise.json_types import JsonObject
 from phasewise.core.sampling_params import SamplingParams, StructuredOutputs
 from phasewise.engine.client import ChatEnding
 from phasewise.server import constraints, thinking
+from phasewise.server.api_error import bad_request
 from phasewise.server.refused_fields import UNSUPPORTED_FIELDS
 
 MAX_CHOICES = 128          # n x prompts of one API call
 MAX_TEMPERATURE = 2        # OpenAI's range of temperature: [0, 2]
 INT64 = 2 ** 63
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers
-
-    def body(self) -> JsonObject:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> JsonObject:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def bad_request(message: str, param: str | None = None) -> APIError:
-    return APIError(400, message, param=param)
 
 
 class StreamOptions(BaseModel):

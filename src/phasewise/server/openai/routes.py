@@ -15,14 +15,16 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from phasewise.json_types import JsonObject
-from phasewise.server import responses as R
+from phasewise.server.openai import output as R
 from phasewise.server.async_engine import SubRequest
 from phasewise.server.body_parsing import parse_body
 from phasewise.server.chat_call import Submitter, chat_call, sub_id
 from phasewise.server.guards import Guards
 from phasewise.server.disaggregation import DisaggregatedPair
-from phasewise.server.protocol import CompletionRequest, ChatCompletionRequest, bad_request, choice_params, openapi_body
-from phasewise.server.sse import chat_events, collect, completion_events, sse_response
+from phasewise.server.api_error import bad_request
+from phasewise.server.openai.protocol import CompletionRequest, ChatCompletionRequest, choice_params, openapi_body
+from phasewise.server.openai.stream import chat_events, completion_events
+from phasewise.server.sse import collect, sse_response
 from phasewise.server.thinking import Thinking
 
 
