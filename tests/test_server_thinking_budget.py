@@ -168,7 +168,7 @@ def test_anthropics_budget_reaches_the_engine():
 
     def budget(**kw) -> int | None:
         body = {"model": MODEL, "max_tokens": 2000, "messages": ASK, **kw}
-        return MessagesRequest.model_validate(body).chat_body().thinking_budget()
+        return MessagesRequest.model_validate(body).chat_request().thinking_budget
     assert budget(thinking={"type": "enabled", "budget_tokens": 1024}) == 1024
     assert budget(thinking={"type": "disabled"}) == 0
     assert budget(thinking={"type": "adaptive"}) is None and budget() is None

@@ -4,7 +4,6 @@ of outputs; and the failures an output can end in."""
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 
 from fastapi import Request

@@ -1,8 +1,8 @@
 """The Anthropic Messages API: POST /v1/messages (a message, or its SSE events) and
 /v1/messages/count_tokens.
 
-The body is translated into a ChatCompletionRequest (protocol.py) and runs as a chat completion does
-(chat_call.py); its reply becomes content blocks (output.py). Thinking blocks sent back must carry the
+The body is checked and translated into a ChatRequest (protocol.py, translate.py) and runs as a chat
+completion does (chat_call.py); its reply becomes content blocks (output.py). Thinking blocks sent back must carry the
 signature given (signature.py).
 """
 
@@ -14,12 +14,11 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from phasewise.json_types import JsonObject
-from phasewise.server.anthropic.protocol import CountTokensRequest, MessagesRequest, renamed
+from phasewise.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from phasewise.server.body_parsing import parse_body
-from phasewise.server.chat_call import ChatCall, Submitter, chat_call
+from phasewise.server.chat_call import Submitter, chat_call
 from phasewise.server.guards import Guards
 from phasewise.server.api_error import APIError
-from phasewise.server.openai.protocol import ChatCompletionRequest
 from phasewise.server.anthropic.output import message_body, message_events
 from phasewise.server.sse import collect, sse_response
 from phasewise.server.thinking import Thinking
@@ -29,14 +28,10 @@ from phasewise.server.anthropic.signature import ThinkingSignature
 def anthropic_router(guards: Guards) -> APIRouter:
     engine = guards.engine
     submitter = Submitter(guards)
-    thinking, signature = Thinking(guards.config.reasoning_parser, engine.tokenizer), ThinkingSignature()
+    config = guards.config
+    thinking = Thinking(config.reasoning_parser, engine.tokenizer, config.reasoning_budget)
+    signature = ThinkingSignature()
     router = APIRouter(dependencies=[Depends(guards.require_key)])
-
-    def prepared(body: ChatCompletionRequest, rid: str) -> ChatCall:
-        try:
-            return chat_call(body, engine.tokenizer.tool_format, rid, thinking)
-        except APIError as e:
-            raise renamed(e) from None
 
     def check_signatures(body: MessagesRequest | CountTokensRequest) -> None:
         for text, signed, where in body.thinking_blocks():
@@ -49,11 +44,8 @@ def anthropic_router(guards: Guards) -> APIRouter:
         body = parse_body(await request.body(), MessagesRequest)
         guards.check_model(body.model)
         check_signatures(body)
-        call = prepared(body.chat_body(), f"msg_{uuid.uuid4().hex[:24]}")
-        try:
-            stream = await submitter.start(call.items, True, call.constraint_field)
-        except APIError as e:
-            raise renamed(e) from None
+        call = chat_call(body.chat_request(), engine.tokenizer.tool_format, f"msg_{uuid.uuid4().hex[:24]}", thinking)
+        stream = await submitter.start(call.items, True, call.fields)
         model = body.model or guards.config.served_model_name
         if body.stream:
             return sse_response(message_events(stream, call, model, body.single_call, signature), stream)
@@ -67,10 +59,9 @@ def anthropic_router(guards: Guards) -> APIRouter:
         """The prompt's tokens as a /v1/messages request with the same system, messages and tools has them."""
         body = parse_body(await request.body(), CountTokensRequest)
         guards.check_model(body.model)
-        item = prepared(body.chat_body(), "count").items[0]
+        item = chat_call(body.chat_request(), engine.tokenizer.tool_format, "count", thinking).items[0]
         try:
-            ids = await engine.call(lambda e: e.encode_prompt(item.prompt, True, item.tools, item.template_kwargs,
-                                                              item.ending))
+            ids = await engine.call(lambda e: e.encode_prompt(item.prompt, True))
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         return {"input_tokens": len(ids)}
