@@ -395,7 +395,7 @@ def test_custom_tools_with_a_regex_and_their_results_round_trip(server):
 
 
 def test_custom_calls_parsed_from_text_become_custom_tool_call_items():
-    from phasewise.server.responses_output import OutputItems
+    from phasewise.server.responses.output import OutputItems
     from phasewise.tool_calling import ToolCallParser
 
     items = OutputItems(ToolCallParser("hermes", frozenset({"apply_patch"})), frozenset({"apply_patch"}))

@@ -69,7 +69,7 @@ def test_a_transfer_without_room_waits_for_it_then_gives_up():
     from concurrent.futures import Future
 
     from phasewise.server.disaggregation import DisaggregatedPair
-    from phasewise.server.protocol import APIError
+    from phasewise.server.api_error import APIError
 
     class Engine:                         # what DisaggregatedPair uses of AsyncEngine, LLMEngine and KVTransfer
         def __init__(self, short: int, arrives: bool = True):

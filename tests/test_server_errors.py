@@ -186,8 +186,9 @@ def test_an_output_its_grammar_ended_in_error_is_an_error_naming_it():
     naming the cause (then [DONE]), a collected answer is a 500 naming it."""
     from phasewise.core.request import RequestMetrics
     from phasewise.outputs import CompletionOutput, StreamDelta
-    from phasewise.server.responses import TokenText
-    from phasewise.server.sse import chat_events, failure
+    from phasewise.server.openai.output import TokenText
+    from phasewise.server.openai.stream import chat_events
+    from phasewise.server.sse import failure
 
     out = CompletionOutput(request_id="r", prompt=None, prompt_token_ids=[1], text="<", token_ids=[5],
                            finish_reason="error", stop_reason=None, logprobs=None, metrics=RequestMetrics(arrival=0.0),

@@ -17,10 +17,10 @@ import pytest
 from live_server import KEY, MAX_BODY, MODEL
 from phasewise.core.request import RequestMetrics
 from phasewise.outputs import CompletionOutput, StreamDelta
-from phasewise.server.anthropic_routes import Blocks, message_body, message_events
+from phasewise.server.anthropic.output import Blocks, message_body, message_events
 from phasewise.server.chat_call import ChatCall
 from phasewise.server.errors import EngineError
-from phasewise.server.protocol import APIError
+from phasewise.server.api_error import APIError
 from phasewise.tool_calling import ToolCallParser
 
 pytestmark = pytest.mark.slow

@@ -298,8 +298,8 @@ def reply_parser():
 
 @pytest.mark.parametrize("cut", range(0, len(REPLY) + 1, 7))
 def test_messages_blocks_thinking_signed_then_the_call(cut):
-    from phasewise.server.anthropic_routes import Blocks
-    from phasewise.server.thinking_signature import ThinkingSignature
+    from phasewise.server.anthropic.output import Blocks
+    from phasewise.server.anthropic.signature import ThinkingSignature
 
     signature = ThinkingSignature(b"k" * 32)
     blocks = Blocks(reply_parser(), single_call=False, signature=signature)
@@ -316,7 +316,7 @@ def test_messages_blocks_thinking_signed_then_the_call(cut):
 
 @pytest.mark.parametrize("cut", range(0, len(REPLY) + 1, 7))
 def test_responses_items_reasoning_then_the_call(cut):
-    from phasewise.server.responses_output import OutputItems, assistant_message
+    from phasewise.server.responses.output import OutputItems, assistant_message
 
     items = OutputItems(reply_parser())
     events = items.feed(REPLY[:cut]) + items.feed(REPLY[cut:], final=True) + items.finish("completed")

@@ -244,9 +244,9 @@ def run_events(deltas, fail: Exception | None = None, tool_format: str | None = 
 
     from phasewise.core.request import RequestMetrics
     from phasewise.server.chat_call import ChatCall
-    from phasewise.server.response_store import ResponseStore
-    from phasewise.server.responses_api import ResponsesRequest
-    from phasewise.server.responses_routes import Run, response_events
+    from phasewise.server.responses.store import ResponseStore
+    from phasewise.server.responses.protocol import ResponsesRequest
+    from phasewise.server.responses.routes import Run, response_events
 
     class Stream:
         closed = False
@@ -305,7 +305,7 @@ def test_streamed_items_follow_the_text_then_the_call():
 
 
 def test_the_store_is_bounded_by_count_and_bytes():
-    from phasewise.server.response_store import ResponseStore
+    from phasewise.server.responses.store import ResponseStore
 
     store = ResponseStore(max_responses=3, max_bytes=2000)
     for i in range(5):

@@ -164,11 +164,11 @@ def test_messages_budgets_streamed_and_not(qwen35, thinking, extra, budget):
 
 
 def test_anthropics_budget_reaches_the_engine():
-    from phasewise.server.anthropic_protocol import MessagesRequest
+    from phasewise.server.anthropic.protocol import MessagesRequest
 
     def budget(**kw) -> int | None:
         body = {"model": MODEL, "max_tokens": 2000, "messages": ASK, **kw}
-        return MessagesRequest.model_validate(body).chat_body().thinking_budget()
+        return MessagesRequest.model_validate(body).chat_request().thinking_budget
     assert budget(thinking={"type": "enabled", "budget_tokens": 1024}) == 1024
     assert budget(thinking={"type": "disabled"}) == 0
     assert budget(thinking={"type": "adaptive"}) is None and budget() is None
@@ -176,7 +176,7 @@ def test_anthropics_budget_reaches_the_engine():
 
 
 def test_each_effort_has_its_budget():
-    from phasewise.server.protocol import ChatCompletionRequest
+    from phasewise.server.openai.protocol import ChatCompletionRequest
     from phasewise.server.thinking import EFFORT_BUDGETS
 
     def budget(**kw) -> int | None:

@@ -186,3 +186,34 @@ def test_gate_masks_after_drafts_equal_masks_after_accepting(gates, opened, so):
     bad = gate()
     if opened:                                                          # no end of sequence while thinking
         assert bad.valid_prefix([eos]) == 0 and not bad.accept(eos) and bad.finished
+
+
+# ---- a budget never cuts a character: the default model's byte-level BPE writes 🎉 as three tokens ---------------
+
+PARTY = "<|im_start|>user\nCelebrate!<|im_end|>\n<|im_start|>assistant\n<think>\n" + "\U0001F389" * 6
+
+
+@pytest.mark.parametrize("budget", range(1, 8))
+def test_a_budget_never_cuts_a_character(llm, budget):
+    """The model goes on writing 🎉 (three tokens): wherever the budget falls, the block closes on a whole
+    character (its last tokens finish one or start none), after exactly `budget` thinking tokens."""
+    free = llm.generate([PARTY], SamplingParams(temperature=0, max_tokens=9, min_tokens=9))[0]
+    assert free.text == "\U0001F389" * 3                               # what the model writes unbounded
+    out = llm.generate([PARTY], params(budget, max_tokens=24))[0]
+    assert out.metrics.thinking_tokens == budget
+    thought = b"".join(llm.engine.tokenizer.token_bytes(t) for t in out.token_ids[:budget])
+    assert thought.decode("utf-8") + CLOSE in out.text                 # whole UTF-8 (no U+FFFD), then closed
+    assert budget % 3 or out.token_ids[:budget] == free.token_ids[:budget]   # whole emoji: the model's own
+
+
+def test_utf8_masks_are_what_each_token_allows(gates):
+    from phasewise.structured.utf8_masks import Utf8Masks, utf8_after
+
+    factory, compiler, tokenizer = gates
+    assert [utf8_after(0, "\U0001F389".encode()[:n]) for n in range(5)] == [0, 3, 2, 1, 0]
+    assert utf8_after(1, b"a") == utf8_after(0, b"\x89") == 4                  # broken either way
+    masks, n_words = Utf8Masks(tokenizer.token_bytes, tokenizer.vocab_size), (compiler.vocab_size + 31) // 32
+    for state, left in ((0, 1), (2, 2), (3, 3), (1, 1)):
+        bits = np.unpackbits(masks.words(state, left, n_words).view(np.uint8), bitorder="little")
+        expected = [masks.allows(state, tokenizer.token_bytes(t), left) for t in range(tokenizer.vocab_size)]
+        assert bits[:tokenizer.vocab_size].astype(bool).tolist() == expected, (state, left)

@@ -339,7 +339,7 @@ def test_logprob_bodies_carry_each_tokens_own_bytes(tok):
     """A token holding part of a character: its own bytes (joining them rebuilds the text), shown as
     "bytes:\\x.." in the completions format, and text_offset counts the character once."""
     from phasewise.core.request import TokenLogprobs
-    from phasewise.server.responses import TextOffsets, TokenText
+    from phasewise.server.openai.output import TextOffsets, TokenText
 
     tt = TokenText(tok)
     text = "🦙 héllo"

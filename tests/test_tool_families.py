@@ -13,7 +13,7 @@ import pytest
 
 from phasewise import LLM
 from phasewise.server.chat_call import chat_call
-from phasewise.server.protocol import ChatCompletionRequest
+from phasewise.server.openai.protocol import ChatCompletionRequest
 
 pytestmark = pytest.mark.slow
 
@@ -67,9 +67,9 @@ def family(request, llm):
 
 
 def run(llm, body: dict) -> tuple[str, list]:
-    call = chat_call(ChatCompletionRequest.model_validate(body), llm.engine.tokenizer.tool_format, "t")
+    call = chat_call(ChatCompletionRequest.model_validate(body).chat_request(), llm.engine.tokenizer.tool_format, "t")
     item = call.items[0]
-    out = llm.chat(item.prompt, item.params, tools=item.tools)
+    out = llm.chat(item.prompt.messages, item.params, tools=item.prompt.tools)
     parser = call.parser()                 # None under tool_choice "none": nothing is parsed
     if parser is None:
         return out.text, []
@@ -102,7 +102,8 @@ def test_a_call_and_its_result_render_in_the_familys_format(llm, family):
     history = [*body["messages"], {"role": "assistant", "content": None, "tool_calls": [c.as_dict() for c in calls]},
                {"role": "tool", "tool_call_id": calls[0].id, "content": "12 degrees"}]
     prompt = llm.engine.tokenizer.render_chat(
-        chat_call(ChatCompletionRequest.model_validate({**body, "messages": history}), family, "t").items[0].prompt,
+        chat_call(ChatCompletionRequest.model_validate({**body, "messages": history}).chat_request(), family,
+                  "t").items[0].prompt.messages,
         tools=TOOLS)
     assert "12 degrees" in prompt and calls[0].name in prompt
     answer, after = run(llm, {**body, "messages": history, "tool_choice": "none", "max_tokens": 16})

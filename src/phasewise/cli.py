@@ -207,7 +207,8 @@ def _server_config(args: argparse.Namespace, engine: LLMEngine) -> ServerConfig:
     name, aliases = model_names(args.served_model_name, args.model, path)
     return ServerConfig(served_model_name=name, model_aliases=aliases, api_key=args.api_key,
                         max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes, model_root=str(path),
-                        role=args.role, reasoning_parser=args.reasoning_parser)
+                        role=args.role, reasoning_parser=args.reasoning_parser,
+                        reasoning_budget=args.reasoning_budget)
 
 
 def _dashboard_roofline(engine: LLMEngine) -> Roofline | None:

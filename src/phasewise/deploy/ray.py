@@ -183,7 +183,8 @@ def build_server(options: argparse.Namespace, kv_role: str | None = None,
     app = create_app(async_engine, ServerConfig(served_model_name=name, model_aliases=aliases, api_key=o.api_key,
                                                 max_waiting=o.max_waiting, max_body_bytes=o.max_body_bytes,
                                                 model_root=str(path), role=kv_role,
-                                                reasoning_parser=o.reasoning_parser))
+                                                reasoning_parser=o.reasoning_parser,
+                                                reasoning_budget=o.reasoning_budget))
     return async_engine, app
 
 

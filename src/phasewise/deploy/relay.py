@@ -175,7 +175,7 @@ def _json(body: bytes) -> JsonValue:
 
 
 async def _send_failure(send: Send, message: str, started: bool, event_stream: bool) -> None:
-    from phasewise.server.protocol import error_body
+    from phasewise.server.api_error import error_body
 
     error = json.dumps(error_body(message, "server_error", code="replica_failed")).encode()
     if not started:

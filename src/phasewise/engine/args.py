@@ -63,6 +63,21 @@ def add_chat_args(g: argparse._ArgumentGroup) -> None:
                    help="how replies' thinking (<think>...</think>) is split from the answer: qwen3 (Qwen3, "
                         "Qwen3.5), deepseek_r1 (the R1 distills, whose prompt opens the block), none; auto "
                         "(default): the chat template's own, none when it writes no thinking")
+    g.add_argument("--reasoning-budget", type=budget_arg, default=-1, metavar="N",
+                   help="thinking tokens a reply may write when its request sets no budget (llama-server's flag): "
+                        "-1 (default) unrestricted, 0 no thinking (the template's switch off, an empty block), N "
+                        "then the block is closed and the answer follows")
+
+
+def budget_arg(text: str) -> int:
+    """--reasoning-budget: -1 or a count of tokens."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -2
+    if value < -1:
+        raise argparse.ArgumentTypeError(f"-1 (unrestricted) or a count of tokens, got {text!r}")
+    return value
 
 
 def threads_arg(text: str) -> int | None:

@@ -29,10 +29,15 @@ def is_chat(prompt: Prompt) -> TypeIs[list[JsonObject]]:
 
 
 @dataclass(frozen=True)
-class ChatEnding:
-    """How a chat prompt ends: an assistant turn opened (add_generation_prompt, the default), nothing
-    after the last message, or inside the final assistant message, which the model continues
-    (continue_final: a prefill; vLLM's continue_final_message)."""
+class ChatPrompt:
+    """A chat prompt as the template renders it: the messages (OpenAI's shape), the tools it lists, the
+    template's own variables (a request's chat_template_kwargs: enable_thinking), and how it ends: an
+    assistant turn opened (add_generation_prompt, the default), nothing after the last message, or inside
+    the final assistant message, which the model continues (continue_final: a prefill; vLLM's
+    continue_final_message)."""
+    messages: list[JsonObject]
+    tools: list[JsonObject] | None = None
+    template_kwargs: JsonObject | None = None
     add_generation_prompt: bool = True
     continue_final: bool = False
 
@@ -50,11 +55,10 @@ class EngineClient(Protocol):
     max_model_len: int
     kv_transfer: KVTransfer
 
-    def encode_prompt(self, prompt: Prompt, chat: bool, tools: Sequence[Mapping[str, JsonValue]] | None = None,
-                      template_kwargs: Mapping[str, JsonValue] | None = None,
-                      ending: ChatEnding = ChatEnding()) -> list[int]:
-        """Token ids of a prompt: chat messages (with OpenAI-style tools and template_kwargs, the
-        template's own variables) through the chat template, which ends as `ending` says."""
+    def encode_prompt(self, prompt: Prompt | ChatPrompt, chat: bool,
+                      tools: Sequence[Mapping[str, JsonValue]] | None = None) -> list[int]:
+        """Token ids of a prompt: a ChatPrompt (or chat messages, with OpenAI-style tools) through the chat
+        template."""
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, chat: bool = False,
                     request_id: str | None = None,

@@ -17,7 +17,7 @@ from phasewise.core.handoffs import EngineStats, StepRecord
 from phasewise.core.prompt_store import Clock
 from phasewise.core.request import FinishReason, Request
 from phasewise.engine.builder import build_engine
-from phasewise.engine.client import ChatEnding, EngineBrokenError, Prompt, is_chat
+from phasewise.engine.client import ChatPrompt, EngineBrokenError, Prompt, is_chat
 from phasewise.engine.kv_transfer import KVTransfer
 from phasewise.engine.output_processor import OutputProcessor
 from phasewise.outputs import CompletionOutput, StreamDelta
@@ -63,20 +63,19 @@ class LLMEngine:
 
     # ---- requests ---------------------------------------------------------------
 
-    def encode_prompt(self, prompt: Prompt, chat: bool, tools: Sequence[Mapping[str, JsonValue]] | None = None,
-                      template_kwargs: Mapping[str, JsonValue] | None = None,
-                      ending: ChatEnding = ChatEnding()) -> list[int]:
-        """Token ids of a prompt: chat messages (with OpenAI-style tools and the template's own variables,
-        template_kwargs) through the chat template, which ends as `ending` says (an assistant turn
-        opened, by default)."""
+    def encode_prompt(self, prompt: Prompt | ChatPrompt, chat: bool,
+                      tools: Sequence[Mapping[str, JsonValue]] | None = None) -> list[int]:
+        """Token ids of a prompt: a ChatPrompt (messages, tools, the template's own variables, how it ends)
+        or chat messages (with OpenAI-style tools; an assistant turn opened) through the chat template."""
+        if isinstance(prompt, ChatPrompt):
+            return self.tokenizer.apply_chat_template(prompt.messages, prompt.add_generation_prompt, prompt.tools,
+                                                      prompt.template_kwargs, prompt.continue_final)
         if isinstance(prompt, str):
             if chat:
-                return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tools=tools,
-                                                          template_kwargs=template_kwargs)
+                return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tools=tools)
             return self.tokenizer.encode(prompt)
         if is_chat(prompt):
-            return self.tokenizer.apply_chat_template(prompt, ending.add_generation_prompt, tools, template_kwargs,
-                                                      ending.continue_final)
+            return self.tokenizer.apply_chat_template(prompt, tools=tools)
         return list(prompt)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,

@@ -8,10 +8,9 @@ generation against the client's disconnect (sse.py).
 
     guards.py            413 / 401 / 404 / 503 before a request runs; every error in OpenAI's shape (Anthropic's
                          on /v1/messages)
-    openai_routes.py     /v1/models, /v1/completions, /v1/chat/completions
-    responses_routes.py  /v1/responses (OpenAI's Responses API, on the chat path; kept in a bounded ResponseStore)
-    anthropic_routes.py  /v1/messages, /v1/messages/count_tokens (Anthropic's Messages API, on the chat path;
-                         its bodies and their translation: anthropic_protocol.py)
+    openai/              /v1/models, /v1/completions, /v1/chat/completions
+    responses/           /v1/responses (OpenAI's Responses API, on the chat path; kept in a bounded ResponseStore)
+    anthropic/           /v1/messages, /v1/messages/count_tokens (Anthropic's Messages API, on the chat path)
     tokenizer_routes.py  /tokenize, /detokenize, /tokenizer_info
     dashboard_routes.py  /dashboard (the page) and /dashboard/events (its live feed, dashboard_feed.py)
     here                 /health, /metrics, /openapi.json
@@ -24,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 
 from phasewise import __version__
 from phasewise.json_types import JsonObject
-from phasewise.server.anthropic_routes import anthropic_router
+from phasewise.server.anthropic.routes import anthropic_router
 from phasewise.server.async_engine import AsyncEngine
 from phasewise.server.config import ServerConfig
 from phasewise.server.dashboard_feed import DashboardFeed, Roofline
@@ -32,10 +31,10 @@ from phasewise.server.dashboard_routes import dashboard_router
 from phasewise.server.guards import BodyLimit, Guards, install_error_handlers
 from phasewise.server.metrics import ServerMetrics
 from phasewise.server.observer import Observers
-from phasewise.server.openai_routes import openai_router
-from phasewise.server.protocol import openapi_schemas
-from phasewise.server.response_store import ResponseStore
-from phasewise.server.responses_routes import responses_router
+from phasewise.server.openai.routes import openai_router
+from phasewise.server.openai.protocol import openapi_schemas
+from phasewise.server.responses.store import ResponseStore
+from phasewise.server.responses.routes import responses_router
 from phasewise.server.tokenizer_routes import tokenizer_router
 
 

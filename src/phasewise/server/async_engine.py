@@ -24,8 +24,7 @@ from functools import partial
 from typing import ParamSpec, TypeAlias, TypeVar
 
 from phasewise.core.request import Request
-from phasewise.engine.client import ChatEnding, EngineBrokenError, EngineClient, Prompt
-from phasewise.json_types import JsonObject
+from phasewise.engine.client import ChatPrompt, EngineBrokenError, EngineClient, Prompt
 from phasewise.outputs import StreamDelta
 from phasewise.core.sampling_params import SamplingParams
 from phasewise.server.errors import EngineDeadError, EngineError
@@ -42,11 +41,8 @@ P = ParamSpec("P")
 class SubRequest:
     """One engine request of an API call (an API call with n > 1 or several prompts has several)."""
     request_id: str
-    prompt: Prompt
+    prompt: Prompt | ChatPrompt                # a chat call's: its ChatPrompt (messages, tools, template variables)
     params: SamplingParams
-    tools: list[JsonObject] | None = None      # chat: the tools the template renders
-    template_kwargs: JsonObject | None = None  # chat: the template's own variables (chat_template_kwargs)
-    ending: ChatEnding = ChatEnding()          # chat: how the prompt ends (a prefill continued, ...)
 
 
 @dataclass
@@ -294,7 +290,7 @@ class AsyncEngine:
         for it in items:
             key = id(it.prompt)                # the choices of one prompt share its object: encode once
             if key not in encoded:
-                encoded[key] = engine.encode_prompt(it.prompt, chat, it.tools, it.template_kwargs, it.ending)
+                encoded[key] = engine.encode_prompt(it.prompt, chat)
             prepared.append((it.request_id, encoded[key], it.params))
         added = []
         try:

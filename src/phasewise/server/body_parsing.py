@@ -11,7 +11,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
 from phasewise.json_types import JsonValue
-from phasewise.server.protocol import bad_request
+from phasewise.server.api_error import bad_request
 
 M = TypeVar("M", bound=BaseModel)
 

@@ -1,26 +1,29 @@
-"""What the chat-shaped APIs share: a chat request made ready to run, and its submission to the engine.
+"""What the chat-shaped APIs share: a ChatRequest made ready to run, and its submission to the engine.
 
-/v1/chat/completions, /v1/responses and /v1/messages all come down to one `ChatCompletionRequest`
-(the latter two translate their bodies into it), which `chat_call` turns into the engine requests and
-the tool-call parsing of their output; `Submitter.start` admits and submits them, turning the engine's
-refusals into APIErrors (each API renders them in its own shape).
+/v1/chat/completions, /v1/responses and /v1/messages each build one `ChatRequest` (chat_request.py),
+which `chat_call` turns into the engine requests (one per choice: the ChatPrompt and SamplingParams, with
+a forced call's grammar and the thinking block the engine keeps) and the reading of their output (thinking,
+answer, tool calls); `Submitter.start` admits and submits them, turning the engine's refusals into
+APIErrors naming the API's own fields (each API renders them in its own shape).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
+from phasewise import tool_calling
+from phasewise.core.sampling_params import ConstraintError, SamplingParams, StructuredOutputs
 from phasewise.engine.admission import ContextLengthError, RequestError
-from phasewise.core.sampling_params import ConstraintError
-from phasewise.server.async_engine import SubRequest
-from phasewise.server.errors import EngineDeadError
-from phasewise import json_types
 from phasewise.json_types import JsonObject
+from phasewise.server.api_error import APIError, bad_request
+from phasewise.server.async_engine import SubRequest
+from phasewise.server.chat_request import ChatRequest
+from phasewise.server.errors import EngineDeadError
 from phasewise.server.guards import Guards
-from phasewise.server.protocol import APIError, ChatCompletionRequest, bad_request, choice_params
 from phasewise.server.reply_parser import ReplyParser
 from phasewise.server.request_stream import RequestStream
-from phasewise.server.thinking import Thinking
+from phasewise.server.thinking import Thinking, resolved_budget
 from phasewise.tool_calling import ToolCallParser
 
 
@@ -38,6 +41,7 @@ class ChatCall:
     thinking: Thinking | None = None
     template_kwargs: JsonObject | None = None
     include_reasoning: bool = True
+    names: Mapping[str, str] | None = None        # the API's names of engine fields (ChatRequest.names)
 
     def parser(self) -> ReplyParser | None:
         """A fresh parser for one choice's text, or None when nothing is parsed."""
@@ -45,24 +49,60 @@ class ChatCall:
         reasoning = self.thinking.parser(self.template_kwargs) if self.thinking else None
         return ReplyParser(reasoning, tools, self.include_reasoning) if tools or reasoning else None
 
+    @property
+    def fields(self) -> dict[str, str]:
+        """Engine fields → the API's names, for Submitter.start (the constraint: the field that set it)."""
+        names = dict(self.names or {})
+        if self.constraint_field is not None:
+            names["structured_outputs"] = self.constraint_field
+        return names
 
-def chat_call(body: ChatCompletionRequest, template_tool_format: str, rid: str,
-              thinking: Thinking | None = None, max_tool_calls: int | None = None) -> ChatCall:
-    """The request's sub-requests; 400 (APIError) for what is wrong with it. template_tool_format: the
-    format the model's chat template calls tools in (Tokenizer.tool_format); thinking: the server's;
-    max_tool_calls: calls past it are dropped (the Responses field; parallel_tool_calls false is one)."""
-    params, tool_format = body.tool_params(body.sampling_params(), template_tool_format)
-    block = thinking.block(body.thinking_budget()) if thinking else None
+
+def chat_call(request: ChatRequest, template_tool_format: str, rid: str,
+              thinking: Thinking | None = None) -> ChatCall:
+    """The request's sub-requests; 400 (APIError) for a forced call the tools cannot make. template_tool_format:
+    the format the model's chat template calls tools in (Tokenizer.tool_format); thinking: the server's (its
+    parser, and the default budget for a request that gives none)."""
+    params, tool_format = tool_params(request, template_tool_format)
+    budget = thinking.budget(request.thinking_budget) if thinking else resolved_budget(request.thinking_budget)
+    prompt = request.prompt
+    if budget == 0:                        # no thinking: the template's switch off too, unless the request set it
+        prompt = replace(prompt, template_kwargs={"enable_thinking": False, **(prompt.template_kwargs or {})})
+    block = thinking.block(budget) if thinking else None
     if block is not None:                  # the engine tracks the thinking, keeps its budget, grammars after it
         params = replace(params, thinking=block)
-    messages, tools, kwargs = body.conversation(), body.checked_tools(), body.template_kwargs()
-    names = frozenset(json_types.text(json_types.obj(t["function"])["name"]) for t in tools or ())   # checked tools
-    ending = body.ending()
-    items = [SubRequest(sub_id(rid, j, body.n), messages, choice_params(params, j), tools, kwargs or None, ending)
-             for j in range(body.n)]
-    limits = [n for n in (max_tool_calls, None if body.parallel_tool_calls else 1) if n is not None]
-    return ChatCall(rid, items, tool_format, names, min(limits, default=None), body.constraint_field,
-                    thinking, kwargs, body.include_reasoning)
+    items = [SubRequest(sub_id(rid, j, request.n), prompt, choice_params(params, j)) for j in range(request.n)]
+    choice = request.tool_choice
+    limits = [n for n in (request.max_tool_calls, None if choice.parallel else 1) if n is not None]
+    constraint = "tool_choice" if tool_format and choice.forced else \
+        request.field("structured_outputs") if request.params.structured_outputs else None
+    return ChatCall(rid, items, tool_format, request.tool_names, min(limits, default=None), constraint,
+                    thinking, prompt.template_kwargs, request.include_reasoning, request.names)
+
+
+def tool_params(request: ChatRequest, tool_format: str) -> tuple[SamplingParams, str | None]:
+    """The params, whose grammar forces a call when tool_choice asks for one, and the format to parse calls
+    in (None: tool_choice "none" or no tools, nothing is parsed)."""
+    params, tools, choice = request.params, request.prompt.tools, request.tool_choice
+    if tools is None or choice.mode == "none":
+        return params, None
+    if choice.forced:
+        if params.structured_outputs is not None:
+            raise bad_request(f"tool_choice {choice} forces a tool call: it cannot be combined with "
+                              f"{request.field('structured_outputs')}", "tool_choice")
+        try:
+            grammar = tool_calling.call_grammar(tools, tool_format, choice.name, choice.parallel)
+        except ValueError as e:
+            raise bad_request(str(e), "tool_choice") from None
+        params = replace(params, structured_outputs=StructuredOutputs(grammar=grammar))
+    return params, tool_format
+
+
+def choice_params(params: SamplingParams, i: int) -> SamplingParams:
+    """The params of choice i: with a seed, choice i gets seed + i so the choices differ."""
+    if params.seed is None or i == 0:
+        return params
+    return replace(params, seed=(params.seed + i) % 2 ** 64)
 
 
 def sub_id(rid: str, i: int, total: int) -> str:
@@ -76,16 +116,18 @@ class Submitter:
     def __init__(self, guards: Guards) -> None:
         self.guards, self.engine = guards, guards.engine
 
-    async def start(self, items: list[SubRequest], chat: bool, constraint_field: str | None = None,
-                    prompt_param: str = "messages") -> RequestStream:
-        """prompt_param: the field a chat request's prompt came from, named by a context-length error."""
+    async def start(self, items: list[SubRequest], chat: bool, fields: Mapping[str, str] | None = None
+                    ) -> RequestStream:
+        """fields: the API's names of the engine's fields ("prompt", "max_tokens", "structured_outputs"),
+        which its errors name."""
+        names = fields or {}
         self.guards.admit(len(items))
         try:
             return await self.engine.submit(items, chat)
         except ConstraintError as e:
-            raise bad_request(str(e), constraint_field) from None
+            raise bad_request(str(e), names.get("structured_outputs")) from None
         except RequestError as e:
-            param = prompt_param if e.param == "prompt" and chat else e.param
+            param = names.get(e.param, e.param) if e.param is not None else None
             if isinstance(e, ContextLengthError):
                 raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
             raise bad_request(str(e), param) from None

@@ -18,6 +18,7 @@ class ServerConfig:
     model_root: str = ""
     role: str | None = None                   # "prefill" | "decode": one side of a disaggregated pair
     reasoning_parser: str = "auto"            # thinking.CHOICES: the template's own, none, or a parser's name
+    reasoning_budget: int = -1                # --reasoning-budget: thinking tokens when a request gives no budget (-1: all)
     created: int = field(default_factory=lambda: int(time.time()))
 
 

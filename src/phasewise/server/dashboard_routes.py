@@ -22,7 +22,7 @@ from fastapi.responses import Response, StreamingResponse
 from phasewise import __version__
 from phasewise.server.dashboard_feed import DashboardFeed
 from phasewise.server.guards import Guards
-from phasewise.server.protocol import APIError
+from phasewise.server.api_error import APIError
 
 STATIC = resources.files("phasewise.server") / "dashboard"
 TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",

@@ -15,9 +15,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from phasewise.engine.client import Prompt
+from phasewise.engine.client import ChatPrompt, Prompt
 from phasewise.server.async_engine import AsyncEngine
-from phasewise.server.protocol import APIError
+from phasewise.server.api_error import APIError
 
 log = logging.getLogger("phasewise.server")
 
@@ -26,7 +26,7 @@ class DisaggregatedPair:
     def __init__(self, engine: AsyncEngine, timeout_s: float = 120.0, room_wait_s: float = 30.0) -> None:
         self.engine, self.timeout_s, self.room_wait_s = engine, timeout_s, room_wait_s
 
-    async def send(self, transfer_id: str, prompt: Prompt, chat: bool) -> None:
+    async def send(self, transfer_id: str, prompt: Prompt | ChatPrompt, chat: bool) -> None:
         """After the prefill instance ran the prompt: its blocks to the decode instance."""
         try:
             sent = await self.engine.call(lambda e: e.kv_transfer.send(transfer_id, e.encode_prompt(prompt, chat)))

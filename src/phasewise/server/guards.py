@@ -19,11 +19,11 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from phasewise.server import anthropic_protocol as anthropic
+from phasewise.server.anthropic import protocol as anthropic
 from phasewise.server.async_engine import AsyncEngine
 from phasewise.server.config import ServerConfig
 from phasewise.server.body_parsing import validation_message
-from phasewise.server.protocol import APIError, error_body
+from phasewise.server.api_error import APIError, error_body
 
 log = logging.getLogger("phasewise.server")
 

@@ -24,7 +24,7 @@ from starlette.background import BackgroundTask
 
 from phasewise.json_types import JsonObject
 from phasewise.server.body_parsing import MAX_DEPTH, nesting_depth
-from phasewise.server.protocol import error_body
+from phasewise.server.api_error import error_body
 
 
 def create_proxy(prefill: str, decode: str) -> FastAPI:

@@ -7,8 +7,9 @@ forces `</think>` and the answer follows).
 
 A budget comes from, first to last: the per-request fields of vLLM (`thinking_token_budget`) and
 llama-server (`thinking_budget_tokens`, and `reasoning_budget_tokens` as some of its versions spell it;
--1 there means unrestricted), Anthropic's `thinking.budget_tokens` (`disabled`: 0, `adaptive`: none),
-or the reasoning effort (EFFORT_BUDGETS). A budget of 0 turns the template's switch off too
+-1 there means the server's default), Anthropic's `thinking.budget_tokens` (`disabled`: 0, `adaptive`: none),
+the reasoning effort (EFFORT_BUDGETS), or else the server's `--reasoning-budget` (llama-server's flag:
+-1, the default, unrestricted; 0 no thinking). A budget of 0 turns the template's switch off too
 (`enable_thinking` false, unless the request set it), so a template with the switch writes an empty
 block; elsewhere the engine closes the block at once.
 """
@@ -46,10 +47,11 @@ class Thinking:
     """One server's reading of thinking. choice: a CHOICES entry ("auto": the template's own parser,
     reasoning.choose_parser; "none": replies are read as they are)."""
 
-    def __init__(self, choice: str, tokenizer: Tokenizer) -> None:
+    def __init__(self, choice: str, tokenizer: Tokenizer, default_budget: int = -1) -> None:
         if choice not in CHOICES:
             raise ValueError(f"--reasoning-parser must be one of {', '.join(CHOICES)}, got {choice!r}")
         self.tokenizer = tokenizer
+        self.default_budget = default_budget        # --reasoning-budget: for requests that give none
         self._opens = lru_cache(maxsize=64)(self._probe)
         self.name: str | None = None if choice == "none" else choice
         if choice == "auto":
@@ -64,6 +66,11 @@ class Thinking:
             return None
         opened = self.name == "deepseek_r1" or self._opens(json.dumps(template_kwargs or {}, sort_keys=True))
         return ReasoningParser(self.name, opened)
+
+    def budget(self, asked: int | None) -> int | None:
+        """The thinking tokens a request may write (None: unlimited): its own budget, else (none, or -1) the
+        server's default (--reasoning-budget, llama-server's: -1 unlimited, 0 no thinking)."""
+        return resolved_budget(asked, self.default_budget)
 
     def block(self, budget: int | None) -> ThinkingBlock | None:
         """The engine's view of a reply's thinking (tracked, kept in the budget; None: replies are not
@@ -83,9 +90,10 @@ class Thinking:
 
 
 def template_kwargs(given: JsonObject | None, effort: str | None, error: Callable[[str, str], Exception],
-                    effort_field: str = "reasoning_effort", budget: int | None = None) -> JsonObject:
+                    effort_field: str = "reasoning_effort") -> JsonObject:
     """A request's variables for the chat template: its chat_template_kwargs, and enable_thinking from
-    its reasoning effort (or a budget of 0) unless they set it. error(message, field): the API's 400."""
+    its reasoning effort unless they set it (a budget of 0 sets it too: chat_call). error(message, field):
+    the API's 400."""
     kwargs: JsonObject = dict(given or {})
     for name in kwargs:
         if name in RESERVED or not name.isidentifier():
@@ -94,16 +102,20 @@ def template_kwargs(given: JsonObject | None, effort: str | None, error: Callabl
         if effort not in EFFORTS:
             raise error(f"{effort_field} must be one of {', '.join(EFFORTS)}, got {effort!r}", effort_field)
         kwargs.setdefault("enable_thinking", effort not in OFF_EFFORTS)
-    if budget == 0:
-        kwargs.setdefault("enable_thinking", False)
     return kwargs
 
 
 def thinking_budget(fields: dict[str, int | None], effort: str | None) -> int | None:
-    """A request's thinking budget: its first budget field given (BUDGET_FIELDS, by name; -1: none), else
-    its effort's (EFFORT_BUDGETS), else None (unlimited)."""
+    """A request's thinking budget: its first budget field given (BUDGET_FIELDS, by name; -1: unlimited),
+    else its effort's (EFFORT_BUDGETS), else None (not said: the server's --reasoning-budget)."""
     for name in BUDGET_FIELDS:
         value = fields.get(name)
         if value is not None:
-            return None if value < 0 else value
+            return value
     return EFFORT_BUDGETS.get(effort) if effort is not None else None
+
+
+def resolved_budget(asked: int | None, default: int = -1) -> int | None:
+    """A request's budget; when it gave none (None, or -1 as llama-server takes it), `default`; None: unlimited."""
+    budget = asked if asked is not None and asked >= 0 else default
+    return None if budget < 0 else budget

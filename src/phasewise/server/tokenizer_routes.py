@@ -8,7 +8,8 @@ from phasewise.server.guards import Guards
 from phasewise import tool_calling
 from phasewise.json_types import JsonObject
 from phasewise.server.body_parsing import parse_body
-from phasewise.server.protocol import DetokenizeRequest, TokenizeRequest, bad_request, openapi_body
+from phasewise.server.api_error import bad_request
+from phasewise.server.openai.protocol import DetokenizeRequest, TokenizeRequest, openapi_body
 
 
 def tokenizer_router(guards: Guards) -> APIRouter:

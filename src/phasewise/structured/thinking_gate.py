@@ -10,7 +10,8 @@ masks after drafts: `valid_prefix`, `fill`), preemption (only committed tokens a
             start tag (with a grammar: its tokens as the tokenizer writes them, or the grammar's first
             token); anything else makes it all answer
   thinking  counted; the end tag (found in the text, however it is split) ends it; no end of sequence
-            while a budget or a grammar holds; at the budget the closing tokens are forced
+            while a budget or a grammar holds; at the budget the closing tokens are forced (its last few
+            tokens may not leave a character unfinished: utf8_masks.py)
   closing   forced: the end tag and what the template writes after it (after a natural end, with a
             grammar: only what follows the tag, so the grammar starts where the answer does)
   answer    the grammar's (or free)
@@ -31,6 +32,7 @@ import numpy as np
 from phasewise.core.request import RequestMetrics
 from phasewise.core.sampling_params import ThinkingBlock
 from phasewise.structured.grammar_matcher import GrammarMatcher
+from phasewise.structured.utf8_masks import BROKEN, WINDOW, Utf8Masks, utf8_after
 
 Phase = Literal["lead", "thinking", "closing", "answer"]
 
@@ -53,6 +55,7 @@ class _State:
     lead_ids: tuple[int, ...] = ()   # lead, with a grammar: start-tag tokens taken so far
     thought: int = 0                 # thinking tokens (not the one completing the end tag)
     tail: bytes = b""                # thinking: the latest bytes, to find the end tag across tokens
+    pending: int = 0                 # thinking: continuation bytes its last character still needs
     forced: tuple[int, ...] = ()     # closing: the tokens still to force
     inner_taken: int = 0             # tokens the grammar has consumed
     answer_start: int | None = None  # output index of the answer's first token
@@ -61,12 +64,13 @@ class _State:
 class ThinkingGate:
     """tags: the block's (Tags); budget: thinking tokens at most (None: unlimited); inner: the grammar of
     the answer (None: free); start: where the prompt leaves the reply (`ThinkingGates.start`); metrics:
-    stamped with the thinking tokens and the answer's start as tokens are committed."""
+    stamped with the thinking tokens and the answer's start as tokens are committed; utf8: the vocabulary's
+    masks that keep the thinking whole UTF-8 at the budget (None: not kept)."""
 
     def __init__(self, tags: Tags, budget: int | None, inner: GrammarMatcher | None,
                  token_bytes: Callable[[int], bytes], eos_token_ids: frozenset[int], start: Phase,
-                 metrics: RequestMetrics) -> None:
-        self.tags, self.budget, self._inner, self._bytes = tags, budget, inner, token_bytes
+                 metrics: RequestMetrics, utf8: Utf8Masks | None = None) -> None:
+        self.tags, self.budget, self._inner, self._bytes, self._utf8 = tags, budget, inner, token_bytes, utf8
         self._eos, self._metrics = sorted(eos_token_ids), metrics
         metrics.thinking_tracked = True
         self._error: str | None = None
@@ -175,7 +179,10 @@ class ThinkingGate:
         if s.phase == "closing":
             return t == s.forced[0]
         if s.phase == "thinking":
-            return not self.constrains or t not in self._eos
+            if self.constrains and t in self._eos:
+                return False
+            left = self._left(s)
+            return left is None or self._utf8 is None or self._utf8.allows(s.pending, self._bytes(t), left)
         if inner is None:                              # lead, free
             return True
         ids = (*s.lead_ids, t)
@@ -219,8 +226,12 @@ class ThinkingGate:
             self._inner.accept(held)
         return replace(s, phase="answer", lead_ids=(), inner_taken=s.inner_taken + len(ids), answer_start=0)
 
+    def _left(self, s: _State) -> int | None:
+        """Thinking tokens the budget leaves (this one included; None: no budget holds)."""
+        return None if self.budget is None or self.whole else self.budget - s.thought
+
     def _enter_thinking(self, s: _State) -> _State:
-        s = replace(s, phase="thinking", tail=b"")
+        s = replace(s, phase="thinking", tail=b"", pending=0)
         return self._close(s) if self.budget == 0 and not self.whole else s
 
     def _think(self, s: _State, data: bytes, count: bool = True) -> _State:
@@ -231,7 +242,9 @@ class ThinkingGate:
             if self.whole or self._inner is None or not self.tags.after_ids:
                 return self._answer(s)
             return replace(s, phase="closing", forced=self.tags.after_ids, tail=b"")
-        s = replace(s, thought=s.thought + count, tail=tail[-(len(end) - 1):] if len(end) > 1 else b"")
+        pending = utf8_after(s.pending, data)
+        s = replace(s, thought=s.thought + count, tail=tail[-(len(end) - 1):] if len(end) > 1 else b"",
+                    pending=0 if pending == BROKEN else pending)
         if self.budget is not None and s.thought >= self.budget and not self.whole:
             return self._close(s)
         return s
@@ -263,6 +276,9 @@ class ThinkingGate:
                 for t in self._eos:
                     if t >> 5 < len(words):
                         words[t >> 5] &= ~np.uint32(1 << (t & 31))
+            left = self._left(s)
+            if left is not None and left <= WINDOW and self._utf8 is not None:
+                words &= self._utf8.words(s.pending, left, len(words))
         elif inner is not None:                        # lead: the grammar's tokens, or the start tag's next
             if inner.valid_prefix(s.lead_ids) == len(s.lead_ids):
                 inner.fill_after(bitmask, row, s.lead_ids)
@@ -280,6 +296,8 @@ def _set(words: np.ndarray, t: int) -> None:
 class TagTokenizer(Protocol):
     """What the gates read of a tokenizer (phasewise.tokenization.tokenizer.Tokenizer has it)."""
 
+    vocab_size: int
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
     def token_bytes(self, token_id: int) -> bytes: ...
@@ -295,6 +313,7 @@ class ThinkingGates:
         self._tokenizer, self._eos = tokenizer, eos_token_ids
         self._bytes = lru_cache(maxsize=1 << 17)(tokenizer.token_bytes)
         self._tags = lru_cache(maxsize=16)(self._encode)
+        self._utf8 = Utf8Masks(self._bytes, tokenizer.vocab_size)
 
     def _encode(self, block: ThinkingBlock) -> Tags:
         def ids(text: str) -> tuple[int, ...]:
@@ -315,4 +334,4 @@ class ThinkingGates:
     def gate(self, block: ThinkingBlock, prompt_ids: Sequence[int], inner: GrammarMatcher | None,
              metrics: RequestMetrics) -> ThinkingGate:
         return ThinkingGate(self._tags(block), block.budget, inner, self._bytes, self._eos,
-                            self.start(block, prompt_ids), metrics)
+                            self.start(block, prompt_ids), metrics, self._utf8)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import jsonschema
@@ -34,9 +34,15 @@ inside <tool_call></tool_call> tags:
 </tool_call>"""
 
 
-def check_tools(tools: object) -> list[JsonObject]:
+def chat_tool_field(i: int, key: str) -> str:
+    """Where a chat request keeps tool i's `key` ("name", "parameters"): tools[i].function.key."""
+    return f"tools[{i}].function.{key}"
+
+
+def check_tools(tools: object, field: Callable[[int, str], str] = chat_tool_field) -> list[JsonObject]:
     """OpenAI's `tools` list, checked (ValueError says what is wrong): each {"type": "function",
-    "function": {"name", "description"?, "parameters"?}}."""
+    "function": {"name", "description"?, "parameters"?}}. field(i, key): where the request that sent
+    them keeps tool i's name or parameters, as its errors name them."""
     if not isinstance(tools, list) or not tools:
         raise ValueError("tools must be a non-empty list")
     names = set()
@@ -46,19 +52,19 @@ def check_tools(tools: object) -> list[JsonObject]:
             raise ValueError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}")
         name = fn.get("name")
         if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise ValueError(f"tools[{i}].function.name must be 1-64 letters, digits, _ . or -, got {name!r}")
+            raise ValueError(f"{field(i, 'name')} must be 1-64 letters, digits, _ . or -, got {name!r}")
         if name in names:
-            raise ValueError(f"tools[{i}].function.name {name!r} appears twice")
+            raise ValueError(f"{field(i, 'name')} {name!r} appears twice")
         names.add(name)
         params = fn.get("parameters")
         if params is not None and not isinstance(params, dict):
-            raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
+            raise ValueError(f"{field(i, 'parameters')} must be a JSON schema object")
         if params:
             try:
                 jsonschema.validators.validator_for(params).check_schema(params)
             except jsonschema.SchemaError as e:
                 where = "".join(f"[{p!r}]" for p in e.path)
-                raise ValueError(f"tools[{i}].function.parameters is not a valid JSON schema: "
+                raise ValueError(f"{field(i, 'parameters')} is not a valid JSON schema: "
                                  f"{where + ' ' if where else ''}{e.message}") from None
     return tools
 

@@ -1,8 +1,8 @@
 """OpenAI's Responses API: POST /v1/responses, GET and DELETE /v1/responses/{id}, GET
 /v1/responses/{id}/input_items and POST /v1/responses/{id}/cancel.
 
-A request becomes the chat request it stands for (responses_api.py) and runs on the chat route's
-path (chat_call.py); its output becomes Responses items (responses_output.py), streamed as the
+A request becomes the chat request it stands for (protocol.py) and runs on the chat route's
+path (chat_call.py); its output becomes Responses items (output.py), streamed as the
 Responses' own SSE events or returned in one response object. Responses are kept (unless `store`
 is false) in a bounded ResponseStore, which `previous_response_id` continues and GET/DELETE read.
 A `background` response is answered at once ("queued") and runs as a task (`BackgroundRuns`), which
@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from dataclasses import replace
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
@@ -26,12 +27,13 @@ from phasewise.server.body_parsing import parse_body
 from phasewise.server.chat_call import ChatCall, Submitter, chat_call
 from phasewise.server.errors import EngineError
 from phasewise.server.guards import Guards
-from phasewise.server.protocol import APIError, ChatCompletionRequest
+from phasewise.server.api_error import APIError
+from phasewise.server.chat_request import ChatRequest
 from phasewise.server.request_stream import RequestStream
-from phasewise.server.response_store import ResponseStore, StoredResponse
-from phasewise.server.responses_api import (ResponsesRequest, chat_request, custom_names, forced_custom, input_items,
-                                            renamed)
-from phasewise.server.responses_output import OutputItems, assistant_message, new_id, response_body, sse, status_of
+from phasewise.server.responses.store import ResponseStore, StoredResponse
+from phasewise.server.responses.protocol import ResponsesRequest, chat_request, input_items
+from phasewise.server.responses.tools import custom_names, forced_custom
+from phasewise.server.responses.output import OutputItems, assistant_message, new_id, response_body, sse, status_of
 from phasewise.server.sse import collect, failure, sse_response
 from phasewise.server.thinking import Thinking
 
@@ -39,7 +41,7 @@ from phasewise.server.thinking import Thinking
 def responses_router(guards: Guards, store: ResponseStore) -> APIRouter:
     engine, config = guards.engine, guards.config
     submitter = Submitter(guards)
-    thinking = Thinking(config.reasoning_parser, engine.tokenizer)
+    thinking = Thinking(config.reasoning_parser, engine.tokenizer, config.reasoning_budget)
     background = BackgroundRuns()
     router = APIRouter(dependencies=[Depends(guards.require_key)])
 
@@ -52,12 +54,9 @@ def responses_router(guards: Guards, store: ResponseStore) -> APIRouter:
         guards.check_model(body.model)
         history = stored(body.previous_response_id, "previous_response_id").conversation \
             if body.previous_response_id else []
-        try:
-            chat, head = chat_request(body, history)
-            chat, call, stream = await start(submitter, body, chat, head, engine.tokenizer.tool_format, thinking)
-        except APIError as e:
-            raise renamed(e) from None
-        run = Run(body, call, chat.conversation()[head:], body.model or config.served_model_name, store)
+        chat, head = chat_request(body, history)
+        chat, call, stream = await start(submitter, body, chat, head, engine.tokenizer.tool_format, thinking)
+        run = Run(body, call, chat.prompt.messages[head:], body.model or config.served_model_name, store)
         if body.background:
             return JSONResponse(background.start(run, stream))
         if body.stream:
@@ -93,15 +92,15 @@ def responses_router(guards: Guards, store: ResponseStore) -> APIRouter:
     return router
 
 
-async def start(submitter: Submitter, body: ResponsesRequest, chat: ChatCompletionRequest, head: int,
-                tool_format: str, thinking: Thinking) -> tuple[ChatCompletionRequest, ChatCall, RequestStream]:
+async def start(submitter: Submitter, body: ResponsesRequest, chat: ChatRequest, head: int,
+                tool_format: str, thinking: Thinking) -> tuple[ChatRequest, ChatCall, RequestStream]:
     """Submit the call (with truncation "auto", dropping the oldest turn until it fits the context):
     the chat request that ran, its ChatCall and its stream."""
     rid = new_id("resp")
     while True:
-        call = chat_call(chat, tool_format, rid, thinking, body.max_tool_calls)
+        call = chat_call(chat, tool_format, rid, thinking)
         try:
-            return chat, call, await submitter.start(call.items, True, chat.constraint_field, prompt_param="input")
+            return chat, call, await submitter.start(call.items, True, call.fields)
         except APIError as e:
             shorter = truncated(chat, head) if body.truncation == "auto" else None
             if e.code != "context_length_exceeded" or shorter is None:
@@ -109,14 +108,14 @@ async def start(submitter: Submitter, body: ResponsesRequest, chat: ChatCompleti
             chat = shorter
 
 
-def truncated(chat: ChatCompletionRequest, head: int) -> ChatCompletionRequest | None:
+def truncated(chat: ChatRequest, head: int) -> ChatRequest | None:
     """truncation "auto": the request without its oldest turn (the messages after the instructions up to
     the next user message, so no tool result loses its call); None when only the last turn is left."""
-    rest = chat.messages[head:]
-    starts = [i for i, m in enumerate(rest) if m.role == "user" and i > 0]
+    messages = chat.prompt.messages
+    starts = [i for i, m in enumerate(messages[head:]) if m["role"] == "user" and i > 0]
     if not starts:
         return None
-    return chat.model_copy(update={"messages": [*chat.messages[:head], *rest[starts[0]:]]})
+    return replace(chat, prompt=replace(chat.prompt, messages=[*messages[:head], *messages[head + starts[0]:]]))
 
 
 def stored_response(store: ResponseStore, rid: str, param: str | None = None) -> StoredResponse:

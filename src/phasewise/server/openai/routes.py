@@ -8,21 +8,23 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from functools import partial
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from phasewise.json_types import JsonObject
-from phasewise.server import responses as R
+from phasewise.server.openai import output as R
 from phasewise.server.async_engine import SubRequest
 from phasewise.server.body_parsing import parse_body
-from phasewise.server.chat_call import Submitter, chat_call, sub_id
+from phasewise.server.chat_call import Submitter, chat_call, choice_params, sub_id
 from phasewise.server.guards import Guards
 from phasewise.server.disaggregation import DisaggregatedPair
-from phasewise.server.protocol import CompletionRequest, ChatCompletionRequest, bad_request, choice_params, openapi_body
-from phasewise.server.sse import chat_events, collect, completion_events, sse_response
+from phasewise.server.api_error import bad_request
+from phasewise.server.openai.protocol import CompletionRequest, ChatCompletionRequest, openapi_body
+from phasewise.server.openai.stream import chat_events, completion_events
+from phasewise.server.sse import collect, sse_response
 from phasewise.server.thinking import Thinking
 
 
@@ -35,15 +37,15 @@ class Responder:
 
     async def respond(self, request: Request, body: CompletionRequest | ChatCompletionRequest, rid: str,
                       items: list[SubRequest], chat: bool, events: Callable[..., AsyncIterator[str]],
-                      final: Callable[..., JsonObject]) -> Response:
+                      final: Callable[..., JsonObject], fields: Mapping[str, str]) -> Response:
         """Start the sub-requests, then stream `events` (SSE) or collect every output into `final`'s
         body (499 when the client left first). With kv_transfer_params (from `serve --role proxy`):
         a decode instance first imports the prompt's KV blocks the prefill instance sends; a prefill
-        instance sends them once its (one-token) answer is done."""
+        instance sends them once its (one-token) answer is done. fields: the API's names of engine fields."""
         transfer = body.kv_transfer_params.transfer_id if body.kv_transfer_params else None
         if transfer and self.config.role == "decode":
             await self.pair.receive(transfer)
-        stream = await self.submitter.start(items, chat, body.constraint_field)
+        stream = await self.submitter.start(items, chat, fields)
         created, model = int(time.time()), body.model or self.config.served_model_name
         want_lp = items[0].params.logprobs is not None
         if transfer and self.config.role == "prefill":
@@ -65,7 +67,7 @@ def openai_router(guards: Guards) -> APIRouter:
     engine, config = guards.engine, guards.config
     token_text = R.TokenText(engine.tokenizer)
     respond = Responder(guards).respond
-    thinking = Thinking(config.reasoning_parser, engine.tokenizer)
+    thinking = Thinking(config.reasoning_parser, engine.tokenizer, config.reasoning_budget)
     router = APIRouter(dependencies=[Depends(guards.require_key)])
 
     def model_card() -> JsonObject:
@@ -92,16 +94,17 @@ def openai_router(guards: Guards) -> APIRouter:
                  for p in range(len(prompts)) for j in range(n)]
         return await respond(request, body, rid, items, False,
                              partial(completion_events, n=n, tt=token_text, echo=body.echo),
-                             partial(R.completion_body, n=n, tt=token_text, echo=body.echo))
+                             partial(R.completion_body, n=n, tt=token_text, echo=body.echo),
+                             {"structured_outputs": body.constraint_field} if body.constraint_field else {})
 
     @router.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         body = parse_body(await request.body(), ChatCompletionRequest)
         guards.check_model(body.model)
-        call = chat_call(body, engine.tokenizer.tool_format, f"chatcmpl-{uuid.uuid4().hex}", thinking)
+        call = chat_call(body.chat_request(), engine.tokenizer.tool_format, f"chatcmpl-{uuid.uuid4().hex}", thinking)
         return await respond(request, body, call.rid, call.items, True,
                              partial(chat_events, n=body.n, tt=token_text, parser=call.parser),
-                             partial(R.chat_body, tt=token_text, parser=call.parser))
+                             partial(R.chat_body, tt=token_text, parser=call.parser), call.fields)
 
     return router
 

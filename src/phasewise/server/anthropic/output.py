@@ -1,91 +1,30 @@
-"""The Anthropic Messages API: POST /v1/messages (a message, or its SSE events) and
-/v1/messages/count_tokens.
+"""A Messages reply: its content blocks (thinking, text, tool_use), the SSE events that build them, and the
+message around them.
 
-The body is translated into a ChatCompletionRequest (anthropic_protocol.py) and runs as a chat
-completion does (chat_call.py); the reply's text goes through the same ReplyParser, whose pieces
-become content blocks: thinking (signed: thinking_signature.py), text, and tool_use with its input
-(streamed as input_json_delta fragments). A streamed and a collected reply are built by the same
-`Blocks`, so they hold the same blocks. Thinking blocks sent back must carry the signature given.
+The reply's text goes through the chat path's ReplyParser, whose pieces become content blocks: thinking
+(signed: signature.py), text, and tool_use with its input (streamed as input_json_delta fragments). A
+streamed and a collected reply are built by the same `Blocks`, so they hold the same blocks.
 """
 
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import AsyncIterator
 
-from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response
-
+from phasewise import json_types
 from phasewise.json_types import JsonObject
 from phasewise.outputs import CompletionOutput
-from phasewise import json_types
-from phasewise.server.anthropic_protocol import CountTokensRequest, MessagesRequest, error_body, renamed
-from phasewise.server.body_parsing import parse_body
-from phasewise.server.chat_call import ChatCall, Submitter, chat_call
+from phasewise.server.anthropic.protocol import error_body
+from phasewise.server.anthropic.signature import ThinkingSignature
+from phasewise.server.api_error import APIError
+from phasewise.server.chat_call import ChatCall
 from phasewise.server.errors import EngineError
-from phasewise.server.guards import Guards
-from phasewise.server.protocol import APIError, ChatCompletionRequest
-from phasewise.server.request_stream import RequestStream
-from phasewise.server.sse import collect, failure, sse_response
 from phasewise.server.reply_parser import ReplyParser
-from phasewise.server.responses import timings
-from phasewise.server.thinking import Thinking
-from phasewise.server.thinking_signature import ThinkingSignature
+from phasewise.server.request_stream import RequestStream
+from phasewise.server.sse import failure
+from phasewise.server.timings import timings
 
 Event = tuple[str, JsonObject]              # (event name, its data)
-
-
-def anthropic_router(guards: Guards) -> APIRouter:
-    engine = guards.engine
-    submitter = Submitter(guards)
-    thinking, signature = Thinking(guards.config.reasoning_parser, engine.tokenizer), ThinkingSignature()
-    router = APIRouter(dependencies=[Depends(guards.require_key)])
-
-    def prepared(body: ChatCompletionRequest, rid: str) -> ChatCall:
-        try:
-            return chat_call(body, engine.tokenizer.tool_format, rid, thinking)
-        except APIError as e:
-            raise renamed(e) from None
-
-    def check_signatures(body: MessagesRequest | CountTokensRequest) -> None:
-        for text, signed, where in body.thinking_blocks():
-            if not signature.verify(text, signed):
-                raise APIError(400, f"{where}: Invalid `signature` in `thinking` block", param="messages")
-
-    # not in /openapi.json: its fuzzing expects OpenAI's error shape of every route it finds
-    @router.post("/v1/messages", include_in_schema=False)
-    async def messages(request: Request) -> Response:
-        body = parse_body(await request.body(), MessagesRequest)
-        guards.check_model(body.model)
-        check_signatures(body)
-        call = prepared(body.chat_body(), f"msg_{uuid.uuid4().hex[:24]}")
-        try:
-            stream = await submitter.start(call.items, True, call.constraint_field)
-        except APIError as e:
-            raise renamed(e) from None
-        model = body.model or guards.config.served_model_name
-        if body.stream:
-            return sse_response(message_events(stream, call, model, body.single_call, signature), stream)
-        outs = await collect(request, stream)
-        if outs is None:
-            return Response(status_code=499)
-        return JSONResponse(message_body(call, model, outs[0], body.single_call, signature))
-
-    @router.post("/v1/messages/count_tokens", include_in_schema=False)
-    async def count_tokens(request: Request) -> JsonObject:
-        """The prompt's tokens as a /v1/messages request with the same system, messages and tools has them."""
-        body = parse_body(await request.body(), CountTokensRequest)
-        guards.check_model(body.model)
-        item = prepared(body.chat_body(), "count").items[0]
-        try:
-            ids = await engine.call(lambda e: e.encode_prompt(item.prompt, True, item.tools, item.template_kwargs,
-                                                              item.ending))
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages") from None
-        return {"input_tokens": len(ids)}
-
-    return router
 
 
 class Blocks:

@@ -17,8 +17,8 @@ from phasewise.json_types import JsonObject, JsonValue
 from phasewise.outputs import CompletionOutput
 from phasewise import json_types
 from phasewise.server.reply_parser import ReplyParser
-from phasewise.server.responses import timings
-from phasewise.server.responses_api import ResponsesRequest
+from phasewise.server.timings import timings
+from phasewise.server.responses.protocol import ResponsesRequest
 
 
 def new_id(prefix: str) -> str:

@@ -1,48 +1,27 @@
-"""Request bodies of the OpenAI-compatible API, their conversion to SamplingParams, and API errors.
+"""Request bodies of OpenAI's completions and chat completions (and vLLM's tokenizer routes), and their
+conversion to SamplingParams.
 
-Pydantic checks types only (unknown fields are ignored); ranges are checked by
-SamplingParams, whose messages name the field. Every failure becomes an APIError,
-rendered in OpenAI's shape {"error": {"message", "type", "param", "code"}}.
+Pydantic checks types only (unknown fields are ignored); ranges are checked by SamplingParams, whose
+messages name the field. Every failure becomes an APIError (server/api_error.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Annotated, TypedDict, TypeGuard
+from typing import Annotated, TypeGuard
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, WithJsonSchema, field_validator, model_validator
 
-from phasewise import json_types, tool_calling
+from phasewise import tool_calling
+from phasewise.core.sampling_params import SamplingParams
+from phasewise.engine.client import ChatPrompt
 from phasewise.json_types import JsonObject
-from phasewise.core.sampling_params import SamplingParams, StructuredOutputs
-from phasewise.engine.client import ChatEnding
 from phasewise.server import constraints, thinking
+from phasewise.server.api_error import bad_request
+from phasewise.server.chat_request import ChatRequest, ToolChoice, ToolMode, check_call_ids
 from phasewise.server.refused_fields import UNSUPPORTED_FIELDS
+from phasewise.server.sampling_fields import INT64, BudgetFields, CommonParams, SamplingFields, make_params
 
 MAX_CHOICES = 128          # n x prompts of one API call
-MAX_TEMPERATURE = 2        # OpenAI's range of temperature: [0, 2]
-INT64 = 2 ** 63
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers
-
-    def body(self) -> JsonObject:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> JsonObject:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def bad_request(message: str, param: str | None = None) -> APIError:
-    return APIError(400, message, param=param)
 
 
 class StreamOptions(BaseModel):
@@ -55,32 +34,7 @@ class KVTransferParams(BaseModel):
     transfer_id: str = Field(min_length=1, max_length=200)
 
 
-
-
-# what `stop` takes, as the schema says it (_stop makes it a list)
-_STOP = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}, {"type": "null"}]}
-
-
-class CommonParams(TypedDict, total=False):
-    """The SamplingParams fields that completions and chat requests set alike (the floats when given)."""
-    n: int
-    seed: int | None
-    stop: list[str]
-    ignore_eos: bool
-    min_tokens: int
-    stop_token_ids: list[int]
-    skip_special_tokens: bool
-    structured_outputs: StructuredOutputs | None
-    temperature: float
-    top_p: float
-    presence_penalty: float
-    frequency_penalty: float
-    top_k: int
-    min_p: float
-    repetition_penalty: float
-
-
-class _Request(BaseModel):
+class _Request(SamplingFields):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     @model_validator(mode="after")
@@ -94,68 +48,21 @@ class _Request(BaseModel):
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = Field(None, ge=-INT64, lt=INT64)
-    stop: Annotated[list[str], WithJsonSchema(_STOP)] = Field(default_factory=list)   # checked by _stop
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    # the extra (vLLM-style) sampling fields
-    top_k: int | None = Field(None, ge=-1, lt=INT64)
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    ignore_eos: StrictBool = False
-    min_tokens: int = Field(0, ge=0, lt=INT64)
-    stop_token_ids: list[int] | None = None
-    skip_special_tokens: StrictBool = True
-    logit_bias: dict[str, float] | None = None
-    # structured outputs (server/constraints.py: OpenAI's, vLLM's and llama.cpp's spellings)
-    response_format: JsonObject | None = None
-    structured_outputs: JsonObject | None = None
-    guided_json: JsonObject | str | None = None          # a JSON schema, or its text
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
-    guided_decoding_backend: str | None = None    # accepted and ignored: llguidance is the one backend
-    json_schema: JsonObject | str | None = None
-    grammar: str | None = None
+    response_format: JsonObject | None = None            # OpenAI's structured outputs (server/constraints.py)
     # prefill/decode disaggregation (set by `serve --role proxy`): the transfer carrying this prompt's KV
     kv_transfer_params: KVTransferParams | None = None
     user: str | None = None
 
-    @field_validator("stop", mode="before")
-    @classmethod
-    def _stop(cls, v: object) -> list[str]:
-        if v is None:
-            return []
-        if isinstance(v, str):
-            return [v]
-        if isinstance(v, list) and all(isinstance(s, str) for s in v):
-            return v
-        raise ValueError("must be a string or a list of strings")
+    def _fields(self) -> JsonObject:
+        return {"response_format": self.response_format, **self.constraint_fields()}
 
     def _common(self) -> CommonParams:
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported", "logit_bias")
-        if self.temperature is not None and not 0 <= self.temperature <= MAX_TEMPERATURE:
-            raise bad_request(f"temperature must be in [0, {MAX_TEMPERATURE}], got {self.temperature}", "temperature")
-        fields: CommonParams = {
-            "n": self.n, "seed": self.seed, "stop": self.stop, "ignore_eos": self.ignore_eos,
-            "min_tokens": self.min_tokens, "stop_token_ids": self.stop_token_ids or [],
-            "skip_special_tokens": self.skip_special_tokens,
-            "structured_outputs": constraints.structured_outputs(
-                {name: getattr(self, name) for name in constraints.FIELDS}, bad_request)}
-        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p",
-                     "repetition_penalty"):
-            value = getattr(self, name)
-            if value is not None:
-                fields[name] = value
-        return fields
+        return self.common(self.n, constraints.structured_outputs(self._fields(), bad_request))
 
     @property
     def constraint_field(self) -> str | None:
         """The field that constrains the output (response_format, structured_outputs, ...), or None."""
-        return constraints.given_field({name: getattr(self, name) for name in constraints.FIELDS})
+        return constraints.given_field(self._fields())
 
     @property
     def include_usage(self) -> bool:
@@ -255,19 +162,7 @@ class ChatMessage(BaseModel):
         return message
 
 
-def _check_call_ids(messages: list[JsonObject]) -> None:
-    """Every tool result answers a call of an earlier assistant message (its id), else a 400."""
-    calls: set[str] = set()
-    for m in messages:
-        calls.update(json_types.text(call["id"]) for call in json_types.objects(m.get("tool_calls", []))
-                     if isinstance(call.get("id"), str))
-        answered = m.get("tool_call_id")
-        if m["role"] == "tool" and answered not in calls:
-            raise bad_request(f"messages: the tool result for call id {answered!r} answers no tool call of an "
-                              "earlier assistant message", "messages")
-
-
-class ChatCompletionRequest(_Request):
+class ChatCompletionRequest(_Request, BudgetFields):
     messages: list[ChatMessage]
     max_tokens: int | None = Field(None, ge=-INT64, lt=INT64)   # None: as many as the context allows
     max_completion_tokens: int | None = Field(None, ge=-INT64, lt=INT64)
@@ -279,47 +174,49 @@ class ChatCompletionRequest(_Request):
     chat_template_kwargs: JsonObject | None = None       # the template's own variables (enable_thinking)
     reasoning_effort: str | None = None                  # "none", "minimal": thinking off; the others on
     include_reasoning: bool = True                       # false: the thinking is dropped from the reply (vLLM)
-    # thinking budgets (server/thinking.py): vLLM's, llama-server's and its other spelling (-1: unrestricted)
-    thinking_token_budget: int | None = Field(None, ge=-1, lt=INT64)
-    thinking_budget_tokens: int | None = Field(None, ge=-1, lt=INT64)
-    reasoning_budget_tokens: int | None = Field(None, ge=-1, lt=INT64)
-
-    def thinking_budget(self) -> int | None:
-        """Thinking tokens at most (None: unlimited), from the budget fields or the reasoning effort."""
-        return thinking.thinking_budget({name: getattr(self, name) for name in thinking.BUDGET_FIELDS},
-                                        self.reasoning_effort)
-
-    def template_kwargs(self) -> JsonObject:
-        """The variables the chat template gets (server/thinking.py)."""
-        return thinking.template_kwargs(self.chat_template_kwargs, self.reasoning_effort, bad_request,
-                                        budget=self.thinking_budget())
     # vLLM's: how the prompt ends (an assistant turn opened; or nothing; or the final assistant message, continued)
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
+
+    def chat_request(self) -> ChatRequest:
+        """The request every chat-shaped API comes down to (400 naming this body's fields otherwise)."""
+        messages = self.conversation()
+        continued = self.continues()
+        prompt = ChatPrompt(messages, self.checked_tools(),
+                            thinking.template_kwargs(self.chat_template_kwargs, self.reasoning_effort, bad_request)
+                            or None, self.add_generation_prompt and not continued, continued)
+        forced, name = self.forced_tool()
+        mode: ToolMode = "none" if self.tool_choice == "none" else "required" if forced else "auto"
+        names = {"prompt": "messages"}
+        if self.constraint_field is not None:
+            names["structured_outputs"] = self.constraint_field
+        return ChatRequest(prompt, self.sampling_params(), self.n, ToolChoice(mode, name, self.parallel_tool_calls),
+                           thinking_budget=thinking.thinking_budget(self.budget_fields(), self.reasoning_effort),
+                           include_reasoning=self.include_reasoning, names=names)
+
+    def thinking_budget(self) -> int | None:
+        """Thinking tokens at most (None: unlimited or not said), from the budget fields or the effort."""
+        return thinking.resolved_budget(thinking.thinking_budget(self.budget_fields(), self.reasoning_effort))
 
     def conversation(self) -> list[JsonObject]:
         if not self.messages:
             raise bad_request("messages must not be empty", "messages")
         messages = [m.as_dict() for m in self.messages]
-        _check_call_ids(messages)
+        check_call_ids(messages, "messages")
         return messages
 
-    def ending(self) -> ChatEnding:
-        """How the rendered prompt ends; continue_final_message needs a final assistant message to continue."""
-        if self.continue_final_message:
-            if self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
-                raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
-                                  "continue_final_message")
-            if not self.messages or self.messages[-1].role != "assistant":
-                raise bad_request("continue_final_message needs a final assistant message to continue",
-                                  "continue_final_message")
-            return ChatEnding(add_generation_prompt=False, continue_final=True)
-        return ChatEnding(add_generation_prompt=self.add_generation_prompt)
-
-    @property
-    def constraint_field(self) -> str | None:
-        own = super().constraint_field
-        return own or ("tool_choice" if self.tools and self.forced_tool()[0] else None)
+    def continues(self) -> bool:
+        """Whether the prompt ends inside the final assistant message (continue_final_message, which needs
+        one to continue), else as add_generation_prompt says."""
+        if not self.continue_final_message:
+            return False
+        if self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
+            raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
+                              "continue_final_message")
+        if not self.messages or self.messages[-1].role != "assistant":
+            raise bad_request("continue_final_message needs a final assistant message to continue",
+                              "continue_final_message")
+        return True
 
     def checked_tools(self) -> list[JsonObject] | None:
         """The tools (None without, or for an empty list: openai-agents sends one for an agent without
@@ -354,41 +251,6 @@ class ChatCompletionRequest(_Request):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return make_params(self._common(), max_tokens, logprobs)
-
-    def tool_params(self, params: SamplingParams, tool_format: str) -> tuple[SamplingParams, str | None]:
-        """With tools: params whose grammar forces a call when tool_choice asks for one, and the format
-        to parse calls in (None: tool_choice "none" or no tools, nothing is parsed)."""
-        tools = self.checked_tools()
-        forced, name = self.forced_tool()
-        if tools is None or self.tool_choice == "none":
-            return params, None
-        if forced:
-            if params.structured_outputs is not None:
-                raise bad_request(f"tool_choice {self.tool_choice!r} forces a tool call: it cannot be combined "
-                                  f"with {self.constraint_field}", "tool_choice")
-            try:
-                grammar = tool_calling.call_grammar(tools, tool_format, name, self.parallel_tool_calls)
-            except ValueError as e:
-                raise bad_request(str(e), "tool_choice") from None
-            params = dataclasses.replace(params, structured_outputs=StructuredOutputs(grammar=grammar))
-        return params, tool_format
-
-
-def make_params(fields: CommonParams, max_tokens: int | None, logprobs: int | None,
-                prompt_logprobs: int | None = None) -> SamplingParams:
-    try:
-        return SamplingParams(**fields, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
-    except ValueError as e:
-        message = str(e)
-        param = message.split(" ", 1)[0]
-        raise bad_request(message, param if param in fields or param in ("max_tokens", "logprobs") else None) from e
-
-
-def choice_params(params: SamplingParams, i: int) -> SamplingParams:
-    """The params of choice i: with a seed, choice i gets seed + i so the choices differ."""
-    if params.seed is None or i == 0:
-        return params
-    return dataclasses.replace(params, seed=(params.seed + i) % 2 ** 64)
 
 
 class TokenizeRequest(BaseModel):

@@ -1,46 +1,24 @@
-"""Engine outputs → OpenAI-shaped response bodies: choices, chunks, logprobs, usage, timings."""
+"""Engine outputs → the bodies of OpenAI's completions and chat completions: choices, chunks, logprobs, usage."""
 
 from __future__ import annotations
 
 import codecs
 from collections.abc import Callable, Sequence
 from functools import lru_cache
-from typing import Literal, Protocol, get_args
+from typing import Protocol
 
 from phasewise.core.request import TokenLogprobs
 from phasewise.json_types import JsonObject, JsonValue
-from phasewise.percentile import percentile
 from phasewise.outputs import CompletionOutput
 from phasewise import json_types
 from phasewise.server.reply_parser import ReplyParser
-from phasewise.report import timings as report_timings
-
-TimingKey = Literal["queue_ms", "ttft_ms", "prompt_n", "cache_n", "prompt_ms", "prompt_per_second", "predicted_n",
-                    "predicted_ms", "predicted_per_second", "total_ms", "preemptions", "thinking_n", "thinking_ms",
-                    "ttfa_ms"]
-SpecKey = Literal["spec_draft_n", "spec_accepted_n", "spec_acceptance_rate", "spec_mean_accepted_len"]
-TIMING_KEYS: tuple[TimingKey, ...] = get_args(TimingKey)
-SPEC_KEYS: tuple[SpecKey, ...] = get_args(SpecKey)
+from phasewise.server.timings import timings
 
 
 class TokenBytes(Protocol):
     """What TokenText reads of a tokenizer (phasewise.tokenization.tokenizer.Tokenizer has it)."""
 
     def token_bytes(self, token_id: int) -> bytes: ...
-
-
-def timings(out: CompletionOutput) -> JsonObject:
-    """Where the time of one request went (llama.cpp-style keys, plus ITL percentiles); the output split
-    into thinking (thinking_n tokens, thinking_ms) and answer (ttfa_ms: its first token, beside ttft_ms)."""
-    t = report_timings(out)
-    body: JsonObject = {k: t[k] for k in TIMING_KEYS}
-    itl = t["itl_ms"]
-    body["itl_ms_p50"] = percentile(itl, 50)
-    body["itl_ms_p99"] = percentile(itl, 99)
-    if t["spec_draft_n"]:                      # speculative decoding ran on this request
-        for k in SPEC_KEYS:
-            body[k] = t[k]
-    return body
 
 
 def usage(per_prompt: Sequence[CompletionOutput], outputs: Sequence[CompletionOutput]) -> JsonObject:

@@ -1,26 +1,31 @@
-"""The body of POST /v1/responses (OpenAI's Responses API) and its translation into a chat request.
+"""The body of POST /v1/responses (OpenAI's Responses API) and its translation into a ChatRequest.
 
-`ResponsesRequest` takes the Responses' own fields; `chat_request` turns it (after the stored
-conversation its previous_response_id continues) into the `ChatCompletionRequest` the chat route
-would get, so every check and the engine path are the chat route's: input items → messages
-(function_call → an assistant's tool_calls, function_call_output → a tool message), instructions →
-a system message first, flat function tools → chat tools, text.format → response_format,
-max_output_tokens → max_tokens. `renamed` puts the chat errors' field names back in Responses terms.
+`ResponsesRequest` takes the Responses' own fields (and the sampling fields of vLLM and llama.cpp the
+chat route takes), each checked here and named in its errors as the Responses API names it;
+`chat_request` turns it (after the stored conversation its previous_response_id continues) into the
+ChatRequest every chat API comes down to: input items → messages (function_call → an assistant's
+tool_calls, function_call_output → a tool message), instructions → a system message first, flat
+function and custom tools → chat functions (tools.py), text.format → the structured output.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import uuid
+from dataclasses import replace
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, model_validator
+from pydantic import ConfigDict, Field, StrictBool, model_validator
 
-from phasewise.json_types import JsonObject, JsonValue
 from phasewise import json_types
-from phasewise.server.body_parsing import validation_message
-from phasewise.server.protocol import INT64, APIError, ChatCompletionRequest, bad_request
+from phasewise.core.sampling_params import StructuredOutputs
+from phasewise.engine.client import ChatPrompt
+from phasewise.json_types import JsonObject, JsonValue
+from phasewise.server import constraints, thinking
+from phasewise.server.api_error import bad_request
+from phasewise.server.chat_request import ChatRequest, check_call_ids
 from phasewise.server.refused_fields import UNSUPPORTED_FIELDS
+from phasewise.server.responses.tools import checked_tools, forced_custom, tool_choice
+from phasewise.server.sampling_fields import INT64, BudgetFields, SamplingFields, make_params
 from phasewise.server.thinking import BUDGET_FIELDS, EFFORTS
 
 # Fields that would change the output and are not implemented here: a 400 naming them. The chat
@@ -39,26 +44,15 @@ VERBOSITY = {"low": "Answer as briefly as the question allows.", "medium": None,
 # The chat spellings of Responses fields: a 400 that names the field to use.
 CHAT_SPELLINGS = {"messages": "input", "response_format": "text.format", "max_tokens": "max_output_tokens",
                   "max_completion_tokens": "max_output_tokens"}
-# The chat route's extra sampling and constraint fields, passed through as they are.
-PASSED = ("seed", "stop", "presence_penalty", "frequency_penalty", "top_k", "min_p", "repetition_penalty",
-          "ignore_eos", "min_tokens", "stop_token_ids", "skip_special_tokens", "logit_bias", "structured_outputs",
-          "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-          "json_schema", "grammar", *BUDGET_FIELDS)
 # why, where a refusal can say more
 WHY = {"top_logprobs": " (output_text logprobs are not given here; /v1/chat/completions has logprobs)",
        "context_management": " (no compaction: with truncation \"auto\" the oldest turns are dropped to fit)"}
-# A chat error's field → (the Responses param, the name its message uses)
-RENAMES = {"messages": ("input", "input"), "response_format": ("text", "text.format"),
-           "max_tokens": ("max_output_tokens", "max_output_tokens"),
-           "reasoning_effort": ("reasoning", "reasoning.effort")}
-_RENAME_RE = re.compile(r"\b(messages|response_format|max_tokens|reasoning_effort)\b")
-_CHAT_TOOL_RE = re.compile(r"\btools\[(\d+)\]\.function\.")       # a chat tool's field; flat here
 ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
 
 
-class ResponsesRequest(BaseModel):
-    """Types only; unknown fields pass unless refused (REFUSED, CHAT_SPELLINGS) or passed on (PASSED)."""
+class ResponsesRequest(SamplingFields, BudgetFields):
+    """Types, and what is refused: unknown fields pass unless refused (REFUSED, CHAT_SPELLINGS)."""
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str | None = None
@@ -68,9 +62,7 @@ class ResponsesRequest(BaseModel):
     tool_choice: str | JsonObject | None = None
     parallel_tool_calls: StrictBool | None = None
     text: JsonObject | None = None                        # {"format": {...}, "verbosity": ...}
-    max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    max_output_tokens: int | None = Field(None, ge=1, lt=INT64)
     stream: StrictBool = False
     store: StrictBool | None = None
     previous_response_id: str | None = None
@@ -115,13 +107,6 @@ class ResponsesRequest(BaseModel):
     def text_format(self) -> JsonObject:
         fmt = (self.text or {}).get("format")
         return fmt if isinstance(fmt, dict) else {"type": "text"}
-
-
-def renamed(e: APIError) -> APIError:
-    """The chat route's error with its field names as the Responses API spells them."""
-    param = RENAMES[e.param][0] if e.param in RENAMES else e.param
-    message = _CHAT_TOOL_RE.sub(r"tools[\1].", _RENAME_RE.sub(lambda m: RENAMES[m[1]][1], e.message))
-    return APIError(e.status, message, e.type, param, e.code, e.headers)
 
 
 def input_messages(body: ResponsesRequest, known_calls: dict[str, str]) -> list[JsonObject]:
@@ -222,7 +207,8 @@ def _message(item: JsonObject, i: int) -> JsonObject:
     role = item.get("role")
     if role not in ROLES:
         raise bad_request(f"input.{i}: a message's role must be one of {', '.join(ROLES)}, got {role!r}", "input")
-    return {"role": role, "content": _text(item.get("content"), f"input.{i}.content")}
+    return {"role": "system" if role == "developer" else role,         # developer: OpenAI's newer name of system
+            "content": _text(item.get("content"), f"input.{i}.content")}
 
 
 def _text(content: JsonValue, where: str) -> str:
@@ -238,124 +224,72 @@ def _text(content: JsonValue, where: str) -> str:
                       "images, files and audio are not supported", "input")
 
 
-def custom_names(tools: list[JsonObject] | None) -> frozenset[str]:
-    """The names of the request's custom tools (free-form input: their calls are custom_tool_call items)."""
-    return frozenset(json_types.text(t["name"]) for t in tools or ()
-                     if t.get("type") == "custom" and isinstance(t.get("name"), str))
-
-
-def _custom_function(i: int, tool: JsonObject) -> JsonObject:
-    """A custom tool (Codex's: free-form text input) as a function of one string, `input`, for the prompt
-    and for calls under tool_choice auto (their input not held to a grammar, as no auto call is). A call
-    forced to it writes its input bare, held to its grammar (`forced_custom`)."""
-    fmt = tool.get("format") or {"type": "text"}
-    string: JsonObject = {"type": "string", "description": "the tool's input, free-form text"}
-    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "grammar"):
-        raise bad_request(f"tools.{i}.format must be {{\"type\": \"text\"}} or a grammar", "tools")
-    if fmt.get("type") == "grammar":
-        syntax, definition = fmt.get("syntax"), fmt.get("definition")
-        if syntax not in ("lark", "regex") or not isinstance(definition, str):
-            raise bad_request(f"tools.{i}.format: a grammar needs syntax lark or regex and its definition", "tools")
-        string["description"] = f"the tool's input: text in this {syntax} grammar: {definition}"
-    fn: JsonObject = {"name": tool.get("name"), "parameters": {
-        "type": "object", "properties": {"input": string}, "required": ["input"], "additionalProperties": False}}
-    if tool.get("description") is not None:
-        fn["description"] = tool["description"]
-    return {"type": "function", "function": fn}
-
-
-def forced_custom(body: ResponsesRequest) -> JsonObject | None:
-    """The custom tool the call is forced to, when it has a grammar (tool_choice names it, or "required" and
-    it is the only tool): the whole output is then its input, held to the grammar (vLLM's structured
-    outputs: {"grammar": Lark} or {"regex": ...}). None otherwise."""
-    tools, choice = body.tools or [], body.tool_choice
-    named = choice.get("name") if isinstance(choice, dict) else None
-    chosen = [t for t in tools if t.get("name") == named] if named else tools if choice == "required" else []
-    if len(chosen) != 1 or chosen[0].get("type") != "custom":
-        return None
-    fmt = chosen[0].get("format")
-    if not isinstance(fmt, dict) or fmt.get("type") != "grammar" or not isinstance(fmt.get("definition"), str):
-        return None
-    return chosen[0]
-
-
-def chat_tools(tools: list[JsonObject] | None) -> list[JsonValue] | None:
-    """Responses' flat function tools (and custom tools, as functions of their input) as chat tools;
-    other kinds of tool are a 400 naming tools."""
-    if tools is None:
-        return None
-    out: list[JsonValue] = []
-    for i, tool in enumerate(tools):
-        kind = tool.get("type")
-        if kind == "custom":
-            out.append(_custom_function(i, tool))
-            continue
-        if kind != "function":
-            raise bad_request(f"tools.{i}: only function and custom tools are supported, got type {kind!r}", "tools")
-        if "function" in tool and "name" not in tool:        # the chat shape, taken as it is
-            out.append(tool)
-            continue
-        fn: JsonObject = {k: tool[k] for k in ("name", "description", "parameters", "strict")
-                          if tool.get(k) is not None}
-        out.append({"type": "function", "function": fn})
-    return out
-
-
-def chat_tool_choice(choice: str | JsonObject | None) -> str | JsonObject | None:
-    if not isinstance(choice, dict):
-        return choice
-    if choice.get("type") not in ("function", "custom") or not isinstance(choice.get("name"), str):
-        raise bad_request('tool_choice must be "none", "auto", "required" or {"type": "function" (or "custom"), '
-                          '"name": ...}', "tool_choice")
-    return {"type": "function", "function": {"name": choice["name"]}}
-
-
-def response_format(body: ResponsesRequest) -> JsonObject | None:
-    """text.format as the chat route's response_format (None: plain text)."""
+def text_format(body: ResponsesRequest) -> StructuredOutputs | None:
+    """text.format as a structured output (None: plain text)."""
     fmt = (body.text or {}).get("format")
     if fmt is None:
         return None
     if not isinstance(fmt, dict):
         raise bad_request("text.format must be an object with a type", "text")
-    kind = fmt.get("type")
+    kind, strict = fmt.get("type"), fmt.get("strict")
     if kind == "text":
         return None
     if kind == "json_object":
-        return {"type": "json_object"}
-    if kind == "json_schema":
-        if not isinstance(fmt.get("schema"), dict):
-            raise bad_request("text.format.schema: a json_schema format needs its schema (a JSON schema object)",
-                              "text")
-        return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
-    raise bad_request(f"text.format.type must be text, json_object or json_schema, got {kind!r}", "text")
+        return StructuredOutputs(json_object=True)
+    if kind != "json_schema":
+        raise bad_request(f"text.format.type must be text, json_object or json_schema, got {kind!r}", "text")
+    if not isinstance(fmt.get("schema"), dict):
+        raise bad_request("text.format.schema: a json_schema format needs its schema (a JSON schema object)", "text")
+    if strict is not None and not isinstance(strict, bool):
+        raise bad_request("text.format.strict must be true or false", "text")
+    # OpenAI's default is strict=false: keywords the compiler does not implement are then not enforced
+    return StructuredOutputs(json=json_types.obj(fmt["schema"]), strict=bool(strict))
 
 
-def chat_request(body: ResponsesRequest, history: list[JsonObject]) -> tuple[ChatCompletionRequest, int]:
-    """The chat request this body makes after `history` (the stored conversation it continues), and how
+def structured_output(body: ResponsesRequest) -> tuple[StructuredOutputs | None, str | None]:
+    """The output's constraint and the field that set it: text.format ("text"), a forced custom tool's
+    grammar ("tools"), or one of vLLM's and llama.cpp's fields; at most one of them."""
+    given = [name for name, value in (("text", text_format(body)), ("tools", forced_custom(body))) if value]
+    other = constraints.given_field(body.constraint_fields())
+    if other is not None:
+        given.append(other)
+    if len(given) > 1:
+        raise bad_request(f"only one of {', '.join(given)} may constrain a request", given[1])
+    if not given:
+        return None, None
+    custom = forced_custom(body)
+    if given[0] == "tools" and custom is not None:     # the output is the tool's input, in its grammar
+        fmt = json_types.obj(custom["format"])
+        definition = json_types.text(fmt["definition"])
+        return StructuredOutputs(grammar=definition) if fmt.get("syntax") == "lark" \
+            else StructuredOutputs(regex=definition), "tools"
+    if given[0] == "text":
+        return text_format(body), "text"
+    return constraints.structured_outputs(body.constraint_fields(), bad_request), given[0]
+
+
+def chat_request(body: ResponsesRequest, history: list[JsonObject]) -> tuple[ChatRequest, int]:
+    """The ChatRequest this body makes after `history` (the stored conversation it continues), and how
     many of its messages come before the conversation (the instructions' system message: not stored)."""
     known = {json_types.text(c["id"]): json_types.text(json_types.obj(c["function"])["name"])
              for m in history for c in json_types.objects(m.get("tool_calls"))}      # the stored calls
     verbosity = VERBOSITY.get(json_types.text((body.text or {}).get("verbosity") or "medium"))
     system = "\n\n".join(s for s in (body.instructions, verbosity) if s)
     head: list[JsonObject] = [{"role": "system", "content": system}] if system else []
-    chat: JsonObject = {
-        "model": body.model, "messages": [*head, *history, *input_messages(body, known)],
-        "tools": chat_tools(body.tools), "tool_choice": chat_tool_choice(body.tool_choice),
-        "response_format": response_format(body), "max_tokens": body.max_output_tokens,
-        "temperature": body.temperature, "top_p": body.top_p}
-    if body.parallel_tool_calls is not None:
-        chat["parallel_tool_calls"] = body.parallel_tool_calls
-    if (body.reasoning or {}).get("effort") is not None:
-        chat["reasoning_effort"] = json_types.obj(body.reasoning)["effort"]
-    extra = body.model_extra or {}
-    chat.update({name: extra[name] for name in PASSED if name in extra})
-    custom = forced_custom(body)
-    if custom is not None:                 # the output is the tool's input, in its grammar: no call to parse
-        fmt = json_types.obj(custom["format"])
-        chat["tool_choice"] = "none"
-        chat["structured_outputs"] = {"grammar" if fmt.get("syntax") == "lark" else "regex": fmt["definition"]}
-    try:
-        return ChatCompletionRequest.model_validate(chat), len(head)
-    except ValidationError as e:
-        message, param = validation_message(e.errors(include_url=False, include_input=False, include_context=False))
-        raise bad_request(message, param) from None
+    messages = [*head, *history, *input_messages(body, known)]
+    if not messages:
+        raise bad_request("input must not be empty", "input")
+    check_call_ids(messages, "input", "function_call_output")
+    tools = checked_tools(body.tools)
+    choice = tool_choice(body, tools is not None)
+    constraint, field = structured_output(body)
+    if field == "tools":                   # a forced custom call's input is the whole output: no call to parse
+        choice = replace(choice, mode="none", name=None)
+    params = make_params(body.common(1, constraint), body.max_output_tokens, None, max_tokens_field="max_output_tokens")
+    effort = json_types.obj(body.reasoning).get("effort") if body.reasoning else None
+    effort = effort if isinstance(effort, str) else None
+    kwargs = thinking.template_kwargs(None, effort, bad_request, "reasoning")
+    names = {"prompt": "input", "max_tokens": "max_output_tokens", **({"structured_outputs": field} if field else {})}
+    request = ChatRequest(ChatPrompt(messages, tools, kwargs or None), params, 1, choice, body.max_tool_calls,
+                          thinking.thinking_budget(body.budget_fields(), effort), names=names)
+    return request, len(head)
