@@ -14,6 +14,7 @@ import torch
 
 from phasewise.config import EngineConfig, SpeculativeConfig
 from phasewise.core.engine_core import EngineCore, Proposer
+from phasewise.core.spec_policy import SpecPolicy
 from phasewise.kernels import build as kernel_build
 from phasewise.kernels.kernel_api import Kernels
 from phasewise.loading.loader import check_memory, load_config, load_prepared, parse_dtype, resolve_model_path
@@ -120,7 +121,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
                              snapshot_slots=range(slots + checkpoints, slots + checkpoints + snapshots))
         core = EngineCore(runner, config.scheduler, num_blocks, cache.block_size, max_model_len,
                           cache.enable_prefix_caching, proposer, spec.num_speculative_tokens,
-                          model_config.kv_group_windows, slots, checkpoints)
+                          model_config.kv_group_windows, slots, checkpoints, _spec_policy(spec))
     except BaseException:
         if ranks:
             ranks.stop()
@@ -140,6 +141,11 @@ def _check_speculation(cfg: ModelConfig, spec: SpeculativeConfig, tp_size: int) 
                          "yet: use --speculative ngram")
     if tp_size > 1 and spec.method == "draft":
         raise ValueError("a draft model does not run with tensor parallelism yet: use --speculative ngram")
+
+
+def _spec_policy(spec: SpeculativeConfig) -> SpecPolicy | None:
+    """The policy choosing each decode's drafts from measured costs (None: always num_speculative_tokens)."""
+    return SpecPolicy(spec.num_speculative_tokens) if spec.adaptive else None
 
 
 def _cache_size(cfg: ModelConfig, config: EngineConfig, kv_dtype: torch.dtype) -> tuple[int, int, int, int]:
