@@ -191,7 +191,9 @@ def test_cli_flags_reach_the_config():
             ("draft", "/x.gguf", 3, "int8")
     args = build_parser().parse_args(["generate", "hi", "--speculative", "ngram", "--ngram-min", "1"])
     spec = speculative_config_from_args(args)
-    assert (spec.method, spec.ngram_min, spec.ngram_max) == ("ngram", 1, 4)
+    assert (spec.method, spec.ngram_min, spec.ngram_max, spec.adaptive) == ("ngram", 1, 4, True)
+    args = build_parser().parse_args(["generate", "hi", "--speculative", "ngram", "--fixed-speculative-tokens"])
+    assert not speculative_config_from_args(args).adaptive
     assert speculative_config_from_args(build_parser().parse_args(["generate", "hi"])).method is None
 
 
