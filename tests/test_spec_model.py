@@ -76,12 +76,11 @@ class Scripted(SpecPolicy):
 
 
 def _with_policy(llm_, policy, run):
-    core = llm_.engine.core
-    core.spec_policy = core.scheduler.spec_policy = policy
+    llm_.engine.core.use_spec_policy(policy)
     try:
         return run()
     finally:
-        core.spec_policy = core.scheduler.spec_policy = None
+        llm_.engine.core.use_spec_policy(None)
 
 
 @pytest.mark.parametrize("policy", [lambda: Scripted([4, 0, 2, 0, 0, 1, 3, 4, 4, 0]), lambda: SpecPolicy(4)],

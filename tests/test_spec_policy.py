@@ -75,9 +75,9 @@ def _step(policy: SpecPolicy, reqs: list[Request], hit: float, rng: random.Rando
 def test_the_policy_measures_then_follows_the_acceptance_and_probes_again():
     policy, rng = SpecPolicy(4), random.Random(1)
     req = _request("a")
-    assert _step(policy, [req], 1.0, rng) == [0]                # plain decoding measured first,
-    assert _step(policy, [req], 1.0, rng) == [4]                # then a verify step, the draft caught up (unfair),
-    assert _step(policy, [req], 1.0, rng) == [4]                # then a fair draft step
+    # plain decoding measured first (3 samples, a first one skipped), then verify steps, the draft's time
+    # once it has not just caught up on plain steps
+    assert [_step(policy, [req], 1.0, rng)[0] for _ in range(9)] == [0] * 4 + [4] * 5
     costs = policy.costs.measured()
     assert costs is not None and (costs.plain, costs.row, costs.draft) == pytest.approx((20.0, 1.0, 3.0))
     assert [_step(policy, [req], 1.0, rng)[0] for _ in range(5)] == [4] * 5
@@ -94,7 +94,7 @@ def test_the_policy_measures_then_follows_the_acceptance_and_probes_again():
 def test_each_request_has_its_own_acceptance_and_plain_is_measured_again():
     policy, rng = SpecPolicy(4), random.Random(2)
     good, bad = _request("good"), _request("bad")
-    for _ in range(3):
+    for _ in range(9):
         _step(policy, [good, bad], 1.0, rng)                    # calibration
     seen = []
     for _ in range(spec_policy.CALIBRATE + 20):
@@ -106,4 +106,16 @@ def test_each_request_has_its_own_acceptance_and_plain_is_measured_again():
         policy.observe(sched, {"good": ks[0], "bad": 0}, 20.0 + sum(ks), 3.0 * max(ks + [1]))
     assert seen[-1] == [4, 0]
     assert [0, 0] in seen[20:]                                  # one plain step re-measures `plain`
-    assert StepCosts().measured() is None
+    costs = StepCosts()
+    for ms in (90.0, 20.0, 21.0, 95.0, 19.0, 22.0):             # a first call, and a burst of another program
+        costs.observe(ms, 0, None, 0)
+    assert costs.plain == 21.0 and costs.measured() is None     # no verify or draft step measured yet
+
+
+def test_no_probe_where_drafts_could_not_pay_even_if_all_were_accepted():
+    """A draft as slow as the target: after calibrating, every decode goes plain, with no probe (a draft
+    model's probe would first catch up on every token since it last ran)."""
+    policy, rng = SpecPolicy(4), random.Random(3)
+    req = _request("a")
+    ks = [_step(policy, [req], 1.0, rng, plain_ms=20.0, row_ms=0.5, draft_ms=19.0)[0] for _ in range(100)]
+    assert ks[:9] == [0] * 4 + [4] * 5 and set(ks[9:]) == {0}

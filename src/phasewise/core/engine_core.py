@@ -68,6 +68,10 @@ class EngineCore:
         self.num_steps = 0                                                 # all steps ever run
         self.spec = SpecStats()
 
+    def use_spec_policy(self, policy: SpecPolicy | None) -> None:
+        """Choose drafts by `policy` from now on (None: always num_speculative_tokens, nothing measured)."""
+        self.spec_policy = self.scheduler.spec_policy = policy if self.scheduler.num_spec_tokens else None
+
     def add_request(self, request: Request) -> None:
         """Queue an admitted request (engine/admission.py: it fits the context and, at its longest,
         the KV pool, as `blocks_needed` counts)."""

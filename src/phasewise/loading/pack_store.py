@@ -4,8 +4,9 @@ Each pack `<stem>-<key>.pack` (loading/packed_cache.py) has a `.src` beside it l
 every GGUF path seen with its content. A pack whose every listed file is gone is dropped; a path
 whose content has changed (packed again under a new key) leaves the lists of the other packs. The
 pack's modification time is its last use (set on every load), and when a new pack would take the
-folder past its limit, the least recently used packs go first. The limit is $PHASEWISE_PACKED_CACHE_MAX
-(a size: 500M, 16G, 0 caches nothing), DEFAULT_MAX without it. Every write is a rename, and removing a
+folder past its limit, the least recently used packs go first; the new one is written whatever its size
+(a model over the limit is the only one kept). The limit is $PHASEWISE_PACKED_CACHE_MAX (a size: 500M,
+16G), DEFAULT_MAX without it. Every write is a rename, and removing a
 pack another process has mapped leaves its map intact (the file lives until it is unmapped).
 """
 
@@ -106,21 +107,18 @@ class PackStore:
         for suffix in (SUFFIX, ".src", ".pt"):
             pack.with_suffix(suffix).unlink(missing_ok=True)
 
-    def make_room(self, size: int, source: Path) -> bool:
+    def make_room(self, size: int, source: Path) -> None:
         """Before writing a pack of `size` bytes for the GGUF at `source`: drop `source` from the other
         packs' lists, the packs left without a present file and the partial files of processes no
-        longer running, then the least recently used packs until the new one fits the limit. False
-        (nothing evicted) when the new pack alone is over it."""
-        if size > self.limit:
-            return False
+        longer running, then the least recently used packs until the new one fits the limit (the pack
+        of the model in use is written whatever its size: over the limit, it is all that stays)."""
         named = source.resolve()
         for pack in self.packs():
             listed = self.sources(pack.path)
             if named in listed:
                 listed.remove(named)
                 _write_atomic(pack.path.with_suffix(".src"), "".join(f"{p}\n" for p in listed))
-        self.prune(self.limit - size)
-        return True
+        self.prune(max(self.limit - size, 0))
 
     def prune(self, limit: int | None = None, everything: bool = False) -> list[Pack]:
         """Remove the packs whose files are all gone, partial files of dead processes, every pack if

@@ -31,7 +31,7 @@ import torch
 
 from phasewise.kernels import quant
 from phasewise.loading.file_key import content_key
-from phasewise.loading.pack_store import ENV, SUFFIX, PackStore, max_bytes
+from phasewise.loading.pack_store import SUFFIX, PackStore, max_bytes
 
 PACK_VERSION = 4          # bump when kernels/quant.py's layouts or this file's change (2: k4, q6k at the file's
                           # width; 3: parts; 4: a JSON header and raw tensors, written in place)
@@ -167,9 +167,7 @@ class Writer:
         head, size = _header(linears, embedding, names)
         path.parent.mkdir(parents=True, exist_ok=True)
         self.store = PackStore(path.parent, max_bytes())
-        if not self.store.make_room(size, source):
-            raise OSError(f"{size / 2**30:.2f} GiB of packs, over the cache's limit of "
-                          f"{self.store.limit / 2**30:.2f} GiB (${ENV})")
+        self.store.make_room(size, source)
         try:
             with open(self.partial, "wb") as f:
                 f.write(head)
