@@ -141,19 +141,12 @@ def describe(path: Path) -> dict[str, Any]:
 
 
 def forget_packed(path: Path) -> None:
-    """Delete phasewise's packed-weight cache entries (and partial writes) made from `path`."""
-    from phasewise.paths import default_cache_dir
+    """Delete phasewise's packed-weight cache entry of `path`'s content (and its partial writes)."""
+    from phasewise.loading import packed_cache
 
-    folder = default_cache_dir() / "packed"
-    for src in folder.glob("*.src"):
-        try:
-            if Path(src.read_text().strip()).resolve() == path.resolve():
-                for suffix in (".pack", ".pt"):          # today's entries, and those before PACK_VERSION 4
-                    src.with_suffix(suffix).unlink(missing_ok=True)
-                src.unlink()
-        except OSError:
-            continue
-    for partial in folder.glob(f".{path.stem}-*.partial"):
+    store = packed_cache.store()
+    store.remove(packed_cache.cache_path(path))
+    for partial in store.folder.glob(f".{path.stem}-*.partial"):
         partial.unlink(missing_ok=True)
 
 

@@ -3,7 +3,7 @@ open-ended generation, alone and with several requests at once.
 
     .venv/bin/python benchmarks/speculative.py [--model M] [--proposers none ngram draft] [--tasks grounded open code]
                                                [--batches 1 8] [--requests 8] [--max-tokens 128] [-k 4]
-                                               [--draft-model PATH] [--draft-dtype q4] [--temperature 0]
+                                               [--draft-model PATH] [--draft-dtype q4] [--temperature 0] [--fixed]
 
 Tasks: "grounded" summarizes a paragraph of benchmarks/data/lighthouses.txt (the
 answer reuses the input's words: prompt lookup can find them); "open" writes a
@@ -18,7 +18,8 @@ the time from the first of those tokens to the last (summed over the sequential
 runs at batch 1; the whole wave's span at batch B, which includes prefills that
 overlap the decodes). Acceptance rate = accepted / proposed draft tokens; mean
 accepted length = tokens committed per verification step (accepted + the target's
-own), from 1 to k + 1.
+own), from 1 to k + 1. Each request's drafts adapt (core/spec_policy.py) up to k; "mean k" is the
+drafts chosen per decode on average (--fixed: always k).
 """
 
 from __future__ import annotations
@@ -63,7 +64,10 @@ def run(llm, chats: list[list[dict]], batch: int, params) -> dict:
         outs += wave
     steps, drafts, accepted = (a - b for a, b in zip(
         (core.spec.num_steps, core.spec.num_draft_tokens, core.spec.num_accepted_tokens), before))
+    chosen = [(k, n) for o in outs for k, n in o.metrics.spec_k_chosen.items()]
+    mean_k = sum(k * n for k, n in chosen) / sum(n for _, n in chosen) if chosen else None
     return {"tok_s": n_decode / decode_s if decode_s else 0.0, "wall_s": time.perf_counter() - started,
+            "mean_k": mean_k,
             "tokens": sum(len(o.token_ids) for o in outs), "drafts": drafts,
             "acceptance": accepted / drafts if drafts else 0.0,
             "mean_len": 1 + accepted / steps if steps else 0.0,
@@ -87,6 +91,7 @@ def main() -> None:
     ap.add_argument("--draft-dtype", default="q4", choices=["fp32", "bf16", "fp16", "int8", "q4"])
     ap.add_argument("--dtype", default="fp32", help="the target's weights")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs must match)")
+    ap.add_argument("--fixed", action="store_true", help="always draft k (no adaptation)")
     args = ap.parse_args()
 
     from phasewise import LLM, SamplingParams
@@ -98,7 +103,8 @@ def main() -> None:
     for proposer in args.proposers:
         spec = SpeculativeConfig(method=None if proposer == "none" else proposer,
                                  num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,
-                                 ngram_max=args.ngram_max, draft_model=args.draft_model, draft_dtype=args.draft_dtype)
+                                 ngram_max=args.ngram_max, draft_model=args.draft_model, draft_dtype=args.draft_dtype,
+                                 adaptive=not args.fixed)
         weights = {"quantization": args.dtype} if args.dtype in ("int8", "q4") else {"dtype": args.dtype}
         llm = LLM(args.model, **weights, kv_cache_memory=0.5, speculative=spec)
         llm.chat(prompts("open", 1)[0], SamplingParams(temperature=0, max_tokens=16))   # warm every path
@@ -109,19 +115,20 @@ def main() -> None:
         del llm
 
     draft = f"draft = {args.draft_model or 'the target'} at {args.draft_dtype}"
-    print(f"speculative decoding: {args.dtype} target, k = {args.num_speculative_tokens}, n-gram "
+    print(f"speculative decoding: {args.dtype} target, k {'=' if args.fixed else '<='} {args.num_speculative_tokens}, n-gram "
           f"{args.ngram_min}..{args.ngram_max}, {draft}; {args.requests} requests per row, up to "
           f"{args.max_tokens} tokens, temperature {args.temperature}")
     print(f"{'proposer':>8} {'task':>9} {'batch':>5} {'decode tok/s':>12} {'speedup':>8} {'accept':>7} "
-          f"{'mean len':>8} {'drafts':>7} {'tokens':>7} {'same':>5}")
+          f"{'mean len':>8} {'mean k':>6} {'drafts':>7} {'tokens':>7} {'same':>5}")
     for (proposer, task, batch), r in results.items():
         base = results.get(("none", task, batch))
         speedup = f"{r['tok_s'] / base['tok_s']:.2f}x" if base and base["tok_s"] else "-"
         same = "-" if base is None or args.temperature else ("yes" if r["token_ids"] == base["token_ids"] else "NO")
         accept = f"{r['acceptance']:.1%}" if r["drafts"] else "-"
         mean_len = f"{r['mean_len']:.2f}" if r["drafts"] else "-"
+        mean_k = "-" if r["mean_k"] is None else f"{r['mean_k']:.2f}"
         print(f"{proposer:>8} {task:>9} {batch:>5} {r['tok_s']:>12.1f} {speedup:>8} {accept:>7} {mean_len:>8} "
-              f"{r['drafts']:>7} {r['tokens']:>7} {same:>5}")
+              f"{mean_k:>6} {r['drafts']:>7} {r['tokens']:>7} {same:>5}")
 
 
 if __name__ == "__main__":

@@ -37,20 +37,20 @@ def test_the_key_follows_the_content(tmp_path):
 
 
 def test_a_moved_or_copied_file_finds_its_packs(tmp_path, monkeypatch):
-    """The pack of a file moved away is found under its new name, and its `.src` then names the file at
-    hand (so pruning, which drops packs whose source is gone, keeps it); a copy finds it too."""
+    """The pack of a file moved away is found under its new name, which joins the pack's sources (so
+    pruning, which drops packs whose every source is gone, keeps it); a copy finds it too."""
     monkeypatch.setenv("PHASEWISE_CACHE", str(tmp_path / "cache"))
     first = tmp_path / "first.gguf"
     first.write_bytes(os.urandom(1 << 20))
     pack = packed_cache.cache_path(first)
     pack.parent.mkdir(parents=True)
     pack.write_bytes(b"packed")
-    pack.with_suffix(".src").write_text(str(first.resolve()))
+    pack.with_suffix(".src").write_text(str(first.resolve()))        # one path, as older versions wrote
     moved = Path(shutil.move(first, tmp_path / "moved.gguf"))
     assert packed_cache.cache_path(moved) == pack
-    assert pack.with_suffix(".src").read_text() == str(moved.resolve())
+    assert packed_cache.store().sources(pack) == [first.resolve(), moved.resolve()]
     copy = Path(shutil.copy(moved, tmp_path / "copy.gguf"))
     assert packed_cache.cache_path(copy) == pack
-    assert pack.with_suffix(".src").read_text() == str(moved.resolve())
+    assert packed_cache.store().sources(pack) == [first.resolve(), moved.resolve(), copy.resolve()]
     _flip(copy, 100)
     assert packed_cache.cache_path(copy) != pack

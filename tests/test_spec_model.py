@@ -8,6 +8,8 @@ import pytest
 
 from phasewise import LLM, SamplingParams
 from phasewise.cli import build_parser
+from phasewise.config import SpeculativeConfig
+from phasewise.core.spec_policy import SpecPolicy
 from phasewise.engine.args import speculative_config_from_args
 from phasewise.report import perf_lines, timings
 
@@ -55,9 +57,49 @@ def alone(llm):
 
 @pytest.fixture(scope="module", params=["ngram", "draft"])
 def spec_llm(request):
-    """A small pool, so that running all prompts together preempts."""
-    return LLM(dtype="fp32", kv_dtype="model", speculative=request.param, num_speculative_tokens=4, num_blocks=POOL,
-               warmup=False)
+    """A small pool, so that running all prompts together preempts; k fixed at 4 (the tests of adaptation
+    put a policy in)."""
+    spec = SpeculativeConfig.parse(request.param, num_speculative_tokens=4, adaptive=False)
+    return LLM(dtype="fp32", kv_dtype="model", speculative=spec, num_blocks=POOL, warmup=False)
+
+
+class Scripted(SpecPolicy):
+    """Drafts per decode from a fixed cycle, whatever was measured: k switches mid-request, 0 included."""
+
+    def __init__(self, ks: list[int]) -> None:
+        super().__init__(max(ks))
+        self.ks, self.i = ks, 0
+
+    def decide(self, req, st):
+        self.i += 1
+        return self.ks[self.i % len(self.ks)]
+
+
+def _with_policy(llm_, policy, run):
+    llm_.engine.core.use_spec_policy(policy)
+    try:
+        return run()
+    finally:
+        llm_.engine.core.use_spec_policy(None)
+
+
+@pytest.mark.parametrize("policy", [lambda: Scripted([4, 0, 2, 0, 0, 1, 3, 4, 4, 0]), lambda: SpecPolicy(4)],
+                         ids=["scripted", "measured"])
+def test_greedy_with_k_switching_mid_request_equals_no_speculation(spec_llm, alone, policy):
+    """k changing from one decode to the next (0, then drafts again: the draft model catches up on what it
+    did not see) keeps greedy outputs, alone and batched under preemption; the perf lines say what was chosen."""
+    one_by_one = _with_policy(spec_llm, policy(), lambda: [spec_llm.chat([{"role": "user", "content": p}], params)
+                                                         for p, params in zip(PROMPTS, PARAMS)])
+    assert_same_greedy(one_by_one, alone)
+    together = _with_policy(spec_llm, policy(), lambda: chats(spec_llm))
+    assert_same_greedy(together, alone)
+    chosen = one_by_one[0].metrics.spec_k_chosen
+    assert sum(chosen.values()) > 0 and timings(one_by_one[0])["spec_k_chosen"]
+    assert any(line.startswith("drafts chosen") for line in perf_lines(one_by_one[0], 0.0))
+    if isinstance(policy(), Scripted):                       # plain and drafted decodes in one request
+        assert len(chosen) > 2 and 0 in chosen and one_by_one[0].metrics.spec_draft_tokens > 0
+    pool = spec_llm.engine.core.kv.pool
+    assert pool.num_free == pool.num_blocks
 
 
 def test_greedy_alone_and_batched_with_preemption_equal_no_speculation(spec_llm, alone):
@@ -148,7 +190,9 @@ def test_cli_flags_reach_the_config():
             ("draft", "/x.gguf", 3, "int8")
     args = build_parser().parse_args(["generate", "hi", "--speculative", "ngram", "--ngram-min", "1"])
     spec = speculative_config_from_args(args)
-    assert (spec.method, spec.ngram_min, spec.ngram_max) == ("ngram", 1, 4)
+    assert (spec.method, spec.ngram_min, spec.ngram_max, spec.adaptive) == ("ngram", 1, 4, True)
+    args = build_parser().parse_args(["generate", "hi", "--speculative", "ngram", "--fixed-speculative-tokens"])
+    assert not speculative_config_from_args(args).adaptive
     assert speculative_config_from_args(build_parser().parse_args(["generate", "hi"])).method is None
 
 

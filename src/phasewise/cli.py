@@ -131,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     from phasewise.lab.bench_command import add_parser as add_bench_parser
 
     add_bench_parser(sub)
+    from phasewise.lab.cache_command import add_parser as add_cache_parser
+
+    add_cache_parser(sub)
     return parser
 
 

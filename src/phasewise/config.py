@@ -49,13 +49,15 @@ class SpeculativeSettings(TypedDict, total=False):
     ngram_min: int
     ngram_max: int
     draft_dtype: str
+    adaptive: bool
 
 
 @dataclass(frozen=True, kw_only=True)
 class SpeculativeConfig:
     """Speculative decoding: who proposes draft tokens, and how many per step."""
     method: str | None = None            # None (off) | "ngram" (prompt lookup) | "draft" (a draft model)
-    num_speculative_tokens: int = 4      # k: drafts verified per step
+    num_speculative_tokens: int = 4      # k: drafts verified per step (adaptive: at most)
+    adaptive: bool = True                # each decode's k from measured acceptance and costs (core/spec_policy.py)
     ngram_min: int = 2                   # n-gram sizes tried, longest first
     ngram_max: int = 4
     draft_model: str | None = None       # draft: a .gguf file or HF folder; None → the target's own file

@@ -32,6 +32,8 @@ class Timings(TypedDict):
     spec_accepted_n: int
     spec_acceptance_rate: float
     spec_mean_accepted_len: float
+    spec_k_chosen: NotRequired[dict[str, int]]        # adaptive speculation: drafts chosen → decode steps
+    spec_costs_ms: NotRequired[dict[str, float]]      # the measured costs of its last choice: plain, row, draft
 
 
 class GenerateJson(TypedDict):
@@ -76,9 +78,23 @@ def timings(out: CompletionOutput, load_ms: float | None = None) -> Timings:
         "spec_acceptance_rate": m.spec_acceptance_rate,
         "spec_mean_accepted_len": m.spec_mean_accepted_len,   # tokens per verification step (accepted + 1)
     }
+    if m.spec_k_chosen:
+        t["spec_k_chosen"] = {str(k): n for k, n in sorted(m.spec_k_chosen.items(), reverse=True)}
+    if m.spec_costs is not None:
+        t["spec_costs_ms"] = dict(zip(("plain", "row", "draft"), m.spec_costs))
     if load_ms is not None:
         t = {"load_ms": load_ms, **t}
     return t
+
+
+def _chosen_line(t: Timings) -> list[str]:
+    """Adaptive speculation's choices (k × decode steps) and the costs they were made from."""
+    if "spec_k_chosen" not in t:
+        return []
+    costs = t.get("spec_costs_ms")
+    said = "" if costs is None else (f" (a plain step {costs['plain']:.1f} ms, a draft row +{costs['row']:.2f} ms, "
+                                     f"a draft step {costs['draft']:.2f} ms)")
+    return ["drafts chosen    = " + ", ".join(f"{k} x {n}" for k, n in t["spec_k_chosen"].items()) + said]
 
 
 def timings_json(out: CompletionOutput, load_ms: float) -> GenerateJson:
@@ -115,4 +131,4 @@ def perf_lines(out: CompletionOutput, load_ms: float) -> list[str]:
         + (f" ({t['preemptions']} preemptions)" if t["preemptions"] else ""),
     ] + ([f"speculative      = {t['spec_accepted_n']} of {t['spec_draft_n']} draft tokens accepted "
           f"({t['spec_acceptance_rate']:.1%}), {t['spec_mean_accepted_len']:.2f} tokens per verification step"]
-         if t["spec_draft_n"] else [])
+         if t["spec_draft_n"] else []) + _chosen_line(t)

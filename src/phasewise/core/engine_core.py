@@ -14,6 +14,7 @@ from phasewise.core.handoffs import (EngineStats, RequestOutput, RunnerOutput, S
                                       StepRecord)
 from phasewise.core.request import FinishReason, Request
 from phasewise.core.scheduler import Scheduler
+from phasewise.core.spec_policy import SpecPolicy
 from phasewise.config import SchedulerConfig
 
 
@@ -52,11 +53,13 @@ class EngineCore:
                  block_size: int, max_model_len: int, enable_prefix_caching: bool = True,
                  proposer: Proposer | None = None, num_speculative_tokens: int = 0,
                  kv_windows: tuple[int | None, ...] = (None,), num_state_slots: int = 0,
-                 num_state_checkpoints: int = 0, disk: DiskTier | None = None) -> None:
+                 num_state_checkpoints: int = 0, disk: DiskTier | None = None,
+                 spec_policy: SpecPolicy | None = None) -> None:
         """kv_windows: the sliding window of each KV group (None: full attention); one group by default.
         num_state_slots: a hybrid model's recurrent-state slots, one per running request, then its
         num_state_checkpoints slots of checkpoints for prefix hits. disk: the prefix cache's disk tier
-        (with prefix caching, no sliding windows)."""
+        (with prefix caching, no sliding windows). spec_policy: chooses each decode's drafts up to
+        num_speculative_tokens from the measured steps (None: always that many)."""
         self.runner = runner
         self.proposer = proposer
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, kv_windows, num_state_slots,
@@ -68,11 +71,16 @@ class EngineCore:
                                  "a hybrid) and no sliding windows")
             self.kv.new_cached = []
         k = num_speculative_tokens if proposer is not None else 0
-        self.scheduler = Scheduler(scheduler_config, self.kv, k)
+        self.spec_policy = spec_policy if k else None
+        self.scheduler = Scheduler(scheduler_config, self.kv, k, self.spec_policy)
         self.max_model_len = max_model_len
         self.steps: deque[StepRecord] = deque(maxlen=MAX_STEP_RECORDS)   # the most recent steps
         self.num_steps = 0                                                 # all steps ever run
         self.spec = SpecStats()
+
+    def use_spec_policy(self, policy: SpecPolicy | None) -> None:
+        """Choose drafts by `policy` from now on (None: always num_speculative_tokens, nothing measured)."""
+        self.spec_policy = self.scheduler.spec_policy = policy if self.scheduler.num_spec_tokens else None
 
     def add_request(self, request: Request) -> None:
         """Queue an admitted request (engine/admission.py: it fits the context and, at its longest,
@@ -119,12 +127,18 @@ class EngineCore:
                 raise RuntimeError("no request can be scheduled although some are waiting (KV pool too small)")
             return []
         try:
+            scheduled = time.perf_counter()
             self._propose(sched)
+            proposed = time.perf_counter()
             result = self.runner.execute(sched)
         except Exception:
             for chunk in sched.chunks:   # a failed step fails its requests: nothing stays held
                 self.scheduler.finish(chunk.request.request_id, FinishReason.ERROR)
             raise
+        executed = time.perf_counter()
+        if self.spec_policy is not None:          # before update: the chunks' requests are as they were scheduled
+            self.spec_policy.observe(sched, {r: len(a) for r, a in result.accepted.items()},
+                                     (executed - proposed) * 1e3, (proposed - scheduled) * 1e3)
         outputs = self.scheduler.update(sched, result, started)
         if self.disk is not None:      # the blocks this step filled, copied out before any forward reuses them
             self.disk.save(self.kv)

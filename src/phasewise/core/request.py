@@ -40,6 +40,8 @@ class RequestMetrics:
     spec_steps: int = 0              # steps that verified draft tokens of this request
     spec_draft_tokens: int = 0       # draft tokens proposed and verified
     spec_accepted_tokens: int = 0    # of those, accepted by the target
+    spec_k_chosen: dict[int, int] = field(default_factory=dict)   # adaptive speculation: k → decodes it was chosen for
+    spec_costs: tuple[float, float, float] | None = None  # the costs of its last choice: plain, row, draft (ms)
     grammar_compile_ms: float | None = None   # structured outputs: compiling (or copying) its grammar
     disk_tokens: int = 0              # prompt tokens the prompt cache's disk tier loaded for it,
     disk_load_ms: float = 0.0         # and the time that took (before it was first scheduled)
@@ -162,6 +164,7 @@ class Request:
         # Kept here for their owners, opaque to the core (each owner checks the type it stored):
         self.sampler_state: object = None           # the runner's: a seeded torch.Generator
         self.spec_state: object = None              # the proposer's: an n-gram index, or the draft model's progress
+        self.spec_choice: object = None             # the speculation policy's (core/spec_policy.py): its acceptance
         self.grammar = grammar                      # structured outputs or thinking: a structured.GrammarMatcher or ThinkingGate
         self.metrics = RequestMetrics(arrival=arrival if arrival is not None else time.perf_counter())
 

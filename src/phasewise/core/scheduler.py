@@ -8,7 +8,8 @@ and none is free, the newest running request is preempted: its blocks are
 freed and it is recomputed later from its prompt and output so far.
 
 Speculative decoding (num_spec_tokens > 0): a decoding request's chunk also
-reserves budget and KV slots for up to k draft tokens, which a proposer fills
+reserves budget and KV slots for up to k draft tokens (k chosen per decode by a
+SpecPolicy when there is one, core/spec_policy.py), which a proposer fills
 before the forward pass. Accepted drafts advance the request like sampled tokens;
 rejected ones do not advance `num_computed_tokens`, so the prefix cache only ever
 hashes committed tokens. Drafts are dropped before anyone is preempted for them.
@@ -24,13 +25,16 @@ from phasewise.core.kv_cache_manager import KVCacheManager
 from phasewise.core.handoffs import (
     RequestOutput, RunnerOutput, ScheduledChunk, SchedulerOutput)
 from phasewise.core.request import FinishReason, Request, RequestStatus
+from phasewise.core.spec_policy import SpecPolicy
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, num_spec_tokens: int = 0) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, num_spec_tokens: int = 0,
+                 spec_policy: SpecPolicy | None = None) -> None:
         self.config = config
         self.kv = kv
         self.num_spec_tokens = num_spec_tokens     # draft tokens a decode may carry (0: no speculation)
+        self.spec_policy = spec_policy             # chooses each decode's k up to that (None: always that)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -106,7 +110,8 @@ class Scheduler:
         and the context (a step commits at most drafts + 1 tokens)."""
         if not self.num_spec_tokens or n != 1 or req.num_computed_tokens + 1 != req.num_tokens:
             return 0
-        room = min(self.num_spec_tokens, budget - 1)
+        k = self.spec_policy.choose(req) if self.spec_policy is not None else self.num_spec_tokens
+        room = min(k, budget - 1)
         max_tokens = req.sampling_params.max_tokens
         if max_tokens is not None:
             room = min(room, max_tokens - len(req.output_token_ids) - 1)

@@ -48,7 +48,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative", default=None, metavar="ngram|draft[:MODEL]",
                    help="speculative decoding: 'ngram' (prompt lookup) or 'draft:MODEL' (a draft model with "
                         "the same tokenizer; plain 'draft' = this model at --draft-quantization); outputs are unchanged")
-    g.add_argument("--num-speculative-tokens", type=int, default=4, help="draft tokens verified per step")
+    g.add_argument("--num-speculative-tokens", type=int, default=4,
+                   help="the most draft tokens verified per step: each request's count adapts to its measured "
+                        "acceptance and this machine's measured draft and verify costs")
+    g.add_argument("--fixed-speculative-tokens", dest="adaptive_speculation", action="store_false",
+                   help="always draft --num-speculative-tokens (no adaptation)")
     g.add_argument("--ngram-min", type=int, default=2, help="shortest n-gram matched by --speculative ngram")
     g.add_argument("--ngram-max", type=int, default=4, help="longest n-gram matched by --speculative ngram")
     g.add_argument("--draft-quantization", default="q4", choices=["none", "int8", "q4"],
@@ -101,7 +105,8 @@ def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig:
     """The SpeculativeConfig the speculative options of add_engine_args ask for."""
     return SpeculativeConfig.parse(args.speculative, num_speculative_tokens=args.num_speculative_tokens,
                                    ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-                                   draft_dtype="fp32" if args.draft_quantization == "none" else args.draft_quantization)
+                                   draft_dtype="fp32" if args.draft_quantization == "none" else args.draft_quantization,
+                                   adaptive=args.adaptive_speculation)
 
 
 def resolve_weights(args: argparse.Namespace) -> None:

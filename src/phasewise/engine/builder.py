@@ -14,6 +14,7 @@ import torch
 
 from phasewise.config import EngineConfig, SpeculativeConfig
 from phasewise.core.engine_core import EngineCore, Proposer
+from phasewise.core.spec_policy import SpecPolicy
 from phasewise.kernels import build as kernel_build
 from phasewise.kernels.kernel_api import Kernels
 from phasewise.loading.loader import check_memory, load_config, load_prepared, parse_dtype, resolve_model_path
@@ -112,19 +113,14 @@ def build_engine(config: EngineConfig, clock: Clock | None = None) -> EnginePart
         max_model_len = min(max_len, model_config.max_position_embeddings)
         kv_cache = KVCache(model_config, num_blocks, cache.block_size, kv_dtype, config.device,
                            num_state_slots=slots + checkpoints + snapshots)
-        draft_model = None
-        proposer: Proposer | None = NgramProposer(spec.ngram_min, spec.ngram_max) if spec.method == "ngram" else None
-        if spec.method == "draft":
-            draft_model, draft_kv = _draft_model(config, model_path, model_config, kernels, max_model_len, num_blocks,
-                                                 slots)
-            proposer = DraftModelProposer(draft_model, draft_kv, tokenizer.eos_token_ids, config.device, kernels,
-                                          slots if draft_model.config.recurrent_layers else 0)
+        draft_model, proposer = _proposer(config, model_path, model_config, kernels, max_model_len, num_blocks,
+                                          slots, tokenizer.eos_token_ids)
         runner = ModelRunner(model, kv_cache, tokenizer.eos_token_ids, config.device, kernels, tp,
                              snapshot_slots=range(slots + checkpoints, slots + checkpoints + snapshots))
         disk = open_disk_tier(config, model_path, precision.weights, kv_cache, kernels is not None, clock)
         core = EngineCore(runner, config.scheduler, num_blocks, cache.block_size, max_model_len,
                           cache.enable_prefix_caching, proposer, spec.num_speculative_tokens,
-                          model_config.kv_group_windows, slots, checkpoints, disk)
+                          model_config.kv_group_windows, slots, checkpoints, disk, _spec_policy(spec))
     except BaseException:
         if ranks:
             ranks.stop()
@@ -135,6 +131,20 @@ def build_engine(config: EngineConfig, clock: Clock | None = None) -> EnginePart
     return EngineParts(config, model_path, model_config, precision, kernels, tokenizer, ranks, model, kv_cache,
                        draft_model, max_model_len, grammars, core, threads,
                        (time.perf_counter() - started) * 1e3)
+
+
+def _proposer(config: EngineConfig, model_path: Path, target: ModelConfig, kernels: Kernels | None,
+              max_model_len: int, num_blocks: int, state_slots: int, eos_token_ids: frozenset[int]
+              ) -> tuple[LlamaForCausalLM | None, Proposer | None]:
+    """The speculation method's proposer (and its draft model: `--speculative draft`), or none."""
+    spec = config.speculative
+    if spec.method == "ngram":
+        return None, NgramProposer(spec.ngram_min, spec.ngram_max)
+    if spec.method != "draft":
+        return None, None
+    draft, kv = _draft_model(config, model_path, target, kernels, max_model_len, num_blocks, state_slots)
+    return draft, DraftModelProposer(draft, kv, eos_token_ids, config.device, kernels,
+                                     state_slots if draft.config.recurrent_layers else 0)
 
 
 def _check_features(config: EngineConfig, cfg: ModelConfig) -> None:
@@ -149,6 +159,11 @@ def _check_speculation(cfg: ModelConfig, spec: SpeculativeConfig, tp_size: int) 
     """What speculative decoding cannot run with yet: a ValueError saying so."""
     if tp_size > 1 and spec.method == "draft":
         raise ValueError("a draft model does not run with tensor parallelism yet: use --speculative ngram")
+
+
+def _spec_policy(spec: SpeculativeConfig) -> SpecPolicy | None:
+    """The policy choosing each decode's drafts from measured costs (None: always num_speculative_tokens)."""
+    return SpecPolicy(spec.num_speculative_tokens) if spec.adaptive else None
 
 
 def _cache_size(cfg: ModelConfig, config: EngineConfig, kv_dtype: torch.dtype) -> tuple[int, int, int, int]:

@@ -172,4 +172,9 @@ class LLMEngine:
         """One tiny request through the whole path, so first-call costs are not timed later."""
         n = 3 if self.config.speculative.enabled else 2     # with speculation: one step verifies a draft
         rid = self.add_request([self.tokenizer.bos_token_id or 0] * 4, SamplingParams(max_tokens=n, ignore_eos=True))
-        self.run_until_done([rid])
+        policy = self.core.spec_policy
+        self.core.use_spec_policy(None)     # k drafts, and a first call's costs are not this machine's
+        try:
+            self.run_until_done([rid])
+        finally:
+            self.core.use_spec_policy(policy)

@@ -14,9 +14,8 @@ anything is packed, so the file is made at its final size under a temporary name
 reserved: a full disk fails here, not with a SIGBUS later), mapped shared, and each weight is
 packed into its slice; the model's weights are those slices (one copy). Complete, it is renamed.
 A file that does not read, is cut short, or whose weights do not match the model's layers is
-ignored and rewritten. Files under MIN_BYTES (test models) are not cached, and writing one removes
-the entries whose GGUF is gone or has changed (each names its source in a `.src` file beside it)
-and the partial files of processes that died, so the directory holds one entry per model file.
+ignored and rewritten. Files under MIN_BYTES (test models) are not cached. The folder's tidiness
+(each pack's source files, its last use, the size limit and what is evicted) is loading/pack_store.py's.
 """
 
 from __future__ import annotations
@@ -32,13 +31,13 @@ import torch
 
 from phasewise.kernels import quant
 from phasewise.loading.file_key import content_key
+from phasewise.loading.pack_store import SUFFIX, PackStore, max_bytes
 
 PACK_VERSION = 4          # bump when kernels/quant.py's layouts or this file's change (2: k4, q6k at the file's
                           # width; 3: parts; 4: a JSON header and raw tensors, written in place)
 MIN_BYTES = 32 << 20      # smaller GGUFs pack in well under a second: not cached
 MAGIC = b"PWPACK\x00\x01"
 ALIGN = 4096              # each tensor's offset: page-aligned, so any view of it is aligned for every dtype
-SUFFIX = ".pack"
 _DTYPES = {str(t).removeprefix("torch."): t for t in (torch.uint8, torch.int8, torch.float16, torch.float32)}
 
 
@@ -69,23 +68,22 @@ def wanted(gguf_path: Path, min_bytes: int = MIN_BYTES) -> bool:
     return gguf_path.stat().st_size >= min_bytes
 
 
-def cache_path(gguf_path: Path) -> Path:
-    """Where the packs of `gguf_path` are kept, named by its content (loading/file_key.py): a copied or
-    moved file finds the packs of the original (whose `.src` then names the file at hand if the
-    original is gone, so pruning keeps them)."""
+def store() -> PackStore:
+    """The packed-weight cache's folder, `<cache>/packed`, with its limit."""
     from phasewise.paths import default_cache_dir
 
-    folder = default_cache_dir() / "packed"
+    return PackStore(default_cache_dir() / "packed", max_bytes())
+
+
+def cache_path(gguf_path: Path) -> Path:
+    """Where the packs of `gguf_path` are kept, named by its content (loading/file_key.py): a copied or
+    moved file finds the packs of the original (and is listed among its sources, its last use now)."""
+    packs = store()
     key = hashlib.sha256(f"{content_key(gguf_path)}|{PACK_VERSION}".encode()).hexdigest()[:20]
-    found = next(iter(sorted(folder.glob(f"*-{key}{SUFFIX}"))), None)
+    found = next(iter(sorted(packs.folder.glob(f"*-{key}{SUFFIX}"))), None)
     if found is None:
-        return folder / f"{gguf_path.stem}-{key}{SUFFIX}"
-    src = found.with_suffix(".src")
-    try:
-        if not Path(src.read_text()).is_file():
-            src.write_text(str(gguf_path.resolve()))
-    except OSError:
-        pass                                      # no .src (being written) or an unwritable cache: harmless
+        return packs.folder / f"{gguf_path.stem}-{key}{SUFFIX}"
+    packs.used(found, gguf_path)
     return found
 
 
@@ -168,7 +166,8 @@ class Writer:
         self.partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
         head, size = _header(linears, embedding, names)
         path.parent.mkdir(parents=True, exist_ok=True)
-        _prune(path.parent, source)
+        self.store = PackStore(path.parent, max_bytes())
+        self.store.make_room(size, source)
         try:
             with open(self.partial, "wb") as f:
                 f.write(head)
@@ -202,7 +201,7 @@ class Writer:
         """Put the complete file in place (the weights stay mapped whatever happens to its name)."""
         try:
             os.replace(self.partial, self.path)
-            self.path.with_suffix(".src").write_text(str(self.source.resolve()))
+            self.store.add_source(self.path, self.source)
         except OSError as e:
             print(f"phasewise: warning: cannot write the packed-weight cache {self.path}: {e}", file=sys.stderr)
 
@@ -219,34 +218,6 @@ def create(path: Path, source: Path, linears: dict[str, quant.PackedWeight], emb
     except (OSError, RuntimeError) as e:          # RuntimeError: torch.from_file could not map it
         print(f"phasewise: warning: cannot write the packed-weight cache {path}: {e}", file=sys.stderr)
         return None
-
-
-def _prune(folder: Path, source: Path) -> None:
-    """Remove the entries of GGUFs that are gone, the older entries of `source`, and the partial
-    files of processes no longer running."""
-    for src in folder.glob("*.src"):
-        try:
-            named = Path(src.read_text())
-        except OSError:
-            continue
-        if named.resolve() == source.resolve() or not named.is_file():
-            for suffix in (SUFFIX, ".pt"):
-                src.with_suffix(suffix).unlink(missing_ok=True)
-            src.unlink(missing_ok=True)
-    for partial in folder.glob(".*.partial"):
-        pid = partial.name.rsplit(".", 2)[-2]
-        if pid.isdigit() and not _running(int(pid)):
-            partial.unlink(missing_ok=True)
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
 
 
 def load(path: Path) -> tuple[dict[str, quant.PackedWeight], quant.PackedWeight | None, set[str]] | None:

@@ -1,0 +1,121 @@
+"""Adaptive speculation (core/spec_policy.py) with costs handed to it: the expected speed-up model against
+a simulation of its own assumptions, 0 drafts at a low acceptance or a dear draft, the most at a high one,
+and the policy learning both from the steps the engine reports."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from phasewise.core import spec_policy
+from phasewise.core.handoffs import ScheduledChunk, SchedulerOutput
+from phasewise.core.request import Request
+from phasewise.core.sampling_params import SamplingParams
+from phasewise.core.spec_policy import Costs, SpecPolicy, StepCosts, expected_tokens
+
+CHEAP = Costs(plain=20.0, row=0.5, draft=2.0)      # a small draft and a target whose extra rows cost little
+
+
+def simulate(costs: Costs, a: float, k: int, steps: int = 40_000, seed: int = 0) -> float:
+    """Tokens per ms of speculative decoding, drafts accepted with probability a each until one is not,
+    over plain decoding's (1 token per costs.plain)."""
+    rng = random.Random(seed)
+    tokens = 0
+    for _ in range(steps):
+        accepted = 0
+        while accepted < k and rng.random() < a:
+            accepted += 1
+        tokens += accepted + 1
+    return tokens / (steps * (costs.plain + k * (costs.draft + costs.row))) * costs.plain
+
+
+@pytest.mark.parametrize("a,k", [(0.3, 1), (0.6, 3), (0.8, 4), (0.95, 6), (1.0, 2)])
+def test_the_expected_speedup_is_what_a_simulation_gives(a, k):
+    assert expected_tokens(a, 0) == 1 and expected_tokens(a, 1) == pytest.approx(1 + a)
+    assert CHEAP.speedup(a, k) == pytest.approx(simulate(CHEAP, a, k), rel=0.02)
+
+
+def test_low_acceptance_or_a_dear_draft_chooses_0_a_high_one_the_most():
+    assert CHEAP.best(0.05, 4) == (0, 1.0)
+    k, s = CHEAP.best(0.97, 4)
+    assert k == 4 and s == pytest.approx(CHEAP.speedup(0.97, 4)) and s > 3
+    middle = CHEAP.best(0.6, 8)[0]
+    assert 0 < middle < 8                                       # past some k, a draft costs more than it brings
+    dear = Costs(plain=20.0, row=0.5, draft=6.0)                # a draft at 30% of the target's step
+    assert dear.best(0.3, 4)[0] == 0 and dear.best(0.95, 4)[0] == 4
+    assert CHEAP.best(0.3, 4)[0] > 0                            # where a cheap draft still pays
+    as_slow = Costs(plain=20.0, row=0.5, draft=19.5)            # a draft as slow as the target never pays
+    assert as_slow.best(0.99, 4)[0] == 0
+    assert CHEAP.best(0.0, 4) == (0, 1.0) and Costs(20.0, 20.0, 20.0).best(1.0, 4) == (0, 1.0)
+
+
+def _request(rid: str) -> Request:
+    return Request(rid, [1, 2, 3], SamplingParams(temperature=0, max_tokens=10_000))
+
+
+def _step(policy: SpecPolicy, reqs: list[Request], hit: float, rng: random.Random, plain_ms: float = 20.0,
+          row_ms: float = 1.0, draft_ms: float = 3.0) -> list[int]:
+    """One decode step as the engine runs it: each request's k chosen, drafts accepted with probability
+    `hit`, the step timed by the given costs. The ks chosen."""
+    ks = [policy.choose(r) for r in reqs]
+    chunks = [ScheduledChunk(request=r, num_tokens=1, max_draft_tokens=k, draft_token_ids=[7] * k)
+              for r, k in zip(reqs, ks)]
+    accepted = {}
+    for r, k in zip(reqs, ks):
+        n = 0
+        while n < k and rng.random() < hit:
+            n += 1
+        accepted[r.request_id] = n
+    sched = SchedulerOutput(chunks, num_decode_tokens=len(reqs), num_draft_tokens=sum(ks))
+    policy.observe(sched, accepted, plain_ms + row_ms * sum(ks), draft_ms * max(ks))
+    return ks
+
+
+def test_the_policy_measures_then_follows_the_acceptance_and_probes_again():
+    policy, rng = SpecPolicy(4), random.Random(1)
+    req = _request("a")
+    # plain decoding measured first (3 samples, a first one skipped), then verify steps, the draft's time
+    # once it has not just caught up on plain steps
+    assert [_step(policy, [req], 1.0, rng)[0] for _ in range(9)] == [0] * 4 + [4] * 5
+    costs = policy.costs.measured()
+    assert costs is not None and (costs.plain, costs.row, costs.draft) == pytest.approx((20.0, 1.0, 3.0))
+    assert [_step(policy, [req], 1.0, rng)[0] for _ in range(5)] == [4] * 5
+    ks = [_step(policy, [req], 0.0, rng)[0] for _ in range(40)]  # the text turns unpredictable
+    first = ks.index(0)
+    assert ks[-1] == 0 and first < 15 and ks[:first] == sorted(ks[:first], reverse=True)   # fewer, then none
+    assert 4 in ks[ks.index(0):]                                # a probe after a stretch of plain decoding
+    later = [_step(policy, [req], 1.0, rng)[0] for _ in range(200)]   # predictable again: found by a probe
+    assert later.index(4) <= 4 * spec_policy.PROBE_FIRST and later[-10:] == [4] * 10
+    assert req.metrics.spec_k_chosen[0] >= 10 and req.metrics.spec_k_chosen[4] > 100
+    assert req.metrics.spec_costs == pytest.approx((20.0, 1.0, 3.0), rel=0.05)
+
+
+def test_each_request_has_its_own_acceptance_and_plain_is_measured_again():
+    policy, rng = SpecPolicy(4), random.Random(2)
+    good, bad = _request("good"), _request("bad")
+    for _ in range(9):
+        _step(policy, [good, bad], 1.0, rng)                    # calibration
+    seen = []
+    for _ in range(spec_policy.CALIBRATE + 20):
+        ks = [policy.choose(r) for r in (good, bad)]
+        seen.append(ks)
+        chunks = [ScheduledChunk(request=r, num_tokens=1, max_draft_tokens=k, draft_token_ids=[7] * k)
+                  for r, k in zip((good, bad), ks)]
+        sched = SchedulerOutput(chunks, num_decode_tokens=2, num_draft_tokens=sum(ks))
+        policy.observe(sched, {"good": ks[0], "bad": 0}, 20.0 + sum(ks), 3.0 * max(ks + [1]))
+    assert seen[-1] == [4, 0]
+    assert [0, 0] in seen[20:]                                  # one plain step re-measures `plain`
+    costs = StepCosts()
+    for ms in (90.0, 20.0, 21.0, 95.0, 19.0, 22.0):             # a first call, and a burst of another program
+        costs.observe(ms, 0, None, 0)
+    assert costs.plain == 21.0 and costs.measured() is None     # no verify or draft step measured yet
+
+
+def test_no_probe_where_drafts_could_not_pay_even_if_all_were_accepted():
+    """A draft as slow as the target: after calibrating, every decode goes plain, with no probe (a draft
+    model's probe would first catch up on every token since it last ran)."""
+    policy, rng = SpecPolicy(4), random.Random(3)
+    req = _request("a")
+    ks = [_step(policy, [req], 1.0, rng, plain_ms=20.0, row_ms=0.5, draft_ms=19.0)[0] for _ in range(100)]
+    assert ks[:9] == [0] * 4 + [4] * 5 and set(ks[9:]) == {0}
