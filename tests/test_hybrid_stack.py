@@ -90,6 +90,7 @@ def test_the_engine_on_the_stack_gives_the_python_layers_tokens(case, tmp_path):
     from model_builders import with_tokenizer
 
     from phasewise import LLM
+    from phasewise.config import SpeculativeConfig
     from phasewise.core.sampling_params import SamplingParams
     from tests.conftest import PagedRunner
 
@@ -123,11 +124,12 @@ def test_the_engine_on_the_stack_gives_the_python_layers_tokens(case, tmp_path):
     tight = LLM(**kw, num_blocks=14)
     outs = tight.generate(prompts, params)
     assert [o.token_ids for o in outs] == want and sum(o.metrics.preemptions for o in outs) > 0
-    spec = LLM(**kw, speculative="ngram", num_speculative_tokens=3)
+    fixed = dict(num_speculative_tokens=3, adaptive=False)        # every decode drafts: rollbacks happen
+    spec = LLM(**kw, speculative=SpeculativeConfig.parse("ngram", **fixed))
     assert [o.token_ids for o in spec.generate(prompts, params)] == want
     drafted, accepted = spec.engine.core.spec.num_draft_tokens, spec.engine.core.spec.num_accepted_tokens
     assert 0 < accepted < drafted
-    draft = LLM(**kw, speculative="draft", num_speculative_tokens=3)   # itself in q4: its states roll back too
+    draft = LLM(**kw, speculative=SpeculativeConfig.parse("draft", **fixed))   # itself in q4: states roll back too
     assert [o.token_ids for o in draft.generate(prompts, params)] == want
     assert [o.token_ids for o in draft.generate(prompts[:1], params)] == want[:1]
     assert draft.engine.core.spec.num_accepted_tokens > 0

@@ -53,6 +53,11 @@ class Utf8Masks:
             finals = np.full((4, self._size), BROKEN, dtype=np.uint8)
             for t in range(self._size):
                 data = self._bytes(t)
+                if data.isascii():                 # most tokens: whole after state 0, broken after the others
+                    finals[0, t] = 0
+                    if not data:
+                        finals[1:, t] = (1, 2, 3)
+                    continue
                 for state in range(4):
                     finals[state, t] = utf8_after(state, data)
             self._finals = finals
