@@ -327,3 +327,16 @@ def test_responses_items_reasoning_then_the_call(cut):
     kinds = [e["type"] for e in events]
     assert kinds.index("response.reasoning_text.done") < kinds.index("response.function_call_arguments.delta")
     assert assistant_message(items.items)["reasoning_content"] == "I will add."
+
+
+def test_a_thinking_signature_holds_across_a_restart_and_not_elsewhere(tmp_path):
+    """The key is kept in the cache directory: a server started again verifies what it signed before; a
+    server with another directory's key (another machine's) does not, nor does it accept edited text."""
+    from phasewise.server.anthropic.signature import ThinkingSignature
+
+    first = ThinkingSignature.kept_in(tmp_path / "a")
+    signed = first.sign("let me think")
+    assert (tmp_path / "a" / "thinking_key").stat().st_mode & 0o777 == 0o600
+    again = ThinkingSignature.kept_in(tmp_path / "a")
+    assert again.verify("let me think", signed) and not again.verify("let me think!", signed)
+    assert not ThinkingSignature.kept_in(tmp_path / "b").verify("let me think", signed)

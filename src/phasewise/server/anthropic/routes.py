@@ -22,6 +22,7 @@ from phasewise.server.api_error import APIError
 from phasewise.server.anthropic.output import message_body, message_events
 from phasewise.server.sse import collect, sse_response
 from phasewise.server.thinking import Thinking
+from phasewise.paths import default_cache_dir
 from phasewise.server.anthropic.signature import ThinkingSignature
 
 
@@ -30,7 +31,7 @@ def anthropic_router(guards: Guards) -> APIRouter:
     submitter = Submitter(guards)
     config = guards.config
     thinking = Thinking(config.reasoning_parser, engine.tokenizer, config.reasoning_budget)
-    signature = ThinkingSignature()
+    signature = ThinkingSignature.kept_in(default_cache_dir())
     router = APIRouter(dependencies=[Depends(guards.require_key)])
 
     def check_signatures(body: MessagesRequest | CountTokensRequest) -> None:
