@@ -5,7 +5,9 @@
 // What Qwen3 and Gemma 3 add: QK-norm on each head of the fused qkv before RoPE; per-layer RoPE
 // tables, KV group and window; Gemma's norms after attention and after the MLP; a GELU-tanh gate.
 // What MoE models add: a sparse MLP (router, top-k, experts, a shared expert) in place of the dense
-// one, and OLMoE's QK-norm over all of q and all of k.
+// one, and OLMoE's QK-norm over all of q and all of k. What hybrids add: a recurrent token mixer (a
+// Gated DeltaNet, LFM2's short conv) in place of attention over the step's state slots, and Qwen3.5's
+// gated attention with RoPE on part of each head.
 #include "core.h"
 #include "parallel.h"
 
@@ -116,7 +118,8 @@ int64_t keep_last(const Runtime& rt, const DecoderModel& m, const DecoderStep& s
 }
 
 // o [T', H] = layer i's attention of normed [T, H] (every row's keys and values written to its cache);
-// with Qwen3.5's gate, qkv gives [q head, its gate]... then k, v and the output is gated. Returns T'.
+// with Qwen3.5's gate, qkv gives each q head followed by its gate, then k and v, and the attention's
+// output is gated. Returns T' (the kept rows at the last layer).
 int64_t attention(const Runtime& rt, const DecoderModel& m, const DecoderStep& s, int64_t i, const Scratch& w,
                   int64_t T) {
   const DecoderLayer& L = m.layers[i];
