@@ -21,25 +21,6 @@ pw::Linear linear_view(const QuantLinearArgs& a, int64_t K, std::vector<pw::Pack
   return {w, bias.has_value() ? bias->data_ptr<float>() : nullptr};
 }
 
-// B sequences' new tokens n, tokens after the step ctx and distinct slots of S (0 < n <= ctx), their rows
-// summing to T; snapshots (or none): per row -1 or a slot no sequence runs in
-void check_sequences(int64_t B, const int64_t* n, const int64_t* ctx, const int64_t* slot, int64_t T,
-                     const int64_t* snap, int64_t S) {
-  std::vector<bool> taken(S, false);
-  int64_t rows = 0;
-  for (int64_t i = 0; i < B; ++i) {
-    TORCH_CHECK(n[i] > 0 && ctx[i] >= n[i], "sequence ", i, ": 0 < new tokens <= tokens after the step");
-    TORCH_CHECK(slot[i] >= 0 && slot[i] < S && !taken[slot[i]], "state slot ", slot[i], " outside 0..", S - 1,
-                " or taken twice");
-    taken[slot[i]] = true;
-    rows += n[i];
-  }
-  TORCH_CHECK(rows == T, "the sequences' new tokens sum to ", rows, ", the step has ", T, " rows");
-  for (int64_t r = 0; snap != nullptr && r < T; ++r)
-    TORCH_CHECK(snap[r] < S && (snap[r] < 0 || !taken[snap[r]]), "snapshot slot ", snap[r], " outside 0..", S - 1,
-                " or a running sequence's");
-}
-
 size_t part_count(const LinearOpt& l) { return l.has_value() ? std::get<6>(*l).size() : 0; }
 
 // A recurrent layer's mixer viewed (its z, b, a parts into `parts`): the layer's qkv rows and o's
@@ -261,6 +242,7 @@ std::vector<pw::DeltaNetSeqs> DecoderStack::recurrent_states(const std::vector<s
                                          snapshots->numel() == T), "snapshots: int64 [T]");
   const int64_t* snap = snapshots.has_value() ? snapshots->data_ptr<int64_t>() : nullptr;
   std::vector<pw::DeltaNetSeqs> out(model_.L);
+  int64_t slots = -1;                               // every recurrent layer's slot count (the same pool)
   for (int64_t i = 0; i < model_.L; ++i) {
     const pw::RecurrentMixer* r = model_.layers[i].recurrent;
     if (r == nullptr) continue;
@@ -275,9 +257,11 @@ std::vector<pw::DeltaNetSeqs> DecoderStack::recurrent_states(const std::vector<s
     TORCH_CHECK(st[0].dim() == 3 && st[0].size(1) == K - 1 && st[0].size(2) == C, "conv state: [S, K - 1, C]");
     TORCH_CHECK(!delta || (st[1].dim() == 4 && st[1].size(0) == S && st[1].size(1) == r->delta.Hv &&
                            st[1].size(2) == r->delta.dk && st[1].size(3) == r->delta.dv), "state: [S, Hv, dk, dv]");
-    check_sequences(B, n, ctx, slot, T, snap, S);
+    TORCH_CHECK(slots < 0 || S == slots, "every recurrent layer's states: the same number of slots");
+    slots = S;
     out[i] = {B, n, ctx, slot, st[0].data_ptr<float>(), delta ? st[1].data_ptr<float>() : nullptr, snap};
   }
+  if (slots >= 0) check_sequences(B, n, ctx, slot, T, snap, slots);   // once: the layers share the step's sequences
   return out;
 }
 

@@ -317,6 +317,23 @@ int64_t row_stride(const torch::Tensor& x, int64_t T, int64_t width, const char*
 
 }  // namespace
 
+void check_sequences(int64_t B, const int64_t* n, const int64_t* ctx, const int64_t* slot, int64_t T,
+                     const int64_t* snap, int64_t S) {
+  std::vector<bool> taken(S, false);
+  int64_t rows = 0;
+  for (int64_t i = 0; i < B; ++i) {
+    TORCH_CHECK(n[i] > 0 && ctx[i] >= n[i], "sequence ", i, ": 0 < new tokens <= tokens after the step");
+    TORCH_CHECK(slot[i] >= 0 && slot[i] < S && !taken[slot[i]], "state slot ", slot[i], " outside 0..", S - 1,
+                " or taken twice");
+    taken[slot[i]] = true;
+    rows += n[i];
+  }
+  TORCH_CHECK(rows == T, "the sequences' new tokens sum to ", rows, ", the step has ", T, " rows");
+  for (int64_t r = 0; snap != nullptr && r < T; ++r)
+    TORCH_CHECK(snap[r] < S && (snap[r] < 0 || !taken[snap[r]]), "snapshot slot ", snap[r], " outside 0..", S - 1,
+                " or a running sequence's");
+}
+
 // qkv [T, C] (before the conv), a, b [T, Hv], z [T, Hv dv] (with norm_w [dv]); conv_w [C, K], neg_A = -exp(A_log)
 // and dt_bias [Hv]; conv_states [S, K - 1, C], states [S, Hv, dk, dv] advanced in place; per sequence its new
 // tokens, its tokens after the step (equal: it starts here) and its slot; `tiled`: v head h reads q/k head
@@ -341,16 +358,7 @@ torch::Tensor KernelSet::delta_net_mix(torch::Tensor qkv, torch::Tensor a, torch
   const int64_t B = query_lens.size(), T = qkv.size(0);
   TORCH_CHECK(context_lens.size() == static_cast<size_t>(B) && slots.size() == static_cast<size_t>(B),
               "one query length, context length and slot per sequence");
-  std::vector<bool> taken(S, false);
-  int64_t rows = 0;
-  for (int64_t i = 0; i < B; ++i) {
-    TORCH_CHECK(query_lens[i] > 0 && context_lens[i] >= query_lens[i], "sequence ", i, ": 0 < query length <= context");
-    TORCH_CHECK(slots[i] >= 0 && slots[i] < S && !taken[slots[i]], "slot ", slots[i], " outside 0..", S - 1,
-                " or taken twice");
-    taken[slots[i]] = true;
-    rows += query_lens[i];
-  }
-  TORCH_CHECK(rows == T, "the query lengths sum to ", rows, ", qkv has ", T, " rows");
+  check_sequences(B, query_lens.data(), context_lens.data(), slots.data(), T, nullptr, S);
   const int64_t qkv_ld = row_stride(qkv, T, C, "qkv"), a_ld = row_stride(a, T, Hv, "a"), b_ld = row_stride(b, T, Hv, "b");
   pw::DeltaNetRows in{qkv.data_ptr<float>(), a.data_ptr<float>(), b.data_ptr<float>(), nullptr, qkv_ld, a_ld, b_ld};
   pw::DeltaNetLayer L{qk / (2 * dk), Hv, dk, dv, K, conv_w.data_ptr<float>(), neg_A.data_ptr<float>(),

@@ -25,6 +25,11 @@ const pw::PackedWeights* link_parts(const std::vector<PartArgs>& rest, int64_t f
 pw::ExpertWeights expert_weights(const PartArgs& gate, const PartArgs& up, const PartArgs& down, int64_t experts,
                                  int64_t H, bool gelu);
 
+// A step's B sequences over a pool of S state slots: new tokens n, tokens after the step ctx (0 < n <=
+// ctx) and distinct slots, their rows summing to T; snapshots (or nullptr): per row -1 or a free slot.
+void check_sequences(int64_t B, const int64_t* n, const int64_t* ctx, const int64_t* slot, int64_t T,
+                     const int64_t* snap, int64_t S);
+
 class KernelSet {
  public:
   explicit KernelSet(const std::string& library);
