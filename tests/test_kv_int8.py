@@ -62,7 +62,7 @@ def test_int8_pool_is_sized_with_its_scales(default_model_path):
     cfg = load_config(default_model_path)
     fp32, int8 = kv_bytes_per_token(cfg, torch.float32), kv_bytes_per_token(cfg, torch.int8)
     assert fp32 == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
-    assert int8 == 2 * cfg.num_layers * cfg.num_kv_heads * (cfg.head_dim + 4)
+    assert int8 == cfg.num_layers * cfg.num_kv_heads * (2 * cfg.head_dim + 4 + cfg.head_dim // 2)
 
 
 @pytest.mark.slow

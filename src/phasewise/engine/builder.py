@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,7 +23,8 @@ from phasewise.models.config import ModelConfig
 from phasewise.engine.precision import Precision, choose as choose_precision
 from phasewise.engine.prompt_cache import check_supported as check_prompt_cache, open_disk_tier
 from phasewise.core.prompt_store import Clock
-from phasewise.runner.kv_cache import KVCache, kv_bytes_per_block, num_blocks_for_memory, state_slots_for_memory
+from phasewise.runner.kv_cache import (KEY_GROUP, KVCache, kv_bytes_per_block, num_blocks_for_memory,
+                                       state_slots_for_memory, tail_bytes)
 from phasewise.runner.model_runner import ModelRunner
 from phasewise.runner.thread_governor import ThreadGovernor
 from phasewise.runner.tp_worker import Setup, TensorParallelRanks, start_ranks
@@ -85,6 +86,7 @@ def build_engine(config: EngineConfig, clock: Clock | None = None) -> EnginePart
     _check_features(config, full)
     kernels = choose_kernels(config)
     precision = choose_precision(model_path, config.dtype, cache.kv_dtype, kernels, full.architecture)
+    precision = _int8_kv_fits(config, precision)
     dtype = parse_dtype(precision.weights)
     kv_dtype = torch.int8 if precision.kv == "int8" else dtype
     if config.threads is not None:
@@ -94,12 +96,14 @@ def build_engine(config: EngineConfig, clock: Clock | None = None) -> EnginePart
         tp = ranks.group if ranks else None
         part = shard_config(full, tp) if tp else full     # what this rank holds
         slots, checkpoints, snapshots, num_blocks = _cache_size(part, config, kv_dtype)
+        tails = config.scheduler.max_num_seqs
         if tp:
             tp.broadcast(Setup(str(model_path), precision.weights, precision.kv, num_blocks, cache.block_size,
-                               kernels is not None, config.kernels == "torch"))
+                               kernels is not None, config.kernels == "torch", tails))
         if precision.weights == "q4" and not tp and str(config.device).startswith("cpu"):
             check_memory(model_path, num_blocks * kv_bytes_per_block(part, cache.block_size, kv_dtype)
-                         + (slots + checkpoints + snapshots) * part.state_bytes_per_seq)
+                         + (slots + checkpoints + snapshots) * part.state_bytes_per_seq
+                         + config.scheduler.max_num_seqs * tail_bytes(part, kv_dtype))
         with ThreadPoolExecutor(1) as pool:   # the tokenizer reads its files while the weights load
             tokenizer_loading = pool.submit(_tokenizer, model_path, config.chat_template)
             model, model_config = load_prepared(model_path, precision.weights, config.device, kernels,
@@ -112,7 +116,7 @@ def build_engine(config: EngineConfig, clock: Clock | None = None) -> EnginePart
         max_len = config.scheduler.max_model_len or model_config.max_position_embeddings
         max_model_len = min(max_len, model_config.max_position_embeddings)
         kv_cache = KVCache(model_config, num_blocks, cache.block_size, kv_dtype, config.device,
-                           num_state_slots=slots + checkpoints + snapshots)
+                           num_state_slots=slots + checkpoints + snapshots, num_tail_slots=tails)
         draft_model, proposer = _proposer(config, model_path, model_config, kernels, max_model_len, num_blocks,
                                           slots, tokenizer.eos_token_ids)
         runner = ModelRunner(model, kv_cache, tokenizer.eos_token_ids, config.device, kernels, tp,
@@ -161,6 +165,24 @@ def _check_speculation(cfg: ModelConfig, spec: SpeculativeConfig, tp_size: int) 
         raise ValueError("a draft model does not run with tensor parallelism yet: use --speculative ngram")
 
 
+def _int8_kv_fits(config: EngineConfig, precision: Precision) -> Precision:
+    """The precision, its int8 KV cache checked against what it needs (key groups of 16 tokens within the
+    blocks, at most 16 drafts a step so that a rejected one leaves its sequence within its last two key
+    groups): a float cache where "auto" chose it, a ValueError where it was asked for."""
+    if precision.kv != "int8":
+        return precision
+    spec = config.speculative
+    clash = (f"a block size of {config.cache.block_size} (not a multiple of {KEY_GROUP})"
+             if config.cache.block_size % KEY_GROUP else
+             f"{spec.num_speculative_tokens} drafts a step (more than {KEY_GROUP})"
+             if spec.method and spec.num_speculative_tokens > KEY_GROUP else None)
+    if clash is None:
+        return precision
+    if config.cache.kv_dtype == "int8":
+        raise ValueError(f"an int8 KV cache does not run with {clash}: use --kv-dtype model")
+    return replace(precision, kv="model", why=f"{precision.why}; a float KV cache with {clash}")
+
+
 def _spec_policy(spec: SpeculativeConfig) -> SpecPolicy | None:
     """The policy choosing each decode's drafts from measured costs (None: always num_speculative_tokens)."""
     return SpecPolicy(spec.num_speculative_tokens) if spec.adaptive else None
@@ -176,7 +198,8 @@ def _cache_size(cfg: ModelConfig, config: EngineConfig, kv_dtype: torch.dtype) -
                                    cache.enable_prefix_caching, k)
     checkpoints = slots if cache.enable_prefix_caching else 0
     snapshots = slots * k if cfg.recurrent_layers else 0
-    kv_gib = cache.kv_cache_memory_gib - (slots + checkpoints + snapshots) * cfg.state_bytes_per_seq / 2**30
+    kv_gib = cache.kv_cache_memory_gib - ((slots + checkpoints + snapshots) * cfg.state_bytes_per_seq
+                                          + config.scheduler.max_num_seqs * tail_bytes(cfg, kv_dtype)) / 2**30
     return slots, checkpoints, snapshots, cache.num_blocks or num_blocks_for_memory(cfg, cache.block_size, kv_dtype,
                                                                                     kv_gib)
 

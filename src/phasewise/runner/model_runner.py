@@ -23,6 +23,7 @@ from phasewise.kernels.kernel_api import Kernels
 from phasewise.layers.attention import AttentionMetadata
 from phasewise.runner.kv_cache import KVCache
 from phasewise.runner.model_api import CausalLM
+from phasewise.runner.tail_slots import TailSlots
 from phasewise.sampling.sampler import GrammarCheck, SamplingMetadata, sample
 from phasewise.sampling.verify import verify
 from phasewise.structured import StepMasks
@@ -42,6 +43,7 @@ class StepInputs:
     # a hybrid's, per sequence: the slots its state is copied to after each of its rows but the last (the
     # states a verify step may roll back to; [] for a sequence without drafts)
     state_snapshots: list[list[int]] = field(default_factory=list)
+    tail_slots: list[int] | None = None    # an int8 KV cache's: each sequence's tail slot (runner/tail_slots.py)
 
 
 # What rank 0 broadcasts to the other ranks after the setup: a step's forward, the logits of some of its rows
@@ -84,6 +86,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.vocab_size = model.config.vocab_size
         self.kernels = kernels            # the engine's compiled CPU kernels (the sampler's argmax), or None
+        self.tails = TailSlots(kv_cache.num_tail_slots) if kv_cache.num_tail_slots else None
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -104,7 +107,7 @@ class ModelRunner:
     def prepare(self, sched: SchedulerOutput) -> StepPlan:
         """The step's flat inputs and what each row is for; only the rows that sample, verify or score
         are kept past the last layer's keys and values."""
-        inputs = StepInputs([], [], [], [], [])
+        inputs = StepInputs([], [], [], [], [], tail_slots=[] if self.tails is not None else None)
         plan, tables = StepPlan(inputs), []
         for chunk in sched.chunks:
             req, start, n = chunk.request, chunk.request.num_computed_tokens, chunk.num_scheduled_tokens
@@ -118,6 +121,8 @@ class ModelRunner:
             inputs.query_lens.append(n)
             inputs.context_lens.append(start + n)
             tables.append(req.block_tables)
+            if self.tails is not None and inputs.tail_slots is not None:
+                inputs.tail_slots.append(self.tails.slot(req))
             if req.state_slot is not None:
                 inputs.state_slots.append(req.state_slot)
                 inputs.state_snapshots.append(self._snapshots(inputs.state_snapshots, len(chunk.draft_token_ids)
@@ -152,7 +157,7 @@ class ModelRunner:
         """One forward pass over the step's tokens → hidden states of its rows inputs.keep [R, hidden]
         (all: [T, hidden]); every rank runs it."""
         meta = AttentionMetadata.build_groups(inputs.query_lens, inputs.context_lens, inputs.tables,
-                                              self.kv_cache.block_size, self.device)
+                                              self.kv_cache.block_size, self.device, inputs.tail_slots)
         meta.state_slots = inputs.state_slots
         meta.state_snapshots = inputs.state_snapshots
         ids = torch.tensor(inputs.input_ids, dtype=torch.int64, device=self.device)
