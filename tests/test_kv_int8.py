@@ -77,3 +77,27 @@ def test_engine_with_an_int8_kv_cache_generates_and_frees_everything():
     assert llm.engine.core.kv.pool.num_free == llm.engine.core.kv.pool.num_blocks
     with pytest.raises(ValueError, match="kv_dtype"):
         LLM(kv_dtype="fp8", warmup=False)
+
+
+@pytest.mark.slow
+def test_speculation_batching_preemption_and_prefix_hits_keep_greedy_tokens_exactly():
+    """With the file's blocks (a row's bits independent of its batch) and the int8 KV cache, greedy tokens
+    are the same alone, batched under preemption with prefix hits, and with drafts verified in runs (a
+    group filled by rejected drafts quantized again), token for token: every row reads the groups below
+    its length as int8 and its own group as floats, whichever rows share its step."""
+    from phasewise import LLM, SamplingParams
+    from phasewise.config import SpeculativeConfig
+
+    prompts = [f"{TEXT} Repeat the first sentence of this text twice, then say what {t} means."
+               for t in ("dusk", "a wick", "a cape", "a harbour", "clockwork")]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = LLM(kv_dtype="int8", enable_prefix_caching=False, kv_cache_memory=0.05, warmup=False)
+    assert (plain.engine.precision.weights, plain.engine.kv_cache.dtype) == ("q4", torch.int8)
+    alone = [plain.generate(p, params)[0].token_ids for p in prompts]
+    spec = SpeculativeConfig.parse("ngram", num_speculative_tokens=7, adaptive=False)
+    busy = LLM(kv_dtype="int8", speculative=spec, num_blocks=16, warmup=False)   # must preempt
+    busy.generate(prompts[0], params)                                              # the shared text, cached
+    outs = busy.generate(prompts, params)
+    assert sum(o.metrics.preemptions for o in outs) > 0 and sum(o.cached_tokens for o in outs) > 0
+    assert sum(o.metrics.spec_accepted_tokens for o in outs) > 0
+    assert [o.token_ids for o in outs] == alone
