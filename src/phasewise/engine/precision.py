@@ -39,6 +39,7 @@ LIMIT = 0.005               # the perplexity a default precision may add to the 
 MEASURED = {
     ("SmolLM2-135M-Instruct.Q4_1.gguf", 98362432): {"q4/int8": 0.0011, "q4": 0.0023},
     ("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", 491400064): {"q4/int8": 0.0047, "q4": 0.0029},
+    ("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", 1117320768): {"q4/int8": 0.0031, "q4": 0.0021},
 }
 
 
