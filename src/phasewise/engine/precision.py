@@ -36,7 +36,7 @@ LIMIT = 0.005               # the perplexity a default precision may add to the 
 
 # Perplexity against the file's weights in fp32 (benchmarks/quality.py, lighthouses.txt; docs/benchmarks.md)
 # of the files phasewise ships, by file name and size: "q4/int8" the default pair, "q4" with a float KV cache.
-MEASURED = {
+MEASURED: dict[tuple[str, int | None], dict[str, float]] = {
     ("SmolLM2-135M-Instruct.Q4_1.gguf", 98362432): {"q4/int8": 0.0011, "q4": 0.0023},
     ("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", 491400064): {"q4/int8": 0.0047, "q4": 0.0029},
     ("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", 1117320768): {"q4/int8": 0.0031, "q4": 0.0021},
