@@ -59,7 +59,7 @@ def _step(policy: SpecPolicy, reqs: list[Request], hit: float, rng: random.Rando
     """One decode step as the engine runs it: each request's k chosen, drafts accepted with probability
     `hit`, the step timed by the given costs. The ks chosen."""
     ks = [policy.choose(r) for r in reqs]
-    chunks = [ScheduledChunk(request=r, num_tokens=1, max_draft_tokens=k, draft_token_ids=[7] * k)
+    chunks = [ScheduledChunk.of(r, 1, k, [7] * k)
               for r, k in zip(reqs, ks)]
     accepted = {}
     for r, k in zip(reqs, ks):
@@ -68,7 +68,7 @@ def _step(policy: SpecPolicy, reqs: list[Request], hit: float, rng: random.Rando
             n += 1
         accepted[r.request_id] = n
     sched = SchedulerOutput(chunks, num_decode_tokens=len(reqs), num_draft_tokens=sum(ks))
-    policy.observe(sched, accepted, plain_ms + row_ms * sum(ks), draft_ms * max(ks))
+    policy.observe(sched, {r.request_id: r for r in reqs}, accepted, plain_ms + row_ms * sum(ks), draft_ms * max(ks))
     return ks
 
 
@@ -100,10 +100,10 @@ def test_each_request_has_its_own_acceptance_and_plain_is_measured_again():
     for _ in range(spec_policy.CALIBRATE + 20):
         ks = [policy.choose(r) for r in (good, bad)]
         seen.append(ks)
-        chunks = [ScheduledChunk(request=r, num_tokens=1, max_draft_tokens=k, draft_token_ids=[7] * k)
+        chunks = [ScheduledChunk.of(r, 1, k, [7] * k)
                   for r, k in zip((good, bad), ks)]
         sched = SchedulerOutput(chunks, num_decode_tokens=2, num_draft_tokens=sum(ks))
-        policy.observe(sched, {"good": ks[0], "bad": 0}, 20.0 + sum(ks), 3.0 * max(ks + [1]))
+        policy.observe(sched, {"good": good, "bad": bad}, {"good": ks[0], "bad": 0}, 20.0 + sum(ks), 3.0 * max(ks + [1]))
     assert seen[-1] == [4, 0]
     assert [0, 0] in seen[20:]                                  # one plain step re-measures `plain`
     costs = StepCosts()

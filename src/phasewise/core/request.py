@@ -134,6 +134,15 @@ class Grammar(Protocol):
     def error(self) -> str | None: ...
 
 
+class SequenceView(Protocol):
+    """What sampling and grammar masks read of a request (the runner's `RequestState`)."""
+    request_id: str
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    grammar: Grammar | None
+
+
 class Request:
     """Token ids (prompt then output), how many have KV computed, and the KV blocks that hold them."""
 
@@ -161,9 +170,6 @@ class Request:
         self.state_slot: int | None = None          # a hybrid's recurrent-state slot while it holds blocks
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
-        # Kept here for their owners, opaque to the core (each owner checks the type it stored):
-        self.sampler_state: object = None           # the runner's: a seeded torch.Generator
-        self.spec_state: object = None              # the proposer's: an n-gram index, or the draft model's progress
         self.spec_choice: object = None             # the speculation policy's (core/spec_policy.py): its acceptance
         self.grammar = grammar                      # structured outputs or thinking: a structured.GrammarMatcher or ThinkingGate
         self.metrics = RequestMetrics(arrival=arrival if arrival is not None else time.perf_counter())

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from phasewise.core.handoffs import SchedulerOutput
@@ -158,17 +159,19 @@ class SpecPolicy:
             st.plain_run += 1
         return k
 
-    def observe(self, sched: SchedulerOutput, accepted: dict[str, int], execute_ms: float,
-                propose_ms: float) -> None:
-        """Learn from a step that ran: each request's drafts accepted, and the costs if it only decoded."""
+    def observe(self, sched: SchedulerOutput, requests: Mapping[str, Request], accepted: dict[str, int],
+                execute_ms: float, propose_ms: float) -> None:
+        """Learn from a step that ran (its chunks' `requests`): each request's drafts accepted, and the
+        costs if it only decoded."""
         fair = True                                         # no draft caught up on a stretch of plain steps
         for c in sched.chunks:
-            st = c.request.spec_choice
+            req = requests.get(c.request_id)
+            st = req.spec_choice if req is not None else None
             if not isinstance(st, RequestSpec):
                 continue
             if c.draft_token_ids:
                 fair = fair and st.last_k > 0
-                n, got = len(c.draft_token_ids), accepted.get(c.request.request_id, 0)
+                n, got = len(c.draft_token_ids), accepted.get(c.request_id, 0)
                 miss = 1.0 if got < n else 0.0
                 fade = TRIAL_DECAY ** (got + miss)             # each trial (a draft's fate) ages the counts
                 st.accepted, st.rejected = fade * st.accepted + got, fade * st.rejected + miss

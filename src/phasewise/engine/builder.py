@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from phasewise.config import EngineConfig, SpeculativeConfig
-from phasewise.core.engine_core import EngineCore, Proposer
+from phasewise.core.engine_core import EngineCore
 from phasewise.core.spec_policy import SpecPolicy
 from phasewise.kernels import build as kernel_build
 from phasewise.kernels.kernel_api import Kernels
@@ -24,7 +24,7 @@ from phasewise.engine.precision import Precision, choose as choose_precision
 from phasewise.engine.prompt_cache import check_supported as check_prompt_cache, open_disk_tier
 from phasewise.core.prompt_store import Clock
 from phasewise.runner.kv_cache import KVCache, kv_bytes_per_block, num_blocks_for_memory, state_slots_for_memory
-from phasewise.runner.model_runner import ModelRunner
+from phasewise.runner.model_runner import ModelRunner, Proposer
 from phasewise.runner.thread_governor import ThreadGovernor
 from phasewise.runner.tp_worker import Setup, TensorParallelRanks, start_ranks
 from phasewise.spec_decode.draft_model import DraftModelProposer
@@ -116,10 +116,11 @@ def build_engine(config: EngineConfig, clock: Clock | None = None) -> EnginePart
         draft_model, proposer = _proposer(config, model_path, model_config, kernels, max_model_len, num_blocks,
                                           slots, tokenizer.eos_token_ids)
         runner = ModelRunner(model, kv_cache, tokenizer.eos_token_ids, config.device, kernels, tp,
-                             snapshot_slots=range(slots + checkpoints, slots + checkpoints + snapshots))
+                             snapshot_slots=range(slots + checkpoints, slots + checkpoints + snapshots),
+                             proposer=proposer)
         disk = open_disk_tier(config, model_path, precision.weights, kv_cache, kernels is not None, clock)
         core = EngineCore(runner, config.scheduler, num_blocks, cache.block_size, max_model_len,
-                          cache.enable_prefix_caching, proposer, spec.num_speculative_tokens,
+                          cache.enable_prefix_caching, spec.num_speculative_tokens if proposer else 0,
                           model_config.kv_group_windows, slots, checkpoints, disk, _spec_policy(spec))
     except BaseException:
         if ranks:

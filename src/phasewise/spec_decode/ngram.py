@@ -9,7 +9,10 @@ last step, so a proposal costs O(max_n - min_n + 1) dictionary lookups.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from phasewise.core.handoffs import ScheduledChunk
+from phasewise.runner.request_state import RequestState
 
 
 class NgramIndex:
@@ -45,11 +48,10 @@ class NgramProposer:
             raise ValueError(f"n-gram sizes must satisfy 1 <= min <= max, got {min_n}..{max_n}")
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, chunks: list[ScheduledChunk]) -> None:
-        for c in chunks:
-            req = c.request
-            index = req.spec_state
+    def propose(self, chunks: Sequence[ScheduledChunk], states: Sequence[RequestState]) -> None:
+        for c, req in zip(chunks, states):
+            index = req.spec
             if not isinstance(index, NgramIndex):
-                index = req.spec_state = NgramIndex(self.min_n, self.max_n)
+                index = req.spec = NgramIndex(self.min_n, self.max_n)
             c.draft_token_ids = index.propose(req.token_ids, c.max_draft_tokens)
             c.draft_probs = None                # a point mass on each draft
