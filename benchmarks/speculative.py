@@ -77,7 +77,7 @@ def run(llm, chats: list[list[dict]], batch: int, params) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--proposers", nargs="+", default=["none", "ngram", "draft"],
-                    help="none | ngram | draft (the draft model below)")
+                    help="none | ngram | draft (the draft model below) | mtp (the model's own MTP layer)")
     ap.add_argument("--tasks", nargs="+", default=["grounded", "open"], choices=["grounded", "open", "code"])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--requests", type=int, default=8, help="requests per (proposer, task, batch)")

@@ -80,6 +80,8 @@ class StepPlan:
 
 
 class Proposer(Protocol):
+    wants_hidden: bool      # it reads the model's hidden states of committed rows (RequestState.take_hidden)
+
     def propose(self, chunks: Sequence[ScheduledChunk], states: Sequence[RequestState]) -> None:
         """Fill each chunk's draft_token_ids (at most max_draft_tokens) and, for sampled requests
         whose drafts were drawn from a distribution q, draft_probs (q at each draft); `states` are
@@ -115,8 +117,11 @@ class ModelRunner:
         if self.tp is not None:
             step: RankStep = ("forward", plan.inputs)
             self.tp.broadcast(step)
-        out = self.sample(plan, self.forward(plan.inputs))
+        hidden = self.forward(plan.inputs)
+        out = self.sample(plan, hidden)
         out.propose_ms = propose_ms
+        if self.proposer is not None and self.proposer.wants_hidden:
+            self._keep_hidden(sched, hidden, out)
         self._roll_back(plan, out)
         self.requests.commit(out)
         choices = self.model.expert_choices()
@@ -178,13 +183,23 @@ class ModelRunner:
         inputs.tables = [list(t) for t in zip(*tables)]
         scored_rows = (r for s in plan.scored for r in range(s.row, s.row + len(s.targets)))
         wanted = sorted({*plan.sample_rows, *plan.draft_rows, *scored_rows})
-        if len(wanted) < len(inputs.input_ids):          # from here on a row is its index among the kept
+        keep_all = self.proposer is not None and self.proposer.wants_hidden      # every committed row's
+        if len(wanted) < len(inputs.input_ids) and not keep_all:   # from here on a row is its index among the kept
             inputs.keep, index = wanted, {r: i for i, r in enumerate(wanted)}
             plan.sample_rows = [index[r] for r in plan.sample_rows]
             plan.draft_rows = [index[r] for r in plan.draft_rows]
             for s in plan.scored:
                 s.row = index[s.row]
         return plan
+
+    def _keep_hidden(self, sched: SchedulerOutput, hidden: torch.Tensor, out: RunnerOutput) -> None:
+        """Each request's hidden states of the rows it committed this step (its own tokens, then its
+        accepted drafts), kept for the proposer; hidden: every row of the step."""
+        row = 0
+        for c in sched.chunks:
+            n = c.num_tokens + len(out.accepted.get(c.request_id, ()))
+            self.requests[c.request_id].add_hidden(c.start, hidden[row:row + n].clone())
+            row += c.num_scheduled_tokens
 
     def _snapshots(self, taken: list[list[int]], drafts: int) -> list[int]:
         """The next `drafts` snapshot slots after those `taken` by earlier sequences of the step."""

@@ -29,6 +29,10 @@ class RequestState:
     generator: torch.Generator | None = None  # a seeded request's draws
     spec: object = None                       # the proposer's: an n-gram index, the draft model's progress
     token_ids: list[int] = field(default_factory=list)   # prompt + output, kept as they grow
+    # the model's hidden states of committed rows from position hidden_start on, for a proposer that
+    # reads them (MTP), until it takes them
+    hidden: list[torch.Tensor] = field(default_factory=list)
+    hidden_start: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = self.prompt_token_ids + self.output_token_ids
@@ -40,6 +44,19 @@ class RequestState:
     def append(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.token_ids.append(token_id)
+
+    def add_hidden(self, start: int, rows: torch.Tensor) -> None:
+        """The hidden states [n, H] of positions start.. (what follows those kept, or a new run of them:
+        a prefix hit or a recomputation after preemption starts elsewhere)."""
+        if start != self.hidden_start + sum(len(h) for h in self.hidden):
+            self.hidden, self.hidden_start = [], start
+        self.hidden.append(rows)
+
+    def take_hidden(self) -> tuple[int, torch.Tensor | None]:
+        """(the first position, the hidden states [n, H] kept since the last take, or None); kept no more."""
+        start, rows = self.hidden_start, torch.cat(self.hidden) if self.hidden else None
+        self.hidden_start, self.hidden = start + (0 if rows is None else len(rows)), []
+        return start, rows
 
     def keep(self, num_tokens: int) -> None:
         """Only the first `num_tokens` (prompt and output)."""

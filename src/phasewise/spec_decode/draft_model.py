@@ -17,10 +17,8 @@ slot) holds the state after the committed tokens only. The drafts run on a secon
 state_slots), a copy made after the catch-up, so the next proposal catches up from the committed
 tokens, re-feeding the drafts that were accepted with the tokens after them.
 
-Greedy requests get the draft's argmax. Sampled requests get a draw from q, the
-draft's distribution under the request's own settings (bans, penalties over the
-output plus the drafts so far, temperature, filters: the closer q is to p, the more
-is accepted; any q keeps the rule exact), and q is kept for the rejection rule.
+Draft tokens are picked as spec_decode/draft_picking.py says (argmax, or a draw from q kept for the
+rejection rule).
 """
 
 from __future__ import annotations
@@ -36,8 +34,7 @@ from phasewise.layers.attention import AttentionMetadata
 from phasewise.runner.kv_cache import KVCache
 from phasewise.runner.model_api import CausalLM
 from phasewise.runner.request_state import RequestState
-from phasewise.sampling.sampler import SamplingMetadata, distribution, exponential_noise
-from phasewise.structured import draft_bitmask
+from phasewise.spec_decode.draft_picking import DraftPicking, pick_drafts
 from phasewise.kernels.kernel_api import Kernels
 
 
@@ -61,14 +58,15 @@ class DraftState:
 
 
 class DraftModelProposer:
+    wants_hidden = False
+
     def __init__(self, model: CausalLM, kv_cache: KVCache, eos_token_ids: frozenset[int] = frozenset(),
                  device: torch.device | str = "cpu", kernels: Kernels | None = None, state_slots: int = 0) -> None:
         """state_slots: a hybrid draft's, the target's sequences at once (its cache holds twice as many)."""
         self.model, self.kv_cache, self.eos_token_ids = model, kv_cache, eos_token_ids
         self.state_slots = state_slots
-        self.kernels = kernels                   # the engine's compiled CPU kernels (argmax), or None
         self.device = torch.device(device)
-        self.vocab_size = model.config.vocab_size
+        self.picking = DraftPicking(model.config.vocab_size, eos_token_ids, self.device, kernels)
 
     @torch.inference_mode()
     def propose(self, chunks: Sequence[ScheduledChunk], reqs: Sequence[RequestState]) -> None:
@@ -87,8 +85,8 @@ class DraftModelProposer:
         qs: list[list[Tensor]] = [[] for _ in chunks]
         active = list(range(len(chunks)))
         while True:
-            tokens, probs = self._pick(logits, [reqs[i] for i in active], [drafts[i] for i in active],
-                                       [states[i] for i in active])
+            tokens, probs = pick_drafts(logits, [reqs[i] for i in active], [drafts[i] for i in active],
+                                        [states[i].generator for i in active], self.picking)
             for j, i in enumerate(active):
                 drafts[i].append(tokens[j])
                 if probs is not None and reqs[i].sampling_params.temperature > 0:
@@ -145,18 +143,3 @@ class DraftModelProposer:
         logits = self.model.compute_logits(hidden)
         assert logits is not None                      # a draft model runs whole (no tensor parallelism)
         return logits.float()                                                  # [B, V]
-
-    def _pick(self, logits: Tensor, reqs: list[RequestState], drafts: list[list[int]], states: list[DraftState]
-              ) -> tuple[list[int], Tensor | None]:
-        """One draft token per row: argmax (greedy requests) or a draw from q; q [B, V] or None."""
-        meta = SamplingMetadata.build(
-            [r.sampling_params for r in reqs], [r.prompt_token_ids for r in reqs],
-            [r.output_token_ids + d for r, d in zip(reqs, drafts)], [s.generator for s in states],
-            self.vocab_size, self.eos_token_ids, self.device, self.kernels,
-            draft_bitmask([(r.grammar, d) for r, d in zip(reqs, drafts)], self.vocab_size))
-        greedy, probs = distribution(logits, meta)
-        if probs is None:
-            return greedy.tolist(), None
-        noise = exponential_noise([s.generator for s in states], probs.shape[-1], probs.device)
-        sampled = (probs / noise).argmax(dim=1)
-        return torch.where(meta.temperature == 0, greedy, sampled).tolist(), probs

@@ -43,6 +43,8 @@ class NgramIndex:
 
 
 class NgramProposer:
+    wants_hidden = False
+
     def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram sizes must satisfy 1 <= min <= max, got {min_n}..{max_n}")
