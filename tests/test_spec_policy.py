@@ -84,9 +84,10 @@ def test_the_policy_measures_then_follows_the_acceptance_and_probes_again():
     ks = [_step(policy, [req], 0.0, rng)[0] for _ in range(40)]  # the text turns unpredictable
     first = ks.index(0)
     assert ks[-1] == 0 and first < 15 and ks[:first] == sorted(ks[:first], reverse=True)   # fewer, then none
-    assert 4 in ks[ks.index(0):]                                # a probe after a stretch of plain decoding
-    later = [_step(policy, [req], 1.0, rng)[0] for _ in range(200)]   # predictable again: found by a probe
-    assert later.index(4) <= 4 * spec_policy.PROBE_FIRST and later[-10:] == [4] * 10
+    ks += [_step(policy, [req], 0.0, rng)[0] for _ in range(spec_policy.PROBE_FIRST)]
+    assert spec_policy.PROBE_K in ks[ks.index(0):]             # a probe after a stretch of plain decoding
+    later = [_step(policy, [req], 1.0, rng)[0] for _ in range(300)]   # predictable again: found by a probe
+    assert later.index(4) <= 4 * spec_policy.PROBE_FIRST and later[-20:].count(4) >= 19   # (one may calibrate)
     assert req.metrics.spec_k_chosen[0] >= 10 and req.metrics.spec_k_chosen[4] > 100
     assert req.metrics.spec_costs == pytest.approx((20.0, 1.0, 3.0), rel=0.05)
 

@@ -6,10 +6,11 @@ with k drafts then commits E(a, k) = 1 + a + ... + a^k tokens (the target's own 
 draft steps and a target step over k more rows, T(k) = plain + k * (draft + row), where plain decoding
 commits 1 token per `plain`. The expected speed-up is S(k) = E(a, k) * plain / T(k); the policy takes
 the k in 0..K (K: --num-speculative-tokens) with the largest S, and 0 (plain decoding) unless that S
-passes MARGIN. A request at 0 probes again with K drafts after PROBE_FIRST plain steps, then after twice
-as many each time the probe says 0 again (at most PROBE_MAX), so a text that turns predictable is found;
-not where drafts could not pay even if all were accepted (a draft model as slow as the target), as a
-draft model's probe first catches up on every token since it last ran (a prefill of that many).
+passes MARGIN. A request at 0 probes again with PROBE_K drafts after PROBE_FIRST plain steps, then after
+twice as many each time the probe says 0 again (at most PROBE_MAX), so a text that turns predictable is
+found; not where drafts could not pay even if all were accepted (a draft model as slow as the target). A
+probe is dear: a draft model's first catches up on every token since it last ran (a prefill of that
+many; 6-7 plain steps' time for 16 tokens at AVX2), so it drafts one token, and comes rarely.
 
 The costs (`StepCosts`) are the engine's own steps, timed: decode-only steps without drafts give
 `plain`, those with drafts give `row` (what each draft row adds to the verify step) and the proposer's
@@ -32,8 +33,10 @@ from dataclasses import dataclass
 from phasewise.core.handoffs import SchedulerOutput
 from phasewise.core.request import Request
 
-MARGIN = 1.03           # the speed-up speculation must promise over plain decoding
-PROBE_FIRST = 16        # plain steps before a request at 0 probes again; doubled after each probe that loses
+MARGIN = 1.10           # the speed-up speculation must promise over plain decoding (the model misses a verify
+                        # step's fixed costs: at AVX2 a one-draft step ran 5-10% over its estimate)
+PROBE_FIRST = 32        # plain steps before a request at 0 probes again; doubled after each probe that loses
+PROBE_K = 1             # a probe's drafts: one tells whether drafts are taken again
 PROBE_MAX = 256
 CALIBRATE = 128         # steps with drafts between the plain steps that re-measure `plain`
 WINDOW = 9              # the costs: medians of their latest samples,
@@ -154,7 +157,7 @@ class SpecPolicy:
         if k:
             st.plain_run, st.probe_after = 0, PROBE_FIRST
         elif st.plain_run >= st.probe_after and costs.best(1.0, self.max_k)[0]:   # could drafts pay at all?
-            k, st.plain_run, st.probe_after = self.max_k, 0, min(2 * st.probe_after, PROBE_MAX)
+            k, st.plain_run, st.probe_after = PROBE_K, 0, min(2 * st.probe_after, PROBE_MAX)
         else:
             st.plain_run += 1
         return k
