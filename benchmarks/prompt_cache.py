@@ -10,6 +10,14 @@ is sent. Reported: each TTFT (the response's `timings.ttft_ms`: arrival to the f
 tier's load included; and the request's wall time), the tokens read
 from disk (`timings.disk_n`) against the prompt, and whether the outputs are the same. The issue's target:
 the restarted TTFT at most 3% of the cold one, at least 95% of the tokens read from the cache.
+
+    .venv/bin/python benchmarks/prompt_cache.py --trace [--turns 20] [--system-tokens 6000] [--json FILE]
+
+replays an agent's session instead: a system prompt of --system-tokens with two tools, then --turns
+chat turns (each a short user message and the model's reply, kept in the history), the server killed
+with SIGKILL and started again halfway. Reported per turn: the prompt's tokens, those resent (the
+previous turn's prompt and reply) and those the cache gave (`timings.cache_n`); the target: at least
+95% of all resent tokens read from the cache, across the restart.
 """
 
 from __future__ import annotations
@@ -75,6 +83,63 @@ def ask(port: int, ids: list[int]) -> dict[str, object]:
             "text": body["choices"][0]["text"], "timings": t}
 
 
+def chat(port: int, messages: list[dict[str, object]], tools: list[dict[str, object]]) -> dict[str, object]:
+    name = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).json()["data"][0]["id"]
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=3600,
+                   json={"model": name, "messages": messages, "tools": tools, "max_tokens": 24, "temperature": 0})
+    r.raise_for_status()
+    body = r.json()
+    return {"prompt_n": body["usage"]["prompt_tokens"], "cache_n": body["timings"]["cache_n"],
+            "ttft_ms": body["timings"]["ttft_ms"], "reply": body["choices"][0]["message"]["content"] or "",
+            "reply_n": body["usage"]["completion_tokens"]}
+
+
+TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read a file of the project.",
+                                           "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
+                                                          "required": ["path"]}}},
+         {"type": "function", "function": {"name": "run_tests", "description": "Run the project's tests.",
+                                           "parameters": {"type": "object", "properties": {}}}}]
+
+
+def trace(args: argparse.Namespace) -> dict[str, object]:
+    """The agent session of the module's text; its turns and the fraction of resent tokens the cache gave."""
+    from phasewise.loading.loader import resolve_model_path
+    from phasewise.tokenization.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(resolve_model_path(args.model))
+    ids = prompt_ids(args.model, args.system_tokens)
+    system = "You are a coding agent. The project's notes follow.\n\n" + tok.decode(ids)
+    messages: list[dict[str, object]] = [{"role": "system", "content": system}]
+    turns: list[dict[str, object]] = []
+    with tempfile.TemporaryDirectory(prefix="phasewise-prompt-cache-") as tmp:
+        cache, log = Path(tmp) / "cache", Path(tmp) / "server.log"
+        server = start(args.model, cache, args.port, args.tokens, log)
+        try:
+            for turn in range(args.turns):
+                if turn == args.turns // 2:              # the crash halfway
+                    settle(args.port)
+                    server.send_signal(signal.SIGKILL)
+                    server.wait()
+                    server = start(args.model, cache, args.port, args.tokens, log)
+                messages.append({"role": "user", "content": f"Step {turn + 1}: what should we look at next, "
+                                                            f"and why? One sentence."})
+                r = chat(args.port, messages, TOOLS)
+                before = turns[-1] if turns else None
+                r["resent"] = 0 if before is None else int(before["prompt_n"]) + int(before["reply_n"])
+                turns.append(r)
+                messages.append({"role": "assistant", "content": r["reply"]})
+                print(f"turn {turn + 1:2d}: prompt {r['prompt_n']:6d}, resent {r['resent']:6d}, from the cache "
+                      f"{r['cache_n']:6d}, TTFT {float(r['ttft_ms']) / 1e3:6.2f} s", flush=True)
+        finally:
+            server.terminate()
+            server.wait(60)
+    resent = sum(int(t["resent"]) for t in turns[1:])
+    cached = sum(min(int(t["cache_n"]), int(t["resent"])) for t in turns[1:])
+    print(f"{args.turns} turns, a restart before turn {args.turns // 2 + 1}: {cached} of {resent} resent tokens "
+          f"from the cache ({cached / resent:.1%}; target >= 95%)")
+    return {"turns": turns, "resent": resent, "cached": cached, "fraction": cached / resent}
+
+
 def written_bytes(port: int) -> float:
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
     m = re.search(r"^phasewise:prompt_cache_disk_written_bytes(?:_total)?(?:\{[^}]*\})? (\S+)$", text, re.M)
@@ -100,7 +165,15 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--port", type=int, default=8431)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--trace", action="store_true", help="replay an agent session with a restart halfway")
+    ap.add_argument("--turns", type=int, default=20)
+    ap.add_argument("--system-tokens", type=int, default=6000)
     args = ap.parse_args()
+    if args.trace:
+        result = trace(args)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"model": args.model, **result}, indent=1) + "\n")
+        return
     ids = prompt_ids(args.model, args.tokens)
     with tempfile.TemporaryDirectory(prefix="phasewise-prompt-cache-") as tmp:
         cache, log = Path(tmp) / "cache", Path(tmp) / "server.log"
