@@ -40,6 +40,16 @@ class ChatPrompt:
     template_kwargs: JsonObject | None = None
     add_generation_prompt: bool = True
     continue_final: bool = False
+    cache_points: tuple[CachePoint, ...] = ()
+
+
+@dataclass(frozen=True)
+class CachePoint:
+    """A cache breakpoint of a chat prompt (Anthropic's cache_control): `cut` is the request cut just after
+    the marked part (no turn opened after it); the prompt's tokens it shares from the start (their longest
+    common prefix) are kept at least `ttl` seconds (LLMEngine turns it into SamplingParams.cache_breakpoints)."""
+    cut: ChatPrompt
+    ttl: float
 
 
 class EngineBrokenError(RuntimeError):
@@ -59,6 +69,9 @@ class EngineClient(Protocol):
                       tools: Sequence[Mapping[str, JsonValue]] | None = None) -> list[int]:
         """Token ids of a prompt: a ChatPrompt (or chat messages, with OpenAI-style tools) through the chat
         template."""
+
+    def cache_breakpoints(self, prompt: ChatPrompt, prompt_ids: list[int]) -> tuple[tuple[int, float], ...]:
+        """The prompt's cache points (Anthropic's cache_control) as SamplingParams.cache_breakpoints."""
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, chat: bool = False,
                     request_id: str | None = None,

@@ -78,6 +78,20 @@ class LLMEngine:
             return self.tokenizer.apply_chat_template(prompt, tools=tools)
         return list(prompt)
 
+    def cache_breakpoints(self, prompt: ChatPrompt, prompt_ids: list[int]) -> tuple[tuple[int, float], ...]:
+        """The prompt's cache points in tokens: (how many of prompt_ids each cut renders to alike, its ttl);
+        a cut the template cannot render (a system prompt alone, for some) marks nothing."""
+        out: list[tuple[int, float]] = []
+        for point in prompt.cache_points:
+            try:
+                cut = self.encode_prompt(point.cut, True)
+            except (ValueError, TypeError):
+                continue
+            n = next((i for i, (a, b) in enumerate(zip(prompt_ids, cut)) if a != b), min(len(prompt_ids), len(cut)))
+            if n:
+                out.append((n, point.ttl))
+        return tuple(out)
+
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     chat: bool = False, request_id: str | None = None,
                     tools: Sequence[Mapping[str, JsonValue]] | None = None) -> str:
@@ -88,6 +102,8 @@ class LLMEngine:
         arrival = time.perf_counter()
         prompt_ids = self.encode_prompt(prompt, chat, tools)
         params = self.admission.check(prompt_ids, params or SamplingParams())
+        if isinstance(prompt, ChatPrompt) and prompt.cache_points:
+            params = replace(params, cache_breakpoints=self.cache_breakpoints(prompt, prompt_ids))
         request_id = request_id or f"req-{next(self._ids)}"
         compiled = time.perf_counter()
         grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None

@@ -285,13 +285,17 @@ class AsyncEngine:
     def _add(self, items: list[SubRequest], chat: bool, loop: asyncio.AbstractEventLoop) -> None:
         """Tokenize, then add all (or none: a request the engine's admission refuses undoes the others)."""
         engine = self.engine
-        encoded: dict[int, list[int]] = {}
+        encoded: dict[int, tuple[list[int], tuple[tuple[int, float], ...]]] = {}
         prepared = []
         for it in items:
             key = id(it.prompt)                # the choices of one prompt share its object: encode once
             if key not in encoded:
-                encoded[key] = engine.encode_prompt(it.prompt, chat)
-            prepared.append((it.request_id, encoded[key], it.params))
+                ids = engine.encode_prompt(it.prompt, chat)
+                marks = engine.cache_breakpoints(it.prompt, ids) if isinstance(it.prompt, ChatPrompt) else ()
+                encoded[key] = ids, marks
+            ids, marks = encoded[key]
+            params = dataclasses.replace(it.params, cache_breakpoints=marks) if marks else it.params
+            prepared.append((it.request_id, ids, params))
         added = []
         try:
             for rid, ids, params in prepared:
