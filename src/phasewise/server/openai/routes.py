@@ -45,7 +45,7 @@ class Responder:
         transfer = body.kv_transfer_params.transfer_id if body.kv_transfer_params else None
         if transfer and self.config.role == "decode":
             await self.pair.receive(transfer)
-        stream = await self.submitter.start(items, chat, fields)
+        stream = await self.submitter.start(items, chat, fields, Guards.tenant(request))
         created, model = int(time.time()), body.model or self.config.served_model_name
         want_lp = items[0].params.logprobs is not None
         if transfer and self.config.role == "prefill":
