@@ -92,9 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = serve.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' (or x-api-key) on /v1 and the tokenizer routes; "
-                        "several keys: each a tenant, whose requests share no prompt-cache block with another's")
+    s.add_argument("--api-key", nargs="+", default=None, metavar="KEY", help="require 'Authorization: Bearer KEY' "
+                   "on /v1 and the tokenizer routes; several keys: tenants sharing no prompt-cache block")
     s.add_argument("--served-model-name", nargs="+", default=None,
                    help="the model's name in the API (default: the file's stem); more names are aliases a request "
                         "may use (e.g. a claude-... name for Claude Code)")

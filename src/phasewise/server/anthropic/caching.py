@@ -47,9 +47,10 @@ def cache_points(tools: Sequence[JsonObject] | None, functions: list[JsonObject]
     for i, tool in enumerate(tools or ()):
         if (ttl := ttl_seconds(tool.get("cache_control"), f"tools[{i}].cache_control", "tools")) is not None:
             found.append((f"tools[{i}]", ttl, cut([], (functions or [])[:i + 1])))
-    for j, block in enumerate(system if isinstance(system, list) else ()):
+    blocks = system if isinstance(system, list) else []
+    for j, block in enumerate(blocks):
         if (ttl := ttl_seconds(block.get("cache_control"), f"system[{j}].cache_control", "system")) is not None:
-            found.append((f"system[{j}]", ttl, cut(system_messages(system[:j + 1]), functions)))
+            found.append((f"system[{j}]", ttl, cut(system_messages(blocks[:j + 1]), functions)))
     head = system_messages(system)
     for i, m in enumerate(messages):
         for j, block in enumerate(m.content if isinstance(m.content, list) else ()):
