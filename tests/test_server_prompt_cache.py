@@ -30,6 +30,9 @@ KEYS = ("key-one-1234", "key-two-5678")
 BLOCK = 16                                   # the engine's default block size
 MARK_5M, MARK_1H = {"type": "ephemeral"}, {"type": "ephemeral", "ttl": "1h"}
 DEFAULT_TTL = 60                             # the server's --prompt-cache-ttl
+# more than two blocks of tokens: a breakpoint after it reaches at least one whole block past the system's
+QUESTION = ("How do I fix a flat tyre on a road bike with tubeless tyres and a slow leak at the valve, "
+            "without a pump of my own, when the nearest shop is twenty kilometres away in the hills?")
 
 
 def _text(text: str, mark: dict | None = None) -> dict:
@@ -102,6 +105,26 @@ def test_a_tenant_salt_comes_first_and_is_no_key():
     assert salted(items, None) is items
 
 
+def test_cache_points_in_tokens_cover_what_the_cut_renders_alike(tokenizer):
+    """One tokenization gives the prompt's ids (as apply_chat_template's) and each point's reach: the tokens
+    within the text the cut renders alike, here the longest common prefix of the two tokenizations."""
+    from phasewise.engine.client import CachePoint, ChatPrompt
+    from phasewise.engine.llm_engine import encode_marked
+
+    messages = [{"role": "system", "content": _system()}, {"role": "user", "content": "Which chain lube?"},
+                {"role": "assistant", "content": "A dry one, in summer."}, {"role": "user", "content": "And in rain?"}]
+    tools = [{"type": "function", "function": {"name": "shop", "parameters": {"type": "object"}}}]
+    cuts = [ChatPrompt(messages[:k], tools, add_generation_prompt=False) for k in (1, 2, 4)]
+    prompt = ChatPrompt(messages, tools, cache_points=tuple(CachePoint(c, 300.0 * k) for k, c in enumerate(cuts, 1)))
+    ids, marks = encode_marked(tokenizer, prompt)
+    assert ids == tokenizer.apply_chat_template(messages, tools=tools)
+    assert marks == tuple((_lcp(ids, tokenizer.apply_chat_template(c.messages, False, c.tools)), 300.0 * k)
+                          for k, c in enumerate(cuts, 1))
+    assert 0 < marks[0][0] < marks[1][0] < marks[2][0] < len(ids)
+    empty = CachePoint(ChatPrompt([], add_generation_prompt=False), 60.0)     # renders nothing (or fails)
+    assert encode_marked(tokenizer, ChatPrompt(messages, cache_points=(empty,)))[1] == ()
+
+
 # ---- a live server ------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -152,7 +175,7 @@ def _created(tokenizer, system: str, turns: list[dict], marks: list[tuple[int, s
 def test_anthropic_cache_usage_is_what_the_engine_did(cached_server, tokenizer):
     """Turn 1 writes the system prompt's blocks at 1h and the question's at 5m; the same request again reads
     every whole block and writes nothing; the next turn reads what turn 1 left and writes its new blocks."""
-    system, question = _system(), "How do I fix a flat tyre on a road bike?"
+    system, question = _system(), QUESTION
     client = claude(cached_server)
 
     def ask(turns: list[dict]) -> tuple[anthropic.types.Usage, int]:
@@ -227,7 +250,7 @@ def test_ttls_set_the_disk_expiries(cached_server, tokenizer):
     """A 1h breakpoint's blocks expire an hour after the write, the 5m one's five minutes after, the rest
     after the server's default; prompt_cache_retention 24h keeps a whole prompt a day. The salt of the
     key (two keys: a tenant each) names the entries."""
-    system, question = _system(), "Which tyre pressure suits a touring bike?"
+    system, question = _system(), QUESTION
     before = time.time()
     claude(cached_server).messages.create(model=MODEL, max_tokens=4, system=[_text(system, MARK_1H)], messages=[
         {"role": "user", "content": [_text(question, MARK_5M)]}], extra_body={"temperature": 0})

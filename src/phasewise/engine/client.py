@@ -46,8 +46,9 @@ class ChatPrompt:
 @dataclass(frozen=True)
 class CachePoint:
     """A cache breakpoint of a chat prompt (Anthropic's cache_control): `cut` is the request cut just after
-    the marked part (no turn opened after it); the prompt's tokens it shares from the start (their longest
-    common prefix) are kept at least `ttl` seconds (LLMEngine turns it into SamplingParams.cache_breakpoints)."""
+    the marked part (no turn opened after it); the prompt's tokens within the text the two render alike
+    from the start are kept at least `ttl` seconds (LLMEngine.encode_marked turns it into
+    SamplingParams.cache_breakpoints)."""
     cut: ChatPrompt
     ttl: float
 
@@ -70,8 +71,9 @@ class EngineClient(Protocol):
         """Token ids of a prompt: a ChatPrompt (or chat messages, with OpenAI-style tools) through the chat
         template."""
 
-    def cache_breakpoints(self, prompt: ChatPrompt, prompt_ids: list[int]) -> tuple[tuple[int, float], ...]:
-        """The prompt's cache points (Anthropic's cache_control) as SamplingParams.cache_breakpoints."""
+    def encode_marked(self, prompt: ChatPrompt) -> tuple[list[int], tuple[tuple[int, float], ...]]:
+        """A chat prompt's token ids and its cache points (Anthropic's cache_control) in tokens, as
+        SamplingParams.cache_breakpoints."""
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, chat: bool = False,
                     request_id: str | None = None,

@@ -290,9 +290,8 @@ class AsyncEngine:
         for it in items:
             key = id(it.prompt)                # the choices of one prompt share its object: encode once
             if key not in encoded:
-                ids = engine.encode_prompt(it.prompt, chat)
-                marks = engine.cache_breakpoints(it.prompt, ids) if isinstance(it.prompt, ChatPrompt) else ()
-                encoded[key] = ids, marks
+                encoded[key] = engine.encode_marked(it.prompt) if isinstance(it.prompt, ChatPrompt) else \
+                    (engine.encode_prompt(it.prompt, chat), ())
             ids, marks = encoded[key]
             params = dataclasses.replace(it.params, cache_breakpoints=marks) if marks else it.params
             prepared.append((it.request_id, ids, params))
