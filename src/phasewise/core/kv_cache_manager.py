@@ -81,9 +81,8 @@ class KVCacheManager:
     def _block_keys(self, request: Request, num_blocks: int) -> list[tuple[int, BlockKey]]:
         """(hash, key) of the request's first `num_blocks` full blocks, computed once and kept; a cache
         salt joins the first block's key, so requests of different salts share none."""
-        salt = request.sampling_params.cache_salt
         return chain_keys(request.token_ids, num_blocks, self.block_size, request.block_hashes,
-                          None if salt is None else ("salt", salt))
+                          salt_root(request.sampling_params.cache_salt))
 
     @staticmethod
     def _in_group(group: int, h: int, key: BlockKey) -> tuple[int, Hashable]:
@@ -224,11 +223,11 @@ class KVCacheManager:
 
     # ---- KV handed from one engine to another (prefill/decode disaggregation) -----------
 
-    def cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
-        """The cached blocks holding the longest computed prefix of token_ids (whole blocks, never the
-        block of the last token, as a request would take them); full-attention models only."""
+    def cached_prefix(self, token_ids: Sequence[int], salt: str | None = None) -> list[int]:
+        """The cached blocks holding the longest computed prefix of token_ids under this cache salt (whole
+        blocks, never the block of the last token, as a request would take them); full-attention models only."""
         self._only_full("exporting KV blocks")
-        keys = chain_keys(token_ids, (len(token_ids) - 1) // self.block_size, self.block_size)
+        keys = chain_keys(token_ids, (len(token_ids) - 1) // self.block_size, self.block_size, root=salt_root(salt))
         blocks = []
         for h, key in keys:
             b = self.pool.lookup(h, key) if self.enable_prefix_caching else None
@@ -237,16 +236,17 @@ class KVCacheManager:
             blocks.append(b)
         return blocks
 
-    def adopt_prefix(self, token_ids: Sequence[int], num_blocks: int) -> list[tuple[int, bool]] | None:
+    def adopt_prefix(self, token_ids: Sequence[int], num_blocks: int, salt: str | None = None
+                     ) -> list[tuple[int, bool]] | None:
         """Take free blocks for the first `num_blocks` blocks of token_ids and enter them in the prefix
-        cache as if computed here (the caller fills them before any request runs), then release them:
-        cached and free, a request with this prefix takes them as hits. A block already cached here
-        is kept as it is. Returns (block id, whether the caller must fill it) for each, or None when
-        the pool is short (nothing taken)."""
+        cache as if computed here by a request of this cache salt (the caller fills them before any request
+        runs), then release them: cached and free, a request with this prefix and salt takes them as hits.
+        A block already cached here is kept as it is. Returns (block id, whether the caller must fill it)
+        for each, or None when the pool is short (nothing taken)."""
         self._only_full("importing KV blocks")
         if not self.enable_prefix_caching:
             raise ValueError("importing KV blocks needs prefix caching (they arrive as cached blocks)")
-        keys = chain_keys(token_ids, num_blocks, self.block_size)
+        keys = chain_keys(token_ids, num_blocks, self.block_size, root=salt_root(salt))
         have = [self.pool.lookup(h, key) for h, key in keys]
         fresh = self.pool.allocate(sum(1 for b in have if b is None))
         if fresh is None:
@@ -278,6 +278,11 @@ def _held(blocks: Sequence[int | None]) -> list[int]:
     held = [b for b in blocks if b is not None]
     assert len(held) == len(blocks)
     return held
+
+
+def salt_root(salt: str | None) -> Hashable:
+    """The first block's parent under a cache salt (None: no salt)."""
+    return None if salt is None else ("salt", salt)
 
 
 def chain_keys(token_ids: Sequence[int], num_blocks: int, block_size: int,
