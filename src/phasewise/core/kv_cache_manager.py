@@ -193,7 +193,8 @@ class KVCacheManager:
         full = request.num_computed_tokens // self.block_size
         if full <= request.num_cached_blocks:
             return
-        params, now = request.sampling_params, self.pool.now()
+        params = request.sampling_params
+        now = self.pool.now() if params.cache_breakpoints else 0.0
         for i, (h, key) in enumerate(self._block_keys(request, full)[request.num_cached_blocks:],
                                      start=request.num_cached_blocks):
             ttl = params.marked_ttl((i + 1) * self.block_size) if params.cache_breakpoints else None
