@@ -3,10 +3,11 @@
 A breakpoint, {"type": "ephemeral"} with an optional ttl ("5m", the default, or "1h"), sits on a tool, a
 system block, a message's content block, or on the body itself (the whole prompt, Anthropic's automatic
 caching). Its prefix is the request as far as that block in Anthropic's order (tools, system, messages):
-the request cut just after it, a `CachePoint` the engine measures in tokens (the longest common prefix of
-the prompt and the cut's rendering; a template that renders the tools inside the system turn makes a
-tool's prefix reach no further than where the two renderings part). Checked here, each a 400 naming its
-field: the shape and ttl, at most four breakpoints, and no 1h one after a 5m one.
+the request cut just after it, a `CachePoint` the engine measures in tokens (the prompt's tokens within the
+text the prompt and the cut render alike: `engine.llm_engine.encode_marked`; a template that renders the
+tools inside the system turn makes a tool's prefix reach no further than where the two renderings part).
+Checked here, each a 400 naming its field: the shape and ttl, at most four breakpoints, and no 1h one after
+a 5m one.
 """
 
 from __future__ import annotations
