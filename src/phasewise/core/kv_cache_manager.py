@@ -12,7 +12,9 @@ Prefix caching: every full block of a request's tokens gets a hash chained on it
 block's hash, so equal hashes mean equal prefixes (per group: each group caches its own
 blocks). A new request takes the longest cached prefix whose blocks every group still has
 (a windowed group only those its window needs), but never the block holding its last prompt
-token: that token's logits must be computed.
+token: that token's logits must be computed. The blocks within a request's cache breakpoints
+(`SamplingParams.cache_breakpoints`) are kept in the pool (`BlockPool.keep`) their ttl past each commit
+that registers or finds them; those it registers itself count in `metrics.cache_written`.
 
 State slots: a hybrid model's recurrent layers keep a fixed state per sequence, not KV. The
 manager hands each running request one of `num_state_slots` slots (`request.state_slot`) with its
@@ -23,7 +25,8 @@ block boundaries (core/state_checkpoints.py), and a hit is cut back to the last 
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+import time
+from collections.abc import Callable, Hashable, Sequence
 
 from phasewise.core.block_pool import BlockPool
 from phasewise.core.request import BlockKey, Request
@@ -35,10 +38,11 @@ NULL_BLOCK = -1     # a table entry whose block was freed behind a window (never
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  windows: Sequence[int | None] = (None,), num_state_slots: int = 0,
-                 num_state_checkpoints: int = 0) -> None:
+                 num_state_checkpoints: int = 0, now: Callable[[], float] = time.monotonic) -> None:
         """windows: one entry per KV group, its sliding window in tokens (None: full attention).
         num_state_slots: a hybrid's recurrent-state slots (0: the model keeps none), then its
-        num_state_checkpoints slots for checkpoints (0: no prefix hits for it)."""
+        num_state_checkpoints slots for checkpoints (0: no prefix hits for it). now: the clock that cache
+        breakpoints' blocks are kept by (seconds)."""
         if not windows:
             raise ValueError("at least one KV group")
         self.block_size = block_size
@@ -46,7 +50,7 @@ class KVCacheManager:
             if num_state_slots and num_state_checkpoints and enable_prefix_caching else None
         self.enable_prefix_caching = enable_prefix_caching and (not num_state_slots or self.checkpoints is not None)
         self.windows = tuple(windows)
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, now)
         self.num_state_slots = num_state_slots
         self.free_state_slots = list(range(num_state_slots - 1, -1, -1))   # a stack: slot 0 first
         # (request, block index, block id) of the blocks cached since take_new_cached, and (request, block
@@ -77,9 +81,8 @@ class KVCacheManager:
     def _block_keys(self, request: Request, num_blocks: int) -> list[tuple[int, BlockKey]]:
         """(hash, key) of the request's first `num_blocks` full blocks, computed once and kept; a cache
         salt joins the first block's key, so requests of different salts share none."""
-        salt = request.sampling_params.cache_salt
         return chain_keys(request.token_ids, num_blocks, self.block_size, request.block_hashes,
-                          None if salt is None else ("salt", salt))
+                          salt_root(request.sampling_params.cache_salt))
 
     @staticmethod
     def _in_group(group: int, h: int, key: BlockKey) -> tuple[int, Hashable]:
@@ -190,11 +193,19 @@ class KVCacheManager:
         full = request.num_computed_tokens // self.block_size
         if full <= request.num_cached_blocks:
             return
+        params = request.sampling_params
+        now = self.pool.now() if params.cache_breakpoints else 0.0
         for i, (h, key) in enumerate(self._block_keys(request, full)[request.num_cached_blocks:],
                                      start=request.num_cached_blocks):
+            ttl = params.marked_ttl((i + 1) * self.block_size) if params.cache_breakpoints else None
             for g, table in enumerate(request.block_tables):
                 if table[i] != NULL_BLOCK:
-                    self.pool.cache(table[i], *self._in_group(g, h, key))
+                    new = self.pool.cache(table[i], *self._in_group(g, h, key))
+                    if ttl is not None:             # a breakpoint's block, written or read: kept ttl more
+                        self.pool.keep(table[i], now + ttl)
+                        if new and g == 0:
+                            written = request.metrics.cache_written
+                            written[ttl] = written.get(ttl, 0) + self.block_size
             if self.new_cached is not None:
                 self.new_cached.append((request, i, request.block_tables[0][i]))
         request.num_cached_blocks = full
@@ -213,11 +224,11 @@ class KVCacheManager:
 
     # ---- KV handed from one engine to another (prefill/decode disaggregation) -----------
 
-    def cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
-        """The cached blocks holding the longest computed prefix of token_ids (whole blocks, never the
-        block of the last token, as a request would take them); full-attention models only."""
+    def cached_prefix(self, token_ids: Sequence[int], salt: str | None = None) -> list[int]:
+        """The cached blocks holding the longest computed prefix of token_ids under this cache salt (whole
+        blocks, never the block of the last token, as a request would take them); full-attention models only."""
         self._only_full("exporting KV blocks")
-        keys = chain_keys(token_ids, (len(token_ids) - 1) // self.block_size, self.block_size)
+        keys = chain_keys(token_ids, (len(token_ids) - 1) // self.block_size, self.block_size, root=salt_root(salt))
         blocks = []
         for h, key in keys:
             b = self.pool.lookup(h, key) if self.enable_prefix_caching else None
@@ -226,16 +237,17 @@ class KVCacheManager:
             blocks.append(b)
         return blocks
 
-    def adopt_prefix(self, token_ids: Sequence[int], num_blocks: int) -> list[tuple[int, bool]] | None:
+    def adopt_prefix(self, token_ids: Sequence[int], num_blocks: int, salt: str | None = None
+                     ) -> list[tuple[int, bool]] | None:
         """Take free blocks for the first `num_blocks` blocks of token_ids and enter them in the prefix
-        cache as if computed here (the caller fills them before any request runs), then release them:
-        cached and free, a request with this prefix takes them as hits. A block already cached here
-        is kept as it is. Returns (block id, whether the caller must fill it) for each, or None when
-        the pool is short (nothing taken)."""
+        cache as if computed here by a request of this cache salt (the caller fills them before any request
+        runs), then release them: cached and free, a request with this prefix and salt takes them as hits.
+        A block already cached here is kept as it is. Returns (block id, whether the caller must fill it)
+        for each, or None when the pool is short (nothing taken)."""
         self._only_full("importing KV blocks")
         if not self.enable_prefix_caching:
             raise ValueError("importing KV blocks needs prefix caching (they arrive as cached blocks)")
-        keys = chain_keys(token_ids, num_blocks, self.block_size)
+        keys = chain_keys(token_ids, num_blocks, self.block_size, root=salt_root(salt))
         have = [self.pool.lookup(h, key) for h, key in keys]
         fresh = self.pool.allocate(sum(1 for b in have if b is None))
         if fresh is None:
@@ -267,6 +279,11 @@ def _held(blocks: Sequence[int | None]) -> list[int]:
     held = [b for b in blocks if b is not None]
     assert len(held) == len(blocks)
     return held
+
+
+def salt_root(salt: str | None) -> Hashable:
+    """The first block's parent under a cache salt (None: no salt)."""
+    return None if salt is None else ("salt", salt)
 
 
 def chain_keys(token_ids: Sequence[int], num_blocks: int, block_size: int,

@@ -45,6 +45,9 @@ class RequestMetrics:
     grammar_compile_ms: float | None = None   # structured outputs: compiling (or copying) its grammar
     disk_tokens: int = 0              # prompt tokens the prompt cache's disk tier loaded for it,
     disk_load_ms: float = 0.0         # and the time that took (before it was first scheduled)
+    # prompt tokens of cache breakpoints' prefixes (SamplingParams.cache_breakpoints) this request entered in the
+    # prefix cache (computed here, not read), by breakpoint ttl in seconds: Anthropic's cache creation
+    cache_written: dict[float, int] = field(default_factory=dict)
     # a reply that may think (SamplingParams.thinking), as its ThinkingGate counts it:
     thinking_tracked: bool = False            # the reply's thinking is tracked (otherwise it is all answer)
     thinking_tokens: int = 0                  # output tokens inside the thinking block
