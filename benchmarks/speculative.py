@@ -18,13 +18,17 @@ the time from the first of those tokens to the last (summed over the sequential
 runs at batch 1; the whole wave's span at batch B, which includes prefills that
 overlap the decodes). Acceptance rate = accepted / proposed draft tokens; mean
 accepted length = tokens committed per verification step (accepted + the target's
-own), from 1 to k + 1. Each request's drafts adapt (core/spec_policy.py) up to k; "mean k" is the
+own), from 1 to k + 1. The proposers' engines are built first and run in turn within each round
+(--rounds), so drift on a noisy machine falls on all alike: the speed-up is the median (and range) of
+each round's ratio to plain decoding. Each request's drafts adapt (core/spec_policy.py) up to k; "mean k" is the
 drafts chosen per decode on average (--fixed: always k).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 import time
 from pathlib import Path
 
@@ -77,7 +81,7 @@ def run(llm, chats: list[list[dict]], batch: int, params) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--proposers", nargs="+", default=["none", "ngram", "draft"],
-                    help="none | ngram | draft (the draft model below)")
+                    help="none | ngram | draft (the draft model below) | mtp (the model's own MTP layer)")
     ap.add_argument("--tasks", nargs="+", default=["grounded", "open"], choices=["grounded", "open", "code"])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--requests", type=int, default=8, help="requests per (proposer, task, batch)")
@@ -92,6 +96,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="fp32", help="the target's weights")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs must match)")
     ap.add_argument("--fixed", action="store_true", help="always draft k (no adaptation)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds per row, the proposers alternating in each")
+    ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
 
     from phasewise import LLM, SamplingParams
@@ -99,37 +105,53 @@ def main() -> None:
 
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0 if args.temperature
                             else None)
-    results: dict[tuple, dict] = {}
-    for proposer in args.proposers:
+    engines = {}
+    for proposer in args.proposers:                  # all built first: their runs alternate, round by round
         spec = SpeculativeConfig(method=None if proposer == "none" else proposer,
                                  num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,
                                  ngram_max=args.ngram_max, draft_model=args.draft_model, draft_dtype=args.draft_dtype,
                                  adaptive=not args.fixed)
         weights = {"quantization": args.dtype} if args.dtype in ("int8", "q4") else {"dtype": args.dtype}
-        llm = LLM(args.model, **weights, kv_cache_memory=0.5, speculative=spec)
-        llm.chat(prompts("open", 1)[0], SamplingParams(temperature=0, max_tokens=16))   # warm every path
-        for task in args.tasks:
-            chats = prompts(task, args.requests)
-            for batch in args.batches:
-                results[proposer, task, batch] = run(llm, chats, batch, params)
-        del llm
+        engines[proposer] = LLM(args.model, **weights, kv_cache_memory=0.5, speculative=spec)
+        engines[proposer].chat(prompts("open", 1)[0], SamplingParams(temperature=0, max_tokens=16))   # warm every path
+    results: dict[tuple, list[dict]] = {}
+    for task in args.tasks:
+        chats = prompts(task, args.requests)
+        for batch in args.batches:
+            for _ in range(args.rounds):
+                for proposer, llm in engines.items():
+                    results.setdefault((proposer, task, batch), []).append(run(llm, chats, batch, params))
+    report(args, results)
 
+
+def report(args: argparse.Namespace, results: dict[tuple, list[dict]]) -> None:
+    """The table (medians of the rounds; speed-up: the median of each round's ratio to plain decoding in
+    the same round, and its range), and the JSON."""
     draft = f"draft = {args.draft_model or 'the target'} at {args.draft_dtype}"
     print(f"speculative decoding: {args.dtype} target, k {'=' if args.fixed else '<='} {args.num_speculative_tokens}, n-gram "
           f"{args.ngram_min}..{args.ngram_max}, {draft}; {args.requests} requests per row, up to "
-          f"{args.max_tokens} tokens, temperature {args.temperature}")
-    print(f"{'proposer':>8} {'task':>9} {'batch':>5} {'decode tok/s':>12} {'speedup':>8} {'accept':>7} "
+          f"{args.max_tokens} tokens, temperature {args.temperature}; {args.rounds} rounds, alternating")
+    print(f"{'proposer':>8} {'task':>9} {'batch':>5} {'decode tok/s':>12} {'speedup':>16} {'accept':>7} "
           f"{'mean len':>8} {'mean k':>6} {'drafts':>7} {'tokens':>7} {'same':>5}")
-    for (proposer, task, batch), r in results.items():
+    rows = []
+    for (proposer, task, batch), runs in results.items():
         base = results.get(("none", task, batch))
-        speedup = f"{r['tok_s'] / base['tok_s']:.2f}x" if base and base["tok_s"] else "-"
-        same = "-" if base is None or args.temperature else ("yes" if r["token_ids"] == base["token_ids"] else "NO")
+        tok_s = statistics.median(r["tok_s"] for r in runs)
+        ratios = sorted(r["tok_s"] / b["tok_s"] for r, b in zip(runs, base) if b["tok_s"]) if base else []
+        speedup = f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})" if ratios else "-"
+        same = "-" if base is None or args.temperature else \
+            ("yes" if all(r["token_ids"] == base[0]["token_ids"] for r in runs) else "NO")
+        r = runs[-1]
         accept = f"{r['acceptance']:.1%}" if r["drafts"] else "-"
         mean_len = f"{r['mean_len']:.2f}" if r["drafts"] else "-"
         mean_k = "-" if r["mean_k"] is None else f"{r['mean_k']:.2f}"
-        print(f"{proposer:>8} {task:>9} {batch:>5} {r['tok_s']:>12.1f} {speedup:>8} {accept:>7} {mean_len:>8} "
+        print(f"{proposer:>8} {task:>9} {batch:>5} {tok_s:>12.1f} {speedup:>16} {accept:>7} {mean_len:>8} "
               f"{mean_k:>6} {r['drafts']:>7} {r['tokens']:>7} {same:>5}")
-
+        rows.append({"proposer": proposer, "task": task, "batch": batch, "tok_s": [x["tok_s"] for x in runs],
+                     "speedup": ratios, "acceptance": r["acceptance"], "mean_len": r["mean_len"],
+                     "mean_k": r["mean_k"], "same": same})
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1) + "\n")
 
 if __name__ == "__main__":
     main()

@@ -84,3 +84,14 @@ def test_few_annotations_say_any():
     opaque (at most 25 annotations)."""
     found = any_annotations()
     assert len(found) <= 25, f"{len(found)} annotations say Any:\n" + "\n".join(found)
+
+
+def test_the_runner_side_reads_plain_data_not_live_requests():
+    """The runner, its proposers, sampling and the grammar masks take what the scheduler hands over
+    (ScheduledChunk, NewRequest) and the runner's own RequestState: no code there names the core's
+    live `Request` (vLLM v1's split between the scheduler's requests and the runner's batch state)."""
+    named = [f"{p.relative_to(PACKAGE)}:{i}" for pkg in ("runner", "spec_decode", "sampling", "structured")
+             for p in sorted((PACKAGE / pkg).glob("*.py"))
+             for i, line in enumerate(p.read_text().splitlines(), 1)
+             if re.search(r"(?<![\w.`])Request\b(?!`)", line)]
+    assert not named, named

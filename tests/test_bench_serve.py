@@ -28,8 +28,27 @@ def test_bench_serve_counts_tokens_from_the_servers_usage(server, tmp_path, caps
     assert 0 < run["ttft_ms"]["median"] <= run["e2e_ms"]["median"]
     assert run["tpot_ms"]["median"] > 0 and run["itl_ms"]["p99"] >= run["itl_ms"]["median"]
     rows = (out / "requests.csv").read_text().splitlines()
-    assert len(rows) == 1 + 8
+    assert len(rows) == 1 + 8 and rows[0].split(",")[2:5] == ["prompt_tokens", "cached_tokens", "output_tokens"]
     assert "TTFT median ms" in capsys.readouterr().out
+
+
+def test_a_shared_prefix_run_priced_from_its_record(server, tmp_path, capsys):
+    """bench serve records each request's cached tokens; cost --from-run prices them (reads at 0.1x)."""
+    import csv
+
+    from phasewise.cli import main
+
+    out = tmp_path / "shared"
+    assert main(["bench", "serve", "--base-url", server.url, "--dataset", "shared-prefix", "--num-prefixes", "1",
+                 "--suffixes-per-prefix", "4", "--prefix-len", "64", "--suffix-len", "8", "--output-len", "2",
+                 "--max-concurrency", "1", "--num-warmup", "0", "--result-dir", str(out)]) == 0
+    rows = list(csv.DictReader(open(out / "requests.csv")))
+    read = sum(int(r["cached_tokens"]) for r in rows)
+    assert len(rows) == 4 and read >= 3 * 64 // 16 * 16 - 16      # each later request reads the prefix's blocks
+    assert main(["cost", "--from-run", str(out), "--input-price", "3", "--output-price", "15"]) == 0
+    doc = json.loads((out / "cost.json").read_text())
+    assert doc["tokens"]["read"] == read and doc["tokens"]["prompt"] == 4 * 72
+    assert doc["with_cache"]["total"] < doc["without_cache"]["total"] and doc["roi"] is None
 
 
 def test_bench_serve_sweep_over_chat_draws_the_trade_off(server, tmp_path):

@@ -8,6 +8,7 @@ import sys
 import zlib
 
 import pytest
+import torch
 from hypothesis import given, settings, strategies as st
 
 from phasewise.config import SchedulerConfig
@@ -17,6 +18,7 @@ from phasewise.core.handoffs import RunnerOutput, SampledToken, SchedulerOutput
 from phasewise.core.request import FinishReason, Request, RequestStatus
 from phasewise.percentile import percentile
 from phasewise.core.sampling_params import SamplingParams
+from phasewise.runner.request_state import RequestStates
 
 EOS = 0
 
@@ -28,24 +30,28 @@ class FakeRunner:
         self.bs = block_size
         self.steps: list[SchedulerOutput] = []
         self.slots: dict[int, int] = {}   # the "KV cache": slot → the token whose KV it holds
+        self.requests = RequestStates(torch.device("cpu"))   # what the runner knows, from plain data only
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """Checks that every earlier position's KV is in place (computed or a prefix-cache hit),
         then "computes" the chunk's KV into its slots."""
         self.steps.append(sched)
+        self.requests.update(sched.new_requests, sched.finished_ids, sched.chunks)
         sampled = {}
         for c in sched.chunks:
-            r, start = c.request, c.request.num_computed_tokens
-            assert c.num_tokens >= 1
-            assert len(r.block_ids) * self.bs >= start + c.num_tokens  # room for the KV
-            slot = [r.block_ids[p // self.bs] * self.bs + p % self.bs for p in range(start + c.num_tokens)]
+            r, start, table = self.requests[c.request_id], c.start, c.block_tables[0]
+            assert c.num_tokens >= 1 and c.token_ids == r.token_ids[start:start + c.num_tokens]
+            assert len(table) * self.bs >= start + c.num_tokens  # room for the KV
+            slot = [table[p // self.bs] * self.bs + p % self.bs for p in range(start + c.num_tokens)]
             for p in range(start):
                 assert self.slots.get(slot[p]) == r.token_ids[p], f"{r.request_id}: stale KV at {p}"
             for p in range(start, start + c.num_tokens):
                 self.slots[slot[p]] = r.token_ids[p]
             if c.samples:
                 sampled[r.request_id] = SampledToken(token_for(r.request_id, r.num_tokens))
-        return RunnerOutput(sampled)
+        out = RunnerOutput(sampled)
+        self.requests.commit(out)
+        return out
 
 
 def token_for(request_id: str, position: int) -> int:
@@ -161,10 +167,10 @@ def test_chunked_prefill_keeps_decode_going():
     for _ in range(5):
         core.step()
     for sched in runner.steps[1:6]:           # while "long" is chunked, "short" decodes every step
-        ids = [c.request.request_id for c in sched.chunks]
+        ids = [c.request_id for c in sched.chunks]
         assert ids == ["short", "long"] and sched.chunks[0].num_tokens == 1
         assert sched.num_decode_tokens == 1 and sched.num_prefill_tokens == 7
-    long_chunks = [c.num_tokens for s in runner.steps for c in s.chunks if c.request.request_id == "long"]
+    long_chunks = [c.num_tokens for s in runner.steps for c in s.chunks if c.request_id == "long"]
     assert long_chunks[:5] == [7, 7, 7, 7, 7]
 
 

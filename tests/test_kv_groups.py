@@ -5,6 +5,7 @@ tokens are those of a run with plenty of memory."""
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given, settings, strategies as st
 from test_engine_core import add_and_drive, request, run_all, token_for
 
@@ -16,6 +17,7 @@ from phasewise.core.request import FinishReason, Request, RequestStatus
 from phasewise.lab.memory import ModelShape
 from phasewise.models.config import ModelConfig
 from phasewise.core.sampling_params import SamplingParams
+from phasewise.runner.request_state import RequestStates
 
 
 class GroupRunner:
@@ -26,14 +28,16 @@ class GroupRunner:
         self.windows, self.bs = windows, block_size
         self.slots: dict[int, tuple[int, int]] = {}       # slot → (group, token)
         self.steps: list[SchedulerOutput] = []
+        self.requests = RequestStates(torch.device("cpu"))
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         self.steps.append(sched)
+        self.requests.update(sched.new_requests, sched.finished_ids, sched.chunks)
         sampled = {}
         for c in sched.chunks:
-            r, start, n = c.request, c.request.num_computed_tokens, c.num_tokens
-            assert len(r.block_tables) == len(self.windows)
-            for g, (w, table) in enumerate(zip(self.windows, r.block_tables)):
+            r, start, n = self.requests[c.request_id], c.start, c.num_tokens
+            assert len(c.block_tables) == len(self.windows)
+            for g, (w, table) in enumerate(zip(self.windows, c.block_tables)):
                 assert len(table) * self.bs >= start + n
                 first = 0 if w is None else max(0, start - w + 1)   # the oldest key the first query sees
                 for p in range(first, start):
@@ -44,7 +48,9 @@ class GroupRunner:
                     self.slots[table[p // self.bs] * self.bs + p % self.bs] = (g, r.token_ids[p])
             if c.samples:
                 sampled[r.request_id] = SampledToken(token_for(r.request_id, r.num_tokens))
-        return RunnerOutput(sampled)
+        out = RunnerOutput(sampled)
+        self.requests.commit(out)
+        return out
 
 
 def make(windows, num_blocks=200, block_size=4, budget=16, max_seqs=8, max_len=10_000, prefix_caching=True):

@@ -26,6 +26,11 @@ def test_adopted_blocks_are_hits_for_a_request_with_that_prefix():
     assert again == [(b, False) for b, _ in placed]
     other = _request([99] + tokens[1:])
     assert kv.get_computed_blocks(other) == [[]]                # another first block: no hit
+    salted = Request("s", tokens, SamplingParams(max_tokens=4, cache_salt="t"), frozenset())
+    assert kv.get_computed_blocks(salted) == [[]]               # another salt: no hit, until its own arrive
+    mine = kv.adopt_prefix(tokens, 2, salt="t")
+    assert all(fresh for _, fresh in mine) and kv.get_computed_blocks(salted) == [[b for b, _ in mine]]
+    assert kv.cached_prefix(tokens, "t") == [b for b, _ in mine] and kv.cached_prefix(tokens, "u") == []
 
 
 def test_adopting_more_than_the_pool_takes_nothing():
@@ -84,7 +89,7 @@ def test_a_transfer_without_room_waits_for_it_then_gives_up():
             f.set_result("blocks") if self.arrives else f.set_exception(ConnectionError("the link is down"))
             return f
 
-        def adopt(self, kv):
+        def adopt(self, kv, salt=None):
             self.tries += 1
             if self.tries <= self.short:
                 raise ValueError("no room")

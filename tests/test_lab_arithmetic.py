@@ -79,6 +79,61 @@ def test_cost_with_and_without_prompt_caching():
         Workload(1, 10, 1, shared_prefix_tokens=11)
 
 
+def test_a_recorded_run_priced_as_the_seeds_price_caching(tmp_path, capsys):
+    """Three APIs' usage in one JSON Lines run: Anthropic's reports its writes (at 5m and 1h), chat's and
+    Responses' only reads; priced at $3 in and $15 out per million tokens."""
+    import json
+
+    from phasewise.cli import main
+    from phasewise.lab.run_cost import RunPricing, read_run
+
+    usages = [{"type": "message", "usage": {"input_tokens": 100, "cache_creation_input_tokens": 3000,
+                                            "cache_read_input_tokens": 0, "output_tokens": 50,
+                                            "cache_creation": {"ephemeral_5m_input_tokens": 1000,
+                                                               "ephemeral_1h_input_tokens": 2000}}},
+              {"input_tokens": 40, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 3000,
+               "output_tokens": 50},
+              {"prompt_tokens": 1000, "completion_tokens": 10, "prompt_tokens_details": {"cached_tokens": 960}},
+              {"input_tokens": 500, "output_tokens": 20, "input_tokens_details": {"cached_tokens": 0}}]
+    run = tmp_path / "usage.jsonl"
+    run.write_text("\n".join(json.dumps(u) for u in usages) + "\n")
+    t = read_run(run)
+    assert (t.requests, t.prompt, t.read, t.write_5m, t.write_1h, t.output, t.unreported) == \
+        (4, 3100 + 3040 + 1000 + 500, 3960, 1000, 2000, 130, 2)
+    assert t.input == 100 + 40 + 40 + 500
+    p = RunPricing(t, 3.0, 15.0)
+    assert p.without_cache.total == pytest.approx((7640 * 3 + 130 * 15) / 1e6)
+    assert p.with_cache.write_5m == pytest.approx(1000 * 3.75 / 1e6)
+    assert p.with_cache.write_1h == pytest.approx(2000 * 6 / 1e6)
+    assert p.with_cache.read == pytest.approx(3960 * 0.3 / 1e6)
+    assert p.premium == pytest.approx((1000 * 0.75 + 2000 * 3) / 1e6)
+    saved = (3960 * 2.7 - 1000 * 0.75 - 2000 * 3) / 1e6
+    assert p.saved == pytest.approx(saved) and p.roi == pytest.approx(saved / p.premium)
+    marked = read_run(run, "1h")                  # the unreported requests' uncached prompt tokens: 1h writes
+    assert marked.write_1h == 2000 + 40 + 500 and marked.input == 140
+
+    assert main(["cost", "--from-run", str(run), "--input-price", "3", "--output-price", "15"]) == 0
+    assert "ROI" in capsys.readouterr().out
+    doc = json.loads((tmp_path / "cost.json").read_text())
+    assert doc["roi"] == pytest.approx(p.roi) and doc["tokens"]["read"] == 3960
+    assert doc["with_cache"]["total"] == pytest.approx(p.with_cache.total)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": 11}}\n')
+    with pytest.raises(ValueError, match="cannot have 11 read"):
+        read_run(bad)
+
+
+def test_a_bench_serve_run_priced_from_its_requests_csv(tmp_path):
+    from phasewise.lab.run_cost import RunPricing, read_run
+
+    (tmp_path / "requests.csv").write_text(
+        "max_concurrency,ok,prompt_tokens,cached_tokens,output_tokens,ttft_ms,tpot_ms,e2e_ms,error\n"
+        "4,True,512,0,64,10,1,80,\n4,True,512,496,64,5,1,70,\n4,False,0,0,0,,,3,HTTP 503\n")
+    t = read_run(tmp_path, "5m")
+    assert (t.requests, t.prompt, t.read, t.write_5m, t.input) == (2, 1024, 496, 512 + 16, 0)
+    assert RunPricing(t, 1.0, 2.0).with_cache.write_5m == pytest.approx(528 * 1.25 / 1e6)
+
+
 def test_roofline_arithmetic_and_binding_resource():
     from phasewise.lab.roofline import Machine, analyse, linear_params, request_flops, token_costs
 

@@ -8,6 +8,7 @@ import pytest
 
 from phasewise.core.sampling_params import SamplingParams
 from phasewise.report import timings
+from phasewise.server.timings import timings as api_timings
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
@@ -26,6 +27,8 @@ def _restart_reads_from_disk(kw: dict, prompt: list[int]) -> None:
         assert warm.token_ids == cold.token_ids
         t = timings(warm)
         assert t["disk_n"] == warm.metrics.disk_tokens and t["disk_load_ms"] > 0
+        body = api_timings(warm)                                # what every API's response says
+        assert body["disk_n"] == t["disk_n"] and "disk_n" not in api_timings(cold)
         again = llm.generate(prompt, GREEDY)[0]                 # now in RAM: nothing read from disk
         assert again.metrics.disk_tokens == 0 and again.cached_tokens >= warm.cached_tokens
         assert again.token_ids == cold.token_ids

@@ -134,19 +134,20 @@ def test_wrong_rules_fail_the_same_test(chains):
 
 # ---- verification glue: penalties see earlier drafts, seeds reproduce ----------------------------------
 
-def chunk_with(drafts: list[int], **params) -> ScheduledChunk:
+def chunk_with(drafts: list[int], **params) -> tuple[list[ScheduledChunk], list[Request]]:
+    """A decode chunk carrying `drafts`, and its request (one output so far)."""
     req = Request("r", [1, 2], SamplingParams(max_tokens=10, **params), frozenset({0}))
     req.append_output(7)
     req.num_computed_tokens = 2
-    return ScheduledChunk(request=req, num_tokens=1, max_draft_tokens=len(drafts), draft_token_ids=list(drafts))
+    return [ScheduledChunk.of(req, 1, len(drafts), drafts)], [req]
 
 
 def test_penalties_at_a_draft_position_count_the_drafts_before_it():
     logits = torch.zeros(3, V)
     logits[:, 3], logits[:, 4] = 5.0, 4.5                 # token 3 leads on every row
-    plain = verify(logits, [chunk_with([3, 3], temperature=0)], [None], V, frozenset({0}), torch.device("cpu"))
+    plain = verify(logits, *chunk_with([3, 3], temperature=0), [None], V, frozenset({0}), torch.device("cpu"))
     assert [t.token_id for t in plain["r"][0]] == [3, 3] and plain["r"][1].token_id == 3
-    penalised = verify(logits, [chunk_with([3, 3], temperature=0, presence_penalty=1.0)], [None], V,
+    penalised = verify(logits, *chunk_with([3, 3], temperature=0, presence_penalty=1.0), [None], V,
                        frozenset({0}), torch.device("cpu"))
     accepted, final = penalised["r"]
     assert [t.token_id for t in accepted] == [3] and final.token_id == 4   # row 1 sees draft 0 = 3
@@ -157,7 +158,7 @@ def test_min_tokens_bans_apply_per_draft_position():
     logits[:, 0] = 9.0                                    # eos leads everywhere
     logits[:, 5] = 1.0
     c = chunk_with([5, 0], temperature=0, min_tokens=3)   # 1 output so far: eos banned at rows 0 and 1
-    accepted, final = verify(logits, [c], [None], V, frozenset({0}), torch.device("cpu"))["r"]
+    accepted, final = verify(logits, *c, [None], V, frozenset({0}), torch.device("cpu"))["r"]
     assert [t.token_id for t in accepted] == [5] and final.token_id == 5
 
 
@@ -167,7 +168,7 @@ def test_seeded_verification_reproduces_and_logprobs_follow_the_rows():
     for _ in range(2):
         c = chunk_with([1, 2, 3], temperature=1.0, seed=42, logprobs=2)
         g = torch.Generator().manual_seed(42)
-        runs.append(verify(logits, [c], [g], V, frozenset({0}), torch.device("cpu"))["r"])
+        runs.append(verify(logits, *c, [g], V, frozenset({0}), torch.device("cpu"))["r"])
     (acc_a, fin_a), (acc_b, fin_b) = runs
     assert [t.token_id for t in acc_a] == [t.token_id for t in acc_b] and fin_a.token_id == fin_b.token_id
     lps = torch.log_softmax(logits, dim=1)

@@ -59,7 +59,8 @@ COMMON = {
     "min_tokens": 1, "skip_special_tokens": True, "max_tokens": 4, "user": "u",
     "response_format": {"type": "json_object"}, "structured_outputs": {"choice": ["a", "b"]},
     "guided_json": {"type": "object"}, "guided_regex": "[a-z]+", "guided_choice": ["a", "b"],
-    "guided_grammar": 'root ::= "yes"', "json_schema": {"type": "object"}, "grammar": 'root ::= "yes"'}
+    "guided_grammar": 'root ::= "yes"', "json_schema": {"type": "object"}, "grammar": 'root ::= "yes"',
+    "cache_salt": "s"}
 HONOURED = {
     "chat": {**COMMON, "logprobs": True, "top_logprobs": 2, "max_completion_tokens": 4, "tools": TOOLS,
              "tool_choice": "auto", "parallel_tool_calls": False, "chat_template_kwargs": {"enable_thinking": False},
@@ -70,7 +71,7 @@ HONOURED = {
 }
 # accepted, changing nothing in the output: caching, scheduling, request ids, speculation (which keeps the
 # output), settings for inputs this server does not take (images)
-INERT = {"cache_salt": "s", "priority": 1, "request_id": "r1", "cache_prompt": True, "id_slot": 0,
+INERT = {"priority": 1, "request_id": "r1", "cache_prompt": True, "id_slot": 0,
          "n_cache_reuse": 0, "mm_processor_kwargs": {}, "guided_decoding_backend": "guidance",
          "speculative.n_max": 8, "speculative.n_min": 0, "speculative.ngram_m_hits": 1, "speculative.ngram_size_m": 2,
          "speculative.ngram_size_n": 3, "speculative.p_min": 0.5, "speculative.type": "ngram"}

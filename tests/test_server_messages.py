@@ -79,8 +79,9 @@ def test_a_message_with_its_usage(server):
     assert out.id.startswith("msg_") and out.type == "message" and out.role == "assistant" and out.model == MODEL
     assert [b.type for b in out.content] == ["text"] and out.content[0].text.strip()
     assert out.stop_reason in ("end_turn", "max_tokens") and out.stop_sequence is None
-    assert 0 < out.usage.output_tokens <= 24 and out.usage.cache_creation_input_tokens == 0
-    assert out.usage.input_tokens + out.usage.cache_read_input_tokens > 10
+    assert 0 < out.usage.output_tokens <= 24     # the marked system turn: its whole block written at 5m, or read
+    assert out.usage.cache_creation_input_tokens == out.usage.cache_creation.ephemeral_5m_input_tokens <= 16
+    assert out.usage.input_tokens + out.usage.cache_read_input_tokens + out.usage.cache_creation_input_tokens > 10
     again = create(server, system="You are terse.\n\nAnswer in English.")   # a list of blocks joins as this does
     assert blocks(again) == blocks(out)
     assert again.usage.cache_read_input_tokens > 0           # the prefix cache served the same prompt

@@ -10,6 +10,7 @@ from __future__ import annotations
 import zlib
 
 import pytest
+import torch
 from hypothesis import given, settings, strategies as st
 
 from phasewise.config import SchedulerConfig, SpeculativeConfig
@@ -17,6 +18,7 @@ from phasewise.core.engine_core import EngineCore
 from phasewise.core.handoffs import RunnerOutput, SampledToken, SchedulerOutput
 from phasewise.core.request import FinishReason, Request, RequestStatus
 from phasewise.core.sampling_params import SamplingParams
+from phasewise.runner.request_state import RequestStates
 from phasewise.spec_decode.ngram import NgramIndex, NgramProposer
 
 BS = 4
@@ -29,21 +31,27 @@ def token_for(request_id: str, position: int) -> int:
 class FakeTarget:
     """Checks KV and slots like test_engine_core's FakeRunner, drafts included."""
 
-    def __init__(self, target=token_for) -> None:
-        self.target = target
+    def __init__(self, proposer, target=token_for) -> None:
+        self.proposer, self.target = proposer, target
         self.steps: list[SchedulerOutput] = []
         self.slots: dict[int, int] = {}
         self.seen: list[list[tuple[int, int]]] = []   # per step: (draft room, outputs so far) per chunk
+        self.requests = RequestStates(torch.device("cpu"))
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         self.steps.append(sched)
-        self.seen.append([(c.max_draft_tokens, len(c.request.output_token_ids)) for c in sched.chunks])
+        self.requests.update(sched.new_requests, sched.finished_ids, sched.chunks)
+        wanted = [c for c in sched.chunks if c.max_draft_tokens]     # the runner's proposer fills the room
+        self.proposer.propose(wanted, [self.requests[c.request_id] for c in wanted])
+        sched.num_draft_tokens = sum(len(c.draft_token_ids) for c in wanted)
+        self.seen.append([(c.max_draft_tokens, len(self.requests[c.request_id].output_token_ids))
+                          for c in sched.chunks])
         sampled, accepted = {}, {}
         for c in sched.chunks:
-            r, start, n = c.request, c.request.num_computed_tokens, c.num_scheduled_tokens
+            r, start, n, table = self.requests[c.request_id], c.start, c.num_scheduled_tokens, c.block_tables[0]
             assert len(c.draft_token_ids) <= c.max_draft_tokens
-            assert len(r.block_ids) * BS >= start + n                   # slots for the drafts too
-            slot = [r.block_ids[p // BS] * BS + p % BS for p in range(start + n)]
+            assert len(table) * BS >= start + n                   # slots for the drafts too
+            slot = [table[p // BS] * BS + p % BS for p in range(start + n)]
             for p in range(start):
                 assert self.slots.get(slot[p]) == r.token_ids[p], f"{r.request_id}: stale KV at {p}"
             for p, t in zip(range(start, start + n), c.input_token_ids):
@@ -59,7 +67,9 @@ class FakeTarget:
             sampled[r.request_id] = SampledToken(self.target(r.request_id, T + len(ok)))
             if c.draft_token_ids:
                 accepted[r.request_id] = ok
-        return RunnerOutput(sampled, accepted)
+        out = RunnerOutput(sampled, accepted)
+        self.requests.commit(out)
+        return out
 
 
 class FakeProposer:
@@ -68,9 +78,9 @@ class FakeProposer:
     def __init__(self, wrong_one_in: int = 3, target=token_for) -> None:
         self.wrong, self.target = wrong_one_in, target
 
-    def propose(self, chunks) -> None:
-        for c in chunks:
-            r, T = c.request, c.request.num_tokens
+    def propose(self, chunks, states) -> None:
+        for c, r in zip(chunks, states):
+            T = r.num_tokens
             h = zlib.crc32(f"{r.request_id}/{T}".encode())
             k = c.max_draft_tokens - h % 2
             c.draft_token_ids = [self.target(r.request_id, T + i) if (h >> (i + 1)) % self.wrong else 0
@@ -78,10 +88,8 @@ class FakeProposer:
 
 
 def make_core(num_blocks=64, budget=32, max_seqs=8, k=4, proposer=None, prefix_caching=True, target=token_for):
-    runner = FakeTarget(target)
-    proposer = proposer or FakeProposer(target=target)
-    core = EngineCore(runner, SchedulerConfig(budget, max_seqs), num_blocks, BS, 10_000, prefix_caching,
-                      proposer, k)
+    runner = FakeTarget(proposer or FakeProposer(target=target), target)
+    core = EngineCore(runner, SchedulerConfig(budget, max_seqs), num_blocks, BS, 10_000, prefix_caching, k)
     return core, runner
 
 

@@ -164,7 +164,7 @@ class _Grammar:
 class _Req:
     def __init__(self, i: int, params: SamplingParams, grammar: _Grammar) -> None:
         self.request_id, self.sampling_params, self.grammar = f"r{i}", params, grammar
-        self.prompt_token_ids, self.output_token_ids, self.sampler_state = [1], [], None
+        self.prompt_token_ids, self.output_token_ids, self.generator = [1], [], None
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0), SamplingParams(temperature=1.0),

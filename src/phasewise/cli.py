@@ -92,8 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = serve.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1 and the tokenizer routes")
+    s.add_argument("--api-key", nargs="+", default=None, metavar="KEY", help="require 'Authorization: Bearer KEY' "
+                   "on /v1 and the tokenizer routes; several keys: tenants sharing no prompt-cache block")
     s.add_argument("--served-model-name", nargs="+", default=None,
                    help="the model's name in the API (default: the file's stem); more names are aliases a request "
                         "may use (e.g. a claude-... name for Claude Code)")
@@ -208,7 +208,7 @@ def _server_config(args: argparse.Namespace, engine: LLMEngine) -> ServerConfig:
 
     path = Path(engine.model_path)
     name, aliases = model_names(args.served_model_name, args.model, path)
-    return ServerConfig(served_model_name=name, model_aliases=aliases, api_key=args.api_key,
+    return ServerConfig(served_model_name=name, model_aliases=aliases, api_keys=tuple(args.api_key or ()),
                         max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes, model_root=str(path),
                         role=args.role, reasoning_parser=args.reasoning_parser,
                         reasoning_budget=args.reasoning_budget)

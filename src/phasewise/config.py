@@ -55,7 +55,8 @@ class SpeculativeSettings(TypedDict, total=False):
 @dataclass(frozen=True, kw_only=True)
 class SpeculativeConfig:
     """Speculative decoding: who proposes draft tokens, and how many per step."""
-    method: str | None = None            # None (off) | "ngram" (prompt lookup) | "draft" (a draft model)
+    method: str | None = None            # None (off) | "ngram" (prompt lookup) | "draft" (a draft model) |
+                                         # "mtp" (the model's own multi-token-prediction layer)
     num_speculative_tokens: int = 4      # k: drafts verified per step (adaptive: at most)
     adaptive: bool = True                # each decode's k from measured acceptance and costs (core/spec_policy.py)
     ngram_min: int = 2                   # n-gram sizes tried, longest first
@@ -64,8 +65,8 @@ class SpeculativeConfig:
     draft_dtype: str = "q4"              # draft weights: fp32 | bf16 | fp16 | int8 | q4
 
     def __post_init__(self) -> None:
-        if self.method not in (None, "ngram", "draft"):
-            raise ValueError(f"speculative method must be 'ngram' or 'draft', got {self.method!r}")
+        if self.method not in (None, "ngram", "draft", "mtp"):
+            raise ValueError(f"speculative method must be 'ngram', 'draft' or 'mtp', got {self.method!r}")
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:
@@ -75,15 +76,15 @@ class SpeculativeConfig:
 
     @classmethod
     def parse(cls, spec: str | None, **settings: Unpack[SpeculativeSettings]) -> SpeculativeConfig:
-        """'ngram', 'draft' (the target's file), 'draft:MODEL', or None/'' (off)."""
+        """'ngram', 'draft' (the target's file), 'draft:MODEL', 'mtp', or None/'' (off)."""
         if not spec:
             return cls(method=None, **settings)
         method, _, model = spec.partition(":")
-        if method == "ngram" and not model:
-            return cls(method="ngram", **settings)
+        if method in ("ngram", "mtp") and not model:
+            return cls(method=method, **settings)
         if method == "draft":
             return cls(method="draft", draft_model=model or None, **settings)
-        raise ValueError(f"--speculative must be 'ngram' or 'draft:MODEL', got {spec!r}")
+        raise ValueError(f"--speculative must be 'ngram', 'draft[:MODEL]' or 'mtp', got {spec!r}")
 
     @property
     def enabled(self) -> bool:

@@ -43,3 +43,15 @@ def test_prompts_sharing_their_first_four_blocks_share_a_home():
                                                              {"role": "user", "content": f"Question {q}?"}]})).replica_id.unique_id
              for q in range(20)}
     assert len(homes) == 1
+
+
+def test_a_prompt_cache_key_or_salt_roots_the_chain():
+    """One session's (or tenant's) requests share their hashes; another key's never meet them."""
+    text = "The same long system prompt that every session sends first, word for word. " * 4
+    plain = prompt_block_hashes({"prompt": text})
+    mine = prompt_block_hashes({"prompt": text, "prompt_cache_key": "session-1"})
+    assert len(mine) == len(plain) >= 4
+    assert mine == prompt_block_hashes({"prompt": text + " more", "prompt_cache_key": "session-1"})[:len(mine)]
+    others = [prompt_block_hashes({"prompt": text, "prompt_cache_key": "session-2"}),
+              prompt_block_hashes({"prompt": text, "cache_salt": "session-1"}), plain]
+    assert all(not set(mine) & set(other) for other in others)

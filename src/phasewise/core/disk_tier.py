@@ -22,7 +22,7 @@ is filled into a checkpoint slot (`StateCheckpoints.adopt`, `BlockIO.fill_state`
 then restores as for any hit.
 
 TTL: a block written or used by a request is kept at least its `SamplingParams.cache_ttl` seconds
-more (default: the engine's `prompt_cache_ttl`). Models with sliding windows are refused (their
+more (default: the engine's `prompt_cache_ttl`), or its cache breakpoint's ttl when longer. Models with sliding windows are refused (their
 windowed groups' blocks are not stored).
 """
 
@@ -87,9 +87,12 @@ class DiskTier:
         # an engine dropped without close(), or the interpreter's exit: the queued writes finish, the thread ends
         weakref.finalize(self, self.writer.close)
 
-    def _ttl(self, req: Request) -> float:
-        ttl = req.sampling_params.cache_ttl
-        return self.default_ttl if ttl is None else ttl
+    def _ttl(self, req: Request, block: int) -> float:
+        """Seconds to keep block `block` of req: its cache_ttl (or the default), or its breakpoint's when longer."""
+        params = req.sampling_params
+        ttl = self.default_ttl if params.cache_ttl is None else params.cache_ttl
+        marked = params.marked_ttl((block + 1) * self.block_size) if params.cache_breakpoints else None
+        return ttl if marked is None else max(ttl, marked)
 
     def _digests(self, req: Request, n: int) -> list[bytes]:
         return block_digests(req.token_ids, n, self.block_size, req.sampling_params.cache_salt, req.disk_digests)
@@ -128,7 +131,7 @@ class DiskTier:
                     and not self.store.lookup(state_digest(digests[end - 1])):
                 end -= 1
             if end > len(hits) and kv.checkpoints.lookup(*keys[end - 1]) is None:
-                state = self._read([state_digest(digests[end - 1])], self._ttl(req))
+                state = self._read([state_digest(digests[end - 1])], [self._ttl(req, end - 1)])
                 if not state:
                     return 0
         if end == len(hits):
@@ -136,7 +139,8 @@ class DiskTier:
         kv.pool.touch(hits)                        # the RAM hits stay while fresh blocks are taken
         fresh = kv.pool.allocate(end - len(hits)) or []
         try:
-            payloads = self._read(digests[len(hits):end], self._ttl(req)) if fresh else []
+            ttls = [self._ttl(req, i) for i in range(len(hits), end)]
+            payloads = self._read(digests[len(hits):end], ttls) if fresh else []
             if state is not None and len(payloads) < end - len(hits):
                 return 0                           # the state's block did not read: none of the run helps
             self.io.fill(fresh[:len(payloads)], payloads)
@@ -162,10 +166,10 @@ class DiskTier:
         self.stats.bytes_read += len(payload)
         return True
 
-    def _read(self, digests: Sequence[bytes], ttl: float) -> list[bytearray]:
-        """The payloads of the leading blocks that read and check out."""
+    def _read(self, digests: Sequence[bytes], ttls: Sequence[float]) -> list[bytearray]:
+        """The payloads of the leading blocks that read and check out (each kept its ttl more)."""
         out = []
-        for d in digests:
+        for d, ttl in zip(digests, ttls):
             try:
                 payload = self.store.read(d, ttl)
             except CorruptEntry as e:
@@ -203,7 +207,7 @@ class DiskTier:
         for req, i, where in new:
             d = self._digests(req, i + 1)[i]
             d = state_digest(d) if states else d
-            ttl = self._ttl(req)
+            ttl = self._ttl(req, i)
             if d in seen or d in self.writer.pending:
                 continue
             seen.add(d)

@@ -10,8 +10,7 @@ from typing import Protocol
 
 from phasewise.core.disk_tier import DiskTier
 from phasewise.core.kv_cache_manager import KVCacheManager
-from phasewise.core.handoffs import (EngineStats, RequestOutput, RunnerOutput, ScheduledChunk, SchedulerOutput,
-                                      StepRecord)
+from phasewise.core.handoffs import EngineStats, RequestOutput, RunnerOutput, SchedulerOutput, StepRecord
 from phasewise.core.request import FinishReason, Request
 from phasewise.core.scheduler import Scheduler
 from phasewise.core.spec_policy import SpecPolicy
@@ -22,13 +21,9 @@ MAX_STEP_RECORDS = 100_000   # a long-running server keeps only the latest steps
 
 
 class Runner(Protocol):
-    def execute(self, sched: SchedulerOutput) -> RunnerOutput: ...
-
-
-class Proposer(Protocol):
-    def propose(self, chunks: list[ScheduledChunk]) -> None:
-        """Fill each chunk's draft_token_ids (at most max_draft_tokens) and, for sampled requests
-        whose drafts were drawn from a distribution q, draft_probs (q at each draft)."""
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """Run one step: its proposer fills the chunks' draft room first (speculative decoding), with
+        `sched.num_draft_tokens` the drafts it made."""
 
 
 @dataclass
@@ -51,26 +46,27 @@ class SpecStats:
 class EngineCore:
     def __init__(self, runner: Runner, scheduler_config: SchedulerConfig, num_blocks: int,
                  block_size: int, max_model_len: int, enable_prefix_caching: bool = True,
-                 proposer: Proposer | None = None, num_speculative_tokens: int = 0,
+                 num_speculative_tokens: int = 0,
                  kv_windows: tuple[int | None, ...] = (None,), num_state_slots: int = 0,
                  num_state_checkpoints: int = 0, disk: DiskTier | None = None,
-                 spec_policy: SpecPolicy | None = None) -> None:
+                 spec_policy: SpecPolicy | None = None, num_tail_slots: int = 0) -> None:
         """kv_windows: the sliding window of each KV group (None: full attention); one group by default.
         num_state_slots: a hybrid model's recurrent-state slots, one per running request, then its
         num_state_checkpoints slots of checkpoints for prefix hits. disk: the prefix cache's disk tier
         (with prefix caching, no sliding windows). spec_policy: chooses each decode's drafts up to
-        num_speculative_tokens from the measured steps (None: always that many)."""
+        num_speculative_tokens from the measured steps (None: always that many); the runner's proposer
+        fills the room the scheduler reserves for them. num_tail_slots: an int8 KV cache's, one per
+        running request."""
         self.runner = runner
-        self.proposer = proposer
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, kv_windows, num_state_slots,
-                                 num_state_checkpoints)
+                                 num_state_checkpoints, num_tail_slots=num_tail_slots)
         self.disk = disk
         if disk is not None:
             if len(kv_windows) != 1 or kv_windows[0] is not None or not self.kv.enable_prefix_caching:
                 raise ValueError("the prompt cache's disk tier needs prefix caching (with state checkpoints, for "
                                  "a hybrid) and no sliding windows")
             self.kv.new_cached = []
-        k = num_speculative_tokens if proposer is not None else 0
+        k = num_speculative_tokens
         self.spec_policy = spec_policy if k else None
         self.scheduler = Scheduler(scheduler_config, self.kv, k, self.spec_policy)
         self.max_model_len = max_model_len
@@ -128,17 +124,15 @@ class EngineCore:
             return []
         try:
             scheduled = time.perf_counter()
-            self._propose(sched)
-            proposed = time.perf_counter()
             result = self.runner.execute(sched)
         except Exception:
             for chunk in sched.chunks:   # a failed step fails its requests: nothing stays held
-                self.scheduler.finish(chunk.request.request_id, FinishReason.ERROR)
+                self.scheduler.finish(chunk.request_id, FinishReason.ERROR)
             raise
         executed = time.perf_counter()
         if self.spec_policy is not None:          # before update: the chunks' requests are as they were scheduled
-            self.spec_policy.observe(sched, {r: len(a) for r, a in result.accepted.items()},
-                                     (executed - proposed) * 1e3, (proposed - scheduled) * 1e3)
+            self.spec_policy.observe(sched, self.scheduler.requests, {r: len(a) for r, a in result.accepted.items()},
+                                     (executed - scheduled) * 1e3 - result.propose_ms, result.propose_ms)
         outputs = self.scheduler.update(sched, result, started)
         if self.disk is not None:      # the blocks this step filled, copied out before any forward reuses them
             self.disk.save(self.kv)
@@ -157,23 +151,3 @@ class EngineCore:
                                      grammar_ms=result.grammar_ms, threads=result.threads,
                                      expert_choices=result.expert_choices))
         return outputs
-
-    def _propose(self, sched: SchedulerOutput) -> None:
-        """Let the proposer fill the draft room the scheduler reserved; unused room stays unused."""
-        wanted = [c for c in sched.chunks if c.max_draft_tokens]
-        if self.proposer is None or not wanted:
-            return
-        self.proposer.propose(wanted)
-        for c in wanted:
-            if len(c.draft_token_ids) > c.max_draft_tokens:
-                raise RuntimeError(f"the proposer gave {len(c.draft_token_ids)} drafts for "
-                                   f"{c.request.request_id}, above the {c.max_draft_tokens} reserved")
-            grammar = c.request.grammar
-            if grammar is not None and c.draft_token_ids:
-                # drafts from the first one the grammar refuses on would be rejected (the target gives
-                # them no mass): they are not computed at all
-                n = grammar.valid_prefix(c.draft_token_ids)
-                if n < len(c.draft_token_ids):
-                    c.draft_token_ids = c.draft_token_ids[:n]
-                    c.draft_probs = None if c.draft_probs is None or n == 0 else c.draft_probs[:n]
-        sched.num_draft_tokens = sum(len(c.draft_token_ids) for c in wanted)

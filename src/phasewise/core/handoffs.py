@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from phasewise.core.request import FinishReason, Request, TokenLogprobs
+from phasewise.core.request import FinishReason, Grammar, Request, TokenLogprobs
+from phasewise.core.sampling_params import SamplingParams
 from phasewise.core.store_writer import DiskStats
 
 
@@ -16,19 +17,60 @@ class DraftProbs(Protocol):
 
 
 @dataclass(kw_only=True)
+class NewRequest:
+    """What the runner keeps of a request, handed over with its first scheduled chunk: the runner holds
+    its own copy (runner/request_state.py) until the request's id comes back in `finished_ids`."""
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]           # outputs made elsewhere (a disaggregated prefill's first token)
+    sampling_params: SamplingParams
+    grammar: Grammar | None               # the core's grammar (structured outputs, thinking): read, never advanced
+
+    @classmethod
+    def of(cls, req: Request) -> NewRequest:
+        return cls(request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids),
+                   output_token_ids=list(req.output_token_ids), sampling_params=req.sampling_params,
+                   grammar=req.grammar)
+
+
+@dataclass(kw_only=True)
 class ScheduledChunk:
-    """Compute tokens [num_computed_tokens, num_computed_tokens + num_tokens) of a request this step.
+    """Compute tokens [start, start + num_tokens) of a request this step, as plain data.
 
     Speculative decoding: a chunk that samples may also carry draft tokens that would follow the
-    request's last token. They are computed too (budget and KV slots reserved for `max_draft_tokens`
-    of them), verified against the target's own distribution, and only the accepted ones become
-    part of the request; rejected ones leave nothing behind but overwritable slots.
+    request's last token. The runner's proposer fills them (up to `max_draft_tokens`, the budget and
+    KV slots reserved); they are computed too, verified against the target's own distribution, and
+    only the accepted ones become part of the request; rejected ones leave nothing behind but
+    overwritable slots.
     """
-    request: Request
-    num_tokens: int                       # tokens of the request itself (drafts not included)
+    request_id: str
+    start: int                            # the request's tokens with KV before the chunk (its first row's position)
+    token_ids: list[int]                  # the chunk's own tokens (drafts not included)
+    num_request_tokens: int               # the request's tokens (prompt + output) when scheduled
+    num_prompt_tokens: int
+    block_tables: list[list[int]]         # the request's, per KV group (read-only for the step)
+    state_slot: int | None = None         # a hybrid's recurrent-state slot
+    tail_slot: int | None = None          # an int8 KV cache's slot for the request's newest keys
+    preemptions: int = 0                  # the request's preemptions so far (a proposer's K/V went with them)
     max_draft_tokens: int = 0             # room reserved for drafts; the proposer fills up to this many
     draft_token_ids: list[int] = field(default_factory=list)
     draft_probs: DraftProbs | None = None  # the proposer's q for each draft; None: a point mass on each
+
+    @classmethod
+    def of(cls, req: Request, num_tokens: int, max_draft_tokens: int = 0,
+           draft_token_ids: list[int] | None = None) -> ScheduledChunk:
+        """`num_tokens` of `req` from its computed tokens on."""
+        start = req.num_computed_tokens
+        return cls(request_id=req.request_id, start=start, token_ids=req.token_ids[start:start + num_tokens],
+                   num_request_tokens=req.num_tokens, num_prompt_tokens=req.num_prompt_tokens,
+                   block_tables=req.block_tables, state_slot=req.state_slot, tail_slot=req.tail_slot,
+                   preemptions=req.metrics.preemptions,
+                   max_draft_tokens=max_draft_tokens, draft_token_ids=list(draft_token_ids or []))
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of the request itself (drafts not included)."""
+        return len(self.token_ids)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -37,18 +79,17 @@ class ScheduledChunk:
 
     @property
     def input_token_ids(self) -> list[int]:
-        start = self.request.num_computed_tokens
-        return self.request.token_ids[start:start + self.num_tokens] + self.draft_token_ids
+        return self.token_ids + self.draft_token_ids
 
     @property
     def samples(self) -> bool:
         """The chunk reaches the request's last token, so a new token is sampled from it."""
-        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+        return self.start + self.num_tokens == self.num_request_tokens
 
     @property
     def is_decode(self) -> bool:
         """One new output token's KV (otherwise: a prompt chunk, or recomputation after preemption)."""
-        return self.num_tokens == 1 and self.request.num_computed_tokens >= self.request.num_prompt_tokens
+        return self.num_tokens == 1 and self.start >= self.num_prompt_tokens
 
 
 @dataclass
@@ -60,6 +101,8 @@ class SchedulerOutput:
     # a hybrid's recurrent-state copies (from slot, to slot) to make before the forward: checkpoints
     # saved, then restored (core/state_checkpoints.py)
     state_copies: list[tuple[int, int]] = field(default_factory=list)
+    new_requests: list[NewRequest] = field(default_factory=list)   # requests the runner has not seen
+    finished_ids: list[str] = field(default_factory=list)          # requests ended since the last step
 
     @property
     def is_empty(self) -> bool:
@@ -81,6 +124,7 @@ class RunnerOutput:
     grammar_ms: float = 0.0            # the grammar masks' time (structured outputs)
     threads: int = 0                   # threads that ran the step's kernels
     expert_choices: list[list[int]] | None = None   # a mixture of experts: per sparse layer, choices per expert
+    propose_ms: float = 0.0            # the proposer's time (speculative decoding), within the step
 
 
 @dataclass(frozen=True, kw_only=True)

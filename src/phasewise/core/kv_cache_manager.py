@@ -12,18 +12,23 @@ Prefix caching: every full block of a request's tokens gets a hash chained on it
 block's hash, so equal hashes mean equal prefixes (per group: each group caches its own
 blocks). A new request takes the longest cached prefix whose blocks every group still has
 (a windowed group only those its window needs), but never the block holding its last prompt
-token: that token's logits must be computed.
+token: that token's logits must be computed. The blocks within a request's cache breakpoints
+(`SamplingParams.cache_breakpoints`) are kept in the pool (`BlockPool.keep`) their ttl past each commit
+that registers or finds them; those it registers itself count in `metrics.cache_written`.
 
 State slots: a hybrid model's recurrent layers keep a fixed state per sequence, not KV. The
 manager hands each running request one of `num_state_slots` slots (`request.state_slot`) with its
 first blocks, and takes it back with them; the runner's state tensors are indexed by it. A prefix
 hit on such a model also needs the state where the hit ends: `StateCheckpoints` keeps copies at
 block boundaries (core/state_checkpoints.py), and a hit is cut back to the last boundary with one.
+An int8 KV cache keeps each running sequence's newest keys in fp32 in a tail slot: the manager hands
+those out (`request.tail_slot`) and takes them back alike; a hit needs none (it ends on a block boundary).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+import time
+from collections.abc import Callable, Hashable, Sequence
 
 from phasewise.core.block_pool import BlockPool
 from phasewise.core.request import BlockKey, Request
@@ -35,10 +40,13 @@ NULL_BLOCK = -1     # a table entry whose block was freed behind a window (never
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  windows: Sequence[int | None] = (None,), num_state_slots: int = 0,
-                 num_state_checkpoints: int = 0) -> None:
+                 num_state_checkpoints: int = 0, now: Callable[[], float] = time.monotonic,
+                 num_tail_slots: int = 0) -> None:
         """windows: one entry per KV group, its sliding window in tokens (None: full attention).
         num_state_slots: a hybrid's recurrent-state slots (0: the model keeps none), then its
-        num_state_checkpoints slots for checkpoints (0: no prefix hits for it)."""
+        num_state_checkpoints slots for checkpoints (0: no prefix hits for it). now: the clock that cache
+        breakpoints' blocks are kept by (seconds). num_tail_slots: an int8 KV cache's tail slots (0: a
+        float cache)."""
         if not windows:
             raise ValueError("at least one KV group")
         self.block_size = block_size
@@ -46,9 +54,11 @@ class KVCacheManager:
             if num_state_slots and num_state_checkpoints and enable_prefix_caching else None
         self.enable_prefix_caching = enable_prefix_caching and (not num_state_slots or self.checkpoints is not None)
         self.windows = tuple(windows)
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, now)
         self.num_state_slots = num_state_slots
         self.free_state_slots = list(range(num_state_slots - 1, -1, -1))   # a stack: slot 0 first
+        self.free_tail_slots = list(range(num_tail_slots - 1, -1, -1))
+        self.num_tail_slots = num_tail_slots
         # (request, block index, block id) of the blocks cached since take_new_cached, and (request, block
         # index, state slot) of the states checkpointed where a block ends, while a disk tier wants them
         # (None: nobody does)
@@ -77,9 +87,8 @@ class KVCacheManager:
     def _block_keys(self, request: Request, num_blocks: int) -> list[tuple[int, BlockKey]]:
         """(hash, key) of the request's first `num_blocks` full blocks, computed once and kept; a cache
         salt joins the first block's key, so requests of different salts share none."""
-        salt = request.sampling_params.cache_salt
         return chain_keys(request.token_ids, num_blocks, self.block_size, request.block_hashes,
-                          None if salt is None else ("salt", salt))
+                          salt_root(request.sampling_params.cache_salt))
 
     @staticmethod
     def _in_group(group: int, h: int, key: BlockKey) -> tuple[int, Hashable]:
@@ -123,7 +132,8 @@ class KVCacheManager:
         with nothing changed, when the pool is short."""
         pool, groups = self.pool, range(self.num_groups)
         needs_slot = self.num_state_slots > 0 and request.state_slot is None
-        if needs_slot and not self.free_state_slots:
+        needs_tail = self.num_tail_slots > 0 and request.tail_slot is None
+        if (needs_slot and not self.free_state_slots) or (needs_tail and not self.free_tail_slots):
             return False
         if not request.block_tables:
             request.block_tables = [[] for _ in groups]
@@ -138,6 +148,8 @@ class KVCacheManager:
         pool.touch(taken)
         if needs_slot:
             request.state_slot = self.free_state_slots.pop()
+        if needs_tail:
+            request.tail_slot = self.free_tail_slots.pop()
         if hits[0] and self.checkpoints is not None and request.state_slot is not None:
             self.checkpoints.restore(*request.block_hashes[len(hits[0]) - 1], request.state_slot)
         for g in groups:
@@ -190,11 +202,19 @@ class KVCacheManager:
         full = request.num_computed_tokens // self.block_size
         if full <= request.num_cached_blocks:
             return
+        params = request.sampling_params
+        now = self.pool.now() if params.cache_breakpoints else 0.0
         for i, (h, key) in enumerate(self._block_keys(request, full)[request.num_cached_blocks:],
                                      start=request.num_cached_blocks):
+            ttl = params.marked_ttl((i + 1) * self.block_size) if params.cache_breakpoints else None
             for g, table in enumerate(request.block_tables):
                 if table[i] != NULL_BLOCK:
-                    self.pool.cache(table[i], *self._in_group(g, h, key))
+                    new = self.pool.cache(table[i], *self._in_group(g, h, key))
+                    if ttl is not None:             # a breakpoint's block, written or read: kept ttl more
+                        self.pool.keep(table[i], now + ttl)
+                        if new and g == 0:
+                            written = request.metrics.cache_written
+                            written[ttl] = written.get(ttl, 0) + self.block_size
             if self.new_cached is not None:
                 self.new_cached.append((request, i, request.block_tables[0][i]))
         request.num_cached_blocks = full
@@ -213,11 +233,11 @@ class KVCacheManager:
 
     # ---- KV handed from one engine to another (prefill/decode disaggregation) -----------
 
-    def cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
-        """The cached blocks holding the longest computed prefix of token_ids (whole blocks, never the
-        block of the last token, as a request would take them); full-attention models only."""
+    def cached_prefix(self, token_ids: Sequence[int], salt: str | None = None) -> list[int]:
+        """The cached blocks holding the longest computed prefix of token_ids under this cache salt (whole
+        blocks, never the block of the last token, as a request would take them); full-attention models only."""
         self._only_full("exporting KV blocks")
-        keys = chain_keys(token_ids, (len(token_ids) - 1) // self.block_size, self.block_size)
+        keys = chain_keys(token_ids, (len(token_ids) - 1) // self.block_size, self.block_size, root=salt_root(salt))
         blocks = []
         for h, key in keys:
             b = self.pool.lookup(h, key) if self.enable_prefix_caching else None
@@ -226,16 +246,17 @@ class KVCacheManager:
             blocks.append(b)
         return blocks
 
-    def adopt_prefix(self, token_ids: Sequence[int], num_blocks: int) -> list[tuple[int, bool]] | None:
+    def adopt_prefix(self, token_ids: Sequence[int], num_blocks: int, salt: str | None = None
+                     ) -> list[tuple[int, bool]] | None:
         """Take free blocks for the first `num_blocks` blocks of token_ids and enter them in the prefix
-        cache as if computed here (the caller fills them before any request runs), then release them:
-        cached and free, a request with this prefix takes them as hits. A block already cached here
-        is kept as it is. Returns (block id, whether the caller must fill it) for each, or None when
-        the pool is short (nothing taken)."""
+        cache as if computed here by a request of this cache salt (the caller fills them before any request
+        runs), then release them: cached and free, a request with this prefix and salt takes them as hits.
+        A block already cached here is kept as it is. Returns (block id, whether the caller must fill it)
+        for each, or None when the pool is short (nothing taken)."""
         self._only_full("importing KV blocks")
         if not self.enable_prefix_caching:
             raise ValueError("importing KV blocks needs prefix caching (they arrive as cached blocks)")
-        keys = chain_keys(token_ids, num_blocks, self.block_size)
+        keys = chain_keys(token_ids, num_blocks, self.block_size, root=salt_root(salt))
         have = [self.pool.lookup(h, key) for h, key in keys]
         fresh = self.pool.allocate(sum(1 for b in have if b is None))
         if fresh is None:
@@ -260,6 +281,9 @@ class KVCacheManager:
         if request.state_slot is not None:
             self.free_state_slots.append(request.state_slot)
             request.state_slot = None
+        if request.tail_slot is not None:
+            self.free_tail_slots.append(request.tail_slot)
+            request.tail_slot = None
 
 
 def _held(blocks: Sequence[int | None]) -> list[int]:
@@ -267,6 +291,11 @@ def _held(blocks: Sequence[int | None]) -> list[int]:
     held = [b for b in blocks if b is not None]
     assert len(held) == len(blocks)
     return held
+
+
+def salt_root(salt: str | None) -> Hashable:
+    """The first block's parent under a cache salt (None: no salt)."""
+    return None if salt is None else ("salt", salt)
 
 
 def chain_keys(token_ids: Sequence[int], num_blocks: int, block_size: int,

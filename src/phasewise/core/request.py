@@ -45,6 +45,9 @@ class RequestMetrics:
     grammar_compile_ms: float | None = None   # structured outputs: compiling (or copying) its grammar
     disk_tokens: int = 0              # prompt tokens the prompt cache's disk tier loaded for it,
     disk_load_ms: float = 0.0         # and the time that took (before it was first scheduled)
+    # prompt tokens of cache breakpoints' prefixes (SamplingParams.cache_breakpoints) this request entered in the
+    # prefix cache (computed here, not read), by breakpoint ttl in seconds: Anthropic's cache creation
+    cache_written: dict[float, int] = field(default_factory=dict)
     # a reply that may think (SamplingParams.thinking), as its ThinkingGate counts it:
     thinking_tracked: bool = False            # the reply's thinking is tracked (otherwise it is all answer)
     thinking_tokens: int = 0                  # output tokens inside the thinking block
@@ -134,6 +137,15 @@ class Grammar(Protocol):
     def error(self) -> str | None: ...
 
 
+class SequenceView(Protocol):
+    """What sampling and grammar masks read of a request (the runner's `RequestState`)."""
+    request_id: str
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    grammar: Grammar | None
+
+
 class Request:
     """Token ids (prompt then output), how many have KV computed, and the KV blocks that hold them."""
 
@@ -159,11 +171,9 @@ class Request:
         self.disk_digests: list[bytes] = []         # per full block, its digest on disk (core/disk_tier.py)
         self.disk_checked = False                   # the disk tier has looked for its prefix
         self.state_slot: int | None = None          # a hybrid's recurrent-state slot while it holds blocks
+        self.tail_slot: int | None = None           # an int8 KV cache's tail slot while it holds blocks
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
-        # Kept here for their owners, opaque to the core (each owner checks the type it stored):
-        self.sampler_state: object = None           # the runner's: a seeded torch.Generator
-        self.spec_state: object = None              # the proposer's: an n-gram index, or the draft model's progress
         self.spec_choice: object = None             # the speculation policy's (core/spec_policy.py): its acceptance
         self.grammar = grammar                      # structured outputs or thinking: a structured.GrammarMatcher or ThinkingGate
         self.metrics = RequestMetrics(arrival=arrival if arrival is not None else time.perf_counter())

@@ -114,7 +114,11 @@ class SamplingParams:
     cache_salt (vLLM's field): requests of different salts never share a prefix-cache block, in RAM or
     on disk (one tenant cannot time another's prompts). cache_ttl: seconds the prompt cache's disk tier
     keeps this request's blocks after their last use (None: the engine's default; the server maps
-    Anthropic's cache_control ttl and OpenAI's prompt_cache_retention to it).
+    OpenAI's prompt_cache_retention to it). cache_breakpoints: (n, ttl) pairs, Anthropic's cache_control
+    breakpoints in tokens: each whole block within the prompt's first n tokens is kept at least ttl
+    seconds after each use, on disk (beyond cache_ttl) and in RAM (evicted after unkept blocks), and the
+    tokens of those blocks this request enters in the prefix cache are counted by ttl
+    (`RequestMetrics.cache_written`).
     """
 
     n: int = 1
@@ -138,6 +142,7 @@ class SamplingParams:
     thinking: ThinkingBlock | None = None
     cache_salt: str | None = None
     cache_ttl: float | None = None
+    cache_breakpoints: tuple[tuple[int, float], ...] = ()
 
     MAX_LOGPROBS = 20
 
@@ -174,6 +179,13 @@ class SamplingParams:
             raise ValueError(f"cache_ttl must be a positive number of seconds, got {self.cache_ttl}")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(self.cache_salt).__name__}")
+        self.cache_breakpoints = tuple((n, ttl) for n, ttl in self.cache_breakpoints)
+        if not all(isinstance(n, int) and n > 0 and ttl > 0 for n, ttl in self.cache_breakpoints):
+            raise ValueError(f"cache_breakpoints must be (tokens > 0, seconds > 0) pairs, got {self.cache_breakpoints}")
+
+    def marked_ttl(self, end: int) -> float | None:
+        """The longest ttl of the cache breakpoints covering the prompt's first `end` tokens (None: none does)."""
+        return max((ttl for n, ttl in self.cache_breakpoints if n >= end), default=None)
 
     @property
     def greedy(self) -> bool:

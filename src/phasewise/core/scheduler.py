@@ -22,8 +22,7 @@ from collections import deque
 
 from phasewise.config import SchedulerConfig
 from phasewise.core.kv_cache_manager import KVCacheManager
-from phasewise.core.handoffs import (
-    RequestOutput, RunnerOutput, ScheduledChunk, SchedulerOutput)
+from phasewise.core.handoffs import NewRequest, RequestOutput, RunnerOutput, ScheduledChunk, SchedulerOutput
 from phasewise.core.request import FinishReason, Request, RequestStatus
 from phasewise.core.spec_policy import SpecPolicy
 
@@ -38,6 +37,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.runner_knows: set[str] = set()       # requests whose NewRequest the runner has had
+        self.finished_ids: list[str] = []         # of those, ended since the last step was scheduled
 
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -68,7 +69,7 @@ class Scheduler:
                     break
             if req.status is not RequestStatus.RUNNING:
                 break  # req preempted itself: nothing after it remains either
-            chunks.append(ScheduledChunk(request=req, num_tokens=n, max_draft_tokens=drafts))
+            chunks.append(ScheduledChunk.of(req, n, drafts))
             budget -= n + drafts
             i += 1
         # Then waiting requests, in arrival order, after their prefix-cache hits; no admissions
@@ -88,10 +89,15 @@ class Scheduler:
                 req.metrics.first_scheduled = now
                 req.num_cached_tokens = cached
             req.status = RequestStatus.RUNNING
-            chunks.append(ScheduledChunk(request=req, num_tokens=n))
+            chunks.append(ScheduledChunk.of(req, n))
             budget -= n
         # a hybrid's state copies go with the next step that runs (no forward writes a slot before it)
         out = SchedulerOutput(chunks, state_copies=self.kv.take_state_copies() if chunks else [])
+        if chunks:
+            out.new_requests = [NewRequest.of(self.requests[c.request_id]) for c in chunks
+                                if c.request_id not in self.runner_knows]
+            self.runner_knows.update(r.request_id for r in out.new_requests)
+            out.finished_ids, self.finished_ids = self.finished_ids, []
         for c in chunks:
             if c.is_decode:
                 out.num_decode_tokens += 1
@@ -133,8 +139,8 @@ class Scheduler:
         now = time.perf_counter()
         outputs = []
         for chunk in sched.chunks:
-            req = chunk.request
-            if req.is_finished:  # aborted while the step ran
+            req = self.requests.get(chunk.request_id)
+            if req is None:  # aborted while the step ran
                 continue
             if not chunk.is_decode:
                 req.metrics.prefill_chunks.append((started, now, chunk.num_tokens))
@@ -186,6 +192,9 @@ class Scheduler:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        if request_id in self.runner_knows:       # the runner lets its state go with the next step
+            self.runner_knows.discard(request_id)
+            self.finished_ids.append(request_id)
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
         elif req in self.waiting:

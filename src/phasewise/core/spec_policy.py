@@ -6,10 +6,11 @@ with k drafts then commits E(a, k) = 1 + a + ... + a^k tokens (the target's own 
 draft steps and a target step over k more rows, T(k) = plain + k * (draft + row), where plain decoding
 commits 1 token per `plain`. The expected speed-up is S(k) = E(a, k) * plain / T(k); the policy takes
 the k in 0..K (K: --num-speculative-tokens) with the largest S, and 0 (plain decoding) unless that S
-passes MARGIN. A request at 0 probes again with K drafts after PROBE_FIRST plain steps, then after twice
-as many each time the probe says 0 again (at most PROBE_MAX), so a text that turns predictable is found;
-not where drafts could not pay even if all were accepted (a draft model as slow as the target), as a
-draft model's probe first catches up on every token since it last ran (a prefill of that many).
+passes MARGIN. A request at 0 probes again with PROBE_K drafts after PROBE_FIRST plain steps, then after
+twice as many each time the probe says 0 again (at most PROBE_MAX), so a text that turns predictable is
+found; not where drafts could not pay even if all were accepted (a draft model as slow as the target). A
+probe is dear: a draft model's first catches up on every token since it last ran (a prefill of that
+many; 6-7 plain steps' time for 16 tokens at AVX2), so it drafts one token, and comes rarely.
 
 The costs (`StepCosts`) are the engine's own steps, timed: decode-only steps without drafts give
 `plain`, those with drafts give `row` (what each draft row adds to the verify step) and the proposer's
@@ -26,13 +27,16 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from phasewise.core.handoffs import SchedulerOutput
 from phasewise.core.request import Request
 
-MARGIN = 1.03           # the speed-up speculation must promise over plain decoding
-PROBE_FIRST = 16        # plain steps before a request at 0 probes again; doubled after each probe that loses
+MARGIN = 1.10           # the speed-up speculation must promise over plain decoding (the model misses a verify
+                        # step's fixed costs: at AVX2 a one-draft step ran 5-10% over its estimate)
+PROBE_FIRST = 32        # plain steps before a request at 0 probes again; doubled after each probe that loses
+PROBE_K = 1             # a probe's drafts: one tells whether drafts are taken again
 PROBE_MAX = 256
 CALIBRATE = 128         # steps with drafts between the plain steps that re-measure `plain`
 WINDOW = 9              # the costs: medians of their latest samples,
@@ -153,22 +157,24 @@ class SpecPolicy:
         if k:
             st.plain_run, st.probe_after = 0, PROBE_FIRST
         elif st.plain_run >= st.probe_after and costs.best(1.0, self.max_k)[0]:   # could drafts pay at all?
-            k, st.plain_run, st.probe_after = self.max_k, 0, min(2 * st.probe_after, PROBE_MAX)
+            k, st.plain_run, st.probe_after = PROBE_K, 0, min(2 * st.probe_after, PROBE_MAX)
         else:
             st.plain_run += 1
         return k
 
-    def observe(self, sched: SchedulerOutput, accepted: dict[str, int], execute_ms: float,
-                propose_ms: float) -> None:
-        """Learn from a step that ran: each request's drafts accepted, and the costs if it only decoded."""
+    def observe(self, sched: SchedulerOutput, requests: Mapping[str, Request], accepted: dict[str, int],
+                execute_ms: float, propose_ms: float) -> None:
+        """Learn from a step that ran (its chunks' `requests`): each request's drafts accepted, and the
+        costs if it only decoded."""
         fair = True                                         # no draft caught up on a stretch of plain steps
         for c in sched.chunks:
-            st = c.request.spec_choice
+            req = requests.get(c.request_id)
+            st = req.spec_choice if req is not None else None
             if not isinstance(st, RequestSpec):
                 continue
             if c.draft_token_ids:
                 fair = fair and st.last_k > 0
-                n, got = len(c.draft_token_ids), accepted.get(c.request.request_id, 0)
+                n, got = len(c.draft_token_ids), accepted.get(c.request_id, 0)
                 miss = 1.0 if got < n else 0.0
                 fade = TRIAL_DECAY ** (got + miss)             # each trial (a draft's fate) ages the counts
                 st.accepted, st.rejected = fade * st.accepted + got, fade * st.rejected + miss

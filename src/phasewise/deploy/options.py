@@ -56,7 +56,7 @@ def replica_parser() -> argparse.ArgumentParser:
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=None)
+    s.add_argument("--api-key", nargs="+", default=None)
     s.add_argument("--served-model-name", nargs="+", default=None)
     s.add_argument("--max-waiting", type=int, default=1024)
     s.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)

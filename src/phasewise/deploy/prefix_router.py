@@ -4,7 +4,9 @@ The key is the prompt as text, cut into pieces of `BLOCK_CHARS` characters (64: 
 tokens at ~4 characters a token) and hashed in a chain, each piece's hash on its parent's, as the engine's
 prefix cache hashes its blocks of token ids; a prompt given as token ids is cut into blocks of 16 ids. The
 text is what the request says before the model answers: for chat, each message's role and text in order
-(system and instructions first); for completions, the prompt. The router runs in each caller's process
+(system and instructions first); for completions, the prompt. A body's `prompt_cache_key` (OpenAI's) and
+`cache_salt` (vLLM's) are the chain's root, so one session's or tenant's requests meet their own cache and
+no other's. The router runs in each caller's process
 (here the ingress replica) and remembers which replica it sent each block hash to (bounded, least recently
 used forgotten first); a replica that dies is forgotten. It does not see the engine's evictions: a replica
 that evicted a prefix still attracts it, which costs one recompute there, never a wrong answer. Routers
@@ -67,10 +69,16 @@ def prompt_block_hashes(body: JsonValue) -> tuple[bytes, ...]:
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         pieces = [",".join(map(str, prompt[i:i + BLOCK_TOKENS]))
                   for i in range(0, len(prompt) - BLOCK_TOKENS + 1, BLOCK_TOKENS)]
-        return _chain(pieces[:MAX_BLOCKS])
+        return _chain(pieces[:MAX_BLOCKS], _root(body))
     text = _prompt_text(body)
     return _chain([text[i:i + BLOCK_CHARS] for i in range(0, min(len(text), BLOCK_CHARS * MAX_BLOCKS) - BLOCK_CHARS + 1,
-                                                         BLOCK_CHARS)])
+                                                         BLOCK_CHARS)], _root(body))
+
+
+def _root(body: JsonObject) -> bytes:
+    """The chain's root: the body's prompt_cache_key and cache_salt (b"" without either)."""
+    named = [f"{name}={body[name]}" for name in ("prompt_cache_key", "cache_salt") if isinstance(body.get(name), str)]
+    return hashlib.blake2b("\0".join(named).encode(), digest_size=8).digest() if named else b""
 
 
 def _prompt_text(body: JsonObject) -> str:
@@ -97,8 +105,8 @@ def _text(value: JsonValue) -> str:
     return ""
 
 
-def _chain(pieces: list[str]) -> tuple[bytes, ...]:
-    hashes, parent = [], b""
+def _chain(pieces: list[str], root: bytes = b"") -> tuple[bytes, ...]:
+    hashes, parent = [], root
     for piece in pieces:
         parent = hashlib.blake2b(parent + piece.encode(), digest_size=8).digest()
         hashes.append(parent)

@@ -180,7 +180,8 @@ def build_server(options: argparse.Namespace, kv_role: str | None = None,
     assert isinstance(engine, LLMEngine)         # build's (AsyncEngine holds it as any EngineClient)
     path = Path(engine.model_path)
     name, aliases = model_names(o.served_model_name, o.model, path)
-    app = create_app(async_engine, ServerConfig(served_model_name=name, model_aliases=aliases, api_key=o.api_key,
+    app = create_app(async_engine, ServerConfig(served_model_name=name, model_aliases=aliases,
+                                                api_keys=tuple(o.api_key or ()),
                                                 max_waiting=o.max_waiting, max_body_bytes=o.max_body_bytes,
                                                 model_root=str(path), role=kv_role,
                                                 reasoning_parser=o.reasoning_parser,

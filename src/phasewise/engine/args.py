@@ -45,9 +45,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
                    help="split the model over this many processes on this machine (torch.distributed, gloo on "
                         "CPUs); each gets an equal share of the threads")
-    g.add_argument("--speculative", default=None, metavar="ngram|draft[:MODEL]",
-                   help="speculative decoding: 'ngram' (prompt lookup) or 'draft:MODEL' (a draft model with "
-                        "the same tokenizer; plain 'draft' = this model at --draft-quantization); outputs are unchanged")
+    g.add_argument("--speculative", default=None, metavar="ngram|draft[:MODEL]|mtp",
+                   help="speculative decoding: 'ngram' (prompt lookup), 'draft:MODEL' (a draft model with "
+                        "the same tokenizer; plain 'draft' = this model at --draft-quantization) or 'mtp' (the "
+                        "model's own multi-token-prediction layer: Qwen3.5, Qwen3-Next folders); outputs are unchanged")
     g.add_argument("--num-speculative-tokens", type=int, default=4,
                    help="the most draft tokens verified per step: each request's count adapts to its measured "
                         "acceptance and this machine's measured draft and verify costs")

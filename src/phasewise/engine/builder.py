@@ -8,12 +8,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from phasewise.config import EngineConfig, SpeculativeConfig
-from phasewise.core.engine_core import EngineCore, Proposer
+from phasewise.core.engine_core import EngineCore
 from phasewise.core.spec_policy import SpecPolicy
 from phasewise.kernels import build as kernel_build
 from phasewise.kernels.kernel_api import Kernels
@@ -25,16 +25,18 @@ from phasewise.engine.prompt_cache import check_supported as check_prompt_cache,
 from phasewise.core.prompt_store import Clock
 from phasewise.runner.kv_cache import (KEY_GROUP, KVCache, kv_bytes_per_block, num_blocks_for_memory,
                                        state_slots_for_memory, tail_bytes)
-from phasewise.runner.model_runner import ModelRunner
+from phasewise.runner.model_runner import ModelRunner, Proposer
 from phasewise.runner.thread_governor import ThreadGovernor
 from phasewise.runner.tp_worker import Setup, TensorParallelRanks, start_ranks
 from phasewise.spec_decode.draft_model import DraftModelProposer
+from phasewise.spec_decode.mtp import MTPProposer
 from phasewise.spec_decode.ngram import NgramProposer
 from phasewise.structured import GrammarCompiler
 from phasewise.tokenization.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from phasewise.models.llama import LlamaForCausalLM     # what the loader builds (the registry's classes)
+    from phasewise.models.qwen3_5 import Qwen3_5ForCausalLM
 
 
 def check_device(device: str) -> None:
@@ -108,7 +110,7 @@ def build_engine(config: EngineConfig, clock: Clock | None = None) -> EnginePart
             tokenizer_loading = pool.submit(_tokenizer, model_path, config.chat_template)
             model, model_config = load_prepared(model_path, precision.weights, config.device, kernels,
                                                 plain=config.kernels == "torch", tp=tp,
-                                                packed_cache=config.packed_cache)
+                                                packed_cache=config.packed_cache, mtp=spec.method == "mtp")
             tokenizer = tokenizer_loading.result()
         model.build_stack(_bound(kernels, precision.weights))   # the C++ decoder stack, where it can run
         if tp:
@@ -117,14 +119,16 @@ def build_engine(config: EngineConfig, clock: Clock | None = None) -> EnginePart
         max_model_len = min(max_len, model_config.max_position_embeddings)
         kv_cache = KVCache(model_config, num_blocks, cache.block_size, kv_dtype, config.device,
                            num_state_slots=slots + checkpoints + snapshots, num_tail_slots=tails)
-        draft_model, proposer = _proposer(config, model_path, model_config, kernels, max_model_len, num_blocks,
-                                          slots, tokenizer.eos_token_ids)
+        draft_model, proposer = _proposer(config, model_path, model, kernels, max_model_len, num_blocks,
+                                          slots, tokenizer.eos_token_ids, kv_dtype)
         runner = ModelRunner(model, kv_cache, tokenizer.eos_token_ids, config.device, kernels, tp,
-                             snapshot_slots=range(slots + checkpoints, slots + checkpoints + snapshots))
+                             snapshot_slots=range(slots + checkpoints, slots + checkpoints + snapshots),
+                             proposer=proposer)
         disk = open_disk_tier(config, model_path, precision.weights, kv_cache, kernels is not None, clock)
         core = EngineCore(runner, config.scheduler, num_blocks, cache.block_size, max_model_len,
-                          cache.enable_prefix_caching, proposer, spec.num_speculative_tokens,
-                          model_config.kv_group_windows, slots, checkpoints, disk, _spec_policy(spec))
+                          cache.enable_prefix_caching, spec.num_speculative_tokens if proposer else 0,
+                          model_config.kv_group_windows, slots, checkpoints, disk, _spec_policy(spec),
+                          kv_cache.num_tail_slots)
     except BaseException:
         if ranks:
             ranks.stop()
@@ -137,16 +141,20 @@ def build_engine(config: EngineConfig, clock: Clock | None = None) -> EnginePart
                        (time.perf_counter() - started) * 1e3)
 
 
-def _proposer(config: EngineConfig, model_path: Path, target: ModelConfig, kernels: Kernels | None,
-              max_model_len: int, num_blocks: int, state_slots: int, eos_token_ids: frozenset[int]
-              ) -> tuple[LlamaForCausalLM | None, Proposer | None]:
+def _proposer(config: EngineConfig, model_path: Path, target: LlamaForCausalLM, kernels: Kernels | None,
+              max_model_len: int, num_blocks: int, state_slots: int, eos_token_ids: frozenset[int],
+              kv_dtype: torch.dtype) -> tuple[LlamaForCausalLM | None, Proposer | None]:
     """The speculation method's proposer (and its draft model: `--speculative draft`), or none."""
     spec = config.speculative
     if spec.method == "ngram":
         return None, NgramProposer(spec.ngram_min, spec.ngram_max)
+    if spec.method == "mtp":      # the target's own MTP layer, its K/V in a cache of the target's block layout
+        mtp_model = cast("Qwen3_5ForCausalLM", target)      # loaded with mtp=True (checked before loading)
+        return None, MTPProposer(mtp_model, num_blocks, config.cache.block_size, kv_dtype, eos_token_ids,
+                                 config.device, kernels, config.scheduler.max_num_seqs)
     if spec.method != "draft":
         return None, None
-    draft, kv = _draft_model(config, model_path, target, kernels, max_model_len, num_blocks, state_slots)
+    draft, kv = _draft_model(config, model_path, target.config, kernels, max_model_len, num_blocks, state_slots)
     return draft, DraftModelProposer(draft, kv, eos_token_ids, config.device, kernels,
                                      state_slots if draft.config.recurrent_layers else 0)
 
@@ -161,8 +169,12 @@ def _check_features(config: EngineConfig, cfg: ModelConfig) -> None:
 
 def _check_speculation(cfg: ModelConfig, spec: SpeculativeConfig, tp_size: int) -> None:
     """What speculative decoding cannot run with yet: a ValueError saying so."""
-    if tp_size > 1 and spec.method == "draft":
-        raise ValueError("a draft model does not run with tensor parallelism yet: use --speculative ngram")
+    if tp_size > 1 and spec.method in ("draft", "mtp"):
+        raise ValueError(f"--speculative {spec.method} does not run with tensor parallelism yet: use --speculative ngram")
+    if spec.method == "mtp" and not cfg.mtp_layers:
+        raise ValueError(f"--speculative mtp needs a model with a multi-token-prediction layer (a Qwen3.5 or "
+                         f"Qwen3-Next folder with mtp.* weights); this {cfg.architecture} model has none "
+                         f"(GGUF files: not read yet): use --speculative ngram or draft")
 
 
 def _int8_kv_fits(config: EngineConfig, precision: Precision) -> Precision:
@@ -200,6 +212,8 @@ def _cache_size(cfg: ModelConfig, config: EngineConfig, kv_dtype: torch.dtype) -
     snapshots = slots * k if cfg.recurrent_layers else 0
     kv_gib = cache.kv_cache_memory_gib - ((slots + checkpoints + snapshots) * cfg.state_bytes_per_seq
                                           + config.scheduler.max_num_seqs * tail_bytes(cfg, kv_dtype)) / 2**30
+    if config.speculative.method == "mtp":     # the MTP layer's own cache: one more attention layer's K/V
+        kv_gib *= len(cfg.attention_layers) / (len(cfg.attention_layers) + 1)
     return slots, checkpoints, snapshots, cache.num_blocks or num_blocks_for_memory(cfg, cache.block_size, kv_dtype,
                                                                                     kv_gib)
 

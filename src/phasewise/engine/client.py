@@ -40,6 +40,17 @@ class ChatPrompt:
     template_kwargs: JsonObject | None = None
     add_generation_prompt: bool = True
     continue_final: bool = False
+    cache_points: tuple[CachePoint, ...] = ()
+
+
+@dataclass(frozen=True)
+class CachePoint:
+    """A cache breakpoint of a chat prompt (Anthropic's cache_control): `cut` is the request cut just after
+    the marked part (no turn opened after it); the prompt's tokens within the text the two render alike
+    from the start are kept at least `ttl` seconds (LLMEngine.encode_marked turns it into
+    SamplingParams.cache_breakpoints)."""
+    cut: ChatPrompt
+    ttl: float
 
 
 class EngineBrokenError(RuntimeError):
@@ -59,6 +70,10 @@ class EngineClient(Protocol):
                       tools: Sequence[Mapping[str, JsonValue]] | None = None) -> list[int]:
         """Token ids of a prompt: a ChatPrompt (or chat messages, with OpenAI-style tools) through the chat
         template."""
+
+    def encode_marked(self, prompt: ChatPrompt) -> tuple[list[int], tuple[tuple[int, float], ...]]:
+        """A chat prompt's token ids and its cache points (Anthropic's cache_control) in tokens, as
+        SamplingParams.cache_breakpoints."""
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, chat: bool = False,
                     request_id: str | None = None,

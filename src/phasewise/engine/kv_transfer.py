@@ -29,19 +29,19 @@ class KVTransfer:
                 raise ValueError("a prefill or decode role needs a KV peer (tcp://HOST:PORT, the same on both sides)")
             self.link = KVLink(role, peer)
 
-    def export(self, token_ids: list[int]) -> KVBlocks:
-        """The blocks of the prefix cache that hold the longest computed prefix of token_ids (whole
-        blocks, never the last token's: the receiver computes that one), copied out. Run the prompt
-        first (e.g. max_tokens=1): its blocks stay cached after it ends."""
+    def export(self, token_ids: list[int], salt: str | None = None) -> KVBlocks:
+        """The blocks of the prefix cache that hold the longest computed prefix of token_ids under this
+        cache salt (whole blocks, never the last token's: the receiver computes that one), copied out. Run
+        the prompt first (e.g. max_tokens=1): its blocks stay cached after it ends."""
         self._no_tp("exporting KV blocks")
-        blocks = self.blocks.cached_prefix(token_ids)
+        blocks = self.blocks.cached_prefix(token_ids, salt)
         bs = self.cache.block_size
         return KVBlocks(list(token_ids[:len(blocks) * bs]), bs, self.cache.read_blocks(blocks))
 
-    def adopt(self, kv: KVBlocks) -> int:
+    def adopt(self, kv: KVBlocks, salt: str | None = None) -> int:
         """Enter another engine's blocks (same model, block size and KV precision) in the prefix cache:
-        a request with that prefix then computes only the rest. Returns the tokens entered; ValueError
-        when the layouts differ or the pool has no room for them."""
+        a request with that prefix and cache salt then computes only the rest. Returns the tokens entered;
+        ValueError when the layouts differ or the pool has no room for them."""
         self._no_tp("importing KV blocks")
         if kv.block_size != self.cache.block_size:
             raise ValueError(f"KV blocks of {kv.block_size} tokens cannot enter a cache of {self.cache.block_size}")
@@ -53,7 +53,7 @@ class KVTransfer:
                 got = None if theirs is None else f"{tuple(theirs.shape)} {theirs.dtype}"
                 raise ValueError(f"the KV blocks' {name} ({got}) does not match this engine's cache "
                                  f"({want} {t.dtype})")
-        placed = self.blocks.adopt_prefix(kv.token_ids, kv.num_blocks)
+        placed = self.blocks.adopt_prefix(kv.token_ids, kv.num_blocks, salt)
         if placed is None:
             raise ValueError(f"no room for {kv.num_blocks} KV blocks: {self.blocks.pool.num_free} are free")
         fill = [i for i, (_, fresh) in enumerate(placed) if fresh]
@@ -62,12 +62,12 @@ class KVTransfer:
                                     {name: torch.cat([kv.block(i)[name] for i in fill], dim=2) for name in kv.parts})
         return kv.num_blocks * kv.block_size
 
-    def send(self, transfer_id: str, token_ids: list[int]) -> Future[None]:
-        """A prefill instance: send the cached blocks of this computed prompt to the decode instance;
-        the future resolves once they are sent."""
+    def send(self, transfer_id: str, token_ids: list[int], salt: str | None = None) -> Future[None]:
+        """A prefill instance: send the cached blocks of this computed prompt (of this cache salt) to the
+        decode instance; the future resolves once they are sent."""
         if self.link is None or self.link.role != "prefill":
             raise ValueError("only a prefill instance (--role prefill) sends KV blocks")
-        kv = self.export(token_ids)
+        kv = self.export(token_ids, salt)
         return self.link.send(transfer_id, (kv.token_ids, kv.block_size, kv.parts))
 
     def expect(self, transfer_id: str) -> Future[KVBlocks]:

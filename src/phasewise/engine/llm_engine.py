@@ -3,6 +3,7 @@ deltas out, synchronously. The offline API (`LLM`) and the server both drive it.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import time
 from collections.abc import Mapping, Sequence
@@ -23,6 +24,7 @@ from phasewise.engine.output_processor import OutputProcessor
 from phasewise.outputs import CompletionOutput, StreamDelta
 from phasewise.core.sampling_params import SamplingParams
 from phasewise.structured import ThinkingGates
+from phasewise.tokenization.tokenizer import Tokenizer
 
 
 class LLMEngine:
@@ -78,6 +80,13 @@ class LLMEngine:
             return self.tokenizer.apply_chat_template(prompt, tools=tools)
         return list(prompt)
 
+    def encode_marked(self, prompt: ChatPrompt) -> tuple[list[int], tuple[tuple[int, float], ...]]:
+        """A chat prompt's token ids and its cache points in tokens (SamplingParams.cache_breakpoints):
+        `encode_marked` below."""
+        if not prompt.cache_points:
+            return self.encode_prompt(prompt, True), ()
+        return encode_marked(self.tokenizer, prompt)
+
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     chat: bool = False, request_id: str | None = None,
                     tools: Sequence[Mapping[str, JsonValue]] | None = None) -> str:
@@ -86,8 +95,11 @@ class LLMEngine:
         max_tokens → as many as fit), ValueError for a structured_outputs constraint that does not
         compile."""
         arrival = time.perf_counter()
-        prompt_ids = self.encode_prompt(prompt, chat, tools)
+        prompt_ids, marks = self.encode_marked(prompt) if isinstance(prompt, ChatPrompt) else \
+            (self.encode_prompt(prompt, chat, tools), ())
         params = self.admission.check(prompt_ids, params or SamplingParams())
+        if marks:
+            params = replace(params, cache_breakpoints=marks)
         request_id = request_id or f"req-{next(self._ids)}"
         compiled = time.perf_counter()
         grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
@@ -178,3 +190,37 @@ class LLMEngine:
             self.run_until_done([rid])
         finally:
             self.core.use_spec_policy(policy)
+
+
+def encode_marked(tokenizer: Tokenizer, prompt: ChatPrompt) -> tuple[list[int], tuple[tuple[int, float], ...]]:
+    """A chat prompt's token ids (as `apply_chat_template` encodes it) and its cache points in tokens: a point
+    covers the prompt's tokens that end within the characters its cut renders alike (the longest common
+    prefix of the two texts); a cut the template cannot render (a system prompt alone, for some) marks
+    nothing. One tokenization, whatever the number of points."""
+    def render(p: ChatPrompt) -> str:
+        return tokenizer.render_chat(p.messages, p.add_generation_prompt, p.tools, p.template_kwargs, p.continue_final)
+
+    text = render(prompt)
+    ids, ends = tokenizer.encode_with_ends(text)
+    marks: list[tuple[int, float]] = []
+    for point in prompt.cache_points:
+        try:
+            cut = render(point.cut)
+        except (ValueError, TypeError):
+            continue
+        n = bisect.bisect_right(ends, _common_prefix(text, cut))
+        if n:
+            marks.append((n, point.ttl))
+    return ids, tuple(marks)
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """How many leading characters a and b share (a binary search of slice comparisons, which run in C)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

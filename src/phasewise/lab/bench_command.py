@@ -171,11 +171,11 @@ def write_results(out: Path, target: G.Target, args: argparse.Namespace,
     (out / "results.json").write_text(json.dumps(doc, indent=2))
     with open(out / "requests.csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["max_concurrency", "ok", "prompt_tokens", "output_tokens", "ttft_ms", "tpot_ms", "e2e_ms",
-                    "error"])
+        w.writerow(["max_concurrency", "ok", "prompt_tokens", "cached_tokens", "output_tokens", "ttft_ms", "tpot_ms",
+                    "e2e_ms", "error"])
         for s, records in points:
             for r in records:
-                w.writerow([s["max_concurrency"], r.ok, r.prompt_tokens, r.output_tokens,
+                w.writerow([s["max_concurrency"], r.ok, r.prompt_tokens, r.cached_tokens, r.output_tokens,
                             "" if r.ttft is None else f"{r.ttft * 1e3:.2f}",
                             "" if r.tpot is None else f"{r.tpot * 1e3:.2f}", f"{r.e2e * 1e3:.2f}", r.error])
     if args.sweep:

@@ -26,16 +26,24 @@ def add_parsers(sub: argparse._SubParsersAction[ParserT]) -> None:
                           "for comparison (bf16, fp16)")
     mem.set_defaults(func=cmd_memory)
 
-    cost = sub.add_parser("cost", help="cost of a workload from per-million-token prices, with and without "
-                                       "prompt caching")
-    cost.add_argument("--requests", type=int, required=True)
-    cost.add_argument("--input-len", type=int, required=True, help="per request, shared prefix included")
-    cost.add_argument("--output-len", type=int, required=True, help="per request")
+    cost = sub.add_parser("cost", help="cost of a workload (or of a recorded run: --from-run) from per-million-token "
+                                       "prices, with and without prompt caching")
+    cost.add_argument("--requests", type=int, help="requests of the workload (not with --from-run)")
+    cost.add_argument("--input-len", type=int, help="per request, shared prefix included")
+    cost.add_argument("--output-len", type=int, help="per request")
     cost.add_argument("--prefix-len", type=int, default=0, help="input tokens every request shares")
     cost.add_argument("--input-price", type=float, required=True, help="per million input tokens")
     cost.add_argument("--output-price", type=float, required=True, help="per million output tokens")
     cost.add_argument("--cache-write-price", type=float, default=None, help="default: the input price")
     cost.add_argument("--cache-read-price", type=float, default=None, help="default: a tenth of the input price")
+    cost.add_argument("--from-run", metavar="FILE", default=None,
+                      help="price a recorded run instead: bench serve's requests.csv (or its folder), or a JSON Lines "
+                           "file of API usage objects; writes 1.25x the input price at 5m, 2x at 1h, reads 0.1x")
+    cost.add_argument("--unmarked-writes", default="none", choices=("none", "5m", "1h"),
+                      help="--from-run: how a request whose usage reports no cache writes (OpenAI's shapes) pays for "
+                           "its prompt tokens not read from the cache: as input, or as writes at this ttl")
+    cost.add_argument("--json-out", metavar="FILE", default=None,
+                      help="--from-run: where the JSON goes (default: cost.json beside the run)")
     cost.set_defaults(func=cmd_cost)
 
 
@@ -110,6 +118,10 @@ def cmd_memory(args: argparse.Namespace) -> int:
 
 
 def cmd_cost(args: argparse.Namespace) -> int:
+    if args.from_run is not None:
+        return cmd_cost_run(args)
+    if args.requests is None or args.input_len is None or args.output_len is None:
+        raise ValueError("give --requests, --input-len and --output-len (or --from-run FILE)")
     prices = Prices(args.input_price, args.output_price, args.cache_write_price, args.cache_read_price)
     if min(prices.input, prices.output, prices.write, prices.read) < 0:
         raise ValueError("prices must be >= 0")
@@ -120,4 +132,47 @@ def cmd_cost(args: argparse.Namespace) -> int:
         print(f"{name:22}{c.input:>10.4f}{c.cache_write:>13.4f}{c.cache_read:>12.4f}{c.output:>10.4f}{c.total:>11.4f}")
     if plain.total > 0:
         print(f"prompt caching saves {plain.total - cached.total:.4f} ({1 - cached.total / plain.total:.1%})")
+    return 0
+
+
+def cmd_cost_run(args: argparse.Namespace) -> int:
+    """`phasewise cost --from-run FILE`: a recorded run priced as the seeds price caching (lab/run_cost.py):
+    a table of what it cost with and without the prompt cache, the caching ROI, and the same as JSON."""
+    import json
+    from pathlib import Path
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from phasewise.lab.run_cost import READ, WRITE_1H, WRITE_5M, RunPricing, read_run
+
+    if args.cache_write_price is not None or args.cache_read_price is not None or args.requests is not None:
+        raise ValueError("--from-run prices writes and reads as the seeds do (1.25x or 2x the input price, 0.1x), "
+                         "and takes its requests from the run")
+    if min(args.input_price, args.output_price) < 0:
+        raise ValueError("prices must be >= 0")
+    run = Path(args.from_run)
+    if not run.exists():
+        raise ValueError(f"--from-run: no such file or folder: {run}")
+    pricing = RunPricing(read_run(run, args.unmarked_writes), args.input_price, args.output_price)
+    t = pricing.tokens
+    table = Table(title=f"{run}: {t.requests} requests ({t.unreported} with no cache writes reported: "
+                        f"--unmarked-writes {args.unmarked_writes})")
+    for name in ("", "input", f"write 5m ({WRITE_5M:g}x)", f"write 1h ({WRITE_1H:g}x)", f"read ({READ:g}x)",
+                 "output", "total"):
+        table.add_column(name, justify="left" if not name else "right")
+    table.add_row("tokens as served", *(f"{n:,}" for n in (t.input, t.write_5m, t.write_1h, t.read, t.output)), "")
+    for label, c in (("without caching", pricing.without_cache), ("with caching", pricing.with_cache)):
+        table.add_row(label, *(f"{v:.4f}" for v in (c.input, c.write_5m, c.write_1h, c.read, c.output, c.total)))
+    console = Console()
+    console.print(table)
+    plain = pricing.without_cache.total
+    roi = "no write premium paid" if pricing.roi is None else f"caching ROI {pricing.roi:.0%}"
+    console.print(f"read from the cache: {t.read / t.prompt if t.prompt else 0:.1%} of prompt tokens; the reads saved "
+                  f"{pricing.read_savings:.4f}, the writes cost {pricing.premium:.4f} beyond input: saved "
+                  f"{pricing.saved:.4f} ({pricing.saved / plain if plain else 0:.1%}), {roi}")
+    out = Path(args.json_out) if args.json_out else (run if run.is_dir() else run.parent) / "cost.json"
+    out.write_text(json.dumps({"run": str(run), "unmarked_writes": args.unmarked_writes, **pricing.as_json()},
+                              indent=2))
+    console.print(f"wrote {out}")
     return 0

@@ -159,6 +159,9 @@ async def send(client: httpx.AsyncClient, target: Target, p: Prompt) -> RequestR
                 if usage:
                     rec.prompt_tokens = usage.get("prompt_tokens", 0)
                     rec.output_tokens = usage.get("completion_tokens", 0)
+                    details = usage.get("prompt_tokens_details")
+                    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+                    rec.cached_tokens = cached if isinstance(cached, int) else 0
                     rec.usage_reported = True
         if not rec.usage_reported:
             rec.output_tokens = chunks

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -60,14 +61,15 @@ def load_config(path: Path) -> ModelConfig:
 
 def load_model(path: Path, dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu",
                tp: TensorParallel | None = None, packed_cache: bool = True,
-               kernels: Kernels | None = None) -> tuple[LlamaForCausalLM, ModelConfig]:
+               kernels: Kernels | None = None, mtp: bool = False) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model for `path` (a .gguf file or an HF folder) with every weight loaded; with `tp`,
     this rank's part of it (loading/sharding.py), and the config of that part.
 
     dtype "int8" or "q4" loads in fp32, then fills the linear layers with quantized blocks (loading/quantize.py);
     q4 from a GGUF takes the file's blocks for every layer (and the token table) that has them without
     reading those weights in fp32 at all, and with `packed_cache` maps them from the packed-weight
-    cache when an earlier load left them there (loading/packed_cache.py).
+    cache when an earlier load left them there (loading/packed_cache.py). `mtp`: with the checkpoint's
+    multi-token-prediction layer (`model.mtp`; otherwise its weights are skipped).
     """
     weight_format = dtype if isinstance(dtype, str) and dtype in WEIGHT_FORMATS else None
     dtype = parse_dtype(dtype)
@@ -81,6 +83,8 @@ def load_model(path: Path, dtype: torch.dtype | str = torch.float32, device: tor
         gguf = GGUFFile(path)
         cfg = gguf.model_config()
         checkpoint = gguf.hf_tensors(cfg)
+    if cfg.mtp_layers and not mtp:
+        cfg = replace(cfg, mtp_layers=0)
     full = cfg
     if tp is not None:
         check_tensor_parallel(cfg, tp.size)
@@ -178,10 +182,11 @@ def _mem_available() -> float | None:
 
 
 def load_prepared(path: Path, dtype: str, device: str = "cpu", kernels: Kernels | None = None, plain: bool = False,
-                  tp: TensorParallel | None = None, packed_cache: bool = True) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """The model at `path` in `dtype` (with `tp`, this rank's part), its layers given `kernels` (or
-    their reference paths); `plain`: no oneDNN either (kernels="torch")."""
-    model, cfg = load_model(path, dtype, device, tp, packed_cache, kernels)
+                  tp: TensorParallel | None = None, packed_cache: bool = True,
+                  mtp: bool = False) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """The model at `path` in `dtype` (with `tp`, this rank's part; `mtp`: with its MTP layer), its layers
+    given `kernels` (or their reference paths); `plain`: no oneDNN either (kernels="torch")."""
+    model, cfg = load_model(path, dtype, device, tp, packed_cache, kernels, mtp)
     torch_dtype = parse_dtype(dtype)
     choose_weight_forms(model, device, torch_dtype, kernels, onednn=not plain)
     bind_kernels(model, kernels if torch_dtype == torch.float32 else None)

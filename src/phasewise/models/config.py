@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
@@ -104,6 +104,7 @@ class ModelConfig:
     recurrent_layers: tuple[int, ...] = ()  # which layers they are; the others attend over the KV cache
     attn_output_gate: bool = False # Qwen3.5: attention's output times sigmoid(a gate q_proj also gives)
     rotary_dim: int | None = None  # RoPE on the first rotary_dim of each head (Qwen3.5: a quarter); None: all
+    mtp_layers: int = 0            # Qwen3.5/Qwen3-Next: multi-token-prediction layers in the checkpoint (mtp.*)
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -133,6 +134,12 @@ class ModelConfig:
             raise UnsupportedModelError("a hybrid model without attention layers is not supported")
         if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
             raise UnsupportedModelError(f"a rotary dimension of {self.rotary_dim} in heads of {self.head_dim}")
+
+    def mtp_config(self) -> ModelConfig:
+        """The config of the model's MTP layer (models/mtp.py): one attention layer with the model's
+        MLP kind (experts and shared expert in a mixture of experts)."""
+        return replace(self, num_layers=1, recurrent=None, recurrent_layers=(), sliding_layers=(),
+                       moe_layers=(0,) if self.num_experts else (), mtp_layers=0)
 
     def window(self, layer: int) -> int | None:
         """The sliding window of `layer`, or None when it attends to its whole context."""

@@ -30,11 +30,6 @@ from phasewise.models.llama import KVCaches, LlamaForCausalLM, Shard, count_expe
 from phasewise.models.recurrent import GatedDeltaNetShape
 from phasewise.models.stack import StackAttention, StackRecurrent, build_stack, run_stack
 
-# checkpoint norms stored as an offset from 1 (the DeltaNet's gated norm, `linear_attn.norm`, is not)
-_OFFSET_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight", "model.norm.weight",
-                 "q_norm.weight", "k_norm.weight")
-
-
 class GatedAttention(UsesKernels, nn.Module):
     """Full attention whose output is gated per head by sigmoid(gate), q_proj giving [q | gate] for
     each head; RoPE on the first rotary_dim of each head, after per-head RMSNorms of q and k."""
@@ -239,34 +234,3 @@ class HybridModel(nn.Module):
             x, residual = x[keep], residual[keep]
         x, _ = self.norm(x, residual)
         return x
-
-
-class Qwen3_5ForCausalLM(LlamaForCausalLM):
-    """Qwen3.5's language model (a multimodal folder's vision tower and MTP layer are skipped)."""
-    model_class = HybridModel
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """HF names (`model.language_model.` as `model.`), (1 + w) norms kept as 1 + w; from a GGUF
-        (loading/gguf.py) also the decay rate `neg_A` = -exp(A_log) and the conv's taps as [C, K]."""
-        def renamed() -> Iterable[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                if name.startswith(("model.visual.", "mtp.", "model.mtp.")):
-                    continue
-                name = name.replace("model.language_model.", "model.", 1)
-                if name.endswith(".neg_A"):
-                    name, tensor = name[:-len("neg_A")] + "A_log", torch.log(-tensor)
-                if name.endswith(".conv1d.weight") and tensor.dim() == 2:
-                    tensor = tensor[:, None, :]
-                yield name, tensor + 1 if name.endswith(_OFFSET_NORMS) else tensor
-        return super().load_weights(renamed())
-
-    def _shard(self, data: torch.Tensor, shard: Shard) -> torch.Tensor:
-        """q_proj gives q and its gate: twice q_size rows."""
-        qs, kvs = 2 * self.config.q_size, self.config.kv_size
-        if shard == "q":
-            return data[:qs]
-        if shard == "k":
-            return data[qs:qs + kvs]
-        if shard == "v":
-            return data[qs + kvs:]
-        return super()._shard(data, shard)

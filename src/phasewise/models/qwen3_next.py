@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from phasewise.models.hybrid import Qwen3_5ForCausalLM
+from phasewise.models.qwen3_5 import Qwen3_5ForCausalLM
 from phasewise.models.recurrent import GatedDeltaNetShape
 
 
@@ -36,7 +36,7 @@ def ungrouped(name: str, tensor: torch.Tensor, shape: GatedDeltaNetShape) -> lis
 
 
 class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
-    """Qwen3-Next's language model (its MTP layer skipped)."""
+    """Qwen3-Next's language model (its MTP layer as Qwen3.5's)."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """HF names; the grouped projections split (`ungrouped`), then as Qwen3.5's."""

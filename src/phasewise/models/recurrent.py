@@ -146,6 +146,7 @@ class HybridFields(TypedDict, total=False):
     recurrent_layers: tuple[int, ...]
     attn_output_gate: bool
     rotary_dim: int
+    mtp_layers: int
 
 
 def hf_hybrid(config: HFConfig, rope: JsonObject) -> HybridFields:
@@ -156,8 +157,11 @@ def hf_hybrid(config: HFConfig, rope: JsonObject) -> HybridFields:
     partial = config.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 0.25
     if not isinstance(partial, (int, float)) or not 0 < partial <= 1:
         raise ValueError(f"config.json partial_rotary_factor must be in (0, 1], got {str(partial)[:40]!r}")
+    mtp = config.get("mtp_num_hidden_layers") or config.get("num_nextn_predict_layers") or 0
+    if not isinstance(mtp, int) or mtp < 0:
+        raise ValueError(f"config.json mtp_num_hidden_layers must be a count, got {str(mtp)[:40]!r}")
     return HybridFields(recurrent=shape, recurrent_layers=linear, attn_output_gate=True,
-                        rotary_dim=int(head_dim * partial))
+                        rotary_dim=int(head_dim * partial), mtp_layers=mtp)
 
 
 def hf_lfm2(config: HFConfig) -> HybridFields:

@@ -16,7 +16,7 @@ def model_class(cfg: ModelConfig) -> type[LlamaForCausalLM]:
 
         return LlamaForCausalLM
     if cfg.architecture in ("qwen3_5", "qwen3_5_moe"):
-        from phasewise.models.hybrid import Qwen3_5ForCausalLM
+        from phasewise.models.qwen3_5 import Qwen3_5ForCausalLM
 
         return Qwen3_5ForCausalLM
     if cfg.architecture == "qwen3_next":

@@ -1,6 +1,9 @@
-"""ModelRunner: SchedulerOutput → one forward pass → sampled tokens, in three stages around one typed
-plan of the step's rows (`StepPlan`): prepare (flat inputs, and which rows sample, verify drafts or
-score the prompt), forward, then sample and verify.
+"""ModelRunner: SchedulerOutput → one forward pass → sampled tokens, in four stages around one typed
+plan of the step's rows (`StepPlan`): propose (speculative decoding's drafts), prepare (flat inputs,
+and which rows sample, verify drafts or score the prompt), forward, then sample and verify.
+
+The runner reads only the plain data the scheduler hands it; what it keeps of each request (tokens,
+generator, proposer state) lives in its own `RequestStates`, keyed by request id.
 
 With tensor parallelism the runner on rank 0 is the driver: it broadcasts each step's inputs
 (`StepInputs`, plain lists) and each logits request to the other ranks' runners
@@ -10,20 +13,22 @@ whole on rank 0, which samples.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 import numpy as np
 import torch
 
 from phasewise.core.handoffs import RunnerOutput, SampledToken, ScheduledChunk, SchedulerOutput
-from phasewise.core.request import Request, TokenLogprobs
+from phasewise.core.request import TokenLogprobs
 from phasewise.distributed import TensorParallel
 from phasewise.kernels.kernel_api import Kernels
 from phasewise.layers.attention import AttentionMetadata
 from phasewise.runner.kv_cache import KVCache
 from phasewise.runner.model_api import CausalLM
-from phasewise.runner.tail_slots import TailSlots
+from phasewise.runner.request_state import RequestState, RequestStates
 from phasewise.sampling.sampler import GrammarCheck, SamplingMetadata, sample
 from phasewise.sampling.verify import verify
 from phasewise.structured import StepMasks
@@ -43,7 +48,7 @@ class StepInputs:
     # a hybrid's, per sequence: the slots its state is copied to after each of its rows but the last (the
     # states a verify step may roll back to; [] for a sequence without drafts)
     state_snapshots: list[list[int]] = field(default_factory=list)
-    tail_slots: list[int] | None = None    # an int8 KV cache's: each sequence's tail slot (runner/tail_slots.py)
+    tail_slots: list[int] | None = None    # an int8 KV cache's: each sequence's tail slot (core/kv_cache_manager.py)
 
 
 # What rank 0 broadcasts to the other ranks after the setup: a step's forward, the logits of some of its rows
@@ -67,85 +72,138 @@ class StepPlan:
     """One step's rows. Row indices are among the forward's kept rows (`inputs.keep`)."""
     inputs: StepInputs
     sample_rows: list[int] = field(default_factory=list)        # a sampling request's last token
-    sample_reqs: list[Request] = field(default_factory=list)
+    sample_reqs: list[RequestState] = field(default_factory=list)
     draft_rows: list[int] = field(default_factory=list)         # k + 1 rows per chunk with drafts
     drafted: list[ScheduledChunk] = field(default_factory=list)
+    drafted_reqs: list[RequestState] = field(default_factory=list)
     scored: list[ScoredRows] = field(default_factory=list)
     snapshotted: list[tuple[str, int, list[int]]] = field(default_factory=list)   # (request, state slot, snapshots)
+
+
+class Proposer(Protocol):
+    wants_hidden: bool      # it reads the model's hidden states of committed rows (RequestState.take_hidden)
+
+    def propose(self, chunks: Sequence[ScheduledChunk], states: Sequence[RequestState]) -> None:
+        """Fill each chunk's draft_token_ids (at most max_draft_tokens) and, for sampled requests
+        whose drafts were drawn from a distribution q, draft_probs (q at each draft); `states` are
+        the chunks' requests, its own state in each one's `spec`."""
 
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache: KVCache, eos_token_ids: frozenset[int],
                  device: torch.device | str = "cpu", kernels: Kernels | None = None,
-                 tp: TensorParallel | None = None, snapshot_slots: range = range(0)) -> None:
-        """snapshot_slots: a hybrid's state slots for the states of draft rows, k for each running sequence."""
-        self.model, self.tp = model, tp
+                 tp: TensorParallel | None = None, snapshot_slots: range = range(0),
+                 proposer: Proposer | None = None) -> None:
+        """snapshot_slots: a hybrid's state slots for the states of draft rows, k for each running sequence.
+        proposer: speculative decoding's, filling the draft room the scheduler reserves."""
+        self.model, self.tp, self.proposer = model, tp, proposer
         self.snapshot_slots = snapshot_slots
         self.kv_cache = kv_cache
         self.eos_token_ids = eos_token_ids
         self.device = torch.device(device)
         self.vocab_size = model.config.vocab_size
         self.kernels = kernels            # the engine's compiled CPU kernels (the sampler's argmax), or None
-        self.tails = TailSlots(kv_cache.num_tail_slots) if kv_cache.num_tail_slots else None
+        self.requests = RequestStates(self.device)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        """One step: prepare, forward (every rank), sample and verify; with what a mixture of experts'
-        routers chose in it."""
+        """One step: propose, prepare, forward (every rank), sample and verify; with what a mixture of
+        experts' routers chose in it."""
+        self.requests.update(sched.new_requests, sched.finished_ids, sched.chunks)
+        started = time.perf_counter()
+        self._propose(sched)
+        propose_ms = (time.perf_counter() - started) * 1e3 if self.proposer is not None else 0.0
         plan = self.prepare(sched)
         self.kv_cache.copy_states(sched.state_copies)     # a hybrid's state checkpoints, saved then restored
         if self.tp is not None:
             step: RankStep = ("forward", plan.inputs)
             self.tp.broadcast(step)
-        out = self.sample(plan, self.forward(plan.inputs))
+        hidden = self.forward(plan.inputs)
+        out = self.sample(plan, hidden)
+        out.propose_ms = propose_ms
+        if self.proposer is not None and self.proposer.wants_hidden:
+            self._keep_hidden(sched, hidden, out)
         self._roll_back(plan, out)
+        self.requests.commit(out)
         choices = self.model.expert_choices()
         if choices is not None:
             out.expert_choices = choices.tolist()
         return out
 
+    def _propose(self, sched: SchedulerOutput) -> None:
+        """Let the proposer fill the draft room the scheduler reserved; unused room stays unused. Drafts
+        from the first one a request's grammar refuses on would be rejected (the target gives them no
+        mass): they are not computed at all."""
+        wanted = [c for c in sched.chunks if c.max_draft_tokens]
+        if self.proposer is None or not wanted:
+            return
+        states = [self.requests[c.request_id] for c in wanted]
+        self.proposer.propose(wanted, states)
+        for c, st in zip(wanted, states):
+            if len(c.draft_token_ids) > c.max_draft_tokens:
+                raise RuntimeError(f"the proposer gave {len(c.draft_token_ids)} drafts for "
+                                   f"{c.request_id}, above the {c.max_draft_tokens} reserved")
+            if st.grammar is not None and c.draft_token_ids:
+                n = st.grammar.valid_prefix(c.draft_token_ids)
+                if n < len(c.draft_token_ids):
+                    c.draft_token_ids = c.draft_token_ids[:n]
+                    c.draft_probs = None if c.draft_probs is None or n == 0 else c.draft_probs[:n]
+        sched.num_draft_tokens = sum(len(c.draft_token_ids) for c in wanted)
+
     def prepare(self, sched: SchedulerOutput) -> StepPlan:
         """The step's flat inputs and what each row is for; only the rows that sample, verify or score
         are kept past the last layer's keys and values."""
-        inputs = StepInputs([], [], [], [], [], tail_slots=[] if self.tails is not None else None)
+        inputs = StepInputs([], [], [], [], [], tail_slots=[] if self.kv_cache.num_tail_slots else None)
         plan, tables = StepPlan(inputs), []
         for chunk in sched.chunks:
-            req, start, n = chunk.request, chunk.request.num_computed_tokens, chunk.num_scheduled_tokens
+            req, start, n = self.requests[chunk.request_id], chunk.start, chunk.num_scheduled_tokens
             top = req.sampling_params.prompt_logprobs              # None: the prompt is not scored
-            if top is not None and start + 1 < req.num_prompt_tokens:
+            if top is not None and start + 1 < chunk.num_prompt_tokens:
                 # rows of positions p = start.. score prompt token p + 1 (the last prompt token's row samples)
-                targets = req.prompt_token_ids[start + 1:min(start + n, req.num_prompt_tokens - 1) + 1]
+                targets = req.prompt_token_ids[start + 1:min(start + n, chunk.num_prompt_tokens - 1) + 1]
                 plan.scored.append(ScoredRows(req.request_id, len(inputs.input_ids), start + 1, targets, top))
             inputs.input_ids.extend(chunk.input_token_ids)
             inputs.positions.extend(range(start, start + n))
             inputs.query_lens.append(n)
             inputs.context_lens.append(start + n)
-            tables.append(req.block_tables)
-            if self.tails is not None and inputs.tail_slots is not None:
-                inputs.tail_slots.append(self.tails.slot(req))
-            if req.state_slot is not None:
-                inputs.state_slots.append(req.state_slot)
+            tables.append(chunk.block_tables)
+            if inputs.tail_slots is not None:
+                assert chunk.tail_slot is not None, "an int8 KV cache's chunk without its tail slot"
+                inputs.tail_slots.append(chunk.tail_slot)
+            if chunk.state_slot is not None:
+                inputs.state_slots.append(chunk.state_slot)
                 inputs.state_snapshots.append(self._snapshots(inputs.state_snapshots, len(chunk.draft_token_ids)
                                                               if chunk.samples else 0))
                 if inputs.state_snapshots[-1]:
-                    plan.snapshotted.append((req.request_id, req.state_slot, inputs.state_snapshots[-1]))
+                    plan.snapshotted.append((req.request_id, chunk.state_slot, inputs.state_snapshots[-1]))
             end = len(inputs.input_ids)
             if chunk.samples and chunk.draft_token_ids:   # rows: the last own token, then each draft
                 plan.draft_rows.extend(range(end - len(chunk.draft_token_ids) - 1, end))
                 plan.drafted.append(chunk)
+                plan.drafted_reqs.append(req)
             elif chunk.samples:
                 plan.sample_rows.append(end - 1)
                 plan.sample_reqs.append(req)
         inputs.tables = [list(t) for t in zip(*tables)]
         scored_rows = (r for s in plan.scored for r in range(s.row, s.row + len(s.targets)))
         wanted = sorted({*plan.sample_rows, *plan.draft_rows, *scored_rows})
-        if len(wanted) < len(inputs.input_ids):          # from here on a row is its index among the kept
+        keep_all = self.proposer is not None and self.proposer.wants_hidden      # every committed row's
+        if len(wanted) < len(inputs.input_ids) and not keep_all:   # from here on a row is its index among the kept
             inputs.keep, index = wanted, {r: i for i, r in enumerate(wanted)}
             plan.sample_rows = [index[r] for r in plan.sample_rows]
             plan.draft_rows = [index[r] for r in plan.draft_rows]
             for s in plan.scored:
                 s.row = index[s.row]
         return plan
+
+    def _keep_hidden(self, sched: SchedulerOutput, hidden: torch.Tensor, out: RunnerOutput) -> None:
+        """Each request's hidden states of the rows it committed this step (its own tokens, then its
+        accepted drafts), kept for the proposer; hidden: every row of the step."""
+        row = 0
+        for c in sched.chunks:
+            n = c.num_tokens + len(out.accepted.get(c.request_id, ()))
+            self.requests[c.request_id].add_hidden(c.start, hidden[row:row + n].clone())
+            row += c.num_scheduled_tokens
 
     def _snapshots(self, taken: list[list[int]], drafts: int) -> list[int]:
         """The next `drafts` snapshot slots after those `taken` by earlier sequences of the step."""
@@ -171,13 +229,13 @@ class ModelRunner:
         if not plan.sample_reqs and not plan.drafted:
             return RunnerOutput({}, prompt_logprobs=prompt_lps, threads=torch.get_num_threads())
         logits = self.logits(hidden, plan.sample_rows + plan.draft_rows)        # [B + sum(k + 1), V] fp32
-        masks, b = StepMasks(plan.sample_reqs, plan.drafted, self.vocab_size), len(plan.sample_rows)
+        drafts = [(r.grammar, c.draft_token_ids) for r, c in zip(plan.drafted_reqs, plan.drafted)]
+        masks, b = StepMasks(plan.sample_reqs, drafts, self.vocab_size), len(plan.sample_rows)
         sampled = self._sample(logits[:b], plan.sample_reqs, masks.sampling, masks.check) if plan.sample_reqs else {}
         out = RunnerOutput(sampled, prompt_logprobs=prompt_lps, grammar_ms=masks.ms, threads=torch.get_num_threads())
         if plan.drafted:
-            generators = [self._generator(c.request) for c in plan.drafted]
-            verified = verify(logits[b:], plan.drafted, generators, self.vocab_size, self.eos_token_ids, self.device,
-                              self.kernels, masks.drafts)
+            verified = verify(logits[b:], plan.drafted, plan.drafted_reqs, [r.generator for r in plan.drafted_reqs],
+                              self.vocab_size, self.eos_token_ids, self.device, self.kernels, masks.drafts)
             for rid, (accepted, final) in verified.items():
                 out.sampled[rid] = final
                 out.accepted[rid] = accepted
@@ -221,18 +279,12 @@ class ModelRunner:
             out.extend(TokenLogprobs(c, p) for c, p in zip(chosen, pairs))
         return out
 
-    def _generator(self, req: Request) -> torch.Generator | None:
-        """A seeded request's generator, created on first use and kept on the request."""
-        if not isinstance(req.sampler_state, torch.Generator) and req.sampling_params.seed is not None:
-            req.sampler_state = torch.Generator(self.device).manual_seed(req.sampling_params.seed)
-        return req.sampler_state if isinstance(req.sampler_state, torch.Generator) else None
-
-    def _sample(self, logits: torch.Tensor, reqs: list[Request], masks: np.ndarray | None = None,
+    def _sample(self, logits: torch.Tensor, reqs: list[RequestState], masks: np.ndarray | None = None,
                 check: GrammarCheck | None = None) -> dict[str, SampledToken]:
         params = [r.sampling_params for r in reqs]
         meta = SamplingMetadata.build(
             params, [r.prompt_token_ids for r in reqs], [r.output_token_ids for r in reqs],
-            [self._generator(r) for r in reqs], self.vocab_size, self.eos_token_ids, self.device, self.kernels,
+            [r.generator for r in reqs], self.vocab_size, self.eos_token_ids, self.device, self.kernels,
             masks)
         out = sample(logits, meta, check)
         token_ids = out.token_ids.tolist()

@@ -45,7 +45,7 @@ class Setup:
     block_size: int
     kernels: bool              # compiled CPU kernels (each rank loads its own, at the same ISA level)
     plain: bool                # kernels="torch": no oneDNN either
-    tail_slots: int = 16       # an int8 KV cache's sequences at once (runner/tail_slots.py)
+    tail_slots: int = 16       # an int8 KV cache's sequences at once (core/kv_cache_manager.py)
 
 
 def threads_per_rank(size: int, threads: int | None = None) -> int:

@@ -10,6 +10,7 @@ from the raw logits, as without speculation.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import cast
 
 import numpy as np
@@ -17,7 +18,7 @@ import torch
 from torch import Tensor
 
 from phasewise.core.handoffs import SampledToken, ScheduledChunk
-from phasewise.core.request import TokenLogprobs
+from phasewise.core.request import SequenceView, TokenLogprobs
 from phasewise.sampling.sampler import SamplingMetadata, compute_logprobs, distribution, exponential_noise
 from phasewise.sampling.rejection import greedy_verify, rejection_sample
 from phasewise.kernels.kernel_api import Kernels
@@ -25,14 +26,15 @@ from phasewise.kernels.kernel_api import Kernels
 Verified = tuple[list[SampledToken], SampledToken]   # accepted drafts, then the target's own token
 
 
-def verify(logits: Tensor, chunks: list[ScheduledChunk], generators: list[torch.Generator | None],
-           vocab_size: int, eos_token_ids: frozenset[int], device: torch.device, kernels: Kernels | None = None,
+def verify(logits: Tensor, chunks: list[ScheduledChunk], seqs: Sequence[SequenceView],
+           generators: list[torch.Generator | None], vocab_size: int, eos_token_ids: frozenset[int],
+           device: torch.device, kernels: Kernels | None = None,
            grammar_bitmask: np.ndarray | Tensor | None = None) -> dict[str, Verified]:
-    """logits [sum(k_c + 1), V]: chunk c's rows are its last own token, then each draft. grammar_bitmask
-    (None: no grammar) has the same rows: the tokens each row's grammar allows after drafts 0..i-1."""
+    """logits [sum(k_c + 1), V]: chunk c's rows are its last own token, then each draft (`seqs`: the
+    chunks' requests). grammar_bitmask (None: no grammar) has the same rows: the tokens each row's
+    grammar allows after drafts 0..i-1."""
     params, prompts, outputs = [], [], []
-    for c in chunks:
-        req = c.request
+    for c, req in zip(chunks, seqs):
         for i in range(len(c.draft_token_ids) + 1):   # row i sees drafts 0..i-1 as output
             params.append(req.sampling_params)
             prompts.append(req.prompt_token_ids)
@@ -48,8 +50,8 @@ def verify(logits: Tensor, chunks: list[ScheduledChunk], generators: list[torch.
         row += len(c.draft_token_ids) + 1
     chosen: dict[int, tuple[int, list[int]]] = {}                    # chunk index → (accepted, final token)
     groups: dict[str, list[int]] = {"greedy": [], "point": [], "q": []}
-    for j, c in enumerate(chunks):
-        kind = "greedy" if c.request.sampling_params.temperature == 0 else \
+    for j, (c, req) in enumerate(zip(chunks, seqs)):
+        kind = "greedy" if req.sampling_params.temperature == 0 else \
             "point" if c.draft_probs is None else "q"
         groups[kind].append(j)
     for kind, idx in groups.items():
@@ -69,8 +71,9 @@ def verify(logits: Tensor, chunks: list[ScheduledChunk], generators: list[torch.
             counts, final = rejection_sample(probs[rows], drafts, q, ks, uniform, noise)
         for j, a, t in zip(idx, counts, final.tolist()):
             chosen[j] = (a, chunks[j].draft_token_ids[:a] + [t])
-    return {c.request.request_id: _with_logprobs(c, raw[starts[j]:starts[j] + len(chosen[j][1])], chosen[j][1])
-            for j, c in enumerate(chunks)}
+    return {c.request_id: _with_logprobs(req.sampling_params.logprobs, raw[starts[j]:starts[j] + len(chosen[j][1])],
+                                         chosen[j][1])
+            for j, (c, req) in enumerate(zip(chunks, seqs))}
 
 
 def _draws(generators: list[torch.Generator | None], ks: list[int], vocab_size: int,
@@ -86,9 +89,8 @@ def _draws(generators: list[torch.Generator | None], ks: list[int], vocab_size: 
     return uniform, exponential_noise(generators, vocab_size, device)
 
 
-def _with_logprobs(chunk: ScheduledChunk, raw: Tensor, tokens: list[int]) -> Verified:
-    """raw [len(tokens), V]: the rows that produced the committed tokens."""
-    n = chunk.request.sampling_params.logprobs
+def _with_logprobs(n: int | None, raw: Tensor, tokens: list[int]) -> Verified:
+    """raw [len(tokens), V]: the rows that produced the committed tokens (with the top `n` logprobs)."""
     if n is None:
         made = [SampledToken(t) for t in tokens]
     else:

@@ -285,13 +285,16 @@ class AsyncEngine:
     def _add(self, items: list[SubRequest], chat: bool, loop: asyncio.AbstractEventLoop) -> None:
         """Tokenize, then add all (or none: a request the engine's admission refuses undoes the others)."""
         engine = self.engine
-        encoded: dict[int, list[int]] = {}
+        encoded: dict[int, tuple[list[int], tuple[tuple[int, float], ...]]] = {}
         prepared = []
         for it in items:
             key = id(it.prompt)                # the choices of one prompt share its object: encode once
             if key not in encoded:
-                encoded[key] = engine.encode_prompt(it.prompt, chat)
-            prepared.append((it.request_id, encoded[key], it.params))
+                encoded[key] = engine.encode_marked(it.prompt) if isinstance(it.prompt, ChatPrompt) else \
+                    (engine.encode_prompt(it.prompt, chat), ())
+            ids, marks = encoded[key]
+            params = dataclasses.replace(it.params, cache_breakpoints=marks) if marks else it.params
+            prepared.append((it.request_id, ids, params))
         added = []
         try:
             for rid, ids, params in prepared:

@@ -116,14 +116,14 @@ class Submitter:
     def __init__(self, guards: Guards) -> None:
         self.guards, self.engine = guards, guards.engine
 
-    async def start(self, items: list[SubRequest], chat: bool, fields: Mapping[str, str] | None = None
-                    ) -> RequestStream:
+    async def start(self, items: list[SubRequest], chat: bool, fields: Mapping[str, str] | None = None,
+                    tenant: str | None = None) -> RequestStream:
         """fields: the API's names of the engine's fields ("prompt", "max_tokens", "structured_outputs"),
-        which its errors name."""
+        which its errors name. tenant: the API key's cache salt (Guards.tenant), joined to the request's."""
         names = fields or {}
         self.guards.admit(len(items))
         try:
-            return await self.engine.submit(items, chat)
+            return await self.engine.submit(salted(items, tenant), chat)
         except ConstraintError as e:
             raise bad_request(str(e), names.get("structured_outputs")) from None
         except RequestError as e:
@@ -135,3 +135,11 @@ class Submitter:
             raise bad_request(str(e)) from None
         except EngineDeadError as e:
             raise APIError(503, str(e), type="server_error", code="engine_dead") from None
+
+
+def salted(items: list[SubRequest], tenant: str | None) -> list[SubRequest]:
+    """The sub-requests with the tenant's cache salt before their own (a tenant cannot name another's salt)."""
+    if tenant is None:
+        return items
+    return [replace(it, params=replace(it.params, cache_salt=tenant if it.params.cache_salt is None
+                                       else f"{tenant}/{it.params.cache_salt}")) for it in items]

@@ -12,7 +12,7 @@ from pathlib import Path
 class ServerConfig:
     served_model_name: str
     model_aliases: tuple[str, ...] = ()       # other names a request may use (the model path as given)
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()           # --api-key: any of them is let in (several: a cache salt per key)
     max_waiting: int = 1024                   # queued sub-requests past which new ones get 503
     max_body_bytes: int = 4 * 1024 * 1024
     model_root: str = ""

@@ -26,17 +26,18 @@ class DisaggregatedPair:
     def __init__(self, engine: AsyncEngine, timeout_s: float = 120.0, room_wait_s: float = 30.0) -> None:
         self.engine, self.timeout_s, self.room_wait_s = engine, timeout_s, room_wait_s
 
-    async def send(self, transfer_id: str, prompt: Prompt | ChatPrompt, chat: bool) -> None:
-        """After the prefill instance ran the prompt: its blocks to the decode instance."""
+    async def send(self, transfer_id: str, prompt: Prompt | ChatPrompt, chat: bool, salt: str | None = None) -> None:
+        """After the prefill instance ran the prompt (under this cache salt): its blocks to the decode instance."""
         try:
-            sent = await self.engine.call(lambda e: e.kv_transfer.send(transfer_id, e.encode_prompt(prompt, chat)))
+            sent = await self.engine.call(lambda e: e.kv_transfer.send(transfer_id, e.encode_prompt(prompt, chat),
+                                                                       salt))
             await asyncio.wait_for(asyncio.wrap_future(sent), self.timeout_s)
         except (ConnectionError, TimeoutError, asyncio.TimeoutError, ValueError) as e:
             raise _failed(f"sending this prompt's KV blocks failed: {e or 'timed out'}") from None
 
-    async def receive(self, transfer_id: str) -> int:
-        """Before the decode instance runs the request: wait for its blocks and import them (the
-        tokens imported; 0 when there was no room and the prompt is computed here)."""
+    async def receive(self, transfer_id: str, salt: str | None = None) -> int:
+        """Before the decode instance runs the request (of this cache salt): wait for its blocks and import
+        them (the tokens imported; 0 when there was no room and the prompt is computed here)."""
         try:
             arriving = await self.engine.call(lambda e: e.kv_transfer.expect(transfer_id))
             kv = await asyncio.wait_for(asyncio.wrap_future(arriving), self.timeout_s)
@@ -46,7 +47,7 @@ class DisaggregatedPair:
         deadline = asyncio.get_running_loop().time() + self.room_wait_s
         while True:
             try:
-                return await self.engine.call(lambda e: e.kv_transfer.adopt(kv))
+                return await self.engine.call(lambda e: e.kv_transfer.adopt(kv, salt))
             except ValueError as e:               # no room now: the transfer waits its turn
                 if asyncio.get_running_loop().time() >= deadline:
                     log.warning("computing a prompt here instead of importing its KV blocks: %s", e)

@@ -8,6 +8,7 @@ handlers turn every exception into OpenAI's error JSON (400 rather than FastAPI'
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import secrets
@@ -35,16 +36,26 @@ class Guards:
 
     def require_key(self, request: Request) -> None:
         """A FastAPI dependency: with --api-key set, 'Authorization: Bearer <key>' (OpenAI's) or
-        'x-api-key: <key>' (Anthropic's), or 401."""
-        key = self.config.api_key
-        if key is None:
+        'x-api-key: <key>' (Anthropic's) with one of its keys, or 401. With several keys, each is a tenant:
+        its requests' cache salt is the key's (`tenant`)."""
+        keys = self.config.api_keys
+        if not keys:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         given = [token] if scheme.lower() == "bearer" else []
         given += request.headers.getlist("x-api-key")
-        if not any(secrets.compare_digest(t.strip().encode(), key.encode()) for t in given):
+        matched = [k for k in keys if any(secrets.compare_digest(t.strip().encode(), k.encode()) for t in given)]
+        if not matched:
             raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
                            param=None, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        if len(keys) > 1:
+            request.state.cache_tenant = tenant_salt(matched[0])
+
+    @staticmethod
+    def tenant(request: Request) -> str | None:
+        """The cache salt of the key this request came with, when the server has several (else None)."""
+        salt = getattr(request.state, "cache_tenant", None)
+        return salt if isinstance(salt, str) else None
 
     def check_model(self, name: str | None) -> None:
         config = self.config
@@ -63,6 +74,12 @@ class Guards:
             raise APIError(503, f"the server is overloaded: {queued} requests are waiting "
                                 f"(--max-waiting {limit}); retry later",
                            type="server_error", code="overloaded", headers={"Retry-After": "1"})
+
+
+def tenant_salt(key: str) -> str:
+    """The cache salt of an API key's requests: a digest of the key (the same in every process and replica,
+    so its blocks on disk outlive a restart), never the key itself."""
+    return "tenant-" + hashlib.sha256(b"phasewise cache tenant\0" + key.encode()).hexdigest()[:32]
 
 
 class BodyLimit:

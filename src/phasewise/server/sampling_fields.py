@@ -18,6 +18,7 @@ from phasewise.server.api_error import bad_request
 
 INT64 = 2 ** 63
 MAX_TEMPERATURE = 2        # OpenAI's range of temperature: [0, 2]
+RETENTIONS = {"in_memory": None, "24h": 86_400.0}    # prompt_cache_retention → the engine's cache_ttl (s)
 
 # what `stop` takes, as the schema says it (_stop makes it a list)
 _STOP = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}, {"type": "null"}]}
@@ -40,6 +41,8 @@ class CommonParams(TypedDict, total=False):
     top_k: int
     min_p: float
     repetition_penalty: float
+    cache_salt: str | None
+    cache_ttl: float | None
 
 
 class BudgetFields(BaseModel):
@@ -80,6 +83,11 @@ class SamplingFields(BaseModel):
     guided_decoding_backend: str | None = None    # accepted and ignored: llguidance is the one backend
     json_schema: JsonObject | str | None = None
     grammar: str | None = None
+    # prompt caching: vLLM's salt (requests of other salts share no cached block), OpenAI's key (the Ray
+    # prefix router's: deploy/prefix_router.py) and retention ("24h": a day on disk; "in_memory": the default)
+    cache_salt: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -101,13 +109,24 @@ class SamplingFields(BaseModel):
         fields: CommonParams = {
             "n": n, "seed": self.seed, "stop": self.stop, "ignore_eos": self.ignore_eos,
             "min_tokens": self.min_tokens, "stop_token_ids": self.stop_token_ids or [],
-            "skip_special_tokens": self.skip_special_tokens, "structured_outputs": constraint}
+            "skip_special_tokens": self.skip_special_tokens, "structured_outputs": constraint,
+            "cache_salt": self.cache_salt, "cache_ttl": self.cache_ttl()}
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p",
                      "repetition_penalty"):
             value = getattr(self, name)
             if value is not None:
                 fields[name] = value
         return fields
+
+    def cache_ttl(self) -> float | None:
+        """prompt_cache_retention as the engine's cache_ttl (None: its default); a bad salt or retention is a 400."""
+        if self.cache_salt is not None and not self.cache_salt:
+            raise bad_request("cache_salt must be a non-empty string", "cache_salt")
+        retention = self.prompt_cache_retention
+        if retention is not None and retention not in RETENTIONS:
+            raise bad_request(f"prompt_cache_retention must be {' or '.join(map(repr, RETENTIONS))}, got {retention!r}",
+                              "prompt_cache_retention")
+        return RETENTIONS[retention] if retention is not None else None
 
     def constraint_fields(self) -> JsonObject:
         """The vLLM and llama.cpp constraint fields by name (constraints.FIELDS; None: not given)."""

@@ -17,26 +17,24 @@ slot) holds the state after the committed tokens only. The drafts run on a secon
 state_slots), a copy made after the catch-up, so the next proposal catches up from the committed
 tokens, re-feeding the drafts that were accepted with the tokens after them.
 
-Greedy requests get the draft's argmax. Sampled requests get a draw from q, the
-draft's distribution under the request's own settings (bans, penalties over the
-output plus the drafts so far, temperature, filters: the closer q is to p, the more
-is accepted; any q keeps the rule exact), and q is kept for the rejection rule.
+Draft tokens are picked as spec_decode/draft_picking.py says (argmax, or a draw from q kept for the
+rejection rule).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from phasewise.core.handoffs import ScheduledChunk
-from phasewise.core.request import Request
 from phasewise.layers.attention import AttentionMetadata
 from phasewise.runner.kv_cache import KVCache
 from phasewise.runner.model_api import CausalLM
-from phasewise.sampling.sampler import SamplingMetadata, distribution, exponential_noise
-from phasewise.structured import draft_bitmask
+from phasewise.runner.request_state import RequestState
+from phasewise.spec_decode.draft_picking import DraftPicking, pick_drafts
 from phasewise.kernels.kernel_api import Kernels
 
 
@@ -60,23 +58,24 @@ class DraftState:
 
 
 class DraftModelProposer:
+    wants_hidden = False
+
     def __init__(self, model: CausalLM, kv_cache: KVCache, eos_token_ids: frozenset[int] = frozenset(),
                  device: torch.device | str = "cpu", kernels: Kernels | None = None, state_slots: int = 0) -> None:
         """state_slots: a hybrid draft's, the target's sequences at once (its cache holds twice as many)."""
         self.model, self.kv_cache, self.eos_token_ids = model, kv_cache, eos_token_ids
         self.state_slots = state_slots
-        self.kernels = kernels                   # the engine's compiled CPU kernels (argmax), or None
         self.device = torch.device(device)
-        self.vocab_size = model.config.vocab_size
+        self.picking = DraftPicking(model.config.vocab_size, eos_token_ids, self.device, kernels)
 
     @torch.inference_mode()
-    def propose(self, chunks: list[ScheduledChunk]) -> None:
-        reqs = [c.request for c in chunks]
-        states = [self._state(r) for r in reqs]
+    def propose(self, chunks: Sequence[ScheduledChunk], reqs: Sequence[RequestState]) -> None:
+        states = [self._state(c, r) for c, r in zip(chunks, reqs)]
         # Catch up: feed committed tokens from the first one the draft lacks (at least the last one).
         starts = [self._start(st, r) for st, r in zip(states, reqs)]
-        slots = [self._slot(r) for r in reqs] if self.state_slots else None
-        logits = self._forward([r.token_ids[s:] for s, r in zip(starts, reqs)], starts, reqs, slots)
+        tables = [c.block_tables[0] for c in chunks]
+        slots = [self._slot(c) for c in chunks] if self.state_slots else None
+        logits = self._forward([r.token_ids[s:] for s, r in zip(starts, reqs)], starts, tables, slots)
         for st, r in zip(states, reqs):
             st.num_committed, st.fed = r.num_tokens, []
         if slots is not None:                 # the drafts run on a copy of the committed tokens' state
@@ -86,11 +85,11 @@ class DraftModelProposer:
         qs: list[list[Tensor]] = [[] for _ in chunks]
         active = list(range(len(chunks)))
         while True:
-            tokens, probs = self._pick(logits, [reqs[i] for i in active], [drafts[i] for i in active],
-                                       [states[i] for i in active])
+            tokens, probs = pick_drafts(logits, [reqs[i] for i in active], [drafts[i] for i in active],
+                                        [states[i].generator for i in active], self.picking)
             for j, i in enumerate(active):
                 drafts[i].append(tokens[j])
-                if probs is not None and chunks[i].request.sampling_params.temperature > 0:
+                if probs is not None and reqs[i].sampling_params.temperature > 0:
                     qs[i].append(probs[j])
             still = [j for j, i in enumerate(active) if len(drafts[i]) < chunks[i].max_draft_tokens]
             if not still:
@@ -98,7 +97,7 @@ class DraftModelProposer:
             active = [active[j] for j in still]
             # Feed each active request its newest draft, at the position after the previous one.
             pos = [reqs[i].num_tokens + len(drafts[i]) - 1 for i in active]
-            logits = self._forward([[drafts[i][-1]] for i in active], pos, [reqs[i] for i in active],
+            logits = self._forward([[drafts[i][-1]] for i in active], pos, [tables[i] for i in active],
                                    None if slots is None else [slots[i] for i in active])
             for i in active:
                 states[i].fed.append(drafts[i][-1])
@@ -106,35 +105,35 @@ class DraftModelProposer:
             c.draft_token_ids = d
             c.draft_probs = torch.stack(q) if q else None              # [k, V]
 
-    def _state(self, req: Request) -> DraftState:
-        st = req.spec_state
-        if not isinstance(st, DraftState) or st.preemptions != req.metrics.preemptions:   # new, or its blocks were lost
+    def _state(self, chunk: ScheduledChunk, req: RequestState) -> DraftState:
+        st = req.spec
+        if not isinstance(st, DraftState) or st.preemptions != chunk.preemptions:   # new, or its blocks were lost
             seed = req.sampling_params.seed
             gen = None if seed is None else \
                 torch.Generator(self.device).manual_seed((seed * 0x9E3779B1 + 0x5EC) % 2**63)
-            st = req.spec_state = DraftState(preemptions=req.metrics.preemptions, generator=gen)
+            st = req.spec = DraftState(preemptions=chunk.preemptions, generator=gen)
         return st
 
     @staticmethod
-    def _slot(req: Request) -> int:
-        assert req.state_slot is not None, "a hybrid draft runs beside a hybrid target (the request's state slot)"
-        return req.state_slot
+    def _slot(chunk: ScheduledChunk) -> int:
+        assert chunk.state_slot is not None, "a hybrid draft runs beside a hybrid target (the request's state slot)"
+        return chunk.state_slot
 
-    def _start(self, st: DraftState, req: Request) -> int:
+    def _start(self, st: DraftState, req: RequestState) -> int:
         """Where the catch-up starts: the first token whose draft K/V are not right, at most the last
         (a hybrid draft: the first not in its state, or the start where the state is ahead of that)."""
         if not self.state_slots:
             return min(st.valid(req.token_ids), req.num_tokens - 1)
         return st.num_committed if st.num_committed < req.num_tokens else 0
 
-    def _forward(self, token_lists: list[list[int]], starts: list[int], reqs: list[Request],
+    def _forward(self, token_lists: list[list[int]], starts: list[int], tables: list[list[int]],
                  state_slots: list[int] | None = None) -> Tensor:
-        """Run the draft on each request's tokens placed at starts[i].. (a hybrid's states in state_slots);
-        logits at each last row [B, V]."""
+        """Run the draft on each request's tokens placed at starts[i].. (its blocks `tables[i]`, a hybrid's
+        states in state_slots); logits at each last row [B, V]."""
         ids = [t for ts in token_lists for t in ts]
         positions = [p for ts, s in zip(token_lists, starts) for p in range(s, s + len(ts))]
         lens = [len(ts) for ts in token_lists]
-        meta = AttentionMetadata.build(lens, [s + n for s, n in zip(starts, lens)], [r.block_ids for r in reqs],
+        meta = AttentionMetadata.build(lens, [s + n for s, n in zip(starts, lens)], tables,
                                        self.kv_cache.block_size, self.device)
         meta.state_slots = state_slots
         last = torch.tensor(lens, device=self.device).cumsum(0) - 1
@@ -144,18 +143,3 @@ class DraftModelProposer:
         logits = self.model.compute_logits(hidden)
         assert logits is not None                      # a draft model runs whole (no tensor parallelism)
         return logits.float()                                                  # [B, V]
-
-    def _pick(self, logits: Tensor, reqs: list[Request], drafts: list[list[int]], states: list[DraftState]
-              ) -> tuple[list[int], Tensor | None]:
-        """One draft token per row: argmax (greedy requests) or a draw from q; q [B, V] or None."""
-        meta = SamplingMetadata.build(
-            [r.sampling_params for r in reqs], [r.prompt_token_ids for r in reqs],
-            [r.output_token_ids + d for r, d in zip(reqs, drafts)], [s.generator for s in states],
-            self.vocab_size, self.eos_token_ids, self.device, self.kernels,
-            draft_bitmask([(r.grammar, d) for r, d in zip(reqs, drafts)], self.vocab_size))
-        greedy, probs = distribution(logits, meta)
-        if probs is None:
-            return greedy.tolist(), None
-        noise = exponential_noise([s.generator for s in states], probs.shape[-1], probs.device)
-        sampled = (probs / noise).argmax(dim=1)
-        return torch.where(meta.temperature == 0, greedy, sampled).tolist(), probs

@@ -9,7 +9,10 @@ last step, so a proposal costs O(max_n - min_n + 1) dictionary lookups.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from phasewise.core.handoffs import ScheduledChunk
+from phasewise.runner.request_state import RequestState
 
 
 class NgramIndex:
@@ -40,16 +43,17 @@ class NgramIndex:
 
 
 class NgramProposer:
+    wants_hidden = False
+
     def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram sizes must satisfy 1 <= min <= max, got {min_n}..{max_n}")
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, chunks: list[ScheduledChunk]) -> None:
-        for c in chunks:
-            req = c.request
-            index = req.spec_state
+    def propose(self, chunks: Sequence[ScheduledChunk], states: Sequence[RequestState]) -> None:
+        for c, req in zip(chunks, states):
+            index = req.spec
             if not isinstance(index, NgramIndex):
-                index = req.spec_state = NgramIndex(self.min_n, self.max_n)
+                index = req.spec = NgramIndex(self.min_n, self.max_n)
             c.draft_token_ids = index.propose(req.token_ids, c.max_draft_tokens)
             c.draft_probs = None                # a point mass on each draft

@@ -11,8 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from phasewise.core.handoffs import ScheduledChunk
-from phasewise.core.request import Grammar, Request
+from phasewise.core.request import Grammar, SequenceView
 from phasewise.core.sampling_params import SamplingParams
 from phasewise.structured.grammar_matcher import grammar_bitmask, matcher
 
@@ -24,16 +23,18 @@ def unfiltered(params: SamplingParams, vocab_size: int) -> bool:
 
 
 class StepMasks:
-    """The masks of a step's sampling rows (`reqs`, one row each) and of its chunks with drafts (k + 1
-    rows each: the position after drafts 0..i-1); `ms`, the time spent on grammars."""
+    """The masks of a step's sampling rows (`reqs`, one row each) and of its chunks with drafts (a
+    grammar and its drafts each, k + 1 rows: the position after drafts 0..i-1); `ms`, the time spent
+    on grammars."""
 
-    def __init__(self, reqs: Sequence[Request], drafted: Sequence[ScheduledChunk], vocab_size: int) -> None:
+    def __init__(self, reqs: Sequence[SequenceView], drafted: Sequence[tuple[Grammar | None, Sequence[int]]],
+                 vocab_size: int) -> None:
         started = time.perf_counter()
         self.reqs, self.vocab_size = reqs, vocab_size
         self.lazy = [matcher(r.grammar) is not None and unfiltered(r.sampling_params, vocab_size) for r in reqs]
         rows: list[tuple[Grammar | None, Sequence[int]]] = [(None if z else r.grammar, ())
                                                            for r, z in zip(reqs, self.lazy)]
-        self.up_front = grammar_bitmask(rows + [(c.request.grammar, c.draft_token_ids) for c in drafted], vocab_size)
+        self.up_front = grammar_bitmask(rows + list(drafted), vocab_size)
         self.ms = 0.0 if self.up_front is None else (time.perf_counter() - started) * 1e3
 
     @property

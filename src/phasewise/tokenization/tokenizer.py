@@ -228,6 +228,12 @@ class Tokenizer:
         """Tokenize raw text; add_special_tokens adds BOS etc. only if the model is configured to."""
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
+    def encode_with_ends(self, text: str) -> tuple[list[int], list[int]]:
+        """Token ids of text with no special tokens added (as a rendered chat is encoded) and the character
+        each token ends at (the Rust tokenizer's offsets, which `encode` runs through too)."""
+        enc = self.backend.encode(text, add_special_tokens=False)
+        return list(enc.ids), [end for _, end in enc.offsets]
+
     def render_chat(self, messages: Sequence[Mapping[str, JsonValue]], add_generation_prompt: bool = True,
                     tools: Sequence[Mapping[str, JsonValue]] | None = None,
                     template_kwargs: Mapping[str, JsonValue] | None = None, continue_final: bool = False) -> str:

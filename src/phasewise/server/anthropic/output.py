@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from phasewise import json_types
 from phasewise.json_types import JsonObject
 from phasewise.outputs import CompletionOutput
+from phasewise.server.anthropic.caching import TTLS
 from phasewise.server.anthropic.protocol import error_body
 from phasewise.server.anthropic.signature import ThinkingSignature
 from phasewise.server.api_error import APIError
@@ -151,10 +152,16 @@ def stop_reason(out: CompletionOutput, calls: bool) -> str:
 
 
 def usage(out: CompletionOutput) -> JsonObject:
-    """Anthropic's usage: input_tokens are those not read from the prefix cache (cache_read_input_tokens)."""
-    cached = out.cached_tokens
-    return {"input_tokens": len(out.prompt_token_ids) - cached, "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": cached, "output_tokens": len(out.token_ids)}
+    """Anthropic's usage, as the engine did it: cache_read_input_tokens the prompt tokens the prefix cache
+    served (from RAM or disk, marked or not); cache_creation_input_tokens the tokens of cache_control
+    breakpoints' prefixes this request entered in the cache (whole blocks it computed that the cache did not
+    hold: `RequestMetrics.cache_written`), split by ttl; input_tokens the rest of the prompt."""
+    read, written = out.cached_tokens, out.metrics.cache_written
+    hour = sum(n for ttl, n in written.items() if ttl >= TTLS["1h"])
+    created = sum(written.values())
+    return {"input_tokens": max(0, len(out.prompt_token_ids) - read - created), "cache_creation_input_tokens": created,
+            "cache_read_input_tokens": read, "output_tokens": len(out.token_ids),
+            "cache_creation": {"ephemeral_5m_input_tokens": created - hour, "ephemeral_1h_input_tokens": hour}}
 
 
 def _message(rid: str, model: str, content: list[JsonObject], reason: str | None, sequence: str | None,

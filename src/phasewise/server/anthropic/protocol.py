@@ -14,6 +14,7 @@ from phasewise import json_types
 from phasewise.core.sampling_params import SamplingParams, StructuredOutputs
 from phasewise.engine.client import ChatPrompt
 from phasewise.json_types import JsonObject, JsonValue
+from phasewise.server.anthropic.caching import cache_points
 from phasewise.server.anthropic.translate import (InputMessage, chat_messages, checked_tools, is_thinking,
                                                   system_messages, tool_choice)
 from phasewise.server.api_error import bad_request
@@ -87,8 +88,10 @@ class _Body(BudgetFields):
             given = self.thinking.get("budget_tokens") if self.thinking and kind == "enabled" else 0
             budget = given if type(given) is int else None          # checked: _check_budget
         continued = self.messages[-1].role == "assistant"
-        prompt = ChatPrompt(messages, tools, {"enable_thinking": kind != "disabled"} if kind else None,
-                            not continued, continued)
+        kwargs: JsonObject | None = {"enable_thinking": kind != "disabled"} if kind else None
+        whole = (self.model_extra or {}).get("cache_control")          # the body's own: the whole prompt
+        points = cache_points(self.tools, tools, self.system, self.messages, whole, kwargs)
+        prompt = ChatPrompt(messages, tools, kwargs, not continued, continued, points)
         return ChatRequest(prompt, params, tool_choice=tool_choice(self.tool_choice, tools is not None),
                            thinking_budget=budget, names=NAMES)
 

@@ -46,7 +46,7 @@ def anthropic_router(guards: Guards) -> APIRouter:
         guards.check_model(body.model)
         check_signatures(body)
         call = chat_call(body.chat_request(), engine.tokenizer.tool_format, f"msg_{uuid.uuid4().hex[:24]}", thinking)
-        stream = await submitter.start(call.items, True, call.fields)
+        stream = await submitter.start(call.items, True, call.fields, guards.tenant(request))
         model = body.model or guards.config.served_model_name
         if body.stream:
             return sse_response(message_events(stream, call, model, body.single_call, signature), stream)

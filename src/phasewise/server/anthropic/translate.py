@@ -45,9 +45,10 @@ def system_messages(system: str | list[JsonObject] | None) -> list[JsonObject]:
     return [] if system is None else [{"role": "system", "content": _text(system, "system")}]
 
 
-def chat_messages(messages: list[InputMessage]) -> list[JsonObject]:
+def chat_messages(messages: list[InputMessage], prefill: bool = True) -> list[JsonObject]:
     """Anthropic's turns as OpenAI chat messages. A final assistant turn is a prefill the reply continues
-    (`continue_final_message`; as Anthropic, its text may not end in whitespace)."""
+    (`continue_final_message`; as Anthropic, its text may not end in whitespace), unless `prefill` is false
+    (the turns are a cut of the conversation)."""
     out: list[JsonObject] = []
     for i, m in enumerate(messages):
         if m.role not in ("user", "assistant"):
@@ -59,7 +60,7 @@ def chat_messages(messages: list[InputMessage]) -> list[JsonObject]:
             out.append(_assistant(m.content, where))
         else:
             out.extend(_user(m.content, where))
-    if messages and messages[-1].role == "assistant" and _text_of(out[-1]) != _text_of(out[-1]).rstrip():
+    if prefill and messages and messages[-1].role == "assistant" and _text_of(out[-1]) != _text_of(out[-1]).rstrip():
         raise bad_request("messages: final assistant content cannot end with trailing whitespace", "messages")
     return out
 

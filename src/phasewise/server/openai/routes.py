@@ -18,7 +18,7 @@ from phasewise.json_types import JsonObject
 from phasewise.server.openai import output as R
 from phasewise.server.async_engine import SubRequest
 from phasewise.server.body_parsing import parse_body
-from phasewise.server.chat_call import Submitter, chat_call, choice_params, sub_id
+from phasewise.server.chat_call import Submitter, chat_call, choice_params, salted, sub_id
 from phasewise.server.guards import Guards
 from phasewise.server.disaggregation import DisaggregatedPair
 from phasewise.server.api_error import bad_request
@@ -43,8 +43,10 @@ class Responder:
         a decode instance first imports the prompt's KV blocks the prefill instance sends; a prefill
         instance sends them once its (one-token) answer is done. fields: the API's names of engine fields."""
         transfer = body.kv_transfer_params.transfer_id if body.kv_transfer_params else None
+        items = salted(items, Guards.tenant(request))     # the key's cache salt: its blocks, sent and received
+        salt = items[0].params.cache_salt
         if transfer and self.config.role == "decode":
-            await self.pair.receive(transfer)
+            await self.pair.receive(transfer, salt)
         stream = await self.submitter.start(items, chat, fields)
         created, model = int(time.time()), body.model or self.config.served_model_name
         want_lp = items[0].params.logprobs is not None
@@ -59,7 +61,7 @@ class Responder:
         if outs is None:
             return Response(status_code=499)
         if transfer and self.config.role == "prefill":
-            await self.pair.send(transfer, items[0].prompt, chat)
+            await self.pair.send(transfer, items[0].prompt, chat, salt)
         return JSONResponse(final(rid, created, model, outs, want_lp))
 
 

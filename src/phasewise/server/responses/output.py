@@ -223,9 +223,12 @@ def assistant_message(items: Sequence[JsonObject]) -> JsonObject:
 
 
 def usage(out: CompletionOutput) -> JsonObject:
+    """cached_tokens: the prompt tokens the prefix cache served; cache_write_tokens: those of cache
+    breakpoints' prefixes written (none here: the Responses API marks none)."""
     prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
+    written = sum(out.metrics.cache_written.values())
     return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": out.cached_tokens,
-                                                             "cache_write_tokens": 0},
+                                                             "cache_write_tokens": written},
             "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": out.metrics.thinking_tokens},
             "total_tokens": prompt + completion}
 

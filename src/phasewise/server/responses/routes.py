@@ -55,7 +55,8 @@ def responses_router(guards: Guards, store: ResponseStore) -> APIRouter:
         history = stored(body.previous_response_id, "previous_response_id").conversation \
             if body.previous_response_id else []
         chat, head = chat_request(body, history)
-        chat, call, stream = await start(submitter, body, chat, head, engine.tokenizer.tool_format, thinking)
+        chat, call, stream = await start(submitter, body, chat, head, engine.tokenizer.tool_format, thinking,
+                                         guards.tenant(request))
         run = Run(body, call, chat.prompt.messages[head:], body.model or config.served_model_name, store)
         if body.background:
             return JSONResponse(background.start(run, stream))
@@ -93,14 +94,15 @@ def responses_router(guards: Guards, store: ResponseStore) -> APIRouter:
 
 
 async def start(submitter: Submitter, body: ResponsesRequest, chat: ChatRequest, head: int,
-                tool_format: str, thinking: Thinking) -> tuple[ChatRequest, ChatCall, RequestStream]:
+                tool_format: str, thinking: Thinking, tenant: str | None = None
+                ) -> tuple[ChatRequest, ChatCall, RequestStream]:
     """Submit the call (with truncation "auto", dropping the oldest turn until it fits the context):
-    the chat request that ran, its ChatCall and its stream."""
+    the chat request that ran, its ChatCall and its stream. tenant: the API key's cache salt."""
     rid = new_id("resp")
     while True:
         call = chat_call(chat, tool_format, rid, thinking)
         try:
-            return chat, call, await submitter.start(call.items, True, call.fields)
+            return chat, call, await submitter.start(call.items, True, call.fields, tenant)
         except APIError as e:
             shorter = truncated(chat, head) if body.truncation == "auto" else None
             if e.code != "context_length_exceeded" or shorter is None:
