@@ -87,10 +87,9 @@ def build_engine(config: EngineConfig, clock: Clock | None = None) -> EnginePart
     spec, size, cache = config.speculative, config.tensor_parallel_size, config.cache
     _check_features(config, full)
     kernels = choose_kernels(config)
-    precision = choose_precision(model_path, config.dtype, cache.kv_dtype, kernels, full.architecture)
-    precision = _int8_kv_fits(config, precision)
-    dtype = parse_dtype(precision.weights)
-    kv_dtype = torch.int8 if precision.kv == "int8" else dtype
+    precision = _int8_kv_fits(config, choose_precision(model_path, config.dtype, cache.kv_dtype, kernels,
+                                                       full.architecture))
+    kv_dtype = torch.int8 if precision.kv == "int8" else parse_dtype(precision.weights)
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     ranks = start_ranks(size, config.device)
@@ -104,8 +103,7 @@ def build_engine(config: EngineConfig, clock: Clock | None = None) -> EnginePart
                                kernels is not None, config.kernels == "torch", tails))
         if precision.weights == "q4" and not tp and str(config.device).startswith("cpu"):
             check_memory(model_path, num_blocks * kv_bytes_per_block(part, cache.block_size, kv_dtype)
-                         + (slots + checkpoints + snapshots) * part.state_bytes_per_seq
-                         + config.scheduler.max_num_seqs * tail_bytes(part, kv_dtype))
+                         + (slots + checkpoints + snapshots) * part.state_bytes_per_seq + tails * tail_bytes(part, kv_dtype))
         with ThreadPoolExecutor(1) as pool:   # the tokenizer reads its files while the weights load
             tokenizer_loading = pool.submit(_tokenizer, model_path, config.chat_template)
             model, model_config = load_prepared(model_path, precision.weights, config.device, kernels,
