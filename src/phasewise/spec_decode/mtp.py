@@ -112,10 +112,10 @@ class MTPProposer:
         return first, hidden[first - start:last - start + 1]
 
     def _forward(self, tokens: list[list[int]], hidden: Tensor, starts: list[int], tables: list[list[int]],
-                 tails: list[int]) -> Tensor:
+                 tails: list[int] | None = None) -> Tensor:
         """The layer over each request's rows at positions starts[i].. (tokens[i]: the tokens after them,
-        hidden: their hidden states, all requests' rows [R, H]; tails: an int8 cache's tail slots) → each
-        request's last output [B, H]."""
+        hidden: their hidden states, all requests' rows [R, H]; tails: an int8 cache's tail slots, default
+        0, 1, ...) → each request's last output [B, H]."""
         lens = [len(t) for t in tokens]
         ids = torch.tensor([t for ts in tokens for t in ts], dtype=torch.long, device=self.device)
         positions = torch.tensor([p for s, n in zip(starts, lens) for p in range(s, s + n)], dtype=torch.long,
