@@ -36,7 +36,7 @@ from phasewise.kernels.kernel_api import Kernels
 from phasewise.paths import default_cache_dir
 
 CSRC = Path(__file__).parent / "csrc"
-BINDING_SOURCES = ("bindings.cpp", "kernel_set.cpp", "decoder_stack.cpp")
+BINDING_SOURCES = ("bindings.cpp", "kernel_set.cpp", "decoder_stack.cpp", "cache_views.cpp")
 KERNEL_SOURCES = ("cpu_ops.cpp", "kv_write.cpp", "paged_attention.cpp", "tile_attention.cpp", "quant_linear.cpp",
                   "activation_quant.cpp", "dequantize_rows.cpp", "repack_gguf.cpp", "int8_peak.cpp", "decoder.cpp",
                   "expert_mlp.cpp", "gated_delta.cpp", "short_conv.cpp", "thread_pool.cpp", "table.cpp")
