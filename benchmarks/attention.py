@@ -32,16 +32,19 @@ def main() -> None:
     t, d, bs = args.tokens, args.head_size, 16
     slots = -(-t // bs) * bs
     q = torch.randn(t, hq, d)
+    fresh = torch.randn(t, hkv, d)                # the prompt's own keys (an int8 cache's partial groups)
     if args.float_cache:
-        k, v, ks, vs = torch.randn(slots, hkv, d), torch.randn(slots, hkv, d), None, None
-    else:
-        k, v = (torch.randint(-127, 128, (slots, hkv, d), dtype=torch.int8) for _ in range(2))
-        ks, vs = torch.rand(slots, hkv) * 0.01, torch.rand(slots, hkv) * 0.01
+        kv = [torch.randn(slots, hkv, d), torch.randn(slots, hkv, d)]
+    else:                                         # runner/kv_cache.py's layout, one tail slot
+        kv = [torch.randint(-127, 128, (slots, hkv, d), dtype=torch.int8) for _ in range(2)]
+        kv += [torch.rand(slots // 16, hkv, 2, d) * 0.01, torch.rand(slots, hkv) * 0.01,
+               torch.zeros(2, 16, hkv, d), torch.full((1, 2), -1, dtype=torch.int64)]
     tables = torch.arange(slots // bs, dtype=torch.int64)[None]
     seq, lens = torch.zeros(t, dtype=torch.int64), torch.arange(1, t + 1, dtype=torch.int64)
+    seqs = torch.tensor([[0, t, 0, 0]], dtype=torch.int64)   # one sequence: all its tokens new, tail slot 0
 
     def call():
-        return ops.paged_attention(q, k, v, tables, seq, lens, bs, d ** -0.5, ks, vs, 0)
+        return ops.paged_attention(q, kv, tables, seq, lens, seqs, bs, d ** -0.5, fresh=fresh)
 
     for _ in range(3):
         call()

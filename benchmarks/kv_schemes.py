@@ -12,6 +12,8 @@ A scheme is `K` or `K+V` (the same for both when one is given), each one of:
     ablkBxG         asymmetric (min and step) per G values within a head
     rotBxG          a Hadamard rotation over the head, then blkBxG (rotated back after)
     kchanB          asymmetric per channel over each block of 16 tokens (KIVI's keys, a paged block's)
+    kmidB           per channel the midpoint over each block of 16 tokens, one symmetric step per block
+                    and head around it (the int8 cache's keys: one query scale serves every block)
 The text is scored as independent windows of --tokens (one by default), teacher-forced.
 """
 
@@ -65,16 +67,31 @@ def per_channel(x: torch.Tensor, bits: int) -> torch.Tensor:
     return (torch.round((g - lo) / step).clamp(0, 2 ** bits - 1) * step + lo).reshape(xp.shape)[:T]
 
 
+def mid_channel(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """x [T, H, D] quantized and back as kmidB: per block of 16 tokens and head, each channel's midpoint
+    and one step for all channels (the largest half-range / (2^(bits-1) - 1))."""
+    T, pad = x.shape[0], -x.shape[0] % BLOCK
+    xp = torch.cat([x, x[-1:].expand(pad, *x.shape[1:])]) if pad else x
+    g = xp.reshape(-1, BLOCK, *x.shape[1:])                     # [blocks, 16, H, D]
+    lo, hi = g.amin(1, keepdim=True), g.amax(1, keepdim=True)
+    mid, top = (lo + hi) / 2, 2 ** (bits - 1) - 1
+    half = ((hi - lo) / 2).amax(-1, keepdim=True)
+    step = torch.where(half > 0, half / top, torch.ones_like(half))
+    return (torch.round((g - mid) / step).clamp(-top, top) * step + mid).reshape(xp.shape)[:T]
+
+
 def quantizer(spec: str, head_dim: int):
     """The fake quantizer of one scheme part."""
     if spec == "none":
         return lambda x: x
-    m = re.fullmatch(r"(tok|blk|ablk|rot|kchan)(\d+)(?:x(\d+))?", spec)
+    m = re.fullmatch(r"(tok|blk|ablk|rot|kchan|kmid)(\d+)(?:x(\d+))?", spec)
     if m is None:
         raise SystemExit(f"unknown scheme {spec!r} (see --help)")
     kind, bits, group = m[1], int(m[2]), int(m[3] or head_dim)
     if kind == "kchan":
         return lambda x: per_channel(x, bits)
+    if kind == "kmid":
+        return lambda x: mid_channel(x, bits)
     if kind == "rot":
         h = hadamard(head_dim)
         return lambda x: grouped(x @ h, bits, group, False) @ h.T

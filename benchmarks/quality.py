@@ -32,7 +32,7 @@ from phasewise.kernels import build
 from phasewise.layers.attention import AttentionMetadata
 from phasewise.loading.loader import load_prepared
 from phasewise.loading.loader import default_model_path, parse_dtype
-from phasewise.engine.precision import measured, record_path
+from phasewise.engine.precision import INT8_KV_SCHEME, measured, record_path
 from phasewise.runner.kv_cache import KVCache
 from phasewise.tokenization.tokenizer import Tokenizer
 
@@ -136,7 +136,7 @@ def main() -> None:
             raise SystemExit("--record needs fp32 and at least one other precision in --dtypes")
         target = record_path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(json.dumps({**measured(path), **deltas}, indent=1))
+        target.write_text(json.dumps({**measured(path), **deltas, "int8_kv": INT8_KV_SCHEME}, indent=1))
         print(f"recorded in {target}")
 
 

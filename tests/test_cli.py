@@ -166,9 +166,9 @@ def test_memory_from_numbers():
     proc = run("memory", *shape, "--kv-dtype", "fp16")
     assert proc.returncode == 0, proc.stderr
     assert "0.3125 MiB per token" in proc.stdout and "1,280.0 MiB" in proc.stdout
-    proc = run("memory", *shape)             # the engine's default: int8 with a scale per token and head
+    proc = run("memory", *shape)             # the engine's default: int8, V's and K's scales beside
     assert proc.returncode == 0, proc.stderr
-    assert "KV cache (int8): 0.1611 MiB per token" in proc.stdout
+    assert "KV cache (int8): 0.1978 MiB per token" in proc.stdout
 
 
 def test_memory_of_the_default_model():

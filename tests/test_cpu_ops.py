@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from phasewise.layers.attention import AttentionMetadata, paged_attention, quantize_rows
+from phasewise.layers.attention import AttentionMetadata, paged_attention
 from phasewise.layers.norm import RMSNorm
 from phasewise.layers.rotary import RotaryEmbedding
 from tests.conftest import bind
@@ -80,7 +80,8 @@ def test_rope_and_cache_rotates_and_writes_the_slots(ops):
     positions = torch.tensor([0, 3, 9, 10, 63])
     slots = torch.tensor([4, 17, 2, 30, 8])
     kc, vc = torch.zeros(32, Hkv, D), torch.zeros(32, Hkv, D)
-    q, k = ops.rope_and_cache(qkv, positions, rope.cos, rope.sin, kc, vc, slots, Hq, Hkv)
+    none = torch.zeros(0, 4, dtype=torch.int64)          # tables and sequences: an int8 cache's only
+    q, k = ops.rope_and_cache(qkv, positions, rope.cos, rope.sin, [kc, vc], slots, Hq, Hkv, none, none, 16)
     q_ref, k_ref, v_ref = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
     q_ref, k_ref = rope(positions, q_ref.reshape(T, Hq, D), k_ref.reshape(T, Hkv, D))
     torch.testing.assert_close(q, q_ref)
@@ -92,24 +93,6 @@ def test_rope_and_cache_rotates_and_writes_the_slots(ops):
     assert kc[untouched].abs().sum() == 0 and vc[untouched].abs().sum() == 0
 
 
-def test_rope_and_cache_quantizes_into_an_int8_cache(ops):
-    torch.manual_seed(3)
-    Hq, Hkv, D, T = 6, 2, 64, 4
-    rope = RotaryEmbedding(D, 64, 10000.0)
-    qkv = torch.randn(T, (Hq + 2 * Hkv) * D) * 3
-    positions, slots = torch.tensor([1, 2, 3, 40]), torch.tensor([5, 0, 9, 31])
-    kc, vc = torch.zeros(32, Hkv, D, dtype=torch.int8), torch.zeros(32, Hkv, D, dtype=torch.int8)
-    ks, vs = torch.ones(32, Hkv), torch.ones(32, Hkv)
-    q, k = ops.rope_and_cache(qkv, positions, rope.cos, rope.sin, kc, vc, slots, Hq, Hkv, ks, vs)
-    v = qkv[:, (Hq + Hkv) * D:].reshape(T, Hkv, D)
-    for cache, scales, x in ((kc, ks, k), (vc, vs, v)):
-        ref_q, ref_s = quantize_rows(x)
-        torch.testing.assert_close(scales[slots], ref_s)
-        assert (cache[slots].int() - ref_q.int()).abs().max() <= 1          # rounding ties may differ
-        err = (cache[slots].float() * scales[slots].unsqueeze(-1) - x).abs()
-        assert (err <= scales[slots].unsqueeze(-1) * 0.5 + 1e-6).all()      # within half a step
-
-
 CASES = [
     ([1], [1]),                          # a first decode
     ([1, 1, 1], [17, 64, 3]),            # decode-only, ragged contexts, a full last block
@@ -117,24 +100,6 @@ CASES = [
     ([4, 20], [9, 50]),                  # chunks in tiles, one of them ragged
     ([40], [40]),                        # a whole prompt
 ]
-
-
-@pytest.mark.parametrize("query_lens, context_lens", CASES)
-def test_paged_attention_over_an_int8_cache_matches_the_reference(ops, query_lens, context_lens):
-    """Kernel and reference read the same quantized cache: they agree to float rounding. (The new
-    tokens' k and v are int8 values already: the reference attends over a fresh prompt's own k and v.)"""
-    torch.manual_seed(4)
-    Hq, Hkv, D, bs, num_blocks = 9, 3, 64, 16, 32
-    tables = _tables(context_lens, bs, num_blocks)
-    T = sum(query_lens)
-    q = torch.randn(T, Hq, D)
-    k, v = ((x.float() * s.unsqueeze(-1)) for x, s in (quantize_rows(torch.randn(T, Hkv, D)) for _ in range(2)))
-    kq, ks = quantize_rows(torch.randn(num_blocks * bs, Hkv, D))
-    vq, vs = quantize_rows(torch.randn(num_blocks * bs, Hkv, D))
-    meta = AttentionMetadata.build(query_lens, context_lens, tables, bs, torch.device("cpu"))
-    ref = paged_attention(q, k, v, (kq.clone(), vq.clone(), ks.clone(), vs.clone()), meta)
-    out = paged_attention(q, k, v, (kq, vq, ks, vs), meta, ops=ops)
-    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
 def _tables(context_lens: list[int], bs: int, num_blocks: int) -> list[list[int]]:
@@ -161,35 +126,30 @@ def test_paged_attention_matches_the_reference(ops, query_lens, context_lens):
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
-def _kernel_against_reference(ops, Hq: int, Hkv: int, head_dim: int, block_size: int, int8: bool,
-                              query_lens: list[int], context_lens: list[int], window: int | None = None) -> None:
-    """Random q, k, v and a cache (fp32, or int8 with its new k and v exact in int8): kernel == reference."""
+def _kernel_against_reference(ops, Hq: int, Hkv: int, head_dim: int, block_size: int, query_lens: list[int],
+                              context_lens: list[int], window: int | None = None) -> None:
+    """Random q, k, v and an fp32 cache: kernel == reference (the int8 cache: tests/test_kv_int8_kernels.py)."""
     num_blocks = sum(-(-c // block_size) for c in context_lens) + 3
     tables = _tables(context_lens, block_size, num_blocks)
     T = sum(query_lens)
     q, k, v = torch.randn(T, Hq, head_dim), torch.randn(T, Hkv, head_dim), torch.randn(T, Hkv, head_dim)
     caches = [torch.randn(num_blocks * block_size, Hkv, head_dim) * 2 for _ in range(2)]
-    if int8:
-        (kq, ks), (vq, vs) = quantize_rows(caches[0]), quantize_rows(caches[1])
-        caches = [kq, vq, ks, vs]
-        k, v = (x.float() * s.unsqueeze(-1) for x, s in (quantize_rows(k), quantize_rows(v)))
     meta = AttentionMetadata.build(query_lens, context_lens, tables, block_size, torch.device("cpu"))
     ref = paged_attention(q, k, v, tuple(c.clone() for c in caches), meta, window=window)
     out = paged_attention(q, k, v, tuple(caches), meta, ops=ops, window=window)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("head_dim, Hq, Hkv", [(256, 4, 1), (64, 9, 3)])
 @pytest.mark.parametrize("query_lens, context_lens", [
     ([1, 1, 1], [700, 33, 40]),          # decodes past, at and inside the window
     ([40, 1], [40, 900]),                # a prompt inside its window (tiled), a decode past it
     ([37, 20], [100, 60]),               # chunks whose keys reach past the window: row by row
 ])
-def test_sliding_window_kernel_matches_the_reference(ops, int8, head_dim, Hq, Hkv, query_lens, context_lens):
+def test_sliding_window_kernel_matches_the_reference(ops, head_dim, Hq, Hkv, query_lens, context_lens):
     """A sliding-window layer (Gemma 3's local layers, Mistral): each row sees its last 40 tokens."""
     torch.manual_seed(8)
-    _kernel_against_reference(ops, Hq, Hkv, head_dim, 16, int8, query_lens, context_lens, window=40)
+    _kernel_against_reference(ops, Hq, Hkv, head_dim, 16, query_lens, context_lens, window=40)
 
 
 def test_the_reference_window_is_the_masked_softmax():
@@ -210,27 +170,24 @@ def test_the_reference_window_is_the_masked_softmax():
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("Hq, Hkv", [(4, 4), (8, 4), (12, 3), (14, 2)])
-def test_paged_attention_kernel_at_every_group_size(ops, head_dim, int8, Hq, Hkv):
+def test_paged_attention_kernel_at_every_group_size(ops, head_dim, Hq, Hkv):
     """Decode rows: group sizes 1 to 4 have kernels with G fixed at compile time (1, 2 at head size
     128), the others the kernel that takes G at run time."""
     torch.manual_seed(6)
-    _kernel_against_reference(ops, Hq, Hkv, head_dim, 16, int8, [1, 1, 1], [300, 17, 64])
+    _kernel_against_reference(ops, Hq, Hkv, head_dim, 16, [1, 1, 1], [300, 17, 64])
 
 
 @pytest.mark.parametrize("head_dim, block_size", [(64, 16), (128, 32), (256, 8), (32, 16), (80, 16)])
-@pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("query_lens, context_lens", [
     ([1], [1000]),                       # one long decode: the context is cut into parts and merged
     ([1, 1], [70, 300]),                 # parts of unequal length, some of them empty
     ([3, 1, 1, 1, 1, 1, 1], [129, 1, 2, 64, 65, 33, 17]),   # many rows: one part each
 ])
-def test_paged_attention_kernel_at_every_head_size_and_context(ops, head_dim, block_size, int8, query_lens,
-                                                               context_lens):
+def test_paged_attention_kernel_at_every_head_size_and_context(ops, head_dim, block_size, query_lens, context_lens):
     """The vectorised head sizes (64, 128, 256), the scalar fallback (32, 80), split long contexts."""
     torch.manual_seed(5)
-    _kernel_against_reference(ops, 8, 2, head_dim, block_size, int8, query_lens, context_lens)
+    _kernel_against_reference(ops, 8, 2, head_dim, block_size, query_lens, context_lens)
 
 
 @pytest.mark.slow
@@ -264,12 +221,13 @@ def test_no_kernels_env_turns_the_build_off(monkeypatch):
 @settings(max_examples=30, deadline=None)
 @given(seqs=st.lists(st.tuples(st.integers(1, 700), st.sampled_from([1, 1, 2, 5, 20])), min_size=1, max_size=5),
        heads=st.sampled_from([(9, 3, 64), (8, 2, 64), (14, 2, 64), (12, 2, 128), (40, 2, 64), (4, 1, 256)]),
-       window=st.sampled_from([0, 0, 40]), int8=st.booleans(), threads=st.sampled_from([1, 2]))
-def test_a_rows_attention_is_the_same_bits_alone_in_a_run_or_beside_others(ops, seqs, heads, window, int8, threads):
+       window=st.sampled_from([0, 0, 40]), threads=st.sampled_from([1, 2]))
+def test_a_rows_attention_is_the_same_bits_alone_in_a_run_or_beside_others(ops, seqs, heads, window, threads):
     """A query row gets the same bits whether it comes alone (a decode step), in a run of its
     sequence's positions (a prompt chunk, a speculative verify) or beside other sequences' rows: the
     speculative-decoding and prefix-cache exactness rests on it; on any thread count (a row's context
-    is cut into parts by its own positions, not by the batch). seqs: (context length, run length)."""
+    is cut into parts by its own positions, not by the batch). seqs: (context length, run length).
+    (An int8 cache: tests/test_kv_int8_kernels.py.)"""
     Hq, Hkv, D = heads
     bs = 16
     runs = [(max(n, r), r) for n, r in seqs]
@@ -279,22 +237,19 @@ def test_a_rows_attention_is_the_same_bits_alone_in_a_run_or_beside_others(ops, 
     for i, n in enumerate(blocks):
         tables[i, :n] = torch.arange(sum(blocks[:i]), sum(blocks[:i]) + n)
     slots = sum(blocks) * bs
-    if int8:
-        kc, ks = quantize_rows(torch.randn(slots, Hkv, D, generator=g))
-        vc, vs = quantize_rows(torch.randn(slots, Hkv, D, generator=g))
-    else:
-        kc, vc, ks, vs = torch.randn(slots, Hkv, D, generator=g), torch.randn(slots, Hkv, D, generator=g), None, None
+    kv = [torch.randn(slots, Hkv, D, generator=g), torch.randn(slots, Hkv, D, generator=g)]
     seq = torch.tensor([i for i, (n, r) in enumerate(runs) for _ in range(r)])
     length = torch.tensor([n - r + 1 + j for n, r in runs for j in range(r)])
     q = torch.randn(len(seq), Hq, D, generator=g)
+    none = torch.zeros(len(runs), 4, dtype=torch.int64)     # an int8 cache's sequences: unused
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
-        together = ops.paged_attention(q, kc, vc, tables, seq, length, bs, D ** -0.5, ks, vs, window)
+        together = ops.paged_attention(q, kv, tables, seq, length, none, bs, D ** -0.5, window=window)
         torch.set_num_threads(3 - threads)
         for t in range(len(seq)):
-            alone = ops.paged_attention(q[t:t + 1].contiguous(), kc, vc, tables, seq[t:t + 1], length[t:t + 1], bs,
-                                        D ** -0.5, ks, vs, window)
+            alone = ops.paged_attention(q[t:t + 1].contiguous(), kv, tables, seq[t:t + 1], length[t:t + 1], none, bs,
+                                        D ** -0.5, window=window)
             assert torch.equal(alone[0], together[t]), t
     finally:
         torch.set_num_threads(before)

@@ -39,13 +39,14 @@ def int8_hybrid(request, tmp_path_factory):
 
 
 @torch.inference_mode()
-def run_hybrid_steps(model, use_stack: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def run_hybrid_steps(model, use_stack: bool, kv_dtype: torch.dtype = torch.float32
+                     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Three sequences through STEPS: each step's logits, then every recurrent state tensor."""
     stack = model.model.stack
     model.model.stack = stack if use_stack else None
     try:
         cfg, bs = model.config, 16
-        cache = KVCache(cfg, 12, bs, torch.float32, "cpu", num_state_slots=8)
+        cache = KVCache(cfg, 12, bs, kv_dtype, "cpu", num_state_slots=8)
         for layer in cache.states:
             for t in layer:
                 t.fill_(float("nan"))      # a starting sequence's slot is zeroed by the step, never read as is
@@ -64,13 +65,14 @@ def run_hybrid_steps(model, use_stack: bool) -> tuple[list[torch.Tensor], list[t
         model.model.stack = stack
 
 
-def test_hybrid_stack_matches_the_python_layers(int8_hybrid, ops):
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8], ids=["fp32-kv", "int8-kv"])
+def test_hybrid_stack_matches_the_python_layers(int8_hybrid, ops, kv_dtype):
     model = int8_hybrid
     choose_weight_forms(model, "cpu", torch.float32, ops)
     bind(model, ops)
     assert model.model.stack is not None, "no decoder stack for the hybrid"
-    fast, fast_states = run_hybrid_steps(model, use_stack=True)
-    ref, ref_states = run_hybrid_steps(model, use_stack=False)
+    fast, fast_states = run_hybrid_steps(model, use_stack=True, kv_dtype=kv_dtype)
+    ref, ref_states = run_hybrid_steps(model, use_stack=False, kv_dtype=kv_dtype)
     for a, b in zip(fast, ref):
         assert_paths_agree(a, b)
     for a, b in zip(fast_states, ref_states):

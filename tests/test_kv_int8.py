@@ -62,7 +62,7 @@ def test_int8_pool_is_sized_with_its_scales(default_model_path):
     cfg = load_config(default_model_path)
     fp32, int8 = kv_bytes_per_token(cfg, torch.float32), kv_bytes_per_token(cfg, torch.int8)
     assert fp32 == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
-    assert int8 == 2 * cfg.num_layers * cfg.num_kv_heads * (cfg.head_dim + 4)
+    assert int8 == cfg.num_layers * cfg.num_kv_heads * (2 * cfg.head_dim + 4 + cfg.head_dim // 2)
 
 
 @pytest.mark.slow
@@ -77,3 +77,58 @@ def test_engine_with_an_int8_kv_cache_generates_and_frees_everything():
     assert llm.engine.core.kv.pool.num_free == llm.engine.core.kv.pool.num_blocks
     with pytest.raises(ValueError, match="kv_dtype"):
         LLM(kv_dtype="fp8", warmup=False)
+
+
+@pytest.mark.slow
+def test_speculation_batching_preemption_and_prefix_hits_keep_greedy_tokens_exactly():
+    """With the file's blocks (a row's bits independent of its batch) and the int8 KV cache, greedy tokens
+    are the same alone, batched under preemption with prefix hits, and with drafts verified in runs (a
+    group filled by rejected drafts quantized again), token for token: every row reads the groups below
+    its length as int8 and its own group as floats, whichever rows share its step."""
+    from phasewise import LLM, SamplingParams
+    from phasewise.config import SpeculativeConfig
+
+    prompts = [f"{TEXT} Repeat the first sentence of this text twice, then say what {t} means."
+               for t in ("dusk", "a wick", "a cape", "a harbour", "clockwork")]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = LLM(kv_dtype="int8", enable_prefix_caching=False, kv_cache_memory=0.05, warmup=False)
+    assert (plain.engine.precision.weights, plain.engine.kv_cache.dtype) == ("q4", torch.int8)
+    alone = [plain.generate(p, params)[0].token_ids for p in prompts]
+    spec = SpeculativeConfig.parse("ngram", num_speculative_tokens=7, adaptive=False)
+    busy = LLM(kv_dtype="int8", speculative=spec, num_blocks=16, warmup=False)   # must preempt
+    busy.generate(prompts[0], params)                                              # the shared text, cached
+    outs = busy.generate(prompts, params)
+    assert sum(o.metrics.preemptions for o in outs) > 0 and sum(o.cached_tokens for o in outs) > 0
+    assert sum(o.metrics.spec_accepted_tokens for o in outs) > 0
+    assert [o.token_ids for o in outs] == alone
+
+
+def test_int8_blocks_copy_whole_between_caches_and_as_bytes(default_model_path):
+    """What the prefix cache's disk tier and disaggregation copy of an int8 cache: every part of a block
+    (codes, K's group scales, V's scales), whole, in and out; another layout's bytes are refused."""
+    from phasewise.loading.loader import load_config
+    from phasewise.runner.kv_cache import KVBlocks
+
+    cfg = load_config(default_model_path)
+    a, b = KVCache(cfg, 6, 32, torch.int8, "cpu"), KVCache(cfg, 6, 32, torch.int8, "cpu")
+    g = torch.Generator().manual_seed(0)
+    a.data.copy_(torch.randint(-127, 128, a.data.shape, generator=g, dtype=torch.int8))
+    a.k_groups.normal_(generator=g)
+    a.v_scale.uniform_(generator=g)
+    parts = a.read_blocks([1, 4])
+    assert parts["k_groups"].shape[2] == 2 * 32 // 16 and parts["v_scale"].shape[2] == 2 * 32
+    b.write_blocks([3, 0], parts)
+    for t, u in ((a.data, b.data), (a.k_groups, b.k_groups), (a.v_scale, b.v_scale)):
+        per = t.shape[2] // 6
+        assert torch.equal(t[:, :, per:2 * per], u[:, :, 3 * per:4 * per])
+        assert torch.equal(t[:, :, 4 * per:5 * per], u[:, :, :per])
+    one = KVBlocks(list(range(64)), 32, parts).block(1)
+    assert all(torch.equal(one[name], t) for name, t in a.read_blocks([4]).items())
+    c = KVCache(cfg, 6, 32, torch.int8, "cpu")
+    c.fill([5], a.copy_out([2]))
+    assert c.read_blocks([5]).keys() == a.read_blocks([2]).keys()
+    assert all(torch.equal(c.read_blocks([5])[n], t) for n, t in a.read_blocks([2]).items())
+    assert "k_groups:torch.float32" in a.block_layout and a.block_layout != KVCache(cfg, 6, 32, torch.float32,
+                                                                                      "cpu").block_layout
+    with pytest.raises(ValueError, match="bytes"):
+        c.fill([0], KVCache(cfg, 6, 32, torch.float32, "cpu").copy_out([0]))

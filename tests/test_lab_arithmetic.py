@@ -15,7 +15,8 @@ def test_kv_bytes_per_token_of_a_70b_shape():
     assert shape.kv_bytes_per_token("fp16") / MIB == pytest.approx(0.3125)
     assert shape.kv_bytes_per_sequence(4096, "fp16") == 327_680 * 4096
     assert shape.sequences_that_fit(80 * GIB, 4096) == 64           # 1.25 GiB each
-    assert shape.kv_bytes_per_token("int8") == 168_960            # 2 * 80 * 8 * (128 + a 4-byte scale)
+    # 80 * 8 * (2 * 128 + V's 4-byte scale + K's midpoint and step, 8 bytes a channel per 16 tokens)
+    assert shape.kv_bytes_per_token("int8") == 207_360
 
 
 def test_parameter_count_matches_the_default_model_and_transformers():

@@ -54,15 +54,19 @@ def mtp_folder(case: str, folder, damp: float = 0.3):
     return with_tokenizer(folder)
 
 
+@pytest.mark.parametrize("kv_dtype", ["model", "int8"])
 @pytest.mark.parametrize("case", MTP_CASES)
-def test_mtp_drafts_keep_greedy_output_alone_batched_chunked_and_preempted(case, tmp_path):
+def test_mtp_drafts_keep_greedy_output_alone_batched_chunked_and_preempted(case, kv_dtype, tmp_path):
+    """Also over the int8 KV cache (blocks of 16, the MTP layer's own cache int8 too)."""
     from phasewise import LLM
 
     folder = mtp_folder(case, tmp_path)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 256, (5,), generator=g).tolist() * 3 for _ in range(3)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    kw = dict(model=str(folder), quantization="int8", kv_dtype="model", warmup=False, kv_cache_memory=0.01, block_size=4)
+    bs = 16 if kv_dtype == "int8" else 4
+    kw = dict(model=str(folder), quantization="int8", kv_dtype=kv_dtype, warmup=False, kv_cache_memory=0.01,
+              block_size=bs)
     want = [o.token_ids for o in LLM(**kw).generate(prompts, params)]
     fixed = dict(num_speculative_tokens=3, adaptive=False)        # every decode drafts
     spec = LLM(**kw, speculative=SpeculativeConfig.parse("mtp", **fixed))
@@ -72,7 +76,7 @@ def test_mtp_drafts_keep_greedy_output_alone_batched_chunked_and_preempted(case,
     assert [spec.generate(p, params)[0].token_ids for p in prompts] == want          # alone, after prefix hits
     chunked = LLM(**kw, max_num_batched_tokens=5, speculative=SpeculativeConfig.parse("mtp", **fixed))
     assert [o.token_ids for o in chunked.generate(prompts, params)] == want
-    tight = LLM(**kw, num_blocks=16, speculative=SpeculativeConfig.parse("mtp", **fixed))
+    tight = LLM(**kw, num_blocks=64 // bs, speculative=SpeculativeConfig.parse("mtp", **fixed))
     outs = tight.generate(prompts, params)
     assert [o.token_ids for o in outs] == want and sum(o.metrics.preemptions for o in outs) > 0
 

@@ -64,6 +64,19 @@ inline uint16_t random_half(int min_exp, int max_exp) {   // a normal fp16 of ei
 
 inline const pw::Runtime RT{2};
 
+// kv_int8_tests.cpp: an int8 cache (kernels.h) of `slots` slots and `tail_slots` tail slots, empty
+struct Int8Cache {
+  Int8Cache(int64_t slots, int64_t Hkv, int64_t D, int64_t tail_slots);
+  pw::CacheOut out();
+  pw::Cache reader(const float* fresh) const;
+  std::vector<int8_t> kq, vq;
+  std::vector<float> kg, vs, tails;
+  std::vector<int64_t> held;
+  int64_t Hkv, D;
+};
+void test_int8_attention(const pw::KernelTable& k, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs,
+                         const std::vector<int64_t>& query_lens, const std::vector<int64_t>& context_lens,
+                         int64_t window = 0);
 // quant_tests.cpp
 std::vector<uint8_t> random_weight(pw::QuantFormat fmt, int64_t N, int64_t K, std::vector<float>& W,
                                    std::vector<float>& scale, int64_t u5_tiles, std::vector<uint16_t>* super);

@@ -2,7 +2,8 @@
 // reference written here, for the ISA level the library was compiled for. They need no torch, so
 // they run where torch cannot: ARM builds under qemu-user (make test-arm). The Python tests
 // compare the same kernels with PyTorch's references on this machine's own levels.
-// Here: the elementwise ops, RoPE and the cache writes, attention; quant_tests.cpp: the
+// Here: the elementwise ops, RoPE and the cache writes, attention; kv_int8_tests.cpp: the int8 cache's
+// writer and attention over it; quant_tests.cpp: the
 // quantized linear layers and the decoder stack; expert_tests.cpp: the experts; delta_net_tests.cpp:
 // the Gated DeltaNet's mix.
 #include "check.h"
@@ -68,7 +69,7 @@ void test_elementwise(const pw::KernelTable& k) {
   }
 }
 
-void test_rope_and_cache(const pw::KernelTable& k, bool int8) {
+void test_rope_and_cache(const pw::KernelTable& k) {
   const int64_t Hq = 6, Hkv = 2, D = 64, T = 5, P = 64, S = 32, half = D / 2;
   auto qkv = randn(T * (Hq + 2 * Hkv) * D, 3.f);
   std::vector<float> cs(P * half), sn(P * half);
@@ -78,12 +79,11 @@ void test_rope_and_cache(const pw::KernelTable& k, bool int8) {
       cs[p * half + i] = std::cos(a), sn[p * half + i] = std::sin(a);
     }
   const std::vector<int64_t> pos{0, 3, 9, 10, 63}, slots{4, 17, 2, 30, 8};
-  std::vector<float> q(T * Hq * D), kk(T * Hkv * D), kc(S * Hkv * D), vc(S * Hkv * D), ks(S * Hkv), vs(S * Hkv);
-  std::vector<int8_t> kq(S * Hkv * D), vq(S * Hkv * D);
+  std::vector<float> q(T * Hq * D), kk(T * Hkv * D), kc(S * Hkv * D), vc(S * Hkv * D);
   pw::CacheOut c;
-  if (int8) c.kq = kq.data(), c.vq = vq.data(), c.ks = ks.data(), c.vs = vs.data();
-  else c.k = kc.data(), c.v = vc.data();
-  k.rope_and_cache(RT, qkv.data(), T, pos.data(), cs.data(), sn.data(), Hq, Hkv, D, slots.data(), c, q.data(),
+  c.k = kc.data(), c.v = vc.data();
+  const pw::AttentionRows none{nullptr, 0, nullptr, nullptr, 16};
+  k.rope_and_cache(RT, qkv.data(), T, pos.data(), cs.data(), sn.data(), Hq, Hkv, D, slots.data(), none, c, q.data(),
                    kk.data());
   std::vector<float> want_q(q.size()), want_k(kk.size());
   for (int64_t t = 0; t < T; ++t)
@@ -96,68 +96,49 @@ void test_rope_and_cache(const pw::KernelTable& k, bool int8) {
         y[i + half] = x[i + half] * c0 + x[i] * s0;
       }
     }
-  const std::string tag = int8 ? " (int8 cache)" : "";
-  check_close("rope q" + tag, q.data(), want_q.data(), q.size(), 1e-5f, 1e-5f);
-  check_close("rope k" + tag, kk.data(), want_k.data(), kk.size(), 1e-5f, 1e-5f);
+  check_close("rope q", q.data(), want_q.data(), q.size(), 1e-5f, 1e-5f);
+  check_close("rope k", kk.data(), want_k.data(), kk.size(), 1e-5f, 1e-5f);
   bool ok = true;
   for (int64_t t = 0; t < T; ++t)
     for (int64_t h = 0; h < Hkv; ++h) {
       const int64_t at = slots[t] * Hkv + h;
       for (int which = 0; which < 2; ++which) {
         const float* x = which ? qkv.data() + (t * (Hq + 2 * Hkv) + Hq + Hkv + h) * D : want_k.data() + (t * Hkv + h) * D;
-        for (int64_t d = 0; d < D; ++d) {
-          if (!int8) {
-            ok &= std::fabs((which ? vc : kc)[at * D + d] - x[d]) <= 1e-5f * (1.f + std::fabs(x[d]));
-            continue;
-          }
-          const float s = (which ? vs : ks)[at];
-          const int8_t v = (which ? vq : kq)[at * D + d];
-          ok &= std::fabs(v * s - x[d]) <= 0.5f * s + 1e-5f;   // within half a step
-        }
+        for (int64_t d = 0; d < D; ++d)
+          ok &= std::fabs((which ? vc : kc)[at * D + d] - x[d]) <= 1e-5f * (1.f + std::fabs(x[d]));
       }
     }
-  check("rope cache writes" + tag, ok);
+  check("rope cache writes", ok);
 }
 
-// Scalar attention of one query row over the first len tokens of a paged cache. Over an int8 cache
-// the query is int8 too, as the kernels take it: x = scale q rounded to nearest even in steps of
-// max |x| / 127, and a score is the integer dot product times the two steps.
+// Scalar attention of one query row over the first len tokens of an fp32 paged cache.
 void attend_ref(const pw::Cache& c, const int64_t* table, int64_t bs, const float* q, int64_t Hq, int64_t len,
                 float scale, float* out, int64_t window = 0) {
   const int64_t D = c.D, G = Hq / c.Hkv, first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
   std::vector<double> s(len);
-  std::vector<int> qi(D);
   for (int64_t h = 0; h < Hq; ++h) {
     const int64_t hk = h / G;
     double mx = -INFINITY, sum = 0;
-    float amax = 0.f;
-    for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(q[h * D + d] * scale));
-    for (int64_t d = 0; d < D; ++d) qi[d] = static_cast<int>(std::nearbyint(q[h * D + d] * scale * (127.f / amax)));
     for (int64_t p = first; p < len; ++p) {
       const int64_t at = (table[p / bs] * bs + p % bs) * c.Hkv + hk;
       double dot = 0;
-      if (c.k) {
-        for (int64_t d = 0; d < D; ++d) dot += q[h * D + d] * c.k[at * D + d];
-        dot *= scale;
-      } else {
-        for (int64_t d = 0; d < D; ++d) dot += qi[d] * c.kq[at * D + d];
-        dot *= static_cast<double>(amax / 127.f) * c.ks[at];
-      }
-      s[p] = dot, mx = std::max(mx, s[p]);
+      for (int64_t d = 0; d < D; ++d) dot += q[h * D + d] * c.k[at * D + d];
+      s[p] = dot * scale, mx = std::max(mx, s[p]);
     }
     for (int64_t d = 0; d < D; ++d) out[h * D + d] = 0.f;
     for (int64_t p = first; p < len; ++p) {
       const int64_t at = (table[p / bs] * bs + p % bs) * c.Hkv + hk;
       const double w = std::exp(s[p] - mx);
       sum += w;
-      for (int64_t d = 0; d < D; ++d) out[h * D + d] += w * (c.v ? c.v[at * D + d] : c.vq[at * D + d] * c.vs[at]);
+      for (int64_t d = 0; d < D; ++d) out[h * D + d] += w * c.v[at * D + d];
     }
     for (int64_t d = 0; d < D; ++d) out[h * D + d] /= sum;
   }
 }
 
-// Rows: query_lens[i] consecutive positions of sequence i ending at context_lens[i].
-void test_attention(const pw::KernelTable& k, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, bool int8,
+// Rows: query_lens[i] consecutive positions of sequence i ending at context_lens[i] (an fp32 cache;
+// kv_int8_tests.cpp the int8 one).
+void test_attention(const pw::KernelTable& k, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs,
                     const std::vector<int64_t>& query_lens, const std::vector<int64_t>& context_lens,
                     int64_t window = 0) {
   const int64_t nseq = query_lens.size();
@@ -173,21 +154,8 @@ void test_attention(const pw::KernelTable& k, int64_t Hq, int64_t Hkv, int64_t D
   }
   const int64_t T = seq.size(), slots = blocks * bs;
   auto kf = randn(slots * Hkv * D, 2.f), vf = randn(slots * Hkv * D, 2.f), q = randn(T * Hq * D);
-  std::vector<int8_t> kq(kf.size()), vq(vf.size());
-  std::vector<float> ks(slots * Hkv), vs(slots * Hkv);
   pw::Cache c;
-  c.Hkv = Hkv, c.D = D;
-  if (int8) {
-    for (int64_t r = 0; r < slots * Hkv; ++r) {
-      ks[r] = 2.f / 127, vs[r] = 3.f / 127;
-      for (int64_t d = 0; d < D; ++d)
-        kq[r * D + d] = static_cast<int8_t>(std::uniform_int_distribution<int>(-127, 127)(rng)),
-        vq[r * D + d] = static_cast<int8_t>(std::uniform_int_distribution<int>(-127, 127)(rng));
-    }
-    c.kq = kq.data(), c.vq = vq.data(), c.ks = ks.data(), c.vs = vs.data();
-  } else {
-    c.k = kf.data(), c.v = vf.data();
-  }
+  c.Hkv = Hkv, c.D = D, c.k = kf.data(), c.v = vf.data();
   const pw::AttentionRows rows{tables.data(), max_blocks, seq.data(), len.data(), bs, window};
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   std::vector<float> out(T * Hq * D), want(T * Hq * D);
@@ -196,9 +164,8 @@ void test_attention(const pw::KernelTable& k, int64_t Hq, int64_t Hkv, int64_t D
     attend_ref(c, tables.data() + seq[t] * max_blocks, bs, q.data() + t * Hq * D, Hq, len[t], scale,
                want.data() + t * Hq * D, window);
   char name[160];
-  std::snprintf(name, sizeof name, "paged_attention Hq=%lld Hkv=%lld D=%lld bs=%lld %s rows=%lld window=%lld",
-                (long long)Hq, (long long)Hkv, (long long)D, (long long)bs, int8 ? "int8" : "fp32", (long long)T,
-                (long long)window);
+  std::snprintf(name, sizeof name, "paged_attention Hq=%lld Hkv=%lld D=%lld bs=%lld fp32 rows=%lld window=%lld",
+                (long long)Hq, (long long)Hkv, (long long)D, (long long)bs, (long long)T, (long long)window);
   check_close(name, out.data(), want.data(), out.size(), 1e-4f, 5e-5f);
 }
 
@@ -210,17 +177,21 @@ int main() {
   std::printf("kernel tests, ISA level %s\n", k.isa);
   check("abi", k.abi == pw::ABI_VERSION);
   test_elementwise(k);
-  test_rope_and_cache(k, false);
-  test_rope_and_cache(k, true);
-  for (bool int8 : {false, true}) {
-    for (const auto& h : std::vector<std::vector<int64_t>>{{4, 4}, {8, 4}, {12, 3}, {9, 3}, {14, 2}, {8, 1}})
-      test_attention(k, h[0], h[1], 64, 16, int8, {1, 1, 1}, {300, 17, 64});    // decode rows
-    for (int64_t D : {64, 128, 256, 32, 80})                                      // vector and scalar head sizes
-      test_attention(k, 8, 2, D, 16, int8, {1, 1}, {70, 1000});                   // a long context in parts
-    test_attention(k, 9, 3, 64, 16, int8, {1, 5, 12, 1}, {40, 5, 30, 16});         // prompt chunks in tiles
-    test_attention(k, 8, 2, 128, 32, int8, {4, 20, 40}, {9, 50, 40});
-    test_attention(k, 4, 1, 256, 16, int8, {37, 1, 1}, {100, 700, 30}, 40);    // sliding window: tiles and rows
+  test_rope_and_cache(k);
+  for (const auto& h : std::vector<std::vector<int64_t>>{{4, 4}, {8, 4}, {12, 3}, {9, 3}, {14, 2}, {8, 1}}) {
+    test_attention(k, h[0], h[1], 64, 16, {1, 1, 1}, {300, 17, 64});            // decode rows
+    test_int8_attention(k, h[0], h[1], 64, 16, {1, 1, 1}, {300, 17, 64});
   }
+  for (int64_t D : {64, 128, 256, 32, 80}) {                                    // vector and scalar head sizes
+    test_attention(k, 8, 2, D, 16, {1, 1}, {70, 1000});                         // a long context in parts
+    test_int8_attention(k, 8, 2, D, 16, {1, 1}, {70, 1000});
+  }
+  test_attention(k, 9, 3, 64, 16, {1, 5, 12, 1}, {40, 5, 30, 16});               // prompt chunks in tiles
+  test_int8_attention(k, 9, 3, 64, 16, {1, 5, 12, 1}, {40, 5, 30, 16});
+  test_attention(k, 8, 2, 128, 32, {4, 20, 40}, {9, 50, 40});
+  test_int8_attention(k, 8, 2, 128, 32, {4, 20, 17}, {9, 50, 33});               // chunks across group ends
+  test_attention(k, 4, 1, 256, 16, {37, 1, 1}, {100, 700, 30}, 40);          // sliding window: tiles and rows
+  test_int8_attention(k, 4, 1, 256, 16, {37, 1, 1}, {100, 700, 30}, 40);
   for (pw::QuantFormat fmt : {pw::Q4, pw::Q8, pw::I8, pw::K8, pw::Q5, pw::K6})
     for (const auto& mnk : std::vector<std::vector<int64_t>>{{1, 576, 576}, {3, 40, 64}, {5, 960, 128}, {130, 48, 96}})
       test_quant_linear(k, fmt, mnk[0], mnk[1], mnk[2]);

@@ -246,36 +246,47 @@ void test_decoder_stack(const pw::KernelTable& k, bool int8, const std::vector<i
     }
   }
   const int64_t T = seq.size(), slots = nseq * max_blocks * bs;
-  // Two copies of every layer's cache, with the same earlier context.
+  std::vector<int64_t> seqs;                  // an int8 cache's sequences: start, new tokens, first row, tail slot
+  for (int64_t i = 0, row = 0; i < nseq; row += query_lens[i], ++i)
+    seqs.insert(seqs.end(), {context_lens[i] - query_lens[i], query_lens[i], row, i});
+  pw::AttentionRows rows{tables.data(), max_blocks, seq.data(), len.data(), bs};
+  if (int8) rows.seqs = seqs.data(), rows.num_seqs = nseq;
+  // Two copies of every layer's cache, with the same earlier context (int8: written by write_kv)
   std::vector<std::vector<float>> f(4 * L);
-  std::vector<std::vector<int8_t>> q8(4 * L);
+  std::vector<Int8Cache> q8;
+  q8.reserve(2 * L);
   std::vector<pw::Cache> caches[2];
   std::vector<pw::CacheOut> outs[2];
   for (int64_t i = 0; i < L; ++i) {
     const auto kf = randn(slots * Hkv * D), vf = randn(slots * Hkv * D);
-    std::vector<int8_t> kq(kf.size()), vq(vf.size());
-    for (size_t j = 0; j < kf.size(); ++j)
-      kq[j] = static_cast<int8_t>(std::lround(kf[j] * 40)), vq[j] = static_cast<int8_t>(std::lround(vf[j] * 40));
+    if (int8) {
+      q8.emplace_back(slots, Hkv, D, nseq);
+      for (int64_t s = 0; s < nseq; ++s) {      // the context before the step, as one step a sequence
+        const int64_t n = context_lens[s] - query_lens[s];
+        if (n == 0) continue;
+        std::vector<int64_t> sl(n), one_seq{0, n, 0, s};
+        for (int64_t p = 0; p < n; ++p) sl[p] = tables[s * max_blocks + p / bs] * bs + p % bs;
+        pw::AttentionRows r{tables.data() + s * max_blocks, max_blocks, nullptr, nullptr, bs};
+        r.seqs = one_seq.data(), r.num_seqs = 1;
+        const int64_t own = s * max_blocks * bs * Hkv * D;   // random keys and values of its own
+        k.write_kv(RT, kf.data() + own, vf.data() + own, Hkv * D, n, Hkv, D, sl.data(), r, q8.back().out());
+      }
+      q8.push_back(q8.back());
+    }
     for (int copy = 0; copy < 2; ++copy) {
       auto& kbuf = f[4 * i + 2 * copy];
       auto& vbuf = f[4 * i + 2 * copy + 1];
-      auto& kqb = q8[4 * i + 2 * copy];
-      auto& vqb = q8[4 * i + 2 * copy + 1];
-      pw::Cache c;
       pw::CacheOut o;
-      c.Hkv = Hkv, c.D = D;
       if (int8) {
-        kqb = kq, vqb = vq;
-        kbuf.assign(slots * Hkv, 1.f / 40), vbuf.assign(slots * Hkv, 1.f / 40);   // the scales
-        c.kq = o.kq = kqb.data(), c.vq = o.vq = vqb.data(), c.ks = o.ks = kbuf.data(), c.vs = o.vs = vbuf.data();
+        o = q8[2 * i + copy].out();
       } else {
         kbuf = kf, vbuf = vf;
-        c.k = o.k = kbuf.data(), c.v = o.v = vbuf.data();
+        o.k = kbuf.data(), o.v = vbuf.data();
       }
+      pw::Cache c{o.k, o.v, o.kq, o.vq, o.kg, o.vs, o.tails, o.tail_groups, nullptr, Hkv, D};
       caches[copy].push_back(c), outs[copy].push_back(o);
     }
   }
-  const pw::AttentionRows rows{tables.data(), max_blocks, seq.data(), len.data(), bs};
   const auto x = randn(T * H);
   std::vector<float> ws(pw::decoder_workspace(m, T)), out(T * H);
   const int64_t* group_slots[1] = {slot.data()};
@@ -292,9 +303,11 @@ void test_decoder_stack(const pw::KernelTable& k, bool int8, const std::vector<i
     if (i == 0) k.rms_norm(one, residual.data(), nullptr, ly.input_norm, T, H, m.eps, normed.data(), nullptr);
     else k.rms_norm(one, hidden.data(), residual.data(), ly.input_norm, T, H, m.eps, normed.data(), residual.data());
     k.quant_linear(one, normed.data(), T, H, ly.qkv.w, ly.qkv.bias, qkv.data());
-    k.rope_and_cache(one, qkv.data(), T, pos.data(), cs.data(), sn.data(), Hq, Hkv, D, slot.data(), outs[1][i],
+    k.rope_and_cache(one, qkv.data(), T, pos.data(), cs.data(), sn.data(), Hq, Hkv, D, slot.data(), rows, outs[1][i],
                      qr.data(), kr.data());
-    k.paged_attention(one, qr.data(), T, Hq, caches[1][i], rows, 1.f / std::sqrt(static_cast<float>(D)), attn.data());
+    pw::Cache c = caches[1][i];
+    c.fresh = kr.data();                       // an int8 cache's partial key groups
+    k.paged_attention(one, qr.data(), T, Hq, c, rows, 1.f / std::sqrt(static_cast<float>(D)), attn.data());
     k.quant_linear(one, attn.data(), T, Hq * D, ly.o.w, ly.o.bias, o.data());
     k.rms_norm(one, o.data(), residual.data(), ly.post_norm, T, H, m.eps, normed.data(), residual.data());
     if (ly.sparse == nullptr || ly.sparse->shared_gate != nullptr) {
@@ -321,13 +334,21 @@ void test_decoder_stack(const pw::KernelTable& k, bool int8, const std::vector<i
   std::snprintf(name, sizeof name, "decoder_stack %s rows=%lld", int8 ? "int8" : "fp32", (long long)T);
   check_close(name, out.data(), want.data(), out.size(), 1e-3f, 1e-3f);
   bool same = true;                            // the caches hold the same new keys and values (int8: within a step)
-  for (int64_t i = 0; i < L; ++i)
-    for (int64_t j = 0; j < 2; ++j) {
-      const auto &a = f[4 * i + j], &b = f[4 * i + 2 + j];
-      for (size_t e = 0; e < a.size(); ++e) same &= std::fabs(a[e] - b[e]) <= 1e-3f * (1.f + std::fabs(b[e]));
-      if (int8)
-        for (size_t e = 0; e < q8[4 * i + j].size(); ++e) same &= std::abs(q8[4 * i + j][e] - q8[4 * i + 2 + j][e]) <= 1;
+  auto close = [&](const std::vector<float>& a, const std::vector<float>& b) {
+    for (size_t e = 0; e < a.size(); ++e) same &= std::fabs(a[e] - b[e]) <= 1e-3f * (1.f + std::fabs(b[e]));
+  };
+  auto near = [&](const std::vector<int8_t>& a, const std::vector<int8_t>& b) {
+    for (size_t e = 0; e < a.size(); ++e) same &= std::abs(a[e] - b[e]) <= 1;
+  };
+  for (int64_t i = 0; i < L; ++i) {
+    if (!int8) {
+      for (int64_t j = 0; j < 2; ++j) close(f[4 * i + j], f[4 * i + 2 + j]);
+      continue;
     }
+    const Int8Cache &a = q8[2 * i], &b = q8[2 * i + 1];
+    near(a.kq, b.kq), near(a.vq, b.vq), close(a.kg, b.kg), close(a.vs, b.vs), close(a.tails, b.tails);
+    same &= a.held == b.held;
+  }
   check(std::string(name) + " caches", same);
   int64_t layer_choices[3] = {0, 0, 0};       // the sparse layers' choices: k a row
   for (int64_t i = 0; i < L * E; ++i) layer_choices[i / E] += counts[i];

@@ -49,16 +49,17 @@ class EngineCore:
                  num_speculative_tokens: int = 0,
                  kv_windows: tuple[int | None, ...] = (None,), num_state_slots: int = 0,
                  num_state_checkpoints: int = 0, disk: DiskTier | None = None,
-                 spec_policy: SpecPolicy | None = None) -> None:
+                 spec_policy: SpecPolicy | None = None, num_tail_slots: int = 0) -> None:
         """kv_windows: the sliding window of each KV group (None: full attention); one group by default.
         num_state_slots: a hybrid model's recurrent-state slots, one per running request, then its
         num_state_checkpoints slots of checkpoints for prefix hits. disk: the prefix cache's disk tier
         (with prefix caching, no sliding windows). spec_policy: chooses each decode's drafts up to
         num_speculative_tokens from the measured steps (None: always that many); the runner's proposer
-        fills the room the scheduler reserves for them."""
+        fills the room the scheduler reserves for them. num_tail_slots: an int8 KV cache's, one per
+        running request."""
         self.runner = runner
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, kv_windows, num_state_slots,
-                                 num_state_checkpoints)
+                                 num_state_checkpoints, num_tail_slots=num_tail_slots)
         self.disk = disk
         if disk is not None:
             if len(kv_windows) != 1 or kv_windows[0] is not None or not self.kv.enable_prefix_caching:

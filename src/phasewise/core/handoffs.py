@@ -50,6 +50,7 @@ class ScheduledChunk:
     num_prompt_tokens: int
     block_tables: list[list[int]]         # the request's, per KV group (read-only for the step)
     state_slot: int | None = None         # a hybrid's recurrent-state slot
+    tail_slot: int | None = None          # an int8 KV cache's slot for the request's newest keys
     preemptions: int = 0                  # the request's preemptions so far (a proposer's K/V went with them)
     max_draft_tokens: int = 0             # room reserved for drafts; the proposer fills up to this many
     draft_token_ids: list[int] = field(default_factory=list)
@@ -62,7 +63,8 @@ class ScheduledChunk:
         start = req.num_computed_tokens
         return cls(request_id=req.request_id, start=start, token_ids=req.token_ids[start:start + num_tokens],
                    num_request_tokens=req.num_tokens, num_prompt_tokens=req.num_prompt_tokens,
-                   block_tables=req.block_tables, state_slot=req.state_slot, preemptions=req.metrics.preemptions,
+                   block_tables=req.block_tables, state_slot=req.state_slot, tail_slot=req.tail_slot,
+                   preemptions=req.metrics.preemptions,
                    max_draft_tokens=max_draft_tokens, draft_token_ids=list(draft_token_ids or []))
 
     @property

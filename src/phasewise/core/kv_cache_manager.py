@@ -21,6 +21,8 @@ manager hands each running request one of `num_state_slots` slots (`request.stat
 first blocks, and takes it back with them; the runner's state tensors are indexed by it. A prefix
 hit on such a model also needs the state where the hit ends: `StateCheckpoints` keeps copies at
 block boundaries (core/state_checkpoints.py), and a hit is cut back to the last boundary with one.
+An int8 KV cache keeps each running sequence's newest keys in fp32 in a tail slot: the manager hands
+those out (`request.tail_slot`) and takes them back alike; a hit needs none (it ends on a block boundary).
 """
 
 from __future__ import annotations
@@ -38,11 +40,13 @@ NULL_BLOCK = -1     # a table entry whose block was freed behind a window (never
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  windows: Sequence[int | None] = (None,), num_state_slots: int = 0,
-                 num_state_checkpoints: int = 0, now: Callable[[], float] = time.monotonic) -> None:
+                 num_state_checkpoints: int = 0, now: Callable[[], float] = time.monotonic,
+                 num_tail_slots: int = 0) -> None:
         """windows: one entry per KV group, its sliding window in tokens (None: full attention).
         num_state_slots: a hybrid's recurrent-state slots (0: the model keeps none), then its
         num_state_checkpoints slots for checkpoints (0: no prefix hits for it). now: the clock that cache
-        breakpoints' blocks are kept by (seconds)."""
+        breakpoints' blocks are kept by (seconds). num_tail_slots: an int8 KV cache's tail slots (0: a
+        float cache)."""
         if not windows:
             raise ValueError("at least one KV group")
         self.block_size = block_size
@@ -53,6 +57,8 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, now)
         self.num_state_slots = num_state_slots
         self.free_state_slots = list(range(num_state_slots - 1, -1, -1))   # a stack: slot 0 first
+        self.free_tail_slots = list(range(num_tail_slots - 1, -1, -1))
+        self.num_tail_slots = num_tail_slots
         # (request, block index, block id) of the blocks cached since take_new_cached, and (request, block
         # index, state slot) of the states checkpointed where a block ends, while a disk tier wants them
         # (None: nobody does)
@@ -126,7 +132,8 @@ class KVCacheManager:
         with nothing changed, when the pool is short."""
         pool, groups = self.pool, range(self.num_groups)
         needs_slot = self.num_state_slots > 0 and request.state_slot is None
-        if needs_slot and not self.free_state_slots:
+        needs_tail = self.num_tail_slots > 0 and request.tail_slot is None
+        if (needs_slot and not self.free_state_slots) or (needs_tail and not self.free_tail_slots):
             return False
         if not request.block_tables:
             request.block_tables = [[] for _ in groups]
@@ -141,6 +148,8 @@ class KVCacheManager:
         pool.touch(taken)
         if needs_slot:
             request.state_slot = self.free_state_slots.pop()
+        if needs_tail:
+            request.tail_slot = self.free_tail_slots.pop()
         if hits[0] and self.checkpoints is not None and request.state_slot is not None:
             self.checkpoints.restore(*request.block_hashes[len(hits[0]) - 1], request.state_slot)
         for g in groups:
@@ -272,6 +281,9 @@ class KVCacheManager:
         if request.state_slot is not None:
             self.free_state_slots.append(request.state_slot)
             request.state_slot = None
+        if request.tail_slot is not None:
+            self.free_tail_slots.append(request.tail_slot)
+            request.tail_slot = None
 
 
 def _held(blocks: Sequence[int | None]) -> list[int]:

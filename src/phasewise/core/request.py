@@ -171,6 +171,7 @@ class Request:
         self.disk_digests: list[bytes] = []         # per full block, its digest on disk (core/disk_tier.py)
         self.disk_checked = False                   # the disk tier has looked for its prefix
         self.state_slot: int | None = None          # a hybrid's recurrent-state slot while it holds blocks
+        self.tail_slot: int | None = None           # an int8 KV cache's tail slot while it holds blocks
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.spec_choice: object = None             # the speculation policy's (core/spec_policy.py): its acceptance

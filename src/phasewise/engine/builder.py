@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -23,7 +23,8 @@ from phasewise.models.config import ModelConfig
 from phasewise.engine.precision import Precision, choose as choose_precision
 from phasewise.engine.prompt_cache import check_supported as check_prompt_cache, open_disk_tier
 from phasewise.core.prompt_store import Clock
-from phasewise.runner.kv_cache import KVCache, kv_bytes_per_block, num_blocks_for_memory, state_slots_for_memory
+from phasewise.runner.kv_cache import (KEY_GROUP, KVCache, kv_bytes_per_block, num_blocks_for_memory,
+                                       state_slots_for_memory, tail_bytes)
 from phasewise.runner.model_runner import ModelRunner, Proposer
 from phasewise.runner.thread_governor import ThreadGovernor
 from phasewise.runner.tp_worker import Setup, TensorParallelRanks, start_ranks
@@ -86,9 +87,9 @@ def build_engine(config: EngineConfig, clock: Clock | None = None) -> EnginePart
     spec, size, cache = config.speculative, config.tensor_parallel_size, config.cache
     _check_features(config, full)
     kernels = choose_kernels(config)
-    precision = choose_precision(model_path, config.dtype, cache.kv_dtype, kernels, full.architecture)
-    dtype = parse_dtype(precision.weights)
-    kv_dtype = torch.int8 if precision.kv == "int8" else dtype
+    precision = _int8_kv_fits(config, choose_precision(model_path, config.dtype, cache.kv_dtype, kernels,
+                                                       full.architecture))
+    kv_dtype = torch.int8 if precision.kv == "int8" else parse_dtype(precision.weights)
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     ranks = start_ranks(size, config.device)
@@ -96,12 +97,13 @@ def build_engine(config: EngineConfig, clock: Clock | None = None) -> EnginePart
         tp = ranks.group if ranks else None
         part = shard_config(full, tp) if tp else full     # what this rank holds
         slots, checkpoints, snapshots, num_blocks = _cache_size(part, config, kv_dtype)
+        tails = config.scheduler.max_num_seqs
         if tp:
             tp.broadcast(Setup(str(model_path), precision.weights, precision.kv, num_blocks, cache.block_size,
-                               kernels is not None, config.kernels == "torch"))
+                               kernels is not None, config.kernels == "torch", tails))
         if precision.weights == "q4" and not tp and str(config.device).startswith("cpu"):
             check_memory(model_path, num_blocks * kv_bytes_per_block(part, cache.block_size, kv_dtype)
-                         + (slots + checkpoints + snapshots) * part.state_bytes_per_seq)
+                         + (slots + checkpoints + snapshots) * part.state_bytes_per_seq + tails * tail_bytes(part, kv_dtype))
         with ThreadPoolExecutor(1) as pool:   # the tokenizer reads its files while the weights load
             tokenizer_loading = pool.submit(_tokenizer, model_path, config.chat_template)
             model, model_config = load_prepared(model_path, precision.weights, config.device, kernels,
@@ -114,7 +116,7 @@ def build_engine(config: EngineConfig, clock: Clock | None = None) -> EnginePart
         max_len = config.scheduler.max_model_len or model_config.max_position_embeddings
         max_model_len = min(max_len, model_config.max_position_embeddings)
         kv_cache = KVCache(model_config, num_blocks, cache.block_size, kv_dtype, config.device,
-                           num_state_slots=slots + checkpoints + snapshots)
+                           num_state_slots=slots + checkpoints + snapshots, num_tail_slots=tails)
         draft_model, proposer = _proposer(config, model_path, model, kernels, max_model_len, num_blocks,
                                           slots, tokenizer.eos_token_ids, kv_dtype)
         runner = ModelRunner(model, kv_cache, tokenizer.eos_token_ids, config.device, kernels, tp,
@@ -123,7 +125,8 @@ def build_engine(config: EngineConfig, clock: Clock | None = None) -> EnginePart
         disk = open_disk_tier(config, model_path, precision.weights, kv_cache, kernels is not None, clock)
         core = EngineCore(runner, config.scheduler, num_blocks, cache.block_size, max_model_len,
                           cache.enable_prefix_caching, spec.num_speculative_tokens if proposer else 0,
-                          model_config.kv_group_windows, slots, checkpoints, disk, _spec_policy(spec))
+                          model_config.kv_group_windows, slots, checkpoints, disk, _spec_policy(spec),
+                          kv_cache.num_tail_slots)
     except BaseException:
         if ranks:
             ranks.stop()
@@ -146,7 +149,7 @@ def _proposer(config: EngineConfig, model_path: Path, target: LlamaForCausalLM, 
     if spec.method == "mtp":      # the target's own MTP layer, its K/V in a cache of the target's block layout
         mtp_model = cast("Qwen3_5ForCausalLM", target)      # loaded with mtp=True (checked before loading)
         return None, MTPProposer(mtp_model, num_blocks, config.cache.block_size, kv_dtype, eos_token_ids,
-                                 config.device, kernels)
+                                 config.device, kernels, config.scheduler.max_num_seqs)
     if spec.method != "draft":
         return None, None
     draft, kv = _draft_model(config, model_path, target.config, kernels, max_model_len, num_blocks, state_slots)
@@ -172,6 +175,24 @@ def _check_speculation(cfg: ModelConfig, spec: SpeculativeConfig, tp_size: int) 
                          f"(GGUF files: not read yet): use --speculative ngram or draft")
 
 
+def _int8_kv_fits(config: EngineConfig, precision: Precision) -> Precision:
+    """The precision, its int8 KV cache checked against what it needs (key groups of 16 tokens within the
+    blocks, at most 16 drafts a step so that a rejected one leaves its sequence within its last two key
+    groups): a float cache where "auto" chose it, a ValueError where it was asked for."""
+    if precision.kv != "int8":
+        return precision
+    spec = config.speculative
+    clash = (f"a block size of {config.cache.block_size} (not a multiple of {KEY_GROUP})"
+             if config.cache.block_size % KEY_GROUP else
+             f"{spec.num_speculative_tokens} drafts a step (more than {KEY_GROUP})"
+             if spec.method and spec.num_speculative_tokens > KEY_GROUP else None)
+    if clash is None:
+        return precision
+    if config.cache.kv_dtype == "int8":
+        raise ValueError(f"an int8 KV cache does not run with {clash}: use --kv-dtype model")
+    return replace(precision, kv="model", why=f"{precision.why}; a float KV cache with {clash}")
+
+
 def _spec_policy(spec: SpeculativeConfig) -> SpecPolicy | None:
     """The policy choosing each decode's drafts from measured costs (None: always num_speculative_tokens)."""
     return SpecPolicy(spec.num_speculative_tokens) if spec.adaptive else None
@@ -187,7 +208,8 @@ def _cache_size(cfg: ModelConfig, config: EngineConfig, kv_dtype: torch.dtype) -
                                    cache.enable_prefix_caching, k)
     checkpoints = slots if cache.enable_prefix_caching else 0
     snapshots = slots * k if cfg.recurrent_layers else 0
-    kv_gib = cache.kv_cache_memory_gib - (slots + checkpoints + snapshots) * cfg.state_bytes_per_seq / 2**30
+    kv_gib = cache.kv_cache_memory_gib - ((slots + checkpoints + snapshots) * cfg.state_bytes_per_seq
+                                          + config.scheduler.max_num_seqs * tail_bytes(cfg, kv_dtype)) / 2**30
     if config.speculative.method == "mtp":     # the MTP layer's own cache: one more attention layer's K/V
         kv_gib *= len(cfg.attention_layers) / (len(cfg.attention_layers) + 1)
     return slots, checkpoints, snapshots, cache.num_blocks or num_blocks_for_memory(cfg, cache.block_size, kv_dtype,

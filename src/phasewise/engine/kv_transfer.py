@@ -46,8 +46,8 @@ class KVTransfer:
         if kv.block_size != self.cache.block_size:
             raise ValueError(f"KV blocks of {kv.block_size} tokens cannot enter a cache of {self.cache.block_size}")
         n = len(kv.token_ids)
-        for name, t in self.cache.read_blocks([]).items():       # this cache's layout, 0 tokens long
-            want = (*t.shape[:2], n, *t.shape[3:])
+        for name, t in self.cache.read_blocks([0]).items():      # this cache's layout, one block long
+            want = (*t.shape[:2], t.shape[2] * kv.num_blocks, *t.shape[3:])
             theirs = kv.parts.get(name)
             if theirs is None or theirs.dtype != t.dtype or tuple(theirs.shape) != want or n % kv.block_size:
                 got = None if theirs is None else f"{tuple(theirs.shape)} {theirs.dtype}"

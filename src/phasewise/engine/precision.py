@@ -5,9 +5,10 @@ Perplexity is a property of each file: benchmarks/quality.py measures it (the re
 teacher-forced) and `--record` keeps the figures in the cache (`measured`), and MEASURED holds
 those of the files phasewise ships. A GGUF's own blocks (q4) run with the int8 KV cache where that
 pair holds 0.5% on the file and on a held-out text for the model's family (`INT8_KV_HOLDS`), and with
-a float KV cache otherwise: Qwen's large key outliers cost +9.2% perplexity at int8 on a held-out
-text (Qwen2.5-Coder-0.5B, 2,048-token windows) where the repo's own text showed +1.86%, so a file
-nobody measured gets what its family measured, never a guess.
+a float KV cache otherwise, so a file nobody measured gets what its family measured, never a guess.
+The int8 cache quantizes K per channel over groups of 16 tokens (docs/architecture.md): Qwen's large,
+nearly constant key channels had cost +9.2% perplexity with one scale per token and head on a
+held-out text (Qwen2.5-Coder-0.5B, 2,048-token windows), and cost nothing now.
 int8 per-channel weights measured -0.05% on the default model. Both int8 paths need the compiled
 kernels to be fast; without them (another device, `kernels="torch"`, no compiler) the default is
 the file's weights in fp32 with a float KV cache. A mixture of experts is no different: its experts
@@ -25,17 +26,20 @@ from phasewise.paths import default_cache_dir
 
 WEIGHT_DTYPES = ("fp32", "bf16", "fp16", "int8", "q4")
 KV_DTYPES = ("model", "int8")
-# Families whose int8 KV cache (a scale per token and head) was measured within LIMIT on a held-out text
-# (benchmarks/quality.py --text FILE --chunk 2048, a text not in the repo), with what it cost.
-INT8_KV_HOLDS = {"llama": "SmolLM2-135M +0.07% (GPL-3's text, 7.7k tokens)"}
+# Families whose int8 KV cache was measured within LIMIT on a held-out text, with what it cost against a
+# float cache at fp32 weights (benchmarks/quality.py --dtypes fp32,fp32/int8 --text /usr/share/common-licenses/
+# GPL-3 --window 2048: 7.5k tokens, not in the repo).
+INT8_KV_HOLDS = {"llama": "SmolLM2-135M +0.03% on a held-out text",
+                 "qwen2": "Qwen2.5-Coder-0.5B -0.04%, 1.5B +0.05% on a held-out text"}
+INT8_KV_SCHEME = 2          # the int8 cache's layout a record's "…/int8" figures were measured with (2: K per channel)
 LIMIT = 0.005               # the perplexity a default precision may add to the file's weights in fp32
 
 # Perplexity against the file's weights in fp32 (benchmarks/quality.py, lighthouses.txt; docs/benchmarks.md)
 # of the files phasewise ships, by file name and size: "q4/int8" the default pair, "q4" with a float KV cache.
-MEASURED = {
-    ("SmolLM2-135M-Instruct.Q4_1.gguf", 98362432): {"q4/int8": 0.0041, "q4": 0.0023},
-    ("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", 491400064): {"q4/int8": 0.0186, "q4": 0.0036},
-    ("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", None): {"q4/int8": 0.0026},
+MEASURED: dict[tuple[str, int | None], dict[str, float]] = {
+    ("SmolLM2-135M-Instruct.Q4_1.gguf", 98362432): {"q4/int8": 0.0011, "q4": 0.0023},
+    ("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", 491400064): {"q4/int8": 0.0047, "q4": 0.0029},
+    ("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", 1117320768): {"q4/int8": 0.0031, "q4": 0.0021},
 }
 
 
@@ -124,21 +128,27 @@ def record_path(path: Path) -> Path:
 
 def measured(path: Path) -> dict[str, float]:
     """A file's perplexity per precision ("q4/int8", "q4", ...) relative to its weights in fp32, as recorded
-    in the cache or shipped in MEASURED; empty when nobody measured it."""
+    in the cache or shipped in MEASURED; empty when nobody measured it. A record of an older int8 cache
+    (no "int8_kv" of INT8_KV_SCHEME) keeps its float-cache figures only."""
     try:
-        return {k: float(v) for k, v in json.loads(record_path(path).read_text()).items()}
-    except (OSError, ValueError, AttributeError):
+        record = {k: float(v) for k, v in json.loads(record_path(path).read_text()).items()}
+        current = record.pop("int8_kv", None) == INT8_KV_SCHEME
+        return {k: v for k, v in record.items() if current or not k.endswith("/int8")}
+    except (OSError, ValueError, AttributeError, TypeError):
         pass
     name, size = _key(path)
     return MEASURED.get((name, size)) or MEASURED.get((name, None)) or {}
 
 
 def _family_note(family: str, kv: str) -> str:
-    """What the precision line says of a float KV cache chosen because the family does not hold int8."""
+    """What the precision line says of the family's held-out measurement: of the int8 KV cache it chose,
+    or why a float one."""
+    if kv == "int8" and family in INT8_KV_HOLDS:
+        return f"; the int8 KV cache measured {INT8_KV_HOLDS[family]}"
     if kv != "model" or family in INT8_KV_HOLDS:
         return ""
     return (f"; a float KV cache: the int8 one is not measured to hold 0.5% on {family} models "
-            "(Qwen2.5-Coder-0.5B: +9.2% on a held-out text)")
+            "(benchmarks/quality.py --dtypes fp32,fp32/int8 --text FILE --window 2048)")
 
 
 def _q4_kv(figures: dict[str, float], kv_dtype: str, family: str) -> tuple[str, str]:
@@ -154,7 +164,7 @@ def _q4_kv(figures: dict[str, float], kv_dtype: str, family: str) -> tuple[str, 
     figure = both if kv == "int8" else alone
     if figure is None:
         return kv, ("perplexity not measured for this file (benchmarks/quality.py --model FILE --record; "
-                    f"the default model: +0.41%){_family_note(family, kv)}")
+                    f"the default model: +0.11%){_family_note(family, kv)}")
     within = "within" if figure <= LIMIT else "over"
     note = f"; the int8 KV cache measured {both:+.2%}" if kv == "model" and both is not None else ""
     return kv, f"{figure:+.2%} perplexity against fp32 as measured on this file ({within} 0.5%){note}" + \

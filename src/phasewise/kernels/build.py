@@ -36,8 +36,8 @@ from phasewise.kernels.kernel_api import Kernels
 from phasewise.paths import default_cache_dir
 
 CSRC = Path(__file__).parent / "csrc"
-BINDING_SOURCES = ("bindings.cpp", "kernel_set.cpp", "decoder_stack.cpp")
-KERNEL_SOURCES = ("cpu_ops.cpp", "paged_attention.cpp", "tile_attention.cpp", "quant_linear.cpp",
+BINDING_SOURCES = ("bindings.cpp", "kernel_set.cpp", "decoder_stack.cpp", "cache_views.cpp")
+KERNEL_SOURCES = ("cpu_ops.cpp", "kv_write.cpp", "paged_attention.cpp", "tile_attention.cpp", "quant_linear.cpp",
                   "activation_quant.cpp", "dequantize_rows.cpp", "repack_gguf.cpp", "int8_peak.cpp", "decoder.cpp",
                   "expert_mlp.cpp", "gated_delta.cpp", "short_conv.cpp", "thread_pool.cpp", "table.cpp")
 COMMON_FLAGS = ("-std=c++17", "-O3", "-fPIC", "-ffast-math", "-fno-finite-math-only", "-fvisibility=hidden")
@@ -47,10 +47,11 @@ COMMON_FLAGS = ("-std=c++17", "-O3", "-fPIC", "-ffast-math", "-fno-finite-math-o
 # register tile (the generic level's fma is a * b + c, which -ffast-math regrouped per tile height);
 # contraction stays on there (off, AVX-512's in-place q6k GEMV ran 1.15x slower).
 _IN_ORDER = ("-fno-associative-math", "-ffp-contract=off")
-# dequantize_rows gives the reference's bits (d q, then + m): no contraction there either (clang fused them).
+# dequantize_rows gives the reference's bits (d q, then + m): no contraction there either (clang fused them);
+# kv_write quantizes an int8 cache's keys and values as layers/kv_int8.py does, value for value.
 # gated_delta keeps a row's bits whatever chunk or batch it runs in: no code path the compiler regroups.
 SOURCE_FLAGS = {"paged_attention.cpp": _IN_ORDER, "tile_attention.cpp": _IN_ORDER, "dequantize_rows.cpp": _IN_ORDER,
-                "gated_delta.cpp": _IN_ORDER, "short_conv.cpp": _IN_ORDER, "quant_linear.cpp": ("-fno-associative-math",)}
+                "kv_write.cpp": _IN_ORDER, "gated_delta.cpp": _IN_ORDER, "short_conv.cpp": _IN_ORDER, "quant_linear.cpp": ("-fno-associative-math",)}
 
 
 def source_flags(src: str) -> tuple[str, ...]:

@@ -77,7 +77,7 @@ class DecoderStack(Protocol):
     def forward(self, x: Tensor, positions: Tensor, slots: Sequence[Tensor], kv: Sequence[Sequence[Tensor]],
                 tables: Sequence[Tensor], row_seq: Sequence[Tensor], row_len: Sequence[Tensor], block_size: int,
                 keep: Tensor | None = None, expert_counts: Tensor | None = None, sequences: Tensor | None = None,
-                snapshots: Tensor | None = None) -> Tensor: ...
+                snapshots: Tensor | None = None, kv_seqs: Tensor | None = None) -> Tensor: ...
 
 
 class Kernels(Protocol):
@@ -87,13 +87,16 @@ class Kernels(Protocol):
     @property
     def isa(self) -> str: ...
 
-    def paged_attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, row_seq: Tensor,
-                        row_len: Tensor, block_size: int, scale: float, k_scale: Tensor | None = None,
-                        v_scale: Tensor | None = None, window: int = 0) -> Tensor: ...
+    def paged_attention(self, q: Tensor, kv: Sequence[Tensor], block_tables: Tensor, row_seq: Tensor, row_len: Tensor,
+                        seqs: Tensor, block_size: int, scale: float, fresh: Tensor | None = None,
+                        window: int = 0) -> Tensor: ...
 
-    def rope_and_cache(self, qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
-                       v_cache: Tensor, slots: Tensor, Hq: int, Hkv: int, k_scale: Tensor | None = None,
-                       v_scale: Tensor | None = None) -> list[Tensor]: ...
+    def rope_and_cache(self, qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, kv: Sequence[Tensor],
+                       slots: Tensor, Hq: int, Hkv: int, block_tables: Tensor, seqs: Tensor,
+                       block_size: int) -> list[Tensor]: ...
+
+    def write_kv(self, k: Tensor, v: Tensor, kv: Sequence[Tensor], slots: Tensor, block_tables: Tensor, seqs: Tensor,
+                 block_size: int) -> None: ...
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> list[Tensor]: ...
 

@@ -46,10 +46,11 @@ class ModelShape:
             self.state_bytes
 
     def kv_bytes_per_token(self, dtype: str = "fp16") -> float:
-        """2 (K and V) × layers × kv_heads × head_dim × bytes per element; int8 adds a 4-byte scale per
-        KV head, as phasewise's int8 cache holds (runner/kv_cache.py)."""
-        scales = 4 if dtype == "int8" else 0
-        return 2 * self.layers * self.kv_heads * (self.head_dim * BYTES_PER_ELEMENT[dtype] + scales)
+        """2 (K and V) × layers × kv_heads × head_dim × bytes per element; int8 adds what phasewise's int8
+        cache holds beside (runner/kv_cache.py): V's 4-byte scale per KV head, K's midpoint and step per
+        channel for every 16 tokens (head_dim / 2 bytes a token)."""
+        scales = 4 + self.head_dim / 2 if dtype == "int8" else 0
+        return self.layers * self.kv_heads * (2 * self.head_dim * BYTES_PER_ELEMENT[dtype] + scales)
 
     def kv_bytes_per_sequence(self, context_len: int, dtype: str = "fp16") -> float:
         """K and V of context_len tokens, plus a hybrid's recurrent state."""
@@ -107,10 +108,11 @@ def parameter_count(cfg: ModelConfig) -> int:
 def report(shape: ModelShape, context_len: int, memory_gib: float, kv_dtype: str = "fp16") -> list[str]:
     """The lines `phasewise memory` prints."""
     per_token = shape.kv_bytes_per_token(kv_dtype)
+    scales = " + scales" if kv_dtype == "int8" else ""
     lines = [
         f"KV cache ({kv_dtype}): {per_token / MIB:.4g} MiB per token "
         f"(2 x {shape.layers} layers x {shape.kv_heads} kv heads x {shape.head_dim} head dim x "
-        f"{BYTES_PER_ELEMENT[kv_dtype]:g} bytes)",
+        f"{BYTES_PER_ELEMENT[kv_dtype]:g} bytes{scales})",
         f"one sequence of {context_len} tokens: {shape.kv_bytes_per_sequence(context_len, kv_dtype) / MIB:,.1f} MiB"
         + (f" (with {shape.state_bytes / MIB:,.1f} MiB of recurrent state, the same at any length)"
            if shape.state_bytes else ""),

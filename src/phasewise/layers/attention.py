@@ -1,9 +1,10 @@
 """Attention over a paged KV cache, for a flat batch mixing prefill chunks and decode tokens.
 
 The KV cache of one layer is a pair of tensors [num_slots, Hkv, D] (a block of
-`block_size` slots per block id, slot = block_id * block_size + offset); an int8
-cache adds one fp32 scale per slot and KV head for each, and is read with the query rounded to
-int8 steps as well (quantize_query, as the kernels do). Each step
+`block_size` slots per block id, slot = block_id * block_size + offset). An int8 cache
+(docs/architecture.md, "int8 KV cache") holds V per token with a scale per slot and KV head, and K
+per channel over groups of 16 tokens with a midpoint and a step each; a sequence's newest, partial
+group stays in fp32 (the step's own keys, or its tail slot's) until it fills. Each step
 the new tokens' K and V are written to their slots, then every sequence attends
 over its whole context, read back through its slots.
 """
@@ -16,6 +17,8 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+from phasewise.layers import kv_int8
 
 if TYPE_CHECKING:
     from phasewise.kernels.kernel_api import Kernels
@@ -32,7 +35,10 @@ class SeqAttention:
     is_causal: bool
 
 
-LayerKV = tuple[torch.Tensor, ...]   # (k, v) [num_slots, Hkv, D]; int8: (k, v, k_scale, v_scale [num_slots, Hkv])
+# (k, v) [num_slots, Hkv, D]; int8: (k, v, k_groups [num_slots / 16, Hkv, 2, D] (midpoint, step), v_scale
+# [num_slots, Hkv], tails [2 tail slots, 16, Hkv, D] fp32, tail_groups [tail slots, 2] int64)
+LayerKV = tuple[torch.Tensor, ...]
+KEY_GROUP = 16                       # an int8 cache's keys: tokens per group of per-channel scales
 
 
 @dataclass
@@ -42,6 +48,9 @@ class KernelRows:
     tables: torch.Tensor            # [N, nblk] int64 block ids of the batch's sequences (padded)
     seq: torch.Tensor               # [T] int64: each row's sequence, an index into tables
     length: torch.Tensor            # [T] int64: how many tokens the row attends to (causal)
+    # [N, 4] int64 per sequence, what an int8 cache's writer and readers need: its first new position, its new
+    # tokens, the row of its first new token, its tail slot
+    seqs: torch.Tensor
 
 
 @dataclass(kw_only=True)
@@ -68,35 +77,40 @@ class AttentionMetadata:
 
     @classmethod
     def build_groups(cls, query_lens: list[int], context_lens: list[int], group_tables: list[list[list[int]]],
-                     block_size: int, device: torch.device) -> AttentionMetadata:
+                     block_size: int, device: torch.device,
+                     tail_slots: list[int] | None = None) -> AttentionMetadata:
         """group_tables[g][i]: sequence i's blocks in KV group g (NULL entries, < 0, behind a window:
-        never read; they become block 0 in the kernel's tables)."""
-        rows = cls.row_tensors(query_lens, context_lens, device)   # the same for every group
+        never read; they become block 0 in the kernel's tables); tail_slots: as `build` takes them."""
+        rows = cls.row_tensors(query_lens, context_lens, device, tail_slots)   # the same for every group
         metas = [cls.build(query_lens, context_lens, [t if not t or min(t) >= 0 else [max(b, 0) for b in t]
-                                                      for t in tables], block_size, device, rows)
+                                                      for t in tables], block_size, device, rows=rows)
                  for tables in group_tables]
         if len(metas) > 1:
             metas[0].groups = metas
         return metas[0]
 
     @staticmethod
-    def row_tensors(query_lens: list[int], context_lens: list[int],
-                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's sequence and how many tokens it attends to ([T] int64 each, KernelRows')."""
+    def row_tensors(query_lens: list[int], context_lens: list[int], device: torch.device,
+                    tail_slots: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each row's sequence and how many tokens it attends to ([T] int64 each), and the sequences
+        ([N, 4]): KernelRows'."""
         seq: list[int] = []
         length: list[int] = []
+        seqs: list[list[int]] = []
         for i, (n, ctx) in enumerate(zip(query_lens, context_lens)):
+            seqs.append([ctx - n, n, len(seq), i if tail_slots is None else tail_slots[i]])
             seq.extend([i] * n)
             length.extend(range(ctx - n + 1, ctx + 1))
         as_tensor = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
-        return as_tensor(seq), as_tensor(length)
+        return as_tensor(seq), as_tensor(length), as_tensor(seqs).view(-1, 4)
 
     @classmethod
     def build(cls, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
-              block_size: int, device: torch.device,
-              rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> AttentionMetadata:
-        """query_lens[i] new tokens of sequence i, which then has context_lens[i] tokens in all
-        (`rows`: row_tensors of these lengths, when the caller has them already)."""
+              block_size: int, device: torch.device, tail_slots: list[int] | None = None,
+              rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> AttentionMetadata:
+        """query_lens[i] new tokens of sequence i, which then has context_lens[i] tokens in all; an int8
+        cache keeps its partial key group in tail slot tail_slots[i] (default i: the same sequences at the
+        same places every step) (`rows`: row_tensors of these lengths, when the caller has them already)."""
         slots: list[int] = []
         tables: list[list[int]] = []
         for n, ctx, table in zip(query_lens, context_lens, block_tables):
@@ -104,9 +118,9 @@ class AttentionMetadata:
             tables.append(table[: -(-ctx // block_size)])
         width = max(len(t) for t in tables)
         padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64, device=device)
-        seq, length = rows if rows is not None else cls.row_tensors(query_lens, context_lens, device)
+        seq, length, seqs = rows if rows is not None else cls.row_tensors(query_lens, context_lens, device, tail_slots)
         return cls(slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device), block_size=block_size,
-                   kernel_rows=KernelRows(padded, seq, length), query_lens=list(query_lens),
+                   kernel_rows=KernelRows(padded, seq, length, seqs), query_lens=list(query_lens),
                    context_lens=list(context_lens), block_tables=tables, device=device)
 
     @cached_property
@@ -161,71 +175,48 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch
     return out.flatten(-4, -3)
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., D] → (int8 [..., D], fp32 scale [...]): symmetric, one scale per row (max |x| / 127)."""
-    amax = x.abs().amax(-1).float()
-    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
-    return torch.round(x / scale.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8), scale
-
-
-def quantize_query(q: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [..., D] as an int8 cache's readers take it (csrc/attention.h): x = scale·q rounded to the
-    nearest (even) step of max |x| / 127 per row, returned divided by `scale` again, so that the
-    scores, x·k, are the int8 dot products times the two steps."""
-    x = q.float() * scale
-    amax = x.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, torch.full_like(amax, 127) / amax, torch.zeros_like(amax))   # as the kernels divide
-    return (torch.round(x * inv) * (amax / 127) / scale).to(q.dtype)
-
-
-def write_kv(kv: LayerKV, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Put k, v [T, Hkv, D] into their cache slots (quantized for an int8 cache)."""
-    if len(kv) == 2:
-        kv[0].index_copy_(0, slots, k)
-        kv[1].index_copy_(0, slots, v)
-        return
-    for cache, scales, x in ((kv[0], kv[2], k), (kv[1], kv[3], v)):
-        xq, xs = quantize_rows(x)
-        cache.index_copy_(0, slots, xq)
-        scales.index_copy_(0, slots, xs)
-
-
-def _read(kv: LayerKV, which: int, blocks: torch.Tensor, block_size: int, dtype: torch.dtype) -> torch.Tensor:
-    """K (which=0) or V (1) of whole blocks: [..., nblk * block_size, Hkv, D], dequantized."""
-    x = _gather(kv[which], blocks, block_size)
-    if len(kv) == 2:
-        return x
-    return x.to(dtype) * _gather(kv[2 + which].unsqueeze(-1), blocks, block_size).to(dtype)   # [..., L, Hkv, 1]
+def write_kv(kv: LayerKV, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor,
+             ops: Kernels | None = None) -> None:
+    """Put k, v [T, Hkv, D] into their cache slots (an int8 cache: layers/kv_int8.py; `ops`: by the kernel)."""
+    if ops is not None:
+        rows = meta.kernel_rows
+        ops.write_kv(k.contiguous(), v.contiguous(), list(kv), meta.slot_mapping, rows.tables, rows.seqs,
+                     meta.block_size)
+    elif len(kv) == 2:
+        kv[0].index_copy_(0, meta.slot_mapping, k)
+        kv[1].index_copy_(0, meta.slot_mapping, v)
+    else:
+        kv_int8.write(kv, meta, k, v)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, meta: AttentionMetadata,
                     ops: Kernels | None = None, written: bool = False, window: int | None = None,
                     scale: float | None = None) -> torch.Tensor:
-    """q: [T, Hq, D]; k, v: [T, Hkv, D]; kv: the layer's cache (k, v [num_slots, Hkv, D], and for an
-    int8 cache their scales [num_slots, Hkv]) → out [T, Hq * D].
+    """q: [T, Hq, D]; k, v: [T, Hkv, D] the step's keys and values; kv: the layer's cache (LayerKV) → out
+    [T, Hq * D].
 
-    `written`: k and v are already in their cache slots. `ops`: the compiled CPU ops, which
-    then serve every row straight from the cache (`meta.kernel_rows`). `window`: a query at
-    position p sees only keys p - window + 1 .. p (a sliding-window layer). `scale`: of the
-    scores (default 1/sqrt(D))."""
+    `written`: k and v are already in their cache slots (an int8 cache still reads its partial key
+    groups from k). `ops`: the compiled CPU ops, which then serve every row straight from the cache
+    (`meta.kernel_rows`). `window`: a query at position p sees only keys p - window + 1 .. p (a
+    sliding-window layer). `scale`: of the scores (default 1/sqrt(D))."""
     if not written:
-        write_kv(kv, meta.slot_mapping, k, v)
+        write_kv(kv, meta, k, v, ops)
     T, Hq, D = q.shape
     Hkv, bs = k.shape[1], meta.block_size
     scale = D ** -0.5 if scale is None else scale
     if ops is not None:                             # one kernel call
         rows = meta.kernel_rows
-        k_scale, v_scale = (kv[2], kv[3]) if len(kv) == 4 else (None, None)
-        return ops.paged_attention(q.contiguous(), kv[0], kv[1], rows.tables, rows.seq, rows.length,
-                                   bs, scale, k_scale, v_scale, window=window or 0).view(T, Hq * D)
-    if len(kv) == 4:                                # an int8 cache: the query in int8 steps too
-        q = quantize_query(q, scale)
+        return ops.paged_attention(q.contiguous(), list(kv), rows.tables, rows.seq, rows.length, rows.seqs, bs,
+                                   scale, fresh=k.contiguous() if len(kv) > 2 else None,
+                                   window=window or 0).view(T, Hq * D)
+    if len(kv) > 2:                                 # an int8 cache
+        return kv_int8.attend(q, kv, meta, k, scale, window).view(T, Hq * D)
     if meta.decode_only:
         # Grouped-query trick: the G query heads sharing a KV head ride in the query-length axis.
         B, G = T, Hq // Hkv
         qg = q.view(B, Hkv, G, D)                                      # [B, Hkv, G, D]
-        kc = _read(kv, 0, meta.decode_blocks, bs, q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
-        vc = _read(kv, 1, meta.decode_blocks, bs, q.dtype).transpose(1, 2)
+        kc = _gather(kv[0], meta.decode_blocks, bs).transpose(1, 2)    # [B, Hkv, L, D]
+        vc = _gather(kv[1], meta.decode_blocks, bs).transpose(1, 2)
         mask = meta.decode_mask if window is None else meta.decode_window_mask(window)
         out = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask, scale=scale)
         return out.reshape(T, Hq * D)
@@ -235,8 +226,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
         if s.context_blocks is None:
             ks, vs = k[s.start:s.end], v[s.start:s.end]                # [n, Hkv, D]
         else:
-            ks = _read(kv, 0, s.context_blocks, bs, q.dtype)[: s.context_len]  # [L, Hkv, D]
-            vs = _read(kv, 1, s.context_blocks, bs, q.dtype)[: s.context_len]
+            ks = _gather(kv[0], s.context_blocks, bs)[: s.context_len]  # [L, Hkv, D]
+            vs = _gather(kv[1], s.context_blocks, bs)[: s.context_len]
         ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
         mask, causal = s.mask, s.is_causal
         if window is not None and s.context_len > window:

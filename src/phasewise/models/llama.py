@@ -30,7 +30,7 @@ from phasewise.models.layer_list import LayerList
 from phasewise.models.moe import SparseMoeBlock, expert_shard_names, load_moe_weight
 from phasewise.models.stack import build_stack, run_stack
 
-KVCaches = list[LayerKV]  # per layer: k, v as [num_slots, Hkv, D] (int8: and their scales)
+KVCaches = list[LayerKV]  # per layer: k, v as [num_slots, Hkv, D] (int8: and the rest, LayerKV)
 
 
 class LlamaAttention(UsesKernels, nn.Module):
@@ -68,8 +68,10 @@ class LlamaAttention(UsesKernels, nn.Module):
         if cfg.clip_qkv is not None:
             qkv.clamp_(-cfg.clip_qkv, cfg.clip_qkv)
         if applies(self.kernels, qkv):                        # split, rotate, write k and v: one op
-            q, k = self.kernels.rope_and_cache(qkv, positions, self.rotary.cos, self.rotary.sin, kv[0], kv[1],
-                                           meta.slot_mapping, cfg.num_heads, cfg.num_kv_heads, *kv[2:])
+            rows = meta.kernel_rows
+            q, k = self.kernels.rope_and_cache(qkv, positions, self.rotary.cos, self.rotary.sin, list(kv),
+                                               meta.slot_mapping, cfg.num_heads, cfg.num_kv_heads, rows.tables,
+                                               rows.seqs, meta.block_size)
             v = qkv[:, cfg.q_size + cfg.kv_size:].view(-1, cfg.num_kv_heads, cfg.head_dim)
             return self._out(paged_attention(q, k, v, kv, meta, self.kernels, written=True, window=self.window,
                                              scale=self.scale))

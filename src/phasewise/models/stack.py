@@ -139,7 +139,7 @@ def run_stack(stack: DecoderStack, cfg: ModelConfig, x: torch.Tensor, positions:
             snapshots = torch.tensor(snapshot_rows(meta.query_lens, meta.state_snapshots or []), dtype=torch.int64)
     return stack.forward(x, positions, [m.slot_mapping for m in metas], kv_caches, [r.tables for r in rows],
                          [r.seq for r in rows], [r.length for r in rows], meta.block_size, keep, expert_counts,
-                         sequences, snapshots)
+                         sequences, snapshots, rows[0].seqs)
 
 
 def snapshot_rows(query_lens: Sequence[int], snapshots: Sequence[Sequence[int]]) -> list[int]:

@@ -3,8 +3,11 @@
 The pool's tensor is [P, 2, slots, Hkv, D] for KV groups of P layers (ModelConfig.kv_groups): a
 block holds one group's P layers, and layer l reads and writes index `kv_place(l)[1]` through
 its group's block table, so layers of different groups share a tensor but never a block. A
-model without windows is one group of all its layers. An int8 cache also holds one fp32 scale
-per slot and KV head: (k, v, k_scale, v_scale).
+model without windows is one group of all its layers. An int8 cache (docs/architecture.md, "int8 KV
+cache") also holds each 16-token group's per-channel midpoint and step of K (`k_groups`), one fp32
+scale per slot and KV head of V (`v_scale`), and per tail slot (one per running sequence) the fp32
+keys of its last two groups (`tails`, per layer) with the group each holds (`tail_groups`); a layer's
+entry is then (k, v, k_groups, v_scale, tails, tail_groups).
 
 A hybrid's recurrent layers keep no K and V: their entry in `layers` is their state, one fp32 tensor
 [S, *shape] per shape the layer kind declares (`cfg.recurrent.state_shapes`: a Gated DeltaNet's conv
@@ -24,11 +27,23 @@ import torch
 from phasewise.models.config import ModelConfig
 
 
+KEY_GROUP = 16          # an int8 cache's keys: tokens per group of per-channel scales (the kernels' KEYS)
+
+
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """K and V of one token in every layer; int8 adds a 4-byte scale per KV head."""
+    """K and V of one token in every layer; int8 adds V's 4-byte scale per KV head and K's midpoint and
+    step per channel, 8 bytes per 16 tokens (D / 2 a token)."""
     if dtype == torch.int8:
-        return 2 * len(cfg.attention_layers) * cfg.num_kv_heads * (cfg.head_dim + 4)
+        D = cfg.head_dim
+        return len(cfg.attention_layers) * cfg.num_kv_heads * (2 * D + 8 * D // KEY_GROUP + 4)
     return cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+
+
+def tail_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """An int8 cache's tail slot (a running sequence's last two key groups in fp32, every layer); 0 otherwise."""
+    if dtype != torch.int8:
+        return 0
+    return len(cfg.attention_layers) * 2 * KEY_GROUP * cfg.num_kv_heads * cfg.head_dim * 4
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -51,12 +66,17 @@ def state_slots_for_memory(cfg: ModelConfig, max_seqs: int, gib: float, checkpoi
 
 
 class KVCache:
-    """dtype: the model's dtype, or torch.int8 (per-token, per-head scales, quantized on write)."""
+    """dtype: the model's dtype, or torch.int8 (V per token and head, K per channel over 16-token groups,
+    quantized as they are written; block_size a multiple of 16)."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str, grouped: bool = True, num_state_slots: int = 0) -> None:
+                 device: torch.device | str, grouped: bool = True, num_state_slots: int = 0,
+                 num_tail_slots: int = 16) -> None:
         """grouped=False: every layer its own tensor, all read through one table (a draft model
-        that follows the target's first KV group). num_state_slots: a hybrid's sequences at once."""
+        that follows the target's first KV group). num_state_slots: a hybrid's sequences at once.
+        num_tail_slots: an int8 cache's sequences at once (each a tail of fp32 keys)."""
+        if dtype == torch.int8 and block_size % KEY_GROUP:
+            raise ValueError(f"an int8 KV cache needs a block size that is a multiple of {KEY_GROUP}, got {block_size}")
         self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
         self.bytes_per_token = kv_bytes_per_token(cfg, dtype)    # K and V of one token, every layer
         self.bytes_per_block = kv_bytes_per_block(cfg, block_size, dtype)
@@ -69,14 +89,19 @@ class KVCache:
         # (softmax weight 0 * NaN = NaN), so the pool starts zeroed. On the CPU a large fresh
         # allocation is mapped from the OS as zero pages: `empty` gives zeros without touching
         # gigabytes up front (torch.zeros would spend ~1 s per GiB writing them).
-        shape = (P, 2, slots, cfg.num_kv_heads, cfg.head_dim)   # [P, 2, S, Hkv, D]
-        fresh_zero_pages = torch.device(device).type == "cpu" and math.prod(shape) >= 2**26
-        alloc = torch.empty if fresh_zero_pages else torch.zeros
-        self.data = alloc(shape, dtype=dtype, device=device)
+        H, D = cfg.num_kv_heads, cfg.head_dim
+        shape = (P, 2, slots, H, D)   # [P, 2, S, Hkv, D]
+        self.data = _zeros(shape, dtype, device)
         self.layers: list[tuple[torch.Tensor, ...]] = [(self.data[p, 0], self.data[p, 1]) for p in index]
-        if dtype == torch.int8:   # unwritten slots: int8 zeros times scale 1 → 0, never NaN
-            self.scales = torch.ones(P, 2, slots, cfg.num_kv_heads, device=device)
-            self.layers = [(k, v, self.scales[p, 0], self.scales[p, 1]) for p, (k, v) in zip(index, self.layers)]
+        self.num_tail_slots = num_tail_slots if dtype == torch.int8 else 0
+        self.tail_bytes = self.num_tail_slots * tail_bytes(cfg, dtype)
+        if dtype == torch.int8:   # unwritten: codes 0 in groups of step 0, V scale 1 → 0, never NaN
+            self.k_groups = _zeros((P, 1, slots // KEY_GROUP, H, 2, D), torch.float32, device)
+            self.v_scale = torch.ones(P, 1, slots, H, device=device)
+            self.tails = torch.zeros(len(attention), 2 * num_tail_slots, KEY_GROUP, H, D, device=device)
+            self.tail_groups = torch.full((num_tail_slots, 2), -1, dtype=torch.int64, device=device)
+            self.layers = [(k, v, self.k_groups[p, 0], self.v_scale[p, 0], self.tails[n], self.tail_groups)
+                           for n, (p, (k, v)) in enumerate(zip(index, self.layers))]
         self.states: list[tuple[torch.Tensor, ...]] = []   # a hybrid's recurrent state, per recurrent layer
         if cfg.recurrent is not None:     # every layer in order: KV or recurrent state
             shapes = cfg.recurrent.state_shapes
@@ -92,47 +117,47 @@ class KVCache:
                 for t in layer:
                     t[dst] = t[src]
 
-    def _slots(self, block_ids: list[int]) -> torch.Tensor:
-        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.data.device)
-        return (ids[:, None] * self.block_size + torch.arange(self.block_size, device=ids.device)).flatten()
+    @property
+    def _parts(self) -> dict[str, torch.Tensor]:
+        """What a block holds, each [P, 2 or 1, rows, ...] with a block's rows consecutive along dim 2: K and V
+        (block_size rows), and an int8 cache's K group scales (block_size / 16) and V scales (block_size)."""
+        if self.dtype != torch.int8:
+            return {"kv": self.data}
+        return {"kv": self.data, "k_groups": self.k_groups, "v_scale": self.v_scale}
+
+    def _rows(self, t: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
+        """The rows of these blocks along dim 2 of part t."""
+        per = t.shape[2] // self.num_blocks
+        ids = torch.tensor(block_ids, dtype=torch.int64, device=t.device)
+        return (ids[:, None] * per + torch.arange(per, device=t.device)).flatten()
 
     def read_blocks(self, block_ids: list[int]) -> dict[str, torch.Tensor]:
-        """A copy of these blocks' K and V in every layer ("kv": [P, 2, n * block_size, Hkv, D]) and, int8,
-        their scales ("scales": [P, 2, n * block_size, Hkv])."""
-        slots = self._slots(block_ids)
-        out = {"kv": self.data[:, :, slots].clone()}
-        if self.dtype == torch.int8:
-            out["scales"] = self.scales[:, :, slots].clone()
-        return out
+        """A copy of these blocks' parts (`_parts`) in every layer, e.g. "kv": [P, 2, n * block_size, Hkv, D]."""
+        return {name: t[:, :, self._rows(t, block_ids)].clone() for name, t in self._parts.items()}
 
     def write_blocks(self, block_ids: list[int], parts: dict[str, torch.Tensor]) -> None:
         """Fill these blocks from read_blocks' output (of a cache laid out as this one)."""
-        slots = self._slots(block_ids)
-        self.data[:, :, slots] = parts["kv"].to(self.data.device)
-        if self.dtype == torch.int8:
-            self.scales[:, :, slots] = parts["scales"].to(self.data.device)
+        for name, t in self._parts.items():
+            t[:, :, self._rows(t, block_ids)] = parts[name].to(t.device)
 
     # ---- the prompt cache's disk tier (core/disk_tier.py's BlockIO): one block as bytes ---------
 
     @property
     def block_layout(self) -> str:
         """What a block's bytes are: the dtype and per-block shape of each part (the disk fingerprint's)."""
-        P, _, _, H, D = self.data.shape
-        parts = [f"kv:{self.dtype}:{P}x2x{self.block_size}x{H}x{D}"]
-        if self.dtype == torch.int8:
-            parts.append(f"scales:{self.scales.dtype}:{P}x2x{self.block_size}x{H}")
+        parts = [f"{name}:{t.dtype}:{'x'.join(map(str, v.shape[:2] + v.shape[3:]))}"
+                 for (name, t), v in zip(self._parts.items(), self._block_parts())]
         parts += [f"state:{t.dtype}:{'x'.join(map(str, t.shape[1:]))}" for layer in self.states for t in layer]
         return ";".join(parts)
 
     def _block_parts(self) -> list[torch.Tensor]:
-        """The parts as [P, 2, num_blocks, block_size, ...] views."""
-        P, two, S = self.data.shape[:3]
-        parts = [self.data] + ([self.scales] if self.dtype == torch.int8 else [])
-        return [t.view(P, two, S // self.block_size, self.block_size, *t.shape[3:]) for t in parts]
+        """The parts as [P, 2 or 1, num_blocks, rows per block, ...] views."""
+        return [t.view(*t.shape[:2], self.num_blocks, t.shape[2] // self.num_blocks, *t.shape[3:])
+                for t in self._parts.values()]
 
     def copy_out(self, block_ids: Sequence[int]) -> list[bytearray]:
-        """Each block's K and V in every layer ([P, 2, block_size, Hkv, D]; then, int8, their scales
-        [P, 2, block_size, Hkv]) as bytes, copied once."""
+        """Each block's parts in every layer (K and V [P, 2, block_size, Hkv, D]; then, int8, the K group
+        scales and the V scales) as bytes, copied once."""
         views = self._block_parts()
         sizes = [v[:, :, 0].numel() * v.element_size() for v in views]
         out = []
@@ -181,6 +206,12 @@ class KVCache:
             at += n
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zeroed tensor; on the CPU a large one as fresh zero pages (torch.empty), never written up front."""
+    fresh_zero_pages = torch.device(device).type == "cpu" and math.prod(shape) >= 2**26
+    return (torch.empty if fresh_zero_pages else torch.zeros)(shape, dtype=dtype, device=device)
+
+
 @dataclass
 class KVBlocks:
     """A prompt prefix's KV blocks as they leave one engine for another (prefill/decode
@@ -194,6 +225,9 @@ class KVBlocks:
         return len(self.token_ids) // self.block_size
 
     def block(self, i: int) -> dict[str, torch.Tensor]:
-        """Block i's contents alone."""
-        bs = self.block_size
-        return {name: t[:, :, i * bs:(i + 1) * bs] for name, t in self.parts.items()}
+        """Block i's contents alone (each part's rows of it along dim 2)."""
+        out = {}
+        for name, t in self.parts.items():
+            per = t.shape[2] // self.num_blocks
+            out[name] = t[:, :, i * per:(i + 1) * per]
+        return out

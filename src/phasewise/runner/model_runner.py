@@ -48,6 +48,7 @@ class StepInputs:
     # a hybrid's, per sequence: the slots its state is copied to after each of its rows but the last (the
     # states a verify step may roll back to; [] for a sequence without drafts)
     state_snapshots: list[list[int]] = field(default_factory=list)
+    tail_slots: list[int] | None = None    # an int8 KV cache's: each sequence's tail slot (core/kv_cache_manager.py)
 
 
 # What rank 0 broadcasts to the other ranks after the setup: a step's forward, the logits of some of its rows
@@ -152,7 +153,7 @@ class ModelRunner:
     def prepare(self, sched: SchedulerOutput) -> StepPlan:
         """The step's flat inputs and what each row is for; only the rows that sample, verify or score
         are kept past the last layer's keys and values."""
-        inputs = StepInputs([], [], [], [], [])
+        inputs = StepInputs([], [], [], [], [], tail_slots=[] if self.kv_cache.num_tail_slots else None)
         plan, tables = StepPlan(inputs), []
         for chunk in sched.chunks:
             req, start, n = self.requests[chunk.request_id], chunk.start, chunk.num_scheduled_tokens
@@ -166,6 +167,9 @@ class ModelRunner:
             inputs.query_lens.append(n)
             inputs.context_lens.append(start + n)
             tables.append(chunk.block_tables)
+            if inputs.tail_slots is not None:
+                assert chunk.tail_slot is not None, "an int8 KV cache's chunk without its tail slot"
+                inputs.tail_slots.append(chunk.tail_slot)
             if chunk.state_slot is not None:
                 inputs.state_slots.append(chunk.state_slot)
                 inputs.state_snapshots.append(self._snapshots(inputs.state_snapshots, len(chunk.draft_token_ids)
@@ -211,7 +215,7 @@ class ModelRunner:
         """One forward pass over the step's tokens → hidden states of its rows inputs.keep [R, hidden]
         (all: [T, hidden]); every rank runs it."""
         meta = AttentionMetadata.build_groups(inputs.query_lens, inputs.context_lens, inputs.tables,
-                                              self.kv_cache.block_size, self.device)
+                                              self.kv_cache.block_size, self.device, inputs.tail_slots)
         meta.state_slots = inputs.state_slots
         meta.state_snapshots = inputs.state_snapshots
         ids = torch.tensor(inputs.input_ids, dtype=torch.int64, device=self.device)

@@ -45,6 +45,7 @@ class Setup:
     block_size: int
     kernels: bool              # compiled CPU kernels (each rank loads its own, at the same ISA level)
     plain: bool                # kernels="torch": no oneDNN either
+    tail_slots: int = 16       # an int8 KV cache's sequences at once (core/kv_cache_manager.py)
 
 
 def threads_per_rank(size: int, threads: int | None = None) -> int:
@@ -139,7 +140,7 @@ def run_rank(rank: int, size: int, init_method: str, threads: int, device: str =
         kernels = kernel_build.load() if setup.kernels else None
         model, cfg = load_prepared(Path(setup.model_path), setup.weights, device, kernels, setup.plain, tp)
         kv_dtype = torch.int8 if setup.kv_dtype == "int8" else parse_dtype(setup.weights)
-        cache = KVCache(cfg, setup.num_blocks, setup.block_size, kv_dtype, device)
+        cache = KVCache(cfg, setup.num_blocks, setup.block_size, kv_dtype, device, num_tail_slots=setup.tail_slots)
         runner = ModelRunner(model, cache, frozenset(), device, kernels, tp)
         if tp.broadcast() == "ready":              # rank 0 loaded its part too (else it failed: stop)
             serve_steps(runner)

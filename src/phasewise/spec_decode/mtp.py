@@ -46,12 +46,14 @@ class MTPProposer:
 
     def __init__(self, model: Qwen3_5ForCausalLM, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                  eos_token_ids: frozenset[int] = frozenset(), device: torch.device | str = "cpu",
-                 kernels: Kernels | None = None) -> None:
-        """model: the target, loaded with its MTP layer, whose KV cache has num_blocks of block_size."""
+                 kernels: Kernels | None = None, num_tail_slots: int = 16) -> None:
+        """model: the target, loaded with its MTP layer, whose KV cache has num_blocks of block_size (an int8
+        one num_tail_slots tail slots: the requests' own, ScheduledChunk.tail_slot)."""
         if model.mtp is None:
             raise ValueError("the model was loaded without its MTP layer")
         self.model, self.mtp = model, model.mtp
-        self.kv_cache = KVCache(model.mtp.config, num_blocks, block_size, kv_dtype, device)
+        self.kv_cache = KVCache(model.mtp.config, num_blocks, block_size, kv_dtype, device,
+                                num_tail_slots=num_tail_slots)
         self.device = torch.device(device)
         self.picking = DraftPicking(model.config.vocab_size, eos_token_ids, self.device, kernels)
 
@@ -60,8 +62,9 @@ class MTPProposer:
         states = [self._state(c, r) for c, r in zip(chunks, reqs)]
         rows = [self._catch_up(st, r) for st, r in zip(states, reqs)]
         tables = [c.block_tables[0] for c in chunks]
+        tails = [c.tail_slot or 0 for c in chunks]
         out = self._forward([r.token_ids[first + 1:] for (first, _), r in zip(rows, reqs)],
-                            torch.cat([h for _, h in rows]), [first for first, _ in rows], tables)   # [B, H]
+                            torch.cat([h for _, h in rows]), [first for first, _ in rows], tables, tails)   # [B, H]
         for st, r in zip(states, reqs):
             st.done = r.num_tokens - 1
         drafts: list[list[int]] = [[] for _ in chunks]
@@ -82,7 +85,8 @@ class MTPProposer:
             out, active = out[still], [active[n] for n in still]
             # the layer's own output and the newest draft, one position on (draft d's row at T - 2 + d)
             starts = [reqs[i].num_tokens - 2 + len(drafts[i]) for i in active]
-            out = self._forward([[drafts[i][-1]] for i in active], out, starts, [tables[i] for i in active])
+            out = self._forward([[drafts[i][-1]] for i in active], out, starts, [tables[i] for i in active],
+                                [tails[i] for i in active])
         for c, d, q in zip(chunks, drafts, qs):
             c.draft_token_ids = d
             c.draft_probs = torch.stack(q) if q else None       # [k, V]
@@ -107,15 +111,17 @@ class MTPProposer:
         first = max(start, min(st.done, last))
         return first, hidden[first - start:last - start + 1]
 
-    def _forward(self, tokens: list[list[int]], hidden: Tensor, starts: list[int], tables: list[list[int]]) -> Tensor:
+    def _forward(self, tokens: list[list[int]], hidden: Tensor, starts: list[int], tables: list[list[int]],
+                 tails: list[int] | None = None) -> Tensor:
         """The layer over each request's rows at positions starts[i].. (tokens[i]: the tokens after them,
-        hidden: their hidden states, all requests' rows [R, H]) → each request's last output [B, H]."""
+        hidden: their hidden states, all requests' rows [R, H]; tails: an int8 cache's tail slots, default
+        0, 1, ...) → each request's last output [B, H]."""
         lens = [len(t) for t in tokens]
         ids = torch.tensor([t for ts in tokens for t in ts], dtype=torch.long, device=self.device)
         positions = torch.tensor([p for s, n in zip(starts, lens) for p in range(s, s + n)], dtype=torch.long,
                                  device=self.device)
         meta = AttentionMetadata.build(lens, [s + n for s, n in zip(starts, lens)], tables, self.kv_cache.block_size,
-                                       self.device)
+                                       self.device, tails)
         embeds = self.model.model.embed_tokens(ids)
         out = self.mtp(embeds.to(hidden.dtype), hidden, positions, meta, self.kv_cache.layers[0])
         return out[torch.tensor(lens, device=self.device).cumsum(0) - 1]

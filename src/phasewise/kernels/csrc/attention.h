@@ -12,7 +12,8 @@
 namespace pw {
 
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
-constexpr int64_t KEYS = 16;          // keys scored per pass (one vector of scores)
+constexpr int64_t KEYS = 16;          // keys scored per pass (one vector of scores): an int8 cache's key group
+static_assert(KEYS == KEY_GROUP, "a pass reads one key group");
 
 // x[0] + ... + x[15] lane by lane as a pairwise tree ((x0 + x1) + (x2 + x3)) + ...: a pass's
 // softmax sum for 16 queries (the row kernel takes one query's in the same tree: reduce_add_pairs).
@@ -30,11 +31,10 @@ inline void load_int8_row(const int8_t* p, Vf* v) {
   for (int i = 0; i < NV; ++i) v[i] = Vf::from_i8(p + 16 * i);
 }
 
-// A query row read against an int8 cache: x = sc q (the scores' scale folded in) as int8 with its
-// own scale max |x| / 127, returned; a score is then an exact integer dot product with the key's
-// int8 row times the two scales. Every path that reads an int8 cache (tiles, rows, the scalar
-// loop, and the PyTorch reference) rounds the query so, and a token scores the same whether it is
-// computed in a prompt chunk or decoded.
+// x = sc q as int8 with its own step max |x| / 127, returned (a query against an int8 key group:
+// group_query). Every path that reads an int8 cache (tiles, rows, the scalar loop, and the PyTorch
+// reference) rounds a query so, and a token scores the same whether it is computed in a prompt chunk
+// or decoded.
 inline float quantize_query(const float* q, int64_t D, float sc, int8_t* out) {
   if (D % 16 == 0) {          // the same steps 16 lanes at a time (every reader of a head size takes one path)
     Vf m = Vf::zero();
@@ -49,6 +49,59 @@ inline float quantize_query(const float* q, int64_t D, float sc, int8_t* out) {
   const float id = amax > 0.f ? 127.f / amax : 0.f;
   for (int64_t d = 0; d < D; ++d) out[d] = static_cast<int8_t>(std::nearbyint(q[d] * sc * id));
   return amax / 127.f;
+}
+
+// a · b over D values in one fixed order: 16 lanes of fmas along the rows, then reduce_add_pairs (D % 16
+// == 0), else one running sum. A score against an fp32 key of an int8 cache, and a query's midpoint term
+// for a key group, in every reader.
+inline float float_dot(const float* a, const float* b, int64_t D) {
+  if (D % 16 == 0) {
+    Vf acc = Vf::zero();
+    for (int64_t d = 0; d < D; d += 16) acc = fma(Vf::load(a + d), Vf::load(b + d), acc);
+    return reduce_add_pairs(acc);
+  }
+  float s = 0.f;
+  for (int64_t d = 0; d < D; ++d) s += a[d] * b[d];
+  return s;
+}
+
+// A scaled query qs [D] (scale q) against an int8 cache's key group (its midpoints and steps, mid [D] and
+// step [D] = mid + D): x = qs∘step as int8 (quantize_query), its step returned, and base = qs · mid. A
+// key's score is then base + step · (x · code), with x · code an exact integer dot product.
+inline float group_query(const float* qs, const float* mid, int64_t D, int8_t* x, float* base) {
+  const float* step = mid + D;
+  if (D % 16 == 0) {          // quantize_query's steps on qs∘step, and float_dot's sum, in one pass
+    Vf m = Vf::zero(), acc = Vf::zero();
+    for (int64_t d = 0; d < D; d += 16) {
+      const Vf q = Vf::load(qs + d);
+      m = max(m, abs(q * Vf::load(step + d)));
+      acc = fma(q, Vf::load(mid + d), acc);
+    }
+    *base = reduce_add_pairs(acc);
+    const float amax = reduce_max(m);
+    const Vf id = Vf::set1(amax > 0.f ? 127.f / amax : 0.f);
+    for (int64_t d = 0; d < D; d += 16) round_to_i8(Vf::load(qs + d) * Vf::load(step + d) * id, x + d);
+    return amax / 127.f;
+  }
+  alignas(64) float y[MAX_HEAD_SIZE];
+  for (int64_t d = 0; d < D; ++d) y[d] = qs[d] * step[d];
+  *base = float_dot(qs, mid, D);
+  return quantize_query(y, D, 1.f, x);
+}
+
+// Where an int8 cache keeps the fp32 key of position pos of the rows' sequence s (pos in a row's partial
+// group), KV head h: the step's own keys from the sequence's first new position, else its tail slot.
+inline const float* float_key(const Cache& c, const AttentionRows& ar, int64_t s, int64_t pos, int64_t h) {
+  const int64_t* q = ar.seqs + 4 * s;
+  if (pos >= q[0]) return c.fresh + ((q[2] + pos - q[0]) * c.Hkv + h) * c.D;
+  const int64_t* held = c.tail_groups + 2 * q[3];
+  const int64_t half = held[0] == pos / KEY_GROUP ? 0 : 1;
+  return c.tails + (((2 * q[3] + half) * KEY_GROUP + pos % KEY_GROUP) * c.Hkv + h) * c.D;
+}
+
+// The midpoints (then the steps) of KV head h's key group whose first token is at slot slot0.
+inline const float* group_params(const Cache& c, int64_t slot0, int64_t h) {
+  return c.kg + ((slot0 / KEY_GROUP) * c.Hkv + h) * 2 * c.D;
 }
 
 // Lane j: the exact sum of int8 row rows[j] of D values (D a multiple of 64), 0 from lane n on; with
@@ -89,10 +142,10 @@ inline int64_t state_floats(int64_t lanes, int64_t D) { return 32 + lanes * D; }
 // lane; an empty part changes nothing, and folding into a cleared state copies the part.
 void fold_part(float* st, const float* m, const float* l, const float* o, int64_t lanes, int64_t D);
 
-// A kernel for one tile's parts [part0, part1) of KV head h, each part folded into st.
-using TileKernel = void (*)(const Cache& c, const int64_t* table, int64_t block_size, int64_t window, int64_t h,
-                            const Tile& tile, const float* q, int64_t Hq, float sc, int64_t part0, int64_t part1,
-                            float* st);
+// A kernel for one tile's parts [part0, part1) of KV head h, each part folded into st (ar: the step's
+// rows, for the tile's sequence's table, the window and an int8 cache's sequences).
+using TileKernel = void (*)(const Cache& c, const AttentionRows& ar, int64_t h, const Tile& tile, const float* q,
+                            int64_t Hq, float sc, int64_t part0, int64_t part1, float* st);
 
 // paged_attention.cpp: the kernel for a one-row tile of `lanes` heads over an int8 cache of head size
 // D that reads keys row by row (the same bits as the tiled kernel, fewer steps for few lanes), or

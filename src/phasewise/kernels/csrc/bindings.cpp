@@ -13,13 +13,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<std::string>(), py::arg("library"))
       .def_property_readonly("isa", &KernelSet::isa)
       .def("paged_attention", &KernelSet::paged_attention, "attention of query rows over a paged KV cache",
-           py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("row_seq"),
-           py::arg("row_len"), py::arg("block_size"), py::arg("scale"), py::arg("k_scale") = py::none(),
-           py::arg("v_scale") = py::none(), py::arg("window") = 0, nogil())
+           py::arg("q"), py::arg("kv"), py::arg("block_tables"), py::arg("row_seq"), py::arg("row_len"),
+           py::arg("seqs"), py::arg("block_size"), py::arg("scale"), py::arg("fresh") = py::none(),
+           py::arg("window") = 0, nogil())
       .def("rope_and_cache", &KernelSet::rope_and_cache, "split qkv, rotate q and k, write k and v to the cache",
-           py::arg("qkv"), py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"),
-           py::arg("v_cache"), py::arg("slots"), py::arg("Hq"), py::arg("Hkv"), py::arg("k_scale") = py::none(),
-           py::arg("v_scale") = py::none(), nogil())
+           py::arg("qkv"), py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("kv"), py::arg("slots"),
+           py::arg("Hq"), py::arg("Hkv"), py::arg("block_tables"), py::arg("seqs"), py::arg("block_size"), nogil())
+      .def("write_kv", &KernelSet::write_kv, "write a step's keys and values to the cache", py::arg("k"),
+           py::arg("v"), py::arg("kv"), py::arg("slots"), py::arg("block_tables"), py::arg("seqs"),
+           py::arg("block_size"), nogil())
       .def("rms_norm", &KernelSet::rms_norm, "optional residual add, then RMSNorm", py::arg("x"),
            py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none(), nogil())
       .def("silu_and_mul", &KernelSet::silu_and_mul, "silu(gate) * up (gelu: GELU-tanh(gate) * up)", py::arg("x"),
@@ -59,5 +61,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &DecoderStack::forward, py::arg("x"), py::arg("positions"), py::arg("slots"),
            py::arg("kv"), py::arg("tables"), py::arg("row_seq"), py::arg("row_len"), py::arg("block_size"),
            py::arg("keep") = py::none(), py::arg("expert_counts") = py::none(), py::arg("sequences") = py::none(),
-           py::arg("snapshots") = py::none(), nogil());
+           py::arg("snapshots") = py::none(), py::arg("kv_seqs") = py::none(), nogil());
 }

@@ -8,8 +8,10 @@ namespace pw {
 void paged_attention(const Runtime& rt, const float* q, int64_t T, int64_t Hq, const Cache& c,
                      const AttentionRows& rows, float scale, float* out);
 void rope_and_cache(const Runtime& rt, const float* qkv, int64_t T, const int64_t* positions, const float* cos,
-                    const float* sin, int64_t Hq, int64_t Hkv, int64_t D, const int64_t* slots, const CacheOut& c,
-                    float* q, float* k);
+                    const float* sin, int64_t Hq, int64_t Hkv, int64_t D, const int64_t* slots,
+                    const AttentionRows& rows, const CacheOut& c, float* q, float* k);
+void write_kv(const Runtime& rt, const float* k, const float* v, int64_t ldv, int64_t T, int64_t Hkv, int64_t D,
+              const int64_t* slots, const AttentionRows& rows, const CacheOut& c);
 void rms_norm(const Runtime& rt, const float* x, const float* residual, const float* w, int64_t T, int64_t H,
               float eps, float* out, float* sum);
 void silu_and_mul(const Runtime& rt, const float* x, int64_t T, int64_t I, float* out);
@@ -58,7 +60,7 @@ void short_conv_mix(const Runtime& rt, const float* in, int64_t ld, int64_t T, i
 // rope_and_cache rotating only the first rot dimensions of each head (cos, sin [P, rot / 2])
 void rope_partial_and_cache(const Runtime& rt, const float* qkv, int64_t T, const int64_t* positions, const float* cos,
                             const float* sin, int64_t Hq, int64_t Hkv, int64_t D, int64_t rot, const int64_t* slots,
-                            const CacheOut& c, float* q, float* k);
+                            const AttentionRows& rows, const CacheOut& c, float* q, float* k);
 void decoder_stack(const Runtime& rt, const DecoderModel& m, const DecoderStep& s, const float* x, float* workspace,
                    float* out);
 

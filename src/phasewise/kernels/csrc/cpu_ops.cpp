@@ -1,7 +1,7 @@
 // The model's fused non-matmul ops, fp32, contiguous rows (their PyTorch references live in
 // layers/; tests compare the two):
 //  - rope_and_cache: split a fused qkv row, rotate q and k (NeoX halves), write k and v to their
-//    cache slots (fp32, or int8 with one fp32 scale per (slot, KV head));
+//    cache slots (kv_write.cpp);
 //  - rms_norm: optional residual add, then RMSNorm, in one pass;
 //  - silu_and_mul: silu(gate) * up of a fused gate_up row; gelu_and_mul: the same with GELU-tanh (Gemma);
 //  - argmax_rows: each row's largest value's index (greedy sampling);
@@ -18,30 +18,15 @@
 #include <vector>
 
 namespace pw {
-namespace {
-
-// y = round(x / scale) with scale = max|x| / 127 (symmetric int8, one scale per row); returns scale.
-inline float quant_row(const float* __restrict x, int8_t* __restrict y, int64_t D) {
-  float amax = 0.f;
-  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
-  const float scale = amax > 0.f ? amax / 127.f : 1.f;
-  const float inv = 1.f / scale;
-#pragma omp simd
-  for (int64_t d = 0; d < D; ++d) y[d] = static_cast<int8_t>(std::nearbyint(x[d] * inv));
-  return scale;
-}
-
-}  // namespace
-
 void rope_and_cache(const Runtime& rt, const float* qkv, int64_t T, const int64_t* pos, const float* cos,
-                    const float* sin, int64_t Hq, int64_t Hkv, int64_t D, const int64_t* slot, const CacheOut& c,
-                    float* qp, float* kp) {
-  rope_partial_and_cache(rt, qkv, T, pos, cos, sin, Hq, Hkv, D, D, slot, c, qp, kp);
+                    const float* sin, int64_t Hq, int64_t Hkv, int64_t D, const int64_t* slot,
+                    const AttentionRows& rows, const CacheOut& c, float* qp, float* kp) {
+  rope_partial_and_cache(rt, qkv, T, pos, cos, sin, Hq, Hkv, D, D, slot, rows, c, qp, kp);
 }
 
 void rope_partial_and_cache(const Runtime& rt, const float* qkv, int64_t T, const int64_t* pos, const float* cos,
                             const float* sin, int64_t Hq, int64_t Hkv, int64_t D, int64_t rot, const int64_t* slot,
-                            const CacheOut& c, float* qp, float* kp) {
+                            const AttentionRows& rows, const CacheOut& c, float* qp, float* kp) {
   const int64_t half = rot / 2, row = (Hq + 2 * Hkv) * D;
   parallel_for(rt, T, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -62,21 +47,10 @@ void rope_partial_and_cache(const Runtime& rt, const float* qkv, int64_t T, cons
         }
       };
       rotate(in, qp + t * Hq * D, Hq);
-      float* kt = kp + t * Hkv * D;
-      rotate(in + Hq * D, kt, Hkv);
-      const float* vt = in + (Hq + Hkv) * D;
-      if (c.kq != nullptr) {
-        for (int64_t h = 0; h < Hkv; ++h) {
-          const int64_t at = slot[t] * Hkv + h;
-          c.ks[at] = quant_row(kt + h * D, c.kq + at * D, D);
-          c.vs[at] = quant_row(vt + h * D, c.vq + at * D, D);
-        }
-      } else {
-        std::copy(kt, kt + Hkv * D, c.k + slot[t] * Hkv * D);
-        std::copy(vt, vt + Hkv * D, c.v + slot[t] * Hkv * D);
-      }
+      rotate(in + Hq * D, kp + t * Hkv * D, Hkv);
     }
   });
+  write_kv(rt, kp, qkv + (Hq + Hkv) * D, row, T, Hkv, D, slot, rows, c);
 }
 
 void rms_norm(const Runtime& rt, const float* xp, const float* rp, const float* w, int64_t T, int64_t H, float eps,

@@ -139,13 +139,15 @@ int64_t attention(const Runtime& rt, const DecoderModel& m, const DecoderStep& s
   }
   if (L.q_norm != nullptr) head_norms(rt, w.qkv, T, Hq, Hkv, D, L.q_norm, L.k_norm, m.eps, L.qk_whole);
   rope_partial_and_cache(rt, w.qkv, T, s.positions, L.cos ? L.cos : m.cos, L.sin ? L.sin : m.sin, Hq, Hkv, D,
-                         m.rot > 0 ? m.rot : D, s.slots[L.group], s.cache_out[i], w.q, w.k);
+                         m.rot > 0 ? m.rot : D, s.slots[L.group], s.rows[L.group], s.cache_out[i], w.q, w.k);
   AttentionRows rows = s.R >= 0 && i == m.L - 1 ? s.kept[L.group] : s.rows[L.group];
+  Cache cache = s.caches[i];
+  cache.fresh = w.k;                         // an int8 cache's partial key groups: the step's keys (all T rows)
   if (L.attn_gate) T = keep_last(rt, m, s, i, w, T, {{w.q, Hq * D}, {w.wide, gated}});
   else T = keep_last(rt, m, s, i, w, T, {{w.q, Hq * D}});
   rows.window = L.window;
   const float scale = m.scale > 0.f ? m.scale : 1.f / std::sqrt(static_cast<float>(D));
-  paged_attention(rt, w.q, T, Hq, s.caches[i], rows, scale, w.attn);
+  paged_attention(rt, w.q, T, Hq, cache, rows, scale, w.attn);
   if (L.attn_gate)
     parallel_for(rt, T * Hq, 16, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {            // r: (row, head)

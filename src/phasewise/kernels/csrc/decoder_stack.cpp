@@ -147,7 +147,7 @@ torch::Tensor DecoderStack::forward(torch::Tensor x, torch::Tensor positions, co
                                     const std::vector<torch::Tensor>& tables, const std::vector<torch::Tensor>& row_seq,
                                     const std::vector<torch::Tensor>& row_len, int64_t block_size,
                                     const Opt& keep, const Opt& expert_counts, const Opt& sequences,
-                                    const Opt& snapshots) const {
+                                    const Opt& snapshots, const Opt& kv_seqs) const {
   const pw::DecoderModel& m = model_;
   TORCH_CHECK(kv.size() == static_cast<size_t>(m.L), "one KV cache per layer");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == m.H && x.scalar_type() == at::kFloat, "x: fp32 [T, hidden]");
@@ -174,24 +174,15 @@ torch::Tensor DecoderStack::forward(torch::Tensor x, torch::Tensor positions, co
   std::vector<pw::CacheOut> outs(m.L);
   std::vector<pw::DeltaNetSeqs> recurrent = recurrent_states(kv, T, sequences, snapshots);
   for (int64_t i = 0; i < m.L; ++i) {
-    const auto& c = kv[i];
     if (m.layers[i].recurrent != nullptr) continue;
-    TORCH_CHECK(c.size() == 2 || c.size() == 4, "a cache is (k, v) or (k, v, k_scale, v_scale)");
-    const bool int8 = c[0].scalar_type() == at::kChar;
-    TORCH_CHECK(c[1].scalar_type() == c[0].scalar_type() && (int8 || c[0].scalar_type() == at::kFloat) &&
-                c[0].dim() == 3 && c[0].size(1) == m.Hkv && c[0].size(2) == m.D && c[1].sizes() == c[0].sizes() &&
-                c[0].is_contiguous() && c[1].is_contiguous(), "caches: fp32 or int8 [slots, Hkv, D]");
-    TORCH_CHECK(!int8 || (c.size() == 4 && c[2].scalar_type() == at::kFloat && c[3].scalar_type() == at::kFloat &&
-                          c[2].is_contiguous() && c[3].is_contiguous()), "an int8 cache needs its scales");
-    if (int8) {
-      caches[i] = {nullptr, nullptr, c[0].data_ptr<int8_t>(), c[1].data_ptr<int8_t>(), c[2].data_ptr<float>(),
-                   c[3].data_ptr<float>(), m.Hkv, m.D};
-      outs[i] = {nullptr, nullptr, c[0].data_ptr<int8_t>(), c[1].data_ptr<int8_t>(), c[2].data_ptr<float>(),
-                 c[3].data_ptr<float>()};
-    } else {
-      caches[i] = {c[0].data_ptr<float>(), c[1].data_ptr<float>(), nullptr, nullptr, nullptr, nullptr, m.Hkv, m.D};
-      outs[i] = {c[0].data_ptr<float>(), c[1].data_ptr<float>(), nullptr, nullptr, nullptr, nullptr};
-    }
+    int64_t tail_slots = 0;
+    outs[i] = cache_tensors(kv[i], m.Hkv, m.D, &tail_slots);
+    caches[i] = cache_reader(outs[i], m.Hkv, m.D, nullptr);   // fresh: the step's keys (decoder.cpp)
+    if (outs[i].kq == nullptr || rows[0].seqs != nullptr) continue;
+    TORCH_CHECK(kv_seqs.has_value(), "an int8 cache needs the step's sequences (kv_seqs)");
+    for (size_t g = 0; g < G; ++g)                 // once: every layer's tail slots are as many
+      check_kv_seqs(*kv_seqs, tables[g], block_size, tail_slots, T, rows[g].seq, rows[g].len, T);
+    for (auto& r : rows) r.seqs = kv_seqs->data_ptr<int64_t>(), r.num_seqs = kv_seqs->size(0);
   }
   pw::DecoderStep step{T, positions.data_ptr<int64_t>(), group_slots.data(), caches.data(), outs.data(),
                        rows.data()};

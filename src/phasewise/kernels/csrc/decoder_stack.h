@@ -60,7 +60,7 @@ class DecoderStack {
                                  torch::Tensor final_norm, torch::Tensor cos, torch::Tensor sin, int64_t Hq,
                                  int64_t Hkv, int64_t D, double eps, double scale, bool gelu);
 
-  // x: [T, hidden] embedded tokens; positions: [T] int64; kv: per layer (k, v[, k_scale, v_scale]), a
+  // x: [T, hidden] embedded tokens; positions: [T] int64; kv: per layer its cache (cache_tensors), a
   // recurrent layer's its states (conv [S, K - 1, C], delta rule [S, Hv, dk, dv]; a short conv: conv only);
   // per KV group: slots [T] int64 and the paged-attention kernel's rows (tables, row_seq, row_len).
   // Returns the final-normed hidden states [T, hidden], or with keep (int64 [R], ascending) those of
@@ -68,11 +68,13 @@ class DecoderStack {
   // (int64 [L, E], a model with experts): each sparse layer's choices per expert, written. With
   // recurrent layers, sequences: int64 [3, B] each sequence's new tokens, tokens after the step and
   // state slot; snapshots: int64 [T] or none, the slot each row's states are also copied to (-1: none).
+  // An int8 cache (kv[i]: k, v, k_groups, v_scale, tails, tail_groups) needs kv_seqs: int64 [B, 4] each
+  // sequence's first new position, new tokens, first row and tail slot.
   torch::Tensor forward(torch::Tensor x, torch::Tensor positions, const std::vector<torch::Tensor>& slots,
                         const std::vector<std::vector<torch::Tensor>>& kv, const std::vector<torch::Tensor>& tables,
                         const std::vector<torch::Tensor>& row_seq, const std::vector<torch::Tensor>& row_len,
                         int64_t block_size, const Opt& keep, const Opt& expert_counts, const Opt& sequences,
-                        const Opt& snapshots) const;
+                        const Opt& snapshots, const Opt& kv_seqs) const;
 
  private:
   std::vector<pw::DeltaNetSeqs> recurrent_states(const std::vector<std::vector<torch::Tensor>>& kv, int64_t T,

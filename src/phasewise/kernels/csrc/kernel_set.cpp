@@ -13,24 +13,6 @@ T* ptr(const c10::optional<torch::Tensor>& t) {
   return t.has_value() ? t->data_ptr<T>() : nullptr;
 }
 
-// The pointers of a layer's cache: int8 values and their scales, or fp32 values.
-template <typename C>
-C cache_view(const torch::Tensor& k, const torch::Tensor& v, const c10::optional<torch::Tensor>& k_scale,
-             const c10::optional<torch::Tensor>& v_scale) {
-  C c;
-  if (k.scalar_type() == at::kChar) {
-    c.kq = k.data_ptr<int8_t>();
-    c.vq = v.data_ptr<int8_t>();
-    c.ks = k_scale->data_ptr<float>();
-    c.vs = v_scale->data_ptr<float>();
-  } else {
-    c.k = k.data_ptr<float>();
-    c.v = v.data_ptr<float>();
-  }
-  return c;
-}
-
-
 }  // namespace
 
 pw::PackedWeights packed_weights(int64_t fmt, int64_t N, const torch::Tensor& blocks,
@@ -84,60 +66,86 @@ KernelSet::KernelSet(const std::string& library) {
   TORCH_CHECK(table_->abi == pw::ABI_VERSION, library, " was built for another version of the bindings");
 }
 
-// q: [T, Hq, D]; k_cache, v_cache: [num_slots, Hkv, D] (slot = block * block_size + offset);
-// block_tables: [num_seqs, max_blocks] int64; row_seq, row_len: [T] int64 (row t attends over the
-// first row_len[t] tokens of sequence row_seq[t]). Returns [T, Hq, D].
-// An int8 cache comes with k_scale, v_scale: [num_slots, Hkv] fp32 (value = int8 * scale). window > 0:
-// each row sees only its last `window` tokens.
-torch::Tensor KernelSet::paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+// q: [T, Hq, D]; kv: the layer's cache (cache_tensors); block_tables: [num_seqs, max_blocks] int64; row_seq,
+// row_len: [T] int64 (row t attends over the first row_len[t] tokens of sequence row_seq[t]); seqs: [num_seqs,
+// 4] int64 and fresh [T', Hkv, D] fp32, an int8 cache's sequences and the step's keys. Returns [T, Hq, D].
+// window > 0: each row sees only its last `window` tokens.
+torch::Tensor KernelSet::paged_attention(torch::Tensor q, const std::vector<torch::Tensor>& kv,
                                          torch::Tensor block_tables, torch::Tensor row_seq, torch::Tensor row_len,
-                                         int64_t block_size, double scale, c10::optional<torch::Tensor> k_scale,
-                                         c10::optional<torch::Tensor> v_scale, int64_t window) const {
-  const bool int8 = k_cache.scalar_type() == at::kChar;
-  TORCH_CHECK(q.scalar_type() == at::kFloat && (int8 || k_cache.scalar_type() == at::kFloat),
-              "fp32 queries, fp32 or int8 cache");
-  TORCH_CHECK(!int8 || (k_scale.has_value() && v_scale.has_value()), "an int8 cache needs its scales");
-  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "k and v caches of one dtype");
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && q.size(2) == k_cache.size(2) && q.size(1) % k_cache.size(1) == 0,
-              "q [T, Hq, D], caches [slots, Hkv, D]");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-              block_tables.is_contiguous() && row_seq.is_contiguous() && row_len.is_contiguous(),
-              "contiguous inputs");
-  pw::Cache c = cache_view<pw::Cache>(k_cache, v_cache, k_scale, v_scale);
-  c.Hkv = k_cache.size(1);
-  c.D = k_cache.size(2);
-  const pw::AttentionRows rows{block_tables.data_ptr<int64_t>(), block_tables.size(1), row_seq.data_ptr<int64_t>(),
-                               row_len.data_ptr<int64_t>(), block_size, window};
+                                         torch::Tensor seqs, int64_t block_size, double scale,
+                                         c10::optional<torch::Tensor> fresh, int64_t window) const {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3 && q.is_contiguous(), "q: fp32 [T, Hq, D]");
+  TORCH_CHECK(!kv.empty() && kv[0].dim() == 3 && q.size(1) % kv[0].size(1) == 0, "caches [slots, Hkv, D]");
+  const int64_t T = q.size(0), Hkv = kv[0].size(1), D = q.size(2);
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 && block_tables.is_contiguous() &&
+              row_seq.scalar_type() == at::kLong && row_seq.is_contiguous() && row_seq.numel() == T &&
+              row_len.scalar_type() == at::kLong && row_len.is_contiguous() && row_len.numel() == T,
+              "tables: int64 [sequences, blocks]; row_seq, row_len: int64 [T]");
+  int64_t tail_slots = 0;
+  const pw::CacheOut out_view = cache_tensors(kv, Hkv, D, &tail_slots);
+  pw::AttentionRows rows{block_tables.data_ptr<int64_t>(), block_tables.size(1), row_seq.data_ptr<int64_t>(),
+                         row_len.data_ptr<int64_t>(), block_size, window};
   TORCH_CHECK(window >= 0, "window >= 0 (0: none)");
+  const float* keys = nullptr;
+  if (out_view.kq != nullptr) {
+    TORCH_CHECK(fresh.has_value() && fresh->scalar_type() == at::kFloat && fresh->is_contiguous() &&
+                fresh->dim() == 3 && fresh->size(1) == Hkv && fresh->size(2) == D, "an int8 cache: fresh fp32 [T, Hkv, D]");
+    check_kv_seqs(seqs, block_tables, block_size, tail_slots, fresh->size(0), rows.seq, rows.len, T);
+    keys = fresh->data_ptr<float>();
+    rows.seqs = seqs.data_ptr<int64_t>(), rows.num_seqs = seqs.size(0);
+  }
   auto out = torch::empty_like(q);
-  table_->paged_attention(runtime(), q.data_ptr<float>(), q.size(0), q.size(1), c, rows, static_cast<float>(scale),
-                          out.data_ptr<float>());
+  table_->paged_attention(runtime(), q.data_ptr<float>(), T, q.size(1), cache_reader(out_view, Hkv, D, keys), rows,
+                          static_cast<float>(scale), out.data_ptr<float>());
   return out;
 }
 
-// qkv: [T, (Hq + 2 Hkv) D]; positions: [T] int64; cos, sin: [P, D/2]; caches: [S, Hkv, D];
-// slots: [T] int64. Returns rotated q [T, Hq, D] and k [T, Hkv, D]; k and v are written to the cache.
-// An int8 cache stores each (token, head) row quantized, its scale in k_scale / v_scale [S, Hkv].
+// The step's keys k [T, Hkv, D] and values v into the cache at slots [T] (int64); an int8 cache's sequences
+// as paged_attention takes them.
+void KernelSet::write_kv(torch::Tensor k, torch::Tensor v, const std::vector<torch::Tensor>& kv, torch::Tensor slots,
+                         torch::Tensor block_tables, torch::Tensor seqs, int64_t block_size) const {
+  TORCH_CHECK(k.scalar_type() == at::kFloat && k.dim() == 3 && k.is_contiguous() && v.sizes() == k.sizes() &&
+              v.scalar_type() == at::kFloat && v.is_contiguous(), "k, v: fp32 [T, Hkv, D]");
+  const int64_t T = k.size(0), Hkv = k.size(1), D = k.size(2);
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == T, "slots: int64 [T]");
+  int64_t tail_slots = 0;
+  const pw::CacheOut c = cache_tensors(kv, Hkv, D, &tail_slots);
+  const int64_t S = kv[0].size(0), *sl = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sl[t] >= 0 && sl[t] < S, "a slot outside the cache");
+  pw::AttentionRows rows{block_tables.data_ptr<int64_t>(), block_tables.size(1), nullptr, nullptr, block_size};
+  if (c.kq != nullptr) {
+    TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 && block_tables.is_contiguous(),
+                "tables: int64 [sequences, blocks]");
+    check_kv_seqs(seqs, block_tables, block_size, tail_slots, T, nullptr, nullptr, 0);
+    rows.seqs = seqs.data_ptr<int64_t>(), rows.num_seqs = seqs.size(0);
+  }
+  table_->write_kv(runtime(), k.data_ptr<float>(), v.data_ptr<float>(), Hkv * D, T, Hkv, D, sl, rows, c);
+}
+
+// qkv: [T, (Hq + 2 Hkv) D]; positions: [T] int64; cos, sin: [P, D/2]; kv: the layer's cache; slots: [T]
+// int64 (an int8 cache's tables and sequences as write_kv takes them). Returns rotated q [T, Hq, D] and k
+// [T, Hkv, D]; k and v are written to the cache.
 std::vector<torch::Tensor> KernelSet::rope_and_cache(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos,
-                                                     torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
+                                                     torch::Tensor sin, const std::vector<torch::Tensor>& kv,
                                                      torch::Tensor slots, int64_t Hq, int64_t Hkv,
-                                                     c10::optional<torch::Tensor> k_scale,
-                                                     c10::optional<torch::Tensor> v_scale) const {
-  const bool int8 = k_cache.scalar_type() == at::kChar;
-  TORCH_CHECK(!int8 || (k_scale.has_value() && v_scale.has_value()), "an int8 cache needs its scales");
-  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "k and v caches of one dtype");
-  TORCH_CHECK(qkv.scalar_type() == at::kFloat && (int8 || k_cache.scalar_type() == at::kFloat),
-              "fp32 qkv, fp32 or int8 cache");
-  TORCH_CHECK(qkv.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-              cos.is_contiguous() && sin.is_contiguous() && positions.is_contiguous() && slots.is_contiguous(),
-              "contiguous inputs");
-  const int64_t T = qkv.size(0), D = k_cache.size(2);
+                                                     torch::Tensor block_tables, torch::Tensor seqs,
+                                                     int64_t block_size) const {
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && qkv.dim() == 2 && !kv.empty() && kv[0].dim() == 3, "fp32 qkv [T, width]");
+  TORCH_CHECK(qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous() && positions.is_contiguous() &&
+              slots.is_contiguous(), "contiguous inputs");
+  const int64_t T = qkv.size(0), D = kv[0].size(2);
   TORCH_CHECK(qkv.size(1) == (Hq + 2 * Hkv) * D, "qkv width does not match the heads");
+  int64_t tail_slots = 0;
+  const pw::CacheOut c = cache_tensors(kv, Hkv, D, &tail_slots);
+  pw::AttentionRows rows{block_tables.data_ptr<int64_t>(), block_tables.size(1), nullptr, nullptr, block_size};
+  if (c.kq != nullptr) {
+    check_kv_seqs(seqs, block_tables, block_size, tail_slots, T, nullptr, nullptr, 0);
+    rows.seqs = seqs.data_ptr<int64_t>(), rows.num_seqs = seqs.size(0);
+  }
   auto q = torch::empty({T, Hq, D}, qkv.options());
   auto k = torch::empty({T, Hkv, D}, qkv.options());
-  const pw::CacheOut c = cache_view<pw::CacheOut>(k_cache, v_cache, k_scale, v_scale);
   table_->rope_and_cache(runtime(), qkv.data_ptr<float>(), T, positions.data_ptr<int64_t>(), cos.data_ptr<float>(),
-                         sin.data_ptr<float>(), Hq, Hkv, D, slots.data_ptr<int64_t>(), c, q.data_ptr<float>(),
+                         sin.data_ptr<float>(), Hq, Hkv, D, slots.data_ptr<int64_t>(), rows, c, q.data_ptr<float>(),
                          k.data_ptr<float>());
   return {q, k};
 }

@@ -30,20 +30,31 @@ pw::ExpertWeights expert_weights(const PartArgs& gate, const PartArgs& up, const
 void check_sequences(int64_t B, const int64_t* n, const int64_t* ctx, const int64_t* slot, int64_t T,
                      const int64_t* snap, int64_t S);
 
+// A layer's KV cache as the kernels take it (runner/kv_cache.py): (k, v) fp32 [slots, Hkv, D], or an int8
+// cache's (k, v int8, k_groups fp32 [slots / 16, Hkv, 2, D], v_scale fp32 [slots, Hkv], tails fp32 [2 S, 16,
+// Hkv, D], tail_groups int64 [S, 2]), checked; *tail_slots = S (0: fp32).
+pw::CacheOut cache_tensors(const std::vector<torch::Tensor>& kv, int64_t Hkv, int64_t D, int64_t* tail_slots);
+pw::Cache cache_reader(const pw::CacheOut& c, int64_t Hkv, int64_t D, const float* fresh);
+// An int8 cache's sequences (seqs [N, 4]: start, new tokens, first row, tail slot; N the tables' rows) checked
+// against the tables, tail slots and the step's fresh_rows keys; with row_seq, row_len: that no row of T
+// attends past its sequence's new tokens.
+void check_kv_seqs(const torch::Tensor& seqs, const torch::Tensor& tables, int64_t block_size, int64_t tail_slots,
+                   int64_t fresh_rows, const int64_t* row_seq, const int64_t* row_len, int64_t T);
+
 class KernelSet {
  public:
   explicit KernelSet(const std::string& library);
   std::string isa() const { return table_->isa; }
 
-  torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                torch::Tensor block_tables, torch::Tensor row_seq, torch::Tensor row_len,
-                                int64_t block_size, double scale, c10::optional<torch::Tensor> k_scale,
-                                c10::optional<torch::Tensor> v_scale, int64_t window) const;
+  torch::Tensor paged_attention(torch::Tensor q, const std::vector<torch::Tensor>& kv, torch::Tensor block_tables,
+                                torch::Tensor row_seq, torch::Tensor row_len, torch::Tensor seqs, int64_t block_size,
+                                double scale, c10::optional<torch::Tensor> fresh, int64_t window) const;
   std::vector<torch::Tensor> rope_and_cache(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos,
-                                            torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
-                                            torch::Tensor slots, int64_t Hq, int64_t Hkv,
-                                            c10::optional<torch::Tensor> k_scale,
-                                            c10::optional<torch::Tensor> v_scale) const;
+                                            torch::Tensor sin, const std::vector<torch::Tensor>& kv,
+                                            torch::Tensor slots, int64_t Hq, int64_t Hkv, torch::Tensor block_tables,
+                                            torch::Tensor seqs, int64_t block_size) const;
+  void write_kv(torch::Tensor k, torch::Tensor v, const std::vector<torch::Tensor>& kv, torch::Tensor slots,
+                torch::Tensor block_tables, torch::Tensor seqs, int64_t block_size) const;
   std::vector<torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
                                       c10::optional<torch::Tensor> residual) const;
   torch::Tensor silu_and_mul(torch::Tensor x, bool gelu) const;

@@ -7,20 +7,32 @@
 
 namespace pw {
 
-constexpr int ABI_VERSION = 17;
+constexpr int ABI_VERSION = 18;
 
 struct Runtime {            // how a call may run: threads of the caller's pool (torch's, through OpenMP)
   int threads = 1;
   bool team = false;        // every thread of a running parallel region makes this call (decoder.cpp)
 };
 
-struct Cache {              // one layer's KV cache [slots, Hkv, D], fp32 or int8 with per-row scales
+// An int8 cache (docs/architecture.md, "int8 KV cache"): V int8 per token and KV head with one scale; K
+// per group of KEY_GROUP tokens (positions [16 i, 16 i + 16), slots [16 j, 16 j + 16)) and KV head, each
+// channel's midpoint and step (k = mid + step code, code in -127..127), quantized when a step fills the
+// group. A row of length len reads the groups wholly below len as int8, and the keys of its own partial
+// group in fp32: the step's own (fresh) or an earlier step's, kept in its sequence's tail slot (two
+// groups of KEY_GROUP keys, tail_groups naming the group each holds).
+constexpr int64_t KEY_GROUP = 16;
+constexpr int64_t MAX_HEAD_SIZE = 512;   // an int8 cache's largest head size
+
+struct Cache {              // one layer's KV cache [slots, Hkv, D], fp32 or int8
   const float* k = nullptr;
   const float* v = nullptr;
   const int8_t* kq = nullptr;
   const int8_t* vq = nullptr;
-  const float* ks = nullptr;   // [slots, Hkv]
-  const float* vs = nullptr;
+  const float* kg = nullptr;   // [slots / 16, Hkv, 2, D] each key group's midpoints, then steps
+  const float* vs = nullptr;   // [slots, Hkv] the values' scales
+  const float* tails = nullptr;        // [2 S, 16, Hkv, D] fp32 keys: tail slot s's groups 2 s, 2 s + 1
+  const int64_t* tail_groups = nullptr;  // [S, 2] the group (position / 16) each holds
+  const float* fresh = nullptr;        // [T, Hkv, D] the step's keys (rotated), as the writer wrote them
   int64_t Hkv = 0, D = 0;
 };
 
@@ -29,8 +41,10 @@ struct CacheOut {           // the same cache, written
   float* v = nullptr;
   int8_t* kq = nullptr;
   int8_t* vq = nullptr;
-  float* ks = nullptr;
+  float* kg = nullptr;
   float* vs = nullptr;
+  float* tails = nullptr;
+  int64_t* tail_groups = nullptr;
 };
 
 struct AttentionRows {      // every query row of a step: row t attends over the first len[t] tokens of seq[t]
@@ -40,6 +54,10 @@ struct AttentionRows {      // every query row of a step: row t attends over the
   const int64_t* len;       // [T]
   int64_t block_size;
   int64_t window = 0;       // > 0: row t sees only its last `window` tokens (a sliding-window layer)
+  // an int8 cache's: per sequence its first new position, new tokens, the row of its first new token (in
+  // the step's fresh keys) and its tail slot [num_seqs, 4]
+  const int64_t* seqs = nullptr;
+  int64_t num_seqs = 0;
 };
 
 // Q4, Q8: GGUF's legacy blocks; I8: int8 per output channel; K4: GGUF's Q4_K at its own width (the
@@ -221,10 +239,15 @@ struct KernelTable {
   void (*paged_attention)(const Runtime&, const float* q, int64_t T, int64_t Hq, const Cache&, const AttentionRows&,
                           float scale, float* out);
   // qkv [T, (Hq + 2 Hkv) D] -> q [T, Hq, D], k [T, Hkv, D] rotated (NeoX halves; cos, sin [P, D/2]);
-  // k and v written to the cache at slots [T]
+  // k and v written to the cache at slots [T] (an int8 cache: as write_kv)
   void (*rope_and_cache)(const Runtime&, const float* qkv, int64_t T, const int64_t* positions, const float* cos,
                          const float* sin, int64_t Hq, int64_t Hkv, int64_t D, const int64_t* slots,
-                         const CacheOut&, float* q, float* k);
+                         const AttentionRows& rows, const CacheOut&, float* q, float* k);
+  // k [T, Hkv, D], v (rows ldv floats apart) written to the cache at slots [T]; an int8 cache's key groups
+  // that fill quantized and each sequence's partial groups kept in its tail slot (rows: tables, block_size,
+  // seqs, num_seqs)
+  void (*write_kv)(const Runtime&, const float* k, const float* v, int64_t ldv, int64_t T, int64_t Hkv, int64_t D,
+                   const int64_t* slots, const AttentionRows& rows, const CacheOut&);
   // out = rmsnorm(x (+ residual)) * w, x [T, H]; sum = x + residual when residual is given
   void (*rms_norm)(const Runtime&, const float* x, const float* residual, const float* w, int64_t T, int64_t H,
                    float eps, float* out, float* sum);

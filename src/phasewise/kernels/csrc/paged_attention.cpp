@@ -1,5 +1,5 @@
 // Paged attention on the CPU: each query row attends over its sequence's cached keys and values,
-// read in place from the paged KV cache (fp32, or int8 with one fp32 scale per (slot, KV head)).
+// read in place from the paged KV cache (fp32, or int8: kernels.h).
 //
 // Head sizes of 64, 128 and 256 go to the tiled kernel (tile_attention.cpp), every row of the
 // step, in one order per row whatever rows share the call (attention.h); a decode row of few heads
@@ -22,28 +22,29 @@ namespace {
 
 // One decode row's G heads (lanes) over an int8 cache, parts [part0, part1), each folded into st:
 // the tiled kernel's arithmetic step for step (the order in attention.h), with a pass's 16 keys in
-// the vector lanes instead of 16 queries. Per key and head: D / 64 int8 dot products of whole
-// rows, one transpose-reduction for the pass (the integer sums are exact in any order); the
-// pass's weights are summed in sum16's tree (reduce_add_pairs), as the tiled kernel sums its
-// lanes. GT > 0 fixes G at compile time (queries and outputs in registers); GT = 0 takes it from
-// the tile.
+// the vector lanes instead of 16 queries. A pass the row holds whole is a key group read as int8: per
+// head its query against the group's steps (group_query), then per key D / 64 int8 dot products of
+// whole rows and one transpose-reduction for the pass (the integer sums are exact in any order); the
+// row's partial group is read as fp32 keys (float_dot). The pass's weights are summed in sum16's tree
+// (reduce_add_pairs), as the tiled kernel sums its lanes. GT > 0 fixes G at compile time (queries
+// and outputs in registers); GT = 0 takes it from the tile.
 template <int NV, int GT>
-void attend_row(const Cache& c, const int64_t* table, int64_t block_size, int64_t window, int64_t h,
-                const Tile& tile, const float* q, int64_t Hq, float sc, int64_t part0, int64_t part1, float* st) {
+void attend_row(const Cache& c, const AttentionRows& ar, int64_t h, const Tile& tile, const float* q, int64_t Hq,
+                float sc, int64_t part0, int64_t part1, float* st) {
   constexpr int64_t D = 16 * NV, GMAX = GT > 0 ? GT : 16;
+  const int64_t* table = ar.tables + tile.seq * ar.max_blocks;
+  const int64_t block_size = ar.block_size, window = ar.window;
   const int64_t G = GT > 0 ? GT : tile.gn;
   const float* qh = q + (tile.t0 * Hq + h * (Hq / c.Hkv) + tile.g0) * D;
-  alignas(64) uint8_t qi[GMAX][D];             // the queries as int8 (quantize_query) + 128
-  float qs[GMAX];                              // and their scales
-  for (int64_t g = 0; g < G; ++g) {
-    int8_t x[D];
-    qs[g] = quantize_query(qh + g * D, D, sc, x);
-    for (int64_t d = 0; d < D; ++d) qi[g][d] = static_cast<uint8_t>(x[d] + 128);
-  }
+  alignas(64) float qs[GMAX][D];               // the queries, scaled
+  alignas(64) uint8_t qi[GMAX][D];             // a pass's int8 queries + 128
+  float sy[GMAX], base[GMAX];                  // and their steps and midpoint terms
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d) qs[g][d] = qh[g * D + d] * sc;
   const int64_t len = tile.len0, kmin = window > 0 ? std::max<int64_t>(0, len - window) : 0;
   alignas(64) static const int8_t kzero[D] = {};
   alignas(64) float m[16], l[16], o[GMAX * D], probs[GMAX][KEYS];
-  alignas(64) float kscale[KEYS], vscale[KEYS], m_new[16], corr[16];
+  alignas(64) float vscale[KEYS], m_new[16], corr[16], fs[KEYS];
   std::fill(m_new, m_new + 16, NEG_INF);
   const int8_t* kq[KEYS];
   int64_t at[KEYS];
@@ -56,42 +57,53 @@ void attend_row(const Cache& c, const int64_t* table, int64_t block_size, int64_
     const int64_t pend = std::min(len, (part + 1) * PART_TOKENS);
     for (int64_t start = std::max(part * PART_TOKENS, kmin / KEYS * KEYS); start < pend; start += KEYS) {
       const int64_t j0 = std::max<int64_t>(0, kmin - start), n = std::min<int64_t>(KEYS, pend - start);
+      const bool whole = len >= start + KEY_GROUP;   // a group the row holds whole: int8, else its fp32 keys
       for (int64_t j = 0, blk = start / block_size, off = start % block_size; j < KEYS; ++j) {
         const bool seen = j >= j0 && j < n;      // else not in the row's context: masked, never read
         at[j] = seen ? (table[blk] * block_size + off) * c.Hkv + h : -1;   // one division a pass
         if (++off == block_size) ++blk, off = 0;
-        if (!seen) {
-          kq[j] = kzero, kscale[j] = vscale[j] = 0.f;
-          continue;
+        kq[j] = seen && whole ? c.kq + at[j] * D : kzero;
+        vscale[j] = seen ? c.vs[at[j]] : 0.f;
+      }
+      if (whole) {
+        const float* params = group_params(c, table[start / block_size] * block_size + start % block_size, h);
+        for (int64_t g = 0; g < G; ++g) {
+          int8_t x[D];
+          sy[g] = group_query(qs[g], params, D, x, base + g);
+          for (int64_t d = 0; d < D; ++d) qi[g][d] = static_cast<uint8_t>(x[d] + 128);
         }
-        kq[j] = c.kq + at[j] * D;
-        kscale[j] = c.ks[at[j]];
-        vscale[j] = c.vs[at[j]];
       }
       const Mask valid = first_n(n), below = first_n(j0);
       Vf ksum = Vf::zero();                     // with Q8_BIASED: the keys' byte sums
-      if constexpr (Q8_BIASED) ksum = row_sums_i8(kq, KEYS, D);
+      if (Q8_BIASED && whole) ksum = row_sums_i8(kq, KEYS, D);
       Vf scores[GMAX];
       for (int64_t g = 0; g < G; ++g) {
-        Vf dots[KEYS];
-        for (int64_t j = 0; j < KEYS; ++j) {    // 64 products a step, summed exactly
-          Vi a = Vi::zero();
-          for (int64_t i = 0; i < D; i += 64)
-            a = dot_q8(a, Vb::load(qi[g] + i), Vb::load(reinterpret_cast<const uint8_t*>(kq[j] + i)));
-          dots[j] = to_float(a);
+        Vf s;
+        if (whole) {
+          Vf dots[KEYS];
+          for (int64_t j = 0; j < KEYS; ++j) {    // 64 products a step, summed exactly
+            Vi a = Vi::zero();
+            for (int64_t i = 0; i < D; i += 64)
+              a = dot_q8(a, Vb::load(qi[g] + i), Vb::load(reinterpret_cast<const uint8_t*>(kq[j] + i)));
+            dots[j] = to_float(a);
+          }
+          s = reduce16(dots);                   // exact integers
+          if (Q8_BIASED) s = s - Vf::set1(128.f) * ksum;
+          s = s * Vf::set1(sy[g]) + Vf::set1(base[g]);
+        } else {
+          for (int64_t j = 0; j < KEYS; ++j)
+            fs[j] = j >= j0 && j < n ? float_dot(qs[g], float_key(c, ar, tile.seq, start + j, h), D) : 0.f;
+          s = Vf::load(fs);
         }
-        Vf s = reduce16(dots);                  // exact integers
-        if (Q8_BIASED) s = s - Vf::set1(128.f) * ksum;
-        s = s * Vf::set1(qs[g]) * Vf::load(kscale);
         s = select(valid, select(below, Vf::set1(NEG_INF), s), Vf::set1(NEG_INF));
         scores[g] = s;
         m_new[g] = std::max(m[g], reduce_max(s));
       }
       for (int64_t g0 = 0; g0 < G; g0 += 16) {  // the tiled kernel's factor, 16 heads at a time
         const Vf mo = Vf::load(m + g0), mn = Vf::load(m_new + g0);
-        const Vf base = select(mn > Vf::set1(NEG_INF), mn, Vf::zero());
-        select(mn > mo, exp(mo - base), Vf::set1(1.f)).store(corr + g0);
-        base.store(m + g0);                     // m holds the base until the max is stored below
+        const Vf base_ = select(mn > Vf::set1(NEG_INF), mn, Vf::zero());
+        select(mn > mo, exp(mo - base_), Vf::set1(1.f)).store(corr + g0);
+        base_.store(m + g0);                    // m holds the base until the max is stored below
       }
       for (int64_t g = 0; g < G; ++g) {
         const Vf p = exp(scores[g] - Vf::set1(m[g]));   // masked keys: 0
@@ -116,34 +128,44 @@ void attend_row(const Cache& c, const int64_t* table, int64_t block_size, int64_
   }
 }
 
-// G query heads (q: [G, D]) over context tokens [from, to) of one sequence: leaves the running
-// max m[G], sum l[G] and unnormalised output acc[G, D].
-void attend_scalar(const Cache& c, const int64_t* table, int64_t block_size, int64_t h, const float* q,
+// G query heads (q: [G, D]) of a row of length len of sequence s over its context tokens [from, to):
+// leaves the running max m[G], sum l[G] and unnormalised output acc[G, D]. Over an int8 cache a key of
+// a group below 16 (len / 16) is read as int8 (each group's query prepared when its first key comes),
+// the others as fp32 keys.
+void attend_scalar(const Cache& c, const AttentionRows& ar, int64_t s, int64_t len, int64_t h, const float* q,
                    int64_t G, float sc, int64_t from, int64_t to, float* acc, float* m, float* l) {
-  const int64_t D = c.D;
-  std::vector<float> kr(D), vr(D), qs(G);
+  const int64_t D = c.D, block_size = ar.block_size, *table = ar.tables + s * ar.max_blocks;
+  std::vector<float> kr(D), vr(D), qs(G * D), sy(G), base(G);
   std::vector<int8_t> qi(c.kq ? G * D : 0);
-  for (int64_t g = 0; g < G && c.kq; ++g) qs[g] = quantize_query(q + g * D, D, sc, qi.data() + g * D);
+  for (int64_t i = 0; i < G * D; ++i) qs[i] = q[i] * sc;
   std::fill(acc, acc + G * D, 0.f);
   std::fill(m, m + G, NEG_INF);
   std::fill(l, l + G, 0.f);
   for (int64_t pos = from; pos < to; ++pos) {
-    const int64_t at = (table[pos / block_size] * block_size + pos % block_size) * c.Hkv + h;
+    const int64_t slot = table[pos / block_size] * block_size + pos % block_size, at = slot * c.Hkv + h;
+    const bool as_int8 = c.kq && pos < len / KEY_GROUP * KEY_GROUP;
+    if (as_int8 && (pos == from || pos % KEY_GROUP == 0))   // a group's first key: the queries against it
+      for (int64_t g = 0; g < G; ++g)
+        sy[g] = group_query(qs.data() + g * D, group_params(c, slot - pos % KEY_GROUP, h), D, qi.data() + g * D,
+                            base.data() + g);
     for (int64_t d = 0; d < D; ++d) {
       if (c.k) kr[d] = c.k[at * D + d];
       vr[d] = c.v ? c.v[at * D + d] : c.vq[at * D + d] * c.vs[at];
     }
+    const float* key = c.k ? kr.data() : as_int8 ? nullptr : float_key(c, ar, s, pos, h);
     for (int64_t g = 0; g < G; ++g) {
-      float s = 0.f;
-      if (c.kq) {                                // the exact integer dot product, then the scales
+      float sc_ = 0.f;
+      if (as_int8) {                             // the exact integer dot product, then the step and midpoint term
         int32_t dot = 0;
         for (int64_t d = 0; d < D; ++d) dot += qi[g * D + d] * c.kq[at * D + d];
-        s = static_cast<float>(dot) * qs[g] * c.ks[at];
+        sc_ = static_cast<float>(dot) * sy[g] + base[g];
+      } else if (c.kq) {
+        sc_ = float_dot(qs.data() + g * D, key, D);
       } else {
-        for (int64_t d = 0; d < D; ++d) s += q[g * D + d] * kr[d];
-        s *= sc;
+        for (int64_t d = 0; d < D; ++d) sc_ += q[g * D + d] * kr[d];
+        sc_ *= sc;
       }
-      const float mx = std::max(m[g], s), corr = std::exp(m[g] - mx), p = std::exp(s - mx);
+      const float mx = std::max(m[g], sc_), corr = std::exp(m[g] - mx), p = std::exp(sc_ - mx);
       l[g] = l[g] * corr + p;
       m[g] = mx;
       for (int64_t d = 0; d < D; ++d) acc[g * D + d] = acc[g * D + d] * corr + p * vr[d];
@@ -177,8 +199,7 @@ TileKernel row_kernel(int64_t D, int64_t lanes) {
 // `window` of them). Writes out [T, Hq, D].
 void paged_attention(const Runtime& rt, const float* qp, int64_t T, int64_t Hq, const Cache& c,
                      const AttentionRows& ar, float sc, float* op) {
-  const int64_t D = c.D, Hkv = c.Hkv, G = Hq / Hkv, max_blocks = ar.max_blocks, block_size = ar.block_size;
-  const int64_t* tables = ar.tables;
+  const int64_t D = c.D, Hkv = c.Hkv, G = Hq / Hkv;
   const int64_t* seqs = ar.seq;
   const int64_t* lens = ar.len;
   if (T == 0 || attend_tiled(rt, c, T, Hq, ar, qp, sc, op)) return;
@@ -201,8 +222,8 @@ void paged_attention(const Runtime& rt, const float* qp, int64_t T, int64_t Hq, 
       const int64_t L = lens[t], L0 = first(t);
       const int64_t from = std::min(L, L0 + k * PART_TOKENS), to = std::min(L, from + PART_TOKENS);
       float* acc = P > 1 ? part + task * stride : own.data();
-      attend_scalar(c, tables + seqs[t] * max_blocks, block_size, h, qp + (t * Hq + h * G) * D, G, sc, from, to,
-                    acc, acc + G * D, acc + G * D + G);
+      attend_scalar(c, ar, seqs[t], L, h, qp + (t * Hq + h * G) * D, G, sc, from, to, acc, acc + G * D,
+                    acc + G * D + G);
       if (P == 1) {
         float* ot = op + (t * Hq + h * G) * D;
         for (int64_t g = 0; g < G; ++g) {

@@ -1,0 +1,188 @@
+// The int8 KV cache (kernels.h): the writer (write_kv, rope_and_cache) and attention over histories
+// written in steps of every size, against a scalar reference in double that reads the codes as the
+// kernels take them (a query against each key group's steps rounded to int8) and a row's partial group
+// from the true fp32 keys.
+#include "check.h"
+
+#include <algorithm>
+
+namespace kt {
+
+Int8Cache::Int8Cache(int64_t slots, int64_t Hkv_, int64_t D_, int64_t tail_slots)
+    : kq(slots * Hkv_ * D_), vq(slots * Hkv_ * D_), kg(slots / 16 * Hkv_ * 2 * D_), vs(slots * Hkv_, 1.f),
+      tails(2 * tail_slots * 16 * Hkv_ * D_), held(2 * tail_slots, -1), Hkv(Hkv_), D(D_) {}
+
+pw::CacheOut Int8Cache::out() {
+  pw::CacheOut c;
+  c.kq = kq.data(), c.vq = vq.data(), c.kg = kg.data(), c.vs = vs.data(), c.tails = tails.data();
+  c.tail_groups = held.data();
+  return c;
+}
+
+pw::Cache Int8Cache::reader(const float* fresh) const {
+  return {nullptr, nullptr, kq.data(), vq.data(), kg.data(), vs.data(), tails.data(), held.data(), fresh, Hkv, D};
+}
+
+namespace {
+
+struct World {                     // sequences over a shuffled pool of blocks, their true keys and values
+  int64_t bs, max_blocks, Hkv, D;
+  std::vector<int64_t> tables;
+  std::vector<std::vector<float>> keys, values;   // per sequence [context, Hkv, D]
+};
+
+World make_world(int64_t bs, int64_t Hkv, int64_t D, const std::vector<int64_t>& context_lens) {
+  World w{bs, 0, Hkv, D, {}, {}, {}};
+  int64_t blocks = 0;
+  for (int64_t c : context_lens) blocks += (c + bs - 1) / bs, w.max_blocks = std::max(w.max_blocks, (c + bs - 1) / bs);
+  std::vector<int64_t> perm(blocks);
+  for (int64_t i = 0; i < blocks; ++i) perm[i] = i;
+  std::shuffle(perm.begin(), perm.end(), rng);
+  w.tables.assign(context_lens.size() * w.max_blocks, 0);
+  for (size_t i = 0, used = 0; i < context_lens.size(); ++i) {
+    for (int64_t b = 0; b < (context_lens[i] + bs - 1) / bs; ++b) w.tables[i * w.max_blocks + b] = perm[used++];
+    auto k = randn(context_lens[i] * Hkv * D), v = randn(context_lens[i] * Hkv * D, 2.f);
+    for (int64_t p = 0; p < context_lens[i]; ++p)        // three large, nearly constant channels a head (Qwen2's)
+      for (int64_t h = 0; h < Hkv; ++h)
+        for (int64_t d = 0; d < 3; ++d) k[(p * Hkv + h) * D + d] += 30.f + 10.f * d;
+    w.keys.push_back(k), w.values.push_back(v);
+  }
+  return w;
+}
+
+int64_t slot_of(const World& w, int64_t s, int64_t p) {
+  return w.tables[s * w.max_blocks + p / w.bs] * w.bs + p % w.bs;
+}
+
+// Sequence s's tokens [from, to) written as one step (tail slot s) through write_kv.
+void write_step(const pw::KernelTable& k, const World& w, Int8Cache& c, int64_t s, int64_t from, int64_t to) {
+  const int64_t n = to - from, width = w.Hkv * w.D;
+  std::vector<int64_t> slots(n), seqs{from, n, 0, s};
+  for (int64_t p = from; p < to; ++p) slots[p - from] = slot_of(w, s, p);
+  pw::AttentionRows rows{w.tables.data() + s * w.max_blocks, w.max_blocks, nullptr, nullptr, w.bs};
+  rows.seqs = seqs.data(), rows.num_seqs = 1;
+  k.write_kv(RT, w.keys[s].data() + from * width, w.values[s].data() + from * width, width, n, w.Hkv, w.D,
+             slots.data(), rows, c.out());
+}
+
+// Row of length len of sequence s, query q [Hq, D], as the kernels define it (double sums).
+void attend_int8_ref(const World& w, const Int8Cache& c, int64_t s, const float* q, int64_t Hq, int64_t len,
+                     float scale, int64_t window, float* out) {
+  const int64_t D = w.D, G = Hq / w.Hkv, first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+  const int64_t whole = len / 16 * 16;
+  std::vector<double> sc(len);
+  std::vector<float> qs(D), y(D);
+  for (int64_t h = 0; h < Hq; ++h) {
+    const int64_t hk = h / G;
+    for (int64_t d = 0; d < D; ++d) qs[d] = q[h * D + d] * scale;
+    double mx = -INFINITY, sum = 0;
+    float amax = 0.f, base = 0.f;
+    std::vector<int> xi(D);
+    for (int64_t p = first; p < len; ++p) {
+      const int64_t at = slot_of(w, s, p);
+      double dot = 0;
+      if (p < whole) {
+        const float* mid = c.kg.data() + ((at / 16) * w.Hkv + hk) * 2 * D;
+        if (p == first || p % 16 == 0) {                 // the query against this group's steps
+          double b = 0;
+          amax = 0.f;
+          for (int64_t d = 0; d < D; ++d) y[d] = qs[d] * mid[D + d], amax = std::max(amax, std::fabs(y[d])), b += qs[d] * mid[d];
+          for (int64_t d = 0; d < D; ++d) xi[d] = amax > 0.f ? static_cast<int>(std::nearbyint(y[d] * (127.f / amax))) : 0;
+          base = static_cast<float>(b);
+        }
+        int64_t isum = 0;
+        for (int64_t d = 0; d < D; ++d) isum += xi[d] * c.kq[(at * w.Hkv + hk) * D + d];
+        dot = base + static_cast<double>(amax / 127.f) * isum;
+      } else {
+        for (int64_t d = 0; d < D; ++d) dot += static_cast<double>(qs[d]) * w.keys[s][(p * w.Hkv + hk) * D + d];
+      }
+      sc[p] = dot, mx = std::max(mx, dot);
+    }
+    for (int64_t d = 0; d < D; ++d) out[h * D + d] = 0.f;
+    std::vector<double> acc(D, 0.0);
+    for (int64_t p = first; p < len; ++p) {
+      const int64_t at = slot_of(w, s, p) * w.Hkv + hk;
+      const double e = std::exp(sc[p] - mx);
+      sum += e;
+      for (int64_t d = 0; d < D; ++d) acc[d] += e * c.vq[at * D + d] * c.vs[at];
+    }
+    for (int64_t d = 0; d < D; ++d) out[h * D + d] = static_cast<float>(acc[d] / sum);
+  }
+}
+
+// Every full group of every sequence within half a step of its keys, V within half its step.
+bool cache_holds(const World& w, const Int8Cache& c, const std::vector<int64_t>& context_lens) {
+  bool ok = true;
+  const int64_t D = w.D;
+  for (size_t s = 0; s < context_lens.size(); ++s)
+    for (int64_t p = 0; p < context_lens[s]; ++p)
+      for (int64_t h = 0; h < w.Hkv; ++h) {
+        const int64_t at = slot_of(w, s, p), row = (p * w.Hkv + h) * D;
+        const float vstep = c.vs[at * w.Hkv + h];
+        for (int64_t d = 0; d < D; ++d) {
+          ok &= std::fabs(c.vq[(at * w.Hkv + h) * D + d] * vstep - w.values[s][row + d]) <= 0.5f * vstep + 1e-5f;
+          if (p >= context_lens[s] / 16 * 16) continue;
+          const float* mid = c.kg.data() + ((at / 16) * w.Hkv + h) * 2 * D;
+          const float got = mid[d] + mid[D + d] * c.kq[(at * w.Hkv + h) * D + d];
+          ok &= std::fabs(got - w.keys[s][row + d]) <= 0.5f * mid[D + d] + 1e-4f * (1.f + std::fabs(mid[d]));
+        }
+      }
+  return ok;
+}
+
+}  // namespace
+
+// Rows: query_lens[i] positions of sequence i ending at context_lens[i]; its earlier tokens written in
+// steps of 1, 3, 16 and 40 tokens; the step's keys rotated and written by rope_and_cache.
+void test_int8_attention(const pw::KernelTable& k, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs,
+                         const std::vector<int64_t>& query_lens, const std::vector<int64_t>& context_lens,
+                         int64_t window) {
+  World w = make_world(bs, Hkv, D, context_lens);
+  const int64_t nseq = query_lens.size(), width = Hkv * D, P = 1024, half = D / 2;
+  Int8Cache c(static_cast<int64_t>(w.tables.size()) * bs, Hkv, D, nseq);
+  const int64_t chunks[4] = {1, 3, 16, 40};
+  for (int64_t s = 0; s < nseq; ++s)
+    for (int64_t p = 0, i = s; p < context_lens[s] - query_lens[s]; ++i) {
+      const int64_t n = std::min(chunks[i % 4], context_lens[s] - query_lens[s] - p);
+      write_step(k, w, c, s, p, p + n);
+      p += n;
+    }
+  std::vector<float> cs(P * half), sn(P * half);
+  for (int64_t p = 0; p < P; ++p)
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = p * std::pow(10000.f, -2.f * i / D);
+      cs[p * half + i] = std::cos(a), sn[p * half + i] = std::sin(a);
+    }
+  std::vector<int64_t> seq, len, pos, slots, seqs;
+  for (int64_t s = 0; s < nseq; ++s) {
+    seqs.insert(seqs.end(), {context_lens[s] - query_lens[s], query_lens[s], static_cast<int64_t>(seq.size()), s});
+    for (int64_t r = 0; r < query_lens[s]; ++r) {
+      const int64_t p = context_lens[s] - query_lens[s] + r;
+      seq.push_back(s), len.push_back(p + 1), pos.push_back(p), slots.push_back(slot_of(w, s, p));
+    }
+  }
+  const int64_t T = seq.size();
+  auto qkv = randn(T * (Hq + 2 * Hkv) * D);
+  std::vector<float> q(T * Hq * D), fresh(T * width);
+  pw::AttentionRows rows{w.tables.data(), w.max_blocks, seq.data(), len.data(), bs, window};
+  rows.seqs = seqs.data(), rows.num_seqs = nseq;
+  k.rope_and_cache(RT, qkv.data(), T, pos.data(), cs.data(), sn.data(), Hq, Hkv, D, slots.data(), rows, c.out(),
+                   q.data(), fresh.data());
+  for (int64_t t = 0; t < T; ++t)                        // the step's true keys and values: rotated k, v as given
+    for (int64_t e = 0; e < width; ++e) {
+      w.keys[seq[t]][pos[t] * width + e] = fresh[t * width + e];
+      w.values[seq[t]][pos[t] * width + e] = qkv[(t * (Hq + 2 * Hkv) + Hq + Hkv) * D + e];
+    }
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  std::vector<float> out(T * Hq * D), want(T * Hq * D);
+  k.paged_attention(RT, q.data(), T, Hq, c.reader(fresh.data()), rows, scale, out.data());
+  for (int64_t t = 0; t < T; ++t)
+    attend_int8_ref(w, c, seq[t], q.data() + t * Hq * D, Hq, len[t], scale, window, want.data() + t * Hq * D);
+  char name[160];
+  std::snprintf(name, sizeof name, "int8 cache attention Hq=%lld Hkv=%lld D=%lld bs=%lld rows=%lld window=%lld",
+                (long long)Hq, (long long)Hkv, (long long)D, (long long)bs, (long long)T, (long long)window);
+  check_close(name, out.data(), want.data(), out.size(), 1e-4f, 5e-5f);
+  check(std::string(name) + ": the cache holds its keys and values", cache_holds(w, c, context_lens));
+}
+
+}  // namespace kt
