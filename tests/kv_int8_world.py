@@ -1,13 +1,12 @@
-"""Int8 KV caches with a history, for the kernel tests: each sequence's earlier tokens written in steps of
-varied sizes as an engine writes them (layers/kv_int8.py's writer, the kernels' reference), with keys that
-have a few large, nearly constant channels, as Qwen2's do."""
+"""Int8 and int4 KV caches with a history, for the kernel tests: each sequence's earlier tokens written in
+steps of varied sizes as an engine writes them (layers/kv_int8.py's and kv_int4.py's writers, the kernels'
+reference), with keys that have a few large, nearly constant channels, as Qwen2's do."""
 
 from __future__ import annotations
 
 import torch
 
-from phasewise.layers import kv_int8
-from phasewise.layers.attention import AttentionMetadata
+from phasewise.layers.attention import AttentionMetadata, write_kv
 
 CPU = torch.device("cpu")
 
@@ -18,6 +17,14 @@ def int8_cache(num_blocks: int, block_size: int, Hkv: int, D: int, tail_slots: i
     return [torch.zeros(S, Hkv, D, dtype=torch.int8), torch.zeros(S, Hkv, D, dtype=torch.int8),
             torch.zeros(S // 16, Hkv, 2, D), torch.ones(S, Hkv), torch.zeros(2 * tail_slots, 16, Hkv, D),
             torch.full((tail_slots, 2), -1, dtype=torch.int64)]
+
+
+def int4_cache(num_blocks: int, block_size: int, Hkv: int, D: int, tail_slots: int = 8) -> list[torch.Tensor]:
+    """An empty int4 cache (runner/kv_cache.py's layout for one layer)."""
+    S = num_blocks * block_size
+    return [torch.zeros(S, Hkv, D // 2, dtype=torch.uint8), torch.zeros(S, Hkv, D // 2, dtype=torch.uint8),
+            torch.zeros(S // 64, Hkv, 2, D, dtype=torch.float16), torch.zeros(S, Hkv, D // 32, dtype=torch.float16),
+            torch.zeros(2 * tail_slots, 64, Hkv, D), torch.full((tail_slots, 2), -1, dtype=torch.int64)]
 
 
 def key_offsets(Hkv: int, D: int, g: torch.Generator) -> torch.Tensor:
@@ -51,5 +58,5 @@ def write_history(kv: list[torch.Tensor], tables: list[list[int]], lens: list[in
         while pos < n:
             m = min(chunks[int(torch.randint(len(chunks), (1,), generator=g))], n - pos)
             meta = AttentionMetadata.build([m], [pos + m], [table], block_size, CPU, tail_slots=[i])
-            kv_int8.write(kv, meta, keys(m, off, g), torch.randn(m, *off.shape, generator=g))
+            write_kv(tuple(kv), meta, keys(m, off, g), torch.randn(m, *off.shape, generator=g))
             pos += m

@@ -4,7 +4,8 @@ The KV cache of one layer is a pair of tensors [num_slots, Hkv, D] (a block of
 `block_size` slots per block id, slot = block_id * block_size + offset). An int8 cache
 (docs/architecture.md, "int8 KV cache") holds V per token with a scale per slot and KV head, and K
 per channel over groups of 16 tokens with a midpoint and a step each; a sequence's newest, partial
-group stays in fp32 (the step's own keys, or its tail slot's) until it fills. Each step
+group stays in fp32 (the step's own keys, or its tail slot's) until it fills. An int4 cache ("int4 KV
+cache") is the same shape with 4-bit codes (uint8 tensors, two a byte) and key groups of 64. Each step
 the new tokens' K and V are written to their slots, then every sequence attends
 over its whole context, read back through its slots.
 """
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from phasewise.layers import kv_int8
+from phasewise.layers import kv_int4, kv_int8
 
 if TYPE_CHECKING:
     from phasewise.kernels.kernel_api import Kernels
@@ -36,7 +37,9 @@ class SeqAttention:
 
 
 # (k, v) [num_slots, Hkv, D]; int8: (k, v, k_groups [num_slots / 16, Hkv, 2, D] (midpoint, step), v_scale
-# [num_slots, Hkv], tails [2 tail slots, 16, Hkv, D] fp32, tail_groups [tail slots, 2] int64)
+# [num_slots, Hkv], tails [2 tail slots, 16, Hkv, D] fp32, tail_groups [tail slots, 2] int64); int4: (k, v uint8
+# [num_slots, Hkv, D / 2], k_groups fp16 [num_slots / 64, Hkv, 2, D] (minimum, step), v_scale fp16 [num_slots,
+# Hkv, D / 32], tails [2 tail slots, 64, Hkv, D], tail_groups)
 LayerKV = tuple[torch.Tensor, ...]
 KEY_GROUP = 16                       # an int8 cache's keys: tokens per group of per-channel scales
 
@@ -48,7 +51,7 @@ class KernelRows:
     tables: torch.Tensor            # [N, nblk] int64 block ids of the batch's sequences (padded)
     seq: torch.Tensor               # [T] int64: each row's sequence, an index into tables
     length: torch.Tensor            # [T] int64: how many tokens the row attends to (causal)
-    # [N, 4] int64 per sequence, what an int8 cache's writer and readers need: its first new position, its new
+    # [N, 4] int64 per sequence, what a quantized cache's writer and readers need: its first new position, its new
     # tokens, the row of its first new token, its tail slot
     seqs: torch.Tensor
 
@@ -177,7 +180,8 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch
 
 def write_kv(kv: LayerKV, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor,
              ops: Kernels | None = None) -> None:
-    """Put k, v [T, Hkv, D] into their cache slots (an int8 cache: layers/kv_int8.py; `ops`: by the kernel)."""
+    """Put k, v [T, Hkv, D] into their cache slots (an int8 or int4 cache: layers/kv_int8.py, kv_int4.py;
+    `ops`: by the kernel)."""
     if ops is not None:
         rows = meta.kernel_rows
         ops.write_kv(k.contiguous(), v.contiguous(), list(kv), meta.slot_mapping, rows.tables, rows.seqs,
@@ -186,7 +190,7 @@ def write_kv(kv: LayerKV, meta: AttentionMetadata, k: torch.Tensor, v: torch.Ten
         kv[0].index_copy_(0, meta.slot_mapping, k)
         kv[1].index_copy_(0, meta.slot_mapping, v)
     else:
-        kv_int8.write(kv, meta, k, v)
+        (kv_int4 if kv[0].dtype == torch.uint8 else kv_int8).write(kv, meta, k, v)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, meta: AttentionMetadata,
@@ -195,7 +199,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
     """q: [T, Hq, D]; k, v: [T, Hkv, D] the step's keys and values; kv: the layer's cache (LayerKV) → out
     [T, Hq * D].
 
-    `written`: k and v are already in their cache slots (an int8 cache still reads its partial key
+    `written`: k and v are already in their cache slots (a quantized cache still reads its partial key
     groups from k). `ops`: the compiled CPU ops, which then serve every row straight from the cache
     (`meta.kernel_rows`). `window`: a query at position p sees only keys p - window + 1 .. p (a
     sliding-window layer). `scale`: of the scores (default 1/sqrt(D))."""
@@ -209,8 +213,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
         return ops.paged_attention(q.contiguous(), list(kv), rows.tables, rows.seq, rows.length, rows.seqs, bs,
                                    scale, fresh=k.contiguous() if len(kv) > 2 else None,
                                    window=window or 0).view(T, Hq * D)
-    if len(kv) > 2:                                 # an int8 cache
-        return kv_int8.attend(q, kv, meta, k, scale, window).view(T, Hq * D)
+    if len(kv) > 2:                                 # an int8 or int4 cache
+        quantized = kv_int4 if kv[0].dtype == torch.uint8 else kv_int8
+        return quantized.attend(q, kv, meta, k, scale, window).view(T, Hq * D)
     if meta.decode_only:
         # Grouped-query trick: the G query heads sharing a KV head ride in the query-length axis.
         B, G = T, Hq // Hkv

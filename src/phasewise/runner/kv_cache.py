@@ -7,7 +7,10 @@ model without windows is one group of all its layers. An int8 cache (docs/archit
 cache") also holds each 16-token group's per-channel midpoint and step of K (`k_groups`), one fp32
 scale per slot and KV head of V (`v_scale`), and per tail slot (one per running sequence) the fp32
 keys of its last two groups (`tails`, per layer) with the group each holds (`tail_groups`); a layer's
-entry is then (k, v, k_groups, v_scale, tails, tail_groups).
+entry is then (k, v, k_groups, v_scale, tails, tail_groups). An int4 cache (dtype INT4, "int4 KV cache") is
+the same with 4-bit codes two to a byte (k and v uint8 [slots, Hkv, D / 2]), key groups of 64 tokens
+(k_groups fp16 [slots / 64, Hkv, 2, D]: minimum, step), fp16 V scales per 32 values ([slots, Hkv, D / 32])
+and tails of 64 keys.
 
 A hybrid's recurrent layers keep no K and V: their entry in `layers` is their state, one fp32 tensor
 [S, *shape] per shape the layer kind declares (`cfg.recurrent.state_shapes`: a Gated DeltaNet's conv
@@ -28,22 +31,33 @@ from phasewise.models.config import ModelConfig
 
 
 KEY_GROUP = 16          # an int8 cache's keys: tokens per group of per-channel scales (the kernels' KEYS)
+KEY_GROUP4 = 64         # an int4 cache's
+INT4 = torch.uint8      # the dtype that names an int4 cache (its codes, two to a byte)
+V4_BLOCK = 32           # an int4 cache's values per fp16 scale
+
+
+def key_group(dtype: torch.dtype) -> int:
+    """Tokens per key group of a quantized cache (the block size must be a multiple); 0 for a float one."""
+    return KEY_GROUP if dtype == torch.int8 else KEY_GROUP4 if dtype == INT4 else 0
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
     """K and V of one token in every layer; int8 adds V's 4-byte scale per KV head and K's midpoint and
-    step per channel, 8 bytes per 16 tokens (D / 2 a token)."""
+    step per channel, 8 bytes per 16 tokens (D / 2 a token); int4 holds D / 2 bytes each of K and V, K's
+    fp16 minimum and step per channel over 64 tokens (D / 16 a token) and V's fp16 scale per 32 values
+    (D / 16): 4.5 bits a value."""
+    D = cfg.head_dim
     if dtype == torch.int8:
-        D = cfg.head_dim
         return len(cfg.attention_layers) * cfg.num_kv_heads * (2 * D + 8 * D // KEY_GROUP + 4)
+    if dtype == INT4:
+        return len(cfg.attention_layers) * cfg.num_kv_heads * (D + 4 * D // KEY_GROUP4 + 2 * D // V4_BLOCK)
     return cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
 
 
 def tail_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """An int8 cache's tail slot (a running sequence's last two key groups in fp32, every layer); 0 otherwise."""
-    if dtype != torch.int8:
-        return 0
-    return len(cfg.attention_layers) * 2 * KEY_GROUP * cfg.num_kv_heads * cfg.head_dim * 4
+    """A quantized cache's tail slot (a running sequence's last two key groups in fp32, every layer); 0
+    otherwise."""
+    return len(cfg.attention_layers) * 2 * key_group(dtype) * cfg.num_kv_heads * cfg.head_dim * 4
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -67,16 +81,21 @@ def state_slots_for_memory(cfg: ModelConfig, max_seqs: int, gib: float, checkpoi
 
 class KVCache:
     """dtype: the model's dtype, or torch.int8 (V per token and head, K per channel over 16-token groups,
-    quantized as they are written; block_size a multiple of 16)."""
+    quantized as they are written; block_size a multiple of 16), or INT4 (the same in 4 bits, key groups
+    of 64 tokens; block_size a multiple of 64)."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str, grouped: bool = True, num_state_slots: int = 0,
                  num_tail_slots: int = 16) -> None:
         """grouped=False: every layer its own tensor, all read through one table (a draft model
         that follows the target's first KV group). num_state_slots: a hybrid's sequences at once.
-        num_tail_slots: an int8 cache's sequences at once (each a tail of fp32 keys)."""
-        if dtype == torch.int8 and block_size % KEY_GROUP:
-            raise ValueError(f"an int8 KV cache needs a block size that is a multiple of {KEY_GROUP}, got {block_size}")
+        num_tail_slots: a quantized cache's sequences at once (each a tail of fp32 keys)."""
+        group = key_group(dtype)
+        if group and block_size % group:
+            raise ValueError(f"an {'int8' if dtype == torch.int8 else 'int4'} KV cache needs a block size that is a "
+                             f"multiple of {group}, got {block_size}")
+        if dtype == INT4 and cfg.head_dim % 64:
+            raise ValueError(f"an int4 KV cache needs a head size that is a multiple of 64, got {cfg.head_dim}")
         self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
         self.bytes_per_token = kv_bytes_per_token(cfg, dtype)    # K and V of one token, every layer
         self.bytes_per_block = kv_bytes_per_block(cfg, block_size, dtype)
@@ -90,15 +109,17 @@ class KVCache:
         # allocation is mapped from the OS as zero pages: `empty` gives zeros without touching
         # gigabytes up front (torch.zeros would spend ~1 s per GiB writing them).
         H, D = cfg.num_kv_heads, cfg.head_dim
-        shape = (P, 2, slots, H, D)   # [P, 2, S, Hkv, D]
+        shape = (P, 2, slots, H, D // 2 if dtype == INT4 else D)   # [P, 2, S, Hkv, D]
         self.data = _zeros(shape, dtype, device)
         self.layers: list[tuple[torch.Tensor, ...]] = [(self.data[p, 0], self.data[p, 1]) for p in index]
-        self.num_tail_slots = num_tail_slots if dtype == torch.int8 else 0
+        self.num_tail_slots = num_tail_slots if group else 0
         self.tail_bytes = self.num_tail_slots * tail_bytes(cfg, dtype)
-        if dtype == torch.int8:   # unwritten: codes 0 in groups of step 0, V scale 1 → 0, never NaN
-            self.k_groups = _zeros((P, 1, slots // KEY_GROUP, H, 2, D), torch.float32, device)
-            self.v_scale = torch.ones(P, 1, slots, H, device=device)
-            self.tails = torch.zeros(len(attention), 2 * num_tail_slots, KEY_GROUP, H, D, device=device)
+        if group:   # unwritten: codes 0 in groups of step 0, V scale 1 (int4: 0) → 0, never NaN
+            scale = torch.float32 if dtype == torch.int8 else torch.float16
+            self.k_groups = _zeros((P, 1, slots // group, H, 2, D), scale, device)
+            self.v_scale = (torch.ones(P, 1, slots, H, device=device) if dtype == torch.int8 else
+                            _zeros((P, 1, slots, H, D // V4_BLOCK), scale, device))
+            self.tails = torch.zeros(len(attention), 2 * num_tail_slots, group, H, D, device=device)
             self.tail_groups = torch.full((num_tail_slots, 2), -1, dtype=torch.int64, device=device)
             self.layers = [(k, v, self.k_groups[p, 0], self.v_scale[p, 0], self.tails[n], self.tail_groups)
                            for n, (p, (k, v)) in enumerate(zip(index, self.layers))]
@@ -120,8 +141,9 @@ class KVCache:
     @property
     def _parts(self) -> dict[str, torch.Tensor]:
         """What a block holds, each [P, 2 or 1, rows, ...] with a block's rows consecutive along dim 2: K and V
-        (block_size rows), and an int8 cache's K group scales (block_size / 16) and V scales (block_size)."""
-        if self.dtype != torch.int8:
+        (block_size rows), and a quantized cache's K group scales (block_size / 16, int4: / 64) and V scales
+        (block_size)."""
+        if not key_group(self.dtype):
             return {"kv": self.data}
         return {"kv": self.data, "k_groups": self.k_groups, "v_scale": self.v_scale}
 
@@ -156,7 +178,7 @@ class KVCache:
                 for t in self._parts.values()]
 
     def copy_out(self, block_ids: Sequence[int]) -> list[bytearray]:
-        """Each block's parts in every layer (K and V [P, 2, block_size, Hkv, D]; then, int8, the K group
+        """Each block's parts in every layer (K and V [P, 2, block_size, Hkv, D]; then, quantized, the K group
         scales and the V scales) as bytes, copied once."""
         views = self._block_parts()
         sizes = [v[:, :, 0].numel() * v.element_size() for v in views]

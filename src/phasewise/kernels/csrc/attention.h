@@ -1,5 +1,6 @@
 // Shared pieces of the attention kernels (paged_attention.cpp, tile_attention.cpp).
 #pragma once
+#include "half.h"
 #include "kernels.h"
 #include "vec/vec.h"
 
@@ -89,19 +90,42 @@ inline float group_query(const float* qs, const float* mid, int64_t D, int8_t* x
   return quantize_query(y, D, 1.f, x);
 }
 
-// Where an int8 cache keeps the fp32 key of position pos of the rows' sequence s (pos in a row's partial
+// Where a quantized cache keeps the fp32 key of position pos of the rows' sequence s (pos in a row's partial
 // group), KV head h: the step's own keys from the sequence's first new position, else its tail slot.
 inline const float* float_key(const Cache& c, const AttentionRows& ar, int64_t s, int64_t pos, int64_t h) {
   const int64_t* q = ar.seqs + 4 * s;
   if (pos >= q[0]) return c.fresh + ((q[2] + pos - q[0]) * c.Hkv + h) * c.D;
   const int64_t* held = c.tail_groups + 2 * q[3];
-  const int64_t half = held[0] == pos / KEY_GROUP ? 0 : 1;
-  return c.tails + (((2 * q[3] + half) * KEY_GROUP + pos % KEY_GROUP) * c.Hkv + h) * c.D;
+  const int64_t G = c.group(), half = held[0] == pos / G ? 0 : 1;
+  return c.tails + (((2 * q[3] + half) * G + pos % G) * c.Hkv + h) * c.D;
 }
 
 // The midpoints (then the steps) of KV head h's key group whose first token is at slot slot0.
 inline const float* group_params(const Cache& c, int64_t slot0, int64_t h) {
   return c.kg + ((slot0 / KEY_GROUP) * c.Hkv + h) * 2 * c.D;
+}
+
+// An int4 cache's key group whose first token is at slot slot0, KV head h: its minimums, then its steps,
+// as fp32 in out [2 D] (D % 16 == 0).
+inline void group_params4(const Cache& c, int64_t slot0, int64_t h, float* out) {
+  const uint16_t* p = c.kg4 + ((slot0 / KEY_GROUP4) * c.Hkv + h) * 2 * c.D;
+  for (int64_t i = 0; i < 2 * c.D; i += 16) Vf::from_f16(p + i).store(out + i);
+}
+
+// The int4 codes of the D values (D % 64 == 0) at p, one byte each, into out [D].
+inline void unpack_row4(const uint8_t* p, int64_t D, uint8_t* out) {
+  for (int64_t i = 0; i < D; i += 64) unpack_nibbles(p + i / 2).store(out + i);
+}
+
+// An int4 cache's value row (slot, KV head) `at` as NV vectors of floats: d (code - 8) per block of 32.
+template <int NV>
+inline void load_int4_values(const Cache& c, int64_t at, Vf* v) {
+  constexpr int64_t D = 16 * NV;
+  alignas(64) uint8_t codes[D];
+  unpack_row4(c.v4 + at * D / 2, D, codes);
+  const uint16_t* sc = c.vs4 + at * (D / V4_BLOCK);
+  for (int i = 0; i < NV; ++i)
+    v[i] = (Vf::from_i8(reinterpret_cast<const int8_t*>(codes) + 16 * i) - Vf::set1(8.f)) * Vf::set1(f16_value(sc[i / 2]));
 }
 
 // Lane j: the exact sum of int8 row rows[j] of D values (D a multiple of 64), 0 from lane n on; with
@@ -147,10 +171,10 @@ void fold_part(float* st, const float* m, const float* l, const float* o, int64_
 using TileKernel = void (*)(const Cache& c, const AttentionRows& ar, int64_t h, const Tile& tile, const float* q,
                             int64_t Hq, float sc, int64_t part0, int64_t part1, float* st);
 
-// paged_attention.cpp: the kernel for a one-row tile of `lanes` heads over an int8 cache of head size
-// D that reads keys row by row (the same bits as the tiled kernel, fewer steps for few lanes), or
-// nullptr where the tiled kernel is faster.
-TileKernel row_kernel(int64_t D, int64_t lanes);
+// paged_attention.cpp: the kernel for a one-row tile of `lanes` heads over a quantized cache that reads
+// keys row by row (the same bits as the tiled kernel, fewer steps for few lanes), or nullptr where the
+// tiled kernel is faster.
+TileKernel row_kernel(const Cache& c, int64_t lanes);
 
 // tile_attention.cpp: every row of a step (q [T, Hq, D]) into out [T, Hq, D]. Returns false (and
 // does nothing) where the head size has no vector kernel.

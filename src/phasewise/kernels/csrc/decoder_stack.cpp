@@ -178,10 +178,10 @@ torch::Tensor DecoderStack::forward(torch::Tensor x, torch::Tensor positions, co
     int64_t tail_slots = 0;
     outs[i] = cache_tensors(kv[i], m.Hkv, m.D, &tail_slots);
     caches[i] = cache_reader(outs[i], m.Hkv, m.D, nullptr);   // fresh: the step's keys (decoder.cpp)
-    if (outs[i].kq == nullptr || rows[0].seqs != nullptr) continue;
-    TORCH_CHECK(kv_seqs.has_value(), "an int8 cache needs the step's sequences (kv_seqs)");
+    if (!outs[i].quantized() || rows[0].seqs != nullptr) continue;
+    TORCH_CHECK(kv_seqs.has_value(), "a quantized cache needs the step's sequences (kv_seqs)");
     for (size_t g = 0; g < G; ++g)                 // once: every layer's tail slots are as many
-      check_kv_seqs(*kv_seqs, tables[g], block_size, tail_slots, T, rows[g].seq, rows[g].len, T);
+      check_kv_seqs(*kv_seqs, tables[g], block_size, outs[i].group(), tail_slots, T, rows[g].seq, rows[g].len, T);
     for (auto& r : rows) r.seqs = kv_seqs->data_ptr<int64_t>(), r.num_seqs = kv_seqs->size(0);
   }
   pw::DecoderStep step{T, positions.data_ptr<int64_t>(), group_slots.data(), caches.data(), outs.data(),

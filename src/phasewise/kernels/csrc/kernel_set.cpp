@@ -68,7 +68,7 @@ KernelSet::KernelSet(const std::string& library) {
 
 // q: [T, Hq, D]; kv: the layer's cache (cache_tensors); block_tables: [num_seqs, max_blocks] int64; row_seq,
 // row_len: [T] int64 (row t attends over the first row_len[t] tokens of sequence row_seq[t]); seqs: [num_seqs,
-// 4] int64 and fresh [T', Hkv, D] fp32, an int8 cache's sequences and the step's keys. Returns [T, Hq, D].
+// 4] int64 and fresh [T', Hkv, D] fp32, a quantized cache's sequences and the step's keys. Returns [T, Hq, D].
 // window > 0: each row sees only its last `window` tokens.
 torch::Tensor KernelSet::paged_attention(torch::Tensor q, const std::vector<torch::Tensor>& kv,
                                          torch::Tensor block_tables, torch::Tensor row_seq, torch::Tensor row_len,
@@ -87,10 +87,10 @@ torch::Tensor KernelSet::paged_attention(torch::Tensor q, const std::vector<torc
                          row_len.data_ptr<int64_t>(), block_size, window};
   TORCH_CHECK(window >= 0, "window >= 0 (0: none)");
   const float* keys = nullptr;
-  if (out_view.kq != nullptr) {
+  if (out_view.quantized()) {
     TORCH_CHECK(fresh.has_value() && fresh->scalar_type() == at::kFloat && fresh->is_contiguous() &&
-                fresh->dim() == 3 && fresh->size(1) == Hkv && fresh->size(2) == D, "an int8 cache: fresh fp32 [T, Hkv, D]");
-    check_kv_seqs(seqs, block_tables, block_size, tail_slots, fresh->size(0), rows.seq, rows.len, T);
+                fresh->dim() == 3 && fresh->size(1) == Hkv && fresh->size(2) == D, "a quantized cache: fresh fp32 [T, Hkv, D]");
+    check_kv_seqs(seqs, block_tables, block_size, out_view.group(), tail_slots, fresh->size(0), rows.seq, rows.len, T);
     keys = fresh->data_ptr<float>();
     rows.seqs = seqs.data_ptr<int64_t>(), rows.num_seqs = seqs.size(0);
   }
@@ -100,7 +100,7 @@ torch::Tensor KernelSet::paged_attention(torch::Tensor q, const std::vector<torc
   return out;
 }
 
-// The step's keys k [T, Hkv, D] and values v into the cache at slots [T] (int64); an int8 cache's sequences
+// The step's keys k [T, Hkv, D] and values v into the cache at slots [T] (int64); a quantized cache's sequences
 // as paged_attention takes them.
 void KernelSet::write_kv(torch::Tensor k, torch::Tensor v, const std::vector<torch::Tensor>& kv, torch::Tensor slots,
                          torch::Tensor block_tables, torch::Tensor seqs, int64_t block_size) const {
@@ -113,17 +113,17 @@ void KernelSet::write_kv(torch::Tensor k, torch::Tensor v, const std::vector<tor
   const int64_t S = kv[0].size(0), *sl = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sl[t] >= 0 && sl[t] < S, "a slot outside the cache");
   pw::AttentionRows rows{block_tables.data_ptr<int64_t>(), block_tables.size(1), nullptr, nullptr, block_size};
-  if (c.kq != nullptr) {
+  if (c.quantized()) {
     TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 && block_tables.is_contiguous(),
                 "tables: int64 [sequences, blocks]");
-    check_kv_seqs(seqs, block_tables, block_size, tail_slots, T, nullptr, nullptr, 0);
+    check_kv_seqs(seqs, block_tables, block_size, c.group(), tail_slots, T, nullptr, nullptr, 0);
     rows.seqs = seqs.data_ptr<int64_t>(), rows.num_seqs = seqs.size(0);
   }
   table_->write_kv(runtime(), k.data_ptr<float>(), v.data_ptr<float>(), Hkv * D, T, Hkv, D, sl, rows, c);
 }
 
 // qkv: [T, (Hq + 2 Hkv) D]; positions: [T] int64; cos, sin: [P, D/2]; kv: the layer's cache; slots: [T]
-// int64 (an int8 cache's tables and sequences as write_kv takes them). Returns rotated q [T, Hq, D] and k
+// int64 (a quantized cache's tables and sequences as write_kv takes them). Returns rotated q [T, Hq, D] and k
 // [T, Hkv, D]; k and v are written to the cache.
 std::vector<torch::Tensor> KernelSet::rope_and_cache(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos,
                                                      torch::Tensor sin, const std::vector<torch::Tensor>& kv,
@@ -133,13 +133,13 @@ std::vector<torch::Tensor> KernelSet::rope_and_cache(torch::Tensor qkv, torch::T
   TORCH_CHECK(qkv.scalar_type() == at::kFloat && qkv.dim() == 2 && !kv.empty() && kv[0].dim() == 3, "fp32 qkv [T, width]");
   TORCH_CHECK(qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous() && positions.is_contiguous() &&
               slots.is_contiguous(), "contiguous inputs");
-  const int64_t T = qkv.size(0), D = kv[0].size(2);
+  const int64_t T = qkv.size(0), D = cache_head_size(kv);
   TORCH_CHECK(qkv.size(1) == (Hq + 2 * Hkv) * D, "qkv width does not match the heads");
   int64_t tail_slots = 0;
   const pw::CacheOut c = cache_tensors(kv, Hkv, D, &tail_slots);
   pw::AttentionRows rows{block_tables.data_ptr<int64_t>(), block_tables.size(1), nullptr, nullptr, block_size};
-  if (c.kq != nullptr) {
-    check_kv_seqs(seqs, block_tables, block_size, tail_slots, T, nullptr, nullptr, 0);
+  if (c.quantized()) {
+    check_kv_seqs(seqs, block_tables, block_size, c.group(), tail_slots, T, nullptr, nullptr, 0);
     rows.seqs = seqs.data_ptr<int64_t>(), rows.num_seqs = seqs.size(0);
   }
   auto q = torch::empty({T, Hq, D}, qkv.options());

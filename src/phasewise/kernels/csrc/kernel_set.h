@@ -32,14 +32,18 @@ void check_sequences(int64_t B, const int64_t* n, const int64_t* ctx, const int6
 
 // A layer's KV cache as the kernels take it (runner/kv_cache.py): (k, v) fp32 [slots, Hkv, D], or an int8
 // cache's (k, v int8, k_groups fp32 [slots / 16, Hkv, 2, D], v_scale fp32 [slots, Hkv], tails fp32 [2 S, 16,
-// Hkv, D], tail_groups int64 [S, 2]), checked; *tail_slots = S (0: fp32).
+// Hkv, D], tail_groups int64 [S, 2]), or an int4 cache's (k, v uint8 [slots, Hkv, D / 2], k_groups fp16
+// [slots / 64, Hkv, 2, D], v_scale fp16 [slots, Hkv, D / 32], tails fp32 [2 S, 64, Hkv, D], tail_groups),
+// checked; *tail_slots = S (0: fp32).
 pw::CacheOut cache_tensors(const std::vector<torch::Tensor>& kv, int64_t Hkv, int64_t D, int64_t* tail_slots);
 pw::Cache cache_reader(const pw::CacheOut& c, int64_t Hkv, int64_t D, const float* fresh);
-// An int8 cache's sequences (seqs [N, 4]: start, new tokens, first row, tail slot; N the tables' rows) checked
-// against the tables, tail slots and the step's fresh_rows keys; with row_seq, row_len: that no row of T
-// attends past its sequence's new tokens.
-void check_kv_seqs(const torch::Tensor& seqs, const torch::Tensor& tables, int64_t block_size, int64_t tail_slots,
-                   int64_t fresh_rows, const int64_t* row_seq, const int64_t* row_len, int64_t T);
+// The head size of a layer's cache (an int4 cache holds two codes a byte).
+int64_t cache_head_size(const std::vector<torch::Tensor>& kv);
+// A quantized cache's sequences (seqs [N, 4]: start, new tokens, first row, tail slot; N the tables' rows)
+// checked against the tables (blocks of whole key groups of `group` tokens), tail slots and the step's
+// fresh_rows keys; with row_seq, row_len: that no row of T attends past its sequence's new tokens.
+void check_kv_seqs(const torch::Tensor& seqs, const torch::Tensor& tables, int64_t block_size, int64_t group,
+                   int64_t tail_slots, int64_t fresh_rows, const int64_t* row_seq, const int64_t* row_len, int64_t T);
 
 class KernelSet {
  public:

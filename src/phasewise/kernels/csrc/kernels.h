@@ -7,7 +7,7 @@
 
 namespace pw {
 
-constexpr int ABI_VERSION = 18;
+constexpr int ABI_VERSION = 19;
 
 struct Runtime {            // how a call may run: threads of the caller's pool (torch's, through OpenMP)
   int threads = 1;
@@ -21,19 +21,33 @@ struct Runtime {            // how a call may run: threads of the caller's pool 
 // group in fp32: the step's own (fresh) or an earlier step's, kept in its sequence's tail slot (two
 // groups of KEY_GROUP keys, tail_groups naming the group each holds).
 constexpr int64_t KEY_GROUP = 16;
-constexpr int64_t MAX_HEAD_SIZE = 512;   // an int8 cache's largest head size
+constexpr int64_t MAX_HEAD_SIZE = 512;   // a quantized cache's largest head size
+// An int4 cache (docs/architecture.md, "int4 KV cache") is an int8 cache's shape with 4-bit codes: K per
+// group of KEY_GROUP4 tokens (positions [64 i, 64 i + 64)) and KV head, each channel's minimum and step in
+// fp16 (k = min + step code, code 0..15); V per token and KV head in blocks of V4_BLOCK values, each with
+// one fp16 scale d (v = d (code - 8), code 1..15). Codes two to a byte: in each 64 values of a row, byte
+// i holds value i (low nibble) and value i + 32 (high). Head sizes are multiples of 64; tails hold groups
+// of 64 keys.
+constexpr int64_t KEY_GROUP4 = 64;
+constexpr int64_t V4_BLOCK = 32;
 
-struct Cache {              // one layer's KV cache [slots, Hkv, D], fp32 or int8
+struct Cache {              // one layer's KV cache [slots, Hkv, D], fp32, int8 or int4
   const float* k = nullptr;
   const float* v = nullptr;
   const int8_t* kq = nullptr;
   const int8_t* vq = nullptr;
   const float* kg = nullptr;   // [slots / 16, Hkv, 2, D] each key group's midpoints, then steps
   const float* vs = nullptr;   // [slots, Hkv] the values' scales
-  const float* tails = nullptr;        // [2 S, 16, Hkv, D] fp32 keys: tail slot s's groups 2 s, 2 s + 1
-  const int64_t* tail_groups = nullptr;  // [S, 2] the group (position / 16) each holds
+  const float* tails = nullptr;        // [2 S, group, Hkv, D] fp32 keys: tail slot s's groups 2 s, 2 s + 1
+  const int64_t* tail_groups = nullptr;  // [S, 2] the group (position / group) each holds
   const float* fresh = nullptr;        // [T, Hkv, D] the step's keys (rotated), as the writer wrote them
   int64_t Hkv = 0, D = 0;
+  const uint8_t* k4 = nullptr;         // int4: [slots, Hkv, D / 2] key codes
+  const uint8_t* v4 = nullptr;         // [slots, Hkv, D / 2] value codes
+  const uint16_t* kg4 = nullptr;       // [slots / 64, Hkv, 2, D] fp16 each key group's minimums, then steps
+  const uint16_t* vs4 = nullptr;       // [slots, Hkv, D / 32] fp16 the values' scales
+  bool quantized() const { return kq != nullptr || k4 != nullptr; }
+  int64_t group() const { return k4 != nullptr ? KEY_GROUP4 : KEY_GROUP; }   // tokens per key group
 };
 
 struct CacheOut {           // the same cache, written
@@ -45,6 +59,12 @@ struct CacheOut {           // the same cache, written
   float* vs = nullptr;
   float* tails = nullptr;
   int64_t* tail_groups = nullptr;
+  uint8_t* k4 = nullptr;
+  uint8_t* v4 = nullptr;
+  uint16_t* kg4 = nullptr;
+  uint16_t* vs4 = nullptr;
+  bool quantized() const { return kq != nullptr || k4 != nullptr; }
+  int64_t group() const { return k4 != nullptr ? KEY_GROUP4 : KEY_GROUP; }
 };
 
 struct AttentionRows {      // every query row of a step: row t attends over the first len[t] tokens of seq[t]

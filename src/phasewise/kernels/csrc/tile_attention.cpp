@@ -41,69 +41,82 @@ void write_rows(const float* st, const Tile& tile, int64_t Hq, int64_t G, int64_
 // a head of 128 or 256 in whole would spill on every FMA); with vectors of 8 or 4 lanes (AVX2 and
 // SSE: 16 registers, a Vf is 2 or 4 of them) that would spill too, so there 4 scores and one
 // 16-wide slice at a time (prefill attention on AVX2: see docs/benchmarks.md).
-constexpr int KG = W >= 16 ? KEYS : 4;
+constexpr int KR = W >= 16 ? KEYS : 4;
 
-// An int8 cache's queries for one pass (a key group at slot0, positions start..) of a tile: a lane whose
-// row holds the whole group reads it as int8, its query against the group's steps in qb (+ 128; [D/4]
-// [lane][4]) with its step sy and midpoint term base; any other lane (its partial group, or none of it)
-// a query of 0 there and, for keys below its length, its scores against their fp32 keys in sf [key][lane].
-template <int NV>
+// A quantized cache's queries for one pass (positions start..) of a tile: a lane whose row holds the pass's
+// whole key group (of KG tokens, its first token at slot0) reads it quantized, its query against the group's
+// steps in qb ([D/4][lane][4]; int8 cache: + 128) with its step sy and midpoint term base, set when the tile
+// enters the group (`requery`); any other lane a query of 0 there and, for keys below its length, its
+// scores against their fp32 keys in sf [key][lane].
+template <int NV, bool I4>
 void group_queries(const Cache& c, const AttentionRows& ar, int64_t h, const Tile& tile, const float* qs,
-                   int64_t lanes, int64_t start, int64_t slot0, uint8_t* qb, float* sy, float* base, float* sf) {
-  constexpr int64_t D = 16 * NV;
+                   int64_t lanes, int64_t start, int64_t slot0, bool requery, uint8_t* qb, float* sy, float* base,
+                   float* sf) {
+  constexpr int64_t D = 16 * NV, KG = I4 ? KEY_GROUP4 : KEY_GROUP;
+  const int64_t gstart = start / KG * KG;
+  alignas(64) float p4[I4 ? 2 * D : 1];
+  if constexpr (I4) if (requery) group_params4(c, slot0, h, p4);
   for (int64_t lane = 0; lane < lanes; ++lane) {
     const int64_t len = tile.len0 + lane / tile.gn;
-    if (len >= start + KEY_GROUP) {
+    if (len >= gstart + KG) {
+      if (!requery) continue;
       int8_t x[D];
-      sy[lane] = group_query(qs + lane * D, group_params(c, slot0, h), D, x, base + lane);
-      for (int64_t d4 = 0; d4 < D / 4; ++d4) {   // 4 values a store, each + 128 (the sign bit flipped)
+      sy[lane] = group_query(qs + lane * D, I4 ? p4 : group_params(c, slot0, h), D, x, base + lane);
+      for (int64_t d4 = 0; d4 < D / 4; ++d4) {   // 4 values a store (int8 cache: each + 128, the sign bit flipped)
         uint32_t four;
         std::memcpy(&four, x + 4 * d4, 4);
-        four ^= 0x80808080u;
+        if (!I4) four ^= 0x80808080u;
         std::memcpy(qb + 64 * d4 + 4 * lane, &four, 4);
       }
       continue;
     }
-    sy[lane] = base[lane] = 0.f;
-    for (int64_t d4 = 0; d4 < D / 4; ++d4) std::memset(qb + 64 * d4 + 4 * lane, 128, 4);
+    if (requery) {
+      sy[lane] = base[lane] = 0.f;
+      for (int64_t d4 = 0; d4 < D / 4; ++d4) std::memset(qb + 64 * d4 + 4 * lane, I4 ? 0 : 128, 4);
+    }
     for (int64_t j = 0; j < KEYS && start + j < len; ++j)
       sf[j * 16 + lane] = float_dot(qs + lane * D, float_key(c, ar, tile.seq, start + j, h), D);
   }
 }
 
-// The tile's parts [part0, part1) of KV head h, each folded into st (state_floats(R gn, D) floats).
-template <int NV, bool INT8>
+// The tile's parts [part0, part1) of KV head h, each folded into st (state_floats(R gn, D) floats). MODE:
+// FP32, INT8 or INT4, the cache's.
+enum Mode { FP32, INT8, INT4 };
+template <int NV, int MODE>
 void attend_tile(const Cache& c, const AttentionRows& ar, int64_t h, const Tile& tile, const float* q, int64_t Hq,
                  float sc, int64_t part0, int64_t part1, float* st) {
-  constexpr int64_t D = 16 * NV;
+  constexpr bool QUANT = MODE != FP32, I4 = MODE == INT4;   // QUANT: int8 or int4
+  constexpr int64_t D = 16 * NV, KG = I4 ? KEY_GROUP4 : KEY_GROUP;
   constexpr int SL = W >= 16 ? (NV < 4 ? NV : 4) : 1;
   const int64_t* table = ar.tables + tile.seq * ar.max_blocks;
   const int64_t block_size = ar.block_size, window = ar.window;
   const int64_t gn = tile.gn, lanes = tile.R * gn;
-  alignas(64) float qt[INT8 ? 1 : D * 16];    // [D][lane] queries, scaled (fp32 cache)
-  alignas(64) float qs[INT8 ? 16 * D : 1];    // [lane][D] queries, scaled (int8 cache)
-  alignas(64) uint8_t qb[INT8 ? D * 16 : 1];  // [D/4][lane][4] a pass's int8 queries + 128 (int8 cache)
+  alignas(64) float qt[QUANT ? 1 : D * 16];    // [D][lane] queries, scaled (fp32 cache)
+  alignas(64) float qs[QUANT ? 16 * D : 1];    // [lane][D] queries, scaled (int8 cache)
+  alignas(64) uint8_t qb[QUANT ? D * 16 : 1];  // [D/4][lane][4] a group's int8 queries (int8 cache: + 128)
+  alignas(64) uint8_t kc[I4 ? KEYS * D : 1];  // [key][D] a pass's int4 key codes, a byte each
   alignas(64) float o[16 * D];                // [lane][D] the part's unnormalised outputs
-  alignas(64) float kt[INT8 ? 1 : KEYS * D];  // [key][D] the pass's keys (fp32 cache)
-  alignas(64) float vt[INT8 ? KEYS * D : 1];  // [key][D] its values (int8 cache)
+  alignas(64) float kt[QUANT ? 1 : KEYS * D];  // [key][D] the pass's keys (fp32 cache)
+  alignas(64) float vt[QUANT ? KEYS * D : 1];  // [key][D] its values (int8 cache)
   alignas(64) float pt[KEYS * 16];            // [key][lane] value weights
-  alignas(64) float sf[INT8 ? KEYS * 16 : 1]; // [key][lane] scores against fp32 keys (int8 cache)
+  alignas(64) float sf[QUANT ? KEYS * 16 : 1]; // [key][lane] scores against fp32 keys (int8 cache)
   alignas(64) float corr[16], mpart[16], lpart[16];
   alignas(64) int32_t lenv[16];
   alignas(64) float syv[16] = {}, basev[16] = {};   // a pass's int8 query steps and midpoint terms
-  if constexpr (!INT8) std::memset(qt, 0, sizeof(qt));
+  if constexpr (!QUANT) std::memset(qt, 0, sizeof(qt));
   for (int64_t lane = 0; lane < 16; ++lane) {   // spare lanes copy lane 0 (computed, never written)
     const int64_t r = lane < lanes ? lane / gn : 0, g = tile.g0 + (lane < lanes ? lane % gn : 0);
     lenv[lane] = static_cast<int32_t>(tile.len0 + r);
     if (lane >= lanes) continue;
     const float* qr = q + ((tile.t0 + r) * Hq + h * (Hq / c.Hkv) + g) * D;
-    if constexpr (INT8) for (int64_t d = 0; d < D; ++d) qs[lane * D + d] = qr[d] * sc;
+    if constexpr (QUANT) for (int64_t d = 0; d < D; ++d) qs[lane * D + d] = qr[d] * sc;
     else for (int64_t d = 0; d < D; ++d) qt[d * 16 + lane] = qr[d] * sc;
   }
-  if constexpr (INT8) {
-    std::memset(qb, 128, sizeof(qb));           // spare lanes: queries of 0
+  if constexpr (QUANT) {
+    std::memset(qb, I4 ? 0 : 128, sizeof(qb));  // spare lanes: queries of 0
     std::memset(sf, 0, sizeof(sf));
   }
+  int64_t queried = -1;                        // the key group qb holds queries for
   Vi len;
   std::memcpy(&len, lenv, sizeof len);
   // With a window W, lane r sees keys len - W .. len - 1: the pass's keys below that are masked.
@@ -114,8 +127,8 @@ void attend_tile(const Cache& c, const AttentionRows& ar, int64_t h, const Tile&
   const int64_t kmin = window > 0 ? std::max<int64_t>(0, tile.len0 - window) : 0;   // no key below is read
   const int64_t kmax = tile.len0 + tile.R - 1;   // the last row's context
   const float* vrow[KEYS];
-  const int8_t* krow[KEYS];                    // int8 cache: the pass's key rows (absent keys: zeros)
-  alignas(64) const int8_t kzero[INT8 ? D : 1] = {};
+  const int8_t* krow[KEYS];                    // quantized cache: the pass's key rows (absent keys: zeros)
+  alignas(64) const int8_t kzero[QUANT ? D : 1] = {};
   alignas(64) static const float vzero[D] = {};
   float vscale[KEYS];
   alignas(64) float ksum[KEYS];                // int8 cache with Q8_BIASED: each key's sum of bytes
@@ -125,19 +138,28 @@ void attend_tile(const Cache& c, const AttentionRows& ar, int64_t h, const Tile&
     std::memset(o, 0, sizeof(float) * D * ((lanes + 3) / 4 * 4));   // P.V runs four lanes at a time
     const int64_t pend = std::min(kmax, (part + 1) * PART_TOKENS);
     for (int64_t start = std::max(part * PART_TOKENS, kmin / KEYS * KEYS); start < pend; start += KEYS) {
-      // int8 keys only where some row holds the whole group (the writer quantized it)
-      const bool whole = INT8 && kmax >= start + KEY_GROUP;
+      // quantized keys only where some row holds the whole group (the writer quantized it)
+      const int64_t gstart = start / KG * KG;
+      const bool whole = QUANT && kmax >= gstart + KG;
       for (int64_t j = 0, blk = start / block_size, off = start % block_size; j < KEYS; ++j) {
         const int64_t pos = start + j;             // its (slot, head) row: one division a pass, not two a key
         const int64_t at = pos < kmin || pos >= pend ? -1 : (table[blk] * block_size + off) * c.Hkv + h;
         if (++off == block_size) ++blk, off = 0;
         if (at < 0) {                              // outside every lane's context: masked below
-          if constexpr (INT8) krow[j] = kzero, vscale[j] = 0.f;
+          if constexpr (QUANT) krow[j] = kzero, vscale[j] = 0.f;
           else std::memset(kt + j * D, 0, sizeof(float) * D);
           vrow[j] = vzero;
           continue;
         }
-        if constexpr (INT8) {
+        if constexpr (I4) {
+          krow[j] = kzero;
+          if (whole) unpack_row4(c.k4 + at * D / 2, D, kc + j * D), krow[j] = reinterpret_cast<const int8_t*>(kc + j * D);
+          Vf x[NV];
+          load_int4_values<NV>(c, at, x);
+          for (int i = 0; i < NV; ++i) x[i].store(vt + j * D + 16 * i);
+          vscale[j] = 1.f;
+          vrow[j] = vt + j * D;
+        } else if constexpr (QUANT) {
           krow[j] = whole ? c.kq + at * D : kzero;
           Vf x[NV];
           load_int8_row<NV>(c.vq + at * D, x);
@@ -150,34 +172,38 @@ void attend_tile(const Cache& c, const AttentionRows& ar, int64_t h, const Tile&
         }
       }
       const int64_t n = std::min<int64_t>(KEYS, pend - start);   // keys from start that may be read
-      if constexpr (INT8) {
-        const int64_t slot0 = table[start / block_size] * block_size + start % block_size;
-        group_queries<NV>(c, ar, h, tile, qs, lanes, start, slot0, qb, syv, basev, sf);
-        if (Q8_BIASED) row_sums_i8(krow, KEYS, D).store(ksum);
+      if constexpr (QUANT) {
+        const int64_t slot0 = table[gstart / block_size] * block_size + gstart % block_size;
+        const bool requery = whole && gstart != queried;
+        group_queries<NV, I4>(c, ar, h, tile, qs, lanes, start, slot0, requery, qb, syv, basev, sf);
+        if (requery) queried = gstart;
+        if (!I4 && Q8_BIASED) row_sums_i8(krow, KEYS, D).store(ksum);
       }
       Vf s[KEYS];
-      for (int j0 = 0; j0 < KEYS; j0 += KG) {           // KG keys' scores in registers at a time
-        if constexpr (INT8) {                           // 4 of each query's int8 values per lane and step
-          Vi acc[KG];
-          for (int j = 0; j < KG; ++j) acc[j] = Vi::zero();
+      for (int j0 = 0; j0 < KEYS; j0 += KR) {           // KR keys' scores in registers at a time
+        if constexpr (QUANT) {                          // 4 of each query's int8 values per lane and step
+          Vi acc[KR];
+          for (int j = 0; j < KR; ++j) acc[j] = Vi::zero();
           for (int64_t d4 = 0; whole && d4 < D / 4; ++d4) {
             const Vb qd = Vb::load(qb + 64 * d4);
-            for (int j = 0; j < KG; ++j) acc[j] = dot_q8(acc[j], qd, Vb::bcast4(krow[j0 + j] + 4 * d4));
+            for (int j = 0; j < KR; ++j)
+              acc[j] = I4 ? dot_u4(acc[j], Vb::bcast4(krow[j0 + j] + 4 * d4), qd)
+                          : dot_q8(acc[j], qd, Vb::bcast4(krow[j0 + j] + 4 * d4));
           }
-          const Mask as_int8 = len > Vi::set1(static_cast<int32_t>(start + KEY_GROUP - 1));
-          for (int j = 0; j < KG; ++j) {
+          const Mask as_int = len > Vi::set1(static_cast<int32_t>(gstart + KG - 1));
+          for (int j = 0; j < KR; ++j) {
             Vf dot = to_float(acc[j]);                  // exact: |sum| < 2^24
-            if (Q8_BIASED) dot = dot - Vf::set1(128.f * ksum[j0 + j]);
-            s[j0 + j] = select(as_int8, dot * Vf::load(syv) + Vf::load(basev), Vf::load(sf + (j0 + j) * 16));
+            if (!I4 && Q8_BIASED) dot = dot - Vf::set1(128.f * ksum[j0 + j]);
+            s[j0 + j] = select(as_int, dot * Vf::load(syv) + Vf::load(basev), Vf::load(sf + (j0 + j) * 16));
           }
         } else {
-          Vf acc[KG];
-          for (int j = 0; j < KG; ++j) acc[j] = Vf::zero();
+          Vf acc[KR];
+          for (int j = 0; j < KR; ++j) acc[j] = Vf::zero();
           for (int64_t d = 0; d < D; ++d) {
             const Vf qd = Vf::load(qt + d * 16);
-            for (int j = 0; j < KG; ++j) acc[j] = fma(Vf::set1(kt[(j0 + j) * D + d]), qd, acc[j]);
+            for (int j = 0; j < KR; ++j) acc[j] = fma(Vf::set1(kt[(j0 + j) * D + d]), qd, acc[j]);
           }
-          for (int j = 0; j < KG; ++j) s[j0 + j] = acc[j];
+          for (int j = 0; j < KR; ++j) s[j0 + j] = acc[j];
         }
       }
       Vf mx = m;
@@ -195,7 +221,7 @@ void attend_tile(const Cache& c, const AttentionRows& ar, int64_t h, const Tile&
       Vf p[KEYS];
       for (int j = 0; j < KEYS; ++j) {
         p[j] = exp(s[j] - base);                        // masked keys: 0
-        (INT8 ? p[j] * Vf::set1(vscale[j]) : p[j]).store(pt + j * 16);
+        (QUANT ? p[j] * Vf::set1(vscale[j]) : p[j]).store(pt + j * 16);
       }
       l = l * cr + sum16(p);
       m = mx;
@@ -287,13 +313,16 @@ __attribute__((noinline)) void fold_part(float* st, const float* m, const float*
 bool attend_tiled(const Runtime& rt, const Cache& c, int64_t T, int64_t Hq, const AttentionRows& ar,
                   const float* q, float sc, float* out) {
   TileKernel fn = nullptr;
-  switch (c.D * 2 + (c.kq != nullptr)) {
-    case 128: fn = attend_tile<4, false>; break;
-    case 129: fn = attend_tile<4, true>; break;
-    case 256: fn = attend_tile<8, false>; break;
-    case 257: fn = attend_tile<8, true>; break;
-    case 512: fn = attend_tile<16, false>; break;
-    case 513: fn = attend_tile<16, true>; break;
+  switch (c.D * 4 + (c.k4 != nullptr ? INT4 : c.kq != nullptr ? INT8 : FP32)) {
+    case 256: fn = attend_tile<4, FP32>; break;
+    case 257: fn = attend_tile<4, INT8>; break;
+    case 258: fn = attend_tile<4, INT4>; break;
+    case 512: fn = attend_tile<8, FP32>; break;
+    case 513: fn = attend_tile<8, INT8>; break;
+    case 514: fn = attend_tile<8, INT4>; break;
+    case 1024: fn = attend_tile<16, FP32>; break;
+    case 1025: fn = attend_tile<16, INT8>; break;
+    case 1026: fn = attend_tile<16, INT4>; break;
     default: return false;
   }
   const int64_t D = c.D, Hkv = c.Hkv, G = Hq / Hkv, window = ar.window;
@@ -323,7 +352,7 @@ bool attend_tiled(const Runtime& rt, const Cache& c, int64_t T, int64_t Hq, cons
   auto run = [&](const Task& task, int64_t h, float* st) {
     const Tile& tile = tiles[task.tile];
     clear_state(st, tile.R * tile.gn, D);
-    const TileKernel row = c.kq && tile.R == 1 ? row_kernel(D, tile.gn) : nullptr;
+    const TileKernel row = tile.R == 1 ? row_kernel(c, tile.gn) : nullptr;
     (row ? row : fn)(c, ar, h, tile, q, Hq, sc, task.part0, task.part1, st);
     if (task.slot < 0) write_rows(st, tile, Hq, G, h, D, out);
   };

@@ -113,6 +113,12 @@ struct Vb {
   }
 };
 inline Vb lo4(Vb a) { return {_mm512_and_si512(a.v, _mm512_set1_epi8(0x0F))}; }
+// 32 bytes of an int4 cache (byte i: code i low, code i + 32 high) -> its 64 codes in order
+inline Vb unpack_nibbles(const uint8_t* p) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), m = _mm256_set1_epi8(0x0F);
+  const __m256i lo = _mm256_and_si256(x, m), hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), m);
+  return {_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)};
+}
 inline Vb hi4(Vb a) { return {_mm512_and_si512(_mm512_srli_epi16(a.v, 4), _mm512_set1_epi8(0x0F))}; }
 template <int G>
 inline Vb with_fifth(Vb nib, Vb bits) {

@@ -296,6 +296,16 @@ inline Vb hi4(Vb a) {
   for (int i = 0; i < NP; ++i) a.v[i] >>= 4;
   return a;
 }
+// 32 bytes of an int4 cache (byte i: code i low, code i + 32 high) -> its 64 codes in order
+inline Vb unpack_nibbles(const uint8_t* p) {
+  constexpr int half = NP / 2;
+  Vb r;
+  for (int i = 0; i < NP; ++i) {
+    const u8n x = *reinterpret_cast<const u8n_u*>(p + (i % half) * 4 * W);
+    r.v[i] = i < half ? x & 0x0F : x >> 4;
+  }
+  return r;
+}
 template <int J>            // nib with bits 2J, 2J + 1 of each byte of `pairs` as its bits 4, 5 (16-bit shifts)
 inline Vb with_high2(Vb nib, Vb pairs) {
   for (int i = 0; i < NP; ++i) {

@@ -18,6 +18,7 @@
 //   round_to_i8(x, p): x's lanes rounded to the nearest integer (ties to even) as Vi, and stored
 //     at p as 16 int8 (saturated);
 //   Vb::load(p) / bcast4(p) (4 bytes to every lane) / v.store(p), lo4, hi4 (the nibbles),
+//   unpack_nibbles(p): 32 bytes (byte i: values i and i + 32 as its low and high nibble) as 64 bytes,
 //   with_fifth<G>(nib, bits): nib | bit G of each byte of bits, moved to bit 4 (Q5's fifth bits),
 //   dot_u4(acc, w, x): acc + the 4 products w x of each lane, w in 0..15 (or 0..63) unsigned, x signed;
 //   dot_q8(acc, u, x): the same for bytes u = q + 128 (q signed); Q8_BIASED says whether the
