@@ -5,7 +5,7 @@
                                            [--output-len 64] [--repeats 3] [--threads N] [--record]
 
 For each --dtypes precision of the default model (or --model); "WEIGHTS/KV" also sets the KV-cache
-dtype (q4/int8: 4-bit weights and an int8 KV cache):
+dtype (q4/int8: 4-bit weights and an int8 KV cache; fp32/int4: fp32 weights and an int4 KV cache):
 - perplexity of the text, teacher-forced, in prefill chunks of --chunk tokens over the paged KV cache
   (one sequence, or independent --window-token sequences);
 - top-1 agreement: the share of positions whose most likely next token equals fp32's;
@@ -33,7 +33,7 @@ from phasewise.layers.attention import AttentionMetadata
 from phasewise.loading.loader import load_prepared
 from phasewise.loading.loader import default_model_path, parse_dtype
 from phasewise.engine.precision import INT8_KV_SCHEME, measured, record_path
-from phasewise.runner.kv_cache import KVCache
+from phasewise.runner.kv_cache import INT4, KVCache, key_group
 from phasewise.tokenization.tokenizer import Tokenizer
 
 TEXT = Path(__file__).parent / "data" / "lighthouses.txt"
@@ -114,8 +114,8 @@ def main() -> None:
         kernels = build.load() if args.kernels == "auto" else None
         model, _ = load_prepared(path, dtype, "cpu", kernels, plain=args.kernels == "torch")
         model.build_stack(kernels)              # the C++ decoder stack, as the engine builds it
-        kv_dtype = torch.int8 if kv == "int8" else parse_dtype(dtype)
-        runner = Runner(model, kv_dtype, len(ids) + args.output_len)
+        kv_dtype = {"int8": torch.int8, "int4": INT4}.get(kv) or parse_dtype(dtype)
+        runner = Runner(model, kv_dtype, len(ids) + args.output_len, max(16, key_group(kv_dtype)))
         prefill, decode = [], []
         for _ in range(args.repeats):
             nll, top, seconds = runner.teacher_forced(ids, args.chunk, args.window)

@@ -13,7 +13,7 @@ class CacheConfig:
     kv_cache_memory_gib: float = 2.0     # pool size when num_blocks is not given
     num_blocks: int | None = None        # exact pool size (overrides the memory budget)
     enable_prefix_caching: bool = True   # reuse KV blocks of prompts seen before
-    kv_dtype: str = "auto"               # auto (engine/precision.py) | model (the weights' float type) | int8
+    kv_dtype: str = "auto"               # auto (engine/precision.py) | model (the weights' float type) | int8 | int4
     prompt_cache_dir: str | None = None  # the prefix cache's disk tier (None: RAM only), shared by processes
     prompt_cache_size_gib: float = 10.0  # the directory's size limit (LRU eviction past it)
     prompt_cache_ttl: float = 3600.0     # seconds a block stays after its last use, unless its request says
@@ -23,8 +23,8 @@ class CacheConfig:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
         if self.kv_cache_memory_gib <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory_gib}")
-        if self.kv_dtype not in ("auto", "model", "int8"):
-            raise ValueError(f"kv_dtype must be 'auto', 'model' or 'int8', got {self.kv_dtype!r}")
+        if self.kv_dtype not in ("auto", "model", "int8", "int4"):
+            raise ValueError(f"kv_dtype must be 'auto', 'model', 'int8' or 'int4', got {self.kv_dtype!r}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {self.num_blocks}")
         if not self.prompt_cache_size_gib > 0 or not self.prompt_cache_ttl > 0:

@@ -64,26 +64,31 @@ inline uint16_t random_half(int min_exp, int max_exp) {   // a normal fp16 of ei
 
 inline const pw::Runtime RT{2};
 
-// kv_int8_tests.cpp: an int8 cache (kernels.h) of `slots` slots and `tail_slots` tail slots, empty
+// kv_int8_tests.cpp: an int8 cache (kernels.h) of `slots` slots and `tail_slots` tail slots, empty; with bits
+// 4 an int4 cache
 struct Int8Cache {
-  Int8Cache(int64_t slots, int64_t Hkv, int64_t D, int64_t tail_slots);
+  Int8Cache(int64_t slots, int64_t Hkv, int64_t D, int64_t tail_slots, int bits = 8);
   pw::CacheOut out();
   pw::Cache reader(const float* fresh) const;
   std::vector<int8_t> kq, vq;
   std::vector<float> kg, vs, tails;
   std::vector<int64_t> held;
+  std::vector<uint8_t> k4, v4;
+  std::vector<uint16_t> kg4, vs4;
   int64_t Hkv, D;
+  int bits;
 };
 void test_int8_attention(const pw::KernelTable& k, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs,
                          const std::vector<int64_t>& query_lens, const std::vector<int64_t>& context_lens,
-                         int64_t window = 0);
+                         int64_t window = 0, int bits = 8);
 // quant_tests.cpp
 std::vector<uint8_t> random_weight(pw::QuantFormat fmt, int64_t N, int64_t K, std::vector<float>& W,
                                    std::vector<float>& scale, int64_t u5_tiles, std::vector<uint16_t>* super);
 void test_quant_linear(const pw::KernelTable& k, pw::QuantFormat fmt, int64_t M, int64_t N, int64_t K,
                        int64_t u5_tiles = 0);
 void test_fused_parts(const pw::KernelTable& k, int64_t M, int64_t K);
-void test_decoder_stack(const pw::KernelTable& k, bool int8, const std::vector<int64_t>& query_lens,
+// kv_bits: 0 an fp32 cache, 8 int8, 4 int4
+void test_decoder_stack(const pw::KernelTable& k, int kv_bits, const std::vector<int64_t>& query_lens,
                         const std::vector<int64_t>& context_lens);
 // expert_tests.cpp
 void test_expert_mlp(const pw::KernelTable& k, pw::QuantFormat fmt, pw::QuantFormat down_fmt, int64_t T, int64_t kk);

@@ -192,6 +192,12 @@ int main() {
   test_int8_attention(k, 8, 2, 128, 32, {4, 20, 17}, {9, 50, 33});               // chunks across group ends
   test_attention(k, 4, 1, 256, 16, {37, 1, 1}, {100, 700, 30}, 40);          // sliding window: tiles and rows
   test_int8_attention(k, 4, 1, 256, 16, {37, 1, 1}, {100, 700, 30}, 40);
+  for (const auto& h : std::vector<std::vector<int64_t>>{{4, 4}, {8, 4}, {12, 3}, {9, 3}, {14, 2}, {8, 1}})
+    test_int8_attention(k, h[0], h[1], 64, 64, {1, 1, 1}, {300, 65, 64}, 0, 4);  // int4: decode rows
+  for (int64_t D : {64, 128, 256, 192})                                           // vector and scalar head sizes
+    test_int8_attention(k, 8, 2, D, 64, {1, 1, 70}, {70, 1000, 200}, 0, 4);
+  test_int8_attention(k, 9, 3, 64, 128, {1, 5, 12, 65}, {140, 5, 30, 129}, 0, 4);  // chunks across group ends
+  test_int8_attention(k, 4, 1, 256, 64, {37, 1, 1}, {100, 700, 30}, 40, 4);
   for (pw::QuantFormat fmt : {pw::Q4, pw::Q8, pw::I8, pw::K8, pw::Q5, pw::K6})
     for (const auto& mnk : std::vector<std::vector<int64_t>>{{1, 576, 576}, {3, 40, 64}, {5, 960, 128}, {130, 48, 96}})
       test_quant_linear(k, fmt, mnk[0], mnk[1], mnk[2]);
@@ -201,9 +207,9 @@ int main() {
   for (int64_t M : {1, 5, 130}) test_fused_parts(k, M, 512);
   for (const auto& mnk : std::vector<std::vector<int64_t>>{{1, 40, 64}, {130, 48, 96}, {5, 64, 128}, {3, 32, 64}})
     test_quant_linear(k, pw::Q8, mnk[0], mnk[1], mnk[2], 2);   // 2 U5 tiles, then Q8 (partly padding; none)
-  for (bool int8 : {false, true}) {
-    test_decoder_stack(k, int8, {1}, {1});                                      // the first decode step
-    test_decoder_stack(k, int8, {1, 12, 1}, {40, 12, 300});                     // decodes, a prompt chunk
+  for (int kv_bits : {0, 8, 4}) {
+    test_decoder_stack(k, kv_bits, {1}, {1});                                   // the first decode step
+    test_decoder_stack(k, kv_bits, {1, 12, 1}, {40, 12, 300});                  // decodes, a prompt chunk
   }
   for (pw::QuantFormat fmt : {pw::Q4, pw::Q8, pw::I8, pw::K4, pw::K8, pw::Q5, pw::K6, pw::Q6K})
     test_expert_mlp_exact(k, fmt);

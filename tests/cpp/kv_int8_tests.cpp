@@ -1,6 +1,6 @@
-// The int8 KV cache (kernels.h): the writer (write_kv, rope_and_cache) and attention over histories
-// written in steps of every size, against a scalar reference in double that reads the codes as the
-// kernels take them (a query against each key group's steps rounded to int8) and a row's partial group
+// The int8 and int4 KV caches (kernels.h): the writer (write_kv, rope_and_cache) and attention over
+// histories written in steps of every size, against a scalar reference in double that reads the codes as
+// the kernels take them (a query against each key group's steps rounded to int8) and a row's partial group
 // from the true fp32 keys.
 #include "check.h"
 
@@ -8,19 +8,30 @@
 
 namespace kt {
 
-Int8Cache::Int8Cache(int64_t slots, int64_t Hkv_, int64_t D_, int64_t tail_slots)
-    : kq(slots * Hkv_ * D_), vq(slots * Hkv_ * D_), kg(slots / 16 * Hkv_ * 2 * D_), vs(slots * Hkv_, 1.f),
-      tails(2 * tail_slots * 16 * Hkv_ * D_), held(2 * tail_slots, -1), Hkv(Hkv_), D(D_) {}
+Int8Cache::Int8Cache(int64_t slots, int64_t Hkv_, int64_t D_, int64_t tail_slots, int bits_)
+    : held(2 * tail_slots, -1), Hkv(Hkv_), D(D_), bits(bits_) {
+  const int64_t n = slots * Hkv * D, G = bits == 4 ? 64 : 16;
+  tails.resize(2 * tail_slots * G * Hkv * D);
+  if (bits == 4) {
+    k4.resize(n / 2), v4.resize(n / 2), kg4.resize(slots / G * Hkv * 2 * D), vs4.resize(slots * Hkv * D / 32);
+  } else {
+    kq.resize(n), vq.resize(n), kg.resize(slots / G * Hkv * 2 * D), vs.assign(slots * Hkv, 1.f);
+  }
+}
 
 pw::CacheOut Int8Cache::out() {
   pw::CacheOut c;
-  c.kq = kq.data(), c.vq = vq.data(), c.kg = kg.data(), c.vs = vs.data(), c.tails = tails.data();
-  c.tail_groups = held.data();
+  if (bits == 4) c.k4 = k4.data(), c.v4 = v4.data(), c.kg4 = kg4.data(), c.vs4 = vs4.data();
+  else c.kq = kq.data(), c.vq = vq.data(), c.kg = kg.data(), c.vs = vs.data();
+  c.tails = tails.data(), c.tail_groups = held.data();
   return c;
 }
 
 pw::Cache Int8Cache::reader(const float* fresh) const {
-  return {nullptr, nullptr, kq.data(), vq.data(), kg.data(), vs.data(), tails.data(), held.data(), fresh, Hkv, D};
+  pw::Cache c{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, tails.data(), held.data(), fresh, Hkv, D};
+  if (bits == 4) c.k4 = k4.data(), c.v4 = v4.data(), c.kg4 = kg4.data(), c.vs4 = vs4.data();
+  else c.kq = kq.data(), c.vq = vq.data(), c.kg = kg.data(), c.vs = vs.data();
+  return c;
 }
 
 namespace {
@@ -65,11 +76,30 @@ void write_step(const pw::KernelTable& k, const World& w, Int8Cache& c, int64_t 
              slots.data(), rows, c.out());
 }
 
+// The cache's code of (slot, KV head) row `at`, value d, of K (keys) or V.
+int code_of(const Int8Cache& c, bool keys, int64_t at, int64_t d) {
+  if (c.bits == 8) return (keys ? c.kq : c.vq)[at * c.D + d];
+  const uint8_t b = (keys ? c.k4 : c.v4)[at * c.D / 2 + d / 64 * 32 + d % 32];
+  return d % 64 < 32 ? b & 15 : b >> 4;
+}
+
+// A key group's midpoint (int4: minimum) and step of channel d, KV head h, the group's first slot slot0.
+float group_param(const Int8Cache& c, int64_t slot0, int64_t h, int64_t which, int64_t d) {
+  const int64_t G = c.bits == 4 ? 64 : 16, i = ((slot0 / G) * c.Hkv + h) * 2 * c.D + which * c.D + d;
+  return c.bits == 4 ? half_to_float(c.kg4[i]) : c.kg[i];
+}
+
+// V of (slot, KV head) row `at`, value d.
+float value_of(const Int8Cache& c, int64_t at, int64_t d) {
+  if (c.bits == 8) return c.vq[at * c.D + d] * c.vs[at];
+  return (code_of(c, false, at, d) - 8) * half_to_float(c.vs4[at * (c.D / 32) + d / 32]);
+}
+
 // Row of length len of sequence s, query q [Hq, D], as the kernels define it (double sums).
 void attend_int8_ref(const World& w, const Int8Cache& c, int64_t s, const float* q, int64_t Hq, int64_t len,
                      float scale, int64_t window, float* out) {
   const int64_t D = w.D, G = Hq / w.Hkv, first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-  const int64_t whole = len / 16 * 16;
+  const int64_t KG = c.bits == 4 ? 64 : 16, whole = len / KG * KG;
   std::vector<double> sc(len);
   std::vector<float> qs(D), y(D);
   for (int64_t h = 0; h < Hq; ++h) {
@@ -82,16 +112,18 @@ void attend_int8_ref(const World& w, const Int8Cache& c, int64_t s, const float*
       const int64_t at = slot_of(w, s, p);
       double dot = 0;
       if (p < whole) {
-        const float* mid = c.kg.data() + ((at / 16) * w.Hkv + hk) * 2 * D;
-        if (p == first || p % 16 == 0) {                 // the query against this group's steps
+        if (p == first || p % KG == 0) {                 // the query against this group's steps
           double b = 0;
           amax = 0.f;
-          for (int64_t d = 0; d < D; ++d) y[d] = qs[d] * mid[D + d], amax = std::max(amax, std::fabs(y[d])), b += qs[d] * mid[d];
+          for (int64_t d = 0; d < D; ++d) {
+            y[d] = qs[d] * group_param(c, at - p % KG, hk, 1, d), amax = std::max(amax, std::fabs(y[d]));
+            b += qs[d] * group_param(c, at - p % KG, hk, 0, d);
+          }
           for (int64_t d = 0; d < D; ++d) xi[d] = amax > 0.f ? static_cast<int>(std::nearbyint(y[d] * (127.f / amax))) : 0;
           base = static_cast<float>(b);
         }
         int64_t isum = 0;
-        for (int64_t d = 0; d < D; ++d) isum += xi[d] * c.kq[(at * w.Hkv + hk) * D + d];
+        for (int64_t d = 0; d < D; ++d) isum += xi[d] * code_of(c, true, at * w.Hkv + hk, d);
         dot = base + static_cast<double>(amax / 127.f) * isum;
       } else {
         for (int64_t d = 0; d < D; ++d) dot += static_cast<double>(qs[d]) * w.keys[s][(p * w.Hkv + hk) * D + d];
@@ -104,7 +136,7 @@ void attend_int8_ref(const World& w, const Int8Cache& c, int64_t s, const float*
       const int64_t at = slot_of(w, s, p) * w.Hkv + hk;
       const double e = std::exp(sc[p] - mx);
       sum += e;
-      for (int64_t d = 0; d < D; ++d) acc[d] += e * c.vq[at * D + d] * c.vs[at];
+      for (int64_t d = 0; d < D; ++d) acc[d] += e * value_of(c, at, d);
     }
     for (int64_t d = 0; d < D; ++d) out[h * D + d] = static_cast<float>(acc[d] / sum);
   }
@@ -113,18 +145,18 @@ void attend_int8_ref(const World& w, const Int8Cache& c, int64_t s, const float*
 // Every full group of every sequence within half a step of its keys, V within half its step.
 bool cache_holds(const World& w, const Int8Cache& c, const std::vector<int64_t>& context_lens) {
   bool ok = true;
-  const int64_t D = w.D;
+  const int64_t D = w.D, KG = c.bits == 4 ? 64 : 16;
   for (size_t s = 0; s < context_lens.size(); ++s)
     for (int64_t p = 0; p < context_lens[s]; ++p)
       for (int64_t h = 0; h < w.Hkv; ++h) {
         const int64_t at = slot_of(w, s, p), row = (p * w.Hkv + h) * D;
-        const float vstep = c.vs[at * w.Hkv + h];
         for (int64_t d = 0; d < D; ++d) {
-          ok &= std::fabs(c.vq[(at * w.Hkv + h) * D + d] * vstep - w.values[s][row + d]) <= 0.5f * vstep + 1e-5f;
-          if (p >= context_lens[s] / 16 * 16) continue;
-          const float* mid = c.kg.data() + ((at / 16) * w.Hkv + h) * 2 * D;
-          const float got = mid[d] + mid[D + d] * c.kq[(at * w.Hkv + h) * D + d];
-          ok &= std::fabs(got - w.keys[s][row + d]) <= 0.5f * mid[D + d] + 1e-4f * (1.f + std::fabs(mid[d]));
+          const float vstep = c.bits == 8 ? c.vs[at * w.Hkv + h] : half_to_float(c.vs4[(at * w.Hkv + h) * (D / 32) + d / 32]);
+          ok &= std::fabs(value_of(c, at * w.Hkv + h, d) - w.values[s][row + d]) <= 0.5f * vstep + 1e-5f * (1.f + vstep);
+          if (p >= context_lens[s] / KG * KG) continue;
+          const float lo = group_param(c, at - p % KG, h, 0, d), step = group_param(c, at - p % KG, h, 1, d);
+          const float got = lo + step * code_of(c, true, at * w.Hkv + h, d);
+          ok &= std::fabs(got - w.keys[s][row + d]) <= 0.5f * step + 1e-3f * (1.f + std::fabs(lo));
         }
       }
   return ok;
@@ -136,14 +168,14 @@ bool cache_holds(const World& w, const Int8Cache& c, const std::vector<int64_t>&
 // steps of 1, 3, 16 and 40 tokens; the step's keys rotated and written by rope_and_cache.
 void test_int8_attention(const pw::KernelTable& k, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs,
                          const std::vector<int64_t>& query_lens, const std::vector<int64_t>& context_lens,
-                         int64_t window) {
+                         int64_t window, int bits) {
   World w = make_world(bs, Hkv, D, context_lens);
   const int64_t nseq = query_lens.size(), width = Hkv * D, P = 1024, half = D / 2;
-  Int8Cache c(static_cast<int64_t>(w.tables.size()) * bs, Hkv, D, nseq);
-  const int64_t chunks[4] = {1, 3, 16, 40};
+  Int8Cache c(static_cast<int64_t>(w.tables.size()) * bs, Hkv, D, nseq, bits);
+  const int64_t chunks[5] = {1, 3, 16, 40, 70};
   for (int64_t s = 0; s < nseq; ++s)
     for (int64_t p = 0, i = s; p < context_lens[s] - query_lens[s]; ++i) {
-      const int64_t n = std::min(chunks[i % 4], context_lens[s] - query_lens[s] - p);
+      const int64_t n = std::min(chunks[i % 5], context_lens[s] - query_lens[s] - p);
       write_step(k, w, c, s, p, p + n);
       p += n;
     }
@@ -179,8 +211,8 @@ void test_int8_attention(const pw::KernelTable& k, int64_t Hq, int64_t Hkv, int6
   for (int64_t t = 0; t < T; ++t)
     attend_int8_ref(w, c, seq[t], q.data() + t * Hq * D, Hq, len[t], scale, window, want.data() + t * Hq * D);
   char name[160];
-  std::snprintf(name, sizeof name, "int8 cache attention Hq=%lld Hkv=%lld D=%lld bs=%lld rows=%lld window=%lld",
-                (long long)Hq, (long long)Hkv, (long long)D, (long long)bs, (long long)T, (long long)window);
+  std::snprintf(name, sizeof name, "int%d cache attention Hq=%lld Hkv=%lld D=%lld bs=%lld rows=%lld window=%lld",
+                bits, (long long)Hq, (long long)Hkv, (long long)D, (long long)bs, (long long)T, (long long)window);
   check_close(name, out.data(), want.data(), out.size(), 1e-4f, 5e-5f);
   check(std::string(name) + ": the cache holds its keys and values", cache_holds(w, c, context_lens));
 }

@@ -188,9 +188,10 @@ void test_fused_parts(const pw::KernelTable& k, int64_t M, int64_t K) {
 
 // decoder_stack on a team of threads against the same ops called one by one on one thread, in
 // decoder.cpp's order: the team's barriers and shared buffers must change nothing but rounding.
-void test_decoder_stack(const pw::KernelTable& k, bool int8, const std::vector<int64_t>& query_lens,
+void test_decoder_stack(const pw::KernelTable& k, int kv_bits, const std::vector<int64_t>& query_lens,
                         const std::vector<int64_t>& context_lens) {
-  const int64_t L = 3, H = 128, I = 96, Hq = 2, Hkv = 1, D = 64, bs = 16, P = 512, half = D / 2;
+  const bool int8 = kv_bits != 0;              // a quantized cache (int8 or int4)
+  const int64_t L = 3, H = 128, I = 96, Hq = 2, Hkv = 1, D = 64, bs = kv_bits == 4 ? 64 : 16, P = 512, half = D / 2;
   std::vector<std::vector<uint8_t>> blocks;
   std::vector<std::vector<float>> norms, biases;
   std::vector<pw::DecoderLayer> layers(L);
@@ -260,7 +261,7 @@ void test_decoder_stack(const pw::KernelTable& k, bool int8, const std::vector<i
   for (int64_t i = 0; i < L; ++i) {
     const auto kf = randn(slots * Hkv * D), vf = randn(slots * Hkv * D);
     if (int8) {
-      q8.emplace_back(slots, Hkv, D, nseq);
+      q8.emplace_back(slots, Hkv, D, nseq, kv_bits);
       for (int64_t s = 0; s < nseq; ++s) {      // the context before the step, as one step a sequence
         const int64_t n = context_lens[s] - query_lens[s];
         if (n == 0) continue;
@@ -283,7 +284,7 @@ void test_decoder_stack(const pw::KernelTable& k, bool int8, const std::vector<i
         kbuf = kf, vbuf = vf;
         o.k = kbuf.data(), o.v = vbuf.data();
       }
-      pw::Cache c{o.k, o.v, o.kq, o.vq, o.kg, o.vs, o.tails, o.tail_groups, nullptr, Hkv, D};
+      pw::Cache c{o.k, o.v, o.kq, o.vq, o.kg, o.vs, o.tails, o.tail_groups, nullptr, Hkv, D, o.k4, o.v4, o.kg4, o.vs4};
       caches[copy].push_back(c), outs[copy].push_back(o);
     }
   }
@@ -331,7 +332,8 @@ void test_decoder_stack(const pw::KernelTable& k, bool int8, const std::vector<i
   }
   k.rms_norm(one, hidden.data(), residual.data(), m.final_norm, T, H, m.eps, want.data(), residual.data());
   char name[96];
-  std::snprintf(name, sizeof name, "decoder_stack %s rows=%lld", int8 ? "int8" : "fp32", (long long)T);
+  std::snprintf(name, sizeof name, "decoder_stack %s rows=%lld", kv_bits == 4 ? "int4" : int8 ? "int8" : "fp32",
+                (long long)T);
   check_close(name, out.data(), want.data(), out.size(), 1e-3f, 1e-3f);
   bool same = true;                            // the caches hold the same new keys and values (int8: within a step)
   auto close = [&](const std::vector<float>& a, const std::vector<float>& b) {
@@ -340,6 +342,15 @@ void test_decoder_stack(const pw::KernelTable& k, bool int8, const std::vector<i
   auto near = [&](const std::vector<int8_t>& a, const std::vector<int8_t>& b) {
     for (size_t e = 0; e < a.size(); ++e) same &= std::abs(a[e] - b[e]) <= 1;
   };
+  auto near4 = [&](const std::vector<uint8_t>& a, const std::vector<uint8_t>& b) {   // each nibble within one
+    for (size_t e = 0; e < a.size(); ++e) same &= std::abs((a[e] & 15) - (b[e] & 15)) <= 1 && std::abs((a[e] >> 4) - (b[e] >> 4)) <= 1;
+  };
+  auto close16 = [&](const std::vector<uint16_t>& a, const std::vector<uint16_t>& b) {
+    for (size_t e = 0; e < a.size(); ++e) {
+      const float x = half_to_float(a[e]), y = half_to_float(b[e]);
+      same &= std::fabs(x - y) <= 1e-3f * (1.f + std::fabs(y));
+    }
+  };
   for (int64_t i = 0; i < L; ++i) {
     if (!int8) {
       for (int64_t j = 0; j < 2; ++j) close(f[4 * i + j], f[4 * i + 2 + j]);
@@ -347,6 +358,7 @@ void test_decoder_stack(const pw::KernelTable& k, bool int8, const std::vector<i
     }
     const Int8Cache &a = q8[2 * i], &b = q8[2 * i + 1];
     near(a.kq, b.kq), near(a.vq, b.vq), close(a.kg, b.kg), close(a.vs, b.vs), close(a.tails, b.tails);
+    near4(a.k4, b.k4), near4(a.v4, b.v4), close16(a.kg4, b.kg4), close16(a.vs4, b.vs4);
     same &= a.held == b.held;
   }
   check(std::string(name) + " caches", same);

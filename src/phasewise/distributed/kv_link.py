@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 
 log = logging.getLogger("phasewise.kv_link")
-DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.uint8]
 MAX_UNCLAIMED = 64          # transfers kept for requests that have not asked yet (the oldest dropped)
-NAMES = ["kv", "scales"]
+NAMES = ["kv", "scales", "k_groups", "v_scale"]   # a block's parts (runner/kv_cache.py KVCache._parts)
 Payload = tuple[list[int], int, dict[str, torch.Tensor]]     # token ids, block size, parts
 
 

@@ -22,11 +22,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "auto: the fastest within 0.5%% perplexity of fp32 on this machine (q4 for GGUF files with "
                         "kernels) when --dtype is auto too, else none")
     g.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    g.add_argument("--block-size", type=int, default=16,
+                   help="tokens per KV-cache block (an int4 cache takes 64 for 16 or 32: its key groups' size)")
     g.add_argument("--kv-cache-memory", type=float, default=2.0, help="KV-cache pool size in GiB")
-    g.add_argument("--kv-dtype", default="auto", choices=["auto", "model", "int8"],
-                   help="KV-cache precision: int8 with a scale per token and head, or the weights' float type "
-                        "(model); auto: int8 where the compiled kernels run and --dtype is auto")
+    g.add_argument("--kv-dtype", default="auto", choices=["auto", "model", "int8", "int4"],
+                   help="KV-cache precision: int8 (keys per channel over 16 tokens, values per token), int4 (4.5 "
+                        "bits a value: keys per channel over 64 tokens, values per 32), or the weights' float type "
+                        "(model); auto: int8 where the compiled kernels run, --dtype is auto and the model's family "
+                        "was measured to hold it (int4 only where measured to hold)")
     g.add_argument("--max-model-len", type=int, default=None, help="context length cap")
     g.add_argument("--prompt-cache-dir", metavar="DIR", default=None,
                    help="keep the prefix cache's full blocks on disk too, in DIR (they survive restarts; several "

@@ -23,7 +23,7 @@ from phasewise.models.config import ModelConfig
 from phasewise.engine.precision import Precision, choose as choose_precision
 from phasewise.engine.prompt_cache import check_supported as check_prompt_cache, open_disk_tier
 from phasewise.core.prompt_store import Clock
-from phasewise.runner.kv_cache import (KEY_GROUP, KVCache, kv_bytes_per_block, num_blocks_for_memory,
+from phasewise.runner.kv_cache import (INT4, KVCache, key_group, kv_bytes_per_block, num_blocks_for_memory,
                                        state_slots_for_memory, tail_bytes)
 from phasewise.runner.model_runner import ModelRunner, Proposer
 from phasewise.runner.thread_governor import ThreadGovernor
@@ -87,9 +87,10 @@ def build_engine(config: EngineConfig, clock: Clock | None = None) -> EnginePart
     spec, size, cache = config.speculative, config.tensor_parallel_size, config.cache
     _check_features(config, full)
     kernels = choose_kernels(config)
-    precision = _int8_kv_fits(config, choose_precision(model_path, config.dtype, cache.kv_dtype, kernels,
-                                                       full.architecture))
-    kv_dtype = torch.int8 if precision.kv == "int8" else parse_dtype(precision.weights)
+    config, precision = _quantized_kv_fits(config, choose_precision(model_path, config.dtype, cache.kv_dtype,
+                                                                    kernels, full.architecture))
+    cache = config.cache
+    kv_dtype = {"int8": torch.int8, "int4": INT4}.get(precision.kv) or parse_dtype(precision.weights)
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     ranks = start_ranks(size, config.device)
@@ -175,22 +176,27 @@ def _check_speculation(cfg: ModelConfig, spec: SpeculativeConfig, tp_size: int) 
                          f"(GGUF files: not read yet): use --speculative ngram or draft")
 
 
-def _int8_kv_fits(config: EngineConfig, precision: Precision) -> Precision:
-    """The precision, its int8 KV cache checked against what it needs (key groups of 16 tokens within the
-    blocks, at most 16 drafts a step so that a rejected one leaves its sequence within its last two key
-    groups): a float cache where "auto" chose it, a ValueError where it was asked for."""
-    if precision.kv != "int8":
-        return precision
-    spec = config.speculative
-    clash = (f"a block size of {config.cache.block_size} (not a multiple of {KEY_GROUP})"
-             if config.cache.block_size % KEY_GROUP else
-             f"{spec.num_speculative_tokens} drafts a step (more than {KEY_GROUP})"
-             if spec.method and spec.num_speculative_tokens > KEY_GROUP else None)
+def _quantized_kv_fits(config: EngineConfig, precision: Precision) -> tuple[EngineConfig, Precision]:
+    """The config and precision, a quantized KV cache checked against what it needs (key groups of 16 tokens,
+    int4: 64, within the blocks; at most a group's drafts a step, so that a rejected one leaves its sequence
+    within its last two key groups): an int4 cache turns blocks of 16 or 32 tokens into 64; a float cache
+    where "auto" chose a cache that cannot run, a ValueError where it was asked for."""
+    if precision.kv not in ("int8", "int4"):
+        return config, precision
+    spec, group = config.speculative, key_group(INT4 if precision.kv == "int4" else torch.int8)
+    bs = config.cache.block_size
+    if bs < group and group % bs == 0:
+        config = replace(config, cache=replace(config.cache, block_size=group))
+        precision = replace(precision, why=f"{precision.why}; blocks of {group} tokens (the key groups')")
+        bs = group
+    clash = (f"a block size of {bs} (not a multiple of {group})" if bs % group else
+             f"{spec.num_speculative_tokens} drafts a step (more than {group})"
+             if spec.method and spec.num_speculative_tokens > group else None)
     if clash is None:
-        return precision
-    if config.cache.kv_dtype == "int8":
-        raise ValueError(f"an int8 KV cache does not run with {clash}: use --kv-dtype model")
-    return replace(precision, kv="model", why=f"{precision.why}; a float KV cache with {clash}")
+        return config, precision
+    if config.cache.kv_dtype == precision.kv:
+        raise ValueError(f"an {precision.kv} KV cache does not run with {clash}: use --kv-dtype model")
+    return config, replace(precision, kv="model", why=f"{precision.why}; a float KV cache with {clash}")
 
 
 def _spec_policy(spec: SpeculativeConfig) -> SpecPolicy | None:

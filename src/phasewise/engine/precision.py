@@ -25,13 +25,17 @@ from phasewise.kernels.kernel_api import Kernels
 from phasewise.paths import default_cache_dir
 
 WEIGHT_DTYPES = ("fp32", "bf16", "fp16", "int8", "q4")
-KV_DTYPES = ("model", "int8")
+KV_DTYPES = ("model", "int8", "int4")
 # Families whose int8 KV cache was measured within LIMIT on a held-out text, with what it cost against a
 # float cache at fp32 weights (benchmarks/quality.py --dtypes fp32,fp32/int8 --text /usr/share/common-licenses/
 # GPL-3 --window 2048: 7.5k tokens, not in the repo).
 INT8_KV_HOLDS = {"llama": "SmolLM2-135M +0.03% on a held-out text",
                  "qwen2": "Qwen2.5-Coder-0.5B -0.04%, 1.5B +0.05% on a held-out text"}
 INT8_KV_SCHEME = 2          # the int8 cache's layout a record's "…/int8" figures were measured with (2: K per channel)
+# Families whose int4 KV cache (docs/architecture.md, "int4 KV cache") was measured within LIMIT of fp32 in
+# total at the file's q4 weights: none yet, so "auto" never picks it (`--kv-dtype int4` asks for it); a file's
+# own record ("q4/int4", benchmarks/quality.py --record) within LIMIT picks it too.
+INT4_KV_HOLDS: dict[str, str] = {}
 LIMIT = 0.005               # the perplexity a default precision may add to the file's weights in fp32
 
 # Perplexity against the file's weights in fp32 (benchmarks/quality.py, lighthouses.txt; docs/benchmarks.md)
@@ -51,7 +55,7 @@ class Precision:
     why: str                # one line on the choice
 
     def describe(self) -> str:
-        kv = "int8 KV cache" if self.kv == "int8" else "float KV cache"
+        kv = f"{self.kv} KV cache" if self.kv in ("int8", "int4") else "float KV cache"
         how = "chosen for this machine" if self.chosen else "as asked"
         return f"precision: {self.weights} weights, {kv} ({how}: {self.why})"
 
@@ -87,14 +91,15 @@ def gguf_block_types(path: Path) -> set[str]:
 
 def choose(path: Path, dtype: str, kv_dtype: str, kernels: Kernels | None, family: str) -> Precision:
     """Resolve "auto" for the weights and the KV cache of a model of architecture `family`. An explicit
-    weight dtype keeps the KV cache in its float type unless int8 is asked for; "auto" weights take the
-    int8 cache where kernels run and the family holds it (INT8_KV_HOLDS)."""
+    weight dtype keeps the KV cache in its float type unless int8 or int4 is asked for; "auto" weights take
+    the int8 cache where kernels run and the family holds it (INT8_KV_HOLDS), int4 only where measured to
+    hold (INT4_KV_HOLDS, or the file's own figures)."""
     from phasewise.kernels.gguf_blocks import GGUF_BLOCKS
 
     if dtype not in WEIGHT_DTYPES + ("auto",):
         raise ValueError(f"unsupported dtype {dtype!r} (choose from auto, {', '.join(WEIGHT_DTYPES)})")
     if kv_dtype not in KV_DTYPES + ("auto",):
-        raise ValueError(f"kv_dtype must be 'auto', 'model' or 'int8', got {kv_dtype!r}")
+        raise ValueError(f"kv_dtype must be 'auto', 'model', 'int8' or 'int4', got {kv_dtype!r}")
     fast = dtype == "auto" and kernels is not None
     kv = kv_dtype if kv_dtype != "auto" else "int8" if fast else "model"
     if dtype != "auto":
@@ -145,6 +150,8 @@ def _family_note(family: str, kv: str) -> str:
     or why a float one."""
     if kv == "int8" and family in INT8_KV_HOLDS:
         return f"; the int8 KV cache measured {INT8_KV_HOLDS[family]}"
+    if kv == "int4":
+        return f"; the int4 KV cache measured {INT4_KV_HOLDS[family]}" if family in INT4_KV_HOLDS else ""
     if kv != "model" or family in INT8_KV_HOLDS:
         return ""
     return (f"; a float KV cache: the int8 one is not measured to hold 0.5% on {family} models "
@@ -154,14 +161,16 @@ def _family_note(family: str, kv: str) -> str:
 def _q4_kv(figures: dict[str, float], kv_dtype: str, family: str) -> tuple[str, str]:
     """The KV cache beside q4 weights (int8 where the family holds it and this file's figures do not say
     otherwise, or what was asked for) and what was measured, for the precision line."""
-    both, alone = figures.get("q4/int8"), figures.get("q4")
+    both, alone, four = figures.get("q4/int8"), figures.get("q4"), figures.get("q4/int4")
     if kv_dtype != "auto":
         kv = kv_dtype
+    elif four is not None and four <= LIMIT or four is None and family in INT4_KV_HOLDS:
+        kv = "int4"
     elif family not in INT8_KV_HOLDS:
         kv = "model"
     else:
         kv = "model" if both is not None and both > LIMIT and alone is not None and alone <= LIMIT else "int8"
-    figure = both if kv == "int8" else alone
+    figure = both if kv == "int8" else four if kv == "int4" else alone
     if figure is None:
         return kv, ("perplexity not measured for this file (benchmarks/quality.py --model FILE --record; "
                     f"the default model: +0.11%){_family_note(family, kv)}")

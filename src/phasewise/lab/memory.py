@@ -13,7 +13,8 @@ from phasewise.models.config import ModelConfig
 BYTES_PER_ELEMENT = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5}
 # `memory --kv-dtype`: the engine's names (auto: int8 where its kernels run; model: the float cache of
 # fp32 weights) and float widths other engines keep, for comparison
-KV_DTYPES = {"auto": "int8", "model": "fp32", "int8": "int8", "fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}
+KV_DTYPES = {"auto": "int8", "model": "fp32", "int8": "int8", "int4": "int4", "fp32": "fp32", "bf16": "bf16",
+             "fp16": "fp16"}
 MIB, GIB = 2**20, 2**30
 OVERHEAD = 400 * MIB        # what a process holds beside weights and KV cache (torch, tokenizer, buffers)
 
@@ -48,8 +49,9 @@ class ModelShape:
     def kv_bytes_per_token(self, dtype: str = "fp16") -> float:
         """2 (K and V) × layers × kv_heads × head_dim × bytes per element; int8 adds what phasewise's int8
         cache holds beside (runner/kv_cache.py): V's 4-byte scale per KV head, K's midpoint and step per
-        channel for every 16 tokens (head_dim / 2 bytes a token)."""
-        scales = 4 + self.head_dim / 2 if dtype == "int8" else 0
+        channel for every 16 tokens (head_dim / 2 bytes a token); int4 V's fp16 scale per 32 values and K's
+        fp16 minimum and step per channel for every 64 tokens (head_dim / 8 bytes a token)."""
+        scales = {"int8": 4 + self.head_dim / 2, "int4": self.head_dim / 8}.get(dtype, 0)
         return self.layers * self.kv_heads * (2 * self.head_dim * BYTES_PER_ELEMENT[dtype] + scales)
 
     def kv_bytes_per_sequence(self, context_len: int, dtype: str = "fp16") -> float:
@@ -108,7 +110,7 @@ def parameter_count(cfg: ModelConfig) -> int:
 def report(shape: ModelShape, context_len: int, memory_gib: float, kv_dtype: str = "fp16") -> list[str]:
     """The lines `phasewise memory` prints."""
     per_token = shape.kv_bytes_per_token(kv_dtype)
-    scales = " + scales" if kv_dtype == "int8" else ""
+    scales = " + scales" if kv_dtype in ("int8", "int4") else ""
     lines = [
         f"KV cache ({kv_dtype}): {per_token / MIB:.4g} MiB per token "
         f"(2 x {shape.layers} layers x {shape.kv_heads} kv heads x {shape.head_dim} head dim x "

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from phasewise.distributed import TensorParallel, init_tensor_parallel, launched_rank, rank_device
 from phasewise.kernels import build as kernel_build
 from phasewise.loading.loader import load_prepared, parse_dtype
-from phasewise.runner.kv_cache import KVCache
+from phasewise.runner.kv_cache import INT4, KVCache
 from phasewise.runner.model_runner import ModelRunner, RankStep
 
 
@@ -40,12 +40,12 @@ class Setup:
     """What rank 0 decided and every rank must agree on."""
     model_path: str
     weights: str               # precision.Precision.weights
-    kv_dtype: str              # "int8" or the weights' float type
+    kv_dtype: str              # "int8", "int4" or the weights' float type
     num_blocks: int
     block_size: int
     kernels: bool              # compiled CPU kernels (each rank loads its own, at the same ISA level)
     plain: bool                # kernels="torch": no oneDNN either
-    tail_slots: int = 16       # an int8 KV cache's sequences at once (core/kv_cache_manager.py)
+    tail_slots: int = 16       # a quantized KV cache's sequences at once (core/kv_cache_manager.py)
 
 
 def threads_per_rank(size: int, threads: int | None = None) -> int:
@@ -139,7 +139,7 @@ def run_rank(rank: int, size: int, init_method: str, threads: int, device: str =
         setup = cast(Setup, tp.broadcast())        # unpickled from rank 0, whose build_engine sends its Setup first
         kernels = kernel_build.load() if setup.kernels else None
         model, cfg = load_prepared(Path(setup.model_path), setup.weights, device, kernels, setup.plain, tp)
-        kv_dtype = torch.int8 if setup.kv_dtype == "int8" else parse_dtype(setup.weights)
+        kv_dtype = {"int8": torch.int8, "int4": INT4}.get(setup.kv_dtype) or parse_dtype(setup.weights)
         cache = KVCache(cfg, setup.num_blocks, setup.block_size, kv_dtype, device, num_tail_slots=setup.tail_slots)
         runner = ModelRunner(model, cache, frozenset(), device, kernels, tp)
         if tp.broadcast() == "ready":              # rank 0 loaded its part too (else it failed: stop)
