@@ -45,25 +45,27 @@ def test_adopting_more_than_the_pool_takes_nothing():
 
 
 @pytest.mark.slow
-def test_a_prompt_computed_by_one_engine_continues_on_another(default_model_path):
+@pytest.mark.parametrize("kv_dtype", ["auto", "int4"])
+def test_a_prompt_computed_by_one_engine_continues_on_another(default_model_path, kv_dtype):
     """Engine A runs a prompt; its cached blocks move to engine B, which computes only the last
     partial block and then generates exactly what A generates from its own cache."""
     from phasewise import LLM
 
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    a, b = (LLM(kv_cache_memory=0.05, warmup=False) for _ in range(2))
-    prompt = a.tokenizer.apply_chat_template([{"role": "user", "content": "Explain in detail how a bicycle works."}])
+    a, b = (LLM(kv_cache_memory=0.3, kv_dtype=kv_dtype, warmup=False) for _ in range(2))
+    bs = a.engine.kv_cache.block_size
+    prompt = a.tokenizer.apply_chat_template([{"role": "user", "content": "Explain in detail how a bicycle works. " * 20}])
     a.generate(prompt, SamplingParams(max_tokens=1))              # the prefill side: the prompt, once
     kv = a.engine.kv_transfer.export(prompt)
-    assert kv.num_blocks == (len(prompt) - 1) // 16 and kv.num_blocks >= 2
-    assert b.engine.kv_transfer.adopt(kv) == kv.num_blocks * 16
+    assert kv.num_blocks == (len(prompt) - 1) // bs and kv.num_blocks >= 2
+    assert b.engine.kv_transfer.adopt(kv) == kv.num_blocks * bs
     ours = b.generate(prompt, greedy)[0]
     ref = a.generate(prompt, greedy)[0]                           # A from its own cache
-    assert ours.cached_tokens == ref.cached_tokens == kv.num_blocks * 16
+    assert ours.cached_tokens == ref.cached_tokens == kv.num_blocks * bs
     assert ours.token_ids == ref.token_ids
     stats = b.engine.stats()
     assert stats.num_free_blocks == stats.num_blocks
-    with pytest.raises(ValueError, match="cannot enter a cache of 16"):
+    with pytest.raises(ValueError, match=f"cannot enter a cache of {bs}"):
         b.engine.kv_transfer.adopt(type(kv)(kv.token_ids[:8], 8, kv.parts))
 
 
@@ -135,3 +137,50 @@ def test_a_kv_link_whose_peer_is_gone_fails_every_transfer_at_once():
 
     run = subprocess.run([sys.executable, "-c", LINK_ALONE], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
+
+
+LINK_SIDE = """
+import os
+import sys
+import torch
+from phasewise.distributed.kv_link import KVLink
+from phasewise.runner.kv_cache import INT4, KVCache
+from phasewise.models.config import ModelConfig
+
+role, port, dtype = sys.argv[1], sys.argv[2], {"int8": torch.int8, "int4": INT4}[sys.argv[3]]
+cfg = ModelConfig(architecture="llama", vocab_size=32, hidden_size=128, intermediate_size=64, num_layers=2,
+                  num_heads=2, num_kv_heads=1, head_dim=64, rms_norm_eps=1e-5, rope_theta=1e4,
+                  max_position_embeddings=512)
+cache = KVCache(cfg, 4, 64, dtype, "cpu")
+g = torch.Generator().manual_seed(0)
+for t in (cache.data, cache.k_groups, cache.v_scale):
+    t.copy_(torch.randint(0, 100, t.shape, generator=g).to(t.dtype))
+parts = cache.read_blocks([1, 3])
+link = KVLink(role, f"tcp://127.0.0.1:{port}", timeout_s=60.0)
+if role == "prefill":
+    link.send("t", (list(range(128)), 64, parts)).result(timeout=60)
+else:
+    tokens, bs, got = link.expect("t").result(timeout=60)
+    assert tokens == list(range(128)) and bs == 64 and got.keys() == parts.keys()
+    assert all(got[n].dtype == t.dtype and torch.equal(got[n], t) for n, t in parts.items())
+print("ok", flush=True)
+os._exit(0)          # the link's thread waits in gloo: no interpreter teardown under it
+"""
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_a_quantized_caches_blocks_cross_the_kv_link_whole(kv_dtype):
+    """Every part of a quantized cache's blocks (codes, K's group scales, V's scales) arrives as sent,
+    between two processes (each link takes its process's default group)."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    sides = [subprocess.Popen([sys.executable, "-c", LINK_SIDE, role, port, kv_dtype], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for role in ("prefill", "decode")]
+    for side in sides:
+        out, err = side.communicate(timeout=180)
+        assert side.returncode == 0 and out.strip().endswith("ok"), err[-2000:]
