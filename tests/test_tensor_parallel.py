@@ -251,6 +251,23 @@ def test_three_ranks_score_as_one_on_the_default_model(llm):
 
 
 @pytest.mark.slow
+def test_three_ranks_score_as_one_over_an_int4_cache():
+    """An int4 KV cache split by KV head over 3 ranks (each head's codes and scales its own) scores as one
+    rank's, fp32 weights: within the noise a code flipped by the all-reduce's rounding makes (one step of a
+    4-bit key), the confident top tokens the same."""
+    from phasewise import LLM
+
+    opts = dict(dtype="fp32", kv_dtype="int4", kv_cache_memory=0.3, warmup=False)
+    ref = _scored(LLM(**opts))
+    with LLM(tensor_parallel_size=3, **opts) as three:
+        assert three.engine.kv_cache.dtype == torch.uint8 and three.engine.kv_cache.data.shape[-2] == 1
+        ours = _scored(three)
+    diffs = [abs(a[0] - b[0]) for (s, _), (r, _) in zip(ours, ref) for a, b in zip(s, r)]
+    assert sum(diffs) / len(diffs) < 0.01, diffs            # measured: 0.0013 on average, 0.016 at most
+    assert_same_scores(ours, ref, tol=0.1, tie=0.1)
+
+
+@pytest.mark.slow
 def test_three_ranks_run_the_files_own_blocks():
     """At the default precision each rank runs its cut of the file's q4 blocks (cut along whole
     blocks, no requantization). Activation quantization makes this precision chaotic: a relative
