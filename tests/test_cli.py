@@ -169,6 +169,9 @@ def test_memory_from_numbers():
     proc = run("memory", *shape)             # the engine's default: int8, V's and K's scales beside
     assert proc.returncode == 0, proc.stderr
     assert "KV cache (int8): 0.1978 MiB per token" in proc.stdout
+    proc = run("memory", *shape, "--kv-dtype", "int4")
+    assert proc.returncode == 0, proc.stderr
+    assert "KV cache (int4): 0.08789 MiB per token" in proc.stdout
 
 
 def test_memory_of_the_default_model():

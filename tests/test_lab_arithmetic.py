@@ -17,6 +17,8 @@ def test_kv_bytes_per_token_of_a_70b_shape():
     assert shape.sequences_that_fit(80 * GIB, 4096) == 64           # 1.25 GiB each
     # 80 * 8 * (2 * 128 + V's 4-byte scale + K's midpoint and step, 8 bytes a channel per 16 tokens)
     assert shape.kv_bytes_per_token("int8") == 207_360
+    # int4: 4-bit K and V, V's fp16 scale per 32 values and K's fp16 minimum and step per channel per 64 tokens
+    assert shape.kv_bytes_per_token("int4") == 80 * 8 * (128 + 128 / 8) == 92_160   # 4.5 bits a value
 
 
 def test_parameter_count_matches_the_default_model_and_transformers():
