@@ -94,7 +94,8 @@ test-clang: $(STAMP)
 	CXX=clang++ PHASEWISE_OPENMP=0 $(BIN)/python tests/cpp/run.py --arch native
 	CXX=clang++ PHASEWISE_OPENMP=0 PHASEWISE_CACHE=$(CLANG_CACHE) $(BIN)/python -m pytest -q -p no:cacheprovider \
 		tests/test_cpu_ops.py tests/test_decoder_stack.py tests/test_expert_kernels.py tests/test_quant_kernels.py \
-		tests/test_file_weights.py tests/test_hybrid_stack.py tests/test_gated_delta_kernels.py tests/test_kv_int8_kernels.py
+		tests/test_file_weights.py tests/test_hybrid_stack.py tests/test_gated_delta_kernels.py tests/test_kv_int8_kernels.py \
+		tests/test_kv_int4_kernels.py
 	$(BIN)/python tests/cpp/run.py --arch native --openmp-parity
 
 bench: $(STAMP)

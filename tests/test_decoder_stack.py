@@ -8,7 +8,7 @@ import torch
 
 from phasewise.layers.attention import AttentionMetadata
 from phasewise.loading.loader import choose_weight_forms
-from phasewise.runner.kv_cache import KVCache
+from phasewise.runner.kv_cache import INT4, KVCache
 from tests.conftest import assert_paths_agree, bind
 
 
@@ -42,11 +42,12 @@ def run_steps(model, kv_dtype: torch.dtype, use_stack: bool) -> list[torch.Tenso
     calls = []
     hook = model.model.layers[0].register_forward_hook(lambda *_: calls.append(1))
     try:
-        cache = KVCache(model.config, 48, 16, kv_dtype, "cpu")
+        bs = 64 if kv_dtype == INT4 else 16
+        cache = KVCache(model.config, 48, bs, kv_dtype, "cpu")
         tables = [list(range(0, 16)), list(range(16, 32)), list(range(32, 48))]
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, 40000, (n,), generator=g).tolist() for n in (37, 5, 120)]
-        meta = AttentionMetadata.build([len(p) for p in prompts], [len(p) for p in prompts], tables, 16,
+        meta = AttentionMetadata.build([len(p) for p in prompts], [len(p) for p in prompts], tables, bs,
                                        torch.device("cpu"))
         ids = torch.tensor(sum(prompts, []))
         pos = torch.cat([torch.arange(len(p)) for p in prompts])
@@ -57,7 +58,7 @@ def run_steps(model, kv_dtype: torch.dtype, use_stack: bool) -> list[torch.Tenso
             new = torch.randint(0, 40000, (sum(query),), generator=g)
             pos = torch.cat([torch.arange(n, n + q) for n, q in zip(lens, query)])
             lens = [n + q for n, q in zip(lens, query)]
-            meta = AttentionMetadata.build(query, lens, tables, 16, torch.device("cpu"))
+            meta = AttentionMetadata.build(query, lens, tables, bs, torch.device("cpu"))
             out.append(model.compute_logits(model(new, pos, meta, cache.layers, KEEP.get(step))))
         assert len(calls) == (0 if use_stack else 7)        # the stack took every step
         return out
@@ -66,7 +67,7 @@ def run_steps(model, kv_dtype: torch.dtype, use_stack: bool) -> list[torch.Tenso
         model.model.stack = stack
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8], ids=["fp32-kv", "int8-kv"])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8, INT4], ids=["fp32-kv", "int8-kv", "int4-kv"])
 def test_stack_matches_the_python_layers(q4_stack, kv_dtype):
     fast = run_steps(q4_stack, kv_dtype, use_stack=True)
     ref = run_steps(q4_stack, kv_dtype, use_stack=False)
