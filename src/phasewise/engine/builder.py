@@ -84,12 +84,11 @@ def build_engine(config: EngineConfig, clock: Clock | None = None) -> EnginePart
     check_device(config.device)
     model_path = resolve_model_path(config.model)
     full = load_config(model_path)   # cheap: an unsupported architecture fails before anything slow
-    spec, size, cache = config.speculative, config.tensor_parallel_size, config.cache
     _check_features(config, full)
     kernels = choose_kernels(config)
-    config, precision = _quantized_kv_fits(config, choose_precision(model_path, config.dtype, cache.kv_dtype,
+    config, precision = _quantized_kv_fits(config, choose_precision(model_path, config.dtype, config.cache.kv_dtype,
                                                                     kernels, full.architecture))
-    cache = config.cache
+    spec, size, cache = config.speculative, config.tensor_parallel_size, config.cache
     kv_dtype = {"int8": torch.int8, "int4": INT4}.get(precision.kv) or parse_dtype(precision.weights)
     if config.threads is not None:
         torch.set_num_threads(config.threads)
