@@ -1,9 +1,9 @@
 // Paged attention on the CPU: each query row attends over its sequence's cached keys and values,
-// read in place from the paged KV cache (fp32, or int8: kernels.h).
+// read in place from the paged KV cache (fp32, int8 or int4: kernels.h).
 //
 // Head sizes of 64, 128 and 256 go to the tiled kernel (tile_attention.cpp), every row of the
 // step, in one order per row whatever rows share the call (attention.h); a decode row of few heads
-// over an int8 cache takes attend_row here, the same arithmetic with keys in the lanes. Other head
+// over an int8 or int4 cache takes attend_row here, the same arithmetic with keys in the lanes. Other head
 // sizes take a scalar loop here, one key at a time: tasks (row, KV head, part of the context), each row's
 // context cut into parts of PART_TOKENS from its first token, whose partial results (running max
 // m, sum l, unnormalised output) are merged in order with their log-sum-exp. Every row of such a

@@ -4,10 +4,10 @@
 // rows beside it (the order all readers share: attention.h).
 //
 // Queries are transposed once per task (qt [D][16]), so a key's 16 scores are D FMAs of the
-// broadcast key element with qt[d]: no horizontal sums. Over an int8 cache the queries are int8
-// too (quantize_query), in groups of 4 per lane (qb [D/4][16][4]), and a key's 16 scores are D/4
-// int8 dot products of the broadcast 4 key bytes (VNNI: 64 instructions at D = 256, not 256
-// FMAs). The softmax then runs lane-wise (per query) over keys, and the causal mask is one
+// broadcast key element with qt[d]: no horizontal sums. Over an int8 or int4 cache the queries are
+// int8 too (quantize_query), in groups of 4 per lane (qb [D/4][16][4]), and a key's 16 scores are D/4
+// integer dot products of the broadcast 4 key bytes (int4: its codes unpacked a byte each) (VNNI: 64
+// instructions at D = 256, not 256 FMAs). The softmax then runs lane-wise (per query) over keys, and the causal mask is one
 // compare of the lanes' context lengths with the key's position (a sliding window adds one
 // compare of its lower edge; no key below the first row's window is read: its block may be
 // freed). Values: each lane's output row += its weight x the value row.
@@ -92,17 +92,17 @@ void attend_tile(const Cache& c, const AttentionRows& ar, int64_t h, const Tile&
   const int64_t block_size = ar.block_size, window = ar.window;
   const int64_t gn = tile.gn, lanes = tile.R * gn;
   alignas(64) float qt[QUANT ? 1 : D * 16];    // [D][lane] queries, scaled (fp32 cache)
-  alignas(64) float qs[QUANT ? 16 * D : 1];    // [lane][D] queries, scaled (int8 cache)
+  alignas(64) float qs[QUANT ? 16 * D : 1];    // [lane][D] queries, scaled (quantized cache)
   alignas(64) uint8_t qb[QUANT ? D * 16 : 1];  // [D/4][lane][4] a group's int8 queries (int8 cache: + 128)
   alignas(64) uint8_t kc[I4 ? KEYS * D : 1];  // [key][D] a pass's int4 key codes, a byte each
   alignas(64) float o[16 * D];                // [lane][D] the part's unnormalised outputs
   alignas(64) float kt[QUANT ? 1 : KEYS * D];  // [key][D] the pass's keys (fp32 cache)
-  alignas(64) float vt[QUANT ? KEYS * D : 1];  // [key][D] its values (int8 cache)
+  alignas(64) float vt[QUANT ? KEYS * D : 1];  // [key][D] its values (quantized cache)
   alignas(64) float pt[KEYS * 16];            // [key][lane] value weights
-  alignas(64) float sf[QUANT ? KEYS * 16 : 1]; // [key][lane] scores against fp32 keys (int8 cache)
+  alignas(64) float sf[QUANT ? KEYS * 16 : 1]; // [key][lane] scores against fp32 keys (quantized cache)
   alignas(64) float corr[16], mpart[16], lpart[16];
   alignas(64) int32_t lenv[16];
-  alignas(64) float syv[16] = {}, basev[16] = {};   // a pass's int8 query steps and midpoint terms
+  alignas(64) float syv[16] = {}, basev[16] = {};   // a group's int8 query steps and midpoint terms
   if constexpr (!QUANT) std::memset(qt, 0, sizeof(qt));
   for (int64_t lane = 0; lane < 16; ++lane) {   // spare lanes copy lane 0 (computed, never written)
     const int64_t r = lane < lanes ? lane / gn : 0, g = tile.g0 + (lane < lanes ? lane % gn : 0);
