@@ -24,7 +24,7 @@ def int4_cache(num_blocks: int, block_size: int, Hkv: int, D: int, tail_slots: i
     S = num_blocks * block_size
     return [torch.zeros(S, Hkv, D // 2, dtype=torch.uint8), torch.zeros(S, Hkv, D // 2, dtype=torch.uint8),
             torch.zeros(S // 64, Hkv, 2, D, dtype=torch.float16), torch.zeros(S, Hkv, D // 32, dtype=torch.float16),
-            torch.zeros(2 * tail_slots, 64, Hkv, D), torch.full((tail_slots, 2), -1, dtype=torch.int64)]
+            torch.zeros(2 * tail_slots, 2, 64, Hkv, D), torch.full((tail_slots, 2), -1, dtype=torch.int64)]
 
 
 def key_offsets(Hkv: int, D: int, g: torch.Generator) -> torch.Tensor:

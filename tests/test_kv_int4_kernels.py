@@ -128,13 +128,15 @@ def test_a_verify_that_fills_a_group_with_rejected_drafts_then_refills_it(ops):
     group = tables[0][0] * bs
     assert torch.equal(kv[0][group:group + 64], plain[0][group:group + 64])
     assert torch.equal(kv[2][group // 64], plain[2][group // 64])
+    assert torch.equal(kv[1][group:group + 64], plain[1][group:group + 64])
+    assert torch.equal(kv[3][group:group + 64], plain[3][group:group + 64])
     q = torch.randn(1, Hq, D, generator=g)
     meta = AttentionMetadata.build([1], [66], tables, bs, CPU)
-    fresh = accepted[4:5].contiguous()
+    fresh, fresh_v = accepted[4:5].contiguous(), vals[4:5].contiguous()
     a = ops.paged_attention(q, kv, meta.kernel_rows.tables, meta.kernel_rows.seq, meta.kernel_rows.length,
-                            meta.kernel_rows.seqs, bs, D ** -0.5, fresh=fresh)
+                            meta.kernel_rows.seqs, bs, D ** -0.5, fresh=fresh, fresh_v=fresh_v)
     b = ops.paged_attention(q, plain, meta.kernel_rows.tables, meta.kernel_rows.seq, meta.kernel_rows.length,
-                            meta.kernel_rows.seqs, bs, D ** -0.5, fresh=fresh)
+                            meta.kernel_rows.seqs, bs, D ** -0.5, fresh=fresh, fresh_v=fresh_v)
     assert torch.equal(a, b)
 
 
@@ -151,7 +153,7 @@ def _alone(ops, kv, tables, start, t_pos, k, v, q, bs, window):
     rows, i = meta.kernel_rows, t_pos - start
     ops.write_kv(k[i:i + 1].contiguous(), v[i:i + 1].contiguous(), kv, meta.slot_mapping, rows.tables, rows.seqs, bs)
     return ops.paged_attention(q.contiguous(), kv, rows.tables, rows.seq, rows.length, rows.seqs, bs, D ** -0.5,
-                               fresh=k[i:i + 1].contiguous(), window=window)[0]
+                               fresh=k[i:i + 1].contiguous(), window=window, fresh_v=v[i:i + 1].contiguous())[0]
 
 
 @settings(max_examples=20, deadline=None)

@@ -69,7 +69,7 @@ inline const pw::Runtime RT{2};
 struct Int8Cache {
   Int8Cache(int64_t slots, int64_t Hkv, int64_t D, int64_t tail_slots, int bits = 8);
   pw::CacheOut out();
-  pw::Cache reader(const float* fresh) const;
+  pw::Cache reader(const float* fresh, const float* fresh_v = nullptr, int64_t ldv = 0) const;
   std::vector<int8_t> kq, vq;
   std::vector<float> kg, vs, tails;
   std::vector<int64_t> held;

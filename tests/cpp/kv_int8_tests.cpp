@@ -11,7 +11,7 @@ namespace kt {
 Int8Cache::Int8Cache(int64_t slots, int64_t Hkv_, int64_t D_, int64_t tail_slots, int bits_)
     : held(2 * tail_slots, -1), Hkv(Hkv_), D(D_), bits(bits_) {
   const int64_t n = slots * Hkv * D, G = bits == 4 ? 64 : 16;
-  tails.resize(2 * tail_slots * G * Hkv * D);
+  tails.resize(2 * tail_slots * G * Hkv * D * (bits == 4 ? 2 : 1));   // int4: keys, then values
   if (bits == 4) {
     k4.resize(n / 2), v4.resize(n / 2), kg4.resize(slots / G * Hkv * 2 * D), vs4.resize(slots * Hkv * D / 32);
   } else {
@@ -27,8 +27,9 @@ pw::CacheOut Int8Cache::out() {
   return c;
 }
 
-pw::Cache Int8Cache::reader(const float* fresh) const {
+pw::Cache Int8Cache::reader(const float* fresh, const float* fresh_v, int64_t ldv) const {
   pw::Cache c{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, tails.data(), held.data(), fresh, Hkv, D};
+  c.fresh_v = fresh_v, c.ldv = ldv;
   if (bits == 4) c.k4 = k4.data(), c.v4 = v4.data(), c.kg4 = kg4.data(), c.vs4 = vs4.data();
   else c.kq = kq.data(), c.vq = vq.data(), c.kg = kg.data(), c.vs = vs.data();
   return c;
@@ -135,8 +136,9 @@ void attend_int8_ref(const World& w, const Int8Cache& c, int64_t s, const float*
     for (int64_t p = first; p < len; ++p) {
       const int64_t at = slot_of(w, s, p) * w.Hkv + hk;
       const double e = std::exp(sc[p] - mx);
+      const bool own = c.bits == 4 && p >= whole;      // int4: the row's own group's values, fp32
       sum += e;
-      for (int64_t d = 0; d < D; ++d) acc[d] += e * value_of(c, at, d);
+      for (int64_t d = 0; d < D; ++d) acc[d] += e * (own ? w.values[s][(p * w.Hkv + hk) * D + d] : value_of(c, at, d));
     }
     for (int64_t d = 0; d < D; ++d) out[h * D + d] = static_cast<float>(acc[d] / sum);
   }
@@ -150,6 +152,7 @@ bool cache_holds(const World& w, const Int8Cache& c, const std::vector<int64_t>&
     for (int64_t p = 0; p < context_lens[s]; ++p)
       for (int64_t h = 0; h < w.Hkv; ++h) {
         const int64_t at = slot_of(w, s, p), row = (p * w.Hkv + h) * D;
+        if (c.bits == 4 && p >= context_lens[s] / KG * KG) continue;   // int4: a partial group's values in the tail
         for (int64_t d = 0; d < D; ++d) {
           const float vstep = c.bits == 8 ? c.vs[at * w.Hkv + h] : half_to_float(c.vs4[(at * w.Hkv + h) * (D / 32) + d / 32]);
           ok &= std::fabs(value_of(c, at * w.Hkv + h, d) - w.values[s][row + d]) <= 0.5f * vstep + 1e-5f * (1.f + vstep);
@@ -207,7 +210,8 @@ void test_int8_attention(const pw::KernelTable& k, int64_t Hq, int64_t Hkv, int6
     }
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   std::vector<float> out(T * Hq * D), want(T * Hq * D);
-  k.paged_attention(RT, q.data(), T, Hq, c.reader(fresh.data()), rows, scale, out.data());
+  k.paged_attention(RT, q.data(), T, Hq, c.reader(fresh.data(), qkv.data() + (Hq + Hkv) * D, (Hq + 2 * Hkv) * D), rows,
+                    scale, out.data());
   for (int64_t t = 0; t < T; ++t)
     attend_int8_ref(w, c, seq[t], q.data() + t * Hq * D, Hq, len[t], scale, window, want.data() + t * Hq * D);
   char name[160];

@@ -307,7 +307,8 @@ void test_decoder_stack(const pw::KernelTable& k, int kv_bits, const std::vector
     k.rope_and_cache(one, qkv.data(), T, pos.data(), cs.data(), sn.data(), Hq, Hkv, D, slot.data(), rows, outs[1][i],
                      qr.data(), kr.data());
     pw::Cache c = caches[1][i];
-    c.fresh = kr.data();                       // an int8 cache's partial key groups
+    c.fresh = kr.data();                       // a quantized cache's partial key groups (int4: their values too)
+    c.fresh_v = qkv.data() + (Hq + Hkv) * D, c.ldv = (Hq + 2 * Hkv) * D;
     k.paged_attention(one, qr.data(), T, Hq, c, rows, 1.f / std::sqrt(static_cast<float>(D)), attn.data());
     k.quant_linear(one, attn.data(), T, Hq * D, ly.o.w, ly.o.bias, o.data());
     k.rms_norm(one, o.data(), residual.data(), ly.post_norm, T, H, m.eps, normed.data(), residual.data());

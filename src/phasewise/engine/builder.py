@@ -24,7 +24,7 @@ from phasewise.engine.precision import Precision, choose as choose_precision
 from phasewise.engine.prompt_cache import check_supported as check_prompt_cache, open_disk_tier
 from phasewise.core.prompt_store import Clock
 from phasewise.runner.kv_cache import (INT4, KVCache, key_group, kv_bytes_per_block, num_blocks_for_memory,
-                                       state_slots_for_memory, tail_bytes)
+                                       state_slots_for_memory, tail_bytes, tail_slots_for_memory)
 from phasewise.runner.model_runner import ModelRunner, Proposer
 from phasewise.runner.thread_governor import ThreadGovernor
 from phasewise.runner.tp_worker import Setup, TensorParallelRanks, start_ranks
@@ -97,7 +97,7 @@ def build_engine(config: EngineConfig, clock: Clock | None = None) -> EnginePart
         tp = ranks.group if ranks else None
         part = shard_config(full, tp) if tp else full     # what this rank holds
         slots, checkpoints, snapshots, num_blocks = _cache_size(part, config, kv_dtype)
-        tails = config.scheduler.max_num_seqs
+        tails = tail_slots_for_memory(part, kv_dtype, config.scheduler.max_num_seqs, cache.kv_cache_memory_gib)
         if tp:
             tp.broadcast(Setup(str(model_path), precision.weights, precision.kv, num_blocks, cache.block_size,
                                kernels is not None, config.kernels == "torch", tails))
@@ -207,14 +207,15 @@ def _cache_size(cfg: ModelConfig, config: EngineConfig, kv_dtype: torch.dtype) -
     """(recurrent-state slots, checkpoint slots, snapshot slots, KV blocks) within the cache's memory
     budget: a hybrid's states first, one per sequence that may run and, with prefix caching, as many
     checkpoints, with speculation k snapshots each (the states a verify step may roll back to), all in at
-    most half the budget; then blocks in the rest."""
+    most half the budget; a quantized cache's tail slots (tail_slots_for_memory); then blocks in the rest."""
     cache, k = config.cache, config.speculative.num_speculative_tokens if config.speculative.method else 0
     slots = state_slots_for_memory(cfg, config.scheduler.max_num_seqs, cache.kv_cache_memory_gib,
                                    cache.enable_prefix_caching, k)
     checkpoints = slots if cache.enable_prefix_caching else 0
     snapshots = slots * k if cfg.recurrent_layers else 0
+    tails = tail_slots_for_memory(cfg, kv_dtype, config.scheduler.max_num_seqs, cache.kv_cache_memory_gib)
     kv_gib = cache.kv_cache_memory_gib - ((slots + checkpoints + snapshots) * cfg.state_bytes_per_seq
-                                          + config.scheduler.max_num_seqs * tail_bytes(cfg, kv_dtype)) / 2**30
+                                          + tails * tail_bytes(cfg, kv_dtype)) / 2**30
     if config.speculative.method == "mtp":     # the MTP layer's own cache: one more attention layer's K/V
         kv_gib *= len(cfg.attention_layers) / (len(cfg.attention_layers) + 1)
     return slots, checkpoints, snapshots, cache.num_blocks or num_blocks_for_memory(cfg, cache.block_size, kv_dtype,

@@ -89,7 +89,7 @@ class Kernels(Protocol):
 
     def paged_attention(self, q: Tensor, kv: Sequence[Tensor], block_tables: Tensor, row_seq: Tensor, row_len: Tensor,
                         seqs: Tensor, block_size: int, scale: float, fresh: Tensor | None = None,
-                        window: int = 0) -> Tensor: ...
+                        window: int = 0, fresh_v: Tensor | None = None) -> Tensor: ...
 
     def rope_and_cache(self, qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, kv: Sequence[Tensor],
                        slots: Tensor, Hq: int, Hkv: int, block_tables: Tensor, seqs: Tensor,

@@ -39,7 +39,7 @@ class SeqAttention:
 # (k, v) [num_slots, Hkv, D]; int8: (k, v, k_groups [num_slots / 16, Hkv, 2, D] (midpoint, step), v_scale
 # [num_slots, Hkv], tails [2 tail slots, 16, Hkv, D] fp32, tail_groups [tail slots, 2] int64); int4: (k, v uint8
 # [num_slots, Hkv, D / 2], k_groups fp16 [num_slots / 64, Hkv, 2, D] (minimum, step), v_scale fp16 [num_slots,
-# Hkv, D / 32], tails [2 tail slots, 64, Hkv, D], tail_groups)
+# Hkv, D / 32], tails [2 tail slots, 2, 64, Hkv, D] (keys, values), tail_groups)
 LayerKV = tuple[torch.Tensor, ...]
 KEY_GROUP = 16                       # an int8 cache's keys: tokens per group of per-channel scales
 
@@ -200,7 +200,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
     [T, Hq * D].
 
     `written`: k and v are already in their cache slots (a quantized cache still reads its partial key
-    groups from k). `ops`: the compiled CPU ops, which then serve every row straight from the cache
+    groups from k, an int4 cache their values from v). `ops`: the compiled CPU ops, which then serve every row straight from the cache
     (`meta.kernel_rows`). `window`: a query at position p sees only keys p - window + 1 .. p (a
     sliding-window layer). `scale`: of the scores (default 1/sqrt(D))."""
     if not written:
@@ -210,12 +210,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
     scale = D ** -0.5 if scale is None else scale
     if ops is not None:                             # one kernel call
         rows = meta.kernel_rows
+        int4 = kv[0].dtype == torch.uint8
         return ops.paged_attention(q.contiguous(), list(kv), rows.tables, rows.seq, rows.length, rows.seqs, bs,
-                                   scale, fresh=k.contiguous() if len(kv) > 2 else None,
-                                   window=window or 0).view(T, Hq * D)
-    if len(kv) > 2:                                 # an int8 or int4 cache
-        quantized = kv_int4 if kv[0].dtype == torch.uint8 else kv_int8
-        return quantized.attend(q, kv, meta, k, scale, window).view(T, Hq * D)
+                                   scale, fresh=k.contiguous() if len(kv) > 2 else None, window=window or 0,
+                                   fresh_v=v.contiguous() if int4 else None).view(T, Hq * D)
+    if kv[0].dtype == torch.uint8:                  # an int4 cache
+        return kv_int4.attend(q, kv, meta, k, v, scale, window).view(T, Hq * D)
+    if len(kv) > 2:                                 # an int8 cache
+        return kv_int8.attend(q, kv, meta, k, scale, window).view(T, Hq * D)
     if meta.decode_only:
         # Grouped-query trick: the G query heads sharing a KV head ride in the query-length axis.
         B, G = T, Hq // Hkv

@@ -3,13 +3,14 @@
 readers), up to the order of float sums.
 
 A layer's cache is (k, v, k_groups, v_scale, tails, tail_groups). Codes are two to a byte: in each 64 values
-of a row, byte i holds value i (low nibble) and value i + 32 (high). V: per token and KV head in blocks of
-32 values, each with one fp16 scale d = max |v| / 7 (v_scale [slots, Hkv, D / 32]), v = d (code - 8). K: per
-group of 64 tokens (positions [64 i, 64 i + 64)) and KV head, each channel's minimum and step in fp16
-(k_groups [slots / 64, Hkv, 2, D]), k = min + step code, code 0..15; a group is quantized when the step
-that fills it writes it, and until then its keys are fp32 (the step's own, `fresh`, or the sequence's tail
-slot, two groups of 64 keys). A row of length L reads the groups wholly below L as int4 and its own
-group's keys as floats; its query against a group is scale·q∘step rounded to int8 (kv_int8.int8_steps).
+of a row, byte i holds value i (low nibble) and value i + 32 (high). K: per group of 64 tokens (positions
+[64 i, 64 i + 64)) and KV head, each channel's minimum and step in fp16 (k_groups [slots / 64, Hkv, 2, D]),
+k = min + step code, code 0..15. V: per token and KV head in blocks of 32 values, each with one fp16 scale
+d = max |v| / 7 (v_scale [slots, Hkv, D / 32]), v = d (code - 8). A group's keys and values are quantized
+when the step that fills it writes it; until then they are fp32 (the step's own, `fresh`, or the
+sequence's tail slot: two groups of 64 keys and values, tails [2 S, 2, 64, Hkv, D]). A row of length L
+reads the groups wholly below L as int4 and its own group's keys and values as floats; its query against
+a group is scale·q∘step rounded to int8 (kv_int8.int8_steps).
 """
 
 from __future__ import annotations
@@ -75,34 +76,34 @@ def _group_slot(table: list[int], g: int, block_size: int) -> int:
     return table[GROUP * g // block_size] * block_size + GROUP * g % block_size
 
 
-def _float_keys(kv: LayerKV, slot: int, h0: int, start: int, k: torch.Tensor) -> torch.Tensor:
-    """A sequence's fp32 keys from its first new token's group on: [ctx - 64 g0, Hkv, D], the older ones
-    from its tail, then its new ones k [n, Hkv, D]."""
-    return torch.cat([kv[4][2 * slot + h0, :start % GROUP], k])
+def _floats(kv: LayerKV, slot: int, h0: int, start: int, k: torch.Tensor, part: int) -> torch.Tensor:
+    """A sequence's fp32 keys (part 0) or values (part 1) from its first new token's group on: [ctx - 64 g0,
+    Hkv, D], the older ones from its tail, then its new ones k [n, Hkv, D]."""
+    return torch.cat([kv[4][2 * slot + h0, part, :start % GROUP], k])
 
 
 def write(kv: LayerKV, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
-    """The step's k, v [T, Hkv, D] into an int4 cache: V per token; K's groups that fill in this step
-    quantized, and each sequence's groups it may still read as floats kept in its tail slot."""
-    vq, vs = quantize_values(v)
-    kv[1].index_copy_(0, meta.slot_mapping, vq)
-    kv[3].index_copy_(0, meta.slot_mapping, vs)
+    """The step's k, v [T, Hkv, D] into an int4 cache: the groups that fill in this step quantized, and each
+    sequence's groups it may still read as floats kept in its tail slot."""
     seqs = meta.kernel_rows.seqs.tolist()
     for (start, n, row0, slot), table in zip(seqs, meta.block_tables):
         ctx, g0 = start + n, start // GROUP
         held = kv[5][slot].tolist()
         h0, hl = tail_halves(held, g0, (ctx - 1) // GROUP)
-        x = _float_keys(kv, slot, h0, start, k[row0:row0 + n].float())     # positions 64 g0 .. ctx - 1
+        x = _floats(kv, slot, h0, start, k[row0:row0 + n].float(), 0)      # positions 64 g0 .. ctx - 1
+        y = _floats(kv, slot, h0, start, v[row0:row0 + n].float(), 1)
         for g in range(g0, ctx // GROUP):
             codes, params = quantize_group(x[(g - g0) * GROUP:(g - g0 + 1) * GROUP])
             at = _group_slot(table, g, meta.block_size)
             kv[0][at:at + GROUP] = codes
             kv[2][at // GROUP] = params
-        tail = kv[4]
-        tail[2 * slot + h0, :min(GROUP, len(x))] = x[:GROUP]
-        if hl != h0:
-            rest = x[(ctx - 1) // GROUP * GROUP - g0 * GROUP:]
-            tail[2 * slot + hl, :len(rest)] = rest
+            kv[1][at:at + GROUP], kv[3][at:at + GROUP] = quantize_values(y[(g - g0) * GROUP:(g - g0 + 1) * GROUP])
+        for part, z in enumerate((x, y)):
+            tail = kv[4]
+            tail[2 * slot + h0, part, :min(GROUP, len(z))] = z[:GROUP]
+            if hl != h0:
+                rest = z[(ctx - 1) // GROUP * GROUP - g0 * GROUP:]
+                tail[2 * slot + hl, part, :len(rest)] = rest
         kv[5][slot] = torch.tensor(held, dtype=kv[5].dtype)
 
 
@@ -119,18 +120,20 @@ def _int4_scores(kv: LayerKV, table: list[int], full: int, qs: torch.Tensor, blo
     return dots.flatten(-2)
 
 
-def attend(q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, fresh: torch.Tensor, scale: float,
-           window: int | None) -> torch.Tensor:
-    """q [T, Hq, D] over an int4 cache (written for this step; fresh: its new keys [T, Hkv, D]) → [T, Hq, D]."""
+def attend(q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, fresh: torch.Tensor, fresh_v: torch.Tensor,
+           scale: float, window: int | None) -> torch.Tensor:
+    """q [T, Hq, D] over an int4 cache (written for this step; fresh, fresh_v: its new keys and values [T, Hkv,
+    D]) → [T, Hq, D]."""
     T, Hq, D = q.shape
     G = Hq // kv[0].shape[1]
     out = torch.empty(T, Hq, D, dtype=torch.float32)
     for (start, n, row0, slot), table in zip(meta.kernel_rows.seqs.tolist(), meta.block_tables):
         ctx, g0 = start + n, start // GROUP
         h0 = 0 if kv[5][slot, 0].item() == g0 else 1
-        x = _float_keys(kv, slot, h0, start, fresh[row0:row0 + n].float()).repeat_interleave(G, 1)
+        x = _floats(kv, slot, h0, start, fresh[row0:row0 + n].float(), 0).repeat_interleave(G, 1)
+        y = _floats(kv, slot, h0, start, fresh_v[row0:row0 + n].float(), 1).repeat_interleave(G, 1)
         slots = torch.tensor([table[p // meta.block_size] * meta.block_size + p % meta.block_size for p in range(ctx)])
-        vals = values(kv[1][slots], kv[3][slots]).repeat_interleave(G, 1)                     # [ctx, Hq, D]
+        quantized = values(kv[1][slots], kv[3][slots]).repeat_interleave(G, 1)                # [ctx, Hq, D]
         for r0 in range(0, n, ROWS):
             lens = torch.arange(start + r0 + 1, start + min(n, r0 + ROWS) + 1)                   # [r]
             qs = q[row0 + r0:row0 + r0 + len(lens)].float() * scale
@@ -146,6 +149,8 @@ def attend(q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, fresh: torch.T
             seen = pos[None] < lens[:, None]
             if window is not None:
                 seen &= pos[None] > lens[:, None] - 1 - window
-            scores = scores.masked_fill(~seen[:, None], float("-inf"))
-            out[row0 + r0:row0 + r0 + len(lens)] = torch.einsum("rhp,phd->rhd", scores.softmax(-1), vals)
+            p = scores.masked_fill(~seen[:, None], float("-inf")).softmax(-1)                     # [r, Hq, ctx]
+            w_float = p * as_float[:, None]
+            out[row0 + r0:row0 + r0 + len(lens)] = (torch.einsum("rhp,phd->rhd", p - w_float, quantized)
+                                                    + torch.einsum("rhp,phd->rhd", w_float[..., g0 * GROUP:], y))
     return out.to(q.dtype)

@@ -10,7 +10,7 @@ keys of its last two groups (`tails`, per layer) with the group each holds (`tai
 entry is then (k, v, k_groups, v_scale, tails, tail_groups). An int4 cache (dtype INT4, "int4 KV cache") is
 the same with 4-bit codes two to a byte (k and v uint8 [slots, Hkv, D / 2]), key groups of 64 tokens
 (k_groups fp16 [slots / 64, Hkv, 2, D]: minimum, step), fp16 V scales per 32 values ([slots, Hkv, D / 32])
-and tails of 64 keys.
+and tails of 64 keys and their values ([2 tail slots, 2, 64, Hkv, D]).
 
 A hybrid's recurrent layers keep no K and V: their entry in `layers` is their state, one fp32 tensor
 [S, *shape] per shape the layer kind declares (`cfg.recurrent.state_shapes`: a Gated DeltaNet's conv
@@ -55,9 +55,10 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 
 def tail_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """A quantized cache's tail slot (a running sequence's last two key groups in fp32, every layer); 0
-    otherwise."""
-    return len(cfg.attention_layers) * 2 * key_group(dtype) * cfg.num_kv_heads * cfg.head_dim * 4
+    """A quantized cache's tail slot (a running sequence's last two key groups in fp32, int4 their values
+    too, every layer); 0 otherwise."""
+    parts = 2 if dtype == INT4 else 1
+    return len(cfg.attention_layers) * 2 * parts * key_group(dtype) * cfg.num_kv_heads * cfg.head_dim * 4
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -77,6 +78,13 @@ def state_slots_for_memory(cfg: ModelConfig, max_seqs: int, gib: float, checkpoi
     recurrent layers."""
     per_seq = cfg.state_bytes_per_seq * (1 + int(checkpoints) + snapshots)
     return 0 if not per_seq else max(1, min(max_seqs, int(gib * 2**30 / 2) // per_seq))
+
+
+def tail_slots_for_memory(cfg: ModelConfig, dtype: torch.dtype, max_seqs: int, gib: float) -> int:
+    """A quantized cache's tail slots: one per sequence that may run (max_seqs), within a quarter of the `gib`
+    budget (at least one; an int4 tail is 512 D bytes a layer and KV head); 0 for a float cache."""
+    per_seq = tail_bytes(cfg, dtype)
+    return 0 if not per_seq else max(1, min(max_seqs, int(gib * 2**30 / 4) // per_seq))
 
 
 class KVCache:
@@ -119,7 +127,8 @@ class KVCache:
             self.k_groups = _zeros((P, 1, slots // group, H, 2, D), scale, device)
             self.v_scale = (torch.ones(P, 1, slots, H, device=device) if dtype == torch.int8 else
                             _zeros((P, 1, slots, H, D // V4_BLOCK), scale, device))
-            self.tails = torch.zeros(len(attention), 2 * num_tail_slots, group, H, D, device=device)
+            tail = (2, group) if dtype == INT4 else (group,)        # int4: keys, then values
+            self.tails = torch.zeros(len(attention), 2 * num_tail_slots, *tail, H, D, device=device)
             self.tail_groups = torch.full((num_tail_slots, 2), -1, dtype=torch.int64, device=device)
             self.layers = [(k, v, self.k_groups[p, 0], self.v_scale[p, 0], self.tails[n], self.tail_groups)
                            for n, (p, (k, v)) in enumerate(zip(index, self.layers))]

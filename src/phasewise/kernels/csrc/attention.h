@@ -96,8 +96,16 @@ inline const float* float_key(const Cache& c, const AttentionRows& ar, int64_t s
   const int64_t* q = ar.seqs + 4 * s;
   if (pos >= q[0]) return c.fresh + ((q[2] + pos - q[0]) * c.Hkv + h) * c.D;
   const int64_t* held = c.tail_groups + 2 * q[3];
-  const int64_t G = c.group(), half = held[0] == pos / G ? 0 : 1;
-  return c.tails + (((2 * q[3] + half) * G + pos % G) * c.Hkv + h) * c.D;
+  const int64_t G = c.group();
+  return c.tails + c.tail_at(q[3], held[0] == pos / G ? 0 : 1, 0, pos % G, h);
+}
+
+// Where an int4 cache keeps the fp32 value of such a position: the step's own values, else the tail slot.
+inline const float* float_value(const Cache& c, const AttentionRows& ar, int64_t s, int64_t pos, int64_t h) {
+  const int64_t* q = ar.seqs + 4 * s;
+  if (pos >= q[0]) return c.fresh_v + (q[2] + pos - q[0]) * c.ldv + h * c.D;
+  const int64_t* held = c.tail_groups + 2 * q[3];
+  return c.tails + c.tail_at(q[3], held[0] == pos / KEY_GROUP4 ? 0 : 1, 1, pos % KEY_GROUP4, h);
 }
 
 // The midpoints (then the steps) of KV head h's key group whose first token is at slot slot0.

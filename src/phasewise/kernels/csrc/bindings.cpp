@@ -15,7 +15,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("paged_attention", &KernelSet::paged_attention, "attention of query rows over a paged KV cache",
            py::arg("q"), py::arg("kv"), py::arg("block_tables"), py::arg("row_seq"), py::arg("row_len"),
            py::arg("seqs"), py::arg("block_size"), py::arg("scale"), py::arg("fresh") = py::none(),
-           py::arg("window") = 0, nogil())
+           py::arg("window") = 0, py::arg("fresh_v") = py::none(), nogil())
       .def("rope_and_cache", &KernelSet::rope_and_cache, "split qkv, rotate q and k, write k and v to the cache",
            py::arg("qkv"), py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("kv"), py::arg("slots"),
            py::arg("Hq"), py::arg("Hkv"), py::arg("block_tables"), py::arg("seqs"), py::arg("block_size"), nogil())

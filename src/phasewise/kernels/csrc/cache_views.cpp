@@ -19,9 +19,10 @@ void check_quantized(const std::vector<torch::Tensor>& kv, int64_t Hkv, int64_t 
                   (int4 ? vs.dim() == 3 && vs.size(2) == D / pw::V4_BLOCK : vs.dim() == 2),
               "v_scale: fp32 [slots, Hkv] (int8) or fp16 [slots, Hkv, D / 32] (int4)");
   TORCH_CHECK(held.scalar_type() == at::kLong && held.dim() == 2 && held.size(1) == 2, "tail_groups: int64 [S, 2]");
-  TORCH_CHECK(tails.scalar_type() == at::kFloat && tails.dim() == 4 && tails.size(0) == 2 * held.size(0) &&
-              tails.size(1) == G && tails.size(2) == Hkv && tails.size(3) == D,
-              "tails: fp32 [2 S, group, Hkv, D]");
+  const int64_t t = int4 ? 1 : 0;            // int4: [2 S, 2, 64, Hkv, D], keys then values
+  TORCH_CHECK(tails.scalar_type() == at::kFloat && tails.dim() == 4 + t && tails.size(0) == 2 * held.size(0) &&
+              (!int4 || tails.size(1) == 2) && tails.size(1 + t) == G && tails.size(2 + t) == Hkv &&
+              tails.size(3 + t) == D, "tails: fp32 [2 S, 16, Hkv, D] (int8) or [2 S, 2, 64, Hkv, D] (int4)");
   if (int4) {
     c.k4 = kv[0].data_ptr<uint8_t>(), c.v4 = kv[1].data_ptr<uint8_t>();
     c.kg4 = reinterpret_cast<uint16_t*>(groups.data_ptr<at::Half>());

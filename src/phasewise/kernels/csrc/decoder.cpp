@@ -142,7 +142,8 @@ int64_t attention(const Runtime& rt, const DecoderModel& m, const DecoderStep& s
                          m.rot > 0 ? m.rot : D, s.slots[L.group], s.rows[L.group], s.cache_out[i], w.q, w.k);
   AttentionRows rows = s.R >= 0 && i == m.L - 1 ? s.kept[L.group] : s.rows[L.group];
   Cache cache = s.caches[i];
-  cache.fresh = w.k;                         // an int8 cache's partial key groups: the step's keys (all T rows)
+  cache.fresh = w.k;                         // a quantized cache's partial key groups: the step's keys (all T rows)
+  cache.fresh_v = w.qkv + (Hq + Hkv) * D, cache.ldv = width;   // and an int4 cache's values
   if (L.attn_gate) T = keep_last(rt, m, s, i, w, T, {{w.q, Hq * D}, {w.wide, gated}});
   else T = keep_last(rt, m, s, i, w, T, {{w.q, Hq * D}});
   rows.window = L.window;

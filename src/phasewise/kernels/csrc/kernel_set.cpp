@@ -68,12 +68,14 @@ KernelSet::KernelSet(const std::string& library) {
 
 // q: [T, Hq, D]; kv: the layer's cache (cache_tensors); block_tables: [num_seqs, max_blocks] int64; row_seq,
 // row_len: [T] int64 (row t attends over the first row_len[t] tokens of sequence row_seq[t]); seqs: [num_seqs,
-// 4] int64 and fresh [T', Hkv, D] fp32, a quantized cache's sequences and the step's keys. Returns [T, Hq, D].
+// 4] int64 and fresh [T', Hkv, D] fp32, a quantized cache's sequences and the step's keys (int4: fresh_v, its
+// values, too). Returns [T, Hq, D].
 // window > 0: each row sees only its last `window` tokens.
 torch::Tensor KernelSet::paged_attention(torch::Tensor q, const std::vector<torch::Tensor>& kv,
                                          torch::Tensor block_tables, torch::Tensor row_seq, torch::Tensor row_len,
                                          torch::Tensor seqs, int64_t block_size, double scale,
-                                         c10::optional<torch::Tensor> fresh, int64_t window) const {
+                                         c10::optional<torch::Tensor> fresh, int64_t window,
+                                         c10::optional<torch::Tensor> fresh_v) const {
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3 && q.is_contiguous(), "q: fp32 [T, Hq, D]");
   TORCH_CHECK(!kv.empty() && kv[0].dim() == 3 && q.size(1) % kv[0].size(1) == 0, "caches [slots, Hkv, D]");
   const int64_t T = q.size(0), Hkv = kv[0].size(1), D = q.size(2);
@@ -94,9 +96,15 @@ torch::Tensor KernelSet::paged_attention(torch::Tensor q, const std::vector<torc
     keys = fresh->data_ptr<float>();
     rows.seqs = seqs.data_ptr<int64_t>(), rows.num_seqs = seqs.size(0);
   }
+  pw::Cache reader = cache_reader(out_view, Hkv, D, keys);
+  if (out_view.k4 != nullptr) {
+    TORCH_CHECK(fresh_v.has_value() && fresh_v->scalar_type() == at::kFloat && fresh_v->is_contiguous() &&
+                fresh_v->sizes() == fresh->sizes(), "an int4 cache: fresh_v fp32 [T, Hkv, D], the step's values");
+    reader.fresh_v = fresh_v->data_ptr<float>(), reader.ldv = Hkv * D;
+  }
   auto out = torch::empty_like(q);
-  table_->paged_attention(runtime(), q.data_ptr<float>(), T, q.size(1), cache_reader(out_view, Hkv, D, keys), rows,
-                          static_cast<float>(scale), out.data_ptr<float>());
+  table_->paged_attention(runtime(), q.data_ptr<float>(), T, q.size(1), reader, rows, static_cast<float>(scale),
+                          out.data_ptr<float>());
   return out;
 }
 

@@ -33,7 +33,7 @@ void check_sequences(int64_t B, const int64_t* n, const int64_t* ctx, const int6
 // A layer's KV cache as the kernels take it (runner/kv_cache.py): (k, v) fp32 [slots, Hkv, D], or an int8
 // cache's (k, v int8, k_groups fp32 [slots / 16, Hkv, 2, D], v_scale fp32 [slots, Hkv], tails fp32 [2 S, 16,
 // Hkv, D], tail_groups int64 [S, 2]), or an int4 cache's (k, v uint8 [slots, Hkv, D / 2], k_groups fp16
-// [slots / 64, Hkv, 2, D], v_scale fp16 [slots, Hkv, D / 32], tails fp32 [2 S, 64, Hkv, D], tail_groups),
+// [slots / 64, Hkv, 2, D], v_scale fp16 [slots, Hkv, D / 32], tails fp32 [2 S, 2, 64, Hkv, D], tail_groups),
 // checked; *tail_slots = S (0: fp32).
 pw::CacheOut cache_tensors(const std::vector<torch::Tensor>& kv, int64_t Hkv, int64_t D, int64_t* tail_slots);
 pw::Cache cache_reader(const pw::CacheOut& c, int64_t Hkv, int64_t D, const float* fresh);
@@ -52,7 +52,8 @@ class KernelSet {
 
   torch::Tensor paged_attention(torch::Tensor q, const std::vector<torch::Tensor>& kv, torch::Tensor block_tables,
                                 torch::Tensor row_seq, torch::Tensor row_len, torch::Tensor seqs, int64_t block_size,
-                                double scale, c10::optional<torch::Tensor> fresh, int64_t window) const;
+                                double scale, c10::optional<torch::Tensor> fresh, int64_t window,
+                                c10::optional<torch::Tensor> fresh_v) const;
   std::vector<torch::Tensor> rope_and_cache(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos,
                                             torch::Tensor sin, const std::vector<torch::Tensor>& kv,
                                             torch::Tensor slots, int64_t Hq, int64_t Hkv, torch::Tensor block_tables,

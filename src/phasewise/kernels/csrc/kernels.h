@@ -25,9 +25,10 @@ constexpr int64_t MAX_HEAD_SIZE = 512;   // a quantized cache's largest head siz
 // An int4 cache (docs/architecture.md, "int4 KV cache") is an int8 cache's shape with 4-bit codes: K per
 // group of KEY_GROUP4 tokens (positions [64 i, 64 i + 64)) and KV head, each channel's minimum and step in
 // fp16 (k = min + step code, code 0..15); V per token and KV head in blocks of V4_BLOCK values, each with
-// one fp16 scale d (v = d (code - 8), code 1..15). Codes two to a byte: in each 64 values of a row, byte
-// i holds value i (low nibble) and value i + 32 (high). Head sizes are multiples of 64; tails hold groups
-// of 64 keys.
+// one fp16 scale d (v = d (code - 8), code 1..15), quantized with its group's keys. Codes two to a byte: in
+// each 64 values of a row, byte i holds value i (low nibble) and value i + 32 (high). Head sizes are
+// multiples of 64. Its tails hold groups of 64 keys and their values: a row reads its own group's values
+// as fp32 too (the step's own, fresh_v, or its tail's).
 constexpr int64_t KEY_GROUP4 = 64;
 constexpr int64_t V4_BLOCK = 32;
 
@@ -38,7 +39,8 @@ struct Cache {              // one layer's KV cache [slots, Hkv, D], fp32, int8 
   const int8_t* vq = nullptr;
   const float* kg = nullptr;   // [slots / 16, Hkv, 2, D] each key group's midpoints, then steps
   const float* vs = nullptr;   // [slots, Hkv] the values' scales
-  const float* tails = nullptr;        // [2 S, group, Hkv, D] fp32 keys: tail slot s's groups 2 s, 2 s + 1
+  // [2 S, group, Hkv, D] fp32 keys (int4: [2 S, 2, 64, Hkv, D] keys, then values): tail slot s's groups 2 s, 2 s + 1
+  const float* tails = nullptr;
   const int64_t* tail_groups = nullptr;  // [S, 2] the group (position / group) each holds
   const float* fresh = nullptr;        // [T, Hkv, D] the step's keys (rotated), as the writer wrote them
   int64_t Hkv = 0, D = 0;
@@ -46,8 +48,15 @@ struct Cache {              // one layer's KV cache [slots, Hkv, D], fp32, int8 
   const uint8_t* v4 = nullptr;         // [slots, Hkv, D / 2] value codes
   const uint16_t* kg4 = nullptr;       // [slots / 64, Hkv, 2, D] fp16 each key group's minimums, then steps
   const uint16_t* vs4 = nullptr;       // [slots, Hkv, D / 32] fp16 the values' scales
+  const float* fresh_v = nullptr;      // int4: the step's values [T, Hkv, D], rows ldv floats apart
+  int64_t ldv = 0;
   bool quantized() const { return kq != nullptr || k4 != nullptr; }
   int64_t group() const { return k4 != nullptr ? KEY_GROUP4 : KEY_GROUP; }   // tokens per key group
+  // where tails holds token `off` of half `half` (0, 1) of tail slot `slot`, KV head h: its key (part 0) or
+  // value (part 1, int4)
+  int64_t tail_at(int64_t slot, int64_t half, int64_t part, int64_t off, int64_t h) const {
+    return ((((2 * slot + half) * (k4 != nullptr ? 2 : 1) + part) * group() + off) * Hkv + h) * D;
+  }
 };
 
 struct CacheOut {           // the same cache, written

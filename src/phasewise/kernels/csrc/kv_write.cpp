@@ -5,9 +5,10 @@
 // over its 16 keys; until then its keys stay fp32. Per sequence the writer keeps in its tail slot the
 // groups a later step may still read as floats: the group of its first new token (its older keys are
 // there already) and the group of its last (after a verify's rejected drafts the sequence may end in
-// either). An int4 cache (kernels.h) is written alike with 4-bit codes: V per token in blocks of 32
-// values, K per group of 64 tokens with fp16 minimums and steps. The arithmetic is layers/kv_int8.py's
-// and layers/kv_int4.py's, value for value (built in order: build.py).
+// either). An int4 cache (kernels.h) is written alike with 4-bit codes: K per group of 64 tokens with fp16
+// minimums and steps, V per token in blocks of 32 values, quantized with its group's keys and kept in
+// the tail until then. The arithmetic is layers/kv_int8.py's and layers/kv_int4.py's, value for value
+// (built in order: build.py).
 #include "core.h"
 #include "half.h"
 #include "parallel.h"
@@ -99,28 +100,43 @@ void quantize_group(const float* const* x, int64_t Hkv, int64_t D, int64_t slot0
   }
 }
 
-// One sequence's keys (s: its index in ar.seqs; k: the step's [T, Hkv, D]): its groups that fill
-// quantized, then its first and last groups' new keys into its tail slot (tail_groups already says where).
-void write_keys(const AttentionRows& ar, int64_t s, const float* k, int64_t Hkv, int64_t D, const CacheOut& c) {
+// One sequence's keys, and an int4 cache's values (s: its index in ar.seqs; k: the step's [T, Hkv, D], v
+// its rows ldv apart): its groups that fill quantized, then its first and last groups' new keys (values)
+// into its tail slot (tail_groups already says where).
+void write_groups(const AttentionRows& ar, int64_t s, const float* k, const float* v, int64_t ldv, int64_t Hkv,
+                  int64_t D, const CacheOut& c) {
   const int64_t* q = ar.seqs + 4 * s;
   const int64_t start = q[0], n = q[1], row0 = q[2], slot = q[3], ctx = start + n, width = Hkv * D;
-  const int64_t G = c.group(), g0 = start / G, gl = (ctx - 1) / G;
+  const int64_t G = c.group(), g0 = start / G, gl = (ctx - 1) / G, parts = c.k4 != nullptr ? 2 : 1;
   const int64_t* held = c.tail_groups + 2 * slot;
-  float* tail0 = c.tails + (2 * slot + (held[0] == g0 ? 0 : 1)) * G * width;
-  float* taill = c.tails + (2 * slot + (held[0] == gl ? 0 : 1)) * G * width;
+  // the tail's rows of g0's and gl's group, keys (part 0) or values (part 1): [G, Hkv, D] each
+  auto tail = [&](int64_t g, int64_t part) { return c.tails + ((2 * slot + (held[0] == g ? 0 : 1)) * parts + part) * G * width; };
   auto key = [&](int64_t pos) -> const float* {   // a float key of the sequence, g0's group on
-    return pos < start ? tail0 + (pos % G) * width : k + (row0 + pos - start) * width;
+    return pos < start ? tail(g0, 0) + (pos % G) * width : k + (row0 + pos - start) * width;
+  };
+  auto value = [&](int64_t pos) -> const float* {   // and (int4) its value, a row of Hkv D
+    return pos < start ? tail(g0, 1) + (pos % G) * width : v + (row0 + pos - start) * ldv;
   };
   for (int64_t g = g0; g < ctx / G; ++g) {
     const float* x[KEY_GROUP4];
     for (int64_t j = 0; j < G; ++j) x[j] = key(G * g + j);
-    if (c.k4 != nullptr) quantize_group4(x, Hkv, D, group_slot(ar, s, g, G), c);
-    else quantize_group(x, Hkv, D, group_slot(ar, s, g, G), c);
+    const int64_t slot0 = group_slot(ar, s, g, G);
+    if (c.k4 == nullptr) {
+      quantize_group(x, Hkv, D, slot0, c);
+      continue;
+    }
+    quantize_group4(x, Hkv, D, slot0, c);
+    for (int64_t j = 0; j < G; ++j)
+      for (int64_t h = 0, at = (slot0 + j) * Hkv; h < Hkv; ++h, ++at)
+        quant_row4(value(G * g + j) + h * D, c.v4 + at * D / 2, c.vs4 + at * D / V4_BLOCK, D);
   }
-  for (int64_t pos = start; pos < std::min(ctx, (g0 + 1) * G); ++pos)
-    std::copy(key(pos), key(pos) + width, tail0 + (pos % G) * width);
-  if (gl != g0)
-    for (int64_t pos = gl * G; pos < ctx; ++pos) std::copy(key(pos), key(pos) + width, taill + (pos % G) * width);
+  for (int64_t part = 0; part < parts; ++part) {
+    auto row = [&](int64_t pos) { return part == 0 ? key(pos) : value(pos); };
+    for (int64_t pos = start; pos < std::min(ctx, (g0 + 1) * G); ++pos)
+      std::copy(row(pos), row(pos) + width, tail(g0, part) + (pos % G) * width);
+    if (gl != g0)
+      for (int64_t pos = gl * G; pos < ctx; ++pos) std::copy(row(pos), row(pos) + width, tail(gl, part) + (pos % G) * width);
+  }
 }
 
 // Which of a tail slot's two groups hold g0 and gl (layers/kv_int8.py tail_halves): g0 where it is held
@@ -147,14 +163,14 @@ void write_kv(const Runtime& rt, const float* k, const float* v, int64_t ldv, in
     });
     return;
   }
-  parallel_for(rt, T, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      for (int64_t h = 0; h < Hkv; ++h) {
-        const int64_t at = slots[t] * Hkv + h;
-        if (c.k4 != nullptr) quant_row4(v + t * ldv + h * D, c.v4 + at * D / 2, c.vs4 + at * D / V4_BLOCK, D);
-        else c.vs[at] = quant_row(v + t * ldv + h * D, c.vq + at * D, D);
-      }
-  });
+  if (c.k4 == nullptr)                 // int8: V per token now (int4: with its key group)
+    parallel_for(rt, T, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t)
+        for (int64_t h = 0; h < Hkv; ++h) {
+          const int64_t at = slots[t] * Hkv + h;
+          c.vs[at] = quant_row(v + t * ldv + h * D, c.vq + at * D, D);
+        }
+    });
   const int64_t G = c.group();
   team_serial(rt, [&] {
     for (int64_t s = 0; s < ar.num_seqs; ++s) {
@@ -163,7 +179,7 @@ void write_kv(const Runtime& rt, const float* k, const float* v, int64_t ldv, in
     }
   });
   parallel_for(rt, ar.num_seqs, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t s = begin; s < end; ++s) write_keys(ar, s, k, Hkv, D, c);
+    for (int64_t s = begin; s < end; ++s) write_groups(ar, s, k, v, ldv, Hkv, D, c);
   });
 }
 

@@ -126,8 +126,14 @@ void attend_row(const Cache& c, const AttentionRows& ar, int64_t h, const Tile& 
       }
       for (int64_t j = j0; j < n; ++j) {
         Vf vr[NV];
-        if (I4) load_int4_values<NV>(c, at[j], vr);
-        else load_int8_row<NV>(c.vq + at[j] * D, vr);
+        if (I4 && whole) {
+          load_int4_values<NV>(c, at[j], vr);
+        } else if (I4) {                        // the row's own group: its fp32 values
+          const float* x = float_value(c, ar, tile.seq, start + j, h);
+          for (int i = 0; i < NV; ++i) vr[i] = Vf::load(x + 16 * i);
+        } else {
+          load_int8_row<NV>(c.vq + at[j] * D, vr);
+        }
         for (int64_t g = 0; g < G; ++g) {
           const Vf w = Vf::set1(probs[g][j]);
           for (int i = 0; i < NV; ++i) out[g][i] = fma(w, vr[i], out[g][i]);
@@ -163,11 +169,14 @@ void attend_scalar(const Cache& c, const AttentionRows& ar, int64_t s, int64_t l
       for (int64_t g = 0; g < G; ++g)
         sy[g] = group_query(qs.data() + g * D, params, D, qi.data() + g * D, base.data() + g);
     }
-    if (c.k4) {
+    if (c.k4 && as_int) {
       unpack_row4(c.v4 + at * D / 2, D, codes.data());
       for (int64_t d = 0; d < D; ++d)
         vr[d] = (static_cast<float>(codes[d]) - 8.f) * f16_value(c.vs4[at * (D / V4_BLOCK) + d / V4_BLOCK]);
-      if (as_int) unpack_row4(c.k4 + at * D / 2, D, codes.data());
+      unpack_row4(c.k4 + at * D / 2, D, codes.data());
+    } else if (c.k4) {                           // the row's own group: its fp32 values
+      const float* x = float_value(c, ar, s, pos, h);
+      std::copy(x, x + D, vr.begin());
     }
     for (int64_t d = 0; d < D; ++d) {
       if (c.k) kr[d] = c.k[at * D + d];

@@ -133,6 +133,42 @@ void attend_tile(const Cache& c, const AttentionRows& ar, int64_t h, const Tile&
   float vscale[KEYS];
   alignas(64) float ksum[KEYS];                // int8 cache with Q8_BIASED: each key's sum of bytes
   const Vf neg_inf = Vf::set1(NEG_INF), one = Vf::set1(1.f);
+  const float* vflt[KEYS];                     // int4: the pass's fp32 values (absent: zeros)
+  alignas(64) float pf[I4 ? KEYS * 16 : 1];   // int4: the fp32 values' weights where lanes differ
+  alignas(64) static const float ones[16] = {1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f,
+                                             1.f, 1.f};
+  int64_t n = 0;                               // the pass's keys that may be read
+  // o = o corr + the weights w [key][lane] times the value rows, the pass's n keys: four lanes' output rows,
+  // SL 16-wide slices of each, in registers at a time (spare lanes are computed, never written).
+  auto weigh_values = [&](const float* const* rows, const float* w, const float* cf) {
+    for (int64_t lane0 = 0; lane0 < lanes; lane0 += 4) {
+      constexpr int64_t nl = 4;
+      for (int i0 = 0; i0 < NV; i0 += SL) {
+        // every loop over acc unrolled: one left rolled keeps acc in memory, stored on every key
+        Vf acc[4][SL];
+        #pragma GCC unroll 4
+        for (int64_t a = 0; a < nl; ++a)
+          #pragma GCC unroll 4
+          for (int i = 0; i < SL; ++i)
+            acc[a][i] = Vf::load(o + (lane0 + a) * D + 16 * (i0 + i)) * Vf::set1(cf[lane0 + a]);
+        for (int64_t j = 0; j < n; ++j) {
+          Vf vr[SL];
+          #pragma GCC unroll 4
+          for (int i = 0; i < SL; ++i) vr[i] = Vf::load(rows[j] + 16 * (i0 + i));
+          #pragma GCC unroll 4
+          for (int64_t a = 0; a < nl; ++a) {
+            const Vf wa = Vf::set1(w[j * 16 + lane0 + a]);
+            #pragma GCC unroll 4
+            for (int i = 0; i < SL; ++i) acc[a][i] = fma(wa, vr[i], acc[a][i]);
+          }
+        }
+        #pragma GCC unroll 4
+        for (int64_t a = 0; a < nl; ++a)
+          #pragma GCC unroll 4
+          for (int i = 0; i < SL; ++i) acc[a][i].store(o + (lane0 + a) * D + 16 * (i0 + i));
+      }
+    }
+  };
   for (int64_t part = part0; part < part1; ++part) {
     Vf m = neg_inf, l = Vf::zero();
     std::memset(o, 0, sizeof(float) * D * ((lanes + 3) / 4 * 4));   // P.V runs four lanes at a time
@@ -140,7 +176,7 @@ void attend_tile(const Cache& c, const AttentionRows& ar, int64_t h, const Tile&
     for (int64_t start = std::max(part * PART_TOKENS, kmin / KEYS * KEYS); start < pend; start += KEYS) {
       // quantized keys only where some row holds the whole group (the writer quantized it)
       const int64_t gstart = start / KG * KG;
-      const bool whole = QUANT && kmax >= gstart + KG;
+      const bool whole = QUANT && kmax >= gstart + KG, every = tile.len0 >= gstart + KG;   // some lane, every lane
       for (int64_t j = 0, blk = start / block_size, off = start % block_size; j < KEYS; ++j) {
         const int64_t pos = start + j;             // its (slot, head) row: one division a pass, not two a key
         const int64_t at = pos < kmin || pos >= pend ? -1 : (table[blk] * block_size + off) * c.Hkv + h;
@@ -148,17 +184,20 @@ void attend_tile(const Cache& c, const AttentionRows& ar, int64_t h, const Tile&
         if (at < 0) {                              // outside every lane's context: masked below
           if constexpr (QUANT) krow[j] = kzero, vscale[j] = 0.f;
           else std::memset(kt + j * D, 0, sizeof(float) * D);
-          vrow[j] = vzero;
+          vrow[j] = vflt[j] = vzero;
           continue;
         }
-        if constexpr (I4) {
-          krow[j] = kzero;
-          if (whole) unpack_row4(c.k4 + at * D / 2, D, kc + j * D), krow[j] = reinterpret_cast<const int8_t*>(kc + j * D);
-          Vf x[NV];
-          load_int4_values<NV>(c, at, x);
-          for (int i = 0; i < NV; ++i) x[i].store(vt + j * D + 16 * i);
+        if constexpr (I4) {                        // int4: values dequantized where a lane holds the group,
+          krow[j] = kzero, vrow[j] = vzero;        // fp32 (vflt) where a lane reads its own group
+          if (whole) {
+            unpack_row4(c.k4 + at * D / 2, D, kc + j * D), krow[j] = reinterpret_cast<const int8_t*>(kc + j * D);
+            Vf x[NV];
+            load_int4_values<NV>(c, at, x);
+            for (int i = 0; i < NV; ++i) x[i].store(vt + j * D + 16 * i);
+            vrow[j] = vt + j * D;
+          }
+          vflt[j] = every ? vzero : float_value(c, ar, tile.seq, pos, h);
           vscale[j] = 1.f;
-          vrow[j] = vt + j * D;
         } else if constexpr (QUANT) {
           krow[j] = whole ? c.kq + at * D : kzero;
           Vf x[NV];
@@ -171,7 +210,7 @@ void attend_tile(const Cache& c, const AttentionRows& ar, int64_t h, const Tile&
           vrow[j] = c.v + at * D;
         }
       }
-      const int64_t n = std::min<int64_t>(KEYS, pend - start);   // keys from start that may be read
+      n = std::min<int64_t>(KEYS, pend - start);
       if constexpr (QUANT) {
         const int64_t slot0 = table[gstart / block_size] * block_size + gstart % block_size;
         const bool requery = whole && gstart != queried;
@@ -226,34 +265,23 @@ void attend_tile(const Cache& c, const AttentionRows& ar, int64_t h, const Tile&
       l = l * cr + sum16(p);
       m = mx;
       cr.store(corr);
-      // Four lanes' output rows, SL 16-wide slices of each, in registers at a time (spare lanes are
-      // computed, never written).
-      for (int64_t lane0 = 0; lane0 < lanes; lane0 += 4) {
-        constexpr int64_t nl = 4;
-        for (int i0 = 0; i0 < NV; i0 += SL) {
-          // every loop over acc unrolled: one left rolled keeps acc in memory, stored on every key
-          Vf acc[4][SL];
-          #pragma GCC unroll 4
-          for (int64_t a = 0; a < nl; ++a)
-            #pragma GCC unroll 4
-            for (int i = 0; i < SL; ++i)
-              acc[a][i] = Vf::load(o + (lane0 + a) * D + 16 * (i0 + i)) * Vf::set1(corr[lane0 + a]);
-          for (int64_t j = 0; j < n; ++j) {
-            Vf vr[SL];
-            #pragma GCC unroll 4
-            for (int i = 0; i < SL; ++i) vr[i] = Vf::load(vrow[j] + 16 * (i0 + i));
-            #pragma GCC unroll 4
-            for (int64_t a = 0; a < nl; ++a) {
-              const Vf w = Vf::set1(pt[j * 16 + lane0 + a]);
-              #pragma GCC unroll 4
-              for (int i = 0; i < SL; ++i) acc[a][i] = fma(w, vr[i], acc[a][i]);
-            }
+      if constexpr (I4) {
+        if (every) {
+          weigh_values(vrow, pt, corr);
+        } else if (!whole) {
+          weigh_values(vflt, pt, corr);
+        } else {                                   // lanes that hold the group: int4 values; the others fp32
+          const Mask as_int = len > Vi::set1(static_cast<int32_t>(gstart + KG - 1));
+          for (int j = 0; j < KEYS; ++j) {
+            const Vf w = Vf::load(pt + j * 16);
+            select(as_int, w, Vf::zero()).store(pt + j * 16);
+            select(as_int, Vf::zero(), w).store(pf + j * 16);
           }
-          #pragma GCC unroll 4
-          for (int64_t a = 0; a < nl; ++a)
-            #pragma GCC unroll 4
-            for (int i = 0; i < SL; ++i) acc[a][i].store(o + (lane0 + a) * D + 16 * (i0 + i));
+          weigh_values(vrow, pt, corr);
+          weigh_values(vflt, pf, ones);            // zero weights change nothing (+0 to every sum)
         }
+      } else {
+        weigh_values(vrow, pt, corr);
       }
     }
     m.store(mpart);
