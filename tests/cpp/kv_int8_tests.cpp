@@ -154,8 +154,9 @@ bool cache_holds(const World& w, const Int8Cache& c, const std::vector<int64_t>&
         const int64_t at = slot_of(w, s, p), row = (p * w.Hkv + h) * D;
         if (c.bits == 4 && p >= context_lens[s] / KG * KG) continue;   // int4: a partial group's values in the tail
         for (int64_t d = 0; d < D; ++d) {
-          const float vstep = c.bits == 8 ? c.vs[at * w.Hkv + h] : half_to_float(c.vs4[(at * w.Hkv + h) * (D / 32) + d / 32]);
-          ok &= std::fabs(value_of(c, at * w.Hkv + h, d) - w.values[s][row + d]) <= 0.5f * vstep + 1e-5f * (1.f + vstep);
+          const float vstep = std::fabs(c.bits == 8 ? c.vs[at * w.Hkv + h] : half_to_float(c.vs4[(at * w.Hkv + h) * (D / 32) + d / 32]));
+          const float v = w.values[s][row + d], clip = c.bits == 4 ? std::max(0.f, std::fabs(v) - 7.f * vstep) : 0.f;
+          ok &= std::fabs(value_of(c, at * w.Hkv + h, d) - v) <= 0.5f * vstep + clip + 1e-5f * (1.f + vstep);
           if (p >= context_lens[s] / KG * KG) continue;
           const float lo = group_param(c, at - p % KG, h, 0, d), step = group_param(c, at - p % KG, h, 1, d);
           const float got = lo + step * code_of(c, true, at * w.Hkv + h, d);

@@ -6,7 +6,8 @@ A layer's cache is (k, v, k_groups, v_scale, tails, tail_groups). Codes are two 
 of a row, byte i holds value i (low nibble) and value i + 32 (high). K: per group of 64 tokens (positions
 [64 i, 64 i + 64)) and KV head, each channel's minimum and step in fp16 (k_groups [slots / 64, Hkv, 2, D]),
 k = min + step code, code 0..15. V: per token and KV head in blocks of 32 values, each with one fp16 scale
-d = max |v| / 7 (v_scale [slots, Hkv, D / 32]), v = d (code - 8). A group's keys and values are quantized
+d = -m / 8 for m the block's value of largest magnitude (v_scale [slots, Hkv, D / 32]), v = d (code - 8),
+code 0..15 (llama.cpp's q4_0 rounding). A group's keys and values are quantized
 when the step that fills it writes it; until then they are fp32 (the step's own, `fresh`, or the
 sequence's tail slot: two groups of 64 keys and values, tails [2 S, 2, 64, Hkv, D]). A row of length L
 reads the groups wholly below L as int4 and its own group's keys and values as floats; its query against
@@ -44,12 +45,13 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
 
 def quantize_values(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """v [..., D] → (packed codes uint8 [..., D / 2], fp16 scales [..., D / 32]): per block of 32 values
-    d = max |v| / 7, code = round(v / d) + 8."""
+    d = m / -8 for m the value of largest magnitude (its first), code = round(v / d) + 8 in 0..15."""
     b = v.float().reshape(*v.shape[:-1], -1, V_BLOCK)
-    d = (b.abs().amax(-1) * (1 / 7)).clamp(max=F16_MAX).half()
+    m = b.gather(-1, b.abs().argmax(-1, keepdim=True)).squeeze(-1)
+    d = (m * -0.125).clamp(-F16_MAX, F16_MAX).half()
     df = d.float()
-    inv = torch.where(df > 0, 1 / df, torch.zeros_like(df))
-    codes = torch.round(b * inv[..., None]).clamp_(-7, 7) + 8
+    inv = torch.where(df != 0, 1 / df, torch.zeros_like(df))
+    codes = (torch.round(b * inv[..., None]) + 8).clamp_(0, 15)
     return pack(codes.reshape(v.shape)), d
 
 

@@ -25,7 +25,8 @@ constexpr int64_t MAX_HEAD_SIZE = 512;   // a quantized cache's largest head siz
 // An int4 cache (docs/architecture.md, "int4 KV cache") is an int8 cache's shape with 4-bit codes: K per
 // group of KEY_GROUP4 tokens (positions [64 i, 64 i + 64)) and KV head, each channel's minimum and step in
 // fp16 (k = min + step code, code 0..15); V per token and KV head in blocks of V4_BLOCK values, each with
-// one fp16 scale d (v = d (code - 8), code 1..15), quantized with its group's keys. Codes two to a byte: in
+// one fp16 scale d (v = d (code - 8), code 0..15, d = -m / 8 for m the value of largest magnitude), quantized
+// with its group's keys. Codes two to a byte: in
 // each 64 values of a row, byte i holds value i (low nibble) and value i + 32 (high). Head sizes are
 // multiples of 64. Its tails hold groups of 64 keys and their values: a row reads its own group's values
 // as fp32 too (the step's own, fresh_v, or its tail's).

@@ -30,18 +30,20 @@ inline float quant_row(const float* __restrict x, int8_t* __restrict y, int64_t 
   return scale;
 }
 
-// x [D] as int4 codes y [D / 2] (two a byte, kernels.h) in blocks of 32 values, each with its fp16 scale
-// d = max|x| / 7 in scales [D / 32]: code = round(x / d) + 8.
+// x [D] as int4 codes y [D / 2] (two a byte, kernels.h) in blocks of 32 values, each with its fp16 scale in
+// scales [D / 32]: d = m / -8 for m the block's value of largest magnitude (its first), code = round(x / d) + 8
+// in 0..15 (q4_0's rounding: m is code 0 exactly, and 16 levels are used).
 inline void quant_row4(const float* __restrict x, uint8_t* __restrict y, uint16_t* __restrict scales, int64_t D) {
   uint8_t codes[MAX_HEAD_SIZE];
   for (int64_t b = 0; b < D; b += V4_BLOCK) {
-    float amax = 0.f;
-    for (int64_t d = b; d < b + V4_BLOCK; ++d) amax = std::max(amax, std::fabs(x[d]));
-    const uint16_t h = f16_bits(std::min(amax * (1.f / 7.f), 65504.f));
-    const float step = f16_value(h), inv = step > 0.f ? 1.f / step : 0.f;
+    float amax = 0.f, m = 0.f;
+    for (int64_t d = b; d < b + V4_BLOCK; ++d)
+      if (std::fabs(x[d]) > amax) amax = std::fabs(x[d]), m = x[d];
+    const uint16_t h = f16_bits(std::min(65504.f, std::max(-65504.f, m * -0.125f)));
+    const float step = f16_value(h), inv = step != 0.f ? 1.f / step : 0.f;
     scales[b / V4_BLOCK] = h;
     for (int64_t d = b; d < b + V4_BLOCK; ++d)
-      codes[d] = static_cast<uint8_t>(std::min(7.f, std::max(-7.f, std::nearbyint(x[d] * inv))) + 8.f);
+      codes[d] = static_cast<uint8_t>(std::min(15.f, std::max(0.f, std::nearbyint(x[d] * inv) + 8.f)));
   }
   for (int64_t d = 0; d < D; d += 64)
     for (int64_t i = 0; i < 32; ++i) y[d / 2 + i] = static_cast<uint8_t>(codes[d + i] | codes[d + 32 + i] << 4);
