@@ -69,7 +69,8 @@ class MTPProposer:
             st.done = r.num_tokens - 1
 
         def step(kept: list[int], active: list[int], drafts: list[list[int]]) -> Tensor:
-            nonlocal out      # the layer's own output and the newest draft, one position on (draft d's row at T - 2 + d)
+            # the layer's own output and the newest draft, one position on (draft d's row at T - 2 + d)
+            nonlocal out
             starts = [reqs[i].num_tokens - 2 + len(drafts[i]) for i in active]
             out = self._forward([[drafts[i][-1]] for i in active], out[kept], starts, [tables[i] for i in active],
                                 [tails[i] for i in active])
