@@ -135,3 +135,52 @@ def test_a_kv_link_whose_peer_is_gone_fails_every_transfer_at_once():
 
     run = subprocess.run([sys.executable, "-c", LINK_ALONE], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
+
+
+LINK_PAIR = """
+import os
+import sys
+from pathlib import Path
+import torch
+from phasewise.distributed.kv_link import KVLink
+from phasewise.loading.loader import load_config
+from phasewise.runner.kv_cache import KVCache
+
+role, port, model, dtype = sys.argv[1], sys.argv[2], Path(sys.argv[3]), getattr(torch, sys.argv[4])
+cache = KVCache(load_config(model), 4, 16, dtype, "cpu", num_tail_slots=2)
+g = torch.Generator().manual_seed(0)
+cache.write_blocks([0, 1, 2, 3], {n: (torch.randint(-127, 128, t.shape, generator=g, dtype=t.dtype) if t.dtype == torch.int8
+                                      else torch.randn(t.shape, generator=g, dtype=t.dtype))
+                                  for n, t in cache.read_blocks([0, 1, 2, 3]).items()})   # random codes and scales
+parts = cache.read_blocks([1, 3])
+link = KVLink(role, f"tcp://127.0.0.1:{port}", timeout_s=60)
+if role == "prefill":
+    link.send("t", (list(range(32)), 16, parts)).result(timeout=60)
+else:
+    tokens, block_size, got = link.expect("t").result(timeout=60)
+    assert tokens == list(range(32)) and block_size == 16, (tokens, block_size)
+    assert got.keys() == parts.keys(), (sorted(got), sorted(parts))
+    assert all(torch.equal(got[n], parts[n]) for n in parts)
+print("ok", sorted(parts), flush=True)
+os._exit(0)                                  # the link's threads stay in gloo calls: no interpreter teardown
+"""
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_every_part_of_a_kv_cache_crosses_the_link(default_model_path, dtype):
+    """A prefill process sends two blocks of a cache of this dtype (an int8 cache has K group scales and V
+    scales besides the codes) and the decode process receives every part, bit for bit. Each in a process of
+    its own (the link takes torch.distributed's default group)."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    procs = [subprocess.Popen([sys.executable, "-c", LINK_PAIR, role, port, str(default_model_path), dtype],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for role in ("decode", "prefill")]
+    outs = [p.communicate(timeout=180) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0 and out.startswith("ok"), err[-2000:]
+    assert ("k_groups" in outs[0][0]) == (dtype == "int8")
