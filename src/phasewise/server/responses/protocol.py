@@ -308,7 +308,8 @@ def _cache_marks(body: ResponsesRequest, before: list[JsonObject], known: dict[s
     items = body.input if isinstance(body.input, list) else []
     for i, item in enumerate(items):
         parts = item.get("content")
-        for j, part in enumerate(parts if isinstance(parts, list) else ()):
+        parts = parts if isinstance(parts, list) else []
+        for j, part in enumerate(parts):
             if isinstance(part, dict) and part.get("prompt_cache_breakpoint") is not None:
                 upto = body.model_copy(update={"input": [*items[:i], {**item, "content": parts[:j + 1]}]})
                 marks.append((f"input[{i}].content[{j}]", part["prompt_cache_breakpoint"],
