@@ -32,9 +32,17 @@ REPLACE_TIMEOUT = 180.0
 
 @pytest.fixture(scope="module")
 def cluster():
+    """Two 1-CPU nodes, Serve on a free port; with HAProxy's switches on, its retries too, as `serve --ray`
+    sets them (options.start_direct_ingress)."""
     from ray import serve
     from ray.cluster_utils import Cluster
 
+    from phasewise.deploy.options import HAPROXY_RETRY_ENV
+
+    saved = dict(os.environ)
+    if "direct" in _ingress_modes():
+        for name, value in HAPROXY_RETRY_ENV.items():
+            os.environ.setdefault(name, value)
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     c.add_node(num_cpus=1)
     ray.init(address=c.address, log_to_driver=False)
@@ -46,6 +54,8 @@ def cluster():
         serve.shutdown()
         ray.shutdown()
         c.shutdown()
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def _ingress_modes() -> list[str]:

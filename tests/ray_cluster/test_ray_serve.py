@@ -245,6 +245,24 @@ def test_make_test_ray_turns_on_the_switches_serve_ray_sets():
     assert "$(RAY_DIRECT_INGRESS) $(RAY_HAPROXY_RETRIES) $(BIN)/python -m pytest" in makefile
 
 
+def test_serve_ray_turns_on_haproxy_and_its_retries_unless_told_otherwise(monkeypatch):
+    import argparse
+    import os
+
+    from phasewise.deploy.options import DIRECT_INGRESS_ENV, HAPROXY_RETRY_ENV, start_direct_ingress
+
+    for name in (*DIRECT_INGRESS_ENV, *HAPROXY_RETRY_ENV):
+        monkeypatch.delenv(name, raising=False)
+    start_direct_ingress(argparse.Namespace(ray_ingress="proxy", ray_address=None))
+    assert not any(name in os.environ for name in (*DIRECT_INGRESS_ENV, *HAPROXY_RETRY_ENV))
+    start_direct_ingress(argparse.Namespace(ray_ingress="auto", ray_address=None))
+    assert {k: os.environ[k] for k in (*DIRECT_INGRESS_ENV, *HAPROXY_RETRY_ENV)} == {**DIRECT_INGRESS_ENV,
+                                                                                    **HAPROXY_RETRY_ENV}
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_RETRY_ON", "conn-failure")          # the user's own policy stands
+    start_direct_ingress(argparse.Namespace(ray_ingress="direct", ray_address="auto"))
+    assert os.environ["RAY_SERVE_HAPROXY_RETRY_ON"] == "conn-failure"
+
+
 def test_serve_ray_without_ray_says_how_to_install_it():
     code = "import sys; sys.modules['ray'] = None; from phasewise.cli import main; sys.exit(main(['serve', '--ray']))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -113,7 +113,9 @@ def start_direct_ingress(options: argparse.Namespace) -> None:
     its retries) for the Ray about to start, unless the options ask for the proxy or join a running cluster (whose switches
     were set when it started)."""
     if options.ray_ingress == "direct" or (options.ray_ingress == "auto" and options.ray_address is None):
-        os.environ.update({**DIRECT_INGRESS_ENV, **HAPROXY_RETRY_ENV})
+        os.environ.update(DIRECT_INGRESS_ENV)
+        for name, value in HAPROXY_RETRY_ENV.items():     # a retry policy of the user's own stands
+            os.environ.setdefault(name, value)
 
 
 def direct_ingress(options: argparse.Namespace) -> bool:
