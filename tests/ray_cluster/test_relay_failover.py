@@ -15,7 +15,7 @@ import pytest
 pytestmark = pytest.mark.ray
 pytest.importorskip("ray.serve", reason="Ray is not installed (make test-ray)")
 
-from ray.exceptions import RayActorError  # noqa: E402
+from ray.exceptions import ActorDiedError, ActorUnavailableError  # noqa: E402
 from ray.serve._private.common import ReplicaID  # noqa: E402
 
 from phasewise.deploy import relay as relay_module  # noqa: E402
@@ -29,7 +29,7 @@ SSE_START = {"type": "http.response.start", "status": 200, "headers": [(b"conten
 
 class Replicas:
     """Stands for the engine deployment: each call plays the next script (messages, then the actor id of a
-    replica that dies, or None) and records the request it was sent."""
+    replica that dies, or another error, or None) and records the request it was sent."""
 
     def __init__(self, *scripts: tuple[list[dict], str | None]) -> None:
         self.scripts, self.sent = list(scripts), []
@@ -44,9 +44,17 @@ class Replicas:
         async def run():
             if messages:
                 yield messages
+            if isinstance(dies, Exception):
+                raise dies
             if dies:
-                raise RayActorError(actor_id=dies)
+                raise _died(dies)
         return run()
+
+
+def _died(actor_id: str) -> ActorDiedError:
+    error = ActorDiedError()
+    error.actor_id = actor_id
+    return error
 
 
 def _call(relay: Relay, body: dict = BODY) -> list[dict]:
@@ -90,6 +98,15 @@ def test_a_begun_stream_ends_with_an_error_event_and_is_not_sent_again(replicas)
     assert sent[:2] == [SSE_START, chunk] and len(fake.sent) == 1
     tail = sent[2]["body"].decode()
     assert '"code": "replica_failed"' in tail and tail.endswith("data: [DONE]\n\n")
+
+
+def test_a_replica_merely_unreachable_is_tried_again_but_not_avoided(replicas):
+    answer = [JSON_START, {"type": "http.response.body", "body": b'{"ok": 1}'}]
+    unreachable = ActorUnavailableError("a network blip", None)
+    unreachable.actor_id = "busy-1"
+    fake, relay = replicas(([], unreachable), (answer, None))
+    assert _call(relay) == answer
+    assert [r.avoid for r in fake.sent] == [frozenset(), frozenset()]
 
 
 def test_after_the_retries_the_client_gets_a_503(replicas):

@@ -5,9 +5,10 @@ It reads the whole body first (Serve's proxy routes before reading one, so a rou
 see no prompt), hashes the prompt's blocks for `PrefixAffinityRouter`, and relays the replica's ASGI
 messages. A request whose replica died before answering anything (an unstreamed one: before its whole
 answer; a streamed one: before its response began) is sent again, up to `RETRIES` times, to a live
-replica: each request names the replicas it must not go to (`RelayedRequest.avoid`: those that failed it,
-and every replica this relay saw die in the last `DEAD_FOR_S`, which Serve may still list as running),
-and `PrefixAffinityRouter` leaves them out, waiting for Serve's replacement when none is left. A stream
+replica: each request names the replicas it must not go to (`RelayedRequest.avoid`: every replica this
+relay saw die, ActorDiedError, in the last `DEAD_FOR_S`, which Serve may still list as running; not one
+merely unreachable), and `PrefixAffinityRouter` leaves them out, waiting for Serve's replacement when
+none is left. A stream
 that has begun is never restarted (its tokens would be sent twice): a replica that dies mid-stream ends it
 with an error event (`data: {"error": ...}`, then `[DONE]`), and a cut JSON body is cut. GET /metrics
 answers for every replica, labelled, and in sum (`replica_app.gather_metrics`).
@@ -27,7 +28,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorDiedError, RayActorError
 from ray.serve.handle import DeploymentResponseGenerator
 
 from phasewise.deploy.prefix_router import prompt_block_hashes
@@ -117,7 +118,7 @@ class Relay:
             except asyncio.CancelledError:
                 raise
             except Exception as e:           # the replica died or failed: an error the client sees, never a hang
-                died = e.actor_id if isinstance(e, RayActorError) else None
+                died = e.actor_id if isinstance(e, ActorDiedError) else None    # not a replica merely unreachable
                 if died:
                     self._dead[died] = time.monotonic()
                     request = replace(request, avoid=request.avoid | {died})
