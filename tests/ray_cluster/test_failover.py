@@ -8,7 +8,6 @@ it saw die); repeated as Serve replaces the killed one. And the prefix router's 
 from __future__ import annotations
 
 import os
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
