@@ -64,12 +64,13 @@ fuzz: $(STAMP)
 	PHASEWISE_FUZZ_SEED=$$seed PHASEWISE_FUZZ_SCALE=5 $(BIN)/python -m pytest -q tests/test_api_fuzz.py
 
 # serve --ray on a local Ray cluster of two 1-CPU nodes (tests/ray_cluster): installs the ray extra (Ray Serve, ~80 MB).
-# Ray Serve's HAProxy ingress switches, as `serve --ray` sets them (deploy/options.py's DIRECT_INGRESS_ENV;
-# without them the tests' cluster uses Serve's Python proxy and the relay)
+# Ray Serve's HAProxy ingress switches and retries, as `serve --ray` sets them (deploy/options.py's
+# DIRECT_INGRESS_ENV and HAPROXY_RETRY_ENV; without them the tests' cluster uses Serve's Python proxy and the relay)
 RAY_DIRECT_INGRESS = RAY_SERVE_ENABLE_DIRECT_INGRESS=1 RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY=1
+RAY_HAPROXY_RETRIES = RAY_SERVE_HAPROXY_RETRY_ON="conn-failure empty-response"
 test-ray: $(STAMP)
 	$(BIN)/pip install -q -e '.[ray]'
-	$(RAY_DIRECT_INGRESS) $(BIN)/python -m pytest -q --durations=5 -m ray tests/ray_cluster
+	$(RAY_DIRECT_INGRESS) $(RAY_HAPROXY_RETRIES) $(BIN)/python -m pytest -q --durations=5 -m ray tests/ray_cluster
 
 # The dashboard in a real headless browser: Debian's chromium (installed when missing; needs root) driven
 # by playwright (its Python package only: its own browser download cannot be reached here).

@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from scaling import ROOT, run                                              # noqa: E402
 
 MARK = "@@long_prompt "
+PEER_KV = {"model": "f16", "int8": "q8_0", "int4": "q4_0"}   # llama.cpp's cache type for each of ours (-fa on)
 
 
 def child(model: str, args: argparse.Namespace) -> None:
@@ -45,7 +46,7 @@ def child(model: str, args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     lengths = [int(x) for x in args.lengths.split(",")]
     llm = LLM(model=model, max_model_len=max(lengths) + args.depth_tokens + 16,
-              max_num_batched_tokens=args.max_num_batched_tokens)
+              max_num_batched_tokens=args.max_num_batched_tokens, kv_dtype=args.kv_dtype)
     cfg = llm.model_config
     rng = random.Random(0)
     llm.generate([[rng.randrange(1000, cfg.vocab_size - 1000) for _ in range(64)]], SamplingParams(max_tokens=2))
@@ -65,12 +66,12 @@ def child(model: str, args: argparse.Namespace) -> None:
                      "decode_tps_at_depth": statistics.median(decode), "ttft_all_s": ttft, "prefill_all_tps": prefill})
     print(MARK + json.dumps({"rows": rows, "linear_params": linear_params(cfg) - head_params(cfg), "path": str(llm.engine.model_path),
                              "isa": llm.engine.kernels.isa if llm.engine.kernels is not None else "torch",
-                             "precision": llm.engine.precision.weights}), flush=True)
+                             "precision": llm.engine.precision.weights, "kv": llm.engine.precision.kv}), flush=True)
 
 
-def phasewise(model: str, args: argparse.Namespace) -> dict[str, Any]:
+def phasewise(model: str, kv: str, args: argparse.Namespace) -> dict[str, Any]:
     flags = [f"--{k.replace('_', '-')}={getattr(args, k)}"
-             for k in ("lengths", "repeats", "depth_tokens", "threads", "max_num_batched_tokens")]
+             for k in ("lengths", "repeats", "depth_tokens", "threads", "max_num_batched_tokens")] + [f"--kv-dtype={kv}"]
     rc, out, err, peak = run([sys.executable, __file__, "--child", model, *flags])
     line = next((x for x in out.splitlines() if x.startswith(MARK)), None)
     if rc != 0 or line is None:
@@ -78,18 +79,19 @@ def phasewise(model: str, args: argparse.Namespace) -> dict[str, Any]:
     return {**json.loads(line[len(MARK):]), "peak_rss_gb": peak}
 
 
-def llama_bench(path: str, args: argparse.Namespace) -> dict[str, Any]:
+def llama_bench(path: str, kv: str, args: argparse.Namespace) -> dict[str, Any]:
     exe = args.llama_cpp / "llama-bench"
     if not exe.exists():
         return {"skipped": f"no llama-bench in {args.llama_cpp} (make peers-avx512 / peers-avx2)"}
     lengths = args.lengths
+    cache = ["-fa", "1", "-ctk", PEER_KV[kv], "-ctv", PEER_KV[kv]] if kv in PEER_KV else []
     rc, out, err, _ = run([str(exe), "-m", path, "-p", lengths, "-n", "0", "-t", str(args.threads),
-                           "-r", str(args.repeats), "-o", "json"])
+                           "-r", str(args.repeats), "-o", "json", *cache])
     if rc != 0:
         return {"skipped": f"llama-bench -p failed (exit {rc}): {err.strip()[-400:]}"}
     prefill = {r["n_prompt"]: r["avg_ts"] for r in json.loads(out)}
     rc, out, err, _ = run([str(exe), "-m", path, "-p", "0", "-n", str(args.depth_tokens), "-d", lengths,
-                           "-t", str(args.threads), "-r", str(args.repeats), "-o", "json"])
+                           "-t", str(args.threads), "-r", str(args.repeats), "-o", "json", *cache])
     depth = {r.get("n_depth"): r["avg_ts"] for r in json.loads(out)} if rc == 0 else {}
     return {"prefill_tps": {str(k): v for k, v in prefill.items()},
             "decode_tps_at_depth": {str(k): v for k, v in depth.items()},
@@ -105,6 +107,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--max-num-batched-tokens", type=int, default=512, help="phasewise's prefill chunk")
     ap.add_argument("--llama-cpp", type=Path, help="llama-bench's folder (default .peers/<isa>/bin)")
+    ap.add_argument("--kv-dtypes", default="auto", help="phasewise KV dtypes to run, e.g. model,int8,int4; "
+                    "each against llama-bench's f16 / q8_0 / q4_0 cache with -fa on (auto: defaults on both sides)")
+    ap.add_argument("--kv-dtype", default="auto", help=argparse.SUPPRESS)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -127,11 +132,11 @@ def main() -> None:
     record = run_record("long_prompt", args.threads)
     report: dict[str, Any] = {**record, "llama_cpp": str(args.llama_cpp), "int8_peak_gops": machine.int8_gops,
                               "models": {}}
-    for model in [m for m in args.models.split(",") if m]:
-        print(f"{model}: phasewise ...", flush=True)
-        pw = phasewise(model, args)
-        print(f"{model}: llama-bench ...", flush=True)
-        lc = llama_bench(pw["path"], args)
+    for model, kv in [(m, kv) for m in args.models.split(",") if m for kv in args.kv_dtypes.split(",")]:
+        print(f"{model} (kv {kv}): phasewise ...", flush=True)
+        pw = phasewise(model, kv, args)
+        print(f"{model} (kv {kv}, llama.cpp {PEER_KV.get(kv, 'default')}): llama-bench ...", flush=True)
+        lc = llama_bench(pw["path"], kv, args)
         for row in pw["rows"]:
             row["int8_efficiency"] = 2 * pw["linear_params"] * row["prefill_tps"] / (machine.int8_gops * 1e9)
             peer = lc.get("prefill_tps", {}).get(str(row["tokens"]))
@@ -142,7 +147,8 @@ def main() -> None:
                   f"({row['int8_efficiency']:.0%} of int8 peak; llama-bench {peer or 0:.1f}, "
                   f"{row['prefill_vs_llama_bench'] or 0:.2f}x), decode at depth {row['decode_tps_at_depth']:.1f} "
                   f"(llama-bench {depth or 0:.1f})", flush=True)
-        report["models"][model] = {"phasewise": pw, "llama_cpp": lc}
+        key = model if args.kv_dtypes == "auto" else f"{model} kv={kv}"
+        report["models"][key] = {"phasewise": pw, "llama_cpp": lc, "kv_dtype": kv, "llama_cpp_kv": PEER_KV.get(kv)}
     out = args.json or ROOT / "docs" / "results" / f"long_prompt{'' if isa != 'avx2' else '-avx2'}.json"
     out.write_text(json.dumps(report, indent=1))
     print(f"wrote {out}")

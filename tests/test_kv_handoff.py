@@ -139,39 +139,49 @@ def test_a_kv_link_whose_peer_is_gone_fails_every_transfer_at_once():
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
 
 
-LINK_SIDE = """
+LINK_PAIR = """
 import os
 import sys
+from pathlib import Path
 import torch
 from phasewise.distributed.kv_link import KVLink
+from phasewise.loading.loader import load_config
 from phasewise.runner.kv_cache import INT4, KVCache
-from phasewise.models.config import ModelConfig
 
-role, port, dtype = sys.argv[1], sys.argv[2], {"int8": torch.int8, "int4": INT4}[sys.argv[3]]
-cfg = ModelConfig(architecture="llama", vocab_size=32, hidden_size=128, intermediate_size=64, num_layers=2,
-                  num_heads=2, num_kv_heads=1, head_dim=64, rms_norm_eps=1e-5, rope_theta=1e4,
-                  max_position_embeddings=512)
-cache = KVCache(cfg, 4, 64, dtype, "cpu")
+role, port, model = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+dtype = INT4 if sys.argv[4] == "int4" else getattr(torch, sys.argv[4])
+bs = 64 if dtype == INT4 else 16                 # an int4 cache's key groups are 64 tokens
+cache = KVCache(load_config(model), 4, bs, dtype, "cpu", num_tail_slots=2)
 g = torch.Generator().manual_seed(0)
-for t in (cache.data, cache.k_groups, cache.v_scale):
-    t.copy_(torch.randint(0, 100, t.shape, generator=g).to(t.dtype))
+
+
+def noise(t):    # random codes (int8, or int4's two nibbles a byte) and scales
+    if t.dtype in (torch.int8, torch.uint8):
+        low, high = (-127, 128) if t.dtype == torch.int8 else (0, 256)
+        return torch.randint(low, high, t.shape, generator=g, dtype=t.dtype)
+    return torch.randn(t.shape, generator=g, dtype=t.dtype)
+
+
+cache.write_blocks([0, 1, 2, 3], {n: noise(t) for n, t in cache.read_blocks([0, 1, 2, 3]).items()})
 parts = cache.read_blocks([1, 3])
-link = KVLink(role, f"tcp://127.0.0.1:{port}", timeout_s=60.0)
+link = KVLink(role, f"tcp://127.0.0.1:{port}", timeout_s=60)
 if role == "prefill":
-    link.send("t", (list(range(128)), 64, parts)).result(timeout=60)
+    link.send("t", (list(range(2 * bs)), bs, parts)).result(timeout=60)
 else:
-    tokens, bs, got = link.expect("t").result(timeout=60)
-    assert tokens == list(range(128)) and bs == 64 and got.keys() == parts.keys()
-    assert all(got[n].dtype == t.dtype and torch.equal(got[n], t) for n, t in parts.items())
-print("ok", flush=True)
-os._exit(0)          # the link's thread waits in gloo: no interpreter teardown under it
+    tokens, block_size, got = link.expect("t").result(timeout=60)
+    assert tokens == list(range(2 * bs)) and block_size == bs, (tokens, block_size)
+    assert got.keys() == parts.keys(), (sorted(got), sorted(parts))
+    assert all(got[n].dtype == parts[n].dtype and torch.equal(got[n], parts[n]) for n in parts)
+print("ok", sorted(parts), flush=True)
+os._exit(0)                                  # the link's threads stay in gloo calls: no interpreter teardown
 """
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
-def test_a_quantized_caches_blocks_cross_the_kv_link_whole(kv_dtype):
-    """Every part of a quantized cache's blocks (codes, K's group scales, V's scales) arrives as sent,
-    between two processes (each link takes its process's default group)."""
+@pytest.mark.parametrize("dtype", ["float32", "int8", "int4"])
+def test_every_part_of_a_kv_cache_crosses_the_link(default_model_path, dtype):
+    """A prefill process sends two blocks of a cache of this dtype (an int8 or int4 cache has K group scales
+    and V scales besides the codes) and the decode process receives every part, bit for bit. Each in a process of
+    its own (the link takes torch.distributed's default group)."""
     import socket
     import subprocess
     import sys
@@ -179,8 +189,9 @@ def test_a_quantized_caches_blocks_cross_the_kv_link_whole(kv_dtype):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
-    sides = [subprocess.Popen([sys.executable, "-c", LINK_SIDE, role, port, kv_dtype], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for role in ("prefill", "decode")]
-    for side in sides:
-        out, err = side.communicate(timeout=180)
-        assert side.returncode == 0 and out.strip().endswith("ok"), err[-2000:]
+    procs = [subprocess.Popen([sys.executable, "-c", LINK_PAIR, role, port, str(default_model_path), dtype],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for role in ("decode", "prefill")]
+    outs = [p.communicate(timeout=180) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0 and out.startswith("ok"), err[-2000:]
+    assert ("k_groups" in outs[0][0]) == (dtype != "float32")

@@ -25,6 +25,7 @@ from phasewise.server.chat_call import salted
 from phasewise.server.guards import tenant_salt
 from phasewise.server.openai.protocol import ChatCompletionRequest
 from phasewise.server.responses.protocol import ResponsesRequest
+from phasewise.server.responses.protocol import chat_request as responses_chat_request
 
 KEYS = ("key-one-1234", "key-two-5678")
 BLOCK = 16                                   # the engine's default block size
@@ -294,3 +295,84 @@ def test_tenants_and_salts_never_share_a_block(cached_server):
     response = cached_server.client(KEYS[0]).responses.create(model=MODEL, input=[{"role": "user", "content": text}],
                                                               max_output_tokens=1)
     assert response.usage.input_tokens_details.cached_tokens == response.model_extra["timings"]["cache_n"] == hit
+
+
+# ---- OpenAI's prompt_cache_options and prompt_cache_breakpoint -------------------------------------------
+
+BREAK, BREAK_12H = {"mode": "explicit"}, {"mode": "explicit", "ttl": "12h"}
+
+
+def _chat_points(messages: list[dict], **body):
+    return ChatCompletionRequest(messages=messages, **body).chat_request().prompt.cache_points
+
+
+def _part(text: str, mark: dict | None = None) -> dict:
+    return {"type": "text", "text": text, **({"prompt_cache_breakpoint": mark} if mark else {})}
+
+
+def test_openai_breakpoints_become_cut_prompts_and_options_add_the_whole():
+    messages = [{"role": "system", "content": [_part("sys", BREAK_12H)]},
+                {"role": "user", "content": [_part("one"), _part("two", BREAK), _part("three")]}]
+    system_cut, part_cut, whole = _chat_points(messages, prompt_cache_options={"ttl": "12h"})
+    assert (system_cut.ttl, part_cut.ttl, whole.ttl) == (43_200.0, 43_200.0, 43_200.0)   # a bare mark: the request's
+    assert system_cut.cut.messages == [{"role": "system", "content": "sys"}]
+    assert part_cut.cut.messages[1] == {"role": "user", "content": "onetwo"}
+    assert whole.cut.messages[1] == {"role": "user", "content": "onetwothree"}
+    assert not any(p.cut.add_generation_prompt for p in (system_cut, part_cut, whole))
+    assert [p.ttl for p in _chat_points(messages)] == [43_200.0, 1800.0]           # no options: no implicit point
+    assert [p.ttl for p in _chat_points(messages, prompt_cache_options={"mode": "explicit"})] == [43_200.0, 1800.0]
+    many = [{"role": "user", "content": [_part(str(i), BREAK) for i in range(6)]}]
+    kept = _chat_points(many, prompt_cache_options={})
+    assert [p.cut.messages[0]["content"] for p in kept] == ["0123", "01234", "012345", "012345"]    # latest 3 + whole
+    responses = ResponsesRequest(instructions="Be brief.", prompt_cache_options={"ttl": "30m"}, input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "a", "prompt_cache_breakpoint": BREAK_12H},
+                                     {"type": "input_text", "text": "b"}]}])
+    marked, implicit = responses_chat_request(responses, [])[0].prompt.cache_points
+    assert marked.ttl == 43_200.0 and marked.cut.messages == [{"role": "system", "content": "Be brief."},
+                                                              {"role": "user", "content": "a"}]
+    assert implicit.ttl == 1800.0 and implicit.cut.messages[-1] == {"role": "user", "content": "ab"}
+
+
+@pytest.mark.parametrize("body, needle", [
+    ({"prompt_cache_options": {"ttl": "1h"}}, 'prompt_cache_options.ttl must be "30m" or "12h"'),
+    ({"prompt_cache_options": {"mode": "always"}}, 'prompt_cache_options.mode must be "implicit" or "explicit"'),
+    ({"prompt_cache_options": {"prewarm": True}}, "prompt_cache_options.prewarm is not supported"),
+    ({"messages": [{"role": "user", "content": [_part("u", {"mode": "explicit", "ttl": "5m"})]}]},
+     'messages[0].content[0].prompt_cache_breakpoint.ttl must be "30m" or "12h"'),
+    ({"messages": [{"role": "user", "content": [_part("u", {"mode": "implicit"})]}]},
+     'messages[0].content[0].prompt_cache_breakpoint must be {"mode": "explicit"}'),
+])
+def test_a_bad_openai_cache_field_is_a_400_naming_it(body, needle):
+    body.setdefault("messages", [{"role": "user", "content": "Hi"}])
+    with pytest.raises(APIError) as e:
+        ChatCompletionRequest(**body).chat_request()
+    assert e.value.status == 400 and needle in e.value.message
+
+
+@pytest.mark.slow
+def test_openai_cache_writes_are_what_the_engine_did(cached_server, tokenizer):
+    """Chat with prompt_cache_options (its implicit breakpoint: the whole conversation, 30m) writes those
+    blocks and says so; again, it reads them and writes nothing; the disk keeps them 30 minutes. Responses
+    with a 12h breakpoint after the system turn splits its writes by ttl."""
+    system, client = _system(), cached_server.client(KEYS[0])
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": QUESTION}]
+    ids, reach = _created(tokenizer, system, [{"role": "user", "content": QUESTION}], [(1, "30m")])
+    before = time.time()
+    usages = [client.chat.completions.create(model=MODEL, max_tokens=1, messages=messages, temperature=0,
+                                             prompt_cache_options={"ttl": "30m"}).usage for _ in range(2)]
+    assert [u.prompt_tokens_details.cache_write_tokens for u in usages] == [reach["30m"], 0]
+    assert [u.prompt_tokens_details.cached_tokens for u in usages] == [0, (len(ids) - 1) // BLOCK * BLOCK]
+    expiries = _expiries(cached_server, ids, tenant_salt(KEYS[0]))
+    for i, expiry in enumerate(expiries):
+        ttl = 1800 if (i + 1) * BLOCK <= reach["30m"] else DEFAULT_TTL
+        assert before + ttl - 1 <= expiry <= time.time() + ttl + 1
+
+    system = _system()
+    ids, reach = _created(tokenizer, system, [{"role": "user", "content": QUESTION}], [(0, "12h"), (1, "30m")])
+    response = client.responses.create(model=MODEL, max_output_tokens=1, prompt_cache_options={"ttl": "30m"}, input=[
+        {"role": "system", "content": [{"type": "input_text", "text": system, "prompt_cache_breakpoint": BREAK_12H}]},
+        {"role": "user", "content": QUESTION}])
+    details = response.usage.input_tokens_details
+    assert details.cache_write_tokens_details.ttl_12h_tokens == reach["12h"] > 0
+    assert details.cache_write_tokens_details.ttl_30m_tokens == reach["30m"] - reach["12h"] > 0
+    assert details.cache_write_tokens == reach["30m"] and details.cached_tokens == 0

@@ -233,11 +233,34 @@ def test_build_app_takes_serves_flags_with_serves_defaults():
 
 
 def test_make_test_ray_turns_on_the_switches_serve_ray_sets():
-    from phasewise.deploy.options import DIRECT_INGRESS_ENV
+    import shlex
+
+    from phasewise.deploy.options import DIRECT_INGRESS_ENV, HAPROXY_RETRY_ENV
 
     makefile = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
-    line = next(x for x in makefile.splitlines() if x.startswith("RAY_DIRECT_INGRESS ="))
-    assert dict(kv.split("=") for kv in line.split("=", 1)[1].split()) == DIRECT_INGRESS_ENV
+    lines = {x.split(" = ", 1)[0]: x.split(" = ", 1)[1] for x in makefile.splitlines() if x.startswith("RAY_")}
+    switches, retries = ({k: v for k, v in (kv.split("=", 1) for kv in shlex.split(lines[name]))}
+                         for name in ("RAY_DIRECT_INGRESS", "RAY_HAPROXY_RETRIES"))
+    assert (switches, retries) == (DIRECT_INGRESS_ENV, HAPROXY_RETRY_ENV)
+    assert "$(RAY_DIRECT_INGRESS) $(RAY_HAPROXY_RETRIES) $(BIN)/python -m pytest" in makefile
+
+
+def test_serve_ray_turns_on_haproxy_and_its_retries_unless_told_otherwise(monkeypatch):
+    import argparse
+    import os
+
+    from phasewise.deploy.options import DIRECT_INGRESS_ENV, HAPROXY_RETRY_ENV, start_direct_ingress
+
+    for name in (*DIRECT_INGRESS_ENV, *HAPROXY_RETRY_ENV):
+        monkeypatch.delenv(name, raising=False)
+    start_direct_ingress(argparse.Namespace(ray_ingress="proxy", ray_address=None))
+    assert not any(name in os.environ for name in (*DIRECT_INGRESS_ENV, *HAPROXY_RETRY_ENV))
+    start_direct_ingress(argparse.Namespace(ray_ingress="auto", ray_address=None))
+    assert {k: os.environ[k] for k in (*DIRECT_INGRESS_ENV, *HAPROXY_RETRY_ENV)} == {**DIRECT_INGRESS_ENV,
+                                                                                    **HAPROXY_RETRY_ENV}
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_RETRY_ON", "conn-failure")          # the user's own policy stands
+    start_direct_ingress(argparse.Namespace(ray_ingress="direct", ray_address="auto"))
+    assert os.environ["RAY_SERVE_HAPROXY_RETRY_ON"] == "conn-failure"
 
 
 def test_serve_ray_without_ray_says_how_to_install_it():

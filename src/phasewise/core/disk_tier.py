@@ -112,8 +112,10 @@ class DiskTier:
                     log.exception("prompt cache: loading %s's prefix failed; computing it", req.request_id)
                     n = 0
                 if n:
+                    took = time.perf_counter() - started
                     req.metrics.disk_tokens += n * kv.block_size
-                    req.metrics.disk_load_ms += (time.perf_counter() - started) * 1e3
+                    req.metrics.disk_load_ms += took * 1e3
+                    self.stats.load_seconds += took
 
     def _load(self, kv: KVCacheManager, req: Request) -> int:
         """Blocks of req's prefix loaded after its RAM hits (never its last token's block; a hybrid's

@@ -149,7 +149,8 @@ class EngineStats:
     threads: int = 0                       # kernel threads in use (runner/thread_governor.py),
     cpus_busy_elsewhere: float = 0.0       # CPUs other programs kept busy lately,
     cpu_wait_seconds: float = 0.0          # and how long the engine's threads waited for a CPU, ever
-    disk: DiskStats | None = None          # the prefix cache's disk tier (None: none), its counters
+    disk: DiskStats | None = None          # the prefix cache's disk tier (None: none): its live counters
+                                           # (its writer thread moves them while the engine idles)
 
 
 @dataclass(kw_only=True)

@@ -23,6 +23,7 @@ class DiskStats:
     """The disk tier's counters since the engine started (EngineStats carries them)."""
     blocks_read: int = 0          # blocks loaded from disk into the KV cache (hits)
     bytes_read: int = 0
+    load_seconds: float = 0.0     # time spent loading them (lookups, reads, fills)
     blocks_written: int = 0
     bytes_written: int = 0
     evicted_ttl: int = 0          # entries removed by sweeps: expired,

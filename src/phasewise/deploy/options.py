@@ -17,6 +17,10 @@ INGRESSES = ("auto", "direct", "proxy")
 # Ray Serve's switches for HAProxy in front of the ingress replicas, read by Ray's processes at start
 DIRECT_INGRESS_ENV = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1",
                       "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1"}
+# ... and its retries: a request whose replica closed the connection without a byte of answer (it died) is
+# sent again, to another replica (Serve's `option redispatch 1`), as one whose replica refused the
+# connection is by default. A response begun is never retried (HAProxy cannot): a stream is cut.
+HAPROXY_RETRY_ENV = {"RAY_SERVE_HAPROXY_RETRY_ON": "conn-failure empty-response"}
 
 
 def add_ray_args(p: argparse.ArgumentParser) -> None:
@@ -105,11 +109,13 @@ def check_ray_options(options: argparse.Namespace) -> None:
 
 
 def start_direct_ingress(options: argparse.Namespace) -> None:
-    """Before Ray (and Ray Serve) is imported and started here: turn on Ray Serve's HAProxy ingress for the
-    Ray about to start, unless the options ask for the proxy or join a running cluster (whose switches
+    """Before Ray (and Ray Serve) is imported and started here: turn on Ray Serve's HAProxy ingress (and
+    its retries) for the Ray about to start, unless the options ask for the proxy or join a running cluster (whose switches
     were set when it started)."""
     if options.ray_ingress == "direct" or (options.ray_ingress == "auto" and options.ray_address is None):
         os.environ.update(DIRECT_INGRESS_ENV)
+        for name, value in HAPROXY_RETRY_ENV.items():     # a retry policy of the user's own stands
+            os.environ.setdefault(name, value)
 
 
 def direct_ingress(options: argparse.Namespace) -> bool:

@@ -16,7 +16,9 @@ goes to a home all of them compute alike, rendezvous hashing of its blocks over 
 Rule: the replica that holds the longest run of the request's blocks (at least one) gets it, unless its
 queue is longer than the shortest queue among the others by more than `margin` requests; then, as for a
 request that matches nowhere, the least loaded replica does. A request that names replicas to `skip` (a
-visit of every replica for /metrics) goes to one not named, while there is one.
+visit of every replica for /metrics) goes to one not named, while there is one. A request that names
+replicas to `avoid` (the relay's: replicas that died, which Serve may still list) never goes to them: with
+none left it waits, as Serve's routing loop does, for the replica Serve starts in their place.
 
 Two callers. A handle call (the relay's) is routed by Serve: it takes the first rank of the answer whose
 replica accepts, and tells `on_request_routed` where it went. A pick (`RoutePick`, from `route.py`, for
@@ -129,6 +131,11 @@ class PrefixAffinityRouter(RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         first = pending_request.args[0] if pending_request and pending_request.args else None
+        avoid = getattr(first, "avoid", None)
+        if avoid:                                        # replicas seen dying: never, even as the only ones
+            candidate_replicas = [r for r in candidate_replicas if r.actor_id.hex() not in avoid]
+            if not candidate_replicas:
+                return [[]]
         skip = getattr(first, "skip", None)
         if skip is not None:                             # a visit of every replica: one not visited yet
             fresh = [r for r in candidate_replicas if r.replica_id.to_full_id_str() not in skip]

@@ -3,10 +3,15 @@ DeploymentHandle, its response back as it comes.
 
 It reads the whole body first (Serve's proxy routes before reading one, so a router behind the proxy would
 see no prompt), hashes the prompt's blocks for `PrefixAffinityRouter`, and relays the replica's ASGI
-messages. A replica that dies mid-stream ends its streams with an error event (`data: {"error": ...}`,
-then `[DONE]`); a request whose replica died before answering anything is sent again (up to `RETRIES`
-times), Serve having forgotten that replica. GET /metrics answers for every replica, labelled, and in sum
-(`replica_app.gather_metrics`).
+messages. A request whose replica died before answering anything (an unstreamed one: before its whole
+answer; a streamed one: before its response began) is sent again, up to `RETRIES` times, to a live
+replica: each request names the replicas it must not go to (`RelayedRequest.avoid`: every replica this
+relay saw die, ActorDiedError, in the last `DEAD_FOR_S`, which Serve may still list as running; not one
+merely unreachable), and `PrefixAffinityRouter` leaves them out, waiting for Serve's replacement when
+none is left. A stream
+that has begun is never restarted (its tokens would be sent twice): a replica that dies mid-stream ends it
+with an error event (`data: {"error": ...}`, then `[DONE]`), and a cut JSON body is cut. GET /metrics
+answers for every replica, labelled, and in sum (`replica_app.gather_metrics`).
 
 With a prefill deployment (`--prefill-decode`), a completion or chat request goes first to a prefill replica
 as the disaggregation proxy sends it (`server.proxy.pair_bodies`: one token, unstreamed, tagged with a
@@ -19,10 +24,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorDiedError, RayActorError
 from ray.serve.handle import DeploymentResponseGenerator
 
 from phasewise.deploy.prefix_router import prompt_block_hashes
@@ -33,7 +39,8 @@ if TYPE_CHECKING:
 
     from phasewise.json_types import JsonValue
 
-RETRIES = 2                                  # a request whose replica died before it answered: sent again
+RETRIES = 3                                  # a request whose replica died before it answered: sent again
+DEAD_FOR_S = 120.0                           # a replica seen dying is avoided this long (Serve drops it sooner)
 PAIR_PATHS = ("/v1/completions", "/v1/chat/completions")
 SCOPE_KEYS = ("type", "asgi", "http_version", "method", "scheme", "path", "raw_path", "query_string", "headers",
               "client", "server")
@@ -43,10 +50,11 @@ log = logging.getLogger("ray.serve")
 @dataclass(frozen=True)
 class RelayedRequest:
     """One HTTP request, from the ingress to an engine replica: the ASGI scope's plain fields, the whole body,
-    and the prompt's block hashes (the router's key)."""
+    the prompt's block hashes (the router's key), and the replicas not to send it to (their actor ids, hex)."""
     scope: Scope
     body: bytes
     block_hashes: tuple[bytes, ...]
+    avoid: frozenset[str] = frozenset()
 
 
 class Relay:
@@ -57,6 +65,7 @@ class Relay:
                  prefill: ReplicaHandle | None = None) -> None:
         self._engine = engine.options(stream=True)
         self._prefill = prefill.options(stream=True) if prefill is not None else None
+        self._dead: dict[str, float] = {}            # actor id (hex) of a replica seen dying → when
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -96,6 +105,7 @@ class Relay:
     async def _relay(self, request: RelayedRequest, send: Send) -> None:
         started = event_stream = False
         for attempt in range(RETRIES + 1):
+            request = replace(request, avoid=request.avoid | self._recently_dead())
             try:
                 async for messages in _stream(self._engine, request):
                     for m in messages:
@@ -108,12 +118,24 @@ class Relay:
             except asyncio.CancelledError:
                 raise
             except Exception as e:           # the replica died or failed: an error the client sees, never a hang
+                died = e.actor_id if isinstance(e, ActorDiedError) else None    # not a replica merely unreachable
+                if died:
+                    self._dead[died] = time.monotonic()
+                    request = replace(request, avoid=request.avoid | {died})
                 if not started and attempt < RETRIES and isinstance(e, RayActorError):
-                    log.warning("a replica died before answering a request: sending it again (%s)", type(e).__name__)
+                    log.warning("a replica died before answering a request: sending it to another (%s)",
+                                type(e).__name__)
                     continue
                 await _send_failure(send, f"the replica serving this request failed ({type(e).__name__})", started,
                                     event_stream)
                 return
+
+    def _recently_dead(self) -> frozenset[str]:
+        """The replicas seen dying within DEAD_FOR_S (older ones forgotten)."""
+        now = time.monotonic()
+        for actor in [a for a, when in self._dead.items() if now - when > DEAD_FOR_S]:
+            del self._dead[actor]
+        return frozenset(self._dead)
 
     @staticmethod
     async def _collect(handle: ReplicaHandle, request: RelayedRequest) -> tuple[str, int, bytes]:

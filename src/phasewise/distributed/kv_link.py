@@ -8,7 +8,8 @@ wait blocks (up to its timeout) until the peer is there. Sends run one at a time
 prefill side's sender thread; the decode side's receiver thread takes whatever arrives and
 files it under its transfer key until the request that needs it asks (`expect`). A transfer
 is: a header (key, token count, block size, number of parts), the token ids, then per part a
-small descriptor (name, dtype, shape) and its tensor.
+small descriptor (name length, dtype, shape), its name (UTF-8) and its tensor: whatever parts the
+cache's layout has (runner/kv_cache.py `read_blocks`) cross, none dropped.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import torch.distributed as dist
 log = logging.getLogger("phasewise.kv_link")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.uint8]
 MAX_UNCLAIMED = 64          # transfers kept for requests that have not asked yet (the oldest dropped)
-NAMES = ["kv", "scales", "k_groups", "v_scale"]   # a block's parts (runner/kv_cache.py KVCache._parts)
 Payload = tuple[list[int], int, dict[str, torch.Tensor]]     # token ids, block size, parts
 
 
@@ -108,13 +108,13 @@ class KVLink:
         while True:
             key, (tokens, block_size, parts), done = self._sends.get()
             try:
-                names = [n for n in NAMES if n in parts]
-                dist.send(torch.tensor([key, len(tokens), block_size, len(names)], dtype=torch.int64), dst=1)
+                dist.send(torch.tensor([key, len(tokens), block_size, len(parts)], dtype=torch.int64), dst=1)
                 dist.send(torch.tensor(tokens, dtype=torch.int64), dst=1)
-                for name in names:
-                    t = parts[name].contiguous()
-                    desc = [NAMES.index(name), DTYPES.index(t.dtype), t.dim(), *t.shape] + [0] * (8 - t.dim())
+                for name, t in parts.items():
+                    t, label = t.contiguous(), torch.tensor(list(name.encode()), dtype=torch.uint8)
+                    desc = [len(label), DTYPES.index(t.dtype), t.dim(), *t.shape] + [0] * (8 - t.dim())
                     dist.send(torch.tensor(desc, dtype=torch.int64), dst=1)
+                    dist.send(label, dst=1)
                     dist.send(t, dst=1)
             except Exception as e:
                 done.set_exception(ConnectionError(f"sending KV blocks failed: {e}"))
@@ -132,10 +132,12 @@ class KVLink:
             for _ in range(count):
                 desc = torch.empty(11, dtype=torch.int64)
                 dist.recv(desc, src=0)
-                name, dtype, ndim, *dims = desc.tolist()
+                size, dtype, ndim, *dims = desc.tolist()
+                label = torch.empty(size, dtype=torch.uint8)
+                dist.recv(label, src=0)
                 t = torch.empty(dims[:ndim], dtype=DTYPES[dtype])
                 dist.recv(t, src=0)
-                parts[NAMES[name]] = t
+                parts[bytes(label.tolist()).decode()] = t
             payload = (tokens.tolist(), block_size, parts)
             with self._lock:
                 waiter = self._waiting.pop(key, None)

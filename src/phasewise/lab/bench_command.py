@@ -11,12 +11,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from phasewise.lab import load_gen as G
 from phasewise.lab.experiment_command import int_list
 from phasewise.lab.load_stats import LATENCIES, Latency, LoadSummary, RequestRecord, parse_goodput, summarize
 
 if TYPE_CHECKING:
     from rich.console import Console
+
+    from phasewise.lab import load_gen as G     # imported when a benchmark runs: httpx stays out of other commands
 
 ParserT = TypeVar("ParserT", bound=argparse.ArgumentParser)   # the parser class of the CLI's subcommands
 
@@ -77,6 +78,8 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def prompts_for(args: argparse.Namespace, n: int, seed: int) -> list[G.Prompt]:
+    from phasewise.lab import load_gen as G
+
     ids = not args.text_prompts and args.endpoint == "completions"
     if args.dataset == "random":
         return G.random_prompts(n, args.input_len, args.output_len, args.range_ratio, seed, ids, args.vocab_size)
@@ -87,6 +90,8 @@ def prompts_for(args: argparse.Namespace, n: int, seed: int) -> list[G.Prompt]:
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from phasewise.lab import load_gen as G
+
     _check(args)
     slos = parse_goodput(args.goodput)
     base = args.base_url.rstrip("/")
@@ -120,6 +125,8 @@ def _run_with_progress(target: G.Target, prompts: list[G.Prompt], args: argparse
                        concurrency: int | None) -> tuple[list[RequestRecord], float]:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from phasewise.lab import load_gen as G
 
     label = f"concurrency {concurrency}" if concurrency else "requests"
     with Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

@@ -26,31 +26,58 @@ REQUEST_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
-ENGINE_COUNTERS = (   # (name, help, EngineStats field): the engine's own totals, read at each scrape
+Read = Callable[[EngineStats], float]
+
+
+def _disk(field: str) -> Read:
+    """A DiskStats counter (0 without a disk tier)."""
+    return lambda s: getattr(s.disk, field) if s.disk is not None else 0
+
+
+# The engine's own totals, read at each scrape: (name, help, a label's name or None, (label value, read)...)
+ENGINE_COUNTERS: tuple[tuple[str, str, str | None, tuple[tuple[str, Read], ...]], ...] = (
     ("phasewise:spec_decode_num_drafts", "Speculative decoding: request-steps that verified draft tokens.",
-     "spec_num_drafts"),
+     None, (("", lambda s: s.spec_num_drafts),)),
     ("phasewise:spec_decode_num_draft_tokens", "Speculative decoding: draft tokens proposed and verified.",
-     "spec_num_draft_tokens"),
+     None, (("", lambda s: s.spec_num_draft_tokens),)),
     ("phasewise:spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted by the target "
      "(acceptance rate = accepted / draft tokens; mean accepted length = 1 + accepted / drafts).",
-     "spec_num_accepted_tokens"),
+     None, (("", lambda s: s.spec_num_accepted_tokens),)),
     ("phasewise:cpu_wait_seconds", "Time the engine's threads were runnable but waited for a CPU (other "
-     "programs taking cores; Linux run-queue delay).", "cpu_wait_seconds"),
+     "programs taking cores; Linux run-queue delay).", None, (("", lambda s: s.cpu_wait_seconds),)),
+    # the prefix cache's disk tier (--prompt-cache-dir), since the start (0 without it)
+    ("phasewise:prompt_cache_disk_hit_blocks", "KV blocks loaded from the prompt cache's disk tier.",
+     None, (("", _disk("blocks_read")),)),
+    ("phasewise:prompt_cache_disk_read_bytes", "Bytes loaded from the disk tier.", None, (("", _disk("bytes_read")),)),
+    ("phasewise:prompt_cache_disk_load_seconds", "Time spent loading blocks found on the disk tier (a phase of "
+     "the requests' prefill).", None, (("", _disk("load_seconds")),)),
+    ("phasewise:prompt_cache_disk_written_blocks", "KV blocks (and recurrent states) written to the disk tier.",
+     None, (("", _disk("blocks_written")),)),
+    ("phasewise:prompt_cache_disk_written_bytes", "Bytes written to the disk tier.",
+     None, (("", _disk("bytes_written")),)),
+    ("phasewise:prompt_cache_disk_evictions", "Disk-tier entries removed by sweeps: cause=ttl, their TTL had "
+     "passed; cause=size, least recently used first, to fit --prompt-cache-size.",
+     "cause", (("ttl", _disk("evicted_ttl")), ("size", _disk("evicted_lru")))),
+    ("phasewise:prompt_cache_disk_errors", "Disk-tier failures, each costing the cache only: kind=write, a "
+     "write that failed (full disk, unwritable directory); kind=corrupt, a file that did not check out "
+     "(removed, its block computed again); kind=dropped, a copy dropped with the writer too far behind.",
+     "kind", (("write", _disk("write_errors")), ("corrupt", _disk("corrupt")), ("dropped", _disk("dropped")))),
 )
 
 
 class _EngineCollector:
-    """Counters that mirror the engine's own totals (speculative decoding, CPU waits) from the latest
-    snapshot."""
+    """Counters that mirror the engine's own totals (speculative decoding, CPU waits, the disk tier) from
+    the latest snapshot."""
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
         self.stats = EngineStats()
 
     def collect(self) -> Iterator[CounterMetricFamily]:
-        for name, doc, field in ENGINE_COUNTERS:
-            c = CounterMetricFamily(name, doc, labels=["model_name"])
-            c.add_metric([self.model_name], getattr(self.stats, field))
+        for name, doc, label, rows in ENGINE_COUNTERS:
+            c = CounterMetricFamily(name, doc, labels=["model_name", *([label] if label else [])])
+            for value, read in rows:
+                c.add_metric([self.model_name, *([value] if label else [])], read(self.stats))
             yield c
 
 
@@ -75,19 +102,6 @@ ENGINE_GAUGES: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
      "unless --threads pins them).", lambda s: s.threads),
     ("phasewise:cpus_busy_elsewhere", "CPUs (of those the engine may use) other programs kept busy lately.",
      lambda s: s.cpus_busy_elsewhere),
-    # the prefix cache's disk tier (--prompt-cache-dir), counts since the start (0 without it)
-    ("phasewise:prompt_cache_disk_hit_blocks", "KV blocks loaded from the prompt cache's disk tier.",
-     lambda s: s.disk.blocks_read if s.disk else 0),
-    ("phasewise:prompt_cache_disk_read_bytes", "Bytes loaded from the disk tier.",
-     lambda s: s.disk.bytes_read if s.disk else 0),
-    ("phasewise:prompt_cache_disk_written_bytes", "Bytes written to the disk tier.",
-     lambda s: s.disk.bytes_written if s.disk else 0),
-    ("phasewise:prompt_cache_disk_evicted_ttl", "Disk-tier entries removed because their TTL had passed.",
-     lambda s: s.disk.evicted_ttl if s.disk else 0),
-    ("phasewise:prompt_cache_disk_evicted_lru", "Disk-tier entries removed, least recently used first, to fit "
-     "--prompt-cache-size.", lambda s: s.disk.evicted_lru if s.disk else 0),
-    ("phasewise:prompt_cache_disk_errors", "Disk-tier writes that failed (full disk, unwritable directory) and "
-     "files that did not check out (removed).", lambda s: s.disk.write_errors + s.disk.corrupt if s.disk else 0),
 )
 
 

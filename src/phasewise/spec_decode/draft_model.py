@@ -34,7 +34,7 @@ from phasewise.layers.attention import AttentionMetadata
 from phasewise.runner.kv_cache import KVCache
 from phasewise.runner.model_api import CausalLM
 from phasewise.runner.request_state import RequestState
-from phasewise.spec_decode.draft_picking import DraftPicking, pick_drafts
+from phasewise.spec_decode.draft_picking import DraftPicking, chain_drafts
 from phasewise.kernels.kernel_api import Kernels
 
 
@@ -81,29 +81,14 @@ class DraftModelProposer:
         if slots is not None:                 # the drafts run on a copy of the committed tokens' state
             self.kv_cache.copy_states([(s, s + self.state_slots) for s in slots])
             slots = [s + self.state_slots for s in slots]
-        drafts: list[list[int]] = [[] for _ in chunks]
-        qs: list[list[Tensor]] = [[] for _ in chunks]
-        active = list(range(len(chunks)))
-        while True:
-            tokens, probs = pick_drafts(logits, [reqs[i] for i in active], [drafts[i] for i in active],
-                                        [states[i].generator for i in active], self.picking)
-            for j, i in enumerate(active):
-                drafts[i].append(tokens[j])
-                if probs is not None and reqs[i].sampling_params.temperature > 0:
-                    qs[i].append(probs[j])
-            still = [j for j, i in enumerate(active) if len(drafts[i]) < chunks[i].max_draft_tokens]
-            if not still:
-                break
-            active = [active[j] for j in still]
-            # Feed each active request its newest draft, at the position after the previous one.
-            pos = [reqs[i].num_tokens + len(drafts[i]) - 1 for i in active]
-            logits = self._forward([[drafts[i][-1]] for i in active], pos, [tables[i] for i in active],
-                                   None if slots is None else [slots[i] for i in active])
-            for i in active:
+
+        def step(kept: list[int], active: list[int], drafts: list[list[int]]) -> Tensor:
+            for i in active:                  # each its newest draft, at the position after the previous one
                 states[i].fed.append(drafts[i][-1])
-        for c, d, q in zip(chunks, drafts, qs):
-            c.draft_token_ids = d
-            c.draft_probs = torch.stack(q) if q else None              # [k, V]
+            pos = [reqs[i].num_tokens + len(drafts[i]) - 1 for i in active]
+            return self._forward([[drafts[i][-1]] for i in active], pos, [tables[i] for i in active],
+                                 None if slots is None else [slots[i] for i in active])
+        chain_drafts(logits, chunks, reqs, [st.generator for st in states], self.picking, step)
 
     def _state(self, chunk: ScheduledChunk, req: RequestState) -> DraftState:
         st = req.spec

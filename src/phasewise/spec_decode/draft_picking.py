@@ -8,12 +8,13 @@ verification exact), and q is kept for the rejection rule.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from phasewise.core.handoffs import ScheduledChunk
 from phasewise.core.request import SequenceView
 from phasewise.kernels.kernel_api import Kernels
 from phasewise.sampling.sampler import SamplingMetadata, distribution, exponential_noise
@@ -44,3 +45,32 @@ def pick_drafts(logits: Tensor, reqs: Sequence[SequenceView], drafts: Sequence[l
     noise = exponential_noise(list(generators), probs.shape[-1], probs.device)
     sampled = (probs / noise).argmax(dim=1)
     return torch.where(meta.temperature == 0, greedy, sampled).tolist(), probs
+
+
+# step(kept, active, drafts): the next logits [len(active), V] after feeding each active request its newest
+# draft (kept: the active requests' rows in the previous logits; drafts: every request's drafts so far).
+NextLogits = Callable[[list[int], list[int], list[list[int]]], Tensor]
+
+
+def chain_drafts(logits: Tensor, chunks: Sequence[ScheduledChunk], reqs: Sequence[SequenceView],
+                 generators: Sequence[torch.Generator | None], how: DraftPicking, step: NextLogits) -> None:
+    """Draft one token at a time from logits [B, V] (one row a chunk) until each chunk has its
+    max_draft_tokens, running `step` for the next position; sets each chunk's drafts and their q [k, V]."""
+    drafts: list[list[int]] = [[] for _ in chunks]
+    qs: list[list[Tensor]] = [[] for _ in chunks]
+    active = list(range(len(chunks)))
+    while True:
+        picked, probs = pick_drafts(logits, [reqs[i] for i in active], [drafts[i] for i in active],
+                                    [generators[i] for i in active], how)
+        for n, i in enumerate(active):
+            drafts[i].append(picked[n])
+            if probs is not None and reqs[i].sampling_params.temperature > 0:
+                qs[i].append(probs[n])
+        kept = [n for n, i in enumerate(active) if len(drafts[i]) < chunks[i].max_draft_tokens]
+        if not kept:
+            break
+        active = [active[n] for n in kept]
+        logits = step(kept, active, drafts)
+    for c, d, q in zip(chunks, drafts, qs):
+        c.draft_token_ids = d
+        c.draft_probs = torch.stack(q) if q else None          # [k, V]

@@ -28,7 +28,7 @@ from phasewise.kernels.kernel_api import Kernels
 from phasewise.layers.attention import AttentionMetadata
 from phasewise.runner.kv_cache import KVCache
 from phasewise.runner.request_state import RequestState
-from phasewise.spec_decode.draft_picking import DraftPicking, pick_drafts
+from phasewise.spec_decode.draft_picking import DraftPicking, chain_drafts
 
 if TYPE_CHECKING:
     from phasewise.models.qwen3_5 import Qwen3_5ForCausalLM
@@ -67,29 +67,20 @@ class MTPProposer:
                             torch.cat([h for _, h in rows]), [first for first, _ in rows], tables, tails)   # [B, H]
         for st, r in zip(states, reqs):
             st.done = r.num_tokens - 1
-        drafts: list[list[int]] = [[] for _ in chunks]
-        qs: list[list[Tensor]] = [[] for _ in chunks]
-        active = list(range(len(chunks)))
-        while True:
-            logits = self.model.compute_logits(out)
-            assert logits is not None                    # no tensor parallelism with MTP
-            picked, probs = pick_drafts(logits, [reqs[i] for i in active], [drafts[i] for i in active],
-                                        [states[i].generator for i in active], self.picking)
-            for n, i in enumerate(active):
-                drafts[i].append(picked[n])
-                if probs is not None and reqs[i].sampling_params.temperature > 0:
-                    qs[i].append(probs[n])
-            still = [n for n, i in enumerate(active) if len(drafts[i]) < chunks[i].max_draft_tokens]
-            if not still:
-                break
-            out, active = out[still], [active[n] for n in still]
+
+        def step(kept: list[int], active: list[int], drafts: list[list[int]]) -> Tensor:
             # the layer's own output and the newest draft, one position on (draft d's row at T - 2 + d)
+            nonlocal out
             starts = [reqs[i].num_tokens - 2 + len(drafts[i]) for i in active]
-            out = self._forward([[drafts[i][-1]] for i in active], out, starts, [tables[i] for i in active],
+            out = self._forward([[drafts[i][-1]] for i in active], out[kept], starts, [tables[i] for i in active],
                                 [tails[i] for i in active])
-        for c, d, q in zip(chunks, drafts, qs):
-            c.draft_token_ids = d
-            c.draft_probs = torch.stack(q) if q else None       # [k, V]
+            return self._logits(out)
+        chain_drafts(self._logits(out), chunks, reqs, [st.generator for st in states], self.picking, step)
+
+    def _logits(self, hidden: Tensor) -> Tensor:
+        logits = self.model.compute_logits(hidden)
+        assert logits is not None                    # no tensor parallelism with MTP
+        return logits
 
     def _state(self, chunk: ScheduledChunk, req: RequestState) -> MTPState:
         st = req.spec

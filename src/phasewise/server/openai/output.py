@@ -22,12 +22,15 @@ class TokenBytes(Protocol):
 
 
 def usage(per_prompt: Sequence[CompletionOutput], outputs: Sequence[CompletionOutput]) -> JsonObject:
-    """Prompt tokens counted once per prompt (not per choice), completion tokens over all choices, of them
-    the thinking's (reasoning_tokens)."""
+    """Prompt tokens counted once per prompt (not per choice), of them those the prefix cache served
+    (cached_tokens) and those of cache breakpoints' prefixes the request wrote (cache_write_tokens);
+    completion tokens over all choices, of them the thinking's (reasoning_tokens)."""
     prompt = sum(len(o.prompt_token_ids) for o in per_prompt)
     completion = sum(len(o.token_ids) for o in outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in per_prompt)},
+            "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in per_prompt),
+                                      "cache_write_tokens": sum(sum(o.metrics.cache_written.values())
+                                                                for o in per_prompt)},
             "completion_tokens_details": {"reasoning_tokens": reasoning_tokens(outputs)}}
 
 

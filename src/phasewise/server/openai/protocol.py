@@ -18,6 +18,7 @@ from phasewise.json_types import JsonObject
 from phasewise.server import constraints, thinking
 from phasewise.server.api_error import bad_request
 from phasewise.server.chat_request import ChatRequest, ToolChoice, ToolMode, check_call_ids
+from phasewise.server.openai import caching
 from phasewise.server.refused_fields import UNSUPPORTED_FIELDS
 from phasewise.server.sampling_fields import INT64, BudgetFields, CommonParams, SamplingFields, make_params
 
@@ -118,6 +119,7 @@ class TextPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: str
     text: str | None = None
+    prompt_cache_breakpoint: JsonObject | None = None     # OpenAI's cache breakpoint (openai/caching.py)
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool")   # developer: OpenAI's newer name of system
@@ -177,14 +179,18 @@ class ChatCompletionRequest(_Request, BudgetFields):
     # vLLM's: how the prompt ends (an assistant turn opened; or nothing; or the final assistant message, continued)
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
+    prompt_cache_options: JsonObject | None = None       # OpenAI's mode and ttl (openai/caching.py)
 
     def chat_request(self) -> ChatRequest:
         """The request every chat-shaped API comes down to (400 naming this body's fields otherwise)."""
         messages = self.conversation()
         continued = self.continues()
-        prompt = ChatPrompt(messages, self.checked_tools(),
-                            thinking.template_kwargs(self.chat_template_kwargs, self.reasoning_effort, bad_request)
-                            or None, self.add_generation_prompt and not continued, continued)
+        tools = self.checked_tools()
+        kwargs = thinking.template_kwargs(self.chat_template_kwargs, self.reasoning_effort, bad_request) or None
+        points = caching.cache_points(self.cache_marks(), self.prompt_cache_options, messages,
+                                      lambda cut: ChatPrompt(cut, tools, kwargs, add_generation_prompt=False),
+                                      "messages")
+        prompt = ChatPrompt(messages, tools, kwargs, self.add_generation_prompt and not continued, continued, points)
         forced, name = self.forced_tool()
         mode: ToolMode = "none" if self.tool_choice == "none" else "required" if forced else "auto"
         names = {"prompt": "messages"}
@@ -193,6 +199,14 @@ class ChatCompletionRequest(_Request, BudgetFields):
         return ChatRequest(prompt, self.sampling_params(), self.n, ToolChoice(mode, name, self.parallel_tool_calls),
                            thinking_budget=thinking.thinking_budget(self.budget_fields(), self.reasoning_effort),
                            include_reasoning=self.include_reasoning, names=names)
+
+    def cache_marks(self) -> list[caching.Mark]:
+        """The content parts with a prompt_cache_breakpoint, each with the messages as far as it."""
+        before = [m.as_dict() for m in self.messages]
+        return [(f"messages[{i}].content[{j}]", part.prompt_cache_breakpoint,
+                 [*before[:i], m.model_copy(update={"content": m.content[:j + 1]}).as_dict()])
+                for i, m in enumerate(self.messages) if isinstance(m.content, list)
+                for j, part in enumerate(m.content) if part.prompt_cache_breakpoint is not None]
 
     def thinking_budget(self) -> int | None:
         """Thinking tokens at most (None: unlimited or not said), from the budget fields or the effort."""

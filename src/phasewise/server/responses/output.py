@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from phasewise.json_types import JsonObject, JsonValue
 from phasewise.outputs import CompletionOutput
 from phasewise import json_types
+from phasewise.server.openai.caching import written_by_ttl
 from phasewise.server.reply_parser import ReplyParser
 from phasewise.server.timings import timings
 from phasewise.server.responses.protocol import ResponsesRequest
@@ -224,11 +225,12 @@ def assistant_message(items: Sequence[JsonObject]) -> JsonObject:
 
 def usage(out: CompletionOutput) -> JsonObject:
     """cached_tokens: the prompt tokens the prefix cache served; cache_write_tokens: those of cache
-    breakpoints' prefixes written (none here: the Responses API marks none)."""
+    breakpoints' prefixes the request wrote, also by ttl (openai/caching.py)."""
     prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
-    written = sum(out.metrics.cache_written.values())
+    written = out.metrics.cache_written
     return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": out.cached_tokens,
-                                                             "cache_write_tokens": written},
+                                                             "cache_write_tokens": sum(written.values()),
+                                                             "cache_write_tokens_details": written_by_ttl(written)},
             "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": out.metrics.thinking_tokens},
             "total_tokens": prompt + completion}
 

@@ -23,6 +23,7 @@ from phasewise.json_types import JsonObject, JsonValue
 from phasewise.server import constraints, thinking
 from phasewise.server.api_error import bad_request
 from phasewise.server.chat_request import ChatRequest, check_call_ids
+from phasewise.server.openai import caching
 from phasewise.server.refused_fields import UNSUPPORTED_FIELDS
 from phasewise.server.responses.tools import checked_tools, forced_custom, tool_choice
 from phasewise.server.sampling_fields import INT64, BudgetFields, SamplingFields, make_params
@@ -73,6 +74,7 @@ class ResponsesRequest(SamplingFields, BudgetFields):
     background: StrictBool | None = None
     max_tool_calls: int | None = Field(None, ge=0, lt=INT64)      # honoured: calls past it are dropped
     user: str | None = None
+    prompt_cache_options: JsonObject | None = None        # OpenAI's mode and ttl (openai/caching.py)
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> ResponsesRequest:
@@ -290,6 +292,26 @@ def chat_request(body: ResponsesRequest, history: list[JsonObject]) -> tuple[Cha
     effort = effort if isinstance(effort, str) else None
     kwargs = thinking.template_kwargs(None, effort, bad_request, "reasoning")
     names = {"prompt": "input", "max_tokens": "max_output_tokens", **({"structured_outputs": field} if field else {})}
-    request = ChatRequest(ChatPrompt(messages, tools, kwargs or None), params, 1, choice, body.max_tool_calls,
-                          thinking.thinking_budget(body.budget_fields(), effort), names=names)
+    before = [*head, *history]
+    points = caching.cache_points(_cache_marks(body, before, known), body.prompt_cache_options, messages,
+                                  lambda cut: ChatPrompt(cut, tools, kwargs or None, add_generation_prompt=False),
+                                  "input")
+    request = ChatRequest(ChatPrompt(messages, tools, kwargs or None, cache_points=points), params, 1, choice,
+                          body.max_tool_calls, thinking.thinking_budget(body.budget_fields(), effort), names=names)
     return request, len(head)
+
+
+def _cache_marks(body: ResponsesRequest, before: list[JsonObject], known: dict[str, str]) -> list[caching.Mark]:
+    """The input's parts with a prompt_cache_breakpoint, each with the messages as far as it (after `before`:
+    the instructions and the stored conversation)."""
+    marks: list[caching.Mark] = []
+    items = body.input if isinstance(body.input, list) else []
+    for i, item in enumerate(items):
+        parts = item.get("content")
+        parts = parts if isinstance(parts, list) else []
+        for j, part in enumerate(parts):
+            if isinstance(part, dict) and part.get("prompt_cache_breakpoint") is not None:
+                upto = body.model_copy(update={"input": [*items[:i], {**item, "content": parts[:j + 1]}]})
+                marks.append((f"input[{i}].content[{j}]", part["prompt_cache_breakpoint"],
+                              [*before, *input_messages(upto, known)]))
+    return marks

@@ -1,0 +1,36 @@
+"""benchmarks/prompt_cache_overhead.py at a tiny size: it runs both engines in alternating rounds and
+writes its results, the disk tier's engine having written blocks and dropped none."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+BENCH = Path(__file__).parent.parent / "benchmarks" / "prompt_cache_overhead.py"
+
+
+def test_a_tiny_run_alternates_the_engines_and_writes_its_results(tmp_path):
+    out = tmp_path / "result.json"
+    done = subprocess.run([sys.executable, str(BENCH), "--rounds", "2", "--prompts", "1", "--prompt-len", "48",
+                           "--batch", "2", "--output-len", "20", "--kv-cache-memory", "0.1", "--dir",
+                           str(tmp_path / "cache"), "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    order = [line.split("disk tier ")[1].split(":")[0].strip() for line in done.stdout.splitlines()
+             if line.startswith("round ")]
+    assert order == ["on", "off", "off", "on"]
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "prompt_cache_overhead" and result["threads"] >= 1
+    for kind in ("prefill_tps", "decode_tps"):
+        assert all(len(result["figures"][k][kind]) == 2 and min(result["figures"][k][kind]) > 0 for k in ("on", "off"))
+        s = result["summary"][kind]
+        assert s["slowdown"] == pytest.approx(1 - s["on"] / s["off"])
+    # each round's prompts (3 whole blocks each) and replies were written; nothing was read (all new)
+    assert result["disk"]["blocks_written"] >= 2 * 3 and result["disk"]["dropped"] == 0
+    assert result["disk"]["blocks_read"] == 0
+    assert len(list((tmp_path / "cache").rglob("*.kvb"))) == result["disk"]["blocks_written"]
