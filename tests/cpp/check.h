@@ -56,6 +56,20 @@ inline float half_to_float(uint16_t h) {
   return (h & 0x8000) ? -v : v;
 }
 
+// f to fp16 bits, rounded to nearest even (|f| <= 65504), as the layouts' fp16 scales are defined.
+inline uint16_t float_to_half(float f) {
+  const uint16_t sign = std::signbit(f) ? 0x8000 : 0;
+  const double a = std::fabs(static_cast<double>(f));
+  if (a == 0.0) return sign;
+  int e;
+  std::frexp(a, &e);                                   // a = m 2^e, m in [0.5, 1)
+  int exp = std::max(e - 1, -14);                      // its binade's exponent (subnormals: -14's spacing)
+  double units = std::nearbyint(a / std::ldexp(1.0, exp - 10));   // in fp16 steps of that binade, to even
+  if (units >= 2048.0) units /= 2.0, exp += 1;         // rounded up into the next binade
+  if (units < 1024.0) return static_cast<uint16_t>(sign | static_cast<uint32_t>(units));   // subnormal
+  return static_cast<uint16_t>(sign | (static_cast<uint32_t>(exp + 15) << 10) | (static_cast<uint32_t>(units) - 1024));
+}
+
 inline uint16_t random_half(int min_exp, int max_exp) {   // a normal fp16 of either sign, 2^(min-15) .. 2^(max-14)
   const int e = std::uniform_int_distribution<int>(min_exp, max_exp)(rng);
   const int m = std::uniform_int_distribution<int>(0, 1023)(rng);
@@ -64,10 +78,10 @@ inline uint16_t random_half(int min_exp, int max_exp) {   // a normal fp16 of ei
 
 inline const pw::Runtime RT{2};
 
-// kv_int8_tests.cpp: an int8 cache (kernels.h) of `slots` slots and `tail_slots` tail slots, empty; with bits
-// 4 an int4 cache
-struct Int8Cache {
-  Int8Cache(int64_t slots, int64_t Hkv, int64_t D, int64_t tail_slots, int bits = 8);
+// kv_quant_tests.cpp: a quantized cache (kernels.h) of `slots` slots and `tail_slots` tail slots, empty: bits 8
+// an int8 cache, 4 an int4 one
+struct QuantCache {
+  QuantCache(int64_t slots, int64_t Hkv, int64_t D, int64_t tail_slots, int bits);
   pw::CacheOut out();
   pw::Cache reader(const float* fresh, const float* fresh_v = nullptr, int64_t ldv = 0) const;
   std::vector<int8_t> kq, vq;
@@ -78,9 +92,13 @@ struct Int8Cache {
   int64_t Hkv, D;
   int bits;
 };
-void test_int8_attention(const pw::KernelTable& k, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs,
-                         const std::vector<int64_t>& query_lens, const std::vector<int64_t>& context_lens,
-                         int64_t window = 0, int bits = 8);
+// Rows: query_lens[i] positions of sequence i ending at context_lens[i], its earlier tokens written in steps of
+// 1 to 70 tokens; the writers' layout and every row's attention checked.
+void test_kv_attention(const pw::KernelTable& k, int bits, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs,
+                       const std::vector<int64_t>& query_lens, const std::vector<int64_t>& context_lens,
+                       int64_t window = 0);
+// A verify's drafts across a group's end, rejected, then again, beside a decoding sequence (blocks of a group).
+void test_kv_verify(const pw::KernelTable& k, int bits, int64_t Hq, int64_t Hkv, int64_t D);
 // quant_tests.cpp
 std::vector<uint8_t> random_weight(pw::QuantFormat fmt, int64_t N, int64_t K, std::vector<float>& W,
                                    std::vector<float>& scale, int64_t u5_tiles, std::vector<uint16_t>* super);

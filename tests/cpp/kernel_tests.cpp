@@ -2,10 +2,11 @@
 // reference written here, for the ISA level the library was compiled for. They need no torch, so
 // they run where torch cannot: ARM builds under qemu-user (make test-arm). The Python tests
 // compare the same kernels with PyTorch's references on this machine's own levels.
-// Here: the elementwise ops, RoPE and the cache writes, attention; kv_int8_tests.cpp: the int8 cache's
-// writer and attention over it; quant_tests.cpp: the
-// quantized linear layers and the decoder stack; expert_tests.cpp: the experts; delta_net_tests.cpp:
-// the Gated DeltaNet's mix.
+// Here: the elementwise ops, RoPE and the cache writes, attention; kv_quant_tests.cpp: the int8 and int4
+// caches' writers and attention over them; quant_tests.cpp: the quantized linear layers and the decoder
+// stack; expert_tests.cpp: the experts; delta_net_tests.cpp: the Gated DeltaNet's mix. An argument runs one
+// part alone (ops, kv, quant, stack, experts, delta: `kernel_tests kv` the quantized caches' tests, their
+// decoder stacks included).
 #include "check.h"
 
 #include <algorithm>
@@ -137,7 +138,7 @@ void attend_ref(const pw::Cache& c, const int64_t* table, int64_t bs, const floa
 }
 
 // Rows: query_lens[i] consecutive positions of sequence i ending at context_lens[i] (an fp32 cache;
-// kv_int8_tests.cpp the int8 one).
+// kv_quant_tests.cpp the quantized ones).
 void test_attention(const pw::KernelTable& k, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs,
                     const std::vector<int64_t>& query_lens, const std::vector<int64_t>& context_lens,
                     int64_t window = 0) {
@@ -169,63 +170,88 @@ void test_attention(const pw::KernelTable& k, int64_t Hq, int64_t Hkv, int64_t D
   check_close(name, out.data(), want.data(), out.size(), 1e-4f, 5e-5f);
 }
 
-}  // namespace kt
-
-int main() {
-  using namespace kt;
-  const pw::KernelTable& k = *pw_kernel_table();
-  std::printf("kernel tests, ISA level %s\n", k.isa);
-  check("abi", k.abi == pw::ABI_VERSION);
-  test_elementwise(k);
-  test_rope_and_cache(k);
-  for (const auto& h : std::vector<std::vector<int64_t>>{{4, 4}, {8, 4}, {12, 3}, {9, 3}, {14, 2}, {8, 1}}) {
-    test_attention(k, h[0], h[1], 64, 16, {1, 1, 1}, {300, 17, 64});            // decode rows
-    test_int8_attention(k, h[0], h[1], 64, 16, {1, 1, 1}, {300, 17, 64});
+// The quantized caches (kv_quant_tests.cpp), int8 and int4 alike, the shapes placed on each's key group G:
+// decode rows of every lane count (the row kernel; 9+ query heads a KV head: tiles of one row), rows past, at
+// and before a group's end; head sizes of the vector kernels and of the scalar loop; prompt chunks in tiles
+// from inside a group across its end, ending at one, a whole prompt; sliding windows; verifies.
+void test_kv_caches(const pw::KernelTable& k) {
+  for (int bits : {8, 4}) {
+    const int64_t G = bits == 4 ? pw::KEY_GROUP4 : pw::KEY_GROUP;
+    for (const auto& h : std::vector<std::vector<int64_t>>{{4, 4}, {8, 4}, {12, 3}, {9, 3}, {14, 2}, {8, 1}, {7, 1}, {18, 3}})
+      test_kv_attention(k, bits, h[0], h[1], 64, G, {1, 1, 1, 1}, {300, G + 1, G, 3});
+    for (int64_t D : bits == 4 ? std::vector<int64_t>{64, 128, 256, 192} : std::vector<int64_t>{64, 128, 256, 32, 80})
+      test_kv_attention(k, bits, 8, 2, D, G, {1, 1, 5}, {70, 1000, G + 2});   // a long context in parts; a run
+    test_kv_attention(k, bits, 9, 3, 64, 2 * G, {1, 5, 12, G + 1, 2 * G + 4}, {2 * G + 12, 5, G + 6, 2 * G, 2 * G + 4});
+    test_kv_attention(k, bits, 8, 2, 128, G, {4, 20, G + 1}, {9, G + 10, 2 * G + 1});
+    test_kv_attention(k, bits, 4, 1, 256, G, {37, 1, 1}, {100, 700, 30}, 40);
+    test_kv_attention(k, bits, 6, 2, 64, 2 * G, {1, 1, G + 3}, {G + 30, 3 * G, 2 * G + 3}, G / 2 + 3);
+    for (const auto& h : std::vector<std::vector<int64_t>>{{8, 2}, {4, 4}, {16, 1}})
+      test_kv_verify(k, bits, h[0], h[1], 64);
+    test_kv_verify(k, bits, 6, 2, bits == 4 ? 192 : 80);                      // the scalar loop
   }
-  for (int64_t D : {64, 128, 256, 32, 80}) {                                    // vector and scalar head sizes
-    test_attention(k, 8, 2, D, 16, {1, 1}, {70, 1000});                         // a long context in parts
-    test_int8_attention(k, 8, 2, D, 16, {1, 1}, {70, 1000});
-  }
-  test_attention(k, 9, 3, 64, 16, {1, 5, 12, 1}, {40, 5, 30, 16});               // prompt chunks in tiles
-  test_int8_attention(k, 9, 3, 64, 16, {1, 5, 12, 1}, {40, 5, 30, 16});
-  test_attention(k, 8, 2, 128, 32, {4, 20, 40}, {9, 50, 40});
-  test_int8_attention(k, 8, 2, 128, 32, {4, 20, 17}, {9, 50, 33});               // chunks across group ends
-  test_attention(k, 4, 1, 256, 16, {37, 1, 1}, {100, 700, 30}, 40);          // sliding window: tiles and rows
-  test_int8_attention(k, 4, 1, 256, 16, {37, 1, 1}, {100, 700, 30}, 40);
-  for (const auto& h : std::vector<std::vector<int64_t>>{{4, 4}, {8, 4}, {12, 3}, {9, 3}, {14, 2}, {8, 1}})
-    test_int8_attention(k, h[0], h[1], 64, 64, {1, 1, 1}, {300, 65, 64}, 0, 4);  // int4: decode rows
-  for (int64_t D : {64, 128, 256, 192})                                           // vector and scalar head sizes
-    test_int8_attention(k, 8, 2, D, 64, {1, 1, 70}, {70, 1000, 200}, 0, 4);
-  test_int8_attention(k, 9, 3, 64, 128, {1, 5, 12, 65}, {140, 5, 30, 129}, 0, 4);  // chunks across group ends
-  test_int8_attention(k, 4, 1, 256, 64, {37, 1, 1}, {100, 700, 30}, 40, 4);
-  for (pw::QuantFormat fmt : {pw::Q4, pw::Q8, pw::I8, pw::K8, pw::Q5, pw::K6})
-    for (const auto& mnk : std::vector<std::vector<int64_t>>{{1, 576, 576}, {3, 40, 64}, {5, 960, 128}, {130, 48, 96}})
-      test_quant_linear(k, fmt, mnk[0], mnk[1], mnk[2]);
-  for (const auto& mnk : std::vector<std::vector<int64_t>>{{1, 576, 256}, {3, 40, 512}, {5, 960, 256}, {130, 48, 768}})
-    for (pw::QuantFormat fmt : {pw::K4, pw::Q6K})
-      test_quant_linear(k, fmt, mnk[0], mnk[1], mnk[2]);        // whole super-blocks of 256
-  for (int64_t M : {1, 5, 130}) test_fused_parts(k, M, 512);
-  for (const auto& mnk : std::vector<std::vector<int64_t>>{{1, 40, 64}, {130, 48, 96}, {5, 64, 128}, {3, 32, 64}})
-    test_quant_linear(k, pw::Q8, mnk[0], mnk[1], mnk[2], 2);   // 2 U5 tiles, then Q8 (partly padding; none)
-  for (int kv_bits : {0, 8, 4}) {
+  for (int kv_bits : {8, 4}) {
     test_decoder_stack(k, kv_bits, {1}, {1});                                   // the first decode step
     test_decoder_stack(k, kv_bits, {1, 12, 1}, {40, 12, 300});                  // decodes, a prompt chunk
+    // a row that fills a group, a verify's run and a chunk across a group's end, a row just past two groups
+    test_decoder_stack(k, kv_bits, {1, 6, 20, 1}, {64, 67, 80, 129});
   }
-  for (pw::QuantFormat fmt : {pw::Q4, pw::Q8, pw::I8, pw::K4, pw::K8, pw::Q5, pw::K6, pw::Q6K})
-    test_expert_mlp_exact(k, fmt);
-  for (const auto& f : std::vector<std::vector<pw::QuantFormat>>{{pw::K4, pw::Q6K}, {pw::Q4, pw::Q8}, {pw::Q5, pw::K4}})
-    for (int64_t T : {1, 7, 40}) test_expert_mlp(k, f[0], f[1], T, 3);
-  test_float_linear(k);
-  test_moe_route(k);
-  for (bool norm : {false, true}) {
-    test_delta_net_mix(k, 2, 2, 16, 16, 4, norm);      // one v head per k head
-    test_delta_net_mix(k, 2, 4, 16, 40, 4, norm);      // two; a partial vector of columns after a pair
-    test_delta_net_mix(k, 1, 2, 8, 8, 3, norm);        // heads narrower than a vector
-    test_delta_net_mix(k, 1, 2, 128, 128, 4, norm);    // Qwen3.5's head sizes
+}
+
+}  // namespace kt
+
+int main(int argc, char** argv) {
+  using namespace kt;
+  const pw::KernelTable& k = *pw_kernel_table();
+  const std::string only = argc > 1 ? argv[1] : "";
+  auto part = [&](const char* name) { return only.empty() || only == name; };
+  std::printf("kernel tests, ISA level %s%s%s\n", k.isa, only.empty() ? "" : ", part ", only.c_str());
+  check("abi", k.abi == pw::ABI_VERSION);
+  if (part("ops")) {
+    test_elementwise(k);
+    test_rope_and_cache(k);
+    for (const auto& h : std::vector<std::vector<int64_t>>{{4, 4}, {8, 4}, {12, 3}, {9, 3}, {14, 2}, {8, 1}})
+      test_attention(k, h[0], h[1], 64, 16, {1, 1, 1}, {300, 17, 64});          // decode rows
+    for (int64_t D : {64, 128, 256, 32, 80})                                      // vector and scalar head sizes
+      test_attention(k, 8, 2, D, 16, {1, 1}, {70, 1000});                       // a long context in parts
+    test_attention(k, 9, 3, 64, 16, {1, 5, 12, 1}, {40, 5, 30, 16});             // prompt chunks in tiles
+    test_attention(k, 8, 2, 128, 32, {4, 20, 40}, {9, 50, 40});
+    test_attention(k, 4, 1, 256, 16, {37, 1, 1}, {100, 700, 30}, 40);        // sliding window: tiles and rows
   }
-  test_short_conv(40, 3);                               // LFM2's taps; a partial vector of channels
-  test_short_conv(64, 4);
-  check("int8_peak_gops", k.int8_peak_gops(RT, 2000) > 0.0);
+  if (part("kv")) test_kv_caches(k);
+  if (part("quant")) {
+    for (pw::QuantFormat fmt : {pw::Q4, pw::Q8, pw::I8, pw::K8, pw::Q5, pw::K6})
+      for (const auto& mnk : std::vector<std::vector<int64_t>>{{1, 576, 576}, {3, 40, 64}, {5, 960, 128}, {130, 48, 96}})
+        test_quant_linear(k, fmt, mnk[0], mnk[1], mnk[2]);
+    for (const auto& mnk : std::vector<std::vector<int64_t>>{{1, 576, 256}, {3, 40, 512}, {5, 960, 256}, {130, 48, 768}})
+      for (pw::QuantFormat fmt : {pw::K4, pw::Q6K})
+        test_quant_linear(k, fmt, mnk[0], mnk[1], mnk[2]);      // whole super-blocks of 256
+    for (int64_t M : {1, 5, 130}) test_fused_parts(k, M, 512);
+    for (const auto& mnk : std::vector<std::vector<int64_t>>{{1, 40, 64}, {130, 48, 96}, {5, 64, 128}, {3, 32, 64}})
+      test_quant_linear(k, pw::Q8, mnk[0], mnk[1], mnk[2], 2);  // 2 U5 tiles, then Q8 (partly padding; none)
+  }
+  if (part("stack")) {                                          // over an fp32 cache (quantized ones: kv)
+    test_decoder_stack(k, 0, {1}, {1});                                         // the first decode step
+    test_decoder_stack(k, 0, {1, 12, 1}, {40, 12, 300});                        // decodes, a prompt chunk
+  }
+  if (part("experts")) {
+    for (pw::QuantFormat fmt : {pw::Q4, pw::Q8, pw::I8, pw::K4, pw::K8, pw::Q5, pw::K6, pw::Q6K})
+      test_expert_mlp_exact(k, fmt);
+    for (const auto& f : std::vector<std::vector<pw::QuantFormat>>{{pw::K4, pw::Q6K}, {pw::Q4, pw::Q8}, {pw::Q5, pw::K4}})
+      for (int64_t T : {1, 7, 40}) test_expert_mlp(k, f[0], f[1], T, 3);
+    test_float_linear(k);
+    test_moe_route(k);
+  }
+  if (part("delta")) {
+    for (bool norm : {false, true}) {
+      test_delta_net_mix(k, 2, 2, 16, 16, 4, norm);      // one v head per k head
+      test_delta_net_mix(k, 2, 4, 16, 40, 4, norm);      // two; a partial vector of columns after a pair
+      test_delta_net_mix(k, 1, 2, 8, 8, 3, norm);        // heads narrower than a vector
+      test_delta_net_mix(k, 1, 2, 128, 128, 4, norm);    // Qwen3.5's head sizes
+    }
+    test_short_conv(40, 3);                               // LFM2's taps; a partial vector of channels
+    test_short_conv(64, 4);
+  }
+  if (part("ops")) check("int8_peak_gops", k.int8_peak_gops(RT, 2000) > 0.0);
   std::printf("results digest %016llx\n%d passed, %d failed\n", static_cast<unsigned long long>(digest), passed, failed);
   return failed == 0 ? 0 : 1;
 }

@@ -254,7 +254,7 @@ void test_decoder_stack(const pw::KernelTable& k, int kv_bits, const std::vector
   if (int8) rows.seqs = seqs.data(), rows.num_seqs = nseq;
   // Two copies of every layer's cache, with the same earlier context (int8: written by write_kv)
   std::vector<std::vector<float>> f(4 * L);
-  std::vector<Int8Cache> q8;
+  std::vector<QuantCache> q8;
   q8.reserve(2 * L);
   std::vector<pw::Cache> caches[2];
   std::vector<pw::CacheOut> outs[2];
@@ -357,7 +357,7 @@ void test_decoder_stack(const pw::KernelTable& k, int kv_bits, const std::vector
       for (int64_t j = 0; j < 2; ++j) close(f[4 * i + j], f[4 * i + 2 + j]);
       continue;
     }
-    const Int8Cache &a = q8[2 * i], &b = q8[2 * i + 1];
+    const QuantCache &a = q8[2 * i], &b = q8[2 * i + 1];
     near(a.kq, b.kq), near(a.vq, b.vq), close(a.kg, b.kg), close(a.vs, b.vs), close(a.tails, b.tails);
     near4(a.k4, b.k4), near4(a.v4, b.v4), close16(a.kg4, b.kg4), close16(a.vs4, b.vs4);
     same &= a.held == b.held;

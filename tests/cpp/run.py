@@ -5,6 +5,7 @@ not use fails). Prints each level's result and a last 'N passed, N failed' line;
 
     python tests/cpp/run.py --arch aarch64     # make test-arm
     python tests/cpp/run.py --arch native      # this machine's levels
+    python tests/cpp/run.py --only kv          # one part of the tests (kernel_tests.cpp's main)
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ HERE = Path(__file__).parent
 QEMU_CPU = {"generic": "cortex-a53", "neon": "cortex-a53", "neon-dotprod": "cortex-a76"}
 
 
-def build_and_run(cxx: str, level, threads: Threads, static: list[str], runner: list[str], tmp: Path) -> tuple[str, str]:
-    """The tests of one level built with cxx and `threads` (OpenMP or the kernels' own pool) and run:
-    (their output, or "" when the build failed, and why)."""
+def build_and_run(cxx: str, level, threads: Threads, static: list[str], runner: list[str], tmp: Path,
+                  only: str = "") -> tuple[str, str]:
+    """The tests of one level built with cxx and `threads` (OpenMP or the kernels' own pool) and run (only
+    their part `only`, or all): (their output, or "" when the build failed, and why)."""
     tag = f"{level.name}-{'omp' if threads.openmp else 'pool'}"
     exe = tmp / f"kernel_tests_{tag}"
     flags = [f for f in COMMON_FLAGS if f != "-fPIC"] + list(threads.compile) + list(level.flags) + static
@@ -42,7 +44,7 @@ def build_and_run(cxx: str, level, threads: Threads, static: list[str], runner: 
                            text=True)
     if build.returncode != 0:
         return "", build.stderr[-3000:]
-    run = subprocess.run([*runner, str(exe)], capture_output=True, text=True, timeout=600)
+    run = subprocess.run([*runner, str(exe), *([only] if only else [])], capture_output=True, text=True, timeout=600)
     return run.stdout.strip() or f"exit {run.returncode} {run.stderr.strip()[-500:]}", ""
 
 
@@ -51,6 +53,8 @@ def main() -> int:
     ap.add_argument("--arch", default="native", choices=["native", "aarch64"])
     ap.add_argument("--openmp-parity", action="store_true",
                     help="also build without OpenMP (the kernels' own threads) and require the same result bits")
+    ap.add_argument("--only", default="", choices=["", "ops", "kv", "quant", "stack", "experts", "delta"],
+                    help="run one part of the tests: kv, the int8 and int4 caches' writers, readers and decoder stacks")
     args = ap.parse_args()
     if args.arch == "native":
         cxx, levels, runner, static = compiler(), runnable_levels(), lambda lv: [], []
@@ -68,7 +72,7 @@ def main() -> int:
         for level in levels:
             digests = []
             for t in builds:
-                out, error = build_and_run(cxx, level, t, static, runner(level), Path(tmp))
+                out, error = build_and_run(cxx, level, t, static, runner(level), Path(tmp), args.only)
                 name = f"{level.name} ({cxx}, {'OpenMP' if t.openmp else 'own threads'})"
                 if error:
                     print(f"{name}: the build failed\n{error}")
