@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/quality.py [--dtypes fp32,int8,q4,q4/int8] [--kernels auto|torch]
                                            [--text benchmarks/data/lighthouses.txt] [--chunk 512] [--window N]
-                                           [--output-len 64] [--repeats 3] [--threads N] [--record]
+                                           [--output-len 64] [--repeats 3] [--threads N] [--record] [--json OUT]
 
 For each --dtypes precision of the default model (or --model); "WEIGHTS/KV" also sets the KV-cache
 dtype (q4/int8: 4-bit weights and an int8 KV cache; fp32/int4: fp32 weights and an int4 KV cache):
@@ -32,7 +32,7 @@ from phasewise.kernels import build
 from phasewise.layers.attention import AttentionMetadata
 from phasewise.loading.loader import load_prepared
 from phasewise.loading.loader import default_model_path, parse_dtype
-from phasewise.engine.precision import INT8_KV_SCHEME, measured, record_path
+from phasewise.engine.precision import INT4_KV_SCHEME, INT8_KV_SCHEME, measured, record_path
 from phasewise.runner.kv_cache import INT4, KVCache, key_group
 from phasewise.tokenization.tokenizer import Tokenizer
 
@@ -82,6 +82,20 @@ class Runner:
         return (time.perf_counter() - t0) / n
 
 
+def _write_json(args: argparse.Namespace, path: Path, tokens: int, rows: list[dict]) -> None:
+    """The run's record (benchmarks/run_record.py) and each precision's row."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from run_record import run_record
+
+    report = {**run_record("quality", torch.get_num_threads()), "model": path.name, "text": str(args.text),
+              "tokens": tokens, "window": args.window, "chunk": args.chunk, "rows": rows}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {args.json}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
@@ -95,6 +109,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--record", action="store_true", help="keep the figures for the engine's default precision")
+    ap.add_argument("--json", type=Path, default=None, help="also write each precision's perplexity here (docs/results/; speeds left out)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -103,7 +118,7 @@ def main() -> None:
     ids = tok.encode(args.text.read_text())
     print(f"{args.text.name}: {len(ids)} tokens; kernels={args.kernels}; {torch.get_num_threads()} threads")
     print(f"{'dtype':>8} {'ppl':>8} {'Δppl':>7} {'top1=fp32':>9} | {'prefill tok/s':>13} {'decode tok/s':>12}")
-    base_top, base_ppl, deltas = None, None, {}
+    base_top, base_ppl, deltas, rows = None, None, {}, []
     dtypes = args.dtypes.split(",")
     if "fp32" in dtypes:   # the reference for the agreement comes first
         dtypes.remove("fp32")
@@ -128,15 +143,20 @@ def main() -> None:
         delta = f"{ppl / base_ppl - 1:+7.2%}" if base_ppl else f"{'-':>7}"
         if base_ppl and spec != "fp32":
             deltas[spec] = round(ppl / base_ppl - 1, 5)
+        rows.append({"dtype": spec, "ppl": round(ppl, 5), "vs_fp32": deltas.get(spec),
+                     "top1_fp32": round((top == base_top).float().mean().item(), 5) if base_top is not None else None})
         print(f"{spec:>8} {ppl:8.4f} {delta} {agree} | {statistics.median(prefill):13.1f} "
               f"{statistics.median(decode):12.1f}", flush=True)
         del model, runner
+    if args.json:
+        _write_json(args, path, len(ids), rows)
     if args.record:
         if not deltas:
             raise SystemExit("--record needs fp32 and at least one other precision in --dtypes")
         target = record_path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(json.dumps({**measured(path), **deltas, "int8_kv": INT8_KV_SCHEME}, indent=1))
+        target.write_text(json.dumps({**measured(path), **deltas, "int8_kv": INT8_KV_SCHEME, "int4_kv": INT4_KV_SCHEME},
+                                      indent=1))
         print(f"recorded in {target}")
 
 
