@@ -202,9 +202,10 @@ def test_the_default_kv_cache_is_float_where_the_family_does_not_hold_int8(defau
 
 
 def test_the_int4_kv_cache_only_where_measured_to_hold(default_model_path, tmp_path, monkeypatch):
-    """auto never picks an unmeasured int4 cache; a file whose q4/int4 pair was measured within 0.5% gets it,
-    and the line says what it measured; asking for int4 gives it whatever was measured."""
-    from phasewise.engine.precision import choose, record_path
+    """auto never picks an unmeasured int4 cache; a file whose q4/int4 pair was measured within 0.5% with the
+    current int4 layout gets it, and the line says what it measured; asking for int4 gives it whatever was
+    measured, and the line says it was asked for and what the family measured."""
+    from phasewise.engine.precision import INT4_KV_MEASURED, choose, record_path
 
     class Kernels:
         isa = "avx512"
@@ -214,14 +215,21 @@ def test_the_int4_kv_cache_only_where_measured_to_hold(default_model_path, tmp_p
         assert choose(default_model_path, "auto", "auto", Kernels(), family).kv != "int4"
     record = record_path(default_model_path)
     record.parent.mkdir(parents=True)
-    record.write_text('{"q4/int8": 0.0011, "q4/int4": 0.0121, "int8_kv": 2}')     # int4 over the limit: int8
+    record.write_text('{"q4/int8": 0.0011, "q4/int4": 0.0121, "int8_kv": 2, "int4_kv": 1}')   # over the limit: int8
     assert choose(default_model_path, "auto", "auto", Kernels(), "llama").kv == "int8"
     asked = choose(default_model_path, "auto", "int4", Kernels(), "llama")
     assert asked.kv == "int4" and "+1.21%" in asked.why and "int4 KV cache" in asked.describe()
-    record.write_text('{"q4/int8": 0.0011, "q4/int4": 0.0042, "int8_kv": 2}')     # within: int4
+    assert f"as --kv-dtype int4 asks (measured {INT4_KV_MEASURED['llama']})" in asked.why
+    record.write_text('{"q4/int8": 0.0011, "q4/int4": 0.0042, "int8_kv": 2, "int4_kv": 1}')   # within: int4
     held = choose(default_model_path, "auto", "auto", Kernels(), "llama")
     assert held.kv == "int4" and "+0.42% perplexity against fp32" in held.describe()
-    assert choose(default_model_path, "fp32", "int4", None, "llama").kv == "int4"
+    record.write_text('{"q4/int8": 0.0011, "q4/int4": 0.0042, "int8_kv": 2}')   # another int4 layout's figure
+    assert choose(default_model_path, "auto", "auto", Kernels(), "llama").kv == "int8"
+    for weights, kernels in (("fp32", None), ("auto", None), ("q4", Kernels())):
+        chosen = choose(default_model_path, weights, "int4", kernels, "gemma3")
+        assert chosen.kv == "int4" and "the int4 KV cache as --kv-dtype int4 asks (not measured on gemma3" in chosen.why
+    line = choose(default_model_path, "fp32", "auto", None, "llama").describe()
+    assert "float KV cache" in line and "the weights' float type" in line
 
 
 def _full_forward_logprobs(llm, ids: list[int]) -> torch.Tensor:

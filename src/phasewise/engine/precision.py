@@ -12,7 +12,9 @@ held-out text (Qwen2.5-Coder-0.5B, 2,048-token windows), and cost nothing now.
 int8 per-channel weights measured -0.05% on the default model. Both int8 paths need the compiled
 kernels to be fast; without them (another device, `kernels="torch"`, no compiler) the default is
 the file's weights in fp32 with a float KV cache. A mixture of experts is no different: its experts
-run in the file's blocks (kernels/csrc/expert_mlp.cpp).
+run in the file's blocks (kernels/csrc/expert_mlp.cpp). The int4 KV cache costs +1.7-1.8% on the same
+held-out text (`INT4_KV_MEASURED`), so "auto" picks it only where a measurement says it holds 0.5%
+(`INT4_KV_HOLDS`, or the file's own "q4/int4"): `--kv-dtype int4` asks for it, and the line says so.
 """
 
 from __future__ import annotations
@@ -33,9 +35,14 @@ INT8_KV_HOLDS = {"llama": "SmolLM2-135M +0.03% on a held-out text",
                  "qwen2": "Qwen2.5-Coder-0.5B -0.04%, 1.5B +0.05% on a held-out text"}
 INT8_KV_SCHEME = 2          # the int8 cache's layout a record's "…/int8" figures were measured with (2: K per channel)
 # Families whose int4 KV cache (docs/architecture.md, "int4 KV cache") was measured within LIMIT of fp32 in
-# total at the file's q4 weights: none yet, so "auto" never picks it (`--kv-dtype int4` asks for it); a file's
-# own record ("q4/int4", benchmarks/quality.py --record) within LIMIT picks it too.
+# total at the file's q4 weights: none, so "auto" never picks it (`--kv-dtype int4` asks for it); a file's
+# own record ("q4/int4" of INT4_KV_SCHEME, benchmarks/quality.py --record) within LIMIT picks it too.
 INT4_KV_HOLDS: dict[str, str] = {}
+# What the int4 cache cost against a float one where it was measured (fp32 weights, the same held-out text
+# and windows as INT8_KV_HOLDS; docs/notes/kv_quantization.md), for the line of an engine that asks for it.
+INT4_KV_MEASURED = {"llama": "SmolLM2-135M +1.67% on a held-out text, over 0.5%",
+                    "qwen2": "Qwen2.5-Coder-0.5B +1.82% on a held-out text, over 0.5%"}
+INT4_KV_SCHEME = 1          # the int4 cache's layout a record's "…/int4" figures were measured with
 LIMIT = 0.005               # the perplexity a default precision may add to the file's weights in fp32
 
 # Perplexity against the file's weights in fp32 (benchmarks/quality.py, lighthouses.txt; docs/benchmarks.md)
@@ -50,7 +57,7 @@ MEASURED: dict[tuple[str, int | None], dict[str, float]] = {
 @dataclass(frozen=True)
 class Precision:
     weights: str            # fp32 | bf16 | fp16 | int8 | q4
-    kv: str                 # model (the weights' float type) | int8
+    kv: str                 # model (the weights' float type) | int8 | int4
     chosen: bool            # picked by "auto" rather than asked for
     why: str                # one line on the choice
 
@@ -100,12 +107,14 @@ def choose(path: Path, dtype: str, kv_dtype: str, kernels: Kernels | None, famil
         raise ValueError(f"unsupported dtype {dtype!r} (choose from auto, {', '.join(WEIGHT_DTYPES)})")
     if kv_dtype not in KV_DTYPES + ("auto",):
         raise ValueError(f"kv_dtype must be 'auto', 'model', 'int8' or 'int4', got {kv_dtype!r}")
-    fast = dtype == "auto" and kernels is not None
-    kv = kv_dtype if kv_dtype != "auto" else "int8" if fast else "model"
+    fast, asked = dtype == "auto" and kernels is not None, kv_dtype != "auto"
+    kv = kv_dtype if asked else "int8" if fast else "model"
     if dtype != "auto":
-        return Precision(dtype, kv, False, "--dtype/--kv-dtype")
+        return Precision(dtype, kv, False, f"--dtype {dtype}" + (_kv_note(family, kv, True) if asked else
+                                                                 "; a KV cache of the weights' float type"))
     if kernels is None:
-        return Precision("fp32", kv, True, "no compiled kernels here, so the file's weights in fp32")
+        return Precision("fp32", kv, True, "no compiled kernels here, so the file's weights in fp32"
+                         + (_kv_note(family, kv, True) if asked else "; a float KV cache (the int8 one needs them)"))
     types = gguf_block_types(path)
     blocks = sorted(types & set(GGUF_BLOCKS))
     if blocks:
@@ -114,10 +123,10 @@ def choose(path: Path, dtype: str, kv_dtype: str, kernels: Kernels | None, famil
         kv, quality = _q4_kv(measured(path), kv_dtype, family)
         return Precision("q4", kv, True, f"the file's own {'/'.join(blocks)} blocks{rest} on the {kernels.isa} "
                                          f"kernels, {quality}")
-    if kv_dtype == "auto" and family not in INT8_KV_HOLDS:
+    if not asked and family not in INT8_KV_HOLDS:
         kv = "model"
     return Precision("int8", kv, True, f"int8 per-channel weights on the {kernels.isa} kernels (measured apart: "
-                                       f"-0.05% perplexity){_family_note(family, kv)}")
+                                       f"-0.05% perplexity){_kv_note(family, kv, asked)}")
 
 
 
@@ -133,21 +142,29 @@ def record_path(path: Path) -> Path:
 
 def measured(path: Path) -> dict[str, float]:
     """A file's perplexity per precision ("q4/int8", "q4", ...) relative to its weights in fp32, as recorded
-    in the cache or shipped in MEASURED; empty when nobody measured it. A record of an older int8 cache
-    (no "int8_kv" of INT8_KV_SCHEME) keeps its float-cache figures only."""
+    in the cache or shipped in MEASURED; empty when nobody measured it. A record's int8 (int4) cache figures
+    count only when it names the cache's current layout ("int8_kv" INT8_KV_SCHEME, "int4_kv" INT4_KV_SCHEME)."""
     try:
         record = {k: float(v) for k, v in json.loads(record_path(path).read_text()).items()}
-        current = record.pop("int8_kv", None) == INT8_KV_SCHEME
-        return {k: v for k, v in record.items() if current or not k.endswith("/int8")}
+        current = {"int8": record.pop("int8_kv", None) == INT8_KV_SCHEME,
+                   "int4": record.pop("int4_kv", None) == INT4_KV_SCHEME}
+        return {k: v for k, v in record.items() if current.get(k.rpartition("/")[2], True)}
     except (OSError, ValueError, AttributeError, TypeError):
         pass
     name, size = _key(path)
     return MEASURED.get((name, size)) or MEASURED.get((name, None)) or {}
 
 
-def _family_note(family: str, kv: str) -> str:
-    """What the precision line says of the family's held-out measurement: of the int8 KV cache it chose,
-    or why a float one."""
+def _kv_note(family: str, kv: str, asked: bool) -> str:
+    """What the precision line says of the KV cache beside the weights: asked for by --kv-dtype (and what the
+    family measured), or what the family's held-out measurement made "auto" choose."""
+    if asked:
+        note = {"model": "a float KV cache", "int8": "the int8 KV cache", "int4": "the int4 KV cache"}[kv]
+        figures = {"int8": INT8_KV_HOLDS, "int4": INT4_KV_HOLDS or INT4_KV_MEASURED}.get(kv, {})
+        if kv == "model":
+            return f"; {note} as --kv-dtype model asks"
+        said = f"measured {figures[family]}" if family in figures else f"not measured on {family} models"
+        return f"; {note} as --kv-dtype {kv} asks ({said})"
     if kv == "int8" and family in INT8_KV_HOLDS:
         return f"; the int8 KV cache measured {INT8_KV_HOLDS[family]}"
     if kv == "int4":
@@ -162,7 +179,8 @@ def _q4_kv(figures: dict[str, float], kv_dtype: str, family: str) -> tuple[str, 
     """The KV cache beside q4 weights (int8 where the family holds it and this file's figures do not say
     otherwise, or what was asked for) and what was measured, for the precision line."""
     both, alone, four = figures.get("q4/int8"), figures.get("q4"), figures.get("q4/int4")
-    if kv_dtype != "auto":
+    asked = kv_dtype != "auto"
+    if asked:
         kv = kv_dtype
     elif four is not None and four <= LIMIT or four is None and family in INT4_KV_HOLDS:
         kv = "int4"
@@ -172,9 +190,10 @@ def _q4_kv(figures: dict[str, float], kv_dtype: str, family: str) -> tuple[str, 
         kv = "model" if both is not None and both > LIMIT and alone is not None and alone <= LIMIT else "int8"
     figure = both if kv == "int8" else four if kv == "int4" else alone
     if figure is None:
-        return kv, ("perplexity not measured for this file (benchmarks/quality.py --model FILE --record; "
-                    f"the default model: +0.11%){_family_note(family, kv)}")
+        pair = "q4" if kv == "model" else f"q4/{kv}"
+        return kv, (f"{pair} perplexity not measured for this file (benchmarks/quality.py --model FILE --record; "
+                    f"the default model's q4/int8: +0.11%){_kv_note(family, kv, asked)}")
     within = "within" if figure <= LIMIT else "over"
     note = f"; the int8 KV cache measured {both:+.2%}" if kv == "model" and both is not None else ""
     return kv, f"{figure:+.2%} perplexity against fp32 as measured on this file ({within} 0.5%){note}" + \
-        _family_note(family, kv)
+        _kv_note(family, kv, asked)

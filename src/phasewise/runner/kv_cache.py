@@ -82,7 +82,7 @@ def state_slots_for_memory(cfg: ModelConfig, max_seqs: int, gib: float, checkpoi
 
 def tail_slots_for_memory(cfg: ModelConfig, dtype: torch.dtype, max_seqs: int, gib: float) -> int:
     """A quantized cache's tail slots: one per sequence that may run (max_seqs), within a quarter of the `gib`
-    budget (at least one; an int4 tail is 512 D bytes a layer and KV head); 0 for a float cache."""
+    budget (at least one; an int4 tail is 1,024 D bytes a layer and KV head); 0 for a float cache."""
     per_seq = tail_bytes(cfg, dtype)
     return 0 if not per_seq else max(1, min(max_seqs, int(gib * 2**30 / 4) // per_seq))
 
