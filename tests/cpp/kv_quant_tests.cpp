@@ -89,7 +89,7 @@ void write_step(const pw::KernelTable& k, World& w, QuantCache& c, int64_t s, in
   w.start[s] = from, w.len[s] = to;
 }
 
-// Sequence s's first n tokens in steps of 1, 3, 16, 40 and 70 tokens (from the k-th size on).
+// Sequence s's first n tokens in steps of 1, 3, 16, 40 and 70 tokens, in turn from the s-th.
 void write_history(const pw::KernelTable& k, World& w, QuantCache& c, int64_t s, int64_t n) {
   const int64_t sizes[5] = {1, 3, 16, 40, 70};
   for (int64_t p = 0, i = s; p < n; ++i) {
@@ -128,6 +128,7 @@ bool code_ok(int code, float pre, int lo, int hi) {
   return code == want || (frac < 1e-3f && std::abs(code - want) == 1);
 }
 bool float_ok(float got, float want) { return std::fabs(got - want) <= 1e-6f * std::fabs(want) + 1e-30f; }
+// fp16 bits equal, or one step apart (a scale computed from values a rounding apart)
 bool half_ok(uint16_t got, uint16_t want) { return got == want || std::abs(int(got) - int(want)) == 1; }
 
 // Counts of what differs from the layout, by part.
