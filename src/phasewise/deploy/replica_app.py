@@ -1,7 +1,9 @@
 """What an engine replica serves over HTTP, and /metrics gathered from every replica.
 
 `ReplicaApp` wraps the FastAPI app of `phasewise serve` (the whole OpenAI surface, unchanged): each
-response names the replica that gave it (`x-phasewise-replica`, its Serve replica id), and GET /metrics,
+response names the replica that gave it (`x-phasewise-replica`, its Serve replica id) and, when HAProxy's
+router pinned the request to it (direct ingress; `route.RouteIngress` has HAProxy set the request header),
+says so (`x-phasewise-pinned: haproxy`; absent when Serve's proxy carried the request), and GET /metrics,
 when the replica is the application's ingress, answers for the whole deployment: each replica's text,
 labelled, and their sums (`replica_metrics.merge_metrics`). `gather_metrics` visits the replicas one by
 one through a DeploymentHandle: each visit names the replicas already asked and `PrefixAffinityRouter`
@@ -27,6 +29,7 @@ if TYPE_CHECKING:
 ReplicaHandle: TypeAlias = DeploymentHandle[object]
 
 REPLICA_HEADER = "x-phasewise-replica"       # which replica served a response: its Serve replica id
+PINNED_HEADER = "x-phasewise-pinned"         # "haproxy": HAProxy's router pinned the request to this replica
 MAX_REPLICAS = 256                           # /metrics asks at most this many replicas
 METRICS_TIMEOUT_S = 10.0                     # ... each within this
 PROMETHEUS_TEXT = b"text/plain; version=0.0.4; charset=utf-8"
@@ -55,9 +58,12 @@ class ReplicaApp:
             await send_metrics(send, await self._gather(), (REPLICA_HEADER.encode(), self._replica))
             return
 
+        named_by = [(REPLICA_HEADER.encode(), self._replica)]
+        named_by += [(k, v) for k, v in scope.get("headers", ()) if k.lower() == PINNED_HEADER.encode()][:1]
+
         async def named(message: Message) -> None:
             if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", ()), (REPLICA_HEADER.encode(), self._replica)]}
+                message = {**message, "headers": [*message.get("headers", ()), *named_by]}
             await send(message)
 
         await self._app(scope, receive, named)
