@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from phasewise.config import SchedulerConfig
-from phasewise.core.block_pool import BlockPool
+from phasewise.core.block_pool import BlockPool, CacheStats
 from phasewise.core.engine_core import EngineCore
 from phasewise.core.handoffs import RunnerOutput, SampledToken, SchedulerOutput
 from phasewise.core.request import FinishReason, Request, RequestStatus
@@ -145,6 +145,7 @@ def test_prefix_cache_hits_exact_blocks_and_lru_eviction():
     core.step()                                     # token's block is recomputed for its logits
     assert c.num_cached_tokens == 4 and c.block_ids[0] == 0
     run_all(core)
+    assert core.stats().ram == CacheStats(hit_blocks=3)     # b's two blocks, c's one; nothing evicted yet
 
     # Fill the pool: the uncached blocks, then the least recently freed cached ones (evicted and
     # forgotten).
@@ -152,11 +153,14 @@ def test_prefix_cache_hits_exact_blocks_and_lru_eviction():
     core.add_request(d)
     core.step()
     assert pool.num_free == 1 and pool.num_cached == 8   # d's 7 full blocks + 1 survivor
+    assert core.stats().ram.evicted_lru == 2             # (c's copy of block 1 was no entry of the cache)
     run_all(core)
+    assert core.stats().ram.evicted_lru == 3             # d's next token took the survivor
     e = Request("e", list(range(1, 11)), SamplingParams(max_tokens=2), frozenset())
     core.add_request(e)
     core.step()
-    assert e.num_cached_tokens == 0               # d's next token took the survivor
+    assert e.num_cached_tokens == 0
+    assert core.stats().ram == CacheStats(hit_blocks=3, evicted_lru=5)   # e's 3 blocks: d's partial, 2 of d's
 
 
 def test_chunked_prefill_keeps_decode_going():
