@@ -163,6 +163,19 @@ def test_prefix_cache_hits_exact_blocks_and_lru_eviction():
     assert core.stats().ram == CacheStats(hit_blocks=3, evicted_lru=5)   # e's 3 blocks: d's partial, 2 of d's
 
 
+def test_max_tokens_0_runs_the_prompt_into_the_cache_and_generates_nothing():
+    core, runner = make_core(num_blocks=16, budget=4)
+    warm = Request("warm", list(range(1, 11)), SamplingParams(max_tokens=0), frozenset())
+    core.add_request(warm)
+    assert run_all(core) == {"warm": warm} and len(runner.steps) == 3          # 10 tokens, 4 a step
+    assert warm.output_token_ids == [] and warm.finish_reason is FinishReason.LENGTH
+    assert core.kv.pool.num_cached == 2 and core.kv.pool.num_free == 16
+    again = Request("again", list(range(1, 11)) + [60], SamplingParams(max_tokens=1), frozenset())
+    core.add_request(again)
+    core.step()
+    assert again.num_cached_tokens == 8 and core.stats().ram.hit_blocks == 2
+
+
 def test_chunked_prefill_keeps_decode_going():
     core, runner = make_core(budget=8)
     core.add_request(request("short", 3, 20))
