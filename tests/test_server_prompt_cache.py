@@ -414,3 +414,31 @@ def test_openai_cache_writes_are_what_the_engine_did(cached_server, tokenizer):
     assert details.cache_write_tokens_details.ttl_12h_tokens == reach["12h"] > 0
     assert details.cache_write_tokens_details.ttl_30m_tokens == reach["30m"] - reach["12h"] > 0
     assert details.cache_write_tokens == reach["30m"] and details.cached_tokens == 0
+
+
+@pytest.mark.slow
+def test_a_responses_prewarm_writes_the_prompt_without_output(cached_server, tokenizer):
+    """prompt_cache_options.prewarm: a completed response without output items (streamed: no item events),
+    its writes exact (the implicit breakpoint: the conversation, 30m); the next turn continuing it reads them."""
+    system, client = _system(), cached_server.client(KEYS[0])
+    ids, reach = _created(tokenizer, system, [{"role": "user", "content": QUESTION}], [(1, "30m")])
+    warm = client.responses.create(model=MODEL, instructions=system, input=QUESTION,
+                                   prompt_cache_options={"prewarm": True})
+    assert warm.status == "completed" and warm.output == [] and warm.usage.output_tokens == 0
+    details = warm.usage.input_tokens_details
+    assert details.cache_write_tokens == reach["30m"] > 0 and details.cached_tokens == 0
+    assert warm.usage.input_tokens == len(ids)
+
+    follow = "Answer in one word."
+    turn = client.responses.create(model=MODEL, instructions=system, previous_response_id=warm.id, input=follow,
+                                   max_output_tokens=4, temperature=0)
+    turn_ids = tokenizer.apply_chat_template([{"role": "system", "content": system},
+                                              {"role": "user", "content": QUESTION}, {"role": "user", "content": follow}])
+    assert turn.usage.input_tokens == len(turn_ids)
+    read = min(_lcp(ids, turn_ids), len(turn_ids) - 1) // BLOCK * BLOCK
+    assert turn.usage.input_tokens_details.cached_tokens == read >= reach["30m"]
+
+    events = list(client.responses.create(model=MODEL, input=QUESTION, stream=True,
+                                          prompt_cache_options={"prewarm": True}))
+    assert [e.type for e in events] == ["response.created", "response.in_progress", "response.completed"]
+    assert events[-1].response.output == [] and events[-1].response.usage.output_tokens == 0
