@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections import deque
@@ -109,7 +110,7 @@ class EngineCore:
                            num_state_checkpoints=len(self.kv.checkpoints.entries) if self.kv.checkpoints else 0,
                            num_steps=self.num_steps, spec_num_drafts=spec.num_steps,
                            spec_num_draft_tokens=spec.num_draft_tokens, spec_num_accepted_tokens=spec.num_accepted_tokens,
-                           disk=self.disk.stats if self.disk is not None else None)
+                           ram=dataclasses.replace(pool.stats), disk=self.disk.stats if self.disk is not None else None)
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass, update: the outputs of this step."""

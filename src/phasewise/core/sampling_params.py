@@ -106,8 +106,8 @@ class SamplingParams:
     prompt_logprobs (None: none) does the same for every prompt token after the first, from the
     model's distribution at the position before it (vLLM's prompt_logprobs: what evaluation
     harnesses score); such a request skips the prefix cache, since a cached prefix has no
-    logits. With prompt_logprobs set, max_tokens may be 0: the prompt is run and scored,
-    nothing is generated.
+    logits. max_tokens 0: the prompt only, nothing generated: it is run into the prefix cache (a
+    pre-warm) and, with prompt_logprobs, scored.
     structured_outputs constrains every token to a grammar (a JSON schema, regex, choice list or
     grammar); the request ends ("stop") as soon as the grammar is complete and nothing may follow.
     thinking (a ThinkingBlock): the reply may think first; its budget, and a grammar on the answer only.
@@ -167,8 +167,8 @@ class SamplingParams:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2 <= self.frequency_penalty <= 2:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if self.max_tokens is not None and self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
-            raise ValueError(f"max_tokens must be at least 1 (or 0 with prompt_logprobs), got {self.max_tokens}")
+        if self.max_tokens is not None and self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0 (0: the prompt only), got {self.max_tokens}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= self.MAX_LOGPROBS:

@@ -121,7 +121,8 @@ class LLMEngine:
         """Running and waiting requests, KV blocks used, cached and free, step and speculation counters,
         the kernel threads and what other programs took of the CPUs."""
         t = self.threads
-        return replace(self.core.stats(), threads=t.threads, cpus_busy_elsewhere=t.others, cpu_wait_seconds=t.cpu_wait_s)
+        return replace(self.core.stats(), threads=t.threads, cpus_busy_elsewhere=t.others, cpu_wait_seconds=t.cpu_wait_s,
+                       kv_block_bytes=self.kv_cache.bytes_per_block)
 
     @property
     def last_step(self) -> StepRecord | None:

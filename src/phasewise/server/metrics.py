@@ -45,6 +45,16 @@ ENGINE_COUNTERS: tuple[tuple[str, str, str | None, tuple[tuple[str, Read], ...]]
      None, (("", lambda s: s.spec_num_accepted_tokens),)),
     ("phasewise:cpu_wait_seconds", "Time the engine's threads were runnable but waited for a CPU (other "
      "programs taking cores; Linux run-queue delay).", None, (("", lambda s: s.cpu_wait_seconds),)),
+    # the prefix cache in RAM, since the start
+    ("phasewise:prompt_cache_ram_hit_blocks", "KV blocks admitted requests took from the prefix cache in RAM "
+     "(those the disk tier had just loaded for them count as disk hits).", None, (("", lambda s: s.ram.hit_blocks),)),
+    ("phasewise:prompt_cache_ram_hit_bytes", "Bytes of those blocks.", None,
+     (("", lambda s: s.ram.hit_blocks * s.kv_block_bytes),)),
+    ("phasewise:prompt_cache_ram_evictions", "KV blocks the prefix cache in RAM dropped to reuse them for new KV: "
+     "cause=lru, unmarked blocks, least recently freed first; cause=ttl, cache_control blocks whose TTL had "
+     "passed (dropped before those); cause=kept, cache_control blocks within their TTL (no other free block "
+     "was left).", "cause", (("lru", lambda s: s.ram.evicted_lru), ("ttl", lambda s: s.ram.evicted_ttl),
+                             ("kept", lambda s: s.ram.evicted_kept))),
     # the prefix cache's disk tier (--prompt-cache-dir), since the start (0 without it)
     ("phasewise:prompt_cache_disk_hit_blocks", "KV blocks loaded from the prompt cache's disk tier.",
      None, (("", _disk("blocks_read")),)),
@@ -66,8 +76,8 @@ ENGINE_COUNTERS: tuple[tuple[str, str, str | None, tuple[tuple[str, Read], ...]]
 
 
 class _EngineCollector:
-    """Counters that mirror the engine's own totals (speculative decoding, CPU waits, the disk tier) from
-    the latest snapshot."""
+    """Counters that mirror the engine's own totals (speculative decoding, CPU waits, the prompt cache in RAM
+    and on disk) from the latest snapshot."""
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
@@ -92,6 +102,8 @@ ENGINE_GAUGES: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
     ("phasewise:kv_cache_total_blocks", "KV blocks in the pool.", lambda s: s.num_blocks),
     ("phasewise:kv_cache_cached_blocks", "KV blocks registered in the prefix cache (referenced or not).",
      lambda s: s.num_cached_blocks),
+    ("phasewise:prompt_cache_ram_bytes", "Bytes of the KV blocks registered in the prefix cache in RAM.",
+     lambda s: s.num_cached_blocks * s.kv_block_bytes),
     ("phasewise:recurrent_state_slots", "A hybrid's recurrent-state slots for running requests (fixed bytes "
      "each, whatever the context).", lambda s: s.num_state_slots),
     ("phasewise:recurrent_state_slots_used", "Recurrent-state slots held by running requests.",
@@ -175,8 +187,9 @@ class ServerMetrics(Observer):
         m = delta.output.metrics
         times = m.token_times
         if not n:
-            if delta.finished and not times:   # max_tokens 0 (the prompt scored only): its prompt still ran
+            if delta.finished and not times:   # max_tokens 0 (the prompt only): its prompt still ran
                 self.prompt_tokens.inc(len(delta.output.prompt_token_ids))
+                self.prefix_cache_hits.inc(delta.output.cached_tokens)
             return
         first = len(times) - n                 # index of the delta's first token
         if first == 0:                         # the first token: prefill is over

@@ -134,8 +134,13 @@ class SamplingFields(BaseModel):
 
 
 def make_params(fields: CommonParams, max_tokens: int | None, logprobs: int | None,
-                prompt_logprobs: int | None = None, max_tokens_field: str = "max_tokens") -> SamplingParams:
-    """SamplingParams, or a 400 naming the field its ValueError names (max_tokens as the API spells it)."""
+                prompt_logprobs: int | None = None, max_tokens_field: str = "max_tokens",
+                prompt_only: bool = False) -> SamplingParams:
+    """SamplingParams, or a 400 naming the field its ValueError names (max_tokens as the API spells it).
+    max_tokens 0 (the prompt only) is taken with prompt_logprobs or when the API calls it a pre-warm
+    (`prompt_only`), a 400 otherwise."""
+    if max_tokens == 0 and prompt_logprobs is None and not prompt_only:
+        raise bad_request(f"{max_tokens_field} must be at least 1, got 0", max_tokens_field)
     try:
         return SamplingParams(**fields, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
     except ValueError as e:

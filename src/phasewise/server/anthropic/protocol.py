@@ -122,7 +122,7 @@ def _check_context_management(value: JsonValue) -> None:
 
 
 class MessagesRequest(_Body):
-    max_tokens: int = Field(ge=1, lt=INT64)            # required, as in Anthropic's API
+    max_tokens: int = Field(ge=0, lt=INT64)            # required, as in Anthropic's API; 0: a pre-warm
     stop_sequences: list[str] | None = None
     stream: StrictBool = False
     temperature: float | None = None
@@ -134,6 +134,8 @@ class MessagesRequest(_Body):
         """The ChatRequest this request runs as (400 naming the Messages field otherwise)."""
         if self.temperature is not None and not 0 <= self.temperature <= 1:
             raise bad_request(f"temperature must be in [0, 1], got {self.temperature}", "temperature")
+        if self.max_tokens == 0:
+            self._check_prewarm()
         self._check_budget()
         fields: CommonParams = {"n": 1, "stop": [*(self.stop_sequences or [])],
                                 "structured_outputs": self.output_format()}
@@ -143,7 +145,17 @@ class MessagesRequest(_Body):
             fields["top_p"] = self.top_p
         if self.top_k is not None:
             fields["top_k"] = self.top_k
-        return self._request(make_params(fields, self.max_tokens, None))
+        return self._request(make_params(fields, self.max_tokens, None, prompt_only=True))
+
+    def _check_prewarm(self) -> None:
+        """max_tokens 0 (Anthropic's pre-warm: the prompt into the cache, no content) with what would need
+        output: a 400 naming the field, as Anthropic's API refuses them."""
+        refused = {"stream": self.stream, "thinking": (self.thinking or {}).get("type") == "enabled",
+                   "output_config": self.output_format() is not None,
+                   "tool_choice": (self.tool_choice or {}).get("type") in ("tool", "any")}
+        name = next((name for name, given in refused.items() if given), None)
+        if name is not None:
+            raise bad_request(f"max_tokens 0 (a cache pre-warm, no output) cannot be combined with {name}", name)
 
     def _check_budget(self) -> None:
         """Anthropic's rules of thinking.budget_tokens, in its words."""

@@ -31,11 +31,12 @@ class OutputItems:
     a type, without sequence_number) of what each step added. custom: the request's custom tools, whose
     calls become custom_tool_call items (their input: the `input` argument); bare_call: the custom tool
     a call is forced to, whose input is the whole output. A call item's events are held until it closes,
-    so a call cut off by max_output_tokens (which the parser drops) never shows."""
+    so a call cut off by max_output_tokens (which the parser drops) never shows. prompt_only: a prewarm's
+    output, no items at all."""
 
     def __init__(self, parser: ReplyParser | None, custom: frozenset[str] = frozenset(),
-                 bare_call: str | None = None) -> None:
-        self.parser, self.custom, self.bare_call = parser, custom, bare_call
+                 bare_call: str | None = None, prompt_only: bool = False) -> None:
+        self.parser, self.custom, self.bare_call, self.prompt_only = parser, custom, bare_call, prompt_only
         self.items: list[JsonObject] = []
         self._open: JsonObject | None = None              # the item being written, last of items
         self._custom_args = ""                            # a custom call's arguments (JSON) so far
@@ -63,7 +64,10 @@ class OutputItems:
         return self._release(events)
 
     def finish(self, status: str) -> list[JsonObject]:
-        """Close the open item (status "completed" or "incomplete"); no output at all is one empty message."""
+        """Close the open item (status "completed" or "incomplete"); no output at all is one empty message
+        (none for a prewarm)."""
+        if self.prompt_only:
+            return []
         if self._open is not None and self.parser is not None and "call_id" in self._open \
                 and self._open["call_id"] not in {c.id for c in self.parser.calls}:     # cut off: dropped
             self._held = self._held[:self._open_call_start()]

@@ -102,6 +102,11 @@ class ResponsesRequest(SamplingFields, BudgetFields):
         return self
 
     @property
+    def prewarm(self) -> bool:
+        """prompt_cache_options.prewarm: the prompt only, run into the prefix cache; no output."""
+        return caching.prewarm(self.prompt_cache_options)
+
+    @property
     def stored(self) -> bool:
         return self.store is not False          # OpenAI's default: stored
 
@@ -287,7 +292,8 @@ def chat_request(body: ResponsesRequest, history: list[JsonObject]) -> tuple[Cha
     constraint, field = structured_output(body)
     if field == "tools":                   # a forced custom call's input is the whole output: no call to parse
         choice = replace(choice, mode="none", name=None)
-    params = make_params(body.common(1, constraint), body.max_output_tokens, None, max_tokens_field="max_output_tokens")
+    params = make_params(body.common(1, constraint), 0 if body.prewarm else body.max_output_tokens, None,
+                         max_tokens_field="max_output_tokens", prompt_only=body.prewarm)
     effort = json_types.obj(body.reasoning).get("effort") if body.reasoning else None
     effort = effort if isinstance(effort, str) else None
     kwargs = thinking.template_kwargs(None, effort, bad_request, "reasoning")
@@ -295,7 +301,7 @@ def chat_request(body: ResponsesRequest, history: list[JsonObject]) -> tuple[Cha
     before = [*head, *history]
     points = caching.cache_points(_cache_marks(body, before, known), body.prompt_cache_options, messages,
                                   lambda cut: ChatPrompt(cut, tools, kwargs or None, add_generation_prompt=False),
-                                  "input")
+                                  "input", prewarm_taken=True)
     request = ChatRequest(ChatPrompt(messages, tools, kwargs or None, cache_points=points), params, 1, choice,
                           body.max_tool_calls, thinking.thinking_budget(body.budget_fields(), effort), names=names)
     return request, len(head)

@@ -6,7 +6,8 @@ path (chat_call.py); its output becomes Responses items (output.py), streamed as
 Responses' own SSE events or returned in one response object. Responses are kept (unless `store`
 is false) in a bounded ResponseStore, which `previous_response_id` continues and GET/DELETE read.
 A `background` response is answered at once ("queued") and runs as a task (`BackgroundRuns`), which
-GET polls and cancel stops.
+GET polls and cancel stops. A prewarm (`prompt_cache_options.prewarm`) runs its prompt into the prefix cache
+and is a completed response without output, whose stored conversation a later turn continues.
 """
 
 from __future__ import annotations
@@ -173,21 +174,28 @@ class Run:
         return response_body(self.body, self.rid, self.created, self.model, status, items, out, error)
 
     def keep(self, response: JsonObject, items: list[JsonObject]) -> None:
-        """Store a response (its output: `items`) that did not fail (unless the request said store: false)."""
+        """Store a response (its output: `items`) that did not fail (unless the request said store: false); a
+        prewarm's conversation ends with its input, which a later turn continues."""
         if self.body.stored and response["status"] != "failed":
-            self.store.put(response, self.conversation + [assistant_message(items)], input_items(self.body))
+            reply = [] if self.body.prewarm else [assistant_message(items)]
+            self.store.put(response, self.conversation + reply, input_items(self.body))
 
     def output_items(self) -> OutputItems:
         """A fresh reading of the output into items (custom tools' calls as custom_tool_call items)."""
         bare = forced_custom(self.body)
         return OutputItems(self.call.parser(), custom_names(self.body.tools),
-                           json_types.text(bare["name"]) if bare is not None else None)
+                           json_types.text(bare["name"]) if bare is not None else None, self.body.prewarm)
+
+    def status(self, out: CompletionOutput) -> str:
+        """The response's status: a prewarm that ran its prompt is complete (its max_tokens 0 reached)."""
+        status = status_of(out)
+        return "completed" if self.body.prewarm and status == "incomplete" else status
 
     def finish(self, out: CompletionOutput, cancelled: bool = False) -> JsonObject:
         """The response of a finished output (stored as `keep` says)."""
         items = self.output_items()
         items.feed(out.text, final=True, cut=out.finish_reason == "length" or cancelled)
-        status = "cancelled" if cancelled else status_of(out)
+        status = "cancelled" if cancelled else self.status(out)
         items.finish(status)
         response = self.response(status, items.items, out)
         self.keep(response, items.items)
@@ -275,7 +283,7 @@ async def response_events(run: Run, stream: RequestStream) -> AsyncIterator[str]
         error = str(e)
     finally:
         stream.close()
-    status = "failed" if out is None else status_of(out)
+    status = "failed" if out is None else run.status(out)
     if status == "failed" and error is None:
         error = (failure(out) if out is not None else None) or "the request ended without an output"
     for event in items.finish(status):
