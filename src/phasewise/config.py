@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 
 from typing_extensions import TypedDict, Unpack   # typing has Unpack from Python 3.11
 
+PROCESS_OVERHEAD = 400 * 2**20       # bytes a process holds beside its weights and KV cache (torch, tokenizer,
+                                     # buffers): the loader's memory check and `phasewise memory` count it
+WEIGHT_DTYPES = ("fp32", "bf16", "fp16", "int8", "q4")   # what weights run at (q4: the GGUF file's own blocks)
+
 
 @dataclass(frozen=True, kw_only=True)
 class CacheConfig:
@@ -71,8 +75,8 @@ class SpeculativeConfig:
             raise ValueError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"n-gram sizes must satisfy 1 <= min <= max, got {self.ngram_min}..{self.ngram_max}")
-        if self.draft_dtype not in ("fp32", "bf16", "fp16", "int8", "q4"):
-            raise ValueError(f"draft dtype must be fp32, bf16, fp16, int8 or q4, got {self.draft_dtype!r}")
+        if self.draft_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"draft dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {self.draft_dtype!r}")
 
     @classmethod
     def parse(cls, spec: str | None, **settings: Unpack[SpeculativeSettings]) -> SpeculativeConfig:

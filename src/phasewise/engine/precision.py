@@ -21,10 +21,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from phasewise.config import WEIGHT_DTYPES
 from phasewise.kernels.kernel_api import Kernels
 from phasewise.paths import default_cache_dir
 
-WEIGHT_DTYPES = ("fp32", "bf16", "fp16", "int8", "q4")
 KV_DTYPES = ("model", "int8")
 # Families whose int8 KV cache was measured within LIMIT on a held-out text, with what it cost against a
 # float cache at fp32 weights (benchmarks/quality.py --dtypes fp32,fp32/int8 --text /usr/share/common-licenses/

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import TypeVar
 
+from phasewise.config import PROCESS_OVERHEAD
 from phasewise.lab.cost import Prices, Workload, cost_with_caching, cost_without_caching
-from phasewise.lab.memory import KV_DTYPES, MIB, OVERHEAD, ModelShape, hybrid_comparison, report
+from phasewise.lab.memory import KV_DTYPES, MIB, ModelShape, hybrid_comparison, report
 
 ParserT = TypeVar("ParserT", bound=argparse.ArgumentParser)   # the parser class of the CLI's subcommands
 
@@ -113,7 +114,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
               f"{packed * 8 / params:.3f} bits a parameter ({packed / stored - 1:+.1%} against the file's "
               f"{stored / MIB:,.0f} MiB)")
         print(f"peak memory serving it: {packed / MIB:,.0f} MiB of weights + the KV pool (--kv-cache-memory, "
-              f"default 2 GiB) + about {OVERHEAD / MIB:,.0f} MiB")
+              f"default 2 GiB) + about {PROCESS_OVERHEAD / MIB:,.0f} MiB")
     return 0
 
 

@@ -15,7 +15,6 @@ BYTES_PER_ELEMENT = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "int4":
 # fp32 weights) and float widths other engines keep, for comparison
 KV_DTYPES = {"auto": "int8", "model": "fp32", "int8": "int8", "fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}
 MIB, GIB = 2**20, 2**30
-OVERHEAD = 400 * MIB        # what a process holds beside weights and KV cache (torch, tokenizer, buffers)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from phasewise.config import PROCESS_OVERHEAD
 from phasewise.distributed import TensorParallel
 from phasewise.layers.expert_linear import ExpertLinear
 from phasewise.layers.linear import Linear, onednn_available
@@ -146,7 +147,6 @@ def q4_weight_bytes(path: Path) -> tuple[float, float] | None:
     return packed_bytes(model, cfg, gguf)
 
 
-OVERHEAD = 400 * 2**20     # a process beside its weights and KV cache: torch, the tokenizer, buffers
 PACKED_AT_MOST = 2.0       # q4's packed weights against a GGUF's bytes, at most (Q5_K as k6: 2.0; Q4_0: 1.11)
 
 
@@ -155,18 +155,18 @@ def check_memory(path: Path, kv_bytes: float, available: float | None = None) ->
     of `kv_bytes` would not fit in `available` bytes (default: the system's MemAvailable)."""
     if available is None:
         available = _mem_available()
-    if available is None or (path.is_file() and PACKED_AT_MOST * path.stat().st_size + kv_bytes + OVERHEAD
-                             <= available):
+    besides = kv_bytes + PROCESS_OVERHEAD                 # what the process needs beyond its weights
+    if available is None or (path.is_file() and PACKED_AT_MOST * path.stat().st_size + besides <= available):
         return                                # fits whatever the packing (and no model built to know)
     q4 = q4_weight_bytes(path)
-    if q4 is None or q4[0] + kv_bytes + OVERHEAD <= available:
+    if q4 is None or q4[0] + besides <= available:
         return
     gib = lambda b: b / 2**30  # noqa: E731
-    room = available - q4[0] - OVERHEAD
+    room = available - q4[0] - PROCESS_OVERHEAD
     hint = f"--kv-cache-memory {room / 2**30 * 0.9:.2f} would fit" if room > 0.05 * 2**30 else \
         "the weights alone do not fit"
-    raise ModelLoadError(f"{path.name} needs {gib(q4[0] + kv_bytes + OVERHEAD):.2f} GiB ({gib(q4[0]):.2f} GiB of "
-                         f"weights, a {gib(kv_bytes):.2f} GiB KV pool, {gib(OVERHEAD):.1f} GiB besides) and "
+    raise ModelLoadError(f"{path.name} needs {gib(q4[0] + besides):.2f} GiB ({gib(q4[0]):.2f} GiB of weights, "
+                         f"a {gib(kv_bytes):.2f} GiB KV pool, {gib(PROCESS_OVERHEAD):.1f} GiB besides) and "
                          f"{gib(available):.2f} GiB is available: {hint}")
 
 
