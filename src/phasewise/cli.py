@@ -11,14 +11,13 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from phasewise.config import CacheConfig, EngineConfig, SchedulerConfig
 from phasewise.deploy.options import RAY_EXTRA, add_ray_args, start_direct_ingress
-from phasewise.engine.args import add_chat_args, add_engine_args, resolve_weights, speculative_config_from_args
+from phasewise.engine.args import (add_chat_args, add_engine_args, engine_config_from_args, resolve_weights,
+                                   speculative_config_from_args)
 
 if TYPE_CHECKING:
     from phasewise.core.sampling_params import SamplingParams, StructuredOutputs
     from phasewise.engine.llm_engine import LLMEngine
-    from phasewise.server import ServerConfig
     from phasewise.server.dashboard_feed import Roofline
 
 EXIT_USAGE = 2
@@ -201,19 +200,6 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _server_config(args: argparse.Namespace, engine: LLMEngine) -> ServerConfig:
-    """The server's settings from `serve`'s options and the engine it serves."""
-    from phasewise.server import ServerConfig
-    from phasewise.server.config import model_names
-
-    path = Path(engine.model_path)
-    name, aliases = model_names(args.served_model_name, args.model, path)
-    return ServerConfig(served_model_name=name, model_aliases=aliases, api_keys=tuple(args.api_key or ()),
-                        max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes, model_root=str(path),
-                        role=args.role, reasoning_parser=args.reasoning_parser,
-                        reasoning_budget=args.reasoning_budget)
-
-
 def _dashboard_roofline(engine: LLMEngine) -> Roofline | None:
     """The dashboard's roofs from the figures `phasewise roofline` kept for this machine, or None."""
     from phasewise.lab.roofline import load_machine, serving_roofline
@@ -240,43 +226,20 @@ def _check_serve_args(args: argparse.Namespace) -> None:
         raise ValueError("--prefill and --decode are the proxy's (--role proxy)")
 
 
-def _engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device,
-        cache=CacheConfig(block_size=args.block_size, kv_cache_memory_gib=args.kv_cache_memory,
-                          kv_dtype=args.kv_dtype, prompt_cache_dir=args.prompt_cache_dir,
-                          prompt_cache_size_gib=args.prompt_cache_size, prompt_cache_ttl=args.prompt_cache_ttl),
-        scheduler=SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, args.max_model_len),
-        speculative=speculative_config_from_args(args), tensor_parallel_size=args.tensor_parallel_size,
-        kv_role=args.role, kv_peer=args.kv_peer, packed_cache=args.packed_cache, threads=args.threads,
-        chat_template=_read(args.chat_template, "--chat-template") if args.chat_template else None)
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     _check_serve_args(args)
     if args.ray:
         return _serve_ray(args)
     if args.role == "proxy":
         return _serve_proxy(args)
-    config = _engine_config(args)
+    config = engine_config_from_args(args, kv_role=args.role, kv_peer=args.kv_peer, threads=args.threads)
     sock = _listen(args.host, args.port)
     import uvicorn
 
-    from phasewise.engine.llm_engine import LLMEngine
-    from phasewise.server import AsyncEngine, create_app
+    from phasewise.server.builder import build_server
 
-    def build() -> LLMEngine:                  # on the engine thread, which then owns the OpenMP pool
-        engine = LLMEngine(config)
-        engine.warmup()
-        engine.grammars.prepare()              # structured outputs' tokenizer view, in the background
-        return engine
-
-    async_engine = AsyncEngine(build)
-    engine = async_engine.engine
-    assert isinstance(engine, LLMEngine)       # build's (AsyncEngine holds it as any EngineClient)
-    server_config, roofline = _server_config(args, engine), _dashboard_roofline(engine)
-    name = server_config.served_model_name
-    app = create_app(async_engine, server_config, roofline)
+    parts = build_server(config, args, _dashboard_roofline)
+    async_engine, engine, app = parts.async_engine, parts.engine, parts.app
     recorder = None
     if args.trace:
         from phasewise.lab.trace import RequestRecorder
@@ -287,9 +250,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"phasewise: {engine.precision.describe()}", file=sys.stderr)
     base = f"http://{host}:{sock.getsockname()[1]}"
-    print(f"phasewise: dashboard at {base}/dashboard" + ("" if roofline else " (to see which resource binds, "
+    print(f"phasewise: dashboard at {base}/dashboard" + ("" if parts.roofline else " (to see which resource binds, "
           "measure this machine once: phasewise roofline --model ...)"), file=sys.stderr)
-    print(f"phasewise: serving {server_config.served_model_name} on {base}/v1 (loaded in {engine.load_ms:.0f} ms)",
+    print(f"phasewise: serving {parts.config.served_model_name} on {base}/v1 (loaded in {engine.load_ms:.0f} ms)",
           file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level="info", access_log=not args.no_access_log,
                                            timeout_graceful_shutdown=args.shutdown_timeout))

@@ -2,8 +2,9 @@
 files (`import_path: phasewise.deploy.ray:build_app`, `args` as serve's flags).
 
 `EngineReplica` (one per replica, `num_cpus` each, its kernel threads that many) builds one engine and the
-FastAPI app of `phasewise serve` (`server.create_app`, wrapped by `replica_app.ReplicaApp`): the whole
-OpenAI surface, no second implementation. How HTTP reaches it (`--ray-ingress`):
+FastAPI app as `phasewise serve` does (`server/builder.py`'s `build_server`; the app wrapped by
+`replica_app.ReplicaApp`): the whole OpenAI surface, no second implementation. How HTTP reaches it
+(`--ray-ingress`):
 - direct (what `serve --ray` starts): Ray Serve's HAProxy ingress. The engine deployment is the
   application's ingress, each replica listening on a port of its node; HAProxy asks `route.RouteIngress`
   which replica serves each request (the prompt's blocks, `PrefixAffinityRouter`) and forwards it there,
@@ -32,7 +33,6 @@ import re
 import signal
 import sys
 import threading
-from pathlib import Path
 from typing import TYPE_CHECKING, AsyncIterator, TypedDict
 
 import ray
@@ -48,10 +48,7 @@ from phasewise.deploy.route import RouteIngress
 from phasewise.deploy.tp_ranks import rendezvous_address, start_replica_ranks
 
 if TYPE_CHECKING:
-    from fastapi import FastAPI
     from starlette.types import Message   # ASGI's: a plain dict
-
-    from phasewise.server import AsyncEngine
 
 APP_NAME = "phasewise"
 TARGET_ONGOING_REQUESTS = 8                  # autoscaling's target of ongoing requests per replica
@@ -68,6 +65,9 @@ class EngineReplica:
                        prefill: ReplicaHandle | None = None) -> None:
         """`role`: "prefill" (this replica's KV link waits at a free port of its node) or "decode" (it joins
         the link of the `prefill` deployment's replica); None: a whole engine."""
+        from phasewise.engine.args import engine_config_from_args
+        from phasewise.server.builder import build_server
+
         self._replica = serve.get_replica_context().replica_id.to_full_id_str()
         size, cpus = options.tensor_parallel_size, replica_cpus(options)
         self._ranks = (start_replica_ranks(self._replica, size, cpus, options.threads or cpus, options.device)
@@ -75,7 +75,11 @@ class EngineReplica:
         self._kv_peer = rendezvous_address() if role == "prefill" else None
         if role == "decode" and prefill is not None:
             self._kv_peer = await prefill.kv_peer.remote()
-        self._engine, self._app = await asyncio.to_thread(build_server, options, role, self._kv_peer)
+        # kernel threads: --threads, else the replica's CPUs (a rank's, when it has several)
+        config = engine_config_from_args(options, kv_role=role, kv_peer=self._kv_peer,
+                                         threads=options.threads or cpus)
+        parts = await asyncio.to_thread(build_server, config, options)
+        self._engine, self._app = parts.async_engine, parts.app
 
     def __serve_build_asgi_app__(self) -> ReplicaApp:
         """The app Serve runs when this deployment is the ingress: /metrics answers for every replica."""
@@ -145,48 +149,6 @@ class EngineReplica:
         ranks = getattr(self, "_ranks", None)
         if ranks is not None:
             ranks.stop()
-
-
-def build_server(options: argparse.Namespace, kv_role: str | None = None,
-                 kv_peer: str | None = None) -> tuple[AsyncEngine, FastAPI]:
-    """The engine and app `phasewise serve` builds (cli.cmd_serve), for one replica: (AsyncEngine, FastAPI).
-    Kernel threads: --threads, else the replica's CPUs (a rank's, when it has several)."""
-    from phasewise.config import CacheConfig, EngineConfig, SchedulerConfig
-    from phasewise.engine.args import speculative_config_from_args
-    from phasewise.engine.llm_engine import LLMEngine
-    from phasewise.server import AsyncEngine, ServerConfig, create_app
-    from phasewise.server.config import model_names
-
-    o = options
-    config = EngineConfig(
-        model=o.model, dtype=o.dtype, device=o.device,
-        cache=CacheConfig(block_size=o.block_size, kv_cache_memory_gib=o.kv_cache_memory, kv_dtype=o.kv_dtype,
-                          prompt_cache_dir=o.prompt_cache_dir, prompt_cache_size_gib=o.prompt_cache_size,
-                          prompt_cache_ttl=o.prompt_cache_ttl),
-        scheduler=SchedulerConfig(o.max_num_batched_tokens, o.max_num_seqs, o.max_model_len),
-        speculative=speculative_config_from_args(o), packed_cache=o.packed_cache,
-        tensor_parallel_size=o.tensor_parallel_size, kv_role=kv_role, kv_peer=kv_peer,
-        threads=o.threads or replica_cpus(o),
-        chat_template=Path(o.chat_template).expanduser().read_text() if o.chat_template else None)
-
-    def build() -> LLMEngine:                    # on the engine thread, which then owns the OpenMP pool
-        engine = LLMEngine(config)
-        engine.warmup()
-        engine.grammars.prepare()
-        return engine
-
-    async_engine = AsyncEngine(build)
-    engine = async_engine.engine
-    assert isinstance(engine, LLMEngine)         # build's (AsyncEngine holds it as any EngineClient)
-    path = Path(engine.model_path)
-    name, aliases = model_names(o.served_model_name, o.model, path)
-    app = create_app(async_engine, ServerConfig(served_model_name=name, model_aliases=aliases,
-                                                api_keys=tuple(o.api_key or ()),
-                                                max_waiting=o.max_waiting, max_body_bytes=o.max_body_bytes,
-                                                model_root=str(path), role=kv_role,
-                                                reasoning_parser=o.reasoning_parser,
-                                                reasoning_budget=o.reasoning_budget))
-    return async_engine, app
 
 
 @serve.ingress()

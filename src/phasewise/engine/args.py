@@ -5,8 +5,9 @@ neither imports the other."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from phasewise.config import SpeculativeConfig
+from phasewise.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from phasewise.reasoning import PARSERS
 
 
@@ -108,6 +109,28 @@ def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig:
                                    ngram_min=args.ngram_min, ngram_max=args.ngram_max,
                                    draft_dtype="fp32" if args.draft_quantization == "none" else args.draft_quantization,
                                    adaptive=args.adaptive_speculation)
+
+
+def engine_config_from_args(args: argparse.Namespace, *, kv_role: str | None, kv_peer: str | None,
+                            threads: int | None) -> EngineConfig:
+    """The EngineConfig a server's options ask for (add_engine_args' and add_chat_args' flags, weights
+    resolved): `phasewise serve`'s and a Ray replica's, each giving its own role, KV peer and threads."""
+    template = None
+    if args.chat_template:
+        try:
+            template = Path(args.chat_template).expanduser().read_text()
+        except OSError as e:
+            raise ValueError(f"--chat-template {args.chat_template}: {e.strerror or e}") from None
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device,
+        cache=CacheConfig(block_size=args.block_size, kv_cache_memory_gib=args.kv_cache_memory,
+                          kv_dtype=args.kv_dtype, prompt_cache_dir=args.prompt_cache_dir,
+                          prompt_cache_size_gib=args.prompt_cache_size,
+                          prompt_cache_ttl=args.prompt_cache_ttl),
+        scheduler=SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, args.max_model_len),
+        speculative=speculative_config_from_args(args), tensor_parallel_size=args.tensor_parallel_size,
+        kv_role=kv_role, kv_peer=kv_peer, packed_cache=args.packed_cache, threads=threads,
+        chat_template=template)
 
 
 def resolve_weights(args: argparse.Namespace) -> None:
