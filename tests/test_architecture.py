@@ -46,8 +46,8 @@ def test_the_documents_layers_are_the_contracts_and_cover_every_module():
 
 
 def test_no_function_runs_past_60_lines_and_few_modules_sit_at_the_root():
-    """What issue 55 asked of the house: a function a reader can hold (60 lines at most), and at most 8
-    modules loose at the package root (the rest in packages named for their job)."""
+    """What issue 55 asked of the house: a function a reader can hold (60 lines at most), and few modules
+    loose at the package root (at most 7; the rest in packages named for their job)."""
     import ast
 
     long = [f"{p.relative_to(PACKAGE)}:{node.name} ({node.end_lineno - node.lineno + 1} lines)"
@@ -55,7 +55,7 @@ def test_no_function_runs_past_60_lines_and_few_modules_sit_at_the_root():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60]
     assert not long, long
     loose = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
-    assert len(loose) <= 8, loose
+    assert len(loose) <= 7, loose
 
 
 def any_annotations() -> list[str]:

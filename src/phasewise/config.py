@@ -1,14 +1,26 @@
-"""Engine settings as frozen dataclasses, composed rather than inherited."""
+"""Engine settings as frozen dataclasses, composed rather than inherited; where phasewise keeps what it
+builds and converts (`default_cache_dir`)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from typing_extensions import TypedDict, Unpack   # typing has Unpack from Python 3.11
 
 PROCESS_OVERHEAD = 400 * 2**20       # bytes a process holds beside its weights and KV cache (torch, tokenizer,
                                      # buffers): the loader's memory check and `phasewise memory` count it
 WEIGHT_DTYPES = ("fp32", "bf16", "fp16", "int8", "q4")   # what weights run at (q4: the GGUF file's own blocks)
+
+
+def default_cache_dir() -> Path:
+    """Where phasewise keeps what it builds and converts (kernels, tokenizers, packed weights):
+    $PHASEWISE_CACHE, else $XDG_CACHE_HOME/phasewise, else ~/.cache/phasewise."""
+    if os.environ.get("PHASEWISE_CACHE"):
+        return Path(os.environ["PHASEWISE_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "phasewise"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -4,8 +4,19 @@ from __future__ import annotations
 
 from typing_extensions import NotRequired, TypedDict   # typing has NotRequired from Python 3.11
 
-from phasewise.percentile import percentile
 from phasewise.outputs import CompletionOutput
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated q-th percentile (numpy's default method); 0.0 for no values. The one definition
+    the report, the server's timings, the lab and the load statistics share."""
+    if not values:
+        return 0.0
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 class Timings(TypedDict):

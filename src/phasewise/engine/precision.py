@@ -21,9 +21,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from phasewise.config import WEIGHT_DTYPES
+from phasewise.config import WEIGHT_DTYPES, default_cache_dir
 from phasewise.kernels.kernel_api import Kernels
-from phasewise.paths import default_cache_dir
 
 KV_DTYPES = ("model", "int8")
 # Families whose int8 KV cache was measured within LIMIT on a held-out text, with what it cost against a

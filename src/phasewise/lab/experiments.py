@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeAlias
 
 from phasewise.core.request import RequestMetrics
-from phasewise.percentile import percentile
+from phasewise.report import percentile
 from phasewise.outputs import CompletionOutput
 from phasewise.core.sampling_params import SamplingParams
 

@@ -16,7 +16,7 @@ from typing import Literal
 
 from typing_extensions import NotRequired, TypedDict   # typing has NotRequired from Python 3.11
 
-from phasewise.percentile import percentile
+from phasewise.report import percentile
 
 SLO_METRICS = ("ttft", "tpot", "e2e")
 Latency = Literal["ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"]      # a summary's latency keys (`_stats` each)

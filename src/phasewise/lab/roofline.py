@@ -84,7 +84,7 @@ def _cpuinfo() -> list[str]:
 
 
 def _machines_file() -> Path:
-    from phasewise.paths import default_cache_dir
+    from phasewise.config import default_cache_dir
 
     return default_cache_dir() / "machines.json"
 

@@ -52,7 +52,7 @@ def default_model_path() -> Path:
 
 def packaged_model_path(name: str) -> Path:
     """The GGUF file of a model in PACKAGED_MODELS, assembled under the cache directory on first use."""
-    from phasewise.paths import default_cache_dir
+    from phasewise.config import default_cache_dir
 
     models = default_cache_dir() / "models"
     if name in PARTED_MODELS:

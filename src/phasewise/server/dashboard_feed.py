@@ -248,7 +248,7 @@ class DashboardFeed(Observer):
 
 
 def _stats(values: np.ndarray) -> PercentilesJson:
-    """Percentiles interpolated linearly, as phasewise.percentile does (numpy's default method)."""
+    """Percentiles interpolated linearly, as phasewise.report.percentile does (numpy's default method)."""
     if not len(values):
         return {"n": 0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
     p50, p90, p99 = np.percentile(values, [50, 90, 99]).tolist()

@@ -8,8 +8,7 @@ from typing import Literal, get_args
 
 from phasewise.json_types import JsonObject
 from phasewise.outputs import CompletionOutput
-from phasewise.percentile import percentile
-from phasewise.report import timings as report_timings
+from phasewise.report import percentile, timings as report_timings
 
 TimingKey = Literal["queue_ms", "ttft_ms", "prompt_n", "cache_n", "prompt_ms", "prompt_per_second", "predicted_n",
                     "predicted_ms", "predicted_per_second", "total_ms", "preemptions", "thinking_n", "thinking_ms",

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, cast
 
 from phasewise import tool_calling
+from phasewise.config import default_cache_dir
 from phasewise.loading.file_key import content_key
-from phasewise.paths import default_cache_dir
 from phasewise.tokenization.gguf_vocab import UnsupportedVocab, byte_alphabet, paused_gc, read_vocab
 from phasewise.tokenization.saved_tokenizer import SavedTokenizer
 
