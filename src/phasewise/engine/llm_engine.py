@@ -28,7 +28,7 @@ from phasewise.tokenization.tokenizer import Tokenizer
 
 
 class LLMEngine:
-    """The request session over an engine's parts (`engine_builder.build_engine`): add and abort
+    """The request session over an engine's parts (`builder.build_engine`): add and abort
     requests, step. Detokenization and stop strings are its `outputs` (an `OutputProcessor`), KV
     blocks between engines its `kv_transfer` (a `KVTransfer`). The server holds it as an
     `EngineClient`."""
@@ -36,20 +36,35 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, clock: Clock | None = None) -> None:
         """clock: what the prompt cache's disk tier measures TTLs by (a fake one in tests; wall clock)."""
         parts = build_engine(config or EngineConfig(), clock)
-        self.config, self.model_path, self.model_config = parts.config, parts.model_path, parts.model_config
-        self.precision, self.kernels, self.tokenizer = parts.precision, parts.kernels, parts.tokenizer
-        self.model, self.draft_model, self.kv_cache = parts.model, parts.draft_model, parts.kv_cache
-        self.max_model_len, self.grammars, self.core = parts.max_model_len, parts.grammars, parts.core
-        self.load_ms, self._ranks, self.threads = parts.load_ms, parts.ranks, parts.threads
+        # what it serves: the config, the model file, and what loading it chose
+        self.config = parts.config
+        self.model_path = parts.model_path
+        self.model_config = parts.model_config
+        self.max_model_len = parts.max_model_len
+        self.precision = parts.precision
+        self.load_ms = parts.load_ms
+        # what runs a step: the scheduler core, the model (and a draft model), their KV cache, kernels
+        # and kernel threads, and with tensor parallelism the other ranks
+        self.core = parts.core
+        self.model = parts.model
+        self.draft_model = parts.draft_model
+        self.kv_cache = parts.kv_cache
+        self.kernels = parts.kernels
+        self.threads = parts.threads
+        self._ranks = parts.ranks
         self.tp = parts.ranks.group if parts.ranks else None
-        self.broken: str | None = None          # why no step can run any more (EngineBrokenError)
-        self._ids = itertools.count()
+        # text in and out: tokens, grammars, detokenized deltas, thinking blocks
+        self.tokenizer = parts.tokenizer
+        self.grammars = parts.grammars
         self.outputs = OutputProcessor(self.tokenizer)
         self.thinking = ThinkingGates(self.tokenizer, self.tokenizer.eos_token_ids)
+        # the session's own: request ids, KV blocks between engines, admission, a broken group
+        self._ids = itertools.count()
         self.kv_transfer = KVTransfer(self.core.kv, self.kv_cache, self.config.kv_role, self.config.kv_peer,
                                       self.tp is not None)
-        self.admission = Admission(self.max_model_len, self.model_config.vocab_size, self.core.kv.pool.num_blocks,
-                                   self.core.blocks_needed)
+        self.admission = Admission(self.max_model_len, self.model_config.vocab_size,
+                                   self.core.kv.pool.num_blocks, self.core.blocks_needed)
+        self.broken: str | None = None          # why no step can run any more (EngineBrokenError)
 
     def close(self) -> None:
         """Finish the prompt cache's queued disk writes and stop the other ranks of a tensor-parallel
