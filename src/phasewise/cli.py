@@ -38,7 +38,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
     g.add_argument("--logprobs", type=int, default=None, help="return the top-N logprobs of each token")
     c = p.add_argument_group("structured output (one of)").add_mutually_exclusive_group()
-    c.add_argument("--json-schema", metavar="FILE", default=None, help="output JSON that matches this JSON schema")
+    c.add_argument("--json-schema", metavar="FILE", default=None,
+                   help="output JSON that matches this JSON schema")
     c.add_argument("--json-object", action="store_true", help="output one JSON object")
     c.add_argument("--regex", default=None, help="output text that matches this regular expression")
     c.add_argument("--choice", action="append", default=None, help="output one of these strings (repeatable)")
@@ -87,38 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     _add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
-    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, metrics)")
-    s = serve.add_argument_group("server")
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", nargs="+", default=None, metavar="KEY", help="require 'Authorization: Bearer KEY' "
-                   "on /v1 and the tokenizer routes; several keys: tenants sharing no prompt-cache block")
-    s.add_argument("--served-model-name", nargs="+", default=None,
-                   help="the model's name in the API (default: the file's stem); more names are aliases a request "
-                        "may use (e.g. a claude-... name for Claude Code)")
-    s.add_argument("--max-waiting", type=int, default=1024,
-                   help="queued requests past which new ones get 503 with Retry-After")
-    s.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger request bodies get 413")
-    s.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
-    s.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one engine step")
-    s.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
-    add_chat_args(s)
-    s.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="on SIGTERM or Ctrl-C: stop accepting, let running requests finish for up to this many "
-                        "seconds (then cut them), exit 0")
-    s.add_argument("--trace", metavar="FILE", default=None,
-                   help="on shutdown, write a Chrome/Perfetto trace of the engine steps and finished requests")
-    d = serve.add_argument_group("prefill/decode disaggregation")
-    d.add_argument("--role", choices=["prefill", "decode", "proxy"], default=None,
-                   help="one part of a disaggregated pair: prefill and decode instances joined by --kv-peer, and "
-                        "a proxy (no model) in front of them")
-    d.add_argument("--kv-peer", metavar="tcp://HOST:PORT", default=None,
-                   help="prefill and decode: where the pair's KV link meets (the same address on both)")
-    d.add_argument("--prefill", metavar="URL", default=None, help="proxy: the prefill instance")
-    d.add_argument("--decode", metavar="URL", default=None, help="proxy: the decode instance")
-    add_engine_args(serve)
-    add_ray_args(serve)
-    serve.set_defaults(func=cmd_serve)
+    _add_serve_parser(sub)
     from phasewise.lab.commands import add_parsers as add_lab_parsers, add_roofline_parser
 
     add_lab_parsers(sub)
@@ -134,6 +104,46 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_cache_parser(sub)
     return parser
+
+
+def _add_serve_parser(sub: argparse._SubParsersAction[Parser]) -> None:
+    """`phasewise serve`'s options: the server's, disaggregation's, the engine's and Ray's."""
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, metrics)")
+    s = serve.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: 127.0.0.1, this machine only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1 and the tokenizer routes; several keys: "
+                        "tenants sharing no prompt-cache block")
+    s.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the model's name in the API (default: the file's stem); more names are aliases a "
+                        "request may use (e.g. a claude-... name for Claude Code)")
+    s.add_argument("--max-waiting", type=int, default=1024,
+                   help="queued requests past which new ones get 503 with Retry-After")
+    s.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
+                   help="larger request bodies get 413")
+    s.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
+    s.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one engine step")
+    s.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
+    add_chat_args(s)
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM or Ctrl-C: stop accepting, let running requests finish for up to this "
+                        "many seconds (then cut them), exit 0")
+    s.add_argument("--trace", metavar="FILE", default=None,
+                   help="on shutdown, write a Chrome/Perfetto trace of the engine steps and finished "
+                        "requests")
+    d = serve.add_argument_group("prefill/decode disaggregation")
+    d.add_argument("--role", choices=["prefill", "decode", "proxy"], default=None,
+                   help="one part of a disaggregated pair: prefill and decode instances joined by --kv-peer, "
+                        "and a proxy (no model) in front of them")
+    d.add_argument("--kv-peer", metavar="tcp://HOST:PORT", default=None,
+                   help="prefill and decode: where the pair's KV link meets (the same address on both)")
+    d.add_argument("--prefill", metavar="URL", default=None, help="proxy: the prefill instance")
+    d.add_argument("--decode", metavar="URL", default=None, help="proxy: the decode instance")
+    add_engine_args(serve)
+    add_ray_args(serve)
+    serve.set_defaults(func=cmd_serve)
 
 
 def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
@@ -155,8 +165,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     llm = LLM(args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
               kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len, kv_dtype=args.kv_dtype,
-              speculative=spec, tensor_parallel_size=args.tensor_parallel_size, packed_cache=args.packed_cache,
-              threads=args.threads, prompt_cache_dir=args.prompt_cache_dir, prompt_cache_size=args.prompt_cache_size,
+              speculative=spec, tensor_parallel_size=args.tensor_parallel_size,
+              packed_cache=args.packed_cache, threads=args.threads, prompt_cache_dir=args.prompt_cache_dir,
+              prompt_cache_size=args.prompt_cache_size,
               prompt_cache_ttl=args.prompt_cache_ttl)
     print(f"phasewise: {llm.engine.precision.describe()}", file=sys.stderr)
     if args.raw:
@@ -208,7 +219,9 @@ def _dashboard_roofline(engine: LLMEngine) -> Roofline | None:
 
     dtype = parse_dtype(engine.precision.weights)
     machine = load_machine(dtype)
-    return Roofline(**serving_roofline(machine, engine.model, engine.model_config, dtype)) if machine else None
+    if not machine:
+        return None
+    return Roofline(**serving_roofline(machine, engine.model, engine.model_config, dtype))
 
 
 def _check_serve_args(args: argparse.Namespace) -> None:
@@ -250,10 +263,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"phasewise: {engine.precision.describe()}", file=sys.stderr)
     base = f"http://{host}:{sock.getsockname()[1]}"
-    print(f"phasewise: dashboard at {base}/dashboard" + ("" if parts.roofline else " (to see which resource binds, "
-          "measure this machine once: phasewise roofline --model ...)"), file=sys.stderr)
-    print(f"phasewise: serving {parts.config.served_model_name} on {base}/v1 (loaded in {engine.load_ms:.0f} ms)",
-          file=sys.stderr, flush=True)
+    hint = "" if parts.roofline else \
+        " (to see which resource binds, measure this machine once: phasewise roofline --model ...)"
+    print(f"phasewise: dashboard at {base}/dashboard{hint}", file=sys.stderr)
+    print(f"phasewise: serving {parts.config.served_model_name} on {base}/v1 "
+          f"(loaded in {engine.load_ms:.0f} ms)", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level="info", access_log=not args.no_access_log,
                                            timeout_graceful_shutdown=args.shutdown_timeout))
     app.state.stopping = lambda: server.should_exit          # ends the dashboard's event streams

@@ -33,8 +33,10 @@ class BlockPool:
         self.free_stack: list[int] = list(range(num_blocks - 1, -1, -1))   # uncached; pop() is the top
         self.free_cached: OrderedDict[int, None] = OrderedDict()             # least recently freed first
         self.kept_until = [0.0] * num_blocks                                  # `now` time; 0: not kept
-        self.free_kept: OrderedDict[int, None] = OrderedDict()               # cached, kept, least recently freed first
-        self._next_expiry = math.inf                                          # no kept free block expires before
+        # cached, kept, least recently freed first
+        self.free_kept: OrderedDict[int, None] = OrderedDict()
+        # no kept free block expires before
+        self._next_expiry = math.inf
 
     @property
     def num_free(self) -> int:

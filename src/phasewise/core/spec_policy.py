@@ -41,7 +41,8 @@ PROBE_MAX = 256
 CALIBRATE = 128         # steps with drafts between the plain steps that re-measure `plain`
 WINDOW = 9              # the costs: medians of their latest samples,
 MIN_SAMPLES = 3         # once there are this many
-TRIAL_DECAY = 0.85      # per draft accepted or rejected: a request's acceptance counts (a memory of ~7 drafts)
+# per draft accepted or rejected: a request's acceptance counts (a memory of ~7 drafts)
+TRIAL_DECAY = 0.85
 
 
 def expected_tokens(a: float, k: int) -> float:

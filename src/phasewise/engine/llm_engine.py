@@ -85,8 +85,9 @@ class LLMEngine:
         """Token ids of a prompt: a ChatPrompt (messages, tools, the template's own variables, how it ends)
         or chat messages (with OpenAI-style tools; an assistant turn opened) through the chat template."""
         if isinstance(prompt, ChatPrompt):
-            return self.tokenizer.apply_chat_template(prompt.messages, prompt.add_generation_prompt, prompt.tools,
-                                                      prompt.template_kwargs, prompt.continue_final)
+            return self.tokenizer.apply_chat_template(prompt.messages, prompt.add_generation_prompt,
+                                                      prompt.tools, prompt.template_kwargs,
+                                                      prompt.continue_final)
         if isinstance(prompt, str):
             if chat:
                 return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tools=tools)
@@ -118,10 +119,12 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         compiled = time.perf_counter()
         grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
-        req = Request(request_id, prompt_ids, params, self.tokenizer.eos_token_ids, arrival=arrival, grammar=grammar)
+        req = Request(request_id, prompt_ids, params, self.tokenizer.eos_token_ids,
+                      arrival=arrival, grammar=grammar)
         if grammar is not None:
             req.metrics.grammar_compile_ms = (time.perf_counter() - compiled) * 1e3
-        if params.thinking is not None:        # the block tracked and kept in its budget; the grammar after it
+        # the block tracked and kept in its budget; the grammar after it
+        if params.thinking is not None:
             req.grammar = self.thinking.gate(params.thinking, prompt_ids, grammar, req.metrics)
         self.core.add_request(req)
         self.outputs.add(req, prompt if isinstance(prompt, str) else None)
@@ -136,7 +139,8 @@ class LLMEngine:
         """Running and waiting requests, KV blocks used, cached and free, step and speculation counters,
         the kernel threads and what other programs took of the CPUs."""
         t = self.threads
-        return replace(self.core.stats(), threads=t.threads, cpus_busy_elsewhere=t.others, cpu_wait_seconds=t.cpu_wait_s)
+        return replace(self.core.stats(), threads=t.threads, cpus_busy_elsewhere=t.others,
+                       cpu_wait_seconds=t.cpu_wait_s)
 
     @property
     def last_step(self) -> StepRecord | None:
@@ -198,7 +202,8 @@ class LLMEngine:
     def warmup(self) -> None:
         """One tiny request through the whole path, so first-call costs are not timed later."""
         n = 3 if self.config.speculative.enabled else 2     # with speculation: one step verifies a draft
-        rid = self.add_request([self.tokenizer.bos_token_id or 0] * 4, SamplingParams(max_tokens=n, ignore_eos=True))
+        rid = self.add_request([self.tokenizer.bos_token_id or 0] * 4,
+                               SamplingParams(max_tokens=n, ignore_eos=True))
         policy = self.core.spec_policy
         self.core.use_spec_policy(None)     # k drafts, and a first call's costs are not this machine's
         try:
@@ -207,13 +212,15 @@ class LLMEngine:
             self.core.use_spec_policy(policy)
 
 
-def encode_marked(tokenizer: Tokenizer, prompt: ChatPrompt) -> tuple[list[int], tuple[tuple[int, float], ...]]:
+def encode_marked(tokenizer: Tokenizer,
+                  prompt: ChatPrompt) -> tuple[list[int], tuple[tuple[int, float], ...]]:
     """A chat prompt's token ids (as `apply_chat_template` encodes it) and its cache points in tokens: a point
     covers the prompt's tokens that end within the characters its cut renders alike (the longest common
     prefix of the two texts); a cut the template cannot render (a system prompt alone, for some) marks
     nothing. One tokenization, whatever the number of points."""
     def render(p: ChatPrompt) -> str:
-        return tokenizer.render_chat(p.messages, p.add_generation_prompt, p.tools, p.template_kwargs, p.continue_final)
+        return tokenizer.render_chat(p.messages, p.add_generation_prompt, p.tools,
+                                     p.template_kwargs, p.continue_final)
 
     text = render(prompt)
     ids, ends = tokenizer.encode_with_ends(text)
