@@ -107,7 +107,8 @@ class EngineReplica:
 
         app = ReplicaApp(self._app, self._replica)
 
-        def ended(t: asyncio.Task[None]) -> None:         # the app is done: the last batch, and its failure if any
+        # the app is done: the last batch, and its failure if any
+        def ended(t: asyncio.Task[None]) -> None:
             out.put_nowait(None)
             _log_failure(t)
 
@@ -163,16 +164,19 @@ class Ingress:
         return Relay(self._engine, self._prefill)
 
 
-def application(options: argparse.Namespace, request_router: type | str = PrefixAffinityRouter) -> Application:
+def application(options: argparse.Namespace,
+                request_router: type | str = PrefixAffinityRouter) -> Application:
     """The Serve application of these options (`direct_ingress` picks how HTTP reaches the replicas), the
     engine replicas routed by `request_router` (another is for comparisons: benchmarks/ray_serve.py)."""
     check_ray_options(options)
-    options = argparse.Namespace(**{k: v for k, v in vars(options).items() if k != "func"})   # the CLI's command
-    ingress = serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)(Ingress)
-    if options.prefill_decode:           # a prefill deployment and a decode one, their replicas paired by KV link
+    options = argparse.Namespace(**{k: v for k, v in vars(options).items() if k != "func"})   # not the CLI's
+    ingress = serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0},
+                               max_ongoing_requests=4096)(Ingress)
+    # a prefill deployment and a decode one, their replicas paired by KV link
+    if options.prefill_decode:
         prefill = _engine_deployment(options, request_router, "PrefillReplica").bind(options, "prefill")
-        return ingress.bind(_engine_deployment(options, request_router, "DecodeReplica").bind(options, "decode",
-                                                                                              prefill), prefill)
+        decode = _engine_deployment(options, request_router, "DecodeReplica").bind(options, "decode", prefill)
+        return ingress.bind(decode, prefill)
     if not direct_ingress(options):
         return ingress.bind(_engine_deployment(options, request_router).bind(options))
     engine = _engine_deployment(options, request_router, as_ingress=True).bind(options)
@@ -206,12 +210,13 @@ def _engine_deployment(o: argparse.Namespace, request_router: type | str, name: 
     if o.tensor_parallel_size > 1:
         scaling["placement_group_bundles"] = [{"CPU": cpus}] * o.tensor_parallel_size
         scaling["placement_group_strategy"] = o.placement_strategy
+    kwargs = {"margin": o.prefix_margin} if request_router is PrefixAffinityRouter else {}
     return serve.deployment(
         name=name, ray_actor_options={"num_cpus": cpus},
         max_ongoing_requests=2 * o.max_num_seqs, health_check_period_s=5, graceful_shutdown_timeout_s=5,
         request_router_config=RequestRouterConfig(
-            request_router_class=request_router,  # type: ignore[arg-type]  # Ray's stub: **kwargs: dict[str, Any]
-            request_router_kwargs={"margin": o.prefix_margin} if request_router is PrefixAffinityRouter else {}),
+            # Ray's stub types **kwargs as dict[str, Any]
+            request_router_class=request_router, request_router_kwargs=kwargs),  # type: ignore[arg-type]
         **scaling)(serve.ingress()(EngineReplica) if as_ingress else EngineReplica)
 
 
@@ -237,7 +242,8 @@ def run(options: argparse.Namespace) -> int:
                 pass
         except KeyboardInterrupt:
             pass
-        if options.ray_address is not None:       # a cluster joined: take the application away, leave the rest
+        # a cluster joined: take the application away, leave the rest
+        if options.ray_address is not None:
             serve.delete(APP_NAME, _blocking=False)
         return 0
     finally:              # a Ray started here stops with its driver, Serve's actors with it (a Ctrl-C in a
@@ -254,5 +260,6 @@ def failure_line(fallback: str) -> str:
     loader's message, without its class), from Serve's deployment status; else `fallback`."""
     app = serve.status().applications.get(APP_NAME)
     details = "\n".join(d.message for d in app.deployments.values() if d.message) if app else ""
-    raised = [line.strip() for line in details.splitlines() if re.match(r"\s*[\w.]*(Error|Exception): ", line)]
+    raised = [line.strip() for line in details.splitlines()
+              if re.match(r"\s*[\w.]*(Error|Exception): ", line)]
     return raised[-1].split(": ", 1)[1] if raised else fallback

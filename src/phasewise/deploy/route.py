@@ -25,7 +25,8 @@ route_app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
 
 @serve.ingress(route_app)
 class RouteIngress:
-    """See the module's docstring. `engine`: the engine deployment, which must be the application's ingress."""
+    """See the module's docstring. `engine`: the engine deployment, which must be the application's
+    ingress."""
 
     def __init__(self, engine: ReplicaHandle) -> None:
         self._engine = engine
@@ -36,15 +37,18 @@ class RouteIngress:
         body = await request.body()
         try:
             parsed = json.loads(body) if body else None
-        except ValueError:                   # a body cut by HAProxy's buffer, or not JSON: no prefix to follow
+        except ValueError:                   # a body cut by HAProxy's buffer, or not JSON: no prefix
+                                             # to follow
             parsed = None
         try:
-            async with self._engine.choose_replica(RoutePick(prompt_block_hashes(parsed)), _reserve=False) as chosen:
+            async with self._engine.choose_replica(RoutePick(prompt_block_hashes(parsed)),
+                                                   _reserve=False) as chosen:
                 replica = chosen._replica
                 endpoint = replica.backend_http_endpoint
                 if endpoint is None:
                     raise RuntimeError(f"replica {chosen.replica_id} has no HTTP port yet")
-                return {"host": endpoint[0], "port": endpoint[1], "replica_id": replica.replica_id.to_full_id_str()}
+                return {"host": endpoint[0], "port": endpoint[1],
+                        "replica_id": replica.replica_id.to_full_id_str()}
         except (RuntimeError, DeploymentUnavailableError) as e:
             raise HTTPException(status_code=503, detail=str(e)) from None
 
