@@ -56,7 +56,8 @@ class RequestRecord:
     ok: bool = False
     prompt_tokens: int = 0
     output_tokens: int = 0
-    cached_tokens: int = 0                     # of the prompt, served by the prompt cache (usage's cached_tokens)
+    # of the prompt, served by the prompt cache (usage's cached_tokens)
+    cached_tokens: int = 0
     chunk_times: list[float] = field(default_factory=list)   # arrival of each content chunk
     end: float = 0.0
     error: str = ""
