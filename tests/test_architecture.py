@@ -58,6 +58,24 @@ def test_no_function_runs_past_60_lines_and_few_modules_sit_at_the_root():
     assert len(loose) <= 7, loose
 
 
+# Files other work had open when issue 69 wrapped the house: the integrator wraps them and empties this.
+LONG_LINES_LEFT = {"core/disk_tier.py", "core/handoffs.py", "core/kv_cache_manager.py",
+                   "core/prompt_store.py", "distributed/kv_link.py", "engine/prompt_cache.py",
+                   "kernels/build.py", "kernels/gguf_blocks.py", "kernels/isa.py", "kernels/kernel_api.py",
+                   "kernels/quant.py", "lab/cache_command.py", "layers/kv_int8.py", "loading/packed_cache.py",
+                   "runner/kv_cache.py", "server/anthropic/caching.py", "server/anthropic/routes.py",
+                   "server/openai/caching.py"}
+
+
+def test_no_line_runs_past_110_characters():
+    """What issue 69 asked of the house: a line a reader takes in whole, at most 110 characters, code,
+    comments and docstrings alike (LONG_LINES_LEFT aside, for now)."""
+    long = [f"{p.relative_to(PACKAGE)}:{n} ({len(line)})" for p in sorted(PACKAGE.rglob("*.py"))
+            if p.relative_to(PACKAGE).as_posix() not in LONG_LINES_LEFT
+            for n, line in enumerate(p.read_text().splitlines(), 1) if len(line) > 110]
+    assert not long, long
+
+
 def any_annotations() -> list[str]:
     """Every annotation in src/ that says `Any` (parameters, returns, annotated names), as file:line text."""
     import ast
