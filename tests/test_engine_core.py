@@ -16,7 +16,7 @@ from phasewise.core.block_pool import BlockPool, CacheStats
 from phasewise.core.engine_core import EngineCore
 from phasewise.core.handoffs import RunnerOutput, SampledToken, SchedulerOutput
 from phasewise.core.request import FinishReason, Request, RequestStatus
-from phasewise.percentile import percentile
+from phasewise.report import percentile
 from phasewise.core.sampling_params import SamplingParams
 from phasewise.runner.request_state import RequestStates
 

@@ -29,9 +29,10 @@ from dataclasses import dataclass
 
 @dataclass
 class CacheStats:
-    """The RAM prefix cache's counters since the start (EngineStats carries a copy); blocks of every KV group."""
-    hit_blocks: int = 0           # cached blocks admitted requests took (not those the disk tier loaded for them)
-    evicted_lru: int = 0          # cache entries dropped to reuse their block: unkept, least recently freed first,
+    """The RAM prefix cache's counters since the start (EngineStats carries a copy); blocks of every KV
+    group."""
+    hit_blocks: int = 0           # cached blocks admitted requests took (not those the disk tier loaded)
+    evicted_lru: int = 0          # entries dropped to reuse their block: unkept, least recently freed first,
     evicted_ttl: int = 0          # kept ones whose time had passed (taken before those),
     evicted_kept: int = 0         # and kept ones within their time (no other free block was left)
 
@@ -47,9 +48,11 @@ class BlockPool:
         self.free_stack: list[int] = list(range(num_blocks - 1, -1, -1))   # uncached; pop() is the top
         self.free_cached: OrderedDict[int, None] = OrderedDict()             # least recently freed first
         self.kept_until = [0.0] * num_blocks                                  # `now` time; 0: not kept
-        self.free_kept: OrderedDict[int, None] = OrderedDict()               # cached, kept, least recently freed first
-        self._next_expiry = math.inf                                          # no kept free block expires before
-        self.loaded: set[int] = set()           # cached blocks the disk tier filled that no request has taken yet
+        # cached, kept, least recently freed first
+        self.free_kept: OrderedDict[int, None] = OrderedDict()
+        # no kept free block expires before
+        self._next_expiry = math.inf
+        self.loaded: set[int] = set()           # cached blocks the disk tier filled, no request took yet
         self.stats = CacheStats()
 
     @property
@@ -139,7 +142,7 @@ class BlockPool:
         self.kept_until[block_id] = max(self.kept_until[block_id], until)
 
     def hit(self, block_ids: Iterable[int]) -> None:
-        """Count cache hits an admitted request took (those the disk tier just loaded are its hits, not RAM's)."""
+        """Count cache hits an admitted request took (those the disk tier just loaded are its hits)."""
         for b in block_ids:
             if b in self.loaded:
                 self.loaded.discard(b)

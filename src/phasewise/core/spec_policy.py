@@ -27,7 +27,8 @@ changes and a burst of another program does not sway them (the very first sample
 skipped). Until `plain` is measured every decode goes plain; until `row` and `draft` are, it drafts K; every
 CALIBRATE steps with drafts, one step goes plain to measure `plain` again, every CALIBRATE_EARLY until
 WINDOW samples are in (a process's first steps are slow: at AVX2 the first request's plain steps took
-1.4x the later ones', which made drafts look cheap until later samples displaced them). A request's acceptance is its
+1.4x the later ones', which made drafts look cheap until later samples displaced them). A request's
+acceptance is its
 drafts accepted against the rejections that ended its steps (the maximum-likelihood a of the model),
 counted with a memory of a few drafts, so it turns within a few steps, and starting from the engine's
 own over recent requests.
@@ -52,9 +53,10 @@ CALIBRATE = 128         # steps with drafts between the plain steps that re-meas
 CALIBRATE_EARLY = 16    # ... while fewer than WINDOW samples of it are in
 WINDOW = 9              # the costs: medians of their latest samples,
 MIN_SAMPLES = 3         # once there are this many
-TRIAL_DECAY = 0.85      # per draft accepted or rejected: a request's acceptance counts (a memory of ~7 drafts)
+# per draft accepted or rejected: a request's acceptance counts (a memory of ~7 drafts)
+TRIAL_DECAY = 0.85
 HORIZON = 256           # tokens ahead a catch-up may be repaid over (a request with no max_tokens)
-BEHIND_FREE = 3         # tokens a draft catches up on after a step with drafts (accepted drafts aside): no cost
+BEHIND_FREE = 3         # tokens a draft catches up on after a step with drafts (accepted aside): free
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -152,7 +154,7 @@ class RequestSpec:
     accepted: float = 0.0             # decayed counts: drafts accepted,
     rejected: float = 0.0             # and the rejections that ended a step
     last_k: int = 0                   # the draft room of its previous decode
-    drafted_at: int = 0               # its tokens when its draft last ran (0: never: it is behind by them all)
+    drafted_at: int = 0               # its tokens when its draft last ran (0: never: behind by them all)
     plain_run: int = 0                # plain steps since speculation last ran or probed
     probe_after: int = PROBE_FIRST
 
@@ -211,7 +213,7 @@ class SpecPolicy:
         """Learn from a step that ran (its chunks' `requests`): each request's drafts accepted, and the
         costs if it only decoded."""
         fair = True                                         # no draft caught up on a stretch of plain steps
-        behind = 0                                          # the tokens drafts caught up on beyond a step's few
+        behind = 0                                  # the tokens drafts caught up on beyond a step's few
         for c in sched.chunks:
             req = requests.get(c.request_id)
             st = req.spec_choice if req is not None else None

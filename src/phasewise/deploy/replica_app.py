@@ -23,9 +23,11 @@ from ray.serve.handle import DeploymentHandle
 from phasewise.deploy.replica_metrics import merge_metrics
 
 if TYPE_CHECKING:
-    from starlette.types import ASGIApp, Message, Receive, Scope, Send   # ASGI's: scopes and messages are dicts
+    # ASGI's: scopes and messages are dicts
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-# A handle to the engine replicas' deployment: ray.py's EngineReplica, not named here (ray.py imports this module)
+# A handle to the engine replicas' deployment: ray.py's EngineReplica, not named here (ray.py imports
+# this module)
 ReplicaHandle: TypeAlias = DeploymentHandle[object]
 
 REPLICA_HEADER = "x-phasewise-replica"       # which replica served a response: its Serve replica id
@@ -45,9 +47,11 @@ class MetricsVisit:
 
 
 class ReplicaApp:
-    """See the module's docstring. `gather`: the whole deployment's /metrics text (None: this replica's own)."""
+    """See the module's docstring. `gather`: the whole deployment's /metrics text (None: this replica's
+    own)."""
 
-    def __init__(self, app: ASGIApp, replica_id: str, gather: Callable[[], Awaitable[str]] | None = None) -> None:
+    def __init__(self, app: ASGIApp, replica_id: str,
+                 gather: Callable[[], Awaitable[str]] | None = None) -> None:
         self._app, self._replica, self._gather = app, replica_id.encode(), gather
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -87,9 +91,9 @@ async def own_metrics(app: ASGIApp) -> str:
         if message["type"] == "http.response.body":
             chunks.append(message.get("body", b""))
 
-    await app({"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "scheme": "http",
-               "path": "/metrics", "raw_path": b"/metrics", "root_path": "", "query_string": b"", "headers": [],
-               "client": None, "server": None}, receive, send)
+    await app({"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET",
+               "scheme": "http", "path": "/metrics", "raw_path": b"/metrics", "root_path": "",
+               "query_string": b"", "headers": [], "client": None, "server": None}, receive, send)
     return b"".join(chunks).decode(errors="replace")
 
 
@@ -104,8 +108,8 @@ async def gather_metrics(*handles: ReplicaHandle | None) -> str:
         seen: set[str] = set()
         for _ in range(MAX_REPLICAS):
             try:
-                replica, text = await asyncio.wait_for(handle.metrics_text.remote(MetricsVisit(frozenset(seen))),
-                                                       METRICS_TIMEOUT_S)
+                visit = MetricsVisit(frozenset(seen))
+                replica, text = await asyncio.wait_for(handle.metrics_text.remote(visit), METRICS_TIMEOUT_S)
             except RayActorError:               # Serve forgets that replica: ask the next
                 continue
             except asyncio.TimeoutError:

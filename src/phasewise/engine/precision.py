@@ -21,17 +21,17 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from phasewise.config import WEIGHT_DTYPES, default_cache_dir
 from phasewise.kernels.kernel_api import Kernels
-from phasewise.paths import default_cache_dir
 
-WEIGHT_DTYPES = ("fp32", "bf16", "fp16", "int8", "q4")
 KV_DTYPES = ("model", "int8")
 # Families whose int8 KV cache was measured within LIMIT on a held-out text, with what it cost against a
-# float cache at fp32 weights (benchmarks/quality.py --dtypes fp32,fp32/int8 --text /usr/share/common-licenses/
-# GPL-3 --window 2048: 7.5k tokens, not in the repo).
+# float cache at fp32 weights (benchmarks/quality.py --dtypes fp32,fp32/int8 --text
+# /usr/share/common-licenses/GPL-3 --window 2048: 7.5k tokens, not in the repo).
 INT8_KV_HOLDS = {"llama": "SmolLM2-135M +0.03% on a held-out text",
                  "qwen2": "Qwen2.5-Coder-0.5B -0.04%, 1.5B +0.05% on a held-out text"}
-INT8_KV_SCHEME = 2          # the int8 cache's layout a record's "…/int8" figures were measured with (2: K per channel)
+# the int8 cache's layout a record's "…/int8" figures were measured with (2: K per channel)
+INT8_KV_SCHEME = 2
 LIMIT = 0.005               # the perplexity a default precision may add to the file's weights in fp32
 
 # Perplexity against the file's weights in fp32 (benchmarks/quality.py, lighthouses.txt; docs/benchmarks.md)
@@ -107,12 +107,12 @@ def choose(path: Path, dtype: str, kv_dtype: str, kernels: Kernels | None, famil
         others = sorted(types - set(GGUF_BLOCKS) - {"F32", "F16", "BF16"})
         rest = f", int8 per channel for its {'/'.join(others)} layers" if others else ""
         kv, quality = _q4_kv(measured(path), kv_dtype, family)
-        return Precision("q4", kv, True, f"the file's own {'/'.join(blocks)} blocks{rest} on the {kernels.isa} "
-                                         f"kernels, {quality}")
+        own = f"the file's own {'/'.join(blocks)} blocks{rest} on the {kernels.isa} kernels, {quality}"
+        return Precision("q4", kv, True, own)
     if kv_dtype == "auto" and family not in INT8_KV_HOLDS:
         kv = "model"
-    return Precision("int8", kv, True, f"int8 per-channel weights on the {kernels.isa} kernels (measured apart: "
-                                       f"-0.05% perplexity){_family_note(family, kv)}")
+    return Precision("int8", kv, True, f"int8 per-channel weights on the {kernels.isa} kernels (measured "
+                                       f"apart: -0.05% perplexity){_family_note(family, kv)}")
 
 
 

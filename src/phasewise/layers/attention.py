@@ -114,11 +114,14 @@ class AttentionMetadata:
         slots: list[int] = []
         tables: list[list[int]] = []
         for n, ctx, table in zip(query_lens, context_lens, block_tables):
-            slots.extend(table[pos // block_size] * block_size + pos % block_size for pos in range(ctx - n, ctx))
+            slots.extend(table[pos // block_size] * block_size + pos % block_size
+                         for pos in range(ctx - n, ctx))
             tables.append(table[: -(-ctx // block_size)])
         width = max(len(t) for t in tables)
         padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64, device=device)
-        seq, length, seqs = rows if rows is not None else cls.row_tensors(query_lens, context_lens, device, tail_slots)
+        if rows is None:
+            rows = cls.row_tensors(query_lens, context_lens, device, tail_slots)
+        seq, length, seqs = rows
         return cls(slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device), block_size=block_size,
                    kernel_rows=KernelRows(padded, seq, length, seqs), query_lens=list(query_lens),
                    context_lens=list(context_lens), block_tables=tables, device=device)
@@ -177,7 +180,8 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch
 
 def write_kv(kv: LayerKV, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor,
              ops: Kernels | None = None) -> None:
-    """Put k, v [T, Hkv, D] into their cache slots (an int8 cache: layers/kv_int8.py; `ops`: by the kernel)."""
+    """Put k, v [T, Hkv, D] into their cache slots (an int8 cache: layers/kv_int8.py; `ops`: by the
+    kernel)."""
     if ops is not None:
         rows = meta.kernel_rows
         ops.write_kv(k.contiguous(), v.contiguous(), list(kv), meta.slot_mapping, rows.tables, rows.seqs,
@@ -206,8 +210,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
     scale = D ** -0.5 if scale is None else scale
     if ops is not None:                             # one kernel call
         rows = meta.kernel_rows
-        return ops.paged_attention(q.contiguous(), list(kv), rows.tables, rows.seq, rows.length, rows.seqs, bs,
-                                   scale, fresh=k.contiguous() if len(kv) > 2 else None,
+        return ops.paged_attention(q.contiguous(), list(kv), rows.tables, rows.seq, rows.length, rows.seqs,
+                                   bs, scale, fresh=k.contiguous() if len(kv) > 2 else None,
                                    window=window or 0).view(T, Hq * D)
     if len(kv) > 2:                                 # an int8 cache
         return kv_int8.attend(q, kv, meta, k, scale, window).view(T, Hq * D)

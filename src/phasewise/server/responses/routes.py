@@ -34,7 +34,8 @@ from phasewise.server.request_stream import RequestStream
 from phasewise.server.responses.store import ResponseStore, StoredResponse
 from phasewise.server.responses.protocol import ResponsesRequest, chat_request, input_items
 from phasewise.server.responses.tools import custom_names, forced_custom
-from phasewise.server.responses.output import OutputItems, assistant_message, new_id, response_body, sse, status_of
+from phasewise.server.responses.output import (OutputItems, assistant_message, new_id, response_body, sse,
+                                               status_of)
 from phasewise.server.sse import collect, failure, sse_response
 from phasewise.server.thinking import Thinking
 
@@ -118,7 +119,8 @@ def truncated(chat: ChatRequest, head: int) -> ChatRequest | None:
     starts = [i for i, m in enumerate(messages[head:]) if m["role"] == "user" and i > 0]
     if not starts:
         return None
-    return replace(chat, prompt=replace(chat.prompt, messages=[*messages[:head], *messages[head + starts[0]:]]))
+    kept = [*messages[:head], *messages[head + starts[0]:]]
+    return replace(chat, prompt=replace(chat.prompt, messages=kept))
 
 
 def stored_response(store: ResponseStore, rid: str, param: str | None = None) -> StoredResponse:
@@ -166,7 +168,8 @@ class Run:
 
     def __init__(self, body: ResponsesRequest, call: ChatCall, conversation: list[JsonObject], model: str,
                  store: ResponseStore) -> None:
-        self.body, self.call, self.conversation, self.model, self.store = body, call, conversation, model, store
+        self.body, self.call, self.conversation = body, call, conversation
+        self.model, self.store = model, store
         self.rid, self.created = call.rid, int(time.time())
 
     def response(self, status: str, items: list[JsonObject], out: CompletionOutput | None = None,
@@ -233,7 +236,8 @@ class BackgroundRuns:
         finally:
             stream.close()
         if last is None or status_of(last) == "failed":
-            cause = error or (failure(last) if last is not None else None) or "the request ended without an output"
+            cause = error or (failure(last) if last is not None else None) or \
+                "the request ended without an output"
             response = run.response("failed", [], last, cause)
             run.store.put(response, run.conversation, input_items(run.body))   # kept: GET polls it
             return response
