@@ -23,7 +23,7 @@ openai = pytest.importorskip("openai")
 
 from test_ray_serve import _client, _deploy, serve_cluster  # noqa: E402  (the Serve helpers of the other cluster tests)
 
-ROUNDS = 3                                     # kills per ingress
+ROUNDS = 5                                     # kills per ingress (issue 68: "repeated 5 times")
 IN_FLIGHT = 8
 TOKENS = 128                                   # each answer's length (ignore_eos): seconds on one CPU
 REPLACE_TIMEOUT = 180.0
