@@ -149,7 +149,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction[Parser]) -> None:
 def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
     from phasewise.core.sampling_params import SamplingParams
 
-    if args.max_tokens < 1:                    # the engine's 0 (a prompt only, a cache pre-warm) is the server's
+    if args.max_tokens < 1:                    # the engine's 0 (a prompt only: a pre-warm) is the server's
         raise ValueError(f"max_tokens must be at least 1, got {args.max_tokens}")
     return SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
