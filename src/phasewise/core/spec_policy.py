@@ -28,10 +28,9 @@ skipped). Until `plain` is measured every decode goes plain; until `row` and `dr
 CALIBRATE steps with drafts, one step goes plain to measure `plain` again, every CALIBRATE_EARLY until
 WINDOW samples are in (a process's first steps are slow: at AVX2 the first request's plain steps took
 1.4x the later ones', which made drafts look cheap until later samples displaced them). A request's
-acceptance is its
-drafts accepted against the rejections that ended its steps (the maximum-likelihood a of the model),
-counted with a memory of a few drafts, so it turns within a few steps, and starting from the engine's
-own over recent requests.
+acceptance is its drafts accepted against the rejections that ended its steps (the maximum-likelihood a
+of the model), counted with a memory of a few drafts, so it turns within a few steps, and starting from
+the engine's own over recent requests.
 """
 
 from __future__ import annotations
