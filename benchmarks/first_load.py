@@ -76,7 +76,7 @@ def cli_case(path: Path, cache: Path) -> dict[str, float]:
 
 def fresh(source: Path, work: Path) -> tuple[Path, Path]:
     """A new copy of `source` and an empty cache (kernels linked) under `work`."""
-    from phasewise.paths import default_cache_dir
+    from phasewise.config import default_cache_dir
 
     shutil.rmtree(work, ignore_errors=True)
     (work / "model").mkdir(parents=True)

@@ -13,8 +13,9 @@ the tokens after each one's first over the time from the first first token to th
 prompt is new (no hit in RAM or on disk): the disk tier's engine writes each prompt's and reply's
 blocks as it runs (its writer thread beside it) and looks each prompt up on disk first. After its
 turn, its writer is flushed (untimed: the other engine runs on a quiet disk), the wait printed.
-Reported: each kind's median over the rounds per engine and the slowdown (1 - on / off), with the
-rounds' spread; the disk tier's counters (blocks written, dropped: the writer fell behind). Run it
+Reported: each kind's median over the rounds per engine with the rounds' spread, and the slowdown:
+1 - the median over rounds of on / off within the round (a pair runs back to back, so a machine
+whose speed drifts between rounds moves both of it); the disk tier's counters (blocks written, dropped: the writer fell behind). Run it
 alone on a quiet machine: another process changes every figure.
 """
 
@@ -60,8 +61,8 @@ def decode_tps(llm, rng: random.Random, batch: int, output_len: int) -> float:
     return sum(len(o.token_ids) - 1 for o in outs) / (end - start)
 
 
-def spread(values: list[float]) -> str:
-    return f"{min(values):,.1f} .. {max(values):,.1f}"
+def spread(values: list[float], fmt: str = ",.1f") -> str:
+    return f"{min(values):{fmt}} .. {max(values):{fmt}}"
 
 
 def measure(args: argparse.Namespace, cache_dir: Path) -> dict:
@@ -101,7 +102,8 @@ def measure(args: argparse.Namespace, cache_dir: Path) -> dict:
     summary = {}
     for kind in ("prefill_tps", "decode_tps"):
         on, off = (statistics.median(figures[k][kind]) for k in ("on", "off"))
-        summary[kind] = {"on": on, "off": off, "slowdown": 1 - on / off}
+        ratios = [a / b for a, b in zip(figures["on"][kind], figures["off"][kind])]   # each round's pair
+        summary[kind] = {"on": on, "off": off, "ratios": ratios, "slowdown": 1 - statistics.median(ratios)}
     return {"model": model, "precision": precision, "threads": threads, "figures": figures, "summary": summary,
             "disk": counters, "flush_s": flush_s}
 
@@ -124,7 +126,8 @@ def main() -> None:
     for kind, target in (("prefill_tps", 0.05), ("decode_tps", 0.02)):
         s, f = result["summary"][kind], result["figures"]
         print(f"{kind[:-4]:8} median: off {s['off']:8.1f} tok/s ({spread(f['off'][kind])}), on {s['on']:8.1f} tok/s "
-              f"({spread(f['on'][kind])}): {s['slowdown']:+.1%} slower (target <= {target:.0%})")
+              f"({spread(f['on'][kind])}); on/off within a round {spread(s['ratios'], '.3f')}: {s['slowdown']:+.1%} slower "
+              f"(median; target <= {target:.0%})")
     d = result["disk"]
     print(f"disk tier: {d['blocks_written']} blocks ({d['bytes_written'] / 2**20:.0f} MiB) written, {d['dropped']} "
           f"dropped, {d['write_errors']} failed; {result['model']} ({result['precision']})")

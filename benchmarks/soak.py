@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-from phasewise.percentile import percentile
+from phasewise.report import percentile
 
 sys.path.insert(0, str(Path(__file__).parent))
 import serving  # noqa: E402

@@ -60,7 +60,7 @@ def transformers_from_gguf(path):
     import transformers
     from safetensors.torch import load_model, save_model
 
-    from phasewise.paths import default_cache_dir
+    from phasewise.config import default_cache_dir
 
     with open(path, "rb") as f:
         head = hashlib.sha256(f.read(1 << 20)).hexdigest()[:16]

@@ -46,8 +46,8 @@ def test_the_documents_layers_are_the_contracts_and_cover_every_module():
 
 
 def test_no_function_runs_past_60_lines_and_few_modules_sit_at_the_root():
-    """What issue 55 asked of the house: a function a reader can hold (60 lines at most), and at most 8
-    modules loose at the package root (the rest in packages named for their job)."""
+    """What issue 55 asked of the house: a function a reader can hold (60 lines at most), and few modules
+    loose at the package root (at most 7; the rest in packages named for their job)."""
     import ast
 
     long = [f"{p.relative_to(PACKAGE)}:{node.name} ({node.end_lineno - node.lineno + 1} lines)"
@@ -55,7 +55,25 @@ def test_no_function_runs_past_60_lines_and_few_modules_sit_at_the_root():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60]
     assert not long, long
     loose = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
-    assert len(loose) <= 8, loose
+    assert len(loose) <= 7, loose
+
+
+# Files other work had open when issue 69 wrapped the house: the integrator wraps them and empties this.
+LONG_LINES_LEFT = {"core/disk_tier.py", "core/handoffs.py", "core/kv_cache_manager.py",
+                   "core/prompt_store.py", "distributed/kv_link.py", "engine/prompt_cache.py",
+                   "kernels/build.py", "kernels/gguf_blocks.py", "kernels/isa.py", "kernels/kernel_api.py",
+                   "kernels/quant.py", "lab/cache_command.py", "layers/kv_int4.py", "layers/kv_int8.py",
+                   "loading/packed_cache.py", "runner/kv_cache.py", "server/anthropic/caching.py", "server/anthropic/routes.py",
+                   "server/openai/caching.py"}
+
+
+def test_no_line_runs_past_110_characters():
+    """What issue 69 asked of the house: a line a reader takes in whole, at most 110 characters, code,
+    comments and docstrings alike (LONG_LINES_LEFT aside, for now)."""
+    long = [f"{p.relative_to(PACKAGE)}:{n} ({len(line)})" for p in sorted(PACKAGE.rglob("*.py"))
+            if p.relative_to(PACKAGE).as_posix() not in LONG_LINES_LEFT
+            for n, line in enumerate(p.read_text().splitlines(), 1) if len(line) > 110]
+    assert not long, long
 
 
 def any_annotations() -> list[str]:
@@ -78,12 +96,11 @@ def any_annotations() -> list[str]:
     return found
 
 
-def test_few_annotations_say_any():
-    """Types instead of Any (issue 55): JSON is `json_types.JsonValue`, the engine's objects are imported
-    by name, a request's per-feature states are protocols; `Any` stays only where a value is truly
-    opaque (at most 25 annotations)."""
+def test_no_annotation_says_any():
+    """Types instead of Any (issues 55, 69): JSON is `json_types.JsonValue`, the engine's objects are
+    imported by name, a request's per-feature states are protocols, an opaque value is `object`."""
     found = any_annotations()
-    assert len(found) <= 25, f"{len(found)} annotations say Any:\n" + "\n".join(found)
+    assert not found, f"{len(found)} annotations say Any:\n" + "\n".join(found)
 
 
 def test_the_runner_side_reads_plain_data_not_live_requests():

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from phasewise.core.block_pool import BlockPool
+from phasewise.core.block_pool import BlockPool, CacheStats
 from phasewise.core.disk_tier import DiskTier, block_digests
 from phasewise.core.kv_cache_manager import KVCacheManager
 from phasewise.core.prompt_store import PromptStore
@@ -95,6 +95,31 @@ def test_kept_blocks_are_evicted_after_unkept_ones_until_their_ttl_passes():
     clock.t += 301                                       # past the keep: its block goes first now
     hog(4)                                               # 3 uncached, then the expired one
     assert (hits(marked), hits(other)) == (0, 2)
+
+
+def test_evictions_are_counted_by_cause_and_hits_as_taken():
+    """lru: unkept blocks; kept: a marked block within its ttl, when nothing else is free; ttl: a marked block
+    past its ttl (taken before the unkept ones). A block only read (no admission) is no hit."""
+    clock = Clock()
+    kv = KVCacheManager(6, BS, now=clock)
+    stats = kv.pool.stats
+
+    def hog(n: int) -> None:
+        req = _request(list(range(900, 900 + n * BS)), "hog")
+        assert kv.allocate_slots(req, req.num_tokens)
+        kv.free(req)
+
+    _run(kv, _request(list(range(100, 109)), "m", ((8, 300.0),)))     # 2 blocks kept 300 s
+    plain = list(range(200, 209))
+    assert (_run(kv, _request(plain, "p")), _run(kv, _request(plain, "again"))) == (0, 8)
+    kv.get_computed_blocks(_request(plain))
+    assert stats == CacheStats(hit_blocks=2)
+    hog(5)                                                               # 2 uncached, 2 unkept, 1 kept
+    assert stats == CacheStats(hit_blocks=2, evicted_lru=2, evicted_kept=1)
+    _run(kv, _request(list(range(300, 309)), "o"))                      # 2 unkept blocks
+    clock.t += 301
+    hog(4)                                                               # 3 uncached, then the expired one
+    assert stats == CacheStats(hit_blocks=2, evicted_lru=2, evicted_ttl=1, evicted_kept=1)
 
 
 def test_a_read_refreshes_the_keep():

@@ -99,6 +99,20 @@ def test_a_fresh_engine_loads_the_prompt_it_saw_from_disk(tmp_path):
     tier2.close()
 
 
+def test_blocks_loaded_from_disk_are_the_disks_hits_and_later_ones_rams(tmp_path):
+    clock = FakeClock()
+    tokens = list(range(100, 123))                              # 5 whole blocks and 3 tokens
+    kv, io, tier = _engine(tmp_path, clock)
+    _run_prompt(kv, tier, io, _request(tokens))
+    tier.close()
+    kv2, io2, tier2 = _engine(tmp_path, clock)
+    _run_prompt(kv2, tier2, io2, _request(tokens, "a"))
+    assert (tier2.stats.blocks_read, kv2.pool.stats.hit_blocks) == (5, 0)
+    _run_prompt(kv2, tier2, io2, _request(tokens, "b"))        # the same blocks again, now from RAM
+    assert (tier2.stats.blocks_read, kv2.pool.stats.hit_blocks) == (5, 5)
+    tier2.close()
+
+
 def test_a_salt_joins_the_first_block_so_different_salts_share_nothing(tmp_path):
     clock = FakeClock()
     tokens = list(range(50, 67))

@@ -12,11 +12,11 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from phasewise.config import SchedulerConfig
-from phasewise.core.block_pool import BlockPool
+from phasewise.core.block_pool import BlockPool, CacheStats
 from phasewise.core.engine_core import EngineCore
 from phasewise.core.handoffs import RunnerOutput, SampledToken, SchedulerOutput
 from phasewise.core.request import FinishReason, Request, RequestStatus
-from phasewise.percentile import percentile
+from phasewise.report import percentile
 from phasewise.core.sampling_params import SamplingParams
 from phasewise.runner.request_state import RequestStates
 
@@ -145,6 +145,7 @@ def test_prefix_cache_hits_exact_blocks_and_lru_eviction():
     core.step()                                     # token's block is recomputed for its logits
     assert c.num_cached_tokens == 4 and c.block_ids[0] == 0
     run_all(core)
+    assert core.stats().ram == CacheStats(hit_blocks=3)     # b's two blocks, c's one; nothing evicted yet
 
     # Fill the pool: the uncached blocks, then the least recently freed cached ones (evicted and
     # forgotten).
@@ -152,11 +153,27 @@ def test_prefix_cache_hits_exact_blocks_and_lru_eviction():
     core.add_request(d)
     core.step()
     assert pool.num_free == 1 and pool.num_cached == 8   # d's 7 full blocks + 1 survivor
+    assert core.stats().ram.evicted_lru == 2             # (c's copy of block 1 was no entry of the cache)
     run_all(core)
+    assert core.stats().ram.evicted_lru == 3             # d's next token took the survivor
     e = Request("e", list(range(1, 11)), SamplingParams(max_tokens=2), frozenset())
     core.add_request(e)
     core.step()
-    assert e.num_cached_tokens == 0               # d's next token took the survivor
+    assert e.num_cached_tokens == 0
+    assert core.stats().ram == CacheStats(hit_blocks=3, evicted_lru=5)   # e's 3 blocks: d's partial, 2 of d's
+
+
+def test_max_tokens_0_runs_the_prompt_into_the_cache_and_generates_nothing():
+    core, runner = make_core(num_blocks=16, budget=4)
+    warm = Request("warm", list(range(1, 11)), SamplingParams(max_tokens=0), frozenset())
+    core.add_request(warm)
+    assert run_all(core) == {"warm": warm} and len(runner.steps) == 3          # 10 tokens, 4 a step
+    assert warm.output_token_ids == [] and warm.finish_reason is FinishReason.LENGTH
+    assert core.kv.pool.num_cached == 2 and core.kv.pool.num_free == 16
+    again = Request("again", list(range(1, 11)) + [60], SamplingParams(max_tokens=1), frozenset())
+    core.add_request(again)
+    core.step()
+    assert again.num_cached_tokens == 8 and core.stats().ram.hit_blocks == 2
 
 
 def test_chunked_prefill_keeps_decode_going():

@@ -206,12 +206,13 @@ def test_packed_cache_of_every_layout(types, tmp_path, monkeypatch, chosen_ops):
 
 def test_memory_check_names_the_kv_pool_that_fits(default_model_path):
     """A model that cannot fit says so in one line before loading, naming the --kv-cache-memory that would."""
-    from phasewise.loading.loader import OVERHEAD, check_memory, q4_weight_bytes
+    from phasewise.config import PROCESS_OVERHEAD
+    from phasewise.loading.loader import check_memory, q4_weight_bytes
 
     packed, stored = q4_weight_bytes(default_model_path)
     assert 0.99 * stored <= packed <= 1.01 * stored           # Q4_1 and Q8_0 as the file holds them
-    check_memory(default_model_path, 2**30, available=packed + 2**30 + OVERHEAD)
+    check_memory(default_model_path, 2**30, available=packed + 2**30 + PROCESS_OVERHEAD)
     with pytest.raises(ModelLoadError, match=r"--kv-cache-memory 0\.\d\d would fit"):
-        check_memory(default_model_path, 2**31, available=packed + 2**30 + OVERHEAD)
+        check_memory(default_model_path, 2**31, available=packed + 2**30 + PROCESS_OVERHEAD)
     with pytest.raises(ModelLoadError, match="the weights alone do not fit"):
         check_memory(default_model_path, 0, available=packed)

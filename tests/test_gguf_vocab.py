@@ -58,7 +58,7 @@ def _transformers(path: Path, keep: bool) -> object:
     by transformers as it was saved."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    from phasewise.paths import default_cache_dir
+    from phasewise.config import default_cache_dir
 
     with open(path, "rb") as f:
         head = hashlib.sha256(f.read(1 << 20)).hexdigest()[:16]

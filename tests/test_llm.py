@@ -274,4 +274,4 @@ def test_prompt_logprobs_score_every_prompt_token_in_chunks_and_past_the_prefix_
     assert generated.prompt_logprobs[5].top == []
     assert free_blocks(llm) == free
     with pytest.raises(ValueError, match="max_tokens"):
-        SamplingParams(max_tokens=0)
+        SamplingParams(max_tokens=-1)

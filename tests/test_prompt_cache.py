@@ -102,15 +102,17 @@ def test_what_the_disk_tier_refuses_is_said_at_start(tmp_path, tiny_model):
 
 
 def test_the_flags_reach_the_engine_config(tmp_path):
-    from phasewise.cli import _engine_config, build_parser
+    from phasewise.cli import build_parser
     from phasewise.deploy.options import app_options
+    from phasewise.engine.args import engine_config_from_args
 
     args = build_parser().parse_args(["serve", "--prompt-cache-dir", str(tmp_path), "--prompt-cache-size", "2.5",
                                       "--prompt-cache-ttl", "300"])
-    cache = _engine_config(args).cache
+    cache = engine_config_from_args(args, kv_role=None, kv_peer=None, threads=None).cache
     assert (cache.prompt_cache_dir, cache.prompt_cache_size_gib, cache.prompt_cache_ttl) == (str(tmp_path), 2.5, 300)
     replica = app_options({"prompt_cache_dir": str(tmp_path), "prompt_cache_size": 1})      # a Ray replica's
-    assert (replica.prompt_cache_dir, replica.prompt_cache_size) == (str(tmp_path), 1.0)
+    replica_cache = engine_config_from_args(replica, kv_role=None, kv_peer=None, threads=1).cache
+    assert (replica_cache.prompt_cache_dir, replica_cache.prompt_cache_size_gib) == (str(tmp_path), 1.0)
     with pytest.raises(ValueError, match="prompt_cache_size"):
         type(cache)(prompt_cache_size_gib=0)
 

@@ -47,7 +47,7 @@ def log_probs(*probs: float) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"temperature": -0.1}, {"top_p": 0.0}, {"top_p": 1.01}, {"max_tokens": 0}, {"temperature": math.nan}]
+    "kwargs", [{"temperature": -0.1}, {"top_p": 0.0}, {"top_p": 1.01}, {"max_tokens": -1}, {"temperature": math.nan}]
 )
 def test_params_validation_rejects(kwargs):
     with pytest.raises(ValueError):

@@ -82,6 +82,19 @@ def test_a_bad_breakpoint_is_a_400_naming_it(body, needle):
     assert e.value.status == 400 and needle in e.value.message
 
 
+@pytest.mark.parametrize("field, value", [
+    ("stream", True), ("thinking", {"type": "enabled", "budget_tokens": 1024}), ("tool_choice", {"type": "any"}),
+    ("output_config", {"format": {"type": "json_schema", "schema": {"type": "object"}}})])
+def test_a_prewarm_with_what_needs_output_is_a_400_naming_it(field, value):
+    def body(**extra) -> MessagesRequest:
+        return MessagesRequest(model=MODEL, max_tokens=0, messages=[{"role": "user", "content": "Hi"}], **extra)
+
+    assert body().chat_request().params.max_tokens == 0
+    with pytest.raises(APIError) as e:
+        body(**{field: value}).chat_request()
+    assert e.value.status == 400 and e.value.param == field and "pre-warm" in e.value.message
+
+
 def test_retention_and_salt_map_to_the_engine():
     def params(**kw) -> SamplingParams:
         return ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"}], **kw).sampling_params()
@@ -208,6 +221,31 @@ def test_anthropic_cache_usage_is_what_the_engine_did(cached_server, tokenizer):
     assert use.cache_creation.ephemeral_1h_input_tokens == 0
     assert use.cache_creation_input_tokens == use.cache_creation.ephemeral_5m_input_tokens == reach["5m"] - cache_n
     assert use.input_tokens == len(ids) - cache_n - use.cache_creation_input_tokens
+
+
+@pytest.mark.slow
+def test_a_prewarm_writes_the_prompt_and_the_next_request_reads_it(cached_server, tokenizer):
+    """Anthropic's pre-warm (max_tokens 0): no content, stop_reason max_tokens, the system's whole blocks
+    written at 1h exactly, every whole block on disk (the 1h ones kept an hour); the real question after it
+    reads the prefix the two share and writes nothing."""
+    system, client = _system(), claude(cached_server)
+    before = time.time()
+    warm = client.messages.create(model=MODEL, max_tokens=0, system=[_text(system, MARK_1H)],
+                                  messages=[{"role": "user", "content": "warmup"}])
+    ids, reach = _created(tokenizer, system, [{"role": "user", "content": "warmup"}], [(0, "1h")])
+    assert warm.content == [] and warm.stop_reason == "max_tokens" and warm.usage.output_tokens == 0
+    use = warm.usage
+    assert use.cache_creation_input_tokens == use.cache_creation.ephemeral_1h_input_tokens == reach["1h"] > 0
+    assert use.cache_read_input_tokens == 0 and use.input_tokens == len(ids) - reach["1h"]
+    expiries = _expiries(cached_server, ids, tenant_salt(KEYS[0]))
+    assert all(before + 3600 - 1 <= e <= time.time() + 3600 + 1 for e in expiries[:reach["1h"] // BLOCK])
+
+    real = client.messages.create(model=MODEL, max_tokens=4, system=[_text(system, MARK_1H)],
+                                  messages=[{"role": "user", "content": QUESTION}], extra_body={"temperature": 0})
+    real_ids = tokenizer.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": QUESTION}])
+    read = min(_lcp(ids, real_ids), len(real_ids) - 1) // BLOCK * BLOCK
+    assert real.usage.cache_read_input_tokens == read >= reach["1h"]
+    assert real.usage.cache_creation_input_tokens == 0 and real.usage.output_tokens > 0
 
 
 @pytest.mark.slow
@@ -376,3 +414,31 @@ def test_openai_cache_writes_are_what_the_engine_did(cached_server, tokenizer):
     assert details.cache_write_tokens_details.ttl_12h_tokens == reach["12h"] > 0
     assert details.cache_write_tokens_details.ttl_30m_tokens == reach["30m"] - reach["12h"] > 0
     assert details.cache_write_tokens == reach["30m"] and details.cached_tokens == 0
+
+
+@pytest.mark.slow
+def test_a_responses_prewarm_writes_the_prompt_without_output(cached_server, tokenizer):
+    """prompt_cache_options.prewarm: a completed response without output items (streamed: no item events),
+    its writes exact (the implicit breakpoint: the conversation, 30m); the next turn continuing it reads them."""
+    system, client = _system(), cached_server.client(KEYS[0])
+    ids, reach = _created(tokenizer, system, [{"role": "user", "content": QUESTION}], [(1, "30m")])
+    warm = client.responses.create(model=MODEL, instructions=system, input=QUESTION,
+                                   prompt_cache_options={"prewarm": True})
+    assert warm.status == "completed" and warm.output == [] and warm.usage.output_tokens == 0
+    details = warm.usage.input_tokens_details
+    assert details.cache_write_tokens == reach["30m"] > 0 and details.cached_tokens == 0
+    assert warm.usage.input_tokens == len(ids)
+
+    follow = "Answer in one word."
+    turn = client.responses.create(model=MODEL, instructions=system, previous_response_id=warm.id, input=follow,
+                                   max_output_tokens=4, temperature=0)
+    turn_ids = tokenizer.apply_chat_template([{"role": "system", "content": system},
+                                              {"role": "user", "content": QUESTION}, {"role": "user", "content": follow}])
+    assert turn.usage.input_tokens == len(turn_ids)
+    read = min(_lcp(ids, turn_ids), len(turn_ids) - 1) // BLOCK * BLOCK
+    assert turn.usage.input_tokens_details.cached_tokens == read >= reach["30m"]
+
+    events = list(client.responses.create(model=MODEL, input=QUESTION, stream=True,
+                                          prompt_cache_options={"prewarm": True}))
+    assert [e.type for e in events] == ["response.created", "response.in_progress", "response.completed"]
+    assert events[-1].response.output == [] and events[-1].response.usage.output_tokens == 0

@@ -120,3 +120,50 @@ def test_no_probe_where_drafts_could_not_pay_even_if_all_were_accepted():
     req = _request("a")
     ks = [_step(policy, [req], 1.0, rng, plain_ms=20.0, row_ms=0.5, draft_ms=19.0)[0] for _ in range(100)]
     assert ks[:9] == [0] * 4 + [4] * 5 and set(ks[9:]) == {0}
+
+
+def test_a_draft_that_must_first_catch_up_on_a_long_prompt_starts_only_where_that_is_repaid():
+    """The draft's catch-up (a prefill of every token it has not seen: a whole prompt, the first time) is
+    measured per token, and a request whose remaining tokens cannot repay its own decodes plain from the
+    start, while a short prompt with a long answer drafts (drafts worth 1.56x here, a catch-up at 2 ms a token:
+    600 tokens cost 1.2 s; 30 answer tokens save about 0.2 s, the horizon's 256 about 1.8 s at 20 ms a step)."""
+    policy, rng = SpecPolicy(4), random.Random(4)
+
+    def step(reqs: list[Request], catchup_ms: float = 2.0) -> list[int]:
+        ks = [policy.choose(r) for r in reqs]
+        behind = sum(r.num_tokens - r.spec_choice.drafted_at for r, k in zip(reqs, ks)
+                     if k and r.spec_choice.last_k == 0)
+        chunks = [ScheduledChunk.of(r, 1, k, [7] * k) for r, k in zip(reqs, ks)]
+        accepted = {r.request_id: sum(1 for _ in range(k) if rng.random() < 0.75) for r, k in zip(reqs, ks)}
+        sched = SchedulerOutput(chunks, num_decode_tokens=len(reqs), num_draft_tokens=sum(ks))
+        policy.observe(sched, {r.request_id: r for r in reqs}, accepted, 20.0 + 1.0 * sum(ks),
+                       4.0 * max(ks + [0]) + catchup_ms * behind)
+        for r in reqs:
+            r.append_output(5)
+        return ks
+
+    for i in range(5):                                     # each new request's draft catches up on its prompt
+        earlier = Request(f"earlier-{i}", list(range(200)), SamplingParams(temperature=0, max_tokens=10_000))
+        for _ in range(12):
+            step([earlier])
+    assert policy.costs.catchup == pytest.approx(2.0, rel=0.05)
+    long_prompt = Request("long", list(range(600)), SamplingParams(temperature=0, max_tokens=30))
+    short_prompt = Request("short", list(range(10)), SamplingParams(temperature=0, max_tokens=2_000))
+    assert all(k == 0 for _ in range(25) for k in step([long_prompt]))
+    ks = [step([short_prompt])[0] for _ in range(10)]
+    assert sum(ks) > 20                                    # drafting from its first decode steps
+
+
+def test_plain_steps_measured_slow_at_the_start_are_displaced_within_a_few_calibrations():
+    """A process's first plain steps are slow (30 ms here, 20 after): plain is measured again every
+    CALIBRATE_EARLY drafting steps until the window is full, so its median is the later figure within about
+    a hundred steps, not a thousand."""
+    policy, rng = SpecPolicy(4), random.Random(5)
+    req = _request("a")
+    for _ in range(9):
+        _step(policy, [req], 0.9, rng, plain_ms=30.0)
+    assert policy.costs.plain == pytest.approx(30.0)
+    ks = [_step(policy, [req], 0.9, rng)[0] for _ in range(102)]      # 6 x (CALIBRATE_EARLY + its plain step)
+    assert policy.costs.plain == pytest.approx(20.0) and ks.count(0) >= 5
+    ks = [_step(policy, [req], 0.9, rng)[0] for _ in range(spec_policy.CALIBRATE)]
+    assert ks.count(0) <= 2                                # a full window: calibrating rarely again

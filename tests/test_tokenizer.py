@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from phasewise.paths import default_cache_dir
+from phasewise.config import default_cache_dir
 from phasewise.tokenization.tokenizer import IncrementalDetokenizer, Tokenizer, gguf_cache_key
 
 TEXTS = [

@@ -11,14 +11,13 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from phasewise.config import CacheConfig, EngineConfig, SchedulerConfig
 from phasewise.deploy.options import RAY_EXTRA, add_ray_args, start_direct_ingress
-from phasewise.engine.args import add_chat_args, add_engine_args, resolve_weights, speculative_config_from_args
+from phasewise.engine.args import (add_chat_args, add_engine_args, engine_config_from_args, resolve_weights,
+                                   speculative_config_from_args)
 
 if TYPE_CHECKING:
     from phasewise.core.sampling_params import SamplingParams, StructuredOutputs
     from phasewise.engine.llm_engine import LLMEngine
-    from phasewise.server import ServerConfig
     from phasewise.server.dashboard_feed import Roofline
 
 EXIT_USAGE = 2
@@ -39,7 +38,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
     g.add_argument("--logprobs", type=int, default=None, help="return the top-N logprobs of each token")
     c = p.add_argument_group("structured output (one of)").add_mutually_exclusive_group()
-    c.add_argument("--json-schema", metavar="FILE", default=None, help="output JSON that matches this JSON schema")
+    c.add_argument("--json-schema", metavar="FILE", default=None,
+                   help="output JSON that matches this JSON schema")
     c.add_argument("--json-object", action="store_true", help="output one JSON object")
     c.add_argument("--regex", default=None, help="output text that matches this regular expression")
     c.add_argument("--choice", action="append", default=None, help="output one of these strings (repeatable)")
@@ -88,38 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     _add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
-    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, metrics)")
-    s = serve.add_argument_group("server")
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", nargs="+", default=None, metavar="KEY", help="require 'Authorization: Bearer KEY' "
-                   "on /v1 and the tokenizer routes; several keys: tenants sharing no prompt-cache block")
-    s.add_argument("--served-model-name", nargs="+", default=None,
-                   help="the model's name in the API (default: the file's stem); more names are aliases a request "
-                        "may use (e.g. a claude-... name for Claude Code)")
-    s.add_argument("--max-waiting", type=int, default=1024,
-                   help="queued requests past which new ones get 503 with Retry-After")
-    s.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger request bodies get 413")
-    s.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
-    s.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one engine step")
-    s.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
-    add_chat_args(s)
-    s.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="on SIGTERM or Ctrl-C: stop accepting, let running requests finish for up to this many "
-                        "seconds (then cut them), exit 0")
-    s.add_argument("--trace", metavar="FILE", default=None,
-                   help="on shutdown, write a Chrome/Perfetto trace of the engine steps and finished requests")
-    d = serve.add_argument_group("prefill/decode disaggregation")
-    d.add_argument("--role", choices=["prefill", "decode", "proxy"], default=None,
-                   help="one part of a disaggregated pair: prefill and decode instances joined by --kv-peer, and "
-                        "a proxy (no model) in front of them")
-    d.add_argument("--kv-peer", metavar="tcp://HOST:PORT", default=None,
-                   help="prefill and decode: where the pair's KV link meets (the same address on both)")
-    d.add_argument("--prefill", metavar="URL", default=None, help="proxy: the prefill instance")
-    d.add_argument("--decode", metavar="URL", default=None, help="proxy: the decode instance")
-    add_engine_args(serve)
-    add_ray_args(serve)
-    serve.set_defaults(func=cmd_serve)
+    _add_serve_parser(sub)
     from phasewise.lab.commands import add_parsers as add_lab_parsers, add_roofline_parser
 
     add_lab_parsers(sub)
@@ -137,9 +106,51 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_serve_parser(sub: argparse._SubParsersAction[Parser]) -> None:
+    """`phasewise serve`'s options: the server's, disaggregation's, the engine's and Ray's."""
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, metrics)")
+    s = serve.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: 127.0.0.1, this machine only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1 and the tokenizer routes; several keys: "
+                        "tenants sharing no prompt-cache block")
+    s.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the model's name in the API (default: the file's stem); more names are aliases a "
+                        "request may use (e.g. a claude-... name for Claude Code)")
+    s.add_argument("--max-waiting", type=int, default=1024,
+                   help="queued requests past which new ones get 503 with Retry-After")
+    s.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
+                   help="larger request bodies get 413")
+    s.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
+    s.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one engine step")
+    s.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
+    add_chat_args(s)
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM or Ctrl-C: stop accepting, let running requests finish for up to this "
+                        "many seconds (then cut them), exit 0")
+    s.add_argument("--trace", metavar="FILE", default=None,
+                   help="on shutdown, write a Chrome/Perfetto trace of the engine steps and finished "
+                        "requests")
+    d = serve.add_argument_group("prefill/decode disaggregation")
+    d.add_argument("--role", choices=["prefill", "decode", "proxy"], default=None,
+                   help="one part of a disaggregated pair: prefill and decode instances joined by --kv-peer, "
+                        "and a proxy (no model) in front of them")
+    d.add_argument("--kv-peer", metavar="tcp://HOST:PORT", default=None,
+                   help="prefill and decode: where the pair's KV link meets (the same address on both)")
+    d.add_argument("--prefill", metavar="URL", default=None, help="proxy: the prefill instance")
+    d.add_argument("--decode", metavar="URL", default=None, help="proxy: the decode instance")
+    add_engine_args(serve)
+    add_ray_args(serve)
+    serve.set_defaults(func=cmd_serve)
+
+
 def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
     from phasewise.core.sampling_params import SamplingParams
 
+    if args.max_tokens < 1:                    # the engine's 0 (a prompt only: a pre-warm) is the server's
+        raise ValueError(f"max_tokens must be at least 1, got {args.max_tokens}")
     return SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
@@ -156,8 +167,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     llm = LLM(args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
               kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len, kv_dtype=args.kv_dtype,
-              speculative=spec, tensor_parallel_size=args.tensor_parallel_size, packed_cache=args.packed_cache,
-              threads=args.threads, prompt_cache_dir=args.prompt_cache_dir, prompt_cache_size=args.prompt_cache_size,
+              speculative=spec, tensor_parallel_size=args.tensor_parallel_size,
+              packed_cache=args.packed_cache, threads=args.threads, prompt_cache_dir=args.prompt_cache_dir,
+              prompt_cache_size=args.prompt_cache_size,
               prompt_cache_ttl=args.prompt_cache_ttl)
     print(f"phasewise: {llm.engine.precision.describe()}", file=sys.stderr)
     if args.raw:
@@ -201,19 +213,6 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _server_config(args: argparse.Namespace, engine: LLMEngine) -> ServerConfig:
-    """The server's settings from `serve`'s options and the engine it serves."""
-    from phasewise.server import ServerConfig
-    from phasewise.server.config import model_names
-
-    path = Path(engine.model_path)
-    name, aliases = model_names(args.served_model_name, args.model, path)
-    return ServerConfig(served_model_name=name, model_aliases=aliases, api_keys=tuple(args.api_key or ()),
-                        max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes, model_root=str(path),
-                        role=args.role, reasoning_parser=args.reasoning_parser,
-                        reasoning_budget=args.reasoning_budget)
-
-
 def _dashboard_roofline(engine: LLMEngine) -> Roofline | None:
     """The dashboard's roofs from the figures `phasewise roofline` kept for this machine, or None."""
     from phasewise.lab.roofline import load_machine, serving_roofline
@@ -222,7 +221,9 @@ def _dashboard_roofline(engine: LLMEngine) -> Roofline | None:
 
     dtype = parse_dtype(engine.precision.weights)
     machine = load_machine(dtype)
-    return Roofline(**serving_roofline(machine, engine.model, engine.model_config, dtype)) if machine else None
+    if not machine:
+        return None
+    return Roofline(**serving_roofline(machine, engine.model, engine.model_config, dtype))
 
 
 def _check_serve_args(args: argparse.Namespace) -> None:
@@ -240,43 +241,20 @@ def _check_serve_args(args: argparse.Namespace) -> None:
         raise ValueError("--prefill and --decode are the proxy's (--role proxy)")
 
 
-def _engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device,
-        cache=CacheConfig(block_size=args.block_size, kv_cache_memory_gib=args.kv_cache_memory,
-                          kv_dtype=args.kv_dtype, prompt_cache_dir=args.prompt_cache_dir,
-                          prompt_cache_size_gib=args.prompt_cache_size, prompt_cache_ttl=args.prompt_cache_ttl),
-        scheduler=SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, args.max_model_len),
-        speculative=speculative_config_from_args(args), tensor_parallel_size=args.tensor_parallel_size,
-        kv_role=args.role, kv_peer=args.kv_peer, packed_cache=args.packed_cache, threads=args.threads,
-        chat_template=_read(args.chat_template, "--chat-template") if args.chat_template else None)
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     _check_serve_args(args)
     if args.ray:
         return _serve_ray(args)
     if args.role == "proxy":
         return _serve_proxy(args)
-    config = _engine_config(args)
+    config = engine_config_from_args(args, kv_role=args.role, kv_peer=args.kv_peer, threads=args.threads)
     sock = _listen(args.host, args.port)
     import uvicorn
 
-    from phasewise.engine.llm_engine import LLMEngine
-    from phasewise.server import AsyncEngine, create_app
+    from phasewise.server.builder import build_server
 
-    def build() -> LLMEngine:                  # on the engine thread, which then owns the OpenMP pool
-        engine = LLMEngine(config)
-        engine.warmup()
-        engine.grammars.prepare()              # structured outputs' tokenizer view, in the background
-        return engine
-
-    async_engine = AsyncEngine(build)
-    engine = async_engine.engine
-    assert isinstance(engine, LLMEngine)       # build's (AsyncEngine holds it as any EngineClient)
-    server_config, roofline = _server_config(args, engine), _dashboard_roofline(engine)
-    name = server_config.served_model_name
-    app = create_app(async_engine, server_config, roofline)
+    parts = build_server(config, args, _dashboard_roofline)
+    async_engine, engine, app = parts.async_engine, parts.engine, parts.app
     recorder = None
     if args.trace:
         from phasewise.lab.trace import RequestRecorder
@@ -287,10 +265,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"phasewise: {engine.precision.describe()}", file=sys.stderr)
     base = f"http://{host}:{sock.getsockname()[1]}"
-    print(f"phasewise: dashboard at {base}/dashboard" + ("" if roofline else " (to see which resource binds, "
-          "measure this machine once: phasewise roofline --model ...)"), file=sys.stderr)
-    print(f"phasewise: serving {server_config.served_model_name} on {base}/v1 (loaded in {engine.load_ms:.0f} ms)",
-          file=sys.stderr, flush=True)
+    hint = "" if parts.roofline else \
+        " (to see which resource binds, measure this machine once: phasewise roofline --model ...)"
+    print(f"phasewise: dashboard at {base}/dashboard{hint}", file=sys.stderr)
+    print(f"phasewise: serving {parts.config.served_model_name} on {base}/v1 "
+          f"(loaded in {engine.load_ms:.0f} ms)", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level="info", access_log=not args.no_access_log,
                                            timeout_graceful_shutdown=args.shutdown_timeout))
     app.state.stopping = lambda: server.should_exit          # ends the dashboard's event streams

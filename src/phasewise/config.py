@@ -1,10 +1,28 @@
-"""Engine settings as frozen dataclasses, composed rather than inherited."""
+"""Engine settings as frozen dataclasses, composed rather than inherited; where phasewise keeps what it
+builds and converts (`default_cache_dir`)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from typing_extensions import TypedDict, Unpack   # typing has Unpack from Python 3.11
+
+# bytes a process holds beside its weights and KV cache (torch, the tokenizer, buffers): the loader's
+# memory check and `phasewise memory` count it
+PROCESS_OVERHEAD = 400 * 2**20
+# what weights run at (q4: the GGUF file's own blocks)
+WEIGHT_DTYPES = ("fp32", "bf16", "fp16", "int8", "q4")
+
+
+def default_cache_dir() -> Path:
+    """Where phasewise keeps what it builds and converts (kernels, tokenizers, packed weights):
+    $PHASEWISE_CACHE, else $XDG_CACHE_HOME/phasewise, else ~/.cache/phasewise."""
+    if os.environ.get("PHASEWISE_CACHE"):
+        return Path(os.environ["PHASEWISE_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "phasewise"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -13,7 +31,8 @@ class CacheConfig:
     kv_cache_memory_gib: float = 2.0     # pool size when num_blocks is not given
     num_blocks: int | None = None        # exact pool size (overrides the memory budget)
     enable_prefix_caching: bool = True   # reuse KV blocks of prompts seen before
-    kv_dtype: str = "auto"               # auto (engine/precision.py) | model (the weights' float type) | int8 | int4
+    # auto (engine/precision.py) | model (the weights' float type) | int8 | int4
+    kv_dtype: str = "auto"
     prompt_cache_dir: str | None = None  # the prefix cache's disk tier (None: RAM only), shared by processes
     prompt_cache_size_gib: float = 10.0  # the directory's size limit (LRU eviction past it)
     prompt_cache_ttl: float = 3600.0     # seconds a block stays after its last use, unless its request says
@@ -58,7 +77,8 @@ class SpeculativeConfig:
     method: str | None = None            # None (off) | "ngram" (prompt lookup) | "draft" (a draft model) |
                                          # "mtp" (the model's own multi-token-prediction layer)
     num_speculative_tokens: int = 4      # k: drafts verified per step (adaptive: at most)
-    adaptive: bool = True                # each decode's k from measured acceptance and costs (core/spec_policy.py)
+    # each decode's k from measured acceptance and costs (core/spec_policy.py)
+    adaptive: bool = True
     ngram_min: int = 2                   # n-gram sizes tried, longest first
     ngram_max: int = 4
     draft_model: str | None = None       # draft: a .gguf file or HF folder; None → the target's own file
@@ -70,9 +90,11 @@ class SpeculativeConfig:
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:
-            raise ValueError(f"n-gram sizes must satisfy 1 <= min <= max, got {self.ngram_min}..{self.ngram_max}")
-        if self.draft_dtype not in ("fp32", "bf16", "fp16", "int8", "q4"):
-            raise ValueError(f"draft dtype must be fp32, bf16, fp16, int8 or q4, got {self.draft_dtype!r}")
+            raise ValueError("n-gram sizes must satisfy 1 <= min <= max, got "
+                             f"{self.ngram_min}..{self.ngram_max}")
+        if self.draft_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"draft dtype must be one of {', '.join(WEIGHT_DTYPES)}, got "
+                             f"{self.draft_dtype!r}")
 
     @classmethod
     def parse(cls, spec: str | None, **settings: Unpack[SpeculativeSettings]) -> SpeculativeConfig:
@@ -94,19 +116,23 @@ class SpeculativeConfig:
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     model: str | None = None             # .gguf file or HF folder; None → the default model
-    dtype: str = "auto"                  # weights: auto (engine/precision.py) | fp32 | bf16 | fp16 | int8 | q4
+    # weights: auto (engine/precision.py) | fp32 | bf16 | fp16 | int8 | q4
+    dtype: str = "auto"
     device: str = "cpu"
-    kernels: str = "auto"                # auto (compiled CPU kernels, oneDNN) | torch (the PyTorch references)
+    # auto (compiled CPU kernels, oneDNN) | torch (the PyTorch references)
+    kernels: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     tensor_parallel_size: int = 1        # ranks the model is split over (runner/tp_worker.py)
     kv_role: str | None = None           # "prefill" or "decode": one side of a disaggregated pair
     kv_peer: str | None = None           # the pair's rendezvous (tcp://host:port), both sides the same
-    packed_cache: bool = True            # map packed GGUF weights from <cache>/packed (loading/packed_cache.py)
+    # map packed GGUF weights from <cache>/packed (loading/packed_cache.py)
+    packed_cache: bool = True
     threads: int | None = None           # kernel threads: None adapts to the CPUs other programs leave free
                                          # (runner/thread_governor.py), N pins
-    chat_template: str | None = None     # a chat template's text in place of the model's (serve --chat-template)
+    # a chat template's text in place of the model's (serve --chat-template)
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if self.kernels not in ("auto", "torch"):
@@ -118,6 +144,8 @@ class EngineConfig:
         if self.kv_role not in (None, "prefill", "decode"):
             raise ValueError(f"kv_role must be 'prefill' or 'decode', got {self.kv_role!r}")
         if (self.kv_role is None) != (self.kv_peer is None):
-            raise ValueError("a prefill or decode role needs --kv-peer tcp://HOST:PORT (the same on both sides)")
+            raise ValueError("a prefill or decode role needs --kv-peer tcp://HOST:PORT "
+                             "(the same on both sides)")
         if self.kv_role and self.tensor_parallel_size > 1:
-            raise ValueError("a prefill or decode instance runs one rank (tensor parallelism is not combined yet)")
+            raise ValueError("a prefill or decode instance runs one rank (tensor parallelism "
+                             "is not combined yet)")

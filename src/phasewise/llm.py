@@ -41,8 +41,9 @@ class LLM:
                  max_model_len: int | None = None, kv_dtype: str = "auto",
                  speculative: str | SpeculativeConfig | None = None, num_speculative_tokens: int = 4,
                  tensor_parallel_size: int = 1, warmup: bool = True, packed_cache: bool = True,
-                 threads: int | None = None, prompt_cache_dir: str | None = None, prompt_cache_size: float = 10.0,
-                 prompt_cache_ttl: float = 3600.0, clock: Clock | None = None) -> None:
+                 threads: int | None = None, prompt_cache_dir: str | None = None,
+                 prompt_cache_size: float = 10.0, prompt_cache_ttl: float = 3600.0,
+                 clock: Clock | None = None) -> None:
         """dtype (the float type) and quantization (the weight format: int8, q4, none) and kv_dtype
         "auto": the fastest precision for this machine within 0.5% perplexity of the file's weights
         (engine/precision.py; `engine.precision` says which). speculative: None,
@@ -59,9 +60,10 @@ class LLM:
             speculative = SpeculativeConfig.parse(speculative, num_speculative_tokens=num_speculative_tokens)
         config = EngineConfig(
             model=model, dtype=weights_setting(dtype, quantization), device=device, kernels=kernels,
-            cache=CacheConfig(block_size=block_size, kv_cache_memory_gib=kv_cache_memory, num_blocks=num_blocks,
-                              enable_prefix_caching=enable_prefix_caching, kv_dtype=kv_dtype,
-                              prompt_cache_dir=prompt_cache_dir, prompt_cache_size_gib=prompt_cache_size,
+            cache=CacheConfig(block_size=block_size, kv_cache_memory_gib=kv_cache_memory,
+                              num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching,
+                              kv_dtype=kv_dtype, prompt_cache_dir=prompt_cache_dir,
+                              prompt_cache_size_gib=prompt_cache_size,
                               prompt_cache_ttl=prompt_cache_ttl),
             scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs, max_model_len),
             speculative=speculative, tensor_parallel_size=tensor_parallel_size, packed_cache=packed_cache,
@@ -95,7 +97,8 @@ class LLM:
 
     def chat(self, messages: Messages | Sequence[Messages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             tools: Sequence[Mapping[str, JsonValue]] | None = None) -> CompletionOutput | list[CompletionOutput]:
+             tools: Sequence[Mapping[str, JsonValue]] | None = None
+             ) -> CompletionOutput | list[CompletionOutput]:
         """Chat messages through the model's chat template (with OpenAI-style tools: the template's own
         tool support, or a generic prompt; `phasewise.tool_calling.ToolCallParser(llm.tokenizer.tool_format)`
         finds the calls in the text); one conversation → one output."""
@@ -117,7 +120,8 @@ class LLM:
         finally:
             self.engine.abort(rid)  # a consumer that stops early frees the request's blocks
 
-    def _run(self, prompts: Sequence[Prompt | Messages], params: SamplingParams | Sequence[SamplingParams] | None,
+    def _run(self, prompts: Sequence[Prompt | Messages],
+             params: SamplingParams | Sequence[SamplingParams] | None,
              chat: bool, tools: Sequence[Mapping[str, JsonValue]] | None = None) -> list[CompletionOutput]:
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)

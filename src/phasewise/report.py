@@ -4,8 +4,19 @@ from __future__ import annotations
 
 from typing_extensions import NotRequired, TypedDict   # typing has NotRequired from Python 3.11
 
-from phasewise.percentile import percentile
 from phasewise.outputs import CompletionOutput
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated q-th percentile (numpy's default method); 0.0 for no values. The one definition
+    the report, the server's timings, the lab and the load statistics share."""
+    if not values:
+        return 0.0
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 class Timings(TypedDict):
@@ -33,7 +44,8 @@ class Timings(TypedDict):
     spec_acceptance_rate: float
     spec_mean_accepted_len: float
     spec_k_chosen: NotRequired[dict[str, int]]        # adaptive speculation: drafts chosen → decode steps
-    spec_costs_ms: NotRequired[dict[str, float]]      # the measured costs of its last choice: plain, row, draft
+    # the measured costs of its last choice: plain, row, draft
+    spec_costs_ms: NotRequired[dict[str, float]]
 
 
 class GenerateJson(TypedDict):
@@ -92,8 +104,8 @@ def _chosen_line(t: Timings) -> list[str]:
     if "spec_k_chosen" not in t:
         return []
     costs = t.get("spec_costs_ms")
-    said = "" if costs is None else (f" (a plain step {costs['plain']:.1f} ms, a draft row +{costs['row']:.2f} ms, "
-                                     f"a draft step {costs['draft']:.2f} ms)")
+    said = "" if costs is None else (f" (a plain step {costs['plain']:.1f} ms, a draft row "
+                                     f"+{costs['row']:.2f} ms, a draft step {costs['draft']:.2f} ms)")
     return ["drafts chosen    = " + ", ".join(f"{k} x {n}" for k, n in t["spec_k_chosen"].items()) + said]
 
 
@@ -115,6 +127,7 @@ def perf_lines(out: CompletionOutput, load_ms: float) -> list[str]:
     itl = t["itl_ms"]
     per_prompt = t["prompt_ms"] / n_prompt if n_prompt else 0.0
     per_run = t["predicted_ms"] / runs if runs else 0.0
+    answer = f"{t['ttfa_ms']:.1f} ms" if t["ttfa_ms"] is not None else "none"
     return [
         f"load time        = {load_ms:9.1f} ms",
     ] + ([f"prompt cache     = {t['disk_load_ms']:9.1f} ms / {t['disk_n']:5d} tokens read from disk"]
@@ -125,10 +138,11 @@ def perf_lines(out: CompletionOutput, load_ms: float) -> list[str]:
         f"({per_run:.2f} ms per token, {t['predicted_per_second']:.1f} tokens per second)",
         f"time to first token = {t['ttft_ms']:.1f} ms, inter-token latency median "
         f"{percentile(itl, 50):.1f} ms, p90 {percentile(itl, 90):.1f} ms",
-    ] + ([f"thinking         = {t['thinking_ms']:9.1f} ms / {t['thinking_n']:5d} tokens, first answer token at "
-          + (f"{t['ttfa_ms']:.1f} ms" if t["ttfa_ms"] is not None else "none")] if t["thinking_n"] else []) + [
+    ] + ([f"thinking         = {t['thinking_ms']:9.1f} ms / {t['thinking_n']:5d} tokens, first answer token "
+          f"at {answer}"] if t["thinking_n"] else []) + [
         f"total time       = {t['total_ms']:9.1f} ms / {n_prompt + len(out.token_ids):5d} tokens"
         + (f" ({t['preemptions']} preemptions)" if t["preemptions"] else ""),
     ] + ([f"speculative      = {t['spec_accepted_n']} of {t['spec_draft_n']} draft tokens accepted "
-          f"({t['spec_acceptance_rate']:.1%}), {t['spec_mean_accepted_len']:.2f} tokens per verification step"]
+          f"({t['spec_acceptance_rate']:.1%}), {t['spec_mean_accepted_len']:.2f} tokens per verification "
+          "step"]
          if t["spec_draft_n"] else []) + _chosen_line(t)

@@ -7,10 +7,12 @@ starts a new one; /metrics reports each replica and their sums. `make test-ray` 
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -53,13 +55,11 @@ def reference(tmp_path_factory) -> dict[str, str]:
         stop_server(server)
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """Two Ray nodes of 1 CPU, Serve's proxy on a free port, two engine replicas: (base URL, cluster)."""
+@contextlib.contextmanager
+def serve_cluster() -> Iterator[tuple[str, object]]:
+    """Two Ray nodes of 1 CPU and Serve's proxy on a free port, shut down after: (base URL, cluster)."""
     from ray import serve
     from ray.cluster_utils import Cluster
-
-    from phasewise.deploy.ray import APP_NAME, build_app
 
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     c.add_node(num_cpus=1)
@@ -67,12 +67,21 @@ def cluster(tmp_path_factory):
     port = free_port()
     try:
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-        _deploy(c, build_app({"num-replicas": 2, "kv-cache-memory": 0.25}))
         yield f"http://127.0.0.1:{port}", c
     finally:
         serve.shutdown()
         ray.shutdown()
         c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """serve_cluster() with two engine replicas: (base URL, cluster)."""
+    from phasewise.deploy.ray import build_app
+
+    with serve_cluster() as (url, c):
+        _deploy(c, build_app({"num-replicas": 2, "kv-cache-memory": 0.25}))
+        yield url, c
 
 
 def _deploy(c, app) -> None:

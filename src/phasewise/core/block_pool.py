@@ -12,6 +12,10 @@ A cached block may be kept until a time (`keep`: a cache_control breakpoint's TT
 it waits in a second LRU queue, which allocation reaches only when the first is empty. Before evicting,
 allocation moves the kept blocks whose time has passed to the front of the first queue (their lease is
 over: evicted first). Kept blocks are evicted last, never refused to a request.
+
+`stats` counts the cache's work since the start, evictions by cause: `lru` (an unkept block at the front of
+the queue), `ttl` (a kept block whose time had passed, evicted ahead of those) and `kept` (a kept block
+within its time, taken because no other free block was left).
 """
 
 from __future__ import annotations
@@ -20,6 +24,17 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass
+
+
+@dataclass
+class CacheStats:
+    """The RAM prefix cache's counters since the start (EngineStats carries a copy); blocks of every KV
+    group."""
+    hit_blocks: int = 0           # cached blocks admitted requests took (not those the disk tier loaded)
+    evicted_lru: int = 0          # entries dropped to reuse their block: unkept, least recently freed first,
+    evicted_ttl: int = 0          # kept ones whose time had passed (taken before those),
+    evicted_kept: int = 0         # and kept ones within their time (no other free block was left)
 
 
 class BlockPool:
@@ -33,8 +48,12 @@ class BlockPool:
         self.free_stack: list[int] = list(range(num_blocks - 1, -1, -1))   # uncached; pop() is the top
         self.free_cached: OrderedDict[int, None] = OrderedDict()             # least recently freed first
         self.kept_until = [0.0] * num_blocks                                  # `now` time; 0: not kept
-        self.free_kept: OrderedDict[int, None] = OrderedDict()               # cached, kept, least recently freed first
-        self._next_expiry = math.inf                                          # no kept free block expires before
+        # cached, kept, least recently freed first
+        self.free_kept: OrderedDict[int, None] = OrderedDict()
+        # no kept free block expires before
+        self._next_expiry = math.inf
+        self.loaded: set[int] = set()           # cached blocks the disk tier filled, no request took yet
+        self.stats = CacheStats()
 
     @property
     def num_free(self) -> int:
@@ -60,8 +79,9 @@ class BlockPool:
                 if not released:
                     self._release_expired()
                     released = True
-                b, _ = (self.free_cached or self.free_kept).popitem(last=False)
-                self._evict(b)
+                kept = not self.free_cached
+                b, _ = (self.free_kept if kept else self.free_cached).popitem(last=False)
+                self._evict(b, "kept" if kept else "ttl" if self.kept_until[b] else "lru")
             self.ref_counts[b] = 1
             blocks.append(b)
         return blocks
@@ -121,13 +141,30 @@ class BlockPool:
         """Evict this cached block (held now) after unkept ones until `until` (a later time stays)."""
         self.kept_until[block_id] = max(self.kept_until[block_id], until)
 
-    def _evict(self, b: int) -> None:
+    def hit(self, block_ids: Iterable[int]) -> None:
+        """Count cache hits an admitted request took (those the disk tier just loaded are its hits)."""
+        for b in block_ids:
+            if b in self.loaded:
+                self.loaded.discard(b)
+            else:
+                self.stats.hit_blocks += 1
+
+    def _evict(self, b: int, cause: str) -> None:
+        """Drop block b's cache entry (if it is the entry of its hash), counted under `cause`."""
         h = self.block_hash[b]
         if h is not None:
             if self.cached.get(h) == b:
                 del self.cached[h]
+                stats = self.stats
+                if cause == "lru":
+                    stats.evicted_lru += 1
+                elif cause == "ttl":
+                    stats.evicted_ttl += 1
+                else:
+                    stats.evicted_kept += 1
             self.block_hash[b] = self.block_key[b] = None
         self.kept_until[b] = 0.0
+        self.loaded.discard(b)
 
     @property
     def num_cached(self) -> int:

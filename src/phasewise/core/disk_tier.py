@@ -150,7 +150,8 @@ class DiskTier:
             if state is not None and not self._adopt_state(kv, keys[-1], state[0]):
                 return 0
             for b, (h, key) in zip(fresh, keys):
-                kv.pool.cache(b, h, key)
+                if kv.pool.cache(b, h, key):
+                    kv.pool.loaded.add(b)          # its first taker's hit is the disk's, not RAM's
             self.stats.blocks_read += len(payloads)
             self.stats.bytes_read += sum(map(len, payloads))
             return len(payloads)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections import deque
@@ -63,8 +64,8 @@ class EngineCore:
         self.disk = disk
         if disk is not None:
             if len(kv_windows) != 1 or kv_windows[0] is not None or not self.kv.enable_prefix_caching:
-                raise ValueError("the prompt cache's disk tier needs prefix caching (with state checkpoints, for "
-                                 "a hybrid) and no sliding windows")
+                raise ValueError("the prompt cache's disk tier needs prefix caching (with state checkpoints, "
+                                 "for a hybrid) and no sliding windows")
             self.kv.new_cached = []
         k = num_speculative_tokens
         self.spec_policy = spec_policy if k else None
@@ -103,12 +104,17 @@ class EngineCore:
     def stats(self) -> EngineStats:
         """A snapshot of what runs and waits, the KV pool and the counters."""
         sched, pool, spec = self.scheduler, self.kv.pool, self.spec
-        return EngineStats(num_waiting=len(sched.waiting), num_running=len(sched.running), num_blocks=pool.num_blocks,
-                           num_free_blocks=pool.num_free, num_cached_blocks=pool.num_cached, kv_usage=pool.usage,
-                           num_state_slots=self.kv.num_state_slots, num_free_state_slots=len(self.kv.free_state_slots),
-                           num_state_checkpoints=len(self.kv.checkpoints.entries) if self.kv.checkpoints else 0,
-                           num_steps=self.num_steps, spec_num_drafts=spec.num_steps,
-                           spec_num_draft_tokens=spec.num_draft_tokens, spec_num_accepted_tokens=spec.num_accepted_tokens,
+        checkpoints = len(self.kv.checkpoints.entries) if self.kv.checkpoints else 0
+        return EngineStats(num_waiting=len(sched.waiting), num_running=len(sched.running),
+                           num_blocks=pool.num_blocks, num_free_blocks=pool.num_free,
+                           num_cached_blocks=pool.num_cached, kv_usage=pool.usage,
+                           num_state_slots=self.kv.num_state_slots,
+                           num_free_state_slots=len(self.kv.free_state_slots),
+                           num_state_checkpoints=checkpoints, num_steps=self.num_steps,
+                           spec_num_drafts=spec.num_steps,
+                           spec_num_draft_tokens=spec.num_draft_tokens,
+                           spec_num_accepted_tokens=spec.num_accepted_tokens,
+                           ram=dataclasses.replace(pool.stats),
                            disk=self.disk.stats if self.disk is not None else None)
 
     def step(self) -> list[RequestOutput]:
@@ -120,7 +126,8 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             if self.scheduler.has_unfinished():
-                raise RuntimeError("no request can be scheduled although some are waiting (KV pool too small)")
+                raise RuntimeError("no request can be scheduled although some are waiting "
+                                   "(KV pool too small)")
             return []
         try:
             scheduled = time.perf_counter()
@@ -130,11 +137,14 @@ class EngineCore:
                 self.scheduler.finish(chunk.request_id, FinishReason.ERROR)
             raise
         executed = time.perf_counter()
-        if self.spec_policy is not None:          # before update: the chunks' requests are as they were scheduled
-            self.spec_policy.observe(sched, self.scheduler.requests, {r: len(a) for r, a in result.accepted.items()},
+        # before update: the chunks' requests are as they were scheduled
+        if self.spec_policy is not None:
+            self.spec_policy.observe(sched, self.scheduler.requests,
+                                     {r: len(a) for r, a in result.accepted.items()},
                                      (executed - scheduled) * 1e3 - result.propose_ms, result.propose_ms)
         outputs = self.scheduler.update(sched, result, started)
-        if self.disk is not None:      # the blocks this step filled, copied out before any forward reuses them
+        # the blocks this step filled, copied out before any forward reuses them
+        if self.disk is not None:
             self.disk.save(self.kv)
         accepted = sum(len(a) for a in result.accepted.values())
         if sched.num_draft_tokens:

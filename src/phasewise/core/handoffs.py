@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from phasewise.core.block_pool import CacheStats
 from phasewise.core.request import FinishReason, Grammar, Request, TokenLogprobs
 from phasewise.core.sampling_params import SamplingParams
 from phasewise.core.store_writer import DiskStats
@@ -149,6 +150,8 @@ class EngineStats:
     threads: int = 0                       # kernel threads in use (runner/thread_governor.py),
     cpus_busy_elsewhere: float = 0.0       # CPUs other programs kept busy lately,
     cpu_wait_seconds: float = 0.0          # and how long the engine's threads waited for a CPU, ever
+    ram: CacheStats = field(default_factory=CacheStats)   # the prefix cache in RAM: hits, evictions (a copy)
+    kv_block_bytes: int = 0                # bytes of one KV block (of one group, every layer): LLMEngine's
     disk: DiskStats | None = None          # the prefix cache's disk tier (None: none): its live counters
                                            # (its writer thread moves them while the engine idles)
 

@@ -146,6 +146,7 @@ class KVCacheManager:
         if needed > pool.num_free - hits_now_free:
             return False
         pool.touch(taken)
+        pool.hit(taken)
         if needs_slot:
             request.state_slot = self.free_state_slots.pop()
         if needs_tail:

@@ -40,18 +40,21 @@ class RequestMetrics:
     spec_steps: int = 0              # steps that verified draft tokens of this request
     spec_draft_tokens: int = 0       # draft tokens proposed and verified
     spec_accepted_tokens: int = 0    # of those, accepted by the target
-    spec_k_chosen: dict[int, int] = field(default_factory=dict)   # adaptive speculation: k → decodes it was chosen for
-    spec_costs: tuple[float, float, float] | None = None  # the costs of its last choice: plain, row, draft (ms)
+    # adaptive speculation: k → decodes it was chosen for
+    spec_k_chosen: dict[int, int] = field(default_factory=dict)
+    # the costs of its last choice: plain, row, draft (ms)
+    spec_costs: tuple[float, float, float] | None = None
     grammar_compile_ms: float | None = None   # structured outputs: compiling (or copying) its grammar
     disk_tokens: int = 0              # prompt tokens the prompt cache's disk tier loaded for it,
     disk_load_ms: float = 0.0         # and the time that took (before it was first scheduled)
-    # prompt tokens of cache breakpoints' prefixes (SamplingParams.cache_breakpoints) this request entered in the
-    # prefix cache (computed here, not read), by breakpoint ttl in seconds: Anthropic's cache creation
+    # prompt tokens of cache breakpoints' prefixes (SamplingParams.cache_breakpoints) this request entered in
+    # the prefix cache (computed here, not read), by breakpoint ttl in seconds: Anthropic's cache creation
     cache_written: dict[float, int] = field(default_factory=dict)
     # a reply that may think (SamplingParams.thinking), as its ThinkingGate counts it:
     thinking_tracked: bool = False            # the reply's thinking is tracked (otherwise it is all answer)
     thinking_tokens: int = 0                  # output tokens inside the thinking block
-    answer_start: int | None = None           # output index of the answer's first token, once the block has ended
+    # output index of the answer's first token, once the block has ended
+    answer_start: int | None = None
 
     @property
     def preemptions(self) -> int:
@@ -165,7 +168,8 @@ class Request:
             [None] * len(prompt_token_ids) if sampling_params.prompt_logprobs is not None else None
         self.num_computed_tokens = 0                # tokens whose K/V are in the cache
         self.block_tables: list[list[int]] = []    # per KV group, its blocks (core/kv_cache_manager.py)
-        self.block_hashes: list[tuple[int, BlockKey]] = []   # (hash, key) per full block, filled by the KV manager
+        # (hash, key) per full block, filled by the KV manager
+        self.block_hashes: list[tuple[int, BlockKey]] = []
         self.num_cached_blocks = 0                  # leading blocks registered in the prefix cache
         self.num_cached_tokens: int | None = None   # prompt tokens found in the prefix cache at admission
         self.disk_digests: list[bytes] = []         # per full block, its digest on disk (core/disk_tier.py)
@@ -174,8 +178,10 @@ class Request:
         self.tail_slot: int | None = None           # an int8 KV cache's tail slot while it holds blocks
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
-        self.spec_choice: object = None             # the speculation policy's (core/spec_policy.py): its acceptance
-        self.grammar = grammar                      # structured outputs or thinking: a structured.GrammarMatcher or ThinkingGate
+        # the speculation policy's (core/spec_policy.py): its acceptance
+        self.spec_choice: object = None
+        self.grammar = grammar                      # structured outputs or thinking: a
+                                                    # structured.GrammarMatcher or ThinkingGate
         self.metrics = RequestMetrics(arrival=arrival if arrival is not None else time.perf_counter())
 
     @property
@@ -196,7 +202,8 @@ class Request:
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
         if self.grammar is not None:
-            self.grammar.accept(token_id)      # a refused token leaves the grammar failed: check_finish ends it
+            # a refused token leaves the grammar failed: check_finish ends it
+            self.grammar.accept(token_id)
 
     def check_finish(self) -> FinishReason | None:
         """After a token is appended: eos / stop token, a complete grammar (nothing may follow), max_tokens,

@@ -38,8 +38,8 @@ class StructuredOutputs:
         kinds = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
         kinds += ["json_object"] if self.json_object else []
         if len(kinds) != 1:
-            raise ValueError("structured_outputs needs exactly one of json, json_object, regex, choice, grammar; "
-                             f"got {', '.join(kinds) or 'none'}")
+            raise ValueError("structured_outputs needs exactly one of json, json_object, regex, choice, "
+                             f"grammar; got {', '.join(kinds) or 'none'}")
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
             raise ValueError("structured_outputs choice must be a non-empty list of strings")
         if isinstance(self.json, str):
@@ -55,7 +55,8 @@ class StructuredOutputs:
     @property
     def kind(self) -> ConstraintKind:
         """json, regex, choice or grammar (json_object is a json schema)."""
-        return "json" if self.json_object else next(k for k in CONSTRAINT_KINDS if getattr(self, k) is not None)
+        return "json" if self.json_object else next(k for k in CONSTRAINT_KINDS
+                                                    if getattr(self, k) is not None)
 
     @property
     def text(self) -> str:
@@ -106,8 +107,8 @@ class SamplingParams:
     prompt_logprobs (None: none) does the same for every prompt token after the first, from the
     model's distribution at the position before it (vLLM's prompt_logprobs: what evaluation
     harnesses score); such a request skips the prefix cache, since a cached prefix has no
-    logits. With prompt_logprobs set, max_tokens may be 0: the prompt is run and scored,
-    nothing is generated.
+    logits. max_tokens 0: the prompt only, nothing generated: it is run into the prefix cache (a
+    pre-warm) and, with prompt_logprobs, scored.
     structured_outputs constrains every token to a grammar (a JSON schema, regex, choice list or
     grammar); the request ends ("stop") as soon as the grammar is complete and nothing may follow.
     thinking (a ThinkingBlock): the reply may think first; its budget, and a grammar on the answer only.
@@ -167,24 +168,27 @@ class SamplingParams:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2 <= self.frequency_penalty <= 2:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if self.max_tokens is not None and self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
-            raise ValueError(f"max_tokens must be at least 1 (or 0 with prompt_logprobs), got {self.max_tokens}")
+        if self.max_tokens is not None and self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0 (0: the prompt only), got {self.max_tokens}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= self.MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS:
-            raise ValueError(f"prompt_logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.prompt_logprobs}")
+            raise ValueError(f"prompt_logprobs must be in [0, {self.MAX_LOGPROBS}], got "
+                             f"{self.prompt_logprobs}")
         if self.cache_ttl is not None and not self.cache_ttl > 0:
             raise ValueError(f"cache_ttl must be a positive number of seconds, got {self.cache_ttl}")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(self.cache_salt).__name__}")
         self.cache_breakpoints = tuple((n, ttl) for n, ttl in self.cache_breakpoints)
         if not all(isinstance(n, int) and n > 0 and ttl > 0 for n, ttl in self.cache_breakpoints):
-            raise ValueError(f"cache_breakpoints must be (tokens > 0, seconds > 0) pairs, got {self.cache_breakpoints}")
+            raise ValueError("cache_breakpoints must be (tokens > 0, seconds > 0) pairs, got "
+                             f"{self.cache_breakpoints}")
 
     def marked_ttl(self, end: int) -> float | None:
-        """The longest ttl of the cache breakpoints covering the prompt's first `end` tokens (None: none does)."""
+        """The longest ttl of the cache breakpoints covering the prompt's first `end` tokens (None: none
+        does)."""
         return max((ttl for n, ttl in self.cache_breakpoints if n >= end), default=None)
 
     @property

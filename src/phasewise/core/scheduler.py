@@ -56,7 +56,8 @@ class Scheduler:
         i, preempted = 0, False
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._to_boundary(req, req.num_computed_tokens, min(req.num_tokens - req.num_computed_tokens, budget))
+            n = self._to_boundary(req, req.num_computed_tokens,
+                                  min(req.num_tokens - req.num_computed_tokens, budget))
             drafts = self._draft_room(req, n, budget)
             while not self.kv.allocate_slots(req, n + drafts):
                 if drafts:                      # drop the drafts before preempting anyone for them
@@ -77,7 +78,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs \
                 and not preempted:
             req = self.waiting[0]
-            hits = self.kv.get_computed_blocks(req) if req.prompt_logprobs is None else []   # no logits in a hit
+            # no logits in a hit
+            hits = self.kv.get_computed_blocks(req) if req.prompt_logprobs is None else []
             cached = len(hits[0]) * self.kv.block_size if hits else 0
             n = self._to_boundary(req, cached, min(req.num_tokens - cached, budget))
             if not self.kv.allocate_slots(req, n, hits):
@@ -184,7 +186,8 @@ class Scheduler:
                 self.finish(req.request_id, reason)
             outputs.append(RequestOutput(request_id=req.request_id, new_token_ids=[t.token_id for t in new],
                                          new_logprobs=[t.logprobs for t in new if t.logprobs],
-                                         finished=req.is_finished, finish_reason=req.finish_reason, request=req))
+                                         finished=req.is_finished,
+                                         finish_reason=req.finish_reason, request=req))
         return outputs
 
     def finish(self, request_id: str, reason: FinishReason) -> Request | None:

@@ -12,15 +12,25 @@ found; not where drafts could not pay even if all were accepted (a draft model a
 probe is dear: a draft model's first catches up on every token since it last ran (a prefill of that
 many; 6-7 plain steps' time for 16 tokens at AVX2), so it drafts one token, and comes rarely.
 
+That catch-up is a cost of its own: a request whose draft has not run for B tokens (its whole prompt,
+the first time) pays B times `catchup` before its first draft. Drafting (or a probe) starts only when
+what it saves over the request's remaining tokens R (at most HORIZON), R * plain * (1 - 1/S) at the
+expected speed-up S (a probe: S if every draft were accepted), repays that: on a machine where drafts
+pay only at high acceptance (AVX2), a long prompt with a short answer is decoded plain from the start.
+One request's view: in a batch, the catch-up holds up the others too.
+
 The costs (`StepCosts`) are the engine's own steps, timed: decode-only steps without drafts give
 `plain`, those with drafts give `row` (what each draft row adds to the verify step) and the proposer's
-time per draft step gives `draft`; each the median of its latest samples, so they follow the batch as it
+time per draft step gives `draft`, and its time beyond those on a step where drafts caught up gives
+`catchup` per token caught up; each the median of its latest samples, so they follow the batch as it
 changes and a burst of another program does not sway them (the very first sample, a first call's, is
 skipped). Until `plain` is measured every decode goes plain; until `row` and `draft` are, it drafts K; every
-CALIBRATE steps with drafts, one step goes plain to measure `plain` again. A request's acceptance is its
-drafts accepted against the rejections that ended its steps (the maximum-likelihood a of the model),
-counted with a memory of a few drafts, so it turns within a few steps, and starting from the engine's
-own over recent requests.
+CALIBRATE steps with drafts, one step goes plain to measure `plain` again, every CALIBRATE_EARLY until
+WINDOW samples are in (a process's first steps are slow: at AVX2 the first request's plain steps took
+1.4x the later ones', which made drafts look cheap until later samples displaced them). A request's
+acceptance is its drafts accepted against the rejections that ended its steps (the maximum-likelihood a
+of the model), counted with a memory of a few drafts, so it turns within a few steps, and starting from
+the engine's own over recent requests.
 """
 
 from __future__ import annotations
@@ -39,9 +49,13 @@ PROBE_FIRST = 32        # plain steps before a request at 0 probes again; double
 PROBE_K = 1             # a probe's drafts: one tells whether drafts are taken again
 PROBE_MAX = 256
 CALIBRATE = 128         # steps with drafts between the plain steps that re-measure `plain`
+CALIBRATE_EARLY = 16    # ... while fewer than WINDOW samples of it are in
 WINDOW = 9              # the costs: medians of their latest samples,
 MIN_SAMPLES = 3         # once there are this many
-TRIAL_DECAY = 0.85      # per draft accepted or rejected: a request's acceptance counts (a memory of ~7 drafts)
+# per draft accepted or rejected: a request's acceptance counts (a memory of ~7 drafts)
+TRIAL_DECAY = 0.85
+HORIZON = 256           # tokens ahead a catch-up may be repaid over (a request with no max_tokens)
+BEHIND_FREE = 3         # tokens a draft catches up on after a step with drafts (accepted aside): free
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -89,12 +103,29 @@ class StepCosts:
     """The costs measured from the engine's steps (exponential averages, in ms; None until measured)."""
 
     def __init__(self) -> None:
-        self._plain, self._row, self._draft = _Recent(), _Recent(), _Recent()
+        self._plain, self._row, self._draft, self._catchup = _Recent(), _Recent(), _Recent(), _Recent()
         self.since_plain = 0                  # steps with drafts since `plain` was last measured
 
     @property
     def plain(self) -> float | None:
         return self._plain.value
+
+    @property
+    def calibrate_every(self) -> int:
+        """Steps with drafts between plain ones that measure `plain` again."""
+        return CALIBRATE if len(self._plain.samples) >= WINDOW else CALIBRATE_EARLY
+
+    @property
+    def catchup(self) -> float | None:
+        """ms per token a draft catches up on (None until measured)."""
+        return self._catchup.value
+
+    def observe_catchup(self, propose_ms: float, draft_steps: int, behind: int) -> None:
+        """A step whose drafts first caught up on `behind` tokens in all: what the proposer took beyond its
+        draft steps, per token."""
+        draft = self._draft.value
+        if draft is not None and behind > 0:
+            self._catchup.add(max(0.0, propose_ms - draft_steps * draft) / behind)
 
     def observe(self, execute_ms: float, num_drafts: int, propose_ms: float | None, draft_steps: int) -> None:
         """A decode-only step that ran `execute_ms` with `num_drafts` drafts in all, proposed in `propose_ms`
@@ -122,6 +153,7 @@ class RequestSpec:
     accepted: float = 0.0             # decayed counts: drafts accepted,
     rejected: float = 0.0             # and the rejections that ended a step
     last_k: int = 0                   # the draft room of its previous decode
+    drafted_at: int = 0               # its tokens when its draft last ran (0: never: behind by them all)
     plain_run: int = 0                # plain steps since speculation last ran or probed
     probe_after: int = PROBE_FIRST
 
@@ -148,32 +180,49 @@ class SpecPolicy:
 
     def decide(self, req: Request, st: RequestSpec) -> int:
         costs = self.costs.measured()
-        if self.costs.plain is None or self.costs.since_plain >= CALIBRATE:
+        if self.costs.plain is None or self.costs.since_plain >= self.costs.calibrate_every:
             return 0                                        # measure plain decoding
         if costs is None:
             return self.max_k                               # measure a verify and a draft step
-        k = costs.best(self.acceptance(st), self.max_k)[0]
+        k, speedup = costs.best(self.acceptance(st), self.max_k)
         req.metrics.spec_costs = (costs.plain, costs.row, costs.draft)
-        if k:
+        if k and self._repaid(req, st, costs.plain, speedup):
             st.plain_run, st.probe_after = 0, PROBE_FIRST
-        elif st.plain_run >= st.probe_after and costs.best(1.0, self.max_k)[0]:   # could drafts pay at all?
+            return k
+        perfect = costs.best(1.0, self.max_k)                     # could drafts pay at all?
+        if st.plain_run >= st.probe_after and perfect[0] and self._repaid(req, st, costs.plain, perfect[1]):
             k, st.plain_run, st.probe_after = PROBE_K, 0, min(2 * st.probe_after, PROBE_MAX)
-        else:
-            st.plain_run += 1
-        return k
+            return k
+        st.plain_run += 1
+        return 0
+
+    def _repaid(self, req: Request, st: RequestSpec, plain: float, speedup: float) -> bool:
+        """Whether drafting at `speedup` over the request's remaining tokens saves more than its draft's
+        catch-up costs (True while that cost is not measured: drafting measures it)."""
+        behind = req.num_tokens - st.drafted_at
+        catchup = self.costs.catchup
+        if behind <= BEHIND_FREE or catchup is None:
+            return True
+        limit = req.sampling_params.max_tokens
+        remaining = HORIZON if limit is None else min(HORIZON, limit - len(req.output_token_ids))
+        return remaining * plain * (1 - 1 / speedup) > behind * catchup
 
     def observe(self, sched: SchedulerOutput, requests: Mapping[str, Request], accepted: dict[str, int],
                 execute_ms: float, propose_ms: float) -> None:
         """Learn from a step that ran (its chunks' `requests`): each request's drafts accepted, and the
         costs if it only decoded."""
         fair = True                                         # no draft caught up on a stretch of plain steps
+        behind = 0                                  # the tokens drafts caught up on beyond a step's few
         for c in sched.chunks:
             req = requests.get(c.request_id)
             st = req.spec_choice if req is not None else None
-            if not isinstance(st, RequestSpec):
+            if req is None or not isinstance(st, RequestSpec):
                 continue
             if c.draft_token_ids:
                 fair = fair and st.last_k > 0
+                if st.last_k == 0 and req.num_tokens - st.drafted_at > BEHIND_FREE:
+                    behind += req.num_tokens - st.drafted_at
+                st.drafted_at = req.num_tokens
                 n, got = len(c.draft_token_ids), accepted.get(c.request_id, 0)
                 miss = 1.0 if got < n else 0.0
                 fade = TRIAL_DECAY ** (got + miss)             # each trial (a draft's fate) ages the counts
@@ -183,3 +232,5 @@ class SpecPolicy:
         if sched.num_prefill_tokens == 0 and sched.chunks:
             steps = max(c.max_draft_tokens for c in sched.chunks)
             self.costs.observe(execute_ms, sched.num_draft_tokens, propose_ms if fair else None, steps)
+            if behind:
+                self.costs.observe_catchup(propose_ms, steps, behind)

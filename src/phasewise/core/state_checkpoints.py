@@ -22,13 +22,14 @@ class StateCheckpoints:
     def __init__(self, first_slot: int, capacity: int) -> None:
         """Checkpoint slots first_slot .. first_slot + capacity - 1."""
         self.capacity = capacity
-        self.entries: OrderedDict[int, tuple[Hashable, int]] = OrderedDict()   # hash → (key, slot), LRU first
+        self.entries: OrderedDict[int, tuple[Hashable, int]] = OrderedDict()  # hash → (key, slot), LRU
         self.free = list(range(first_slot + capacity - 1, first_slot - 1, -1))
         self.saves: list[tuple[int, int]] = []
         self.restores: list[tuple[int, int]] = []
 
     def lookup(self, block_hash: int, key: Hashable) -> int | None:
-        """The checkpoint slot of the prefix ending with this block, if kept (the key rules out collisions)."""
+        """The checkpoint slot of the prefix ending with this block, if kept (the key rules out
+        collisions)."""
         entry = self.entries.get(block_hash)
         return entry[1] if entry is not None and entry[0] == key else None
 

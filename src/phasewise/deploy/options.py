@@ -30,7 +30,8 @@ def add_ray_args(p: argparse.ArgumentParser) -> None:
                    help=f"serve the model as Ray Serve replicas behind Serve's HTTP proxy ({RAY_EXTRA})")
     g.add_argument("--ray-address", default=None, metavar="auto|ADDR",
                    help="join this Ray cluster (default: start one on this machine)")
-    g.add_argument("--num-replicas", type=positive_int, default=None, help="a fixed count of replicas (default 1)")
+    g.add_argument("--num-replicas", type=positive_int, default=None,
+                   help="a fixed count of replicas (default 1)")
     g.add_argument("--min-replicas", type=positive_int, default=None,
                    help="autoscale between --min-replicas and --max-replicas on ongoing requests per replica")
     g.add_argument("--max-replicas", type=positive_int, default=None)
@@ -41,16 +42,17 @@ def add_ray_args(p: argparse.ArgumentParser) -> None:
                    help="where a tensor-parallel replica's ranks go (Ray's placement group strategies: PACK "
                         "puts them in one node when they fit, SPREAD and STRICT_SPREAD across nodes)")
     g.add_argument("--prefill-decode", action="store_true",
-                   help="a prefill/decode pair instead of whole replicas: a prefill deployment and a decode deployment "
-                        "(one replica each) joined by a KV link, the relay sending each request to one then the other")
+                   help="a prefill/decode pair instead of whole replicas: a prefill deployment and a decode "
+                        "deployment (one replica each) joined by a KV link, the relay sending each request "
+                        "to one then the other")
     g.add_argument("--ray-ingress", default="auto", choices=INGRESSES,
-                   help="how HTTP reaches the replicas: direct (Ray Serve's HAProxy ingress, each response straight "
-                        "from its replica), proxy (Serve's Python proxy and a relay: an error event when a replica "
-                        "dies mid-stream), auto (direct on a Ray started here or started with Ray's HAProxy "
-                        "switches, else proxy)")
+                   help="how HTTP reaches the replicas: direct (Ray Serve's HAProxy ingress, each response "
+                        "straight from its replica), proxy (Serve's Python proxy and a relay: an error event "
+                        "when a replica dies mid-stream), auto (direct on a Ray started here or started with "
+                        "Ray's HAProxy switches, else proxy)")
     g.add_argument("--prefix-margin", type=int, default=4,
-                   help="a request goes to the replica holding its prompt's prefix unless that replica's queue is "
-                        "longer than the shortest by more than this many requests")
+                   help="a request goes to the replica holding its prompt's prefix unless that replica's "
+                        "queue is longer than the shortest by more than this many requests")
 
 
 def replica_parser() -> argparse.ArgumentParser:
@@ -97,12 +99,14 @@ def check_ray_options(options: argparse.Namespace) -> None:
     if options.tensor_parallel_size > 1 and options.device != "cpu":
         raise ValueError("--ray runs tensor-parallel replicas on CPUs only (no GPU bundles yet)")
     auto = options.min_replicas is not None or options.max_replicas is not None
-    if options.prefill_decode and (auto or (options.num_replicas or 1) > 1 or options.tensor_parallel_size > 1):
+    if options.prefill_decode and (auto or (options.num_replicas or 1) > 1
+                                   or options.tensor_parallel_size > 1):
         raise ValueError("--prefill-decode runs one pair of single-rank replicas (no --num-replicas above 1, "
                          "autoscaling or --tensor-parallel-size yet)")
     if auto and options.num_replicas is not None:
         raise ValueError("--num-replicas is a fixed count: drop it, or --min-replicas and --max-replicas")
-    if auto and not (options.min_replicas and options.max_replicas and options.min_replicas <= options.max_replicas):
+    if auto and not (options.min_replicas and options.max_replicas
+                     and options.min_replicas <= options.max_replicas):
         raise ValueError("autoscaling needs --min-replicas A --max-replicas B with A <= B")
     if options.prefix_margin < 0:
         raise ValueError(f"--prefix-margin must be at least 0, got {options.prefix_margin}")
@@ -110,8 +114,8 @@ def check_ray_options(options: argparse.Namespace) -> None:
 
 def start_direct_ingress(options: argparse.Namespace) -> None:
     """Before Ray (and Ray Serve) is imported and started here: turn on Ray Serve's HAProxy ingress (and
-    its retries) for the Ray about to start, unless the options ask for the proxy or join a running cluster (whose switches
-    were set when it started)."""
+    its retries) for the Ray about to start, unless the options ask for the proxy or join a running cluster
+    (whose switches were set when it started)."""
     if options.ray_ingress == "direct" or (options.ray_ingress == "auto" and options.ray_address is None):
         os.environ.update(DIRECT_INGRESS_ENV)
         for name, value in HAPROXY_RETRY_ENV.items():     # a retry policy of the user's own stands

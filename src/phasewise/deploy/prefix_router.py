@@ -50,7 +50,8 @@ if TYPE_CHECKING:
 BLOCK_CHARS = 64
 BLOCK_TOKENS = 16
 MAX_BLOCKS = 64                # a prompt's first 64 blocks are hashed (4,096 characters)
-HOME_BLOCKS = 4                # a new prefix's home is chosen by its 4th block (256 characters: a system prompt)
+# a new prefix's home is chosen by its 4th block (256 characters: a system prompt)
+HOME_BLOCKS = 4
 PICK_GRACE_S = 1.0             # a pick counts in its replica's queue this long (HAProxy still forwarding it)
 
 
@@ -73,13 +74,15 @@ def prompt_block_hashes(body: JsonValue) -> tuple[bytes, ...]:
                   for i in range(0, len(prompt) - BLOCK_TOKENS + 1, BLOCK_TOKENS)]
         return _chain(pieces[:MAX_BLOCKS], _root(body))
     text = _prompt_text(body)
-    return _chain([text[i:i + BLOCK_CHARS] for i in range(0, min(len(text), BLOCK_CHARS * MAX_BLOCKS) - BLOCK_CHARS + 1,
-                                                         BLOCK_CHARS)], _root(body))
+    return _chain([text[i:i + BLOCK_CHARS]
+                   for i in range(0, min(len(text), BLOCK_CHARS * MAX_BLOCKS) - BLOCK_CHARS + 1,
+                                 BLOCK_CHARS)], _root(body))
 
 
 def _root(body: JsonObject) -> bytes:
     """The chain's root: the body's prompt_cache_key and cache_salt (b"" without either)."""
-    named = [f"{name}={body[name]}" for name in ("prompt_cache_key", "cache_salt") if isinstance(body.get(name), str)]
+    named = [f"{name}={body[name]}" for name in ("prompt_cache_key", "cache_salt")
+             if isinstance(body.get(name), str)]
     return hashlib.blake2b("\0".join(named).encode(), digest_size=8).digest() if named else b""
 
 
@@ -119,9 +122,11 @@ class PrefixAffinityRouter(RequestRouter):
     """Serve's router for the engine replicas (`request_router_config`); see the module's docstring.
     A request's first argument carries `block_hashes` (the relay's `RelayedRequest`, or a `RoutePick`)."""
 
-    queue_len_response_deadline_s = 0.5        # Serve's 0.1 s first probe misses often on a busy 2-core machine
+    # Serve's 0.1 s first probe misses often on a busy 2-core machine
+    queue_len_response_deadline_s = 0.5
 
-    # Serve calls it with request_router_kwargs; its stub's `**kwargs: Any` is for subclasses to name their own
+    # Serve calls it with request_router_kwargs; its stub's `**kwargs: Any` is for subclasses to name
+    # their own
     def initialize_state(self, margin: int = 4, max_blocks: int = 200_000) -> None:  # type: ignore[override]
         self._margin = margin
         self._max_blocks = max_blocks
@@ -171,7 +176,8 @@ class PrefixAffinityRouter(RequestRouter):
             return order
         return [best, *others]
 
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: object) -> None:
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
+                          result: object) -> None:
         self._remember(_hashes(pending_request), replica_id)
 
     def _remember(self, hashes: tuple[bytes, ...], replica_id: ReplicaID) -> None:
@@ -191,7 +197,8 @@ class PrefixAffinityRouter(RequestRouter):
                 del self._holders[h]
 
     def _matched_depth(self, hashes: tuple[bytes, ...], alive: set[ReplicaID]) -> dict[ReplicaID, int]:
-        """Replica → how many leading blocks of the prompt it was sent (chained hashes: block i implies the rest)."""
+        """Replica → how many leading blocks of the prompt it was sent (chained hashes: block i implies the
+        rest)."""
         depth: dict[ReplicaID, int] = {}
         for i, h in enumerate(hashes):
             holders = [r for r in self._holders.get(h, ()) if r in alive]
@@ -230,7 +237,8 @@ def _home(replicas: list[RunningReplica], hashes: tuple[bytes, ...]) -> RunningR
     block, or its last full one, and the replica's id), rendezvous hashing: the same for every router
     (HAProxy asks one router per node), and a replica leaving moves only its own prefixes."""
     key = hashes[min(len(hashes), HOME_BLOCKS) - 1]
-    return max(replicas, key=lambda r: hashlib.blake2b(key + r.replica_id.unique_id.encode(), digest_size=8).digest())
+    return max(replicas,
+               key=lambda r: hashlib.blake2b(key + r.replica_id.unique_id.encode(), digest_size=8).digest())
 
 
 def _hashes(pending_request: PendingRequest | None) -> tuple[bytes, ...]:

@@ -2,8 +2,9 @@
 files (`import_path: phasewise.deploy.ray:build_app`, `args` as serve's flags).
 
 `EngineReplica` (one per replica, `num_cpus` each, its kernel threads that many) builds one engine and the
-FastAPI app of `phasewise serve` (`server.create_app`, wrapped by `replica_app.ReplicaApp`): the whole
-OpenAI surface, no second implementation. How HTTP reaches it (`--ray-ingress`):
+FastAPI app as `phasewise serve` does (`server/builder.py`'s `build_server`; the app wrapped by
+`replica_app.ReplicaApp`): the whole OpenAI surface, no second implementation. How HTTP reaches it
+(`--ray-ingress`):
 - direct (what `serve --ray` starts): Ray Serve's HAProxy ingress. The engine deployment is the
   application's ingress, each replica listening on a port of its node; HAProxy asks `route.RouteIngress`
   which replica serves each request (the prompt's blocks, `PrefixAffinityRouter`) and forwards it there,
@@ -32,7 +33,6 @@ import re
 import signal
 import sys
 import threading
-from pathlib import Path
 from typing import TYPE_CHECKING, AsyncIterator, TypedDict
 
 import ray
@@ -48,10 +48,7 @@ from phasewise.deploy.route import RouteIngress
 from phasewise.deploy.tp_ranks import rendezvous_address, start_replica_ranks
 
 if TYPE_CHECKING:
-    from fastapi import FastAPI
     from starlette.types import Message   # ASGI's: a plain dict
-
-    from phasewise.server import AsyncEngine
 
 APP_NAME = "phasewise"
 TARGET_ONGOING_REQUESTS = 8                  # autoscaling's target of ongoing requests per replica
@@ -68,6 +65,9 @@ class EngineReplica:
                        prefill: ReplicaHandle | None = None) -> None:
         """`role`: "prefill" (this replica's KV link waits at a free port of its node) or "decode" (it joins
         the link of the `prefill` deployment's replica); None: a whole engine."""
+        from phasewise.engine.args import engine_config_from_args
+        from phasewise.server.builder import build_server
+
         self._replica = serve.get_replica_context().replica_id.to_full_id_str()
         size, cpus = options.tensor_parallel_size, replica_cpus(options)
         self._ranks = (start_replica_ranks(self._replica, size, cpus, options.threads or cpus, options.device)
@@ -75,7 +75,11 @@ class EngineReplica:
         self._kv_peer = rendezvous_address() if role == "prefill" else None
         if role == "decode" and prefill is not None:
             self._kv_peer = await prefill.kv_peer.remote()
-        self._engine, self._app = await asyncio.to_thread(build_server, options, role, self._kv_peer)
+        # kernel threads: --threads, else the replica's CPUs (a rank's, when it has several)
+        config = engine_config_from_args(options, kv_role=role, kv_peer=self._kv_peer,
+                                         threads=options.threads or cpus)
+        parts = await asyncio.to_thread(build_server, config, options)
+        self._engine, self._app = parts.async_engine, parts.app
 
     def __serve_build_asgi_app__(self) -> ReplicaApp:
         """The app Serve runs when this deployment is the ingress: /metrics answers for every replica."""
@@ -103,7 +107,8 @@ class EngineReplica:
 
         app = ReplicaApp(self._app, self._replica)
 
-        def ended(t: asyncio.Task[None]) -> None:         # the app is done: the last batch, and its failure if any
+        # the app is done: the last batch, and its failure if any
+        def ended(t: asyncio.Task[None]) -> None:
             out.put_nowait(None)
             _log_failure(t)
 
@@ -147,48 +152,6 @@ class EngineReplica:
             ranks.stop()
 
 
-def build_server(options: argparse.Namespace, kv_role: str | None = None,
-                 kv_peer: str | None = None) -> tuple[AsyncEngine, FastAPI]:
-    """The engine and app `phasewise serve` builds (cli.cmd_serve), for one replica: (AsyncEngine, FastAPI).
-    Kernel threads: --threads, else the replica's CPUs (a rank's, when it has several)."""
-    from phasewise.config import CacheConfig, EngineConfig, SchedulerConfig
-    from phasewise.engine.args import speculative_config_from_args
-    from phasewise.engine.llm_engine import LLMEngine
-    from phasewise.server import AsyncEngine, ServerConfig, create_app
-    from phasewise.server.config import model_names
-
-    o = options
-    config = EngineConfig(
-        model=o.model, dtype=o.dtype, device=o.device,
-        cache=CacheConfig(block_size=o.block_size, kv_cache_memory_gib=o.kv_cache_memory, kv_dtype=o.kv_dtype,
-                          prompt_cache_dir=o.prompt_cache_dir, prompt_cache_size_gib=o.prompt_cache_size,
-                          prompt_cache_ttl=o.prompt_cache_ttl),
-        scheduler=SchedulerConfig(o.max_num_batched_tokens, o.max_num_seqs, o.max_model_len),
-        speculative=speculative_config_from_args(o), packed_cache=o.packed_cache,
-        tensor_parallel_size=o.tensor_parallel_size, kv_role=kv_role, kv_peer=kv_peer,
-        threads=o.threads or replica_cpus(o),
-        chat_template=Path(o.chat_template).expanduser().read_text() if o.chat_template else None)
-
-    def build() -> LLMEngine:                    # on the engine thread, which then owns the OpenMP pool
-        engine = LLMEngine(config)
-        engine.warmup()
-        engine.grammars.prepare()
-        return engine
-
-    async_engine = AsyncEngine(build)
-    engine = async_engine.engine
-    assert isinstance(engine, LLMEngine)         # build's (AsyncEngine holds it as any EngineClient)
-    path = Path(engine.model_path)
-    name, aliases = model_names(o.served_model_name, o.model, path)
-    app = create_app(async_engine, ServerConfig(served_model_name=name, model_aliases=aliases,
-                                                api_keys=tuple(o.api_key or ()),
-                                                max_waiting=o.max_waiting, max_body_bytes=o.max_body_bytes,
-                                                model_root=str(path), role=kv_role,
-                                                reasoning_parser=o.reasoning_parser,
-                                                reasoning_budget=o.reasoning_budget))
-    return async_engine, app
-
-
 @serve.ingress()
 class Ingress:
     """The HTTP ingress: `Relay` over handles to the engine replicas (and to the prefill replicas)."""
@@ -201,16 +164,19 @@ class Ingress:
         return Relay(self._engine, self._prefill)
 
 
-def application(options: argparse.Namespace, request_router: type | str = PrefixAffinityRouter) -> Application:
+def application(options: argparse.Namespace,
+                request_router: type | str = PrefixAffinityRouter) -> Application:
     """The Serve application of these options (`direct_ingress` picks how HTTP reaches the replicas), the
     engine replicas routed by `request_router` (another is for comparisons: benchmarks/ray_serve.py)."""
     check_ray_options(options)
-    options = argparse.Namespace(**{k: v for k, v in vars(options).items() if k != "func"})   # the CLI's command
-    ingress = serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)(Ingress)
-    if options.prefill_decode:           # a prefill deployment and a decode one, their replicas paired by KV link
+    options = argparse.Namespace(**{k: v for k, v in vars(options).items() if k != "func"})   # not the CLI's
+    ingress = serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0},
+                               max_ongoing_requests=4096)(Ingress)
+    # a prefill deployment and a decode one, their replicas paired by KV link
+    if options.prefill_decode:
         prefill = _engine_deployment(options, request_router, "PrefillReplica").bind(options, "prefill")
-        return ingress.bind(_engine_deployment(options, request_router, "DecodeReplica").bind(options, "decode",
-                                                                                              prefill), prefill)
+        decode = _engine_deployment(options, request_router, "DecodeReplica").bind(options, "decode", prefill)
+        return ingress.bind(decode, prefill)
     if not direct_ingress(options):
         return ingress.bind(_engine_deployment(options, request_router).bind(options))
     engine = _engine_deployment(options, request_router, as_ingress=True).bind(options)
@@ -244,12 +210,13 @@ def _engine_deployment(o: argparse.Namespace, request_router: type | str, name: 
     if o.tensor_parallel_size > 1:
         scaling["placement_group_bundles"] = [{"CPU": cpus}] * o.tensor_parallel_size
         scaling["placement_group_strategy"] = o.placement_strategy
+    kwargs = {"margin": o.prefix_margin} if request_router is PrefixAffinityRouter else {}
     return serve.deployment(
         name=name, ray_actor_options={"num_cpus": cpus},
         max_ongoing_requests=2 * o.max_num_seqs, health_check_period_s=5, graceful_shutdown_timeout_s=5,
         request_router_config=RequestRouterConfig(
-            request_router_class=request_router,  # type: ignore[arg-type]  # Ray's stub: **kwargs: dict[str, Any]
-            request_router_kwargs={"margin": o.prefix_margin} if request_router is PrefixAffinityRouter else {}),
+            # Ray's stub types **kwargs as dict[str, Any]
+            request_router_class=request_router, request_router_kwargs=kwargs),  # type: ignore[arg-type]
         **scaling)(serve.ingress()(EngineReplica) if as_ingress else EngineReplica)
 
 
@@ -275,7 +242,8 @@ def run(options: argparse.Namespace) -> int:
                 pass
         except KeyboardInterrupt:
             pass
-        if options.ray_address is not None:       # a cluster joined: take the application away, leave the rest
+        # a cluster joined: take the application away, leave the rest
+        if options.ray_address is not None:
             serve.delete(APP_NAME, _blocking=False)
         return 0
     finally:              # a Ray started here stops with its driver, Serve's actors with it (a Ctrl-C in a
@@ -292,5 +260,6 @@ def failure_line(fallback: str) -> str:
     loader's message, without its class), from Serve's deployment status; else `fallback`."""
     app = serve.status().applications.get(APP_NAME)
     details = "\n".join(d.message for d in app.deployments.values() if d.message) if app else ""
-    raised = [line.strip() for line in details.splitlines() if re.match(r"\s*[\w.]*(Error|Exception): ", line)]
+    raised = [line.strip() for line in details.splitlines()
+              if re.match(r"\s*[\w.]*(Error|Exception): ", line)]
     return raised[-1].split(": ", 1)[1] if raised else fallback

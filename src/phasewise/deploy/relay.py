@@ -35,22 +35,25 @@ from phasewise.deploy.prefix_router import prompt_block_hashes
 from phasewise.deploy.replica_app import REPLICA_HEADER, ReplicaHandle, gather_metrics, send_metrics
 
 if TYPE_CHECKING:
-    from starlette.types import Message, Receive, Scope, Send   # ASGI's: a scope and its messages are plain dicts
+    # ASGI's: a scope and its messages are plain dicts
+    from starlette.types import Message, Receive, Scope, Send
 
     from phasewise.json_types import JsonValue
 
 RETRIES = 3                                  # a request whose replica died before it answered: sent again
-DEAD_FOR_S = 120.0                           # a replica seen dying is avoided this long (Serve drops it sooner)
+# a replica seen dying is avoided this long (Serve drops it sooner)
+DEAD_FOR_S = 120.0
 PAIR_PATHS = ("/v1/completions", "/v1/chat/completions")
-SCOPE_KEYS = ("type", "asgi", "http_version", "method", "scheme", "path", "raw_path", "query_string", "headers",
-              "client", "server")
+SCOPE_KEYS = ("type", "asgi", "http_version", "method", "scheme", "path", "raw_path", "query_string",
+              "headers", "client", "server")
 log = logging.getLogger("ray.serve")
 
 
 @dataclass(frozen=True)
 class RelayedRequest:
     """One HTTP request, from the ingress to an engine replica: the ASGI scope's plain fields, the whole body,
-    the prompt's block hashes (the router's key), and the replicas not to send it to (their actor ids, hex)."""
+    the prompt's block hashes (the router's key), and the replicas not to send it to (their actor ids,
+    hex)."""
     scope: Scope
     body: bytes
     block_hashes: tuple[bytes, ...]
@@ -91,7 +94,8 @@ class Relay:
                     _, status, answer = await self._collect(
                         self._prefill, RelayedRequest(_with_length(fields, len(prefill)), prefill, hashes))
                 except Exception as e:          # noqa: BLE001 (the client gets an error, never a hang)
-                    await _send_failure(send, f"the prefill replica failed ({type(e).__name__})", False, False)
+                    failed = f"the prefill replica failed ({type(e).__name__})"
+                    await _send_failure(send, failed, False, False)
                     return
                 if status != 200:
                     await send({"type": "http.response.start", "status": status,
@@ -111,14 +115,16 @@ class Relay:
                     for m in messages:
                         if m["type"] == "http.response.start":
                             started = True
-                            event_stream = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                            event_stream = any(k.lower() == b"content-type"
+                                               and v.startswith(b"text/event-stream")
                                                for k, v in m.get("headers", ()))
                         await send(m)
                 return
             except asyncio.CancelledError:
                 raise
-            except Exception as e:           # the replica died or failed: an error the client sees, never a hang
-                died = e.actor_id if isinstance(e, ActorDiedError) else None    # not a replica merely unreachable
+            except Exception as e:           # the replica died or failed: the client sees an error, no hang
+                # not a replica merely unreachable
+                died = e.actor_id if isinstance(e, ActorDiedError) else None
                 if died:
                     self._dead[died] = time.monotonic()
                     request = replace(request, avoid=request.avoid | {died})
@@ -126,8 +132,8 @@ class Relay:
                     log.warning("a replica died before answering a request: sending it to another (%s)",
                                 type(e).__name__)
                     continue
-                await _send_failure(send, f"the replica serving this request failed ({type(e).__name__})", started,
-                                    event_stream)
+                await _send_failure(send, f"the replica serving this request failed ({type(e).__name__})",
+                                    started, event_stream)
                 return
 
     def _recently_dead(self) -> frozenset[str]:
@@ -154,7 +160,8 @@ class Relay:
 
 def _stream(handle: ReplicaHandle, request: RelayedRequest
             ) -> DeploymentResponseGenerator[list[Message]]:
-    """A replica's `handle` on `request`: its ASGI messages, a batch at a time (the relay's handles stream)."""
+    """A replica's `handle` on `request`: its ASGI messages, a batch at a time (the relay's handles
+    stream)."""
     response = handle.handle.remote(request)
     if not isinstance(response, DeploymentResponseGenerator):
         raise TypeError("the relay calls replicas through streaming handles (options(stream=True))")

@@ -42,7 +42,8 @@ class Rank:
 @dataclass
 class ReplicaRanks:
     """Ranks 1..N-1 of a replica: their actors and the calls that run their loops."""
-    actors: list[ActorProxy[Rank]]          # Ray's type of a handle (ActorHandle, or the class for method types)
+    # Ray's type of a handle (ActorHandle, or the class for method types)
+    actors: list[ActorProxy[Rank]]
     loops: list[ray.ObjectRef[None]]        # each rank's `run`
 
     def node_ids(self) -> list[str]:
@@ -54,7 +55,8 @@ class ReplicaRanks:
 
     def stop(self) -> None:
         for a in self.actors:
-            ray.kill(a)  # type: ignore[arg-type]  # Ray types a handle as ActorProxy; kill's stub wants ActorHandle
+            # Ray types a handle as ActorProxy; kill's stub wants ActorHandle
+            ray.kill(a)  # type: ignore[arg-type]
 
 
 def start_replica_ranks(replica: str, size: int, cpus: int, threads: int, device: str) -> ReplicaRanks:
@@ -69,7 +71,8 @@ def start_replica_ranks(replica: str, size: int, cpus: int, threads: int, device
     actor = ray.remote(Rank)
     actors = [actor.options(name=f"{replica}#rank{rank}", namespace=SERVE_NAMESPACE, num_cpus=cpus,
                             max_concurrency=2, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                                group, placement_group_bundle_index=rank)).remote() for rank in range(1, size)]
+                                group, placement_group_bundle_index=rank)).remote()
+              for rank in range(1, size)]
     loops = [a.run.remote(rank, size, init_method, threads, device) for rank, a in enumerate(actors, start=1)]
     os.environ.update(MASTER_ADDR=address, MASTER_PORT=port, RANK="0", WORLD_SIZE=str(size))
     return ReplicaRanks(actors, loops)

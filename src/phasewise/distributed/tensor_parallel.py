@@ -49,8 +49,10 @@ class TensorParallel:
         dist.all_reduce(x, group=self.group)
         return x
 
-    def embed(self, table: Callable[[torch.Tensor], torch.Tensor], ids: torch.Tensor, vocab: int) -> torch.Tensor:
-        """ids [T] → [T, hidden] from this rank's rows of the table (an embedding module), summed over the ranks."""
+    def embed(self, table: Callable[[torch.Tensor], torch.Tensor], ids: torch.Tensor,
+              vocab: int) -> torch.Tensor:
+        """ids [T] → [T, hidden] from this rank's rows of the table (an embedding module), summed over the
+        ranks."""
         start, stop = self.part(vocab)
         local = ids - start
         outside = (local < 0) | (local >= stop - start)

@@ -28,7 +28,8 @@ class Admission:
     """An engine's limits: its context (max_model_len), vocabulary, and KV pool (`pool_blocks`, with
     `blocks_needed(n)`: the most blocks a request of n tokens holds at once, the core's count)."""
 
-    def __init__(self, max_model_len: int, vocab: int, pool_blocks: int, blocks_needed: Callable[[int], int]) -> None:
+    def __init__(self, max_model_len: int, vocab: int, pool_blocks: int,
+                 blocks_needed: Callable[[int], int]) -> None:
         self.max_model_len, self.vocab = max_model_len, vocab
         self.pool_blocks, self.blocks_needed = pool_blocks, blocks_needed
 
@@ -40,14 +41,16 @@ class Admission:
             raise RequestError("the prompt is empty", "prompt")
         bad = next((t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab)), None)
         if bad is not None:
-            raise RequestError(f"token id {bad} is out of range: the vocabulary has {self.vocab} tokens", "prompt")
+            raise RequestError(f"token id {bad} is out of range: the vocabulary has {self.vocab} tokens",
+                               "prompt")
         bad = next((t for t in params.stop_token_ids if not 0 <= t < self.vocab), None)
         if bad is not None:
-            raise RequestError(f"stop_token_ids: token id {bad} is out of range: the vocabulary has {self.vocab} "
-                               "tokens", "stop_token_ids")
+            raise RequestError(f"stop_token_ids: token id {bad} is out of range: the vocabulary has "
+                               f"{self.vocab} tokens", "stop_token_ids")
         if n >= limit:
             raise ContextLengthError(f"This model's maximum context length is {limit} tokens, but the prompt "
-                                     f"has {n} tokens (at least one token must be left to generate)", "prompt")
+                                     f"has {n} tokens (at least one token must be left to generate)",
+                                     "prompt")
         if params.max_tokens is None:
             room = self._longest_fit(limit) - n
             if room < 1:
@@ -56,13 +59,14 @@ class Admission:
             return dataclasses.replace(params, max_tokens=room)
         longest = n + params.max_tokens
         if longest > limit:
-            raise ContextLengthError(f"This model's maximum context length is {limit} tokens, but {longest} were "
-                                     f"requested ({n} in the prompt + {params.max_tokens} max_tokens): reduce the "
-                                     "prompt or max_tokens", "max_tokens")
+            raise ContextLengthError(f"This model's maximum context length is {limit} tokens, but {longest} "
+                                     f"were requested ({n} in the prompt + {params.max_tokens} max_tokens): "
+                                     "reduce the prompt or max_tokens", "max_tokens")
         need = self.blocks_needed(longest)
         if need > self.pool_blocks:
-            raise RequestError(f"{longest} tokens (prompt {n} + up to {params.max_tokens} generated) need {need} KV "
-                               f"blocks, but the pool holds {self.pool_blocks}: raise the KV cache memory", "max_tokens")
+            raise RequestError(f"{longest} tokens (prompt {n} + up to {params.max_tokens} generated) need "
+                               f"{need} KV blocks, but the pool holds {self.pool_blocks}: "
+                               "raise the KV cache memory", "max_tokens")
         return params
 
     def _longest_fit(self, limit: int) -> int:

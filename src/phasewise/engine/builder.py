@@ -46,7 +46,8 @@ def check_device(device: str) -> None:
     except (RuntimeError, TypeError):
         raise ValueError(f"unknown device {device!r} (cpu, cuda or cuda:N)") from None
     if kind == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r}: this torch build sees no CUDA device (torch {torch.__version__})")
+        raise ValueError(f"device {device!r}: this torch build sees no CUDA device (torch "
+                         f"{torch.__version__})")
 
 
 def choose_kernels(config: EngineConfig) -> Kernels | None:
@@ -86,8 +87,8 @@ def build_engine(config: EngineConfig, clock: Clock | None = None) -> EnginePart
     full = load_config(model_path)   # cheap: an unsupported architecture fails before anything slow
     _check_features(config, full)
     kernels = choose_kernels(config)
-    config, precision = _quantized_kv_fits(config, choose_precision(model_path, config.dtype, config.cache.kv_dtype,
-                                                                    kernels, full.architecture))
+    asked = choose_precision(model_path, config.dtype, config.cache.kv_dtype, kernels, full.architecture)
+    config, precision = _quantized_kv_fits(config, asked)
     spec, size, cache = config.speculative, config.tensor_parallel_size, config.cache
     kv_dtype = {"int8": torch.int8, "int4": INT4}.get(precision.kv) or parse_dtype(precision.weights)
     if config.threads is not None:
@@ -96,14 +97,14 @@ def build_engine(config: EngineConfig, clock: Clock | None = None) -> EnginePart
     try:
         tp = ranks.group if ranks else None
         part = shard_config(full, tp) if tp else full     # what this rank holds
-        slots, checkpoints, snapshots, num_blocks = _cache_size(part, config, kv_dtype)
-        tails = tail_slots_for_memory(part, kv_dtype, config.scheduler.max_num_seqs, cache.kv_cache_memory_gib)
+        slots, checkpoints, snapshots, tails, num_blocks = _cache_size(part, config, kv_dtype)
+        states = slots + checkpoints + snapshots
         if tp:
             tp.broadcast(Setup(str(model_path), precision.weights, precision.kv, num_blocks, cache.block_size,
                                kernels is not None, config.kernels == "torch", tails))
         if precision.weights == "q4" and not tp and str(config.device).startswith("cpu"):
             check_memory(model_path, num_blocks * kv_bytes_per_block(part, cache.block_size, kv_dtype)
-                         + (slots + checkpoints + snapshots) * part.state_bytes_per_seq + tails * tail_bytes(part, kv_dtype))
+                         + states * part.state_bytes_per_seq + tails * tail_bytes(part, kv_dtype))
         with ThreadPoolExecutor(1) as pool:   # the tokenizer reads its files while the weights load
             tokenizer_loading = pool.submit(_tokenizer, model_path, config.chat_template)
             model, model_config = load_prepared(model_path, precision.weights, config.device, kernels,
@@ -116,7 +117,7 @@ def build_engine(config: EngineConfig, clock: Clock | None = None) -> EnginePart
         max_len = config.scheduler.max_model_len or model_config.max_position_embeddings
         max_model_len = min(max_len, model_config.max_position_embeddings)
         kv_cache = KVCache(model_config, num_blocks, cache.block_size, kv_dtype, config.device,
-                           num_state_slots=slots + checkpoints + snapshots, num_tail_slots=tails)
+                           num_state_slots=states, num_tail_slots=tails)
         draft_model, proposer = _proposer(config, model_path, model, kernels, max_model_len, num_blocks,
                                           slots, tokenizer.eos_token_ids, kv_dtype)
         runner = ModelRunner(model, kv_cache, tokenizer.eos_token_ids, config.device, kernels, tp,
@@ -134,8 +135,8 @@ def build_engine(config: EngineConfig, clock: Clock | None = None) -> EnginePart
     grammars = GrammarCompiler(tokenizer, model_config.vocab_size, tokenizer.eos_token_ids)
     adapt = config.threads is None and ranks is None and torch.device(config.device).type == "cpu"
     threads = ThreadGovernor(torch.get_num_threads(), adapt)
-    return EngineParts(config, model_path, model_config, precision, kernels, tokenizer, ranks, model, kv_cache,
-                       draft_model, max_model_len, grammars, core, threads,
+    return EngineParts(config, model_path, model_config, precision, kernels, tokenizer, ranks, model,
+                       kv_cache, draft_model, max_model_len, grammars, core, threads,
                        (time.perf_counter() - started) * 1e3)
 
 
@@ -146,13 +147,15 @@ def _proposer(config: EngineConfig, model_path: Path, target: LlamaForCausalLM, 
     spec = config.speculative
     if spec.method == "ngram":
         return None, NgramProposer(spec.ngram_min, spec.ngram_max)
-    if spec.method == "mtp":      # the target's own MTP layer, its K/V in a cache of the target's block layout
+    # the target's own MTP layer, its K/V in a cache of the target's block layout
+    if spec.method == "mtp":
         mtp_model = cast("Qwen3_5ForCausalLM", target)      # loaded with mtp=True (checked before loading)
         return None, MTPProposer(mtp_model, num_blocks, config.cache.block_size, kv_dtype, eos_token_ids,
                                  config.device, kernels, config.scheduler.max_num_seqs)
     if spec.method != "draft":
         return None, None
-    draft, kv = _draft_model(config, model_path, target.config, kernels, max_model_len, num_blocks, state_slots)
+    draft, kv = _draft_model(config, model_path, target.config, kernels, max_model_len,
+                             num_blocks, state_slots)
     return draft, DraftModelProposer(draft, kv, eos_token_ids, config.device, kernels,
                                      state_slots if draft.config.recurrent_layers else 0)
 
@@ -168,7 +171,8 @@ def _check_features(config: EngineConfig, cfg: ModelConfig) -> None:
 def _check_speculation(cfg: ModelConfig, spec: SpeculativeConfig, tp_size: int) -> None:
     """What speculative decoding cannot run with yet: a ValueError saying so."""
     if tp_size > 1 and spec.method in ("draft", "mtp"):
-        raise ValueError(f"--speculative {spec.method} does not run with tensor parallelism yet: use --speculative ngram")
+        raise ValueError(f"--speculative {spec.method} does not run with tensor parallelism yet: "
+                         "use --speculative ngram")
     if spec.method == "mtp" and not cfg.mtp_layers:
         raise ValueError(f"--speculative mtp needs a model with a multi-token-prediction layer (a Qwen3.5 or "
                          f"Qwen3-Next folder with mtp.* weights); this {cfg.architecture} model has none "
@@ -203,9 +207,10 @@ def _spec_policy(spec: SpeculativeConfig) -> SpecPolicy | None:
     return SpecPolicy(spec.num_speculative_tokens) if spec.adaptive else None
 
 
-def _cache_size(cfg: ModelConfig, config: EngineConfig, kv_dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(recurrent-state slots, checkpoint slots, snapshot slots, KV blocks) within the cache's memory
-    budget: a hybrid's states first, one per sequence that may run and, with prefix caching, as many
+def _cache_size(cfg: ModelConfig, config: EngineConfig,
+                kv_dtype: torch.dtype) -> tuple[int, int, int, int, int]:
+    """(recurrent-state slots, checkpoint slots, snapshot slots, tail slots, KV blocks) within the cache's
+    memory budget: a hybrid's states first, one per sequence that may run and, with prefix caching, as many
     checkpoints, with speculation k snapshots each (the states a verify step may roll back to), all in at
     most half the budget; a quantized cache's tail slots (tail_slots_for_memory); then blocks in the rest."""
     cache, k = config.cache, config.speculative.num_speculative_tokens if config.speculative.method else 0
@@ -218,8 +223,8 @@ def _cache_size(cfg: ModelConfig, config: EngineConfig, kv_dtype: torch.dtype) -
                                           + tails * tail_bytes(cfg, kv_dtype)) / 2**30
     if config.speculative.method == "mtp":     # the MTP layer's own cache: one more attention layer's K/V
         kv_gib *= len(cfg.attention_layers) / (len(cfg.attention_layers) + 1)
-    return slots, checkpoints, snapshots, cache.num_blocks or num_blocks_for_memory(cfg, cache.block_size, kv_dtype,
-                                                                                    kv_gib)
+    num_blocks = cache.num_blocks or num_blocks_for_memory(cfg, cache.block_size, kv_dtype, kv_gib)
+    return slots, checkpoints, snapshots, tails, num_blocks
 
 
 def _draft_model(config: EngineConfig, target_path: Path, target: ModelConfig, kernels: Kernels | None,
@@ -232,12 +237,13 @@ def _draft_model(config: EngineConfig, target_path: Path, target: ModelConfig, k
         raise ValueError("a draft model needs a target with full-attention layers (every layer of this one "
                          "has a sliding window): use --speculative ngram")
     path = resolve_model_path(spec.draft_model) if spec.draft_model else target_path
-    draft, cfg = load_prepared(path, spec.draft_dtype, config.device, kernels, plain=config.kernels == "torch",
-                               packed_cache=config.packed_cache)
+    draft, cfg = load_prepared(path, spec.draft_dtype, config.device, kernels,
+                               plain=config.kernels == "torch", packed_cache=config.packed_cache)
     draft.build_stack(_bound(kernels, spec.draft_dtype))
     if cfg.recurrent_layers and not target.recurrent_layers:
-        raise ValueError(f"a hybrid draft model ({cfg.architecture}) needs a hybrid target (its states follow "
-                         "the target's state slots): use an attention-only draft, or --speculative ngram")
+        raise ValueError(f"a hybrid draft model ({cfg.architecture}) needs a hybrid target (its states "
+                         "follow the target's state slots): use an attention-only draft, "
+                         "or --speculative ngram")
     if cfg.vocab_size != target.vocab_size:
         raise ValueError(f"the draft model {path} has {cfg.vocab_size} tokens in its vocabulary, the "
                          f"target {target.vocab_size}: they must share the tokenizer")
@@ -251,7 +257,8 @@ def _draft_model(config: EngineConfig, target_path: Path, target: ModelConfig, k
 
 
 def _tokenizer(model_path: Path, chat_template: str | None) -> Tokenizer:
-    """The model's tokenizer; with a chat template given (serve --chat-template), that one in place of its own."""
+    """The model's tokenizer; with a chat template given (serve --chat-template), that one in place of its
+    own."""
     tokenizer = Tokenizer.load(model_path)
     return tokenizer.with_chat_template(chat_template) if chat_template is not None else tokenizer
 

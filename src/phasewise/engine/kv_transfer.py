@@ -26,7 +26,8 @@ class KVTransfer:
         self.link: KVLink | None = None
         if role:
             if peer is None:
-                raise ValueError("a prefill or decode role needs a KV peer (tcp://HOST:PORT, the same on both sides)")
+                raise ValueError("a prefill or decode role needs a KV peer (tcp://HOST:PORT, "
+                                 "the same on both sides)")
             self.link = KVLink(role, peer)
 
     def export(self, token_ids: list[int], salt: str | None = None) -> KVBlocks:
@@ -44,7 +45,8 @@ class KVTransfer:
         ValueError when the layouts differ or the pool has no room for them."""
         self._no_tp("importing KV blocks")
         if kv.block_size != self.cache.block_size:
-            raise ValueError(f"KV blocks of {kv.block_size} tokens cannot enter a cache of {self.cache.block_size}")
+            raise ValueError(f"KV blocks of {kv.block_size} tokens cannot enter a cache of "
+                             f"{self.cache.block_size}")
         n = len(kv.token_ids)
         for name, t in self.cache.read_blocks([0]).items():      # this cache's layout, one block long
             want = (*t.shape[:2], t.shape[2] * kv.num_blocks, *t.shape[3:])
@@ -59,7 +61,8 @@ class KVTransfer:
         fill = [i for i, (_, fresh) in enumerate(placed) if fresh]
         if fill:
             self.cache.write_blocks([placed[i][0] for i in fill],
-                                    {name: torch.cat([kv.block(i)[name] for i in fill], dim=2) for name in kv.parts})
+                                    {name: torch.cat([kv.block(i)[name] for i in fill], dim=2)
+                                     for name in kv.parts})
         return kv.num_blocks * kv.block_size
 
     def send(self, transfer_id: str, token_ids: list[int], salt: str | None = None) -> Future[None]:

@@ -28,7 +28,7 @@ from phasewise.tokenization.tokenizer import Tokenizer
 
 
 class LLMEngine:
-    """The request session over an engine's parts (`engine_builder.build_engine`): add and abort
+    """The request session over an engine's parts (`builder.build_engine`): add and abort
     requests, step. Detokenization and stop strings are its `outputs` (an `OutputProcessor`), KV
     blocks between engines its `kv_transfer` (a `KVTransfer`). The server holds it as an
     `EngineClient`."""
@@ -36,20 +36,35 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, clock: Clock | None = None) -> None:
         """clock: what the prompt cache's disk tier measures TTLs by (a fake one in tests; wall clock)."""
         parts = build_engine(config or EngineConfig(), clock)
-        self.config, self.model_path, self.model_config = parts.config, parts.model_path, parts.model_config
-        self.precision, self.kernels, self.tokenizer = parts.precision, parts.kernels, parts.tokenizer
-        self.model, self.draft_model, self.kv_cache = parts.model, parts.draft_model, parts.kv_cache
-        self.max_model_len, self.grammars, self.core = parts.max_model_len, parts.grammars, parts.core
-        self.load_ms, self._ranks, self.threads = parts.load_ms, parts.ranks, parts.threads
+        # what it serves: the config, the model file, and what loading it chose
+        self.config = parts.config
+        self.model_path = parts.model_path
+        self.model_config = parts.model_config
+        self.max_model_len = parts.max_model_len
+        self.precision = parts.precision
+        self.load_ms = parts.load_ms
+        # what runs a step: the scheduler core, the model (and a draft model), their KV cache, kernels
+        # and kernel threads, and with tensor parallelism the other ranks
+        self.core = parts.core
+        self.model = parts.model
+        self.draft_model = parts.draft_model
+        self.kv_cache = parts.kv_cache
+        self.kernels = parts.kernels
+        self.threads = parts.threads
+        self._ranks = parts.ranks
         self.tp = parts.ranks.group if parts.ranks else None
-        self.broken: str | None = None          # why no step can run any more (EngineBrokenError)
-        self._ids = itertools.count()
+        # text in and out: tokens, grammars, detokenized deltas, thinking blocks
+        self.tokenizer = parts.tokenizer
+        self.grammars = parts.grammars
         self.outputs = OutputProcessor(self.tokenizer)
         self.thinking = ThinkingGates(self.tokenizer, self.tokenizer.eos_token_ids)
+        # the session's own: request ids, KV blocks between engines, admission, a broken group
+        self._ids = itertools.count()
         self.kv_transfer = KVTransfer(self.core.kv, self.kv_cache, self.config.kv_role, self.config.kv_peer,
                                       self.tp is not None)
-        self.admission = Admission(self.max_model_len, self.model_config.vocab_size, self.core.kv.pool.num_blocks,
-                                   self.core.blocks_needed)
+        self.admission = Admission(self.max_model_len, self.model_config.vocab_size,
+                                   self.core.kv.pool.num_blocks, self.core.blocks_needed)
+        self.broken: str | None = None          # why no step can run any more (EngineBrokenError)
 
     def close(self) -> None:
         """Finish the prompt cache's queued disk writes and stop the other ranks of a tensor-parallel
@@ -70,8 +85,9 @@ class LLMEngine:
         """Token ids of a prompt: a ChatPrompt (messages, tools, the template's own variables, how it ends)
         or chat messages (with OpenAI-style tools; an assistant turn opened) through the chat template."""
         if isinstance(prompt, ChatPrompt):
-            return self.tokenizer.apply_chat_template(prompt.messages, prompt.add_generation_prompt, prompt.tools,
-                                                      prompt.template_kwargs, prompt.continue_final)
+            return self.tokenizer.apply_chat_template(prompt.messages, prompt.add_generation_prompt,
+                                                      prompt.tools, prompt.template_kwargs,
+                                                      prompt.continue_final)
         if isinstance(prompt, str):
             if chat:
                 return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tools=tools)
@@ -103,10 +119,12 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         compiled = time.perf_counter()
         grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
-        req = Request(request_id, prompt_ids, params, self.tokenizer.eos_token_ids, arrival=arrival, grammar=grammar)
+        req = Request(request_id, prompt_ids, params, self.tokenizer.eos_token_ids,
+                      arrival=arrival, grammar=grammar)
         if grammar is not None:
             req.metrics.grammar_compile_ms = (time.perf_counter() - compiled) * 1e3
-        if params.thinking is not None:        # the block tracked and kept in its budget; the grammar after it
+        # the block tracked and kept in its budget; the grammar after it
+        if params.thinking is not None:
             req.grammar = self.thinking.gate(params.thinking, prompt_ids, grammar, req.metrics)
         self.core.add_request(req)
         self.outputs.add(req, prompt if isinstance(prompt, str) else None)
@@ -121,7 +139,8 @@ class LLMEngine:
         """Running and waiting requests, KV blocks used, cached and free, step and speculation counters,
         the kernel threads and what other programs took of the CPUs."""
         t = self.threads
-        return replace(self.core.stats(), threads=t.threads, cpus_busy_elsewhere=t.others, cpu_wait_seconds=t.cpu_wait_s)
+        return replace(self.core.stats(), threads=t.threads, cpus_busy_elsewhere=t.others,
+                       cpu_wait_seconds=t.cpu_wait_s, kv_block_bytes=self.kv_cache.bytes_per_block)
 
     @property
     def last_step(self) -> StepRecord | None:
@@ -183,7 +202,8 @@ class LLMEngine:
     def warmup(self) -> None:
         """One tiny request through the whole path, so first-call costs are not timed later."""
         n = 3 if self.config.speculative.enabled else 2     # with speculation: one step verifies a draft
-        rid = self.add_request([self.tokenizer.bos_token_id or 0] * 4, SamplingParams(max_tokens=n, ignore_eos=True))
+        rid = self.add_request([self.tokenizer.bos_token_id or 0] * 4,
+                               SamplingParams(max_tokens=n, ignore_eos=True))
         policy = self.core.spec_policy
         self.core.use_spec_policy(None)     # k drafts, and a first call's costs are not this machine's
         try:
@@ -192,13 +212,15 @@ class LLMEngine:
             self.core.use_spec_policy(policy)
 
 
-def encode_marked(tokenizer: Tokenizer, prompt: ChatPrompt) -> tuple[list[int], tuple[tuple[int, float], ...]]:
+def encode_marked(tokenizer: Tokenizer,
+                  prompt: ChatPrompt) -> tuple[list[int], tuple[tuple[int, float], ...]]:
     """A chat prompt's token ids (as `apply_chat_template` encodes it) and its cache points in tokens: a point
     covers the prompt's tokens that end within the characters its cut renders alike (the longest common
     prefix of the two texts); a cut the template cannot render (a system prompt alone, for some) marks
     nothing. One tokenization, whatever the number of points."""
     def render(p: ChatPrompt) -> str:
-        return tokenizer.render_chat(p.messages, p.add_generation_prompt, p.tools, p.template_kwargs, p.continue_final)
+        return tokenizer.render_chat(p.messages, p.add_generation_prompt, p.tools,
+                                     p.template_kwargs, p.continue_final)
 
     text = render(prompt)
     ids, ends = tokenizer.encode_with_ends(text)

@@ -29,8 +29,9 @@ class OutputProcessor:
         detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens,
                                        params.stop)
         out = CompletionOutput(request_id=request.request_id, prompt=prompt_text,
-                               prompt_token_ids=request.prompt_token_ids, text="", token_ids=[], finish_reason=None,
-                               stop_reason=None, logprobs=[] if params.logprobs is not None else None,
+                               prompt_token_ids=request.prompt_token_ids, text="", token_ids=[],
+                               finish_reason=None, stop_reason=None,
+                               logprobs=[] if params.logprobs is not None else None,
                                metrics=request.metrics)
         self._tracked[request.request_id] = _Tracked(out, detok)
 
@@ -88,16 +89,17 @@ class OutputProcessor:
             out.finish_reason = reason.value
             del self._tracked[o.request_id]
         out.text += text
-        return StreamDelta(request_id=o.request_id, text=text, token_ids=list(new_ids), logprobs=list(new_lps),
-                           finished=finished, output=out)
+        return StreamDelta(request_id=o.request_id, text=text, token_ids=list(new_ids),
+                           logprobs=list(new_lps), finished=finished, output=out)
 
 
 def _refusal(request: Request, token_id: int | None, tokenizer: Tokenizer) -> str:
-    """Why a request ended in error: the token its grammar refused (the only error a step leaves in an output)."""
+    """Why a request ended in error: the token its grammar refused (the only error a step leaves in an
+    output)."""
     grammar = request.grammar
     cause = (grammar.error or "").splitlines()[0] if grammar is not None else ""
-    token = f"token {token_id} ({tokenizer.decode([token_id], skip_special_tokens=False)!r})" if token_id is not None \
-        else "a token"
+    token = "a token" if token_id is None else \
+        f"token {token_id} ({tokenizer.decode([token_id], skip_special_tokens=False)!r})"
     if cause == "NoExtensionBias":      # llguidance: no token of the vocabulary continues the output
         return f"{DEAD_END}: no token of this model's vocabulary continues the output, and it is not complete"
     return f"the output's grammar refused {token}" + (f": {cause}" if cause else "")

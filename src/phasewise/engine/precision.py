@@ -23,17 +23,17 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from phasewise.config import WEIGHT_DTYPES, default_cache_dir
 from phasewise.kernels.kernel_api import Kernels
-from phasewise.paths import default_cache_dir
 
-WEIGHT_DTYPES = ("fp32", "bf16", "fp16", "int8", "q4")
 KV_DTYPES = ("model", "int8", "int4")
 # Families whose int8 KV cache was measured within LIMIT on a held-out text, with what it cost against a
-# float cache at fp32 weights (benchmarks/quality.py --dtypes fp32,fp32/int8 --text /usr/share/common-licenses/
-# GPL-3 --window 2048: 7.5k tokens, not in the repo).
+# float cache at fp32 weights (benchmarks/quality.py --dtypes fp32,fp32/int8 --text
+# /usr/share/common-licenses/GPL-3 --window 2048: 7.5k tokens, not in the repo).
 INT8_KV_HOLDS = {"llama": "SmolLM2-135M +0.03% on a held-out text",
                  "qwen2": "Qwen2.5-Coder-0.5B -0.04%, 1.5B +0.05% on a held-out text"}
-INT8_KV_SCHEME = 2          # the int8 cache's layout a record's "…/int8" figures were measured with (2: K per channel)
+# the int8 cache's layout a record's "…/int8" figures were measured with (2: K per channel)
+INT8_KV_SCHEME = 2
 # Families whose int4 KV cache (docs/architecture.md, "int4 KV cache") was measured within LIMIT of fp32 in
 # total at the file's q4 weights: none, so "auto" never picks it (`--kv-dtype int4` asks for it); a file's
 # own record ("q4/int4" of INT4_KV_SCHEME, benchmarks/quality.py --record) within LIMIT picks it too.
@@ -114,19 +114,20 @@ def choose(path: Path, dtype: str, kv_dtype: str, kernels: Kernels | None, famil
                                                                  "; a KV cache of the weights' float type"))
     if kernels is None:
         return Precision("fp32", kv, True, "no compiled kernels here, so the file's weights in fp32"
-                         + (_kv_note(family, kv, True) if asked else "; a float KV cache (the int8 one needs them)"))
+                         + (_kv_note(family, kv, True) if asked
+                            else "; a float KV cache (the int8 one needs them)"))
     types = gguf_block_types(path)
     blocks = sorted(types & set(GGUF_BLOCKS))
     if blocks:
         others = sorted(types - set(GGUF_BLOCKS) - {"F32", "F16", "BF16"})
         rest = f", int8 per channel for its {'/'.join(others)} layers" if others else ""
         kv, quality = _q4_kv(measured(path), kv_dtype, family)
-        return Precision("q4", kv, True, f"the file's own {'/'.join(blocks)} blocks{rest} on the {kernels.isa} "
-                                         f"kernels, {quality}")
+        own = f"the file's own {'/'.join(blocks)} blocks{rest} on the {kernels.isa} kernels, {quality}"
+        return Precision("q4", kv, True, own)
     if not asked and family not in INT8_KV_HOLDS:
         kv = "model"
-    return Precision("int8", kv, True, f"int8 per-channel weights on the {kernels.isa} kernels (measured apart: "
-                                       f"-0.05% perplexity){_kv_note(family, kv, asked)}")
+    return Precision("int8", kv, True, f"int8 per-channel weights on the {kernels.isa} kernels (measured "
+                                       f"apart: -0.05% perplexity){_kv_note(family, kv, asked)}")
 
 
 
@@ -142,8 +143,9 @@ def record_path(path: Path) -> Path:
 
 def measured(path: Path) -> dict[str, float]:
     """A file's perplexity per precision ("q4/int8", "q4", ...) relative to its weights in fp32, as recorded
-    in the cache or shipped in MEASURED; empty when nobody measured it. A record's int8 (int4) cache figures
-    count only when it names the cache's current layout ("int8_kv" INT8_KV_SCHEME, "int4_kv" INT4_KV_SCHEME)."""
+    in the cache or shipped in MEASURED; empty when nobody measured it. A record's int8 (int4) cache
+    figures count only when it names the cache's current layout ("int8_kv" INT8_KV_SCHEME, "int4_kv"
+    INT4_KV_SCHEME)."""
     try:
         record = {k: float(v) for k, v in json.loads(record_path(path).read_text()).items()}
         current = {"int8": record.pop("int8_kv", None) == INT8_KV_SCHEME,
@@ -191,8 +193,8 @@ def _q4_kv(figures: dict[str, float], kv_dtype: str, family: str) -> tuple[str, 
     figure = both if kv == "int8" else four if kv == "int4" else alone
     if figure is None:
         pair = "q4" if kv == "model" else f"q4/{kv}"
-        return kv, (f"{pair} perplexity not measured for this file (benchmarks/quality.py --model FILE --record; "
-                    f"the default model's q4/int8: +0.11%){_kv_note(family, kv, asked)}")
+        return kv, (f"{pair} perplexity not measured for this file (benchmarks/quality.py --model FILE "
+                    f"--record; the default model's q4/int8: +0.11%){_kv_note(family, kv, asked)}")
     within = "within" if figure <= LIMIT else "over"
     note = f"; the int8 KV cache measured {both:+.2%}" if kv == "model" and both is not None else ""
     return kv, f"{figure:+.2%} perplexity against fp32 as measured on this file ({within} 0.5%){note}" + \

@@ -31,9 +31,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 
+from phasewise.config import default_cache_dir
 from phasewise.kernels.isa import Level, chosen_level, runnable_levels
 from phasewise.kernels.kernel_api import Kernels
-from phasewise.paths import default_cache_dir
 
 CSRC = Path(__file__).parent / "csrc"
 BINDING_SOURCES = ("bindings.cpp", "kernel_set.cpp", "decoder_stack.cpp", "cache_views.cpp")

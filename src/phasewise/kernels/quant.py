@@ -23,8 +23,8 @@ quant_linear.cpp):
 The 6-bit bytes of k6 (and q5's, unpacked to bytes in the kernel) multiply unbiased on every ISA
 (AVX2's vpmaddubsw without saturating), where q8's need a slower path on AVX2. A fused projection
 whose parts differ in block type keeps each part in its own format, chained (`rest`), but for q5
-parts before q8 ones: q8 tiles holding U5 bytes (u = q + 16, `u5_tiles`). `repack` moves a weight
-into a wider format exactly (WIDER; k8 holds any mix of bytes); loading no longer needs it.
+parts before q8 ones: q8 tiles holding U5 bytes (u = q + 16, `u5_tiles`). No load path makes k8
+(it holds any mix of bytes); the tests pack it directly.
 
 Packing only moves bytes and widens scales (no second rounding of GGUF weights). `dequantize` is
 the device-agnostic reference; `emulate` computes in PyTorch what the kernel computes
@@ -43,9 +43,6 @@ TILE = 16                                 # output rows per tile (one vector lan
 FORMAT_IDS = {"q4": 0, "q8": 1, "i8": 2, "k4": 3, "k8": 4, "q5": 5, "k6": 6, "q6k": 8}
 NIBBLES = ("q4", "k4")                    # quants as 4-bit values; q5 as q + 16 in 5 bits; the others bytes
 OFFSET = {"q8": 128, "i8": 128, "k8": 128, "q5": 16, "k6": 32, "q6k": 32}
-# the formats each format's values and scales fit exactly (quant.repack), narrowest first
-WIDER = {"q4": ("q4", "k6", "k8"), "k4": ("k4", "k6", "k8"), "q5": ("q5", "q8", "k6", "k8"),
-         "q8": ("q8", "k8"), "k6": ("k6", "k8"), "k8": ("k8",), "i8": ("i8",), "q6k": ("q6k", "k6", "k8")}
 # each format's per-block scales after the quants, in pack's order: one 16-row vector each, of this dtype
 _F16, _F32, _I16, _U8, _I8 = torch.float16, torch.float32, torch.int16, torch.uint8, torch.int8
 SCALES = {"q4": (_F16, _F16), "q8": (_F16,), "i8": (), "k4": (_U8, _U8), "k8": (_F32, _F32, _F32),
@@ -60,7 +57,7 @@ SUPER_SCALES = {"k4": 2, "q6k": 1}        # fp16 vectors of 16 per (tile, super-
 
 @dataclass(kw_only=True)
 class PackedWeight:
-    fmt: str                       # q4 | q8 | i8 | k4 | k8 | q5 | k6
+    fmt: str                       # q4 | q8 | i8 | k4 | k8 | q5 | k6 | q6k
     n: int                         # output features (rows of W)
     k: int                         # input features, a multiple of 32
     blocks: torch.Tensor               # [NT, KB, BLOCK_BYTES] uint8: quants, then the scales
@@ -232,25 +229,6 @@ def quantize_i8(w: torch.Tensor) -> PackedWeight:
     np_ = -(-n // TILE) * TILE
     u = (_pad_rows(q, np_) + 128).to(torch.uint8).reshape(np_, k // QK, QK)
     return PackedWeight(fmt="i8", n=n, k=k, blocks=_tile_bytes(u), scale=_pad_rows(scale, np_).contiguous())
-
-
-def repack(w: PackedWeight, fmt: str) -> PackedWeight:
-    """The same weight in a format it fits exactly (WIDER[w.fmt]): values kept, scales widened."""
-    if w.fmt == fmt:
-        return w
-    if fmt not in WIDER[w.fmt]:
-        raise ValueError(f"cannot repack {w.fmt} as {fmt}")
-    q, s = w.values()[:w.n], [t[:w.n] for t in w.block_scales()]
-    if fmt == "q8":                                  # q5 → q8: the same scales
-        return pack(fmt, q, s)
-    if w.fmt == "q6k":                               # → k6: the same scales, d in fp32
-        return pack(fmt, q, s) if fmt == "k6" else pack(fmt, q, [s[0] * s[1], s[0] * s[2], s[3]])
-    if w.fmt == "k6":                                # → k8: each half's d = d sc, exact in fp32
-        return pack(fmt, q, [s[0] * s[1], s[0] * s[2], s[3]])
-    m = s[1] if w.fmt in NIBBLES else torch.zeros_like(s[0])
-    if fmt == "k6":                                  # one d for both halves: sc = 1
-        return pack(fmt, q, [s[0], torch.ones_like(s[0]), torch.ones_like(s[0]), m])
-    return pack(fmt, q, [s[0], s[0], m])
 
 
 def concat(parts: list[PackedWeight]) -> PackedWeight:

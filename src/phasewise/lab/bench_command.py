@@ -17,7 +17,8 @@ from phasewise.lab.load_stats import LATENCIES, Latency, LoadSummary, RequestRec
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from phasewise.lab import load_gen as G     # imported when a benchmark runs: httpx stays out of other commands
+    # imported when a benchmark runs: httpx stays out of other commands
+    from phasewise.lab import load_gen as G
 
 ParserT = TypeVar("ParserT", bound=argparse.ArgumentParser)   # the parser class of the CLI's subcommands
 
@@ -27,7 +28,8 @@ def add_parser(sub: argparse._SubParsersAction[ParserT]) -> None:
     kinds = bench.add_subparsers(dest="bench", required=True)
     s = kinds.add_parser("serve", help="load an OpenAI-compatible server: TTFT, TPOT, ITL, latency, "
                                        "throughput, goodput")
-    s.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000 (with or without /v1)")
+    s.add_argument("--base-url", required=True,
+                   help="the server, e.g. http://127.0.0.1:8000 (with or without /v1)")
     s.add_argument("--model", default=None, help="model name (default: the first one the server lists)")
     s.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     s.add_argument("--api-key", default=None)
@@ -47,7 +49,8 @@ def add_parser(sub: argparse._SubParsersAction[ParserT]) -> None:
     d.add_argument("--vocab-size", type=int, default=32000, help="random token ids are drawn below this")
     d.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos (for strict servers)")
     lo = s.add_argument_group("load")
-    lo.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (default: all at once)")
+    lo.add_argument("--request-rate", type=float, default=float("inf"),
+                    help="requests/s (default: all at once)")
     lo.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps: 1 = Poisson")
     lo.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     lo.add_argument("--sweep", type=int_list, default=None,
@@ -82,7 +85,8 @@ def prompts_for(args: argparse.Namespace, n: int, seed: int) -> list[G.Prompt]:
 
     ids = not args.text_prompts and args.endpoint == "completions"
     if args.dataset == "random":
-        return G.random_prompts(n, args.input_len, args.output_len, args.range_ratio, seed, ids, args.vocab_size)
+        return G.random_prompts(n, args.input_len, args.output_len, args.range_ratio, seed,
+                                ids, args.vocab_size)
     if args.dataset == "shared-prefix":
         return G.shared_prefix_prompts(args.num_prefixes, args.suffixes_per_prefix, args.prefix_len,
                                        args.suffix_len, args.output_len, seed, ids, args.vocab_size)
@@ -96,8 +100,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     slos = parse_goodput(args.goodput)
     base = args.base_url.rstrip("/")
     base = base if base.endswith("/v1") else base + "/v1"
-    target = G.Target(base_url=base, model=args.model or G.first_model(base, args.api_key), endpoint=args.endpoint,
-                      api_key=args.api_key, ignore_eos=not args.no_ignore_eos)
+    target = G.Target(base_url=base, model=args.model or G.first_model(base, args.api_key),
+                      endpoint=args.endpoint, api_key=args.api_key, ignore_eos=not args.no_ignore_eos)
     prompts = prompts_for(args, args.num_prompts, args.seed)
     if args.num_warmup:
         warm = prompts_for(args, args.num_warmup, args.seed + 1)[: args.num_warmup]
@@ -136,7 +140,8 @@ def _run_with_progress(target: G.Target, prompts: list[G.Prompt], args: argparse
                                  lambda r: bar.advance(task)))
 
 
-def print_summary(console: Console, target: G.Target, args: argparse.Namespace, summaries: list[LoadSummary]) -> None:
+def print_summary(console: Console, target: G.Target, args: argparse.Namespace,
+                  summaries: list[LoadSummary]) -> None:
     from rich.table import Table
 
     table = Table(title=f"{target.model} at {target.base_url} ({args.dataset}, {args.num_prompts} requests)")
@@ -178,8 +183,8 @@ def write_results(out: Path, target: G.Target, args: argparse.Namespace,
     (out / "results.json").write_text(json.dumps(doc, indent=2))
     with open(out / "requests.csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["max_concurrency", "ok", "prompt_tokens", "cached_tokens", "output_tokens", "ttft_ms", "tpot_ms",
-                    "e2e_ms", "error"])
+        w.writerow(["max_concurrency", "ok", "prompt_tokens", "cached_tokens", "output_tokens", "ttft_ms",
+                    "tpot_ms", "e2e_ms", "error"])
         for s, records in points:
             for r in records:
                 w.writerow([s["max_concurrency"], r.ok, r.prompt_tokens, r.cached_tokens, r.output_tokens,

@@ -5,29 +5,33 @@ from __future__ import annotations
 import argparse
 from typing import TypeVar
 
+from phasewise.config import PROCESS_OVERHEAD
 from phasewise.lab.cost import Prices, Workload, cost_with_caching, cost_without_caching
-from phasewise.lab.memory import KV_DTYPES, MIB, OVERHEAD, ModelShape, hybrid_comparison, report
+from phasewise.lab.memory import KV_DTYPES, MIB, ModelShape, hybrid_comparison, report
 
 ParserT = TypeVar("ParserT", bound=argparse.ArgumentParser)   # the parser class of the CLI's subcommands
 
 
 def add_parsers(sub: argparse._SubParsersAction[ParserT]) -> None:
-    mem = sub.add_parser("memory", help="KV-cache and weight memory of a model, from its file or from numbers")
+    mem = sub.add_parser("memory",
+                         help="KV-cache and weight memory of a model, from its file or from numbers")
     mem.add_argument("--model", "-m", default=None,
                      help="a .gguf file or HF folder (default: the default model unless --layers is given)")
     mem.add_argument("--layers", type=int, help="number of layers (instead of a model)")
     mem.add_argument("--kv-heads", type=int, help="number of KV heads (instead of a model)")
     mem.add_argument("--head-dim", type=int, help="head size (instead of a model)")
-    mem.add_argument("--params", type=float, default=None, help="parameter count, e.g. 7e9 (instead of a model)")
+    mem.add_argument("--params", type=float, default=None,
+                     help="parameter count, e.g. 7e9 (instead of a model)")
     mem.add_argument("--context", type=int, default=4096, help="tokens per sequence")
     mem.add_argument("--memory", type=float, default=24.0, help="memory for the KV cache, GiB")
     mem.add_argument("--kv-dtype", default="auto", choices=list(KV_DTYPES),
-                     help="the engine's KV cache (auto: int8 where its kernels run, model: fp32) or a float width "
-                          "for comparison (bf16, fp16)")
+                     help="the engine's KV cache (auto: int8 where its kernels run, model: fp32) or a float "
+                          "width for comparison (bf16, fp16)")
     mem.set_defaults(func=cmd_memory)
 
-    cost = sub.add_parser("cost", help="cost of a workload (or of a recorded run: --from-run) from per-million-token "
-                                       "prices, with and without prompt caching")
+    cost = sub.add_parser("cost",
+                          help="cost of a workload (or of a recorded run: --from-run) from per-million-token "
+                               "prices, with and without prompt caching")
     cost.add_argument("--requests", type=int, help="requests of the workload (not with --from-run)")
     cost.add_argument("--input-len", type=int, help="per request, shared prefix included")
     cost.add_argument("--output-len", type=int, help="per request")
@@ -35,13 +39,16 @@ def add_parsers(sub: argparse._SubParsersAction[ParserT]) -> None:
     cost.add_argument("--input-price", type=float, required=True, help="per million input tokens")
     cost.add_argument("--output-price", type=float, required=True, help="per million output tokens")
     cost.add_argument("--cache-write-price", type=float, default=None, help="default: the input price")
-    cost.add_argument("--cache-read-price", type=float, default=None, help="default: a tenth of the input price")
+    cost.add_argument("--cache-read-price", type=float, default=None,
+                      help="default: a tenth of the input price")
     cost.add_argument("--from-run", metavar="FILE", default=None,
-                      help="price a recorded run instead: bench serve's requests.csv (or its folder), or a JSON Lines "
-                           "file of API usage objects; writes 1.25x the input price at 5m, 2x at 1h, reads 0.1x")
+                      help="price a recorded run instead: bench serve's requests.csv (or its folder), or a "
+                           "JSON Lines file of API usage objects; writes 1.25x the input price at 5m, "
+                           "2x at 1h, reads 0.1x")
     cost.add_argument("--unmarked-writes", default="none", choices=("none", "5m", "1h"),
-                      help="--from-run: how a request whose usage reports no cache writes (OpenAI's shapes) pays for "
-                           "its prompt tokens not read from the cache: as input, or as writes at this ttl")
+                      help="--from-run: how a request whose usage reports no cache writes (OpenAI's shapes) "
+                           "pays for its prompt tokens not read from the cache: as input, or "
+                           "as writes at this ttl")
     cost.add_argument("--json-out", metavar="FILE", default=None,
                       help="--from-run: where the JSON goes (default: cost.json beside the run)")
     cost.set_defaults(func=cmd_cost)
@@ -113,7 +120,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
               f"{packed * 8 / params:.3f} bits a parameter ({packed / stored - 1:+.1%} against the file's "
               f"{stored / MIB:,.0f} MiB)")
         print(f"peak memory serving it: {packed / MIB:,.0f} MiB of weights + the KV pool (--kv-cache-memory, "
-              f"default 2 GiB) + about {OVERHEAD / MIB:,.0f} MiB")
+              f"default 2 GiB) + about {PROCESS_OVERHEAD / MIB:,.0f} MiB")
     return 0
 
 
@@ -129,7 +136,8 @@ def cmd_cost(args: argparse.Namespace) -> int:
     plain, cached = cost_without_caching(w, prices), cost_with_caching(w, prices)
     print(f"{'':22}{'input':>10}{'cache write':>13}{'cache read':>12}{'output':>10}{'total':>11}")
     for name, c in (("without prompt caching", plain), ("with prompt caching", cached)):
-        print(f"{name:22}{c.input:>10.4f}{c.cache_write:>13.4f}{c.cache_read:>12.4f}{c.output:>10.4f}{c.total:>11.4f}")
+        print(f"{name:22}{c.input:>10.4f}{c.cache_write:>13.4f}{c.cache_read:>12.4f}{c.output:>10.4f}"
+              f"{c.total:>11.4f}")
     if plain.total > 0:
         print(f"prompt caching saves {plain.total - cached.total:.4f} ({1 - cached.total / plain.total:.1%})")
     return 0
@@ -147,8 +155,8 @@ def cmd_cost_run(args: argparse.Namespace) -> int:
     from phasewise.lab.run_cost import READ, WRITE_1H, WRITE_5M, RunPricing, read_run
 
     if args.cache_write_price is not None or args.cache_read_price is not None or args.requests is not None:
-        raise ValueError("--from-run prices writes and reads as the seeds do (1.25x or 2x the input price, 0.1x), "
-                         "and takes its requests from the run")
+        raise ValueError("--from-run prices writes and reads as the seeds do (1.25x or 2x the input price, "
+                         "0.1x), and takes its requests from the run")
     if min(args.input_price, args.output_price) < 0:
         raise ValueError("prices must be >= 0")
     run = Path(args.from_run)
@@ -161,16 +169,18 @@ def cmd_cost_run(args: argparse.Namespace) -> int:
     for name in ("", "input", f"write 5m ({WRITE_5M:g}x)", f"write 1h ({WRITE_1H:g}x)", f"read ({READ:g}x)",
                  "output", "total"):
         table.add_column(name, justify="left" if not name else "right")
-    table.add_row("tokens as served", *(f"{n:,}" for n in (t.input, t.write_5m, t.write_1h, t.read, t.output)), "")
+    table.add_row("tokens as served",
+                  *(f"{n:,}" for n in (t.input, t.write_5m, t.write_1h, t.read, t.output)), "")
     for label, c in (("without caching", pricing.without_cache), ("with caching", pricing.with_cache)):
-        table.add_row(label, *(f"{v:.4f}" for v in (c.input, c.write_5m, c.write_1h, c.read, c.output, c.total)))
+        table.add_row(label,
+                      *(f"{v:.4f}" for v in (c.input, c.write_5m, c.write_1h, c.read, c.output, c.total)))
     console = Console()
     console.print(table)
     plain = pricing.without_cache.total
     roi = "no write premium paid" if pricing.roi is None else f"caching ROI {pricing.roi:.0%}"
-    console.print(f"read from the cache: {t.read / t.prompt if t.prompt else 0:.1%} of prompt tokens; the reads saved "
-                  f"{pricing.read_savings:.4f}, the writes cost {pricing.premium:.4f} beyond input: saved "
-                  f"{pricing.saved:.4f} ({pricing.saved / plain if plain else 0:.1%}), {roi}")
+    console.print(f"read from the cache: {t.read / t.prompt if t.prompt else 0:.1%} of prompt tokens; the "
+                  f"reads saved {pricing.read_savings:.4f}, the writes cost {pricing.premium:.4f} beyond "
+                  f"input: saved {pricing.saved:.4f} ({pricing.saved / plain if plain else 0:.1%}), {roi}")
     out = Path(args.json_out) if args.json_out else (run if run.is_dir() else run.parent) / "cost.json"
     out.write_text(json.dumps({"run": str(run), "unmarked_writes": args.unmarked_writes, **pricing.as_json()},
                               indent=2))

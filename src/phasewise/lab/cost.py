@@ -33,8 +33,8 @@ class Workload:
         if self.requests < 0 or self.input_tokens < 0 or self.output_tokens < 0:
             raise ValueError("requests and token counts must be >= 0")
         if not 0 <= self.shared_prefix_tokens <= self.input_tokens:
-            raise ValueError(f"the shared prefix (--prefix-len {self.shared_prefix_tokens}) must be between 0 and "
-                             f"the input (--input-len {self.input_tokens})")
+            raise ValueError(f"the shared prefix (--prefix-len {self.shared_prefix_tokens}) must be between "
+                             f"0 and the input (--input-len {self.input_tokens})")
 
 
 @dataclass(frozen=True)

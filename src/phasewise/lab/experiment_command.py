@@ -45,7 +45,8 @@ def add_parsers(sub: argparse._SubParsersAction[ParserT]) -> list[ParserT]:
     kinds = exp.add_subparsers(dest="experiment", required=True)
     ps = kinds.add_parser("prompt-sweep", help="prefill cost per token and decode speed as the prompt grows")
     ps.add_argument("--lengths", type=int_list, default=None,
-                    help="prompt lengths, e.g. 50,100,500 (default: 10 steps, log-spaced, --min-len..--max-len)")
+                    help="prompt lengths, e.g. 50,100,500 (default: 10 steps, log-spaced, "
+                         "--min-len..--max-len)")
     ps.add_argument("--min-len", type=int, default=50)
     ps.add_argument("--max-len", type=int, default=3500)
     ps.add_argument("--steps", type=int, default=10)
@@ -59,14 +60,16 @@ def add_parsers(sub: argparse._SubParsersAction[ParserT]) -> list[ParserT]:
     rp.add_argument("--runs", type=int, default=20)
     rp.add_argument("--input-len", type=int, default=128)
     rp.add_argument("--output-len", type=int, default=64)
-    bs = kinds.add_parser("batch-sweep", help="concurrency 1..64: aggregate tokens/s against inter-token latency")
+    bs = kinds.add_parser("batch-sweep",
+                          help="concurrency 1..64: aggregate tokens/s against inter-token latency")
     bs.add_argument("--max-concurrency", type=int_list, default=[1, 2, 4, 8, 16, 32, 64])
     bs.add_argument("--input-len", type=int, default=128)
     bs.add_argument("--output-len", type=int, default=64)
     parsers = [ps, os_, rp, bs]
     for p in parsers:
         g = p.add_argument_group("experiment")
-        g.add_argument("--result-dir", default=None, help="results folder (default: results/<experiment>-<time>)")
+        g.add_argument("--result-dir", default=None,
+                       help="results folder (default: results/<experiment>-<time>)")
         g.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
         g.add_argument("--trace", metavar="FILE", default=None, help="also write a Chrome/Perfetto trace")
         g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
@@ -74,8 +77,8 @@ def add_parsers(sub: argparse._SubParsersAction[ParserT]) -> list[ParserT]:
         g.add_argument("--prefix-caching", action="store_true",
                        help="keep prefix caching on (off by default so that repeats are not cache hits)")
         g.add_argument("--num-warmup", type=int, default=None,
-                       help="tiny requests run through the engine before measuring (default: 1; 0 for repeat, "
-                            "whose first run shows the cold start)")
+                       help="tiny requests run through the engine before measuring (default: 1; 0 for "
+                            "repeat, whose first run shows the cold start)")
         p.set_defaults(func=cmd_experiment)
     return parsers
 
@@ -95,7 +98,8 @@ def _check(args: argparse.Namespace) -> None:
 
         args.lengths = default_prompt_lengths(args.min_len, args.max_len, args.steps)
     if args.experiment == "batch-sweep" and max(args.max_concurrency) > args.max_num_seqs:
-        raise ValueError(f"concurrency {max(args.max_concurrency)} is above --max-num-seqs {args.max_num_seqs}")
+        raise ValueError(f"concurrency {max(args.max_concurrency)} is above "
+                         f"--max-num-seqs {args.max_num_seqs}")
 
 
 def _longest(args: argparse.Namespace) -> int:
@@ -156,9 +160,11 @@ def _experiment(args: argparse.Namespace, out: Path, console: Console) -> int:
     with console.status("loading the model"):
         llm = LLM(args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                   kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
-                  enable_prefix_caching=args.prefix_caching, max_num_batched_tokens=args.max_num_batched_tokens,
+                  enable_prefix_caching=args.prefix_caching,
+                  max_num_batched_tokens=args.max_num_batched_tokens,
                   max_num_seqs=args.max_num_seqs, kv_dtype=args.kv_dtype, warmup=False,
-                  speculative=speculative_config_from_args(args), tensor_parallel_size=args.tensor_parallel_size,
+                  speculative=speculative_config_from_args(args),
+                  tensor_parallel_size=args.tensor_parallel_size,
                   packed_cache=args.packed_cache, threads=args.threads)
     for _ in range(warmup):
         llm.engine.warmup()
@@ -176,7 +182,8 @@ def _experiment(args: argparse.Namespace, out: Path, console: Console) -> int:
         task = bar.add_task("", total=_total(args))
         exp = _run(llm, args, lambda n: bar.advance(task, n))
     exp.settings |= {"model": str(llm.engine.model_path), "dtype": llm.engine.precision.weights,
-                     "kv_dtype": llm.engine.precision.kv, "isa": llm.engine.kernels.isa if llm.engine.kernels else None,
+                     "kv_dtype": llm.engine.precision.kv,
+                     "isa": llm.engine.kernels.isa if llm.engine.kernels else None,
                      "device": args.device,
                      "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
                      "prefix_caching": args.prefix_caching, "num_warmup": warmup,

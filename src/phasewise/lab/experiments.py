@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeAlias
 
 from phasewise.core.request import RequestMetrics
-from phasewise.percentile import percentile
+from phasewise.report import percentile
 from phasewise.outputs import CompletionOutput
 from phasewise.core.sampling_params import SamplingParams
 
@@ -118,8 +118,8 @@ def _one(llm: LLM, prompt: list[int], max_tokens: int) -> CompletionOutput:
     return llm.generate([prompt], _params(max_tokens))[0]
 
 
-def _sweep(llm: LLM, key: str, points: Sequence[int], shape: Callable[[int], tuple[int, int]], runs: int, seed: int,
-           progress: Progress) -> tuple[list[Row], list[tuple[str, RequestMetrics]]]:
+def _sweep(llm: LLM, key: str, points: Sequence[int], shape: Callable[[int], tuple[int, int]], runs: int,
+           seed: int, progress: Progress) -> tuple[list[Row], list[tuple[str, RequestMetrics]]]:
     """One request per point and run, one after another; shape(point) = (prompt tokens, output tokens)."""
     make = PromptMaker(llm.model_config.vocab_size, seed)
     rows, reqs = [], []
@@ -144,11 +144,12 @@ def prompt_sweep(llm: LLM, lengths: Sequence[int], output_tokens: int = 199, run
     best = min(table, key=lambda r: r["ms_per_prompt_token"])
     notes = [f"cheapest prefill per token at {best['prompt_len']} prompt tokens "
              f"({best['ms_per_prompt_token']:.3f} ms, {best['prompt_tok_s']:.0f} tok/s)",
-             f"decode: {table[0]['ms_per_output_token']:.2f} ms/token after {table[0]['prompt_len']} prompt tokens, "
-             f"{table[-1]['ms_per_output_token']:.2f} after {table[-1]['prompt_len']}"]
-    settings: JsonObject = {"lengths": list(lengths), "output_tokens": output_tokens, "runs": runs, "seed": seed}
-    return Experiment(name="prompt-sweep", settings=settings, rows=rows, columns=cols, table=table, notes=notes,
-                      requests=reqs)
+             f"decode: {table[0]['ms_per_output_token']:.2f} ms/token after {table[0]['prompt_len']} prompt "
+             f"tokens, {table[-1]['ms_per_output_token']:.2f} after {table[-1]['prompt_len']}"]
+    settings: JsonObject = {"lengths": list(lengths), "output_tokens": output_tokens,
+                            "runs": runs, "seed": seed}
+    return Experiment(name="prompt-sweep", settings=settings, rows=rows, columns=cols, table=table,
+                      notes=notes, requests=reqs)
 
 
 def output_sweep(llm: LLM, lengths: Sequence[int], prompt_tokens: int = 32, runs: int = 1, seed: int = 0,
@@ -162,9 +163,10 @@ def output_sweep(llm: LLM, lengths: Sequence[int], prompt_tokens: int = 32, runs
     pre = [r["prefill_ms"] for r in table]
     notes = [f"prefill stays {min(pre):.1f}–{max(pre):.1f} ms across output lengths; decode grows "
              f"from {table[0]['decode_ms']:.0f} ms to {table[-1]['decode_ms']:.0f} ms"]
-    settings: JsonObject = {"lengths": list(lengths), "prompt_tokens": prompt_tokens, "runs": runs, "seed": seed}
-    return Experiment(name="output-sweep", settings=settings, rows=rows, columns=cols, table=table, notes=notes,
-                      requests=reqs)
+    settings: JsonObject = {"lengths": list(lengths), "prompt_tokens": prompt_tokens,
+                            "runs": runs, "seed": seed}
+    return Experiment(name="output-sweep", settings=settings, rows=rows, columns=cols, table=table,
+                      notes=notes, requests=reqs)
 
 
 REPEAT_TIMINGS = ("ttft_ms", "prefill_ms", "ms_per_output_token", "decode_tok_s", "e2e_ms")
@@ -210,14 +212,16 @@ def repeat(llm: LLM, runs: int = 20, prompt_tokens: int = 128, output_tokens: in
     cols = [Column("timing", "timing", "s"), Column("median", "median", ".2f"), Column("p5", "p5", ".2f"),
             Column("p95", "p95", ".2f"), Column("cv", "CV", ".1%"), Column("min", "min", ".2f"),
             Column("max", "max", ".2f")]
-    settings: JsonObject = {"runs": runs, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens, "seed": seed}
+    settings: JsonObject = {"runs": runs, "prompt_tokens": prompt_tokens,
+                            "output_tokens": output_tokens, "seed": seed}
     return Experiment(name="repeat", settings=settings, rows=rows, columns=cols, table=table,
                       notes=notes or ["no outliers"], requests=reqs)
 
 
 def batch_sweep(llm: LLM, concurrencies: Sequence[int], prompt_tokens: int = 128, output_tokens: int = 64,
                 seed: int = 0, progress: Progress = lambda n: None) -> Experiment:
-    """c requests at once, for each c: aggregate output tokens/s against each request's inter-token latency."""
+    """c requests at once, for each c: aggregate output tokens/s against each request's inter-token
+    latency."""
     make = PromptMaker(llm.model_config.vocab_size, seed)
     rows: list[Row] = []
     reqs: list[tuple[str, RequestMetrics]] = []

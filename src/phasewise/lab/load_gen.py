@@ -25,7 +25,8 @@ WORDS = ("time year people way day man thing woman life child world school state
          "night point home water room mother area money story fact month lot right study book eye job word "
          "business issue side kind head house service friend father power hour game line end member law car "
          "city community name president team minute idea kid body information back parent face others level "
-         "office door health person art war history party result change morning reason research girl guy").split()
+         "office door health person art war history party result change morning reason research girl "
+         "guy").split()
 
 
 @dataclass
@@ -102,8 +103,8 @@ class Target:
     timeout: float = 600.0
 
     def body(self, p: Prompt) -> JsonObject:
-        body: JsonObject = {"model": self.model, "max_tokens": p.output_len, "stream": True, "temperature": 0.0,
-                            "stream_options": {"include_usage": True}}
+        body: JsonObject = {"model": self.model, "max_tokens": p.output_len, "stream": True,
+                            "temperature": 0.0, "stream_options": {"include_usage": True}}
         if self.ignore_eos:
             body["ignore_eos"] = True
         if self.endpoint == "chat":
@@ -178,7 +179,8 @@ async def run(target: Target, prompts: list[Prompt], rate: float = float("inf"),
               on_done: Callable[[RequestRecord], None] = lambda r: None) -> tuple[list[RequestRecord], float]:
     """Send every prompt on its arrival schedule (and under the concurrency cap): (records, duration s)."""
     limit = asyncio.Semaphore(max_concurrency or len(prompts) or 1)
-    connections = httpx.Limits(max_connections=max_concurrency or len(prompts) or 1, max_keepalive_connections=64)
+    connections = httpx.Limits(max_connections=max_concurrency or len(prompts) or 1,
+                               max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=target.timeout, limits=connections) as client:
         async def one(p: Prompt) -> RequestRecord:
             async with limit:

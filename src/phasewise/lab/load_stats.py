@@ -16,7 +16,7 @@ from typing import Literal
 
 from typing_extensions import NotRequired, TypedDict   # typing has NotRequired from Python 3.11
 
-from phasewise.percentile import percentile
+from phasewise.report import percentile
 
 SLO_METRICS = ("ttft", "tpot", "e2e")
 Latency = Literal["ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"]      # a summary's latency keys (`_stats` each)
@@ -56,7 +56,8 @@ class RequestRecord:
     ok: bool = False
     prompt_tokens: int = 0
     output_tokens: int = 0
-    cached_tokens: int = 0                     # of the prompt, served by the prompt cache (usage's cached_tokens)
+    # of the prompt, served by the prompt cache (usage's cached_tokens)
+    cached_tokens: int = 0
     chunk_times: list[float] = field(default_factory=list)   # arrival of each content chunk
     end: float = 0.0
     error: str = ""

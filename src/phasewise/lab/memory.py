@@ -16,7 +16,6 @@ BYTES_PER_ELEMENT = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "int4":
 KV_DTYPES = {"auto": "int8", "model": "fp32", "int8": "int8", "int4": "int4", "fp32": "fp32", "bf16": "bf16",
              "fp16": "fp16"}
 MIB, GIB = 2**20, 2**30
-OVERHEAD = 400 * MIB        # what a process holds beside weights and KV cache (torch, tokenizer, buffers)
 
 
 @dataclass(frozen=True)
@@ -36,15 +35,16 @@ class ModelShape:
         return cls(len(cfg.attention_layers), cfg.num_kv_heads, cfg.head_dim, parameter_count(cfg),
                    cfg.sliding_window, len(cfg.sliding_layers), cfg.state_bytes_per_seq)
 
-    def windowed_kv_bytes_per_sequence(self, context_len: int, dtype: str = "fp16", block_size: int = 16) -> float:
+    def windowed_kv_bytes_per_sequence(self, context_len: int, dtype: str = "fp16",
+                                       block_size: int = 16) -> float:
         """KV one sequence holds in phasewise's pool once it has computed context_len tokens: whole
         blocks, the full layers all of them, the windowed layers from the block of the oldest key
         the next token sees (core/kv_cache_manager.py frees the rest)."""
         per_layer_block = self.kv_bytes_per_token(dtype) / self.layers * block_size
         blocks = -(-context_len // block_size)
         local = blocks - max(0, context_len - (self.window or context_len) + 1) // block_size
-        return per_layer_block * ((self.layers - self.window_layers) * blocks + self.window_layers * local) + \
-            self.state_bytes
+        full = self.layers - self.window_layers
+        return per_layer_block * (full * blocks + self.window_layers * local) + self.state_bytes
 
     def kv_bytes_per_token(self, dtype: str = "fp16") -> float:
         """2 (K and V) × layers × kv_heads × head_dim × bytes per element; int8 adds what phasewise's int8
@@ -60,7 +60,8 @@ class ModelShape:
 
     def sequences_that_fit(self, memory_bytes: float, context_len: int, dtype: str = "fp16",
                            weights_dtype: str | None = None) -> int:
-        """Full-length sequences whose KV fits in memory_bytes (after the weights, if weights_dtype is given)."""
+        """Full-length sequences whose KV fits in memory_bytes (after the weights, if weights_dtype is
+        given)."""
         free = memory_bytes - (self.weight_bytes(weights_dtype) if weights_dtype else 0)
         return max(0, int(free // self.kv_bytes_per_sequence(context_len, dtype)))
 
@@ -78,7 +79,8 @@ def mlp_params(cfg: ModelConfig, layer: int, active: bool = False) -> int:
         return 3 * h * cfg.intermediate_size
     experts = cfg.num_experts_per_tok if active else cfg.num_experts
     shared = cfg.shared_expert_intermediate_size
-    return cfg.num_experts * h + experts * 3 * h * cfg.moe_intermediate_size + (3 * h * shared + h if shared else 0)
+    router = cfg.num_experts * h
+    return router + experts * 3 * h * cfg.moe_intermediate_size + (3 * h * shared + h if shared else 0)
 
 
 def recurrent_params(cfg: ModelConfig) -> int:
@@ -103,7 +105,8 @@ def parameter_count(cfg: ModelConfig) -> int:
     if cfg.architecture == "gemma3":       # norms after attention and after the MLP too
         per_layer += 2 * h
     mlps = sum(mlp_params(cfg, layer) for layer in range(cfg.num_layers))
-    mixers = len(cfg.attention_layers) * per_layer + len(cfg.recurrent_layers) * (recurrent_params(cfg) + 2 * h)
+    mixers = len(cfg.attention_layers) * per_layer + \
+        len(cfg.recurrent_layers) * (recurrent_params(cfg) + 2 * h)
     return v * h + mixers + mlps + h + (0 if cfg.tie_word_embeddings else v * h)
 
 
@@ -115,7 +118,8 @@ def report(shape: ModelShape, context_len: int, memory_gib: float, kv_dtype: str
         f"KV cache ({kv_dtype}): {per_token / MIB:.4g} MiB per token "
         f"(2 x {shape.layers} layers x {shape.kv_heads} kv heads x {shape.head_dim} head dim x "
         f"{BYTES_PER_ELEMENT[kv_dtype]:g} bytes{scales})",
-        f"one sequence of {context_len} tokens: {shape.kv_bytes_per_sequence(context_len, kv_dtype) / MIB:,.1f} MiB"
+        f"one sequence of {context_len} tokens: "
+        f"{shape.kv_bytes_per_sequence(context_len, kv_dtype) / MIB:,.1f} MiB"
         + (f" (with {shape.state_bytes / MIB:,.1f} MiB of recurrent state, the same at any length)"
            if shape.state_bytes else ""),
         f"sequences of {context_len} tokens in {memory_gib:g} GiB: "
@@ -124,9 +128,9 @@ def report(shape: ModelShape, context_len: int, memory_gib: float, kv_dtype: str
     if shape.window and shape.window_layers:
         full = shape.kv_bytes_per_sequence(context_len, kv_dtype)
         bounded = shape.windowed_kv_bytes_per_sequence(context_len, kv_dtype)
-        lines.append(f"sliding window: {shape.window_layers} of {shape.layers} layers see the last {shape.window} "
-                     f"tokens; the pool frees the blocks behind the window, so one sequence holds "
-                     f"{bounded / MIB:,.1f} MiB ({bounded / full:.0%}, blocks of 16 tokens) and "
+        lines.append(f"sliding window: {shape.window_layers} of {shape.layers} layers see the last "
+                     f"{shape.window} tokens; the pool frees the blocks behind the window, so one sequence "
+                     f"holds {bounded / MIB:,.1f} MiB ({bounded / full:.0%}, blocks of 16 tokens) and "
                      f"{int(memory_gib * GIB // bounded)} fit in {memory_gib:g} GiB")
     if shape.params is not None:
         lines.append(f"weights ({shape.params / 1e6:,.1f} M parameters): " + ", ".join(
@@ -141,8 +145,9 @@ def hybrid_comparison(shape: ModelShape, all_layers: int, kv_dtype: str = "fp16"
     """A hybrid's memory per sequence at 4k, 32k and 128k tokens against an attention-only model of the
     same size (K and V in all `all_layers` layers, no recurrent state)."""
     dense = ModelShape(all_layers, shape.kv_heads, shape.head_dim)
-    lines = [f"a hybrid: K and V in {shape.layers} of {all_layers} layers, {shape.state_bytes / MIB:,.1f} MiB of "
-             f"recurrent state in the rest; one sequence against an attention-only model of the same size:"]
+    lines = [f"a hybrid: K and V in {shape.layers} of {all_layers} layers, {shape.state_bytes / MIB:,.1f} "
+             "MiB of recurrent state in the rest; one sequence against an attention-only "
+             "model of the same size:"]
     for n in HYBRID_CONTEXTS:
         ours, theirs = shape.kv_bytes_per_sequence(n, kv_dtype), dense.kv_bytes_per_sequence(n, kv_dtype)
         lines.append(f"  {n // 1024:>4}k tokens: {ours / MIB:>10,.1f} MiB against {theirs / MIB:>10,.1f} MiB "

@@ -67,7 +67,8 @@ def measure_machine(dtype: torch.dtype = torch.float32, dram_mib: int = 1024, ca
         return linear
     kernels = [layer(False)] + ([layer(True)] if onednn_available(torch.device("cpu"), dtype) else [])
     secs = min(_best_seconds(partial(k, x), repeats) for k in kernels)
-    return Machine(read_gbs(dram_mib), read_gbs(cache_mib), 2 * matmul_n**3 / secs / 1e9, int8_peak_gops(repeats))
+    return Machine(read_gbs(dram_mib), read_gbs(cache_mib), 2 * matmul_n**3 / secs / 1e9,
+                   int8_peak_gops(repeats))
 
 
 def _machine_key(dtype: torch.dtype) -> str:
@@ -84,7 +85,7 @@ def _cpuinfo() -> list[str]:
 
 
 def _machines_file() -> Path:
-    from phasewise.paths import default_cache_dir
+    from phasewise.config import default_cache_dir
 
     return default_cache_dir() / "machines.json"
 
@@ -147,7 +148,8 @@ def weight_bytes_per_param(model: torch.nn.Module, cfg: ModelConfig, element_siz
     quant = [m for m in model.modules() if isinstance(m, Linear) and m.form == "blocks"]
     if not quant:
         return float(element_size)
-    stored = sum(b.numel() * b.element_size() for m in quant for name, b in m.named_buffers() if name != "bias")
+    stored = sum(b.numel() * b.element_size() for m in quant for name, b in m.named_buffers()
+                 if name != "bias")
     return stored / linear_params(cfg, active=False)
 
 
@@ -168,9 +170,11 @@ def request_flops(cfg: ModelConfig, prompt_tokens: int, output_tokens: int) -> f
 
 
 def model_weights(model: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype) -> tuple[float, bool]:
-    """Bytes per linear weight as stored, and whether the int8 kernels run them (their roof: the int8 peak)."""
+    """Bytes per linear weight as stored, and whether the int8 kernels run them (their roof: the int8
+    peak)."""
     element = torch.empty((), dtype=dtype).element_size()
-    quantized = any(isinstance(m, Linear) and m.form == "blocks" and m.kernels is not None for m in model.modules())
+    quantized = any(isinstance(m, Linear) and m.form == "blocks" and m.kernels is not None
+                    for m in model.modules())
     return weight_bytes_per_param(model, cfg, element), quantized
 
 
@@ -192,7 +196,8 @@ def serving_roofline(machine: Machine, model: torch.nn.Module, cfg: ModelConfig,
     head = head_params(cfg)
     return {"dram_gbs": machine.dram_gbs, "compute_gops": machine.compute_roof(quantized),
             "compute_name": "int8 dot products" if quantized and machine.int8_gops else "matmul",
-            "weight_bytes": linear_params(cfg) * per_weight, "flops_per_token": 2.0 * (linear_params(cfg) - head),
+            "weight_bytes": linear_params(cfg) * per_weight,
+            "flops_per_token": 2.0 * (linear_params(cfg) - head),
             "head_flops": 2.0 * head}
 
 
@@ -249,11 +254,12 @@ def analyse(cfg: ModelConfig, machine: Machine, bytes_per_weight: float, kv_byte
 
 
 def report(machine: Machine, phases: list[PhaseRoofline]) -> list[str]:
-    lines = [f"machine: DRAM read {machine.dram_gbs:.1f} GB/s, cache-resident read {machine.cache_gbs:.1f} GB/s, "
-             f"matmul {machine.matmul_gflops:.1f} GFLOP/s"
+    lines = [f"machine: DRAM read {machine.dram_gbs:.1f} GB/s, cache-resident read {machine.cache_gbs:.1f} "
+             f"GB/s, matmul {machine.matmul_gflops:.1f} GFLOP/s"
              + (f", int8 dot products {machine.int8_gops:.0f} GOP/s" if machine.int8_gops else ""),
-             f"{'phase':8}{'tokens':>8}{'ms':>10}{'GB/s':>9}{'of DRAM':>9}{'GFLOP/s':>10}{'of peak':>9}  binds"
-             + ("  (peak: the int8 one)" if any(p.quantized and machine.int8_gops for p in phases) else "")]
+             f"{'phase':8}{'tokens':>8}{'ms':>10}{'GB/s':>9}{'of DRAM':>9}{'GFLOP/s':>10}{'of peak':>9}"
+             "  binds" + ("  (peak: the int8 one)" if any(p.quantized and machine.int8_gops for p in phases)
+                          else "")]
     for p in phases:
         lines.append(f"{p.phase:8}{p.tokens:>8}{p.seconds * 1e3:>10.1f}{p.achieved_gbs:>9.1f}"
                      f"{p.bandwidth_share:>9.0%}{p.achieved_gflops:>10.1f}{p.compute_share:>9.0%}  {p.binds}")

@@ -48,15 +48,16 @@ class RunTokens:
         """Prompt tokens neither read from nor written to the cache."""
         return self.prompt - self.read - self.write_5m - self.write_1h
 
-    def add(self, prompt: int, read: int, output: int, writes: tuple[int, int] | None, unmarked: Unmarked) -> None:
+    def add(self, prompt: int, read: int, output: int, writes: tuple[int, int] | None,
+            unmarked: Unmarked) -> None:
         """One request; writes: (5m, 1h) as its usage reports them, None when it reports none."""
         if writes is None:
             self.unreported += 1
             rest = prompt - read
             writes = (rest, 0) if unmarked == "5m" else (0, rest) if unmarked == "1h" else (0, 0)
         if min(prompt, read, output, *writes) < 0 or read + sum(writes) > prompt:
-            raise ValueError(f"request {self.requests + 1}: a usage of {prompt} prompt tokens cannot have {read} "
-                             f"read and {sum(writes)} written")
+            raise ValueError(f"request {self.requests + 1}: a usage of {prompt} prompt tokens cannot have "
+                             f"{read} read and {sum(writes)} written")
         self.requests += 1
         self.prompt, self.read, self.output = self.prompt + prompt, self.read + read, self.output + output
         self.write_5m, self.write_1h = self.write_5m + writes[0], self.write_1h + writes[1]
@@ -113,14 +114,15 @@ class RunPricing:
     def as_json(self) -> JsonObject:
         t = self.tokens
         costs: JsonObject = {name: {**vars(c), "total": c.total}
-                             for name, c in (("with_cache", self.with_cache), ("without_cache", self.without_cache))}
+                             for name, c in (("with_cache", self.with_cache),
+                                             ("without_cache", self.without_cache))}
         return {"tokens": {**vars(t), "input": t.input},
                 "prices_per_million": {"input": self.input_price, "output": self.output_price,
                                        "cache_write_5m": self.input_price * WRITE_5M,
                                        "cache_write_1h": self.input_price * WRITE_1H,
                                        "cache_read": self.input_price * READ},
-                **costs, "saved": self.saved, "read_savings": self.read_savings, "write_premium": self.premium,
-                "roi": self.roi,
+                **costs, "saved": self.saved, "read_savings": self.read_savings,
+                "write_premium": self.premium, "roi": self.roi,
                 "read_share": t.read / t.prompt if t.prompt else 0.0}
 
 
@@ -134,9 +136,10 @@ def read_run(path: Path, unmarked: Unmarked = "none") -> RunTokens:
                 if row.get("ok", "True") != "True":
                     continue
                 if "prompt_tokens" not in row or "output_tokens" not in row:
-                    raise ValueError(f"{path}: not a requests.csv of phasewise bench serve (no prompt_tokens column)")
-                tokens.add(int(row["prompt_tokens"]), int(row.get("cached_tokens") or 0), int(row["output_tokens"]),
-                           None, unmarked)
+                    raise ValueError(f"{path}: not a requests.csv of phasewise bench serve (no "
+                                     "prompt_tokens column)")
+                tokens.add(int(row["prompt_tokens"]), int(row.get("cached_tokens") or 0),
+                           int(row["output_tokens"]), None, unmarked)
         return tokens
     for n, line in enumerate(path.read_text().splitlines(), start=1):
         if line.strip():
@@ -167,5 +170,6 @@ def usage_tokens(value: JsonValue, where: str) -> tuple[int, int, int, tuple[int
         return n(u, "prompt_tokens"), n(u.get("prompt_tokens_details"), "cached_tokens"), \
             n(u, "completion_tokens"), None
     if "input_tokens" in u:                                                           # Responses
-        return n(u, "input_tokens"), n(u.get("input_tokens_details"), "cached_tokens"), n(u, "output_tokens"), None
+        return n(u, "input_tokens"), n(u.get("input_tokens_details"), "cached_tokens"), \
+            n(u, "output_tokens"), None
     raise ValueError(f"{where}: a usage object names prompt_tokens or input_tokens")

@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 ENGINE_PID, REQUESTS_PID = 1, 2
 
 
-def _span(name: str, pid: int, tid: int, start: float, end: float, t0: float, **args: JsonValue) -> JsonObject:
+def _span(name: str, pid: int, tid: int, start: float, end: float, t0: float,
+          **args: JsonValue) -> JsonObject:
     return {"name": name, "ph": "X", "pid": pid, "tid": tid, "ts": (start - t0) * 1e6,
             "dur": max(end - start, 0.0) * 1e6, "args": args}
 
@@ -44,9 +45,11 @@ def chrome_trace(steps: Iterable[StepRecord], requests: Iterable[tuple[str, Requ
         events.append(_span(f"step ({kind})", ENGINE_PID, 0, s.start, s.start + s.duration_ms / 1e3, t0,
                             prefill_tokens=s.num_prefill_tokens, decode_tokens=s.num_decode_tokens,
                             batch_size=s.batch_size, draft_tokens=s.num_draft_tokens,
-                            accepted_tokens=s.num_accepted_tokens, grammar_ms=s.grammar_ms, threads=s.threads))
+                            accepted_tokens=s.num_accepted_tokens,
+                            grammar_ms=s.grammar_ms, threads=s.threads))
     for tid, (rid, m) in enumerate(requests, start=1):
-        events.append({"name": "thread_name", "ph": "M", "pid": REQUESTS_PID, "tid": tid, "args": {"name": rid}})
+        events.append({"name": "thread_name", "ph": "M", "pid": REQUESTS_PID, "tid": tid,
+                       "args": {"name": rid}})
         if m.first_scheduled is not None:
             events.append(_span("queued", REQUESTS_PID, tid, m.arrival, m.first_scheduled, t0))
         for start, end, n in m.prefill_chunks:

@@ -36,10 +36,12 @@ class SeqAttention:
     is_causal: bool
 
 
-# (k, v) [num_slots, Hkv, D]; int8: (k, v, k_groups [num_slots / 16, Hkv, 2, D] (midpoint, step), v_scale
-# [num_slots, Hkv], tails [2 tail slots, 16, Hkv, D] fp32, tail_groups [tail slots, 2] int64); int4: (k, v uint8
-# [num_slots, Hkv, D / 2], k_groups fp16 [num_slots / 64, Hkv, 2, D] (minimum, step), v_scale fp16 [num_slots,
-# Hkv, D / 32], tails [2 tail slots, 2, 64, Hkv, D] (keys, values), tail_groups)
+# (k, v) [num_slots, Hkv, D];
+# int8: (k, v, k_groups [num_slots / 16, Hkv, 2, D] (midpoint, step), v_scale [num_slots, Hkv],
+#        tails [2 tail slots, 16, Hkv, D] fp32, tail_groups [tail slots, 2] int64);
+# int4: (k, v uint8 [num_slots, Hkv, D / 2], k_groups fp16 [num_slots / 64, Hkv, 2, D] (minimum, step),
+#        v_scale fp16 [num_slots, Hkv, D / 32], tails [2 tail slots, 2, 64, Hkv, D] (keys, values),
+#        tail_groups)
 LayerKV = tuple[torch.Tensor, ...]
 KEY_GROUP = 16                       # an int8 cache's keys: tokens per group of per-channel scales
 
@@ -51,8 +53,8 @@ class KernelRows:
     tables: torch.Tensor            # [N, nblk] int64 block ids of the batch's sequences (padded)
     seq: torch.Tensor               # [T] int64: each row's sequence, an index into tables
     length: torch.Tensor            # [T] int64: how many tokens the row attends to (causal)
-    # [N, 4] int64 per sequence, what a quantized cache's writer and readers need: its first new position, its new
-    # tokens, the row of its first new token, its tail slot
+    # [N, 4] int64 per sequence, what a quantized cache's writer and readers need: its first new position,
+    # its new tokens, the row of its first new token, its tail slot
     seqs: torch.Tensor
 
 
@@ -117,11 +119,14 @@ class AttentionMetadata:
         slots: list[int] = []
         tables: list[list[int]] = []
         for n, ctx, table in zip(query_lens, context_lens, block_tables):
-            slots.extend(table[pos // block_size] * block_size + pos % block_size for pos in range(ctx - n, ctx))
+            slots.extend(table[pos // block_size] * block_size + pos % block_size
+                         for pos in range(ctx - n, ctx))
             tables.append(table[: -(-ctx // block_size)])
         width = max(len(t) for t in tables)
         padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64, device=device)
-        seq, length, seqs = rows if rows is not None else cls.row_tensors(query_lens, context_lens, device, tail_slots)
+        if rows is None:
+            rows = cls.row_tensors(query_lens, context_lens, device, tail_slots)
+        seq, length, seqs = rows
         return cls(slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device), block_size=block_size,
                    kernel_rows=KernelRows(padded, seq, length, seqs), query_lens=list(query_lens),
                    context_lens=list(context_lens), block_tables=tables, device=device)
@@ -180,8 +185,8 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch
 
 def write_kv(kv: LayerKV, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor,
              ops: Kernels | None = None) -> None:
-    """Put k, v [T, Hkv, D] into their cache slots (an int8 or int4 cache: layers/kv_int8.py, kv_int4.py;
-    `ops`: by the kernel)."""
+    """Put k, v [T, Hkv, D] into their cache slots (an int8 or int4 cache: layers/kv_int8.py,
+    kv_int4.py; `ops`: by the kernel)."""
     if ops is not None:
         rows = meta.kernel_rows
         ops.write_kv(k.contiguous(), v.contiguous(), list(kv), meta.slot_mapping, rows.tables, rows.seqs,
@@ -200,9 +205,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
     [T, Hq * D].
 
     `written`: k and v are already in their cache slots (a quantized cache still reads its partial key
-    groups from k, an int4 cache their values from v). `ops`: the compiled CPU ops, which then serve every row straight from the cache
-    (`meta.kernel_rows`). `window`: a query at position p sees only keys p - window + 1 .. p (a
-    sliding-window layer). `scale`: of the scores (default 1/sqrt(D))."""
+    groups from k, an int4 cache their values from v). `ops`: the compiled CPU ops, which then serve every
+    row straight from the cache (`meta.kernel_rows`). `window`: a query at position p sees only keys
+    p - window + 1 .. p (a sliding-window layer). `scale`: of the scores (default 1/sqrt(D))."""
     if not written:
         write_kv(kv, meta, k, v, ops)
     T, Hq, D = q.shape
@@ -211,8 +216,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
     if ops is not None:                             # one kernel call
         rows = meta.kernel_rows
         int4 = kv[0].dtype == torch.uint8
-        return ops.paged_attention(q.contiguous(), list(kv), rows.tables, rows.seq, rows.length, rows.seqs, bs,
-                                   scale, fresh=k.contiguous() if len(kv) > 2 else None, window=window or 0,
+        return ops.paged_attention(q.contiguous(), list(kv), rows.tables, rows.seq, rows.length, rows.seqs,
+                                   bs, scale, fresh=k.contiguous() if len(kv) > 2 else None,
+                                   window=window or 0,
                                    fresh_v=v.contiguous() if int4 else None).view(T, Hq * D)
     if kv[0].dtype == torch.uint8:                  # an int4 cache
         return kv_int4.attend(q, kv, meta, k, v, scale, window).view(T, Hq * D)

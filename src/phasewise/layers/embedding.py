@@ -50,7 +50,8 @@ class Embedding(UsesKernels, nn.Module):
                             scale=self.scale)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, " + (f"fmt={self.fmt}" if self.fmt else "form=dense")
+        form = f"fmt={self.fmt}" if self.fmt else "form=dense"
+        return f"{self.num_embeddings}, {self.embedding_dim}, {form}"
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [...] → [..., dim] (fp32 from blocks)."""
@@ -59,7 +60,8 @@ class Embedding(UsesKernels, nn.Module):
             assert weight is not None                          # "dense" holds it
             return F.embedding(ids, weight)
         if self.kernels is not None and self.blocks.device.type == "cpu":
-            return self.kernels.dequantize_rows(ids, self.fmt_id, self.num_embeddings, self.blocks, self.scale)
+            return self.kernels.dequantize_rows(ids, self.fmt_id, self.num_embeddings,
+                                                self.blocks, self.scale)
         if ids.numel() and (ids.min() < 0 or ids.max() >= self.num_embeddings):
             raise IndexError(f"token id outside 0..{self.num_embeddings - 1}")
         packed = self.packed

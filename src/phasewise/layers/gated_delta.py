@@ -29,7 +29,8 @@ class Conv1d(nn.Module):
         self.weight = nn.Parameter(torch.empty(channels, 1, taps), requires_grad=False)
 
 
-def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, silu: bool = True) -> torch.Tensor:
+def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
+                silu: bool = True) -> torch.Tensor:
     """x [n, C] new inputs, state [K - 1, C] the inputs before them (updated in place), weight [C, K]
     → silu(depthwise causal convolution) [n, C] in fp32 (without the silu: LFM2's short conv)."""
     n, taps = x.shape[0], weight.shape[1]
@@ -89,12 +90,13 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     return out
 
 
-def delta_net_mix(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_w: torch.Tensor, neg_A: torch.Tensor,
-                  dt_bias: torch.Tensor, conv_states: torch.Tensor, states: torch.Tensor, query_lens: Sequence[int],
-                  context_lens: Sequence[int], slots: Sequence[int], z: torch.Tensor | None = None,
-                  norm_w: torch.Tensor | None = None, eps: float = 1e-6, tiled: bool = False) -> torch.Tensor:
-    """A step's sequences (query_lens[i] rows each, in order; context_lens[i] == query_lens[i]: it starts here,
-    its slot zeroed first) through the conv and the delta rule from their state slots (conv_states
+def delta_net_mix(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_w: torch.Tensor,
+                  neg_A: torch.Tensor, dt_bias: torch.Tensor, conv_states: torch.Tensor, states: torch.Tensor,
+                  query_lens: Sequence[int], context_lens: Sequence[int], slots: Sequence[int],
+                  z: torch.Tensor | None = None, norm_w: torch.Tensor | None = None, eps: float = 1e-6,
+                  tiled: bool = False) -> torch.Tensor:
+    """A step's sequences (query_lens[i] rows each, in order; context_lens[i] == query_lens[i]: it starts
+    here, its slot zeroed first) through the conv and the delta rule from their state slots (conv_states
     [S, K - 1, C], states [S, Hv, dk, dv], advanced in place): qkv [T, C], a, b [T, Hv], conv_w [C, K],
     neg_A = -exp(A_log) and dt_bias [Hv] → [T, Hv, dv] fp32, with norm_w [dv] the gated RMSNorm times
     silu(z [T, Hv dv]); `tiled`: v head h reads q/k head h mod Hk (GatedDeltaNetShape.tiled_v_heads). As the

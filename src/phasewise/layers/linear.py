@@ -1,4 +1,5 @@
-"""Linear: the model code's one linear layer, y = x Wᵀ + b, whose weight takes one form, set when it is filled.
+"""Linear: the model code's one linear layer, y = x Wᵀ + b, whose weight takes one form, set when it is
+filled.
 
 - "dense": `weight` [out, in] in a float dtype, run by `F.linear`: as built, and as a float
   checkpoint loads it.
@@ -41,14 +42,17 @@ class Linear(UsesKernels, nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight: nn.Parameter | None = frozen(torch.empty(out_features, in_features))  # the loader fills it
+        # the loader fills it
+        self.weight: nn.Parameter | None = frozen(torch.empty(out_features, in_features))
         self.bias: nn.Parameter | None = frozen(torch.empty(out_features)) if bias else None
         self.form = "dense"
         self.onednn_weight: torch.Tensor | None = None    # "onednn": an opaque oneDNN tensor (not a buffer)
         self.fmt: str | None = None                       # "blocks": the (first part's) block format
         self.fmt_id = self.part_rows = self.u5_tiles = 0
-        self.rest: list[tuple[str, int]] = []             # a fused weight's further parts: blocks1, scale1, ...
-        self._args: PackedLinearArgs | None = None        # the kernel's arguments, gathered once (lookups cost µs)
+        # a fused weight's further parts: blocks1, scale1, ...
+        self.rest: list[tuple[str, int]] = []
+        # the kernel's arguments, gathered once (lookups cost µs)
+        self._args: PackedLinearArgs | None = None
 
     @classmethod
     def from_blocks(cls, weight: PackedWeight, bias: torch.Tensor | None = None) -> Linear:
@@ -62,7 +66,8 @@ class Linear(UsesKernels, nn.Module):
     # ---- filling: the weight's form ----------------------------------------------------------------
 
     def fill_blocks(self, weight: PackedWeight) -> None:
-        """Hold `weight` (this layer's rows x k) in its blocks; the float weight goes, the bias stays (fp32)."""
+        """Hold `weight` (this layer's rows x k) in its blocks; the float weight goes, the bias stays
+        (fp32)."""
         if (weight.rows, weight.k) != (self.out_features, self.in_features):
             raise ValueError(f"a [{weight.rows}, {weight.k}] weight for a [{self.out_features}, "
                              f"{self.in_features}] layer")
@@ -123,8 +128,10 @@ class Linear(UsesKernels, nn.Module):
         self._args = self.packed_args() if runs else None
 
     def packed_args(self) -> PackedLinearArgs:
-        """The kernels' description of the blocks: (format id, rows, blocks, scale, bias, u5 tiles, further parts)."""
-        rest: list[WeightPart] = [(quant.FORMAT_IDS[fmt], n, getattr(self, f"blocks{i}"), getattr(self, f"scale{i}"))
+        """The kernels' description of the blocks: (format id, rows, blocks, scale, bias, u5 tiles, further
+        parts)."""
+        rest: list[WeightPart] = [(quant.FORMAT_IDS[fmt], n, getattr(self, f"blocks{i}"),
+                                   getattr(self, f"scale{i}"))
                                   for i, (fmt, n) in enumerate(self.rest, 1)]
         bias = None if self.bias is None else self.bias.detach()
         return self.fmt_id, self.out_features, self.blocks, self.scale, bias, self.u5_tiles, rest
@@ -145,12 +152,14 @@ class Linear(UsesKernels, nn.Module):
         if self.form != "blocks" or self.fmt is None:
             raise self._wrong_form("blocks")
         rest = tuple(PackedWeight(fmt=fmt, n=n, k=self.in_features, blocks=getattr(self, f"blocks{i}"),
-                                  scale=getattr(self, f"scale{i}")) for i, (fmt, n) in enumerate(self.rest, 1))
+                                  scale=getattr(self, f"scale{i}"))
+                     for i, (fmt, n) in enumerate(self.rest, 1))
         return PackedWeight(fmt=self.fmt, n=self.part_rows, k=self.in_features, blocks=self.blocks,
                             scale=self.scale, u5_tiles=self.u5_tiles, rest=rest)
 
     def extra_repr(self) -> str:
-        text = f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        text = f"in_features={self.in_features}, out_features={self.out_features}, " \
+            f"bias={self.bias is not None}"
         if self.form != "blocks" or self.fmt is None:
             return f"{text}, form={self.form}"
         u5 = f" ({self.u5_tiles} tiles of q5 values)" if self.u5_tiles else ""
@@ -187,4 +196,5 @@ def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
         return False
     if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return False          # oneDNN's bf16 weight reorder needs AVX-512 (or AMX, or ARM's bf16)
-    return hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    ops = torch.ops.mkldnn
+    return hasattr(ops, "_linear_pointwise") and hasattr(ops, "_reorder_linear_weight")

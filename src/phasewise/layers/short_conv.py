@@ -31,8 +31,8 @@ class ShortConv(nn.Module):
 
     def stack_mixer(self) -> StackMixer:
         """This mixer as the decoder stack takes it: its taps [H, L] alone."""
-        return StackMixer(None, None, None, self.conv.weight[:, 0].float().contiguous().detach(), None, None, None,
-                          0, 0, 0, 0, False, 0.0)
+        return StackMixer(None, None, None, self.conv.weight[:, 0].float().contiguous().detach(), None, None,
+                          None, 0, 0, 0, 0, False, 0.0)
 
     def forward(self, x: torch.Tensor, state: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
         """x: [T, hidden] → [T, hidden]; state: (conv [S, L - 1, H],), each sequence's slot

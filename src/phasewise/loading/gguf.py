@@ -98,7 +98,8 @@ class GGUFFile:
         corrupt count would otherwise size the model (and its allocation) by the metadata alone."""
         h, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
         final_norm = "token_embd_norm.weight" if cfg.architecture == "lfm2" else "output_norm.weight"
-        expect = {"token_embd.weight": (cfg.vocab_size, h), "blk.0.attn_q.weight": (cfg.num_heads * cfg.head_dim, h),
+        expect = {"token_embd.weight": (cfg.vocab_size, h),
+                  "blk.0.attn_q.weight": (cfg.num_heads * cfg.head_dim, h),
                   "blk.0.attn_k.weight": (kv, h), "blk.0.attn_v.weight": (kv, h),
                   "blk.0.ffn_down.weight": (h, cfg.intermediate_size), final_norm: (h,)}
         for name, shape in expect.items():
@@ -106,19 +107,23 @@ class GGUFFile:
             if t is None and name in ("token_embd.weight", final_norm):
                 raise ModelLoadError(f"{self.path}: the file has no {name}")
             if t is not None and tuple(t.shape) != shape:
-                raise ModelLoadError(f"{self.path}: {name} is {list(t.shape)}, but the metadata makes it {list(shape)}")
+                raise ModelLoadError(f"{self.path}: {name} is {list(t.shape)}, but the metadata "
+                                     f"makes it {list(shape)}")
         self._check_experts(cfg)
-        unreadable = sorted({_type_name(t.ggml_type) for t in self.tensors.values() if not _readable(t.ggml_type)})
+        unreadable = sorted({_type_name(t.ggml_type) for t in self.tensors.values()
+                             if not _readable(t.ggml_type)})
         if unreadable:
-            raise ModelLoadError(f"{self.path}: phasewise cannot read GGUF tensor type {', '.join(unreadable)}")
+            raise ModelLoadError(f"{self.path}: phasewise cannot read GGUF tensor type "
+                                 f"{', '.join(unreadable)}")
         layers = {n.split(".")[1] for n in self.tensors if n.startswith("blk.") and not self._mtp(n, cfg)}
         if layers != {str(i) for i in range(cfg.num_layers)}:
-            raise ModelLoadError(f"{self.path}: the metadata says {cfg.num_layers} layers, the file has tensors "
-                                 f"for {len(layers)}")
+            raise ModelLoadError(f"{self.path}: the metadata says {cfg.num_layers} layers, the file has "
+                                 f"tensors for {len(layers)}")
 
     def _check_experts(self, cfg: ModelConfig) -> None:
         """Each sparse layer's router and experts against the metadata (E experts of width I)."""
-        h, e, i, s = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+        h, e = cfg.hidden_size, cfg.num_experts
+        i, s = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
         expect = {"ffn_gate_inp": (e, h), "ffn_gate_exps": (e, i, h), "ffn_up_exps": (e, i, h),
                   "ffn_down_exps": (e, h, i)}
         if s:
@@ -128,8 +133,8 @@ class GGUFFile:
                 t = self.tensors.get(f"blk.{layer}.{base}.weight")
                 if t is None or tuple(t.shape) != shape:
                     have = "none" if t is None else list(t.shape)
-                    raise ModelLoadError(f"{self.path}: blk.{layer}.{base}.weight is {have}, but the metadata "
-                                         f"makes it {list(shape)}")
+                    raise ModelLoadError(f"{self.path}: blk.{layer}.{base}.weight is {have}, but the "
+                                         f"metadata makes it {list(shape)}")
 
     def _tensor(self, name: str, cfg: ModelConfig | None = None) -> GGUFTensor:
         """The stored tensor `name`, to be read in HF's layout (Q/K permutation undone, Gemma 3's
@@ -170,7 +175,8 @@ class GGUFFile:
     def _mtp(self, name: str, cfg: ModelConfig) -> bool:
         """A tensor of Qwen3.5's multi-token-prediction layers, which follow the model's own layers within
         `block_count` (any other layer past the model's is the file's error, which _check_shapes names)."""
-        parts, blocks = name.split("."), self.fields.get(f"{self.fields.get('general.architecture')}.block_count")
+        architecture = self.fields.get("general.architecture")
+        parts, blocks = name.split("."), self.fields.get(f"{architecture}.block_count")
         return parts[0] == "blk" and len(parts) > 2 and parts[1].isdigit() and isinstance(blocks, int) and \
             cfg.num_layers <= int(parts[1]) < blocks
 

@@ -25,7 +25,8 @@ if TYPE_CHECKING:
     from gguf.constants import GGMLQuantizationType
 
 MAGIC = b"GGUF"
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+            10: "<Q", 11: "<q", 12: "<d"}
 _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
           7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
 STRING, ARRAY = 8, 9
@@ -156,7 +157,8 @@ def _parse(c: _Cursor, size: int, quant_sizes: Mapping[GGMLQuantizationType, tup
     if version not in (2, 3):
         raise GGUFFormatError(f"unsupported GGUF version {version}")
     n_tensors, n_kv = c.uint(), c.uint()
-    fields: dict[str, GGUFValue] = {"GGUF.version": version, "GGUF.tensor_count": n_tensors, "GGUF.kv_count": n_kv}
+    fields: dict[str, GGUFValue] = {"GGUF.version": version, "GGUF.tensor_count": n_tensors,
+                                    "GGUF.kv_count": n_kv}
     for _ in range(n_kv):
         key = c.string()
         fields[key] = c.value(c.uint("<I"), key in strings)
@@ -170,7 +172,8 @@ def _parse(c: _Cursor, size: int, quant_sizes: Mapping[GGMLQuantizationType, tup
         ggml_type, offset = c.uint("<I"), c.uint()
         infos.append((name, dims, ggml_type, offset))
     alignment = fields.get("general.alignment", 32)
-    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 1 or alignment & (alignment - 1):
+    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 1 or \
+            alignment & (alignment - 1):
         raise GGUFFormatError(f"general.alignment must be a power of two, got {str(alignment)[:40]!r}")
     data_start = -(-c.pos // alignment) * alignment
     tensors: dict[str, TensorInfo] = {}
@@ -181,7 +184,8 @@ def _parse(c: _Cursor, size: int, quant_sizes: Mapping[GGMLQuantizationType, tup
             raise GGUFFormatError(f"tensor {name!r} has unknown type {ggml_type}") from None
         n = math.prod(dims)                     # exact: numpy's product would wrap around
         if n == 0 or n % block or dims[0] % block:
-            raise GGUFFormatError(f"tensor {name!r} has dimensions {dims} (blocks of {block} along the first)")
+            raise GGUFFormatError(f"tensor {name!r} has dimensions {dims} (blocks of {block} along the "
+                                  "first)")
         nbytes = n // block * type_size
         start = data_start + offset
         if start + nbytes > size:

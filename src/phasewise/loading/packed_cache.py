@@ -70,7 +70,7 @@ def wanted(gguf_path: Path, min_bytes: int = MIN_BYTES) -> bool:
 
 def store() -> PackStore:
     """The packed-weight cache's folder, `<cache>/packed`, with its limit."""
-    from phasewise.paths import default_cache_dir
+    from phasewise.config import default_cache_dir
 
     return PackStore(default_cache_dir() / "packed", max_bytes())
 

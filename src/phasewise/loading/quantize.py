@@ -59,13 +59,13 @@ class FileWeights:
 def plan_file_weights(model: nn.Module, cfg: ModelConfig, gguf: GGUFFile, tp: TensorParallel | None = None,
                       cache: bool = True, kernels: Kernels | None = None,
                       min_bytes: int = packed_cache.MIN_BYTES) -> FileWeights:
-    """Pack every linear layer of `model` (meta or not) the file holds in blocks, and the token table
-    (without tp); `cfg` is the whole model's. With `cache` (no tp; a GGUF of `min_bytes` or more) they
-    come from the packed-weight cache (loading/packed_cache.py) or are packed straight into a new cache
-    file, which they then are views of. `kernels` (or None) repacks the types it can (pack_gguf). Each
-    tensor's pages of the file's map are let go once packed: memory holds the packed weights and a layer."""
-    where = packed_cache.cache_path(gguf.path) if cache and tp is None and packed_cache.wanted(gguf.path, min_bytes) \
-        else None
+    """Pack every linear layer of `model` (meta or not) the file holds in blocks, and the token table (without
+    tp); `cfg` is the whole model's. With `cache` (no tp; a GGUF of `min_bytes` or more) they come from the
+    packed-weight cache (loading/packed_cache.py) or are packed straight into a new cache file, which they
+    then are views of. `kernels` (or None) repacks the types it can (pack_gguf). A tensor's pages of the
+    file's map go once it is packed: memory holds the packed weights and a layer."""
+    wanted = cache and tp is None and packed_cache.wanted(gguf.path, min_bytes)
+    where = packed_cache.cache_path(gguf.path) if wanted else None
     kept = packed_cache.load(where) if where is not None else None
     layers = {path: (linear.out_features, linear.in_features) for path, linear in _linears(model)}
     if kept is not None and all(layers.get(p) == (w.rows, w.k) for p, w in kept[0].items()):
@@ -77,8 +77,7 @@ def plan_file_weights(model: nn.Module, cfg: ModelConfig, gguf: GGUFFile, tp: Te
     todo = {p: layers[p] for p in layout.linears} if layout is not None else layers
     sizes = {p: _file_bytes(gguf, cfg, p) for p in todo}
     table = gguf.weight("model.embed_tokens.weight", cfg)
-    own_table = table if layout is not None and layout.embedding is not None and \
-        all(layout.embedding is not w for w in layout.linears.values()) else None   # packed on its own (untied)
+    own_table = table if _untied(layout) else None                # the token table, packed on its own
     progress = _Progress(sum(sizes.values()) + (own_table.data.nbytes if own_table is not None else 0))
 
     def pack(path: str) -> tuple[quant.PackedWeight, list[str]] | None:
@@ -102,7 +101,8 @@ def plan_file_weights(model: nn.Module, cfg: ModelConfig, gguf: GGUFFile, tp: Te
                     plan.linears[path], names = found
                     plan.names.update(names)
         if layout is not None and plan.linears.keys() != layout.linears.keys():
-            raise RuntimeError(f"packed {sorted(plan.linears.keys() ^ layout.linears.keys())[:3]} unlike their layout")
+            raise RuntimeError(f"packed {sorted(plan.linears.keys() ^ layout.linears.keys())[:3]} unlike "
+                               "their layout")
         if layout is not None and layout.embedding is not None:       # the token table, in blocks
             plan.embedding = plan.linears["lm_head"] if own_table is None else \
                 _pack_table(own_table, writer, kernels, progress)         # tied: the head's
@@ -116,6 +116,12 @@ def plan_file_weights(model: nn.Module, cfg: ModelConfig, gguf: GGUFFile, tp: Te
     finally:
         progress.done()
     return plan
+
+
+def _untied(layout: FileWeights | None) -> bool:
+    """Whether the layout holds a token table of its own (not the head's)."""
+    return layout is not None and layout.embedding is not None and \
+        all(layout.embedding is not w for w in layout.linears.values())
 
 
 def _pack_table(table: GGUFTensor, writer: packed_cache.Writer | None, kernels: Kernels | None,
@@ -154,7 +160,8 @@ def _stand_in(type_name: str, n: int, k: int) -> quant.PackedWeight:
     fmt, nt = GGUF_BLOCKS[type_name], -(-n // quant.TILE)
     scale = torch.zeros(nt, 1, quant.TILE * quant.SUPER_SCALES[fmt], dtype=torch.float16) \
         if fmt in quant.SUPER_SCALES else None
-    return quant.PackedWeight(fmt=fmt, n=n, k=k, blocks=torch.zeros(nt, 1, quant.BLOCK_BYTES[fmt], dtype=torch.uint8),
+    return quant.PackedWeight(fmt=fmt, n=n, k=k,
+                              blocks=torch.zeros(nt, 1, quant.BLOCK_BYTES[fmt], dtype=torch.uint8),
                               scale=scale)
 
 
@@ -163,7 +170,8 @@ def _full_width(w: quant.PackedWeight) -> quant.PackedWeight:
     def meta(t: torch.Tensor, width: int) -> torch.Tensor:
         return torch.empty(t.shape[0], width, t.shape[2], dtype=t.dtype, device="meta")
     scale = None if w.scale is None else meta(w.scale, w.k // quant.QK // quant.SUPER)
-    return replace(w, blocks=meta(w.blocks, w.k // quant.QK), scale=scale, rest=tuple(_full_width(p) for p in w.rest))
+    return replace(w, blocks=meta(w.blocks, w.k // quant.QK), scale=scale,
+                   rest=tuple(_full_width(p) for p in w.rest))
 
 
 def _one_part(gguf: GGUFFile, cfg: ModelConfig, path: str) -> GGUFTensor | None:
@@ -173,8 +181,9 @@ def _one_part(gguf: GGUFFile, cfg: ModelConfig, path: str) -> GGUFTensor | None:
     return weight if weight is not None and weight.type_name in GGUF_BLOCKS and not weight.heads else None
 
 
-def _pack_into(writer: packed_cache.Writer, slot: quant.PackedWeight, weight: GGUFTensor, kernels: Kernels | None,
-               progress: _Progress | None = None, chunk_rows: int = 4096) -> quant.PackedWeight:
+def _pack_into(writer: packed_cache.Writer, slot: quant.PackedWeight, weight: GGUFTensor,
+               kernels: Kernels | None, progress: _Progress | None = None,
+               chunk_rows: int = 4096) -> quant.PackedWeight:
     """Pack `weight` into its `slot` of the cache's map `chunk_rows` rows at a time (whole tiles),
     letting go of each run of the file's pages once packed: a 150k-row table costs no more memory
     than its slot."""
@@ -245,11 +254,13 @@ def packed_bytes(model: nn.Module, cfg: ModelConfig, gguf: GGUFFile) -> tuple[fl
         fmts = [GGUF_BLOCKS.get(p.type_name, "i8") for p in parts]
         if "i8" in fmts or (set(fmts) == {"q5", "q8"} and fmts == sorted(fmts, key=lambda f: f == "q8")):
             fmts = ["i8" if "i8" in fmts else "q8"] * len(fmts)     # int8 throughout; q5 parts as U5 bytes
-        packed += sum(quant.bits_per_weight(f) / 8 * p.shape[0] for f, p in zip(fmts, parts)) * linear.in_features
+        packed += sum(quant.bits_per_weight(f) / 8 * p.shape[0]
+                      for f, p in zip(fmts, parts)) * linear.in_features
         stored += sum(p.data.nbytes for p in parts)
     table = gguf.weight("model.embed_tokens.weight", cfg)
     if table is not None and (not cfg.tie_word_embeddings or "output.weight" in gguf.tensors):
-        packed += quant.bits_per_weight(GGUF_BLOCKS.get(table.type_name, "i8")) / 8 * table.shape[0] * table.shape[1]
+        fmt = GGUF_BLOCKS.get(table.type_name, "i8")
+        packed += quant.bits_per_weight(fmt) / 8 * table.shape[0] * table.shape[1]
         stored += table.data.nbytes
     return packed, stored
 
@@ -294,7 +305,8 @@ def _linears(model: nn.Module) -> list[tuple[str, Linear]]:
 
 
 def file_blocks(gguf: GGUFFile, cfg: ModelConfig, path: str, tp: TensorParallel | None = None,
-                kernels: Kernels | None = None, meta: bool = False) -> tuple[quant.PackedWeight, list[str]] | None:
+                kernels: Kernels | None = None,
+                meta: bool = False) -> tuple[quant.PackedWeight, list[str]] | None:
     """The layer `path`'s weight from the file's own blocks and the checkpoint names of its parts
     (None when some part is not in a block format, or with `tp` when this rank's part does not cut
     along whole blocks); `meta` (no tp): only its shapes, as meta tensors, nothing read."""

@@ -37,7 +37,8 @@ class SafetensorsTensor:
             rows = slice(None) if rows is None else rows
             return part[rows] if cols is None else part[rows, cols]
         except Exception as e:
-            raise ModelLoadError(f"cannot read {self.name} from {self.file}: {type(e).__name__}: {e}") from None
+            raise ModelLoadError(f"cannot read {self.name} from {self.file}: {type(e).__name__}: "
+                                 f"{e}") from None
 
 
 def hf_tensors(folder: Path) -> Iterator[tuple[str, SafetensorsTensor]]:

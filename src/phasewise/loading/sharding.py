@@ -23,8 +23,8 @@ from phasewise.distributed import TensorParallel
 from phasewise.loading.gguf_tensor import GGUFTensor
 from phasewise.models.config import ModelConfig
 
-COLUMN = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "mlp", "up_proj": "mlp"}   # rows cut
-ROW = {"o_proj": "q", "down_proj": "mlp"}                                                         # columns cut
+COLUMN = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "mlp", "up_proj": "mlp"}  # rows cut
+ROW = {"o_proj": "q", "down_proj": "mlp"}                                                        # columns cut
 VOCAB = {"model.embed_tokens.weight", "lm_head.weight"}
 
 
@@ -58,19 +58,19 @@ def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
         raise ValueError(f"tensor parallelism over {size} ranks: {cfg.architecture} (a hybrid with recurrent "
                          f"layers) is not split across ranks yet: run it with --tensor-parallel-size 1")
     if cfg.num_experts or cfg.qk_norm_whole:
-        raise ValueError(f"tensor parallelism over {size} ranks: {cfg.architecture} (a mixture of experts) is not "
-                         f"split across ranks yet: run it with --tensor-parallel-size 1")
+        raise ValueError(f"tensor parallelism over {size} ranks: {cfg.architecture} (a mixture of experts) "
+                         "is not split across ranks yet: run it with --tensor-parallel-size 1")
     divisors = [d for d in range(1, cfg.num_heads + 1) if cfg.num_heads % d == 0]
     if cfg.num_heads % size:
-        raise ValueError(f"tensor parallelism over {size} ranks: this model's {cfg.num_heads} query heads do not "
-                         f"divide by {size} (sizes that work: {', '.join(map(str, divisors))})")
+        raise ValueError(f"tensor parallelism over {size} ranks: this model's {cfg.num_heads} query heads do "
+                         f"not divide by {size} (sizes that work: {', '.join(map(str, divisors))})")
     kv = cfg.num_kv_heads
     if (kv % size if size <= kv else size % kv):
-        raise ValueError(f"tensor parallelism over {size} ranks: {kv} KV heads can be neither split evenly nor "
-                         f"replicated evenly over {size} ranks")
+        raise ValueError(f"tensor parallelism over {size} ranks: {kv} KV heads can be neither split evenly "
+                         f"nor replicated evenly over {size} ranks")
     if cfg.intermediate_size % size:
-        raise ValueError(f"tensor parallelism over {size} ranks: the MLP's width {cfg.intermediate_size} does "
-                         f"not divide by {size}")
+        raise ValueError(f"tensor parallelism over {size} ranks: the MLP's width {cfg.intermediate_size} "
+                         f"does not divide by {size}")
 
 
 def shard_config(cfg: ModelConfig, tp: TensorParallel) -> ModelConfig:
@@ -163,7 +163,8 @@ def shard_weights(weights: Iterable[tuple[str, torch.Tensor | Readable]], cfg: M
             yield part_name, _read(t, part_of(part_name, cfg, tp).shifted(skip))
 
 
-def shard_raw(name: str, weight: GGUFTensor, cfg: ModelConfig, tp: TensorParallel | None) -> np.ndarray | None:
+def shard_raw(name: str, weight: GGUFTensor, cfg: ModelConfig,
+              tp: TensorParallel | None) -> np.ndarray | None:
     """This rank's part of a GGUF weight's stored rows [rows, row bytes] (HF row order; a fused
     weight's parts one after another), cut without rounding; None when a row-parallel cut falls
     inside a block."""

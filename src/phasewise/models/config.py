@@ -21,11 +21,13 @@ _HF_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": 
              "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "olmoe": "olmoe",
              "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe",
              "qwen3_5_moe_text": "qwen3_5_moe", "qwen3_next": "qwen3_next", "lfm2": "lfm2"}
-HYBRID = {"qwen3_5", "qwen3_5_moe", "qwen3_next"}   # Gated DeltaNet layers beside gated attention (models/hybrid.py)
+# Gated DeltaNet layers beside gated attention (models/hybrid.py)
+HYBRID = {"qwen3_5", "qwen3_5_moe", "qwen3_next"}
 QK_NORM = {"qwen3", "gemma3", "qwen3_moe", "lfm2"} | HYBRID   # RMSNorm over each head of q and k, before RoPE
 ROUTERS = ("softmax_topk", "topk_softmax")
 GEMMA3_GLOBAL_EVERY = 6               # Gemma 3: five local (sliding-window) layers, then one global
-GEMMA3_LOCAL_THETA = 10000.0          # Gemma 3's RoPE base on local layers (llama.cpp's and transformers' default)
+# Gemma 3's RoPE base on local layers (llama.cpp's and transformers' default)
+GEMMA3_LOCAL_THETA = 10000.0
 SUPPORTED = sorted(set(_HF_TYPES.values()))
 
 
@@ -65,9 +67,9 @@ class ExpertFields(TypedDict, total=False):
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    architecture: str              # "llama" | "mistral" | "qwen2" | "qwen3" | "phi3" | "gemma3"; with experts:
-                                   # "qwen2_moe" | "qwen3_moe" | "mixtral" | "olmoe"; hybrids: "qwen3_5" |
-                                   # "qwen3_5_moe" | "qwen3_next" | "lfm2"
+    architecture: str              # "llama" | "mistral" | "qwen2" | "qwen3" | "phi3" | "gemma3"; with
+                                   # experts: "qwen2_moe" | "qwen3_moe" | "mixtral" | "olmoe"; hybrids:
+                                   # "qwen3_5" | "qwen3_5_moe" | "qwen3_next" | "lfm2"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -83,7 +85,8 @@ class ModelConfig:
     rope_scaling: JsonObject | None = field(default=None, hash=False, compare=False)  # global layers'
     qk_norm: bool = False          # Qwen3, Gemma 3: RMSNorm over each q and k head before RoPE
     hidden_act: str = "silu"       # the MLP's gate: "silu" | "gelu_tanh" (Gemma)
-    sliding_window: int | None = None   # local layers attend to the latest this many tokens (themselves included)
+    # local layers attend to the latest this many tokens (themselves included)
+    sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()  # which layers are local (windowed); the rest attend to everything
     rope_local_theta: float | None = None  # RoPE base of the local layers (Gemma 3); None: rope_theta
     query_scale: float | None = None    # attention's score scale; None: head_dim ** -0.5
@@ -98,13 +101,15 @@ class ModelConfig:
     norm_topk_prob: bool = False   # the chosen experts' weights renormalised to sum to 1
     router: str = "softmax_topk"   # "softmax_topk": softmax over all experts, then top-k (the four here);
                                    # "topk_softmax": top-k of the logits, softmax over those
-    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a dense expert every row takes, behind a sigmoid gate
+    # Qwen2-MoE: a dense expert every row takes, behind a sigmoid gate
+    shared_expert_intermediate_size: int = 0
     # Hybrids (models/hybrid.py, models/lfm2.py): layers whose memory is a fixed recurrent state, not KV
     recurrent: RecurrentShape | None = None   # the shape of those layers (Gated DeltaNet, LFM2's short conv)
     recurrent_layers: tuple[int, ...] = ()  # which layers they are; the others attend over the KV cache
     attn_output_gate: bool = False # Qwen3.5: attention's output times sigmoid(a gate q_proj also gives)
     rotary_dim: int | None = None  # RoPE on the first rotary_dim of each head (Qwen3.5: a quarter); None: all
-    mtp_layers: int = 0            # Qwen3.5/Qwen3-Next: multi-token-prediction layers in the checkpoint (mtp.*)
+    # Qwen3.5/Qwen3-Next: multi-token-prediction layers in the checkpoint (mtp.*)
+    mtp_layers: int = 0
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -115,25 +120,31 @@ class ModelConfig:
         if kind not in ("default", "linear", "llama3", "freq_factors"):
             raise UnsupportedModelError(f"unsupported RoPE scaling {kind!r} (supported: linear, llama3)")
         if self.hidden_act not in ("silu", "gelu_tanh"):
-            raise UnsupportedModelError(f"unsupported MLP activation {self.hidden_act!r} (supported: silu, gelu_tanh)")
+            raise UnsupportedModelError(f"unsupported MLP activation {self.hidden_act!r} "
+                                        "(supported: silu, gelu_tanh)")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise UnsupportedModelError(f"sliding window must be at least 1 token, got {self.sliding_window}")
         if any(not 0 <= i < self.num_layers for i in self.sliding_layers):
             raise UnsupportedModelError("a sliding-window layer index is out of range")
         if self.num_experts:
             if not 1 <= self.num_experts_per_tok <= self.num_experts:
-                raise UnsupportedModelError(f"{self.num_experts_per_tok} experts a token out of {self.num_experts}")
+                raise UnsupportedModelError(f"{self.num_experts_per_tok} experts a token out "
+                                            f"of {self.num_experts}")
             if self.moe_intermediate_size < 1 or self.router not in ROUTERS:
-                raise UnsupportedModelError(f"an expert width of {self.moe_intermediate_size}, router {self.router!r}")
-        if any(not 0 <= i < self.num_layers for i in self.moe_layers) or (self.moe_layers and not self.num_experts):
+                raise UnsupportedModelError(f"an expert width of {self.moe_intermediate_size}, "
+                                            f"router {self.router!r}")
+        if any(not 0 <= i < self.num_layers for i in self.moe_layers) or \
+                (self.moe_layers and not self.num_experts):
             raise UnsupportedModelError("a mixture-of-experts layer index is out of range, or no experts")
         if any(not 0 <= i < self.num_layers for i in self.recurrent_layers) or \
                 bool(self.recurrent_layers) != (self.recurrent is not None):
             raise UnsupportedModelError("a recurrent layer index is out of range, or no shape for them")
         if len(self.recurrent_layers) == self.num_layers:
             raise UnsupportedModelError("a hybrid model without attention layers is not supported")
-        if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
-            raise UnsupportedModelError(f"a rotary dimension of {self.rotary_dim} in heads of {self.head_dim}")
+        if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim
+                                                and self.rotary_dim % 2 == 0):
+            raise UnsupportedModelError(f"a rotary dimension of {self.rotary_dim} in heads of "
+                                        f"{self.head_dim}")
 
     def mtp_config(self) -> ModelConfig:
         """The config of the model's MTP layer (models/mtp.py): one attention layer with the model's
@@ -164,7 +175,8 @@ class ModelConfig:
         full = [i for i in self.attention_layers if i not in local]
         windowed = [i for i in self.attention_layers if i in local]
         size = math.gcd(len(full), len(windowed))
-        return tuple(tuple(layers[i:i + size]) for layers in (full, windowed) for i in range(0, len(layers), size))
+        return tuple(tuple(layers[i:i + size]) for layers in (full, windowed)
+                     for i in range(0, len(layers), size))
 
     @property
     def kv_group_windows(self) -> tuple[int | None, ...]:
@@ -258,15 +270,16 @@ def _hf_rope(config: HFConfig, arch: str) -> tuple[JsonObject, JsonObject | None
     if arch == "gemma3":                              # per layer type: {"full_attention": {...}, ...}
         local = _object(rope, "sliding_attention")
         rope = dict(_object(rope, "full_attention"))
-        local_theta = _number(local.get("rope_theta") or config.get("rope_local_base_freq") or GEMMA3_LOCAL_THETA,
-                              "rope_local_base_freq")
+        theta = local.get("rope_theta") or config.get("rope_local_base_freq") or GEMMA3_LOCAL_THETA
+        local_theta = _number(theta, "rope_local_base_freq")
     scaling = config.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
     if scaling is not None:
         scaling = dict(scaling)
         scaling.setdefault("rope_type", scaling.get("type", "default"))
     partial = config.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
     if partial is not None and _number(partial, "partial_rotary_factor") != 1.0 and arch not in HYBRID:
-        raise UnsupportedModelError(f"partial rotary embeddings are not supported (partial_rotary_factor={partial})")
+        raise UnsupportedModelError("partial rotary embeddings are not supported "
+                                    f"(partial_rotary_factor={partial})")
     return rope, scaling, local_theta
 
 
@@ -335,8 +348,9 @@ def _hf_experts(config: HFConfig, arch: str) -> ExpertFields:
         step = checked("num_layers", config.get("decoder_sparse_step", 1), "config.json decoder_sparse_step")
         only = set(config.get("mlp_only_layers") or ())
         moe = tuple(i for i in moe if i not in only and (i + 1) % step == 0)
-    shared = config.get("shared_expert_intermediate_size", 0) if arch in ("qwen2_moe", "qwen3_5_moe", "qwen3_next") \
-        else 0
+    shared = config.get("shared_expert_intermediate_size", 0) \
+        if arch in ("qwen2_moe", "qwen3_5_moe", "qwen3_next") else 0
+    norm_topk = arch in ("mixtral", "qwen3_5_moe") or bool(config.get("norm_topk_prob", arch == "qwen3_next"))
     return ExpertFields(
         num_experts=experts,
         num_experts_per_tok=checked("num_experts_per_tok", config.get("num_experts_per_tok"),
@@ -345,7 +359,7 @@ def _hf_experts(config: HFConfig, arch: str) -> ExpertFields:
                                       config.get("moe_intermediate_size") or config.get("intermediate_size"),
                                       "config.json moe_intermediate_size"),
         moe_layers=moe,
-        norm_topk_prob=arch in ("mixtral", "qwen3_5_moe") or bool(config.get("norm_topk_prob", arch == "qwen3_next")),
+        norm_topk_prob=norm_topk,
         shared_expert_intermediate_size=checked("shared_expert_intermediate_size", shared or 0,
                                                 "config.json shared_expert_intermediate_size"),
     )

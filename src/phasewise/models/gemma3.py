@@ -26,7 +26,8 @@ from phasewise.models.stack import build_stack, run_stack
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, layer: int, tp: TensorParallel | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, layer: int,
+                 tp: TensorParallel | None = None) -> None:
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(h, eps)
@@ -51,7 +52,8 @@ class Gemma3Model(nn.Module):
         glob = RotaryEmbedding(cfg.head_dim, P, cfg.rope_theta, cfg.rope_scaling)
         local = RotaryEmbedding(cfg.head_dim, P, cfg.rope_local_theta or cfg.rope_theta)
         self.layers: LayerList[Gemma3DecoderLayer] = LayerList(
-            Gemma3DecoderLayer(cfg, local if i in cfg.sliding_layers else glob, i, tp) for i in range(cfg.num_layers))
+            Gemma3DecoderLayer(cfg, local if i in cfg.sliding_layers else glob, i, tp)
+            for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.embedding_scale = cfg.embedding_scale
         self.cfg, self.tp = cfg, tp

@@ -64,8 +64,8 @@ class GGUFKeys:
         v_heads = self.size("ssm.time_step_rank")
         inner = self.count("intermediate_size", "ssm.inner_size")         # all v heads' width
         if inner % v_heads:
-            raise UnsupportedModelError(f"GGUF metadata {self.arch}.ssm.inner_size = {inner} is not a multiple of "
-                                        f"{v_heads} value heads")
+            raise UnsupportedModelError(f"GGUF metadata {self.arch}.ssm.inner_size = {inner} is not a "
+                                        f"multiple of {v_heads} value heads")
         try:
             shape = GatedDeltaNetShape(num_k_heads=self.size("ssm.group_count"), num_v_heads=v_heads,
                                        head_k_dim=self.size("ssm.state_size"), head_v_dim=inner // v_heads,
@@ -76,9 +76,10 @@ class GGUFKeys:
         every = self.size("full_attention_interval", 4)
         rotary = self.size("rope.dimension_count", head_dim)
         if rotary > head_dim or rotary % 2:
-            raise UnsupportedModelError(f"GGUF metadata {self.arch}.rope.dimension_count = {rotary} does not fit "
-                                        f"heads of {head_dim}")
-        return HybridFields(recurrent=shape, recurrent_layers=tuple(i for i in range(layers) if (i + 1) % every),
+            raise UnsupportedModelError(f"GGUF metadata {self.arch}.rope.dimension_count = {rotary} does not "
+                                        f"fit heads of {head_dim}")
+        return HybridFields(recurrent=shape,
+                            recurrent_layers=tuple(i for i in range(layers) if (i + 1) % every),
                             attn_output_gate=True, rotary_dim=rotary)
 
     def kv_heads(self, heads: int) -> tuple[int, tuple[int, ...]]:
@@ -87,10 +88,12 @@ class GGUFKeys:
         value = self.get("attention.head_count_kv", heads)
         if not isinstance(value, list):
             return checked("num_kv_heads", value, f"GGUF metadata {self.arch}.attention.head_count_kv"), ()
-        counts = [n if isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= 1024 else -1 for n in value]
+        counts = [n if isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= 1024
+                  else -1 for n in value]
         if min(counts, default=-1) < 0 or not any(counts) or len({n for n in counts if n}) > 1:
-            raise UnsupportedModelError(f"GGUF metadata {self.arch}.attention.head_count_kv = {str(value)[:60]}: "
-                                        "one KV head count for the attention layers is supported")
+            raise UnsupportedModelError(f"GGUF metadata {self.arch}.attention.head_count_kv = "
+                                        f"{str(value)[:60]}: one KV head count for the "
+                                        "attention layers is supported")
         return max(counts), tuple(i for i, n in enumerate(counts) if not n)
 
     def short_conv(self, hidden: int, conv_layers: tuple[int, ...]) -> HybridFields:
@@ -98,8 +101,10 @@ class GGUFKeys:
         return HybridFields(recurrent=ShortConvShape(channels=hidden, taps=self.size("shortconv.l_cache")),
                             recurrent_layers=conv_layers) if conv_layers else HybridFields()
 
-    def rope_scaling(self, head_dim: int, rope_freqs: list[float] | None, partial: bool = False) -> JsonObject | None:
-        """Linear scaling, or the file's `rope_freqs.weight` divisors (Llama 3.1's, as llama.cpp stores them)."""
+    def rope_scaling(self, head_dim: int, rope_freqs: list[float] | None,
+                     partial: bool = False) -> JsonObject | None:
+        """Linear scaling, or the file's `rope_freqs.weight` divisors (Llama 3.1's, as llama.cpp stores
+        them)."""
         scaling: JsonObject | None = None
         kind = self.get("rope.scaling.type")
         if kind and kind != "none":
@@ -118,7 +123,8 @@ class GGUFKeys:
         window = self.get("attention.sliding_window")
         if window is None:
             return None, ()
-        window = checked("max_position_embeddings", window, f"GGUF metadata {self.arch}.attention.sliding_window")
+        window = checked("max_position_embeddings", window,
+                         f"GGUF metadata {self.arch}.attention.sliding_window")
         if window >= context:
             return None, ()
         if gemma:
@@ -137,7 +143,8 @@ class GGUFKeys:
             raise UnsupportedModelError(f"{self.arch} with experts is not supported")
         if self.get("expert_gating_func", 1) != 1:
             raise UnsupportedModelError(f"GGUF metadata {self.arch}.expert_gating_func = "
-                                        f"{self.get('expert_gating_func')} (only softmax routing is supported)")
+                                        f"{self.get('expert_gating_func')} (only softmax "
+                                        "routing is supported)")
         if self.get("expert_weights_scale", 1.0) != 1.0:
             raise UnsupportedModelError(f"GGUF metadata {self.arch}.expert_weights_scale is not supported")
         width = "expert_feed_forward_length" if self.get("expert_feed_forward_length") is not None \
@@ -181,7 +188,8 @@ def config_from_gguf(fields: Mapping[str, object], tensor_names: set[str],
         architecture=arch,
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=keys.count("intermediate_size", "feed_forward_length", experts.get("moe_intermediate_size")),
+        intermediate_size=keys.count("intermediate_size", "feed_forward_length",
+                                     experts.get("moe_intermediate_size")),
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
@@ -210,7 +218,8 @@ def config_from_gguf(fields: Mapping[str, object], tensor_names: set[str],
 
 
 def mtp_layers(keys: GGUFKeys) -> int:
-    """Qwen3.5's multi-token-prediction layers, counted in `block_count` after the model's own (not loaded)."""
+    """Qwen3.5's multi-token-prediction layers, counted in `block_count` after the model's own (not
+    loaded)."""
     value = keys.get("nextn_predict_layers", 0)
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 16:
         raise UnsupportedModelError(f"GGUF metadata {keys.arch}.nextn_predict_layers must be a small count, "

@@ -26,7 +26,8 @@ from phasewise.layers.norm import RMSNorm
 from phasewise.layers.rotary import RotaryEmbedding
 from phasewise.models.config import ModelConfig
 from phasewise.models.layer_list import LayerList
-from phasewise.models.llama import KVCaches, LlamaForCausalLM, Shard, count_experts, embed, mlp, vocab_embedding
+from phasewise.models.llama import (KVCaches, LlamaForCausalLM, Shard, count_experts, embed, mlp,
+                                   vocab_embedding)
 from phasewise.models.recurrent import GatedDeltaNetShape
 from phasewise.models.stack import StackAttention, StackRecurrent, build_stack, run_stack
 
@@ -44,7 +45,8 @@ class GatedAttention(UsesKernels, nn.Module):
         self.kv_group = cfg.kv_place(layer)[0]
         self.window: int | None = None
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv: LayerKV,
+                meta: AttentionMetadata) -> torch.Tensor:
         """x: [T, hidden] → [T, hidden]."""
         cfg, meta = self.cfg, meta.for_group(self.kv_group)
         T, D, qs, kvs = x.shape[0], cfg.head_dim, cfg.q_size, cfg.kv_size
@@ -92,8 +94,8 @@ class GatedDeltaNet(UsesKernels, nn.Module):
 
     def mix_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """conv [C, K], -exp(A_log), dt_bias [Hv] and the gated norm's weight [dv], in fp32."""
-        return (self.conv1d.weight[:, 0].float().contiguous(), -self.A_log.float().exp(), self.dt_bias.float(),
-                self.norm.weight.float())
+        return (self.conv1d.weight[:, 0].float().contiguous(), -self.A_log.float().exp(),
+                self.dt_bias.float(), self.norm.weight.float())
 
     def stack_projections(self) -> tuple[Linear, Linear, list[Linear]]:
         """The decoder stack's qkv and o of this layer, and its other linears."""
@@ -103,8 +105,9 @@ class GatedDeltaNet(UsesKernels, nn.Module):
         """This mixer as the decoder stack takes it (its projections in blocks)."""
         s = self.shape
         conv_w, neg_A, dt_bias, norm_w = (w.detach().contiguous() for w in self.mix_weights())
-        return StackMixer(self.in_proj_z.packed_args(), self.in_proj_b.packed_args(), self.in_proj_a.packed_args(),
-                          conv_w, neg_A, dt_bias, norm_w, s.num_k_heads, s.num_v_heads, s.head_k_dim, s.head_v_dim,
+        return StackMixer(self.in_proj_z.packed_args(), self.in_proj_b.packed_args(),
+                          self.in_proj_a.packed_args(), conv_w, neg_A, dt_bias, norm_w, s.num_k_heads,
+                          s.num_v_heads, s.head_k_dim, s.head_v_dim,
                           s.tiled_v_heads, self.eps)
 
     def bind_kernels(self, kernels: Kernels | None) -> None:
@@ -125,11 +128,13 @@ class GatedDeltaNet(UsesKernels, nn.Module):
         qkv, a, b, z = self.in_proj_qkv(x), self.in_proj_a(x), self.in_proj_b(x), self.in_proj_z(x)
         fast = self._mix_weights is not None and applies(self.kernels, qkv)
         mix = self.kernels.delta_net_mix if fast and self.kernels is not None else delta_net_mix
-        conv_w, neg_A, dt_bias, norm_w = self._mix_weights if fast and self._mix_weights else self.mix_weights()
+        weights = self._mix_weights if fast and self._mix_weights else self.mix_weights()
+        conv_w, neg_A, dt_bias, norm_w = weights
 
         def run(rows: slice, lens: list[int], contexts: list[int], slots: list[int]) -> torch.Tensor:
-            return mix(qkv[rows], a[rows], b[rows], conv_w, neg_A, dt_bias, state[0], state[1], lens, contexts,
-                       slots, z=z[rows], norm_w=norm_w, eps=self.eps, tiled=s.tiled_v_heads)   # [rows, Hv, dv]
+            return mix(qkv[rows], a[rows], b[rows], conv_w, neg_A, dt_bias, state[0], state[1], lens,
+                       contexts, slots, z=z[rows], norm_w=norm_w, eps=self.eps,
+                       tiled=s.tiled_v_heads)   # [rows, Hv, dv]
 
         if not any(meta.state_snapshots or ()):                             # one call for the whole step
             y = run(slice(None), meta.query_lens, meta.context_lens, meta.state_slots)
@@ -153,7 +158,8 @@ class HybridLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = mlp(cfg, layer, None)
 
-    def mix(self, positions: torch.Tensor, x: torch.Tensor, memory: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
+    def mix(self, positions: torch.Tensor, x: torch.Tensor, memory: LayerKV,
+            meta: AttentionMetadata) -> torch.Tensor:
         """The token mixer: x [T, hidden] → [T, hidden]."""
         raise NotImplementedError
 
@@ -186,7 +192,8 @@ class HybridDecoderLayer(HybridLayer):
     def recurrent(self) -> GatedDeltaNet | None:
         return self.linear_attn
 
-    def mix(self, positions: torch.Tensor, x: torch.Tensor, memory: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
+    def mix(self, positions: torch.Tensor, x: torch.Tensor, memory: LayerKV,
+            meta: AttentionMetadata) -> torch.Tensor:
         if self.linear_attn is not None:
             return self.linear_attn(x, memory, meta)
         assert self.self_attn is not None
@@ -202,8 +209,8 @@ class HybridModel(nn.Module):
             raise ValueError("hybrid models do not run with tensor parallelism yet")
         self.cfg = cfg
         self.embed_tokens = vocab_embedding(cfg, None)
-        self.rotary = RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                      cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, cfg.max_position_embeddings,
+                                      cfg.rope_theta, cfg.rope_scaling)
         self.layers: LayerList[HybridLayer] = LayerList(self.layer_class(cfg, self.rotary, i)
                                                         for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -22,7 +22,8 @@ from phasewise.models.hybrid import HybridLayer, HybridModel
 from phasewise.models.llama import LlamaAttention, LlamaForCausalLM
 from phasewise.models.recurrent import ShortConvShape
 
-# an HF checkpoint's name parts → ours (the short conv's `conv.in_proj`, `conv.conv`, `conv.out_proj` as they are)
+# an HF checkpoint's name parts → ours (the short conv's `conv.in_proj`, `conv.conv`, `conv.out_proj`
+# as they are)
 HF_NAMES = ((".operator_norm.", ".input_layernorm."), (".ffn_norm.", ".post_attention_layernorm."),
             (".feed_forward.w1.", ".mlp.gate_proj."), (".feed_forward.w3.", ".mlp.up_proj."),
             (".feed_forward.w2.", ".mlp.down_proj."), (".self_attn.q_layernorm.", ".self_attn.q_norm."),
@@ -54,7 +55,8 @@ class Lfm2DecoderLayer(HybridLayer):
     def recurrent(self) -> ShortConv | None:
         return self.conv
 
-    def mix(self, positions: torch.Tensor, x: torch.Tensor, memory: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
+    def mix(self, positions: torch.Tensor, x: torch.Tensor, memory: LayerKV,
+            meta: AttentionMetadata) -> torch.Tensor:
         if self.conv is not None:
             return self.conv(x, memory, meta)
         assert self.self_attn is not None

@@ -60,27 +60,29 @@ class LlamaAttention(UsesKernels, nn.Module):
         if cfg.qk_norm:                                   # each q and k head normed in place, before RoPE
             T, q_size, kv_size, D = qkv.shape[0], cfg.q_size, cfg.kv_size, cfg.head_dim
             qkv[:, :q_size] = self.q_norm(qkv[:, :q_size].reshape(-1, D)).view(T, q_size)
-            qkv[:, q_size:q_size + kv_size] = self.k_norm(qkv[:, q_size:q_size + kv_size].reshape(-1, D)).view(T, kv_size)
+            keys = qkv[:, q_size:q_size + kv_size]
+            qkv[:, q_size:q_size + kv_size] = self.k_norm(keys.reshape(-1, D)).view(T, kv_size)
         if cfg.qk_norm_whole:                             # OLMoE: all of q, all of k
             qkv[:, :cfg.q_size] = self.q_norm(qkv[:, :cfg.q_size].contiguous())
-            qkv[:, cfg.q_size:cfg.q_size + cfg.kv_size] = self.k_norm(qkv[:, cfg.q_size:cfg.q_size + cfg.kv_size]
-                                                                      .contiguous())
+            keys = qkv[:, cfg.q_size:cfg.q_size + cfg.kv_size]
+            qkv[:, cfg.q_size:cfg.q_size + cfg.kv_size] = self.k_norm(keys.contiguous())
         if cfg.clip_qkv is not None:
             qkv.clamp_(-cfg.clip_qkv, cfg.clip_qkv)
         if applies(self.kernels, qkv):                        # split, rotate, write k and v: one op
             rows = meta.kernel_rows
             q, k = self.kernels.rope_and_cache(qkv, positions, self.rotary.cos, self.rotary.sin, list(kv),
-                                               meta.slot_mapping, cfg.num_heads, cfg.num_kv_heads, rows.tables,
-                                               rows.seqs, meta.block_size)
+                                               meta.slot_mapping, cfg.num_heads, cfg.num_kv_heads,
+                                               rows.tables, rows.seqs, meta.block_size)
             v = qkv[:, cfg.q_size + cfg.kv_size:].view(-1, cfg.num_kv_heads, cfg.head_dim)
-            return self._out(paged_attention(q, k, v, kv, meta, self.kernels, written=True, window=self.window,
-                                             scale=self.scale))
+            return self._out(paged_attention(q, k, v, kv, meta, self.kernels, written=True,
+                                             window=self.window, scale=self.scale))
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.reshape(-1, cfg.num_heads, cfg.head_dim)   # [T, Hq, D]
         k = k.reshape(-1, cfg.num_kv_heads, cfg.head_dim)   # [T, Hkv, D]
         v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
         q, k = self.rotary(positions, q, k)
-        return self._out(paged_attention(q, k, v, kv, meta, self.kernels if applies(self.kernels, q) else None,
+        return self._out(paged_attention(q, k, v, kv, meta,
+                                         self.kernels if applies(self.kernels, q) else None,
                                          window=self.window, scale=self.scale))
 
     def _out(self, attn: torch.Tensor) -> torch.Tensor:
@@ -173,7 +175,8 @@ class LlamaModel(nn.Module):
     def build_stack(self, kernels: Kernels | None) -> None:
         """The C++ decoder stack of these (bound) layers where it can run them (models/stack.py); not
         with tp (its layers' all-reduces run between the Python layers' ops). None: the Python layers."""
-        self.stack = build_stack(kernels, self.cfg, list(self.layers), self.norm.weight) if self.tp is None else None
+        self.stack = None if self.tp is not None else \
+            build_stack(kernels, self.cfg, list(self.layers), self.norm.weight)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: KVCaches, keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -192,7 +195,8 @@ class LlamaModel(nn.Module):
         return x
 
 
-Shard = Literal["q", "k", "v", 0, 1]   # a part of a fused parameter: "q"/"k"/"v" of qkv_proj, 0/1 of gate_up_proj
+# a part of a fused parameter: "q"/"k"/"v" of qkv_proj, 0/1 of gate_up_proj
+Shard = Literal["q", "k", "v", 0, 1]
 # checkpoint name part → (our fused parameter, shard)
 _PACKED: dict[str, tuple[str, Shard]] = {
     "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
@@ -257,7 +261,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and cfg.tie_word_embeddings:
                 continue  # some checkpoints store the tied copy anyway
-            if cfg.num_experts and (moe := load_moe_weight(params, name, tensor, cfg.num_experts)) is not None:
+            moe = load_moe_weight(params, name, tensor, cfg.num_experts) if cfg.num_experts else None
+            if moe is not None:
                 loaded |= moe
                 continue
             parts = name.split(".")
@@ -270,7 +275,8 @@ class LlamaForCausalLM(nn.Module):
             param = params[target]
             dst = param.data if shard is None else self._shard(param.data, shard)
             if dst.shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(dst.shape)}")
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model "
+                                 f"shape {tuple(dst.shape)}")
             dst.copy_(tensor)
             loaded |= _shard_names(target) if shard is None else {f"{target}:{shard}"}
         return loaded
@@ -293,7 +299,8 @@ class LlamaForCausalLM(nn.Module):
 
 
 def _shard_names(param: str) -> set[str]:
-    """A fused parameter counts as loaded once each of its shards is (a Phi-3 checkpoint fills all at once)."""
+    """A fused parameter counts as loaded once each of its shards is (a Phi-3 checkpoint fills all at
+    once)."""
     if ".qkv_proj." in param:
         return {f"{param}:{s}" for s in "qkv"}
     if ".gate_up_proj." in param:

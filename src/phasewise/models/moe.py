@@ -138,7 +138,8 @@ class Experts(UsesKernels, nn.Module):
 class SparseMoeBlock(UsesKernels, nn.Module):
     """Router, experts and (Qwen2-MoE) a shared expert `shared` (a dense MLP module) behind a sigmoid gate."""
 
-    def __init__(self, cfg: ModelConfig, shared: DenseMLP | None = None, tp: TensorParallel | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, shared: DenseMLP | None = None,
+                 tp: TensorParallel | None = None) -> None:
         super().__init__()
         if tp is not None and tp.size > 1:
             raise ValueError("tensor parallelism does not split experts yet")
@@ -184,7 +185,8 @@ _PROJECTIONS = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "do
                 "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
-def load_moe_weight(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor, experts: int) -> set[str] | None:
+def load_moe_weight(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor,
+                    experts: int) -> set[str] | None:
     """Copy a mixture-of-experts checkpoint tensor into its place (a model of `experts` experts); the
     shard names filled, or None when `name` is no expert weight (the caller loads it). Takes one
     expert's 2-D weight (`...experts.{e}.gate_proj.weight`, Mixtral's `w1/w3/w2`), all experts' 3-D
@@ -214,7 +216,8 @@ def load_moe_weight(params: dict[str, nn.Parameter], name: str, tensor: torch.Te
 
 def _fill(params: dict[str, nn.Parameter], name: str, target: str, tensor: torch.Tensor, expert: int | None,
           experts: int) -> set[str]:
-    """`tensor` into expert `expert`'s rows of the stacked weight `target` (None: all experts, [E, rows, in])."""
+    """`tensor` into expert `expert`'s rows of the stacked weight `target` (None: all experts, [E, rows,
+    in])."""
     if target not in params:
         raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
     stacked = params[target].data
@@ -238,6 +241,7 @@ def _copy(params: dict[str, nn.Parameter], name: str, dst: torch.Tensor | None, 
 def expert_shard_names(param: str, experts: int) -> set[str] | None:
     """What must be loaded for a stacked expert weight to be complete: each expert's rows; None for
     any other parameter."""
-    if ".mlp.experts." in param and param.endswith(("gate_proj.weight", "up_proj.weight", "down_proj.weight")):
+    if ".mlp.experts." in param and param.endswith(("gate_proj.weight", "up_proj.weight",
+                                                    "down_proj.weight")):
         return {f"{param}:{e}" for e in range(experts)}
     return None

@@ -31,13 +31,14 @@ class MultiTokenPredictor(nn.Module):
         self.pre_fc_norm_embedding = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.pre_fc_norm_hidden = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.fc = Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
-        self.rotary = RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                      cfg.rope_scaling)
-        self.layers: LayerList[HybridDecoderLayer] = LayerList([HybridDecoderLayer(layer_cfg, self.rotary, 0)])
+        self.rotary = RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, cfg.max_position_embeddings,
+                                      cfg.rope_theta, cfg.rope_scaling)
+        self.layers: LayerList[HybridDecoderLayer] = \
+            LayerList([HybridDecoderLayer(layer_cfg, self.rotary, 0)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv: LayerKV) -> torch.Tensor:
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata, kv: LayerKV) -> torch.Tensor:
         """embeds: the next tokens' embeddings [T, H]; hidden: the hidden states before them [T, H];
         positions [T] (those of `hidden`) → the layer's final-normed output [T, H] (logits through the
         model's head; the hidden state of the next MTP step)."""

@@ -27,7 +27,8 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__(cfg, tp)
         if cfg.mtp_layers > 1:
-            raise ValueError(f"{cfg.mtp_layers} MTP layers: only one is supported (as the released models have)")
+            raise ValueError(f"{cfg.mtp_layers} MTP layers: only one is supported (as the "
+                             "released models have)")
         self.mtp = MultiTokenPredictor(cfg) if cfg.mtp_layers else None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

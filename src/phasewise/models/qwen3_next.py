@@ -25,7 +25,8 @@ def ungrouped(name: str, tensor: torch.Tensor, shape: GatedDeltaNetShape) -> lis
     r, dk, dv = shape.num_v_heads // shape.num_k_heads, shape.head_k_dim, shape.head_v_dim
     head = name.rsplit(".", 2)[0]                      # ...linear_attn
     if name.endswith(".in_proj_qkvz.weight"):
-        q, k, v, z = tensor.reshape(shape.num_k_heads, -1, tensor.shape[-1]).split([dk, dk, r * dv, r * dv], dim=1)
+        grouped = tensor.reshape(shape.num_k_heads, -1, tensor.shape[-1])
+        q, k, v, z = grouped.split([dk, dk, r * dv, r * dv], dim=1)
         flat = [t.reshape(-1, tensor.shape[-1]) for t in (q, k, v, z)]
         return [(f"{head}.in_proj_qkv.weight", torch.cat(flat[:3])), (f"{head}.in_proj_z.weight", flat[3])]
     if name.endswith(".in_proj_ba.weight"):

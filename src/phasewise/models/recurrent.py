@@ -60,10 +60,12 @@ class GatedDeltaNetShape(RecurrentShape):
     tiled_v_heads: bool = False
 
     def __post_init__(self) -> None:
-        if min(self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim) < 1 or self.conv_kernel < 2:
+        if min(self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim) < 1 or \
+                self.conv_kernel < 2:
             raise ValueError(f"a Gated DeltaNet shape of {self}")
         if self.num_v_heads % self.num_k_heads:
-            raise ValueError(f"{self.num_v_heads} value heads are not a multiple of {self.num_k_heads} key heads")
+            raise ValueError(f"{self.num_v_heads} value heads are not a multiple of "
+                             f"{self.num_k_heads} key heads")
 
     @property
     def key_dim(self) -> int:
@@ -95,8 +97,9 @@ class GatedDeltaNetShape(RecurrentShape):
 
     def mixer_params(self, hidden: int) -> int:
         """in_proj (q, k, v, z, b, a), conv taps, dt_bias, A_log, the gated norm and out_proj."""
-        return hidden * (self.conv_dim + self.value_dim + 2 * self.num_v_heads) + self.conv_dim * self.conv_kernel + \
-            2 * self.num_v_heads + self.head_v_dim + self.value_dim * hidden
+        return hidden * (self.conv_dim + self.value_dim + 2 * self.num_v_heads) + \
+            self.conv_dim * self.conv_kernel + 2 * self.num_v_heads + self.head_v_dim + \
+            self.value_dim * hidden
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,7 +180,8 @@ def hf_lfm2(config: HFConfig) -> HybridFields:
     if config.get("conv_bias"):
         raise ValueError("LFM2 with conv_bias (biases on the short convolutions) is not supported")
     conv = tuple(i for i, kind in enumerate(types) if kind == "conv")
-    return HybridFields(recurrent=ShortConvShape(channels=config["hidden_size"], taps=config.get("conv_L_cache", 3)),
+    return HybridFields(recurrent=ShortConvShape(channels=config["hidden_size"],
+                                                 taps=config.get("conv_L_cache", 3)),
                         recurrent_layers=conv) if conv else HybridFields()
 
 

@@ -11,7 +11,8 @@ if TYPE_CHECKING:
 
 
 def model_class(cfg: ModelConfig) -> type[LlamaForCausalLM]:
-    if cfg.architecture in ("llama", "mistral", "qwen2", "qwen3", "phi3", "qwen2_moe", "qwen3_moe", "mixtral", "olmoe"):
+    if cfg.architecture in ("llama", "mistral", "qwen2", "qwen3", "phi3", "qwen2_moe", "qwen3_moe",
+                            "mixtral", "olmoe"):
         from phasewise.models.llama import LlamaForCausalLM
 
         return LlamaForCausalLM

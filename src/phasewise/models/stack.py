@@ -39,7 +39,8 @@ class StackAttention(Protocol):
 
 
 class StackRecurrent(Protocol):
-    """What the stack reads of a recurrent token mixer (hybrid.py's GatedDeltaNet, short_conv.py's ShortConv)."""
+    """What the stack reads of a recurrent token mixer (hybrid.py's GatedDeltaNet, short_conv.py's
+    ShortConv)."""
 
     def stack_projections(self) -> tuple[Linear, Linear, list[Linear]]:
         """Its input and output projections (the stack's qkv and o), and its other linears."""
@@ -84,8 +85,9 @@ def build_stack(kernels: Kernels | None, cfg: ModelConfig, layers: Sequence[Stac
         rotary = attn.rotary
     if not _fp32_cpu(final_norm) or not _fp32_cpu(rotary.cos):
         return None
-    return kernels.decoder_stack(specs, final_norm.detach(), rotary.cos, rotary.sin, cfg.num_heads, cfg.num_kv_heads,
-                                 cfg.head_dim, cfg.rms_norm_eps, cfg.query_scale or 0.0, cfg.hidden_act == "gelu_tanh")
+    return kernels.decoder_stack(specs, final_norm.detach(), rotary.cos, rotary.sin, cfg.num_heads,
+                                 cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.query_scale or 0.0,
+                                 cfg.hidden_act == "gelu_tanh")
 
 
 def _layer_spec(cfg: ModelConfig, layer: StackDecoderLayer, ffn: Sequence[torch.Tensor],
@@ -105,7 +107,8 @@ def _layer_spec(cfg: ModelConfig, layer: StackDecoderLayer, ffn: Sequence[torch.
         assert attn is not None
         qkv_proj, o_proj, rope = attn.qkv_proj, attn.o_proj, [attn.rotary.cos, attn.rotary.sin]
         qk = [attn.q_norm.weight, attn.k_norm.weight] if cfg.qk_norm or cfg.qk_norm_whole else []
-    linears: list[Linear] = [qkv_proj, o_proj] + ([dense.gate_up_proj, dense.down_proj] if dense is not None else [])
+    linears: list[Linear] = [qkv_proj, o_proj] + ([dense.gate_up_proj, dense.down_proj]
+                                                  if dense is not None else [])
     norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
     if not all(m.form == "blocks" and _on_cpu(m.blocks) for m in linears + others) \
             or not all(map(_fp32_cpu, norms + list(ffn) + qk + rope)):
@@ -116,15 +119,15 @@ def _layer_spec(cfg: ModelConfig, layer: StackDecoderLayer, ffn: Sequence[torch.
     q_norm, k_norm = _pair([w.detach() for w in qk])
     pre_ffn, post_ffn = _pair([w.detach() for w in ffn])
     cos, sin = _pair(rope)
-    return StackLayer(norms[0].detach(), norms[1].detach(), qkv, o, gate_up, down, q_norm=q_norm, k_norm=k_norm,
-                      pre_ffn_norm=pre_ffn, post_ffn_norm=post_ffn, cos=cos, sin=sin,
+    return StackLayer(norms[0].detach(), norms[1].detach(), qkv, o, gate_up, down, q_norm=q_norm,
+                      k_norm=k_norm, pre_ffn_norm=pre_ffn, post_ffn_norm=post_ffn, cos=cos, sin=sin,
                       kv_group=attn.kv_group if attn is not None else 0,
                       window=(attn.window or 0) if attn is not None else 0, sparse=moe, mixer=mixer,
                       attn_gate=attn is not None and cfg.attn_output_gate)
 
 
-def run_stack(stack: DecoderStack, cfg: ModelConfig, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-              kv_caches: Sequence[LayerKV], keep: torch.Tensor | None = None,
+def run_stack(stack: DecoderStack, cfg: ModelConfig, x: torch.Tensor, positions: torch.Tensor,
+              meta: AttentionMetadata, kv_caches: Sequence[LayerKV], keep: torch.Tensor | None = None,
               expert_counts: torch.Tensor | None = None) -> torch.Tensor:
     """x: [T, hidden] embedded tokens → the final-normed hidden states [T, hidden] (or of the rows
     `keep` [R], ascending: the last layer computes only those past its keys and values), every layer
@@ -136,10 +139,11 @@ def run_stack(stack: DecoderStack, cfg: ModelConfig, x: torch.Tensor, positions:
     if meta.state_slots:                                  # a hybrid's step (attention-only: [] or None)
         sequences = torch.tensor([meta.query_lens, meta.context_lens, meta.state_slots], dtype=torch.int64)
         if any(meta.state_snapshots or ()):
-            snapshots = torch.tensor(snapshot_rows(meta.query_lens, meta.state_snapshots or []), dtype=torch.int64)
+            taken = snapshot_rows(meta.query_lens, meta.state_snapshots or [])
+            snapshots = torch.tensor(taken, dtype=torch.int64)
     return stack.forward(x, positions, [m.slot_mapping for m in metas], kv_caches, [r.tables for r in rows],
-                         [r.seq for r in rows], [r.length for r in rows], meta.block_size, keep, expert_counts,
-                         sequences, snapshots, rows[0].seqs)
+                         [r.seq for r in rows], [r.length for r in rows], meta.block_size, keep,
+                         expert_counts, sequences, snapshots, rows[0].seqs)
 
 
 def snapshot_rows(query_lens: Sequence[int], snapshots: Sequence[Sequence[int]]) -> list[int]:

@@ -61,7 +61,8 @@ class ReasoningParser:
         # "lead": the output's start, where a `<think>` may open the block; then "reasoning", "after" (the
         # answer's leading whitespace, dropped) and "content"
         self._state = "lead"
-        self._thinking = name == "deepseek_r1" if prompt_open is None else prompt_open   # the start, with no <think>
+        # the start, with no <think>
+        self._thinking = name == "deepseek_r1" if prompt_open is None else prompt_open
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
         """(reasoning, content) given out for this delta; final: the output ended, nothing is held."""

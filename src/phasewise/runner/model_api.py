@@ -22,10 +22,12 @@ class CausalLM(Protocol):
         """The forward pass: hidden states [T, hidden], or of the rows `keep` [R] (ascending)."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """hidden [N, hidden] → fp32 logits [N, vocab] (with tensor parallelism: on rank 0, None on the others)."""
+        """hidden [N, hidden] → fp32 logits [N, vocab] (with tensor parallelism: on rank 0, None on the
+        others)."""
 
     def expert_choices(self) -> torch.Tensor | None:
-        """A mixture of experts: its routers' choices in the last forward [len(moe_layers), E]; None if dense."""
+        """A mixture of experts: its routers' choices in the last forward [len(moe_layers), E]; None if
+        dense."""
 
     def build_stack(self, kernels: Kernels | None) -> None:
         """The decoder's C++ stack, where it can run (the engine builder's step after loading)."""

@@ -48,12 +48,14 @@ class StepInputs:
     # a hybrid's, per sequence: the slots its state is copied to after each of its rows but the last (the
     # states a verify step may roll back to; [] for a sequence without drafts)
     state_snapshots: list[list[int]] = field(default_factory=list)
-    tail_slots: list[int] | None = None    # an int8 KV cache's: each sequence's tail slot (core/kv_cache_manager.py)
+    # an int8 KV cache's: each sequence's tail slot (core/kv_cache_manager.py)
+    tail_slots: list[int] | None = None
 
 
 # What rank 0 broadcasts to the other ranks after the setup: a step's forward, the logits of some of its rows
 # (their part of the vocabulary), or the end (runner/tp_worker.py's `serve_steps` runs them).
-RankStep = tuple[Literal["forward"], StepInputs] | tuple[Literal["logits"], list[int]] | tuple[Literal["stop"], None]
+RankStep = (tuple[Literal["forward"], StepInputs] | tuple[Literal["logits"], list[int]]
+            | tuple[Literal["stop"], None])
 
 
 @dataclass
@@ -77,7 +79,8 @@ class StepPlan:
     drafted: list[ScheduledChunk] = field(default_factory=list)
     drafted_reqs: list[RequestState] = field(default_factory=list)
     scored: list[ScoredRows] = field(default_factory=list)
-    snapshotted: list[tuple[str, int, list[int]]] = field(default_factory=list)   # (request, state slot, snapshots)
+    # (request, state slot, snapshots)
+    snapshotted: list[tuple[str, int, list[int]]] = field(default_factory=list)
 
 
 class Proposer(Protocol):
@@ -172,7 +175,8 @@ class ModelRunner:
                 inputs.tail_slots.append(chunk.tail_slot)
             if chunk.state_slot is not None:
                 inputs.state_slots.append(chunk.state_slot)
-                inputs.state_snapshots.append(self._snapshots(inputs.state_snapshots, len(chunk.draft_token_ids)
+                inputs.state_snapshots.append(self._snapshots(inputs.state_snapshots,
+                                                              len(chunk.draft_token_ids)
                                                               if chunk.samples else 0))
                 if inputs.state_snapshots[-1]:
                     plan.snapshotted.append((req.request_id, chunk.state_slot, inputs.state_snapshots[-1]))
@@ -188,7 +192,8 @@ class ModelRunner:
         scored_rows = (r for s in plan.scored for r in range(s.row, s.row + len(s.targets)))
         wanted = sorted({*plan.sample_rows, *plan.draft_rows, *scored_rows})
         keep_all = self.proposer is not None and self.proposer.wants_hidden      # every committed row's
-        if len(wanted) < len(inputs.input_ids) and not keep_all:   # from here on a row is its index among the kept
+        # from here on a row is its index among the kept
+        if len(wanted) < len(inputs.input_ids) and not keep_all:
             inputs.keep, index = wanted, {r: i for i, r in enumerate(wanted)}
             plan.sample_rows = [index[r] for r in plan.sample_rows]
             plan.draft_rows = [index[r] for r in plan.draft_rows]
@@ -220,21 +225,26 @@ class ModelRunner:
         meta.state_snapshots = inputs.state_snapshots
         ids = torch.tensor(inputs.input_ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(inputs.positions, dtype=torch.int64, device=self.device)
-        keep = None if inputs.keep is None else torch.tensor(inputs.keep, dtype=torch.int64, device=self.device)
+        keep = None if inputs.keep is None else torch.tensor(inputs.keep,
+                                                             dtype=torch.int64, device=self.device)
         return self.model(ids, pos, meta, self.kv_cache.layers, keep)
 
     def sample(self, plan: StepPlan, hidden: torch.Tensor) -> RunnerOutput:
         """The plan's prompt logprobs, sampled tokens (under their grammars' masks) and verified drafts."""
-        prompt_lps = {s.request_id: (s.position, self._score(hidden, s.row, s.targets, s.top)) for s in plan.scored}
+        prompt_lps = {s.request_id: (s.position, self._score(hidden, s.row, s.targets, s.top))
+                      for s in plan.scored}
         if not plan.sample_reqs and not plan.drafted:
             return RunnerOutput({}, prompt_logprobs=prompt_lps, threads=torch.get_num_threads())
         logits = self.logits(hidden, plan.sample_rows + plan.draft_rows)        # [B + sum(k + 1), V] fp32
         drafts = [(r.grammar, c.draft_token_ids) for r, c in zip(plan.drafted_reqs, plan.drafted)]
         masks, b = StepMasks(plan.sample_reqs, drafts, self.vocab_size), len(plan.sample_rows)
-        sampled = self._sample(logits[:b], plan.sample_reqs, masks.sampling, masks.check) if plan.sample_reqs else {}
-        out = RunnerOutput(sampled, prompt_logprobs=prompt_lps, grammar_ms=masks.ms, threads=torch.get_num_threads())
+        sampled = self._sample(logits[:b], plan.sample_reqs, masks.sampling, masks.check) \
+            if plan.sample_reqs else {}
+        out = RunnerOutput(sampled, prompt_logprobs=prompt_lps, grammar_ms=masks.ms,
+                           threads=torch.get_num_threads())
         if plan.drafted:
-            verified = verify(logits[b:], plan.drafted, plan.drafted_reqs, [r.generator for r in plan.drafted_reqs],
+            verified = verify(logits[b:], plan.drafted, plan.drafted_reqs,
+                              [r.generator for r in plan.drafted_reqs],
                               self.vocab_size, self.eos_token_ids, self.device, self.kernels, masks.drafts)
             for rid, (accepted, final) in verified.items():
                 out.sampled[rid] = final

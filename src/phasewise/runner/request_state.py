@@ -77,7 +77,8 @@ class RequestStates:
     def __len__(self) -> int:
         return len(self.states)
 
-    def update(self, new: Iterable[NewRequest], finished: Iterable[str], chunks: Iterable[ScheduledChunk]) -> None:
+    def update(self, new: Iterable[NewRequest], finished: Iterable[str],
+               chunks: Iterable[ScheduledChunk]) -> None:
         """Let the ended requests go, take the new ones in, and line each chunk's request up with the
         core's count of its tokens (a step's sampled tokens past a stop the core found are not its own)."""
         for request_id in finished:
@@ -85,7 +86,8 @@ class RequestStates:
         for r in new:
             seed = r.sampling_params.seed
             gen = None if seed is None else torch.Generator(self.device).manual_seed(seed)
-            self.states[r.request_id] = RequestState(r.request_id, r.sampling_params, list(r.prompt_token_ids),
+            self.states[r.request_id] = RequestState(r.request_id, r.sampling_params,
+                                                     list(r.prompt_token_ids),
                                                      list(r.output_token_ids), r.grammar, gen)
         for c in chunks:
             self.states[c.request_id].keep(c.num_request_tokens)

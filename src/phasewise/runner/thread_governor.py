@@ -40,7 +40,9 @@ class CpuTimes:
 
 def usable_cpus() -> list[int]:
     """The CPUs this process may run on."""
-    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
 
 
 class CpuReader:
@@ -132,7 +134,8 @@ class ThreadGovernor:
         return self.threads
 
     def _choose(self, free: float) -> None:
-        """Down at once when `free` CPUs fall DROP below the threads; up after RISE_WINDOWS with RISE more free."""
+        """Down at once when `free` CPUs fall DROP below the threads; up after RISE_WINDOWS with RISE more
+        free."""
         if free < self.threads - DROP:
             self._rising = 0
             self._set(max(1, round(free)))

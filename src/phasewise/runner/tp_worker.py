@@ -66,10 +66,11 @@ class TPWorkers:
         with socket.socket() as s:                       # a free loopback port for the group's rendezvous
             s.bind(("127.0.0.1", 0))
             init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-        return cls(init_method, [subprocess.Popen([sys.executable, "-m", "phasewise.runner.tp_worker", str(rank),
-                                                   str(size), init_method, str(threads),
-                                                   f"cuda:{rank}" if device == "cuda" else device])
-                                 for rank in range(1, size)])
+        return cls(init_method,
+                   [subprocess.Popen([sys.executable, "-m", "phasewise.runner.tp_worker", str(rank),
+                                      str(size), init_method, str(threads),
+                                      f"cuda:{rank}" if device == "cuda" else device])
+                    for rank in range(1, size)])
 
     @classmethod
     def launched(cls) -> TPWorkers:
@@ -136,11 +137,13 @@ def run_rank(rank: int, size: int, init_method: str, threads: int, device: str =
         torch.cuda.set_device(device)
     tp = init_tensor_parallel(rank, size, init_method, device)
     try:
-        setup = cast(Setup, tp.broadcast())        # unpickled from rank 0, whose build_engine sends its Setup first
+        # unpickled from rank 0, whose build_engine sends its Setup first
+        setup = cast(Setup, tp.broadcast())
         kernels = kernel_build.load() if setup.kernels else None
         model, cfg = load_prepared(Path(setup.model_path), setup.weights, device, kernels, setup.plain, tp)
         kv_dtype = {"int8": torch.int8, "int4": INT4}.get(setup.kv_dtype) or parse_dtype(setup.weights)
-        cache = KVCache(cfg, setup.num_blocks, setup.block_size, kv_dtype, device, num_tail_slots=setup.tail_slots)
+        cache = KVCache(cfg, setup.num_blocks, setup.block_size, kv_dtype, device,
+                        num_tail_slots=setup.tail_slots)
         runner = ModelRunner(model, cache, frozenset(), device, kernels, tp)
         if tp.broadcast() == "ready":              # rank 0 loaded its part too (else it failed: stop)
             serve_steps(runner)
@@ -174,13 +177,15 @@ def serve_steps(runner: ModelRunner) -> None:
             hidden = runner.forward(step[1])
         elif step[0] == "logits":
             assert hidden is not None               # rank 0 asks for logits of the step it ran
-            runner.model.compute_logits(hidden[torch.tensor(step[1], dtype=torch.int64, device=hidden.device)])
+            runner.model.compute_logits(hidden[torch.tensor(step[1], dtype=torch.int64,
+                                                            device=hidden.device)])
         else:
             return
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description="one rank of a tensor-parallel phasewise engine (started by rank 0)")
+    ap = argparse.ArgumentParser(description="one rank of a tensor-parallel phasewise "
+                                             "engine (started by rank 0)")
     ap.add_argument("rank", type=int)
     ap.add_argument("size", type=int)
     ap.add_argument("init_method")

@@ -50,19 +50,21 @@ def _leading(accept: list[bool], num_drafts: list[int]) -> list[int]:
     return counts
 
 
-def greedy_verify(target_argmax: Tensor, draft_ids: Tensor, num_drafts: list[int]) -> tuple[list[int], Tensor]:
+def greedy_verify(target_argmax: Tensor, draft_ids: Tensor,
+                  num_drafts: list[int]) -> tuple[list[int], Tensor]:
     """target_argmax [N + R] (the target's greedy choice per row), draft_ids [N] → (accepted counts,
     final token [R]): the argmax at the first mismatch, or at the bonus position."""
     rows = _draft_target_rows(num_drafts, draft_ids.device)
     accept = (target_argmax[rows] == draft_ids).tolist()
     counts = _leading(accept, num_drafts)
     t_off, _ = _offsets(num_drafts)
-    final_rows = torch.tensor([o + a for o, a in zip(t_off, counts)], dtype=torch.long, device=draft_ids.device)
+    final_rows = torch.tensor([o + a for o, a in zip(t_off, counts)], dtype=torch.long,
+                              device=draft_ids.device)
     return counts, target_argmax[final_rows]
 
 
-def rejection_sample(target_probs: Tensor, draft_ids: Tensor, draft_probs: Tensor | None, num_drafts: list[int],
-                     uniform: Tensor, noise: Tensor) -> tuple[list[int], Tensor]:
+def rejection_sample(target_probs: Tensor, draft_ids: Tensor, draft_probs: Tensor | None,
+                     num_drafts: list[int], uniform: Tensor, noise: Tensor) -> tuple[list[int], Tensor]:
     """The rejection rule for a batch of requests.
 
     target_probs [N + R, V] (p per row, rows summing to 1); draft_ids [N] int64;

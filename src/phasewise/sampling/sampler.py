@@ -66,11 +66,13 @@ class SamplingMetadata:
     repetition_penalty: Tensor | None   # [B] float32; None when all 1
     presence_penalty: Tensor | None     # [B] float32; None when all 0
     frequency_penalty: Tensor | None    # [B] float32; None when all 0
-    prompt_mask: Tensor | None          # [B, V] bool, token in prompt; rows without repetition_penalty stay False
+    # [B, V] bool, token in prompt; rows without repetition_penalty stay False
+    prompt_mask: Tensor | None
     output_counts: Tensor | None        # [B, V] int32, occurrences in the output so far
     banned_mask: Tensor | None          # [B, V] bool, tokens forbidden this step (min_tokens)
     grammar_words: Tensor | None        # [B, ceil(V / 32)] int32, bit t % 32 of word t // 32 set where the
-                                        # row's grammar allows token t (all set: no grammar); None: no row has one
+                                        # row's grammar allows token t (all set: no grammar); None: no row has
+                                        # one
     generators: list[torch.Generator | None]  # per row; None = default generator
     all_greedy: bool
     max_num_logprobs: int | None        # max over rows of params.logprobs; None when no row wants them
@@ -105,8 +107,8 @@ class SamplingMetadata:
         rep = column([p.repetition_penalty for p in params], 1.0, f32)
         presence = column([p.presence_penalty for p in params], 0.0, f32)
         frequency = column([p.frequency_penalty for p in params], 0.0, f32)
-        prompt_mask = None if rep is None else \
-            _mask([ids if p.repetition_penalty != 1.0 else [] for p, ids in zip(params, prompt_ids)], V, device)
+        prompt_mask = None if rep is None else _mask(
+            [ids if p.repetition_penalty != 1.0 else [] for p, ids in zip(params, prompt_ids)], V, device)
         penalized = rep is not None or presence is not None or frequency is not None
         output_counts = _counts(output_ids, V, device) if penalized else None
         eos = sorted(eos_token_ids)
@@ -286,7 +288,8 @@ def race_scores(probs: Tensor, generators: list[torch.Generator | None]) -> Tens
     return probs / exponential_noise(generators, probs.shape[-1], probs.device).to(probs.dtype)
 
 
-def random_sample(probs: Tensor, generators: list[torch.Generator | None], kernels: Kernels | None = None) -> Tensor:
+def random_sample(probs: Tensor, generators: list[torch.Generator | None],
+                  kernels: Kernels | None = None) -> Tensor:
     """One draw per row of probs [B, V] by the exponential race. Returns [B] int64."""
     return argmax(race_scores(probs, generators), kernels)
 
@@ -302,7 +305,8 @@ def compute_logprobs(raw_logits: Tensor, token_ids: Tensor, num_top: int) -> tup
 def argmax(logits: Tensor, kernels: Kernels | None = None) -> Tensor:
     """Each row's argmax [B] (the first on ties). With the engine's compiled CPU kernels, their
     argmax: torch's CPU argmax reads 49k logits in ~85 µs, a millisecond a step at batch 32."""
-    if kernels is not None and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2:
+    if kernels is not None and logits.device.type == "cpu" and logits.dtype == torch.float32 and \
+            logits.dim() == 2:
         return kernels.argmax_rows(logits.contiguous())
     return logits.argmax(dim=-1)
 

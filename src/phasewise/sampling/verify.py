@@ -39,8 +39,8 @@ def verify(logits: Tensor, chunks: list[ScheduledChunk], seqs: Sequence[Sequence
             params.append(req.sampling_params)
             prompts.append(req.prompt_token_ids)
             outputs.append(req.output_token_ids + c.draft_token_ids[:i])
-    meta = SamplingMetadata.build(params, prompts, outputs, [None] * len(params), vocab_size, eos_token_ids, device,
-                                  kernels, grammar_bitmask)
+    meta = SamplingMetadata.build(params, prompts, outputs, [None] * len(params), vocab_size, eos_token_ids,
+                                  device, kernels, grammar_bitmask)
     raw = logits.float()
     greedy_ids, probs = distribution(raw, meta)                      # [T], [T, V] or None
 
@@ -60,18 +60,22 @@ def verify(logits: Tensor, chunks: list[ScheduledChunk], seqs: Sequence[Sequence
         ks = [len(chunks[j].draft_token_ids) for j in idx]
         rows = torch.tensor([starts[j] + i for j, k in zip(idx, ks) for i in range(k + 1)],
                             dtype=torch.long, device=device)
-        drafts = torch.tensor([t for j in idx for t in chunks[j].draft_token_ids], dtype=torch.long, device=device)
+        drafts = torch.tensor([t for j in idx for t in chunks[j].draft_token_ids],
+                              dtype=torch.long, device=device)
         if kind == "greedy":
             counts, final = greedy_verify(greedy_ids[rows], drafts, ks)
         else:
             assert probs is not None                                 # some row samples: not all greedy
-            # a "q" chunk's draft_probs: the draft-model proposer's [k, V] Tensor (core types it without torch)
-            q = None if kind == "point" else torch.cat([cast(Tensor, chunks[j].draft_probs) for j in idx]).to(device)
+            # a "q" chunk's draft_probs: the draft-model proposer's [k, V] Tensor (core types it
+            # without torch)
+            q = None if kind == "point" else \
+                torch.cat([cast(Tensor, chunks[j].draft_probs) for j in idx]).to(device)
             uniform, noise = _draws([generators[j] for j in idx], ks, vocab_size, device)
             counts, final = rejection_sample(probs[rows], drafts, q, ks, uniform, noise)
         for j, a, t in zip(idx, counts, final.tolist()):
             chosen[j] = (a, chunks[j].draft_token_ids[:a] + [t])
-    return {c.request_id: _with_logprobs(req.sampling_params.logprobs, raw[starts[j]:starts[j] + len(chosen[j][1])],
+    return {c.request_id: _with_logprobs(req.sampling_params.logprobs,
+                                         raw[starts[j]:starts[j] + len(chosen[j][1])],
                                          chosen[j][1])
             for j, (c, req) in enumerate(zip(chunks, seqs))}
 

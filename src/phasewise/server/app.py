@@ -6,10 +6,11 @@ Streaming responses close their stream when the client goes away (Starlette canc
 body on disconnect), which aborts the requests at once; non-streaming ones race the
 generation against the client's disconnect (sse.py).
 
-    guards.py            413 / 401 / 404 / 503 before a request runs; every error in OpenAI's shape (Anthropic's
-                         on /v1/messages)
+    guards.py            413 / 401 / 404 / 503 before a request runs; every error in OpenAI's shape
+                         (Anthropic's on /v1/messages)
     openai/              /v1/models, /v1/completions, /v1/chat/completions
-    responses/           /v1/responses (OpenAI's Responses API, on the chat path; kept in a bounded ResponseStore)
+    responses/           /v1/responses (OpenAI's Responses API, on the chat path; kept in a bounded
+                         ResponseStore)
     anthropic/           /v1/messages, /v1/messages/count_tokens (Anthropic's Messages API, on the chat path)
     tokenizer_routes.py  /tokenize, /detokenize, /tokenizer_info
     dashboard_routes.py  /dashboard (the page) and /dashboard/events (its live feed, dashboard_feed.py)

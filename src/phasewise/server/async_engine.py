@@ -41,7 +41,8 @@ P = ParamSpec("P")
 class SubRequest:
     """One engine request of an API call (an API call with n > 1 or several prompts has several)."""
     request_id: str
-    prompt: Prompt | ChatPrompt                # a chat call's: its ChatPrompt (messages, tools, template variables)
+    # a chat call's: its ChatPrompt (messages, tools, template variables)
+    prompt: Prompt | ChatPrompt
     params: SamplingParams
 
 
@@ -74,8 +75,8 @@ _Routed: TypeAlias = tuple[str, StreamDelta | Exception]   # (request id, a delt
 
 
 class AsyncEngine:
-    """`engine`: an EngineClient (an LLMEngine), or a function that builds one, which then runs on the engine thread.
-    Build it there when you can: OpenMP keeps a thread pool per thread that ran parallel work, so
+    """`engine`: an EngineClient (an LLMEngine), or a function that builds one, which then runs on the engine
+    thread. Build it there when you can: OpenMP keeps a thread pool per thread that ran parallel work, so
     a model loaded and warmed up on another thread leaves a second pool, and libgomp, seeing more
     threads than cores, stops spinning at barriers: a decode step of 32 rows took 41-43 ms instead
     of 30 here (docs/benchmarks.md). The constructor returns once the engine is built, or raises
@@ -84,20 +85,23 @@ class AsyncEngine:
     def __init__(self, engine: EngineClient | Callable[[], EngineClient], observer: Observer | None = None,
                  max_pending: int = 1024) -> None:
         self.observer = observer or Observers()
-        self.max_pending = max_pending         # unread chunks a stream may hold before its requests are aborted
+        # unread chunks a stream may hold before its requests are aborted
+        self.max_pending = max_pending
         built: list[BaseException] = []          # what building the engine raised, if it did
         ready = threading.Event()
         self._cond = threading.Condition()
         self._inbox: list[_Command] = []
-        self._taken: list[_Command] = []       # commands the thread took from the inbox and has not yet handled
+        # commands the thread took from the inbox and has not yet handled
+        self._taken: list[_Command] = []
         self._dead = False                     # the thread has stopped taking commands (under _cond)
         self._stopping = False
         self._submitted = 0                    # sub-requests sent to the thread, ever (loop side)
         self._received = 0                     # of them, taken in by the thread (thread side; published)
         self._streams: dict[str, RequestStream] = {}   # request id → its stream (loop side)
-        self._live: dict[str, _Live] = {}      # request id → engine Request and its caller's loop (thread side)
-        self._thread = threading.Thread(target=self._run, args=(engine, built, ready), name="phasewise-engine",
-                                        daemon=True)
+        # request id → engine Request and its caller's loop (thread side)
+        self._live: dict[str, _Live] = {}
+        self._thread = threading.Thread(target=self._run, args=(engine, built, ready),
+                                        name="phasewise-engine", daemon=True)
         self._thread.start()
         ready.wait()
         if built:
@@ -254,7 +258,8 @@ class AsyncEngine:
             raise
         finally:
             self._fail_all(EngineDeadError("the engine has stopped"))
-            close = getattr(engine, "close", None)   # a tensor-parallel engine's other ranks, from this thread
+            # a tensor-parallel engine's other ranks, from this thread
+            close = getattr(engine, "close", None)
             if close is not None:
                 close()
 

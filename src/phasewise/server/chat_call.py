@@ -45,7 +45,8 @@ class ChatCall:
 
     def parser(self) -> ReplyParser | None:
         """A fresh parser for one choice's text, or None when nothing is parsed."""
-        tools = ToolCallParser(self.tool_format, self.tool_names, self.max_calls) if self.tool_format else None
+        tools = None if not self.tool_format else \
+            ToolCallParser(self.tool_format, self.tool_names, self.max_calls)
         reasoning = self.thinking.parser(self.template_kwargs) if self.thinking else None
         return ReplyParser(reasoning, tools, self.include_reasoning) if tools or reasoning else None
 
@@ -60,18 +61,22 @@ class ChatCall:
 
 def chat_call(request: ChatRequest, template_tool_format: str, rid: str,
               thinking: Thinking | None = None) -> ChatCall:
-    """The request's sub-requests; 400 (APIError) for a forced call the tools cannot make. template_tool_format:
-    the format the model's chat template calls tools in (Tokenizer.tool_format); thinking: the server's (its
-    parser, and the default budget for a request that gives none)."""
+    """The request's sub-requests; 400 (APIError) for a forced call the tools cannot make.
+    template_tool_format: the format the model's chat template calls tools in (Tokenizer.tool_format);
+    thinking: the server's (its parser, and the default budget for a request that gives none)."""
     params, tool_format = tool_params(request, template_tool_format)
-    budget = thinking.budget(request.thinking_budget) if thinking else resolved_budget(request.thinking_budget)
+    asked = request.thinking_budget
+    budget = thinking.budget(asked) if thinking else resolved_budget(asked)
     prompt = request.prompt
-    if budget == 0:                        # no thinking: the template's switch off too, unless the request set it
+    # no thinking: the template's switch off too, unless the request set it
+    if budget == 0:
         prompt = replace(prompt, template_kwargs={"enable_thinking": False, **(prompt.template_kwargs or {})})
     block = thinking.block(budget) if thinking else None
-    if block is not None:                  # the engine tracks the thinking, keeps its budget, grammars after it
+    # the engine tracks the thinking, keeps its budget, grammars after it
+    if block is not None:
         params = replace(params, thinking=block)
-    items = [SubRequest(sub_id(rid, j, request.n), prompt, choice_params(params, j)) for j in range(request.n)]
+    items = [SubRequest(sub_id(rid, j, request.n), prompt, choice_params(params, j))
+             for j in range(request.n)]
     choice = request.tool_choice
     limits = [n for n in (request.max_tool_calls, None if choice.parallel else 1) if n is not None]
     constraint = "tool_choice" if tool_format and choice.forced else \
@@ -138,7 +143,8 @@ class Submitter:
 
 
 def salted(items: list[SubRequest], tenant: str | None) -> list[SubRequest]:
-    """The sub-requests with the tenant's cache salt before their own (a tenant cannot name another's salt)."""
+    """The sub-requests with the tenant's cache salt before their own (a tenant cannot name another's
+    salt)."""
     if tenant is None:
         return items
     return [replace(it, params=replace(it.params, cache_salt=tenant if it.params.cache_salt is None

@@ -62,7 +62,8 @@ class ChatRequest:
 
     @property
     def tool_names(self) -> frozenset[str]:
-        return frozenset(json_types.text(json_types.obj(t["function"])["name"]) for t in self.prompt.tools or ())
+        return frozenset(json_types.text(json_types.obj(t["function"])["name"])
+                         for t in self.prompt.tools or ())
 
 
 def check_call_ids(messages: list[JsonObject], param: str, result: str = "tool result") -> None:
@@ -74,5 +75,5 @@ def check_call_ids(messages: list[JsonObject], param: str, result: str = "tool r
                      if isinstance(call.get("id"), str))
         answered = m.get("tool_call_id")
         if m["role"] == "tool" and answered not in calls:
-            raise bad_request(f"{param}: the {result} for call id {answered!r} answers no tool call of an earlier "
-                              "assistant message", param)
+            raise bad_request(f"{param}: the {result} for call id {answered!r} answers no tool call of an "
+                              "earlier assistant message", param)

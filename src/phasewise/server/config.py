@@ -12,13 +12,15 @@ from pathlib import Path
 class ServerConfig:
     served_model_name: str
     model_aliases: tuple[str, ...] = ()       # other names a request may use (the model path as given)
-    api_keys: tuple[str, ...] = ()           # --api-key: any of them is let in (several: a cache salt per key)
+    # --api-key: any of them is let in (several: a cache salt per key)
+    api_keys: tuple[str, ...] = ()
     max_waiting: int = 1024                   # queued sub-requests past which new ones get 503
     max_body_bytes: int = 4 * 1024 * 1024
     model_root: str = ""
     role: str | None = None                   # "prefill" | "decode": one side of a disaggregated pair
     reasoning_parser: str = "auto"            # thinking.CHOICES: the template's own, none, or a parser's name
-    reasoning_budget: int = -1                # --reasoning-budget: thinking tokens when a request gives no budget (-1: all)
+    # --reasoning-budget: thinking tokens when a request gives no budget (-1: all)
+    reasoning_budget: int = -1
     created: int = field(default_factory=lambda: int(time.time()))
 
 

@@ -14,7 +14,8 @@ from phasewise.json_types import JsonObject, JsonValue
 from phasewise.core.sampling_params import StructuredOutputs
 
 VLLM_KEYS = ("json", "json_object", "regex", "choice", "grammar")
-GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+          "guided_grammar": "grammar"}
 FIELDS = ("response_format", "structured_outputs", *GUIDED, "json_schema", "grammar")
 
 
@@ -47,7 +48,8 @@ def structured_outputs(fields: Mapping[str, JsonValue], bad_request: Callable[[s
                 raise ValueError("must be an object")
             unknown = sorted(set(value) - set(VLLM_KEYS) - {"strict"})
             if unknown:
-                raise ValueError(f"{', '.join(unknown)} not supported (it takes one of {', '.join(VLLM_KEYS)})")
+                raise ValueError(f"{', '.join(unknown)} not supported (it takes one of "
+                                 f"{', '.join(VLLM_KEYS)})")
             return _vllm(value)
         if name in GUIDED:
             return _vllm({GUIDED[name]: value})
@@ -123,5 +125,6 @@ def _response_format(value: JsonValue) -> StructuredOutputs:
     if schema is None:                      # OpenAI's schema is optional: any JSON object then
         return StructuredOutputs(json_object=True)
     # OpenAI's default is strict=false: keywords the compiler does not implement are then not enforced
-    return StructuredOutputs(json=_schema(schema), strict=_flag({k: v for k, v in spec.items() if v is not None},
-                                                                "strict", False))
+    return StructuredOutputs(json=_schema(schema),
+                             strict=_flag({k: v for k, v in spec.items() if v is not None},
+                                          "strict", False))

@@ -21,12 +21,14 @@ import numpy as np
 from phasewise.core.handoffs import EngineStats, StepRecord
 from phasewise.core.request import Request
 from phasewise.outputs import StreamDelta
-from phasewise.server.dashboard_json import (BindingJson, ExpertsJson, FinishedJson, KindJson, PercentilesJson,
+from phasewise.server.dashboard_json import (BindingJson, ExpertsJson, FinishedJson,
+                                             KindJson, PercentilesJson,
                                                RequestJson, RooflineJson, SnapshotJson, StepJson, WindowJson)
 from phasewise.server.observer import Observer
 
 MAX_LIVE_SHOWN = 200           # live requests sent in a snapshot (the oldest first)
-NEAR_ROOF = 0.25               # below this share of both roofs, a step is bound by neither: by what they leave out
+# below this share of both roofs, a step is bound by neither: by what they leave out
+NEAR_ROOF = 0.25
 EXPERTS_WINDOW_S = 5.0         # the experts' spread: over the steps of the last seconds
 
 
@@ -41,7 +43,8 @@ class Roofline:
     head_flops: float                 # the output head, once per sampling row
 
     def to_json(self) -> RooflineJson:
-        return {"dram_gbs": self.dram_gbs, "compute_gops": self.compute_gops, "compute_name": self.compute_name}
+        return {"dram_gbs": self.dram_gbs, "compute_gops": self.compute_gops,
+                "compute_name": self.compute_name}
 
 
 def binding(steps: list[StepJson], roof: Roofline | None) -> BindingJson:
@@ -58,10 +61,12 @@ def binding(steps: list[StepJson], roof: Roofline | None) -> BindingJson:
         if not group or secs <= 0:
             continue
         tokens = sum(s["prefill"] + s["decode"] + s["draft"] for s in group)
-        info: KindJson = {"steps": len(group), "time_share": secs * 1e3 / total, "tokens_per_s": tokens / secs}
+        info: KindJson = {"steps": len(group), "time_share": secs * 1e3 / total,
+                          "tokens_per_s": tokens / secs}
         if roof is not None:
             gbs = roof.weight_bytes * len(group) / secs / 1e9
-            gops = (roof.flops_per_token * tokens + roof.head_flops * sum(s["batch"] for s in group)) / secs / 1e9
+            rows = sum(s["batch"] for s in group)
+            gops = (roof.flops_per_token * tokens + roof.head_flops * rows) / secs / 1e9
             bw, comp = gbs / roof.dram_gbs, gops / roof.compute_gops
             nearer = "memory bandwidth" if bw >= comp else "compute"
             info |= {"gbs": gbs, "gops": gops, "bandwidth_share": bw, "compute_share": comp,
@@ -129,9 +134,9 @@ class _Samples:
 class DashboardFeed(Observer):
     """Engine-thread hooks in, snapshots out. `window_s`: the latency and throughput window."""
 
-    def __init__(self, *, token_budget: int, max_num_seqs: int, num_blocks: int, roofline: Roofline | None = None,
-                 window_s: float = 60.0, max_steps: int = 4000, max_finished: int = 500,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, *, token_budget: int, max_num_seqs: int, num_blocks: int,
+                 roofline: Roofline | None = None, window_s: float = 60.0, max_steps: int = 4000,
+                 max_finished: int = 500, clock: Callable[[], float] = time.perf_counter) -> None:
         self.token_budget, self.max_num_seqs, self.num_blocks = token_budget, max_num_seqs, num_blocks
         self.roofline, self.window_s, self.clock = roofline, window_s, clock
         self._lock = threading.Lock()
@@ -140,7 +145,8 @@ class DashboardFeed(Observer):
         self._finished: deque[FinishedJson] = deque(maxlen=max_finished)
         self._ttft, self._itl, self._e2e = _Samples(), _Samples(), _Samples()     # (when, ms)
         self._prompts, self._cached = _Samples(), _Samples()                       # (when, tokens)
-        self._experts: deque[tuple[float, np.ndarray]] = deque(maxlen=2000)     # (when, a step's router choices)
+        # (when, a step's router choices)
+        self._experts: deque[tuple[float, np.ndarray]] = deque(maxlen=2000)
         self._seq = 0
         self._windowed: WindowJson | None = None
         self._windowed_at = 0.0
@@ -181,9 +187,10 @@ class DashboardFeed(Observer):
             self._seq += 1
             step: StepJson = {
                 "t": record.start, "ms": record.duration_ms, "prefill": record.num_prefill_tokens,
-                "decode": record.num_decode_tokens, "batch": record.batch_size, "draft": record.num_draft_tokens,
-                "accepted": record.num_accepted_tokens, "grammar_ms": record.grammar_ms,
-                "threads": record.threads, "others": round(stats.cpus_busy_elsewhere, 2),
+                "decode": record.num_decode_tokens, "batch": record.batch_size,
+                "draft": record.num_draft_tokens, "accepted": record.num_accepted_tokens,
+                "grammar_ms": record.grammar_ms, "threads": record.threads,
+                "others": round(stats.cpus_busy_elsewhere, 2),
                 "used": stats.num_blocks - stats.num_free_blocks,
                 "cached": stats.num_cached_blocks, "free": stats.num_free_blocks,
                 "running": stats.num_running, "waiting": stats.num_waiting, "seq": self._seq}
@@ -248,7 +255,7 @@ class DashboardFeed(Observer):
 
 
 def _stats(values: np.ndarray) -> PercentilesJson:
-    """Percentiles interpolated linearly, as phasewise.percentile does (numpy's default method)."""
+    """Percentiles interpolated linearly, as phasewise.report.percentile does (numpy's default method)."""
     if not len(values):
         return {"n": 0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
     p50, p90, p99 = np.percentile(values, [50, 90, 99]).tolist()

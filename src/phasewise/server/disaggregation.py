@@ -26,11 +26,13 @@ class DisaggregatedPair:
     def __init__(self, engine: AsyncEngine, timeout_s: float = 120.0, room_wait_s: float = 30.0) -> None:
         self.engine, self.timeout_s, self.room_wait_s = engine, timeout_s, room_wait_s
 
-    async def send(self, transfer_id: str, prompt: Prompt | ChatPrompt, chat: bool, salt: str | None = None) -> None:
-        """After the prefill instance ran the prompt (under this cache salt): its blocks to the decode instance."""
+    async def send(self, transfer_id: str, prompt: Prompt | ChatPrompt, chat: bool,
+                   salt: str | None = None) -> None:
+        """After the prefill instance ran the prompt (under this cache salt): its blocks to the decode
+        instance."""
         try:
-            sent = await self.engine.call(lambda e: e.kv_transfer.send(transfer_id, e.encode_prompt(prompt, chat),
-                                                                       salt))
+            sent = await self.engine.call(
+                lambda e: e.kv_transfer.send(transfer_id, e.encode_prompt(prompt, chat), salt))
             await asyncio.wait_for(asyncio.wrap_future(sent), self.timeout_s)
         except (ConnectionError, TimeoutError, asyncio.TimeoutError, ValueError) as e:
             raise _failed(f"sending this prompt's KV blocks failed: {e or 'timed out'}") from None

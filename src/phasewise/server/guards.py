@@ -44,9 +44,11 @@ class Guards:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         given = [token] if scheme.lower() == "bearer" else []
         given += request.headers.getlist("x-api-key")
-        matched = [k for k in keys if any(secrets.compare_digest(t.strip().encode(), k.encode()) for t in given)]
+        matched = [k for k in keys
+                   if any(secrets.compare_digest(t.strip().encode(), k.encode()) for t in given)]
         if not matched:
-            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>' or "
+                                "'x-api-key: <key>'",
                            param=None, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         if len(keys) > 1:
             request.state.cache_tenant = tenant_salt(matched[0])
@@ -118,17 +120,20 @@ class BodyLimit:
 
     async def _too_large(self, scope: Scope, send: Send) -> None:
         message = f"the request body is larger than {self.max_bytes} bytes"
-        body = json.dumps(anthropic.error_body(413, message) if anthropic.is_messages_path(scope.get("path", ""))
+        body = json.dumps(anthropic.error_body(413, message)
+                          if anthropic.is_messages_path(scope.get("path", ""))
                           else error_body(message, code="request_too_large")).encode()
         await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
 
 
 def _error(request: Request, exc: APIError) -> JSONResponse:
     """exc in OpenAI's shape, or in Anthropic's on the Messages API's paths."""
-    body = (anthropic.error_body(exc.status, exc.message, exc.param) if anthropic.is_messages_path(request.url.path)
+    body = (anthropic.error_body(exc.status, exc.message, exc.param)
+            if anthropic.is_messages_path(request.url.path)
             else exc.body())
     return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
@@ -142,7 +147,8 @@ def install_error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = f"{request.method} {request.url.path}: {exc.detail}"
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _error(request, APIError(exc.status_code, message, kind, headers=getattr(exc, "headers", None)))
+        error = APIError(exc.status_code, message, kind, headers=getattr(exc, "headers", None))
+        return _error(request, error)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import (
-    CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest)
+    CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
+    disable_created_metrics, generate_latest)
 from prometheus_client.core import CounterMetricFamily
 
 from phasewise.outputs import StreamDelta
@@ -45,13 +46,28 @@ ENGINE_COUNTERS: tuple[tuple[str, str, str | None, tuple[tuple[str, Read], ...]]
      None, (("", lambda s: s.spec_num_accepted_tokens),)),
     ("phasewise:cpu_wait_seconds", "Time the engine's threads were runnable but waited for a CPU (other "
      "programs taking cores; Linux run-queue delay).", None, (("", lambda s: s.cpu_wait_seconds),)),
+    # the prefix cache in RAM, since the start
+    ("phasewise:prompt_cache_ram_hit_blocks", "KV blocks admitted requests took from the prefix cache in RAM "
+     "(those the disk tier had just loaded for them count as disk hits).", None,
+     (("", lambda s: s.ram.hit_blocks),)),
+    ("phasewise:prompt_cache_ram_hit_bytes", "Bytes of those blocks.", None,
+     (("", lambda s: s.ram.hit_blocks * s.kv_block_bytes),)),
+    ("phasewise:prompt_cache_ram_evictions",
+     "KV blocks the prefix cache in RAM dropped to reuse them for new KV: "
+     "cause=lru, unmarked blocks, least recently freed first; cause=ttl, cache_control blocks whose TTL had "
+     "passed (dropped before those); cause=kept, cache_control blocks within their TTL (no other free block "
+     "was left).", "cause", (("lru", lambda s: s.ram.evicted_lru), ("ttl", lambda s: s.ram.evicted_ttl),
+                             ("kept", lambda s: s.ram.evicted_kept))),
     # the prefix cache's disk tier (--prompt-cache-dir), since the start (0 without it)
     ("phasewise:prompt_cache_disk_hit_blocks", "KV blocks loaded from the prompt cache's disk tier.",
      None, (("", _disk("blocks_read")),)),
-    ("phasewise:prompt_cache_disk_read_bytes", "Bytes loaded from the disk tier.", None, (("", _disk("bytes_read")),)),
-    ("phasewise:prompt_cache_disk_load_seconds", "Time spent loading blocks found on the disk tier (a phase of "
+    ("phasewise:prompt_cache_disk_read_bytes", "Bytes loaded from the disk tier.", None,
+     (("", _disk("bytes_read")),)),
+    ("phasewise:prompt_cache_disk_load_seconds",
+     "Time spent loading blocks found on the disk tier (a phase of "
      "the requests' prefill).", None, (("", _disk("load_seconds")),)),
-    ("phasewise:prompt_cache_disk_written_blocks", "KV blocks (and recurrent states) written to the disk tier.",
+    ("phasewise:prompt_cache_disk_written_blocks",
+     "KV blocks (and recurrent states) written to the disk tier.",
      None, (("", _disk("blocks_written")),)),
     ("phasewise:prompt_cache_disk_written_bytes", "Bytes written to the disk tier.",
      None, (("", _disk("bytes_written")),)),
@@ -61,13 +77,14 @@ ENGINE_COUNTERS: tuple[tuple[str, str, str | None, tuple[tuple[str, Read], ...]]
     ("phasewise:prompt_cache_disk_errors", "Disk-tier failures, each costing the cache only: kind=write, a "
      "write that failed (full disk, unwritable directory); kind=corrupt, a file that did not check out "
      "(removed, its block computed again); kind=dropped, a copy dropped with the writer too far behind.",
-     "kind", (("write", _disk("write_errors")), ("corrupt", _disk("corrupt")), ("dropped", _disk("dropped")))),
+     "kind",
+     (("write", _disk("write_errors")), ("corrupt", _disk("corrupt")), ("dropped", _disk("dropped")))),
 )
 
 
 class _EngineCollector:
-    """Counters that mirror the engine's own totals (speculative decoding, CPU waits, the disk tier) from
-    the latest snapshot."""
+    """Counters that mirror the engine's own totals (speculative decoding, CPU waits, the prompt cache in RAM
+    and on disk) from the latest snapshot."""
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
@@ -92,6 +109,8 @@ ENGINE_GAUGES: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
     ("phasewise:kv_cache_total_blocks", "KV blocks in the pool.", lambda s: s.num_blocks),
     ("phasewise:kv_cache_cached_blocks", "KV blocks registered in the prefix cache (referenced or not).",
      lambda s: s.num_cached_blocks),
+    ("phasewise:prompt_cache_ram_bytes", "Bytes of the KV blocks registered in the prefix cache in RAM.",
+     lambda s: s.num_cached_blocks * s.kv_block_bytes),
     ("phasewise:recurrent_state_slots", "A hybrid's recurrent-state slots for running requests (fixed bytes "
      "each, whatever the context).", lambda s: s.num_state_slots),
     ("phasewise:recurrent_state_slots_used", "Recurrent-state slots held by running requests.",
@@ -128,8 +147,8 @@ class ServerMetrics(Observer):
                               "Time to the first answer token: arrival to the first output token after the "
                               "thinking (the first token of a reply that does not think).", REQUEST_BUCKETS)
         self.thinking = histogram("phasewise:thinking_time_seconds",
-                                  "Thinking time of replies that thought: first token to the end of the thinking "
-                                  "block (or the reply's end).", REQUEST_BUCKETS)
+                                  "Thinking time of replies that thought: first token to the end of the "
+                                  "thinking block (or the reply's end).", REQUEST_BUCKETS)
         self.itl = histogram("phasewise:inter_token_latency_seconds",
                              "Gap between consecutive output tokens of a request.", LATENCY_BUCKETS)
         self.e2e = histogram("phasewise:e2e_request_latency_seconds",
@@ -151,9 +170,11 @@ class ServerMetrics(Observer):
         self.structured = counter("phasewise:structured_output_requests",
                                   "Requests under a grammar (structured outputs, forced tool calls).")
         self.grammar_compile = histogram("phasewise:grammar_compile_seconds",
-                                         "Compiling a request's grammar (a cached one: copying it).", GRAMMAR_BUCKETS)
+                                         "Compiling a request's grammar (a cached one: "
+                                         "copying it).", GRAMMAR_BUCKETS)
         self.grammar_mask = histogram("phasewise:grammar_mask_seconds",
-                                      "A step's grammar masks (steps with constrained requests).", GRAMMAR_BUCKETS)
+                                      "A step's grammar masks (steps with constrained "
+                                      "requests).", GRAMMAR_BUCKETS)
         self.totals = _EngineCollector(model_name)
         r.register(self.totals)
 
@@ -175,8 +196,9 @@ class ServerMetrics(Observer):
         m = delta.output.metrics
         times = m.token_times
         if not n:
-            if delta.finished and not times:   # max_tokens 0 (the prompt scored only): its prompt still ran
+            if delta.finished and not times:   # max_tokens 0 (the prompt only): its prompt still ran
                 self.prompt_tokens.inc(len(delta.output.prompt_token_ids))
+                self.prefix_cache_hits.inc(delta.output.cached_tokens)
             return
         first = len(times) - n                 # index of the delta's first token
         if first == 0:                         # the first token: prefill is over

@@ -11,7 +11,8 @@ from phasewise.outputs import StreamDelta
 
 class Observer(Protocol):
     """Hooks called on the engine thread. A class that names Observer as its base does nothing in the
-    hooks it leaves out (metrics, the dashboard); one with all four hooks is one too (lab.trace's recorder)."""
+    hooks it leaves out (metrics, the dashboard); one with all four hooks is one too (lab.trace's
+    recorder)."""
 
     def on_add(self, request: Request) -> None: ...
 
@@ -23,7 +24,8 @@ class Observer(Protocol):
 
 
 class Observers(Observer):
-    """Several observers called in turn (metrics and a trace recorder); none: an observer that does nothing."""
+    """Several observers called in turn (metrics and a trace recorder); none: an observer that does
+    nothing."""
 
     def __init__(self, *observers: Observer) -> None:
         self.observers = observers

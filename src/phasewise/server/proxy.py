@@ -64,12 +64,14 @@ def create_proxy(prefill: str, decode: str) -> FastAPI:
                     return relay(r)
             if not body.get("stream"):
                 return relay(await client.post(decode + path, json=body, headers=headers))
-            r = await client.send(client.build_request("POST", decode + path, json=body, headers=headers), stream=True)
+            forward = client.build_request("POST", decode + path, json=body, headers=headers)
+            r = await client.send(forward, stream=True)
         except httpx.TransportError as e:
             return JSONResponse(error_body(f"an instance of the pair cannot be reached: {e}", "server_error"),
                                 status_code=502)
         return StreamingResponse(_relay_stream(r), status_code=r.status_code,
-                                 media_type=r.headers.get("content-type"), background=BackgroundTask(r.aclose))
+                                 media_type=r.headers.get("content-type"),
+                                 background=BackgroundTask(r.aclose))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -89,8 +91,8 @@ def create_proxy(prefill: str, decode: str) -> FastAPI:
 def _json_object(raw: bytes) -> JsonObject | Response:
     """A request body as a JSON object, or the 400 that says why it is not one."""
     if nesting_depth(raw) > MAX_DEPTH:
-        return JSONResponse(error_body(f"the request body nests arrays and objects more than {MAX_DEPTH} levels "
-                                       "deep"), status_code=400)
+        return JSONResponse(error_body(f"the request body nests arrays and objects more than {MAX_DEPTH} "
+                                       "levels deep"), status_code=400)
     try:
         body = json.loads(raw)
     except ValueError:

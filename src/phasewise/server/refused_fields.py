@@ -17,7 +17,8 @@ UNSUPPORTED_FIELDS = frozenset({
     "xtc_probability", "xtc_threshold", "dry_multiplier", "dry_base", "dry_allowed_length",
     "dry_penalty_last_n", "dry_sequence_breakers", "repeat_last_n", "penalty_last_n", "repeat_penalty",
     "top_n_sigma", "samplers", "n_predict", "n_probs", "truncate_prompt_tokens", "include_stop_str_in_output",
-    "adaptive_target", "adaptive_decay", "min_keep", "backend_sampling", "t_max_predict_ms", "lora", "vllm_xargs",
+    "adaptive_target", "adaptive_decay", "min_keep", "backend_sampling", "t_max_predict_ms",
+    "lora", "vllm_xargs",
     # the prompt: templates and their arguments, tokenization, context shifting (vLLM, llama.cpp; chat
     # requests take add_generation_prompt and continue_final_message, declared there)
     "add_generation_prompt", "continue_final_message", "chat_template", "documents",
@@ -28,7 +29,8 @@ UNSUPPORTED_FIELDS = frozenset({
     "reasoning_budget_arm_immediately",
     # more in the response, or in another shape (vLLM, llama.cpp)
     "prompt_logprobs", "return_token_ids", "return_tokens_as_token_ids", "spaces_between_special_tokens",
-    "return_tokens", "return_progress", "response_fields", "post_sampling_probs", "timings_per_token", "n_cmpl",
+    "return_tokens", "return_progress", "response_fields", "post_sampling_probs",
+    "timings_per_token", "n_cmpl",
     # a chat request's fields sent to /v1/completions, and chat's own echo (only completions echo here)
     "echo", "top_logprobs", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls",
     "chat_template_kwargs", "reasoning_effort", "thinking_token_budget", "thinking_budget_tokens",

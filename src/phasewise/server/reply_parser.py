@@ -17,7 +17,8 @@ class ReplyParser:
     """reasoning None: no thinking is read (the text is all answer); tools None: no calls are read;
     shown false: the thinking is read and dropped (include_reasoning false)."""
 
-    def __init__(self, reasoning: ReasoningParser | None, tools: ToolCallParser | None, shown: bool = True) -> None:
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolCallParser | None,
+                 shown: bool = True) -> None:
         self.reasoning_parser, self.tools, self.shown = reasoning, tools, shown
         self.answer = ""              # the answer's text so far (calls and all)
         self.cut = False              # the output was cut off by the token limit

@@ -105,7 +105,8 @@ class SamplingFields(BaseModel):
         if self.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias")
         if self.temperature is not None and not 0 <= self.temperature <= MAX_TEMPERATURE:
-            raise bad_request(f"temperature must be in [0, {MAX_TEMPERATURE}], got {self.temperature}", "temperature")
+            raise bad_request(f"temperature must be in [0, {MAX_TEMPERATURE}], "
+                              f"got {self.temperature}", "temperature")
         fields: CommonParams = {
             "n": n, "seed": self.seed, "stop": self.stop, "ignore_eos": self.ignore_eos,
             "min_tokens": self.min_tokens, "stop_token_ids": self.stop_token_ids or [],
@@ -119,25 +120,34 @@ class SamplingFields(BaseModel):
         return fields
 
     def cache_ttl(self) -> float | None:
-        """prompt_cache_retention as the engine's cache_ttl (None: its default); a bad salt or retention is a 400."""
+        """prompt_cache_retention as the engine's cache_ttl (None: its default); a bad salt or retention is a
+        400."""
         if self.cache_salt is not None and not self.cache_salt:
             raise bad_request("cache_salt must be a non-empty string", "cache_salt")
         retention = self.prompt_cache_retention
         if retention is not None and retention not in RETENTIONS:
-            raise bad_request(f"prompt_cache_retention must be {' or '.join(map(repr, RETENTIONS))}, got {retention!r}",
+            raise bad_request(f"prompt_cache_retention must be {' or '.join(map(repr, RETENTIONS))}, got "
+                              f"{retention!r}",
                               "prompt_cache_retention")
         return RETENTIONS[retention] if retention is not None else None
 
     def constraint_fields(self) -> JsonObject:
         """The vLLM and llama.cpp constraint fields by name (constraints.FIELDS; None: not given)."""
-        return {name: getattr(self, name) for name in constraints.FIELDS if name in SamplingFields.model_fields}
+        return {name: getattr(self, name) for name in constraints.FIELDS
+                if name in SamplingFields.model_fields}
 
 
 def make_params(fields: CommonParams, max_tokens: int | None, logprobs: int | None,
-                prompt_logprobs: int | None = None, max_tokens_field: str = "max_tokens") -> SamplingParams:
-    """SamplingParams, or a 400 naming the field its ValueError names (max_tokens as the API spells it)."""
+                prompt_logprobs: int | None = None, max_tokens_field: str = "max_tokens",
+                prompt_only: bool = False) -> SamplingParams:
+    """SamplingParams, or a 400 naming the field its ValueError names (max_tokens as the API spells it).
+    max_tokens 0 (the prompt only) is taken with prompt_logprobs or when the API calls it a pre-warm
+    (`prompt_only`), a 400 otherwise."""
+    if max_tokens == 0 and prompt_logprobs is None and not prompt_only:
+        raise bad_request(f"{max_tokens_field} must be at least 1, got 0", max_tokens_field)
     try:
-        return SamplingParams(**fields, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        return SamplingParams(**fields, max_tokens=max_tokens, logprobs=logprobs,
+                              prompt_logprobs=prompt_logprobs)
     except ValueError as e:
         message = str(e)
         param = message.split(" ", 1)[0]

@@ -1,5 +1,5 @@
-"""What every API does with a request's RequestStream: an SSE response around its events, or one collected list
-of outputs; and the failures an output can end in."""
+"""What every API does with a request's RequestStream: an SSE response around its events, or one collected
+list of outputs; and the failures an output can end in."""
 
 from __future__ import annotations
 

@@ -36,11 +36,12 @@ OFF_EFFORTS = ("none", "minimal")              # these turn thinking off where t
 EFFORT_BUDGETS = {"none": 0, "minimal": 0, "low": 1024, "medium": 4096, "high": 16384, "xhigh": 32768}
 # the per-request budget fields taken: vLLM's, llama-server's (and its other spelling); -1: unrestricted
 BUDGET_FIELDS = ("thinking_token_budget", "thinking_budget_tokens", "reasoning_budget_tokens")
-# variables and functions the renderer gives the template itself: a request's chat_template_kwargs cannot set them
+# variables and functions the renderer gives the template itself: a request's chat_template_kwargs
+# cannot set them
 RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt", "tokenize", "chat_template",
                       "continue_final_message", "return_dict", "tokenizer_kwargs", "bos_token", "eos_token",
-                      "pad_token", "unk_token", "raise_exception", "strftime_now", "namespace", "dict", "range",
-                      "lipsum", "cycler", "joiner"})
+                      "pad_token", "unk_token", "raise_exception", "strftime_now", "namespace", "dict",
+                      "range", "lipsum", "cycler", "joiner"})
 
 
 class Thinking:
@@ -116,6 +117,7 @@ def thinking_budget(fields: dict[str, int | None], effort: str | None) -> int | 
 
 
 def resolved_budget(asked: int | None, default: int = -1) -> int | None:
-    """A request's budget; when it gave none (None, or -1 as llama-server takes it), `default`; None: unlimited."""
+    """A request's budget; when it gave none (None, or -1 as llama-server takes it), `default`; None:
+    unlimited."""
     budget = asked if asked is not None and asked >= 0 else default
     return None if budget < 0 else budget

@@ -8,12 +8,11 @@ from typing import Literal, get_args
 
 from phasewise.json_types import JsonObject
 from phasewise.outputs import CompletionOutput
-from phasewise.percentile import percentile
-from phasewise.report import timings as report_timings
+from phasewise.report import percentile, timings as report_timings
 
-TimingKey = Literal["queue_ms", "ttft_ms", "prompt_n", "cache_n", "prompt_ms", "prompt_per_second", "predicted_n",
-                    "predicted_ms", "predicted_per_second", "total_ms", "preemptions", "thinking_n", "thinking_ms",
-                    "ttfa_ms"]
+TimingKey = Literal["queue_ms", "ttft_ms", "prompt_n", "cache_n", "prompt_ms", "prompt_per_second",
+                    "predicted_n", "predicted_ms", "predicted_per_second", "total_ms", "preemptions",
+                    "thinking_n", "thinking_ms", "ttfa_ms"]
 SpecKey = Literal["spec_draft_n", "spec_accepted_n", "spec_acceptance_rate", "spec_mean_accepted_len"]
 DiskKey = Literal["disk_n", "disk_load_ms"]
 TIMING_KEYS: tuple[TimingKey, ...] = get_args(TimingKey)

@@ -61,7 +61,8 @@ class DraftModelProposer:
     wants_hidden = False
 
     def __init__(self, model: CausalLM, kv_cache: KVCache, eos_token_ids: frozenset[int] = frozenset(),
-                 device: torch.device | str = "cpu", kernels: Kernels | None = None, state_slots: int = 0) -> None:
+                 device: torch.device | str = "cpu", kernels: Kernels | None = None,
+                 state_slots: int = 0) -> None:
         """state_slots: a hybrid draft's, the target's sequences at once (its cache holds twice as many)."""
         self.model, self.kv_cache, self.eos_token_ids = model, kv_cache, eos_token_ids
         self.state_slots = state_slots
@@ -92,7 +93,8 @@ class DraftModelProposer:
 
     def _state(self, chunk: ScheduledChunk, req: RequestState) -> DraftState:
         st = req.spec
-        if not isinstance(st, DraftState) or st.preemptions != chunk.preemptions:   # new, or its blocks were lost
+        # new, or its blocks were lost
+        if not isinstance(st, DraftState) or st.preemptions != chunk.preemptions:
             seed = req.sampling_params.seed
             gen = None if seed is None else \
                 torch.Generator(self.device).manual_seed((seed * 0x9E3779B1 + 0x5EC) % 2**63)
@@ -101,7 +103,8 @@ class DraftModelProposer:
 
     @staticmethod
     def _slot(chunk: ScheduledChunk) -> int:
-        assert chunk.state_slot is not None, "a hybrid draft runs beside a hybrid target (the request's state slot)"
+        assert chunk.state_slot is not None, \
+            "a hybrid draft runs beside a hybrid target (the request's state slot)"
         return chunk.state_slot
 
     def _start(self, st: DraftState, req: RequestState) -> int:

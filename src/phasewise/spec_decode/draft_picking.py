@@ -23,7 +23,8 @@ from phasewise.structured import draft_bitmask
 
 @dataclass(frozen=True)
 class DraftPicking:
-    """What picking needs of the engine: the vocabulary, its end tokens, the device and the kernels (argmax)."""
+    """What picking needs of the engine: the vocabulary, its end tokens, the device and the kernels
+    (argmax)."""
     vocab_size: int
     eos_token_ids: frozenset[int]
     device: torch.device
@@ -31,7 +32,8 @@ class DraftPicking:
 
 
 def pick_drafts(logits: Tensor, reqs: Sequence[SequenceView], drafts: Sequence[list[int]],
-                generators: Sequence[torch.Generator | None], how: DraftPicking) -> tuple[list[int], Tensor | None]:
+                generators: Sequence[torch.Generator | None],
+                how: DraftPicking) -> tuple[list[int], Tensor | None]:
     """One draft token per row of logits [B, V] (request i after its drafts[i]): argmax (greedy requests) or
     a draw from q, with each seeded request's own generator; q [B, V], or None when every row is greedy."""
     meta = SamplingMetadata.build(

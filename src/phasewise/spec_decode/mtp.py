@@ -37,7 +37,8 @@ if TYPE_CHECKING:
 @dataclass
 class MTPState:
     done: int = 0                    # positions whose K/V in the layer's cache come from the model's states
-    preemptions: int = 0             # the request's preemptions when this was true (its blocks went with them)
+    # the request's preemptions when this was true (its blocks went with them)
+    preemptions: int = 0
     generator: torch.Generator | None = None       # a seeded request's draft draws
 
 
@@ -64,7 +65,8 @@ class MTPProposer:
         tables = [c.block_tables[0] for c in chunks]
         tails = [c.tail_slot or 0 for c in chunks]
         out = self._forward([r.token_ids[first + 1:] for (first, _), r in zip(rows, reqs)],
-                            torch.cat([h for _, h in rows]), [first for first, _ in rows], tables, tails)   # [B, H]
+                            torch.cat([h for _, h in rows]), [first for first, _ in rows],
+                            tables, tails)   # [B, H]
         for st, r in zip(states, reqs):
             st.done = r.num_tokens - 1
 
@@ -72,8 +74,8 @@ class MTPProposer:
             # the layer's own output and the newest draft, one position on (draft d's row at T - 2 + d)
             nonlocal out
             starts = [reqs[i].num_tokens - 2 + len(drafts[i]) for i in active]
-            out = self._forward([[drafts[i][-1]] for i in active], out[kept], starts, [tables[i] for i in active],
-                                [tails[i] for i in active])
+            out = self._forward([[drafts[i][-1]] for i in active], out[kept], starts,
+                                [tables[i] for i in active], [tails[i] for i in active])
             return self._logits(out)
         chain_drafts(self._logits(out), chunks, reqs, [st.generator for st in states], self.picking, step)
 
@@ -84,7 +86,8 @@ class MTPProposer:
 
     def _state(self, chunk: ScheduledChunk, req: RequestState) -> MTPState:
         st = req.spec
-        if not isinstance(st, MTPState) or st.preemptions != chunk.preemptions:   # new, or its blocks were lost
+        # new, or its blocks were lost
+        if not isinstance(st, MTPState) or st.preemptions != chunk.preemptions:
             seed = req.sampling_params.seed
             gen = None if seed is None else \
                 torch.Generator(self.device).manual_seed((seed * 0x9E3779B1 + 0x3A7) % 2**63)
@@ -111,8 +114,8 @@ class MTPProposer:
         ids = torch.tensor([t for ts in tokens for t in ts], dtype=torch.long, device=self.device)
         positions = torch.tensor([p for s, n in zip(starts, lens) for p in range(s, s + n)], dtype=torch.long,
                                  device=self.device)
-        meta = AttentionMetadata.build(lens, [s + n for s, n in zip(starts, lens)], tables, self.kv_cache.block_size,
-                                       self.device, tails)
+        meta = AttentionMetadata.build(lens, [s + n for s, n in zip(starts, lens)], tables,
+                                       self.kv_cache.block_size, self.device, tails)
         embeds = self.model.model.embed_tokens(ids)
         out = self.mtp(embeds.to(hidden.dtype), hidden, positions, meta, self.kv_cache.layers[0])
         return out[torch.tensor(lens, device=self.device).cumsum(0) - 1]

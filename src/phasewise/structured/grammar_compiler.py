@@ -21,13 +21,16 @@ if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions   # a TypedDict of llguidance's stubs only
 
 # JSON as one line with OpenAI's separators: no free whitespace a small model could loop in
-JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ",
+                                    "key_separator": ": "}
 
 
 def _one_line(message: str) -> str:
     """llguidance's messages span lines (a caret under the spot): the first line and any 'error:' line."""
     lines = [line.strip() for line in message.strip().splitlines()]
-    return " ".join([lines[0], *(line for line in lines[1:] if line.startswith("error:"))]) if lines else message
+    if not lines:
+        return message
+    return " ".join([lines[0], *(line for line in lines[1:] if line.startswith("error:"))])
 
 
 class GrammarCompiler:
@@ -80,8 +83,9 @@ class GrammarCompiler:
             if template.is_error():
                 raise ConstraintError(f"invalid {_NAMES[spec.kind]}: {_one_line(template.get_error())}")
             if _dead_end(template.deep_copy(), self.vocab_size):
-                raise ConstraintError(f"no output this model's vocabulary can write satisfies the {_NAMES[spec.kind]} "
-                                      "(it needs text no token spells, such as a control character)")
+                raise ConstraintError("no output this model's vocabulary can write satisfies the "
+                                      f"{_NAMES[spec.kind]} (it needs text no token spells, such as "
+                                      "a control character)")
             self._cache[key] = template
             if len(self._cache) > self.CACHE_SIZE:
                 self._cache.popitem(last=False)
@@ -148,7 +152,8 @@ class _Vocabulary:
         special |= {i for i, t in enumerate(self.tokens)
                     if t.startswith(b"[PAD") and _PAD.fullmatch(t.decode(errors="replace"))}
         self.special_token_ids = sorted(special)
-        self.eos_token_id = self.special_token_ids[0] if self.special_token_ids else 0   # overridden by eos_token
+        # overridden by eos_token
+        self.eos_token_id = self.special_token_ids[0] if self.special_token_ids else 0
 
     def __call__(self, text: str) -> list[int]:
         if not isinstance(text, str):   # llguidance probes with bytes: text only

@@ -105,7 +105,8 @@ def draft_bitmask(rows: Sequence[tuple[Grammar | None, Sequence[int]]], vocab_si
     return bitmask
 
 
-def grammar_bitmask(rows: Sequence[tuple[Grammar | None, Sequence[int]]], vocab_size: int) -> np.ndarray | None:
+def grammar_bitmask(rows: Sequence[tuple[Grammar | None, Sequence[int]]],
+                    vocab_size: int) -> np.ndarray | None:
     """The masks of a step's sampling rows: per (matcher or None, draft tokens) entry, 1 + len(drafts)
     rows; [R, ceil(V / 32)] int32 with every bit set in rows without a grammar. None when no entry has one."""
     if all(m is None for m, _ in rows):

@@ -31,7 +31,8 @@ class StepMasks:
                  vocab_size: int) -> None:
         started = time.perf_counter()
         self.reqs, self.vocab_size = reqs, vocab_size
-        self.lazy = [matcher(r.grammar) is not None and unfiltered(r.sampling_params, vocab_size) for r in reqs]
+        self.lazy = [matcher(r.grammar) is not None
+                     and unfiltered(r.sampling_params, vocab_size) for r in reqs]
         rows: list[tuple[Grammar | None, Sequence[int]]] = [(None if z else r.grammar, ())
                                                            for r, z in zip(reqs, self.lazy)]
         self.up_front = grammar_bitmask(rows + list(drafted), vocab_size)

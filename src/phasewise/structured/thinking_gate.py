@@ -125,7 +125,8 @@ class ThinkingGate:
         saved, n = self._s, 0
         for i, t in enumerate(token_ids):
             if self._inner is not None and self._inner_holds:     # the grammar's own check, which consumes
-                n += self._inner.valid_prefix(token_ids[i:])      # nothing (an end of sequence cannot roll back)
+                # nothing (an end of sequence cannot roll back)
+                n += self._inner.valid_prefix(token_ids[i:])
                 break
             if self.finished or not self._allows(t):
                 break
@@ -318,8 +319,8 @@ class ThinkingGates:
     def _encode(self, block: ThinkingBlock) -> Tags:
         def ids(text: str) -> tuple[int, ...]:
             return tuple(self._tokenizer.encode(text, add_special_tokens=False)) if text else ()
-        return Tags(block.start.encode(), block.end.encode(), ids(block.start), ids(block.end + block.after_end),
-                    ids(block.after_end))
+        return Tags(block.start.encode(), block.end.encode(), ids(block.start),
+                    ids(block.end + block.after_end), ids(block.after_end))
 
     def start(self, block: ThinkingBlock, prompt_ids: Sequence[int]) -> Phase:
         """Where the prompt leaves the reply: inside a block it opened ("thinking"), just after one it

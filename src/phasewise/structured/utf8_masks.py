@@ -16,7 +16,8 @@ from functools import lru_cache
 import numpy as np
 
 BROKEN = 4          # not UTF-8 from that state (a lead byte where a continuation was due, or the reverse)
-WINDOW = 3          # tokens left at which the masks start to refuse (no character needs more than 3 more bytes)
+# tokens left at which the masks start to refuse (no character needs more than 3 more bytes)
+WINDOW = 3
 
 
 def utf8_after(state: int, data: bytes) -> int:
@@ -64,7 +65,8 @@ class Utf8Masks:
         return self._finals
 
     def _words(self, state: int, left: int, n_words: int) -> np.ndarray:
-        """The allowed tokens as n_words uint32 words (ids past the vocabulary allowed: others refuse them)."""
+        """The allowed tokens as n_words uint32 words (ids past the vocabulary allowed: others refuse
+        them)."""
         allowed = np.ones(n_words * 32, dtype=bool)
         n = min(self._size, n_words * 32)
         allowed[:n] = self._table()[state, :n] <= left - 1

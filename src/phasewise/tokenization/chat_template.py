@@ -5,8 +5,9 @@ The same environment: Jinja's immutable sandbox with trim_blocks and lstrip_bloc
 `{% generation %}` blocks (rendered as their body), a `tojson` that keeps non-ASCII text and takes
 indent / separators / sort_keys, `raise_exception`, `strftime_now`, and namespaces that refuse
 underscore names. The template sees `messages`, `tools`, `documents`, `add_generation_prompt`, the
-tokenizer's special tokens (`bos_token`, `eos_token`, ...) and a request's chat_template_kwargs. tests/test_chat_template.py holds the
-renderings to transformers' own on every model at hand, with and without tools.
+tokenizer's special tokens (`bos_token`, `eos_token`, ...) and a request's chat_template_kwargs.
+tests/test_chat_template.py holds the renderings to transformers' own on every model at hand, with and without
+tools.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ class _Generation(jinja2.ext.Extension):
 class _Namespace(jinja2.utils.Namespace):
     """Jinja's namespace() without underscore attributes (no way to CPython internals)."""
 
-    def __init__(*args: object, **kwargs: object) -> None:   # Jinja's signature trick: namespace(self=...) works
+    # Jinja's signature trick: namespace(self=...) works
+    def __init__(*args: object, **kwargs: object) -> None:
         self, args = args[0], args[1:]
         attrs = dict(*args, **kwargs)
         for name in attrs:
@@ -94,8 +96,8 @@ def _compile(source: str) -> jinja2.Template:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[_Generation, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
-    env.globals.update(raise_exception=_raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt),
-                       dict=dict, namespace=_Namespace)
+    env.globals.update(raise_exception=_raise_exception, dict=dict, namespace=_Namespace,
+                       strftime_now=lambda fmt: datetime.now().strftime(fmt))
     return env.from_string(source)
 
 
@@ -111,6 +113,7 @@ class ChatTemplate:
                documents: Sequence[Mapping[str, JsonValue]] | None = None,
                template_kwargs: Mapping[str, JsonValue] | None = None) -> str:
         """template_kwargs: more variables (a request's chat_template_kwargs, such as enable_thinking)."""
-        context = {**{k: _plain(v) for k, v in (template_kwargs or {}).items()}, **self.special_tokens, "messages": _plain(messages),
-                   "tools": _plain(tools), "documents": _plain(documents), "add_generation_prompt": add_generation_prompt}
+        context = {**{k: _plain(v) for k, v in (template_kwargs or {}).items()}, **self.special_tokens,
+                   "messages": _plain(messages), "tools": _plain(tools), "documents": _plain(documents),
+                   "add_generation_prompt": add_generation_prompt}
         return _compile(self.source).render(context)

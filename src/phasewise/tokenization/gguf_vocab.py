@@ -81,7 +81,8 @@ class UnsupportedVocab(ValueError):
 class GGUFVocab:
     """The tokenizer a GGUF describes."""
     backend: RustTokenizer
-    config: dict[str, JsonValue]    # tokenizer_config.json's fields: the special tokens' texts, add_bos/eos_token
+    # tokenizer_config.json's fields: the special tokens' texts, add_bos/eos_token
+    config: dict[str, JsonValue]
     chat_template: str | None
 
 
@@ -136,7 +137,9 @@ def build_vocab(fields: Mapping[str, GGUFValue]) -> GGUFVocab:
 
 def _strings(fields: Mapping[str, GGUFValue], key: str) -> list[str]:
     value = fields.get(key)
-    return cast("list[str]", value) if isinstance(value, list) and all(isinstance(s, str) for s in value) else []
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return cast("list[str]", value)
+    return []
 
 
 def _numbers(fields: Mapping[str, GGUFValue], key: str, n: int, default: float) -> list[float]:
@@ -150,7 +153,8 @@ def _numbers(fields: Mapping[str, GGUFValue], key: str, n: int, default: float) 
 def byte_alphabet() -> list[str]:
     """GPT-2's byte-level alphabet, the character of each byte: printable bytes stand for themselves,
     the others for the code points from 256 on, in byte order."""
-    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)}
     extra = iter(range(256, 512))
     return [chr(b if b in printable else next(extra)) for b in range(256)]
 
@@ -172,8 +176,8 @@ def _byte_level(fields: Mapping[str, GGUFValue], spelled: list[str]) -> RustToke
         raise UnsupportedVocab("a byte-level vocabulary without tokenizer.ggml.merges")
     pre = str(fields.get("tokenizer.ggml.pre", "default"))
     model = models.BPE(dict(zip(spelled, range(len(spelled)))), [_pair(m) for m in merges], dropout=None,
-                       continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False, byte_fallback=False,
-                       ignore_merges=pre in _WHOLE_PIECES)
+                       continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False,
+                       byte_fallback=False, ignore_merges=pre in _WHOLE_PIECES)
     tok = RustTokenizer(model)
     if pre in _SPLITS:
         tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -201,8 +205,8 @@ def _sentencepiece(fields: Mapping[str, GGUFValue], spelled: list[str], gemma: b
         merges = _merges_by_score(spelled, scores)
     unk = fields.get("tokenizer.ggml.unknown_token_id")
     unk_text = spelled[unk] if isinstance(unk, int) and 0 <= unk < len(spelled) else None
-    tok = RustTokenizer(models.BPE(dict(zip(spelled, range(len(spelled)))), merges, dropout=None, fuse_unk=True,
-                                   byte_fallback=True, unk_token=unk_text))
+    tok = RustTokenizer(models.BPE(dict(zip(spelled, range(len(spelled)))), merges, dropout=None,
+                                   fuse_unk=True, byte_fallback=True, unk_token=unk_text))
     cleanup = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     if gemma:                                       # spaces as "▁", nothing prepended
         tok.normalizer = normalizers.Replace(" ", SPACE)
@@ -282,7 +286,8 @@ def _add_tokens(backend: RustTokenizer, tokens: list[str], types: Sequence[float
     added tokens: each matched whole in text. A byte-level vocabulary's control token outside its
     alphabet is a mislabelled one and left out (it would grow the vocabulary). One call: each call
     rebuilds the matcher of every added token (0.3 s for Qwen3.5's padding of 96k)."""
-    special = [t for t, kind in zip(tokens, types) if kind == CONTROL and (alphabet is None or set(t) <= alphabet)]
+    special = [t for t, kind in zip(tokens, types)
+               if kind == CONTROL and (alphabet is None or set(t) <= alphabet)]
     seen = set(special)
     special += [t for t in dict.fromkeys(named) if t not in seen and t in spelled]
     plain = [t for t, kind in zip(tokens, types) if kind == USER_DEFINED and t in spelled]
@@ -290,7 +295,8 @@ def _add_tokens(backend: RustTokenizer, tokens: list[str], types: Sequence[float
                        [AddedToken(t, normalized=False, special=False) for t in plain])
 
 
-def _post_processor(backend: RustTokenizer, bos: str | None, eos: str | None) -> processors.TemplateProcessing:
+def _post_processor(backend: RustTokenizer, bos: str | None,
+                    eos: str | None) -> processors.TemplateProcessing:
     """BOS and EOS around a sequence, where the file adds them (a pair: around each sequence)."""
     def one(seq: str, type_id: int) -> str:
         return " ".join([*([f"{bos}:{type_id}"] if bos else []), f"${seq}:{type_id}",

@@ -42,7 +42,8 @@ class SavedTokenizer:
         self.special_tokens_map = {name: text for name in SPECIAL_NAMES
                                    if (text := _token_text(config.get(name))) is not None}
         self.bos_token, self.eos_token, self.unk_token, self.pad_token = (
-            self.special_tokens_map.get(name) for name in ("bos_token", "eos_token", "unk_token", "pad_token"))
+            self.special_tokens_map.get(name)
+            for name in ("bos_token", "eos_token", "unk_token", "pad_token"))
         self.added_tokens_decoder = self.backend_tokenizer.get_added_tokens_decoder()
 
     @classmethod
@@ -89,7 +90,8 @@ class SavedTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool = False
+    def decode(self, ids: list[int], skip_special_tokens: bool = False,
+               clean_up_tokenization_spaces: bool = False
                ) -> str:
         if clean_up_tokenization_spaces:
             raise ValueError("clean_up_tokenization_spaces is not kept: decoding stays concatenative")
@@ -97,7 +99,8 @@ class SavedTokenizer:
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, JsonValue]], tokenize: bool = False,
                             add_generation_prompt: bool = False,
-                            tools: Sequence[Mapping[str, JsonValue]] | None = None, **kwargs: JsonValue) -> str:
+                            tools: Sequence[Mapping[str, JsonValue]] | None = None,
+                            **kwargs: JsonValue) -> str:
         if tokenize:
             raise ValueError("apply_chat_template gives text here; encode it")
         if not self.chat_template:

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, cast
 
 from phasewise import tool_calling
+from phasewise.config import default_cache_dir
 from phasewise.loading.file_key import content_key
-from phasewise.paths import default_cache_dir
 from phasewise.tokenization.gguf_vocab import UnsupportedVocab, byte_alphabet, paused_gc, read_vocab
 from phasewise.tokenization.saved_tokenizer import SavedTokenizer
 
@@ -70,7 +70,8 @@ class HFTokenizer(Protocol):
     def convert_ids_to_tokens(self, token_id: int) -> str | None: ...
     def apply_chat_template(self, messages: Sequence[Mapping[str, JsonValue]], *, tokenize: bool = False,
                             add_generation_prompt: bool = False,
-                            tools: Sequence[Mapping[str, JsonValue]] | None = None, **kwargs: JsonValue) -> str: ...
+                            tools: Sequence[Mapping[str, JsonValue]] | None = None,
+                            **kwargs: JsonValue) -> str: ...
     def save_pretrained(self, folder: str) -> object: ...
 
 
@@ -143,7 +144,8 @@ def _with_fallback_template(hf: HFTokenizer) -> HFTokenizer:
 
 
 class Tokenizer:
-    """Wraps a fast tokenizer (a SavedTokenizer or transformers'): encoding, chat template, decoding, special ids."""
+    """Wraps a fast tokenizer (a SavedTokenizer or transformers'): encoding, chat template, decoding, special
+    ids."""
 
     def __init__(self, hf: HFTokenizer, extra_eos_ids: Iterable[int] = (), from_cache: bool = False) -> None:
         self.hf = hf
@@ -161,7 +163,8 @@ class Tokenizer:
         self._byte_decoder = _byte_level_decoder(hf)
 
     @classmethod
-    def from_gguf(cls, path: str | Path, cache_dir: str | Path | None = None, use_cache: bool = True) -> Tokenizer:
+    def from_gguf(cls, path: str | Path, cache_dir: str | Path | None = None,
+                  use_cache: bool = True) -> Tokenizer:
         """The tokenizer a GGUF's metadata describes, built from it (gguf_vocab.py: about a second for
         any vocabulary); one it does not build is transformers' conversion, kept under cache_dir/tokenizers
         by the file's content."""
@@ -176,10 +179,11 @@ class Tokenizer:
                 vocab = read_vocab(path)
                 hf = SavedTokenizer(vocab.backend, vocab.config, vocab.chat_template)
         except UnsupportedVocab as e:
-            print(f"phasewise: warning: {e}: converting the tokenizer of {path.name} with transformers (slow)",
-                  file=sys.stderr)
+            print(f"phasewise: warning: {e}: converting the tokenizer of {path.name} with transformers "
+                  "(slow)", file=sys.stderr)
             root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
-            converted, hit = _converted(path, root / "tokenizers" / gguf_cache_key(path) if use_cache else None)
+            converted, hit = _converted(path,
+                                        root / "tokenizers" / gguf_cache_key(path) if use_cache else None)
             return cls(_with_fallback_template(converted), from_cache=hit)
         except Exception as e:   # a malformed header (ValueError) or vocabulary (tokenizers' own Exception)
             raise ValueError(f"cannot load the tokenizer of {path}: {_one_line(e)}") from e
@@ -187,7 +191,8 @@ class Tokenizer:
 
     @classmethod
     def from_hf(cls, folder: str | Path) -> Tokenizer:
-        """Load from an HF model folder (tokenizer.json / tokenizer_config.json, optional generation_config.json)."""
+        """Load from an HF model folder (tokenizer.json / tokenizer_config.json, optional
+        generation_config.json)."""
         folder = Path(folder).expanduser()
         if not folder.is_dir():
             raise ValueError(f"model folder not found: {folder}")
@@ -236,7 +241,8 @@ class Tokenizer:
 
     def render_chat(self, messages: Sequence[Mapping[str, JsonValue]], add_generation_prompt: bool = True,
                     tools: Sequence[Mapping[str, JsonValue]] | None = None,
-                    template_kwargs: Mapping[str, JsonValue] | None = None, continue_final: bool = False) -> str:
+                    template_kwargs: Mapping[str, JsonValue] | None = None,
+                    continue_final: bool = False) -> str:
         """The chat template applied to messages (and OpenAI-style tools), as text. A template without
         tool support gets the tools, tool calls and tool results in a generic form (tool_calling/prompt.py).
         template_kwargs: more variables for the template (a request's chat_template_kwargs: enable_thinking).
@@ -252,23 +258,26 @@ class Tokenizer:
             else:
                 messages = tool_calling.generic_messages(messages, tools)
         try:
-            text = self.hf.apply_chat_template(messages, tokenize=False,
-                                               add_generation_prompt=add_generation_prompt and not continue_final,
+            opened = add_generation_prompt and not continue_final     # a new assistant turn
+            text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=opened,
                                                tools=native_tools, **(template_kwargs or {}))
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template failed: {_one_line(e)}") from e
-        except (TypeError, AttributeError) as e:       # a request's variable of a type the template cannot use
+        except (TypeError, AttributeError) as e:       # a request's variable of a type the template cannot
+                                                       # use
             if not template_kwargs:
                 raise
             raise ValueError(f"chat template failed with chat_template_kwargs: {_one_line(e)}") from e
         return _continued(text, messages[-1]) if continue_final and messages else text
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, JsonValue]], add_generation_prompt: bool = True,
+    def apply_chat_template(self, messages: Sequence[Mapping[str, JsonValue]],
+                            add_generation_prompt: bool = True,
                             tools: Sequence[Mapping[str, JsonValue]] | None = None,
                             template_kwargs: Mapping[str, JsonValue] | None = None,
                             continue_final: bool = False) -> list[int]:
         """Token ids of the rendered chat (the template supplies any BOS, as in transformers)."""
-        return self.encode(self.render_chat(messages, add_generation_prompt, tools, template_kwargs, continue_final),
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools,
+                                            template_kwargs, continue_final),
                            add_special_tokens=False)
 
     @property
@@ -284,7 +293,8 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of ids, without transformers' tokenization-space clean-up (so decoding is concatenative)."""
-        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens,
+                              clean_up_tokenization_spaces=False)
 
     def has_chat_template(self) -> bool:
         return bool(self.hf.chat_template)
@@ -339,7 +349,8 @@ def _continued(text: str, final: Mapping[str, JsonValue]) -> str:
 
 class IncrementalDetokenizer:
     """Turns generated ids into text deltas as they arrive: never emits half a UTF-8 character,
-    and holds back text that might be the start of a stop string; the final text never contains the stop string.
+    and holds back text that might be the start of a stop string; the final text never contains the stop
+    string.
 
     Decoding follows vLLM/TGI: decode the window ids[prefix:] and emit what it adds to the text of
     ids[prefix:read], waiting while it ends with U+FFFD (an incomplete character). The window starts
@@ -349,7 +360,8 @@ class IncrementalDetokenizer:
 
     CONTEXT_TOKENS = 5
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True, stop: Iterable[str] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True,
+                 stop: Iterable[str] = ()) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens
         stop = [stop] if isinstance(stop, str) else stop

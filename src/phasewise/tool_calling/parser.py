@@ -59,7 +59,8 @@ class ToolCall:
     arguments: str            # a JSON object's text
 
     def as_dict(self) -> JsonObject:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
 
 
 def _held(text: str, marker: str) -> int:
@@ -105,7 +106,8 @@ class ToolCallParser:
         self._calls: list[ToolCall] = []   # every call found; `calls` the ones given out
         self.content = ""             # the content given out so far
         self._buf = ""                # text not yet given out
-        self._space = ""              # trailing whitespace of the content, held until more content (a call drops it)
+        # trailing whitespace of the content, held until more content (a call drops it)
+        self._space = ""
         self._in_call = False
         self._head: int | None = None   # in a call whose name is out: where its arguments start in _buf
         self._sent = 0                # characters of the current call's arguments given out
@@ -117,7 +119,8 @@ class ToolCallParser:
         if final and cut:
             out = self.feed(text)                  # what is whole, then the unfinished call is dropped
             dropped = self._drop_unfinished()
-            out = [d for d in out if not any(c.get("index") == dropped for c in json_types.objects(d.get("tool_calls")))]
+            out = [d for d in out
+                   if not any(c.get("index") == dropped for c in json_types.objects(d.get("tool_calls")))]
             return out + self.feed("", final=True)
         self._buf += text
         bare = self.fmt == "hermes" and bool(self.tool_names)

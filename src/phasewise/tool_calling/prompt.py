@@ -48,7 +48,8 @@ def check_tools(tools: object, field: Callable[[int, str], str] = chat_tool_fiel
     names = set()
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or \
+                not isinstance(fn, dict):
             raise ValueError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}")
         name = fn.get("name")
         if not isinstance(name, str) or not _NAME.fullmatch(name):
@@ -107,7 +108,8 @@ def native_messages(messages: Sequence[Mapping[str, JsonValue]]) -> list[Mapping
             calls: list[JsonValue] = []
             for c in objects(m["tool_calls"]):
                 name, args = _arguments(c)
-                calls.append({**c, "function": {**obj(c.get("function", {})), "name": name, "arguments": args}})
+                function = {**obj(c.get("function", {})), "name": name, "arguments": args}
+                calls.append({**c, "function": function})
             m = {**m, "tool_calls": calls}
         out.append(m)
     return out
@@ -122,7 +124,8 @@ def generic_messages(messages: Sequence[Mapping[str, JsonValue]],
     if tools:
         block = GENERIC_TOOLS_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
         if messages and messages[0]["role"] == "system":
-            out.append({"role": "system", "content": f"{messages[0].get('content') or ''}\n\n{block}".lstrip()})
+            out.append({"role": "system",
+                        "content": f"{messages[0].get('content') or ''}\n\n{block}".lstrip()})
             messages = messages[1:]
         else:
             out.append({"role": "system", "content": block})
@@ -139,8 +142,8 @@ def generic_messages(messages: Sequence[Mapping[str, JsonValue]],
             calls = []
             for c in objects(m["tool_calls"]):
                 name, args = _arguments(c)
-                calls.append(f"<tool_call>\n{json.dumps({'name': name, 'arguments': args}, ensure_ascii=False)}"
-                             "\n</tool_call>")
+                call = json.dumps({"name": name, "arguments": args}, ensure_ascii=False)
+                calls.append(f"<tool_call>\n{call}\n</tool_call>")
             content = "\n".join(([text(content)] if content else []) + calls)
         out.append({"role": m["role"], "content": content})
     return [{k: v for k, v in m.items() if k != "_tool"} for m in out]
@@ -149,7 +152,8 @@ def generic_messages(messages: Sequence[Mapping[str, JsonValue]],
 def call_grammar(tools: Sequence[Mapping[str, JsonValue]], fmt: str, name: str | None = None,
                  parallel: bool = True) -> str:
     """A Lark grammar (llguidance's, with inline JSON schemas) whose every sentence is one call (or, with
-    parallel, one to MAX_CALLS) of the named tool or of any of them, with arguments of its parameters' schema."""
+    parallel, one to MAX_CALLS) of the named tool or of any of them, with arguments of its parameters'
+    schema."""
     functions = [obj(t["function"]) for t in tools]
     chosen = [f for f in functions if name is None or f["name"] == name]
     if not chosen:
@@ -159,7 +163,8 @@ def call_grammar(tools: Sequence[Mapping[str, JsonValue]], fmt: str, name: str |
                                   "properties": {"name": {"const": f["name"]},
                                                  key: closed(f.get("parameters") or {"type": "object"})}}
                                  for f in chosen]
-    schema: JsonObject = {**(objects[0] if len(objects) == 1 else {"anyOf": [*objects]}), "x-guidance": _JSON_OPTIONS}
+    schema: JsonObject = {**(objects[0] if len(objects) == 1 else {"anyOf": [*objects]}),
+                          "x-guidance": _JSON_OPTIONS}
     call = f"%json {json.dumps(schema, ensure_ascii=False)}"
     more = f"~0..{MAX_CALLS - 1}"           # a small model forced to call may never stop calling
     if fmt == "llama3_json":
@@ -173,7 +178,8 @@ def call_grammar(tools: Sequence[Mapping[str, JsonValue]], fmt: str, name: str |
 
 
 # the keywords whose values are one schema, a list of schemas, or a map of names to schemas
-_ONE = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames", "unevaluatedItems")
+_ONE = ("items", "additionalItems", "contains", "not", "if", "then", "else",
+        "propertyNames", "unevaluatedItems")
 _LIST = ("anyOf", "oneOf", "prefixItems")       # not allOf: its branches' properties add up
 _MAP = ("properties", "$defs", "definitions", "dependentSchemas")
 

@@ -92,7 +92,7 @@ struct AttentionRows {      // every query row of a step: row t attends over the
 
 // Q4, Q8: GGUF's legacy blocks; I8: int8 per output channel; K4: GGUF's Q4_K at its own width (the
 // sub-blocks' 6-bit sc and m as bytes, the super-blocks' fp16 d and dmin beside), K8: K-quant blocks
-// of bytes, their scales resolved to fp32 (only quant.repack makes it; a mixed fused projection keeps
+// of bytes, their scales resolved to fp32 (no load path makes it, tests do; a mixed fused projection keeps
 // each part's own format, chained through `next`);
 // Q5: GGUF's Q5_0 in 5.5 bits a weight: u = q + 16 (0..31) as Q4's nibbles and a plane of fifth
 // bits; K6: values of at most 6 bits (GGUF's Q5_K, Q6_K), stored as u = q + 32, w = d sc_h q + m.

@@ -12,7 +12,7 @@
 //   I8 (our per-channel int8):               w = s_n (u - 128),  s_n fp32 per output row
 //   K4 (GGUF Q4_K):                          Q4 with d = d_K sc, m = -dmin_K m_K: sc, m as u8 per
 //                                            block, d_K, dmin_K fp16 per super-block of 8 (w.super)
-//   K8 (K-quant bytes, quant.repack):        w = d_h (u - 128) + m, u = q + 128, one fp32 d per
+//   K8 (K-quant bytes, tests only):          w = d_h (u - 128) + m, u = q + 128, one fp32 d per
 //                                            16-wide half h of the block, m fp32
 //   Q5 (GGUF Q5_0):                          w = d (u - 16), u in 0..31 in 5.5 bits: Q4's nibbles
 //                                            and a plane of fifth bits; U5 the same one byte a weight

@@ -36,7 +36,8 @@ class Blocks:
     block's events are held until it closes, so a call cut off by max_tokens (which the parser drops)
     never shows as a half tool_use."""
 
-    def __init__(self, parser: ReplyParser | None, single_call: bool, signature: ThinkingSignature | None = None
+    def __init__(self, parser: ReplyParser | None, single_call: bool,
+                 signature: ThinkingSignature | None = None
                  ) -> None:
         self.parser, self.single_call, self.signature = parser, single_call, signature or ThinkingSignature()
         self.content: list[JsonObject] = []
@@ -80,11 +81,13 @@ class Blocks:
         self._open = kind
         self.content.append(block)
         shown = {**block, "input": {}} if block["type"] == "tool_use" else dict(block)
-        return events + [("content_block_start", {"type": "content_block_start", "index": len(self.content) - 1,
-                                                  "content_block": shown})]
+        return events + [("content_block_start",
+                          {"type": "content_block_start", "index": len(self.content) - 1,
+                           "content_block": shown})]
 
     def _delta(self, delta: JsonObject) -> Event:
-        return "content_block_delta", {"type": "content_block_delta", "index": len(self.content) - 1, "delta": delta}
+        return "content_block_delta", {"type": "content_block_delta",
+                                       "index": len(self.content) - 1, "delta": delta}
 
     def _text(self, text: str) -> list[Event]:
         events = [] if self._open == "text" else self._start("text", {"type": "text", "text": ""})
@@ -108,7 +111,8 @@ class Blocks:
         if "id" in call:
             self._arguments.append("")
             toolu = "toolu_" + json_types.text(call["id"]).removeprefix("call_")
-            events = self._start(index, {"type": "tool_use", "id": toolu, "name": function["name"], "input": {}})
+            events = self._start(index,
+                                 {"type": "tool_use", "id": toolu, "name": function["name"], "input": {}})
         fragment = json_types.text(function.get("arguments") or "")
         if not fragment:
             return events
@@ -131,7 +135,8 @@ class Blocks:
             block["signature"] = self.signature.sign(json_types.text(block["thinking"]))
             events.append(self._delta({"type": "signature_delta", "signature": block["signature"]}))
         self._open = None
-        return events + [("content_block_stop", {"type": "content_block_stop", "index": len(self.content) - 1})]
+        return events + [("content_block_stop",
+                          {"type": "content_block_stop", "index": len(self.content) - 1})]
 
 
 def _input(arguments: str) -> JsonObject:
@@ -159,9 +164,11 @@ def usage(out: CompletionOutput) -> JsonObject:
     read, written = out.cached_tokens, out.metrics.cache_written
     hour = sum(n for ttl, n in written.items() if ttl >= TTLS["1h"])
     created = sum(written.values())
-    return {"input_tokens": max(0, len(out.prompt_token_ids) - read - created), "cache_creation_input_tokens": created,
-            "cache_read_input_tokens": read, "output_tokens": len(out.token_ids),
-            "cache_creation": {"ephemeral_5m_input_tokens": created - hour, "ephemeral_1h_input_tokens": hour}}
+    return {"input_tokens": max(0, len(out.prompt_token_ids) - read - created),
+            "cache_creation_input_tokens": created, "cache_read_input_tokens": read,
+            "output_tokens": len(out.token_ids),
+            "cache_creation": {"ephemeral_5m_input_tokens": created - hour,
+                               "ephemeral_1h_input_tokens": hour}}
 
 
 def _message(rid: str, model: str, content: list[JsonObject], reason: str | None, sequence: str | None,

@@ -31,7 +31,8 @@ THINKING_TYPES = ("enabled", "disabled", "adaptive")
 MIN_BUDGET = 1024                          # Anthropic's least thinking.budget_tokens
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+               503: "overloaded_error"}
 # the engine's fields an error may name after translation → the Messages fields they came from
 NAMES = {"prompt": "messages", "stop": "stop_sequences", "structured_outputs": "output_config"}
 
@@ -57,12 +58,14 @@ class _Body(BudgetFields):
     system: str | list[JsonObject] | None = None
     tools: list[JsonObject] | None = None
     tool_choice: JsonObject | None = None
-    thinking: JsonObject | None = None                # {"type": "enabled", "budget_tokens": N}, disabled, adaptive
+    # {"type": "enabled", "budget_tokens": N}, disabled, adaptive
+    thinking: JsonObject | None = None
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> _Body:
         if self.thinking is not None and self.thinking.get("type") not in THINKING_TYPES:
-            raise bad_request(f"thinking.type: Input should be {', '.join(map(repr, THINKING_TYPES))}", "thinking")
+            raise bad_request("thinking.type: Input should be "
+                              f"{', '.join(map(repr, THINKING_TYPES))}", "thinking")
         for name, value in (self.model_extra or {}).items():
             if name == "output_config" and value is not None and not (
                     isinstance(value, dict) and set(value) <= {"effort", "format"}):
@@ -97,7 +100,8 @@ class _Body(BudgetFields):
 
     def thinking_blocks(self) -> list[tuple[str, str, str]]:
         """(thinking, signature, where) of every thinking block in the assistant turns, to verify."""
-        return [(json_types.text(b["thinking"]), json_types.text(b["signature"]), f"messages[{i}].content[{j}]")
+        return [(json_types.text(b["thinking"]), json_types.text(b["signature"]),
+                 f"messages[{i}].content[{j}]")
                 for i, m in enumerate(self.messages) if m.role == "assistant" and isinstance(m.content, list)
                 for j, b in enumerate(m.content) if b.get("type") == "thinking" and is_thinking(b)]
 
@@ -117,12 +121,12 @@ def _check_context_management(value: JsonValue) -> None:
         kind = edit.get("type") if isinstance(edit, dict) else None
         keep = edit.get("keep", "all") if isinstance(edit, dict) else None
         if not (isinstance(kind, str) and kind.startswith("clear_thinking") and keep == "all"):
-            raise bad_request(f"context_management.edits[{i}]: only clear_thinking with keep \"all\" (which changes "
-                              f"nothing) is supported here, got {kind!r}", "context_management")
+            raise bad_request(f"context_management.edits[{i}]: only clear_thinking with keep \"all\" (which "
+                              f"changes nothing) is supported here, got {kind!r}", "context_management")
 
 
 class MessagesRequest(_Body):
-    max_tokens: int = Field(ge=1, lt=INT64)            # required, as in Anthropic's API
+    max_tokens: int = Field(ge=0, lt=INT64)            # required, as in Anthropic's API; 0: a pre-warm
     stop_sequences: list[str] | None = None
     stream: StrictBool = False
     temperature: float | None = None
@@ -134,6 +138,8 @@ class MessagesRequest(_Body):
         """The ChatRequest this request runs as (400 naming the Messages field otherwise)."""
         if self.temperature is not None and not 0 <= self.temperature <= 1:
             raise bad_request(f"temperature must be in [0, 1], got {self.temperature}", "temperature")
+        if self.max_tokens == 0:
+            self._check_prewarm()
         self._check_budget()
         fields: CommonParams = {"n": 1, "stop": [*(self.stop_sequences or [])],
                                 "structured_outputs": self.output_format()}
@@ -143,7 +149,18 @@ class MessagesRequest(_Body):
             fields["top_p"] = self.top_p
         if self.top_k is not None:
             fields["top_k"] = self.top_k
-        return self._request(make_params(fields, self.max_tokens, None))
+        return self._request(make_params(fields, self.max_tokens, None, prompt_only=True))
+
+    def _check_prewarm(self) -> None:
+        """max_tokens 0 (Anthropic's pre-warm: the prompt into the cache, no content) with what would need
+        output: a 400 naming the field, as Anthropic's API refuses them."""
+        refused = {"stream": self.stream, "thinking": (self.thinking or {}).get("type") == "enabled",
+                   "output_config": self.output_format() is not None,
+                   "tool_choice": (self.tool_choice or {}).get("type") in ("tool", "any")}
+        name = next((name for name, given in refused.items() if given), None)
+        if name is not None:
+            raise bad_request(f"max_tokens 0 (a cache pre-warm, no output) cannot be combined with {name}",
+                              name)
 
     def _check_budget(self) -> None:
         """Anthropic's rules of thinking.budget_tokens, in its words."""
@@ -153,7 +170,8 @@ class MessagesRequest(_Body):
         if not isinstance(budget, int) or isinstance(budget, bool):
             raise bad_request("thinking.enabled.budget_tokens: Field required", "thinking")
         if budget < MIN_BUDGET:
-            raise bad_request(f"thinking.enabled.budget_tokens: Input should be greater than or equal to {MIN_BUDGET}",
+            raise bad_request("thinking.enabled.budget_tokens: Input should be greater than or "
+                              f"equal to {MIN_BUDGET}",
                               "thinking")
         if self.max_tokens <= budget:
             raise bad_request("`max_tokens` must be greater than `thinking.budget_tokens`", "max_tokens")
@@ -167,8 +185,10 @@ class MessagesRequest(_Body):
         spec = spec if spec is not None else extra.get("output_format")
         if spec is None:
             return None
-        if not isinstance(spec, dict) or spec.get("type") != "json_schema" or not isinstance(spec.get("schema"), dict):
-            raise bad_request('output format must be {"type": "json_schema", "schema": {...}}', "output_config")
+        if not isinstance(spec, dict) or spec.get("type") != "json_schema" or \
+                not isinstance(spec.get("schema"), dict):
+            raise bad_request('output format must be {"type": "json_schema", '
+                              '"schema": {...}}', "output_config")
         return StructuredOutputs(json=json_types.obj(spec["schema"]), strict=True)
 
 

@@ -22,7 +22,7 @@ from phasewise.server.api_error import APIError
 from phasewise.server.anthropic.output import message_body, message_events
 from phasewise.server.sse import collect, sse_response
 from phasewise.server.thinking import Thinking
-from phasewise.paths import default_cache_dir
+from phasewise.config import default_cache_dir
 from phasewise.server.anthropic.signature import ThinkingSignature
 
 

@@ -38,7 +38,8 @@ def _bad_block(block: JsonValue, where: str, allowed: str) -> APIError:
     kind = block.get("type") if isinstance(block, dict) else None
     if kind in ("text", "thinking", "tool_use", "tool_result") and kind in allowed:
         return bad_request(f"{where}: a malformed {kind} block", where.split("[")[0])
-    return bad_request(f"{where}: {kind!r} blocks are not supported here (only {allowed})", where.split("[")[0])
+    return bad_request(f"{where}: {kind!r} blocks are not supported here (only {allowed})",
+                       where.split("[")[0])
 
 
 def system_messages(system: str | list[JsonObject] | None) -> list[JsonObject]:
@@ -60,7 +61,8 @@ def chat_messages(messages: list[InputMessage], prefill: bool = True) -> list[Js
             out.append(_assistant(m.content, where))
         else:
             out.extend(_user(m.content, where))
-    if prefill and messages and messages[-1].role == "assistant" and _text_of(out[-1]) != _text_of(out[-1]).rstrip():
+    if prefill and messages and messages[-1].role == "assistant" and \
+            _text_of(out[-1]) != _text_of(out[-1]).rstrip():
         raise bad_request("messages: final assistant content cannot end with trailing whitespace", "messages")
     return out
 
@@ -83,7 +85,8 @@ def _assistant(blocks: list[JsonObject], where: str) -> JsonObject:
         elif (kind == "tool_use" and isinstance(block.get("id"), str) and isinstance(block.get("name"), str)
               and isinstance(block.get("input", {}), dict)):
             calls.append({"id": block["id"], "type": "function",
-                          "function": {"name": block["name"], "arguments": json.dumps(block.get("input", {}))}})
+                          "function": {"name": block["name"],
+                                       "arguments": json.dumps(block.get("input", {}))}})
         else:
             raise _bad_block(block, f"{where}[{j}]", "text, thinking and tool_use")
     message: JsonObject = {"role": "assistant", "content": "\n\n".join(texts)}

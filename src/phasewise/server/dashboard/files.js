@@ -4,7 +4,7 @@
 "use strict";
 
 const Files = (() => {
-  function percentile(values, q) {        // linear interpolation, as phasewise/percentile.py
+  function percentile(values, q) {        // linear interpolation, as phasewise/report.py's percentile
     if (!values.length) return 0;
     const s = [...values].sort((a, b) => a - b), pos = (s.length - 1) * q / 100, lo = Math.floor(pos);
     const hi = Math.min(lo + 1, s.length - 1);

@@ -10,8 +10,8 @@ after the whole conversation (the prompt less its generation prompt) at its ttl;
 As OpenAI does, a request writes its latest four breakpoints (three and the implicit one). A body
 with neither keeps the engine's default caching. Usage reports the marked tokens the request wrote
 (`cache_write_tokens`; Responses also by ttl). Checked here, each a 400 naming the field: the shapes and
-ttls; `prewarm` (a response without output) is refused; `comparison_response_id` (OpenAI's cache
-diagnostics) changes no output and passes.
+ttls; `prewarm` (Responses only: the prompt into the cache, no output; chat completions have no such field);
+`comparison_response_id` (OpenAI's cache diagnostics) changes no output and passes.
 """
 
 from __future__ import annotations
@@ -30,8 +30,17 @@ OPTIONS = "prompt_cache_options"
 Mark = tuple[str, JsonValue, list[JsonObject]]      # (where, the breakpoint, the messages as far as its part)
 
 
-def options_ttl(options: JsonValue) -> tuple[bool, float] | None:
-    """prompt_cache_options as (whether it adds the implicit breakpoint, its ttl in seconds); None when absent."""
+def prewarm(options: JsonValue) -> bool:
+    """prompt_cache_options.prewarm: the prompt run into the cache, no output (a 400 unless a boolean)."""
+    value = options.get("prewarm") if isinstance(options, dict) else None
+    if value is not None and not isinstance(value, bool):
+        raise bad_request(f"{OPTIONS}.prewarm must be true or false, got {value!r}", OPTIONS)
+    return value is True
+
+
+def options_ttl(options: JsonValue, prewarm_taken: bool = False) -> tuple[bool, float] | None:
+    """prompt_cache_options as (whether it adds the implicit breakpoint, its ttl in seconds); None when absent.
+    prewarm_taken: the API has the prewarm field (Responses; a 400 otherwise)."""
     if options is None:
         return None
     if not isinstance(options, dict):
@@ -44,9 +53,9 @@ def options_ttl(options: JsonValue) -> tuple[bool, float] | None:
         raise bad_request(f'{OPTIONS}.mode must be "implicit" or "explicit", got {mode!r}', OPTIONS)
     if not isinstance(ttl, str) or ttl not in TTLS:
         raise bad_request(f'{OPTIONS}.ttl must be "30m" or "12h", got {ttl!r}', OPTIONS)
-    if options.get("prewarm") not in (None, False):
-        raise bad_request(f"{OPTIONS}.prewarm is not supported by this server (send the request with one output "
-                          "token to fill the cache)", OPTIONS)
+    if prewarm(options) and not prewarm_taken:
+        raise bad_request(f"{OPTIONS}.prewarm is not supported by chat completions (POST /v1/responses takes it)",
+                          OPTIONS)
     return mode == "implicit", TTLS[ttl]
 
 
@@ -65,10 +74,11 @@ def breakpoint_ttl(value: JsonValue, where: str, default: float, param: str) -> 
 
 
 def cache_points(marks: Sequence[Mark], options: JsonValue, whole: list[JsonObject],
-                 cut: Callable[[list[JsonObject]], ChatPrompt], param: str) -> tuple[CachePoint, ...]:
+                 cut: Callable[[list[JsonObject]], ChatPrompt], param: str,
+                 prewarm_taken: bool = False) -> tuple[CachePoint, ...]:
     """The body's breakpoints (`marks`, in prompt order) and the implicit one after `whole` (the conversation),
     as cache points of the prompts `cut` makes of their messages; the latest four are kept."""
-    implicit, default = options_ttl(options) or (False, TTLS["30m"])
+    implicit, default = options_ttl(options, prewarm_taken) or (False, TTLS["30m"])
     points = [(ttl, messages) for where, value, messages in marks
               if (ttl := breakpoint_ttl(value, f"{where}.prompt_cache_breakpoint", default, param)) is not None]
     points = points[-(MAX_BREAKPOINTS - 1 if implicit else MAX_BREAKPOINTS):]

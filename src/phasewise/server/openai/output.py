@@ -1,4 +1,5 @@
-"""Engine outputs → the bodies of OpenAI's completions and chat completions: choices, chunks, logprobs, usage."""
+"""Engine outputs → the bodies of OpenAI's completions and chat completions: choices, chunks, logprobs,
+usage."""
 
 from __future__ import annotations
 
@@ -121,15 +122,15 @@ def echoed(out: CompletionOutput, tt: TokenText) -> tuple[str, list[int], list[T
     return text, list(out.prompt_token_ids), list(out.prompt_logprobs or [None] * len(out.prompt_token_ids))
 
 
-def completion_body(rid: str, created: int, model: str, outputs: Sequence[CompletionOutput], want_logprobs: bool,
-                    *, n: int, tt: TokenText, echo: bool = False) -> JsonObject:
+def completion_body(rid: str, created: int, model: str, outputs: Sequence[CompletionOutput],
+                    want_logprobs: bool, *, n: int, tt: TokenText, echo: bool = False) -> JsonObject:
     """outputs: n choices per prompt, prompt by prompt."""
     choices: list[JsonValue] = []
     for i, out in enumerate(outputs):
         text, ids, lps = echoed(out, tt) if echo else ("", [], [])
         lps += out.logprobs or []
-        choice: JsonObject = {"index": i, "text": text + out.text,
-                              "logprobs": tt.completion_logprobs(ids + out.token_ids, lps) if want_logprobs else None,
+        logprobs = tt.completion_logprobs(ids + out.token_ids, lps) if want_logprobs else None
+        choice: JsonObject = {"index": i, "text": text + out.text, "logprobs": logprobs,
                               "finish_reason": out.finish_reason, "stop_reason": _stop_reason(out)}
         if len(outputs) > 1:
             choice["timings"] = timings(out)
@@ -159,7 +160,8 @@ def chat_message(out: CompletionOutput, parser: ReplyParser | None) -> tuple[Jso
         return {"role": "assistant", "content": out.text}, out.finish_reason
     cut = out.finish_reason == "length"          # a call cut off by max_tokens is dropped, not given as text
     parser.feed(out.text, final=True, cut=cut)
-    message: JsonObject = {"role": "assistant", "content": parser.content or (None if parser.reasoning else "")}
+    message: JsonObject = {"role": "assistant",
+                           "content": parser.content or (None if parser.reasoning else "")}
     if parser.thinks:
         message["reasoning_content"] = message["reasoning"] = parser.reasoning or None
     if not parser.calls:
@@ -188,7 +190,8 @@ def merge_delta(pieces: Sequence[JsonObject]) -> JsonObject:
                 calls.append({**call, "function": functions[index]})
                 delta["tool_calls"] = calls
             else:
-                same["arguments"] = json_types.text(same.get("arguments", "")) + json_types.text(function["arguments"])
+                more = json_types.text(function["arguments"])
+                same["arguments"] = json_types.text(same.get("arguments", "")) + more
     return delta
 
 
@@ -197,8 +200,8 @@ def chat_body(rid: str, created: int, model: str, outputs: Sequence[CompletionOu
     choices: list[JsonValue] = []
     for i, out in enumerate(outputs):
         message, finish_reason = chat_message(out, parser())
-        logprobs = tt.chat_logprobs(out.token_ids, out.logprobs or [], ended_on_stop_token(out, out.text, tt)) \
-            if want_logprobs else None
+        logprobs = None if not want_logprobs else \
+            tt.chat_logprobs(out.token_ids, out.logprobs or [], ended_on_stop_token(out, out.text, tt))
         choice: JsonObject = {"index": i, "message": message, "logprobs": logprobs,
                               "finish_reason": finish_reason, "stop_reason": _stop_reason(out)}
         if len(outputs) > 1:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Annotated, TypeGuard
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, WithJsonSchema, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, WithJsonSchema, field_validator,
+                      model_validator)
 
 from phasewise import tool_calling
 from phasewise.core.sampling_params import SamplingParams
@@ -88,7 +89,8 @@ class CompletionRequest(_Request):
     def _prompt(cls, v: object) -> list[str | list[int]]:
         """One prompt or a batch: text, token ids, a list of texts, or a list of token-id lists."""
         def ids(x: object) -> TypeGuard[list[int]]:
-            return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+            return isinstance(x, list) and bool(x) and all(isinstance(t, int)
+                                                           and not isinstance(t, bool) for t in x)
         if isinstance(v, str):
             return [v]
         if ids(v):
@@ -138,7 +140,8 @@ class ChatMessage(BaseModel):
 
     def as_dict(self) -> JsonObject:
         if self.role not in ROLES:
-            raise bad_request(f"messages: a role must be one of {', '.join(ROLES)}, got {self.role!r}", "messages")
+            raise bad_request(f"messages: a role must be one of {', '.join(ROLES)}, got "
+                              f"{self.role!r}", "messages")
         content = self.content
         if isinstance(content, list):
             texts = [p.text for p in content if p.type == "text" and p.text is not None]
@@ -153,7 +156,8 @@ class ChatMessage(BaseModel):
             message["tool_calls"] = [*self.tool_calls]
         if self.role == "tool":
             if not self.tool_call_id:
-                raise bad_request("messages: a tool message needs tool_call_id (the id of the call it answers)",
+                raise bad_request("messages: a tool message needs tool_call_id (the id of "
+                                  "the call it answers)",
                                   "messages")
             message["tool_call_id"] = self.tool_call_id
         if self.name is not None and self.role == "tool":
@@ -171,12 +175,15 @@ class ChatCompletionRequest(_Request, BudgetFields):
     logprobs: StrictBool = False
     top_logprobs: int | None = Field(None, ge=-INT64, lt=INT64)
     tools: list[JsonObject] | None = None                # checked by checked_tools
-    tool_choice: str | JsonObject | None = None          # "none", "auto", "required" or a function's: forced_tool
+    # "none", "auto", "required" or a function's: forced_tool
+    tool_choice: str | JsonObject | None = None
     parallel_tool_calls: StrictBool = True
     chat_template_kwargs: JsonObject | None = None       # the template's own variables (enable_thinking)
     reasoning_effort: str | None = None                  # "none", "minimal": thinking off; the others on
-    include_reasoning: bool = True                       # false: the thinking is dropped from the reply (vLLM)
-    # vLLM's: how the prompt ends (an assistant turn opened; or nothing; or the final assistant message, continued)
+    # false: the thinking is dropped from the reply (vLLM)
+    include_reasoning: bool = True
+    # vLLM's: how the prompt ends (an assistant turn opened; or nothing; or the final assistant
+    # message, continued)
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     prompt_cache_options: JsonObject | None = None       # OpenAI's mode and ttl (openai/caching.py)
@@ -186,18 +193,22 @@ class ChatCompletionRequest(_Request, BudgetFields):
         messages = self.conversation()
         continued = self.continues()
         tools = self.checked_tools()
-        kwargs = thinking.template_kwargs(self.chat_template_kwargs, self.reasoning_effort, bad_request) or None
+        kwargs = thinking.template_kwargs(self.chat_template_kwargs, self.reasoning_effort,
+                                          bad_request) or None
         points = caching.cache_points(self.cache_marks(), self.prompt_cache_options, messages,
                                       lambda cut: ChatPrompt(cut, tools, kwargs, add_generation_prompt=False),
                                       "messages")
-        prompt = ChatPrompt(messages, tools, kwargs, self.add_generation_prompt and not continued, continued, points)
+        prompt = ChatPrompt(messages, tools, kwargs,
+                            self.add_generation_prompt and not continued, continued, points)
         forced, name = self.forced_tool()
         mode: ToolMode = "none" if self.tool_choice == "none" else "required" if forced else "auto"
         names = {"prompt": "messages"}
         if self.constraint_field is not None:
             names["structured_outputs"] = self.constraint_field
-        return ChatRequest(prompt, self.sampling_params(), self.n, ToolChoice(mode, name, self.parallel_tool_calls),
-                           thinking_budget=thinking.thinking_budget(self.budget_fields(), self.reasoning_effort),
+        return ChatRequest(prompt, self.sampling_params(), self.n,
+                           ToolChoice(mode, name, self.parallel_tool_calls),
+                           thinking_budget=thinking.thinking_budget(self.budget_fields(),
+                                                                    self.reasoning_effort),
                            include_reasoning=self.include_reasoning, names=names)
 
     def cache_marks(self) -> list[caching.Mark]:
@@ -251,7 +262,8 @@ class ChatCompletionRequest(_Request, BudgetFields):
             return choice == "required", None
         function = choice.get("function") if isinstance(choice, dict) else None
         name = function.get("name") if isinstance(function, dict) else None
-        if not isinstance(name, str) or not isinstance(choice, dict) or choice.get("type", "function") != "function":
+        if not isinstance(name, str) or not isinstance(choice, dict) or \
+                choice.get("type", "function") != "function":
             raise bad_request('tool_choice must be "none", "auto", "required" or {"type": "function", '
                               '"function": {"name": ...}}', "tool_choice")
         return True, name
@@ -272,7 +284,8 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    tools: list[JsonObject] | None = None  # with messages: rendered by the chat template, as in a chat request
+    # with messages: rendered by the chat template, as in a chat request
+    tools: list[JsonObject] | None = None
     add_special_tokens: StrictBool = True
 
 
@@ -296,5 +309,6 @@ def openapi_schemas() -> JsonObject:
     """The JSON Schemas of every request body (and what they use), for the OpenAPI components."""
     from pydantic.json_schema import models_json_schema
 
-    _, top = models_json_schema([(m, "validation") for m in BODIES], ref_template="#/components/schemas/{model}")
+    _, top = models_json_schema([(m, "validation") for m in BODIES],
+                                ref_template="#/components/schemas/{model}")
     return top["$defs"]

@@ -33,7 +33,8 @@ class Responder:
     collect one body, with a disaggregated pair's KV transfer around it."""
 
     def __init__(self, guards: Guards) -> None:
-        self.config, self.pair, self.submitter = guards.config, DisaggregatedPair(guards.engine), Submitter(guards)
+        self.config, self.pair = guards.config, DisaggregatedPair(guards.engine)
+        self.submitter = Submitter(guards)
 
     async def respond(self, request: Request, body: CompletionRequest | ChatCompletionRequest, rid: str,
                       items: list[SubRequest], chat: bool, events: Callable[..., AsyncIterator[str]],
@@ -43,7 +44,8 @@ class Responder:
         a decode instance first imports the prompt's KV blocks the prefill instance sends; a prefill
         instance sends them once its (one-token) answer is done. fields: the API's names of engine fields."""
         transfer = body.kv_transfer_params.transfer_id if body.kv_transfer_params else None
-        items = salted(items, Guards.tenant(request))     # the key's cache salt: its blocks, sent and received
+        # the key's cache salt: its blocks, sent and received
+        items = salted(items, Guards.tenant(request))
         salt = items[0].params.cache_salt
         if transfer and self.config.role == "decode":
             await self.pair.receive(transfer, salt)
@@ -73,8 +75,9 @@ def openai_router(guards: Guards) -> APIRouter:
     router = APIRouter(dependencies=[Depends(guards.require_key)])
 
     def model_card() -> JsonObject:
-        return {"id": config.served_model_name, "object": "model", "created": config.created, "owned_by": "phasewise",
-                "root": config.model_root, "parent": None, "max_model_len": engine.max_model_len}
+        return {"id": config.served_model_name, "object": "model", "created": config.created,
+                "owned_by": "phasewise", "root": config.model_root, "parent": None,
+                "max_model_len": engine.max_model_len}
 
     @router.get("/v1/models")
     async def models() -> JsonObject:
@@ -103,7 +106,8 @@ def openai_router(guards: Guards) -> APIRouter:
     async def chat_completions(request: Request) -> Response:
         body = parse_body(await request.body(), ChatCompletionRequest)
         guards.check_model(body.model)
-        call = chat_call(body.chat_request(), engine.tokenizer.tool_format, f"chatcmpl-{uuid.uuid4().hex}", thinking)
+        call = chat_call(body.chat_request(), engine.tokenizer.tool_format,
+                         f"chatcmpl-{uuid.uuid4().hex}", thinking)
         return await respond(request, body, call.rid, call.items, True,
                              partial(chat_events, n=body.n, tt=token_text, parser=call.parser),
                              partial(R.chat_body, tt=token_text, parser=call.parser), call.fields)

@@ -57,7 +57,8 @@ async def _events(stream: RequestStream, make_choice: Callable[[int, StreamDelta
 def completion_events(stream: RequestStream, rid: str, created: int, model: str, n: int, want_lp: bool,
                       include_usage: bool, tt: R.TokenText, echo: bool = False) -> AsyncIterator[str]:
     offsets = [R.TextOffsets() for _ in stream.request_ids]
-    unechoed = set(range(len(stream.request_ids))) if echo else set()   # choices whose prompt is still to send
+    # choices whose prompt is still to send
+    unechoed = set(range(len(stream.request_ids))) if echo else set()
 
     def make_choice(i: int, delta: StreamDelta) -> JsonObject | None:
         text, ids, lps = R.echoed(delta.output, tt) if i in unechoed else ("", [], [])
@@ -66,16 +67,19 @@ def completion_events(stream: RequestStream, rid: str, created: int, model: str,
             return None
         choice: JsonObject = {"index": i, "text": text + delta.text, "logprobs": None, "finish_reason": None}
         if want_lp:
-            choice["logprobs"] = tt.completion_logprobs(ids + delta.token_ids, [*lps, *delta.logprobs], offsets[i])
+            choice["logprobs"] = tt.completion_logprobs(ids + delta.token_ids,
+                                                        [*lps, *delta.logprobs], offsets[i])
         if delta.finished:
-            choice["finish_reason"], choice["stop_reason"] = delta.output.finish_reason, delta.output.stop_reason
+            choice["finish_reason"] = delta.output.finish_reason
+            choice["stop_reason"] = delta.output.stop_reason
         return choice
 
     return _events(stream, make_choice, [], rid, "text_completion", created, model, n, include_usage)
 
 
 def chat_events(stream: RequestStream, rid: str, created: int, model: str, n: int, want_lp: bool,
-                include_usage: bool, tt: R.TokenText, parser: R.ParserFactory = R.no_parser) -> AsyncIterator[str]:
+                include_usage: bool, tt: R.TokenText,
+                parser: R.ParserFactory = R.no_parser) -> AsyncIterator[str]:
     """With a parser (ChatCall.parser: the request has tools), each choice's text goes through its own:
     calls stream as delta.tool_calls (index, id, name, then argument fragments), the rest as content."""
     head: list[JsonObject] = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,

@@ -31,11 +31,12 @@ class OutputItems:
     a type, without sequence_number) of what each step added. custom: the request's custom tools, whose
     calls become custom_tool_call items (their input: the `input` argument); bare_call: the custom tool
     a call is forced to, whose input is the whole output. A call item's events are held until it closes,
-    so a call cut off by max_output_tokens (which the parser drops) never shows."""
+    so a call cut off by max_output_tokens (which the parser drops) never shows. prompt_only: a prewarm's
+    output, no items at all."""
 
     def __init__(self, parser: ReplyParser | None, custom: frozenset[str] = frozenset(),
-                 bare_call: str | None = None) -> None:
-        self.parser, self.custom, self.bare_call = parser, custom, bare_call
+                 bare_call: str | None = None, prompt_only: bool = False) -> None:
+        self.parser, self.custom, self.bare_call, self.prompt_only = parser, custom, bare_call, prompt_only
         self.items: list[JsonObject] = []
         self._open: JsonObject | None = None              # the item being written, last of items
         self._custom_args = ""                            # a custom call's arguments (JSON) so far
@@ -57,19 +58,24 @@ class OutputItems:
                 function = json_types.obj(call["function"])
                 arguments = json_types.text(function["arguments"])
                 if "id" in call:
-                    events += self._call(json_types.text(call["id"]), json_types.text(function["name"]), arguments)
+                    events += self._call(json_types.text(call["id"]),
+                                         json_types.text(function["name"]), arguments)
                 else:
                     events += self._arguments(arguments)
         return self._release(events)
 
     def finish(self, status: str) -> list[JsonObject]:
-        """Close the open item (status "completed" or "incomplete"); no output at all is one empty message."""
+        """Close the open item (status "completed" or "incomplete"); no output at all is one empty message
+        (none for a prewarm)."""
+        if self.prompt_only:
+            return []
         if self._open is not None and self.parser is not None and "call_id" in self._open \
                 and self._open["call_id"] not in {c.id for c in self.parser.calls}:     # cut off: dropped
             self._held = self._held[:self._open_call_start()]
             self.items.pop()
             self._open = None
-        events = [] if self.items else self._bare_input("") if self.bare_call is not None else self._content("")
+        events = [] if self.items else \
+            self._bare_input("") if self.bare_call is not None else self._content("")
         return self._release(events + self._close("completed" if status == "completed" else "incomplete"))
 
     def _release(self, events: list[JsonObject]) -> list[JsonObject]:
@@ -85,7 +91,8 @@ class OutputItems:
             return None                                    # a message or reasoning item streams as it comes
         index = len(self.items) - 1
         return next((i for i, e in enumerate(self._held)
-                     if e["type"] == "response.output_item.added" and e["output_index"] == index), len(self._held))
+                     if e["type"] == "response.output_item.added" and e["output_index"] == index),
+                    len(self._held))
 
     def _where(self) -> JsonObject:
         assert self._open is not None
@@ -132,8 +139,8 @@ class OutputItems:
     def _call(self, call_id: str, name: str, arguments: str) -> list[JsonObject]:
         if name in self.custom:
             self._custom_args = arguments
-            return self._add({"type": "custom_tool_call", "id": new_id("ctc"), "call_id": call_id, "name": name,
-                              "input": "", "status": "in_progress"})
+            return self._add({"type": "custom_tool_call", "id": new_id("ctc"), "call_id": call_id,
+                              "name": name, "input": "", "status": "in_progress"})
         events = self._add({"type": "function_call", "id": new_id("fc"), "call_id": call_id, "name": name,
                             "arguments": "", "status": "in_progress"})
         return events + self._arguments(arguments)
@@ -172,7 +179,8 @@ class OutputItems:
                       {"type": "response.content_part.done", **where, "content_index": 0, "part": dict(part)}]
         elif item["type"] == "reasoning":
             part = _text_part(item)
-            events = [{"type": "response.reasoning_text.done", **where, "content_index": 0, "text": part["text"]},
+            events = [{"type": "response.reasoning_text.done", **where, "content_index": 0,
+                       "text": part["text"]},
                       {"type": "response.content_part.done", **where, "content_index": 0, "part": dict(part)}]
         elif item["type"] == "custom_tool_call":
             events = self._custom_done(item, where)
@@ -194,7 +202,8 @@ class OutputItems:
             value = given.get("input") if isinstance(given, dict) else None
             item["input"] = value if isinstance(value, str) else self._custom_args
             if item["input"]:
-                events.append({"type": "response.custom_tool_call_input.delta", **where, "delta": item["input"]})
+                events.append({"type": "response.custom_tool_call_input.delta", **where,
+                               "delta": item["input"]})
         return events + [{"type": "response.custom_tool_call_input.done", **where, "input": item["input"]}]
 
 
@@ -209,9 +218,10 @@ def assistant_message(items: Sequence[JsonObject]) -> JsonObject:
     text = "".join(json_types.text(p["text"]) for it in items if it["type"] == "message"
                    for p in json_types.objects(it["content"]))
     calls: list[JsonValue] = [
-        {"id": it["call_id"], "type": "function", "function": {"name": it["name"], "arguments": it["arguments"]
-                                                                if it["type"] == "function_call" else
-                                                                json.dumps({"input": it["input"]}, ensure_ascii=False)}}
+        {"id": it["call_id"], "type": "function",
+         "function": {"name": it["name"], "arguments": it["arguments"]
+                       if it["type"] == "function_call" else
+                       json.dumps({"input": it["input"]}, ensure_ascii=False)}}
         for it in items if it["type"] in ("function_call", "custom_tool_call")]
     message: JsonObject = {"role": "assistant", "content": text}
     if calls:
@@ -228,10 +238,11 @@ def usage(out: CompletionOutput) -> JsonObject:
     breakpoints' prefixes the request wrote, also by ttl (openai/caching.py)."""
     prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
     written = out.metrics.cache_written
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": out.cached_tokens,
-                                                             "cache_write_tokens": sum(written.values()),
-                                                             "cache_write_tokens_details": written_by_ttl(written)},
-            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": out.metrics.thinking_tokens},
+    details: JsonObject = {"cached_tokens": out.cached_tokens, "cache_write_tokens": sum(written.values()),
+                           "cache_write_tokens_details": written_by_ttl(written)}
+    return {"input_tokens": prompt, "input_tokens_details": details,
+            "output_tokens": completion,
+            "output_tokens_details": {"reasoning_tokens": out.metrics.thinking_tokens},
             "total_tokens": prompt + completion}
 
 
@@ -254,14 +265,15 @@ def response_body(body: ResponsesRequest, rid: str, created: int, model: str, st
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "instructions": body.instructions, "max_output_tokens": body.max_output_tokens, "model": model,
         "output": [*items], "parallel_tool_calls": body.parallel_tool_calls is not False,
-        "previous_response_id": body.previous_response_id, "reasoning": {"effort": (body.reasoning or {}).get("effort"), "summary": None},
+        "previous_response_id": body.previous_response_id,
+        "reasoning": {"effort": (body.reasoning or {}).get("effort"), "summary": None},
         "store": body.stored, "temperature": body.temperature if body.temperature is not None else 1.0,
         "text": {"format": body.text_format, "verbosity": (body.text or {}).get("verbosity") or "medium"},
         "tool_choice": tool_choice, "max_tool_calls": body.max_tool_calls,
         "tools": [_tool(t) for t in body.tools or ()],
         "top_p": body.top_p if body.top_p is not None else 1.0, "truncation": body.truncation or "disabled",
-        "usage": usage(out) if out is not None else None, "user": body.user, "metadata": {**(body.metadata or {})},
-        "background": bool(body.background),
+        "usage": usage(out) if out is not None else None, "user": body.user,
+        "metadata": {**(body.metadata or {})}, "background": bool(body.background),
         **({"timings": timings(out)} if out is not None else {}),      # phasewise's: where the time went
     }
 
@@ -277,5 +289,6 @@ def _tool(tool: JsonObject) -> JsonObject:
 
 def sse(event: JsonObject, sequence_number: int) -> str:
     """One Responses stream event: its type on the `event:` line, the whole of it as data."""
-    data = json.dumps({**event, "sequence_number": sequence_number}, ensure_ascii=False, separators=(",", ":"))
+    data = json.dumps({**event, "sequence_number": sequence_number}, ensure_ascii=False,
+                      separators=(",", ":"))
     return f"event: {event['type']}\ndata: {data}\n\n"

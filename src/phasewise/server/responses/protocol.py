@@ -87,7 +87,8 @@ class ResponsesRequest(SamplingFields, BudgetFields):
                 raise bad_request(f"{name} is not supported by this server{WHY.get(name, '')}", name)
         effort = (self.reasoning or {}).get("effort")
         if effort is not None and effort not in EFFORTS:
-            raise bad_request(f"reasoning.effort must be one of {', '.join(EFFORTS)}, got {effort!r}", "reasoning")
+            raise bad_request(f"reasoning.effort must be one of {', '.join(EFFORTS)}, got "
+                              f"{effort!r}", "reasoning")
         refused = [name for name in self.include or () if name not in INCLUDABLE]
         if refused:
             raise bad_request(f"include: {', '.join(refused)} is not supported by this server (logprobs: use "
@@ -100,6 +101,11 @@ class ResponsesRequest(SamplingFields, BudgetFields):
         if (self.text or {}).get("verbosity", "medium") not in VERBOSITY:
             raise bad_request("text.verbosity must be low, medium or high", "text")
         return self
+
+    @property
+    def prewarm(self) -> bool:
+        """prompt_cache_options.prewarm: the prompt only, run into the prefix cache; no output."""
+        return caching.prewarm(self.prompt_cache_options)
 
     @property
     def stored(self) -> bool:
@@ -132,9 +138,11 @@ def input_messages(body: ResponsesRequest, known_calls: dict[str, str]) -> list[
                         if isinstance(item.get("input"), str) else None}
             call_id, name, arguments = (item.get(k) for k in ("call_id", "name", "arguments"))
             if not isinstance(call_id, str) or not isinstance(name, str) or not isinstance(arguments, str):
-                raise bad_request(f"input.{i}: a function_call needs call_id, name and arguments (strings)", "input")
+                raise bad_request(f"input.{i}: a function_call needs call_id, name "
+                                  "and arguments (strings)", "input")
             calls[call_id] = name
-            call: JsonObject = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+            call: JsonObject = {"id": call_id, "type": "function",
+                                "function": {"name": name, "arguments": arguments}}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 json_types.array(last.setdefault("tool_calls", [])).append(call)
@@ -151,8 +159,8 @@ def input_messages(body: ResponsesRequest, known_calls: dict[str, str]) -> list[
             messages.append(message)
         else:
             raise bad_request(f"input.{i}: items of type {kind!r} are not supported (message, reasoning, "
-                              "function_call, function_call_output, custom_tool_call and custom_tool_call_output "
-                              "are)", "input")
+                              "function_call, function_call_output, custom_tool_call and "
+                              "custom_tool_call_output are)", "input")
     return _join_reasoning(messages)
 
 
@@ -161,7 +169,8 @@ def _reasoning(item: JsonObject, i: int) -> str:
     parts = item.get("content") or item.get("summary") or []
     texts = [p.get("text") for p in parts if isinstance(p, dict)] if isinstance(parts, list) else [None]
     if not all(isinstance(t, str) for t in texts):
-        raise bad_request(f"input.{i}: a reasoning item's content and summary are lists of text parts", "input")
+        raise bad_request(f"input.{i}: a reasoning item's content and summary "
+                          "are lists of text parts", "input")
     return "\n\n".join(t for t in texts if isinstance(t, str))
 
 
@@ -171,9 +180,10 @@ def _join_reasoning(messages: list[JsonObject]) -> list[JsonObject]:
     out: list[JsonObject] = []
     for m in messages:
         last = out[-1] if out else None
-        if last is not None and last["role"] == "assistant" and not last["content"] and "tool_calls" not in last \
-                and "reasoning_content" in last and m["role"] == "assistant":
-            thought = "\n\n".join(json_types.text(x["reasoning_content"]) for x in (last, m) if "reasoning_content" in x)
+        if last is not None and last["role"] == "assistant" and not last["content"] \
+                and "tool_calls" not in last and "reasoning_content" in last and m["role"] == "assistant":
+            thought = "\n\n".join(json_types.text(x["reasoning_content"]) for x in (last, m)
+                                  if "reasoning_content" in x)
             out[-1] = {**m, "reasoning_content": thought}
         else:
             out.append(m)
@@ -200,16 +210,18 @@ def input_items(body: ResponsesRequest) -> list[JsonObject]:
 
 
 def new_item_id(kind: str) -> str:
-    prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "custom_tool_call": "ctc",
-              "custom_tool_call_output": "ctco"}.get(kind, "item")
+    prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+              "custom_tool_call": "ctc", "custom_tool_call_output": "ctco"}.get(kind, "item")
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
 def _message(item: JsonObject, i: int) -> JsonObject:
     role = item.get("role")
     if role not in ROLES:
-        raise bad_request(f"input.{i}: a message's role must be one of {', '.join(ROLES)}, got {role!r}", "input")
-    return {"role": "system" if role == "developer" else role,         # developer: OpenAI's newer name of system
+        raise bad_request(f"input.{i}: a message's role must be one of "
+                          f"{', '.join(ROLES)}, got {role!r}", "input")
+    # developer: OpenAI's newer name of system
+    return {"role": "system" if role == "developer" else role,
             "content": _text(item.get("content"), f"input.{i}.content")}
 
 
@@ -241,7 +253,8 @@ def text_format(body: ResponsesRequest) -> StructuredOutputs | None:
     if kind != "json_schema":
         raise bad_request(f"text.format.type must be text, json_object or json_schema, got {kind!r}", "text")
     if not isinstance(fmt.get("schema"), dict):
-        raise bad_request("text.format.schema: a json_schema format needs its schema (a JSON schema object)", "text")
+        raise bad_request("text.format.schema: a json_schema format needs its schema "
+                          "(a JSON schema object)", "text")
     if strict is not None and not isinstance(strict, bool):
         raise bad_request("text.format.strict must be true or false", "text")
     # OpenAI's default is strict=false: keywords the compiler does not implement are then not enforced
@@ -285,23 +298,29 @@ def chat_request(body: ResponsesRequest, history: list[JsonObject]) -> tuple[Cha
     tools = checked_tools(body.tools)
     choice = tool_choice(body, tools is not None)
     constraint, field = structured_output(body)
-    if field == "tools":                   # a forced custom call's input is the whole output: no call to parse
+    # a forced custom call's input is the whole output: no call to parse
+    if field == "tools":
         choice = replace(choice, mode="none", name=None)
-    params = make_params(body.common(1, constraint), body.max_output_tokens, None, max_tokens_field="max_output_tokens")
+    params = make_params(body.common(1, constraint), 0 if body.prewarm else body.max_output_tokens, None,
+                         max_tokens_field="max_output_tokens", prompt_only=body.prewarm)
     effort = json_types.obj(body.reasoning).get("effort") if body.reasoning else None
     effort = effort if isinstance(effort, str) else None
     kwargs = thinking.template_kwargs(None, effort, bad_request, "reasoning")
-    names = {"prompt": "input", "max_tokens": "max_output_tokens", **({"structured_outputs": field} if field else {})}
+    names = {"prompt": "input", "max_tokens": "max_output_tokens",
+             **({"structured_outputs": field} if field else {})}
     before = [*head, *history]
     points = caching.cache_points(_cache_marks(body, before, known), body.prompt_cache_options, messages,
-                                  lambda cut: ChatPrompt(cut, tools, kwargs or None, add_generation_prompt=False),
-                                  "input")
+                                  lambda cut: ChatPrompt(cut, tools, kwargs or None,
+                                                         add_generation_prompt=False),
+                                  "input", prewarm_taken=True)
     request = ChatRequest(ChatPrompt(messages, tools, kwargs or None, cache_points=points), params, 1, choice,
-                          body.max_tool_calls, thinking.thinking_budget(body.budget_fields(), effort), names=names)
+                          body.max_tool_calls,
+                          thinking.thinking_budget(body.budget_fields(), effort), names=names)
     return request, len(head)
 
 
-def _cache_marks(body: ResponsesRequest, before: list[JsonObject], known: dict[str, str]) -> list[caching.Mark]:
+def _cache_marks(body: ResponsesRequest, before: list[JsonObject],
+                 known: dict[str, str]) -> list[caching.Mark]:
     """The input's parts with a prompt_cache_breakpoint, each with the messages as far as it (after `before`:
     the instructions and the stored conversation)."""
     marks: list[caching.Mark] = []

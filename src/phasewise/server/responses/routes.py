@@ -6,7 +6,8 @@ path (chat_call.py); its output becomes Responses items (output.py), streamed as
 Responses' own SSE events or returned in one response object. Responses are kept (unless `store`
 is false) in a bounded ResponseStore, which `previous_response_id` continues and GET/DELETE read.
 A `background` response is answered at once ("queued") and runs as a task (`BackgroundRuns`), which
-GET polls and cancel stops.
+GET polls and cancel stops. A prewarm (`prompt_cache_options.prewarm`) runs its prompt into the prefix cache
+and is a completed response without output, whose stored conversation a later turn continues.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from phasewise.server.request_stream import RequestStream
 from phasewise.server.responses.store import ResponseStore, StoredResponse
 from phasewise.server.responses.protocol import ResponsesRequest, chat_request, input_items
 from phasewise.server.responses.tools import custom_names, forced_custom
-from phasewise.server.responses.output import OutputItems, assistant_message, new_id, response_body, sse, status_of
+from phasewise.server.responses.output import (OutputItems, assistant_message, new_id, response_body, sse,
+                                               status_of)
 from phasewise.server.sse import collect, failure, sse_response
 from phasewise.server.thinking import Thinking
 
@@ -117,7 +119,8 @@ def truncated(chat: ChatRequest, head: int) -> ChatRequest | None:
     starts = [i for i, m in enumerate(messages[head:]) if m["role"] == "user" and i > 0]
     if not starts:
         return None
-    return replace(chat, prompt=replace(chat.prompt, messages=[*messages[:head], *messages[head + starts[0]:]]))
+    kept = [*messages[:head], *messages[head + starts[0]:]]
+    return replace(chat, prompt=replace(chat.prompt, messages=kept))
 
 
 def stored_response(store: ResponseStore, rid: str, param: str | None = None) -> StoredResponse:
@@ -165,7 +168,8 @@ class Run:
 
     def __init__(self, body: ResponsesRequest, call: ChatCall, conversation: list[JsonObject], model: str,
                  store: ResponseStore) -> None:
-        self.body, self.call, self.conversation, self.model, self.store = body, call, conversation, model, store
+        self.body, self.call, self.conversation = body, call, conversation
+        self.model, self.store = model, store
         self.rid, self.created = call.rid, int(time.time())
 
     def response(self, status: str, items: list[JsonObject], out: CompletionOutput | None = None,
@@ -173,21 +177,28 @@ class Run:
         return response_body(self.body, self.rid, self.created, self.model, status, items, out, error)
 
     def keep(self, response: JsonObject, items: list[JsonObject]) -> None:
-        """Store a response (its output: `items`) that did not fail (unless the request said store: false)."""
+        """Store a response (its output: `items`) that did not fail (unless the request said store: false); a
+        prewarm's conversation ends with its input, which a later turn continues."""
         if self.body.stored and response["status"] != "failed":
-            self.store.put(response, self.conversation + [assistant_message(items)], input_items(self.body))
+            reply = [] if self.body.prewarm else [assistant_message(items)]
+            self.store.put(response, self.conversation + reply, input_items(self.body))
 
     def output_items(self) -> OutputItems:
         """A fresh reading of the output into items (custom tools' calls as custom_tool_call items)."""
         bare = forced_custom(self.body)
         return OutputItems(self.call.parser(), custom_names(self.body.tools),
-                           json_types.text(bare["name"]) if bare is not None else None)
+                           json_types.text(bare["name"]) if bare is not None else None, self.body.prewarm)
+
+    def status(self, out: CompletionOutput) -> str:
+        """The response's status: a prewarm that ran its prompt is complete (its max_tokens 0 reached)."""
+        status = status_of(out)
+        return "completed" if self.body.prewarm and status == "incomplete" else status
 
     def finish(self, out: CompletionOutput, cancelled: bool = False) -> JsonObject:
         """The response of a finished output (stored as `keep` says)."""
         items = self.output_items()
         items.feed(out.text, final=True, cut=out.finish_reason == "length" or cancelled)
-        status = "cancelled" if cancelled else status_of(out)
+        status = "cancelled" if cancelled else self.status(out)
         items.finish(status)
         response = self.response(status, items.items, out)
         self.keep(response, items.items)
@@ -225,7 +236,8 @@ class BackgroundRuns:
         finally:
             stream.close()
         if last is None or status_of(last) == "failed":
-            cause = error or (failure(last) if last is not None else None) or "the request ended without an output"
+            cause = error or (failure(last) if last is not None else None) or \
+                "the request ended without an output"
             response = run.response("failed", [], last, cause)
             run.store.put(response, run.conversation, input_items(run.body))   # kept: GET polls it
             return response
@@ -275,7 +287,7 @@ async def response_events(run: Run, stream: RequestStream) -> AsyncIterator[str]
         error = str(e)
     finally:
         stream.close()
-    status = "failed" if out is None else status_of(out)
+    status = "failed" if out is None else run.status(out)
     if status == "failed" and error is None:
         error = (failure(out) if out is not None else None) or "the request ended without an output"
     for event in items.finish(status):

@@ -25,7 +25,8 @@ class StoredResponse:
     body: JsonObject
     conversation: list[JsonObject]
     size: int
-    input_items: tuple[JsonObject, ...] = ()      # the request's input as items with ids (GET .../input_items)
+    # the request's input as items with ids (GET .../input_items)
+    input_items: tuple[JsonObject, ...] = ()
 
 
 class ResponseStore:
@@ -39,7 +40,8 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._items)
 
-    def put(self, body: JsonObject, conversation: list[JsonObject], input_items: Sequence[JsonObject] = ()) -> None:
+    def put(self, body: JsonObject, conversation: list[JsonObject],
+            input_items: Sequence[JsonObject] = ()) -> None:
         rid = body["id"]
         if not isinstance(rid, str):
             raise TypeError("a stored response needs a string id")

@@ -35,10 +35,12 @@ def _custom_function(i: int, tool: JsonObject) -> JsonObject:
     if fmt.get("type") == "grammar":
         syntax, definition = fmt.get("syntax"), fmt.get("definition")
         if syntax not in ("lark", "regex") or not isinstance(definition, str):
-            raise bad_request(f"tools.{i}.format: a grammar needs syntax lark or regex and its definition", "tools")
+            raise bad_request(f"tools.{i}.format: a grammar needs syntax lark or "
+                              "regex and its definition", "tools")
         string["description"] = f"the tool's input: text in this {syntax} grammar: {definition}"
     fn: JsonObject = {"name": tool.get("name"), "parameters": {
-        "type": "object", "properties": {"input": string}, "required": ["input"], "additionalProperties": False}}
+        "type": "object", "properties": {"input": string}, "required": ["input"],
+        "additionalProperties": False}}
     if tool.get("description") is not None:
         fn["description"] = tool["description"]
     return {"type": "function", "function": fn}
@@ -54,7 +56,8 @@ def forced_custom(body: ResponsesTools) -> JsonObject | None:
     if len(chosen) != 1 or chosen[0].get("type") != "custom":
         return None
     fmt = chosen[0].get("format")
-    if not isinstance(fmt, dict) or fmt.get("type") != "grammar" or not isinstance(fmt.get("definition"), str):
+    if not isinstance(fmt, dict) or fmt.get("type") != "grammar" or \
+            not isinstance(fmt.get("definition"), str):
         return None
     return chosen[0]
 
@@ -71,7 +74,8 @@ def chat_tools(tools: list[JsonObject] | None) -> list[JsonObject] | None:
             out.append(_custom_function(i, tool))
             continue
         if kind != "function":
-            raise bad_request(f"tools.{i}: only function and custom tools are supported, got type {kind!r}", "tools")
+            raise bad_request(f"tools.{i}: only function and custom tools are "
+                              f"supported, got type {kind!r}", "tools")
         if "function" in tool and "name" not in tool:        # the chat shape, taken as it is
             out.append(tool)
             continue
@@ -100,16 +104,16 @@ def tool_choice(body: ResponsesTools, has_tools: bool) -> ToolChoice:
     mode: ToolMode
     if isinstance(choice, dict):
         if choice.get("type") not in ("function", "custom") or not isinstance(choice.get("name"), str):
-            raise bad_request('tool_choice must be "none", "auto", "required" or {"type": "function" (or "custom"), '
-                              '"name": ...}', "tool_choice")
+            raise bad_request('tool_choice must be "none", "auto", "required" or {"type": "function" (or '
+                              '"custom"), "name": ...}', "tool_choice")
         mode, name = "required", json_types.text(choice["name"])
     elif choice in (None, "auto"):
         mode, name = "auto", None
     elif choice in ("none", "required"):
         mode, name = "none" if choice == "none" else "required", None
     else:
-        raise bad_request('tool_choice must be "none", "auto", "required" or {"type": "function" (or "custom"), '
-                          '"name": ...}', "tool_choice")
+        raise bad_request('tool_choice must be "none", "auto", "required" or {"type": "function" (or '
+                          '"custom"), "name": ...}', "tool_choice")
     if mode == "required" and not has_tools:
         raise bad_request("tool_choice needs tools", "tool_choice")
     return ToolChoice(mode, name, parallel)
