@@ -95,7 +95,7 @@ def measure(args: argparse.Namespace, cache_dir: Path) -> dict:
                     "dropped": disk.dropped, "write_errors": disk.write_errors, "blocks_read": disk.blocks_read}
         precision = str(engines["on"].engine.precision)
         model = str(engines["on"].engine.model_path)
-        threads = engines["on"].engine.stats().threads
+        threads = engines["on"].engine.thread_stats().threads
     finally:
         for llm in engines.values():
             llm.close()

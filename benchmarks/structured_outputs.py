@@ -53,8 +53,9 @@ def run(llm, batch: int, tokens: int, constrained: bool) -> tuple[float, int, fl
     outs = llm.chat([[{"role": "user", "content": f"{ASK} ({i})"}] for i in range(batch)], params)
     wall = time.perf_counter() - t0
     n = sum(len(o.token_ids) for o in outs)
-    steps = [s for s in llm.engine.steps if s.start >= t0]   # the records' clock is perf_counter's
-    return n / wall, n, sum(s.grammar_ms for s in steps) / max(sum(s.duration_ms for s in steps), 1e-9)
+    steps = [s for s in llm.engine.steps if s.record.start >= t0]   # the records' clock is perf_counter's
+    grammar_ms = sum(s.extras.grammar_ms for s in steps)
+    return n / wall, n, grammar_ms / max(sum(s.record.duration_ms for s in steps), 1e-9)
 
 
 def main() -> None:

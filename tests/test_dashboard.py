@@ -6,12 +6,15 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from types import SimpleNamespace
+from typing import Any
 
 import httpx
 import pytest
 
 from live_server import KEY, QUESTION, MODEL, assert_openai_error
 from phasewise.core.handoffs import EngineStats, StepRecord
+from phasewise.engine.step_event import StepEvent, StepExtras, ThreadStats
+from phasewise.server.server_stats import ServerStats
 from phasewise.core.request import Request
 from phasewise.core.sampling_params import SamplingParams
 from phasewise.server.dashboard_feed import DashboardFeed, Roofline, binding
@@ -46,8 +49,13 @@ def _delta(request: Request, n: int, prompt_tokens: int, cached: int, finished: 
     return SimpleNamespace(request_id=request.request_id, token_ids=[1] * n, finished=finished, output=output)
 
 
-def _stats(used: int, running: int) -> EngineStats:
-    return EngineStats(num_running=running, num_blocks=100, num_free_blocks=100 - used, num_cached_blocks=used)
+def _stats(used: int, running: int, threads: ThreadStats | None = None) -> ServerStats:
+    return ServerStats(engine=EngineStats(num_running=running, num_blocks=100, num_free_blocks=100 - used,
+                                          num_cached_blocks=used), threads=threads or ThreadStats())
+
+
+def _event(record: StepRecord, **extras: Any) -> StepEvent:
+    return StepEvent(record, StepExtras(**extras))
 
 
 def test_feed_sends_what_is_new_since_the_cursor_and_every_live_request():
@@ -60,8 +68,8 @@ def test_feed_sends_what_is_new_since_the_cursor_and_every_live_request():
     a.metrics.prefill_chunks.append((9.1, 9.2, 8))
     a.metrics.first_token = 9.2
     a.metrics.token_times += [9.2]
-    feed.on_step(StepRecord(start=9.1, duration_ms=100.0, num_prefill_tokens=8, num_decode_tokens=0, batch_size=1),
-                 _stats(2, 1))
+    feed.on_step(_event(StepRecord(start=9.1, duration_ms=100.0, num_prefill_tokens=8, num_decode_tokens=0,
+                                  batch_size=1)), _stats(2, 1))
     feed.on_delta(_delta(a, 1, 8, 4))
     first = feed.snapshot(0, _stats(2, 1))
     assert [s["prefill"] for s in first["steps"]] == [8] and first["finished"] == []
@@ -73,8 +81,9 @@ def test_feed_sends_what_is_new_since_the_cursor_and_every_live_request():
 
     a.metrics.token_times += [9.25, 9.35]          # two more tokens: gaps of 50 and 100 ms
     a.metrics.grammar_compile_ms = 1.5             # a structured output: its grammar's cost shows
-    feed.on_step(StepRecord(start=9.3, duration_ms=50.0, num_prefill_tokens=0, num_decode_tokens=2, batch_size=1,
-                            grammar_ms=0.25, threads=1), replace(_stats(2, 1), threads=1, cpus_busy_elsewhere=0.93))
+    feed.on_step(_event(StepRecord(start=9.3, duration_ms=50.0, num_prefill_tokens=0, num_decode_tokens=2,
+                                  batch_size=1), grammar_ms=0.25, threads=1),
+                 _stats(2, 1, ThreadStats(threads=1, cpus_busy_elsewhere=0.93)))
     feed.on_delta(_delta(a, 2, 8, 4))
     a.metrics.finished = 9.35
     feed.on_finish(a, "length")
@@ -120,12 +129,12 @@ def test_the_experts_spread_is_each_layers_share_over_the_last_seconds():
     clock = [20.0]
     feed = DashboardFeed(token_budget=64, max_num_seqs=4, num_blocks=100, clock=lambda: clock[0])
     dense = StepRecord(start=10.0, duration_ms=5.0, num_prefill_tokens=0, num_decode_tokens=1, batch_size=1)
-    feed.on_step(dense, _stats(1, 1))
+    feed.on_step(_event(dense), _stats(1, 1))
     assert feed.snapshot(0, _stats(1, 1))["experts"] is None
-    old = replace(dense, start=12.0, expert_choices=[[0, 0, 0, 9], [9, 0, 0, 0]])   # over 5 s before now
+    old = _event(replace(dense, start=12.0), expert_choices=[[0, 0, 0, 9], [9, 0, 0, 0]])   # over 5 s before now
     feed.on_step(old, _stats(1, 1))
-    feed.on_step(replace(dense, start=18.0, expert_choices=[[2, 0, 0, 0], [1, 1, 0, 0]]), _stats(1, 1))
-    feed.on_step(replace(dense, start=19.0, expert_choices=[[1, 1, 0, 0], [0, 1, 0, 1]]), _stats(1, 1))
+    feed.on_step(_event(replace(dense, start=18.0), expert_choices=[[2, 0, 0, 0], [1, 1, 0, 0]]), _stats(1, 1))
+    feed.on_step(_event(replace(dense, start=19.0), expert_choices=[[1, 1, 0, 0], [0, 1, 0, 1]]), _stats(1, 1))
     clock[0] = 21.0
     snap = feed.snapshot(0, _stats(1, 1))
     assert [s.get("experts_read") for s in snap["steps"]] == [None, 2, 3, 4]

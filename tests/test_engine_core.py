@@ -284,11 +284,14 @@ def test_step_records_account_for_every_token():
     core, runner = make_core(budget=8)
     for i in range(3):
         core.add_request(request(f"r{i}", 10, 4, family=i))
-    run_all(core)
-    assert len(core.steps) == len(runner.steps)
-    assert sum(s.num_prefill_tokens for s in core.steps) == 30
-    assert sum(s.num_decode_tokens for s in core.steps) == 3 * 3     # the first token comes from prefill
-    assert all(s.batch_size == len(r.chunks) and s.duration_ms >= 0 for s, r in zip(core.steps, runner.steps))
+    records = []
+    while core.has_unfinished():
+        core.step()
+        records.append(core.last_step)
+    assert len(records) == len(runner.steps) == core.num_steps
+    assert sum(s.num_prefill_tokens for s in records) == 30
+    assert sum(s.num_decode_tokens for s in records) == 3 * 3     # the first token comes from prefill
+    assert all(s.batch_size == len(r.chunks) and s.duration_ms >= 0 for s, r in zip(records, runner.steps))
 
 
 def test_percentile_matches_linear_interpolation():

@@ -171,13 +171,15 @@ def test_each_step_records_what_the_routers_chose(folders, dtype):
     decodes = 0
     while engine.has_unfinished():
         engine.step()
-        s = engine.last_step                                   # as the server's observers see each step
-        assert len(s.expert_choices) == 2 and len(s.expert_choices[0]) == 8
+        step = engine.last_step                                # as the server's observers see each step
+        s, choices = step.record, step.extras.expert_choices
+        assert len(choices) == 2 and len(choices[0]) == 8
         if s.num_prefill_tokens == 0:
             decodes += 1
-            assert [sum(layer) for layer in s.expert_choices] == [2 * s.num_decode_tokens] * 2
-            assert all(max(layer) <= s.num_decode_tokens for layer in s.expert_choices)   # k distinct a row
-    assert decodes and all(s.expert_choices is None for s in engine.steps[:-1])   # older records let them go
+            assert [sum(layer) for layer in choices] == [2 * s.num_decode_tokens] * 2
+            assert all(max(layer) <= s.num_decode_tokens for layer in choices)   # k distinct a row
+    # older steps let their choices go
+    assert decodes and all(s.extras.expert_choices is None for s in engine.steps[:-1])
 
 
 # ---- the sparse block against transformers' own -----------------------------------------------------

@@ -265,16 +265,17 @@ def test_the_metrics_counters_read_the_disk_counters():
     from phasewise.core.handoffs import EngineStats
     from phasewise.core.store_writer import DiskStats
     from phasewise.server.metrics import ENGINE_COUNTERS
+    from phasewise.server.server_stats import ServerStats
 
     rows = {(name, value): read for name, _, _, reads in ENGINE_COUNTERS for value, read in reads}
-    stats = EngineStats(disk=DiskStats(blocks_read=3, bytes_read=300, load_seconds=0.5, blocks_written=7,
-                                       bytes_written=700, evicted_ttl=2, evicted_lru=5, write_errors=1, corrupt=4,
-                                       dropped=6))
+    disk = DiskStats(blocks_read=3, bytes_read=300, load_seconds=0.5, blocks_written=7, bytes_written=700,
+                     evicted_ttl=2, evicted_lru=5, write_errors=1, corrupt=4, dropped=6)
+    stats = ServerStats(engine=EngineStats(disk=disk))
     assert [rows[f"phasewise:prompt_cache_disk_{k}", v](stats) for k, v in
             (("hit_blocks", ""), ("read_bytes", ""), ("load_seconds", ""), ("written_blocks", ""),
              ("written_bytes", ""), ("evictions", "ttl"), ("evictions", "size"), ("errors", "write"),
              ("errors", "corrupt"), ("errors", "dropped"))] == [3, 300, 0.5, 7, 700, 2, 5, 1, 4, 6]
-    assert all(read(EngineStats()) == 0 for (name, _), read in rows.items() if "prompt_cache" in name)
+    assert all(read(ServerStats()) == 0 for (name, _), read in rows.items() if "prompt_cache" in name)
 
 
 def test_the_next_turn_after_a_restart_reads_the_last_turn_and_its_reply(tmp_path, tiny_model):

@@ -132,7 +132,7 @@ def test_outputs_are_the_same_bits_at_one_and_two_threads(default_model_path):
         for n in (2, 1):
             torch.set_num_threads(n)
             results[n] = run()
-            assert {s.threads for s in llm.engine.steps[-4:]} == {n}      # the step records say so
+            assert {s.extras.threads for s in llm.engine.steps[-4:]} == {n}   # the steps say so
     finally:
         torch.set_num_threads(before)
     assert results[1] == results[2]

@@ -187,7 +187,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.trace:
         from phasewise.lab.trace import write_trace
 
-        steps = [s for s in llm.engine.steps if s.start >= final.metrics.arrival]
+        steps = [s for s in llm.engine.steps if s.record.start >= final.metrics.arrival]
         write_trace(args.trace, steps, [(final.request_id, final.metrics)])
     if args.json:
         print(json.dumps(timings_json(final, llm.load_ms), ensure_ascii=False))

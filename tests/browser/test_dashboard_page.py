@@ -17,6 +17,7 @@ import pytest
 
 from live_server import KEY, MODEL, start_server, stop_server
 from phasewise.core.handoffs import StepRecord
+from phasewise.engine.step_event import StepEvent, StepExtras
 from phasewise.core.request import RequestMetrics
 from phasewise.lab.trace import chrome_trace
 
@@ -148,9 +149,10 @@ def test_saved_runs_open_by_dropping_them(page):
     _connect(page)
     m = RequestMetrics(arrival=10.0, first_scheduled=10.5, first_token=11.0, token_times=[11.0, 11.1, 11.3],
                        prefill_chunks=[(10.5, 10.7, 8), (10.8, 11.0, 4)], preempted_at=[11.15], finished=11.3)
-    steps = [StepRecord(start=10.5, duration_ms=200.0, num_prefill_tokens=8, num_decode_tokens=0, batch_size=1),
-             StepRecord(start=10.8, duration_ms=200.0, num_prefill_tokens=4, num_decode_tokens=2, batch_size=3,
-                        threads=1)]
+    steps = [StepEvent(StepRecord(start=10.5, duration_ms=200.0, num_prefill_tokens=8, num_decode_tokens=0,
+                                  batch_size=1), StepExtras()),
+             StepEvent(StepRecord(start=10.8, duration_ms=200.0, num_prefill_tokens=4, num_decode_tokens=2,
+                                  batch_size=3), StepExtras(threads=1))]
     _drop(page, "trace.json", json.dumps(chrome_trace(steps, [("r1", m)])))
     page.wait_for_function("document.getElementById('status').textContent === 'viewing trace.json'", timeout=WAIT_MS)
     # the status changes at once, the page redraws on the next animation frame
@@ -209,14 +211,17 @@ def test_a_mixture_of_experts_shows_its_routers_spread(page, keyed):
 
     from phasewise.core.handoffs import EngineStats
     from phasewise.server.dashboard_feed import DashboardFeed
+    from phasewise.server.server_stats import ServerStats
+
+    stats = ServerStats(engine=EngineStats(num_blocks=100, num_free_blocks=100))
 
     _connect(page)
     assert page.is_hidden("#experts-panel")
     feed = DashboardFeed(token_budget=64, max_num_seqs=8, num_blocks=100, clock=lambda: 11.0)
     step = StepRecord(start=10.0, duration_ms=30.0, num_prefill_tokens=0, num_decode_tokens=2, batch_size=2)
     for t, choices in ((10.0, [[2, 2, 0, 0], [0, 0, 4, 0]]), (10.5, [[4, 0, 0, 0], [1, 1, 1, 1]])):
-        feed.on_step(replace(step, start=t, expert_choices=choices), EngineStats(num_blocks=100, num_free_blocks=100))
-    snap = feed.snapshot(0, EngineStats(num_blocks=100, num_free_blocks=100))
+        feed.on_step(StepEvent(replace(step, start=t), StepExtras(expert_choices=choices)), stats)
+    snap = feed.snapshot(0, stats)
     body = f"event: hello\ndata: {json.dumps({'model': MODEL, 'version': 'test'})}\n\ndata: {json.dumps(snap)}\n\n"
     page.route("**/dashboard/events*", lambda route: route.fulfill(status=200, body=body,
                                                                    headers={"content-type": "text/event-stream"}))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -16,9 +15,6 @@ from phasewise.core.request import FinishReason, Request
 from phasewise.core.scheduler import Scheduler
 from phasewise.core.spec_policy import SpecPolicy
 from phasewise.config import SchedulerConfig
-
-
-MAX_STEP_RECORDS = 100_000   # a long-running server keeps only the latest steps
 
 
 class Runner(Protocol):
@@ -71,8 +67,8 @@ class EngineCore:
         self.spec_policy = spec_policy if k else None
         self.scheduler = Scheduler(scheduler_config, self.kv, k, self.spec_policy)
         self.max_model_len = max_model_len
-        self.steps: deque[StepRecord] = deque(maxlen=MAX_STEP_RECORDS)   # the most recent steps
-        self.num_steps = 0                                                 # all steps ever run
+        self.last_step: StepRecord | None = None     # the latest step's record
+        self.num_steps = 0                           # all steps ever run
         self.spec = SpecStats()
 
     def use_spec_policy(self, policy: SpecPolicy | None) -> None:
@@ -152,12 +148,8 @@ class EngineCore:
             self.spec.num_draft_tokens += sched.num_draft_tokens
             self.spec.num_accepted_tokens += accepted
         self.num_steps += 1
-        if self.steps:                 # observers have seen the last step's router choices: let them go
-            self.steps[-1].expert_choices = None
-        self.steps.append(StepRecord(start=started, duration_ms=(time.perf_counter() - started) * 1e3,
-                                     num_prefill_tokens=sched.num_prefill_tokens,
-                                     num_decode_tokens=sched.num_decode_tokens, batch_size=len(sched.chunks),
-                                     num_draft_tokens=sched.num_draft_tokens, num_accepted_tokens=accepted,
-                                     grammar_ms=result.grammar_ms, threads=result.threads,
-                                     expert_choices=result.expert_choices))
+        self.last_step = StepRecord(start=started, duration_ms=(time.perf_counter() - started) * 1e3,
+                                    num_prefill_tokens=sched.num_prefill_tokens,
+                                    num_decode_tokens=sched.num_decode_tokens, batch_size=len(sched.chunks),
+                                    num_draft_tokens=sched.num_draft_tokens, num_accepted_tokens=accepted)
         return outputs

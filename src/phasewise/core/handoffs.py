@@ -122,17 +122,15 @@ class RunnerOutput:
     accepted: dict[str, list[SampledToken]] = field(default_factory=dict)  # request id → accepted drafts, in order
     # request id → (first prompt position, its logprobs and the next ones'), for prompt_logprobs
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
-    grammar_ms: float = 0.0            # the grammar masks' time (structured outputs)
-    threads: int = 0                   # threads that ran the step's kernels
-    expert_choices: list[list[int]] | None = None   # a mixture of experts: per sparse layer, choices per expert
     propose_ms: float = 0.0            # the proposer's time (speculative decoding), within the step
 
 
 @dataclass(frozen=True, kw_only=True)
 class EngineStats:
-    """The engine at one moment (`EngineCore.stats()`, `LLMEngine.stats()`): what runs and waits, the
-    KV pool, counters since the start. Frozen: the server's engine thread publishes one after each turn
-    and the event loop reads it without locks."""
+    """The engine core at one moment (`EngineCore.stats()`, `LLMEngine.stats()`): what runs and waits,
+    the KV pool, counters since the start. Frozen: the server's engine thread publishes one after each
+    turn and the event loop reads it without locks. What the runner and the server measure they report
+    in their own stats (runner/step_extras.py, server/server_stats.py), composed where they are shown."""
     num_waiting: int = 0
     num_running: int = 0
     num_blocks: int = 0
@@ -146,19 +144,15 @@ class EngineStats:
     spec_num_drafts: int = 0               # speculative decoding: request-steps that verified drafts,
     spec_num_draft_tokens: int = 0         # draft tokens verified,
     spec_num_accepted_tokens: int = 0      # and accepted (all since the engine started)
-    num_received: int = 0                  # AsyncEngine: sub-requests its thread has taken in (added or refused), ever
-    threads: int = 0                       # kernel threads in use (runner/thread_governor.py),
-    cpus_busy_elsewhere: float = 0.0       # CPUs other programs kept busy lately,
-    cpu_wait_seconds: float = 0.0          # and how long the engine's threads waited for a CPU, ever
     ram: CacheStats = field(default_factory=CacheStats)   # the prefix cache in RAM: hits, evictions (a copy)
-    kv_block_bytes: int = 0                # bytes of one KV block (of one group, every layer): LLMEngine's
     disk: DiskStats | None = None          # the prefix cache's disk tier (None: none): its live counters
                                            # (its writer thread moves them while the engine idles)
 
 
 @dataclass(kw_only=True)
 class StepRecord:
-    """One engine step: what it ran and how long it took."""
+    """One engine step as the core saw it: what it ran and how long it took (the runner's own figures of
+    the step: runner/step_extras.py)."""
     start: float
     duration_ms: float
     num_prefill_tokens: int
@@ -166,11 +160,6 @@ class StepRecord:
     batch_size: int
     num_draft_tokens: int = 0          # draft tokens verified
     num_accepted_tokens: int = 0       # of those, accepted
-    grammar_ms: float = 0.0            # computing the grammar masks of the step's constrained rows
-    threads: int = 0                   # threads that ran its kernels (runner/thread_governor.py)
-    # a mixture of experts: per sparse layer, the (row, choice) pairs each expert took this step; only
-    # the newest record keeps it (layers x experts numbers a step: EngineCore.step drops the last one's)
-    expert_choices: list[list[int]] | None = None
 
 
 @dataclass(kw_only=True)

@@ -74,6 +74,7 @@ class EngineParts:
     max_model_len: int
     grammars: GrammarCompiler
     core: EngineCore
+    runner: ModelRunner                       # the core's runner (rank 0's, with tensor parallelism)
     threads: ThreadGovernor                   # the kernels' thread count (pinned, or adapting to the machine)
     load_ms: float                            # building took this long
 
@@ -136,7 +137,7 @@ def build_engine(config: EngineConfig, clock: Clock | None = None) -> EnginePart
     adapt = config.threads is None and ranks is None and torch.device(config.device).type == "cpu"
     threads = ThreadGovernor(torch.get_num_threads(), adapt)
     return EngineParts(config, model_path, model_config, precision, kernels, tokenizer, ranks, model,
-                       kv_cache, draft_model, max_model_len, grammars, core, threads,
+                       kv_cache, draft_model, max_model_len, grammars, core, runner, threads,
                        (time.perf_counter() - started) * 1e3)
 
 

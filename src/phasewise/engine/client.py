@@ -8,10 +8,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from phasewise.config import EngineConfig
-from phasewise.core.handoffs import EngineStats, StepRecord
+from phasewise.core.handoffs import EngineStats
 from phasewise.core.request import Request
 from phasewise.json_types import JsonObject, JsonValue
 from phasewise.engine.kv_transfer import KVTransfer
+from phasewise.engine.step_event import StepEvent, ThreadStats
 from phasewise.models.config import ModelConfig
 from phasewise.outputs import StreamDelta
 from phasewise.core.sampling_params import SamplingParams
@@ -93,9 +94,16 @@ class EngineClient(Protocol):
     def stats(self) -> EngineStats:
         """Requests, blocks and counters now."""
 
+    def thread_stats(self) -> ThreadStats:
+        """The kernel threads and what other programs took of the CPUs, now."""
+
     @property
-    def last_step(self) -> StepRecord | None:
-        """The latest step's record."""
+    def kv_block_bytes(self) -> int:
+        """Bytes of one KV block."""
+
+    @property
+    def last_step(self) -> StepEvent | None:
+        """The latest step: the core's record and the runner's extras."""
 
     def request(self, request_id: str) -> Request | None:
         """A live request, None once it has ended."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
@@ -21,6 +22,7 @@ from phasewise.engine.builder import build_engine
 from phasewise.engine.client import ChatPrompt, EngineBrokenError, Prompt, is_chat
 from phasewise.engine.kv_transfer import KVTransfer
 from phasewise.engine.output_processor import OutputProcessor
+from phasewise.engine.step_event import MAX_STEP_EVENTS, StepEvent, ThreadStats
 from phasewise.outputs import CompletionOutput, StreamDelta
 from phasewise.core.sampling_params import SamplingParams
 from phasewise.structured import ThinkingGates
@@ -46,6 +48,7 @@ class LLMEngine:
         # what runs a step: the scheduler core, the model (and a draft model), their KV cache, kernels
         # and kernel threads, and with tensor parallelism the other ranks
         self.core = parts.core
+        self.runner = parts.runner
         self.model = parts.model
         self.draft_model = parts.draft_model
         self.kv_cache = parts.kv_cache
@@ -65,6 +68,7 @@ class LLMEngine:
         self.admission = Admission(self.max_model_len, self.model_config.vocab_size,
                                    self.core.kv.pool.num_blocks, self.core.blocks_needed)
         self.broken: str | None = None          # why no step can run any more (EngineBrokenError)
+        self._steps: deque[StepEvent] = deque(maxlen=MAX_STEP_EVENTS)   # the latest steps, for observers
 
     def close(self) -> None:
         """Finish the prompt cache's queued disk writes and stop the other ranks of a tensor-parallel
@@ -136,16 +140,23 @@ class LLMEngine:
         return self.core.abort(request_id)
 
     def stats(self) -> EngineStats:
-        """Running and waiting requests, KV blocks used, cached and free, step and speculation counters,
-        the kernel threads and what other programs took of the CPUs."""
-        t = self.threads
-        return replace(self.core.stats(), threads=t.threads, cpus_busy_elsewhere=t.others,
-                       cpu_wait_seconds=t.cpu_wait_s, kv_block_bytes=self.kv_cache.bytes_per_block)
+        """Running and waiting requests, KV blocks used, cached and free, step and speculation counters."""
+        return self.core.stats()
+
+    def thread_stats(self) -> ThreadStats:
+        """The kernel threads and what other programs took of the CPUs."""
+        return self.threads.stats()
 
     @property
-    def last_step(self) -> StepRecord | None:
-        """The latest step's record (what it ran, how long it took), or None before the first."""
-        return self.core.steps[-1] if self.core.steps else None
+    def kv_block_bytes(self) -> int:
+        """Bytes of one KV block (of one group, every layer)."""
+        return self.kv_cache.bytes_per_block
+
+    @property
+    def last_step(self) -> StepEvent | None:
+        """The latest step (what it ran, how long it took, what the runner measured), or None before the
+        first."""
+        return self._steps[-1] if self._steps else None
 
     def has_unfinished(self) -> bool:
         return self.core.has_unfinished()
@@ -159,9 +170,9 @@ class LLMEngine:
         return set(self.core.scheduler.requests)
 
     @property
-    def steps(self) -> list[StepRecord]:
-        """The latest steps' records, oldest first (the last MAX_STEP_RECORDS of them)."""
-        return list(self.core.steps)
+    def steps(self) -> list[StepEvent]:
+        """The latest steps, oldest first (the last MAX_STEP_EVENTS of them)."""
+        return list(self._steps)
 
     # ---- stepping -----------------------------------------------------------------
 
@@ -173,6 +184,7 @@ class LLMEngine:
         if self.broken:
             raise EngineBrokenError(self.broken)
         self.threads.adjust()                   # fewer kernel threads while other programs take CPUs
+        ran = self.core.num_steps
         try:
             outputs = self.core.step()
         except Exception as e:
@@ -183,6 +195,8 @@ class LLMEngine:
             for rid in self.outputs.request_ids():
                 self.abort(rid)
             raise EngineBrokenError(self.broken) from e
+        if self.core.num_steps != ran and self.core.last_step is not None:   # a step ran (not an empty one)
+            self._record_step(self.core.last_step)
         deltas = []
         for o in outputs:
             if o.request_id in self.outputs:
@@ -190,6 +204,14 @@ class LLMEngine:
                 if delta.finished and not o.finished:   # a stop string ended it: end it in the core too
                     self.core.finish(o.request_id, FinishReason.STOP)
         return deltas
+
+    def _record_step(self, record: StepRecord) -> None:
+        """Keep the step with what the runner measured in it; the one before lets its router choices go
+        (layers x experts numbers a step: observers have seen them)."""
+        if self._steps and self._steps[-1].extras.expert_choices is not None:
+            last = self._steps[-1]
+            self._steps[-1] = replace(last, extras=replace(last.extras, expert_choices=None))
+        self._steps.append(StepEvent(record, self.runner.last_extras))
 
     def run_until_done(self, request_ids: list[str]) -> list[CompletionOutput]:
         """Step until every given request has finished; outputs in the given order."""

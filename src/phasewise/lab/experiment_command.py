@@ -195,7 +195,7 @@ def _experiment(args: argparse.Namespace, out: Path, console: Console) -> int:
     if args.trace:
         from phasewise.lab.trace import write_trace
 
-        write_trace(args.trace, [s for s in llm.engine.steps if s.start >= started], exp.requests)
+        write_trace(args.trace, [s for s in llm.engine.steps if s.record.start >= started], exp.requests)
     print_table(exp, Console())
     console.print(f"wrote {out / 'results.json'}, {out / 'results.csv'}, "
                   + ", ".join(p.name for p in plots) + (f"; trace {args.trace}" if args.trace else ""))

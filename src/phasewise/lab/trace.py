@@ -12,11 +12,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from phasewise.core.handoffs import StepRecord
 from phasewise.core.request import RequestMetrics
+from phasewise.engine.step_event import StepEvent
 
 if TYPE_CHECKING:
-    from phasewise.core.handoffs import EngineStats
     from phasewise.core.request import Request
     from phasewise.json_types import JsonObject, JsonValue
     from phasewise.outputs import StreamDelta
@@ -30,23 +29,24 @@ def _span(name: str, pid: int, tid: int, start: float, end: float, t0: float,
             "dur": max(end - start, 0.0) * 1e6, "args": args}
 
 
-def chrome_trace(steps: Iterable[StepRecord], requests: Iterable[tuple[str, RequestMetrics]]) -> JsonObject:
+def chrome_trace(steps: Iterable[StepEvent], requests: Iterable[tuple[str, RequestMetrics]]) -> JsonObject:
     """The trace as a dict: engine steps (prefill/decode tokens, batch size) and, per request,
     its queueing, prefill chunks, decode, and preemptions (instant events)."""
     steps, requests = list(steps), list(requests)
-    starts = [s.start for s in steps] + [m.arrival for _, m in requests]
+    starts = [s.record.start for s in steps] + [m.arrival for _, m in requests]
     t0 = min(starts, default=0.0)
     events: list[JsonValue] = [
         {"name": "process_name", "ph": "M", "pid": ENGINE_PID, "args": {"name": "engine steps"}},
         {"name": "process_name", "ph": "M", "pid": REQUESTS_PID, "args": {"name": "requests"}},
     ]
-    for s in steps:
+    for step in steps:
+        s = step.record
         kind = "prefill" if s.num_decode_tokens == 0 else "decode" if s.num_prefill_tokens == 0 else "mixed"
         events.append(_span(f"step ({kind})", ENGINE_PID, 0, s.start, s.start + s.duration_ms / 1e3, t0,
                             prefill_tokens=s.num_prefill_tokens, decode_tokens=s.num_decode_tokens,
                             batch_size=s.batch_size, draft_tokens=s.num_draft_tokens,
                             accepted_tokens=s.num_accepted_tokens,
-                            grammar_ms=s.grammar_ms, threads=s.threads))
+                            grammar_ms=step.extras.grammar_ms, threads=step.extras.threads))
     for tid, (rid, m) in enumerate(requests, start=1):
         events.append({"name": "thread_name", "ph": "M", "pid": REQUESTS_PID, "tid": tid,
                        "args": {"name": rid}})
@@ -63,7 +63,7 @@ def chrome_trace(steps: Iterable[StepRecord], requests: Iterable[tuple[str, Requ
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-def write_trace(path: str | Path, steps: Iterable[StepRecord],
+def write_trace(path: str | Path, steps: Iterable[StepEvent],
                 requests: Iterable[tuple[str, RequestMetrics]]) -> None:
     Path(path).write_text(json.dumps(chrome_trace(steps, requests)))
 
@@ -77,7 +77,7 @@ class RequestRecorder:
     def on_add(self, request: Request) -> None:
         pass
 
-    def on_step(self, record: StepRecord, stats: EngineStats) -> None:
+    def on_step(self, step: StepEvent, stats: object) -> None:   # the server's ServerStats
         pass
 
     def on_delta(self, delta: StreamDelta) -> None:

@@ -29,6 +29,7 @@ from phasewise.layers.attention import AttentionMetadata
 from phasewise.runner.kv_cache import KVCache
 from phasewise.runner.model_api import CausalLM
 from phasewise.runner.request_state import RequestState, RequestStates
+from phasewise.runner.step_extras import StepExtras
 from phasewise.sampling.sampler import GrammarCheck, SamplingMetadata, sample
 from phasewise.sampling.verify import verify
 from phasewise.structured import StepMasks
@@ -107,6 +108,7 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         self.kernels = kernels            # the engine's compiled CPU kernels (the sampler's argmax), or None
         self.requests = RequestStates(self.device)
+        self.last_extras = StepExtras()   # what the latest step measured for observers
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -122,15 +124,15 @@ class ModelRunner:
             step: RankStep = ("forward", plan.inputs)
             self.tp.broadcast(step)
         hidden = self.forward(plan.inputs)
-        out = self.sample(plan, hidden)
+        out, grammar_ms = self.sample(plan, hidden)
         out.propose_ms = propose_ms
         if self.proposer is not None and self.proposer.wants_hidden:
             self._keep_hidden(sched, hidden, out)
         self._roll_back(plan, out)
         self.requests.commit(out)
         choices = self.model.expert_choices()
-        if choices is not None:
-            out.expert_choices = choices.tolist()
+        self.last_extras = StepExtras(grammar_ms=grammar_ms, threads=torch.get_num_threads(),
+                                      expert_choices=None if choices is None else choices.tolist())
         return out
 
     def _propose(self, sched: SchedulerOutput) -> None:
@@ -229,19 +231,19 @@ class ModelRunner:
                                                              dtype=torch.int64, device=self.device)
         return self.model(ids, pos, meta, self.kv_cache.layers, keep)
 
-    def sample(self, plan: StepPlan, hidden: torch.Tensor) -> RunnerOutput:
-        """The plan's prompt logprobs, sampled tokens (under their grammars' masks) and verified drafts."""
+    def sample(self, plan: StepPlan, hidden: torch.Tensor) -> tuple[RunnerOutput, float]:
+        """The plan's prompt logprobs, sampled tokens (under their grammars' masks) and verified drafts,
+        and the milliseconds its grammar masks took."""
         prompt_lps = {s.request_id: (s.position, self._score(hidden, s.row, s.targets, s.top))
                       for s in plan.scored}
         if not plan.sample_reqs and not plan.drafted:
-            return RunnerOutput({}, prompt_logprobs=prompt_lps, threads=torch.get_num_threads())
+            return RunnerOutput({}, prompt_logprobs=prompt_lps), 0.0
         logits = self.logits(hidden, plan.sample_rows + plan.draft_rows)        # [B + sum(k + 1), V] fp32
         drafts = [(r.grammar, c.draft_token_ids) for r, c in zip(plan.drafted_reqs, plan.drafted)]
         masks, b = StepMasks(plan.sample_reqs, drafts, self.vocab_size), len(plan.sample_rows)
         sampled = self._sample(logits[:b], plan.sample_reqs, masks.sampling, masks.check) \
             if plan.sample_reqs else {}
-        out = RunnerOutput(sampled, prompt_logprobs=prompt_lps, grammar_ms=masks.ms,
-                           threads=torch.get_num_threads())
+        out = RunnerOutput(sampled, prompt_logprobs=prompt_lps)
         if plan.drafted:
             verified = verify(logits[b:], plan.drafted, plan.drafted_reqs,
                               [r.generator for r in plan.drafted_reqs],
@@ -249,7 +251,7 @@ class ModelRunner:
             for rid, (accepted, final) in verified.items():
                 out.sampled[rid] = final
                 out.accepted[rid] = accepted
-        return out
+        return out, masks.ms
 
     def _roll_back(self, plan: StepPlan, out: RunnerOutput) -> None:
         """A hybrid's states back to where each sequence's accepted drafts end: the snapshot after its

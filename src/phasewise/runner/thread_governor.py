@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from phasewise.runner.step_extras import ThreadStats
+
 WINDOW_S = 0.2          # seconds of steps between two looks at the CPUs
 DROP = 0.5              # fewer threads when free CPUs fall this far below them
 RISE = 0.7              # more threads when this much of one more CPU has stayed free
@@ -112,6 +114,11 @@ class ThreadGovernor:
         self.adapt = threads is None and self.last is not None
         self._rising = 0
         self._set(self.max_threads if threads is None else max(1, min(threads, self.max_threads)))
+
+    def stats(self) -> ThreadStats:
+        """The threads now, what other programs took of the CPUs lately, and the engine's CPU waits."""
+        return ThreadStats(threads=self.threads, cpus_busy_elsewhere=self.others,
+                           cpu_wait_seconds=self.cpu_wait_s)
 
     @property
     def cpu_wait_s(self) -> float:

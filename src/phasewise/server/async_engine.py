@@ -30,6 +30,7 @@ from phasewise.core.sampling_params import SamplingParams
 from phasewise.server.errors import EngineDeadError, EngineError
 from phasewise.server.request_stream import RequestStream
 from phasewise.server.observer import Observer, Observers
+from phasewise.server.server_stats import ServerStats
 
 log = logging.getLogger("phasewise.server")
 
@@ -111,8 +112,8 @@ class AsyncEngine:
         self.tokenizer = engine.tokenizer
         self.model_config = engine.model_config
         self.max_model_len = engine.max_model_len
-        self.stats = engine.stats()
-        self.num_blocks = self.stats.num_blocks
+        self._publish()
+        self.num_blocks = self.stats.engine.num_blocks
         self.max_num_seqs = engine.config.scheduler.max_num_seqs
         self.token_budget = engine.config.scheduler.max_num_batched_tokens
 
@@ -133,18 +134,18 @@ class AsyncEngine:
     def is_idle(self) -> bool:
         """Nothing running, waiting or on its way to the engine."""
         s = self.stats
-        return s.num_running == 0 and s.num_waiting == 0 and self._submitted == s.num_received
+        return s.engine.num_running == 0 and s.engine.num_waiting == 0 and self._submitted == s.num_received
 
     def queued_after(self, n: int) -> int:
         """num_queued once n more sub-requests are sent. One published snapshot of the thread's counts
         (what it has received, what waits and runs), so nothing is counted twice or missed."""
-        s = self.stats
-        not_running = s.num_waiting + (self._submitted - s.num_received) + n
-        return max(0, not_running - max(0, self.max_num_seqs - s.num_running))
+        s, engine = self.stats, self.stats.engine
+        not_running = engine.num_waiting + (self._submitted - s.num_received) + n
+        return max(0, not_running - max(0, self.max_num_seqs - engine.num_running))
 
     @property
     def num_running(self) -> int:
-        return self.stats.num_running
+        return self.stats.engine.num_running
 
     async def submit(self, items: list[SubRequest], chat: bool = False) -> RequestStream:
         """Add requests together (all or none). ValueError (context too long, ...) is raised here."""
@@ -247,10 +248,10 @@ class AsyncEngine:
                 if engine.has_unfinished():
                     self._step()
                 self._publish()
-                record = engine.last_step if self.stats.num_steps != steps else None
-                if record is not None:         # a step ran (a step with nothing scheduled records none)
-                    steps = self.stats.num_steps
-                    self._observe(self.observer.on_step, record, self.stats)
+                step = engine.last_step if self.stats.engine.num_steps != steps else None
+                if step is not None:           # a step ran (a step with nothing scheduled records none)
+                    steps = self.stats.engine.num_steps
+                    self._observe(self.observer.on_step, step, self.stats)
         except EngineBrokenError as e:         # a rank is gone: say so once, fail everyone
             log.error("the engine stopped: %s", e)
         except BaseException:                  # a bug in this loop: make it loud, fail everyone
@@ -377,7 +378,9 @@ class AsyncEngine:
             log.exception("metrics observer failed")
 
     def _publish(self) -> None:
-        self.stats = dataclasses.replace(self.engine.stats(), num_received=self._received)
+        engine = self.engine
+        self.stats = ServerStats(engine=engine.stats(), threads=engine.thread_stats(),
+                                 kv_block_bytes=engine.kv_block_bytes, num_received=self._received)
 
     def _deliver(self, out: dict[asyncio.AbstractEventLoop, list[_Routed]]) -> None:
         for loop, items in out.items():

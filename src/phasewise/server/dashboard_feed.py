@@ -18,13 +18,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from phasewise.core.handoffs import EngineStats, StepRecord
 from phasewise.core.request import Request
+from phasewise.engine.step_event import StepEvent
 from phasewise.outputs import StreamDelta
 from phasewise.server.dashboard_json import (BindingJson, ExpertsJson, FinishedJson,
                                              KindJson, PercentilesJson,
                                                RequestJson, RooflineJson, SnapshotJson, StepJson, WindowJson)
 from phasewise.server.observer import Observer
+from phasewise.server.server_stats import ServerStats
 
 MAX_LIVE_SHOWN = 200           # live requests sent in a snapshot (the oldest first)
 # below this share of both roofs, a step is bound by neither: by what they leave out
@@ -181,19 +182,20 @@ class DashboardFeed(Observer):
             if request.metrics.finished is not None:
                 self._e2e.append(request.metrics.finished, request.metrics.e2e_ms)
 
-    def on_step(self, record: StepRecord, stats: EngineStats) -> None:
-        choices = None if record.expert_choices is None else np.asarray(record.expert_choices, dtype=np.int64)
+    def on_step(self, event: StepEvent, stats: ServerStats) -> None:
+        record, extras, engine = event.record, event.extras, stats.engine
+        choices = None if extras.expert_choices is None else np.asarray(extras.expert_choices, dtype=np.int64)
         with self._lock:
             self._seq += 1
             step: StepJson = {
                 "t": record.start, "ms": record.duration_ms, "prefill": record.num_prefill_tokens,
                 "decode": record.num_decode_tokens, "batch": record.batch_size,
                 "draft": record.num_draft_tokens, "accepted": record.num_accepted_tokens,
-                "grammar_ms": record.grammar_ms, "threads": record.threads,
-                "others": round(stats.cpus_busy_elsewhere, 2),
-                "used": stats.num_blocks - stats.num_free_blocks,
-                "cached": stats.num_cached_blocks, "free": stats.num_free_blocks,
-                "running": stats.num_running, "waiting": stats.num_waiting, "seq": self._seq}
+                "grammar_ms": extras.grammar_ms, "threads": extras.threads,
+                "others": round(stats.threads.cpus_busy_elsewhere, 2),
+                "used": engine.num_blocks - engine.num_free_blocks,
+                "cached": engine.num_cached_blocks, "free": engine.num_free_blocks,
+                "running": engine.num_running, "waiting": engine.num_waiting, "seq": self._seq}
             if choices is not None:
                 step["experts_read"] = int(np.count_nonzero(choices))
                 self._experts.append((record.start, choices))
@@ -201,7 +203,7 @@ class DashboardFeed(Observer):
 
     # ---- the event loop ------------------------------------------------------------------
 
-    def snapshot(self, after: int, stats: EngineStats) -> SnapshotJson:
+    def snapshot(self, after: int, server_stats: ServerStats) -> SnapshotJson:
         """Everything with a sequence number past `after` (the page's cursor), the live requests, the
         engine's counts now, and the windowed figures (computed at most twice a second, shared by
         every open page: they read a minute of inter-token gaps while holding the GIL the engine
@@ -212,7 +214,7 @@ class DashboardFeed(Observer):
             finished = [r for r in self._finished if r["seq"] > after] if after < self._seq else []
             live = list(self._live.values())[:MAX_LIVE_SHOWN]
             seq = self._seq
-        windowed = self._windowed
+        windowed, stats = self._windowed, server_stats.engine
         if windowed is None or now - self._windowed_at >= 0.45:
             windowed = self._window(now)
             self._windowed, self._windowed_at = windowed, now

@@ -15,9 +15,10 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily
 
 from phasewise.outputs import StreamDelta
-from phasewise.core.handoffs import EngineStats, StepRecord
 from phasewise.core.request import Request
+from phasewise.engine.step_event import StepEvent
 from phasewise.server.observer import Observer
+from phasewise.server.server_stats import ServerStats
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
@@ -27,37 +28,38 @@ REQUEST_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
-Read = Callable[[EngineStats], float]
+Read = Callable[[ServerStats], float]
 
 
 def _disk(field: str) -> Read:
     """A DiskStats counter (0 without a disk tier)."""
-    return lambda s: getattr(s.disk, field) if s.disk is not None else 0
+    return lambda s: getattr(s.engine.disk, field) if s.engine.disk is not None else 0
 
 
 # The engine's own totals, read at each scrape: (name, help, a label's name or None, (label value, read)...)
 ENGINE_COUNTERS: tuple[tuple[str, str, str | None, tuple[tuple[str, Read], ...]], ...] = (
     ("phasewise:spec_decode_num_drafts", "Speculative decoding: request-steps that verified draft tokens.",
-     None, (("", lambda s: s.spec_num_drafts),)),
+     None, (("", lambda s: s.engine.spec_num_drafts),)),
     ("phasewise:spec_decode_num_draft_tokens", "Speculative decoding: draft tokens proposed and verified.",
-     None, (("", lambda s: s.spec_num_draft_tokens),)),
+     None, (("", lambda s: s.engine.spec_num_draft_tokens),)),
     ("phasewise:spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted by the target "
      "(acceptance rate = accepted / draft tokens; mean accepted length = 1 + accepted / drafts).",
-     None, (("", lambda s: s.spec_num_accepted_tokens),)),
+     None, (("", lambda s: s.engine.spec_num_accepted_tokens),)),
     ("phasewise:cpu_wait_seconds", "Time the engine's threads were runnable but waited for a CPU (other "
-     "programs taking cores; Linux run-queue delay).", None, (("", lambda s: s.cpu_wait_seconds),)),
+     "programs taking cores; Linux run-queue delay).", None, (("", lambda s: s.threads.cpu_wait_seconds),)),
     # the prefix cache in RAM, since the start
     ("phasewise:prompt_cache_ram_hit_blocks", "KV blocks admitted requests took from the prefix cache in RAM "
      "(those the disk tier had just loaded for them count as disk hits).", None,
-     (("", lambda s: s.ram.hit_blocks),)),
+     (("", lambda s: s.engine.ram.hit_blocks),)),
     ("phasewise:prompt_cache_ram_hit_bytes", "Bytes of those blocks.", None,
-     (("", lambda s: s.ram.hit_blocks * s.kv_block_bytes),)),
+     (("", lambda s: s.engine.ram.hit_blocks * s.kv_block_bytes),)),
     ("phasewise:prompt_cache_ram_evictions",
      "KV blocks the prefix cache in RAM dropped to reuse them for new KV: "
      "cause=lru, unmarked blocks, least recently freed first; cause=ttl, cache_control blocks whose TTL had "
      "passed (dropped before those); cause=kept, cache_control blocks within their TTL (no other free block "
-     "was left).", "cause", (("lru", lambda s: s.ram.evicted_lru), ("ttl", lambda s: s.ram.evicted_ttl),
-                             ("kept", lambda s: s.ram.evicted_kept))),
+     "was left).", "cause", (("lru", lambda s: s.engine.ram.evicted_lru),
+                             ("ttl", lambda s: s.engine.ram.evicted_ttl),
+                             ("kept", lambda s: s.engine.ram.evicted_kept))),
     # the prefix cache's disk tier (--prompt-cache-dir), since the start (0 without it)
     ("phasewise:prompt_cache_disk_hit_blocks", "KV blocks loaded from the prompt cache's disk tier.",
      None, (("", _disk("blocks_read")),)),
@@ -88,7 +90,7 @@ class _EngineCollector:
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
-        self.stats = EngineStats()
+        self.stats = ServerStats()
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         for name, doc, label, rows in ENGINE_COUNTERS:
@@ -98,29 +100,30 @@ class _EngineCollector:
             yield c
 
 
-# The engine's state at a scrape: (name, help, its value in EngineStats)
-ENGINE_GAUGES: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
-    ("phasewise:num_requests_waiting", "Requests waiting to be scheduled.", lambda s: s.num_waiting),
-    ("phasewise:num_requests_running", "Requests running (holding KV blocks).", lambda s: s.num_running),
+# The engine's state at a scrape: (name, help, its value in ServerStats)
+ENGINE_GAUGES: tuple[tuple[str, str, Read], ...] = (
+    ("phasewise:num_requests_waiting", "Requests waiting to be scheduled.", lambda s: s.engine.num_waiting),
+    ("phasewise:num_requests_running", "Requests running (holding KV blocks).",
+     lambda s: s.engine.num_running),
     ("phasewise:kv_cache_usage_perc", "KV-cache usage: blocks referenced by requests / total blocks (0..1).",
-     lambda s: s.kv_usage),
+     lambda s: s.engine.kv_usage),
     ("phasewise:kv_cache_free_blocks", "KV blocks no request references (free, or cached for prefix reuse).",
-     lambda s: s.num_free_blocks),
-    ("phasewise:kv_cache_total_blocks", "KV blocks in the pool.", lambda s: s.num_blocks),
+     lambda s: s.engine.num_free_blocks),
+    ("phasewise:kv_cache_total_blocks", "KV blocks in the pool.", lambda s: s.engine.num_blocks),
     ("phasewise:kv_cache_cached_blocks", "KV blocks registered in the prefix cache (referenced or not).",
-     lambda s: s.num_cached_blocks),
+     lambda s: s.engine.num_cached_blocks),
     ("phasewise:prompt_cache_ram_bytes", "Bytes of the KV blocks registered in the prefix cache in RAM.",
-     lambda s: s.num_cached_blocks * s.kv_block_bytes),
+     lambda s: s.engine.num_cached_blocks * s.kv_block_bytes),
     ("phasewise:recurrent_state_slots", "A hybrid's recurrent-state slots for running requests (fixed bytes "
-     "each, whatever the context).", lambda s: s.num_state_slots),
+     "each, whatever the context).", lambda s: s.engine.num_state_slots),
     ("phasewise:recurrent_state_slots_used", "Recurrent-state slots held by running requests.",
-     lambda s: s.num_state_slots - s.num_free_state_slots),
+     lambda s: s.engine.num_state_slots - s.engine.num_free_state_slots),
     ("phasewise:recurrent_state_checkpoints", "Recurrent-state checkpoints kept for prefix-cache hits.",
-     lambda s: s.num_state_checkpoints),
+     lambda s: s.engine.num_state_checkpoints),
     ("phasewise:threads", "Threads running the model's kernels (fewer while other programs keep cores busy, "
-     "unless --threads pins them).", lambda s: s.threads),
+     "unless --threads pins them).", lambda s: s.threads.threads),
     ("phasewise:cpus_busy_elsewhere", "CPUs (of those the engine may use) other programs kept busy lately.",
-     lambda s: s.cpus_busy_elsewhere),
+     lambda s: s.threads.cpus_busy_elsewhere),
 )
 
 
@@ -185,9 +188,9 @@ class ServerMetrics(Observer):
             self.structured.inc()
             self.grammar_compile.observe((request.metrics.grammar_compile_ms or 0.0) / 1e3)
 
-    def on_step(self, record: StepRecord, stats: EngineStats) -> None:
-        if record.grammar_ms:
-            self.grammar_mask.observe(record.grammar_ms / 1e3)
+    def on_step(self, step: StepEvent, stats: ServerStats) -> None:
+        if step.extras.grammar_ms:
+            self.grammar_mask.observe(step.extras.grammar_ms / 1e3)
 
     def on_delta(self, delta: StreamDelta) -> None:
         n = len(delta.token_ids)
@@ -224,7 +227,7 @@ class ServerMetrics(Observer):
 
     # ---- the scrape -------------------------------------------------------------------
 
-    def render(self, stats: EngineStats) -> bytes:
+    def render(self, stats: ServerStats) -> bytes:
         for gauge, read in self.engine_gauges:
             gauge.set(read(stats))
         self.totals.stats = stats

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from phasewise.core.handoffs import EngineStats, StepRecord
 from phasewise.core.request import Request
+from phasewise.engine.step_event import StepEvent
 from phasewise.outputs import StreamDelta
+from phasewise.server.server_stats import ServerStats
 
 
 class Observer(Protocol):
@@ -16,7 +17,7 @@ class Observer(Protocol):
 
     def on_add(self, request: Request) -> None: ...
 
-    def on_step(self, record: StepRecord, stats: EngineStats) -> None: ...
+    def on_step(self, step: StepEvent, stats: ServerStats) -> None: ...
 
     def on_delta(self, delta: StreamDelta) -> None: ...
 
@@ -34,9 +35,9 @@ class Observers(Observer):
         for o in self.observers:
             o.on_add(request)
 
-    def on_step(self, record: StepRecord, stats: EngineStats) -> None:
+    def on_step(self, step: StepEvent, stats: ServerStats) -> None:
         for o in self.observers:
-            o.on_step(record, stats)
+            o.on_step(step, stats)
 
     def on_delta(self, delta: StreamDelta) -> None:
         for o in self.observers:
