@@ -110,8 +110,7 @@ def test_the_flags_reach_the_engine_config(tmp_path):
                                       "--prompt-cache-ttl", "300"])
     cache = engine_config_from_args(args, kv_role=None, kv_peer=None, threads=None).cache
     assert (cache.prompt_cache_dir, cache.prompt_cache_size_gib, cache.prompt_cache_ttl) == (str(tmp_path), 2.5, 300)
-    replica = app_options({"prompt_cache_dir": str(tmp_path), "prompt_cache_size": 1})      # a Ray replica's
-    replica_cache = engine_config_from_args(replica, kv_role=None, kv_peer=None, threads=1).cache
+    replica_cache = app_options({"prompt_cache_dir": str(tmp_path), "prompt_cache_size": 1}).engine.cache  # Ray's
     assert (replica_cache.prompt_cache_dir, replica_cache.prompt_cache_size_gib) == (str(tmp_path), 1.0)
     with pytest.raises(ValueError, match="prompt_cache_size"):
         type(cache)(prompt_cache_size_gib=0)

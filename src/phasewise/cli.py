@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from phasewise.deploy.options import RAY_EXTRA, add_ray_args, start_direct_ingress
+from phasewise.deploy.options import RAY_EXTRA, add_ray_args, deploy_options, start_direct_ingress
 from phasewise.engine.args import (add_chat_args, add_engine_args, engine_config_from_args, resolve_weights,
                                    speculative_config_from_args)
 
@@ -252,8 +252,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from phasewise.server.builder import build_server
+    from phasewise.server.config import ServeOptions
 
-    parts = build_server(config, args, _dashboard_roofline)
+    parts = build_server(config, ServeOptions.from_args(args), _dashboard_roofline)
     async_engine, engine, app = parts.async_engine, parts.engine, parts.app
     recorder = None
     if args.trace:
@@ -293,14 +294,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _serve_ray(args: argparse.Namespace) -> int:
     """Ray Serve replicas (deploy/ray.py); without Ray installed, how to install it (exit 2)."""
-    start_direct_ingress(args)              # before Ray Serve is imported: it reads its switches then
+    options = deploy_options(args)          # checked before anything starts
+    start_direct_ingress(options.ray)       # before Ray Serve is imported: it reads its switches then
     try:
         from phasewise.deploy import ray as ray_deploy
     except ImportError as e:
         if not (e.name or "").startswith("ray"):
             raise
         raise ValueError(f"--ray needs Ray Serve: {RAY_EXTRA}") from None
-    return ray_deploy.run(args)
+    return ray_deploy.run(options)
 
 
 def _serve_proxy(args: argparse.Namespace) -> int:

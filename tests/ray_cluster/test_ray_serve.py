@@ -229,7 +229,8 @@ def test_build_app_takes_serves_flags_with_serves_defaults():
     replica = replica_parser().parse_args([])
     assert {k: getattr(serve, k) for k in vars(replica)} == vars(replica)
     options = app_options({"num-replicas": "2", "kv_cache_memory": 0.25, "no-packed-cache": True})
-    assert (options.num_replicas, options.kv_cache_memory, options.packed_cache) == (2, 0.25, False)
+    engine = options.engine
+    assert (options.ray.num_replicas, engine.cache.kv_cache_memory_gib, engine.packed_cache) == (2, 0.25, False)
     with pytest.raises(ValueError, match="unrecognized"):
         app_options({"no-such-flag": 1})
     with pytest.raises(ValueError, match="--num-replicas is a fixed count"):
@@ -238,7 +239,7 @@ def test_build_app_takes_serves_flags_with_serves_defaults():
         app_options({"prefill-decode": True, "num-replicas": 2})
     with pytest.raises(ValueError, match="tensor-parallel replicas on CPUs only"):
         app_options({"tensor-parallel-size": 2, "device": "cuda"})
-    assert app_options({"tensor-parallel-size": 2, "placement-strategy": "SPREAD"}).placement_strategy == "SPREAD"
+    assert app_options({"tensor-parallel-size": 2, "placement-strategy": "SPREAD"}).ray.placement_strategy == "SPREAD"
 
 
 def test_make_test_ray_turns_on_the_switches_serve_ray_sets():
@@ -255,20 +256,19 @@ def test_make_test_ray_turns_on_the_switches_serve_ray_sets():
 
 
 def test_serve_ray_turns_on_haproxy_and_its_retries_unless_told_otherwise(monkeypatch):
-    import argparse
     import os
 
-    from phasewise.deploy.options import DIRECT_INGRESS_ENV, HAPROXY_RETRY_ENV, start_direct_ingress
+    from phasewise.deploy.options import DIRECT_INGRESS_ENV, HAPROXY_RETRY_ENV, RayOptions, start_direct_ingress
 
     for name in (*DIRECT_INGRESS_ENV, *HAPROXY_RETRY_ENV):
         monkeypatch.delenv(name, raising=False)
-    start_direct_ingress(argparse.Namespace(ray_ingress="proxy", ray_address=None))
+    start_direct_ingress(RayOptions(ingress="proxy"))
     assert not any(name in os.environ for name in (*DIRECT_INGRESS_ENV, *HAPROXY_RETRY_ENV))
-    start_direct_ingress(argparse.Namespace(ray_ingress="auto", ray_address=None))
+    start_direct_ingress(RayOptions(ingress="auto"))
     assert {k: os.environ[k] for k in (*DIRECT_INGRESS_ENV, *HAPROXY_RETRY_ENV)} == {**DIRECT_INGRESS_ENV,
                                                                                     **HAPROXY_RETRY_ENV}
     monkeypatch.setenv("RAY_SERVE_HAPROXY_RETRY_ON", "conn-failure")          # the user's own policy stands
-    start_direct_ingress(argparse.Namespace(ray_ingress="direct", ray_address="auto"))
+    start_direct_ingress(RayOptions(ingress="direct", address="auto"))
     assert os.environ["RAY_SERVE_HAPROXY_RETRY_ON"] == "conn-failure"
 
 

@@ -7,13 +7,19 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Mapping
-from typing import NoReturn
+from dataclasses import dataclass
+from typing import Literal, NoReturn, cast, get_args
 
-from phasewise.engine.args import add_chat_args, add_engine_args, positive_int, resolve_weights
+from phasewise.config import EngineConfig
+from phasewise.engine.args import (add_chat_args, add_engine_args, engine_config_from_args, positive_int,
+                                   resolve_weights)
+from phasewise.server.config import ServeOptions
 
 RAY_EXTRA = "pip install 'phasewise[ray]'"
-PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-INGRESSES = ("auto", "direct", "proxy")
+PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+Ingress = Literal["auto", "direct", "proxy"]
+PLACEMENT_STRATEGIES: tuple[PlacementStrategy, ...] = get_args(PlacementStrategy)
+INGRESSES: tuple[Ingress, ...] = get_args(Ingress)
 # Ray Serve's switches for HAProxy in front of the ingress replicas, read by Ray's processes at start
 DIRECT_INGRESS_ENV = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1",
                       "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1"}
@@ -55,6 +61,54 @@ def add_ray_args(p: argparse.ArgumentParser) -> None:
                         "queue is longer than the shortest by more than this many requests")
 
 
+@dataclass(frozen=True)
+class RayOptions:
+    """serve's "Ray Serve replicas" group, typed."""
+    address: str | None = None                   # --ray-address (None: a Ray of its own)
+    num_replicas: int | None = None
+    min_replicas: int | None = None
+    max_replicas: int | None = None
+    num_cpus_per_replica: int = 1
+    placement_strategy: PlacementStrategy = "PACK"
+    prefill_decode: bool = False
+    ingress: Ingress = "auto"
+    prefix_margin: int = 4
+
+
+@dataclass(frozen=True)
+class DeployOptions:
+    """What a Ray deployment is built from, read once from `phasewise serve --ray`'s flags or a Serve
+    config's `args` (`deploy_options`): each replica's engine (its role, KV peer and threads set where it
+    runs), its server, the replicas, and where Serve's proxy listens."""
+    engine: EngineConfig
+    server: ServeOptions
+    ray: RayOptions
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+    @property
+    def replica_cpus(self) -> int:
+        """The CPUs of one rank of a replica: --num-cpus-per-replica shared by its ranks, at least one
+        each."""
+        return max(1, self.ray.num_cpus_per_replica // self.engine.tensor_parallel_size)
+
+
+def deploy_options(args: argparse.Namespace) -> DeployOptions:
+    """The typed options of a parse of serve's flags (weights resolved), checked: ValueError for what a Ray
+    deployment cannot take yet, and replica counts that disagree."""
+    if getattr(args, "role", None) or getattr(args, "trace", None):
+        raise ValueError("--ray serves whole replicas: --role and --trace are one process's")
+    ray = RayOptions(address=args.ray_address, num_replicas=args.num_replicas, min_replicas=args.min_replicas,
+                     max_replicas=args.max_replicas, num_cpus_per_replica=args.num_cpus_per_replica,
+                     placement_strategy=cast(PlacementStrategy, args.placement_strategy),
+                     prefill_decode=args.prefill_decode, ingress=cast(Ingress, args.ray_ingress),
+                     prefix_margin=args.prefix_margin)
+    engine = engine_config_from_args(args, kv_role=None, kv_peer=None, threads=args.threads)
+    options = DeployOptions(engine, ServeOptions.from_args(args), ray, args.host, args.port)
+    check_ray_options(options)
+    return options
+
+
 def replica_parser() -> argparse.ArgumentParser:
     """The flags a replica reads: the engine's, the server's a replica uses (the same names and defaults as
     `phasewise serve`'s; tests/ray_cluster/test_ray_serve.py checks they agree) and the Ray group."""
@@ -74,9 +128,9 @@ def replica_parser() -> argparse.ArgumentParser:
     return p
 
 
-def app_options(args: Mapping[str, object]) -> argparse.Namespace:
+def app_options(args: Mapping[str, object]) -> DeployOptions:
     """Serve's app-builder arguments (flag names with dashes or underscores, values as strings or typed)
-    → the Namespace `phasewise serve` would have parsed. ValueError names a bad key or value."""
+    → the options `phasewise serve --ray` would have read. ValueError names a bad key or value."""
     argv: list[str] = []
     for key, value in args.items():
         flag = "--" + str(key).lstrip("-").replace("_", "-")
@@ -86,21 +140,18 @@ def app_options(args: Mapping[str, object]) -> argparse.Namespace:
             argv += [flag, *map(str, value)]
         elif value is not False and value is not None:
             argv += [flag, str(value)]
-    options = replica_parser().parse_args(argv)
-    resolve_weights(options)
-    check_ray_options(options)
-    return options
+    parsed = replica_parser().parse_args(argv)
+    resolve_weights(parsed)
+    return deploy_options(parsed)
 
 
-def check_ray_options(options: argparse.Namespace) -> None:
+def check_ray_options(deploy: DeployOptions) -> None:
     """What a Ray deployment cannot take yet, and replica counts that disagree: ValueError."""
-    if getattr(options, "role", None) or getattr(options, "trace", None):
-        raise ValueError("--ray serves whole replicas: --role and --trace are one process's")
-    if options.tensor_parallel_size > 1 and options.device != "cpu":
+    options, tp = deploy.ray, deploy.engine.tensor_parallel_size
+    if tp > 1 and deploy.engine.device != "cpu":
         raise ValueError("--ray runs tensor-parallel replicas on CPUs only (no GPU bundles yet)")
     auto = options.min_replicas is not None or options.max_replicas is not None
-    if options.prefill_decode and (auto or (options.num_replicas or 1) > 1
-                                   or options.tensor_parallel_size > 1):
+    if options.prefill_decode and (auto or (options.num_replicas or 1) > 1 or tp > 1):
         raise ValueError("--prefill-decode runs one pair of single-rank replicas (no --num-replicas above 1, "
                          "autoscaling or --tensor-parallel-size yet)")
     if auto and options.num_replicas is not None:
@@ -112,29 +163,24 @@ def check_ray_options(options: argparse.Namespace) -> None:
         raise ValueError(f"--prefix-margin must be at least 0, got {options.prefix_margin}")
 
 
-def start_direct_ingress(options: argparse.Namespace) -> None:
+def start_direct_ingress(options: RayOptions) -> None:
     """Before Ray (and Ray Serve) is imported and started here: turn on Ray Serve's HAProxy ingress (and
     its retries) for the Ray about to start, unless the options ask for the proxy or join a running cluster
     (whose switches were set when it started)."""
-    if options.ray_ingress == "direct" or (options.ray_ingress == "auto" and options.ray_address is None):
+    if options.ingress == "direct" or (options.ingress == "auto" and options.address is None):
         os.environ.update(DIRECT_INGRESS_ENV)
         for name, value in HAPROXY_RETRY_ENV.items():     # a retry policy of the user's own stands
             os.environ.setdefault(name, value)
 
 
-def direct_ingress(options: argparse.Namespace) -> bool:
+def direct_ingress(options: RayOptions) -> bool:
     """Whether the application uses Ray Serve's HAProxy ingress: asked for, or `auto` and this process's
     environment has Ray's switches on. ValueError: asked for without them."""
     switched_on = all(os.environ.get(k) == v for k, v in DIRECT_INGRESS_ENV.items())
-    if options.ray_ingress == "direct" and not switched_on:
+    if options.ingress == "direct" and not switched_on:
         raise ValueError("--ray-ingress direct needs Ray started with " +
                          " ".join(f"{k}={v}" for k, v in DIRECT_INGRESS_ENV.items()))
-    return options.ray_ingress != "proxy" and switched_on
-
-
-def replica_cpus(options: argparse.Namespace) -> int:
-    """The CPUs of one rank of a replica: --num-cpus-per-replica shared by its ranks, at least one each."""
-    return max(1, options.num_cpus_per_replica // options.tensor_parallel_size)
+    return options.ingress != "proxy" and switched_on
 
 
 class _RaisingParser(argparse.ArgumentParser):

@@ -26,8 +26,8 @@ prefill|decode`), and the relay sends each request to one, then the other (as `s
 
 from __future__ import annotations
 
-import argparse
 import asyncio
+import dataclasses
 import logging
 import re
 import signal
@@ -40,7 +40,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.deployment import Application, Deployment
 
-from phasewise.deploy.options import app_options, check_ray_options, direct_ingress, replica_cpus
+from phasewise.deploy.options import DeployOptions, app_options, check_ray_options, direct_ingress
 from phasewise.deploy.prefix_router import PrefixAffinityRouter
 from phasewise.deploy.relay import Relay, RelayedRequest
 from phasewise.deploy.replica_app import MetricsVisit, ReplicaApp, ReplicaHandle, gather_metrics, own_metrics
@@ -61,24 +61,23 @@ class EngineReplica:
     ASGI messages it sends, a batch at a time."""
 
     # Serve awaits an async constructor (mypy knows only sync ones)
-    async def __init__(self, options: argparse.Namespace, role: str | None = None,  # type: ignore[misc]
+    async def __init__(self, options: DeployOptions, role: str | None = None,  # type: ignore[misc]
                        prefill: ReplicaHandle | None = None) -> None:
         """`role`: "prefill" (this replica's KV link waits at a free port of its node) or "decode" (it joins
         the link of the `prefill` deployment's replica); None: a whole engine."""
-        from phasewise.engine.args import engine_config_from_args
         from phasewise.server.builder import build_server
 
         self._replica = serve.get_replica_context().replica_id.to_full_id_str()
-        size, cpus = options.tensor_parallel_size, replica_cpus(options)
-        self._ranks = (start_replica_ranks(self._replica, size, cpus, options.threads or cpus, options.device)
+        engine, cpus = options.engine, options.replica_cpus
+        size, threads = engine.tensor_parallel_size, engine.threads or cpus
+        self._ranks = (start_replica_ranks(self._replica, size, cpus, threads, engine.device)
                        if size > 1 else None)
         self._kv_peer = rendezvous_address() if role == "prefill" else None
         if role == "decode" and prefill is not None:
             self._kv_peer = await prefill.kv_peer.remote()
         # kernel threads: --threads, else the replica's CPUs (a rank's, when it has several)
-        config = engine_config_from_args(options, kv_role=role, kv_peer=self._kv_peer,
-                                         threads=options.threads or cpus)
-        parts = await asyncio.to_thread(build_server, config, options)
+        config = dataclasses.replace(engine, kv_role=role, kv_peer=self._kv_peer, threads=threads)
+        parts = await asyncio.to_thread(build_server, config, options.server)
         self._engine, self._app = parts.async_engine, parts.app
 
     def __serve_build_asgi_app__(self) -> ReplicaApp:
@@ -164,20 +163,19 @@ class Ingress:
         return Relay(self._engine, self._prefill)
 
 
-def application(options: argparse.Namespace,
+def application(options: DeployOptions,
                 request_router: type | str = PrefixAffinityRouter) -> Application:
     """The Serve application of these options (`direct_ingress` picks how HTTP reaches the replicas), the
     engine replicas routed by `request_router` (another is for comparisons: benchmarks/ray_serve.py)."""
     check_ray_options(options)
-    options = argparse.Namespace(**{k: v for k, v in vars(options).items() if k != "func"})   # not the CLI's
     ingress = serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=4096)(Ingress)
     # a prefill deployment and a decode one, their replicas paired by KV link
-    if options.prefill_decode:
+    if options.ray.prefill_decode:
         prefill = _engine_deployment(options, request_router, "PrefillReplica").bind(options, "prefill")
         decode = _engine_deployment(options, request_router, "DecodeReplica").bind(options, "decode", prefill)
         return ingress.bind(decode, prefill)
-    if not direct_ingress(options):
+    if not direct_ingress(options.ray):
         return ingress.bind(_engine_deployment(options, request_router).bind(options))
     engine = _engine_deployment(options, request_router, as_ingress=True).bind(options)
     route = serve.deployment(name="RouteIngress", ray_actor_options={"num_cpus": 0},
@@ -198,41 +196,43 @@ class _Scaling(TypedDict, total=False):
     placement_group_strategy: str
 
 
-def _engine_deployment(o: argparse.Namespace, request_router: type | str, name: str = "EngineReplica",
+def _engine_deployment(options: DeployOptions, request_router: type | str, name: str = "EngineReplica",
                        as_ingress: bool = False) -> Deployment:
-    if o.min_replicas is not None:
+    o, tp = options.ray, options.engine.tensor_parallel_size
+    if o.min_replicas is not None and o.max_replicas is not None:     # both or neither (check_ray_options)
         scaling: _Scaling = {"autoscaling_config": {
             "min_replicas": o.min_replicas, "max_replicas": o.max_replicas,
             "target_ongoing_requests": TARGET_ONGOING_REQUESTS}}
     else:
         scaling = {"num_replicas": o.num_replicas or 1}
-    cpus = replica_cpus(o)
-    if o.tensor_parallel_size > 1:
-        scaling["placement_group_bundles"] = [{"CPU": cpus}] * o.tensor_parallel_size
+    cpus = options.replica_cpus
+    if tp > 1:
+        scaling["placement_group_bundles"] = [{"CPU": cpus}] * tp
         scaling["placement_group_strategy"] = o.placement_strategy
     kwargs = {"margin": o.prefix_margin} if request_router is PrefixAffinityRouter else {}
     return serve.deployment(
         name=name, ray_actor_options={"num_cpus": cpus},
-        max_ongoing_requests=2 * o.max_num_seqs, health_check_period_s=5, graceful_shutdown_timeout_s=5,
+        max_ongoing_requests=2 * options.engine.scheduler.max_num_seqs, health_check_period_s=5,
+        graceful_shutdown_timeout_s=5,
         request_router_config=RequestRouterConfig(
             # Ray's stub types **kwargs as dict[str, Any]
             request_router_class=request_router, request_router_kwargs=kwargs),  # type: ignore[arg-type]
         **scaling)(serve.ingress()(EngineReplica) if as_ingress else EngineReplica)
 
 
-def run(options: argparse.Namespace) -> int:
+def run(options: DeployOptions) -> int:
     """`phasewise serve --ray`: start (or join) Ray, deploy, serve until Ctrl-C or SIGTERM, then tear down."""
     app = application(options)
     # "local": a Ray of its own, never whatever local cluster /tmp/ray/ray_current_cluster names (a stale
     # one, from a run that did not stop cleanly, would hang ray.init)
-    ray.init(address=options.ray_address or "local", include_dashboard=False, log_to_driver=True)
+    ray.init(address=options.ray.address or "local", include_dashboard=False, log_to_driver=True)
     try:
         serve.start(proxy_location="HeadOnly", http_options={"host": options.host, "port": options.port})
         try:
             serve.run(app, name=APP_NAME, route_prefix="/")
         except RuntimeError as e:            # a replica's constructor failed (Serve tried it three times)
             raise ValueError(failure_line(str(e))) from None
-        ingress = "HAProxy" if direct_ingress(options) else "Serve's proxy"
+        ingress = "HAProxy" if direct_ingress(options.ray) else "Serve's proxy"
         print(f"phasewise: serving on http://{options.host}:{options.port}/v1 as Ray Serve replicas behind "
               f"{ingress} (Ray at {ray.get_runtime_context().gcs_address})", file=sys.stderr, flush=True)
         stop = threading.Event()
@@ -243,7 +243,7 @@ def run(options: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             pass
         # a cluster joined: take the application away, leave the rest
-        if options.ray_address is not None:
+        if options.ray.address is not None:
             serve.delete(APP_NAME, _blocking=False)
         return 0
     finally:              # a Ray started here stops with its driver, Serve's actors with it (a Ctrl-C in a

@@ -3,7 +3,6 @@ then the FastAPI app over it."""
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +13,7 @@ from phasewise.config import EngineConfig
 from phasewise.engine.llm_engine import LLMEngine
 from phasewise.server.app import create_app
 from phasewise.server.async_engine import AsyncEngine
-from phasewise.server.config import ServerConfig, model_names
+from phasewise.server.config import ServeOptions, ServerConfig, model_names
 from phasewise.server.dashboard_feed import Roofline
 
 
@@ -27,9 +26,9 @@ class ServerParts:
     roofline: Roofline | None      # the dashboard's roofs (None: the machine was never measured)
 
 
-def build_server(config: EngineConfig, options: argparse.Namespace,
+def build_server(config: EngineConfig, options: ServeOptions,
                  roofline: Callable[[LLMEngine], Roofline | None] | None = None) -> ServerParts:
-    """`options`: serve's server flags (names, keys, limits, thinking; engine/args.py's add_chat_args);
+    """`options`: serve's server flags (names, keys, limits, thinking);
     `roofline`: the dashboard's roofs for the built engine (the lab's, which the server cannot import)."""
 
     def build() -> LLMEngine:           # on the engine thread, which then owns the OpenMP pool
@@ -42,9 +41,9 @@ def build_server(config: EngineConfig, options: argparse.Namespace,
     engine = async_engine.engine
     assert isinstance(engine, LLMEngine)        # build's (AsyncEngine holds it as any EngineClient)
     path = Path(engine.model_path)
-    name, aliases = model_names(options.served_model_name, options.model, path)
+    name, aliases = model_names(options.served_model_name or None, options.model, path)
     server_config = ServerConfig(
-        served_model_name=name, model_aliases=aliases, api_keys=tuple(options.api_key or ()),
+        served_model_name=name, model_aliases=aliases, api_keys=options.api_keys,
         max_waiting=options.max_waiting, max_body_bytes=options.max_body_bytes, model_root=str(path),
         role=config.kv_role, reasoning_parser=options.reasoning_parser,
         reasoning_budget=options.reasoning_budget)

@@ -2,10 +2,31 @@
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """serve's server flags as `build_server` takes them, read once from the CLI's parse or a Serve
+    config's (`from_args`)."""
+    model: str | None                            # --model as given (a name requests may use)
+    served_model_name: tuple[str, ...] = ()
+    api_keys: tuple[str, ...] = ()
+    max_waiting: int = 1024
+    max_body_bytes: int = 4 * 1024 * 1024
+    reasoning_parser: str = "auto"
+    reasoning_budget: int = -1
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServeOptions:
+        return cls(model=args.model, served_model_name=tuple(args.served_model_name or ()),
+                   api_keys=tuple(args.api_key or ()), max_waiting=args.max_waiting,
+                   max_body_bytes=args.max_body_bytes, reasoning_parser=args.reasoning_parser,
+                   reasoning_budget=args.reasoning_budget)
 
 
 @dataclass(frozen=True, kw_only=True)
