@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal, get_args
 
 from typing_extensions import TypedDict, Unpack   # typing has Unpack from Python 3.11
 
@@ -25,6 +26,12 @@ def default_cache_dir() -> Path:
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "phasewise"
 
 
+SpecMethod = Literal["ngram", "draft", "mtp"]     # who proposes drafts (speculative decoding)
+KVRole = Literal["prefill", "decode"]             # a side of a disaggregated pair
+KernelChoice = Literal["auto", "torch"]           # compiled CPU kernels (auto) or the PyTorch references
+KVDtypeChoice = Literal["auto", "model", "int8", "int4"]
+
+
 @dataclass(frozen=True, kw_only=True)
 class CacheConfig:
     block_size: int = 16                 # tokens per KV block
@@ -32,7 +39,7 @@ class CacheConfig:
     num_blocks: int | None = None        # exact pool size (overrides the memory budget)
     enable_prefix_caching: bool = True   # reuse KV blocks of prompts seen before
     # auto (engine/precision.py) | model (the weights' float type) | int8 | int4
-    kv_dtype: str = "auto"
+    kv_dtype: KVDtypeChoice = "auto"
     prompt_cache_dir: str | None = None  # the prefix cache's disk tier (None: RAM only), shared by processes
     prompt_cache_size_gib: float = 10.0  # the directory's size limit (LRU eviction past it)
     prompt_cache_ttl: float = 3600.0     # seconds a block stays after its last use, unless its request says
@@ -42,7 +49,7 @@ class CacheConfig:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
         if self.kv_cache_memory_gib <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory_gib}")
-        if self.kv_dtype not in ("auto", "model", "int8", "int4"):
+        if self.kv_dtype not in get_args(KVDtypeChoice):
             raise ValueError(f"kv_dtype must be 'auto', 'model', 'int8' or 'int4', got {self.kv_dtype!r}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {self.num_blocks}")
@@ -74,7 +81,7 @@ class SpeculativeSettings(TypedDict, total=False):
 @dataclass(frozen=True, kw_only=True)
 class SpeculativeConfig:
     """Speculative decoding: who proposes draft tokens, and how many per step."""
-    method: str | None = None            # None (off) | "ngram" (prompt lookup) | "draft" (a draft model) |
+    method: SpecMethod | None = None     # None (off) | "ngram" (prompt lookup) | "draft" (a draft model) |
                                          # "mtp" (the model's own multi-token-prediction layer)
     num_speculative_tokens: int = 4      # k: drafts verified per step (adaptive: at most)
     # each decode's k from measured acceptance and costs (core/spec_policy.py)
@@ -85,7 +92,7 @@ class SpeculativeConfig:
     draft_dtype: str = "q4"              # draft weights: fp32 | bf16 | fp16 | int8 | q4
 
     def __post_init__(self) -> None:
-        if self.method not in (None, "ngram", "draft", "mtp"):
+        if self.method is not None and self.method not in get_args(SpecMethod):
             raise ValueError(f"speculative method must be 'ngram', 'draft' or 'mtp', got {self.method!r}")
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}")
@@ -102,8 +109,10 @@ class SpeculativeConfig:
         if not spec:
             return cls(method=None, **settings)
         method, _, model = spec.partition(":")
-        if method in ("ngram", "mtp") and not model:
-            return cls(method=method, **settings)
+        if method == "ngram" and not model:
+            return cls(method="ngram", **settings)
+        if method == "mtp" and not model:
+            return cls(method="mtp", **settings)
         if method == "draft":
             return cls(method="draft", draft_model=model or None, **settings)
         raise ValueError(f"--speculative must be 'ngram', 'draft[:MODEL]' or 'mtp', got {spec!r}")
@@ -120,12 +129,12 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "cpu"
     # auto (compiled CPU kernels, oneDNN) | torch (the PyTorch references)
-    kernels: str = "auto"
+    kernels: KernelChoice = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     tensor_parallel_size: int = 1        # ranks the model is split over (runner/tp_worker.py)
-    kv_role: str | None = None           # "prefill" or "decode": one side of a disaggregated pair
+    kv_role: KVRole | None = None        # one side of a disaggregated pair
     kv_peer: str | None = None           # the pair's rendezvous (tcp://host:port), both sides the same
     # map packed GGUF weights from <cache>/packed (loading/packed_cache.py)
     packed_cache: bool = True
@@ -135,7 +144,7 @@ class EngineConfig:
     chat_template: str | None = None
 
     def __post_init__(self) -> None:
-        if self.kernels not in ("auto", "torch"):
+        if self.kernels not in get_args(KernelChoice):
             raise ValueError(f"kernels must be 'auto' or 'torch', got {self.kernels!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be at least 1, got {self.threads}")

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from phasewise.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from phasewise.config import (CacheConfig, EngineConfig, KernelChoice, KVDtypeChoice, SchedulerConfig,
+                              SpeculativeConfig)
 from phasewise.core.prompt_store import Clock
 from phasewise.engine.llm_engine import LLMEngine
 from phasewise.json_types import JsonObject, JsonValue
@@ -35,10 +36,10 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", quantization: str = "auto",
                  device: str = "cpu",
-                 kernels: str = "auto", block_size: int = 16, kv_cache_memory: float = 2.0,
+                 kernels: KernelChoice = "auto", block_size: int = 16, kv_cache_memory: float = 2.0,
                  num_blocks: int | None = None, enable_prefix_caching: bool = True,
                  max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
-                 max_model_len: int | None = None, kv_dtype: str = "auto",
+                 max_model_len: int | None = None, kv_dtype: KVDtypeChoice = "auto",
                  speculative: str | SpeculativeConfig | None = None, num_speculative_tokens: int = 4,
                  tensor_parallel_size: int = 1, warmup: bool = True, packed_cache: bool = True,
                  threads: int | None = None, prompt_cache_dir: str | None = None,

@@ -40,6 +40,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.deployment import Application, Deployment
 
+from phasewise.config import KVRole
 from phasewise.deploy.options import DeployOptions, app_options, check_ray_options, direct_ingress
 from phasewise.deploy.prefix_router import PrefixAffinityRouter
 from phasewise.deploy.relay import Relay, RelayedRequest
@@ -61,7 +62,7 @@ class EngineReplica:
     ASGI messages it sends, a batch at a time."""
 
     # Serve awaits an async constructor (mypy knows only sync ones)
-    async def __init__(self, options: DeployOptions, role: str | None = None,  # type: ignore[misc]
+    async def __init__(self, options: DeployOptions, role: KVRole | None = None,  # type: ignore[misc]
                        prefill: ReplicaHandle | None = None) -> None:
         """`role`: "prefill" (this replica's KV link waits at a free port of its node) or "decode" (it joins
         the link of the `prefill` deployment's replica); None: a whole engine."""

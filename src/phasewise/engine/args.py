@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from phasewise.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from phasewise.config import CacheConfig, EngineConfig, KVRole, SchedulerConfig, SpeculativeConfig
 from phasewise.reasoning import PARSERS
 
 
@@ -120,7 +120,7 @@ def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig:
                                    draft_dtype=draft_dtype, adaptive=args.adaptive_speculation)
 
 
-def engine_config_from_args(args: argparse.Namespace, *, kv_role: str | None, kv_peer: str | None,
+def engine_config_from_args(args: argparse.Namespace, *, kv_role: KVRole | None, kv_peer: str | None,
                             threads: int | None) -> EngineConfig:
     """The EngineConfig a server's options ask for (add_engine_args' and add_chat_args' flags, weights
     resolved): `phasewise serve`'s and a Ray replica's, each giving its own role, KV peer and threads."""

@@ -16,8 +16,11 @@ dropped (Qwen's templates strip both when they render the turn again).
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 OPEN, CLOSE = "<think>", "</think>"
-PARSERS = ("qwen3", "deepseek_r1")
+ParserName = Literal["qwen3", "deepseek_r1"]   # how replies' thinking is split from the answer
+PARSERS: tuple[ParserName, ...] = get_args(ParserName)
 
 
 def _held(text: str, marker: str) -> int:
@@ -33,7 +36,7 @@ def prompt_opens_thinking(prompt: str) -> bool:
     return prompt.rfind(OPEN) > prompt.rfind(CLOSE)
 
 
-def choose_parser(template: str, generation_prompt: str) -> str | None:
+def choose_parser(template: str, generation_prompt: str) -> ParserName | None:
     """The parser a chat template calls for, None when it writes no thinking. generation_prompt: the
     template's rendering of one user message with the generation prompt (its tail is what matters).
     A template with a thinking switch (`enable_thinking`) or `<think>` in it is qwen3's, unless its
@@ -50,7 +53,7 @@ class ReasoningParser:
     reasoning, the prompt having opened the block (prompt_opens_thinking); None: the parser's own
     assumption (deepseek_r1's prompt opens it, qwen3's may not)."""
 
-    def __init__(self, name: str = "qwen3", prompt_open: bool | None = None) -> None:
+    def __init__(self, name: ParserName = "qwen3", prompt_open: bool | None = None) -> None:
         if name not in PARSERS:
             raise ValueError(f"unknown reasoning parser {name!r} (one of {', '.join(PARSERS)})")
         self.name = name

@@ -34,7 +34,7 @@ class ChatCall:
     parallel_tool_calls false; thinking None: no reasoning parser)."""
     rid: str
     items: list[SubRequest]
-    tool_format: str | None
+    tool_format: tool_calling.ToolFormat | None
     tool_names: frozenset[str]
     max_calls: int | None
     constraint_field: str | None
@@ -59,7 +59,7 @@ class ChatCall:
         return names
 
 
-def chat_call(request: ChatRequest, template_tool_format: str, rid: str,
+def chat_call(request: ChatRequest, template_tool_format: tool_calling.ToolFormat, rid: str,
               thinking: Thinking | None = None) -> ChatCall:
     """The request's sub-requests; 400 (APIError) for a forced call the tools cannot make.
     template_tool_format: the format the model's chat template calls tools in (Tokenizer.tool_format);
@@ -85,7 +85,8 @@ def chat_call(request: ChatRequest, template_tool_format: str, rid: str,
                     thinking, prompt.template_kwargs, request.include_reasoning, request.names)
 
 
-def tool_params(request: ChatRequest, tool_format: str) -> tuple[SamplingParams, str | None]:
+def tool_params(request: ChatRequest, tool_format: tool_calling.ToolFormat
+                ) -> tuple[SamplingParams, tool_calling.ToolFormat | None]:
     """The params, whose grammar forces a call when tool_choice asks for one, and the format to parse calls
     in (None: tool_choice "none" or no tools, nothing is parsed)."""
     params, tools, choice = request.params, request.prompt.tools, request.tool_choice

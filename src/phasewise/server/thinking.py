@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from phasewise.core.sampling_params import ThinkingBlock
 from phasewise.json_types import JsonObject
-from phasewise.reasoning import PARSERS, ReasoningParser, choose_parser, prompt_opens_thinking
+from phasewise.reasoning import PARSERS, ParserName, ReasoningParser, choose_parser, prompt_opens_thinking
 
 if TYPE_CHECKING:
     from phasewise.tokenization.tokenizer import Tokenizer
@@ -54,7 +54,7 @@ class Thinking:
         self.tokenizer = tokenizer
         self.default_budget = default_budget        # --reasoning-budget: for requests that give none
         self._opens = lru_cache(maxsize=64)(self._probe)
-        self.name: str | None = None if choice == "none" else choice
+        self.name: ParserName | None = next((p for p in PARSERS if p == choice), None)   # a parser named
         if choice == "auto":
             template = tokenizer.chat_template if tokenizer.has_chat_template() else ""
             self.name = choose_parser(template, self._render("{}")) if template else None

@@ -287,7 +287,7 @@ class Tokenizer:
         return "\n".join(template.values()) if isinstance(template, dict) else template
 
     @property
-    def tool_format(self) -> str:
+    def tool_format(self) -> tool_calling.ToolFormat:
         """How this model writes tool calls: "hermes" or "llama3_json" (tool_calling/parser.py)."""
         return tool_calling.tool_format(self.chat_template)
 

@@ -24,7 +24,7 @@ import secrets
 import string
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, get_args
 
 import regex
 
@@ -36,7 +36,8 @@ if TYPE_CHECKING:
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
-FORMATS = ("hermes", "llama3_json", "mistral")
+ToolFormat = Literal["hermes", "llama3_json", "mistral"]   # how a model writes its tool calls
+FORMATS: tuple[ToolFormat, ...] = get_args(ToolFormat)
 _ALNUM = string.ascii_letters + string.digits
 # the start of a call object whose name comes first: {"name": "f", "arguments": (arguments follow)
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\S)')
@@ -98,7 +99,7 @@ class ToolCallParser:
     (as small models often write them) naming them is those calls; such a reply is held back until it
     ends. max_calls: calls past it are dropped, text and all (parallel_tool_calls false, as vLLM does)."""
 
-    def __init__(self, fmt: str = "hermes", tool_names: set[str] | frozenset[str] = frozenset(),
+    def __init__(self, fmt: ToolFormat = "hermes", tool_names: set[str] | frozenset[str] = frozenset(),
                  max_calls: int | None = None) -> None:
         if fmt not in FORMATS:
             raise ValueError(f"unknown tool-call format {fmt!r}")

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import jsonschema
 
 from phasewise.json_types import array, obj, objects, text
+from phasewise.tool_calling.parser import ToolFormat
 
 if TYPE_CHECKING:
     from phasewise.json_types import JsonObject, JsonValue
@@ -70,7 +71,7 @@ def check_tools(tools: object, field: Callable[[int, str], str] = chat_tool_fiel
     return tools
 
 
-def tool_format(template: str) -> str:
+def tool_format(template: str) -> ToolFormat:
     """The format a model with this chat template calls tools in: "mistral" for [TOOL_CALLS],
     "llama3_json" for Llama 3.1+'s JSON calls, else "hermes" (<tool_call> blocks: Qwen2.5, Qwen3,
     Hermes, and the generic prompt)."""

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from phasewise import json_types
 from phasewise.json_types import JsonObject
 from phasewise.outputs import CompletionOutput
+from phasewise.tool_calling import ToolFormat
 from phasewise.server.body_parsing import parse_body
 from phasewise.server.chat_call import ChatCall, Submitter, chat_call
 from phasewise.server.errors import EngineError
@@ -96,7 +97,7 @@ def responses_router(guards: Guards, store: ResponseStore) -> APIRouter:
 
 
 async def start(submitter: Submitter, body: ResponsesRequest, chat: ChatRequest, head: int,
-                tool_format: str, thinking: Thinking, tenant: str | None = None
+                tool_format: ToolFormat, thinking: Thinking, tenant: str | None = None
                 ) -> tuple[ChatRequest, ChatCall, RequestStream]:
     """Submit the call (with truncation "auto", dropping the oldest turn until it fits the context):
     the chat request that ran, its ChatCall and its stream. tenant: the API key's cache salt."""
