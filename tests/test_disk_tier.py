@@ -145,7 +145,7 @@ def test_the_time_counters_count_the_engine_threads_calls_and_the_writers_jobs(t
     assert (s.lookups.calls, s.saves.calls) == (3, 3)
     assert s.writer.calls == s.blocks_written == 8 and s.writer.cpu_s > 0 and s.writer.wall_s > 0
     assert all(side.cpu_s >= 0 and side.wall_s > 0 for side in (s.lookups, s.saves))
-    _run_prompt(kv, tier, io, _request(list(range(100, 123)), "c"))      # in RAM: its 5 blocks' expiries refreshed
+    _run_prompt(kv, tier, io, _request(list(range(100, 123)), "c"))      # in RAM: 5 expiries refreshed
     tier.flush()
     assert (s.lookups.calls, s.saves.calls, s.writer.calls, s.blocks_written) == (4, 4, 8 + 5, 8)
     tier.close()
