@@ -130,6 +130,26 @@ def test_a_salt_joins_the_first_block_so_different_salts_share_nothing(tmp_path)
     tier2.close()
 
 
+
+def test_the_time_counters_count_the_engine_threads_calls_and_the_writers_jobs(tmp_path):
+    """What benchmarks/prompt_cache_overhead.py reads: each prefetch and save the engine's thread makes is a
+    call of its counter, whatever it did; each block the writer wrote is a job that took CPU time."""
+    clock = FakeClock()
+    kv, io, tier = _engine(tmp_path, clock)
+    _run_prompt(kv, tier, io, _request(list(range(100, 123)), "a"))      # a prefetch and a save: 5 blocks
+    _run_prompt(kv, tier, io, _request(list(range(200, 213)), "b"))      # and 3 more
+    tier.prefetch(kv, [])                                                # calls that find nothing to do
+    tier.save(kv)
+    tier.flush()
+    s = tier.stats
+    assert (s.lookups.calls, s.saves.calls) == (3, 3)
+    assert s.writer.calls == s.blocks_written == 8 and s.writer.cpu_s > 0 and s.writer.wall_s > 0
+    assert all(side.cpu_s >= 0 and side.wall_s > 0 for side in (s.lookups, s.saves))
+    _run_prompt(kv, tier, io, _request(list(range(100, 123)), "c"))      # in RAM: 5 expiries refreshed
+    tier.flush()
+    assert (s.lookups.calls, s.saves.calls, s.writer.calls, s.blocks_written) == (4, 4, 8 + 5, 8)
+    tier.close()
+
 def test_ttls_hold_to_the_second_and_a_use_refreshes_them(tmp_path):
     clock = FakeClock(5000.0)
     store = _store(tmp_path, clock)

@@ -1,5 +1,6 @@
 """benchmarks/prompt_cache_overhead.py at a tiny size: it runs both engines in alternating rounds and
-writes its results, the disk tier's engine having written blocks and dropped none."""
+writes its results, the disk tier's engine having written blocks and dropped none, with what the tier cost
+each phase on the engine's thread and the writer's and the bound they make."""
 
 from __future__ import annotations
 
@@ -35,3 +36,12 @@ def test_a_tiny_run_alternates_the_engines_and_writes_its_results(tmp_path):
     assert result["disk"]["blocks_written"] >= 2 * 3 and result["disk"]["dropped"] == 0
     assert result["disk"]["blocks_read"] == 0
     assert len(list((tmp_path / "cache").rglob("*.kvb"))) == result["disk"]["blocks_written"]
+    for kind in ("prefill_tps", "decode_tps"):
+        for c in result["costs"]["on"][kind]:                # every phase looked up, saved and wrote blocks
+            assert c["engine_cpu_s"] > 0 and c["lookups_calls"] >= 1 and c["saves_calls"] >= 1
+            assert c["writer_calls"] >= 2 and c["writer_cpu_s"] > 0
+        c = result["summary"][kind]["cost"]
+        calls = sum(x[f"{s}_wall_s"] for x in result["costs"]["on"][kind] for s in ("lookups", "saves"))
+        writer = sum(x["writer_cpu_s"] for x in result["costs"]["on"][kind])
+        assert c["bound"] == pytest.approx((calls + writer) / c["engine_cpu_s"]) and len(c["bounds"]) == 2
+    assert "slowdown at most" in done.stdout

@@ -12,6 +12,8 @@ scheduled, each waiting request that may be admitted looks past its RAM hits for
 blocks on disk (one stat each), takes free blocks for them, has the runner fill them (`BlockIO.fill`)
 and enters them in the prefix cache, cached and free: the scheduler then takes them as ordinary hits.
 The time spent is the request's `metrics.disk_load_ms`, the tokens its `metrics.disk_tokens`.
+Both calls' CPU and wall time on the engine's thread are counted (`DiskStats.lookups`, `saves`), as are
+the writer's jobs (`DiskStats.writer`): what the tier costs the engine (benchmarks/prompt_cache_overhead.py).
 
 A hybrid's recurrent state goes with them: each state checkpoint (core/state_checkpoints.py) within
 the prompt (at chunk ends and the prompt's last block boundary; not every block of the output, as a
@@ -39,7 +41,7 @@ from typing import Protocol
 from phasewise.core.kv_cache_manager import KVCacheManager
 from phasewise.core.prompt_store import CorruptEntry, PromptStore
 from phasewise.core.request import BlockKey, Request
-from phasewise.core.store_writer import DiskStats, StoreWriter
+from phasewise.core.store_writer import DiskStats, StoreWriter, clocks
 
 log = logging.getLogger("phasewise.prompt_cache")
 
@@ -102,6 +104,13 @@ class DiskTier:
     def prefetch(self, kv: KVCacheManager, requests: Iterable[Request]) -> None:
         """Load from disk the blocks these waiting requests would miss in RAM (each request once). A
         failure costs the cache only: the request computes those blocks."""
+        called = clocks()
+        try:
+            self._prefetch(kv, requests)
+        finally:
+            self.stats.lookups.add(*called)
+
+    def _prefetch(self, kv: KVCacheManager, requests: Iterable[Request]) -> None:
         for req in requests:
             if not req.disk_checked and req.prompt_logprobs is None:
                 req.disk_checked = True
@@ -190,6 +199,13 @@ class DiskTier:
         """Hand the writer copies of the blocks the prefix cache registered since the last call (they
         are intact: no forward has run since); blocks already on disk are refreshed instead. A failure
         costs the cache only."""
+        called = clocks()
+        try:
+            self._save(kv)
+        finally:
+            self.stats.saves.add(*called)
+
+    def _save(self, kv: KVCacheManager) -> None:
         new, states = kv.take_new_cached()
         if not new and not states:
             return

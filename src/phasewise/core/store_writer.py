@@ -1,14 +1,16 @@
 """The disk tier's background thread: writes the block copies a step hands it, refreshes the expiry of
 blocks used again, and sweeps the directory (TTL, then LRU within the size), so no step waits for the
 disk. A failed write (a full disk, a directory made unwritable) loses that block's entry only: serving
-goes on, one warning is logged and `DiskStats.write_errors` counts them."""
+goes on, one warning is logged and `DiskStats.write_errors` counts them. What the tier costs in time is
+counted beside (`Spent`): the engine thread's calls into it, and this thread's jobs."""
 
 from __future__ import annotations
 
 import logging
 import queue
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from phasewise.core.prompt_store import PromptStore
 
@@ -16,6 +18,26 @@ log = logging.getLogger("phasewise.prompt_cache")
 
 MAX_QUEUED_BYTES = 256 << 20     # block copies waiting for the disk beyond this are dropped (a slow disk)
 SWEEP_EVERY_S = 60.0             # clock seconds between sweeps while writing
+
+
+@dataclass
+class Spent:
+    """What one side of the disk tier spent: calls (or jobs), the CPU time of the thread that made them
+    (time.thread_time), and their wall time: two clock reads at each end of a call, none per byte."""
+    calls: int = 0
+    cpu_s: float = 0.0
+    wall_s: float = 0.0
+
+    def add(self, cpu0: float, wall0: float) -> None:
+        """One more call, begun on this thread at time.thread_time() cpu0 and time.perf_counter() wall0."""
+        self.cpu_s += time.thread_time() - cpu0
+        self.wall_s += time.perf_counter() - wall0
+        self.calls += 1
+
+
+def clocks() -> tuple[float, float]:
+    """This thread's CPU time and the wall clock now: where a Spent call begins."""
+    return time.thread_time(), time.perf_counter()
 
 
 @dataclass
@@ -31,6 +53,11 @@ class DiskStats:
     corrupt: int = 0              # files that did not check out (removed; the block was recomputed)
     write_errors: int = 0         # writes that failed (full disk, unwritable directory)
     dropped: int = 0              # copies dropped because the writer was too far behind
+    # its cost in time (benchmarks/prompt_cache_overhead.py): the engine thread's calls into it, before a
+    # step (lookups and loads: DiskTier.prefetch) and after it (digests, copies out, queueing: DiskTier.save),
+    lookups: Spent = field(default_factory=Spent)
+    saves: Spent = field(default_factory=Spent)
+    writer: Spent = field(default_factory=Spent)   # and the writer thread's jobs (writes, refreshes, sweeps)
 
 
 Job = tuple[bytes, bytes | bytearray | None, float]     # (digest, payload or None for a refresh, ttl seconds)
@@ -80,14 +107,17 @@ class StoreWriter:
     def _run(self) -> None:
         while True:
             job = self.jobs.get()
+            if job is None:
+                self.jobs.task_done()
+                return
+            started = clocks()
             try:
-                if job is None:
-                    return
                 self._do(*job)
             except Exception:                   # a bug must not stop the writer (flush would wait forever)
                 self.stats.write_errors += 1
                 log.exception("prompt cache: the writer failed on a block")
             finally:
+                self.stats.writer.add(*started)     # before task_done: a flush sees it counted
                 self.jobs.task_done()
 
     def _do(self, digest: bytes, payload: bytes | bytearray | None, ttl: float) -> None:
