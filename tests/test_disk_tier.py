@@ -246,9 +246,9 @@ def test_a_full_disk_leaves_serving_uncached_with_one_warning(tmp_path, monkeypa
     clock = FakeClock()
     kv, io, tier = _engine(tmp_path, clock)
 
-    def full(fd):
+    def full(src, dst):
         raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(os, "fsync", full)
+    monkeypatch.setattr(os, "replace", full)   # where a full disk fails the write
     with caplog.at_level(logging.WARNING, logger="phasewise.prompt_cache"):
         _run_prompt(kv, tier, io, _request(list(range(13)), "a"))
         _run_prompt(kv, tier, io, _request(list(range(40, 53)), "b"))

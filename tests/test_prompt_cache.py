@@ -177,14 +177,14 @@ def test_a_full_disk_costs_only_the_cache(tmp_path, tiny_model, monkeypatch):
     from model_builders import prompt_ids
     from phasewise import LLM
 
-    def full(fd):
+    def full(src, dst):
         raise OSError(errno.ENOSPC, "No space left on device")
     prompt = prompt_ids(256, 70, seed=6)
     with LLM(model=tiny_model, dtype="fp32", kv_cache_memory=0.02, warmup=False) as plain:
         ref = plain.generate(prompt, GREEDY)[0].token_ids
     kw = dict(model=tiny_model, dtype="fp32", kv_cache_memory=0.02, warmup=False, prompt_cache_dir=str(tmp_path))
     with LLM(**kw) as llm:
-        monkeypatch.setattr(os, "fsync", full)
+        monkeypatch.setattr(os, "replace", full)   # where a full disk fails the write
         assert llm.generate(prompt, GREEDY)[0].token_ids == ref
         llm.engine.core.disk.flush()
         stats = llm.engine.stats().disk

@@ -9,9 +9,11 @@ a flipped byte, another block's bytes) is a miss and is removed.
 
 Times live in the file's own stamps, so every process sharing the directory sees them without an
 index: mtime is the entry's expiry, atime its last use, both set from the handed-in clock (never the
-kernel's). A write goes to a temporary name, is fsynced and renamed into place, so a crash leaves a
-whole file or none (a stray temporary is swept later); two processes writing one block both write
-whole files, and the last rename wins. Eviction (`sweep`) removes expired entries first, then the
+kernel's). A write goes to a temporary name and is renamed into place, so a process killed mid-way
+leaves a whole file or none (a stray temporary is swept later); two processes writing one block both
+write whole files, and the last rename wins. No fsync: a cache need not survive a power cut, and a file
+the machine's crash left cut short or empty fails its CRC, a miss (fsync was 80% of the writer's CPU
+and took it from the kernels' threads). Eviction (`sweep`) removes expired entries first, then the
 least recently used until the directory fits its size.
 """
 
@@ -137,8 +139,6 @@ class PromptStore:
             with open(tmp, "xb") as f:
                 f.write(head)
                 f.write(payload)
-                f.flush()
-                os.fsync(f.fileno())
             expiry = _ns(now + ttl)
             try:
                 expiry = max(expiry, os.stat(path).st_mtime_ns)
