@@ -51,7 +51,8 @@ QUANT_BYTES = {f: 256 if f in NIBBLES else 320 if f == "q5" else 384 if f == "q6
                for f in FORMAT_IDS}       # per (tile, block)
 BLOCK_BYTES = {f: QUANT_BYTES[f] + 16 * sum(dt.itemsize for dt in SCALES[f]) for f in FORMAT_IDS}
 K6_SC = 128                               # k6's largest |sc|: AVX2's int16 pair sums times sc stay in int32
-SUPER = 8                                 # k4's, q6k's blocks per super-block (their fp16 d (and dmin) in `scale`)
+SUPER = 8                                 # k4's, q6k's blocks per super-block (their fp16 d, and
+                                          # k4's dmin, in `scale`)
 SUPER_SCALES = {"k4": 2, "q6k": 1}        # fp16 vectors of 16 per (tile, super-block)
 
 
@@ -61,7 +62,8 @@ class PackedWeight:
     n: int                         # output features (rows of W)
     k: int                         # input features, a multiple of 32
     blocks: torch.Tensor               # [NT, KB, BLOCK_BYTES] uint8: quants, then the scales
-    scale: torch.Tensor | None = None  # [NT * 16] fp32 (i8); [NT, KB / 8, 32] fp16 (k4: d, then dmin; q6k: [.., 16] d)
+    # [NT * 16] fp32 (i8); [NT, KB / 8, 32] fp16 (k4: d, then dmin; q6k: [.., 16] d)
+    scale: torch.Tensor | None = None
     u5_tiles: int = 0                  # q8: its first tiles hold q5 values as u = q + 16 (concat)
     rest: tuple[PackedWeight, ...] = ()  # the rows that follow, each part in its own format (concat)
 
@@ -127,28 +129,34 @@ class PackedWeight:
             planes = self.qs[..., 256:].reshape(nt, kb, 2, 1, 64)
             shift = (2 * torch.arange(4, dtype=torch.uint8, device=planes.device)).reshape(1, 1, 1, 4, 1)
             pairs = ((planes >> shift) & 3).reshape(nt, kb, 8, 64)
-            u = (low | (pairs << 4)).reshape(nt, kb, 8, TILE, 4).permute(0, 3, 1, 2, 4).reshape(nt * TILE, kb, QK)
-            return u.to(torch.int16) - OFFSET["q6k"]
+            return _untile(low | (pairs << 4), nt, kb).to(torch.int16) - OFFSET["q6k"]
         if self.fmt == "q5":       # nibbles as q4's, bit g of the plane's byte: chunk g's fifth bit
             nib = self.qs[..., :256].reshape(nt, kb, 4, 64)
             low = torch.cat([nib & 0x0F, nib >> 4], dim=2)                                  # [NT, KB, 8, 64]
             plane = self.qs[..., 256:].reshape(nt, kb, 1, 64)
-            fifth = (plane >> torch.arange(8, dtype=torch.uint8, device=plane.device).reshape(1, 1, 8, 1)) & 1
-            u = (low | (fifth << 4)).reshape(nt, kb, 8, TILE, 4).permute(0, 3, 1, 2, 4).reshape(nt * TILE, kb, QK)
-            return u.to(torch.int16) - OFFSET["q5"]
-        u = self.qs.reshape(nt, kb, 8, TILE, 4).permute(0, 3, 1, 2, 4).reshape(nt * TILE, kb, QK).to(torch.int16)
+            bit = torch.arange(8, dtype=torch.uint8, device=plane.device).reshape(1, 1, 8, 1)
+            fifth = (plane >> bit) & 1
+            return _untile(low | (fifth << 4), nt, kb).to(torch.int16) - OFFSET["q5"]
+        u = _untile(self.qs, nt, kb).to(torch.int16)
         if self.u5_tiles:
-            return torch.cat([u[: TILE * self.u5_tiles] - OFFSET["q5"], u[TILE * self.u5_tiles:] - OFFSET["q8"]])
+            cut = TILE * self.u5_tiles
+            return torch.cat([u[:cut] - OFFSET["q5"], u[cut:] - OFFSET["q8"]])
         return u - OFFSET[self.fmt]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for p in self.parts for t in (p.blocks, p.scale) if t is not None)
+        return sum(t.numel() * t.element_size() for p in self.parts for t in (p.blocks, p.scale)
+                   if t is not None)
 
 
 def bits_per_weight(fmt: str) -> float:
     """What a packed weight of `fmt` streams per weight: its blocks and per-block scales (k4's and
     q6k's super-block scales spread over their 8 blocks; i8's row scale left out)."""
     return (BLOCK_BYTES[fmt] + 2 * TILE * SUPER_SCALES.get(fmt, 0) / SUPER) * 8 / (TILE * QK)
+
+
+def _integers(s: torch.Tensor, lo: int, hi: int) -> bool:
+    """Whether every value of s is an integer in lo..hi (an empty s: yes)."""
+    return not s.numel() or bool(s.min() >= lo and s.max() <= hi and torch.equal(s, s.round()))
 
 
 def _pad_rows(t: torch.Tensor, n_padded: int) -> torch.Tensor:
@@ -166,28 +174,34 @@ def _tile_scales(s: torch.Tensor) -> torch.Tensor:
 def _tile_bytes(u: torch.Tensor) -> torch.Tensor:
     """[Np, KB, 32] bytes (one per k) → [NT, KB, 512]: chunks of 16 rows x 4 k."""
     np_, kb, _ = u.shape
-    return u.reshape(np_ // TILE, TILE, kb, 8, 4).permute(0, 2, 3, 1, 4).reshape(np_ // TILE, kb, 512).contiguous()
+    chunks = u.reshape(np_ // TILE, TILE, kb, 8, 4).permute(0, 2, 3, 1, 4)
+    return chunks.reshape(np_ // TILE, kb, 512).contiguous()
+
+
+def _untile(b: torch.Tensor, nt: int, kb: int) -> torch.Tensor:
+    """[NT, KB, 512] bytes (or [NT, KB, 8, 64]) → [Np, KB, 32]: `_tile_bytes` undone."""
+    return b.reshape(nt, kb, 8, TILE, 4).permute(0, 3, 1, 2, 4).reshape(nt * TILE, kb, QK)
 
 
 def pack(fmt: str, q: torch.Tensor, scales: list[torch.Tensor],
          sb: Sequence[torch.Tensor] | None = None) -> PackedWeight:
-    """q [N, KB, 32] integers (q4, k4: 0..15; q8, k8: -128..127; q5: -16..15; k6: -32..31) and the format's
-    scales, each [N, KB] (cast to the format's dtype: pass values it holds exactly); k4 also takes `sb`,
-    its d and dmin [N, KB / 8] (fp16 values), q6k its d → a PackedWeight."""
+    """q [N, KB, 32] integers (q4, k4: 0..15; q8, k8: -128..127; q5: -16..15; k6: -32..31) and the
+    format's scales, each [N, KB] (cast to the format's dtype: pass values it holds exactly); k4 also
+    takes `sb`, its d and dmin [N, KB / 8] (fp16 values), q6k its d → a PackedWeight."""
     n, kb, _ = q.shape
     dtypes = SCALES[fmt]
     if fmt == "i8":
         raise ValueError("i8 weights come from quantize_i8 (one scale per row, not per block)")
     if len(scales) != len(dtypes):
         raise ValueError(f"{fmt} takes {len(dtypes)} scales per block, got {len(scales)}")
-    if fmt == "k6" and any(s.numel() and (s.abs().max() > K6_SC or not torch.equal(s, s.round())) for s in scales[1:3]):
+    if fmt == "k6" and not all(_integers(s, -K6_SC, K6_SC) for s in scales[1:3]):
         raise ValueError(f"k6's sub-block scales are integers of at most {K6_SC} in magnitude")
-    if fmt == "k4" and (sb is None or kb % SUPER or any(s.numel() and (s.min() < 0 or s.max() > 63 or
-                                                                        not torch.equal(s, s.round())) for s in scales)):
-        raise ValueError(f"k4 takes sub-block scales of 0..63, super-block d and dmin, and a multiple of {SUPER} blocks")
-    if fmt == "q6k" and (sb is None or kb % SUPER or any(s.numel() and (s.min() < -128 or s.max() > 127 or
-                                                                         not torch.equal(s, s.round())) for s in scales)):
-        raise ValueError(f"q6k takes int8 sub-block scales, a super-block d, and a multiple of {SUPER} blocks")
+    if fmt == "k4" and (sb is None or kb % SUPER or not all(_integers(s, 0, 63) for s in scales)):
+        raise ValueError("k4 takes sub-block scales of 0..63, super-block d and dmin, and a multiple of "
+                         f"{SUPER} blocks")
+    if fmt == "q6k" and (sb is None or kb % SUPER or not all(_integers(s, -128, 127) for s in scales)):
+        raise ValueError("q6k takes int8 sub-block scales, a super-block d, and a multiple of "
+                         f"{SUPER} blocks")
     np_ = -(-n // TILE) * TILE
     q = _pad_rows(q.to(torch.int16), np_)
     if fmt in NIBBLES:   # byte i of a row's block: k = i low nibble, k = i + 16 high; byte 4j + p → chunk j
@@ -204,15 +218,18 @@ def pack(fmt: str, q: torch.Tensor, scales: list[torch.Tensor],
             bits = (u >> 4) << torch.arange(8, dtype=torch.uint8, device=u.device).reshape(1, 1, 8, 1)
             plane = bits.sum(dim=2, dtype=torch.uint8)                   # distinct bits: the sum is the or
             quants = torch.cat([nib.reshape(np_ // TILE, kb, 256), plane], dim=-1)
-        if fmt == "q6k":    # the low nibbles as q4's, then pair planes: plane P, bits 2j: chunk 4P + j's high pair
+        if fmt == "q6k":    # the low nibbles as q4's, then pair planes: plane P, bits 2j: chunk 4P + j's
+                            # high pair
             u = quants.reshape(np_ // TILE, kb, 8, 64)
             nib = (u[:, :, :4] & 0x0F) | ((u[:, :, 4:] & 0x0F) << 4)
             shift = (2 * torch.arange(4, dtype=torch.uint8, device=u.device)).reshape(1, 1, 1, 4, 1)
             pairs = ((u >> 4).reshape(np_ // TILE, kb, 2, 4, 64) << shift).sum(dim=3, dtype=torch.uint8)
-            quants = torch.cat([nib.reshape(np_ // TILE, kb, 256), pairs.reshape(np_ // TILE, kb, 128)], dim=-1)
+            nt = np_ // TILE
+            quants = torch.cat([nib.reshape(nt, kb, 256), pairs.reshape(nt, kb, 128)], dim=-1)
     tiles = [_tile_scales(_pad_rows(s.to(dtype), np_)) for s, dtype in zip(scales, dtypes)]
     side = None
-    if fmt in SUPER_SCALES and sb is not None:  # [NT, KB / 8, 16 or 32]: each (tile, super-block)'s 16 d (16 dmin)
+    # [NT, KB / 8, 16 or 32]: each (tile, super-block)'s 16 d (and 16 dmin)
+    if fmt in SUPER_SCALES and sb is not None:
         side = torch.cat([_tile_scales(_pad_rows(s.to(_F16), np_)).view(_F16) for s in sb], dim=-1)
     return PackedWeight(fmt=fmt, n=n, k=kb * QK, blocks=torch.cat([quants, *tiles], dim=-1), scale=side)
 
@@ -256,7 +273,8 @@ def concat(parts: list[PackedWeight]) -> PackedWeight:
         return replace(first, rest=tuple(rest))
     scales = [p.scale for p in parts if p.scale is not None]     # one format: every part has one, or none
     return PackedWeight(fmt=parts[0].fmt, n=sum(p.n for p in parts), k=parts[0].k,
-                        blocks=torch.cat([p.blocks for p in parts]), scale=torch.cat(scales) if scales else None)
+                        blocks=torch.cat([p.blocks for p in parts]),
+                        scale=torch.cat(scales) if scales else None)
 
 
 def dequantize(w: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -305,7 +323,8 @@ def quantize_activations(x: torch.Tensor, group: int = QK) -> tuple[torch.Tensor
     m, k = x.shape
     xg = x.float().reshape(m, k // group, group)
     amax = xg.abs().amax(dim=-1)
-    inv = torch.where(amax > 0, torch.full_like(amax, 127) / amax, torch.zeros_like(amax))   # (127 / t is 1/t * 127)
+    # 127 / t, not 1/t * 127
+    inv = torch.where(amax > 0, torch.full_like(amax, 127) / amax, torch.zeros_like(amax))
     xq = torch.round(xg * inv[..., None]).clamp(-127, 127).reshape(m, k // QK, QK)
     dx = (amax / 127).repeat_interleave(group // QK, dim=1)
     return xq.to(torch.int8).reshape(m, k), dx, dx * xq.sum(-1)
