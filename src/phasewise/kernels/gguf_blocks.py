@@ -1,4 +1,5 @@
-"""GGUF's block types read into our packed formats (kernels/quant.py), without rounding.
+"""GGUF's block types read into our packed formats (kernels/quant.py), without rounding: each type
+into the format whose record lists it (`gguf_types`, kernels/weight_formats.py).
 
 Each type decodes to integer values per block of 32 and that block's scales, then packs:
 - Q4_0, Q4_1 → q4 (Q4_0's m = -8 d); Q8_0 → q8; Q5_0 → q5 (its q - 16 is in -16..15);
@@ -21,10 +22,8 @@ import torch
 
 from phasewise.kernels import quant
 from phasewise.kernels.kernel_api import Kernels
+from phasewise.kernels.weight_formats import BY_GGUF_TYPE
 
-# GGUF type name → the packed format its blocks run in
-GGUF_BLOCKS = {"Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8", "Q5_0": "q5", "Q4_K": "k4", "Q5_K": "k6",
-               "Q6_K": "q6k"}
 # the types the kernel library repacks itself (csrc/repack_gguf.cpp, the same bytes): ggml's type ids
 REPACKED = {"Q4_K": 12, "Q6_K": 14}
 
@@ -44,7 +43,7 @@ def _nibbles(qs: np.ndarray, width: int) -> np.ndarray:
 def decode(type_name: str,
            blocks: np.ndarray) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray] | None]:
     """GGUF blocks [n, type bytes] uint8 → values [n, S, 32] int16, scales, each [n, S] fp32 (S blocks
-    of 32 per GGUF block), in the order quant.pack takes for GGUF_BLOCKS[type_name], and k4's
+    of 32 per GGUF block), in the order quant.pack takes for BY_GGUF_TYPE[type_name], and k4's
     super-block d and dmin (q6k's d), each [n, 1] (None for the others)."""
     from gguf.quants import Q4_K
 
@@ -83,7 +82,7 @@ def decode(type_name: str,
 
 def pack_gguf(type_name: str, raw: np.ndarray | torch.Tensor, chunk_rows: int = 2048,
               kernels: Kernels | None = None) -> quant.PackedWeight:
-    """Raw GGUF rows [N, row bytes] uint8 of a type in GGUF_BLOCKS → a PackedWeight, packed
+    """Raw GGUF rows [N, row bytes] uint8 of a type in BY_GGUF_TYPE → a PackedWeight, packed
     `chunk_rows` rows (whole tiles) at a time into one buffer, so decoding never holds more than a
     chunk's values (a 150k-row vocabulary's were several GB). With `kernels` (a KernelSet), the
     REPACKED types go through its repack_gguf instead (memory speed, the same bytes)."""
@@ -91,7 +90,7 @@ def pack_gguf(type_name: str, raw: np.ndarray | torch.Tensor, chunk_rows: int = 
 
     raw = raw.numpy() if isinstance(raw, torch.Tensor) else np.asarray(raw, dtype=np.uint8)
     size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][1]
-    rows, fmt = raw.shape[0], GGUF_BLOCKS[type_name]
+    rows, fmt = raw.shape[0], BY_GGUF_TYPE[type_name].name
     blocks: torch.Tensor | None = None
     side: torch.Tensor | None = None
     if kernels is not None and type_name in REPACKED and rows:

@@ -241,7 +241,7 @@ def load(path: Path) -> tuple[dict[str, quant.PackedWeight], quant.PackedWeight 
         linears, embedding = _weights(header, base, start)
         weights = [*linears.values(), *([embedding] if embedding is not None else [])]
         for w in [p for w in weights for p in w.parts]:
-            if w.fmt not in quant.FORMAT_IDS or w.blocks.shape[-1] != quant.BLOCK_BYTES[w.fmt] or \
+            if w.fmt not in quant.FORMATS or w.blocks.shape[-1] != w.format.block_bytes or \
                     w.blocks.shape[0] * quant.TILE < w.n or w.blocks.shape[1] * quant.QK != w.k:
                 return None
         return linears, embedding, set(header["names"])
