@@ -24,8 +24,10 @@ def test_sizes_that_do_not_divide_are_refused():
     smol = dataclasses.replace(CFG, num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=1536)
     check_tensor_parallel(smol, 3)
     check_tensor_parallel(dataclasses.replace(CFG, num_heads=8, num_kv_heads=2), 8)   # KV heads replicated
-    with pytest.raises(ValueError, match=r"9 query heads do not divide by 2 \(sizes that work: 1, 3, 9\)"):
+    with pytest.raises(ValueError, match=r"9 query heads do not divide by 2 \(sizes that work: 1, 3\)"):
         check_tensor_parallel(smol, 2)
+    with pytest.raises(ValueError, match="the MLP's width 1536 does not divide by 9"):   # 9 heads would
+        check_tensor_parallel(smol, 9)
     with pytest.raises(ValueError, match="4 KV heads can be neither split evenly nor replicated evenly over 6"):
         check_tensor_parallel(dataclasses.replace(CFG, num_heads=12, num_kv_heads=4), 6)
     with pytest.raises(ValueError, match="MLP's width 98 does not divide by 4"):

@@ -60,10 +60,10 @@ def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
     if cfg.num_experts or cfg.qk_norm_whole:
         raise ValueError(f"tensor parallelism over {size} ranks: {cfg.architecture} (a mixture of experts) "
                          "is not split across ranks yet: run it with --tensor-parallel-size 1")
-    divisors = [d for d in range(1, cfg.num_heads + 1) if cfg.num_heads % d == 0]
+    works = ", ".join(str(d) for d in range(1, cfg.num_heads + 1) if _splits(cfg, d))
     if cfg.num_heads % size:
         raise ValueError(f"tensor parallelism over {size} ranks: this model's {cfg.num_heads} query heads do "
-                         f"not divide by {size} (sizes that work: {', '.join(map(str, divisors))})")
+                         f"not divide by {size} (sizes that work: {works})")
     kv = cfg.num_kv_heads
     if (kv % size if size <= kv else size % kv):
         raise ValueError(f"tensor parallelism over {size} ranks: {kv} KV heads can be neither split evenly "
@@ -71,6 +71,14 @@ def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
     if cfg.intermediate_size % size:
         raise ValueError(f"tensor parallelism over {size} ranks: the MLP's width {cfg.intermediate_size} "
                          f"does not divide by {size}")
+
+
+def _splits(cfg: ModelConfig, size: int) -> bool:
+    """Whether `size` ranks split the query heads and MLP width evenly and the KV heads evenly or by
+    replication."""
+    kv = cfg.num_kv_heads
+    return (cfg.num_heads % size == 0 and cfg.intermediate_size % size == 0
+            and (kv % size == 0 if size <= kv else size % kv == 0))
 
 
 def shard_config(cfg: ModelConfig, tp: TensorParallel) -> ModelConfig:

@@ -34,7 +34,7 @@ from phasewise.layers.attention import AttentionMetadata
 from phasewise.runner.kv_cache import KVCache
 from phasewise.runner.model_api import CausalLM
 from phasewise.runner.request_state import RequestState
-from phasewise.spec_decode.draft_picking import DraftPicking, chain_drafts
+from phasewise.spec_decode.draft_picking import DraftPicking, chain_drafts, draft_generator
 from phasewise.kernels.kernel_api import Kernels
 
 
@@ -95,9 +95,7 @@ class DraftModelProposer:
         st = req.spec
         # new, or its blocks were lost
         if not isinstance(st, DraftState) or st.preemptions != chunk.preemptions:
-            seed = req.sampling_params.seed
-            gen = None if seed is None else \
-                torch.Generator(self.device).manual_seed((seed * 0x9E3779B1 + 0x5EC) % 2**63)
+            gen = draft_generator(req.sampling_params.seed, 0x5EC, self.device)
             st = req.spec = DraftState(preemptions=chunk.preemptions, generator=gen)
         return st
 

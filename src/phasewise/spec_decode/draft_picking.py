@@ -31,6 +31,14 @@ class DraftPicking:
     kernels: Kernels | None = None
 
 
+def draft_generator(seed: int | None, salt: int, device: torch.device) -> torch.Generator | None:
+    """A seeded request's own generator for a proposer's draws (None unseeded), apart from the target's:
+    its seed mixed with the proposer's `salt`."""
+    if seed is None:
+        return None
+    return torch.Generator(device).manual_seed((seed * 0x9E3779B1 + salt) % 2**63)
+
+
 def pick_drafts(logits: Tensor, reqs: Sequence[SequenceView], drafts: Sequence[list[int]],
                 generators: Sequence[torch.Generator | None],
                 how: DraftPicking) -> tuple[list[int], Tensor | None]:

@@ -28,7 +28,7 @@ from phasewise.kernels.kernel_api import Kernels
 from phasewise.layers.attention import AttentionMetadata
 from phasewise.runner.kv_cache import KVCache
 from phasewise.runner.request_state import RequestState
-from phasewise.spec_decode.draft_picking import DraftPicking, chain_drafts
+from phasewise.spec_decode.draft_picking import DraftPicking, chain_drafts, draft_generator
 
 if TYPE_CHECKING:
     from phasewise.models.qwen3_5 import Qwen3_5ForCausalLM
@@ -88,9 +88,7 @@ class MTPProposer:
         st = req.spec
         # new, or its blocks were lost
         if not isinstance(st, MTPState) or st.preemptions != chunk.preemptions:
-            seed = req.sampling_params.seed
-            gen = None if seed is None else \
-                torch.Generator(self.device).manual_seed((seed * 0x9E3779B1 + 0x3A7) % 2**63)
+            gen = draft_generator(req.sampling_params.seed, 0x3A7, self.device)
             st = req.spec = MTPState(preemptions=chunk.preemptions, generator=gen)
         return st
 
