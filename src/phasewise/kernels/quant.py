@@ -25,10 +25,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from phasewise.kernels.weight_formats import (FORMATS, INT8, QK, SUPER, TILE, Scales, Unpack,
-                                              WeightFormat, fused_formats, widened)
+                                              WeightFormat, widened)
 
 __all__ = ["FORMATS", "QK", "SUPER", "TILE", "PackedWeight", "WeightFormat", "concat", "dequantize",
-           "dequantize_rows", "emulate", "fused_formats", "pack", "quantize_activations", "quantize_i8"]
+           "dequantize_rows", "emulate", "pack", "quantize_activations", "quantize_i8"]
 
 
 @dataclass(kw_only=True)

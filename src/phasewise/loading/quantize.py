@@ -60,11 +60,10 @@ class FileWeights:
 def plan_file_weights(model: nn.Module, cfg: ModelConfig, gguf: GGUFFile, tp: TensorParallel | None = None,
                       cache: bool = True, kernels: Kernels | None = None,
                       min_bytes: int = packed_cache.MIN_BYTES) -> FileWeights:
-    """Pack every linear layer of `model` (meta or not) the file holds in blocks, and the token table (without
-    tp); `cfg` is the whole model's. With `cache` (no tp; a GGUF of `min_bytes` or more) they come from the
-    packed-weight cache (loading/packed_cache.py) or are packed straight into a new cache file, which they
-    then are views of. `kernels` (or None) repacks the types it can (pack_gguf). A tensor's pages of the
-    file's map go once it is packed: memory holds the packed weights and a layer."""
+    """Pack every linear layer of `model` (meta or not) the file holds in blocks, and the token table (no
+    tp); `cfg` is the whole model's. With `cache` (no tp; a GGUF of `min_bytes` or more) they are views of
+    the packed-weight cache's file (loading/packed_cache.py), found or packed into; `kernels` repack
+    what they can. A tensor's pages of the file's map go once packed: memory holds the packed weights."""
     wanted = cache and tp is None and packed_cache.wanted(gguf.path, min_bytes)
     where = packed_cache.cache_path(gguf.path) if wanted else None
     kept = packed_cache.load(where) if where is not None else None
@@ -101,13 +100,8 @@ def plan_file_weights(model: nn.Module, cfg: ModelConfig, gguf: GGUFFile, tp: Te
                 if found is not None:
                     plan.linears[path], names = found
                     plan.names.update(names)
-        if layout is not None and plan.linears.keys() != layout.linears.keys():
-            raise RuntimeError(f"packed {sorted(plan.linears.keys() ^ layout.linears.keys())[:3]} unlike "
-                               "their layout")
-        if layout is not None and layout.embedding is not None:       # the token table, in blocks
-            plan.embedding = plan.linears["lm_head"] if own_table is None else \
-                _pack_table(own_table, writer, kernels, progress)         # tied: the head's
-            plan.names.add("model.embed_tokens.weight")
+        if layout is not None:
+            _add_table(plan, layout, own_table, writer, kernels, progress)
         if writer is not None:
             writer.commit()
     except BaseException:
@@ -117,6 +111,19 @@ def plan_file_weights(model: nn.Module, cfg: ModelConfig, gguf: GGUFFile, tp: Te
     finally:
         progress.done()
     return plan
+
+
+def _add_table(plan: FileWeights, layout: FileWeights, own_table: GGUFTensor | None,
+               writer: packed_cache.Writer | None, kernels: Kernels | None, progress: _Progress) -> None:
+    """Check the packed layers against their layout, then add the token table in blocks where the
+    layout has it: the head's when tied, else `own_table` packed."""
+    if plan.linears.keys() != layout.linears.keys():
+        raise RuntimeError(f"packed {sorted(plan.linears.keys() ^ layout.linears.keys())[:3]} unlike "
+                           "their layout")
+    if layout.embedding is not None:
+        plan.embedding = plan.linears["lm_head"] if own_table is None else \
+            _pack_table(own_table, writer, kernels, progress)
+        plan.names.add("model.embed_tokens.weight")
 
 
 def _untied(layout: FileWeights | None) -> bool:
