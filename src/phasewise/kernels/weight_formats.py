@@ -5,8 +5,8 @@ names; it reads a record (`FORMATS[name]`, `PackedWeight.format`).
 Every format is blocks of 32 values along K in tiles of 16 rows; a (tile, block) is one run of bytes,
 its quants then its per-block scales (kernels/quant.py, the C++ kernel's layout). The quants are a byte
 per value (u = q + offset, in 64-byte chunks of 16 rows x 4 k), or, for `nibbles` formats, u's low 4
-bits (byte i of a chunk pair: chunk j's value low, chunk j + 4's high) then `bits - 4` planes of 64
-bytes of its higher bits (plane P, bits h j..: chunk (8 / h) P + j's). Scales after the quants are
+bits (chunk j < 4's byte holds its value low, chunk j + 4's high), then `bits - 4` planes of 64 bytes
+of its higher bits (h bits each: plane P, bits h j..: chunk (8 / h) P + j's). Scales after the quants are
 one 16-row vector each, of the record's dtypes; a super-block format also keeps fp16 vectors per
 (tile, super-block of 8 blocks) in `PackedWeight.scale`, resolved with the block's own (`resolve`).
 """
@@ -45,6 +45,8 @@ def _d_sc_halves(sub: Scales, sup: Scales) -> Scales:
 
 @dataclass(frozen=True)
 class WeightFormat:
+    """One format's layout and arithmetic (the C++ side's `U5`, q5 values in q8 tiles, has no record:
+    `widens_into` and PackedWeight.u5_tiles stand for it)."""
     name: str                             # PackedWeight.fmt, the packed-weight cache's header
     id: int                               # the kernels' format id (csrc/kernels.h QuantFormat)
     unpacks_to: Unpack                    # what its values and resolved scales make
