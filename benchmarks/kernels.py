@@ -41,7 +41,8 @@ def random_packed(fmt: str, n: int, k: int) -> quant.PackedWeight:
         lo, hi = (-127, 127) if fmt == "q8" else (-16, 15)
         return quant.pack(fmt, torch.randint(lo, hi + 1, (n, kb, 32)), [d])
     if fmt in ("k4", "q6k"):         # sub-block scales as integers, fp16 super-block scales (K % 256 == 0)
-        sb = [(torch.rand(n, kb // quant.SUPER) * 1e-3).half().float() for _ in range(quant.SUPER_SCALES[fmt])]
+        sb = [(torch.rand(n, kb // quant.SUPER) * 1e-3).half().float()
+              for _ in range(quant.FORMATS[fmt].super_scales)]
         if fmt == "k4":
             return quant.pack("k4", torch.randint(0, 16, (n, kb, 32)), [torch.randint(0, 64, (n, kb)) for _ in "sm"], sb)
         return quant.pack("q6k", torch.randint(-32, 32, (n, kb, 32)), [*torch.randint(-128, 128, (2, n, kb))], sb)

@@ -31,7 +31,7 @@ def stacked(fmt: str, experts: int, rows: int, k: int, seed: int) -> ExpertLinea
 def experts_of(fmt: str, down_fmt: str | None = None, ops=None) -> tuple[ExpertLinear, ExpertLinear, ExpertLinear]:
     """Gate, up and down of E experts, bound to `ops`; the width I (256 where down is a K-quant)."""
     down_fmt = down_fmt or fmt
-    width = 256 if down_fmt in quant.SUPER_ACTIVATIONS else I
+    width = 256 if quant.FORMATS[down_fmt].activation_group > quant.QK else I
     gate, up = stacked(fmt, E, width, H, 1), stacked(fmt, E, width, H, 2)
     down = stacked(down_fmt, E, H, width, 3)
     for p in (gate, up, down):

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from phasewise.kernels import quant
-from phasewise.kernels.gguf_blocks import GGUF_BLOCKS, pack_gguf
+from phasewise.kernels.gguf_blocks import pack_gguf
+from phasewise.kernels.weight_formats import BY_GGUF_TYPE, K6_SC
 from phasewise.layers.linear import Linear
 from phasewise.loading.loader import choose_weight_forms
 from tests.conftest import LEVELS, bind
@@ -44,15 +45,15 @@ def random_weight(fmt: str, n: int, k: int, seed: int = 0) -> quant.PackedWeight
             torch.randint(-127, 128, (n, kb, 32), generator=g)
         scales = [torch.rand(n, kb, generator=g) * 0.01 + 1e-4 for _ in range(2)]
         if fmt == "k6":                # d, then each half's integer sc (both ends of its range included)
-            sc = torch.randint(-quant.K6_SC, quant.K6_SC + 1, (2, n, kb), generator=g).float()
-            sc[0, 0, 0], sc[1, -1, -1] = quant.K6_SC, -quant.K6_SC
+            sc = torch.randint(-K6_SC, K6_SC + 1, (2, n, kb), generator=g).float()
+            sc[0, 0, 0], sc[1, -1, -1] = K6_SC, -K6_SC
             scales = [scales[0] * 0.02, sc[0], sc[1]]
         return quant.pack(fmt, q, scales + [-torch.rand(n, kb, generator=g) * 0.05])
     type_name = {"q4": "Q4_1", "q8": "Q8_0", "q5": "Q5_0"}[fmt]
     return pack_gguf(type_name, gguf_rows(type_name, n, k, seed))
 
 
-@pytest.mark.parametrize("type_name", list(GGUF_BLOCKS))
+@pytest.mark.parametrize("type_name", list(BY_GGUF_TYPE))
 def test_packing_keeps_the_files_values_exactly(type_name):
     from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize
@@ -61,7 +62,7 @@ def test_packing_keeps_the_files_values_exactly(type_name):
     raw = gguf_rows(type_name, 40, k)             # 40 rows: the last tile is padded
     expected = dequantize(raw, GGMLQuantizationType[type_name])
     packed = pack_gguf(type_name, raw)
-    assert packed.fmt == GGUF_BLOCKS[type_name] and packed.n_padded == 48
+    assert packed.format is BY_GGUF_TYPE[type_name] and packed.n_padded == 48
     assert torch.equal(quant.dequantize(packed), torch.from_numpy(expected.astype(np.float32)))
 
 
@@ -116,8 +117,8 @@ def test_fused_parts_run_in_their_own_formats(ops, m):
     y, expected = layer(x), quant.emulate(x, fused, bias)
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
     with pytest.raises(RuntimeError, match="whole tiles"):
-        ops.quant_linear(x, quant.FORMAT_IDS["k4"], 88, fused.blocks[:2], fused.scale[:2], None, 0,
-                         [(quant.FORMAT_IDS["q6k"], 64, fused.rest[0].blocks, fused.rest[0].scale)])
+        ops.quant_linear(x, quant.FORMATS["k4"].id, 88, fused.blocks[:2], fused.scale[:2], None, 0,
+                         [(quant.FORMATS["q6k"].id, 64, fused.rest[0].blocks, fused.rest[0].scale)])
 
 
 @pytest.mark.parametrize("m", [1, 5, 300])
@@ -138,7 +139,7 @@ def test_q5_parts_before_q8_keep_their_products(ops, m):
     with pytest.raises(ValueError, match="fuse"):
         quant.concat([fused, parts[2]])
     with pytest.raises(RuntimeError, match="u5_tiles"):
-        ops.quant_linear(x, quant.FORMAT_IDS["q5"], 64, parts[0].blocks, None, None, 1)
+        ops.quant_linear(x, quant.FORMATS["q5"].id, 64, parts[0].blocks, None, None, 1)
 
 
 def test_narrow_formats_refuse_what_they_cannot_hold():
@@ -151,7 +152,7 @@ def test_narrow_formats_refuse_what_they_cannot_hold():
             quant.pack(fmt, torch.full((16, 1, 32), -lo), scales)
         edges = torch.tensor([lo, -lo - 1]).repeat(16, 1, 16)
         assert torch.equal(quant.pack(fmt, edges, scales).values(), edges)
-    for sc in (one * (quant.K6_SC + 1), one * 1.5):     # k6's sub-block scales: integers AVX2's sums hold
+    for sc in (one * (K6_SC + 1), one * 1.5):     # k6's sub-block scales: integers AVX2's sums hold
         with pytest.raises(ValueError, match="integers"):
             quant.pack("k6", edges, [d[0], one, sc, d[0]])
 
@@ -172,9 +173,9 @@ def test_dequantize_rows_is_the_rows_of_dequantize(ops, fmt):
     ids = torch.tensor([[0, 39, 17], [16, 16, 5]])
     expected = quant.dequantize(w)[ids]
     assert torch.equal(quant.dequantize_rows(w, ids), expected)
-    assert torch.equal(ops.dequantize_rows(ids, quant.FORMAT_IDS[fmt], w.n, w.blocks, w.scale), expected)
+    assert torch.equal(ops.dequantize_rows(ids, quant.FORMATS[fmt].id, w.n, w.blocks, w.scale), expected)
     with pytest.raises(RuntimeError, match="outside"):
-        ops.dequantize_rows(torch.tensor([40]), quant.FORMAT_IDS[fmt], w.n, w.blocks, w.scale)
+        ops.dequantize_rows(torch.tensor([40]), quant.FORMATS[fmt].id, w.n, w.blocks, w.scale)
 
 
 def test_int8_per_channel_error_is_half_a_step():
@@ -207,7 +208,7 @@ SHORT = [(1, 576, 576), (5, 48, 64), (300, 80, 576)]            # the K formats 
 def test_kernel_matches_its_emulation(ops, fmt, m, n, k):
     w = random_weight(fmt, n, k, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))
-    y = ops.quant_linear(x, quant.FORMAT_IDS[fmt], n, w.blocks, w.scale, None)
+    y = ops.quant_linear(x, quant.FORMATS[fmt].id, n, w.blocks, w.scale, None)
     expected = quant.emulate(x, w)
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
     # and near the weight-only product: activations lose ~1% per block to int8
@@ -221,10 +222,10 @@ def test_a_row_gets_the_same_bits_whatever_rows_share_the_call(ops, fmt):
     every height; q5 and q6k unpacked from 8 rows, run in place below) give each row its bits alone."""
     w = random_weight(fmt, 64, 512, seed=1)
     x = torch.randn(20, 512, generator=torch.Generator().manual_seed(3))
-    alone = torch.cat([ops.quant_linear(x[i:i + 1], quant.FORMAT_IDS[fmt], 64, w.blocks, w.scale, None)
+    alone = torch.cat([ops.quant_linear(x[i:i + 1], quant.FORMATS[fmt].id, 64, w.blocks, w.scale, None)
                        for i in range(20)])
     for m in (9, 20):
-        assert torch.equal(ops.quant_linear(x[:m], quant.FORMAT_IDS[fmt], 64, w.blocks, w.scale, None), alone[:m])
+        assert torch.equal(ops.quant_linear(x[:m], quant.FORMATS[fmt].id, 64, w.blocks, w.scale, None), alone[:m])
 
 
 @pytest.mark.parametrize("fmt", ["q4", "i8", "k8", "k6", "q5"])

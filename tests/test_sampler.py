@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from phasewise.core.sampling_params import SamplingParams
-from phasewise.sampling.sampler import SamplerOutput, SamplingMetadata, sample
+from phasewise.sampling.metadata import SamplingMetadata
+from phasewise.sampling.sampler import SamplerOutput, sample
 from phasewise.sampling.sampler import (
     apply_min_p,
     apply_penalties,

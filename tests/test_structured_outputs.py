@@ -174,7 +174,8 @@ def test_sampling_first_and_masking_only_refused_tokens_is_exact(params):
     refuses, then takes the argmax of the same draws over the allowed tokens: the tokens are distributed
     as under the mask from the start (greedy: the same argmax)."""
     from phasewise.runner.model_runner import ModelRunner
-    from phasewise.sampling.sampler import SamplingMetadata, sample
+    from phasewise.sampling.metadata import SamplingMetadata
+    from phasewise.sampling.sampler import sample
     from phasewise.structured import StepMasks
 
     V, allowed, rows = 40, {1, 3, 6, 33}, 4000

@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from phasewise.config import default_cache_dir
-from phasewise.tokenization.tokenizer import IncrementalDetokenizer, Tokenizer, gguf_cache_key
+from phasewise.tokenization.detokenizer import IncrementalDetokenizer
+from phasewise.tokenization.tokenizer import Tokenizer, gguf_cache_key
 
 TEXTS = [
     "Hello, world! How are you today?",

@@ -24,8 +24,8 @@ is filled into a checkpoint slot (`StateCheckpoints.adopt`, `BlockIO.fill_state`
 then restores as for any hit.
 
 TTL: a block written or used by a request is kept at least its `SamplingParams.cache_ttl` seconds
-more (default: the engine's `prompt_cache_ttl`), or its cache breakpoint's ttl when longer. Models with sliding windows are refused (their
-windowed groups' blocks are not stored).
+more (default: the engine's `prompt_cache_ttl`), or its cache breakpoint's ttl when longer.
+Models with sliding windows are refused (their windowed groups' blocks are not stored).
 """
 
 from __future__ import annotations
@@ -86,18 +86,21 @@ class DiskTier:
         self.store, self.io, self.block_size, self.default_ttl = store, io, block_size, default_ttl
         self.stats = DiskStats()
         self.writer = StoreWriter(store, self.stats)
-        # an engine dropped without close(), or the interpreter's exit: the queued writes finish, the thread ends
+        # an engine dropped without close(), or the interpreter's exit: the queued writes finish,
+        # the thread ends
         weakref.finalize(self, self.writer.close)
 
     def _ttl(self, req: Request, block: int) -> float:
-        """Seconds to keep block `block` of req: its cache_ttl (or the default), or its breakpoint's when longer."""
+        """Seconds to keep block `block` of req: its cache_ttl (or the default), or its breakpoint's
+        when longer."""
         params = req.sampling_params
         ttl = self.default_ttl if params.cache_ttl is None else params.cache_ttl
         marked = params.marked_ttl((block + 1) * self.block_size) if params.cache_breakpoints else None
         return ttl if marked is None else max(ttl, marked)
 
     def _digests(self, req: Request, n: int) -> list[bytes]:
-        return block_digests(req.token_ids, n, self.block_size, req.sampling_params.cache_salt, req.disk_digests)
+        salt = req.sampling_params.cache_salt
+        return block_digests(req.token_ids, n, self.block_size, salt, req.disk_digests)
 
     # ---- reading --------------------------------------------------------------------------
 
@@ -213,7 +216,8 @@ class DiskTier:
             blocks = self._to_write(new, False)
             for (d, ttl, _), payload in zip(blocks, self.io.copy_out([b for _, _, b in blocks])):
                 self.writer.write(d, payload, ttl)
-            prompt_states = [(r, i, slot) for r, i, slot in states if (i + 1) * self.block_size <= r.num_prompt_tokens]
+            prompt_states = [(r, i, slot) for r, i, slot in states
+                             if (i + 1) * self.block_size <= r.num_prompt_tokens]
             for d, ttl, slot in self._to_write(prompt_states, True):
                 self.writer.write(d, self.io.copy_state(slot), ttl)
         except Exception:
@@ -221,7 +225,8 @@ class DiskTier:
             log.exception("prompt cache: copying %d blocks out failed; they stay uncached on disk", len(new))
 
     def _to_write(self, new: list[tuple[Request, int, int]], states: bool) -> list[tuple[bytes, float, int]]:
-        """(digest, ttl, block id or state slot) of the entries not on disk yet; those on disk are refreshed."""
+        """(digest, ttl, block id or state slot) of the entries not on disk yet; those on disk are
+        refreshed."""
         out, seen = [], set()
         for req, i, where in new:
             d = self._digests(req, i + 1)[i]

@@ -12,7 +12,8 @@ from phasewise.core.store_writer import DiskStats
 
 
 class DraftProbs(Protocol):
-    """A proposer's q per draft token ([k, V] rows; a torch.Tensor): the core only cuts it to the drafts kept."""
+    """A proposer's q per draft token ([k, V] rows; a torch.Tensor): the core only cuts it to the
+    drafts kept."""
 
     def __getitem__(self, rows: slice) -> DraftProbs: ...
 
@@ -25,7 +26,8 @@ class NewRequest:
     prompt_token_ids: list[int]
     output_token_ids: list[int]           # outputs made elsewhere (a disaggregated prefill's first token)
     sampling_params: SamplingParams
-    grammar: Grammar | None               # the core's grammar (structured outputs, thinking): read, never advanced
+    grammar: Grammar | None               # the core's grammar (structured outputs, thinking):
+                                          # read, never advanced
 
     @classmethod
     def of(cls, req: Request) -> NewRequest:
@@ -45,7 +47,8 @@ class ScheduledChunk:
     overwritable slots.
     """
     request_id: str
-    start: int                            # the request's tokens with KV before the chunk (its first row's position)
+    start: int                            # the request's tokens with KV before the chunk
+                                          # (its first row's position)
     token_ids: list[int]                  # the chunk's own tokens (drafts not included)
     num_request_tokens: int               # the request's tokens (prompt + output) when scheduled
     num_prompt_tokens: int
@@ -96,7 +99,8 @@ class ScheduledChunk:
 @dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk]
-    num_prefill_tokens: int = 0        # tokens of chunks that are not the one-token decode of a running request
+    num_prefill_tokens: int = 0        # tokens of chunks that are not the one-token decode
+                                       # of a running request
     num_decode_tokens: int = 0
     num_draft_tokens: int = 0          # draft tokens to verify (known once the proposer has run)
     # a hybrid's recurrent-state copies (from slot, to slot) to make before the forward: checkpoints
@@ -119,7 +123,8 @@ class SampledToken:
 @dataclass
 class RunnerOutput:
     sampled: dict[str, SampledToken]   # request id → its new token (after any accepted drafts)
-    accepted: dict[str, list[SampledToken]] = field(default_factory=dict)  # request id → accepted drafts, in order
+    # request id → its accepted drafts, in order
+    accepted: dict[str, list[SampledToken]] = field(default_factory=dict)
     # request id → (first prompt position, its logprobs and the next ones'), for prompt_logprobs
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     propose_ms: float = 0.0            # the proposer's time (speculative decoding), within the step

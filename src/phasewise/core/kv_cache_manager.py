@@ -52,7 +52,8 @@ class KVCacheManager:
         self.block_size = block_size
         self.checkpoints = StateCheckpoints(num_state_slots, num_state_checkpoints) \
             if num_state_slots and num_state_checkpoints and enable_prefix_caching else None
-        self.enable_prefix_caching = enable_prefix_caching and (not num_state_slots or self.checkpoints is not None)
+        self.enable_prefix_caching = enable_prefix_caching and \
+            (not num_state_slots or self.checkpoints is not None)
         self.windows = tuple(windows)
         self.pool = BlockPool(num_blocks, now)
         self.num_state_slots = num_state_slots
@@ -117,12 +118,13 @@ class KVCacheManager:
                 limit = next((i for i, b in enumerate(hits) if b is None), limit)
             found.append(hits)
         if self.checkpoints is not None:          # a hybrid resumes from a state checkpoint: the last one
-            limit = next((n for n in range(limit, 0, -1) if self.checkpoints.lookup(*keys[n - 1]) is not None), 0)
+            checkpoints = self.checkpoints
+            limit = next((n for n in range(limit, 0, -1) if checkpoints.lookup(*keys[n - 1]) is not None), 0)
         for n in range(limit, 0, -1):             # the longest prefix whose windows are there too
             if all(b is not None for g, w in enumerate(self.windows) if w is not None
                    for b in found[g][self._first_needed(g, n * self.block_size):n]):
-                return [[NULL_BLOCK] * (first := self._first_needed(g, n * self.block_size)) + _held(found[g][first:n])
-                        for g in range(self.num_groups)]
+                firsts = [self._first_needed(g, n * self.block_size) for g in range(self.num_groups)]
+                return [[NULL_BLOCK] * first + _held(found[g][first:n]) for g, first in enumerate(firsts)]
         return empty
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -235,10 +237,12 @@ class KVCacheManager:
     # ---- KV handed from one engine to another (prefill/decode disaggregation) -----------
 
     def cached_prefix(self, token_ids: Sequence[int], salt: str | None = None) -> list[int]:
-        """The cached blocks holding the longest computed prefix of token_ids under this cache salt (whole
-        blocks, never the block of the last token, as a request would take them); full-attention models only."""
+        """The cached blocks holding the longest computed prefix of token_ids under this cache salt
+        (whole blocks, never the block of the last token, as a request would take them);
+        full-attention models only."""
         self._only_full("exporting KV blocks")
-        keys = chain_keys(token_ids, (len(token_ids) - 1) // self.block_size, self.block_size, root=salt_root(salt))
+        whole = (len(token_ids) - 1) // self.block_size
+        keys = chain_keys(token_ids, whole, self.block_size, root=salt_root(salt))
         blocks = []
         for h, key in keys:
             b = self.pool.lookup(h, key) if self.enable_prefix_caching else None
@@ -271,7 +275,8 @@ class KVCacheManager:
 
     def _only_full(self, what: str) -> None:
         if len(self.windows) != 1 or self.windows[0] is not None or self.num_state_slots:
-            raise ValueError(f"{what} is not implemented for models with sliding-window or recurrent layers yet")
+            raise ValueError(f"{what} is not implemented for models with sliding-window or recurrent "
+                             "layers yet")
 
     def free(self, request: Request) -> None:
         """Return every block of the request, tail first (so tails are evicted first)."""

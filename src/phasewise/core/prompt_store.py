@@ -201,7 +201,8 @@ def check_writable(directory: Path) -> None:
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
-        raise ValueError(f"the prompt cache directory {directory} is not writable: {e.strerror or e}") from None
+        raise ValueError(f"the prompt cache directory {directory} is not writable: "
+                         f"{e.strerror or e}") from None
 
 
 class CorruptEntry(Exception):

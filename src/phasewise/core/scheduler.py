@@ -93,7 +93,12 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             chunks.append(ScheduledChunk.of(req, n))
             budget -= n
-        # a hybrid's state copies go with the next step that runs (no forward writes a slot before it)
+        return self._hand_off(chunks)
+
+    def _hand_off(self, chunks: list[ScheduledChunk]) -> SchedulerOutput:
+        """The step's chunks as the runner takes them: with the requests it has not seen, those ended
+        since, the token counts and a hybrid's state copies (they go with the next step that runs: no
+        forward writes a slot before it)."""
         out = SchedulerOutput(chunks, state_copies=self.kv.take_state_copies() if chunks else [])
         if chunks:
             out.new_requests = [NewRequest.of(self.requests[c.request_id]) for c in chunks

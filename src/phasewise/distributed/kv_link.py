@@ -48,7 +48,8 @@ class KVLink:
         self._arrived: dict[int, Payload] = {}
         self._waiting: dict[int, Future[Payload]] = {}
         target = self._send_loop if role == "prefill" else self._receive_loop
-        threading.Thread(target=self._run, args=(init_method, target), name=f"kv-link-{role}", daemon=True).start()
+        threading.Thread(target=self._run, args=(init_method, target), name=f"kv-link-{role}",
+                         daemon=True).start()
 
     # ---- the two sides -----------------------------------------------------------------------------
 

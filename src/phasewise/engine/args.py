@@ -54,6 +54,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
                    help="split the model over this many processes on this machine (torch.distributed, gloo "
                         "on CPUs); each gets an equal share of the threads")
+    _add_speculative_args(g)
+
+
+def _add_speculative_args(g: argparse._ArgumentGroup) -> None:
+    """Speculative decoding's options, in the engine's group."""
     g.add_argument("--speculative", default=None, metavar="ngram|draft[:MODEL]|mtp",
                    help="speculative decoding: 'ngram' (prompt lookup), 'draft:MODEL' (a draft model with "
                         "the same tokenizer; plain 'draft' = this model at --draft-quantization) or 'mtp' "

@@ -15,6 +15,7 @@ import torch
 from phasewise.config import EngineConfig, SpeculativeConfig
 from phasewise.core.engine_core import EngineCore
 from phasewise.core.spec_policy import SpecPolicy
+from phasewise.distributed import TensorParallel
 from phasewise.kernels import build as kernel_build
 from phasewise.kernels.kernel_api import Kernels
 from phasewise.loading.loader import check_memory, load_config, load_prepared, parse_dtype, resolve_model_path
@@ -106,13 +107,7 @@ def build_engine(config: EngineConfig, clock: Clock | None = None) -> EnginePart
         if precision.weights == "q4" and not tp and str(config.device).startswith("cpu"):
             check_memory(model_path, num_blocks * kv_bytes_per_block(part, cache.block_size, kv_dtype)
                          + states * part.state_bytes_per_seq + tails * tail_bytes(part, kv_dtype))
-        with ThreadPoolExecutor(1) as pool:   # the tokenizer reads its files while the weights load
-            tokenizer_loading = pool.submit(_tokenizer, model_path, config.chat_template)
-            model, model_config = load_prepared(model_path, precision.weights, config.device, kernels,
-                                                plain=config.kernels == "torch", tp=tp,
-                                                packed_cache=config.packed_cache, mtp=spec.method == "mtp")
-            tokenizer = tokenizer_loading.result()
-        model.build_stack(_bound(kernels, precision.weights))   # the C++ decoder stack, where it can run
+        model, model_config, tokenizer = _load(config, model_path, precision.weights, kernels, tp)
         if tp:
             tp.broadcast("ready")                               # every rank has loaded its part
         max_len = config.scheduler.max_model_len or model_config.max_position_embeddings
@@ -255,6 +250,21 @@ def _draft_model(config: EngineConfig, target_path: Path, target: ModelConfig, k
                  grouped=False,   # read through the target's first group's table
                  num_state_slots=2 * state_slots if cfg.recurrent_layers else 0)
     return draft, kv
+
+
+def _load(config: EngineConfig, model_path: Path, weights: str, kernels: Kernels | None,
+          tp: TensorParallel | None) -> tuple[LlamaForCausalLM, ModelConfig, Tokenizer]:
+    """The model with its C++ decoder stack (where it can run), and its tokenizer, which reads its
+    files while the weights load."""
+    with ThreadPoolExecutor(1) as pool:
+        tokenizer_loading = pool.submit(_tokenizer, model_path, config.chat_template)
+        model, model_config = load_prepared(model_path, weights, config.device, kernels,
+                                            plain=config.kernels == "torch", tp=tp,
+                                            packed_cache=config.packed_cache,
+                                            mtp=config.speculative.method == "mtp")
+        tokenizer = tokenizer_loading.result()
+    model.build_stack(_bound(kernels, weights))
+    return model, model_config, tokenizer
 
 
 def _tokenizer(model_path: Path, chat_template: str | None) -> Tokenizer:

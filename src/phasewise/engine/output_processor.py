@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from phasewise.core.handoffs import RequestOutput
 from phasewise.core.request import FinishReason, Request
 from phasewise.outputs import CompletionOutput, StreamDelta
-from phasewise.tokenization.tokenizer import IncrementalDetokenizer, Tokenizer
+from phasewise.tokenization.detokenizer import IncrementalDetokenizer
+from phasewise.tokenization.tokenizer import Tokenizer
 
 
 @dataclass

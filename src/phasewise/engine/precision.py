@@ -101,7 +101,7 @@ def choose(path: Path, dtype: str, kv_dtype: str, kernels: Kernels | None, famil
     weight dtype keeps the KV cache in its float type unless int8 or int4 is asked for; "auto" weights take
     the int8 cache where kernels run and the family holds it (INT8_KV_HOLDS), int4 only where measured to
     hold (INT4_KV_HOLDS, or the file's own figures)."""
-    from phasewise.kernels.gguf_blocks import GGUF_BLOCKS
+    from phasewise.kernels.weight_formats import BY_GGUF_TYPE
 
     if dtype not in WEIGHT_DTYPES + ("auto",):
         raise ValueError(f"unsupported dtype {dtype!r} (choose from auto, {', '.join(WEIGHT_DTYPES)})")
@@ -117,9 +117,9 @@ def choose(path: Path, dtype: str, kv_dtype: str, kernels: Kernels | None, famil
                          + (_kv_note(family, kv, True) if asked
                             else "; a float KV cache (the int8 one needs them)"))
     types = gguf_block_types(path)
-    blocks = sorted(types & set(GGUF_BLOCKS))
+    blocks = sorted(types & set(BY_GGUF_TYPE))
     if blocks:
-        others = sorted(types - set(GGUF_BLOCKS) - {"F32", "F16", "BF16"})
+        others = sorted(types - set(BY_GGUF_TYPE) - {"F32", "F16", "BF16"})
         rest = f", int8 per channel for its {'/'.join(others)} layers" if others else ""
         kv, quality = _q4_kv(measured(path), kv_dtype, family)
         own = f"the file's own {'/'.join(blocks)} blocks{rest} on the {kernels.isa} kernels, {quality}"

@@ -20,7 +20,8 @@ def model_key(path: Path) -> str:
     """The model's content key: a file's (loading/file_key.py), or a folder's weights and config."""
     if path.is_file():
         return content_key(path)
-    files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf") or p.name == "config.json")
+    files = sorted(p for p in path.iterdir()
+                   if p.suffix in (".safetensors", ".bin", ".gguf") or p.name == "config.json")
     h = hashlib.sha256()
     for p in files:
         h.update(f"{p.name}:{content_key(p)};".encode())
@@ -42,8 +43,8 @@ def check_supported(config: EngineConfig, model: ModelConfig) -> None:
     if not config.cache.enable_prefix_caching:
         raise ValueError("--prompt-cache-dir needs prefix caching (the disk tier sits under it)")
     if any(w is not None for w in model.kv_group_windows):
-        raise ValueError(f"--prompt-cache-dir: {model.architecture} has sliding-window layers, which the disk "
-                         "tier does not store yet")
+        raise ValueError(f"--prompt-cache-dir: {model.architecture} has sliding-window layers, "
+                         "which the disk tier does not store yet")
     if config.tensor_parallel_size > 1:
         raise ValueError("--prompt-cache-dir is not implemented under tensor parallelism yet")
     check_writable(Path(config.cache.prompt_cache_dir or ".").expanduser())
@@ -56,6 +57,7 @@ def open_disk_tier(config: EngineConfig, model_path: Path, weights: str, cache: 
     c = config.cache
     if c.prompt_cache_dir is None:
         return None
-    store = PromptStore(Path(c.prompt_cache_dir).expanduser(), fingerprint(model_path, weights, cache, kernels),
+    key = fingerprint(model_path, weights, cache, kernels)
+    store = PromptStore(Path(c.prompt_cache_dir).expanduser(), key,
                         int(c.prompt_cache_size_gib * 2**30), clock or WallClock())
     return DiskTier(store, cache, c.block_size, c.prompt_cache_ttl)

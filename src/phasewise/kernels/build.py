@@ -37,9 +37,10 @@ from phasewise.kernels.kernel_api import Kernels
 
 CSRC = Path(__file__).parent / "csrc"
 BINDING_SOURCES = ("bindings.cpp", "kernel_set.cpp", "decoder_stack.cpp", "cache_views.cpp")
-KERNEL_SOURCES = ("cpu_ops.cpp", "kv_write.cpp", "paged_attention.cpp", "tile_attention.cpp", "quant_linear.cpp",
-                  "activation_quant.cpp", "dequantize_rows.cpp", "repack_gguf.cpp", "int8_peak.cpp", "decoder.cpp",
-                  "expert_mlp.cpp", "gated_delta.cpp", "short_conv.cpp", "thread_pool.cpp", "table.cpp")
+KERNEL_SOURCES = ("cpu_ops.cpp", "kv_write.cpp", "paged_attention.cpp", "tile_attention.cpp",
+                  "quant_linear.cpp", "activation_quant.cpp", "dequantize_rows.cpp", "repack_gguf.cpp",
+                  "int8_peak.cpp", "decoder.cpp", "expert_mlp.cpp", "gated_delta.cpp", "short_conv.cpp",
+                  "thread_pool.cpp", "table.cpp")
 COMMON_FLAGS = ("-std=c++17", "-O3", "-fPIC", "-ffast-math", "-fno-finite-math-only", "-fvisibility=hidden")
 # Attention gives a row the same bits whichever of its kernels reads it (csrc/attention.h): its files
 # keep every sum in the order written (no reassociation, no contraction beyond the explicit fmas).
@@ -47,11 +48,13 @@ COMMON_FLAGS = ("-std=c++17", "-O3", "-fPIC", "-ffast-math", "-fno-finite-math-o
 # register tile (the generic level's fma is a * b + c, which -ffast-math regrouped per tile height);
 # contraction stays on there (off, AVX-512's in-place q6k GEMV ran 1.15x slower).
 _IN_ORDER = ("-fno-associative-math", "-ffp-contract=off")
-# dequantize_rows gives the reference's bits (d q, then + m): no contraction there either (clang fused them);
+# dequantize_rows gives the reference's bits (d q, then + m): no contraction there either
+# (clang fused them);
 # kv_write quantizes an int8 cache's keys and values as layers/kv_int8.py does, value for value.
 # gated_delta keeps a row's bits whatever chunk or batch it runs in: no code path the compiler regroups.
-SOURCE_FLAGS = {"paged_attention.cpp": _IN_ORDER, "tile_attention.cpp": _IN_ORDER, "dequantize_rows.cpp": _IN_ORDER,
-                "kv_write.cpp": _IN_ORDER, "gated_delta.cpp": _IN_ORDER, "short_conv.cpp": _IN_ORDER, "quant_linear.cpp": ("-fno-associative-math",)}
+SOURCE_FLAGS = {"paged_attention.cpp": _IN_ORDER, "tile_attention.cpp": _IN_ORDER,
+                "dequantize_rows.cpp": _IN_ORDER, "kv_write.cpp": _IN_ORDER, "gated_delta.cpp": _IN_ORDER,
+                "short_conv.cpp": _IN_ORDER, "quant_linear.cpp": ("-fno-associative-math",)}
 
 
 def source_flags(src: str) -> tuple[str, ...]:
@@ -94,9 +97,11 @@ def threads_setup() -> Threads:
     if sys.platform != "darwin":
         return Threads(True, ("-fopenmp",), ("-fopenmp",))
     spec = importlib.util.find_spec("torch")
-    lib = Path(spec.submodule_search_locations[0]) / "lib" if spec and spec.submodule_search_locations else None
+    locations = spec.submodule_search_locations if spec else None
+    lib = Path(locations[0]) / "lib" if locations else None
     headers = [Path(p) for p in ("/opt/homebrew/opt/libomp/include", "/usr/local/opt/libomp/include")]
-    include = next((h for h in ([lib.parent / "include"] if lib else []) + headers if (h / "omp.h").exists()), None)
+    candidates = ([lib.parent / "include"] if lib else []) + headers
+    include = next((h for h in candidates if (h / "omp.h").exists()), None)
     if lib is None or not (lib / "libomp.dylib").exists() or include is None:
         return own
     return Threads(True, ("-Xpreprocessor", "-fopenmp", f"-I{include}"),
@@ -171,7 +176,8 @@ def _run(cmd: list[str]) -> None:
 
 
 def _put_ninja_on_path() -> None:
-    """cpp_extension runs `ninja` from PATH; the pip-installed one sits beside this Python (venv not activated)."""
+    """cpp_extension runs `ninja` from PATH; the pip-installed one sits beside this Python
+    (venv not activated)."""
     scripts = sysconfig.get_path("scripts")
     if shutil.which("ninja") is None and scripts and (Path(scripts) / "ninja").exists():
         os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
@@ -189,7 +195,8 @@ def bindings() -> ModuleType:
     # One build directory per checkout too: torch's ninja file names the sources by absolute path, so
     # two checkouts sharing one directory would rebuild it each time the other had run.
     where = hashlib.sha256(str(CSRC.resolve()).encode()).hexdigest()[:6]
-    build = default_cache_dir() / "kernels" / f"bindings-{torch.__version__.replace('+', '_')}-{digest}-{where}"
+    version = torch.__version__.replace('+', '_')
+    build = default_cache_dir() / "kernels" / f"bindings-{version}-{digest}-{where}"
     fresh = not any(build.glob("*.so"))
     if fresh:
         _say("building the torch bindings of the kernels (once per torch version, about a minute) ...")
@@ -239,7 +246,8 @@ def _load_level(level: Level) -> Kernels | None:
         return bindings().KernelSet(str(build_library(level)))
     except Exception as e:  # no compiler, no ninja, a read-only cache ...: run the reference path
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        warnings.warn(f"phasewise: could not build the {level.name} kernels ({first}); using PyTorch", stacklevel=2)
+        warnings.warn(f"phasewise: could not build the {level.name} kernels ({first}); using PyTorch",
+                      stacklevel=2)
         return None
 
 

@@ -1,4 +1,5 @@
-"""GGUF's block types read into our packed formats (kernels/quant.py), without rounding.
+"""GGUF's block types read into our packed formats (kernels/quant.py), without rounding: each type
+into the format whose record lists it (`gguf_types`, kernels/weight_formats.py).
 
 Each type decodes to integer values per block of 32 and that block's scales, then packs:
 - Q4_0, Q4_1 → q4 (Q4_0's m = -8 d); Q8_0 → q8; Q5_0 → q5 (its q - 16 is in -16..15);
@@ -21,9 +22,8 @@ import torch
 
 from phasewise.kernels import quant
 from phasewise.kernels.kernel_api import Kernels
+from phasewise.kernels.weight_formats import BY_GGUF_TYPE
 
-# GGUF type name → the packed format its blocks run in
-GGUF_BLOCKS = {"Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8", "Q5_0": "q5", "Q4_K": "k4", "Q5_K": "k6", "Q6_K": "q6k"}
 # the types the kernel library repacks itself (csrc/repack_gguf.cpp, the same bytes): ggml's type ids
 REPACKED = {"Q4_K": 12, "Q6_K": 14}
 
@@ -36,12 +36,14 @@ def _f16(b: np.ndarray) -> np.ndarray:
 def _nibbles(qs: np.ndarray, width: int) -> np.ndarray:
     """[n, c * width] bytes → [n, 2c, width]: each run's low nibbles, then its high ones."""
     n = qs.shape[0]
-    return (qs.reshape(n, -1, 1, width) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1) & 0x0F).reshape(n, -1, width)
+    shifts = np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    return (qs.reshape(n, -1, 1, width) >> shifts & 0x0F).reshape(n, -1, width)
 
 
-def decode(type_name: str, blocks: np.ndarray) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray] | None]:
+def decode(type_name: str,
+           blocks: np.ndarray) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray] | None]:
     """GGUF blocks [n, type bytes] uint8 → values [n, S, 32] int16, scales, each [n, S] fp32 (S blocks
-    of 32 per GGUF block), in the order quant.pack takes for GGUF_BLOCKS[type_name], and k4's
+    of 32 per GGUF block), in the order quant.pack takes for BY_GGUF_TYPE[type_name], and k4's
     super-block d and dmin (q6k's d), each [n, 1] (None for the others)."""
     from gguf.quants import Q4_K
 
@@ -51,10 +53,11 @@ def decode(type_name: str, blocks: np.ndarray) -> tuple[np.ndarray, list[np.ndar
         if type_name == "Q8_0":
             return blocks[:, 2:34].view(np.int8).astype(np.int16)[:, None], [d], None
         if type_name == "Q4_1":
-            return _nibbles(blocks[:, 4:20], 16).reshape(n, 1, 32).astype(np.int16), [d, _f16(blocks[:, 2:4])[:, None]], None
+            m = _f16(blocks[:, 2:4])[:, None]
+            return _nibbles(blocks[:, 4:20], 16).reshape(n, 1, 32).astype(np.int16), [d, m], None
         if type_name == "Q4_0":
             return _nibbles(blocks[:, 2:18], 16).reshape(n, 1, 32).astype(np.int16), [d, d * -8], None
-        qh32 = np.ascontiguousarray(blocks[:, 2:6]).view(np.uint32)                       # Q5_0: bit j is value j's
+        qh32 = np.ascontiguousarray(blocks[:, 2:6]).view(np.uint32)      # Q5_0: bit j is value j's
         high = ((qh32 >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16) << 4       # fifth bit
         low = _nibbles(blocks[:, 6:22], 16).reshape(n, 32).astype(np.int16)
         return ((low | high) - 16)[:, None], [d], None
@@ -69,7 +72,8 @@ def decode(type_name: str, blocks: np.ndarray) -> tuple[np.ndarray, list[np.ndar
         return q, [scale, np.ones_like(scale), np.ones_like(scale), low], None
     if type_name == "Q6_K":
         ql = _nibbles(blocks[:, 0:128], 64).reshape(n, 8, 32)
-        qh = (blocks[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
+        shifts = np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+        qh = (blocks[:, 128:192].reshape(n, 2, 1, 32) >> shifts) & 3
         q = (ql.astype(np.int16) | (qh.reshape(n, 8, 32).astype(np.int16) << 4)) - 32
         sc = blocks[:, 192:208].view(np.int8).astype(np.float32)                        # [n, 16]
         return q, [sc[:, 0::2], sc[:, 1::2]], [_f16(blocks[:, 208:210])[:, None]]
@@ -78,7 +82,7 @@ def decode(type_name: str, blocks: np.ndarray) -> tuple[np.ndarray, list[np.ndar
 
 def pack_gguf(type_name: str, raw: np.ndarray | torch.Tensor, chunk_rows: int = 2048,
               kernels: Kernels | None = None) -> quant.PackedWeight:
-    """Raw GGUF rows [N, row bytes] uint8 of a type in GGUF_BLOCKS → a PackedWeight, packed
+    """Raw GGUF rows [N, row bytes] uint8 of a type in BY_GGUF_TYPE → a PackedWeight, packed
     `chunk_rows` rows (whole tiles) at a time into one buffer, so decoding never holds more than a
     chunk's values (a 150k-row vocabulary's were several GB). With `kernels` (a KernelSet), the
     REPACKED types go through its repack_gguf instead (memory speed, the same bytes)."""
@@ -86,7 +90,7 @@ def pack_gguf(type_name: str, raw: np.ndarray | torch.Tensor, chunk_rows: int = 
 
     raw = raw.numpy() if isinstance(raw, torch.Tensor) else np.asarray(raw, dtype=np.uint8)
     size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][1]
-    rows, fmt = raw.shape[0], GGUF_BLOCKS[type_name]
+    rows, fmt = raw.shape[0], BY_GGUF_TYPE[type_name].name
     blocks: torch.Tensor | None = None
     side: torch.Tensor | None = None
     if kernels is not None and type_name in REPACKED and rows:
@@ -102,7 +106,8 @@ def pack_gguf(type_name: str, raw: np.ndarray | torch.Tensor, chunk_rows: int = 
         q, scales, sb = decode(type_name, part.reshape(-1, size))
         kb = q.shape[0] * q.shape[1] // part.shape[0]
         as_rows = lambda a: torch.from_numpy(np.ascontiguousarray(a).reshape(part.shape[0], -1))  # noqa: E731
-        packed = quant.pack(fmt, torch.from_numpy(q.reshape(part.shape[0], kb, quant.QK)), [as_rows(s) for s in scales],
+        values = torch.from_numpy(q.reshape(part.shape[0], kb, quant.QK))
+        packed = quant.pack(fmt, values, [as_rows(s) for s in scales],
                             None if sb is None else tuple(as_rows(x) for x in sb))
         if rows <= step:
             return packed

@@ -37,7 +37,8 @@ _X86_V3 = frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm
 LEVELS = (
     Level("generic", "x86_64", ("-march=x86-64", "-mtune=generic"), frozenset()),
     Level("avx2", "x86_64", ("-march=x86-64-v3", "-mtune=generic"), _X86_V3),
-    Level("avx512", "x86_64", ("-march=x86-64-v4", "-mavx512vnni", "-mprefer-vector-width=512", "-mtune=generic"),
+    Level("avx512", "x86_64",
+          ("-march=x86-64-v4", "-mavx512vnni", "-mprefer-vector-width=512", "-mtune=generic"),
           _X86_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_vnni"}),
     Level("generic", "aarch64", ("-march=armv8-a", "-DPW_GENERIC"), frozenset()),
     Level("neon", "aarch64", ("-march=armv8-a",), frozenset({"asimd"})),
@@ -70,7 +71,8 @@ def cpu_features() -> frozenset[str]:
     if not text and platform.system() == "Darwin" and machine_arch() == "aarch64":
         feats.add("asimd")
         try:
-            out = subprocess.run(["sysctl", "-n", "hw.optional.arm.FEAT_DotProd"], capture_output=True, text=True)
+            out = subprocess.run(["sysctl", "-n", "hw.optional.arm.FEAT_DotProd"],
+                                 capture_output=True, text=True)
             if out.stdout.strip() == "1":
                 feats.add("asimddp")
         except OSError:

@@ -1,4 +1,5 @@
-"""Kernels: the typed surface of the compiled `KernelSet` (csrc/bindings.cpp), as the Python side uses it.
+"""Kernels: the typed surface of the compiled `KernelSet` (csrc/bindings.cpp), as the Python side
+uses it.
 
 Every place that takes the engine's kernels takes `Kernels | None` (None: the PyTorch reference
 path). Shapes and formats are documented where each op is declared (csrc/kernels.h).
@@ -13,9 +14,10 @@ from torch import Tensor
 # A packed weight as the ops take it: (format id, rows, blocks, scale or None); a fused projection's
 # further parts (csrc/kernel_set.h PartArgs)
 WeightPart = tuple[int, int, Tensor, Union[Tensor, None]]
-# one linear layer's blocks as quant_linear and the decoder stack take them (decoder_stack.h QuantLinearArgs):
-# (format id, rows, blocks, scale, bias, u5 tiles, further parts)
-PackedLinearArgs = tuple[int, int, Tensor, Union[Tensor, None], Union[Tensor, None], int, Sequence[WeightPart]]
+# one linear layer's blocks as quant_linear and the decoder stack take them
+# (decoder_stack.h QuantLinearArgs): (format id, rows, blocks, scale, bias, u5 tiles, further parts)
+PackedLinearArgs = tuple[int, int, Tensor, Union[Tensor, None], Union[Tensor, None], int,
+                         Sequence[WeightPart]]
 
 
 class StackSparse(NamedTuple):
@@ -75,9 +77,10 @@ class DecoderStack(Protocol):
     """A Llama-family model's decoder layers on the kernels (csrc/decoder_stack.cpp)."""
 
     def forward(self, x: Tensor, positions: Tensor, slots: Sequence[Tensor], kv: Sequence[Sequence[Tensor]],
-                tables: Sequence[Tensor], row_seq: Sequence[Tensor], row_len: Sequence[Tensor], block_size: int,
-                keep: Tensor | None = None, expert_counts: Tensor | None = None, sequences: Tensor | None = None,
-                snapshots: Tensor | None = None, kv_seqs: Tensor | None = None) -> Tensor: ...
+                tables: Sequence[Tensor], row_seq: Sequence[Tensor], row_len: Sequence[Tensor],
+                block_size: int, keep: Tensor | None = None, expert_counts: Tensor | None = None,
+                sequences: Tensor | None = None, snapshots: Tensor | None = None,
+                kv_seqs: Tensor | None = None) -> Tensor: ...
 
 
 class Kernels(Protocol):
@@ -87,18 +90,20 @@ class Kernels(Protocol):
     @property
     def isa(self) -> str: ...
 
-    def paged_attention(self, q: Tensor, kv: Sequence[Tensor], block_tables: Tensor, row_seq: Tensor, row_len: Tensor,
-                        seqs: Tensor, block_size: int, scale: float, fresh: Tensor | None = None,
-                        window: int = 0, fresh_v: Tensor | None = None) -> Tensor: ...
+    def paged_attention(self, q: Tensor, kv: Sequence[Tensor], block_tables: Tensor, row_seq: Tensor,
+                        row_len: Tensor, seqs: Tensor, block_size: int, scale: float,
+                        fresh: Tensor | None = None, window: int = 0,
+                        fresh_v: Tensor | None = None) -> Tensor: ...
 
     def rope_and_cache(self, qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, kv: Sequence[Tensor],
                        slots: Tensor, Hq: int, Hkv: int, block_tables: Tensor, seqs: Tensor,
                        block_size: int) -> list[Tensor]: ...
 
-    def write_kv(self, k: Tensor, v: Tensor, kv: Sequence[Tensor], slots: Tensor, block_tables: Tensor, seqs: Tensor,
-                 block_size: int) -> None: ...
+    def write_kv(self, k: Tensor, v: Tensor, kv: Sequence[Tensor], slots: Tensor, block_tables: Tensor,
+                 seqs: Tensor, block_size: int) -> None: ...
 
-    def rms_norm(self, x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> list[Tensor]: ...
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float,
+                 residual: Tensor | None = None) -> list[Tensor]: ...
 
     def silu_and_mul(self, x: Tensor, gelu: bool = False) -> Tensor: ...
 
@@ -111,25 +116,28 @@ class Kernels(Protocol):
     def int8_peak_gops(self, iters: int = 20_000_000) -> float: ...
 
     def quant_linear(self, x: Tensor, fmt: int, N: int, blocks: Tensor, scale: Tensor | None = None,
-                     bias: Tensor | None = None, u5_tiles: int = 0, rest: Sequence[WeightPart] = ()) -> Tensor: ...
+                     bias: Tensor | None = None, u5_tiles: int = 0,
+                     rest: Sequence[WeightPart] = ()) -> Tensor: ...
 
     def repack_gguf(self, type: int, raw: Tensor, N: int, K: int) -> list[Tensor]: ...
 
-    def expert_mlp(self, x: Tensor, ids: Tensor, weights: Tensor, gate: WeightPart, up: WeightPart, down: WeightPart,
-                   experts: int, gelu: bool = False) -> Tensor: ...
+    def expert_mlp(self, x: Tensor, ids: Tensor, weights: Tensor, gate: WeightPart, up: WeightPart,
+                   down: WeightPart, experts: int, gelu: bool = False) -> Tensor: ...
 
     def float_linear(self, x: Tensor, weight: Tensor) -> Tensor: ...
 
     def moe_route(self, logits: Tensor, k: int, renorm: bool, topk_softmax: bool = False) -> list[Tensor]: ...
 
     def delta_net_mix(self, qkv: Tensor, a: Tensor, b: Tensor, conv_w: Tensor, neg_A: Tensor, dt_bias: Tensor,
-                      conv_states: Tensor, states: Tensor, query_lens: Sequence[int], context_lens: Sequence[int],
-                      slots: Sequence[int], z: Tensor | None = None, norm_w: Tensor | None = None,
-                      eps: float = 1e-6, tiled: bool = False) -> Tensor: ...
+                      conv_states: Tensor, states: Tensor, query_lens: Sequence[int],
+                      context_lens: Sequence[int], slots: Sequence[int], z: Tensor | None = None,
+                      norm_w: Tensor | None = None, eps: float = 1e-6, tiled: bool = False) -> Tensor: ...
 
-    def dequantize_rows(self, ids: Tensor, fmt: int, N: int, blocks: Tensor, scale: Tensor | None = None) -> Tensor: ...
+    def dequantize_rows(self, ids: Tensor, fmt: int, N: int, blocks: Tensor,
+                        scale: Tensor | None = None) -> Tensor: ...
 
-    def decoder_stack(self, layers: Sequence[StackLayer], final_norm: Tensor, cos: Tensor, sin: Tensor, Hq: int,
-                      Hkv: int, D: int, eps: float, scale: float = 0.0, gelu: bool = False) -> DecoderStack: ...
+    def decoder_stack(self, layers: Sequence[StackLayer], final_norm: Tensor, cos: Tensor, sin: Tensor,
+                      Hq: int, Hkv: int, D: int, eps: float, scale: float = 0.0,
+                      gelu: bool = False) -> DecoderStack: ...
 
     def stack_fields(self) -> tuple[list[str], list[str], list[str]]: ...

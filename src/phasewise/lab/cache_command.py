@@ -23,10 +23,11 @@ def add_parser(sub: argparse._SubParsersAction[ParserT]) -> None:
     cache = sub.add_parser("cache", help="show or clear the packed-weight cache (<cache>/packed; its limit: "
                                          f"${ENV}, default 16G)")
     verbs = cache.add_subparsers(dest="verb", required=True)
-    listing = verbs.add_parser("list", help="every pack: its model file, size, last use, whether a source is present")
+    listing = verbs.add_parser("list", help="every pack: its model file, size, last use, "
+                                            "whether a source is present")
     listing.set_defaults(func=cmd_list)
-    prune = verbs.add_parser("prune", help="remove packs whose model files are all gone, then the least recently "
-                                           "used ones past the limit")
+    prune = verbs.add_parser("prune", help="remove packs whose model files are all gone, "
+                                           "then the least recently used ones past the limit")
     which = prune.add_mutually_exclusive_group()
     which.add_argument("--max-size", type=_size_arg, default=None, metavar="SIZE",
                        help=f"keep at most SIZE (e.g. 4G; default: ${ENV} or 16G)")

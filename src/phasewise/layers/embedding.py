@@ -37,7 +37,7 @@ class Embedding(UsesKernels, nn.Module):
             raise ValueError(f"a [{weight.n}, {weight.k}] table for a [{self.num_embeddings}, "
                              f"{self.embedding_dim}] embedding")
         self.weight = None
-        self.form, self.fmt, self.fmt_id = "blocks", weight.fmt, quant.FORMAT_IDS[weight.fmt]
+        self.form, self.fmt, self.fmt_id = "blocks", weight.fmt, weight.format.id
         self.register_buffer("blocks", weight.blocks)
         self.register_buffer("scale", weight.scale)
 

@@ -72,7 +72,7 @@ class Linear(UsesKernels, nn.Module):
             raise ValueError(f"a [{weight.rows}, {weight.k}] weight for a [{self.out_features}, "
                              f"{self.in_features}] layer")
         self._drop_weight()
-        self.form, self.fmt, self.fmt_id = "blocks", weight.fmt, quant.FORMAT_IDS[weight.fmt]
+        self.form, self.fmt, self.fmt_id = "blocks", weight.fmt, weight.format.id
         self.part_rows, self.u5_tiles = weight.n, weight.u5_tiles
         self.register_buffer("blocks", weight.blocks)
         self.register_buffer("scale", weight.scale)
@@ -130,7 +130,7 @@ class Linear(UsesKernels, nn.Module):
     def packed_args(self) -> PackedLinearArgs:
         """The kernels' description of the blocks: (format id, rows, blocks, scale, bias, u5 tiles, further
         parts)."""
-        rest: list[WeightPart] = [(quant.FORMAT_IDS[fmt], n, getattr(self, f"blocks{i}"),
+        rest: list[WeightPart] = [(quant.FORMATS[fmt].id, n, getattr(self, f"blocks{i}"),
                                    getattr(self, f"scale{i}"))
                                   for i, (fmt, n) in enumerate(self.rest, 1)]
         bias = None if self.bias is None else self.bias.detach()

@@ -74,16 +74,7 @@ def load_model(path: Path, dtype: torch.dtype | str = torch.float32, device: tor
     """
     weight_format = dtype if isinstance(dtype, str) and dtype in WEIGHT_FORMATS else None
     dtype = parse_dtype(dtype)
-    gguf = None
-    checkpoint: Iterator[tuple[str, Readable]]
-    if path.is_dir():
-        cfg = ModelConfig.from_hf(path)
-        safetensors_files(path)  # fail early and clearly when there are no weights
-        checkpoint = hf_tensors(path)
-    else:
-        gguf = GGUFFile(path)
-        cfg = gguf.model_config()
-        checkpoint = gguf.hf_tensors(cfg)
+    cfg, gguf, checkpoint = _open_checkpoint(path)
     if cfg.mtp_layers and not mtp:
         cfg = replace(cfg, mtp_layers=0)
     full = cfg
@@ -104,14 +95,7 @@ def load_model(path: Path, dtype: torch.dtype | str = torch.float32, device: tor
     for m in model.modules():
         if isinstance(m, RotaryEmbedding):
             m.reset_parameters()
-    with torch.no_grad():
-        try:
-            loaded = model.load_weights(weights)
-        except ModelLoadError:
-            raise
-        except (KeyError, ValueError) as e:  # a tensor with no place in the model, or the wrong shape
-            msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-            raise ModelLoadError(f"{path}: {msg}") from None
+    loaded = _read_weights(model, weights, path)
     fill_file_weights(model, plan)            # the planned layers' fp32 weights were never written
     missing = model.expected_weights() - loaded
     if missing:
@@ -120,6 +104,31 @@ def load_model(path: Path, dtype: torch.dtype | str = torch.float32, device: tor
     if weight_format:
         quantize_rest(model)
     return model.eval(), cfg
+
+
+def _open_checkpoint(path: Path) -> tuple[ModelConfig, GGUFFile | None, Iterator[tuple[str, Readable]]]:
+    """The model's config, its GGUF (None for an HF folder) and the checkpoint's tensors by HF name."""
+    if path.is_dir():
+        cfg = ModelConfig.from_hf(path)
+        safetensors_files(path)  # fail early and clearly when there are no weights
+        return cfg, None, hf_tensors(path)
+    gguf = GGUFFile(path)
+    cfg = gguf.model_config()
+    return cfg, gguf, gguf.hf_tensors(cfg)
+
+
+def _read_weights(model: LlamaForCausalLM, weights: Iterator[tuple[str, torch.Tensor]],
+                  path: Path) -> set[str]:
+    """Load `weights` into `model`; the names loaded. A tensor with no place in the model, or of the
+    wrong shape, is a ModelLoadError naming `path`."""
+    with torch.no_grad():
+        try:
+            return model.load_weights(weights)
+        except ModelLoadError:
+            raise
+        except (KeyError, ValueError) as e:
+            msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+            raise ModelLoadError(f"{path}: {msg}") from None
 
 
 def materialize(model: nn.Module, device: torch.device | str) -> None:

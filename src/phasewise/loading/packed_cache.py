@@ -33,8 +33,8 @@ from phasewise.kernels import quant
 from phasewise.loading.file_key import content_key
 from phasewise.loading.pack_store import SUFFIX, PackStore, max_bytes
 
-PACK_VERSION = 4          # bump when kernels/quant.py's layouts or this file's change (2: k4, q6k at the file's
-                          # width; 3: parts; 4: a JSON header and raw tensors, written in place)
+PACK_VERSION = 4          # bump when kernels/quant.py's layouts or this file's change (2: k4, q6k at
+                          # the file's width; 3: parts; 4: a JSON header and raw tensors, written in place)
 MIN_BYTES = 32 << 20      # smaller GGUFs pack in well under a second: not cached
 MAGIC = b"PWPACK\x00\x01"
 ALIGN = 4096              # each tensor's offset: page-aligned, so any view of it is aligned for every dtype
@@ -99,7 +99,8 @@ class _Layout:
 
     def record(self, w: quant.PackedWeight) -> _Record:
         return {"fmt": w.fmt, "n": w.n, "k": w.k, "u5_tiles": w.u5_tiles, "blocks": self._place(w.blocks),
-                "scale": None if w.scale is None else self._place(w.scale), "rest": [self.record(p) for p in w.rest]}
+                "scale": None if w.scale is None else self._place(w.scale),
+                "rest": [self.record(p) for p in w.rest]}
 
     def _place(self, t: torch.Tensor) -> _Entry:
         offset, self.size = self.size, _align(self.size + t.numel() * t.element_size())
@@ -138,8 +139,8 @@ def _weights(header: _Header, base: torch.Tensor, start: int
 
     def weight(r: _Record) -> quant.PackedWeight:
         return quant.PackedWeight(fmt=r["fmt"], n=r["n"], k=r["k"], blocks=view(r["blocks"]),
-                                  scale=None if r["scale"] is None else view(r["scale"]), u5_tiles=r["u5_tiles"],
-                                  rest=tuple(weight(p) for p in r["rest"]))
+                                  scale=None if r["scale"] is None else view(r["scale"]),
+                                  u5_tiles=r["u5_tiles"], rest=tuple(weight(p) for p in r["rest"]))
 
     linears = {p: weight(r) for p, r in header["linears"].items()}
     table = header["embedding"]
@@ -189,10 +190,13 @@ class Writer:
             nt = p.blocks.shape[0]
             whole = tile == 0 and (s.n, s.u5_tiles, s.blocks.shape[0]) == (p.n, p.u5_tiles, nt)
             rows = len(slot.parts) == 1 and not p.u5_tiles and tile + nt <= s.blocks.shape[0]
-            side = (None, None) if s.scale is None or p.scale is None else (s.scale.shape[1:], p.scale.shape[1:])
-            if (s.fmt, s.k, s.blocks.shape[1:]) != (p.fmt, p.k, p.blocks.shape[1:]) or not (whole or rows) or \
+            side = (None, None) if s.scale is None or p.scale is None else \
+                (s.scale.shape[1:], p.scale.shape[1:])
+            if (s.fmt, s.k, s.blocks.shape[1:]) != (p.fmt, p.k, p.blocks.shape[1:]) or \
+                    not (whole or rows) or \
                     (s.scale is None) != (p.scale is None) or side[0] != side[1]:
-                raise ValueError(f"a packed {p.fmt} [{p.n}, {p.k}] weight does not fit its {s.fmt} [{s.n}, {s.k}] slot")
+                raise ValueError(f"a packed {p.fmt} [{p.n}, {p.k}] weight does not fit its "
+                                 f"{s.fmt} [{s.n}, {s.k}] slot")
             s.blocks[tile:tile + nt].copy_(p.blocks)
             if s.scale is not None and p.scale is not None:     # both or neither (checked above)
                 s.scale[tile:tile + nt].copy_(p.scale)
@@ -203,14 +207,15 @@ class Writer:
             os.replace(self.partial, self.path)
             self.store.add_source(self.path, self.source)
         except OSError as e:
-            print(f"phasewise: warning: cannot write the packed-weight cache {self.path}: {e}", file=sys.stderr)
+            print(f"phasewise: warning: cannot write the packed-weight cache {self.path}: {e}",
+                  file=sys.stderr)
 
     def abort(self) -> None:
         self.partial.unlink(missing_ok=True)
 
 
-def create(path: Path, source: Path, linears: dict[str, quant.PackedWeight], embedding: quant.PackedWeight | None,
-           names: set[str]) -> Writer | None:
+def create(path: Path, source: Path, linears: dict[str, quant.PackedWeight],
+           embedding: quant.PackedWeight | None, names: set[str]) -> Writer | None:
     """A Writer of the cache file `path` for the GGUF `source`; None (with a warning) when it cannot
     be made (a full disk costs the next load its speed, nothing else)."""
     try:
@@ -234,8 +239,9 @@ def load(path: Path) -> tuple[dict[str, quant.PackedWeight], quant.PackedWeight 
             raise ValueError(f"{size} bytes, the header says {header['size']}")
         base = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)   # copy-on-write map
         linears, embedding = _weights(header, base, start)
-        for w in [p for w in [*linears.values(), *([embedding] if embedding is not None else [])] for p in w.parts]:
-            if w.fmt not in quant.FORMAT_IDS or w.blocks.shape[-1] != quant.BLOCK_BYTES[w.fmt] or \
+        weights = [*linears.values(), *([embedding] if embedding is not None else [])]
+        for w in [p for w in weights for p in w.parts]:
+            if w.fmt not in quant.FORMATS or w.blocks.shape[-1] != w.format.block_bytes or \
                     w.blocks.shape[0] * quant.TILE < w.n or w.blocks.shape[1] * quant.QK != w.k:
                 return None
         return linears, embedding, set(header["names"])

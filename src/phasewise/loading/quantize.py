@@ -30,7 +30,8 @@ from torch import nn
 
 from phasewise.distributed import TensorParallel
 from phasewise.kernels import quant
-from phasewise.kernels.gguf_blocks import GGUF_BLOCKS, pack_gguf
+from phasewise.kernels.gguf_blocks import pack_gguf
+from phasewise.kernels.weight_formats import BY_GGUF_TYPE, INT8, fused_formats
 from phasewise.layers.embedding import Embedding
 from phasewise.layers.linear import Linear
 from phasewise.loading import packed_cache
@@ -59,11 +60,10 @@ class FileWeights:
 def plan_file_weights(model: nn.Module, cfg: ModelConfig, gguf: GGUFFile, tp: TensorParallel | None = None,
                       cache: bool = True, kernels: Kernels | None = None,
                       min_bytes: int = packed_cache.MIN_BYTES) -> FileWeights:
-    """Pack every linear layer of `model` (meta or not) the file holds in blocks, and the token table (without
-    tp); `cfg` is the whole model's. With `cache` (no tp; a GGUF of `min_bytes` or more) they come from the
-    packed-weight cache (loading/packed_cache.py) or are packed straight into a new cache file, which they
-    then are views of. `kernels` (or None) repacks the types it can (pack_gguf). A tensor's pages of the
-    file's map go once it is packed: memory holds the packed weights and a layer."""
+    """Pack every linear layer of `model` (meta or not) the file holds in blocks, and the token table (no
+    tp); `cfg` is the whole model's. With `cache` (no tp; a GGUF of `min_bytes` or more) they are views of
+    the packed-weight cache's file (loading/packed_cache.py), found or packed into; `kernels` repack
+    what they can. A tensor's pages of the file's map go once packed: memory holds the packed weights."""
     wanted = cache and tp is None and packed_cache.wanted(gguf.path, min_bytes)
     where = packed_cache.cache_path(gguf.path) if wanted else None
     kept = packed_cache.load(where) if where is not None else None
@@ -100,13 +100,8 @@ def plan_file_weights(model: nn.Module, cfg: ModelConfig, gguf: GGUFFile, tp: Te
                 if found is not None:
                     plan.linears[path], names = found
                     plan.names.update(names)
-        if layout is not None and plan.linears.keys() != layout.linears.keys():
-            raise RuntimeError(f"packed {sorted(plan.linears.keys() ^ layout.linears.keys())[:3]} unlike "
-                               "their layout")
-        if layout is not None and layout.embedding is not None:       # the token table, in blocks
-            plan.embedding = plan.linears["lm_head"] if own_table is None else \
-                _pack_table(own_table, writer, kernels, progress)         # tied: the head's
-            plan.names.add("model.embed_tokens.weight")
+        if layout is not None:
+            _add_table(plan, layout, own_table, writer, kernels, progress)
         if writer is not None:
             writer.commit()
     except BaseException:
@@ -116,6 +111,19 @@ def plan_file_weights(model: nn.Module, cfg: ModelConfig, gguf: GGUFFile, tp: Te
     finally:
         progress.done()
     return plan
+
+
+def _add_table(plan: FileWeights, layout: FileWeights, own_table: GGUFTensor | None,
+               writer: packed_cache.Writer | None, kernels: Kernels | None, progress: _Progress) -> None:
+    """Check the packed layers against their layout, then add the token table in blocks where the
+    layout has it: the head's when tied, else `own_table` packed."""
+    if plan.linears.keys() != layout.linears.keys():
+        raise RuntimeError(f"packed {sorted(plan.linears.keys() ^ layout.linears.keys())[:3]} unlike "
+                           "their layout")
+    if layout.embedding is not None:
+        plan.embedding = plan.linears["lm_head"] if own_table is None else \
+            _pack_table(own_table, writer, kernels, progress)
+        plan.names.add("model.embed_tokens.weight")
 
 
 def _untied(layout: FileWeights | None) -> bool:
@@ -146,7 +154,7 @@ def file_layout(model: nn.Module, cfg: ModelConfig, gguf: GGUFFile) -> FileWeigh
             plan.linears[path], names = found
             plan.names.update(names)
     table = gguf.weight("model.embed_tokens.weight", cfg)
-    if table is not None and table.type_name in GGUF_BLOCKS:
+    if table is not None and table.type_name in BY_GGUF_TYPE:
         head = plan.linears.get("lm_head")
         tied = cfg.tie_word_embeddings and head is not None and "output.weight" not in gguf.tensors
         plan.embedding = head if tied else _full_width(_stand_in(table.type_name, *table.shape))
@@ -157,12 +165,10 @@ def file_layout(model: nn.Module, cfg: ModelConfig, gguf: GGUFFile) -> FileWeigh
 def _stand_in(type_name: str, n: int, k: int) -> quant.PackedWeight:
     """Rows [n, k] of a GGUF type as pack_gguf packs them, but one block wide: what quant.concat
     needs to lay out a fused projection (its tiles), on the CPU (ops on meta tensors import dynamo)."""
-    fmt, nt = GGUF_BLOCKS[type_name], -(-n // quant.TILE)
-    scale = torch.zeros(nt, 1, quant.TILE * quant.SUPER_SCALES[fmt], dtype=torch.float16) \
-        if fmt in quant.SUPER_SCALES else None
-    return quant.PackedWeight(fmt=fmt, n=n, k=k,
-                              blocks=torch.zeros(nt, 1, quant.BLOCK_BYTES[fmt], dtype=torch.uint8),
-                              scale=scale)
+    f, nt = BY_GGUF_TYPE[type_name], -(-n // quant.TILE)
+    scale = torch.zeros(nt, 1, quant.TILE * f.super_scales, dtype=torch.float16) if f.super_scales else None
+    return quant.PackedWeight(fmt=f.name, n=n, k=k,
+                              blocks=torch.zeros(nt, 1, f.block_bytes, dtype=torch.uint8), scale=scale)
 
 
 def _full_width(w: quant.PackedWeight) -> quant.PackedWeight:
@@ -178,7 +184,7 @@ def _one_part(gguf: GGUFFile, cfg: ModelConfig, path: str) -> GGUFTensor | None:
     """Layer `path`'s weight when it is one tensor of the file in blocks, stored in HF row order."""
     names = part_names(gguf, cfg, path)
     weight = gguf.weight(names[0], cfg) if len(names) == 1 else None
-    return weight if weight is not None and weight.type_name in GGUF_BLOCKS and not weight.heads else None
+    return weight if weight is not None and weight.type_name in BY_GGUF_TYPE and not weight.heads else None
 
 
 def _pack_into(writer: packed_cache.Writer, slot: quant.PackedWeight, weight: GGUFTensor,
@@ -251,16 +257,14 @@ def packed_bytes(model: nn.Module, cfg: ModelConfig, gguf: GGUFFile) -> tuple[fl
         parts = [p for p in found if p is not None]
         if len(parts) < len(found):
             continue
-        fmts = [GGUF_BLOCKS.get(p.type_name, "i8") for p in parts]
-        if "i8" in fmts or (set(fmts) == {"q5", "q8"} and fmts == sorted(fmts, key=lambda f: f == "q8")):
-            fmts = ["i8" if "i8" in fmts else "q8"] * len(fmts)     # int8 throughout; q5 parts as U5 bytes
-        packed += sum(quant.bits_per_weight(f) / 8 * p.shape[0]
-                      for f, p in zip(fmts, parts)) * linear.in_features
+        # int8 throughout when a part is in no block format; q5 parts before q8 ones as U5 bytes
+        fmts = fused_formats([BY_GGUF_TYPE.get(p.type_name, INT8) for p in parts])
+        packed += sum(f.bits_per_weight() / 8 * p.shape[0] for f, p in zip(fmts, parts)) * linear.in_features
         stored += sum(p.data.nbytes for p in parts)
     table = gguf.weight("model.embed_tokens.weight", cfg)
     if table is not None and (not cfg.tie_word_embeddings or "output.weight" in gguf.tensors):
-        fmt = GGUF_BLOCKS.get(table.type_name, "i8")
-        packed += quant.bits_per_weight(fmt) / 8 * table.shape[0] * table.shape[1]
+        fmt = BY_GGUF_TYPE.get(table.type_name, INT8)
+        packed += fmt.bits_per_weight() / 8 * table.shape[0] * table.shape[1]
         stored += table.data.nbytes
     return packed, stored
 
@@ -314,7 +318,7 @@ def file_blocks(gguf: GGUFFile, cfg: ModelConfig, path: str, tp: TensorParallel 
     parts = []
     for hf_name in names:
         weight = gguf.weight(hf_name, cfg)
-        if weight is None or weight.type_name not in GGUF_BLOCKS:
+        if weight is None or weight.type_name not in BY_GGUF_TYPE:
             return None
         if meta:
             parts.append(_stand_in(weight.type_name, *weight.shape))

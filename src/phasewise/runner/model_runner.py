@@ -30,7 +30,8 @@ from phasewise.runner.kv_cache import KVCache
 from phasewise.runner.model_api import CausalLM
 from phasewise.runner.request_state import RequestState, RequestStates
 from phasewise.runner.step_extras import StepExtras
-from phasewise.sampling.sampler import GrammarCheck, SamplingMetadata, sample
+from phasewise.sampling.metadata import SamplingMetadata
+from phasewise.sampling.sampler import GrammarCheck, sample
 from phasewise.sampling.verify import verify
 from phasewise.structured import StepMasks
 

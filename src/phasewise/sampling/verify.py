@@ -19,7 +19,8 @@ from torch import Tensor
 
 from phasewise.core.handoffs import SampledToken, ScheduledChunk
 from phasewise.core.request import SequenceView, TokenLogprobs
-from phasewise.sampling.sampler import SamplingMetadata, compute_logprobs, distribution, exponential_noise
+from phasewise.sampling.metadata import SamplingMetadata
+from phasewise.sampling.sampler import compute_logprobs, distribution, exponential_noise
 from phasewise.sampling.rejection import greedy_verify, rejection_sample
 from phasewise.kernels.kernel_api import Kernels
 

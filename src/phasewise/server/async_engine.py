@@ -19,16 +19,16 @@ import logging
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from functools import partial
-from typing import ParamSpec, TypeAlias, TypeVar
+from typing import ParamSpec, TypeVar
 
-from phasewise.core.request import Request
 from phasewise.engine.client import ChatPrompt, EngineBrokenError, EngineClient, Prompt
 from phasewise.outputs import StreamDelta
 from phasewise.core.sampling_params import SamplingParams
 from phasewise.server.errors import EngineDeadError, EngineError
 from phasewise.server.request_stream import RequestStream
+from phasewise.server.engine_commands import (Abort, Add, Call, Command, Live, Routed, SubRequest, post,
+                                              resolve)
 from phasewise.server.observer import Observer, Observers
 from phasewise.server.server_stats import ServerStats
 
@@ -36,43 +36,6 @@ log = logging.getLogger("phasewise.server")
 
 T = TypeVar("T")
 P = ParamSpec("P")
-
-
-@dataclass
-class SubRequest:
-    """One engine request of an API call (an API call with n > 1 or several prompts has several)."""
-    request_id: str
-    # a chat call's: its ChatPrompt (messages, tools, template variables)
-    prompt: Prompt | ChatPrompt
-    params: SamplingParams
-
-
-@dataclass
-class _Add:
-    items: list[SubRequest]
-    chat: bool
-    future: asyncio.Future[None]
-
-
-@dataclass
-class _Live:
-    request: Request
-    loop: asyncio.AbstractEventLoop            # where its stream lives
-
-
-@dataclass
-class _Abort:
-    request_ids: list[str]
-
-
-@dataclass
-class _Call:
-    fn: Callable[[EngineClient], None]         # runs the caller's function; `call` keeps its result
-    future: asyncio.Future[None]
-
-
-_Command: TypeAlias = _Add | _Abort | _Call
-_Routed: TypeAlias = tuple[str, StreamDelta | Exception]   # (request id, a delta or the error that ends it)
 
 
 class AsyncEngine:
@@ -91,16 +54,16 @@ class AsyncEngine:
         built: list[BaseException] = []          # what building the engine raised, if it did
         ready = threading.Event()
         self._cond = threading.Condition()
-        self._inbox: list[_Command] = []
+        self._inbox: list[Command] = []
         # commands the thread took from the inbox and has not yet handled
-        self._taken: list[_Command] = []
+        self._taken: list[Command] = []
         self._dead = False                     # the thread has stopped taking commands (under _cond)
         self._stopping = False
         self._submitted = 0                    # sub-requests sent to the thread, ever (loop side)
         self._received = 0                     # of them, taken in by the thread (thread side; published)
         self._streams: dict[str, RequestStream] = {}   # request id → its stream (loop side)
         # request id → engine Request and its caller's loop (thread side)
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, Live] = {}
         self._thread = threading.Thread(target=self._run, args=(engine, built, ready),
                                         name="phasewise-engine", daemon=True)
         self._thread.start()
@@ -158,7 +121,7 @@ class AsyncEngine:
             self._streams[rid] = stream
         future: asyncio.Future[None] = loop.create_future()
         try:
-            self._send(_Add(items, chat, future))
+            self._send(Add(items, chat, future))
             self._submitted += len(items)
             await future
         except ValueError:
@@ -187,7 +150,7 @@ class AsyncEngine:
             raise EngineDeadError("the engine has stopped")
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         results: list[T] = []                  # set on the thread before the future is resolved
-        self._send(_Call(lambda engine: results.append(fn(engine)), future))
+        self._send(Call(lambda engine: results.append(fn(engine)), future))
         await future
         return results[0]
 
@@ -197,12 +160,12 @@ class AsyncEngine:
             self._cond.notify()
         self._thread.join(timeout)
 
-    def _send(self, command: _Command) -> None:
+    def _send(self, command: Command) -> None:
         """Hand a command to the thread; once it has died, an add or call raises EngineDeadError (nothing
         would answer it) and an abort is dropped (nothing is left to abort)."""
         with self._cond:
             if self._dead:
-                if isinstance(command, _Abort):
+                if isinstance(command, Abort):
                     return
                 raise EngineDeadError("the engine has stopped")
             self._inbox.append(command)
@@ -213,9 +176,9 @@ class AsyncEngine:
         for rid in request_ids:
             self._streams.pop(rid, None)
         if abort:
-            self._send(_Abort(abort))
+            self._send(Abort(abort))
 
-    def _dispatch(self, items: list[_Routed]) -> None:
+    def _dispatch(self, items: list[Routed]) -> None:
         """On the loop: route deltas (or errors) to their streams; unknown ids were closed already."""
         for rid, item in items:
             stream = self._streams.get(rid)
@@ -264,29 +227,29 @@ class AsyncEngine:
             if close is not None:
                 close()
 
-    def _handle(self, command: _Command) -> None:
-        if isinstance(command, _Add):
+    def _handle(self, command: Command) -> None:
+        if isinstance(command, Add):
             self._received += len(command.items)
             try:
                 self._add(command.items, command.chat, command.future.get_loop())
             except Exception as e:
-                self._resolve(command.future, error=e if isinstance(e, ValueError) else EngineError(str(e)))
+                resolve(command.future, error=e if isinstance(e, ValueError) else EngineError(str(e)))
             else:
-                self._resolve(command.future)
+                resolve(command.future)
             self._publish()                    # received and waiting change together, in one snapshot
-        elif isinstance(command, _Abort):
+        elif isinstance(command, Abort):
             for rid in command.request_ids:
                 live = self._live.pop(rid, None)
                 if live is not None:
                     self.engine.abort(rid)
                     self._observe(self.observer.on_finish, live.request, "abort")
-        elif isinstance(command, _Call):
+        elif isinstance(command, Call):
             try:
                 command.fn(self.engine)
             except Exception as e:
-                self._resolve(command.future, error=e)
+                resolve(command.future, error=e)
             else:
-                self._resolve(command.future)
+                resolve(command.future)
 
     def _add(self, items: list[SubRequest], chat: bool, loop: asyncio.AbstractEventLoop) -> None:
         """Tokenize, then add all (or none: a request the engine's admission refuses undoes the others)."""
@@ -308,7 +271,7 @@ class AsyncEngine:
                 added.append(rid)
                 request = engine.request(rid)
                 assert request is not None             # just added: the engine holds it
-                self._live[rid] = _Live(request, loop)
+                self._live[rid] = Live(request, loop)
             for rid in added:
                 self._observe(self.observer.on_add, self._live[rid].request)
         except Exception:
@@ -326,7 +289,7 @@ class AsyncEngine:
             log.exception("engine step failed")
             self._fail_step(e)
             return
-        out: dict[asyncio.AbstractEventLoop, list[_Routed]] = {}
+        out: dict[asyncio.AbstractEventLoop, list[Routed]] = {}
         for d in deltas:
             live = self._live.get(d.request_id)
             if live is None:
@@ -348,7 +311,7 @@ class AsyncEngine:
         self._fail(failed, EngineError(f"the engine failed while running this request: {error}"))
 
     def _fail(self, request_ids: list[str], error: Exception) -> None:
-        out: dict[asyncio.AbstractEventLoop, list[_Routed]] = {}
+        out: dict[asyncio.AbstractEventLoop, list[Routed]] = {}
         for rid in request_ids:
             live = self._live.pop(rid)
             try:
@@ -366,8 +329,8 @@ class AsyncEngine:
             commands, self._inbox = self._taken + self._inbox, []   # taken but not handled, then the rest
             self._taken = []
         for command in commands:
-            if isinstance(command, (_Add, _Call)):
-                self._resolve(command.future, error=error)
+            if isinstance(command, (Add, Call)):
+                resolve(command.future, error=error)
         self._publish()
 
     @staticmethod
@@ -382,25 +345,6 @@ class AsyncEngine:
         self.stats = ServerStats(engine=engine.stats(), threads=engine.thread_stats(),
                                  kv_block_bytes=engine.kv_block_bytes, num_received=self._received)
 
-    def _deliver(self, out: dict[asyncio.AbstractEventLoop, list[_Routed]]) -> None:
+    def _deliver(self, out: dict[asyncio.AbstractEventLoop, list[Routed]]) -> None:
         for loop, items in out.items():
-            _post(loop, partial(self._dispatch, items))
-
-    def _resolve(self, future: asyncio.Future[None], error: BaseException | None = None) -> None:
-        def settle() -> None:
-            if future.done():                  # the awaiting coroutine was cancelled
-                return
-            if error is not None:
-                future.set_exception(error)
-            else:
-                future.set_result(None)
-        _post(future.get_loop(), settle)
-
-
-def _post(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> None:
-    """Run fn() on the loop soon; nothing if the loop has closed (shutdown)."""
-    if not loop.is_closed():
-        try:
-            loop.call_soon_threadsafe(fn)
-        except RuntimeError:
-            pass
+            post(loop, partial(self._dispatch, items))

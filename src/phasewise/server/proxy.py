@@ -27,17 +27,20 @@ from phasewise.server.body_parsing import MAX_DEPTH, nesting_depth
 from phasewise.server.api_error import error_body
 
 
+def _passed(request: Request) -> dict[str, str]:
+    """The request's headers the proxy passes on (its API key)."""
+    auth = request.headers.get("authorization")
+    return {"authorization": auth} if auth else {}
+
+
+def _relay(r: httpx.Response) -> Response:
+    return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
+
+
 def create_proxy(prefill: str, decode: str) -> FastAPI:
     app = FastAPI(title="phasewise proxy", docs_url=None, redoc_url=None, openapi_url=None)
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0))
     prefill, decode = prefill.rstrip("/"), decode.rstrip("/")
-
-    def passed(request: Request) -> dict[str, str]:
-        auth = request.headers.get("authorization")
-        return {"authorization": auth} if auth else {}
-
-    def relay(r: httpx.Response) -> Response:
-        return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
 
     @app.get("/health")
     async def health() -> Response:
@@ -49,21 +52,21 @@ def create_proxy(prefill: str, decode: str) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        return relay(await client.get(decode + "/v1/models", headers=passed(request)))
+        return _relay(await client.get(decode + "/v1/models", headers=_passed(request)))
 
     async def forward(request: Request, path: str) -> Response:
         body = _json_object(await request.body())
         if isinstance(body, Response):
             return body
-        headers = passed(request)
+        headers = _passed(request)
         first, body = pair_bodies(path, body)
         try:
             if first is not None:
                 r = await client.post(prefill + path, json=first, headers=headers)
                 if r.status_code != 200:
-                    return relay(r)
+                    return _relay(r)
             if not body.get("stream"):
-                return relay(await client.post(decode + path, json=body, headers=headers))
+                return _relay(await client.post(decode + path, json=body, headers=headers))
             forward = client.build_request("POST", decode + path, json=body, headers=headers)
             r = await client.send(forward, stream=True)
         except httpx.TransportError as e:

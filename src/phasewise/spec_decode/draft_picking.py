@@ -17,7 +17,8 @@ from torch import Tensor
 from phasewise.core.handoffs import ScheduledChunk
 from phasewise.core.request import SequenceView
 from phasewise.kernels.kernel_api import Kernels
-from phasewise.sampling.sampler import SamplingMetadata, distribution, exponential_noise
+from phasewise.sampling.metadata import SamplingMetadata
+from phasewise.sampling.sampler import distribution, exponential_noise
 from phasewise.structured import draft_bitmask
 
 

@@ -28,7 +28,8 @@ def ttl_seconds(value: JsonValue, where: str, param: str) -> float | None:
     if value is None:
         return None
     if not isinstance(value, dict) or value.get("type") != "ephemeral":
-        raise bad_request(f'{where} must be {{"type": "ephemeral"}}, with an optional ttl of "5m" or "1h"', param)
+        raise bad_request(f'{where} must be {{"type": "ephemeral"}}, '
+                          'with an optional ttl of "5m" or "1h"', param)
     ttl = value.get("ttl", "5m")
     if not isinstance(ttl, str) or ttl not in TTLS:
         raise bad_request(f'{where}.ttl must be "5m" or "1h", got {ttl!r}', param)
@@ -50,13 +51,15 @@ def cache_points(tools: Sequence[JsonObject] | None, functions: list[JsonObject]
             found.append((f"tools[{i}]", ttl, cut([], (functions or [])[:i + 1])))
     blocks = system if isinstance(system, list) else []
     for j, block in enumerate(blocks):
-        if (ttl := ttl_seconds(block.get("cache_control"), f"system[{j}].cache_control", "system")) is not None:
+        ttl = ttl_seconds(block.get("cache_control"), f"system[{j}].cache_control", "system")
+        if ttl is not None:
             found.append((f"system[{j}]", ttl, cut(system_messages(blocks[:j + 1]), functions)))
     head = system_messages(system)
     for i, m in enumerate(messages):
         for j, block in enumerate(m.content if isinstance(m.content, list) else ()):
             where = f"messages[{i}].content[{j}]"
-            if (ttl := ttl_seconds(block.get("cache_control"), f"{where}.cache_control", "messages")) is not None:
+            ttl = ttl_seconds(block.get("cache_control"), f"{where}.cache_control", "messages")
+            if ttl is not None:
                 upto = [*messages[:i], InputMessage(role=m.role, content=m.content[:j + 1])]
                 found.append((where, ttl, cut([*head, *chat_messages(upto, prefill=False)], functions)))
     if (ttl := ttl_seconds(whole, "cache_control", "cache_control")) is not None:

@@ -2,8 +2,8 @@
 /v1/messages/count_tokens.
 
 The body is checked and translated into a ChatRequest (protocol.py, translate.py) and runs as a chat
-completion does (chat_call.py); its reply becomes content blocks (output.py). Thinking blocks sent back must carry the
-signature given (signature.py).
+completion does (chat_call.py); its reply becomes content blocks (output.py). Thinking blocks sent
+back must carry the signature given (signature.py).
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ def anthropic_router(guards: Guards) -> APIRouter:
         body = parse_body(await request.body(), MessagesRequest)
         guards.check_model(body.model)
         check_signatures(body)
-        call = chat_call(body.chat_request(), engine.tokenizer.tool_format, f"msg_{uuid.uuid4().hex[:24]}", thinking)
+        message_id = f"msg_{uuid.uuid4().hex[:24]}"
+        call = chat_call(body.chat_request(), engine.tokenizer.tool_format, message_id, thinking)
         stream = await submitter.start(call.items, True, call.fields, guards.tenant(request))
         model = body.model or guards.config.served_model_name
         if body.stream:

@@ -39,8 +39,8 @@ def prewarm(options: JsonValue) -> bool:
 
 
 def options_ttl(options: JsonValue, prewarm_taken: bool = False) -> tuple[bool, float] | None:
-    """prompt_cache_options as (whether it adds the implicit breakpoint, its ttl in seconds); None when absent.
-    prewarm_taken: the API has the prewarm field (Responses; a 400 otherwise)."""
+    """prompt_cache_options as (whether it adds the implicit breakpoint, its ttl in seconds); None
+    when absent. prewarm_taken: the API has the prewarm field (Responses; a 400 otherwise)."""
     if options is None:
         return None
     if not isinstance(options, dict):
@@ -54,8 +54,8 @@ def options_ttl(options: JsonValue, prewarm_taken: bool = False) -> tuple[bool, 
     if not isinstance(ttl, str) or ttl not in TTLS:
         raise bad_request(f'{OPTIONS}.ttl must be "30m" or "12h", got {ttl!r}', OPTIONS)
     if prewarm(options) and not prewarm_taken:
-        raise bad_request(f"{OPTIONS}.prewarm is not supported by chat completions (POST /v1/responses takes it)",
-                          OPTIONS)
+        raise bad_request(f"{OPTIONS}.prewarm is not supported by chat completions "
+                          "(POST /v1/responses takes it)", OPTIONS)
     return mode == "implicit", TTLS[ttl]
 
 
@@ -64,7 +64,8 @@ def breakpoint_ttl(value: JsonValue, where: str, default: float, param: str) -> 
     if value is None:
         return None
     if not isinstance(value, dict) or value.get("mode") != "explicit" or set(value) - {"mode", "ttl"}:
-        raise bad_request(f'{where} must be {{"mode": "explicit"}}, with an optional ttl of "30m" or "12h"', param)
+        raise bad_request(f'{where} must be {{"mode": "explicit"}}, '
+                          'with an optional ttl of "30m" or "12h"', param)
     ttl = value.get("ttl")
     if ttl is None:
         return default
@@ -76,11 +77,13 @@ def breakpoint_ttl(value: JsonValue, where: str, default: float, param: str) -> 
 def cache_points(marks: Sequence[Mark], options: JsonValue, whole: list[JsonObject],
                  cut: Callable[[list[JsonObject]], ChatPrompt], param: str,
                  prewarm_taken: bool = False) -> tuple[CachePoint, ...]:
-    """The body's breakpoints (`marks`, in prompt order) and the implicit one after `whole` (the conversation),
-    as cache points of the prompts `cut` makes of their messages; the latest four are kept."""
+    """The body's breakpoints (`marks`, in prompt order) and the implicit one after `whole` (the
+    conversation), as cache points of the prompts `cut` makes of their messages; the latest four are
+    kept."""
     implicit, default = options_ttl(options, prewarm_taken) or (False, TTLS["30m"])
-    points = [(ttl, messages) for where, value, messages in marks
-              if (ttl := breakpoint_ttl(value, f"{where}.prompt_cache_breakpoint", default, param)) is not None]
+    ttls = [(breakpoint_ttl(value, f"{where}.prompt_cache_breakpoint", default, param), messages)
+            for where, value, messages in marks]
+    points = [(ttl, messages) for ttl, messages in ttls if ttl is not None]
     points = points[-(MAX_BREAKPOINTS - 1 if implicit else MAX_BREAKPOINTS):]
     if implicit:
         points.append((default, whole))
