@@ -154,10 +154,11 @@ def test_the_engine_gives_the_same_tokens_alone_batched_chunked_and_preempted(ca
     assert tight.engine.core.kv.free_state_slots and len(tight.engine.core.kv.free_state_slots) == \
         tight.engine.core.kv.num_state_slots                      # every slot back
     from phasewise.server.metrics import ServerMetrics
+    from phasewise.server.server_stats import ServerStats
 
     stats = llm.engine.core.stats()                               # what /metrics and the dashboard show
     assert stats.num_state_slots == stats.num_free_state_slots > 3 and stats.num_state_checkpoints > 0
-    scraped = ServerMetrics("m").render(stats).decode()
+    scraped = ServerMetrics("m").render(ServerStats(engine=stats)).decode()
     assert f'phasewise:recurrent_state_slots{{model_name="m"}} {float(stats.num_state_slots)}' in scraped
     assert 'phasewise:recurrent_state_slots_used{model_name="m"} 0.0' in scraped
 

@@ -100,7 +100,7 @@ def test_async_engine_survives_a_failed_step_and_aborts_on_early_exit(llm, monke
             async for _ in async_engine.generate("Hello", long):
                 break                         # the consumer leaves: the request is aborted
             for _ in range(200):
-                if not engine.has_unfinished() and async_engine.stats.num_running == 0:
+                if not engine.has_unfinished() and async_engine.stats.engine.num_running == 0:
                     break
                 await asyncio.sleep(0.05)
             assert not engine.has_unfinished()
@@ -263,7 +263,7 @@ def test_a_stream_nobody_reads_is_aborted_and_a_queued_request_that_leaves_never
             request, reason = finished["queued"]
             assert reason == "abort" and request.metrics.first_scheduled is None and not request.output_token_ids
             for _ in range(100):
-                if engine.stats.num_running == engine.stats.num_waiting == 0:
+                if engine.stats.engine.num_running == engine.stats.engine.num_waiting == 0:
                     break
                 await asyncio.sleep(0.05)
             assert await engine.call(lambda e: e.stats().num_free_blocks) == pool.num_blocks
