@@ -217,10 +217,7 @@ int main(int argc, char** argv) {
     test_attention(k, 8, 2, 128, 32, {4, 20, 40}, {9, 50, 40});
     test_attention(k, 4, 1, 256, 16, {37, 1, 1}, {100, 700, 30}, 40);        // sliding window: tiles and rows
   }
-  if (part("kv")) {
-    rng.seed(1234);   // the same draws alone or after ops: a near-tie a draw hit only in the full order
-    test_kv_caches(k);  // (an int8 query code one off at generic with clang) is not a different test
-  }
+  if (part("kv")) test_kv_caches(k);
   if (part("quant")) {
     for (pw::QuantFormat fmt : {pw::Q4, pw::Q8, pw::I8, pw::K8, pw::Q5, pw::K6})
       for (const auto& mnk : std::vector<std::vector<int64_t>>{{1, 576, 576}, {3, 40, 64}, {5, 960, 128}, {130, 48, 96}})

@@ -310,7 +310,9 @@ void attend_step(const pw::KernelTable& k, World& w, QuantCache& c, int64_t Hq, 
                     out.data());
   for (int64_t t = 0; t < T; ++t)
     attend_ref(w, c, seq[t], q.data() + t * Hq * D, Hq, len[t], scale, window, want.data() + t * Hq * D);
-  check_close(name + ": attention", out.data(), want.data(), out.size(), 1e-4f, 5e-5f);
+  // int4: a query value on a tie of its int8 rounding against a group's steps may round either way in the
+  // kernel and here (one code: an output ~1e-3 off; a wrong group or scale is off by tenths)
+  check_close(name + ": attention", out.data(), want.data(), out.size(), 1e-4f, c.bits == 4 ? 2e-3f : 5e-5f);
   const Faults f = check_layout(w, c);
   check(name + ": the writer's layout", f.total() == 0);
   if (f.total())
